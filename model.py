@@ -1,0 +1,275 @@
+"""GPT-2 as published (Radford et al. 2019), written so that every parallel layout computes the same math.
+
+- Pre-LayerNorm blocks, learned position embeddings, GELU (tanh), token embedding tied to lm_head,
+  residual projections initialised with std 0.02/sqrt(2*n_layer), vocab padded to 50304.
+- Attention keeps q, k and v as three linears (HF's fused c_attn is split on load) so that tensor
+  parallelism can give each rank whole heads by sharding each of them by output columns.
+- Init is a pure function of (seed, parameter name): `init_parameter` draws every tensor from its own
+  CPU generator, so a model built on `meta` and materialised later, one module at a time, on any
+  device or rank, gets exactly the eager weights.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    block_size: int = 1024
+    vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64 (divides every TP size we use)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+# Parameter counts are for the padded vocab, tied embedding counted once (see `GPT.num_params`).
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(n_layer=2, n_head=4, n_embd=64),            # 3.4M (3.2M of it the embedding)
+    "small": GPTConfig(n_layer=6, n_head=6, n_embd=384),          # 30.4M
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),         # 124.5M
+    "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),  # 354.9M
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),   # 774.1M
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),      # 1557.7M
+}
+
+
+def make_config(preset: str, **overrides: int | float | None) -> GPTConfig:
+    """The preset's config with any non-None override (n_layer, n_head, n_embd, block_size, ...) applied."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    known = {f.name for f in fields(GPTConfig)}
+    return replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None and k in known})
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        C = config.n_embd
+        self.c_q = nn.Linear(C, C, bias=config.bias)
+        self.c_k = nn.Linear(C, C, bias=config.bias)
+        self.c_v = nn.Linear(C, C, bias=config.bias)
+        self.c_proj = nn.Linear(C, C, bias=config.bias)
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Under tensor parallelism the linears return this rank's heads only, hence -1 for the head count.
+        q = self.c_q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.c_k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.c_v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_1(x)))
+        x = x + self.drop(self.mlp(self.ln_2(x)))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Returns (logits, loss); loss is the mean cross-entropy over all B*T targets, or None."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        logits = self.lm_head(x)  # (B, T, V), or this rank's vocab slice under loss parallelism
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-1)
+        return logits, loss
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Unique parameters (the tied embedding counted once); optionally without position embeddings."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.transformer.wpe.weight.numel() if non_embedding else n
+
+    def init_weights(self, seed: int, device: torch.device | str | None = None) -> None:
+        """Initialise (and, for a meta model, materialise) every parameter from (seed, name), one module
+        at a time: embeddings, each Block, the final norm. lm_head shares wte's weight."""
+        for prefix, module in self.init_units():
+            materialize_module(module, prefix, self.config, seed, device)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def init_units(self) -> list[tuple[str, nn.Module]]:
+        """(name, module) pairs that together own every parameter once, in forward order."""
+        t = self.transformer
+        return ([("transformer.wte", t.wte), ("transformer.wpe", t.wpe)]
+                + [(f"transformer.h.{i}", b) for i, b in enumerate(t.h)] + [("transformer.ln_f", t.ln_f)])
+
+    @classmethod
+    def from_hf_state_dict(cls, sd: dict[str, torch.Tensor], vocab_size: int | None = None) -> "GPT":
+        """Build our model from a transformers GPT2LMHeadModel state dict (config inferred from shapes).
+
+        HF stores Linear weights as Conv1D (in, out), so they are transposed; its fused c_attn
+        (C -> 3C) is split into c_q, c_k and c_v. The vocab is padded with zero rows to `vocab_size`
+        (default: 50304 when HF has 50257 tokens, else unchanged).
+        """
+        sd = {k.removeprefix("transformer.") if k.startswith("transformer.") else k: v for k, v in sd.items()}
+        n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("h."))
+        hf_vocab, n_embd = sd["wte.weight"].shape
+        n_head = _infer_n_head(sd, n_embd)
+        if vocab_size is None:
+            vocab_size = 50304 if hf_vocab == 50257 else hf_vocab
+        config = GPTConfig(block_size=sd["wpe.weight"].shape[0], vocab_size=vocab_size, n_layer=n_layer,
+                           n_head=n_head, n_embd=n_embd, bias="ln_f.bias" in sd)
+        model = cls(config)
+        ours = {}
+        wte = torch.zeros(vocab_size, n_embd, dtype=sd["wte.weight"].dtype)
+        wte[:hf_vocab] = sd["wte.weight"]
+        ours["transformer.wte.weight"] = wte
+        for k, v in sd.items():
+            if k == "wte.weight" or k.endswith((".attn.bias", ".attn.masked_bias")) or k == "lm_head.weight":
+                continue  # causal-mask buffers and the tied head
+            if ".attn.c_attn." in k:
+                prefix = "transformer." + k.split(".attn.c_attn.")[0] + ".attn."
+                kind = k.rsplit(".", 1)[1]
+                parts = (v.t() if kind == "weight" else v).chunk(3, dim=0)
+                for name, part in zip(("c_q", "c_k", "c_v"), parts):
+                    ours[f"{prefix}{name}.{kind}"] = part
+                continue
+            is_conv1d = k.endswith(".weight") and any(s in k for s in ("c_proj", "c_fc"))
+            ours["transformer." + k] = v.t() if is_conv1d else v
+        missing, unexpected = model.load_state_dict(ours, strict=False)
+        missing = [m for m in missing if m != "lm_head.weight"]
+        if missing or unexpected:
+            raise ValueError(f"HF state dict does not match GPT-2: missing {missing}, unexpected {unexpected}")
+        return model
+
+    def to_hf_state_dict(self, hf_vocab: int = 50257) -> dict[str, torch.Tensor]:
+        """The inverse of `from_hf_state_dict`: our weights in GPT2LMHeadModel's layout and names."""
+        out = {}
+        for k, v in self.state_dict().items():
+            v = v.detach()
+            if k == "lm_head.weight":
+                continue
+            if k == "transformer.wte.weight":
+                out[k] = v[:hf_vocab].clone()
+                continue
+            if ".attn.c_q." in k:
+                kind = k.rsplit(".", 1)[1]
+                prefix = k.split(".attn.c_q.")[0]
+                q, kk, vv = (self.state_dict()[f"{prefix}.attn.c_{n}.{kind}"] for n in "qkv")
+                fused = torch.cat([q, kk, vv], dim=0)
+                out[f"{prefix}.attn.c_attn.{kind}"] = (fused.t() if kind == "weight" else fused).contiguous()
+                continue
+            if ".attn.c_k." in k or ".attn.c_v." in k:
+                continue
+            is_conv1d = k.endswith(".weight") and any(s in k for s in ("c_proj", "c_fc"))
+            out[k] = (v.t() if is_conv1d else v).contiguous()
+        out["lm_head.weight"] = out["transformer.wte.weight"]
+        return out
+
+
+def _infer_n_head(sd: dict[str, torch.Tensor], n_embd: int) -> int:
+    # HF's state dict carries no head count; GPT-2's published sizes all use 64-dim heads.
+    known = {768: 12, 1024: 16, 1280: 20, 1600: 25}
+    return known.get(n_embd, max(1, n_embd // 64))
+
+
+# ----------------------------------------------------------------------------- init as a pure function
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A 63-bit seed derived from (seed, parameter name) alone, stable across processes and machines."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: GPTConfig, seed: int) -> torch.Tensor:
+    """The fp32 CPU value of parameter `name` (its full, unsharded shape) under GPT-2's init rule.
+
+    Weights of Linear/Embedding: N(0, 0.02); residual projections (`*.c_proj.weight`): N(0, 0.02/sqrt(2L));
+    biases: 0; LayerNorm: weight 1, bias 0. Drawn from a CPU generator seeded by (seed, name), so the
+    result depends on nothing else: not the device, the rank, or the order modules are built in.
+    """
+    leaf = name.rsplit(".", 2)
+    if ".ln_" in name or name.startswith("transformer.ln_f"):
+        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    std = 0.02 / math.sqrt(2 * config.n_layer) if leaf[-2] == "c_proj" else 0.02
+    gen = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: int,
+                       device: torch.device | str | None = None) -> None:
+    """Give `module` (named `prefix` inside GPT; may be on meta) real storage on `device` and init it.
+
+    Only this module's own parameters are allocated, so a meta model can be materialised one Block at a
+    time. Tied parameters are initialised under the name GPT registers first (transformer.wte.weight).
+    """
+    if device is None:
+        device = next(module.parameters()).device
+        device = torch.device("cpu") if device.type == "meta" else device
+    if any(p.is_meta for p in module.parameters(recurse=True)):
+        module.to_empty(device=device, recurse=True)
+    for name, p in module.named_parameters():
+        full = f"{prefix}.{name}" if prefix else name
+        full = "transformer.wte.weight" if full == "lm_head.weight" else full
+        with torch.no_grad():
+            p.copy_(init_parameter(full, p.shape, config, seed))
+
+
+def param_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on parameters of at least 2 dims (matmul weights, embeddings), none on the rest."""
+    decay = [p for _, p in named_params if p.dim() >= 2]
+    no_decay = [p for _, p in named_params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls plus 12*L*H*T for attention (PaLM appendix B)."""
+    return 6 * n_params + 12 * config.n_layer * config.n_embd * seq_len

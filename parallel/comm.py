@@ -1,0 +1,99 @@
+"""Every collective our own wrappers issue goes through here, so the bytes they move can be counted.
+
+The counter records payload bytes per kind, per call:
+- all_reduce: the tensor's bytes;
+- all_gather: the bytes of the gathered (full) output;
+- reduce_scatter: the bytes of the (full) input;
+- broadcast: the tensor's bytes.
+These are the sizes the theory in the README is written in (DDP: Ψ of all-reduce per step; FSDP: 2Ψ of
+all-gather and Ψ of reduce-scatter per micro-step). Backend-level overheads (ring 2(N-1)/N factors,
+gloo emulating reduce-scatter through all-reduce) are deliberately not counted: they are properties of
+the transport, not of the algorithm.
+
+Averages are computed as SUM followed by a division by the group size, which every backend supports
+(gloo has no ReduceOp.AVG in older torch versions, and some backends none for integer tensors).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+
+
+class CommCounter:
+    """Payload bytes per collective kind since the last `reset()`."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += nbytes
+
+    def reset(self) -> None:
+        self.bytes = defaultdict(int)
+
+    def snapshot(self) -> dict[str, int]:
+        """{kind: bytes} for all_reduce, all_gather and reduce_scatter (and broadcast if any)."""
+        out = {k: int(self.bytes.get(k, 0)) for k in KINDS[:3]}
+        if self.bytes.get("broadcast"):
+            out["broadcast"] = int(self.bytes["broadcast"])
+        return out
+
+
+COUNTER = CommCounter()  # one per process: every wrapper's traffic adds up in the same place
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def world(group: dist.ProcessGroup | None) -> int:
+    """Size of `group`; 1 when torch.distributed is not initialised (single process)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: str = "sum",
+               async_op: bool = False):
+    """In-place all-reduce of `tensor` over `group`. op: "sum", "avg" (sum then divide), or "max".
+
+    With async_op the division for "avg" must be done by the caller after wait(); use `avg_after_wait`.
+    """
+    if world(group) == 1:
+        return None
+    COUNTER.add("all_reduce", _nbytes(tensor))
+    red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    work = dist.all_reduce(tensor, op=red, group=group, async_op=async_op)
+    if op == "avg" and not async_op:
+        tensor.div_(world(group))
+    return work
+
+
+def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None,
+                           async_op: bool = False):
+    """Gather every rank's equal-sized `shard` into `output` (rank order, along dim 0)."""
+    if world(group) == 1:
+        output.copy_(shard.view_as(output))
+        return None
+    COUNTER.add("all_gather", _nbytes(output))
+    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
+                          async_op: bool = False):
+    """Sum `full` over ranks and leave this rank's 1/N slice (along dim 0) in `output`."""
+    if world(group) == 1:
+        output.copy_(full.view_as(output))
+        return None
+    COUNTER.add("reduce_scatter", _nbytes(full))
+    return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite `tensor` with global rank `src`'s copy."""
+    if world(group) == 1:
+        return
+    COUNTER.add("broadcast", _nbytes(tensor))
+    dist.broadcast(tensor, src=src, group=group)

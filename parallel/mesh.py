@@ -1,0 +1,82 @@
+"""The one place that picks device and backend, validates the parallel layout and builds the 2D mesh.
+
+Mesh dims are ("dp", "tp"); tp is the inner (fastest-varying) dim so TP groups are neighbouring ranks,
+which on a GPU node share NVLink. Rank r sits at dp = r // tp, tp = r % tp.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """'auto' is the accelerator when there is one, else the CPU. Under torchrun each rank takes the GPU
+    numbered by its LOCAL_RANK."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {requested} asked for but no CUDA device is available")
+    return torch.device(requested, int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA ranks, gloo for CPU ranks."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """A validated (dp, tp) layout. dp * tp must equal the world size."""
+    dp: int
+    tp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.dp < 1 or self.tp < 1:
+            raise ValueError(f"parallel sizes must be >= 1, got data_parallel_size={self.dp}, "
+                             f"tensor_parallel_size={self.tp}")
+        if self.dp * self.tp != self.world_size:
+            raise ValueError(f"data_parallel_size ({self.dp}) x tensor_parallel_size ({self.tp}) = "
+                             f"{self.dp * self.tp} must equal the world size ({self.world_size}); "
+                             f"launch with torchrun --nproc_per_node={self.dp * self.tp}")
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) for a plain `python`."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float = 600.0) -> DeviceMesh | None:
+    """Join the process group (when there is more than one rank) and return the ("dp", "tp") mesh."""
+    if dims.world_size == 1:
+        return None
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return init_device_mesh(device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+
+
+def dp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    return None if mesh is None else mesh["dp"].get_group()
+
+
+def tp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    return None if mesh is None else mesh["tp"].get_group()

@@ -1,0 +1,216 @@
+"""Apply the parallelisms to a GPT in a fixed order: tensor parallel first, then FSDP or DDP over dp.
+
+Each `apply_*` is a small function that takes the mesh it works on. `--implementation pytorch` uses
+PyTorch's own wrappers (DTensor `parallelize_module`, FSDP2 `fully_shard`, `DistributedDataParallel`);
+`--implementation custom` uses ours from this package. Both run on the same ("dp", "tp") mesh.
+
+`parallelize` returns the wrapped model and, for every parameter, the process groups over which its
+gradient is sharded. That is what a correct global gradient norm needs: squares of a replicated
+gradient are counted once, squares of a sharded one are summed over the groups it is sharded over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from model import GPT, init_parameter
+
+CUSTOM_AVAILABLE: dict[str, bool] = {"ddp": False, "fsdp": False, "tp": False}
+
+
+@dataclass
+class ParallelConfig:
+    dp_type: str | None = None          # "ddp" | "fsdp" | None
+    implementation: str = "pytorch"     # "pytorch" | "custom"
+    loss_parallel: bool = False
+    deferred_init: bool = False
+    seed: int = 1337
+    param_dtype: torch.dtype | None = None
+
+
+@dataclass
+class Parallelized:
+    """The wrapped model plus what the trainer needs to treat every layout the same way."""
+    model: nn.Module
+    norm_groups: list[tuple[nn.Parameter, tuple]] = field(default_factory=list)
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.model.named_parameters())
+
+
+def not_implemented(dims, cfg: ParallelConfig) -> str | None:
+    """A one-line reason if this layout has no implementation yet, else None (checked before any work)."""
+    if cfg.implementation != "custom":
+        return None
+    wanted = ([cfg.dp_type] if dims.dp > 1 else []) + (["tp"] if dims.tp > 1 else [])
+    missing = [w for w in wanted if not CUSTOM_AVAILABLE.get(w)]
+    if missing:
+        return f"--implementation custom is not implemented yet for {', '.join(missing)}; use --implementation pytorch"
+    return None
+
+
+# ----------------------------------------------------------------------------- PyTorch's own wrappers
+
+def tp_plan_pytorch(model: GPT, loss_parallel: bool) -> dict:
+    """Module name -> DTensor style. Attention and MLP are Megatron's column-then-row pairs; the tied
+    embedding/lm_head weight is sharded by vocab rows."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    for i in range(len(model.transformer.h)):
+        p = f"transformer.h.{i}"
+        plan.update({f"{p}.attn.c_q": ColwiseParallel(), f"{p}.attn.c_k": ColwiseParallel(),
+                     f"{p}.attn.c_v": ColwiseParallel(), f"{p}.attn.c_proj": RowwiseParallel(),
+                     f"{p}.mlp.c_fc": ColwiseParallel(), f"{p}.mlp.c_proj": RowwiseParallel()})
+    plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                      use_local_output=not loss_parallel)
+    return plan
+
+
+def apply_tp_pytorch(model: GPT, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+    parallelize_module(model, tp_mesh, tp_plan_pytorch(model, loss_parallel))
+    model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) over vocab: re-tie after the swap
+
+
+def apply_fsdp_pytorch(model: GPT, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+
+
+def apply_ddp_pytorch(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        localize_tp_params(model)
+    return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
+                                   device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def localize_tp_params(model: nn.Module) -> None:
+    """Let torch DDP (which knows nothing of DTensor) all-reduce the local shards of TP parameters.
+
+    Each DTensor parameter is replaced by a plain Parameter holding its local shard (tied weights
+    stay one Parameter); a forward pre-hook swaps in DTensor views of those Parameters and a forward
+    hook swaps the same Parameter objects back, so DDP's gradient hooks stay attached to them.
+    (torch's `_pre_dp_module_transform` does this too, but re-creates the Parameters after every
+    forward, which detaches them from DDP's hooks, and it unties the embedding from lm_head.)
+    """
+    locals_: dict[int, tuple[nn.Parameter, object]] = {}
+    users: list[tuple[nn.Module, str, int]] = []
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if isinstance(p, DTensor):
+                if id(p) not in locals_:
+                    locals_[id(p)] = (nn.Parameter(p._local_tensor.detach()), p._spec)
+                users.append((module, attr, id(p)))
+                module._parameters[attr] = locals_[id(p)][0]
+
+    def to_dtensor(*_):
+        views = {k: DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
+                                       shape=spec.shape, stride=spec.stride)
+                 for k, (local, spec) in locals_.items()}
+        for module, attr, k in users:
+            del module._parameters[attr]
+            setattr(module, attr, views[k])
+
+    def to_local(*_):
+        for module, attr, k in users:
+            delattr(module, attr)
+            module._parameters[attr] = locals_[k][0]
+
+    model.register_forward_pre_hook(to_dtensor)
+    model.register_forward_hook(to_local)
+
+
+# ----------------------------------------------------------------------------- the one entry point
+
+def sharding_groups(model: nn.Module) -> dict[str, tuple]:
+    """For each parameter name, the groups of the mesh dims its (DTensor) placement shards it over."""
+    out = {}
+    for name, p in model.named_parameters():
+        groups: tuple = ()
+        if isinstance(p, DTensor):
+            groups = tuple(p.device_mesh.get_group(i) for i, pl in enumerate(p.placements)
+                           if not pl.is_replicate())  # Shard or _StridedShard (FSDP over TP)
+        out[name] = groups
+    return out
+
+
+def attach_groups(model: nn.Module, groups: dict[str, tuple]) -> list[tuple[nn.Parameter, tuple]]:
+    """Pair the wrapped model's parameters with the groups recorded (by name) before wrapping."""
+    return [(p, groups[n.removeprefix("module.")]) for n, p in model.named_parameters()]
+
+
+def materialize(model: nn.Module, seed: int, device: torch.device) -> None:
+    """Give a (possibly sharded) meta model real storage and the init rule's values, rank-locally.
+
+    A DTensor parameter gets only its local slice of the full init value (`src_data_rank=None`: no
+    communication). Tied weights keep a single storage."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = init_parameter(name, p.shape, model.config, seed).to(device)
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.copy_(full)
+
+
+def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
+                device: torch.device) -> Parallelized:
+    """TP -> (materialise if deferred) -> FSDP or DDP. `model` may be on meta when cfg.deferred_init."""
+    if mesh is None:  # one process
+        if cfg.deferred_init:
+            model.init_weights(cfg.seed, device)
+        return Parallelized(model, attach_groups(model, sharding_groups(model)))
+    if cfg.implementation == "custom":
+        return parallelize_custom(model, mesh, dims, cfg, device)
+    if dims.tp_enabled:
+        apply_tp_pytorch(model, mesh["tp"], cfg.loss_parallel)
+    if dims.dp_enabled and cfg.dp_type == "fsdp":
+        apply_fsdp_pytorch(model, mesh["dp"], cfg.param_dtype)
+    if cfg.deferred_init:
+        materialize(model, cfg.seed, device)
+        if model.lm_head.weight is not model.transformer.wte.weight:
+            model.lm_head.weight = model.transformer.wte.weight
+    groups = sharding_groups(model)
+    if dims.dp_enabled and cfg.dp_type == "ddp":
+        model = apply_ddp_pytorch(model, mesh["dp"], device)
+    return Parallelized(model, attach_groups(model, groups))
+
+
+def parallelize_custom(model: GPT, mesh: DeviceMesh, dims, cfg: ParallelConfig,
+                       device: torch.device) -> Parallelized:
+    raise NotImplementedError("custom parallelism is not implemented yet")
+
+
+# ----------------------------------------------------------------------------- gradient norm
+
+@torch.no_grad()
+def clip_grad_norm_(norm_groups: list[tuple[nn.Parameter, tuple]], max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm of all gradients; scales them by min(1, max_norm / (norm + 1e-6)) if max_norm.
+
+    Squares are summed locally per sharding pattern, then all-reduced over the groups that pattern is
+    sharded over, so each gradient element is counted exactly once whatever the layout."""
+    by_groups: dict[tuple, list[torch.Tensor]] = {}
+    for p, groups in norm_groups:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_groups.setdefault(groups, []).append(g)
+    total = None
+    for groups, grads in by_groups.items():
+        sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum()
+        for g in groups:
+            dist.all_reduce(sq, group=g)  # a scalar: not counted as wrapper traffic
+        total = sq if total is None else total + sq
+    norm = total.sqrt() if total is not None else torch.zeros(())
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_([g for grads in by_groups.values() for g in grads], coef.to(norm.device))
+    return norm

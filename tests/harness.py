@@ -1,0 +1,84 @@
+"""Run a test body on N distributed ranks, whichever way the test suite was launched.
+
+- Under `torchrun --nproc_per_node=N -m unittest tests/test_x.py` (the seed's way; NCCL on GPUs, gloo
+  on CPU), `run_distributed(fn, N)` joins the torchrun group and calls fn on every rank in-process.
+- Under plain pytest (CI, CPU only) it spawns N fresh processes that form a gloo group on a free
+  loopback port, runs fn on each, and re-raises the first failure with its traceback. A rank that dies
+  takes the others down, so a failing test never hangs.
+- If torchrun gave a different world size than the test needs (a 4-rank test under a 2-rank torchrun),
+  rank 0 spawns the N ranks itself and the other torchrun ranks wait at a barrier.
+
+fn(rank, world_size, *args) runs with the default process group initialised; its return values come
+back as a list indexed by rank.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = timedelta(seconds=300)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
+
+
+def _backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
+    try:
+        out = fn(rank, world_size, *args)
+        torch.save(out, os.path.join(result_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
+    """Start `world_size` gloo ranks on a free port, run fn on each, return their results by rank."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_spawned, args=(world_size, free_port(), fn, args, d), nprocs=world_size,
+                           join=True, start_method="spawn")
+        return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any] | None:
+    """Run fn(rank, world_size, *args) on `world_size` ranks (see module docstring).
+
+    Returns every rank's result under spawn; under a matching torchrun, [this rank's result] on each
+    rank (each rank checks its own assertions)."""
+    if under_torchrun():
+        if not dist.is_initialized():
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(_backend(), timeout=TIMEOUT)
+        if dist.get_world_size() == world_size:
+            return [fn(dist.get_rank(), world_size, *args)]
+        out = spawn(fn, world_size, *args) if dist.get_rank() == 0 else None
+        dist.barrier()
+        return out
+    return spawn(fn, world_size, *args)
+
+
