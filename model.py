@@ -150,8 +150,12 @@ class GPT(nn.Module):
                 + [(f"transformer.h.{i}", b) for i, b in enumerate(t.h)] + [("transformer.ln_f", t.ln_f)])
 
     @classmethod
-    def from_hf_state_dict(cls, sd: dict[str, torch.Tensor], vocab_size: int | None = None) -> "GPT":
+    def from_hf_state_dict(cls, sd: dict[str, torch.Tensor], vocab_size: int | None = None,
+                           n_head: int | None = None) -> "GPT":
         """Build our model from a transformers GPT2LMHeadModel state dict (config inferred from shapes).
+
+        Shapes carry no head count: it is GPT-2's for the published widths (64-dim heads), else pass
+        `n_head`.
 
         HF stores Linear weights as Conv1D (in, out), so they are transposed; its fused c_attn
         (C -> 3C) is split into c_q, c_k and c_v. The vocab is padded with zero rows to `vocab_size`
@@ -160,7 +164,7 @@ class GPT(nn.Module):
         sd = {k.removeprefix("transformer.") if k.startswith("transformer.") else k: v for k, v in sd.items()}
         n_layer = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("h."))
         hf_vocab, n_embd = sd["wte.weight"].shape
-        n_head = _infer_n_head(sd, n_embd)
+        n_head = n_head or _infer_n_head(n_embd)
         if vocab_size is None:
             vocab_size = 50304 if hf_vocab == 50257 else hf_vocab
         config = GPTConfig(block_size=sd["wpe.weight"].shape[0], vocab_size=vocab_size, n_layer=n_layer,
@@ -213,7 +217,7 @@ class GPT(nn.Module):
         return out
 
 
-def _infer_n_head(sd: dict[str, torch.Tensor], n_embd: int) -> int:
+def _infer_n_head(n_embd: int) -> int:
     # HF's state dict carries no head count; GPT-2's published sizes all use 64-dim heads.
     known = {768: 12, 1024: 16, 1280: 20, 1600: 25}
     return known.get(n_embd, max(1, n_embd // 64))

@@ -82,3 +82,53 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any] | No
     return spawn(fn, world_size, *args)
 
 
+
+
+# ----------------------------------------------------------------------------- whole training runs
+
+def make_token_bins(directory: str, n_train: int = 60_000, n_val: int = 8_000, vocab: int = 512,
+                    seed: int = 0) -> str:
+    """Write train.bin/val.bin of a learnable stand-in corpus: a noisy first-order chain over the
+    first `vocab` token ids (next = 31*prev + small noise), so a model's loss falls quickly."""
+    import numpy as np
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for name, n in (("train", n_train), ("val", n_val)):
+        noise = rng.integers(0, 4, n)
+        tokens = np.empty(n, dtype=np.int64)
+        tokens[0] = 1
+        for i in range(1, n):
+            tokens[i] = (31 * tokens[i - 1] + noise[i]) % vocab
+        tokens.astype(np.uint16).tofile(os.path.join(directory, f"{name}.bin"))
+    return directory
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: float = 600) -> "subprocess.CompletedProcess":
+    """Run train.py as a user would: `python train.py` for one rank, `torchrun --standalone` for more."""
+    import subprocess
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"):
+        env.pop(k, None)  # a run started from inside a torchrun test must not join that job
+    launcher = [sys.executable] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return subprocess.run(launcher + [os.path.join(ROOT, "train.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    import json
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def train_losses(out_dir: str) -> list[float]:
+    """Per-step training losses; a step logged twice (after a resume) counts as its last record."""
+    by_step = {r["step"]: r["loss"] for r in read_metrics(out_dir) if "loss" in r}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def rank0_only() -> bool:
+    """True on the process that should run whole-job tests: every process outside torchrun, rank 0 inside
+    (whole training runs launch their own ranks; running them from every torchrun rank would repeat them)."""
+    return not under_torchrun() or os.environ.get("RANK", "0") == "0"

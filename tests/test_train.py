@@ -1,0 +1,185 @@
+"""The trainer: every layout logs the same losses as one process, and bad input fails in one line.
+
+Each run is a real `python train.py` / `torchrun train.py` on a random-token corpus the test writes.
+Tolerances (relative, on the logged per-step losses): 1e-5 for data-parallel layouts, whose only
+difference from one process is the order gradients are summed in; 1e-4 for tensor-parallel layouts,
+which also split matmul reductions across ranks.
+"""
+import os
+import tempfile
+import unittest
+
+from tests.harness import make_token_bins, rank0_only, read_metrics, run_train, train_losses
+
+STEPS = 8
+TINY = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "512",
+        "--max_steps", str(STEPS), "--eval_interval", "4", "--eval_iters", "2", "--warmup_steps", "2",
+        "--lr", "3e-3", "--gradient_clipping"]
+
+
+def assert_close_losses(test: unittest.TestCase, got: list[float], ref: list[float], rtol: float, what: str):
+    test.assertEqual(len(got), len(ref), what)
+    for s, (a, b) in enumerate(zip(got, ref), start=1):
+        test.assertLessEqual(abs(a - b), rtol * abs(b), f"{what}: step {s} loss {a} vs one process {b}")
+
+
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestLayoutsAgree(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.data = make_token_bins(os.path.join(cls.tmp.name, "data"))
+        cls.ref = cls.run_layout("single", [], 1)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    @classmethod
+    def run_layout(cls, name: str, flags: list[str], nproc: int) -> list[float]:
+        out = os.path.join(cls.tmp.name, name)
+        proc = run_train(TINY + ["--dataset", cls.data, "--out_dir", out] + flags, nproc)
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        return train_losses(out)
+
+    def check(self, name: str, flags: list[str], nproc: int, rtol: float):
+        losses = self.run_layout(name, ["--implementation", "pytorch"] + flags, nproc)
+        assert_close_losses(self, losses, self.ref, rtol, name)
+
+    def test_reference_learns(self):
+        self.assertEqual(len(self.ref), STEPS)
+        self.assertLess(self.ref[-1], self.ref[0])  # random tokens: loss falls towards log(50257) from above
+
+    def test_ddp(self):
+        self.check("ddp", ["--data_parallel_size", "2", "--data_parallel_type", "ddp"], 2, 1e-5)
+
+    def test_fsdp2(self):
+        self.check("fsdp", ["--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 2, 1e-5)
+
+    def test_fsdp2_deferred_init(self):
+        self.check("fsdp_meta", ["--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--deferred_init"],
+                   2, 1e-5)
+
+    def test_tp(self):
+        self.check("tp", ["--tensor_parallel_size", "2"], 2, 1e-4)
+
+    def test_tp_loss_parallel(self):
+        self.check("tp_lp", ["--tensor_parallel_size", "2", "--enable_loss_parallelism"], 2, 1e-4)
+
+    def test_tp_fsdp2_2x2(self):
+        self.check("tp_fsdp", ["--tensor_parallel_size", "2", "--data_parallel_size", "2",
+                               "--data_parallel_type", "fsdp", "--deferred_init"], 4, 1e-4)
+
+    def test_tp_ddp_2x2(self):
+        self.check("tp_ddp", ["--tensor_parallel_size", "2", "--data_parallel_size", "2",
+                              "--data_parallel_type", "ddp", "--enable_loss_parallelism"], 4, 1e-4)
+
+
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestMetrics(unittest.TestCase):
+    def test_metrics_jsonl_fields_and_val(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            data = make_token_bins(os.path.join(tmp, "data"))
+            out = os.path.join(tmp, "run")
+            proc = run_train(TINY + ["--dataset", data, "--out_dir", out, "--max_steps", "4"])
+            self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+            records = read_metrics(out)
+            steps = [r for r in records if "loss" in r]
+            evals = [r for r in records if "val_loss" in r]
+            self.assertEqual([r["step"] for r in steps], [1, 2, 3, 4])
+            for r in steps:
+                self.assertTrue({"step", "loss", "lr", "grad_norm", "step_time_ms", "tokens_per_sec"} <= r.keys())
+            self.assertEqual([r["step"] for r in evals], [0, 4])
+            self.assertTrue(any(f.startswith("events.out.tfevents") for f in os.listdir(out)))
+            # the schedule: linear warmup over 2 steps to 3e-3, then cosine towards 10%
+            self.assertAlmostEqual(steps[0]["lr"], 1.5e-3)
+            self.assertAlmostEqual(steps[1]["lr"], 3e-3)
+            self.assertLess(steps[3]["lr"], steps[2]["lr"])
+
+
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestBadInput(unittest.TestCase):
+    """Each case: exit code 2, exactly one line on stderr naming the problem, nothing written."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.data = make_token_bins(os.path.join(cls.tmp.name, "data"))
+        cls.out = os.path.join(cls.tmp.name, "out")
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def expect_error(self, flags: list[str], needle: str, nproc: int = 1, dataset: str | None = None):
+        args = TINY + ["--dataset", dataset or self.data, "--out_dir", self.out] + flags
+        proc = run_train(args, nproc)
+        self.assertEqual(proc.returncode, 2 if nproc == 1 else proc.returncode, proc.stderr)
+        lines = [l for l in proc.stderr.splitlines() if l.startswith("train.py: error:")]
+        self.assertEqual(len(lines), nproc, proc.stderr)  # one line from every rank
+        self.assertIn(needle, lines[0])
+        if nproc == 1:
+            self.assertEqual(proc.stderr.strip().splitlines(), lines)  # and nothing else: no traceback
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertFalse(os.path.exists(os.path.join(self.out, "metrics.jsonl")))
+
+    def test_world_size_mismatch(self):
+        self.expect_error(["--data_parallel_size", "2", "--data_parallel_type", "ddp"], "must equal the world size")
+
+    def test_world_size_mismatch_on_every_rank(self):
+        self.expect_error(["--tensor_parallel_size", "2", "--data_parallel_size", "2",
+                           "--data_parallel_type", "ddp"], "must equal the world size (2)", nproc=2)
+
+    def test_heads_not_divisible_by_tp(self):
+        self.expect_error(["--tensor_parallel_size", "2", "--n_head", "1", "--implementation", "pytorch"],
+                          "n_head (1) is not divisible", nproc=2)
+
+    def test_n_embd_not_divisible_by_heads(self):
+        self.expect_error(["--n_head", "3"], "divisible by n_head")
+
+    def test_missing_dp_type(self):
+        self.expect_error(["--data_parallel_size", "2"], "--data_parallel_type", nproc=2)
+
+    def test_batch_does_not_divide(self):
+        self.expect_error(["--total_batch_size", "500"], "not divisible")
+
+    def test_seq_len_over_block_size(self):
+        self.expect_error(["--seq_len", "2048"], "exceeds the model's block_size")
+
+    def test_unknown_preset(self):
+        self.expect_error(["--model", "gpt5"], "unknown model preset")
+
+    def test_missing_data_names_the_command(self):
+        self.expect_error([], "python data/shakespeare/prepare.py",
+                          dataset="shakespeare" if not os.path.exists("data/shakespeare/train.bin") else
+                          os.path.join(self.tmp.name, "nowhere"))
+
+    def test_empty_and_corrupt_bins(self):
+        for name, content, needle in (("empty", b"", "is empty"), ("odd", b"\x01\x02\x03", "not a whole number"),
+                                      ("oov", b"\xff\xff" * 5000, ">= vocab size")):
+            d = os.path.join(self.tmp.name, name)
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "train.bin"), "wb") as f:
+                f.write(content)
+            with open(os.path.join(d, "val.bin"), "wb") as f:
+                f.write(b"\x01\x00" * 5000)
+            with self.subTest(name):
+                self.expect_error([], needle, dataset=d)
+
+    def test_existing_run_is_not_overwritten(self):
+        os.makedirs(self.out, exist_ok=True)
+        path = os.path.join(self.out, "metrics.jsonl")
+        with open(path, "w") as f:
+            f.write('{"step": 1, "loss": 1.0}\n')
+        try:
+            proc = run_train(TINY + ["--dataset", self.data, "--out_dir", self.out])
+            self.assertEqual(proc.returncode, 2)
+            self.assertIn("already holds a run", proc.stderr)
+            with open(path) as f:
+                self.assertEqual(f.read(), '{"step": 1, "loss": 1.0}\n')
+        finally:
+            os.remove(path)
+
+
+if __name__ == "__main__":
+    unittest.main()
