@@ -231,21 +231,42 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: GPTConfig, seed: int) -> torch.Tensor:
-    """The fp32 CPU value of parameter `name` (its full, unsharded shape) under GPT-2's init rule.
+INIT_ROW_BLOCK = 64  # rows drawn per generator: any row/column slice can be made without the rest
+
+
+def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: GPTConfig, seed: int,
+                   rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+    """The fp32 CPU value of parameter `name` (full shape `shape`) under GPT-2's init rule, or only its
+    [rows, cols] slice.
 
     Weights of Linear/Embedding: N(0, 0.02); residual projections (`*.c_proj.weight`): N(0, 0.02/sqrt(2L));
-    biases: 0; LayerNorm: weight 1, bias 0. Drawn from a CPU generator seeded by (seed, name), so the
-    result depends on nothing else: not the device, the rank, or the order modules are built in.
+    biases: 0; LayerNorm: weight 1, bias 0. Random weights are drawn in blocks of INIT_ROW_BLOCK rows,
+    block b from a CPU generator seeded by (seed, name, b). The value depends on nothing else (not the
+    device, the rank, or the order modules are built in), and a tensor-parallel rank can make just its
+    shard: rows it owns cost only their blocks, a column slice is taken block by block.
     """
-    leaf = name.rsplit(".", 2)
+    rows = rows or slice(None)
+    cols = cols or slice(None)
     if ".ln_" in name or name.startswith("transformer.ln_f"):
-        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+        fill = 1.0 if name.endswith("weight") else 0.0
+        return torch.full(shape, fill)[rows] if len(shape) == 1 else torch.full(shape, fill)[rows, cols]
     if name.endswith("bias"):
-        return torch.zeros(shape)
-    std = 0.02 / math.sqrt(2 * config.n_layer) if leaf[-2] == "c_proj" else 0.02
-    gen = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
+        return torch.zeros(shape)[rows]
+    std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+    n_rows, n_cols = shape
+    r0, r1, _ = rows.indices(n_rows)
+    full_width = cols == slice(None)
+    out = torch.empty(max(r1 - r0, 0), len(range(*cols.indices(n_cols))))
+    for b in range(r0 // INIT_ROW_BLOCK, (r1 + INIT_ROW_BLOCK - 1) // INIT_ROW_BLOCK):
+        lo, hi = b * INIT_ROW_BLOCK, min((b + 1) * INIT_ROW_BLOCK, n_rows)
+        gen = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, f"{name}#{b}"))
+        if full_width and r0 <= lo and hi <= r1:  # a whole block: draw straight into the output
+            out[lo - r0:hi - r0].normal_(0.0, std, generator=gen)
+        else:
+            block = torch.empty(hi - lo, n_cols).normal_(0.0, std, generator=gen)
+            a, z = max(r0, lo), min(r1, hi)
+            out[a - r0:z - r0] = block[a - lo:z - lo, cols]
+    return out
 
 
 def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: int,

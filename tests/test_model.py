@@ -47,6 +47,16 @@ class TestInit(unittest.TestCase):
         c = eager(SMALL, seed=7)
         self.assertFalse(torch.equal(a.transformer.wte.weight, c.transformer.wte.weight))
 
+    def test_any_slice_equals_slice_of_full(self):
+        """A TP rank can make just its rows or columns of a weight, equal to the slice of the full one."""
+        cfg = make_config("tiny")
+        name, shape = "transformer.h.0.mlp.c_proj.weight", (64, 256)
+        full = init_parameter(name, shape, cfg, 3)
+        for rows, cols in ((slice(0, 32), None), (slice(32, 64), None), (None, slice(128, 256)),
+                           (slice(50, 70), slice(3, 9)), (slice(63, 65), None)):
+            got = init_parameter(name, shape, cfg, 3, rows, cols)
+            self.assertTrue(torch.equal(got, full[rows or slice(None), cols or slice(None)]), (rows, cols))
+
     def test_init_rule(self):
         """N(0, 0.02) weights, 0.02/sqrt(2L) on residual projections, zero biases, unit LayerNorm."""
         cfg = make_config("gpt2")
