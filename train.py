@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--implementation", choices=["custom", "pytorch"], default="custom")
     a("--deferred_init", action="store_true", help="build on meta, materialise after sharding")
     a("--gradient_clipping", action="store_true", help="clip the global gradient norm at 1.0")
+    a("--bucket_cap_mb", type=float, default=25.0, help="custom DDP: gradient bucket size")
+    a("--grad_compression", choices=["none", "bf16"], default="none", help="custom DDP: bf16 on the wire")
     a("--eval_interval", type=int, default=25)
     a("--dataset", default="shakespeare", help="shakespeare, openwebtext, or a dir with train.bin/val.bin")
     # model
@@ -176,7 +178,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def parallel_config(args: argparse.Namespace, dtype: torch.dtype) -> ParallelConfig:
     return ParallelConfig(dp_type=args.data_parallel_type if args.data_parallel_size > 1 else None,
                           implementation=args.implementation, loss_parallel=args.enable_loss_parallelism,
-                          deferred_init=args.deferred_init, seed=args.seed)
+                          deferred_init=args.deferred_init, seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
+                          grad_compression=None if args.grad_compression == "none" else args.grad_compression)
 
 
 # ----------------------------------------------------------------------------- building

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from model import GPT, init_parameter
 
-CUSTOM_AVAILABLE: dict[str, bool] = {"ddp": False, "fsdp": False, "tp": False}
+CUSTOM_AVAILABLE: dict[str, bool] = {"ddp": True, "fsdp": False, "tp": False}
 
 
 @dataclass
@@ -31,6 +31,8 @@ class ParallelConfig:
     deferred_init: bool = False
     seed: int = 1337
     param_dtype: torch.dtype | None = None
+    bucket_cap_mb: float = 25.0
+    grad_compression: str | None = None  # custom DDP: "bf16" on the wire
 
 
 @dataclass
@@ -187,7 +189,15 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
 
 def parallelize_custom(model: GPT, mesh: DeviceMesh, dims, cfg: ParallelConfig,
                        device: torch.device) -> Parallelized:
-    raise NotImplementedError("custom parallelism is not implemented yet")
+    """Our own wrappers, same order: TP -> (materialise if deferred) -> FSDP or DDP."""
+    from parallel.ddp import DistributedDataParallel
+    if cfg.deferred_init:
+        model.init_weights(cfg.seed, device)
+    groups = {n: () for n, _ in model.named_parameters()}
+    if dims.dp_enabled and cfg.dp_type == "ddp":
+        model = DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
+                                        bucket_cap_mb=cfg.bucket_cap_mb, grad_compression=cfg.grad_compression)
+    return Parallelized(model, attach_groups(model, groups))
 
 
 # ----------------------------------------------------------------------------- gradient norm
