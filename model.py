@@ -101,6 +101,11 @@ class Block(nn.Module):
         return x
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all B*T targets in fp32, skipping targets of -1: GPT's default `loss_fn`."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-1)
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -114,6 +119,7 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
+        self.loss_fn = cross_entropy  # (logits, targets) -> loss; vocab-parallel under TP loss parallelism
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Returns (logits, loss); loss is the mean cross-entropy over all B*T targets, or None."""
@@ -121,14 +127,15 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = torch.arange(T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        # (B, T, C); under sequence parallelism both embeddings give only this rank's T/tp positions
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x)  # (B, T, V), or this rank's vocab slice under loss parallelism
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-1)
+            loss = self.loss_fn(logits, targets)
         return logits, loss
 
     def num_params(self, non_embedding: bool = False) -> int:
@@ -293,8 +300,3 @@ def param_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: flo
     decay = [p for _, p in named_params if p.dim() >= 2]
     no_decay = [p for _, p in named_params if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls plus 12*L*H*T for attention (PaLM appendix B)."""
-    return 6 * n_params + 12 * config.n_layer * config.n_embd * seq_len

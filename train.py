@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_dir
 from model import GPT, PRESETS, GPTConfig, make_config, param_groups
+import metrics as observe
 from parallel import comm
 from parallel.mesh import ParallelDims, dp_group, env_world, init_distributed, pick_device
 from parallel.parallelize import ParallelConfig, Parallelized, clip_grad_norm_, not_implemented, parallelize
@@ -74,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--overwrite", action="store_true", help="start afresh in an --out_dir that already holds a run")
     a("--eval_iters", type=int, default=20)
     a("--timeout", type=float, default=600.0, help="seconds a collective may wait before the run fails")
+    a("--peak_flops", type=float, default=None,
+      help="peak FLOP/s of one device, for MFU (default: datasheet for known GPUs, else measured)")
+    a("--profile", type=int, default=0, metavar="N",
+      help="write a torch.profiler trace of N steps (after 2 warm-up steps) to <out_dir>/profile")
     args = p.parse_args(argv)
     if args.out_dir is None:
         args.out_dir = os.path.join("runs", f"{args.model}-{os.path.basename(os.path.normpath(args.dataset))}")
@@ -194,6 +199,8 @@ class Trainer:
     scaler: torch.amp.GradScaler | None
     data: BatchSource
     dp_rank: int
+    flops_per_token: float = 0.0
+    peak_flops: float = 0.0
 
     @property
     def model(self) -> torch.nn.Module:
@@ -220,7 +227,11 @@ def build(args: argparse.Namespace, plan: Plan) -> Trainer:
     scaler = torch.amp.GradScaler(plan.device.type) if plan.dtype == torch.float16 else None
     data = BatchSource(plan.data_dir, args.seq_len, plan.config.vocab_size, args.seed)
     dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
-    return Trainer(args, plan, mesh, par, optimizer, scaler, data, dp_rank)
+    with torch.device("meta"):
+        n_params = GPT(plan.config).num_params(non_embedding=True)
+    peak = args.peak_flops or observe.peak_flops(plan.device, plan.dtype)
+    return Trainer(args, plan, mesh, par, optimizer, scaler, data, dp_rank,
+                   observe.flops_per_token(plan.config, n_params, args.seq_len), peak)
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
@@ -294,14 +305,19 @@ def train_step(t: Trainer, step: int) -> dict:
         t.scaler.update()
     else:
         t.optimizer.step()
-    t.optimizer.zero_grad(set_to_none=True)
+    comm_bytes = comm.COUNTER.snapshot()  # before the scalar reductions below, which are not wrapper traffic
     loss = _mean_over_dp(t, loss_sum)
     loss_value, norm_value = loss.item(), float(norm)  # .item() synchronises the device, so dt is honest
     dt = time.perf_counter() - t0
+    state = observe.state_bytes(t.model, t.optimizer)  # gradients still allocated: the step's true peak state
+    t.optimizer.zero_grad(set_to_none=True)
+    tokens_per_sec = args.total_batch_size / dt
     metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value,
-               "step_time_ms": dt * 1000, "tokens_per_sec": args.total_batch_size / dt}
+               "step_time_ms": dt * 1000, "tokens_per_sec": tokens_per_sec,
+               "mfu": t.flops_per_token * tokens_per_sec / (t.peak_flops * plan.dims.world_size),
+               "peak_memory_bytes": observe.peak_memory_bytes(plan.device), "state_bytes": state}
     if args.implementation == "custom" and plan.dims.world_size > 1:
-        metrics["comm_bytes"] = comm.COUNTER.snapshot()
+        metrics["comm_bytes"] = comm_bytes
     return metrics
 
 
@@ -372,6 +388,38 @@ def describe(t: Trainer) -> str:
             f"x seq_len {a.seq_len}")
 
 
+def progress_bar(total: int, is_main: bool):
+    """A tqdm bar when stdout is a terminal (rank 0 only); plain lines otherwise."""
+    if not (is_main and sys.stdout.isatty()):
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="step", dynamic_ncols=True)
+
+
+def say(bar, line: str, is_main: bool) -> None:
+    if bar is not None:
+        bar.set_description_str(line.split(" | dt")[0])
+        if "val loss" not in line:
+            bar.update(1)
+        else:
+            bar.write(line)
+    elif is_main:
+        print(line, flush=True)
+
+
+def make_profiler(args: argparse.Namespace):
+    """--profile N: a torch.profiler trace of N steps after 2 warm-up steps, for TensorBoard or Perfetto."""
+    if not args.profile:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=activities, schedule=schedule(wait=0, warmup=2, active=args.profile, repeat=1),
+                   on_trace_ready=tensorboard_trace_handler(os.path.join(args.out_dir, "profile")),
+                   record_shapes=True, with_stack=False)
+    prof.start()
+    return prof
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
@@ -389,17 +437,22 @@ def main(argv: list[str] | None = None) -> int:
         logger.log({"step": 0, "val_loss": val})
         if is_main:
             print(f"step 0 | val loss {val:.4f}", flush=True)
+        bar = progress_bar(args.max_steps, is_main)
+        profiler = make_profiler(args)
         for step in range(1, args.max_steps + 1):
             m = train_step(t, step)
             logger.log(m)
-            if is_main:
-                print(f"step {step} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | norm {m['grad_norm']:.3f} | "
-                      f"dt {m['step_time_ms']:.0f}ms | tok/s {m['tokens_per_sec']:.0f}", flush=True)
+            if profiler is not None:
+                profiler.step()
+            line = (f"step {step} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | norm {m['grad_norm']:.3f} | "
+                    f"dt {m['step_time_ms']:.0f}ms | tok/s {m['tokens_per_sec']:.0f} | mfu {100 * m['mfu']:.1f}%")
+            say(bar, line, is_main)
             if step % args.eval_interval == 0 or step == args.max_steps:
                 val = evaluate(t)
                 logger.log({"step": step, "val_loss": val})
-                if is_main:
-                    print(f"step {step} | val loss {val:.4f}", flush=True)
+                say(bar, f"step {step} | val loss {val:.4f}", is_main)
+        if profiler is not None:
+            profiler.stop()
     finally:
         logger.close()
         if dist.is_initialized():
