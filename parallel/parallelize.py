@@ -40,9 +40,17 @@ class Parallelized:
     """The wrapped model plus what the trainer needs to treat every layout the same way."""
     model: nn.Module
     norm_groups: list[tuple[nn.Parameter, tuple]] = field(default_factory=list)
+    replica_rank: int = 0  # index among identical replicas (the dp rank under DDP), for checkpoint writers
+    sharded_as: dict[str, DTensor] = field(default_factory=dict)  # TP shards held as plain tensors
+    tp_rank: int = 0  # plain (non-DTensor) parameters are replicated over TP: tp rank 0 writes them
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.model.named_parameters())
+
+    def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list:
+        """This rank's parameters and AdamW moments as layout-independent entries (parallel/state.py)."""
+        from parallel.state import entries_for
+        return entries_for(self.named_parameters(), optimizer, self.replica_rank, self.sharded_as, self.tp_rank)
 
 
 def not_implemented(dims, cfg: ParallelConfig) -> str | None:
@@ -90,6 +98,7 @@ def apply_fsdp_pytorch(model: GPT, dp_mesh: DeviceMesh, param_dtype: torch.dtype
 def apply_ddp_pytorch(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
     if any(isinstance(p, DTensor) for p in model.parameters()):
+        model._tp_dtensors = dict(model.named_parameters())  # the DTensors, before they become locals
         localize_tp_params(model)
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(),
                                    device_ids=[device.index] if device.type == "cuda" else None)
@@ -182,9 +191,12 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
         if model.lm_head.weight is not model.transformer.wte.weight:
             model.lm_head.weight = model.transformer.wte.weight
     groups = sharding_groups(model)
+    tp_rank = mesh["tp"].get_local_rank()
     if dims.dp_enabled and cfg.dp_type == "ddp":
         model = apply_ddp_pytorch(model, mesh["dp"], device)
-    return Parallelized(model, attach_groups(model, groups))
+        return Parallelized(model, attach_groups(model, groups), mesh["dp"].get_local_rank(),
+                            getattr(model.module, "_tp_dtensors", {}), tp_rank)
+    return Parallelized(model, attach_groups(model, groups), tp_rank=tp_rank)
 
 
 def parallelize_custom(model: GPT, mesh: DeviceMesh, dims, cfg: ParallelConfig,
@@ -197,6 +209,7 @@ def parallelize_custom(model: GPT, mesh: DeviceMesh, dims, cfg: ParallelConfig,
     if dims.dp_enabled and cfg.dp_type == "ddp":
         model = DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
                                         bucket_cap_mb=cfg.bucket_cap_mb, grad_compression=cfg.grad_compression)
+        return Parallelized(model, attach_groups(model, groups), mesh["dp"].get_local_rank())
     return Parallelized(model, attach_groups(model, groups))
 
 
