@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from model import GPT, init_parameter
 
-CUSTOM_AVAILABLE: dict[str, bool] = {"ddp": True, "fsdp": False, "tp": False}
+CUSTOM_AVAILABLE: dict[str, bool] = {"ddp": True, "fsdp": False, "tp": True}
 
 
 @dataclass
@@ -28,6 +28,7 @@ class ParallelConfig:
     dp_type: str | None = None          # "ddp" | "fsdp" | None
     implementation: str = "pytorch"     # "pytorch" | "custom"
     loss_parallel: bool = False
+    sequence_parallel: bool = False
     deferred_init: bool = False
     seed: int = 1337
     param_dtype: torch.dtype | None = None
@@ -43,6 +44,7 @@ class Parallelized:
     replica_rank: int = 0  # index among identical replicas (the dp rank under DDP), for checkpoint writers
     sharded_as: dict[str, DTensor] = field(default_factory=dict)  # TP shards held as plain tensors
     tp_rank: int = 0  # plain (non-DTensor) parameters are replicated over TP: tp rank 0 writes them
+    tp_size: int = 1
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.model.named_parameters())
@@ -50,7 +52,8 @@ class Parallelized:
     def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list:
         """This rank's parameters and AdamW moments as layout-independent entries (parallel/state.py)."""
         from parallel.state import entries_for
-        return entries_for(self.named_parameters(), optimizer, self.replica_rank, self.sharded_as, self.tp_rank)
+        return entries_for(self.named_parameters(), optimizer, self.replica_rank, self.sharded_as,
+                           self.tp_rank, self.tp_size)
 
 
 def not_implemented(dims, cfg: ParallelConfig) -> str | None:
@@ -66,24 +69,12 @@ def not_implemented(dims, cfg: ParallelConfig) -> str | None:
 
 # ----------------------------------------------------------------------------- PyTorch's own wrappers
 
-def tp_plan_pytorch(model: GPT, loss_parallel: bool) -> dict:
-    """Module name -> DTensor style. Attention and MLP are Megatron's column-then-row pairs; the tied
-    embedding/lm_head weight is sharded by vocab rows."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
-    for i in range(len(model.transformer.h)):
-        p = f"transformer.h.{i}"
-        plan.update({f"{p}.attn.c_q": ColwiseParallel(), f"{p}.attn.c_k": ColwiseParallel(),
-                     f"{p}.attn.c_v": ColwiseParallel(), f"{p}.attn.c_proj": RowwiseParallel(),
-                     f"{p}.mlp.c_fc": ColwiseParallel(), f"{p}.mlp.c_proj": RowwiseParallel()})
-    plan["lm_head"] = ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                      use_local_output=not loss_parallel)
-    return plan
-
-
-def apply_tp_pytorch(model: GPT, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+def apply_tp_pytorch(model: GPT, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool) -> None:
+    """DTensor TP with the same sharding as ours (`pytorch_tp_plan`, torchtitan-style)."""
     from torch.distributed.tensor.parallel import parallelize_module
-    parallelize_module(model, tp_mesh, tp_plan_pytorch(model, loss_parallel))
+
+    from parallel.tensor_parallel import pytorch_tp_plan
+    parallelize_module(model, tp_mesh, pytorch_tp_plan(model, loss_parallel, sequence_parallel))
     model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) over vocab: re-tie after the swap
 
 
@@ -183,7 +174,7 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
     if cfg.implementation == "custom":
         return parallelize_custom(model, mesh, dims, cfg, device)
     if dims.tp_enabled:
-        apply_tp_pytorch(model, mesh["tp"], cfg.loss_parallel)
+        apply_tp_pytorch(model, mesh["tp"], cfg.loss_parallel, cfg.sequence_parallel)
     if dims.dp_enabled and cfg.dp_type == "fsdp":
         apply_fsdp_pytorch(model, mesh["dp"], cfg.param_dtype)
     if cfg.deferred_init:
@@ -201,16 +192,24 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
 
 def parallelize_custom(model: GPT, mesh: DeviceMesh, dims, cfg: ParallelConfig,
                        device: torch.device) -> Parallelized:
-    """Our own wrappers, same order: TP -> (materialise if deferred) -> FSDP or DDP."""
+    """Our own wrappers, same order: TP (materialising only local shards if deferred) -> FSDP or DDP."""
     from parallel.ddp import DistributedDataParallel
-    if cfg.deferred_init:
+    from parallel.tensor_parallel import apply_tensor_parallel
+    tp_group = mesh["tp"].get_group()
+    if dims.tp_enabled:
+        apply_tensor_parallel(model, tp_group, cfg.loss_parallel, cfg.sequence_parallel,
+                              seed=cfg.seed if cfg.deferred_init else None, device=device)
+    elif cfg.deferred_init:
         model.init_weights(cfg.seed, device)
-    groups = {n: () for n, _ in model.named_parameters()}
+    # a TP-sharded gradient's squares are summed over tp; replicated ones (also under SP, whose partial
+    # LayerNorm gradients the TP layers already all-reduce) count once
+    groups = {n: (tp_group,) if hasattr(p, "_tp_shard_dim") else () for n, p in model.named_parameters()}
     if dims.dp_enabled and cfg.dp_type == "ddp":
         model = DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
                                         bucket_cap_mb=cfg.bucket_cap_mb, grad_compression=cfg.grad_compression)
-        return Parallelized(model, attach_groups(model, groups), mesh["dp"].get_local_rank())
-    return Parallelized(model, attach_groups(model, groups))
+        return Parallelized(model, attach_groups(model, groups), mesh["dp"].get_local_rank(),
+                            tp_rank=mesh["tp"].get_local_rank(), tp_size=dims.tp)
+    return Parallelized(model, attach_groups(model, groups), tp_rank=mesh["tp"].get_local_rank(), tp_size=dims.tp)
 
 
 # ----------------------------------------------------------------------------- gradient norm
@@ -221,11 +220,20 @@ def clip_grad_norm_(norm_groups: list[tuple[nn.Parameter, tuple]], max_norm: flo
 
     Squares are summed locally per sharding pattern, then all-reduced over the groups that pattern is
     sharded over, so each gradient element is counted exactly once whatever the layout."""
-    by_groups: dict[tuple, list[torch.Tensor]] = {}
+    by_groups: dict[tuple, list[torch.Tensor]] = {}   # what to measure
+    to_scale: list[torch.Tensor] = []                  # the gradients' own storage, to clip in place
     for p, groups in norm_groups:
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            by_groups.setdefault(groups, []).append(g)
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            to_scale.append(g.to_local())
+            if any(pl.is_partial() for pl in g.placements):  # e.g. LayerNorm grads under DTensor SP
+                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+            g = g.to_local()
+        else:
+            to_scale.append(g)
+        by_groups.setdefault(groups, []).append(g)
     total = None
     for groups, grads in by_groups.items():
         sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum()
@@ -235,5 +243,5 @@ def clip_grad_norm_(norm_groups: list[tuple[nn.Parameter, tuple]], max_norm: flo
     norm = total.sqrt() if total is not None else torch.zeros(())
     if max_norm is not None:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([g for grads in by_groups.values() for g in grads], coef.to(norm.device))
+        torch._foreach_mul_(to_scale, coef.to(norm.device))
     return norm

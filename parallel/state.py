@@ -45,11 +45,24 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _global_index(p: torch.Tensor) -> torch.Tensor:
+def full_shape(p: torch.Tensor, tp_size: int) -> tuple[int, ...]:
+    """The unsharded shape: a DTensor knows it; our TP layers' shards are 1/tp along `_tp_shard_dim`."""
+    shape = list(p.shape)
+    dim = getattr(p, "_tp_shard_dim", None)
+    if dim is not None and not isinstance(p, DTensor):
+        shape[dim] *= tp_size
+    return tuple(shape)
+
+
+def _global_index(p: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """Flat full-tensor positions of this rank's elements of p, in local memory order."""
-    full = torch.arange(p.numel(), dtype=torch.int64, device=p.device).view(p.shape)
+    shape = full_shape(p, tp_size)
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.int64, device=p.device).view(shape)
     if isinstance(p, DTensor):
         full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    elif hasattr(p, "_tp_shard_dim"):  # our TP: rank r holds the r-th of tp equal slices
+        dim = p._tp_shard_dim
+        full = full.narrow(dim, tp_rank * p.shape[dim], p.shape[dim])
     return full.reshape(-1)
 
 
@@ -58,6 +71,8 @@ def _is_writer(p: torch.Tensor, replica_rank: int, plain_replica_rank: int) -> b
     dim a DTensor is replicated over; a plain tensor is written by replica 0 of those holding it."""
     if replica_rank != 0:
         return False
+    if hasattr(p, "_tp_shard_dim") and not isinstance(p, DTensor):
+        return True  # our TP shard: each tp rank writes its own slice
     if isinstance(p, DTensor):
         coords = p.device_mesh.get_coordinate()
         if "tp" not in (p.device_mesh.mesh_dim_names or ()) and plain_replica_rank != 0:
@@ -68,12 +83,13 @@ def _is_writer(p: torch.Tensor, replica_rank: int, plain_replica_rank: int) -> b
 
 def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
                 replica_rank: int = 0, sharded_as: dict[str, DTensor] | None = None,
-                plain_replica_rank: int = 0) -> list[Entry]:
+                plain_replica_rank: int = 0, tp_size: int = 1) -> list[Entry]:
     """Entries for parameters that are whole tensors or DTensors (one process, DDP, FSDP2, DTensor TP).
 
     `replica_rank` is this rank's index among identical replicas (the dp rank under DDP, else 0);
     `plain_replica_rank` is its index among the ranks that hold plain (non-DTensor) parameters whole
-    (the tp rank under tensor parallelism, where such parameters are replicated).
+    (the tp rank under tensor parallelism, where such parameters are replicated). Our own TP layers'
+    shards (marked `_tp_shard_dim`) are the `plain_replica_rank`-th of `tp_size` slices.
     `sharded_as` maps names of plain local tensors that are really DTensor shards (TP under torch
     DDP) to a DTensor with the right placements."""
     ensure_optimizer_state(optimizer)
@@ -84,6 +100,7 @@ def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.o
         state = optimizer.state[p]
         tensors = {"param": _local(p).detach().view(-1)}
         tensors.update({k: _local(state[k]).view(-1) for k in MOMENTS})
-        out.append(Entry(name, tuple(layout.shape), _global_index(layout), tensors,
+        index = _global_index(layout, plain_replica_rank, tp_size)
+        out.append(Entry(name, full_shape(layout, tp_size), index, tensors,
                          _is_writer(layout, replica_rank, plain_replica_rank)))
     return out

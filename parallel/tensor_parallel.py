@@ -1,0 +1,469 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022)
+for our GPT, by hand.
+
+Each of the p ranks of `tp_group` holds 1/p of every matmul weight: whole heads of c_q/c_k/c_v, a slice
+of the MLP's hidden units, a slice of the vocab. A block then costs two all-reduces forward (after
+attn.c_proj and mlp.c_proj, g) and two backward (of the gradients entering the block's two regions, f).
+Under sequence parallelism the activations outside those regions (residual stream, LayerNorms) are
+split along the sequence, (B, T/p, C), and each all-reduce becomes a reduce-scatter plus an all-gather
+of the same payload, while those activations take 1/p of the memory.
+
+The sharding is `TP_PLAN`; `apply_tensor_parallel` swaps modules in place and keeps every parameter's
+name, so optimizer groups and checkpoints map by name (`transformer.h.0.attn.c_q.weight` is now this
+rank's rows). Sharded parameters carry `_tp_shard_dim` (0 or 1); replicated ones do not: a global grad
+norm sums the squares of the former over the group and counts the latter once (`tp_norm_groups`).
+Under SP the replicated parameters that see only T/p positions (LayerNorms, row-parallel biases, wpe)
+carry `_sequence_parallel`; their gradients are already made whole over the group inside backward.
+
+The communication primitives live in parallel/tp_comm.py and go through parallel/comm.py, so
+`tp_comm_bytes_per_micro_step` can be checked against parallel/comm.COUNTER.
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import GPT, GPTConfig, init_parameter, materialize_module
+from parallel import comm
+from parallel.tp_comm import (all_gather_along, copy_to_region, gather_from_region, gather_from_sequence, rank_in,
+                              reduce_from_region, reduce_scatter_to_sequence, scatter_to_sequence)
+
+IGNORE_INDEX = -1  # as GPT.forward's cross-entropy
+
+# Module name (fnmatch pattern) -> style. Read top to bottom, this is the whole sharding.
+TP_PLAN: dict[str, str] = {
+    "transformer.wte": "vocab",             # rows of the vocab: masked lookup, then g (reduce-scatter over T under SP)
+    "transformer.wpe": "position",          # replicated; under SP each rank adds only its T/p positions
+    "transformer.h.*.ln_1": "norm",         # replicated; its output enters the region: f (all-gather over T under SP)
+    "transformer.h.*.attn.c_q": "colwise",  # whole heads per rank
+    "transformer.h.*.attn.c_k": "colwise",
+    "transformer.h.*.attn.c_v": "colwise",
+    "transformer.h.*.attn.c_proj": "rowwise",  # g: all-reduce (reduce-scatter over T under SP), then + bias
+    "transformer.h.*.ln_2": "norm",
+    "transformer.h.*.mlp.c_fc": "colwise",
+    "transformer.h.*.mlp.c_proj": "rowwise",
+    "transformer.ln_f": "norm",
+    "lm_head": "vocab_head",                # colwise over the vocab with wte's (tied) shard; logits gathered
+}                                           # over the vocab unless loss parallel
+
+
+# ----------------------------------------------------------------------------- layers
+
+class ColumnParallelLinear(nn.Module):
+    """Y = XA + b with A split by columns, A = [A_1 ... A_p], b = [b_1 ... b_p]: rank i computes Y_i = X A_i + b_i.
+
+    Stores `weight` (out/p, in), rows [i*out/p, (i+1)*out/p) of nn.Linear's (out, in) weight, and `bias`
+    (out/p,). Communicates nothing itself: X must be the same on every rank and have entered the
+    tensor-parallel region (f = copy_to_region, or gather_from_sequence under SP), which the plan's "norm"
+    style does once at the LayerNorm's output, so that q, k and v share one collective. With
+    gather_output, Y = [Y_1 ... Y_p] is all-gathered along its last dim (each rank's slice of dY is kept
+    in backward, no communication).
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, gather_output: bool = False):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group, self.gather_output = group, gather_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # (B, T, out/p)
+        return gather_from_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = XA + b with A split by rows and X by columns, A = [A_1; ...; A_p], X = [X_1 ... X_p]: Y = sum_i X_i A_i + b.
+
+    Stores `weight` (out, in/p), columns [i*in/p, (i+1)*in/p) of nn.Linear's weight, and the full bias
+    (replicated). Communicates g: the partial products X_i A_i are all-reduced forward (identity
+    backward), or under SP reduce-scattered along T (dY all-gathered backward). b is added once, after
+    the reduce; under SP it sees only this rank's T/p positions, so its gradient is all-reduced (f).
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # (B, T, out), this rank's partial sum
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.group)  # (B, T/p, out)
+        else:
+            y = reduce_from_region(y, self.group)
+        if self.bias is not None:
+            b = copy_to_region(self.bias, self.group) if self.sequence_parallel else self.bias
+            y = y + b.to(y.dtype)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """E[idx] with the table split by vocab rows, E = [E_1; ...; E_p]: rank i holds rows [i*V/p, (i+1)*V/p).
+
+    Each rank looks up the ids that fall in its rows (the others give zero vectors) and the partial
+    lookups are summed: all-reduce forward, identity backward (g); under SP a reduce-scatter along T
+    instead, leaving this rank's (B, T/p, C) (dY all-gathered backward). The weight gradient is local.
+    """
+
+    def __init__(self, weight: nn.Parameter, group, sequence_parallel: bool = False):
+        super().__init__()
+        self.weight = weight
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.vocab_start = rank_in(group) * weight.shape[0]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        tp = comm.world(self.group)
+        if self.sequence_parallel and idx.shape[1] % tp:
+            raise ValueError(f"sequence parallelism needs seq_len ({idx.shape[1]}) divisible by the "
+                             f"tensor-parallel size ({tp})")
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_start + self.weight.shape[0])
+        local = (idx - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, C), partial
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.group)  # (B, T/p, C)
+        return reduce_from_region(out, self.group)
+
+
+class ParallelLayerNorm(nn.LayerNorm):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, whose output then enters the tensor-parallel region.
+
+    Stores weight and bias in full (replicated). Without SP, x is the full (B, T, C) on every rank and y
+    goes through f: nothing forward, all-reduce of dL/dy backward. Under SP, x is this rank's (B, T/p, C)
+    and y is all-gathered to (B, T, C) (dL/dy reduce-scattered backward); weight and bias then see only
+    T/p positions, so they enter through f as well: their gradients are all-reduced over the group.
+    """
+
+    def __init__(self, like: nn.LayerNorm, group, sequence_parallel: bool):
+        super().__init__(like.normalized_shape, like.eps, like.elementwise_affine, bias=like.bias is not None,
+                         device="meta")
+        self.weight, self.bias = like.weight, like.bias  # the same Parameters: nothing copied
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if self.sequence_parallel:
+            w = copy_to_region(w, self.group) if w is not None else None
+            b = copy_to_region(b, self.group) if b is not None else None
+            return gather_from_sequence(F.layer_norm(x, self.normalized_shape, w, b, self.eps), self.group)
+        return copy_to_region(F.layer_norm(x, self.normalized_shape, w, b, self.eps), self.group)
+
+
+class SequenceParallelPositionEmbedding(nn.Embedding):
+    """P[pos] for this rank's positions only: given pos = 0..T-1, returns rows [i*T/p, (i+1)*T/p) (T/p, C).
+
+    Stores the whole table (replicated). Forward looks up all T positions and keeps this rank's slice (no
+    communication); backward all-gathers dL/dP over T, so every rank gets the same full table gradient.
+    Used only under SP, where the token embeddings it is added to are (B, T/p, C).
+    """
+
+    def __init__(self, like: nn.Embedding, group):
+        super().__init__(like.num_embeddings, like.embedding_dim, device="meta")
+        self.weight = like.weight
+        self.group = group
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return scatter_to_sequence(F.embedding(pos, self.weight), self.group, dim=0)  # (T/p, C)
+
+
+# ----------------------------------------------------------------------------- loss
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean over tokens of log(sum_v exp(z_v)) - z_target, with z split by vocab over the group.
+
+    forward: max all-reduced (MAX); the target's logit (from the rank owning it, zeros elsewhere) and the
+    local sums of exp(z - max) all-reduced together (SUM); backward: softmax - one-hot of this rank's
+    slice, no communication. Only the (N, V/p) local logits and one buffer of their size are held.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, group):  # logits (N, V/p) fp32, targets (N,)
+        n_local = logits.shape[-1]
+        lo = rank_in(group) * n_local
+        z_max = logits.max(dim=-1).values  # (N,)
+        comm.all_reduce(z_max, group, op="max")
+        exp = logits - z_max.unsqueeze(-1)  # (N, V/p), <= 0
+        mine = (targets >= lo) & (targets < lo + n_local)  # target in this rank's slice (never IGNORE_INDEX)
+        local_t = (targets - lo).masked_fill(~mine, 0)
+        stats = torch.empty(2, logits.shape[0], dtype=logits.dtype, device=logits.device)
+        stats[0] = exp.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)  # z_target - max
+        torch.sum(exp.exp_(), dim=-1, out=stats[1])  # sum of exp(z - max) over this rank's slice
+        comm.all_reduce(stats, group)
+        valid = targets != IGNORE_INDEX
+        n_valid = valid.sum()
+        loss = torch.where(valid, stats[1].log() - stats[0], 0.0).sum() / n_valid
+        exp.div_(stats[1].unsqueeze(-1))  # softmax over the whole vocab, this rank's columns
+        ctx.save_for_backward(exp, local_t, mine & valid, valid, n_valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, hit, valid, n_valid = ctx.saved_tensors
+        grad = softmax  # reused in place: this graph can be backpropagated once (as Megatron's)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))  # - one-hot
+        grad.mul_((grad_loss * valid.to(grad.dtype) / n_valid).unsqueeze(-1))
+        return grad, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+    """F.cross_entropy(full_logits, targets, ignore_index=-1) (mean over non-ignored tokens) computed from
+    this rank's vocab slice of the logits (..., V/p); targets (...) hold global ids. Computed in fp32."""
+    return _VocabParallelCrossEntropy.apply(local_logits.flatten(0, -2).float(), targets.flatten(), group)
+
+
+# ----------------------------------------------------------------------------- applying the plan
+
+def check_tp_divisibility(config: GPTConfig, tp: int, seq_len: int | None = None) -> str | None:
+    """A one-line reason why `config` cannot be split over `tp` ranks, else None. With `seq_len` (pass it
+    when sequence parallelism is on) the sequence must split too."""
+    if tp < 1:
+        return f"tensor-parallel size must be >= 1, got {tp}"
+    for what, n, why in (("n_head", config.n_head, "each rank holds whole heads"),
+                         ("n_embd", config.n_embd, "the MLP and attention widths are split"),
+                         ("vocab_size", config.vocab_size, "the embedding and lm_head are split by vocab")):
+        if n % tp:
+            return f"{what} ({n}) is not divisible by the tensor-parallel size {tp} ({why})"
+    if seq_len is not None and seq_len % tp:
+        return (f"sequence parallelism needs seq_len ({seq_len}) divisible by the tensor-parallel size {tp} "
+                f"(each rank holds T/tp positions)")
+    return None
+
+
+@dataclass
+class _Builder:
+    """What every style needs: the group, the switches, and (for a meta model) how to make shards."""
+    group: object
+    loss_parallel: bool
+    sequence_parallel: bool
+    config: GPTConfig
+    seed: int | None
+    device: torch.device
+    shards: dict  # id(original Parameter) -> (original, shard): tied parameters stay tied
+
+    def shard(self, name: str, p: nn.Parameter | None, dim: int) -> nn.Parameter | None:
+        """This rank's 1/p slice of `p` along dim as a new Parameter, marked `_tp_shard_dim`. Sliced from
+        p's values, or (p on meta) drawn by init_parameter for just that slice: no full-size tensor."""
+        if p is None:
+            return None
+        if id(p) in self.shards:
+            _, out = self.shards[id(p)]
+            assert out._tp_shard_dim == dim, f"{name} is tied to a parameter sharded along another dim"
+            return out
+        n = p.shape[dim] // comm.world(self.group)
+        idx = slice(rank_in(self.group) * n, (rank_in(self.group) + 1) * n)
+        if not p.is_meta:
+            local = p.detach().narrow(dim, idx.start, n).clone()
+        else:
+            rows, cols = (idx, None) if dim == 0 else (None, idx)
+            local = init_parameter(name, p.shape, self.config, self.seed, rows=rows, cols=cols)
+            local = local.to(self.device, p.dtype)
+            if local._base is not None:  # a view (biases come as slices of zeros): keep only the slice
+                local = local.clone()
+        out = nn.Parameter(local, requires_grad=p.requires_grad)
+        out._tp_shard_dim = dim
+        self.shards[id(p)] = (p, out)
+        return out
+
+    def replicated(self, name: str, p: nn.Parameter | None) -> nn.Parameter | None:
+        """p itself, or (p on meta) a new Parameter holding its init value."""
+        if p is None or not p.is_meta:
+            return p
+        return nn.Parameter(init_parameter(name, p.shape, self.config, self.seed).to(self.device, p.dtype),
+                            requires_grad=p.requires_grad)
+
+    def materialize(self, module: nn.Module, name: str) -> None:
+        if any(p.is_meta for p in module.parameters()):
+            materialize_module(module, name, self.config, self.seed, self.device)
+
+    def mark_sequence_parallel(self, module: nn.Module) -> None:
+        for p in module.parameters():
+            p._sequence_parallel = True  # replicated, gradient all-reduced over TP inside backward
+
+
+def _vocab(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:
+    return VocabParallelEmbedding(b.shard(f"{name}.weight", m.weight, 0), b.group, b.sequence_parallel)
+
+
+def _position(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:
+    b.materialize(m, name)
+    if not b.sequence_parallel:
+        return m
+    b.mark_sequence_parallel(m)  # (its gradient is made whole by the all-gather; marked for the record)
+    return SequenceParallelPositionEmbedding(m, b.group)
+
+
+def _norm(b: _Builder, name: str, m: nn.LayerNorm) -> nn.Module:
+    b.materialize(m, name)
+    if b.sequence_parallel:
+        b.mark_sequence_parallel(m)
+    return ParallelLayerNorm(m, b.group, b.sequence_parallel)
+
+
+def _colwise(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
+    return ColumnParallelLinear(b.shard(f"{name}.weight", m.weight, 0), b.shard(f"{name}.bias", m.bias, 0), b.group)
+
+
+def _rowwise(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
+    layer = RowParallelLinear(b.shard(f"{name}.weight", m.weight, 1), b.replicated(f"{name}.bias", m.bias),
+                              b.group, b.sequence_parallel)
+    if b.sequence_parallel and layer.bias is not None:
+        layer.bias._sequence_parallel = True
+    return layer
+
+
+def _vocab_head(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
+    # GPT ties this weight to wte's, already sharded by "vocab": shard() returns that same Parameter.
+    return ColumnParallelLinear(b.shard(f"{name}.weight", m.weight, 0), None, b.group,
+                                gather_output=not b.loss_parallel)
+
+
+STYLES = {"vocab": _vocab, "position": _position, "norm": _norm, "colwise": _colwise, "rowwise": _rowwise,
+          "vocab_head": _vocab_head}
+
+
+def plan_entry(name: str, plan: dict[str, str] = TP_PLAN) -> str | None:
+    """The first pattern of `plan` that module `name` matches, or None: the module is left as it is."""
+    return next((pattern for pattern in plan if fnmatch.fnmatchcase(name, pattern)), None)
+
+
+def plan_style(name: str, plan: dict[str, str] = TP_PLAN) -> str | None:
+    """The style of module `name` under `plan`, or None."""
+    pattern = plan_entry(name, plan)
+    return plan[pattern] if pattern else None
+
+
+def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_parallel: bool,
+                          seed: int | None = None, device: torch.device | str | None = None) -> GPT:
+    """Shard `model` in place over `tp_group` by TP_PLAN and return it.
+
+    With `seed` the model may be on meta: only this rank's shards (and the replicated LayerNorms and
+    position table) are materialised on `device` (default CPU), bit-identical to the matching slices of
+    eager init. Without loss parallelism the logits are all-gathered over the vocab and the model's
+    plain cross-entropy is used; with it, logits stay this rank's (B, T, V/p) and the model's loss_fn
+    becomes vocab_parallel_cross_entropy.
+    """
+    tp = comm.world(tp_group)
+    reason = check_tp_divisibility(model.config, tp)
+    if reason:
+        raise ValueError(f"cannot apply tensor parallelism: {reason}")
+    if model.config.dropout > 0 and tp > 1:
+        raise ValueError(f"dropout ({model.config.dropout}) under tensor parallelism is not supported: the ranks "
+                         f"would need coordinated RNG streams (Megatron's RNG tracker); set dropout=0")
+    meta = any(p.is_meta for p in model.parameters())
+    if meta and seed is None:
+        raise ValueError("the model is on meta: pass seed= so apply_tensor_parallel can materialise its shards")
+    if device is None:
+        device = torch.device("cpu") if meta else next(model.parameters()).device
+    b = _Builder(tp_group, loss_parallel, sequence_parallel, model.config, seed, torch.device(device), {})
+    matched = set()
+    for name, module in list(model.named_modules()):
+        pattern = plan_entry(name)
+        if pattern is None:
+            continue
+        matched.add(pattern)
+        new = STYLES[TP_PLAN[pattern]](b, name, module)
+        if new is not module:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, new)
+    unmatched = set(TP_PLAN) - matched
+    if unmatched:
+        raise ValueError(f"TP_PLAN entries match no module of the model: {sorted(unmatched)}")
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta:
+        raise ValueError(f"parameters outside TP_PLAN left on meta: {still_meta}")
+    if loss_parallel:
+        model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp_group)
+    return model
+
+
+# ----------------------------------------------------------------------------- helpers for the trainer
+
+def tp_norm_groups(model: nn.Module, tp_group) -> list[tuple[nn.Parameter, tuple]]:
+    """(param, groups) for parallelize.clip_grad_norm_: (tp_group,) for sharded parameters (their squares
+    are summed over the group), () for replicated ones (counted once: their gradients agree on all ranks)."""
+    return [(p, (tp_group,) if hasattr(p, "_tp_shard_dim") else ()) for p in model.parameters()]
+
+
+def full_tensor(t: torch.Tensor, shard_dim: int | None, group) -> torch.Tensor:
+    """The whole tensor from every rank's shard along shard_dim (all-gather); t itself if replicated."""
+    if shard_dim is None or comm.world(group) == 1:
+        return t
+    return all_gather_along(t.detach(), shard_dim, group)
+
+
+def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, loss_parallel: bool,
+                                 sequence_parallel: bool, dtype_bytes: int = 4,
+                                 residual_bytes: int | None = None) -> dict[str, int]:
+    """Bytes parallel/comm.COUNTER records on one rank for one forward + backward, by kind.
+
+    dtype_bytes: element size of matmul outputs (the compute dtype). residual_bytes: that of the residual
+    stream, embeddings and LayerNorm outputs; default dtype_bytes, but 4 under autocast (they stay fp32).
+    With A(b) = B*T*C*b, one activation:
+    - the region's 2L+1 entries (ln_1, ln_2 of each block, ln_f): f's backward all-reduce of A(residual),
+      or under SP an all-gather forward and a reduce-scatter backward of A(residual) each;
+    - its 2L exits (attn.c_proj, mlp.c_proj): g's forward all-reduce of A(dtype), or under SP a
+      reduce-scatter forward and an all-gather backward each; the embedding's exit likewise, of A(residual);
+    - under SP also the position embeddings' backward all-gather (T*C) and the fp32 all-reduce of the
+      gradients of the replicated parameters that saw only T/p positions (LayerNorms, row-parallel biases);
+    - the loss: with loss parallelism 3 fp32 numbers per token (max; target logit and sum-exp), else the
+      all-gather of the full (B, T, V) logits.
+    """
+    out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+    if tp == 1:
+        return out
+    residual_bytes = dtype_bytes if residual_bytes is None else residual_bytes
+    C, L, N = config.n_embd, config.n_layer, B * T
+    entries = (2 * L + 1) * N * C * residual_bytes
+    exits = 2 * L * N * C * dtype_bytes + N * C * residual_bytes
+    if sequence_parallel:
+        out["all_gather"] += entries + exits + T * C * residual_bytes
+        out["reduce_scatter"] += entries + exits
+        n_bias = 1 if config.bias else 0
+        out["all_reduce"] += ((2 * L + 1) * (1 + n_bias) * C + 2 * L * n_bias * C) * 4
+    else:
+        out["all_reduce"] += entries + exits
+    if loss_parallel:
+        out["all_reduce"] += 3 * N * 4
+    else:
+        out["all_gather"] += N * config.vocab_size * dtype_bytes
+    return out
+
+
+# ----------------------------------------------------------------------------- PyTorch's DTensor reference
+
+def pytorch_tp_plan(model: GPT, loss_parallel: bool, sequence_parallel: bool) -> dict:
+    """Module name -> DTensor ParallelStyle for `parallelize_module`, the same sharding as TP_PLAN (as in
+    torchtitan). Re-tie lm_head.weight to transformer.wte.weight after parallelize_module.
+
+    Under SP the residual stream stays a DTensor sharded on T (Shard(1)): LayerNorms are SequenceParallel,
+    attn and mlp all-gather their input (PrepareModuleInput), the row-parallel layers reduce-scatter, and
+    the position embeddings are re-laid out as Shard(0) over T to line up with it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+    sp = sequence_parallel
+    act = Shard(1) if sp else Replicate()
+    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=act,
+                                               use_local_output=not sp)}
+    if sp:
+        plan["transformer.wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0),
+                                                      use_local_output=False)
+    for i in range(len(model.transformer.h)):
+        p = f"transformer.h.{i}"
+        plan.update({f"{p}.attn.c_q": ColwiseParallel(), f"{p}.attn.c_k": ColwiseParallel(),
+                     f"{p}.attn.c_v": ColwiseParallel(),
+                     f"{p}.attn.c_proj": RowwiseParallel(output_layouts=act, use_local_output=not sp),
+                     f"{p}.mlp.c_fc": ColwiseParallel(),
+                     f"{p}.mlp.c_proj": RowwiseParallel(output_layouts=act, use_local_output=not sp)})
+        if sp:
+            plan.update({f"{p}.ln_1": SequenceParallel(), f"{p}.ln_2": SequenceParallel(),
+                         f"{p}.attn": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+                         f"{p}.mlp": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),))})
+    if sp:
+        plan["transformer.ln_f"] = SequenceParallel()
+    plan["lm_head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                      use_local_output=not loss_parallel)
+    return plan
