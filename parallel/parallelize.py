@@ -18,9 +18,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from model import GPT, init_parameter
+from model import GPT, init_parameter, param_groups
 
-CUSTOM_AVAILABLE: dict[str, bool] = {"ddp": True, "fsdp": False, "tp": True}
+CUSTOM_AVAILABLE: dict[str, bool] = {"ddp": True, "fsdp": True, "tp": True}
 
 
 @dataclass
@@ -31,7 +31,8 @@ class ParallelConfig:
     sequence_parallel: bool = False
     deferred_init: bool = False
     seed: int = 1337
-    param_dtype: torch.dtype | None = None
+    param_dtype: torch.dtype | None = None   # FSDP: dtype of the gathered compute copies (None: fp32)
+    reduce_dtype: torch.dtype = torch.float32  # FSDP: dtype gradients are reduce-scattered in
     bucket_cap_mb: float = 25.0
     grad_compression: str | None = None  # custom DDP: "bf16" on the wire
 
@@ -46,12 +47,34 @@ class Parallelized:
     tp_rank: int = 0  # plain (non-DTensor) parameters are replicated over TP: tp rank 0 writes them
     tp_size: int = 1
 
+    tp_dims: dict[str, int] = field(default_factory=dict)  # our TP: name -> shard dim, recorded before FSDP
+
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.model.named_parameters())
 
+    @property
+    def fsdp(self):
+        from parallel.fsdp import FullyShardedDataParallel
+        return self.model if isinstance(self.model, FullyShardedDataParallel) else None
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups: decay only on (pieces of) original parameters with at least 2 dims."""
+        if self.fsdp is not None:
+            return self.fsdp.param_groups(weight_decay)
+        return param_groups(self.named_parameters(), weight_decay)
+
+    def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
+        return clip_grad_norm_(self.norm_groups, max_norm)
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        import metrics
+        return self.fsdp.state_bytes(optimizer) if self.fsdp is not None else metrics.state_bytes(self.model, optimizer)
+
     def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list:
         """This rank's parameters and AdamW moments as layout-independent entries (parallel/state.py)."""
-        from parallel.state import entries_for
+        from parallel.state import entries_for, entries_for_fsdp
+        if self.fsdp is not None:
+            return entries_for_fsdp(self.fsdp, optimizer, self.tp_dims, self.tp_rank, self.tp_size)
         return entries_for(self.named_parameters(), optimizer, self.replica_rank, self.sharded_as,
                            self.tp_rank, self.tp_size)
 
@@ -78,9 +101,10 @@ def apply_tp_pytorch(model: GPT, tp_mesh: DeviceMesh, loss_parallel: bool, seque
     model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) over vocab: re-tie after the swap
 
 
-def apply_fsdp_pytorch(model: GPT, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> None:
+def apply_fsdp_pytorch(model: GPT, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None,
+                       reduce_dtype: torch.dtype = torch.float32) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.transformer.h:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
@@ -176,7 +200,7 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
     if dims.tp_enabled:
         apply_tp_pytorch(model, mesh["tp"], cfg.loss_parallel, cfg.sequence_parallel)
     if dims.dp_enabled and cfg.dp_type == "fsdp":
-        apply_fsdp_pytorch(model, mesh["dp"], cfg.param_dtype)
+        apply_fsdp_pytorch(model, mesh["dp"], cfg.param_dtype, cfg.reduce_dtype)
     if cfg.deferred_init:
         materialize(model, cfg.seed, device)
         if model.lm_head.weight is not model.transformer.wte.weight:
@@ -194,54 +218,92 @@ def parallelize_custom(model: GPT, mesh: DeviceMesh, dims, cfg: ParallelConfig,
                        device: torch.device) -> Parallelized:
     """Our own wrappers, same order: TP (materialising only local shards if deferred) -> FSDP or DDP."""
     from parallel.ddp import DistributedDataParallel
+    from parallel.fsdp import FullyShardedDataParallel
     from parallel.tensor_parallel import apply_tensor_parallel
-    tp_group = mesh["tp"].get_group()
+    tp_group, dp_group = mesh["tp"].get_group(), mesh["dp"].get_group()
+    tp_rank, dp_rank = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
+    fsdp = dims.dp_enabled and cfg.dp_type == "fsdp"
     if dims.tp_enabled:
         apply_tensor_parallel(model, tp_group, cfg.loss_parallel, cfg.sequence_parallel,
                               seed=cfg.seed if cfg.deferred_init else None, device=device)
-    elif cfg.deferred_init:
+    elif cfg.deferred_init and not fsdp:
         model.init_weights(cfg.seed, device)
     # a TP-sharded gradient's squares are summed over tp; replicated ones (also under SP, whose partial
     # LayerNorm gradients the TP layers already all-reduce) count once
-    groups = {n: (tp_group,) if hasattr(p, "_tp_shard_dim") else () for n, p in model.named_parameters()}
+    tp_dims = {n: p._tp_shard_dim for n, p in model.named_parameters() if hasattr(p, "_tp_shard_dim")}
+    groups = {n: (tp_group,) if n in tp_dims else () for n, _ in model.named_parameters()}
+    if fsdp:
+        meta = any(p.is_meta for p in model.parameters())
+        model = FullyShardedDataParallel(model, process_group=dp_group, param_dtype=cfg.param_dtype,
+                                         reduce_dtype=cfg.reduce_dtype, device=device,
+                                         deferred_init_seed=cfg.seed if meta else None)
+        return Parallelized(model, fsdp_norm_groups(model, groups, dp_group), dp_rank, tp_rank=tp_rank,
+                            tp_size=dims.tp, tp_dims=tp_dims)
     if dims.dp_enabled and cfg.dp_type == "ddp":
-        model = DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
+        model = DistributedDataParallel(model, process_group=dp_group,
                                         bucket_cap_mb=cfg.bucket_cap_mb, grad_compression=cfg.grad_compression)
-        return Parallelized(model, attach_groups(model, groups), mesh["dp"].get_local_rank(),
-                            tp_rank=mesh["tp"].get_local_rank(), tp_size=dims.tp)
-    return Parallelized(model, attach_groups(model, groups), tp_rank=mesh["tp"].get_local_rank(), tp_size=dims.tp)
+        return Parallelized(model, attach_groups(model, groups), dp_rank, tp_rank=tp_rank, tp_size=dims.tp)
+    return Parallelized(model, attach_groups(model, groups), tp_rank=tp_rank, tp_size=dims.tp)
+
+
+def fsdp_norm_groups(fsdp, groups: dict[str, tuple], dp_group) -> list[tuple]:
+    """(flat shard piece, groups, lo, hi) per original parameter's slice of this rank's shard.
+
+    Every slice is sharded over dp; a TP-sharded parameter's slice is also sharded over tp. Without TP all
+    slices of one piece share their groups, so each piece is one item. The list starts with one empty
+    item per pattern (same on every rank), so clip_grad_norm_ issues the same reductions everywhere."""
+    items = [(torch.empty(0), (dp_group,) + g) for g in dict.fromkeys(groups.values())]
+    for unit in fsdp.units:
+        for spec in unit.specs:
+            a, b, start = fsdp._held(unit, spec)
+            for p, pa, pb in unit.pieces:
+                if b > a and pa <= start and start + (b - a) <= pb:
+                    items.append((p, (dp_group,) + groups[spec.names[0]], start - pa, start - pa + (b - a)))
+    if all(item[1] == (dp_group,) for item in items):
+        return [(p, (dp_group,)) for p in fsdp.flat_params]
+    return items
 
 
 # ----------------------------------------------------------------------------- gradient norm
 
 @torch.no_grad()
-def clip_grad_norm_(norm_groups: list[tuple[nn.Parameter, tuple]], max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None) -> torch.Tensor:
     """Global L2 norm of all gradients; scales them by min(1, max_norm / (norm + 1e-6)) if max_norm.
 
     Squares are summed locally per sharding pattern, then all-reduced over the groups that pattern is
-    sharded over, so each gradient element is counted exactly once whatever the layout."""
+    sharded over, so each gradient element is counted exactly once whatever the layout. Items are
+    (param, groups) or (param, groups, lo, hi) for a slice of a flat shard's gradient."""
     by_groups: dict[tuple, list[torch.Tensor]] = {}   # what to measure
-    to_scale: list[torch.Tensor] = []                  # the gradients' own storage, to clip in place
-    for p, groups in norm_groups:
+    to_scale: dict[int, torch.Tensor] = {}             # the gradients' own storage, to clip in place
+    for p, groups, *segment in norm_groups:
         g = p.grad
         if g is None:
             continue
+        if segment:  # (lo, hi): one original parameter's slice of a flat FSDP shard
+            to_scale[id(g)] = g
+            by_groups.setdefault(groups, []).append(g[segment[0]:segment[1]])
+            continue
         if isinstance(g, DTensor):
-            to_scale.append(g.to_local())
+            to_scale[id(g)] = g.to_local()
             if any(pl.is_partial() for pl in g.placements):  # e.g. LayerNorm grads under DTensor SP
                 g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
             g = g.to_local()
         else:
-            to_scale.append(g)
+            to_scale[id(g)] = g
         by_groups.setdefault(groups, []).append(g)
+    # Every rank must issue the same all-reduces in the same order, even for patterns of which it holds
+    # no element (an FSDP rank may hold no slice of some parameter): walk the patterns in list order.
     total = None
-    for groups, grads in by_groups.items():
-        sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum()
+    device = next(iter(to_scale.values())).device if to_scale else torch.device("cpu")
+    for groups in dict.fromkeys(item[1] for item in norm_groups):
+        grads = by_groups.get(groups, [])
+        sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum() if grads else \
+            torch.zeros((), device=device)
         for g in groups:
             dist.all_reduce(sq, group=g)  # a scalar: not counted as wrapper traffic
         total = sq if total is None else total + sq
     norm = total.sqrt() if total is not None else torch.zeros(())
     if max_norm is not None:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(to_scale, coef.to(norm.device))
+        torch._foreach_mul_(list(to_scale.values()), coef.to(norm.device))
     return norm

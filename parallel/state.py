@@ -104,3 +104,32 @@ def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.o
         out.append(Entry(name, full_shape(layout, tp_size), index, tensors,
                          _is_writer(layout, replica_rank, plain_replica_rank)))
     return out
+
+
+def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_dims: dict[str, int], tp_rank: int,
+                     tp_size: int) -> list[Entry]:
+    """Entries for our FSDP: each original parameter's slice of this rank's flat shard.
+
+    A slice covers elements [offset, offset + n) of the parameter as FSDP saw it: the whole parameter,
+    or under 2D the TP rank's shard along `tp_dims[name]`, whose positions in the full tensor are mapped
+    through the same rule as `_global_index`. Replicated-over-TP parameters are written by tp rank 0."""
+    ensure_optimizer_state(optimizer)
+    params = fsdp.sharded_state_dict()
+    moments = fsdp.sharded_optimizer_state(optimizer)
+    out, seen = [], set()
+    for name, piece in params.items():
+        if id(piece.flat) in seen or name == "lm_head.weight":  # the tied weight once, as wte
+            continue
+        seen.add(id(piece.flat))
+        shape = list(piece.shape)
+        local = torch.arange(torch.Size(shape).numel(), dtype=torch.int64, device=piece.flat.device).view(shape)
+        dim = tp_dims.get(name)
+        if dim is not None:
+            shape[dim] *= tp_size
+            full = torch.arange(torch.Size(shape).numel(), dtype=torch.int64, device=piece.flat.device).view(shape)
+            local = full.narrow(dim, tp_rank * piece.shape[dim], piece.shape[dim])
+        n = piece.flat.numel()
+        index = local.reshape(-1)[piece.offset:piece.offset + n]
+        tensors = {"param": piece.flat.view(-1), **{k: moments[name][k].flat.view(-1) for k in MOMENTS}}
+        out.append(Entry(name, tuple(shape), index, tensors, n > 0 and (dim is not None or tp_rank == 0)))
+    return out

@@ -1,0 +1,517 @@
+"""Our FSDP: ZeRO-3 over a data-parallel group, one flat parameter per unit (Rajbhandari et al. 2020).
+
+Units are the transformer Blocks, plus the root: wte, wpe, ln_f and lm_head, whose tied weight is stored
+once. A unit's parameters are concatenated into one flat fp32 buffer (the matrices that get weight decay
+first, then biases and LayerNorm, then zero padding up to a multiple of N); each rank keeps only its 1/N
+slice. Per micro-step, over the data-parallel group of N ranks:
+
+    forward:   all-gather each Block before it runs, free it after it ran (root: gathered for the whole step)
+    backward:  all-gather each Block again before its backward, reduce-scatter (SUM, then / N) its gradient
+               after it, free the gathered parameters and gradient
+
+so a micro-step moves 2 all-gathers and 1 reduce-scatter of the Block bytes, and 1 of each for the root
+(FSDP2 also keeps the root gathered from forward to backward: freeing it would be undone at once).
+
+How parameters come and go. The GPT's nn.Parameters are removed from its modules; each name becomes a
+plain attribute that is, while its unit is gathered, a view of the unit's `flat` leaf tensor (made by
+`flat.split(sizes)`, so autograd sums all the unit's gradients into `flat.grad` in one
+SplitWithSizesBackward, with no per-parameter copy), and otherwise a meta placeholder (no storage; using it
+raises). Freeing shrinks `flat`'s storage to 0 bytes. Gathering regrows it and writes through `flat.data`,
+an alias with its own version counter, so the views autograd saved in forward read the re-gathered values
+in backward without tripping the in-place check. Hooks: forward pre/post hooks on each Block; a tensor
+hook on each Block's output (runs before that Block's backward); a post-accumulate-grad hook on each
+`flat` (runs once all the unit's gradients are in); an autograd-engine callback at the end of backward.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from model import GPT, materialize_module
+from parallel import comm
+from parallel.mesh import pick_device
+
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state
+
+
+class ShardPiece(NamedTuple):
+    """This rank's part of one original parameter: `flat` holds elements [offset, offset + flat.numel()) of
+    the parameter flattened in row-major order; `shape` is the parameter's full shape."""
+    flat: torch.Tensor
+    offset: int
+    shape: torch.Size
+
+
+@dataclass
+class _ParamSpec:
+    names: list[str]                     # every name GPT knows it by, the init / state-dict name first
+    owners: list[tuple[nn.Module, str]]  # (module, attribute) pairs that show it
+    shape: torch.Size
+    offset: int                          # where it starts inside the unit's flat buffer
+    placeholder: torch.Tensor            # meta tensor the owners show between uses
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def _held(spec: _ParamSpec, lo: int, S: int) -> tuple[int, int, int]:
+    """(a, b, start): the shard [lo, lo + S) of the flat buffer holds elements [a, b) of the flattened
+    parameter (a == b == 0 when none), at [start, start + b - a) of the shard."""
+    a, b = max(spec.offset, lo), min(spec.offset + spec.numel, lo + S)
+    return (a - spec.offset, b - spec.offset, a - lo) if b > a else (0, 0, 0)
+
+
+class _FlatUnit:
+    """One unit's parameters as a flat buffer of `padded` elements, 1/N of it stored per rank.
+
+    Each rank stores:
+    - `shard`: its fp32 slice [rank*S, (rank+1)*S) of the flat buffer (S = padded / N), the master copy;
+    - `pieces`: up to two nn.Parameters that are views of `shard` (the slice's weight-decay part and its
+      no-decay part, padding excluded), which the optimizer steps on and whose `.grad` it reads;
+    - `flat`: a leaf tensor of all `padded` elements in the compute dtype. Its storage is allocated only
+      while the unit is gathered; the original parameters are then views of it, so autograd sums their
+      gradients into `flat.grad` through a single SplitWithSizesBackward.
+    """
+
+    def __init__(self, name: str, specs: list[_ParamSpec], shard: torch.Tensor, world: int, rank: int,
+                 n_decay: int, compute_dtype: torch.dtype):
+        self.name, self.specs, self.shard = name, specs, shard
+        self.numel = sum(s.numel for s in specs)
+        self.padded = shard.numel() * world
+        S, lo = shard.numel(), rank * shard.numel()
+        self.pieces: list[tuple[nn.Parameter, int, int]] = []  # (param, start, end) inside `shard`
+        self.decay: list[bool] = []
+        for start, end, decay in ((0, n_decay, True), (n_decay, self.numel, False)):
+            a, b = max(start, lo) - lo, min(end, lo + S) - lo
+            if b > a:
+                self.pieces.append((nn.Parameter(shard[a:b]), a, b))
+                self.decay.append(decay)
+        padding = self.padded - self.numel
+        self.split_sizes = [s.numel for s in specs] + ([padding] if padding else [])
+        self.flat = torch.empty(self.padded, dtype=compute_dtype, device=shard.device, requires_grad=True)
+        self.flat.untyped_storage().resize_(0)
+        self.state = "sharded"  # -> "gathering" (all-gather issued) -> "gathered" -> "sharded"
+        self._work = None
+        self._in_flight: tuple[torch.Tensor, ...] = ()  # all-gather input and output, alive until wait()
+        self.acc_grad: torch.Tensor | None = None  # full gradient kept across micro-steps under no_sync()
+
+    def gather(self, group: dist.ProcessGroup | None) -> None:
+        """Allocate `flat` and start the all-gather of every rank's shard into it (async, in compute dtype)."""
+        if self.state != "sharded":
+            return
+        self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
+        src = self.shard if self.shard.dtype == self.flat.dtype else self.shard.to(self.flat.dtype)
+        # Written through `.data`: a new alias with its own version counter, so autograd's saved views of
+        # `flat` from forward stay valid when backward re-gathers into the same storage.
+        out = self.flat.data
+        self._in_flight = (src, out)
+        self._work = comm.all_gather_into_tensor(out, src, group, async_op=True)
+        self.state = "gathering"
+
+    def wait(self) -> None:
+        if self.state == "gathering":
+            if self._work is not None:
+                self._work.wait()
+            self._work, self._in_flight, self.state = None, (), "gathered"
+
+    def show_full(self) -> None:
+        """Point every original parameter attribute at its view of the gathered `flat` (autograd-tracked)."""
+        for spec, view in zip(self.specs, self.flat.split(self.split_sizes)):
+            view = view.view(spec.shape)
+            for module, attr in spec.owners:
+                module.__dict__[attr] = view
+
+    def reshard(self) -> None:
+        """Free the gathered parameters: attributes show meta placeholders, `flat`'s storage shrinks to 0."""
+        if self.state == "sharded":
+            return
+        self.wait()
+        for spec in self.specs:
+            for module, attr in spec.owners:
+                module.__dict__[attr] = spec.placeholder
+        self.flat.untyped_storage().resize_(0)
+        self.state = "sharded"
+
+    def add_grad(self, shard_grad: torch.Tensor) -> None:
+        """Accumulate a reduced fp32 gradient slice (S elements) into the pieces' `.grad`."""
+        for p, a, b in self.pieces:
+            if p.grad is None:
+                p.grad = shard_grad[a:b]
+            else:
+                p.grad.add_(shard_grad[a:b])
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3 data parallelism for GPT with flat parameters, one per unit (each Block, and the root).
+
+    What each rank stores: 1/N of every unit's parameters (fp32 `shard`), their gradients, and hence 1/N of
+    AdamW's state; the optimizer steps on plain views of the shards (`param_groups`). Between uses the
+    GPT's original parameter attributes are meta placeholders: no storage, and a loud error if used.
+
+    What is communicated, when and in which direction (per micro-step; N = size of `process_group`):
+    - forward: each Block's flat shard is all-gathered (in `param_dtype`) in its forward pre-hook and, with
+      `reshard_after_forward`, freed in its forward hook; with `prefetch`, the next Block's all-gather is
+      issued before the current one runs. The root is gathered at the start of forward and kept until its
+      gradient is reduced (it is used at both ends of forward and first in backward).
+    - backward: a hook on each Block's output re-gathers that Block before its backward (and prefetches
+      the previous Block's); a hook on the unit's flat leaf fires once all its gradients are summed and
+      issues an async reduce-scatter (SUM in `reduce_dtype`, then / N, accumulated in fp32 into the shard
+      `.grad`). A callback queued on the autograd engine waits for the last reduce-scatters.
+    - `clip_grad_norm_`: one all-reduce of a scalar. State dicts: one all-gather (or broadcast) per unit.
+
+    Gradient accumulation. By default every micro-step's backward reduce-scatters, so memory stays 1/N
+    (gradients included) at the cost of one reduce-scatter of the model per micro-step. Under `no_sync()`
+    each rank instead keeps the full unsharded gradient (in `reduce_dtype`) across micro-steps and the
+    first backward outside the context reduce-scatters the sum: k-1 fewer reduce-scatters for k micro-steps,
+    but a full-size gradient per rank, which undoes ZeRO's gradient saving. The default is the former.
+
+    Mixed precision: `param_dtype` (None = fp32) is the dtype of the gathered compute copies, `reduce_dtype`
+    that of the reduce-scatter; the master shard, its gradient and the optimizer state stay fp32.
+
+    A GPT built on `meta` is materialised one unit at a time from `deferred_init_seed` on `device`
+    (default: `pick_device()`): init a unit, keep this rank's shard, drop the unit, so peak init memory is the
+    shards plus one unit, and the weights equal eager `init_weights(seed)` bit for bit (an eager GPT given a
+    seed is re-initialised the same way). The wrapped GPT owns no parameters any more (`module.parameters()`
+    is empty): use `num_params()` and the state-dict methods here.
+
+    `events` lists (what, unit, phase) for the last micro-step: all-gathers and reduce-scatters as they are
+    issued, and each Block's forward/backward start and end, so tests can check the prefetch order.
+    """
+
+    def __init__(self, module: GPT, process_group: dist.ProcessGroup | None = None,
+                 reshard_after_forward: bool = True, prefetch: bool = True,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
+                 deferred_init_seed: int | None = None, device: torch.device | str | None = None):
+        super().__init__()
+        self.module = module
+        self.group = process_group
+        self.world = comm.world(process_group)
+        self.rank = dist.get_rank(process_group) if self.world > 1 else 0
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.param_dtype = param_dtype or torch.float32
+        self.reduce_dtype = reduce_dtype
+        self.events: list[tuple[str, str, str]] = []  # (what, unit, phase) since the last forward began
+        self._sync = True
+        self._backward_started = False
+        self._pending: list[tuple[_FlatUnit, object, torch.Tensor, torch.Tensor]] = []
+
+        is_meta = any(p.is_meta for p in module.parameters())
+        if is_meta and deferred_init_seed is None:
+            raise ValueError("the model is on the meta device: pass deferred_init_seed to materialise it")
+        device = torch.device(device) if device is not None else (
+            pick_device("auto") if is_meta else next(module.parameters()).device)
+        self._state_dict_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+        aliases: dict[int, list[str]] = {}  # one entry per parameter object: [init name, *tied names]
+        for name, p in module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        self._aliases = list(aliases.values())
+        n_units = 1 + len(module.transformer.h)
+        self.units = [self._build_unit(i, deferred_init_seed, device) for i in range(n_units)]
+        self.flat_params = nn.ParameterList([p for u in self.units for p, _, _ in u.pieces])
+
+        for i, block in enumerate(module.transformer.h, start=1):
+            block.register_forward_pre_hook(partial(self._pre_forward, i))
+            block.register_forward_hook(partial(self._post_forward, i))
+        for unit in self.units:
+            unit.flat.register_post_accumulate_grad_hook(partial(self._post_backward, unit))
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    @staticmethod
+    def _unit_index(name: str) -> int:
+        """0 for the root, i + 1 for transformer.h.i."""
+        return int(name.split(".")[2]) + 1 if name.startswith("transformer.h.") else 0
+
+    def _build_unit(self, index: int, seed: int | None, device: torch.device) -> _FlatUnit:
+        """Materialise (if asked), flatten and shard one unit, then drop its full parameters."""
+        gpt = self.module
+        if seed is not None:
+            for prefix, sub in gpt.init_units():
+                if self._unit_index(prefix + ".") == index:
+                    materialize_module(sub, prefix, gpt.config, seed, device)
+        mine = [names for names in self._aliases if self._unit_index(names[0]) == index]
+        values = {names[0]: gpt.get_parameter(names[0]) for names in mine}  # the materialised ones
+        mine.sort(key=lambda names: values[names[0]].dim() < 2)  # stable: weight-decay matrices first
+        n_decay = sum(values[names[0]].numel() for names in mine if values[names[0]].dim() >= 2)
+
+        specs, offset = [], 0
+        for names in mine:
+            shape = values[names[0]].shape
+            owners = [(gpt.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names]
+            specs.append(_ParamSpec(names, owners, shape, offset,
+                                    torch.empty(shape, dtype=self.param_dtype, device="meta")))
+            offset += shape.numel()
+        S = -(-offset // self.world)  # padding: the last rank's shard ends in up to N - 1 zeros
+        shard = torch.zeros(S, dtype=torch.float32, device=device)
+        for spec in specs:  # copy only this rank's slice: no full flat copy of the unit is ever made
+            a, b, start = _held(spec, self.rank * S, S)
+            shard[start:start + b - a].copy_(values[spec.names[0]].detach().reshape(-1)[a:b])
+        del values
+        for spec in specs:
+            for module, attr in spec.owners:
+                module._parameters.pop(attr, None)
+                module.__dict__[attr] = spec.placeholder
+        name = "root" if index == 0 else f"transformer.h.{index - 1}"
+        return _FlatUnit(name, specs, shard, self.world, self.rank, n_decay, self.param_dtype)
+
+    # ------------------------------------------------------------------------------ forward / backward
+
+    def _gather(self, unit: _FlatUnit, phase: str) -> None:
+        if unit.state == "sharded":
+            self.events.append(("all_gather", unit.name, phase))
+            unit.gather(self.group)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """GPT's forward: (logits, loss). Gathers the root (and prefetches the first Block) first."""
+        self.events.clear()
+        root = self.units[0]
+        root.reshard()  # a copy left by a forward without backward may predate an optimizer step
+        self._gather(root, "forward")
+        if self.prefetch and len(self.units) > 1:
+            self._gather(self.units[1], "forward")
+        root.wait()
+        root.show_full()
+        logits, loss = self.module(idx, targets)
+        outputs = [t for t in (logits, loss) if t is not None and t.requires_grad]
+        for t in outputs:
+            t.register_hook(self._root_pre_backward)
+        if not outputs:
+            root.reshard()
+        return logits, loss
+
+    def _pre_forward(self, i: int, module: nn.Module, args) -> None:
+        unit = self.units[i]
+        self.events.append(("forward_start", unit.name, "forward"))
+        self._gather(unit, "forward")
+        if self.prefetch and i + 1 < len(self.units):
+            self._gather(self.units[i + 1], "forward")
+        unit.wait()
+        unit.show_full()
+
+    def _post_forward(self, i: int, module: nn.Module, args, output: torch.Tensor) -> None:
+        unit = self.units[i]
+        self.events.append(("forward_end", unit.name, "forward"))
+        needs_backward = torch.is_grad_enabled() and output.requires_grad
+        if self.reshard_after_forward or not needs_backward:
+            unit.reshard()
+        if needs_backward:
+            output.register_hook(partial(self._pre_backward, i))
+
+    def _start_backward(self) -> None:
+        if not self._backward_started:
+            self._backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _root_pre_backward(self, grad: torch.Tensor) -> None:
+        if self._backward_started:
+            return
+        self._start_backward()
+        root = self.units[0]
+        self._gather(root, "backward")  # only if a later forward freed it
+        if self.prefetch and len(self.units) > 1:
+            self._gather(self.units[-1], "backward")
+        root.wait()
+
+    def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
+        unit = self.units[i]
+        self._start_backward()
+        self.events.append(("backward_start", unit.name, "backward"))
+        self._gather(unit, "backward")
+        if self.prefetch and i > 1:
+            self._gather(self.units[i - 1], "backward")
+        unit.wait()
+
+    def _post_backward(self, unit: _FlatUnit, flat: torch.Tensor) -> None:
+        """All of the unit's gradients are in `flat.grad`: free the unit and reduce-scatter the gradient."""
+        self.events.append(("backward_end", unit.name, "backward"))
+        unit.reshard()
+        grad, flat.grad = flat.grad.to(self.reduce_dtype), None
+        if unit.acc_grad is not None:
+            grad, unit.acc_grad = unit.acc_grad.add_(grad), None
+        if not self._sync:
+            unit.acc_grad = grad
+            return
+        self._finish_reduce_scatters()  # at most one in flight: full gradients are not kept around
+        out = torch.empty(unit.shard.numel(), dtype=self.reduce_dtype, device=grad.device)
+        self.events.append(("reduce_scatter", unit.name, "backward"))
+        work = comm.reduce_scatter_tensor(out, grad, self.group, async_op=True)
+        self._pending.append((unit, work, out, grad))
+
+    def _finish_reduce_scatters(self) -> None:
+        for unit, work, out, _ in self._pending:
+            if work is not None:
+                work.wait()
+            out = out.float()
+            if self.world > 1:
+                out.div_(self.world)
+            unit.add_grad(out)
+        self._pending.clear()
+
+    def _end_backward(self) -> None:
+        """Queued on the autograd engine by the first pre-backward hook; runs after the whole backward."""
+        self._finish_reduce_scatters()
+        for unit in self.units:
+            unit.reshard()
+        self._backward_started = False
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside keep full unsharded gradients instead of reduce-scattering (see class doc)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # ---------------------------------------------------------------------------- optimizer helpers
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups over the shard views: decay on pieces of parameters with >= 2 dims, none on the rest."""
+        pieces = [(p, d) for u in self.units for (p, _, _), d in zip(u.pieces, u.decay)]
+        return [{"params": [p for p, d in pieces if d], "weight_decay": weight_decay},
+                {"params": [p for p, d in pieces if not d], "weight_decay": 0.0}]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the shard gradients so the global L2 norm is at most max_norm; return the norm before.
+
+        Each rank sums the squares of its shard gradients (padding holds none), one all-reduce SUM adds the
+        ranks' sums, and every rank applies the same coefficient max_norm / (norm + 1e-6), capped at 1.
+        """
+        grads = [p.grad for p in self.flat_params if p.grad is not None]
+        device = self.units[0].shard.device
+        sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros((), device=device)
+        comm.all_reduce(sq, self.group, op="sum")
+        total = sq.sqrt()
+        if grads:
+            torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
+        return total
+
+    # ----------------------------------------------------------------------------------- state dicts
+
+    def _held(self, unit: _FlatUnit, spec: _ParamSpec) -> tuple[int, int, int]:
+        return _held(spec, self.rank * unit.shard.numel(), unit.shard.numel())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded fp32 state dict, keyed like GPT.state_dict() (tied weight under both names), on
+        group rank 0; None elsewhere. Every rank must call it: one all-gather per unit."""
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            full = torch.empty(unit.padded, dtype=torch.float32, device=unit.shard.device)
+            comm.all_gather_into_tensor(full, unit.shard, self.group)
+            if self.rank == 0:
+                for spec in unit.specs:
+                    value = full[spec.offset:spec.offset + spec.numel].view(spec.shape).clone()
+                    out.update((name, value) for name in spec.names)
+        return {name: out[name] for name in self._state_dict_names} if self.rank == 0 else None
+
+    def sharded_state_dict(self) -> dict[str, ShardPiece]:
+        """{original name: this rank's ShardPiece} for every name in GPT.state_dict() (pieces may be empty;
+        the tied weight appears under both names). Pieces are views of the live fp32 shards; no
+        communication. Together the ranks' pieces tile each parameter exactly once."""
+        out: dict[str, ShardPiece] = {}
+        for unit in self.units:
+            for spec in unit.specs:
+                a, b, start = self._held(unit, spec)
+                piece = ShardPiece(unit.shard[start:start + b - a], a, spec.shape)
+                out.update((name, piece) for name in spec.names)
+        return {name: out[name] for name in self._state_dict_names}
+
+    def sharded_optimizer_state(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...] = MOMENTS,
+                                ) -> dict[str, dict[str, ShardPiece]]:
+        """{original name: {key: ShardPiece}}: the same slices as `sharded_state_dict()`, of the optimizer's
+        per-element state (AdamW's moments; present after the first step). No communication."""
+        out: dict[str, dict[str, ShardPiece]] = {}
+        for unit in self.units:
+            for spec in unit.specs:
+                a, b, start = self._held(unit, spec)
+                entry = {}
+                for p, pa, pb in unit.pieces:  # a parameter's slice never straddles two pieces
+                    if b > a and pa <= start and start + b - a <= pb:
+                        state = optimizer.state[p]
+                        i = start - pa
+                        entry = {k: ShardPiece(state[k][i:i + b - a], a, spec.shape) for k in keys}
+                if not entry:
+                    entry = {k: ShardPiece(unit.shard.new_empty(0), a, spec.shape) for k in keys}
+                out.update((name, entry) for name in spec.names)
+        return {name: out[name] for name in self._state_dict_names}
+
+    def load_sharded_state_dict(self, sd: dict[str, ShardPiece]) -> None:
+        """Copy this rank's pieces (the layout `sharded_state_dict()` gives) into the shards."""
+        for unit in self.units:
+            unit.reshard()
+            for spec in unit.specs:
+                a, b, start = self._held(unit, spec)
+                piece = sd[spec.names[0]]
+                if piece.offset != a or piece.flat.numel() != b - a:
+                    raise ValueError(f"{spec.names[0]}: piece [{piece.offset}, +{piece.flat.numel()}) does not "
+                                     f"match this rank's [{a}, {b}); use load_full_state_dict across layouts")
+                unit.shard[start:start + b - a].copy_(piece.flat)
+
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor] | None, from_rank0: bool = False) -> None:
+        """Load an unsharded state dict. Every rank passes it, or with `from_rank0` only group rank 0 does
+        (others pass None) and each unit's flat buffer is broadcast from it."""
+        for unit in self.units:
+            unit.reshard()
+            if from_rank0:
+                full = torch.zeros(unit.padded, dtype=torch.float32, device=unit.shard.device)
+                if self.rank == 0:
+                    for spec in unit.specs:
+                        full[spec.offset:spec.offset + spec.numel].copy_(sd[spec.names[0]].reshape(-1))
+                src = dist.get_global_rank(self.group, 0) if self.group is not None and self.world > 1 else 0
+                comm.broadcast(full, src, self.group)
+                S = unit.shard.numel()
+                unit.shard.copy_(full[self.rank * S:(self.rank + 1) * S])
+                continue
+            for spec in unit.specs:
+                a, b, start = self._held(unit, spec)
+                unit.shard[start:start + b - a].copy_(sd[spec.names[0]].reshape(-1)[a:b])
+
+    # --------------------------------------------------------------------------------------- metrics
+
+    @property
+    def config(self):
+        return self.module.config
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Unique parameters of the unsharded model, as GPT.num_params counts them."""
+        n = sum(u.numel for u in self.units)
+        return n - self.config.block_size * self.config.n_embd if non_embedding else n
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Bytes this rank holds for parameters, gradients (shard grads, and unsharded ones kept under
+        no_sync) and `optimizer`'s state: the sum over distinct storages, padding included."""
+        tensors = []
+        for unit in self.units:
+            tensors.append(unit.shard)
+            tensors += [p.grad for p, _, _ in unit.pieces if p.grad is not None]
+            tensors += [t for t in (unit.flat.grad, unit.acc_grad) if t is not None]
+        if optimizer is not None:
+            for p in self.flat_params:
+                tensors += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        seen, total = set(), 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            if t.is_meta or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return total
+
+    def comm_bytes_per_micro_step(self) -> dict[str, int]:
+        """What parallel/comm.COUNTER records for one synchronised forward + backward: the padded flat
+        buffers, i.e. at most N - 1 elements per unit more than the parameters themselves."""
+        if self.world == 1:
+            return {"all_gather": 0, "reduce_scatter": 0}
+        passes = 2 if self.reshard_after_forward else 1
+        elems = [u.padded for u in self.units]
+        p_size = torch.empty((), dtype=self.param_dtype).element_size()
+        r_size = torch.empty((), dtype=self.reduce_dtype).element_size()
+        return {"all_gather": (elems[0] + passes * sum(elems[1:])) * p_size,
+                "reduce_scatter": sum(elems) * r_size}
