@@ -164,30 +164,22 @@ def fit_heads(config: GPTConfig, tp: int) -> GPTConfig:
 
 # ----------------------------------------------------------------------------- theory
 
-def param_bytes(config: GPTConfig, tp: int = 1, dtype_bytes: int = 4) -> int:
+def param_bytes(config: GPTConfig, tp: int = 1, dtype_bytes: int = 4, root_only: bool = False) -> int:
     """Bytes of one rank's parameters under Megatron TP (tp=1: Psi, the tied weight counted once).
 
     Split over the tp ranks: the vocab (wte = lm_head), column-parallel weights and biases (c_q, c_k, c_v,
     mlp.c_fc) and row-parallel weights (attn.c_proj, mlp.c_proj). Replicated: LayerNorms, the position
-    embedding and the row-parallel biases."""
+    embedding and the row-parallel biases. root_only: just the parameters outside the Blocks (FSDP's root
+    unit: wte = lm_head, wpe, ln_f)."""
     with torch.device("meta"):
         model = GPT(config)
     total = 0
     for name, p in model.named_parameters():  # named_parameters yields the tied weight once
+        if root_only and name.startswith("transformer.h."):
+            continue
         replicated = ".ln_" in name or "ln_f" in name or "wpe" in name or name.endswith("c_proj.bias")
         total += p.numel() if replicated else p.numel() // tp
     return total * dtype_bytes
-
-
-def fsdp_root_fraction(config: GPTConfig) -> float:
-    """Share of the parameters outside the Blocks (wte = lm_head, wpe, ln_f): FSDP's root unit, which both
-    our FSDP and FSDP2 keep gathered from forward to backward, so they all-gather it once per micro-step,
-    not twice. The measured/theory ratio for FSDP is then (3 - root) / 3."""
-    with torch.device("meta"):
-        model = GPT(config)
-    total = sum(p.numel() for p in model.parameters())
-    blocks = sum(p.numel() for p in model.transformer.h.parameters())
-    return (total - blocks) / total
 
 
 def tp_bytes_fallback(config: GPTConfig, B: int, T: int, tp: int, loss_parallel: bool,
@@ -231,7 +223,9 @@ def comm_theory(lay: Layout, setup: Setup) -> tuple[dict[str, int], str]:
     if lay.dp_type == "ddp":
         out["all_reduce"] += psi
     elif lay.dp_type == "fsdp":
-        out["all_gather"] += 2 * psi * A
+        # each Block is gathered before its forward and again before its backward; the root unit is
+        # gathered once, as it is needed at both ends of forward and first in backward (FSDP2 does the same)
+        out["all_gather"] += (2 * psi - param_bytes(setup.config, lay.tp, root_only=True)) * A
         out["reduce_scatter"] += psi * A
     source = ""
     if lay.tp > 1:
@@ -769,10 +763,9 @@ def main(argv: list[str] | None = None) -> int:
     setup = replace(setup, dataset=ensure_dataset(args.dataset, args.out, setup.config.vocab_size))
     notes = []
     if any(lay.dp_type == "fsdp" for lay in layouts):
-        root = fsdp_root_fraction(setup.config)
-        notes.append(f"FSDP: the root unit (wte = lm_head, wpe, ln_f) is {100 * root:.1f}% of Ψ and is all-gathered "
-                     f"once per micro-step, not twice (kept gathered from forward to backward, as FSDP2 does), so "
-                     f"measured/theory is expected near {(3 - root) / 3:.3f} (plus padding to a multiple of N)")
+        notes.append("FSDP theory per micro-step: all-gather 2Ψ_blocks + Ψ_root (the root unit, wte = lm_head, "
+                     "wpe and ln_f, stays gathered from forward to backward, as in FSDP2), reduce-scatter Ψ; "
+                     "measured bytes also carry each unit's padding to a multiple of N (< N elements)")
     base = make_config(setup.model)
     if setup.config.n_head != base.n_head:
         notes.append(f"n_head raised from the preset's {base.n_head} to {setup.config.n_head} so that TP divides it")

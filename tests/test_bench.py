@@ -46,12 +46,13 @@ class TestTheory(unittest.TestCase):
             theory, _ = bench.comm_theory(Layout("ddp", "custom", dp=2), s)
             self.assertEqual(theory, {"all_reduce": psi_by_hand(CFG), "all_gather": 0, "reduce_scatter": 0})
 
-    def test_fsdp_is_three_psi_per_micro_step(self):
+    def test_fsdp_is_three_psi_less_the_root_per_micro_step(self):
         psi = psi_by_hand(CFG)
+        root = 4 * (CFG.vocab_size * CFG.n_embd + CFG.block_size * CFG.n_embd + 2 * CFG.n_embd)
         s = make_setup(micro_cap=2)  # 8 rows over dp=2: micro 2, grad_accum 2
         self.assertEqual((s.micro_batch(2), s.grad_accum(2)), (2, 2))
         theory, _ = bench.comm_theory(Layout("fsdp", "custom", dp=2), s)
-        self.assertEqual(theory, {"all_reduce": 0, "all_gather": 2 * psi * 2, "reduce_scatter": psi * 2})
+        self.assertEqual(theory, {"all_reduce": 0, "all_gather": (2 * psi - root) * 2, "reduce_scatter": psi * 2})
 
     def test_tp_fallback_is_megatron(self):
         B, T, C, L, V = 4, 8, CFG.n_embd, CFG.n_layer, CFG.vocab_size
@@ -63,10 +64,7 @@ class TestTheory(unittest.TestCase):
         self.assertEqual(sum(bench.tp_bytes_fallback(CFG, B, T, 1, True).values()), 0)
 
     def test_tp_fallback_agrees_with_the_tp_module(self):
-        try:
-            from parallel.tensor_parallel import tp_comm_bytes_per_micro_step as fn
-        except Exception:  # noqa: BLE001
-            self.skipTest("parallel.tensor_parallel.tp_comm_bytes_per_micro_step not available")
+        from parallel.tensor_parallel import tp_comm_bytes_per_micro_step as fn
         for lp in (True, False):
             got = fn(CFG, 4, 8, 2, lp, False, dtype_bytes=4)
             self.assertEqual({k: got.get(k, 0) for k in bench.KINDS}, bench.tp_bytes_fallback(CFG, 4, 8, 2, lp))
@@ -77,13 +75,14 @@ class TestTheory(unittest.TestCase):
         ddp, _ = bench.comm_theory(Layout("2d-ddp", "custom", dp=2, tp=2), s)
         self.assertEqual(ddp["all_reduce"], psi_by_hand(CFG, 2) + tp["all_reduce"])
         fsdp, _ = bench.comm_theory(Layout("2d-fsdp", "custom", dp=2, tp=2), s)
-        self.assertEqual(fsdp["all_gather"], 2 * psi_by_hand(CFG, 2) + tp["all_gather"])
+        root_tp2 = 4 * (CFG.vocab_size * CFG.n_embd // 2 + CFG.block_size * CFG.n_embd + 2 * CFG.n_embd)
+        self.assertEqual(fsdp["all_gather"], 2 * psi_by_hand(CFG, 2) - root_tp2 + tp["all_gather"])
         self.assertEqual(fsdp["reduce_scatter"], psi_by_hand(CFG, 2) + tp["reduce_scatter"])
 
-    def test_fsdp_root_fraction(self):
+    def test_fsdp_root_bytes(self):
         C = CFG.n_embd
-        root = CFG.vocab_size * C + CFG.block_size * C + 2 * C
-        self.assertAlmostEqual(bench.fsdp_root_fraction(CFG), 4 * root / psi_by_hand(CFG))
+        root = CFG.vocab_size * C + CFG.block_size * C + 2 * C  # wte (= lm_head), wpe, ln_f
+        self.assertEqual(bench.param_bytes(CFG, root_only=True), 4 * root)
 
 
 class TestMatrix(unittest.TestCase):
