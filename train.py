@@ -11,19 +11,21 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_dir
-from model import GPT, PRESETS, GPTConfig, make_config, param_groups
+from model import GPT, PRESETS, GPTConfig, make_config
+import checkpoint
 import metrics as observe
 from parallel import comm
 from parallel.mesh import ParallelDims, dp_group, env_world, init_distributed, pick_device
-from parallel.parallelize import ParallelConfig, Parallelized, clip_grad_norm_, not_implemented, parallelize
+from parallel.parallelize import ParallelConfig, Parallelized, not_implemented, parallelize
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -43,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # the seed's flags
     a("--tensor_parallel_size", type=int, default=1, help="degree of tensor parallelism")
     a("--enable_loss_parallelism", action="store_true", help="vocab-parallel cross-entropy under TP")
+    a("--sequence_parallel", action="store_true", help="TP: LayerNorms/residuals on sequence-sharded activations")
     a("--data_parallel_size", type=int, default=1, help="degree of data parallelism")
     a("--data_parallel_type", choices=["ddp", "fsdp"], default=None, help="required when dp > 1")
     a("--implementation", choices=["custom", "pytorch"], default="custom")
@@ -50,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--gradient_clipping", action="store_true", help="clip the global gradient norm at 1.0")
     a("--bucket_cap_mb", type=float, default=25.0, help="custom DDP: gradient bucket size")
     a("--grad_compression", choices=["none", "bf16"], default="none", help="custom DDP: bf16 on the wire")
+    a("--param_dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+      help="FSDP: dtype of the gathered compute copies of the parameters (the master shard stays fp32)")
+    a("--reduce_dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+      help="FSDP: dtype gradients are reduce-scattered in")
     a("--eval_interval", type=int, default=25)
     a("--dataset", default="shakespeare", help="shakespeare, openwebtext, or a dir with train.bin/val.bin")
     # model
@@ -79,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="peak FLOP/s of one device, for MFU (default: datasheet for known GPUs, else measured)")
     a("--profile", type=int, default=0, metavar="N",
       help="write a torch.profiler trace of N steps (after 2 warm-up steps) to <out_dir>/profile")
+    # checkpoints and resuming
+    a("--checkpoint_interval", type=int, default=0, metavar="N",
+      help="save a checkpoint every N steps and at the end, in <out_dir>/checkpoints (default 0: never)")
+    a("--keep_checkpoints", type=int, default=3, metavar="K", help="keep the newest K checkpoints (default 3)")
+    a("--resume", action="store_true",
+      help="continue from the newest complete checkpoint in --out_dir (none there: start fresh)")
     args = p.parse_args(argv)
     if args.out_dir is None:
         args.out_dir = os.path.join("runs", f"{args.model}-{os.path.basename(os.path.normpath(args.dataset))}")
@@ -97,6 +110,7 @@ class Plan:
     data_dir: str
     rank: int
     hf_state: dict | None = None
+    resume_from: str | None = None  # checkpoint directory (--resume found one)
 
 
 def validate(args: argparse.Namespace) -> Plan:
@@ -106,6 +120,11 @@ def validate(args: argparse.Namespace) -> Plan:
                  "total_batch_size", "max_steps", "eval_interval", "eval_iters"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.checkpoint_interval < 0 or args.keep_checkpoints < 1:
+        raise UsageError(f"--checkpoint_interval must be >= 0 and --keep_checkpoints >= 1, got "
+                         f"{args.checkpoint_interval} and {args.keep_checkpoints}")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues the run in --out_dir and --overwrite discards it: pass one of them")
     try:
         dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world_size)
         device = pick_device(args.device)
@@ -115,6 +134,11 @@ def validate(args: argparse.Namespace) -> Plan:
         raise UsageError(f"--data_parallel_type ddp|fsdp is required with --data_parallel_size {dims.dp}")
     if args.enable_loss_parallelism and dims.tp == 1:
         raise UsageError("--enable_loss_parallelism needs --tensor_parallel_size > 1")
+    if args.sequence_parallel and dims.tp == 1:
+        raise UsageError("--sequence_parallel needs --tensor_parallel_size > 1")
+    if args.sequence_parallel and args.seq_len % dims.tp:
+        raise UsageError(f"--sequence_parallel needs --seq_len ({args.seq_len}) divisible by "
+                         f"--tensor_parallel_size ({dims.tp})")
 
     hf_state = None
     if args.init_from != "scratch":
@@ -154,11 +178,31 @@ def validate(args: argparse.Namespace) -> Plan:
     except DataError as e:
         raise UsageError(str(e)) from None
     metrics = os.path.join(args.out_dir, "metrics.jsonl")
-    if os.path.exists(metrics) and not args.overwrite:
-        raise UsageError(f"{args.out_dir} already holds a run ({metrics}); pass --overwrite to start afresh "
-                         f"or choose another --out_dir")
+    held = metrics if os.path.exists(metrics) else (checkpoint.newest(args.out_dir) or None)
+    if held and not (args.overwrite or args.resume):
+        raise UsageError(f"{args.out_dir} already holds a run ({held}); pass --resume to continue it, "
+                         f"--overwrite to start afresh, or choose another --out_dir")
+    resume_from = resume_checkpoint(args, config) if args.resume else None
     return Plan(dims, config, device, dtype, args.total_batch_size // tokens_per_micro,
-                args.total_batch_size // args.seq_len, data_dir, rank, hf_state)
+                args.total_batch_size // args.seq_len, data_dir, rank, hf_state, resume_from)
+
+
+def resume_checkpoint(args: argparse.Namespace, config: GPTConfig) -> str | None:
+    """--resume: the newest complete checkpoint in --out_dir (None if there is none), refused in one line
+    if it holds another model config. Every rank reads the manifest, so every rank refuses alike."""
+    path = checkpoint.newest(args.out_dir)
+    if path is None:
+        return None
+    try:
+        diff = checkpoint.config_mismatch(checkpoint.read_manifest(path), config)
+    except checkpoint.CheckpointError as e:
+        raise UsageError(f"--resume: {e}") from None
+    except KeyError as e:
+        raise UsageError(f"--resume: {path}: the manifest has no {e} entry") from None
+    if diff:
+        raise UsageError(f"--resume: checkpoint {path} holds another model config ({diff}); resume with the "
+                         f"same --model/--n_layer/--n_head/--n_embd/--block_size, or choose another --out_dir")
+    return path
 
 
 def fetch_hf_weights(name: str) -> dict:
@@ -183,6 +227,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def parallel_config(args: argparse.Namespace, dtype: torch.dtype) -> ParallelConfig:
     return ParallelConfig(dp_type=args.data_parallel_type if args.data_parallel_size > 1 else None,
                           implementation=args.implementation, loss_parallel=args.enable_loss_parallelism,
+                          sequence_parallel=args.sequence_parallel,
+                          param_dtype=None if args.param_dtype == "float32" else getattr(torch, args.param_dtype),
+                          reduce_dtype=getattr(torch, args.reduce_dtype),
                           deferred_init=args.deferred_init, seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
                           grad_compression=None if args.grad_compression == "none" else args.grad_compression)
 
@@ -220,8 +267,7 @@ def build(args: argparse.Namespace, plan: Plan) -> Trainer:
         model = GPT(plan.config)
         model.init_weights(args.seed, plan.device)
     par = parallelize(model, mesh, plan.dims, parallel_config(args, plan.dtype), plan.device)
-    groups = par.param_groups(args.weight_decay) if hasattr(par, "param_groups") else \
-        param_groups(par.named_parameters(), args.weight_decay)
+    groups = par.param_groups(args.weight_decay)
     fused = plan.device.type == "cuda" and not any(_is_dtensor(p) for p in par.model.parameters())
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
     scaler = torch.amp.GradScaler(plan.device.type) if plan.dtype == torch.float16 else None
@@ -262,7 +308,9 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 
 
 def _no_sync(t: Trainer, last: bool):
-    if not last and hasattr(t.model, "no_sync") and t.plan.dims.dp > 1:
+    """DDP communicates only on the last micro-step. FSDP reduce-scatters every micro-step: its no_sync
+    would keep a full unsharded gradient per rank, undoing the point of sharding."""
+    if not last and t.args.data_parallel_type == "ddp" and t.plan.dims.dp > 1:
         return t.model.no_sync()
     return contextlib.nullcontext()
 
@@ -298,8 +346,7 @@ def train_step(t: Trainer, step: int) -> dict:
     if t.scaler:
         t.scaler.unscale_(t.optimizer)
     clip = 1.0 if args.gradient_clipping else None
-    norm = t.par.clip_grad_norm_(clip) if hasattr(t.par, "clip_grad_norm_") else \
-        clip_grad_norm_(t.par.norm_groups, clip)
+    norm = t.par.clip_grad_norm_(clip)
     if t.scaler:
         t.scaler.step(t.optimizer)
         t.scaler.update()
@@ -309,7 +356,7 @@ def train_step(t: Trainer, step: int) -> dict:
     loss = _mean_over_dp(t, loss_sum)
     loss_value, norm_value = loss.item(), float(norm)  # .item() synchronises the device, so dt is honest
     dt = time.perf_counter() - t0
-    state = observe.state_bytes(t.model, t.optimizer)  # gradients still allocated: the step's true peak state
+    state = t.par.state_bytes(t.optimizer)  # gradients still allocated: the step's true peak state
     t.optimizer.zero_grad(set_to_none=True)
     tokens_per_sec = args.total_batch_size / dt
     metrics = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value,
@@ -420,6 +467,74 @@ def make_profiler(args: argparse.Namespace):
     return prof
 
 
+# ----------------------------------------------------------------------------- checkpoints
+
+MATH_ARGS = ("seed", "lr", "warmup_steps", "max_steps", "weight_decay", "total_batch_size", "seq_len",
+             "gradient_clipping", "grad_compression", "param_dtype", "reduce_dtype", "init_from",
+             "dataset")  # stored with each checkpoint; a resume with other values says so
+
+
+def save_checkpoint(t: Trainer, step: int) -> str:
+    """Collective: every rank writes its elements of the state after `step` (format: checkpoint.py)."""
+    a, d = t.args, t.plan.dims
+    extra = {"config": {"model": asdict(t.plan.config),
+                        "train": {**{k: getattr(a, k, None) for k in MATH_ARGS},
+                                  "dtype": str(t.plan.dtype).removeprefix("torch.")}},
+             "layout": {"world_size": d.world_size, "dp": d.dp, "tp": d.tp, "implementation": a.implementation,
+                        "dp_type": a.data_parallel_type if d.dp > 1 else None}}
+    if t.scaler is not None:
+        extra["scaler"] = t.scaler.state_dict()
+    return checkpoint.save(a.out_dir, step, t.par.checkpoint_entries(t.optimizer), t.optimizer, extra,
+                           rank=t.plan.rank, world_size=d.world_size, keep=a.keep_checkpoints,
+                           device=t.plan.device)
+
+
+def restore_checkpoint(t: Trainer) -> int:
+    """Load --resume's checkpoint (saved in any layout) into this one; returns its step. The data position
+    is the step itself: batches are a pure function of (seed, step)."""
+    path = t.plan.resume_from
+    m = checkpoint.load(path, t.par.checkpoint_entries(t.optimizer), t.optimizer, rank=t.plan.rank,
+                        world_size=t.plan.dims.world_size, device=t.plan.device)
+    if t.scaler is not None and "scaler" in m:
+        t.scaler.load_state_dict(m["scaler"])
+    if t.plan.rank == 0:
+        lay = m["layout"]
+        print(f"resuming from {path} (saved by {lay['implementation']} dp={lay['dp']}"
+              f"{' (' + lay['dp_type'] + ')' if lay['dp_type'] else ''} tp={lay['tp']}): continuing at step "
+              f"{m['step'] + 1}" + (f" (nothing left: --max_steps {t.args.max_steps})"
+                                    if m["step"] >= t.args.max_steps else ""), flush=True)
+        saved = m["config"]["train"]
+        changed = [f"--{k} {saved.get(k)!r} -> {getattr(t.args, k, None)!r}" for k in MATH_ARGS
+                   if saved.get(k) != getattr(t.args, k, None)]
+        if changed:
+            print(f"note: arguments differ from the checkpoint's run, so losses will differ from an "
+                  f"uninterrupted run: {', '.join(changed)}", flush=True)
+    return int(m["step"])
+
+
+def warn_shared_rendezvous_store() -> None:
+    """torchrun --max-restarts: by default the restarted workers join through the launcher's rendezvous
+    store, which still holds the previous attempt's process-group keys, so a restarted rank can read a dead
+    peer's address and fail or hang (torch 2.13). A fresh store per attempt avoids it."""
+    if (os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        print("warning: torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a restarted job "
+              "may read the previous attempt's peer addresses and fail or hang; export it before torchrun",
+              file=sys.stderr, flush=True)
+
+
+def is_finite_step(t: Trainer, m: dict) -> bool:
+    """A finite loss, and a finite gradient norm unless a GradScaler (which skips such steps) is in use."""
+    return math.isfinite(m["loss"]) and (t.scaler is not None or math.isfinite(m["grad_norm"]))
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """A collective that timed out or lost its peer (gloo and NCCL raise RuntimeErrors that say so)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(s in text for s in (
+        "gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed", "Broken pipe"))
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
@@ -429,17 +544,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t = build(args, plan)
     is_main = plan.rank == 0
-    logger = Logger(args.out_dir, is_main)
+    if args.overwrite and is_main:  # a fresh run: old checkpoints must not be resumed into it later
+        shutil.rmtree(os.path.join(args.out_dir, checkpoint.SUBDIR), ignore_errors=True)
+    logger = Logger(args.out_dir, is_main, append=args.resume)  # a resumed run appends to metrics.jsonl
     if is_main:
         print(describe(t), flush=True)
+        warn_shared_rendezvous_store()
+    step = 0
     try:
-        val = evaluate(t)
-        logger.log({"step": 0, "val_loss": val})
-        if is_main:
-            print(f"step 0 | val loss {val:.4f}", flush=True)
-        bar = progress_bar(args.max_steps, is_main)
+        step = start = restore_checkpoint(t) if plan.resume_from else 0
+        if args.resume and not plan.resume_from and is_main:
+            print(f"--resume: no complete checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
+                  f"starting fresh", flush=True)
+        if start == 0:  # a resumed run skips it: its checkpoint step's eval was logged before the save
+            val = evaluate(t)
+            logger.log({"step": 0, "val_loss": val})
+            if is_main:
+                print(f"step 0 | val loss {val:.4f}", flush=True)
+        bar = progress_bar(args.max_steps - start, is_main)
         profiler = make_profiler(args)
-        for step in range(1, args.max_steps + 1):
+        for step in range(start + 1, args.max_steps + 1):
+            checkpoint.maybe_inject_nan(step, t.model)  # test hook: GPT_INJECT_NAN_AT_STEP
             m = train_step(t, step)
             logger.log(m)
             if profiler is not None:
@@ -447,12 +572,32 @@ def main(argv: list[str] | None = None) -> int:
             line = (f"step {step} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | norm {m['grad_norm']:.3f} | "
                     f"dt {m['step_time_ms']:.0f}ms | tok/s {m['tokens_per_sec']:.0f} | mfu {100 * m['mfu']:.1f}%")
             say(bar, line, is_main)
+            if not is_finite_step(t, m):  # the same all-reduced numbers on every rank: all stop together
+                if is_main:
+                    print(f"train.py: error: step {step}: loss {m['loss']} / grad norm {m['grad_norm']} is not "
+                          f"finite; stopped without saving it. The newest checkpoint is "
+                          f"{checkpoint.newest(args.out_dir) or 'none'}", file=sys.stderr, flush=True)
+                return 3
             if step % args.eval_interval == 0 or step == args.max_steps:
                 val = evaluate(t)
                 logger.log({"step": step, "val_loss": val})
                 say(bar, f"step {step} | val loss {val:.4f}", is_main)
+            if args.checkpoint_interval and (step % args.checkpoint_interval == 0 or step == args.max_steps):
+                save_checkpoint(t, step)
+            checkpoint.maybe_kill(step, plan.rank)  # test hook: GPT_KILL_AT_STEP
         if profiler is not None:
             profiler.stop()
+    except checkpoint.CheckpointError as e:
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except RuntimeError as e:
+        if plan.dims.world_size == 1 or not is_comm_failure(e):
+            raise
+        print(f"train.py: error: rank {plan.rank}: a collective failed at step {step} (--timeout {args.timeout:g}s): "
+              f"a peer rank was lost or stalled; restart with --resume to continue from "
+              f"{checkpoint.newest(args.out_dir) or 'the start'} [{str(e).strip().splitlines()[0][:200]}]",
+              file=sys.stderr, flush=True)
+        return 4
     finally:
         logger.close()
         if dist.is_initialized():

@@ -72,7 +72,12 @@ class Parallelized:
 
     def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list:
         """This rank's parameters and AdamW moments as layout-independent entries (parallel/state.py)."""
+        from torch.distributed.fsdp import FSDPModule
+
         from parallel.state import entries_for, entries_for_fsdp
+        for module in self.model.modules():  # FSDP2 leaves the root unsharded after a no_grad forward
+            if isinstance(module, FSDPModule):  # (an eval), but the optimizer holds the sharded parameters
+                module.reshard()
         if self.fsdp is not None:
             return entries_for_fsdp(self.fsdp, optimizer, self.tp_dims, self.tp_rank, self.tp_size)
         return entries_for(self.named_parameters(), optimizer, self.replica_rank, self.sharded_as,

@@ -1,0 +1,405 @@
+"""Sharded, layout-independent, atomic training checkpoints.
+
+Layout on disk, under `<out_dir>/checkpoints/`:
+
+    step_000012/
+        manifest.json      rank 0: step, model config, math-relevant args, layout, optimizer step and
+                           param-group hyperparameters, the rank files, every tensor's full shape
+        rank_00000.pt      one per rank: the elements this rank is the designated writer of
+        rank_00001.pt      ...
+
+A rank file is a plain {key: tensor} dict saved with torch.save and read back with
+`torch.load(weights_only=True, mmap=True)` (no arbitrary unpickling). For each parameter name the
+rank writes (its entries from `Parallelized.checkpoint_entries`, see parallel/state.py):
+
+    "<name>::runs"         int64 (k, 2): (start, length) runs of flat positions in the full tensor
+    "<name>::param"        the values at those positions, in run order (1-D)
+    "<name>::exp_avg"      AdamW's first moment at the same positions
+    "<name>::exp_avg_sq"   and its second moment
+    "rng::cpu", "rng::cuda"  this rank's torch RNG states (written by every rank)
+
+Runs keep the index small: a DDP/FSDP shard is one run, a row-sharded TP weight one run per row.
+Elements held by several ranks (DDP replicas, TP-replicated LayerNorms) are written once.
+
+Loading works in any layout: each rank builds its own entries, and for every name assembles the full
+tensor from all files' pieces (memory-mapped), checks that every element is covered exactly once, and
+copies `full[index]` into its live views. So a checkpoint from one process, DDP, FSDP, TP or 2D resumes
+in any other with the same model config.
+
+Atomicity: rank 0 clears leftovers of interrupted saves and creates `step_000012.tmp-saving`; every rank
+writes and fsyncs its file; barrier; rank 0 checks all files are there, writes and fsyncs the manifest,
+fsyncs the directory, renames it to `step_000012` and fsyncs `checkpoints/`. Only a directory with its
+final name and a manifest counts as a checkpoint, so a save killed at any point leaves the previous one
+as the newest. Older checkpoints beyond the newest `keep` are renamed away, then deleted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from dataclasses import asdict, fields
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "gpt2-parallel-checkpoint"
+VERSION = 1
+SUBDIR = "checkpoints"
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+OPTIMIZER_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupt or does not fit the model it is loaded into."""
+
+
+def step_dir(out_dir: str, step: int) -> str:
+    return os.path.join(out_dir, SUBDIR, f"step_{step:06d}")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+# ----------------------------------------------------------------------------- finding checkpoints
+
+def list_checkpoints(out_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints in `out_dir` as (step, path), oldest first: a final name and a manifest."""
+    root = os.path.join(out_dir, SUBDIR)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = STEP_DIR.match(name)
+        if m and os.path.isfile(os.path.join(root, name, MANIFEST)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def newest(out_dir: str) -> str | None:
+    """The newest complete checkpoint in `out_dir`, or None."""
+    found = list_checkpoints(out_dir)
+    return found[-1][1] if found else None
+
+
+def read_manifest(path: str) -> dict:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read {MANIFEST} ({type(e).__name__}: {e})") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: not a version-{VERSION} {FORMAT} (format {manifest.get('format')!r}, "
+                              f"version {manifest.get('version')!r})")
+    return manifest
+
+
+def config_mismatch(manifest: dict, model_config) -> str | None:
+    """A one-line description of how the checkpoint's model config differs from `model_config`, or None."""
+    saved, ours = manifest["config"]["model"], asdict(model_config)
+    diff = [f"{k} {saved.get(k)!r} (checkpoint) vs {ours[k]!r}" for k in ours if saved.get(k) != ours[k]]
+    return ", ".join(diff) or None
+
+
+def model_config(manifest: dict):
+    from model import GPTConfig
+    known = {f.name for f in fields(GPTConfig)}
+    return GPTConfig(**{k: v for k, v in manifest["config"]["model"].items() if k in known})
+
+
+# ----------------------------------------------------------------------------- saving
+
+def _runs(index: torch.Tensor) -> torch.Tensor:
+    """int64 (k, 2) (start, length) runs of consecutive positions, in the order of `index`."""
+    if index.numel() == 0:
+        return torch.zeros((0, 2), dtype=torch.int64)
+    breaks = torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), breaks, torch.tensor([index.numel()])])
+    return torch.stack([index[bounds[:-1]], bounds[1:] - bounds[:-1]], dim=1)
+
+
+def _positions(runs: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_runs`: the flat positions the runs cover, in order."""
+    lengths = runs[:, 1]
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(runs[:, 0] - offsets, lengths) + torch.arange(int(lengths.sum()))
+
+
+def _shard_dict(entries: list, device: torch.device | None) -> dict[str, torch.Tensor]:
+    """This rank's file: its writer entries grouped by name (runs + values per kind) and its RNG states."""
+    by_name: dict[str, list] = {}
+    for e in entries:
+        if e.write and e.index.numel():
+            by_name.setdefault(e.name, []).append(e)
+    out: dict[str, torch.Tensor] = {}
+    for name, group in by_name.items():
+        out[f"{name}::runs"] = _runs(torch.cat([e.index.cpu() for e in group]))
+        for kind in group[0].tensors:
+            out[f"{name}::{kind}"] = torch.cat([e.tensors[kind].detach().to("cpu", copy=True) for e in group])
+    out["rng::cpu"] = torch.get_rng_state()
+    if device is not None and device.type == "cuda":
+        out["rng::cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """AdamW's step count (the same for every parameter) and each group's hyperparameters."""
+    steps = {float(s["step"]) for s in optimizer.state.values() if "step" in s}
+    if len(steps) > 1:
+        raise CheckpointError(f"optimizer parameters are at different step counts {sorted(steps)}; "
+                              f"this checkpoint format stores one")
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k in OPTIMIZER_HYPERPARAMETERS}
+              for g in optimizer.param_groups]
+    return {"step": steps.pop() if steps else 0.0, "param_groups": groups}
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_FILES_WRITTEN = 0  # by this process, for the GPT_CKPT_FAIL_AFTER_FILES test hook
+
+
+def _wrote_file() -> None:
+    global _FILES_WRITTEN
+    _FILES_WRITTEN += 1
+    limit = os.environ.get("GPT_CKPT_FAIL_AFTER_FILES")
+    if limit and _FILES_WRITTEN >= int(limit):
+        raise RuntimeError(f"GPT_CKPT_FAIL_AFTER_FILES={limit}: injected failure after writing "
+                           f"{_FILES_WRITTEN} checkpoint files (test hook)")
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimizer, extra: dict, *,
+         rank: int, world_size: int, keep: int, device: torch.device | None = None) -> str:
+    """Collective: every rank calls it with its own entries. Returns the final directory.
+
+    `extra` (from rank 0) goes into the manifest: "config" {"model", "train"}, "layout", and anything
+    else the trainer restores itself (e.g. "scaler")."""
+    root = os.path.join(out_dir, SUBDIR)
+    final = step_dir(out_dir, step)
+    tmp = final + ".tmp-saving"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # leftovers of saves or deletions that were interrupted
+            if ".tmp-" in name or name.endswith(".deleting"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    path = os.path.join(tmp, rank_file(rank))
+    with open(path, "wb") as f:
+        torch.save(_shard_dict(entries, device), f)
+        f.flush()
+        os.fsync(f.fileno())
+    _wrote_file()
+    _barrier()
+    if rank == 0:
+        files = [rank_file(r) for r in range(world_size)]
+        missing = [f for f in files if not os.path.exists(os.path.join(tmp, f))]
+        if missing:
+            raise CheckpointError(f"{tmp}: rank files {missing} are missing after every rank wrote its own; "
+                                  f"--out_dir must be on a filesystem that every node shares")
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, **extra,
+                    "optimizer": _optimizer_state(optimizer), "files": files,
+                    "tensors": {e.name: {"shape": list(e.shape)} for e in entries},
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        _wrote_file()
+        _fsync_dir(tmp)
+        if os.path.exists(final):  # e.g. re-saving a step after resuming from an older checkpoint
+            os.rename(final, final + ".deleting")
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        shutil.rmtree(final + ".deleting", ignore_errors=True)
+        prune(out_dir, keep)
+    _barrier()
+    return final
+
+
+def prune(out_dir: str, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints (renamed first, so a half-deleted one never
+    looks complete)."""
+    for _, path in list_checkpoints(out_dir)[:-keep]:
+        os.rename(path, path + ".deleting")
+        shutil.rmtree(path + ".deleting", ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- loading
+
+class _Shards:
+    """All rank files of a checkpoint, memory-mapped, and full tensors assembled from their pieces."""
+
+    def __init__(self, path: str, manifest: dict | None = None):
+        self.path = path
+        self.manifest = manifest or read_manifest(path)
+        self.files = []
+        for name in self.manifest["files"]:
+            try:
+                self.files.append(torch.load(os.path.join(path, name), map_location="cpu", weights_only=True,
+                                             mmap=True))
+            except Exception as e:  # noqa: BLE001 -- missing or corrupt file: say which
+                raise CheckpointError(f"{path}: cannot read {name} ({type(e).__name__}: {e})") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.manifest["tensors"]:
+            raise CheckpointError(f"{self.path} has no tensor {name!r}")
+        return tuple(self.manifest["tensors"][name]["shape"])
+
+    def full(self, name: str, kinds) -> dict[str, torch.Tensor]:
+        """{kind: flat full tensor} of `name`, assembled from every file's pieces; each element must be
+        written exactly once."""
+        numel = 1
+        for d in self.shape(name):
+            numel *= d
+        seen = torch.zeros(numel, dtype=torch.bool)
+        out: dict[str, torch.Tensor] = {}
+        for shard in self.files:
+            runs = shard.get(f"{name}::runs")
+            if runs is None:
+                continue
+            if runs.shape[0] == 1:  # one run (a DDP copy, an FSDP shard): a slice, no index needed
+                start, length = (int(v) for v in runs[0])
+                where = slice(start, start + length)
+            else:
+                where = _positions(runs)
+            if seen[where].any():
+                raise CheckpointError(f"{self.path}: elements of {name} are written by more than one rank file")
+            seen[where] = True
+            for kind in kinds:
+                piece = shard.get(f"{name}::{kind}")
+                if piece is None:
+                    raise CheckpointError(f"{self.path}: {name} has no {kind!r} values")
+                if kind not in out:
+                    out[kind] = torch.empty(numel, dtype=piece.dtype)
+                out[kind][where] = piece
+        if not bool(seen.all()):
+            raise CheckpointError(f"{self.path}: {name} is incomplete ({int(seen.sum())} of {numel} elements)")
+        return out
+
+
+def _check_same_step(step: int, device: torch.device | None) -> None:
+    """Every rank must have picked the same checkpoint (e.g. nodes that do not share --out_dir would not)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    t = torch.tensor([step, -step], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if int(t[0]) != step or int(t[1]) != -step:
+        raise CheckpointError(f"ranks resume from different checkpoints (steps {-int(t[1])}..{int(t[0])}); "
+                              f"--out_dir must be on a filesystem that every node shares")
+
+
+def load(path: str, entries: list, optimizer: torch.optim.Optimizer, *, rank: int, world_size: int,
+         device: torch.device | None = None) -> dict:
+    """Fill this rank's entries (parameters and AdamW moments), the optimizer's step count and group
+    hyperparameters, and (same world size only) this rank's RNG states from checkpoint `path`.
+    Collective when distributed (ranks check they load the same step). Returns the manifest."""
+    shards = _Shards(path)
+    manifest = shards.manifest
+    _check_same_step(int(manifest["step"]), device)
+    by_name: dict[str, list] = {}
+    for e in entries:
+        by_name.setdefault(e.name, []).append(e)
+    with torch.no_grad():
+        for name, group in by_name.items():
+            if shards.shape(name) != tuple(group[0].shape):
+                raise CheckpointError(f"{path}: {name} has shape {shards.shape(name)}, "
+                                      f"the model {tuple(group[0].shape)}")
+            full = shards.full(name, list(group[0].tensors))
+            for e in group:
+                index = e.index.cpu()
+                for kind, view in e.tensors.items():
+                    view.copy_(full[kind][index])
+    _load_optimizer_state(optimizer, manifest["optimizer"])
+    if manifest["layout"]["world_size"] == world_size:
+        own = shards.files[rank]
+        torch.set_rng_state(own["rng::cpu"].clone())
+        if "rng::cuda" in own and device is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(own["rng::cuda"].clone(), device)
+    return manifest
+
+
+def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            state = optimizer.state[p]
+            state["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32,
+                                         device=p.device if on_device else "cpu")
+    if len(saved["param_groups"]) == len(optimizer.param_groups):
+        for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
+            group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in hyper.items()})
+
+
+def consolidate(path: str, kinds=("param",)) -> dict[str, dict[str, torch.Tensor]]:
+    """{name: {kind: full tensor}} of a checkpoint, whatever layout saved it (one process, CPU)."""
+    shards = _Shards(path)
+    return {name: {k: v.view(shards.shape(name)) for k, v in shards.full(name, kinds).items()}
+            for name in shards.manifest["tensors"]}
+
+
+def load_model(path: str, device: torch.device | str = "cpu"):
+    """A single-process GPT with the parameters of checkpoint `path` (saved in any layout)."""
+    from model import GPT
+    manifest = read_manifest(path)
+    with torch.device("meta"):
+        model = GPT(model_config(manifest))
+    model.to_empty(device=device)
+    model.lm_head.weight = model.transformer.wte.weight  # to_empty unties
+    shards = _Shards(path, manifest)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if shards.shape(name) != tuple(p.shape):
+                raise CheckpointError(f"{path}: {name} has shape {shards.shape(name)}, the model {tuple(p.shape)}")
+            p.copy_(shards.full(name, ["param"])["param"].view(p.shape))
+    return model
+
+
+# ----------------------------------------------------------------------------- fault injection (tests only)
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def maybe_inject_nan(step: int, model: torch.nn.Module) -> None:
+    """GPT_INJECT_NAN_AT_STEP=s: before step s, set every parameter to NaN (this rank's storage), so the
+    step's loss is NaN on every rank."""
+    if _env_int("GPT_INJECT_NAN_AT_STEP") == step:
+        with torch.no_grad():
+            for p in model.parameters():
+                (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
+
+
+def maybe_kill(step: int, rank: int) -> None:
+    """GPT_KILL_AT_STEP=s: after step s (and its eval and checkpoint) rank GPT_KILL_RANK (default 0, or
+    "all") sends itself GPT_KILL_SIGNAL (KILL, or STOP to stall). With GPT_KILL_MARKER=file it happens
+    only while that file does not exist (it is created first), i.e. once across restarts."""
+    if _env_int("GPT_KILL_AT_STEP") != step:
+        return
+    who = os.environ.get("GPT_KILL_RANK", "0")
+    if who != "all" and int(who) != rank:
+        return
+    marker = os.environ.get("GPT_KILL_MARKER")
+    if marker:
+        if os.path.exists(marker):
+            return
+        with open(marker, "w") as f:
+            f.write(f"rank {rank} step {step}\n")
+    sig = getattr(signal, "SIG" + os.environ.get("GPT_KILL_SIGNAL", "KILL"))
+    print(f"GPT_KILL_AT_STEP={step}: rank {rank} sends itself {sig.name} (test hook)", flush=True)
+    os.kill(os.getpid(), sig)

@@ -1,0 +1,74 @@
+"""Export a run's checkpoint as one Hugging Face GPT-2 safetensors file (plus its config.json).
+
+    python export.py --out_dir runs/demo                       # -> runs/demo/hf/model.safetensors + config.json
+    python export.py --out_dir runs/demo --output gpt.safetensors
+
+The checkpoint (newest in --out_dir, or --checkpoint DIR; saved in any layout) is assembled into one
+model and written with `GPT.to_hf_state_dict`: HF names, Conv1D (in, out) weights, fused c_attn, and the
+vocab cut back to GPT-2's 50257 rows (the padding rows are dropped). `lm_head.weight` is left out: it is
+tied to `transformer.wte.weight`, safetensors refuses shared tensors, and transformers re-ties it on
+load (as its own save_pretrained does). The directory then loads with
+`GPT2LMHeadModel.from_pretrained(dir)`, and `GPT.from_hf_state_dict` reads the file back.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import checkpoint
+from data.tokenizer import GPT2_N_VOCAB
+
+
+def hf_config(config, hf_vocab: int) -> dict:
+    """transformers' GPT2Config fields for our model (GELU-tanh is HF's "gelu_new")."""
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": hf_vocab,
+            "n_positions": config.block_size, "n_ctx": config.block_size, "n_embd": config.n_embd,
+            "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
+            "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "resid_pdrop": config.dropout,
+            "embd_pdrop": config.dropout, "attn_pdrop": config.dropout, "tie_word_embeddings": True,
+            "bos_token_id": 50256, "eos_token_id": 50256, "torch_dtype": "float32"}
+
+
+def export(path: str, output: str) -> str:
+    """Write checkpoint `path` to `output` (safetensors) and config.json beside it; returns output."""
+    from safetensors.torch import save_file
+    model = checkpoint.load_model(path)
+    config = model.config
+    if not config.bias:
+        raise ValueError("HF GPT-2 has biases everywhere; a --bias-free model cannot be exported to it")
+    hf_vocab = GPT2_N_VOCAB if config.vocab_size == 50304 else config.vocab_size  # drop GPT-2's padding
+    sd = model.to_hf_state_dict(hf_vocab)
+    del sd["lm_head.weight"]  # tied to transformer.wte.weight
+    sd = {k: v.detach().contiguous() for k, v in sd.items()}
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    save_file(sd, output, metadata={"format": "pt"})
+    with open(os.path.join(os.path.dirname(os.path.abspath(output)), "config.json"), "w") as f:
+        json.dump(hf_config(config, hf_vocab), f, indent=2)
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out_dir", required=True, help="a training run with checkpoints")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the newest in --out_dir)")
+    p.add_argument("--output", default=None, help="the .safetensors file (default: <out_dir>/hf/model.safetensors)")
+    args = p.parse_args(argv)
+    path = args.checkpoint or checkpoint.newest(args.out_dir)
+    if path is None:
+        print(f"export.py: error: no complete checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}",
+              file=sys.stderr)
+        return 2
+    output = args.output or os.path.join(args.out_dir, "hf", "model.safetensors")
+    try:
+        export(path, output)
+    except (checkpoint.CheckpointError, ValueError) as e:
+        print(f"export.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {path} -> {output} (+ config.json)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

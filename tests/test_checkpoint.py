@@ -1,0 +1,419 @@
+"""Checkpoints: a killed run resumes bit for bit in every layout, a checkpoint loads into any other layout,
+saves are atomic, and failures (NaN, a lost or stalled peer, a restarted rank) end cleanly.
+
+Every run is a real `python train.py` / `torchrun train.py` on the stand-in corpus of tests/harness.py.
+Kill and resume, per layout: run K trains STEPS steps with a checkpoint every 2 and SIGKILLs itself after
+step KILL (and its checkpoint); that checkpoint is moved aside, so the resumed run R starts from the one
+before and recomputes steps KILL-1 and KILL. R's losses for those steps and its state at step KILL
+(parameters, both AdamW moments, step count) must equal K's bit for bit: K is the uninterrupted run.
+
+Adding a layout is one line in LAYOUTS (it then joins the kill-and-resume tests and the load-into-every-layout
+table); layouts that parallel.parallelize.not_implemented refuses are skipped until they exist.
+"""
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import torch
+
+import checkpoint
+from tests.harness import (ROOT, free_port, make_token_bins, rank0_only, read_metrics, spawn, train_losses,
+                           under_torchrun)
+
+STEPS, KILL, EVERY = 6, 4, 2
+BASE = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256",
+        "--max_steps", str(STEPS), "--eval_interval", "4", "--eval_iters", "2", "--warmup_steps", "2",
+        "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12", "--checkpoint_interval", str(EVERY),
+        "--keep_checkpoints", "2"]
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+DP2 = ["--data_parallel_size", "2"]
+TP2 = ["--tensor_parallel_size", "2"]
+
+# name: (ranks, flags)
+LAYOUTS = {
+    "single": (1, []),
+    "ddp_custom": (2, ["--implementation", "custom", *DP2, "--data_parallel_type", "ddp"]),
+    "ddp_pytorch": (2, ["--implementation", "pytorch", *DP2, "--data_parallel_type", "ddp"]),
+    "fsdp_custom": (2, ["--implementation", "custom", *DP2, "--data_parallel_type", "fsdp"]),
+    "fsdp_pytorch": (2, ["--implementation", "pytorch", *DP2, "--data_parallel_type", "fsdp"]),
+    "tp_custom": (2, ["--implementation", "custom", *TP2]),
+    "tp_pytorch": (2, ["--implementation", "pytorch", *TP2]),
+    "2d_pytorch": (4, ["--implementation", "pytorch", *TP2, *DP2, "--data_parallel_type", "fsdp"]),
+}
+
+
+def available(flags: list[str]) -> bool:
+    import train
+    from parallel.mesh import ParallelDims
+    from parallel.parallelize import not_implemented
+    args = train.parse_args(flags)
+    dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size,
+                        args.data_parallel_size * args.tensor_parallel_size)
+    return not_implemented(dims, train.parallel_config(args, torch.float32)) is None
+
+
+ACTIVE = {k: v for k, v in LAYOUTS.items() if available(v[1])}
+
+
+def launch(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: list[str] | None = None,
+           timeout: float = 300, wait: bool = True, stdout=subprocess.PIPE):
+    """train.py as a user runs it: python for one rank, torchrun (--standalone unless `torchrun` says
+    otherwise) for more. Returns the CompletedProcess, or the Popen when wait=False."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    for k in list(full_env):  # a run started from inside a torchrun test must not join that job
+        if (k.startswith("TORCHELASTIC_") or k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")) \
+                and k not in (env or {}):
+            del full_env[k]
+    if torchrun is None and nproc == 1:
+        cmd = [sys.executable]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.2",
+               *(torchrun or ["--standalone"]), f"--nproc_per_node={nproc}"]
+    cmd += [os.path.join(ROOT, "train.py"), *args]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=stdout, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too, not only the launcher
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def state_of(path: str) -> tuple[dict, float]:
+    """A checkpoint's full tensors (every kind) and AdamW step count."""
+    return checkpoint.consolidate(path, KINDS), checkpoint.read_manifest(path)["optimizer"]["step"]
+
+
+def assert_same_state(test: unittest.TestCase, a: str, b: str, what: str) -> None:
+    (sa, step_a), (sb, step_b) = state_of(a), state_of(b)
+    test.assertEqual(step_a, step_b, what)
+    test.assertEqual(sa.keys(), sb.keys(), what)
+    for name in sa:
+        for kind in KINDS:
+            test.assertTrue(torch.equal(sa[name][kind], sb[name][kind]), f"{what}: {name} {kind} differs")
+
+
+def steps_of(out_dir: str) -> list[int]:
+    return [s for s, _ in checkpoint.list_checkpoints(out_dir)]
+
+
+TMP = None
+
+
+def setUpModule():
+    global TMP
+    TMP = tempfile.TemporaryDirectory()
+    make_token_bins(os.path.join(TMP.name, "data"))
+
+
+def tearDownModule():
+    TMP.cleanup()
+
+
+def data_dir() -> str:
+    return os.path.join(TMP.name, "data")
+
+
+@functools.lru_cache(maxsize=None)
+def kill_and_resume(layout: str) -> dict:
+    """Run K (killed after step KILL) and R (--resume) for a layout; see the module docstring."""
+    nproc, flags = LAYOUTS[layout]
+    out = os.path.join(TMP.name, "kr", layout)
+    args = BASE + flags + ["--dataset", data_dir(), "--out_dir", out]
+    t0 = time.perf_counter()
+    k = launch(args, nproc, env={"GPT_KILL_AT_STEP": str(KILL)})
+    if not os.path.isdir(checkpoint.step_dir(out, KILL)):
+        raise AssertionError(f"{layout}: K did not save step {KILL}:\n{k.stdout[-3000:]}\n{k.stderr[-5000:]}")
+    killed = [r for r in read_metrics(out) if "loss" in r]
+    aside = os.path.join(TMP.name, "kr", f"{layout}-step{KILL}")
+    shutil.move(checkpoint.step_dir(out, KILL), aside)  # as if K had died before saving step KILL
+    first = os.path.join(TMP.name, "kr", f"{layout}-step{EVERY}")
+    shutil.copytree(checkpoint.step_dir(out, EVERY), first)  # R's keep-2 pruning deletes it
+    before = steps_of(out)
+    r = launch(args + ["--resume"], nproc)
+    return {"out": out, "k": k, "r": r, "killed": killed, "aside": aside, "first": first, "before": before,
+            "seconds": time.perf_counter() - t0}
+
+
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestKillAndResume(unittest.TestCase):
+    """SIGKILLed after step KILL, resumed: the same losses and state as the uninterrupted run, bit for bit."""
+
+    def check(self, layout: str):
+        if layout not in ACTIVE:
+            self.skipTest(f"{layout}: not implemented yet")
+        run = kill_and_resume(layout)
+        k, r, out = run["k"], run["r"], run["out"]
+        self.assertNotEqual(k.returncode, 0, f"{layout}: K was not killed:\n{k.stdout[-2000:]}{k.stderr[-2000:]}")
+        self.assertIn("sends itself SIGKILL", k.stdout)
+        self.assertEqual(run["before"], [EVERY])
+        self.assertEqual(r.returncode, 0, f"{layout}: resume failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+        self.assertIn(f"resuming from {checkpoint.step_dir(out, EVERY)}", r.stdout)
+        records = [rec for rec in read_metrics(out) if "loss" in rec]
+        resumed = records[len(run["killed"]):]
+        self.assertEqual([rec["step"] for rec in resumed], list(range(EVERY + 1, STEPS + 1)))
+        for old in run["killed"][EVERY:]:  # the steps both runs computed: identical bits
+            new = resumed[old["step"] - EVERY - 1]
+            self.assertEqual((new["loss"], new["grad_norm"]), (old["loss"], old["grad_norm"]),
+                             f"{layout} step {old['step']}")
+        self.assertEqual(len(train_losses(out)), STEPS)
+        evals = [rec["step"] for rec in read_metrics(out) if "val_loss" in rec]
+        self.assertEqual(evals, [0, 4, 4, 6])  # step 4 was run twice; no second step-0 eval after the resume
+        assert_same_state(self, checkpoint.step_dir(out, KILL), run["aside"], f"{layout} state at step {KILL}")
+        self.assertEqual(steps_of(out), [KILL, STEPS])  # --keep_checkpoints 2 pruned step 2
+        self.assertEqual(sorted(os.listdir(os.path.join(out, "checkpoints"))),
+                         [f"step_{KILL:06d}", f"step_{STEPS:06d}"])  # no temporary leftovers
+        print(f"\n  {layout}: kill + resume {run['seconds']:.1f}s", file=sys.stderr)
+
+
+for _name in LAYOUTS:
+    setattr(TestKillAndResume, f"test_{_name}", lambda self, _n=_name: self.check(_n))
+
+
+def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sources: dict[str, str],
+                     out: str) -> list[str]:
+    """Build every target layout (all of this world size) and load each source checkpoint into each. After
+    each load every element this rank holds (replicas included: parameter and both moments) must equal the
+    source's full tensor at that element's position, and the AdamW step must be the source's. Once per
+    target: every element has exactly one designated writer over all ranks. Returns the mismatches."""
+    import torch.distributed as dist
+    import train
+    bad, trainers = [], {}
+    for target, flags in targets.items():
+        args = train.parse_args(BASE + flags + ["--dataset", os.path.join(os.path.dirname(out), "data"),
+                                                "--out_dir", os.path.join(out, target)])
+        t = trainers[target] = train.build(args, train.validate(args))
+        entries = t.par.checkpoint_entries(t.optimizer)
+        count = {e.name: torch.zeros(torch.Size(e.shape).numel()) for e in entries}
+        for e in entries:
+            count[e.name][e.index.cpu()] += float(e.write)
+        for name, c in count.items():
+            if world > 1:
+                dist.all_reduce(c)
+            if not bool((c == 1).all()):
+                bad.append(f"{target}: {name} has elements without exactly one writer")
+    for src_name, src in sources.items():
+        expect = checkpoint.consolidate(src, KINDS)
+        saved_step = checkpoint.read_manifest(src)["optimizer"]["step"]
+        for target, t in trainers.items():
+            what = f"{src_name} -> {target}"
+            checkpoint.load(src, t.par.checkpoint_entries(t.optimizer), t.optimizer, rank=rank, world_size=world)
+            if {float(s["step"]) for s in t.optimizer.state.values()} != {saved_step}:
+                bad.append(f"{what}: AdamW step not restored")
+            for e in t.par.checkpoint_entries(t.optimizer):
+                index = e.index.cpu()
+                for kind in KINDS:
+                    if not torch.equal(e.tensors[kind].detach().cpu(), expect[e.name][kind].reshape(-1)[index]):
+                        bad.append(f"{what}: rank {rank} {e.name} {kind} differs")
+    return bad
+
+
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestResharding(unittest.TestCase):
+    def test_every_layout_loads_every_layouts_checkpoint(self):
+        """Each available layout's step-KILL checkpoint, loaded into each available layout, gives every rank
+        exactly the source's bits (and AdamW step). One set of processes per world size."""
+        sources = {name: kill_and_resume(name)["aside"] for name in ACTIVE}
+        out = os.path.join(TMP.name, "load-into")
+        t0 = time.perf_counter()
+        by_world: dict[int, dict[str, list[str]]] = {}
+        for target, (nproc, flags) in ACTIVE.items():
+            by_world.setdefault(nproc, {})[target] = flags
+        for nproc, targets in by_world.items():
+            if nproc == 1 and not under_torchrun():
+                bad = _load_everything(0, 1, targets, sources, out)
+            else:
+                bad = [m for rank_bad in spawn(_load_everything, nproc, targets, sources, out) for m in rank_bad]
+            self.assertEqual(bad, [], f"loading into {', '.join(targets)}")
+        print(f"\n  {len(sources)} checkpoints x {len(ACTIVE)} layouts loaded in {time.perf_counter() - t0:.1f}s",
+              file=sys.stderr)
+
+    def test_training_continues_across_layouts(self):
+        """DDP x2 saves step 2 -> FSDP x2 trains step 3 -> TP x2 trains step 4 -> one process trains 5, 6:
+        every step's loss matches the uninterrupted one-process run (1e-5 relative, 1e-4 once TP is in)."""
+        ref = train_losses(kill_and_resume("single")["out"])
+        out = os.path.join(TMP.name, "chain")
+        shutil.copytree(kill_and_resume("ddp_custom")["first"], checkpoint.step_dir(out, EVERY))
+        for layout, kill_at in (("fsdp_pytorch", EVERY + 1), ("tp_pytorch", EVERY + 2), ("single", None)):
+            nproc, flags = LAYOUTS[layout]
+            proc = launch(BASE + flags + ["--dataset", data_dir(), "--out_dir", out, "--resume",
+                                          "--checkpoint_interval", "1"], nproc,
+                          env={"GPT_KILL_AT_STEP": str(kill_at)} if kill_at else None)
+            self.assertIn("resuming from", proc.stdout, f"{layout}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+        losses = train_losses(out)
+        self.assertEqual([r["step"] for r in read_metrics(out) if "loss" in r], list(range(EVERY + 1, STEPS + 1)))
+        for step, loss in enumerate(losses, start=EVERY + 1):
+            rtol = 1e-5 if step == EVERY + 1 else 1e-4
+            self.assertLessEqual(abs(loss - ref[step - 1]), rtol * abs(ref[step - 1]), f"step {step}")
+
+
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestFailures(unittest.TestCase):
+    def run_single(self, name: str, extra: list[str], env: dict | None = None):
+        out = os.path.join(TMP.name, name)
+        return out, launch(BASE + ["--dataset", data_dir(), "--out_dir", out] + extra, env=env)
+
+    def test_interrupted_save_leaves_previous_checkpoint(self):
+        """The save of step 4 dies after its rank file (before the manifest and the rename): step 2 stays the
+        newest checkpoint, --resume continues from it, clears the leftover and keeps only the last one."""
+        out, proc = self.run_single("interrupted", [], {"GPT_CKPT_FAIL_AFTER_FILES": "3"})  # 2 files per save
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("GPT_CKPT_FAIL_AFTER_FILES=3: injected failure", proc.stderr)
+        self.assertEqual(steps_of(out), [2])
+        self.assertIn("step_000004.tmp-saving", os.listdir(os.path.join(out, "checkpoints")))
+        _, proc = self.run_single("interrupted", ["--resume", "--keep_checkpoints", "1"])
+        self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
+        self.assertIn(f"resuming from {checkpoint.step_dir(out, 2)}", proc.stdout)
+        self.assertEqual(os.listdir(os.path.join(out, "checkpoints")), [f"step_{STEPS:06d}"])
+        self.assertEqual(train_losses(out), train_losses(kill_and_resume("single")["out"]))
+
+    def test_nan_loss_stops_without_saving(self):
+        out, proc = self.run_single("nan", [], {"GPT_INJECT_NAN_AT_STEP": "3"})
+        self.assertEqual(proc.returncode, 3, proc.stderr[-3000:])
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("train.py: error:")]
+        self.assertEqual(len(lines), 1, proc.stderr)
+        self.assertIn("step 3: loss nan", lines[0])
+        self.assertIn("not finite", lines[0])
+        self.assertEqual(steps_of(out), [2])
+        state = checkpoint.consolidate(checkpoint.newest(out), KINDS)
+        self.assertTrue(all(bool(t.isfinite().all()) for kinds in state.values() for t in kinds.values()))
+
+    def test_other_model_config_is_refused_in_one_line(self):
+        out = os.path.join(TMP.name, "mismatch")
+        shutil.copytree(kill_and_resume("single")["aside"], checkpoint.step_dir(out, KILL))
+        proc = launch(BASE + ["--dataset", data_dir(), "--out_dir", out, "--resume", "--n_layer", "3"])
+        self.assertEqual(proc.returncode, 2)
+        self.assertEqual(len(proc.stderr.strip().splitlines()), 1, proc.stderr)
+        self.assertIn("train.py: error: --resume: checkpoint", proc.stderr)
+        self.assertIn("another model config (n_layer 2 (checkpoint) vs 3)", proc.stderr)
+
+
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestLaunchers(unittest.TestCase):
+    def reference(self) -> dict:
+        return kill_and_resume("ddp_custom")
+
+    def check_like_ddp(self, out: str):
+        ref = self.reference()["out"]
+        self.assertEqual(train_losses(out), train_losses(ref))
+        assert_same_state(self, checkpoint.newest(out), checkpoint.newest(ref), "final state")
+
+    def test_torchrun_restart_resumes(self):
+        """torchrun --max-restarts=1, every attempt with --resume: rank 1 dies after step 3 once; the
+        restarted job resumes from step 2 and ends exactly like the uninterrupted run. (Without
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torch 2.13's restarted gloo group can read the dead attempt's
+        addresses from the shared rendezvous store: train.py warns about it.)"""
+        out = os.path.join(TMP.name, "restart")
+        marker = os.path.join(TMP.name, "restart.marker")
+        proc = launch(BASE + LAYOUTS["ddp_custom"][1] + ["--dataset", data_dir(), "--out_dir", out, "--resume"], 2,
+                      env={"GPT_KILL_AT_STEP": "3", "GPT_KILL_RANK": "1", "GPT_KILL_MARKER": marker,
+                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # a fresh store per attempt (README)
+                      torchrun=["--standalone", "--max-restarts=1"])
+        self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
+        self.assertTrue(os.path.exists(marker))
+        self.assertIn("no complete checkpoint", proc.stdout)
+        self.assertIn(f"resuming from {checkpoint.step_dir(out, 2)}", proc.stdout)
+        self.check_like_ddp(out)
+
+    def test_two_nodes_on_loopback(self):
+        """Two torchrun 'nodes' of one rank each, c10d rendezvous on 127.0.0.1, train as DDP x2 does."""
+        out = os.path.join(TMP.name, "two-nodes")
+        rdzv = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+                "--rdzv_id=loopback", "--local-addr=127.0.0.1"]
+        args = BASE + LAYOUTS["ddp_custom"][1] + ["--dataset", data_dir(), "--out_dir", out]
+        nodes = [launch(args, 1, torchrun=rdzv, wait=False) for _ in range(2)]
+        try:
+            outputs = [node.communicate(timeout=300)[0] for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    os.killpg(node.pid, signal.SIGKILL)
+        for node, text in zip(nodes, outputs):
+            self.assertEqual(node.returncode, 0, text[-4000:])
+        self.check_like_ddp(out)
+        single = train_losses(kill_and_resume("single")["out"])
+        for a, b in zip(train_losses(out), single):
+            self.assertLessEqual(abs(a - b), 1e-5 * abs(b))
+
+    def test_lost_or_stalled_peer_ends_the_run_within_timeout(self):
+        """Two ranks started by hand (no torchrun agent to clean up): rank 1 is SIGKILLed, or SIGSTOPped
+        (alive but silent), after step 2. Rank 0 must exit with a clear message within --timeout."""
+        timeout, runs = 5, {}
+        for sig in ("KILL", "STOP"):
+            out, port = os.path.join(TMP.name, f"peer-{sig}"), free_port()
+            args = BASE + LAYOUTS["ddp_custom"][1] + ["--dataset", data_dir(), "--out_dir", out,
+                                                       "--timeout", str(timeout)]
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                   "GPT_KILL_AT_STEP": "2", "GPT_KILL_RANK": "1", "GPT_KILL_SIGNAL": sig}
+            log1 = os.path.join(TMP.name, f"peer-{sig}.rank1.log")
+            with open(log1, "w") as f:
+                procs = [launch(args, 1, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, wait=False,
+                                stdout=subprocess.PIPE if r == 0 else f) for r in range(2)]
+            runs[sig] = (*procs, log1)
+        hooked, exited = {}, {}
+        try:
+            deadline = time.monotonic() + 240
+            while len(exited) < len(runs) and time.monotonic() < deadline:
+                for sig, (rank0, _, log1) in runs.items():
+                    if sig not in hooked and "sends itself" in open(log1).read():
+                        hooked[sig] = time.monotonic()
+                    if sig not in exited and rank0.poll() is not None:
+                        exited[sig] = time.monotonic()
+                time.sleep(0.05)
+            for sig, (rank0, _, log1) in runs.items():
+                text0 = rank0.communicate(timeout=10)[0]
+                self.assertIn(f"sends itself SIG{sig}", open(log1).read())
+                self.assertEqual(rank0.returncode, 4, text0[-3000:])
+                lines = [line for line in text0.splitlines() if line.startswith("train.py: error:")]
+                self.assertEqual(len(lines), 1, text0[-3000:])
+                self.assertIn("rank 0: a collective failed at step 3", lines[0])
+                self.assertIn("a peer rank was lost or stalled; restart with --resume", lines[0])
+                waited = exited[sig] - hooked[sig]
+                self.assertLess(waited, timeout + 10, f"SIG{sig}: rank 0 took {waited:.1f}s")  # + a loaded box
+                print(f"\n  peer SIG{sig}: rank 0 exited {waited:.1f}s after it", file=sys.stderr)
+        finally:
+            for rank0, rank1, _ in runs.values():
+                for p in (rank0, rank1):
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+
+
+class TestFormat(unittest.TestCase):
+    def test_runs_round_trip(self):
+        """(start, length) runs store any index compactly and decode to exactly the same positions."""
+        full = torch.arange(48 * 20).view(48, 20)
+        cases = {"whole": full.reshape(-1), "rows": full[8:24].reshape(-1), "columns": full[:, 5:15].reshape(-1),
+                 "strided": full[::3, 2:4].reshape(-1), "shuffled": torch.randperm(960),
+                 "empty": torch.zeros(0, dtype=torch.int64)}
+        for name, index in cases.items():
+            runs = checkpoint._runs(index)
+            self.assertTrue(torch.equal(checkpoint._positions(runs), index), name)
+        self.assertEqual(checkpoint._runs(cases["rows"]).tolist(), [[160, 320]])
+        self.assertEqual(len(checkpoint._runs(cases["columns"])), 48)
+
+    def test_rank_files_are_not_unpickled(self):
+        """A rank file holding anything but tensors is refused (torch.load weights_only=True)."""
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, checkpoint.MANIFEST), "w") as f:
+                json.dump({"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "files": ["rank_00000.pt"],
+                           "tensors": {}}, f)
+            torch.save({"x": subprocess.Popen}, os.path.join(d, "rank_00000.pt"))
+            with self.assertRaisesRegex(checkpoint.CheckpointError, "cannot read rank_00000.pt"):
+                checkpoint.consolidate(d)
+
+
+if __name__ == "__main__":
+    unittest.main()
