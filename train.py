@@ -206,10 +206,17 @@ def resume_checkpoint(args: argparse.Namespace, config: GPTConfig) -> str | None
 
 
 def fetch_hf_weights(name: str) -> dict:
-    """OpenAI's GPT-2 weights through transformers' hub cache; one clear error when offline."""
+    """OpenAI's GPT-2 weights through transformers' hub cache; one clear error when they can't be had.
+
+    The hub is probed first (5 s), so an offline machine answers at once from the local cache or fails,
+    instead of sitting through the hub client's retries."""
+    from data.common import url_reachable
     try:
+        import transformers
         from transformers import GPT2LMHeadModel
-        return GPT2LMHeadModel.from_pretrained(name).state_dict()
+        transformers.logging.set_verbosity_error()
+        online = url_reachable("https://huggingface.co", timeout=5.0)
+        return GPT2LMHeadModel.from_pretrained(name, local_files_only=not online).state_dict()
     except Exception as e:  # noqa: BLE001 -- any failure here means "could not fetch"
         raise UsageError(f"--init_from {name}: could not fetch the weights from the Hugging Face hub "
                          f"({type(e).__name__}); this needs internet access or a populated HF cache") from None

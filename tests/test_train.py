@@ -11,9 +11,9 @@ import unittest
 
 from tests.harness import make_token_bins, rank0_only, read_metrics, run_train, train_losses
 
-STEPS = 8
+STEPS = 10
 TINY = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "512",
-        "--max_steps", str(STEPS), "--eval_interval", "4", "--eval_iters", "2", "--warmup_steps", "2",
+        "--max_steps", str(STEPS), "--eval_interval", "5", "--eval_iters", "2", "--warmup_steps", "2",
         "--lr", "3e-3", "--gradient_clipping"]
 
 
