@@ -594,6 +594,8 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint.maybe_kill(step, plan.rank)  # test hook: GPT_KILL_AT_STEP
         if profiler is not None:
             profiler.stop()
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears the group down while a peer still has collectives in flight
     except checkpoint.CheckpointError as e:
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         return 2
