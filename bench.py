@@ -544,7 +544,7 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         "- peak mem: rank 0's peak (CUDA allocator peak on GPU, process peak RSS on CPU); state: rank 0's "
         "parameters + gradients + optimizer state.",
         "- comm: payload bytes rank 0's wrappers sent per optimizer step (parallel/comm.py), median; PyTorch "
-        "layouts bypass our counter (—). Theory: DDP Ψ per step; FSDP 3Ψ per micro-step; TP per "
+        "layouts bypass our counter (—). Theory: DDP Ψ per step; FSDP per micro-step all-gather 2Ψ_blocks + Ψ_root and reduce-scatter Ψ; TP per "
         + (" and ".join(sorted({r["tp_theory_source"] for r in rows if r["tp_theory_source"]}))
            or "the Megatron formula") + "; 2D: the DP term on this rank's TP shard of Ψ plus the TP term.",
     ]
@@ -584,7 +584,7 @@ def render_section(rows: list[dict], meta: dict | None = None) -> str:
     if pairs:
         lines += ["", "Custom / PyTorch tokens/s: " + ", ".join(f"{p['layout']} {p['ratio']:.2f}" for p in pairs) + "."]
     lines += ["", "Comm is the payload our wrappers sent per optimizer step on rank 0 (parallel/comm.py) against "
-              "theory (DDP Ψ, FSDP 3Ψ per micro-step, TP per the Megatron formula); PyTorch's collectives are not "
+              "theory (DDP Ψ, FSDP 2Ψ_blocks + Ψ_root all-gather and Ψ reduce-scatter per micro-step, TP per the Megatron formula); PyTorch's collectives are not "
               "counted."]
     return "\n".join(lines) + "\n"
 
@@ -594,7 +594,7 @@ def render_section(rows: list[dict], meta: dict | None = None) -> str:
 def comm_curves(setup: Setup, world: list[int]) -> dict[str, list[dict[str, int]]]:
     """Theory payload by kind per rank per optimizer step vs world size N, for DDP, FSDP and TP alone on
     the bench model and global batch (micro-batch rows/N capped as in the runs; N = 1 moves nothing)."""
-    psi = param_bytes(setup.config)
+    psi, root = param_bytes(setup.config), param_bytes(setup.config, root_only=True)
     B1, A1 = setup.micro_batch(1), setup.grad_accum(1)
     curves: dict[str, list[dict[str, int]]] = {"ddp": [], "fsdp": [], "tp": []}
     for n in world:
@@ -603,7 +603,7 @@ def comm_curves(setup: Setup, world: list[int]) -> dict[str, list[dict[str, int]
                                         setup.residual_bytes)
         on = n > 1
         curves["ddp"].append({"all_reduce": psi * on})
-        curves["fsdp"].append({"all_gather": 2 * psi * accum * on, "reduce_scatter": psi * accum * on})
+        curves["fsdp"].append({"all_gather": (2 * psi - root) * accum * on, "reduce_scatter": psi * accum * on})
         curves["tp"].append({k: v * A1 for k, v in tp.items()})
     return curves
 

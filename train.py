@@ -439,7 +439,7 @@ def describe(t: Trainer) -> str:
         n = GPT(t.plan.config).num_params()
     return (f"{a.implementation} {layout} on {t.plan.device} {str(t.plan.dtype).removeprefix('torch.')} | "
             f"{n / 1e6:.1f}M params | grad_accum {t.plan.grad_accum} x micro_batch {a.micro_batch_size} "
-            f"x seq_len {a.seq_len}")
+            f"x seq_len {a.seq_len} | MFU against {t.peak_flops / 1e9:.1f} GFLOP/s per device")
 
 
 def progress_bar(total: int, is_main: bool):
