@@ -73,9 +73,17 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     if optimizer is not None:
         for state in optimizer.state.values():
             tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return distinct_storage_bytes(tensors)
+
+
+def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; meta, freed and
+    empty storages count 0; a DTensor counts its local shard)."""
     seen, total = set(), 0
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t
+        if t.is_meta:
+            continue
         storage = t.untyped_storage()
         if storage.data_ptr() and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())

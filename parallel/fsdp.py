@@ -495,14 +495,8 @@ class FullyShardedDataParallel(nn.Module):
         if optimizer is not None:
             for p in self.flat_params:
                 tensors += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-        seen, total = set(), 0
-        for t in tensors:
-            storage = t.untyped_storage()
-            if t.is_meta or storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return total
+        from metrics import distinct_storage_bytes
+        return distinct_storage_bytes(tensors)
 
     def comm_bytes_per_micro_step(self) -> dict[str, int]:
         """What parallel/comm.COUNTER records for one synchronised forward + backward: the padded flat
