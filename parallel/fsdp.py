@@ -37,7 +37,7 @@ from model import GPT, materialize_module
 from parallel import comm
 from parallel.mesh import pick_device
 
-MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state
+from parallel.state import MOMENTS  # AdamW's per-element state
 
 
 class ShardPiece(NamedTuple):

@@ -41,7 +41,7 @@ class ParallelConfig:
 class Parallelized:
     """The wrapped model plus what the trainer needs to treat every layout the same way."""
     model: nn.Module
-    norm_groups: list[tuple[nn.Parameter, tuple]] = field(default_factory=list)
+    norm_groups: list[tuple] = field(default_factory=list)  # (param, groups) or (param, groups, lo, hi)
     replica_rank: int = 0  # index among identical replicas (the dp rank under DDP), for checkpoint writers
     sharded_as: dict[str, DTensor] = field(default_factory=dict)  # TP shards held as plain tensors
     tp_rank: int = 0  # plain (non-DTensor) parameters are replicated over TP: tp rank 0 writes them
