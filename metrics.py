@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import json
+import os
 import resource
 import time
 
@@ -89,6 +91,15 @@ def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def read_jsonl(out_dir_or_file: str) -> list[dict]:
+    """The records of a run's metrics.jsonl (give the run's directory or the file itself)."""
+    path = out_dir_or_file
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def _sync(device: torch.device) -> None:

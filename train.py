@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_dir
+from data.batches import BatchSource, micro_batch_chunk, DataError, prepare_hint, resolve_dataset_dir
 from model import GPT, PRESETS, GPTConfig, make_config
 import checkpoint
 import metrics as observe
@@ -341,7 +341,7 @@ def train_step(t: Trainer, step: int) -> dict:
     loss_sum = torch.zeros((), device=plan.device)
     autocast = torch.autocast(plan.device.type, dtype=plan.dtype, enabled=plan.dtype != torch.float32)
     for micro in range(plan.grad_accum):
-        chunk = micro * plan.dims.dp + t.dp_rank
+        chunk = micro_batch_chunk(micro, t.dp_rank, plan.dims.dp)
         x, y = t.data.get("train", step, plan.rows, chunk, args.micro_batch_size)
         x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
         with _no_sync(t, micro == plan.grad_accum - 1), _loss_context(t):

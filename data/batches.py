@@ -64,6 +64,11 @@ def batch_seed(seed: int, split: str, step: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def micro_batch_chunk(micro: int, dp_rank: int, dp: int) -> int:
+    """Which chunk of the global batch micro-step `micro` of data-parallel rank `dp_rank` trains on."""
+    return micro * dp + dp_rank
+
+
 class BatchSource:
     """Serves (x, y) micro-batches of shape (mb, seq_len) from the train/val token files."""
 
@@ -81,7 +86,7 @@ class BatchSource:
     def get(self, split: str, step: int, rows: int, chunk: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [chunk*mb, (chunk+1)*mb) of global batch `step`: inputs x, next-token targets y (int64).
 
-        The trainer's micro-step m on dp rank r reads chunk m*dp + r (see the module docstring)."""
+        The trainer's micro-step m on dp rank r reads chunk `micro_batch_chunk(m, r, dp)`."""
         start = chunk * micro_batch
         offs = self.offsets(split, step, rows)[start:start + micro_batch].tolist()
         data = np.memmap(self.paths[split], dtype=np.uint16, mode="r")  # re-opened: memmaps leak otherwise

@@ -19,6 +19,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -89,6 +90,16 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.
         return None
     COUNTER.add("reduce_scatter", _nbytes(full))
     return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard (no communication), a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of `t`: a DTensor is all-gathered over its mesh (collective), a plain tensor is itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:

@@ -74,6 +74,18 @@ def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float 
     return init_device_mesh(device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
 
 
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment without torchrun's variables (plus `extra`), for launching a separate job:
+    a run started from inside a torchrun rank must not join that rank's job."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env.update(extra)
+    return env
+
+
 def dp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
     return None if mesh is None else mesh["dp"].get_group()
 
