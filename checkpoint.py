@@ -38,12 +38,14 @@ import json
 import os
 import re
 import shutil
-import signal
 import time
 from dataclasses import asdict, fields
+from typing import IO, Callable
 
 import torch
 import torch.distributed as dist
+
+import faults
 
 FORMAT = "gpt2-parallel-checkpoint"
 VERSION = 1
@@ -165,16 +167,13 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-_FILES_WRITTEN = 0  # by this process, for the GPT_CKPT_FAIL_AFTER_FILES test hook
-
-
-def _wrote_file() -> None:
-    global _FILES_WRITTEN
-    _FILES_WRITTEN += 1
-    limit = os.environ.get("GPT_CKPT_FAIL_AFTER_FILES")
-    if limit and _FILES_WRITTEN >= int(limit):
-        raise RuntimeError(f"GPT_CKPT_FAIL_AFTER_FILES={limit}: injected failure after writing "
-                           f"{_FILES_WRITTEN} checkpoint files (test hook)")
+def _write_durably(path: str, write: Callable[[IO], None], mode: str = "wb") -> None:
+    """Write a file and fsync it before returning, so a crash after this never leaves it half on disk."""
+    with open(path, mode) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    faults.checkpoint_file_written()
 
 
 def _barrier() -> None:
@@ -199,11 +198,7 @@ def save(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimize
         os.makedirs(tmp)
     _barrier()
     path = os.path.join(tmp, rank_file(rank))
-    with open(path, "wb") as f:
-        torch.save(_shard_dict(entries, device), f)
-        f.flush()
-        os.fsync(f.fileno())
-    _wrote_file()
+    _write_durably(path, lambda f: torch.save(_shard_dict(entries, device), f))
     _barrier()
     if rank == 0:
         files = [rank_file(r) for r in range(world_size)]
@@ -215,11 +210,7 @@ def save(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimize
                     "optimizer": _optimizer_state(optimizer), "files": files,
                     "tensors": {e.name: {"shape": list(e.shape)} for e in entries},
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _wrote_file()
+        _write_durably(os.path.join(tmp, MANIFEST), lambda f: json.dump(manifest, f, indent=1), "w")
         _fsync_dir(tmp)
         if os.path.exists(final):  # e.g. re-saving a step after resuming from an older checkpoint
             os.rename(final, final + ".deleting")
@@ -367,39 +358,3 @@ def load_model(path: str, device: torch.device | str = "cpu"):
                 raise CheckpointError(f"{path}: {name} has shape {shards.shape(name)}, the model {tuple(p.shape)}")
             p.copy_(shards.full(name, ["param"])["param"].view(p.shape))
     return model
-
-
-# ----------------------------------------------------------------------------- fault injection (tests only)
-
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else None
-
-
-def maybe_inject_nan(step: int, model: torch.nn.Module) -> None:
-    """GPT_INJECT_NAN_AT_STEP=s: before step s, set every parameter to NaN (this rank's storage), so the
-    step's loss is NaN on every rank."""
-    if _env_int("GPT_INJECT_NAN_AT_STEP") == step:
-        with torch.no_grad():
-            for p in model.parameters():
-                (p.to_local() if hasattr(p, "to_local") else p).fill_(float("nan"))
-
-
-def maybe_kill(step: int, rank: int) -> None:
-    """GPT_KILL_AT_STEP=s: after step s (and its eval and checkpoint) rank GPT_KILL_RANK (default 0, or
-    "all") sends itself GPT_KILL_SIGNAL (KILL, or STOP to stall). With GPT_KILL_MARKER=file it happens
-    only while that file does not exist (it is created first), i.e. once across restarts."""
-    if _env_int("GPT_KILL_AT_STEP") != step:
-        return
-    who = os.environ.get("GPT_KILL_RANK", "0")
-    if who != "all" and int(who) != rank:
-        return
-    marker = os.environ.get("GPT_KILL_MARKER")
-    if marker:
-        if os.path.exists(marker):
-            return
-        with open(marker, "w") as f:
-            f.write(f"rank {rank} step {step}\n")
-    sig = getattr(signal, "SIG" + os.environ.get("GPT_KILL_SIGNAL", "KILL"))
-    print(f"GPT_KILL_AT_STEP={step}: rank {rank} sends itself {sig.name} (test hook)", flush=True)
-    os.kill(os.getpid(), sig)

@@ -12,12 +12,12 @@ load (as its own save_pretrained does). The directory then loads with
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 import checkpoint
+from config import Parser, UsageError, error_line
 from data.tokenizer import GPT2_N_VOCAB
 
 
@@ -50,21 +50,19 @@ def export(path: str, output: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(prog="export.py", description=__doc__.splitlines()[0])
     p.add_argument("--out_dir", required=True, help="a training run with checkpoints")
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory (default: the newest in --out_dir)")
     p.add_argument("--output", default=None, help="the .safetensors file (default: <out_dir>/hf/model.safetensors)")
-    args = p.parse_args(argv)
-    path = args.checkpoint or checkpoint.newest(args.out_dir)
-    if path is None:
-        print(f"export.py: error: no complete checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}",
-              file=sys.stderr)
-        return 2
-    output = args.output or os.path.join(args.out_dir, "hf", "model.safetensors")
     try:
+        args = p.parse_args(argv)
+        path = args.checkpoint or checkpoint.newest(args.out_dir)
+        if path is None:
+            raise UsageError(f"no complete checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}")
+        output = args.output or os.path.join(args.out_dir, "hf", "model.safetensors")
         export(path, output)
-    except (checkpoint.CheckpointError, ValueError) as e:
-        print(f"export.py: error: {e}", file=sys.stderr)
+    except (UsageError, checkpoint.CheckpointError, ValueError) as e:
+        error_line("export.py", e)
         return 2
     print(f"exported {path} -> {output} (+ config.json)")
     return 0

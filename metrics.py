@@ -1,11 +1,14 @@
-"""The numbers a run shows: model FLOPs utilisation, peak memory, exactly counted model state.
+"""The numbers a run shows and where they go: MFU, per-step peak memory, exactly counted model state,
+metrics.jsonl + TensorBoard (`Logger`) and the per-step lines or progress bar (`Progress`).
 
 - MFU = (training FLOPs per token × tokens/s) ÷ (peak FLOP/s per device × devices). FLOPs per token
   are 6N for the matmuls (N = parameters, less the position embedding, which does no matmul) plus
   12·L·H·T for attention (PaLM, appendix B).
 - Peak FLOP/s: the datasheet dense bf16/fp32 number for known GPUs, otherwise measured here with a
   large matmul in the training dtype (on CPU: with this process's thread count).
-- Peak memory: the CUDA caching allocator's peak on GPU; the process's peak RSS on CPU.
+- Peak memory, per step (`reset_peak_memory` at its start): on GPU the CUDA caching allocator's peak of
+  allocated bytes; on CPU the process's peak resident set (Linux VmHWM, reset through
+  /proc/self/clear_refs), which includes the ~0.6 GB of Python and torch every process carries.
 - State bytes: this rank's parameters + gradients + optimizer state, summed over the distinct storages
   actually allocated (so views into a DDP bucket are counted once and freed FSDP parameters count 0).
 """
@@ -14,11 +17,13 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 
 import torch
 
 from model import GPTConfig
+from parallel.comm import local
 
 # Dense (non-sparse) peak FLOP/s per device for the training dtype, from the vendors' datasheets.
 DATASHEET_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A6000": 154.8e12, "L40S": 362e12,
@@ -59,10 +64,30 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
                                 n=4096 if device.type == "cuda" else 1024)
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (see `peak_memory_bytes`)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux >= 4.0: reset the peak RSS (VmHWM) to the current RSS
+    except OSError:
+        pass  # not Linux: peak_memory_bytes then reports the process's lifetime peak
+
+
 def peak_memory_bytes(device: torch.device) -> int:
+    """Peak since the last `reset_peak_memory`: CUDA allocated bytes on GPU, resident bytes on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # lifetime peak; Linux reports KiB
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
@@ -83,7 +108,7 @@ def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
     empty storages count 0; a DTensor counts its local shard)."""
     seen, total = set(), 0
     for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
+        t = local(t)
         if t.is_meta:
             continue
         storage = t.untyped_storage()
@@ -105,3 +130,72 @@ def read_jsonl(out_dir_or_file: str) -> list[dict]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------- where the numbers go
+
+class Logger:
+    """Rank 0 writes metrics.jsonl (one JSON object per line) and TensorBoard scalars under `out_dir`."""
+
+    def __init__(self, out_dir: str, enabled: bool, append: bool = False):
+        self.enabled, self.tb = enabled, None
+        if not enabled:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if append else "w")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(out_dir)
+        except ImportError:
+            pass
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+                elif isinstance(v, dict):
+                    for kk, vv in v.items():
+                        self.tb.add_scalar(f"{k}/{kk}", vv, record["step"])
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+class Progress:
+    """Rank 0's view of the run: a tqdm bar when stdout is a terminal, else one printed line per step."""
+
+    def __init__(self, total_steps: int, enabled: bool):
+        self.enabled, self.bar = enabled, None
+        if enabled and sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
+
+    def step(self, m: dict) -> None:
+        head = f"step {m['step']} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | norm {m['grad_norm']:.3f}"
+        if self.bar is not None:
+            self.bar.set_description_str(head)
+            self.bar.update(1)
+        elif self.enabled:
+            print(f"{head} | dt {m['step_time_ms']:.0f}ms | tok/s {m['tokens_per_sec']:.0f} | "
+                  f"mfu {100 * m['mfu']:.1f}%", flush=True)
+
+    def eval(self, step: int, val_loss: float) -> None:
+        self.write(f"step {step} | val loss {val_loss:.4f}")
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        elif self.enabled:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -278,7 +278,8 @@ def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: GPTCo
 
 def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: int,
                        device: torch.device | str | None = None) -> None:
-    """Give `module` (named `prefix` inside GPT; may be on meta) real storage on `device` and init it.
+    """Give `module` (named `prefix` inside GPT; may be on meta or another device) storage on `device` and
+    init it.
 
     Only this module's own parameters are allocated, so a meta model can be materialised one Block at a
     time. Tied parameters are initialised under the name GPT registers first (transformer.wte.weight).
@@ -286,8 +287,9 @@ def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: 
     if device is None:
         device = next(module.parameters()).device
         device = torch.device("cpu") if device.type == "meta" else device
-    if any(p.is_meta for p in module.parameters(recurse=True)):
-        module.to_empty(device=device, recurse=True)
+    device = torch.device(device)
+    if any(p.is_meta or p.device != device for p in module.parameters(recurse=True)):
+        module.to_empty(device=device, recurse=True)  # meta, or built elsewhere: every value is written below
     for name, p in module.named_parameters():
         full = f"{prefix}.{name}" if prefix else name
         full = "transformer.wte.weight" if full == "lm_head.weight" else full

@@ -16,24 +16,13 @@ import sys
 import torch
 
 import checkpoint
+from config import HF_MODELS, Parser, UsageError, error_line, fetch_hf_weights
 from data.tokenizer import GPT2_N_VOCAB, get_gpt2_encoding
 from model import GPT
 from parallel.mesh import pick_device
 
-HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-
-
-class UsageError(ValueError):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise UsageError(message)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = Parser(prog="sample.py", description=__doc__.splitlines()[0])
     a = p.add_argument
     a("--out_dir", default=None, help="a training run: sample from its newest complete checkpoint")
     a("--checkpoint", default=None, help="a checkpoint directory (default: the newest in --out_dir)")
@@ -51,11 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load(args: argparse.Namespace, device: torch.device) -> GPT:
     if args.init_from != "resume":
-        from train import UsageError as TrainUsageError, fetch_hf_weights
-        try:
-            return GPT.from_hf_state_dict(fetch_hf_weights(args.init_from)).to(device)
-        except TrainUsageError as e:
-            raise UsageError(str(e)) from None
+        return GPT.from_hf_state_dict(fetch_hf_weights(args.init_from)).to(device)
     path = args.checkpoint
     if path is None:
         if args.out_dir is None:
@@ -63,7 +48,7 @@ def load(args: argparse.Namespace, device: torch.device) -> GPT:
         path = checkpoint.newest(args.out_dir)
         if path is None:
             raise UsageError(f"no complete checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
-                             f"train with --checkpoint_interval N")
+                             f"train without --no_checkpoint")
     try:
         return checkpoint.load_model(path, device)
     except checkpoint.CheckpointError as e:
@@ -113,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         text = prompt_text(args.start)
         model = load(args, device)
     except UsageError as e:
-        print(f"sample.py: error: {e}", file=sys.stderr)
+        error_line("sample.py", e)
         return 2
     model.eval()
     enc = get_gpt2_encoding()

@@ -37,6 +37,23 @@ from parallel import comm
 _engine = torch.autograd.Variable._execution_engine
 
 
+class GradSyncSwitch:
+    """`no_sync()` for a data-parallel wrapper: backward passes run inside it leave their gradients local
+    (the wrapper reads `require_backward_grad_sync`), and the first syncing backward after it reduces the
+    accumulated sum. Shared by our DDP and FSDP, and named as torch DDP names it."""
+
+    require_backward_grad_sync: bool = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+
 @dataclass
 class Bucket:
     """One flat gradient buffer and the parameters whose `.grad` are views into it.
@@ -80,7 +97,7 @@ def build_buckets(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int) 
     return buckets
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(GradSyncSwitch, nn.Module):
     """Data parallelism: replicate `module`, average gradients over `process_group` during backward.
 
     Each rank stores a full replica of `module` (parameters and buffers) and one flat gradient buffer per
@@ -124,7 +141,6 @@ class DistributedDataParallel(nn.Module):
         self.bucket_cap_mb = bucket_cap_mb
         self.find_unused_parameters = find_unused_parameters
         self.grad_compression = grad_compression
-        self.require_backward_grad_sync = True  # False inside no_sync()
         self.world_size = comm.world(process_group)
 
         self._broadcast_from_rank0()
@@ -162,16 +178,6 @@ class DistributedDataParallel(nn.Module):
             self._attach_grads()
             self._sync_backward = self.require_backward_grad_sync  # decided at forward, like torch DDP
         return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Forward+backward inside this context communicate nothing: gradients accumulate locally."""
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = old
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero every bucket buffer in place (gradients stay attached). `set_to_none` is accepted and

@@ -24,7 +24,6 @@ hook on each Block's output (runs before that Block's backward); a post-accumula
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -35,8 +34,9 @@ import torch.nn as nn
 
 from model import GPT, materialize_module
 from parallel import comm
+from parallel.ddp import GradSyncSwitch
+from parallel.grads import clip_grad_norm_
 from parallel.mesh import pick_device
-
 from parallel.state import MOMENTS  # AdamW's per-element state
 
 
@@ -148,7 +148,7 @@ class _FlatUnit:
                 p.grad.add_(shard_grad[a:b])
 
 
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     """ZeRO-3 data parallelism for GPT with flat parameters, one per unit (each Block, and the root).
 
     What each rank stores: 1/N of every unit's parameters (fp32 `shard`), their gradients, and hence 1/N of
@@ -164,7 +164,7 @@ class FullyShardedDataParallel(nn.Module):
       the previous Block's); a hook on the unit's flat leaf fires once all its gradients are summed and
       issues an async reduce-scatter (SUM in `reduce_dtype`, then / N, accumulated in fp32 into the shard
       `.grad`). A callback queued on the autograd engine waits for the last reduce-scatters.
-    - `clip_grad_norm_`: one all-reduce of a scalar. State dicts: one all-gather (or broadcast) per unit.
+    - `clip_grad_norm_`: one all-reduce of a scalar (uncounted). State dicts: one all-gather (or broadcast) per unit.
 
     Gradient accumulation. By default every micro-step's backward reduce-scatters, so memory stays 1/N
     (gradients included) at the cost of one reduce-scatter of the model per micro-step. Under `no_sync()`
@@ -198,7 +198,6 @@ class FullyShardedDataParallel(nn.Module):
         self.param_dtype = param_dtype or torch.float32
         self.reduce_dtype = reduce_dtype
         self.events: list[tuple[str, str, str]] = []  # (what, unit, phase) since the last forward began
-        self._sync = True
         self._backward_started = False
         self._pending: list[tuple[_FlatUnit, object, torch.Tensor, torch.Tensor]] = []
 
@@ -208,6 +207,8 @@ class FullyShardedDataParallel(nn.Module):
         device = torch.device(device) if device is not None else (
             pick_device("auto") if is_meta else next(module.parameters()).device)
         self._state_dict_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+        # our TP shards (FSDP over TP): name -> the dim TP split, for the norm groups and checkpoints
+        self.tp_shard_dims = {n: p._tp_shard_dim for n, p in module.named_parameters() if hasattr(p, "_tp_shard_dim")}
         aliases: dict[int, list[str]] = {}  # one entry per parameter object: [init name, *tied names]
         for name, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
@@ -335,7 +336,7 @@ class FullyShardedDataParallel(nn.Module):
         grad, flat.grad = flat.grad.to(self.reduce_dtype), None
         if unit.acc_grad is not None:
             grad, unit.acc_grad = unit.acc_grad.add_(grad), None
-        if not self._sync:
+        if not self.require_backward_grad_sync:
             unit.acc_grad = grad
             return
         self._finish_reduce_scatters()  # at most one in flight: full gradients are not kept around
@@ -361,15 +362,6 @@ class FullyShardedDataParallel(nn.Module):
             unit.reshard()
         self._backward_started = False
 
-    @contextmanager
-    def no_sync(self):
-        """Backward passes inside keep full unsharded gradients instead of reduce-scattering (see class doc)."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     # ---------------------------------------------------------------------------- optimizer helpers
 
     def param_groups(self, weight_decay: float) -> list[dict]:
@@ -378,20 +370,30 @@ class FullyShardedDataParallel(nn.Module):
         return [{"params": [p for p, d in pieces if d], "weight_decay": weight_decay},
                 {"params": [p for p, d in pieces if not d], "weight_decay": 0.0}]
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale the shard gradients so the global L2 norm is at most max_norm; return the norm before.
+    def grad_norm_items(self, groups: dict[str, tuple] | None = None) -> list[tuple]:
+        """This rank's shard gradients as items for parallel.grads.clip_grad_norm_.
 
-        Each rank sums the squares of its shard gradients (padding holds none), one all-reduce SUM adds the
-        ranks' sums, and every rank applies the same coefficient max_norm / (norm + 1e-6), capped at 1.
-        """
-        grads = [p.grad for p in self.flat_params if p.grad is not None]
-        device = self.units[0].shard.device
-        sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros((), device=device)
-        comm.all_reduce(sq, self.group, op="sum")
-        total = sq.sqrt()
-        if grads:
-            torch._foreach_mul_(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
-        return total
+        Every element is sharded over this FSDP's group; `groups` ({original name: more groups}, e.g. TP's)
+        adds the groups a parameter is also sharded over. Without extra groups each flat piece is one item
+        (param, (group,)); with them, each original parameter's slice is (piece, groups, lo, hi). The list
+        starts with one empty item per pattern, the same on every rank, so every rank issues the same
+        reductions even where it holds no slice of some parameter."""
+        groups = groups or {}
+        if not any(groups.values()):
+            return [(p, (self.group,)) for p in self.flat_params]
+        items = [(torch.empty(0), (self.group,) + g) for g in dict.fromkeys(groups.values())]
+        for unit in self.units:
+            for spec in unit.specs:
+                a, b, start = self._held(unit, spec)
+                for p, pa, pb in unit.pieces:
+                    if b > a and pa <= start and start + (b - a) <= pb:
+                        items.append((p, (self.group,) + groups[spec.names[0]], start - pa, start - pa + (b - a)))
+        return items
+
+    def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
+        """Scale the shard gradients so the global L2 norm is at most max_norm; return the norm before.
+        Communication: one all-reduce of an fp32 scalar over the group."""
+        return clip_grad_norm_(self.grad_norm_items(), max_norm)
 
     # ----------------------------------------------------------------------------------- state dicts
 

@@ -11,9 +11,9 @@ of the same payload, while those activations take 1/p of the memory.
 The sharding is `TP_PLAN`; `apply_tensor_parallel` swaps modules in place and keeps every parameter's
 name, so optimizer groups and checkpoints map by name (`transformer.h.0.attn.c_q.weight` is now this
 rank's rows). Sharded parameters carry `_tp_shard_dim` (0 or 1); replicated ones do not: a global grad
-norm sums the squares of the former over the group and counts the latter once (`tp_norm_groups`).
+norm sums the squares of the former over the group and counts the latter once (`tp_grad_groups`).
 Under SP the replicated parameters that see only T/p positions (LayerNorms, row-parallel biases, wpe)
-carry `_sequence_parallel`; their gradients are already made whole over the group inside backward.
+get their gradients made whole over the group inside backward, so they too count once.
 
 The communication primitives live in parallel/tp_comm.py and go through parallel/comm.py, so
 `tp_comm_bytes_per_micro_step` can be checked against parallel/comm.COUNTER.
@@ -278,10 +278,6 @@ class _Builder:
         if any(p.is_meta for p in module.parameters()):
             materialize_module(module, name, self.config, self.seed, self.device)
 
-    def mark_sequence_parallel(self, module: nn.Module) -> None:
-        for p in module.parameters():
-            p._sequence_parallel = True  # replicated, gradient all-reduced over TP inside backward
-
 
 def _vocab(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:
     return VocabParallelEmbedding(b.shard(f"{name}.weight", m.weight, 0), b.group, b.sequence_parallel)
@@ -289,16 +285,11 @@ def _vocab(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:
 
 def _position(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:
     b.materialize(m, name)
-    if not b.sequence_parallel:
-        return m
-    b.mark_sequence_parallel(m)  # (its gradient is made whole by the all-gather; marked for the record)
-    return SequenceParallelPositionEmbedding(m, b.group)
+    return SequenceParallelPositionEmbedding(m, b.group) if b.sequence_parallel else m
 
 
 def _norm(b: _Builder, name: str, m: nn.LayerNorm) -> nn.Module:
     b.materialize(m, name)
-    if b.sequence_parallel:
-        b.mark_sequence_parallel(m)
     return ParallelLayerNorm(m, b.group, b.sequence_parallel)
 
 
@@ -307,11 +298,8 @@ def _colwise(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
 
 
 def _rowwise(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
-    layer = RowParallelLinear(b.shard(f"{name}.weight", m.weight, 1), b.replicated(f"{name}.bias", m.bias),
-                              b.group, b.sequence_parallel)
-    if b.sequence_parallel and layer.bias is not None:
-        layer.bias._sequence_parallel = True
-    return layer
+    return RowParallelLinear(b.shard(f"{name}.weight", m.weight, 1), b.replicated(f"{name}.bias", m.bias),
+                             b.group, b.sequence_parallel)
 
 
 def _vocab_head(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
@@ -381,10 +369,16 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
 
 # ----------------------------------------------------------------------------- helpers for the trainer
 
+def tp_grad_groups(model: nn.Module, tp_group) -> dict[str, tuple]:
+    """{name: groups its gradient is sharded over}: (tp_group,) for sharded parameters (their squares are
+    summed over the group), () for replicated ones (counted once: their gradients agree on all ranks)."""
+    return {n: (tp_group,) if hasattr(p, "_tp_shard_dim") else () for n, p in model.named_parameters()}
+
+
 def tp_norm_groups(model: nn.Module, tp_group) -> list[tuple[nn.Parameter, tuple]]:
-    """(param, groups) for parallelize.clip_grad_norm_: (tp_group,) for sharded parameters (their squares
-    are summed over the group), () for replicated ones (counted once: their gradients agree on all ranks)."""
-    return [(p, (tp_group,) if hasattr(p, "_tp_shard_dim") else ()) for p in model.parameters()]
+    """(param, groups) items for parallel.grads.clip_grad_norm_, by the rule of `tp_grad_groups`."""
+    groups = tp_grad_groups(model, tp_group)
+    return [(p, groups[n]) for n, p in model.named_parameters()]
 
 
 def full_tensor(t: torch.Tensor, shard_dim: int | None, group) -> torch.Tensor:

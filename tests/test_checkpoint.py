@@ -8,7 +8,7 @@ before and recomputes steps KILL-1 and KILL. R's losses for those steps and its 
 (parameters, both AdamW moments, step count) must equal K's bit for bit: K is the uninterrupted run.
 
 Adding a layout is one line in LAYOUTS (it then joins the kill-and-resume tests and the load-into-every-layout
-table); layouts that parallel.parallelize.not_implemented refuses are skipped until they exist.
+table).
 """
 import functools
 import json
@@ -49,17 +49,6 @@ LAYOUTS = {
 }
 
 
-def available(flags: list[str]) -> bool:
-    import train
-    from parallel.mesh import ParallelDims
-    from parallel.parallelize import not_implemented
-    args = train.parse_args(flags)
-    dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size,
-                        args.data_parallel_size * args.tensor_parallel_size)
-    return not_implemented(dims, train.parallel_config(args, torch.float32)) is None
-
-
-ACTIVE = {k: v for k, v in LAYOUTS.items() if available(v[1])}
 
 
 def launch(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: list[str] | None = None,
@@ -152,8 +141,6 @@ class TestKillAndResume(unittest.TestCase):
     """SIGKILLed after step KILL, resumed: the same losses and state as the uninterrupted run, bit for bit."""
 
     def check(self, layout: str):
-        if layout not in ACTIVE:
-            self.skipTest(f"{layout}: not implemented yet")
         run = kill_and_resume(layout)
         k, r, out = run["k"], run["r"], run["out"]
         self.assertNotEqual(k.returncode, 0, f"{layout}: K was not killed:\n{k.stdout[-2000:]}{k.stderr[-2000:]}")
@@ -189,12 +176,13 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
     source's full tensor at that element's position, and the AdamW step must be the source's. Once per
     target: every element has exactly one designated writer over all ranks. Returns the mismatches."""
     import torch.distributed as dist
+    import config
     import train
     bad, trainers = [], {}
     for target, flags in targets.items():
-        args = train.parse_args(BASE + flags + ["--dataset", os.path.join(os.path.dirname(out), "data"),
+        args = config.parse_args(BASE + flags + ["--dataset", os.path.join(os.path.dirname(out), "data"),
                                                 "--out_dir", os.path.join(out, target)])
-        t = trainers[target] = train.build(args, train.validate(args))
+        t = trainers[target] = train.build(config.validate(args))
         entries = t.par.checkpoint_entries(t.optimizer)
         count = {e.name: torch.zeros(torch.Size(e.shape).numel()) for e in entries}
         for e in entries:
@@ -225,11 +213,11 @@ class TestResharding(unittest.TestCase):
     def test_every_layout_loads_every_layouts_checkpoint(self):
         """Each available layout's step-KILL checkpoint, loaded into each available layout, gives every rank
         exactly the source's bits (and AdamW step). One set of processes per world size."""
-        sources = {name: kill_and_resume(name)["aside"] for name in ACTIVE}
+        sources = {name: kill_and_resume(name)["aside"] for name in LAYOUTS}
         out = os.path.join(TMP.name, "load-into")
         t0 = time.perf_counter()
         by_world: dict[int, dict[str, list[str]]] = {}
-        for target, (nproc, flags) in ACTIVE.items():
+        for target, (nproc, flags) in LAYOUTS.items():
             by_world.setdefault(nproc, {})[target] = flags
         for nproc, targets in by_world.items():
             if nproc == 1 and not under_torchrun():
@@ -237,7 +225,7 @@ class TestResharding(unittest.TestCase):
             else:
                 bad = [m for rank_bad in spawn(_load_everything, nproc, targets, sources, out) for m in rank_bad]
             self.assertEqual(bad, [], f"loading into {', '.join(targets)}")
-        print(f"\n  {len(sources)} checkpoints x {len(ACTIVE)} layouts loaded in {time.perf_counter() - t0:.1f}s",
+        print(f"\n  {len(sources)} checkpoints x {len(LAYOUTS)} layouts loaded in {time.perf_counter() - t0:.1f}s",
               file=sys.stderr)
 
     def test_training_continues_across_layouts(self):

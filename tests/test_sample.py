@@ -27,15 +27,16 @@ def setUpModule():
     TMP = tempfile.TemporaryDirectory()
     data = make_token_bins(os.path.join(TMP.name, "data"), n_train=20_000, n_val=4_000)
     RUN = os.path.join(TMP.name, "run")
+    import config
     import train
     with mock.patch.dict(os.environ), contextlib.redirect_stdout(io.StringIO()):
         for k in DIST_ENV:  # one process, even when the suite runs under torchrun
             os.environ.pop(k, None)
-        args = train.parse_args(["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64",
+        args = config.parse_args(["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64",
                                  "--total_batch_size", "128", "--max_steps", "1", "--lr", "3e-3",
                                  "--dataset", data, "--out_dir", RUN, "--checkpoint_interval", "1",
                                  "--peak_flops", "1e12", "--device", "cpu"])
-        t = train.build(args, train.validate(args))
+        t = train.build(config.validate(args))
         train.train_step(t, 1)
         train.save_checkpoint(t, 1)
 

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import GPT, GPTConfig, init_parameter, param_groups
 from parallel import comm
-from parallel.parallelize import clip_grad_norm_
+from parallel.grads import clip_grad_norm_
 from parallel.tensor_parallel import (TP_PLAN, apply_tensor_parallel, check_tp_divisibility, full_tensor,
                                       plan_style, pytorch_tp_plan, tp_comm_bytes_per_micro_step, tp_norm_groups,
                                       vocab_parallel_cross_entropy)

@@ -115,5 +115,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def ensure_prepared(out_dir: str | Path, leader: bool, wait_s: float = 900.0) -> bool:
+    """Make sure train.bin and val.bin exist in `out_dir`: the leader (one process per machine) prepares
+    them if missing, the others wait for them to appear (bins are moved into place only once complete).
+    Returns False if they are still missing (the leader failed, or the wait ran out)."""
+    import time
+    out_dir = Path(out_dir)
+    ready = lambda: all((out_dir / f"{s}.bin").exists() for s in ("train", "val"))  # noqa: E731
+    if ready():
+        return True
+    if leader:
+        print(f"{out_dir} has no train.bin/val.bin: preparing Shakespeare (once)", flush=True)
+        return main(["--out_dir", str(out_dir)]) == 0 and ready()
+    deadline = time.monotonic() + wait_s
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return ready()
+
+
 if __name__ == "__main__":
     sys.exit(main())

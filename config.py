@@ -1,0 +1,292 @@
+"""Command-line flags and their validation into one frozen `Plan`, before any process group exists.
+
+train.py, sample.py, export.py and bench share what lives here: `UsageError` (bad input: one line,
+exit code 2, on every rank, before any work), the one-line argument parser, and fetching OpenAI's
+weights. After `validate` the trainer reads layout questions from `plan.par` and `plan.dims` only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import checkpoint
+from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_dir
+from model import GPT, PRESETS, GPTConfig, make_config
+from parallel.mesh import ParallelDims, env_world, pick_device
+from parallel.parallelize import ParallelConfig
+
+HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UsageError(ValueError):
+    """Bad input: reported as one line, exit code 2, before any work."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError (one line) instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def error_line(prog: str, message: object) -> None:
+    """Write `prog: error: message` to stderr in one write: ranks sharing a terminal or pipe never glue
+    their lines together (print() writes the text and the newline separately)."""
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    sys.stderr.flush()
+
+
+def fetch_hf_weights(name: str) -> dict:
+    """OpenAI's GPT-2 weights through transformers' hub cache; one UsageError when they can't be had.
+
+    The hub is probed first (5 s), so an offline machine answers at once from the local cache or fails,
+    instead of sitting through the hub client's retries."""
+    from data.common import url_reachable
+    try:
+        import transformers
+        from transformers import GPT2LMHeadModel
+        transformers.logging.set_verbosity_error()
+        online = url_reachable("https://huggingface.co", timeout=5.0)
+        return GPT2LMHeadModel.from_pretrained(name, local_files_only=not online).state_dict()
+    except Exception as e:  # noqa: BLE001 -- any failure here means "could not fetch"
+        raise UsageError(f"--init_from {name}: could not fetch the weights from the Hugging Face hub "
+                         f"({type(e).__name__}); this needs internet access or a populated HF cache") from None
+
+
+# ----------------------------------------------------------------------------- train.py's flags
+
+def train_parser() -> Parser:
+    p = Parser(prog="train.py", description="Train GPT-2 on one process or many (torchrun).")
+    a = p.add_argument
+    # layout
+    a("--tensor_parallel_size", type=int, default=1, help="degree of tensor parallelism")
+    a("--enable_loss_parallelism", action="store_true", help="vocab-parallel cross-entropy under TP")
+    a("--sequence_parallel", action="store_true", help="TP: LayerNorms/residuals on sequence-sharded activations")
+    a("--data_parallel_size", type=int, default=1, help="degree of data parallelism")
+    a("--data_parallel_type", choices=["ddp", "fsdp"], default=None, help="required when dp > 1")
+    a("--implementation", choices=["custom", "pytorch"], default="custom")
+    a("--deferred_init", action="store_true", help="build on meta, materialise after sharding")
+    a("--gradient_clipping", action="store_true", help="clip the global gradient norm at 1.0")
+    a("--bucket_cap_mb", type=float, default=25.0, help="custom DDP: gradient bucket size")
+    a("--grad_compression", choices=["none", "bf16"], default="none", help="custom DDP: bf16 on the wire")
+    a("--param_dtype", choices=["auto", *DTYPES], default="auto",
+      help="FSDP: dtype of the gathered compute copies (the master shard stays fp32); auto: bf16 under "
+           "--dtype bfloat16, else float32")
+    a("--reduce_dtype", choices=DTYPES, default="float32", help="FSDP: dtype gradients are reduce-scattered in")
+    # model and data
+    a("--model", default="gpt2", help=f"preset: {', '.join(PRESETS)}")
+    a("--init_from", choices=["scratch", *HF_MODELS], default="scratch", help="start from OpenAI's weights")
+    a("--n_layer", type=int)
+    a("--n_head", type=int)
+    a("--n_embd", type=int)
+    a("--block_size", type=int)
+    a("--dataset", default="shakespeare", help="shakespeare, openwebtext, or a dir with train.bin/val.bin")
+    # batch and optimisation
+    a("--micro_batch_size", type=int, default=8)
+    a("--seq_len", type=int, default=1024)
+    a("--total_batch_size", type=int, default=524288, help="tokens per optimizer step")
+    a("--max_steps", type=int, default=250)
+    a("--lr", type=float, default=6e-4, help="peak; linear warmup then cosine to 10%%")
+    a("--warmup_steps", type=int, default=10)
+    a("--weight_decay", type=float, default=0.1)
+    a("--seed", type=int, default=1337)
+    a("--eval_interval", type=int, default=25)
+    a("--eval_iters", type=int, default=20)
+    # system
+    a("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    a("--dtype", choices=["auto", *DTYPES], default="auto")
+    a("--out_dir", default=None, help="default: runs/<model>-<dataset>")
+    a("--overwrite", action="store_true", help="start afresh in an --out_dir that already holds a run")
+    a("--timeout", type=float, default=600.0, help="seconds a collective may wait before the run fails")
+    a("--peak_flops", type=float, default=None,
+      help="peak FLOP/s of one device, for MFU (default: datasheet for known GPUs, else measured)")
+    a("--profile", type=int, default=0, metavar="N",
+      help="write a torch.profiler trace of N steps (after 2 warm-up steps) to <out_dir>/profile")
+    # checkpoints
+    a("--checkpoint_interval", type=int, default=0, metavar="N",
+      help="also save a checkpoint every N steps (one is always saved at the end, unless --no_checkpoint)")
+    a("--no_checkpoint", action="store_true", help="save no checkpoint at all, not even the final one")
+    a("--keep_checkpoints", type=int, default=3, metavar="K", help="keep the newest K checkpoints (default 3)")
+    a("--resume", action="store_true",
+      help="continue from the newest complete checkpoint in --out_dir (none there: start fresh)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = train_parser().parse_args(argv)
+    if args.out_dir is None:
+        args.out_dir = os.path.join("runs", f"{args.model}-{os.path.basename(os.path.normpath(args.dataset))}")
+    return args
+
+
+# ----------------------------------------------------------------------------- validation
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything validated from the arguments and the environment. `args` is kept for the plain
+    hyperparameters (lr, steps, intervals); the layout lives in `dims` and `par` alone."""
+    args: argparse.Namespace
+    dims: ParallelDims
+    par: ParallelConfig
+    config: GPTConfig
+    device: torch.device
+    dtype: torch.dtype
+    grad_accum: int
+    rows: int  # sequences per global batch
+    data_dir: str
+    rank: int
+    hf_state: dict | None = None
+    resume_from: str | None = None  # checkpoint directory (--resume found one)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto': bf16 on a GPU with native bf16 (compute capability >= 8.0), fp16 with a GradScaler on an
+    older one, fp32 on CPU. A capability query touches no device memory, unlike
+    torch.cuda.is_bf16_supported(), which also says True for emulated bf16 (V100, T4)."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
+
+
+def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.dtype) -> ParallelConfig:
+    """The layout settings `parallel.parallelize` composes, with every default resolved."""
+    param_dtype = args.param_dtype
+    if param_dtype == "auto":
+        param_dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    return ParallelConfig(dp_type=args.data_parallel_type if dims.dp_enabled else None,
+                          implementation=args.implementation, loss_parallel=args.enable_loss_parallelism,
+                          sequence_parallel=args.sequence_parallel,
+                          param_dtype=None if param_dtype == "float32" else getattr(torch, param_dtype),
+                          reduce_dtype=getattr(torch, args.reduce_dtype),
+                          deferred_init=args.deferred_init, seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
+                          grad_compression=None if args.grad_compression == "none" else args.grad_compression)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    for flag in ("tensor_parallel_size", "data_parallel_size", "micro_batch_size", "seq_len",
+                 "total_batch_size", "max_steps", "eval_interval", "eval_iters"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.checkpoint_interval < 0 or args.keep_checkpoints < 1:
+        raise UsageError(f"--checkpoint_interval must be >= 0 and --keep_checkpoints >= 1, got "
+                         f"{args.checkpoint_interval} and {args.keep_checkpoints}")
+    if args.no_checkpoint and args.checkpoint_interval:
+        raise UsageError("--no_checkpoint saves nothing and --checkpoint_interval asks for saves: pass one of them")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume continues the run in --out_dir and --overwrite discards it: pass one of them")
+    if args.deferred_init and args.init_from != "scratch":
+        raise UsageError("--deferred_init builds a fresh model; it cannot be combined with --init_from")
+
+
+def _check_layout(args: argparse.Namespace, dims: ParallelDims, dtype: torch.dtype) -> None:
+    if dims.dp_enabled and args.data_parallel_type is None:
+        raise UsageError(f"--data_parallel_type ddp|fsdp is required with --data_parallel_size {dims.dp}")
+    for flag in ("enable_loss_parallelism", "sequence_parallel"):
+        if getattr(args, flag) and not dims.tp_enabled:
+            raise UsageError(f"--{flag} needs --tensor_parallel_size > 1")
+    if args.sequence_parallel and args.seq_len % dims.tp:
+        raise UsageError(f"--sequence_parallel needs --seq_len ({args.seq_len}) divisible by "
+                         f"--tensor_parallel_size ({dims.tp})")
+    fp16 = [f"--{f} float16" for f in ("param_dtype", "reduce_dtype") if getattr(args, f) == "float16"]
+    if fp16 and dtype != torch.float16:
+        raise UsageError(f"{' and '.join(fp16)} need --dtype float16, whose GradScaler keeps fp16 gradients "
+                         f"from overflowing; use bfloat16 instead")
+
+
+def _check_model(args: argparse.Namespace, dims: ParallelDims) -> tuple[GPTConfig, dict | None]:
+    hf_state = None
+    if args.init_from != "scratch":
+        hf_state = fetch_hf_weights(args.init_from)
+        config = GPT.from_hf_state_dict(hf_state).config
+    else:
+        try:
+            config = make_config(args.model, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                                 block_size=args.block_size)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if config.n_embd % config.n_head:
+        raise UsageError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
+    for what, n in (("n_head", config.n_head), ("n_embd", config.n_embd), ("vocab_size", config.vocab_size)):
+        if n % dims.tp:
+            raise UsageError(f"{what} ({n}) is not divisible by --tensor_parallel_size {dims.tp}")
+    if args.seq_len > config.block_size:
+        raise UsageError(f"--seq_len {args.seq_len} exceeds the model's block_size {config.block_size}")
+    return config, hf_state
+
+
+def _check_data(args: argparse.Namespace, config: GPTConfig, local_rank: int) -> str:
+    data_dir = resolve_dataset_dir(args.dataset)
+    if args.dataset == "shakespeare":
+        from data.shakespeare.prepare import ensure_prepared
+        if not ensure_prepared(data_dir, leader=local_rank == 0):
+            raise UsageError(f"dataset shakespeare could not be prepared in {data_dir}; run: "
+                             f"{prepare_hint(args.dataset)}")
+    if not os.path.isdir(data_dir):
+        raise UsageError(f"dataset {args.dataset!r}: no directory {data_dir}; prepare it with: "
+                         f"{prepare_hint(args.dataset)}")
+    try:
+        BatchSource(data_dir, args.seq_len, config.vocab_size, args.seed, prepare_hint(args.dataset))
+    except DataError as e:
+        raise UsageError(str(e)) from None
+    return data_dir
+
+
+def _check_out_dir(args: argparse.Namespace, config: GPTConfig) -> str | None:
+    """Refuse to overwrite a run by accident; with --resume, the checkpoint to continue from."""
+    metrics = os.path.join(args.out_dir, "metrics.jsonl")
+    held = metrics if os.path.exists(metrics) else (checkpoint.newest(args.out_dir) or None)
+    if held and not (args.overwrite or args.resume):
+        raise UsageError(f"{args.out_dir} already holds a run ({held}); pass --resume to continue it, "
+                         f"--overwrite to start afresh, or choose another --out_dir")
+    return resume_checkpoint(args.out_dir, config) if args.resume else None
+
+
+def resume_checkpoint(out_dir: str, config: GPTConfig) -> str | None:
+    """--resume: the newest complete checkpoint in `out_dir` (None if there is none), refused in one line
+    if it holds another model config. Every rank reads the manifest, so every rank refuses alike."""
+    path = checkpoint.newest(out_dir)
+    if path is None:
+        return None
+    try:
+        diff = checkpoint.config_mismatch(checkpoint.read_manifest(path), config)
+    except checkpoint.CheckpointError as e:
+        raise UsageError(f"--resume: {e}") from None
+    except KeyError as e:
+        raise UsageError(f"--resume: {path}: the manifest has no {e} entry") from None
+    if diff:
+        raise UsageError(f"--resume: checkpoint {path} holds another model config ({diff}); resume with the "
+                         f"same --model/--n_layer/--n_head/--n_embd/--block_size, or choose another --out_dir")
+    return path
+
+
+def validate(args: argparse.Namespace) -> Plan:
+    """Check the arguments against each other, the environment and the data; raise UsageError.
+    The built-in Shakespeare corpus is prepared here when it is missing (local rank 0 does it)."""
+    rank, local_rank, world_size = env_world()
+    _check_flags(args)
+    try:
+        dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world_size)
+        device = pick_device(args.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    dtype = resolve_dtype(args.dtype, device)
+    _check_layout(args, dims, dtype)
+    config, hf_state = _check_model(args, dims)
+    tokens_per_micro = args.micro_batch_size * args.seq_len * dims.dp
+    if args.total_batch_size % tokens_per_micro:
+        raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size x "
+                         f"seq_len x data_parallel_size = {args.micro_batch_size} x {args.seq_len} x {dims.dp} "
+                         f"= {tokens_per_micro}")
+    data_dir = _check_data(args, config, local_rank)
+    resume_from = _check_out_dir(args, config)
+    return Plan(args=args, dims=dims, par=parallel_config(args, dims, dtype), config=config, device=device,
+                dtype=dtype, grad_accum=args.total_batch_size // tokens_per_micro,
+                rows=args.total_batch_size // args.seq_len, data_dir=data_dir, rank=rank, hf_state=hf_state,
+                resume_from=resume_from)

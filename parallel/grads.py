@@ -1,0 +1,77 @@
+"""What every rank must agree on about the gradients, whatever the layout: their global norm (and the
+clip that uses it), and, under fp16, whether any of them overflowed.
+
+Norm: a layout describes its gradients as items: (param, groups) for a whole gradient, or
+(param, groups, lo, hi) for one original parameter's slice of a flat FSDP shard gradient; `groups` are
+the process groups that gradient is sharded over. Squares are summed locally per pattern of groups and
+all-reduced (SUM, one fp32 scalar each) over exactly those groups, so each element counts once whatever
+the layout; replicated gradients (groups == ()) are counted once, with no communication.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+@torch.no_grad()
+def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm of all gradients; scales them by min(1, max_norm / (norm + 1e-6)) if max_norm.
+
+    Squares are summed locally per sharding pattern, then all-reduced over the groups that pattern is
+    sharded over, so each gradient element is counted exactly once whatever the layout. Items are
+    (param, groups) or (param, groups, lo, hi) for a slice of a flat shard's gradient."""
+    by_groups: dict[tuple, list[torch.Tensor]] = {}   # what to measure
+    to_scale: dict[int, torch.Tensor] = {}             # the gradients' own storage, to clip in place
+    for p, groups, *segment in norm_groups:
+        g = p.grad
+        if g is None:
+            continue
+        if segment:  # (lo, hi): one original parameter's slice of a flat FSDP shard
+            to_scale[id(g)] = g
+            by_groups.setdefault(groups, []).append(g[segment[0]:segment[1]])
+            continue
+        if isinstance(g, DTensor):
+            to_scale[id(g)] = g.to_local()
+            if any(pl.is_partial() for pl in g.placements):  # e.g. LayerNorm grads under DTensor SP
+                g = g.redistribute(g.device_mesh, [Replicate() if pl.is_partial() else pl for pl in g.placements])
+            g = g.to_local()
+        else:
+            to_scale[id(g)] = g
+        by_groups.setdefault(groups, []).append(g)
+    # Every rank must issue the same all-reduces in the same order, even for patterns of which it holds
+    # no element (an FSDP rank may hold no slice of some parameter): walk the patterns in list order.
+    total = None
+    device = next(iter(to_scale.values())).device if to_scale else torch.device("cpu")
+    for groups in dict.fromkeys(item[1] for item in norm_groups):
+        grads = by_groups.get(groups, [])
+        sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum() if grads else \
+            torch.zeros((), device=device)
+        for g in groups:
+            dist.all_reduce(sq, group=g)  # a scalar: not counted as wrapper traffic
+        total = sq if total is None else total + sq
+    norm = total.sqrt() if total is not None else torch.zeros(())
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(list(to_scale.values()), coef.to(norm.device))
+    return norm
+
+
+class AgreeingGradScaler(torch.amp.GradScaler):
+    """fp16's GradScaler for gradients spread over ranks (FSDP shards, TP shards, localised DDP x TP).
+
+    torch's GradScaler looks for inf/NaN only in the gradients this rank holds; with sharded gradients
+    one rank could skip a step that the others take, and the loss scales drift apart silently. Here
+    `unscale_` also all-reduces (MAX) every found-inf flag over `group` (default: all ranks), so every
+    rank skips together and keeps the same scale. Communication: one scalar per device per step (uncounted),
+    as in torch's ShardedGradScaler, which FSDP1 pairs with."""
+
+    def __init__(self, device_type: str, group: dist.ProcessGroup | None = None):
+        super().__init__(device_type)
+        self.group = group
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
