@@ -5,10 +5,11 @@ The counter records payload bytes per kind, per call:
 - all_gather: the bytes of the gathered (full) output;
 - reduce_scatter: the bytes of the (full) input;
 - broadcast: the tensor's bytes.
-These are the sizes the theory in the README is written in (DDP: Ψ of all-reduce per step; FSDP: 2Ψ of
-all-gather and Ψ of reduce-scatter per micro-step). Backend-level overheads (ring 2(N-1)/N factors,
-gloo emulating reduce-scatter through all-reduce) are deliberately not counted: they are properties of
-the transport, not of the algorithm.
+Each wrapper's theory is written in these sizes, beside its code: `ddp_comm_bytes_per_step` (parallel/ddp.py),
+the FSDP formula in parallel/fsdp.py (2 all-gathers of each Block and 1 of the root, and 1 reduce-scatter
+of everything, per micro-step), `tp_comm_bytes_per_micro_step` (parallel/tensor_parallel.py). Backend
+overheads (ring 2(N-1)/N factors, gloo emulating reduce-scatter through all-reduce) are deliberately not
+counted: they are properties of the transport, not of the algorithm.
 
 Averages are computed as SUM followed by a division by the group size, which every backend supports
 (gloo has no ReduceOp.AVG in older torch versions, and some backends none for integer tensors).
@@ -60,7 +61,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op:
                async_op: bool = False):
     """In-place all-reduce of `tensor` over `group`. op: "sum", "avg" (sum then divide), or "max".
 
-    With async_op the division for "avg" must be done by the caller after wait(); use `avg_after_wait`.
+    With async_op the division for "avg" is left to the caller, after wait().
     """
     if world(group) == 1:
         return None

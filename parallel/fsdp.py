@@ -162,8 +162,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
       gradient is reduced (it is used at both ends of forward and first in backward).
     - backward: a hook on each Block's output re-gathers that Block before its backward (and prefetches
       the previous Block's); a hook on the unit's flat leaf fires once all its gradients are summed and
-      issues an async reduce-scatter (SUM in `reduce_dtype`, then / N, accumulated in fp32 into the shard
-      `.grad`). A callback queued on the autograd engine waits for the last reduce-scatters.
+      issues an async reduce-scatter (SUM in `reduce_dtype`, then / N; for fp16 / N first, so the sum can't
+      overflow where the mean would not; accumulated in fp32 into the shard `.grad`). A callback queued on the autograd engine waits for the last reduce-scatters.
     - `clip_grad_norm_`: one all-reduce of a scalar (uncounted). State dicts: one all-gather (or broadcast) per unit.
 
     Gradient accumulation. By default every micro-step's backward reduce-scatters, so memory stays 1/N
@@ -197,6 +197,9 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         self.param_dtype = param_dtype or torch.float32
         self.reduce_dtype = reduce_dtype
+        # fp16 sums of N gradients can overflow where their mean would not: divide before the reduce-scatter
+        # (as DDP does). Other dtypes divide after it, as FSDP2 does, which keeps fp32 runs bit-equal to it.
+        self._predivide = reduce_dtype == torch.float16 and self.world > 1
         self.events: list[tuple[str, str, str]] = []  # (what, unit, phase) since the last forward began
         self._backward_started = False
         self._pending: list[tuple[_FlatUnit, object, torch.Tensor, torch.Tensor]] = []
@@ -340,6 +343,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
             unit.acc_grad = grad
             return
         self._finish_reduce_scatters()  # at most one in flight: full gradients are not kept around
+        if self._predivide:
+            grad.div_(self.world)
         out = torch.empty(unit.shard.numel(), dtype=self.reduce_dtype, device=grad.device)
         self.events.append(("reduce_scatter", unit.name, "backward"))
         work = comm.reduce_scatter_tensor(out, grad, self.group, async_op=True)
@@ -350,7 +355,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
             if work is not None:
                 work.wait()
             out = out.float()
-            if self.world > 1:
+            if self.world > 1 and not self._predivide:
                 out.div_(self.world)
             unit.add_grad(out)
         self._pending.clear()
