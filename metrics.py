@@ -4,8 +4,8 @@ metrics.jsonl + TensorBoard (`Logger`) and the per-step lines or progress bar (`
 - MFU = (training FLOPs per token × tokens/s) ÷ (peak FLOP/s per device × devices). FLOPs per token
   are 6N for the matmuls (N = parameters, less the position embedding, which does no matmul) plus
   12·L·H·T for attention (PaLM, appendix B).
-- Peak FLOP/s: the datasheet dense bf16/fp32 number for known GPUs, otherwise measured here with a
-  large matmul in the training dtype (on CPU: with this process's thread count).
+- Peak FLOP/s: the datasheet dense bf16 number for known GPUs training in bf16/fp16, otherwise measured
+  here with a large matmul in the training dtype (on CPU: with this process's thread count).
 - Peak memory, per step (`reset_peak_memory` at its start): on GPU the CUDA caching allocator's peak of
   allocated bytes; on CPU the process's peak resident set (Linux VmHWM, reset through
   /proc/self/clear_refs), which includes the ~0.6 GB of Python and torch every process carries.
@@ -25,9 +25,11 @@ import torch
 from model import GPTConfig
 from parallel.comm import local
 
-# Dense (non-sparse) peak FLOP/s per device for the training dtype, from the vendors' datasheets.
-DATASHEET_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A6000": 154.8e12, "L40S": 362e12,
-                  "A10G": 125e12, "L4": 121e12, "4090": 165e12}
+# Dense (non-sparse) bf16/fp16 peak FLOP/s per device, from the vendors' datasheets. Matched against
+# torch.cuda.get_device_name in order, so the specific variants come before the family name.
+DATASHEET_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+                  ("A100", 312e12), ("A6000", 154.8e12), ("L40S", 362e12), ("A10G", 125e12), ("L4", 121e12),
+                  ("4090", 165e12))
 
 
 def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
@@ -54,10 +56,11 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
-    """Datasheet peak for a known GPU in bf16/fp16, else the measured matmul rate."""
+    """Datasheet bf16/fp16 peak for a known GPU under bf16/fp16 training; otherwise (fp32, an unknown GPU,
+    the CPU) the measured matmul rate in the training dtype."""
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
         name = torch.cuda.get_device_name(device)
-        for key, value in DATASHEET_BF16.items():
+        for key, value in DATASHEET_BF16:
             if key in name:
                 return value
     return measure_matmul_flops(device, dtype if device.type == "cuda" else torch.float32,
