@@ -378,21 +378,22 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def grad_norm_items(self, groups: dict[str, tuple] | None = None) -> list[tuple]:
         """This rank's shard gradients as items for parallel.grads.clip_grad_norm_.
 
-        Every element is sharded over this FSDP's group; `groups` ({original name: more groups}, e.g. TP's)
-        adds the groups a parameter is also sharded over. Without extra groups each flat piece is one item
+        Every element is sharded over this FSDP's group; `groups` ({original name: more groups}, e.g. TP's;
+        names not in it have none) adds the groups a parameter is also sharded over. Without extra groups each flat piece is one item
         (param, (group,)); with them, each original parameter's slice is (piece, groups, lo, hi). The list
         starts with one empty item per pattern, the same on every rank, so every rank issues the same
         reductions even where it holds no slice of some parameter."""
         groups = groups or {}
         if not any(groups.values()):
             return [(p, (self.group,)) for p in self.flat_params]
-        items = [(torch.empty(0), (self.group,) + g) for g in dict.fromkeys(groups.values())]
+        items = [(torch.empty(0), (self.group,) + g) for g in dict.fromkeys([(), *groups.values()])]
         for unit in self.units:
             for spec in unit.specs:
                 a, b, start = self._held(unit, spec)
                 for p, pa, pb in unit.pieces:
                     if b > a and pa <= start and start + (b - a) <= pb:
-                        items.append((p, (self.group,) + groups[spec.names[0]], start - pa, start - pa + (b - a)))
+                        extra = groups.get(spec.names[0], ())
+                        items.append((p, (self.group,) + extra, start - pa, start - pa + (b - a)))
         return items
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
