@@ -1,0 +1,328 @@
+"""Pipeline schedules as per-rank action lists, and a process-free simulator that dry-runs them.
+
+Chunks. The model's Blocks are cut into C = P·V consecutive chunks (P pipeline ranks, V virtual chunks
+per rank). Chunk 0 also holds wte/wpe, chunk C-1 also ln_f and lm_head. Rank r holds chunks
+r, r+P, r+2P, ... (Megatron's interleaving; V = 1 is the plain pipeline).
+
+Actions. `Action(kind, chunk, micro)`; `chunk` is always a chunk of the rank that runs the action:
+  F(c, m) / B(c, m)    forward / backward of micro-batch m through chunk c;
+  SEND_F(c, m)         chunk c's output to chunk c+1's rank;   matches RECV_F(c+1, m) there;
+  RECV_F(c, m)         chunk c's input from chunk c-1's rank;  matches SEND_F(c-1, m);
+  SEND_B(c, m)         grad of chunk c's input to chunk c-1;   matches RECV_B(c-1, m) there;
+  RECV_B(c, m)         grad of chunk c's output from chunk c+1; matches SEND_B(c+1, m).
+
+Pairing rule. Each schedule fixes only the order of F/B on each rank; `_with_p2p` runs those orders once
+as early as data allows (F=1, B=2 units, messages free) and gives every message a meeting time, its
+consumer's start. Each rank then lists, in time order: a RECV just before the compute that needs it
+(ties: message first), and a SEND either right after its producer (default, for isend) or at the meeting
+time (`blocking=True`, for blocking send). Within one peer pair both sides list their messages in the same
+order, which is what gloo needs: it matches the k-th send from a to b with the k-th receive on b from a,
+for send/recv and isend/irecv alike.
+- Default (isend): a send never waits, so nothing deadlocks and the timeline is the ideal one (per-pair
+  order agreement is checked by `simulate`, for every layout the tests cover); every
+  schedule, interleaved included, meets `bubble_fraction` exactly. With blocking sends these lists can
+  deadlock (interleaved 1F1B does: simulate(..., p2p="rendezvous") reports it).
+- blocking=True: all of a rank's messages follow one global order (meeting time, then ready time, sender),
+  so the lowest unfinished message always has both of its ranks waiting on it: blocking send/recv cannot
+  deadlock. The price: a sender that would have run ahead waits for its receiver. GPipe and 1F1B lose
+  nothing; interleaved 1F1B loses some of its gain (tests/test_pipeline_schedule.py measures it).
+
+`simulate` executes the lists with either semantics and checks everything above.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from typing import NamedTuple
+
+F, B, SEND_F, RECV_F, SEND_B, RECV_B = "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+COMPUTE = (F, B)
+
+
+class Action(NamedTuple):
+    kind: str
+    chunk: int
+    micro: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}(c{self.chunk},m{self.micro})"
+
+
+class ScheduleError(ValueError):
+    """A schedule that deadlocks, mismatches a send and a receive, or misorders or misses work."""
+
+
+# ---- stage split -------------------------------------------------------------------------------------
+
+def split_layers(n_layer: int, pp: int, virtual: int = 1) -> list[range]:
+    """Block indices of each of the P·V chunks, consecutive and as even as possible.
+
+    With n_layer = q·C + e, the first e chunks get q+1 Blocks and the rest q: the extra layers go to the
+    front because the last chunk already carries lm_head and the loss (for GPT-2 124M the lm_head matmul
+    alone costs ~5 Blocks of FLOPs), while wte/wpe on the first chunk are lookups. Every chunk gets >= 1.
+    """
+    chunks = pp * virtual
+    if pp < 1 or virtual < 1 or n_layer < chunks:
+        raise ValueError(f"cannot split {n_layer} layers into pp={pp} x virtual={virtual} = {chunks} "
+                         "non-empty chunks")
+    q, e = divmod(n_layer, chunks)
+    bounds = [0]
+    for c in range(chunks):
+        bounds.append(bounds[-1] + q + (c < e))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def chunk_of(rank: int, v: int, pp: int) -> int:
+    """Global index of rank's v-th local chunk (Megatron: rank r holds r, r+P, r+2P, ...)."""
+    return v * pp + rank
+
+
+def rank_of(chunk: int, pp: int) -> int:
+    return chunk % pp
+
+
+# ---- schedules: per-rank compute order, then the P2P actions -----------------------------------------
+
+def gpipe(pp: int, micro_batches: int, virtual: int = 1, blocking: bool = False) -> list[list[Action]]:
+    """GPipe / picotron's AFAB: every forward, then every backward, micro-batches in order."""
+    _check(pp, micro_batches, virtual, need_v1=True)
+    order = [[Action(F, r, m) for m in range(micro_batches)] + [Action(B, r, m) for m in range(micro_batches)]
+             for r in range(pp)]
+    return _with_p2p(order, pp, blocking)
+
+
+def one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, blocking: bool = False) -> list[list[Action]]:
+    """PipeDream-flush 1F1B: P-r-1 warm-up forwards, then (F, B) pairs, then the remaining backwards.
+
+    Rank r never holds more than P-r micro-batches' activations (GPipe holds M)."""
+    _check(pp, micro_batches, virtual, need_v1=True)
+    order = []
+    for r in range(pp):
+        warm = min(pp - r - 1, micro_batches)
+        ops = [Action(F, r, m) for m in range(warm)]
+        for i in range(micro_batches - warm):
+            ops += [Action(F, r, warm + i), Action(B, r, i)]
+        ops += [Action(B, r, m) for m in range(micro_batches - warm, micro_batches)]
+        order.append(ops)
+    return _with_p2p(order, pp, blocking)
+
+
+def interleaved_one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, blocking: bool = False) -> list[list[Action]]:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021, section 2.2; megatron/core/pipeline_parallel/
+    schedules.py, forward_backward_pipelining_with_interleaving).
+
+    Micro-batches go through the local chunks in groups of P: the k-th forward on a rank runs chunk
+    (k mod P·V) div P on micro-batch (k div P·V)·P + k mod P; the k-th backward walks the chunks in
+    reverse. Warm-up is 2(P-r-1) + (V-1)·P forwards (all of them when M == P), then (F, B) pairs, then
+    cool-down. Requires M % P == 0, Megatron's rule ("number of microbatches is not divisible by
+    pipeline-model-parallel-size when using interleaved schedule"). torch's ScheduleInterleaved1F1B relaxes
+    it to M % max(1, M // P) == 0 by regrouping; we keep Megatron's so every group is full.
+    """
+    _check(pp, micro_batches, virtual)
+    if micro_batches % pp:
+        raise ValueError(f"interleaved 1F1B needs micro_batches divisible by pp (Megatron's rule); "
+                         f"got micro_batches={micro_batches}, pp={pp}")
+    group, total = pp * virtual, micro_batches * virtual
+
+    def nth(k: int, kind: str, r: int) -> Action:
+        v = (k % group) // pp
+        return Action(kind, chunk_of(r, v if kind == F else virtual - 1 - v, pp), (k // group) * pp + k % pp)
+
+    order = []
+    for r in range(pp):
+        warm = total if micro_batches == pp else min(2 * (pp - r - 1) + (virtual - 1) * pp, total)
+        ops = [nth(k, F, r) for k in range(warm)]
+        for i in range(total - warm):
+            ops += [nth(warm + i, F, r), nth(i, B, r)]
+        ops += [nth(k, B, r) for k in range(total - warm, total)]
+        order.append(ops)
+    return _with_p2p(order, pp, blocking)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_one_f_one_b}
+
+
+def _check(pp: int, micro_batches: int, virtual: int, need_v1: bool = False) -> None:
+    if pp < 1 or micro_batches < 1 or virtual < 1:
+        raise ValueError(f"pp, micro_batches and virtual must be >= 1; got {pp}, {micro_batches}, {virtual}")
+    if need_v1 and virtual != 1:
+        raise ValueError(f"this schedule runs one chunk per rank; got virtual={virtual} "
+                         "(use interleaved_one_f_one_b)")
+
+
+def _needs(a: Action, pp: int, chunks: int) -> Action | None:
+    """The receive compute action `a` waits for, or None (first/last chunk, or the neighbour is local)."""
+    if a.kind == F and a.chunk > 0 and rank_of(a.chunk - 1, pp) != rank_of(a.chunk, pp):
+        return Action(RECV_F, a.chunk, a.micro)
+    if a.kind == B and a.chunk < chunks - 1 and rank_of(a.chunk + 1, pp) != rank_of(a.chunk, pp):
+        return Action(RECV_B, a.chunk, a.micro)
+    return None
+
+
+def _with_p2p(order: list[list[Action]], pp: int, blocking: bool, f_time: int = 1, b_time: int = 2) -> list[list[Action]]:
+    """Insert SEND/RECV actions into per-rank compute orders by the pairing rule (module docstring)."""
+    chunks = max(a.chunk for ops in order for a in ops) + 1
+    # 1. ideal start times: each compute as soon as its rank is free and its inputs exist (messages free)
+    start: dict[Action, int] = {}
+    end: dict[tuple[str, int, int], int] = {}
+    pos, clock = [0] * pp, [0] * pp
+    while any(pos[r] < len(order[r]) for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while pos[r] < len(order[r]):
+                a = order[r][pos[r]]
+                src = a.chunk - 1 if a.kind == F else a.chunk + 1
+                deps = [(a.kind, src, a.micro)] if 0 <= src < chunks else []
+                deps += [(F, a.chunk, a.micro)] if a.kind == B else []
+                if any(d not in end for d in deps):
+                    break
+                start[a] = max([clock[r]] + [end[d] for d in deps])
+                clock[r] = end[a] = start[a] + (f_time if a.kind == F else b_time)
+                pos[r], moved = pos[r] + 1, True
+        if not moved:
+            raise ScheduleError(f"compute orders deadlock at {[order[r][pos[r]:pos[r] + 1] for r in range(pp)]}")
+    # 2. every cross-rank message meets at its consumer's start; number them by (meet, ready, sender, ...)
+    keyed = []
+    for r in range(pp):
+        for c in order[r]:
+            keyed.append(((start[c], 1, r, c.chunk, c.micro), r, c))
+            if (recv := _needs(c, pp, chunks)) is not None:
+                src_chunk = c.chunk - 1 if c.kind == F else c.chunk + 1
+                send = Action(SEND_F if c.kind == F else SEND_B, src_chunk, c.micro)
+                key = (start[c], 0, end[(c.kind, src_chunk, c.micro)], rank_of(src_chunk, pp), c.chunk, c.micro)
+                send_key = key if blocking else (end[(c.kind, src_chunk, c.micro)], 0) + key[2:]
+                keyed += [(key, r, recv), (send_key, rank_of(src_chunk, pp), send)]
+    # 3. each rank's actions in that order: a message before any compute starting at its meeting time
+    out: list[list[Action]] = [[] for _ in range(pp)]
+    for _, r, a in sorted(keyed, key=lambda x: x[0]):
+        out[r].append(a)
+    return out
+
+
+# ---- simulator -----------------------------------------------------------------------------------------
+
+@dataclass
+class SimResult:
+    """timeline[r]: (start, end, action) of each compute on rank r; max_in_flight[r]: most micro-batch
+    activations rank r held at once (forwards done whose backward is not); busy[r]: compute units."""
+    makespan: int
+    timeline: list[list[tuple[int, int, Action]]]
+    max_in_flight: list[int]
+    busy: list[int]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of all ranks' time up to the makespan."""
+        return 1 - sum(self.busy) / (len(self.busy) * self.makespan)
+
+
+def _peer(a: Action, pp: int) -> tuple[int, Action]:
+    """The rank `a` talks to and the action that must meet it there."""
+    other = {SEND_F: (RECV_F, 1), RECV_F: (SEND_F, -1), SEND_B: (RECV_B, -1), RECV_B: (SEND_B, 1)}
+    kind, step = other[a.kind]
+    return rank_of(a.chunk + step, pp), Action(kind, a.chunk + step, a.micro)
+
+
+def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batches: int | None = None,
+             f_time: int = 1, b_time: int = 2, p2p: str = "rendezvous") -> SimResult:
+    """Run every rank's list; computes take f_time / b_time units. p2p="rendezvous": a send blocks until its
+    receive is posted and both complete at the later arrival (blocking send/recv). p2p="async": a send is
+    queued per (sender, receiver) and the rank goes on (isend); a receive takes the oldest queued send from
+    its peer and waits while there is none. Raises ScheduleError on deadlock,
+    a send meeting the wrong receive, a compute before its input arrived, F/B out of order, work on
+    another rank's chunk, or any (chunk, micro) without exactly one F and one B."""
+    if len(schedule) != pp:
+        raise ScheduleError(f"schedule has {len(schedule)} ranks, pp={pp}")
+    chunks = pp * virtual
+    if micro_batches is None:
+        micro_batches = 1 + max((a.micro for ops in schedule for a in ops), default=-1)
+    for r, ops in enumerate(schedule):
+        for a in ops:
+            if rank_of(a.chunk, pp) != r or not 0 <= a.chunk < chunks or not 0 <= a.micro < micro_batches:
+                raise ScheduleError(f"rank {r} cannot run {a} (pp={pp}, virtual={virtual}, M={micro_batches})")
+            if (a.kind in (SEND_F, RECV_B) and a.chunk == chunks - 1) or (a.kind in (RECV_F, SEND_B) and a.chunk == 0):
+                raise ScheduleError(f"rank {r}: {a} has no neighbouring chunk")
+    done: set[Action] = set()  # computes and receives completed, over all ranks (chunks name their rank)
+    pos, clock, held, peak, busy = [0] * pp, [0] * pp, [0] * pp, [0] * pp, [0] * pp
+    timeline: list[list[tuple[int, int, Action]]] = [[] for _ in range(pp)]
+    posted: dict[tuple[int, int], deque] = defaultdict(deque)  # (src, dst) -> sends in flight (async)
+
+    def head(r: int) -> Action | None:
+        return schedule[r][pos[r]] if pos[r] < len(schedule[r]) else None
+
+    while any(head(r) is not None for r in range(pp)):
+        moved = False
+        for r in range(pp):
+            while (a := head(r)) is not None and a.kind in COMPUTE:
+                if a in done:
+                    raise ScheduleError(f"rank {r} runs {a} twice")
+                if a.kind == B and Action(F, a.chunk, a.micro) not in done:
+                    raise ScheduleError(f"rank {r} runs {a} before its forward")
+                src = a.chunk - 1 if a.kind == F else a.chunk + 1
+                local = rank_of(src, pp) == r
+                arrived = Action(a.kind, src, a.micro) if local else Action(RECV_F if a.kind == F else RECV_B, *a[1:])
+                if 0 <= src < chunks and arrived not in done:
+                    raise ScheduleError(f"rank {r} runs {a} before its input arrived")
+                cost = f_time if a.kind == F else b_time
+                timeline[r].append((clock[r], clock[r] + cost, a))
+                clock[r] += cost
+                busy[r] += cost
+                held[r] += 1 if a.kind == F else -1
+                peak[r] = max(peak[r], held[r])
+                done.add(a)
+                pos[r], moved = pos[r] + 1, True
+        for r in range(pp):
+            a = head(r)
+            if a is None or a.kind in COMPUTE:
+                continue
+            q, want = _peer(a, pp)
+            if a.kind.startswith("SEND"):
+                if Action(a.kind[-1], a.chunk, a.micro) not in done:
+                    raise ScheduleError(f"rank {r} posts {a} before computing it")
+                if p2p == "async":  # isend: queue it and go on
+                    posted[(r, q)].append((a, want, clock[r]))
+                    pos[r], moved = pos[r] + 1, True
+                    continue
+                b = head(q)
+                if b is None or not b.kind.startswith("RECV") or _peer(b, pp)[0] != r:
+                    continue  # the peer is busy with someone else: wait (a deadlock shows as no progress)
+                if b != want:
+                    raise ScheduleError(f"order mismatch: rank {r} sends {a} but rank {q} posts {b} (wants {want})")
+                clock[r] = clock[q] = max(clock[r], clock[q])
+                done.add(b)
+                pos[r], pos[q], moved = pos[r] + 1, pos[q] + 1, True
+            elif p2p == "async" and posted[(q, r)]:  # a receive takes the oldest send from its peer
+                sent, meets, t = posted[(q, r)].popleft()
+                if meets != a:
+                    raise ScheduleError(f"order mismatch: rank {q} sends {sent} but rank {r} posts {a}")
+                clock[r] = max(clock[r], t)
+                done.add(a)
+                pos[r], moved = pos[r] + 1, True
+        if not moved:
+            stuck = {r: head(r) for r in range(pp) if head(r) is not None}
+            raise ScheduleError(f"deadlock: no rank can progress; waiting {stuck}")
+    for c in range(chunks):
+        for m in range(micro_batches):
+            for kind in COMPUTE:
+                if Action(kind, c, m) not in done:
+                    raise ScheduleError(f"{Action(kind, c, m)} never runs")
+    if any(posted.values()):
+        raise ScheduleError(f"sends never received: {[x[0] for x in posted.values() for x in x]}")
+    return SimResult(max(clock), timeline, peak, busy)
+
+
+# ---- theory ------------------------------------------------------------------------------------------
+
+def bubble_fraction(schedule_name: str, pp: int, micro: int, virtual: int = 1) -> float:
+    """Idle share of the makespan, bubble / (ideal + bubble), when every chunk's F and B take fixed times.
+
+    GPipe and 1F1B: the fill and drain cost (P-1)(t_f+t_b) against M(t_f+t_b) of work per rank, so
+    (P-1)/(M+P-1). Interleaving with V chunks per rank divides the fill and drain by V (each chunk is 1/V
+    of a stage): (P-1)/(V·M+P-1). Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
+    GPU Clusters Using Megatron-LM", section 2.2, state the same bubbles as bubble / ideal time:
+    (p-1)/m and (p-1)/(v·m); x/(1+x) of those gives ours.
+    """
+    if schedule_name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule_name!r}; known: {sorted(SCHEDULES)}")
+    v = virtual if schedule_name == "interleaved_1f1b" else 1
+    return (pp - 1) / (v * micro + pp - 1)

@@ -1,0 +1,204 @@
+"""Pipeline schedules (parallel/pipeline_schedule.py) dry-run by the process-free simulator.
+
+No processes: every check runs the per-rank action lists through `simulate`, which raises ScheduleError
+on deadlock, a send meeting the wrong receive, a compute before its input, B before F, or missing or
+repeated work. Each property is also shown to fail on a deliberately broken schedule.
+
+Bubble with F = 1 and B = 2 units (derivation). GPipe and 1F1B: micro-batch 0's forward reaches the last
+rank after P-1 forwards and its backward gets back to rank 0 after P-1 more backwards, so rank 0 waits
+(P-1)·1 before its first backward could start in the ideal pipeline and the drain mirrors the fill:
+makespan = (M + P - 1)(1 + 2), busy = 3M per rank, bubble = 1 - 3M / makespan = (P-1)/(M+P-1).
+Interleaved with V chunks per rank (each chunk's F = 1, B = 2): makespan = 3(V·M + P - 1).
+"""
+from __future__ import annotations
+
+import unittest
+from fractions import Fraction
+
+from parallel.pipeline_schedule import (B, F, RECV_F, SCHEDULES, SEND_F, Action, ScheduleError, bubble_fraction,
+                                        chunk_of, gpipe, interleaved_one_f_one_b, one_f_one_b, simulate,
+                                        split_layers)
+
+PPS = (2, 3, 4, 8)
+
+
+def cases():
+    """(name, pp, micro, virtual) over the grid, refused ones included."""
+    for name in SCHEDULES:
+        for p in PPS:
+            for m in (p, p + 1, 2 * p):
+                for v in (1, 2):  # V=2 is refused by gpipe and 1f1b
+                    yield name, p, m, v
+
+
+def refuses(name: str, p: int, m: int, v: int) -> bool:
+    return (name != "interleaved_1f1b" and v != 1) or (name == "interleaved_1f1b" and m % p != 0)
+
+
+def exact_bubble(res) -> Fraction:
+    return 1 - Fraction(sum(res.busy), len(res.busy) * res.makespan)
+
+
+class TestSplit(unittest.TestCase):
+    def test_covers_every_layer_once_evenly(self):
+        for n_layer in (4, 7, 12, 13, 48):
+            for pp in (1, 2, 3, 4):
+                for v in (1, 2):
+                    if n_layer < pp * v:
+                        continue
+                    parts = split_layers(n_layer, pp, v)
+                    self.assertEqual(len(parts), pp * v)
+                    self.assertEqual([i for r in parts for i in r], list(range(n_layer)))
+                    sizes = [len(r) for r in parts]
+                    self.assertLessEqual(max(sizes) - min(sizes), 1)
+                    self.assertEqual(sizes, sorted(sizes, reverse=True), "extra layers go to the first chunks")
+
+    def test_refuses_empty_chunks(self):
+        with self.assertRaisesRegex(ValueError, "non-empty"):
+            split_layers(3, 2, 2)
+
+    def test_chunk_of_is_megatron_interleaving(self):
+        self.assertEqual([chunk_of(1, v, 4) for v in range(3)], [1, 5, 9])
+        self.assertEqual(sorted(chunk_of(r, v, 3) for r in range(3) for v in range(2)), list(range(6)))
+
+
+class TestSchedules(unittest.TestCase):
+    def test_refused_layouts_raise_clear_value_errors(self):
+        refused = [c for c in cases() if refuses(*c)]
+        self.assertTrue(any(c[0] == "interleaved_1f1b" for c in refused))
+        for name, p, m, v in refused:
+            with self.subTest(name=name, pp=p, micro=m, virtual=v), self.assertRaises(ValueError) as ctx:
+                SCHEDULES[name](p, m, v)
+            self.assertRegex(str(ctx.exception), "divisible by pp|one chunk per rank")
+
+    def test_lists_cover_each_chunk_and_micro_once(self):
+        for name, p, m, v in cases():
+            if refuses(name, p, m, v):
+                continue
+            with self.subTest(name=name, pp=p, micro=m, virtual=v):
+                sched = SCHEDULES[name](p, m, v)
+                for kind in (F, B):
+                    seen = sorted((a.chunk, a.micro) for ops in sched for a in ops if a.kind == kind)
+                    self.assertEqual(seen, [(c, i) for c in range(p * v) for i in range(m)])
+                n_send = sum(a.kind.startswith("SEND") for ops in sched for a in ops)
+                self.assertEqual(n_send, sum(a.kind.startswith("RECV") for ops in sched for a in ops))
+                self.assertEqual(n_send, 2 * m * (p * v - 1))
+
+    def test_simulator_accepts_every_schedule(self):
+        """No deadlock, sends meet receives in order, F before B, exactly-once coverage: isend lists under
+        async p2p, blocking lists under both."""
+        for name, p, m, v in cases():
+            if refuses(name, p, m, v):
+                continue
+            with self.subTest(name=name, pp=p, micro=m, virtual=v):
+                fn = SCHEDULES[name]
+                simulate(fn(p, m, v), p, v, m, p2p="async")
+                blocking = fn(p, m, v, blocking=True)
+                simulate(blocking, p, v, m, p2p="async")
+                simulate(blocking, p, v, m, p2p="rendezvous")
+
+    def test_in_flight_activations(self):
+        for p in PPS:
+            for m in (p, p + 1, 2 * p):
+                res = simulate(one_f_one_b(p, m), p, 1, m)
+                self.assertEqual(res.max_in_flight, [min(p - r, m) for r in range(p)])
+                self.assertEqual(simulate(gpipe(p, m), p, 1, m).max_in_flight, [m] * p)
+        # the 1F1B bound is a real constraint: GPipe breaks it once M > P - rank
+        res = simulate(gpipe(4, 5), 4, 1, 5)
+        self.assertTrue(any(res.max_in_flight[r] > 4 - r for r in range(4)))
+
+    def test_bubble_matches_theory_exactly(self):
+        for name in ("gpipe", "1f1b"):
+            for p in PPS:
+                for m in (p, p + 1, 2 * p):
+                    for blocking in (False, True):
+                        for mode in ("async", "rendezvous"):
+                            with self.subTest(name=name, pp=p, micro=m, blocking=blocking, p2p=mode):
+                                res = simulate(SCHEDULES[name](p, m, blocking=blocking), p, 1, m, p2p=mode)
+                                self.assertEqual(res.makespan, 3 * (m + p - 1))
+                                self.assertEqual(exact_bubble(res), Fraction(p - 1, m + p - 1))
+                                self.assertAlmostEqual(res.bubble_fraction, bubble_fraction(name, p, m))
+
+    def test_interleaved_bubble(self):
+        """isend lists reach Megatron's (P-1)/(V·M+P-1) exactly; blocking lists stay above it."""
+        for p in PPS:
+            for m in (p, 2 * p):
+                for v in (1, 2):
+                    with self.subTest(pp=p, micro=m, virtual=v):
+                        res = simulate(interleaved_one_f_one_b(p, m, v), p, v, m, p2p="async")
+                        self.assertEqual(res.makespan, 3 * (v * m + p - 1))
+                        self.assertEqual(exact_bubble(res), Fraction(p - 1, v * m + p - 1))
+                        slow = simulate(interleaved_one_f_one_b(p, m, v, blocking=True), p, v, m)
+                        self.assertGreaterEqual(exact_bubble(slow), exact_bubble(res))
+
+    def test_theory_values(self):
+        self.assertAlmostEqual(bubble_fraction("gpipe", 4, 8), 3 / 11)
+        self.assertAlmostEqual(bubble_fraction("1f1b", 4, 8), 3 / 11)
+        self.assertAlmostEqual(bubble_fraction("interleaved_1f1b", 4, 8, 2), 3 / 19)
+        with self.assertRaisesRegex(ValueError, "unknown schedule"):
+            bubble_fraction("zb", 2, 2)
+
+
+class TestBrokenSchedules(unittest.TestCase):
+    """The simulator's checks fire: each schedule below is a correct one with one thing broken."""
+
+    def test_isend_lists_deadlock_under_blocking_sends(self):
+        with self.assertRaisesRegex(ScheduleError, "deadlock"):
+            simulate(interleaved_one_f_one_b(4, 8, 2), 4, 2, 8, p2p="rendezvous")
+
+    def test_swap_with_both_sides_sending_first_deadlocks(self):
+        sched = one_f_one_b(2, 3, blocking=True)
+        ops = sched[1]
+        i = next(k for k in range(len(ops) - 1) if ops[k].kind == RECV_F and ops[k + 1].kind == "SEND_B")
+        ops[i], ops[i + 1] = ops[i + 1], ops[i]  # rank 1 now sends its grad before receiving the activation
+        with self.assertRaisesRegex(ScheduleError, "deadlock"):
+            simulate(sched, 2, 1, 3, p2p="rendezvous")
+
+    def test_receives_out_of_order(self):
+        for mode in ("async", "rendezvous"):
+            sched = gpipe(2, 2, blocking=True)
+            ops = sched[1]
+            a, b = (k for k, x in enumerate(ops) if x.kind == RECV_F)
+            ops[a], ops[b] = ops[b], ops[a]
+            with self.assertRaisesRegex(ScheduleError, "order mismatch"):
+                simulate(sched, 2, 1, 2, p2p=mode)
+
+    def test_backward_before_forward(self):
+        sched = gpipe(2, 2)
+        last = sched[1]
+        k = last.index(Action(B, 1, 0))
+        last.insert(0, last.pop(k))
+        with self.assertRaisesRegex(ScheduleError, "before its forward"):
+            simulate(sched, 2, 1, 2, p2p="async")
+
+    def test_compute_before_its_input_arrives(self):
+        sched = gpipe(2, 2)
+        ops = sched[1]
+        k = ops.index(Action(RECV_F, 1, 0))
+        ops.insert(k + 1, ops.pop(k))  # F(c1,m0) now runs before RECV_F(c1,m0)
+        with self.assertRaisesRegex(ScheduleError, "input arrived"):
+            simulate(sched, 2, 1, 2, p2p="async")
+
+    def test_duplicate_and_missing_work(self):
+        sched = one_f_one_b(2, 2)
+        sched[0].append(Action(F, 0, 1))
+        with self.assertRaisesRegex(ScheduleError, "twice"):
+            simulate(sched, 2, 1, 2, p2p="async")
+        short = [[a for a in ops if a.micro != 1] for ops in one_f_one_b(2, 2)]
+        with self.assertRaisesRegex(ScheduleError, "never runs"):
+            simulate(short, 2, 1, 2, p2p="async")
+
+    def test_unreceived_and_premature_sends(self):
+        sched = gpipe(2, 2)
+        sched[0].append(Action(SEND_F, 0, 1))
+        with self.assertRaisesRegex(ScheduleError, "never received"):
+            simulate(sched, 2, 1, 2, p2p="async")
+        sched = gpipe(2, 2)
+        k = sched[0].index(Action(SEND_F, 0, 0))
+        sched[0].insert(0, sched[0].pop(k))
+        with self.assertRaisesRegex(ScheduleError, "before computing"):
+            simulate(sched, 2, 1, 2, p2p="async")
+
+
+if __name__ == "__main__":
+    unittest.main()
