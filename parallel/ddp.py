@@ -326,3 +326,11 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
             self._fired[:] = bytes(n)
             self._used[:] = bytes(n)
             self._was_none[:] = bytes(n)
+
+
+def ddp_comm_bytes_per_step(n_params: int, world: int, grad_bytes: int = 4) -> dict[str, int]:
+    """What parallel/comm.COUNTER records on one rank per optimizer step: one all-reduce of the gradients
+    of the `n_params` unique trainable parameters (Ψ), `grad_bytes` each (4; 2 with grad_compression="bf16"),
+    however many micro-steps accumulated under `no_sync()` before it. Nothing with one rank. Not included:
+    the int32 per parameter that find_unused_parameters=True adds."""
+    return {"all_reduce": n_params * grad_bytes if world > 1 else 0}

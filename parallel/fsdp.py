@@ -509,11 +509,21 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def comm_bytes_per_micro_step(self) -> dict[str, int]:
         """What parallel/comm.COUNTER records for one synchronised forward + backward: the padded flat
         buffers, i.e. at most N - 1 elements per unit more than the parameters themselves."""
-        if self.world == 1:
-            return {"all_gather": 0, "reduce_scatter": 0}
-        passes = 2 if self.reshard_after_forward else 1
         elems = [u.padded for u in self.units]
         p_size = torch.empty((), dtype=self.param_dtype).element_size()
         r_size = torch.empty((), dtype=self.reduce_dtype).element_size()
-        return {"all_gather": (elems[0] + passes * sum(elems[1:])) * p_size,
-                "reduce_scatter": sum(elems) * r_size}
+        return fsdp_comm_bytes_per_micro_step(elems[0], sum(elems[1:]), self.world, self.reshard_after_forward,
+                                              p_size, r_size)
+
+
+def fsdp_comm_bytes_per_micro_step(root: int, blocks: int, world: int, reshard_after_forward: bool = True,
+                                   param_bytes: int = 4, reduce_bytes: int = 4) -> dict[str, int]:
+    """Payload bytes of one rank's all-gathers and reduce-scatters in one synchronised forward + backward,
+    given the elements of the root unit and of all Block units together: the root is gathered once (kept
+    from forward to backward), each Block twice (once without `reshard_after_forward`), and every gradient
+    is reduce-scattered once. In Ψ terms: all-gather 2Ψ_blocks + Ψ_root, reduce-scatter Ψ. Nothing with one
+    rank."""
+    if world == 1:
+        return {"all_gather": 0, "reduce_scatter": 0}
+    passes = 2 if reshard_after_forward else 1
+    return {"all_gather": (root + passes * blocks) * param_bytes, "reduce_scatter": (root + blocks) * reduce_bytes}

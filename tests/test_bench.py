@@ -1,13 +1,21 @@
-"""bench.py without running a benchmark: the theory against hand-derived counts, the per-step summary, the
-markdown, and that a failing layout is recorded while the bench goes on (the job runner is mocked)."""
+"""The bench package without running a benchmark: the theory against hand-derived counts, the per-step
+summary, the markdown, and that a failing layout is recorded while the bench goes on (the job runner is
+mocked)."""
+import contextlib
+import io
 import json
 import os
+import sys
 import tempfile
 import unittest
 from unittest import mock
 
-import bench
-from bench import JobResult, Layout, Setup
+import bench.__main__ as cli
+from bench import report, runner
+from bench.matrix import Layout, Setup, comm_theory, fit_heads, matrix, param_count
+from bench.report import MiB
+from bench.runner import JobResult
+from metrics import read_jsonl
 from model import GPT, GPTConfig
 
 # Small enough to build for real: V=128, block 32, L=2, H=16 (2 heads)
@@ -29,75 +37,107 @@ def psi_by_hand(c: GPTConfig, tp: int = 1) -> int:
     return 4 * (V * C // tp + P * C + L * per_block + 2 * C)
 
 
+def tp_by_hand(c: GPTConfig, B: int, T: int, matmul_bytes: int = 4) -> int:
+    """All-reduce bytes of one TP micro-step on one rank (Megatron, no sequence parallelism, loss parallelism),
+    with A = B*T*C elements of one activation. Per Block: forward, g after attn.c_proj and after mlp.c_proj
+    (2 x A of the matmul output dtype); backward, f where attention and the MLP begin, after ln_1 and ln_2
+    (2 x A fp32: the residual stream stays fp32). Once: the embedding's g forward and ln_f's f backward
+    (2 x A fp32). The loss: max, target logit and sum-exp, 3 fp32 per token."""
+    A = B * T * c.n_embd
+    per_block = 2 * A * matmul_bytes + 2 * A * 4
+    return c.n_layer * per_block + 2 * A * 4 + 3 * B * T * 4
+
+
+def fsdp_root_by_hand(c: GPTConfig, tp: int = 1) -> int:
+    """fp32 bytes of FSDP's root unit on one rank: wte (= lm_head, vocab split under TP), wpe, ln_f."""
+    return 4 * (c.vocab_size * c.n_embd // tp + c.block_size * c.n_embd + 2 * c.n_embd)
+
+
 class TestTheory(unittest.TestCase):
     def test_psi_counts_the_tied_weight_once(self):
         model = GPT(CFG)
         unique = {id(p): p.numel() for p in model.parameters()}
-        self.assertEqual(bench.param_bytes(CFG), 4 * sum(unique.values()))
-        self.assertEqual(bench.param_bytes(CFG), psi_by_hand(CFG))
+        self.assertEqual(param_count(CFG), sum(unique.values()))
+        self.assertEqual(4 * param_count(CFG), psi_by_hand(CFG))
 
     def test_psi_of_a_tp_shard(self):
-        self.assertEqual(bench.param_bytes(CFG, tp=2), psi_by_hand(CFG, tp=2))
-        self.assertLess(bench.param_bytes(CFG, tp=2), bench.param_bytes(CFG))
+        self.assertEqual(4 * param_count(CFG, tp=2), psi_by_hand(CFG, tp=2))
+        self.assertLess(param_count(CFG, tp=2), param_count(CFG))
+
+    def test_fsdp_root_bytes(self):
+        self.assertEqual(4 * param_count(CFG, root_only=True), fsdp_root_by_hand(CFG))
+        self.assertEqual(4 * param_count(CFG, tp=2, root_only=True), fsdp_root_by_hand(CFG, tp=2))
 
     def test_ddp_is_psi_per_step_whatever_the_accumulation(self):
         for cap in (8, 1):  # grad_accum 1, then 4
             s = make_setup(micro_cap=cap)
-            theory, _ = bench.comm_theory(Layout("ddp", "custom", dp=2), s)
+            theory = comm_theory(Layout("ddp", "custom", dp=2), s)
             self.assertEqual(theory, {"all_reduce": psi_by_hand(CFG), "all_gather": 0, "reduce_scatter": 0})
 
     def test_fsdp_is_three_psi_less_the_root_per_micro_step(self):
-        psi = psi_by_hand(CFG)
-        root = 4 * (CFG.vocab_size * CFG.n_embd + CFG.block_size * CFG.n_embd + 2 * CFG.n_embd)
+        psi, root = psi_by_hand(CFG), fsdp_root_by_hand(CFG)
         s = make_setup(micro_cap=2)  # 8 rows over dp=2: micro 2, grad_accum 2
         self.assertEqual((s.micro_batch(2), s.grad_accum(2)), (2, 2))
-        theory, _ = bench.comm_theory(Layout("fsdp", "custom", dp=2), s)
+        theory = comm_theory(Layout("fsdp", "custom", dp=2), s)
         self.assertEqual(theory, {"all_reduce": 0, "all_gather": (2 * psi - root) * 2, "reduce_scatter": psi * 2})
 
-    def test_tp_fallback_is_megatron(self):
-        B, T, C, L, V = 4, 8, CFG.n_embd, CFG.n_layer, CFG.vocab_size
-        lp = bench.tp_bytes_fallback(CFG, B, T, 2, loss_parallel=True)
-        self.assertEqual(lp, {"all_reduce": 4 * ((4 * L + 2) * B * T * C + 3 * B * T), "all_gather": 0,
-                              "reduce_scatter": 0})
-        full = bench.tp_bytes_fallback(CFG, B, T, 2, loss_parallel=False)
-        self.assertEqual(full["all_gather"], 4 * B * T * V)
-        self.assertEqual(sum(bench.tp_bytes_fallback(CFG, B, T, 1, True).values()), 0)
+    def test_fsdp_formula_without_reshard_and_in_bf16(self):
+        from parallel.fsdp import fsdp_comm_bytes_per_micro_step as fsdp
+        # root 3 + blocks 10 elements, each gathered once, in 2-byte params; gradients reduced in fp32
+        self.assertEqual(fsdp(3, 10, 2, reshard_after_forward=False, param_bytes=2),
+                         {"all_gather": 13 * 2, "reduce_scatter": 13 * 4})
+        self.assertEqual(fsdp(3, 10, 2), {"all_gather": (3 + 2 * 10) * 4, "reduce_scatter": 13 * 4})
+        self.assertEqual(fsdp(3, 10, 1), {"all_gather": 0, "reduce_scatter": 0})
 
-    def test_tp_fallback_agrees_with_the_tp_module(self):
-        from parallel.tensor_parallel import tp_comm_bytes_per_micro_step as fn
-        for lp in (True, False):
-            got = fn(CFG, 4, 8, 2, lp, False, dtype_bytes=4)
-            self.assertEqual({k: got.get(k, 0) for k in bench.KINDS}, bench.tp_bytes_fallback(CFG, 4, 8, 2, lp))
+    def test_tp_is_megatron(self):
+        s = make_setup()  # 8 rows, dp=1: micro 8, grad_accum 1
+        theory = comm_theory(Layout("tp", "custom", tp=2), s)
+        self.assertEqual(theory, {"all_reduce": tp_by_hand(CFG, 8, 8), "all_gather": 0, "reduce_scatter": 0})
+        # (4L + 2) activations of 8*8*16 fp32 plus 3 fp32 per token, with L = 2
+        self.assertEqual(tp_by_hand(CFG, 8, 8), (4 * 2 + 2) * 8 * 8 * 16 * 4 + 3 * 8 * 8 * 4)
+        s = make_setup(micro_cap=2)  # micro 2, grad_accum 4: the per-micro-step count four times
+        self.assertEqual(comm_theory(Layout("tp", "custom", tp=2), s)["all_reduce"], 4 * tp_by_hand(CFG, 2, 8))
+
+    def test_tp_under_autocast_keeps_the_residual_stream_fp32(self):
+        s = make_setup(dtype_bytes=2)  # only the g after c_proj carries 2-byte matmul outputs
+        theory = comm_theory(Layout("tp", "custom", tp=2), s)
+        self.assertEqual(theory["all_reduce"], tp_by_hand(CFG, 8, 8, matmul_bytes=2))
+        self.assertLess(theory["all_reduce"], tp_by_hand(CFG, 8, 8))
 
     def test_2d_is_dp_on_the_shard_plus_tp(self):
         s = make_setup()  # 8 rows, dp=2: micro 4, grad_accum 1
-        tp, _ = bench.tp_bytes_per_micro_step(CFG, 4, 8, 2, True)
-        ddp, _ = bench.comm_theory(Layout("2d-ddp", "custom", dp=2, tp=2), s)
-        self.assertEqual(ddp["all_reduce"], psi_by_hand(CFG, 2) + tp["all_reduce"])
-        fsdp, _ = bench.comm_theory(Layout("2d-fsdp", "custom", dp=2, tp=2), s)
-        root_tp2 = 4 * (CFG.vocab_size * CFG.n_embd // 2 + CFG.block_size * CFG.n_embd + 2 * CFG.n_embd)
-        self.assertEqual(fsdp["all_gather"], 2 * psi_by_hand(CFG, 2) - root_tp2 + tp["all_gather"])
-        self.assertEqual(fsdp["reduce_scatter"], psi_by_hand(CFG, 2) + tp["reduce_scatter"])
+        tp = tp_by_hand(CFG, 4, 8)
+        ddp = comm_theory(Layout("2d-ddp", "custom", dp=2, tp=2), s)
+        self.assertEqual(ddp, {"all_reduce": psi_by_hand(CFG, 2) + tp, "all_gather": 0, "reduce_scatter": 0})
+        fsdp = comm_theory(Layout("2d-fsdp", "custom", dp=2, tp=2), s)
+        self.assertEqual(fsdp, {"all_reduce": tp, "all_gather": 2 * psi_by_hand(CFG, 2) - fsdp_root_by_hand(CFG, 2),
+                                "reduce_scatter": psi_by_hand(CFG, 2)})
 
-    def test_fsdp_root_bytes(self):
-        C = CFG.n_embd
-        root = CFG.vocab_size * C + CFG.block_size * C + 2 * C  # wte (= lm_head), wpe, ln_f
-        self.assertEqual(bench.param_bytes(CFG, root_only=True), 4 * root)
+    def test_comm_curves(self):
+        from bench.matrix import comm_curves
+        s = make_setup()  # 8 rows, micro_cap 8: one micro-step at any N >= 1
+        curves = comm_curves(s, [2, 4])
+        psi, root = psi_by_hand(CFG), fsdp_root_by_hand(CFG)
+        self.assertEqual(curves["ddp"], [{"all_reduce": psi}] * 2)
+        self.assertEqual(curves["fsdp"], [{"all_gather": 2 * psi - root, "reduce_scatter": psi}] * 2)
+        # TP alone: the whole batch (B = 8) on every rank, so the payload does not depend on N
+        self.assertEqual(curves["tp"], [{"all_reduce": tp_by_hand(CFG, 8, 8), "all_gather": 0,
+                                         "reduce_scatter": 0}] * 2)
 
 
 class TestMatrix(unittest.TestCase):
     def test_layouts(self):
         names = lambda lays: [lay.key for lay in lays]  # noqa: E731
-        self.assertEqual(names(bench.matrix(2, on_gpu=False, include_2d=False)),
+        self.assertEqual(names(matrix(2, on_gpu=False, include_2d=False)),
                          ["single", "ddp-custom", "ddp-pytorch", "fsdp-custom", "fsdp-pytorch", "tp-custom",
                           "tp-pytorch"])
-        two_d = [lay for lay in bench.matrix(2, on_gpu=False, include_2d=True) if lay.name.startswith("2d")]
+        two_d = [lay for lay in matrix(2, on_gpu=False, include_2d=True) if lay.name.startswith("2d")]
         self.assertEqual({(lay.dp, lay.tp) for lay in two_d}, {(2, 2)})
         self.assertEqual(len(two_d), 4)
-        self.assertEqual({(lay.dp, lay.tp) for lay in bench.matrix(8, True, False) if lay.name == "2d-fsdp"},
+        self.assertEqual({(lay.dp, lay.tp) for lay in matrix(8, True, False) if lay.name == "2d-fsdp"},
                          {(4, 2)})
-        self.assertEqual(names(bench.matrix(1, True, True)), ["single"])
-        self.assertEqual(names(bench.matrix(4, False, False, ["single", "tp"])), ["single", "tp-custom", "tp-pytorch"])
+        self.assertEqual(names(matrix(1, True, True)), ["single"])
+        self.assertEqual(names(matrix(4, False, False, ["single", "tp"])), ["single", "tp-custom", "tp-pytorch"])
 
     def test_train_flags(self):
         s = make_setup()
@@ -111,8 +151,8 @@ class TestMatrix(unittest.TestCase):
 
     def test_fit_heads(self):
         small = GPTConfig(n_layer=6, n_head=6, n_embd=384)
-        self.assertEqual(bench.fit_heads(small, 2).n_head, 6)
-        self.assertEqual(bench.fit_heads(small, 8).n_head, 8)
+        self.assertEqual(fit_heads(small, 2).n_head, 6)
+        self.assertEqual(fit_heads(small, 8).n_head, 8)
 
 
 def records(warmup: int = 2, comm: bool = True) -> list[dict]:
@@ -131,7 +171,7 @@ def records(warmup: int = 2, comm: bool = True) -> list[dict]:
 
 class TestSummary(unittest.TestCase):
     def test_medians_after_warmup(self):
-        s = bench.summarize(records(), warmup=2)
+        s = runner.summarize(records(), warmup=2)
         self.assertEqual(s["measured_steps"], 5)
         self.assertEqual(s["tokens_per_sec"], 300.0)  # median of 100, 300, 200, 500, 400
         self.assertAlmostEqual(s["mfu"], 0.3)
@@ -141,65 +181,71 @@ class TestSummary(unittest.TestCase):
         self.assertEqual(s["comm_bytes"], 51)  # median of per-step totals 31, 41, ..., 71
 
     def test_no_comm_and_no_steps(self):
-        s = bench.summarize(records(comm=False), warmup=0)
+        s = runner.summarize(records(comm=False), warmup=0)
         self.assertIsNone(s["comm_bytes"])
         self.assertEqual(s["tokens_per_sec"], 200.0)
-        self.assertIsNone(bench.summarize(records(), warmup=7))
+        self.assertIsNone(runner.summarize(records(), warmup=7))
 
     def test_read_metrics_file(self):
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, "metrics.jsonl"), "w") as f:
                 f.write("\n".join(json.dumps(r) for r in records()) + "\n")
-            self.assertEqual(bench.summarize(bench.read_metrics(d), 2)["tokens_per_sec"], 300.0)
-            self.assertEqual(bench.read_metrics(os.path.join(d, "none")), [])
+            self.assertEqual(runner.summarize(read_jsonl(d), 2)["tokens_per_sec"], 300.0)
+
+    def test_a_job_that_wrote_no_metrics_fails(self):
+        with tempfile.TemporaryDirectory() as d:
+            res = runner.run_layout(Layout("ddp", "custom", dp=2), make_setup(), d, 0,
+                                    runner=lambda cmd, log_path, timeout: JobResult(0, "", 0.1))
+        self.assertEqual(res["status"], "failed: no training steps after warm-up in metrics.jsonl")
+        self.assertIsNone(res["summary"])
 
     def test_failure_line(self):
         torchrun = ("[rank1]: Traceback (most recent call last):\n[rank1]:   File \"train.py\", line 3\n"
                     "[rank1]: RuntimeError: boom on rank 1\nE0101 elastic stuff\n"
                     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \ntrain.py FAILED\n")
-        self.assertEqual(bench.failure_line(torchrun), "RuntimeError: boom on rank 1")
-        self.assertEqual(bench.failure_line("train.py: error: --seq_len 9 exceeds\nmore"), "--seq_len 9 exceeds")
-        self.assertEqual(bench.failure_line("just\nlast line\n"), "last line")
+        self.assertEqual(runner.failure_line(torchrun), "RuntimeError: boom on rank 1")
+        self.assertEqual(runner.failure_line("train.py: error: --seq_len 9 exceeds\nmore"), "--seq_len 9 exceeds")
+        self.assertEqual(runner.failure_line("just\nlast line\n"), "last line")
 
 
 def fake_row(layout, impl, tps, comm=None, theory=100, status="ok", nproc=2, dp=2, tp=1) -> dict:
     return {"layout": layout, "implementation": impl, "nproc": nproc, "dp": dp, "tp": tp, "status": status,
-            "tokens_per_sec": tps, "mfu": None if tps is None else 0.25, "peak_memory_bytes": 3 * bench.MiB,
-            "state_bytes": bench.MiB, "comm_bytes": comm,
+            "tokens_per_sec": tps, "mfu": None if tps is None else 0.25, "peak_memory_bytes": 3 * MiB,
+            "state_bytes": MiB, "comm_bytes": comm,
             "comm_bytes_by_kind": None if comm is None else {"all_reduce": comm},
             "comm_theory_bytes": theory, "comm_theory_by_kind": {"all_reduce": theory},
-            "comm_ratio": comm / theory if comm is not None and theory else None, "tp_theory_source": None,
+            "comm_ratio": comm / theory if comm is not None and theory else None,
             "model": "tiny", "seq_len": 64, "global_batch_tokens": 512, "device": "cpu", "peak_flops": 5e10}
 
 
 class TestMarkdown(unittest.TestCase):
     rows = [fake_row("single", "none", 1000.0, comm=0, theory=0, nproc=1, dp=1),
             fake_row("ddp", "custom", 1500.0, comm=120), fake_row("ddp", "pytorch", 1000.0),
-            fake_row("fsdp", "custom", None, status="not implemented"), fake_row("fsdp", "pytorch", 900.0)]
+            fake_row("fsdp", "custom", None, status="failed: timed out after 60 s"), fake_row("fsdp", "pytorch", 900.0)]
 
     def test_tables(self):
-        md = bench.render_markdown(self.rows, {"command": "python bench.py --quick", "machine": "box",
-                                               "params": 3.4e6, "steps": 8, "warmup": 2})
-        self.assertIn("python bench.py --quick", md)
+        md = report.render_markdown(self.rows, {"command": "python -m bench --quick", "machine": "box",
+                                                "params": 3.4e6, "steps": 8, "warmup": 2})
+        self.assertIn("python -m bench --quick", md)
         self.assertIn("| ddp | custom | 2 (2×1) | 1,500 | 25.0% | 3.0 | 1.0 |", md)
         self.assertIn("| 1.200 | ok |", md)  # measured / theory
         self.assertIn("| fsdp | custom | 2 (2×1) | — |", md)
-        self.assertIn("not implemented |", md)
+        self.assertIn("failed: timed out after 60 s |", md)
         self.assertIn("| ddp | 1,500 | 1,000 | 1.50 |", md)  # custom / pytorch
         self.assertIn("| fsdp | — | 900 | — |", md)
         self.assertIn("50 GFLOP/s", md)
 
     def test_section(self):
-        sec = bench.render_section(self.rows, None)
+        sec = report.render_section(self.rows, None)
         self.assertTrue(sec.startswith("### "))
         self.assertIn("| ddp | pytorch | 2 (2×1) | 1,000 | 25.0% | 3.0 MiB | 1.0 MiB | — (0.0 MiB) |", sec)
-        self.assertIn("| fsdp | custom | 2 (2×1) | not implemented |", sec)
+        self.assertIn("| fsdp | custom | 2 (2×1) | failed: timed out after 60 s |", sec)
         self.assertIn("ddp 1.50", sec)
-        self.assertEqual(bench.pair_ratios(self.rows)[0]["ratio"], 1.5)
+        self.assertEqual(report.pair_ratios(self.rows)[0]["ratio"], 1.5)
 
 
 class TestRunner(unittest.TestCase):
-    """The matrix goes on past a layout that fails, raises or is not implemented; rows record why."""
+    """The matrix goes on past a layout that fails, raises or times out; rows record why."""
 
     def fake_runner(self, calls):
         def run(cmd, log_path, timeout):
@@ -208,7 +254,7 @@ class TestRunner(unittest.TestCase):
             kind = "fsdp" if "fsdp" in cmd else ("ddp" if "ddp" in cmd else "single")
             calls.append(f"{kind}-{impl}")
             if kind == "fsdp" and impl == "custom":
-                return JobResult(2, "train.py: error: --implementation custom is not implemented yet for fsdp", 1.0)
+                return JobResult(None, "", 1.0)  # killed at the timeout
             if kind == "fsdp":
                 raise OSError("runner exploded")
             if kind == "ddp" and impl == "pytorch":
@@ -220,14 +266,14 @@ class TestRunner(unittest.TestCase):
 
     def test_failures_are_recorded(self):
         calls: list[str] = []
-        lays = bench.matrix(2, False, False, ["single", "ddp", "fsdp"])
+        lays = matrix(2, False, False, ["single", "ddp", "fsdp"])
         with tempfile.TemporaryDirectory() as d:
-            rows = bench.run_matrix(lays, make_setup(), d, repeats=2, runner=self.fake_runner(calls),
+            rows = runner.run_matrix(lays, make_setup(), d, repeats=2, runner=self.fake_runner(calls),
                                     log=lambda s: None)
         status = {(r["layout"], r["implementation"]): r["status"] for r in rows}
         self.assertEqual(status, {("single", "none"): "ok", ("ddp", "custom"): "ok",
                                   ("ddp", "pytorch"): "failed: RuntimeError: gloo died",
-                                  ("fsdp", "custom"): "not implemented",
+                                  ("fsdp", "custom"): "failed: timed out after 60 s",
                                   ("fsdp", "pytorch"): "failed: OSError: runner exploded"})
         # pairs back to back, order alternating across repeats
         self.assertEqual(calls, ["single-none", "ddp-custom", "ddp-pytorch", "fsdp-custom", "fsdp-pytorch",
@@ -247,10 +293,10 @@ class TestRunner(unittest.TestCase):
     def test_main_exit_code_and_files(self):
         machine = {"device": "cpu", "count": 2, "name": "test cpu", "dtype_bytes": 4, "peak_flops": None}
         with tempfile.TemporaryDirectory() as d:
-            with mock.patch.object(bench, "probe_machine", return_value=machine), \
-                    mock.patch.object(bench, "write_plots", return_value=[]), \
-                    mock.patch.object(bench, "run_job", return_value=JobResult(1, "KeyError: x", 0.1)):
-                rc = bench.main(["--quick", "--out", d, "--peak_flops", "1e9", "--layouts", "single,ddp",
+            with mock.patch.object(runner, "probe_machine", return_value=machine), \
+                    mock.patch.object(report, "write_plots", return_value=[]), \
+                    mock.patch.object(runner, "run_job", return_value=JobResult(1, "KeyError: x", 0.1)):
+                rc = cli.main(["--quick", "--out", d, "--peak_flops", "1e9", "--layouts", "single,ddp",
                                  "--dataset", "unused"])
             self.assertEqual(rc, 1)  # every layout failed
             with open(os.path.join(d, "bench.json")) as f:
@@ -262,6 +308,27 @@ class TestRunner(unittest.TestCase):
                 self.assertIn(key, rows[0])
             for name in ("bench.md", "results_section.md", "bench_meta.json"):
                 self.assertTrue(os.path.exists(os.path.join(d, name)), name)
+            with open(os.path.join(d, "bench_meta.json")) as f:
+                self.assertTrue(json.load(f)["command"].startswith("python -m bench --quick --out "))
+
+
+class TestPlots(unittest.TestCase):
+    def test_missing_matplotlib_is_said_not_silent(self):
+        out = io.StringIO()
+        with tempfile.TemporaryDirectory() as d, mock.patch.dict(sys.modules, {"matplotlib": None}), \
+                contextlib.redirect_stdout(out):
+            plots = report.write_plots(TestMarkdown.rows, make_setup(), d)
+            self.assertEqual(os.listdir(d), [])
+        self.assertEqual(plots, [])
+        self.assertEqual(len(out.getvalue().splitlines()), 1)
+        self.assertIn("plots skipped", out.getvalue())
+        self.assertIn("matplotlib", out.getvalue())
+
+    def test_three_plots(self):
+        rows = TestMarkdown.rows
+        with tempfile.TemporaryDirectory() as d:
+            self.assertEqual(report.write_plots(rows, make_setup(), d), ["throughput", "memory", "comm_vs_world"])
+            self.assertEqual(sorted(os.listdir(d)), ["comm_vs_world.png", "memory.png", "throughput.png"])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""The parallel-layouts benchmark: `python -m bench` (see bench/__main__.py and docs/benchmarks.md)."""

@@ -1,0 +1,164 @@
+"""Benchmark every parallel layout on this machine: throughput, MFU, memory and communication vs theory.
+
+    python -m bench --quick --out out/bench            # tiny model, a few steps: minutes on 2 CPU cores
+    python -m bench --out out/bench                    # `small` for longer: the numbers to publish
+    python -m bench --section out/bench                # the README "Results" snippet from bench.json
+
+Run it from the repository root. The matrix (bench/matrix.py) is single; ddp, fsdp and tp (tp with loss
+parallelism), each with `--implementation custom` and `pytorch`; and with >= 4 ranks 2d-ddp and 2d-fsdp
+(tp=2 x dp=N/2). Ranks are the GPUs present, or `--nproc` gloo ranks on CPU (2D: `--nproc 4`, or
+`--include_2d` for 4 ranks besides 2). Every layout trains the same model on the same global batch, each
+as its own job (bench/runner.py) under <out>/runs/. The micro-batch is rows/dp, capped at
+--micro_batch_size on GPU (then gradient accumulation makes up the rest).
+
+Peak matmul FLOP/s is measured once (CPU: one thread, as torchrun gives each rank; GPU: the datasheet,
+see metrics.peak_flops) and passed to every job, so MFU is comparable. Throughput is the median
+tokens/s over the steps after --warmup. Communication is what parallel/comm.COUNTER saw on rank 0 per
+step (custom layouts only), next to theory from the formulas beside each parallelism (docs/benchmarks.md).
+
+Outputs in --out (bench/report.py): bench.json (one row per layout x implementation), bench_meta.json
+(command, machine), bench.md, results_section.md, and throughput.png, memory.png, comm_vs_world.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, replace
+
+import torch
+
+from bench.matrix import LAYOUTS, Layout, Setup, fit_heads, matrix
+from bench import report, runner
+from model import GPT, make_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    a = p.add_argument
+    a("--out", default="out/bench", help="directory for bench.json, bench.md, plots and runs/")
+    a("--quick", action="store_true", help="tiny model, few steps: a few minutes on 2 CPU cores")
+    a("--nproc", type=int, default=None, help="ranks (default: the GPUs present, or 2 on CPU)")
+    a("--include_2d", action="store_true", help="CPU with < 4 ranks: also run the 2D layouts on 4 ranks")
+    a("--peak_flops", type=float, default=None, help="per device (default: measured / datasheet once)")
+    a("--layouts", default=None, help=f"comma list out of {','.join(LAYOUTS)}")
+    a("--repeats", type=int, default=1)
+    a("--steps", type=int, default=None, help="measured steps (quick 8; else 30 on GPU, 12 on CPU)")
+    a("--warmup", type=int, default=None, help="steps before measuring (quick 2; else 5 on GPU, 3 on CPU)")
+    a("--model", default=None, help="preset (quick: tiny; else small)")
+    a("--seq_len", type=int, default=None, help="quick 64; else 1024 on GPU, 128 on CPU")
+    a("--rows", type=int, default=None, help="sequences per global batch (default: 4 per rank, 8 on GPU)")
+    a("--micro_batch_size", type=int, default=None, help="largest micro-batch per rank (default: none on CPU, 8 GPU)")
+    a("--dataset", default=None, help="default: shakespeare if prepared, else random tokens in <out>/data")
+    a("--timeout", type=float, default=None, help="seconds per job (quick 300, else 3600)")
+    a("--section", metavar="DIR", default=None, help="print the README Results snippet from DIR/bench.json")
+    args = p.parse_args(argv)
+    if args.layouts:
+        unknown = set(args.layouts.split(",")) - set(LAYOUTS)
+        if unknown:
+            p.error(f"unknown layouts {sorted(unknown)}; choose from {','.join(LAYOUTS)}")
+    if args.repeats < 1 or (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
+        p.error("--repeats and --steps must be >= 1, --warmup >= 0")
+    return args
+
+
+def make_setup(args: argparse.Namespace, machine: dict, nproc: int, layouts: list[Layout], peak: float,
+               dataset: str = "") -> Setup:
+    gpu = machine["device"] == "cuda"
+    model = args.model or ("tiny" if args.quick else "small")
+    config = make_config(model)
+    for tp in {lay.tp for lay in layouts}:
+        config = fit_heads(config, tp)
+    dp_all = [lay.dp for lay in layouts] or [1]
+    lcm = math.lcm(*dp_all)
+    rows = args.rows or (8 if gpu else 4) * max(nproc, lcm)
+    seq = args.seq_len or (64 if args.quick else (1024 if gpu else 128))
+    return Setup(model=model, config=config, seq_len=seq, rows=rows,
+                 micro_cap=args.micro_batch_size or (8 if gpu else rows),
+                 warmup=args.warmup if args.warmup is not None else (2 if args.quick else (5 if gpu else 3)),
+                 steps=args.steps or (8 if args.quick else (30 if gpu else 12)), peak_flops=peak,
+                 device=machine["device"], dataset=dataset,
+                 timeout=args.timeout or (300 if args.quick else 3600),
+                 dtype_bytes=machine.get("dtype_bytes", 4), residual_bytes=4)
+
+
+def ensure_dataset(requested: str, out: str, vocab_size: int) -> str:
+    """`requested` if given, else Shakespeare when prepared, else uniform random tokens written to
+    <out>/data (throughput does not depend on what the tokens are)."""
+    if requested:
+        return requested
+    shakespeare = os.path.join(runner.ROOT, "data", "shakespeare")
+    if all(os.path.exists(os.path.join(shakespeare, f"{s}.bin")) for s in ("train", "val")):
+        return "shakespeare"
+    import numpy as np
+    d = os.path.join(out, "data")
+    os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 2_000_000), ("val", 200_000)):
+        path = os.path.join(d, f"{split}.bin")
+        if not os.path.exists(path):
+            rng.integers(0, min(vocab_size, 50257), n, dtype=np.uint16).tofile(path + ".tmp")
+            os.replace(path + ".tmp", path)
+    return d
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.section:
+        with open(os.path.join(args.section, "bench.json")) as f:
+            rows = json.load(f)
+        meta_path = os.path.join(args.section, "bench_meta.json")
+        meta = json.load(open(meta_path)) if os.path.exists(meta_path) else None
+        print(report.render_section(rows, meta), end="")
+        return 0
+    t0 = time.perf_counter()
+    args.out = os.path.abspath(args.out)  # the jobs run in the repository root
+    os.makedirs(args.out, exist_ok=True)
+    machine = runner.probe_machine(measure=args.peak_flops is None)
+    gpu = machine["device"] == "cuda"
+    nproc = args.nproc or (machine["count"] if gpu else 2)
+    layouts = matrix(nproc, gpu, args.include_2d, args.layouts.split(",") if args.layouts else None)
+    if not layouts:
+        print("bench: no layout left to run", file=sys.stderr)
+        return 2
+    peak = args.peak_flops or machine["peak_flops"]
+    setup = make_setup(args, machine, nproc, layouts, peak)
+    setup = replace(setup, dataset=ensure_dataset(args.dataset, args.out, setup.config.vocab_size))
+    notes = []
+    if any(lay.dp_type == "fsdp" for lay in layouts):
+        notes.append("FSDP theory per micro-step: all-gather 2Ψ_blocks + Ψ_root (the root unit, wte = lm_head, "
+                     "wpe and ln_f, stays gathered from forward to backward, as in FSDP2), reduce-scatter Ψ; "
+                     "measured bytes also carry each unit's padding to a multiple of N (< N elements)")
+    base = make_config(setup.model)
+    if setup.config.n_head != base.n_head:
+        notes.append(f"n_head raised from the preset's {base.n_head} to {setup.config.n_head} so that TP divides it")
+    if not gpu and any(lay.nproc > os.cpu_count() for lay in layouts):
+        notes.append(f"{max(lay.nproc for lay in layouts)} ranks on {os.cpu_count()} CPU cores: oversubscribed")
+    with torch.device("meta"):
+        params = GPT(setup.config).num_params()
+    machine_desc = (f"{nproc}× {machine['name']}" if gpu else f"{machine['name']}, {os.cpu_count()} cores, "
+                    f"1 thread per rank") + f" ({platform.node()})"
+    print(f"[bench] {machine_desc}; peak {peak:.4g} FLOP/s per device; {len(layouts)} layouts; "
+          f"{setup.model} {params / 1e6:.1f}M params, {setup.rows} x {setup.seq_len} tokens/step, "
+          f"{setup.warmup}+{setup.steps} steps", flush=True)
+    rows = runner.run_matrix(layouts, setup, args.out, args.repeats, log=lambda s: print(s, flush=True))
+    meta = {"command": shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
+            "machine": machine_desc, "torch": torch.__version__,
+            "peak_source": "--peak_flops" if args.peak_flops else
+            ("datasheet / measured (metrics.peak_flops)" if gpu else "measured 1024³ fp32 matmul, 1 thread"),
+            "params": params, "config": asdict(setup.config), "steps": setup.steps, "warmup": setup.warmup,
+            "repeats": args.repeats, "dataset": setup.dataset, "notes": notes,
+            "wall_seconds": time.perf_counter() - t0}
+    report.write_outputs(rows, meta, setup, args.out)
+    print(f"[bench] wrote {args.out}/bench.json, bench.md, results_section.md "
+          f"({meta['wall_seconds']:.0f} s)", flush=True)
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""What a bench run writes: bench.json and bench_meta.json, bench.md (tables and notes), the README
+results snippet, and the plots (throughput, memory, communication vs world size)."""
+from __future__ import annotations
+
+import json
+import os
+
+from bench.matrix import Setup, comm_curves
+
+MiB = 2 ** 20
+TP_SOURCE = "parallel.tensor_parallel.tp_comm_bytes_per_micro_step"
+
+
+def _mib(x) -> str:
+    return "—" if x is None else f"{x / MiB:,.1f}"
+
+
+def _num(x, fmt: str = "{:,.0f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def _impl(row: dict) -> str:
+    return "—" if row["implementation"] == "none" else row["implementation"]
+
+
+def _ranks(row: dict) -> str:
+    return f"{row['nproc']} ({row['dp']}×{row['tp']})"
+
+
+def _kinds(d: dict | None) -> str:
+    if not d:
+        return "—"
+    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}
+    parts = [f"{short.get(k, k)} {v / MiB:,.2f}" for k, v in d.items() if v]
+    return " / ".join(parts) or "0"
+
+
+def results_table(rows: list[dict]) -> str:
+    head = ("| layout | impl | ranks (dp×tp) | tokens/s | MFU | peak mem/rank (MiB) | state/rank (MiB) "
+            "| comm/step measured (MiB) | by kind (MiB) | theory (MiB) | theory by kind (MiB) | measured/theory "
+            "| status |\n|---|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---|")
+    lines = [head]
+    for r in rows:
+        lines.append(" | ".join([
+            f"| {r['layout']}", _impl(r), _ranks(r), _num(r["tokens_per_sec"]),
+            _num(None if r["mfu"] is None else 100 * r["mfu"], "{:.1f}%"), _mib(r["peak_memory_bytes"]),
+            _mib(r["state_bytes"]), _mib(r["comm_bytes"]), _kinds(r["comm_bytes_by_kind"]),
+            _mib(r["comm_theory_bytes"]), _kinds(r["comm_theory_by_kind"]),
+            _num(r["comm_ratio"], "{:.3f}"), r["status"] + " |"]))
+    return "\n".join(lines)
+
+
+def pair_ratios(rows: list[dict]) -> list[dict]:
+    """custom tokens/s ÷ pytorch tokens/s for each layout that has both."""
+    by = {(r["layout"], r["implementation"]): r for r in rows}
+    out = []
+    for layout in dict.fromkeys(r["layout"] for r in rows):
+        c, p = by.get((layout, "custom")), by.get((layout, "pytorch"))
+        if c is None or p is None:
+            continue
+        ratio = c["tokens_per_sec"] / p["tokens_per_sec"] if c["tokens_per_sec"] and p["tokens_per_sec"] else None
+        out.append({"layout": layout, "custom": c["tokens_per_sec"], "pytorch": p["tokens_per_sec"], "ratio": ratio})
+    return out
+
+
+def ratio_table(rows: list[dict]) -> str:
+    lines = ["| layout | custom tokens/s | pytorch tokens/s | custom / pytorch |", "|---|---:|---:|---:|"]
+    for p in pair_ratios(rows):
+        lines.append(f"| {p['layout']} | {_num(p['custom'])} | {_num(p['pytorch'])} | {_num(p['ratio'], '{:.2f}')} |")
+    return "\n".join(lines)
+
+
+def flops(x: float) -> str:
+    return f"{x / 1e12:.4g} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.4g} GFLOP/s"
+
+
+def setup_line(rows: list[dict], meta: dict | None) -> str:
+    r = rows[0]
+    meta = meta or {}
+    params = f" ({meta['params'] / 1e6:.1f}M params)" if meta.get("params") else ""
+    return (f"`{r['model']}`{params}, global batch {r['global_batch_tokens']:,} tokens (seq_len {r['seq_len']}), "
+            f"{meta.get('steps', '?')} measured steps after {meta.get('warmup', '?')} warm-up, on "
+            f"{meta.get('machine', r['device'])}; peak {flops(r['peak_flops'])} per device")
+
+
+def render_markdown(rows: list[dict], meta: dict) -> str:
+    notes = [
+        "- tokens/s: median over the measured steps (median of repeats); MFU against the peak above.",
+        "- peak mem: rank 0's peak (CUDA allocator peak on GPU, process peak RSS on CPU); state: rank 0's "
+        "parameters + gradients + optimizer state.",
+        "- comm: payload bytes rank 0's wrappers sent per optimizer step (parallel/comm.py), median; PyTorch "
+        "layouts bypass our counter (—). Theory: DDP Ψ per step; FSDP per micro-step all-gather 2Ψ_blocks + "
+        f"Ψ_root and reduce-scatter Ψ; TP per {TP_SOURCE}; 2D: the DP term on this rank's TP shard of Ψ plus "
+        "the TP term.",
+    ]
+    if meta.get("notes"):
+        notes += [f"- {n}" for n in meta["notes"]]
+    plots = "".join(f"![{p}]({p}.png)\n" for p in ("throughput", "memory", "comm_vs_world")
+                    if p in meta.get("plots", []))
+    return "\n".join([
+        "# Parallel layouts benchmark", "",
+        setup_line(rows, meta) + ".", "",
+        f"Command: `{meta.get('command', '')}`", "",
+        f"Machine: {meta.get('machine', '')}; torch {meta.get('torch', '')}; peak "
+        f"{rows[0]['peak_flops']:.4g} FLOP/s per device ({meta.get('peak_source', '')}); "
+        f"wall time {meta.get('wall_seconds', 0):.0f} s.", "",
+        results_table(rows), "",
+        "Custom / PyTorch throughput:", "", ratio_table(rows), "",
+        *notes, "", plots,
+    ])
+
+
+def render_section(rows: list[dict], meta: dict | None = None) -> str:
+    """The README "Results" snippet: setup, the table (tokens/s, MFU, memory, comm vs theory), the ratios."""
+    lines = ["### Parallel layouts (`python -m bench`)", "", setup_line(rows, meta) + ".", "",
+             "| layout | impl | ranks | tokens/s | MFU | peak mem/rank | state/rank | comm/step (theory) |",
+             "|---|---|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['layout']} | {_impl(r)} | {_ranks(r)} | {r['status']} | | | | |")
+            continue
+        comm = _mib(r["comm_bytes"])
+        comm = f"{comm} MiB ({_mib(r['comm_theory_bytes'])})" if r["comm_bytes"] is not None \
+            else f"— ({_mib(r['comm_theory_bytes'])} MiB)"
+        lines.append(f"| {r['layout']} | {_impl(r)} | {_ranks(r)} | {_num(r['tokens_per_sec'])} | "
+                     f"{100 * r['mfu']:.1f}% | {_mib(r['peak_memory_bytes'])} MiB | {_mib(r['state_bytes'])} MiB | "
+                     f"{comm} |")
+    pairs = [p for p in pair_ratios(rows) if p["ratio"] is not None]
+    if pairs:
+        lines += ["", "Custom / PyTorch tokens/s: " + ", ".join(f"{p['layout']} {p['ratio']:.2f}" for p in pairs) + "."]
+    lines += ["", "Comm is the payload our wrappers sent per optimizer step on rank 0 (parallel/comm.py) against "
+              "theory (DDP Ψ, FSDP 2Ψ_blocks + Ψ_root all-gather and Ψ reduce-scatter per micro-step, TP per the "
+              "Megatron formula); PyTorch's collectives are not counted."]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- plots
+
+def ring_bytes(by_kind: dict[str, int], n: int) -> float:
+    """Bytes a rank sends on a ring for these payloads: 2(N-1)/N per all-reduce, (N-1)/N per gather/scatter."""
+    return sum(v * (2 if k == "all_reduce" else 1) * (n - 1) / n for k, v in by_kind.items())
+
+
+def write_plots(rows: list[dict], setup: Setup, out: str) -> list[str]:
+    """throughput.png, memory.png, comm_vs_world.png; [] (and one line saying why) if matplotlib won't import."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        print(f"[bench] plots skipped: matplotlib does not import ({e}); pip install -r requirements.txt",
+              flush=True)
+        return []
+    labels = [f"{r['layout']}\n{_impl(r)}\n{r['nproc']} rk" for r in rows]
+    colors = ["tab:gray" if r["implementation"] == "none" else
+              ("tab:blue" if r["implementation"] == "custom" else "tab:orange") for r in rows]
+    x = list(range(len(rows)))
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
+    tps = [r["tokens_per_sec"] or 0 for r in rows]
+    ax.bar(x, tps, color=colors)
+    for i, r in enumerate(rows):
+        text = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else r["status"].split(":")[0]
+        ax.text(i, tps[i], text, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylabel("tokens/s (median)")
+    ax.set_title(f"Throughput per layout ({setup.model}, {setup.global_batch_tokens} tokens/step; MFU on bars)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "throughput.png"), dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(rows)), 4))
+    for ax, key, title in ((axes[0], "peak_memory_bytes", "peak memory, rank 0"),
+                           (axes[1], "state_bytes", "params + grads + optimizer state, rank 0")):
+        ax.bar(x, [(r[key] or 0) / MiB for r in rows], color=colors)
+        ax.set_xticks(x, labels, fontsize=7)
+        ax.set_ylabel("MiB")
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "memory.png"), dpi=120)
+    plt.close(fig)
+
+    world = list(range(2, 17))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    style = {"ddp": "tab:blue", "fsdp": "tab:green", "tp": "tab:red", "2d-ddp": "tab:purple", "2d-fsdp": "tab:brown"}
+    for name, ds in comm_curves(setup, world).items():
+        ax.plot(world, [sum(d.values()) / MiB for d in ds], color=style[name], label=f"{name} theory (payload)")
+        ax.plot(world, [ring_bytes(d, n) / MiB for d, n in zip(ds, world)], color=style[name], ls="--", lw=0.8,
+                label=f"{name} theory (ring bytes sent)")
+    for r in rows:
+        if r["implementation"] == "custom" and r["layout"] in style:
+            if r["layout"].startswith("2d"):
+                ax.scatter([r["nproc"]], [r["comm_theory_bytes"] / MiB], facecolors="none",
+                           edgecolors=style[r["layout"]], s=60, label=f"{r['layout']} theory")
+            if r["comm_bytes"] is not None:
+                ax.scatter([r["nproc"]], [r["comm_bytes"] / MiB], color=style[r["layout"]], marker="x", s=60,
+                           zorder=5, label=f"{r['layout']} measured")
+    ax.set_yscale("log")
+    ax.set_xlabel("world size N (N = 1: no communication)")
+    ax.set_ylabel("MiB per rank per optimizer step")
+    ax.set_title(f"Communication vs world size ({setup.model}, {setup.global_batch_tokens} tokens/step)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "comm_vs_world.png"), dpi=120)
+    plt.close(fig)
+    return ["throughput", "memory", "comm_vs_world"]
+
+
+def write_outputs(rows: list[dict], meta: dict, setup: Setup, out: str) -> None:
+    meta["plots"] = write_plots(rows, setup, out)
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(out, "bench_meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    with open(os.path.join(out, "bench.md"), "w") as f:
+        f.write(render_markdown(rows, meta))
+    with open(os.path.join(out, "results_section.md"), "w") as f:
+        f.write(render_section(rows, meta))
+
+

@@ -1,0 +1,214 @@
+"""Running the matrix: one `torchrun` job per layout (`python train.py` for single), its metrics.jsonl
+summarised into one bench.json row. Members of a custom/pytorch pair run back to back, and with repeats
+the pair's order alternates, so slow drift on a shared machine hits both alike."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from bench.matrix import KINDS, Layout, Setup, comm_theory
+from metrics import read_jsonl
+from parallel.mesh import child_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py's directory
+
+
+@dataclass
+class JobResult:
+    returncode: int | None  # None: killed at the timeout
+    output: str             # stdout + stderr
+    seconds: float
+
+
+def run_job(cmd: list[str], log_path: str, timeout: float) -> JobResult:
+    """Run cmd in its own session (so a timeout can stop torchrun and all its ranks), output to log_path."""
+    env = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session we started: torchrun and its ranks
+            proc.wait()
+            rc = None
+    with open(log_path) as f:
+        return JobResult(rc, f.read(), time.perf_counter() - t0)
+
+
+def command(lay: Layout, setup: Setup, out_dir: str) -> list[str]:
+    train = os.path.join(ROOT, "train.py")
+    if lay.nproc == 1:
+        return [sys.executable, train, *setup.train_args(lay, out_dir)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={lay.nproc}",
+            train, *setup.train_args(lay, out_dir)]
+
+
+def summarize(records: list[dict], warmup: int) -> dict | None:
+    """Medians over the training steps after `warmup` (None if there are none).
+
+    tokens_per_sec, mfu, step_time_ms, comm_bytes (total) and comm_bytes_by_kind: medians; peak_memory_bytes
+    and state_bytes: the largest seen (the first is a running peak anyway)."""
+    steps = [r for r in records if "loss" in r and r["step"] > warmup]
+    if not steps:
+        return None
+    med = lambda key: statistics.median(r[key] for r in steps)  # noqa: E731
+    out = {"tokens_per_sec": med("tokens_per_sec"), "mfu": med("mfu"), "step_time_ms": med("step_time_ms"),
+           "peak_memory_bytes": max(r.get("peak_memory_bytes", 0) for r in steps) or None,
+           "state_bytes": max(r.get("state_bytes", 0) for r in steps) or None,
+           "comm_bytes": None, "comm_bytes_by_kind": None, "measured_steps": len(steps)}
+    if all("comm_bytes" in r for r in steps):
+        kinds = sorted({k for r in steps for k in r["comm_bytes"]})
+        out["comm_bytes_by_kind"] = {k: int(statistics.median(r["comm_bytes"].get(k, 0) for r in steps))
+                                     for k in kinds}
+        out["comm_bytes"] = int(statistics.median(sum(r["comm_bytes"].values()) for r in steps))
+    return out
+
+
+_EXC = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)(:|$)")
+
+
+def failure_line(output: str) -> str:
+    """The line that says why a job failed: train.py's one-line error, else the first exception raised,
+    else the last line."""
+    lines = [re.sub(r"^\[(default|rank)\d*\]:\s*", "", ln).strip() for ln in output.splitlines()]
+    lines = [ln for ln in lines if ln]
+    for ln in lines:
+        if "train.py: error:" in ln:
+            return ln.split("train.py: error:", 1)[1].strip()[:300]
+    for ln in lines:
+        if _EXC.match(ln) and "ChildFailedError" not in ln:
+            return ln[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def classify(result: JobResult, summary: dict | None, timeout: float) -> str:
+    if result.returncode is None:
+        return f"failed: timed out after {timeout:.0f} s"
+    if result.returncode != 0:
+        return f"failed: {failure_line(result.output)}"
+    if summary is None:
+        return "failed: no training steps after warm-up in metrics.jsonl"
+    return "ok"
+
+
+Runner = Callable[[list[str], str, float], JobResult]
+
+
+def run_layout(lay: Layout, setup: Setup, out: str, repeat: int, runner: Runner | None = None) -> dict:
+    """One job: {status, summary, seconds, out_dir, command}. Never raises: a failure becomes the status."""
+    runner = runner or run_job
+    out_dir = os.path.join(out, "runs", lay.key + (f"-r{repeat}" if repeat else ""))
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = command(lay, setup, out_dir)
+    try:
+        result = runner(cmd, os.path.join(out_dir, "bench.log"), setup.timeout)
+        wrote = os.path.exists(os.path.join(out_dir, "metrics.jsonl"))
+        summary = summarize(read_jsonl(out_dir), setup.warmup) if result.returncode == 0 and wrote else None
+        status = classify(result, summary, setup.timeout)
+    except Exception as e:  # noqa: BLE001 -- the bench goes on whatever one job does
+        result, summary, status = JobResult(None, "", 0.0), None, f"failed: {type(e).__name__}: {e}"[:300]
+    return {"status": status, "summary": summary, "seconds": round(result.seconds, 1), "out_dir": out_dir,
+            "command": shlex.join(cmd)}
+
+
+def run_matrix(layouts: list[Layout], setup: Setup, out: str, repeats: int = 1, runner: Runner | None = None,
+               log: Callable[[str], None] = print) -> list[dict]:
+    """Run every layout `repeats` times (pairs back to back, order alternating) and return the rows."""
+    groups: dict[str, list[Layout]] = {}
+    for lay in layouts:
+        groups.setdefault(lay.name, []).append(lay)
+    runs: dict[Layout, list[dict]] = {lay: [] for lay in layouts}
+    for r in range(repeats):
+        for members in groups.values():
+            for lay in (members if r % 2 == 0 else members[::-1]):
+                res = run_layout(lay, setup, out, r, runner)
+                runs[lay].append(res)
+                tps = res["summary"]["tokens_per_sec"] if res["summary"] else None
+                log(f"[bench] {lay.key:<16} repeat {r}: {res['status']}"
+                    + (f", {tps:,.0f} tok/s" if tps else "") + f" ({res['seconds']:.0f} s)")
+    return [make_row(lay, runs[lay], setup) for lay in layouts]
+
+
+def make_row(lay: Layout, runs: list[dict], setup: Setup) -> dict:
+    """One bench.json row from a layout's runs: medians over the ok repeats; status the first non-ok one."""
+    ok = [r["summary"] for r in runs if r["status"] == "ok"]
+    bad = [r["status"] for r in runs if r["status"] != "ok"]
+    theory = comm_theory(lay, setup)
+
+    def pick(key: str, f: Callable = statistics.median):
+        values = [s[key] for s in ok if s[key] is not None]
+        return f(values) if values else None
+
+    comm = pick("comm_bytes")
+    by_kind = None
+    if comm is not None:
+        kinds = sorted({k for s in ok if s["comm_bytes_by_kind"] for k in s["comm_bytes_by_kind"]})
+        by_kind = {k: int(statistics.median(s["comm_bytes_by_kind"].get(k, 0) for s in ok
+                                            if s["comm_bytes_by_kind"])) for k in kinds}
+        comm = int(comm)
+    if lay.nproc == 1 and ok:
+        comm, by_kind = 0, {k: 0 for k in KINDS}  # one process: nothing to communicate
+    theory_total = sum(theory.values())
+    return {
+        "layout": lay.name, "implementation": lay.implementation, "nproc": lay.nproc, "dp": lay.dp, "tp": lay.tp,
+        "status": bad[0] if bad else "ok",
+        "tokens_per_sec": pick("tokens_per_sec"), "mfu": pick("mfu"), "step_time_ms": pick("step_time_ms"),
+        "peak_memory_bytes": pick("peak_memory_bytes", max), "state_bytes": pick("state_bytes", max),
+        "comm_bytes": comm, "comm_bytes_by_kind": by_kind,
+        "comm_theory_bytes": theory_total, "comm_theory_by_kind": theory,
+        "comm_ratio": comm / theory_total if comm is not None and theory_total else None,
+        "tokens_per_sec_runs": [r["summary"]["tokens_per_sec"] if r["summary"] else None for r in runs],
+        "measured_steps": sum(s["measured_steps"] for s in ok),
+        "micro_batch_size": setup.micro_batch(lay.dp), "grad_accum": setup.grad_accum(lay.dp),
+        "model": setup.model, "seq_len": setup.seq_len, "global_batch_tokens": setup.global_batch_tokens,
+        "device": setup.device, "peak_flops": setup.peak_flops,
+        "out_dirs": [r["out_dir"] for r in runs], "seconds": sum(r["seconds"] for r in runs),
+    }
+
+
+# ----------------------------------------------------------------------------- the machine
+
+PROBE = r"""
+import json, os, sys, torch
+sys.path.insert(0, os.getcwd())
+import metrics
+measure = sys.argv[1] == "1"
+if torch.cuda.is_available():
+    dev = torch.device("cuda", 0)
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    out = {"device": "cuda", "count": torch.cuda.device_count(), "name": torch.cuda.get_device_name(dev),
+           "dtype_bytes": 2, "peak_flops": metrics.peak_flops(dev, dtype) if measure else None}
+else:
+    torch.set_num_threads(1)  # as torchrun's ranks (OMP_NUM_THREADS=1)
+    name = ""
+    try:
+        name = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except Exception:
+        pass
+    out = {"device": "cpu", "count": os.cpu_count(), "name": name or "CPU", "dtype_bytes": 4,
+           "peak_flops": metrics.measure_matmul_flops(torch.device("cpu"), torch.float32, n=1024, seconds=2.0)
+           if measure else None}
+print("PROBE " + json.dumps(out))
+"""
+
+
+def probe_machine(measure: bool) -> dict:
+    """Device kind, count, name and (if measure) peak FLOP/s per device, from a fresh one-thread process
+    (so this process never holds a CUDA context while the jobs run)."""
+    proc = subprocess.run([sys.executable, "-c", PROBE, "1" if measure else "0"], cwd=ROOT,
+                          env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")), None)
+    if line is None:
+        raise RuntimeError(f"machine probe failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(line[len("PROBE "):])
