@@ -198,7 +198,7 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
         entries = t.par.checkpoint_entries(t.optimizer)
         count = {e.name: torch.zeros(torch.Size(e.shape).numel()) for e in entries}
         for e in entries:
-            count[e.name][e.index.cpu()] += float(e.write)
+            count[e.name][checkpoint._positions(e.runs())] += float(e.write)
         for name, c in count.items():
             if world > 1:
                 dist.all_reduce(c)
@@ -213,7 +213,7 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
             if {float(s["step"]) for s in t.optimizer.state.values()} != {saved_step}:
                 bad.append(f"{what}: AdamW step not restored")
             for e in t.par.checkpoint_entries(t.optimizer):
-                index = e.index.cpu()
+                index = checkpoint._positions(e.runs())
                 for kind in KINDS:
                     if not torch.equal(e.tensors[kind].detach().cpu(), expect[e.name][kind].reshape(-1)[index]):
                         bad.append(f"{what}: rank {rank} {e.name} {kind} differs")
