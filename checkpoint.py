@@ -19,11 +19,13 @@ rank writes (its entries from `Parallelized.checkpoint_entries`, see parallel/st
     "rng::cpu", "rng::cuda"  this rank's torch RNG states (written by every rank)
 
 Runs keep the index small: a DDP/FSDP shard is one run, a row-sharded TP weight one run per row.
-Elements held by several ranks (DDP replicas, TP-replicated LayerNorms) are written once.
+Elements held by several ranks (DDP replicas, TP-replicated LayerNorms) are written once. Neither saving
+nor loading builds an index per element of the model: entries give their runs one at a time
+(`Entry.runs()`), and runs are turned into positions at most `_INDEX_CHUNK` elements at a time.
 
 Loading works in any layout: each rank builds its own entries, and for every name assembles the full
 tensor from all files' pieces (memory-mapped), checks that every element is covered exactly once, and
-copies `full[index]` into its live views. So a checkpoint from one process, DDP, FSDP, TP or 2D resumes
+copies its own runs of it into its live views. So a checkpoint from one process, DDP, FSDP, TP or 2D resumes
 in any other with the same model config.
 
 Atomicity: rank 0 clears leftovers of interrupted saves and creates `step_000012.tmp-saving`; every rank
@@ -131,17 +133,44 @@ def _positions(runs: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(runs[:, 0] - offsets, lengths) + torch.arange(int(lengths.sum()))
 
 
+_INDEX_CHUNK = 1 << 20  # positions made at once from short runs: 8 MiB of int64, whatever the model
+
+
+def _pieces(runs: torch.Tensor):
+    """Yield (lo, hi, where): values [lo, hi) in run order belong at `where` of the flat full tensor. `where`
+    is a slice for a run of at least `_INDEX_CHUNK` elements, else the int64 positions of a batch of
+    shorter runs (under 2 * _INDEX_CHUNK of them), so positions never cost memory in the tensor's size."""
+    done, batch, size = 0, [], 0
+    for start, length in runs.tolist():
+        if length >= _INDEX_CHUNK:
+            if batch:
+                yield done, done + size, _positions(torch.tensor(batch))
+                done, batch, size = done + size, [], 0
+            yield done, done + length, slice(start, start + length)
+            done += length
+            continue
+        batch.append((start, length))
+        size += length
+        if size >= _INDEX_CHUNK:
+            yield done, done + size, _positions(torch.tensor(batch))
+            done, batch, size = done + size, [], 0
+    if batch:
+        yield done, done + size, _positions(torch.tensor(batch))
+
+
 def _shard_dict(entries: list, device: torch.device | None) -> dict[str, torch.Tensor]:
-    """This rank's file: its writer entries grouped by name (runs + values per kind) and its RNG states."""
+    """This rank's file: its writer entries grouped by name (runs + values per kind) and its RNG states.
+    Values are copied once (to CPU); the live views cannot be saved as they are, torch.save would write
+    their whole storage."""
     by_name: dict[str, list] = {}
     for e in entries:
-        if e.write and e.index.numel():
+        if e.write and e.numel:
             by_name.setdefault(e.name, []).append(e)
     out: dict[str, torch.Tensor] = {}
     for name, group in by_name.items():
-        out[f"{name}::runs"] = _runs(torch.cat([e.index.cpu() for e in group]))
+        out[f"{name}::runs"] = torch.cat([e.runs() for e in group])
         for kind in group[0].tensors:
-            out[f"{name}::{kind}"] = torch.cat([e.tensors[kind].detach().to("cpu", copy=True) for e in group])
+            out[f"{name}::{kind}"] = torch.cat([e.tensors[kind].detach() for e in group]).cpu()
     out["rng::cpu"] = torch.get_rng_state()
     if device is not None and device.type == "cuda":
         out["rng::cuda"] = torch.cuda.get_rng_state(device)
@@ -263,21 +292,18 @@ class _Shards:
             runs = shard.get(f"{name}::runs")
             if runs is None:
                 continue
-            if runs.shape[0] == 1:  # one run (a DDP copy, an FSDP shard): a slice, no index needed
-                start, length = (int(v) for v in runs[0])
-                where = slice(start, start + length)
-            else:
-                where = _positions(runs)
-            if seen[where].any():
-                raise CheckpointError(f"{self.path}: elements of {name} are written by more than one rank file")
-            seen[where] = True
-            for kind in kinds:
-                piece = shard.get(f"{name}::{kind}")
+            pieces = {kind: shard.get(f"{name}::{kind}") for kind in kinds}
+            for kind, piece in pieces.items():
                 if piece is None:
                     raise CheckpointError(f"{self.path}: {name} has no {kind!r} values")
                 if kind not in out:
                     out[kind] = torch.empty(numel, dtype=piece.dtype)
-                out[kind][where] = piece
+            for lo, hi, where in _pieces(runs):
+                if seen[where].any():
+                    raise CheckpointError(f"{self.path}: elements of {name} are written by more than one rank file")
+                seen[where] = True
+                for kind, piece in pieces.items():
+                    out[kind][where] = piece[lo:hi]
         if not bool(seen.all()):
             raise CheckpointError(f"{self.path}: {name} is incomplete ({int(seen.sum())} of {numel} elements)")
         return out
@@ -312,9 +338,9 @@ def load(path: str, entries: list, optimizer: torch.optim.Optimizer, *, rank: in
                                       f"the model {tuple(group[0].shape)}")
             full = shards.full(name, list(group[0].tensors))
             for e in group:
-                index = e.index.cpu()
-                for kind, view in e.tensors.items():
-                    view.copy_(full[kind][index])
+                for lo, hi, where in _pieces(e.runs()):
+                    for kind, view in e.tensors.items():
+                        view[lo:hi].copy_(full[kind][where])
     _load_optimizer_state(optimizer, manifest["optimizer"])
     if manifest["layout"]["world_size"] == world_size:
         own = shards.files[rank]

@@ -1,32 +1,114 @@
 """A layout-independent view of this rank's training state, for checkpoints and resharding.
 
 Whatever the layout, every element this rank stores of an original GPT parameter (and of its AdamW
-moments) is described by an `Entry`: the parameter's name and full shape, the flat indices of those
-elements in the full tensor, and 1-D views of the live storage that hold them. A checkpoint writes
-(name, indices, values) and a loader in any other layout fills its own entries' views from them, so
-DDP x2 -> FSDP x2 -> TP x2 -> one process needs no conversion step. Indices are computed locally, with
-no communication: a DTensor's come from distributing `arange(numel)` with the same placements.
+moments) is described by an `Entry`: the parameter's name and full shape, where those elements sit in
+the full tensor, and 1-D views of the live storage that hold them. A checkpoint writes (name, positions,
+values) and a loader in any other layout fills its own entries' views from them, so DDP x2 -> FSDP x2 ->
+TP x2 -> one process needs no conversion step.
+
+Where the elements sit is kept compact, never as one index per element: per dim of the full tensor, the
+positions along it that the rank holds (a `range`, or for a strided DTensor shard a small int64 tensor),
+whose row-major product is the rank's block, and the span [lo, hi) of that block the rank holds (all of
+it, except under our FSDP, whose flat shards cut parameters anywhere). `Entry.runs()` turns that into
+(start, length) runs of flat positions on demand, in memory proportional to the number of runs: one for a
+DDP/FSDP shard, one per row for a column-sharded TP weight. Everything is computed locally, with no
+communication: a DTensor's positions along a dim come from distributing `arange(size of that dim)` with
+the placements that act on that dim.
 
 `write` marks one holder of each element: replicas (DDP ranks, TP-replicated parameters) write once.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from parallel.comm import local
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+Axis = range | torch.Tensor  # positions along one dim of the full tensor, in local order
 
 
 @dataclass
 class Entry:
     name: str                         # original GPT parameter name, e.g. "transformer.h.0.attn.c_q.weight"
     shape: tuple[int, ...]            # full, unsharded shape
-    index: torch.Tensor               # int64 (n,): flat positions in the full tensor
+    axes: tuple[Axis, ...]            # per dim: the positions along it of this rank's block (row-major)
+    span: tuple[int, int]             # this rank holds elements [lo, hi) of its block, flattened
     tensors: dict[str, torch.Tensor]  # "param" and the optimizer moments: (n,) views of live storage
     write: bool                       # this rank writes these elements (one writer per element)
+
+    @property
+    def numel(self) -> int:
+        return self.span[1] - self.span[0]
+
+    def runs(self) -> torch.Tensor:
+        """int64 (k, 2): this rank's elements as maximal (start, length) runs of flat positions in the full
+        tensor, in local order, made in memory of the order of the block's runs, not of its elements:
+        trailing dims held whole fold into the run length, the next dim in gives its segments of consecutive
+        positions, and each outer position repeats them; the span then trims the list."""
+        lo, hi = self.span
+        if hi <= lo:
+            return torch.zeros((0, 2), dtype=torch.int64)
+        strides = [1] * len(self.shape)  # row-major strides of the full tensor
+        for d in range(len(self.shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * self.shape[d + 1]
+        j, inner = len(self.shape), 1
+        while j > 0 and _is_whole(self.axes[j - 1], self.shape[j - 1]):
+            j -= 1
+            inner *= self.shape[j]
+        if j == 0:
+            starts, lengths = torch.tensor([0]), torch.tensor([inner])
+        else:
+            first, count = _segments(self.axes[j - 1])
+            starts, lengths = first * strides[j - 1], count * inner
+            for d in range(j - 2, -1, -1):  # outer dims: every position repeats the runs inside it
+                outer = _as_tensor(self.axes[d]) * strides[d]
+                starts = (outer[:, None] + starts[None, :]).reshape(-1)
+                lengths = lengths.repeat(len(outer))
+        ends = torch.cumsum(lengths, 0)  # in the block's row-major order
+        begins = ends - lengths
+        keep = (begins < hi) & (ends > lo)
+        starts, begins, ends = starts[keep], begins[keep], ends[keep]
+        starts = starts + (lo - begins).clamp(min=0)
+        lengths = ends.clamp(max=hi) - begins.clamp(min=lo)
+        return _merge(starts, lengths)
+
+
+def _as_tensor(axis: Axis) -> torch.Tensor:
+    if isinstance(axis, range):
+        return torch.arange(axis.start, axis.stop, axis.step, dtype=torch.int64)
+    return axis
+
+
+def _is_whole(axis: Axis, size: int) -> bool:
+    """The axis is every position of its dim, in order."""
+    if isinstance(axis, range):
+        return axis == range(size)
+    return len(axis) == size and bool((axis == torch.arange(size)).all())
+
+
+def _segments(axis: Axis) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, length) of the axis's runs of consecutive positions."""
+    if isinstance(axis, range) and axis.step == 1:
+        return torch.tensor([axis.start]), torch.tensor([len(axis)])
+    a = _as_tensor(axis)
+    breaks = torch.nonzero(a[1:] - a[:-1] != 1).flatten() + 1
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), breaks, torch.tensor([len(a)])])
+    return a[bounds[:-1]], bounds[1:] - bounds[:-1]
+
+
+def _merge(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """(k, 2) runs with each run that continues the previous one joined to it."""
+    new = torch.ones(len(starts), dtype=torch.bool)
+    new[1:] = starts[1:] != starts[:-1] + lengths[:-1]
+    group = torch.cumsum(new, 0) - 1
+    total = torch.zeros(int(new.sum()), dtype=torch.int64).index_add_(0, group, lengths)
+    return torch.stack([starts[new], total], dim=1)
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -41,10 +123,6 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def full_shape(p: torch.Tensor, tp_size: int) -> tuple[int, ...]:
     """The unsharded shape: a DTensor knows it; our TP layers' shards are 1/tp along `_tp_shard_dim`."""
     shape = list(p.shape)
@@ -54,16 +132,41 @@ def full_shape(p: torch.Tensor, tp_size: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _global_index(p: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """Flat full-tensor positions of this rank's elements of p, in local memory order."""
-    shape = full_shape(p, tp_size)
-    full = torch.arange(torch.Size(shape).numel(), dtype=torch.int64, device=p.device).view(shape)
+def _axes(p: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[Axis, ...]:
+    """Per dim of the full tensor, the positions along it of this rank's elements of p (local order)."""
+    axes: list[Axis] = [range(n) for n in full_shape(p, tp_size)]
     if isinstance(p, DTensor):
-        full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        for d, axis in enumerate(axes):
+            placements = [_on_dim(pl, d) for pl in p.placements]
+            if any(not pl.is_replicate() for pl in placements):
+                whole = torch.arange(len(axis), dtype=torch.int64, device=p.device)
+                axes[d] = _compact(distribute_tensor(whole, p.device_mesh, placements,
+                                                     src_data_rank=None).to_local().cpu())
     elif hasattr(p, "_tp_shard_dim"):  # our TP: rank r holds the r-th of tp equal slices
-        dim = p._tp_shard_dim
-        full = full.narrow(dim, tp_rank * p.shape[dim], p.shape[dim])
-    return full.reshape(-1)
+        d, n = p._tp_shard_dim, p.shape[p._tp_shard_dim]
+        axes[d] = range(tp_rank * n, (tp_rank + 1) * n)
+    return tuple(axes)
+
+
+def _on_dim(placement, dim: int):
+    """What `placement` does to dim `dim` of a tensor, as a placement of a 1-D tensor: the same split
+    (Shard, or _StridedShard with its split factor) of dim 0 if it shards `dim`, else Replicate.
+    Placements on different dims act independently, so each dim's positions can be found alone."""
+    if getattr(placement, "dim", None) != dim:
+        return Replicate()
+    if hasattr(placement, "split_factor"):  # _StridedShard (FSDP2 over a TP-sharded dim)
+        return type(placement)(0, split_factor=placement.split_factor)
+    return Shard(0)
+
+
+def _compact(positions: torch.Tensor) -> Axis:
+    """A range when the positions are consecutive (every Shard placement), else the tensor itself."""
+    if len(positions) == 0:
+        return range(0)
+    start = int(positions[0])
+    if bool((positions == torch.arange(start, start + len(positions))).all()):
+        return range(start, start + len(positions))
+    return positions
 
 
 def _is_writer(p: torch.Tensor, replica_rank: int, plain_replica_rank: int) -> bool:
@@ -98,10 +201,13 @@ def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.o
         name = name.removeprefix("module.")
         layout = (sharded_as or {}).get(name, p)
         state = optimizer.state[p]
-        tensors = {"param": _local(p).detach().view(-1)}
-        tensors.update({k: _local(state[k]).view(-1) for k in MOMENTS})
-        index = _global_index(layout, plain_replica_rank, tp_size)
-        out.append(Entry(name, full_shape(layout, tp_size), index, tensors,
+        tensors = {"param": local(p).detach().view(-1)}
+        tensors.update({k: local(state[k]).view(-1) for k in MOMENTS})
+        axes = _axes(layout, plain_replica_rank, tp_size)
+        n = math.prod(len(a) for a in axes)
+        if n != tensors["param"].numel():
+            raise ValueError(f"{name}: {tensors['param'].numel()} local elements, but its layout says {n}")
+        out.append(Entry(name, full_shape(layout, tp_size), axes, (0, n), tensors,
                          _is_writer(layout, replica_rank, plain_replica_rank)))
     return out
 
@@ -112,7 +218,7 @@ def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_dims: dict[str, 
 
     A slice covers elements [offset, offset + n) of the parameter as FSDP saw it: the whole parameter,
     or under 2D the TP rank's shard along `tp_dims[name]`, whose positions in the full tensor are mapped
-    through the same rule as `_global_index`. Replicated-over-TP parameters are written by tp rank 0."""
+    through the same rule as `_axes`. Replicated-over-TP parameters are written by tp rank 0."""
     ensure_optimizer_state(optimizer)
     params = fsdp.sharded_state_dict()
     moments = fsdp.sharded_optimizer_state(optimizer)
@@ -122,14 +228,13 @@ def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_dims: dict[str, 
             continue
         seen.add(id(piece.flat))
         shape = list(piece.shape)
-        local = torch.arange(torch.Size(shape).numel(), dtype=torch.int64, device=piece.flat.device).view(shape)
+        axes = [range(n) for n in shape]
         dim = tp_dims.get(name)
-        if dim is not None:
+        if dim is not None:  # the tp rank's slice of the full tensor, as our TP layers shard it
+            axes[dim] = range(tp_rank * shape[dim], (tp_rank + 1) * shape[dim])
             shape[dim] *= tp_size
-            full = torch.arange(torch.Size(shape).numel(), dtype=torch.int64, device=piece.flat.device).view(shape)
-            local = full.narrow(dim, tp_rank * piece.shape[dim], piece.shape[dim])
         n = piece.flat.numel()
-        index = local.reshape(-1)[piece.offset:piece.offset + n]
         tensors = {"param": piece.flat.view(-1), **{k: moments[name][k].flat.view(-1) for k in MOMENTS}}
-        out.append(Entry(name, tuple(shape), index, tensors, n > 0 and (dim is not None or tp_rank == 0)))
+        out.append(Entry(name, tuple(shape), tuple(axes), (piece.offset, piece.offset + n), tensors,
+                         n > 0 and (dim is not None or tp_rank == 0)))
     return out

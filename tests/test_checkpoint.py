@@ -10,7 +10,9 @@ before and recomputes steps KILL-1 and KILL. R's losses for those steps and its 
 Adding a layout is one line in LAYOUTS (it then joins the kill-and-resume tests and the load-into-every-layout
 table).
 """
+import dataclasses
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -20,8 +22,10 @@ import sys
 import tempfile
 import time
 import unittest
+import unittest.mock
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
 from tests.harness import (ROOT, free_port, make_token_bins, rank0_only, read_metrics, spawn, train_losses,
@@ -186,7 +190,7 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
         entries = t.par.checkpoint_entries(t.optimizer)
         count = {e.name: torch.zeros(torch.Size(e.shape).numel()) for e in entries}
         for e in entries:
-            count[e.name][e.index.cpu()] += float(e.write)
+            count[e.name][checkpoint._positions(e.runs())] += float(e.write)
         for name, c in count.items():
             if world > 1:
                 dist.all_reduce(c)
@@ -201,7 +205,7 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
             if {float(s["step"]) for s in t.optimizer.state.values()} != {saved_step}:
                 bad.append(f"{what}: AdamW step not restored")
             for e in t.par.checkpoint_entries(t.optimizer):
-                index = e.index.cpu()
+                index = checkpoint._positions(e.runs())
                 for kind in KINDS:
                     if not torch.equal(e.tensors[kind].detach().cpu(), expect[e.name][kind].reshape(-1)[index]):
                         bad.append(f"{what}: rank {rank} {e.name} {kind} differs")
@@ -401,6 +405,131 @@ class TestFormat(unittest.TestCase):
             torch.save({"x": subprocess.Popen}, os.path.join(d, "rank_00000.pt"))
             with self.assertRaisesRegex(checkpoint.CheckpointError, "cannot read rank_00000.pt"):
                 checkpoint.consolidate(d)
+
+
+class _LargestInt64(TorchDispatchMode):
+    """Records the largest int64 tensor (in elements) any op returns while active: indices and runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.int64:
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def _fake_group(rank: int, world: int) -> None:
+    """A process group of `world` ranks in which this process is `rank` and collectives do nothing."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def _no_group() -> bool:
+    import torch.distributed as dist
+    return not dist.is_initialized()  # under torchrun the job's own group is up: a fake one cannot join
+
+
+class TestIndexMemory(unittest.TestCase):
+    """Where a rank's elements sit costs memory in the number of (start, length) runs, never one int64 per
+    element: checkpoints used to build an `arange` over every full parameter on every rank (8 bytes per
+    model element, about 1 GB for gpt2 and 12.5 GB for gpt2-xl, all alive at once during a save)."""
+
+    def test_entry_runs_are_the_runs_of_its_positions(self):
+        """Blocks given by per-dim positions (whole, a range, strided, with gaps) and a span of them: runs()
+        equals the runs of the explicit index, and `_pieces` decodes them in chunks of any size."""
+        from parallel.state import Entry
+        cases = []
+        for shape in [(24, 10), (6, 5, 7)]:
+            full = torch.arange(torch.Size(shape).numel()).view(shape)
+            choices = [[range(n), range(n // 3, n), torch.arange(0, n, 2),
+                        torch.tensor([i for i in range(n) if i % 3 != 1])] for n in shape]
+            for axes in itertools.product(*choices):
+                block = full
+                for d, axis in enumerate(axes):
+                    block = block.index_select(d, torch.as_tensor(list(axis) if isinstance(axis, range) else axis))
+                flat = block.reshape(-1)
+                for lo, hi in [(0, len(flat)), (len(flat) // 3, len(flat) - 2), (5, 5)]:
+                    entry = Entry("x", shape, axes, (lo, hi), {}, True)
+                    cases.append((f"{shape} {axes} [{lo}, {hi})", entry.runs(), flat[lo:hi]))
+                    self.assertTrue(torch.equal(cases[-1][1], checkpoint._runs(flat[lo:hi])), cases[-1][0])
+        for chunk in (1, 7, checkpoint._INDEX_CHUNK):
+            with unittest.mock.patch.object(checkpoint, "_INDEX_CHUNK", chunk):
+                for what, runs, positions in cases:
+                    got = [torch.arange(w.start, w.stop) if isinstance(w, slice) else w
+                           for _, _, w in checkpoint._pieces(runs)]
+                    self.assertTrue(torch.equal(torch.cat(got) if got else positions, positions), f"{what} {chunk}")
+
+    @unittest.skipUnless(_no_group(), "needs to start its own (fake) process group")
+    def test_dtensor_positions_are_those_of_a_distributed_arange(self):
+        """Each rank's positions of a DTensor on a 2 x 2 mesh (even and uneven shards, two shardings of one
+        dim, FSDP2's _StridedShard over TP) are those distributing an arange of the full tensor gives."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        from parallel.state import _axes, Entry
+        layouts = [(Shard(0), Shard(1)), (Shard(0), Shard(0)), (_StridedShard(0, split_factor=2), Shard(0)),
+                   (Replicate(), Shard(1)), (Shard(1), Replicate())]
+        for rank in range(4):
+            _fake_group(rank, 4)
+            try:
+                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+                for shape, placements in itertools.product([(8, 6), (7, 5)], layouts):
+                    full = torch.arange(torch.Size(shape).numel()).view(shape)
+                    local = distribute_tensor(full, mesh, placements, src_data_rank=None)
+                    entry = Entry("x", shape, _axes(local, 0, 1), (0, local.to_local().numel()), {}, True)
+                    self.assertTrue(torch.equal(checkpoint._positions(entry.runs()), local.to_local().reshape(-1)),
+                                    f"rank {rank} {shape} {placements}")
+            finally:
+                dist.destroy_process_group()
+
+    @unittest.skipUnless(_no_group(), "needs to start its own (fake) process group")
+    def test_fsdp_rank_saves_and_loads_without_a_full_index(self):
+        """Rank 3 of 8 under our FSDP (a fake group: no peers needed) loads a one-process checkpoint of the
+        tiny GPT and saves its own file. No int64 tensor made meanwhile comes near the elements it holds
+        of one parameter (the embedding's slice, ~400k): the old full `arange`s had 3.2M, a per-element
+        index 400k; runs need a handful, and loading makes positions at most 2 * _INDEX_CHUNK at a time."""
+        import torch.distributed as dist
+
+        from model import GPT, PRESETS
+        from parallel.fsdp import FullyShardedDataParallel
+        from parallel.state import entries_for, entries_for_fsdp
+        config = PRESETS["tiny"]
+        torch.manual_seed(0)
+        source = GPT(config)
+        adam = torch.optim.AdamW(source.parameters())
+        extra = {"config": {"model": dataclasses.asdict(config), "train": {}}, "layout": {"world_size": 1}}
+        with tempfile.TemporaryDirectory() as d, _LargestInt64() as one_process:
+            path = checkpoint.save(d, 1, entries_for(list(source.named_parameters()), adam), adam, extra,
+                                   rank=0, world_size=1, keep=2)
+            self.assertLessEqual(one_process.numel, 16)  # one run per parameter
+            _fake_group(3, 8)
+            try:
+                torch.manual_seed(1)
+                fsdp = FullyShardedDataParallel(GPT(config))
+                optimizer = torch.optim.AdamW(fsdp.param_groups(0.1))
+                held = max(e.numel for e in entries_for_fsdp(fsdp, optimizer, {}, 0, 1))
+                self.assertGreater(held, 300_000)
+                with unittest.mock.patch.object(checkpoint, "_INDEX_CHUNK", 1024), _LargestInt64() as load:
+                    checkpoint.load(path, entries_for_fsdp(fsdp, optimizer, {}, 0, 1), optimizer, rank=3,
+                                    world_size=8)
+                for name, piece in fsdp.sharded_state_dict().items():  # the right elements arrived
+                    want = source.get_parameter(name).detach().reshape(-1)[piece.offset:]
+                    self.assertTrue(torch.equal(piece.flat, want[:piece.flat.numel()]), name)
+                os.makedirs(checkpoint.step_dir(d, 2) + ".tmp-saving")  # rank 0's part of the save
+                with _LargestInt64() as save:
+                    checkpoint.save(d, 2, entries_for_fsdp(fsdp, optimizer, {}, 0, 1), optimizer, {}, rank=3,
+                                    world_size=8, keep=2)
+            finally:
+                dist.destroy_process_group()
+        self.assertLessEqual(save.numel, 16, f"saving made an int64 tensor of {save.numel} elements")
+        self.assertLessEqual(load.numel, 2 * 1024, f"loading made an int64 tensor of {load.numel} elements")
 
 
 if __name__ == "__main__":
