@@ -84,17 +84,19 @@ def measure(fn) -> dict:
 
 
 def run(rank: int, world: int, model: str, flags: list[str], data: str, out: str) -> dict:
+    import dataclasses
+
     import checkpoint
+    import config
     import train
-    args = train.parse_args(["--model", model, "--dataset", data, "--out_dir", out, "--micro_batch_size", "1",
+    args = config.parse_args(["--model", model, "--dataset", data, "--out_dir", out, "--micro_batch_size", "1",
                              "--seq_len", "64", "--total_batch_size", str(64 * world), *flags])
-    plan = train.validate(args)
-    t = train.build(args, plan)
+    t = train.build(config.validate(args))
     held = sum(e.tensors["param"].numel() for e in t.par.checkpoint_entries(t.optimizer))  # + AdamW state
     train.save_checkpoint(t, 0)  # warm-up: lazy imports, first-use buffers
     state = _status("VmRSS")
     save = measure(lambda: train.save_checkpoint(t, 1))
-    t.plan.resume_from = checkpoint.step_dir(args.out_dir, 1)
+    t.plan = dataclasses.replace(t.plan, resume_from=checkpoint.step_dir(args.out_dir, 1))
     load = measure(lambda: train.restore_checkpoint(t))
     return {"held": held, "state": state, "save": save, "load": load}
 
