@@ -1,0 +1,424 @@
+"""One-shot GPU check: every CUDA path of the trainer once, in about 5 minutes on one GPU, one table at the end.
+
+    bash scripts/gpu_check.sh              # on a machine with a CUDA device (docs/gpu.md)
+    bash scripts/gpu_check.sh --dry-run    # anywhere: CPU, tiny model, few steps; checks the plumbing
+
+Stages (a row each; a stage that raises is a FAIL row, and the others still run):
+- throughput: `train.py --model gpt2` in bf16 autocast, one process, 20 steps: tokens/s and MFU.
+- ddp / fsdp / tp: our wrappers on a one-rank group of this device (NCCL on CUDA), built by train.build
+  through parallelize's APPLY table and stepped by train.train_step, against the same config on the CPU in
+  fp32. A one-rank group short-circuits parallel/comm.py (`world(group) == 1`), so each wrapper runs again
+  with that short-cut off (`forced_collectives`): the collectives are then really issued, on one rank they
+  are identities, so the losses must be unchanged, and the bytes counted must equal the wrapper's formula.
+- fp16: --dtype float16 with the AgreeingGradScaler: losses finite and falling.
+- fused adamw: train.build chose torch's fused AdamW (CUDA only).
+- resume: an uninterrupted run against one SIGKILLed after its step-3 checkpoint and `--resume`d: the
+  same losses bit for bit (the runs use deterministic kernels: math SDPA, deterministic algorithms).
+- gpu tests: `pytest -m gpu tests/test_gpu.py`.
+
+The data is a synthetic learnable token corpus written to a temporary directory: the GPU box has no internet.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from unittest import mock
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+BF16_U = 2.0 ** -8  # bf16 unit roundoff: 8 significand bits
+# Loss tolerances, relative to the CPU fp32 run. bf16: 2u, one rounding of the matmul inputs (u) plus, on a
+# GPU, one of fused attention's bf16 softmax probabilities (u). Measured on CPU bf16 autocast for the GPU
+# setup's model: at most 1e-4 (0.03 u) over its 6 steps, so 2u has margin and still catches a real bug (a wrong
+# gradient or a lost reduction moves the loss by far more). fp32 across devices: summation order only.
+RTOL = {torch.bfloat16: 2 * BF16_U, torch.float32: 1e-4}
+SAME_RTOL = 1e-6  # forced collectives vs short-circuited: identities on one rank, expected bit-equal
+
+
+@dataclass(frozen=True)
+class Setup:
+    device: str
+    dtype: str                  # compute dtype of the wrapper, resume and throughput stages
+    throughput: list[str]       # train.py flags of the throughput run
+    small: list[str]            # flags of the model the other stages train
+    steps: int                  # steps of the wrapper, fp16 and resume stages
+    throughput_steps: int
+
+
+GPU = Setup("cuda", "bfloat16",
+            ["--model", "gpt2", "--micro_batch_size", "16", "--seq_len", "1024", "--total_batch_size", "32768"],
+            ["--model", "small", "--n_layer", "4", "--micro_batch_size", "4", "--seq_len", "128",
+             "--total_batch_size", "1024"], steps=6, throughput_steps=20)
+DRY = Setup("cpu", "float32",
+            ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256"],
+            ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "128"],
+            steps=4, throughput_steps=3)
+COMMON = ["--lr", "3e-3", "--warmup_steps", "2", "--eval_interval", "1000", "--eval_iters", "1",
+          "--gradient_clipping"]
+
+
+@dataclass
+class Row:
+    check: str
+    status: str  # ok | FAIL | skip
+    detail: str
+
+
+@dataclass
+class Context:
+    setup: Setup
+    tmp: str
+    data: str
+    rows: list[Row] = field(default_factory=list)
+    cpu_losses: list[float] | None = None
+
+    def add(self, check: str, ok: bool | None, detail: str) -> None:
+        self.rows.append(Row(check, "skip" if ok is None else ("ok" if ok else "FAIL"), detail))
+
+    def out_dir(self, name: str) -> str:
+        return os.path.join(self.tmp, name)
+
+
+# ----------------------------------------------------------------------------- in-process trainers
+
+def make_plan(ctx: Context, name: str, flags: list[str], device: str, dtype: str, steps: int, *extra: str):
+    from config import parse_args, validate
+    return validate(parse_args([*flags, *COMMON, "--dataset", ctx.data, "--device", device, "--dtype", dtype,
+                                "--max_steps", str(steps), "--out_dir", ctx.out_dir(name), *extra]))
+
+
+class _ForcedOne(int):
+    """1 that is not `== 1`: parallel/comm.py and the wrappers skip their one-rank short-cut and issue the
+    collectives, while every division, split and `> 1` test still sees 1."""
+
+    def __eq__(self, other):
+        return False
+
+    def __ne__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
+@contextlib.contextmanager
+def forced_collectives(on: bool):
+    """With `on`, parallel.comm.world reports a one-rank group as _ForcedOne (see there)."""
+    if not on:
+        yield
+        return
+    from parallel import comm
+    real = comm.world
+
+    def world(group):
+        n = real(group)
+        return _ForcedOne(1) if n == 1 and dist.is_initialized() else n
+
+    with mock.patch.object(comm, "world", world):
+        yield
+
+
+def build_wrapped(plan, mesh, dp_type: str | None, tp: bool, param_dtype: torch.dtype | None):
+    """train.build on one rank, but with a wrapper: `dims` says dp/tp are on (with size 1) and
+    init_distributed hands over our one-rank mesh, so parallelize applies the custom wrappers."""
+    import train
+    dims = SimpleNamespace(dp=1, tp=1, world_size=1, dp_enabled=dp_type is not None, tp_enabled=tp)
+    par = replace(plan.par, dp_type=dp_type, implementation="custom", param_dtype=param_dtype)
+    with mock.patch.object(train, "init_distributed", lambda *a, **k: mesh):
+        return train.build(replace(plan, dims=dims, par=par))
+
+
+def train_losses(t, steps: int) -> tuple[list[float], list[dict]]:
+    """train.train_step for steps 1..steps; (losses, per-step comm bytes as parallel/comm.COUNTER saw them)."""
+    import train
+    from parallel import comm
+    losses, comm_bytes = [], []
+    for step in range(1, steps + 1):
+        losses.append(train.train_step(t, step)["loss"])
+        comm_bytes.append(comm.COUNTER.snapshot())  # train_step counts nothing after its own snapshot
+    return losses, comm_bytes
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=math.inf) if len(a) == len(b) \
+        else math.inf
+
+
+def one_rank_mesh(device: torch.device):
+    """A world-size-1 process group (NCCL on CUDA, gloo on CPU) and its ("dp", "tp") mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.mesh import backend_for
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        from tests.harness import free_port
+        dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1, device_id=device if device.type == "cuda" else None)
+    return init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp", "tp"))
+
+
+# ----------------------------------------------------------------------------- stages
+
+def stage_throughput(ctx: Context) -> None:
+    s = ctx.setup
+    out = ctx.out_dir("throughput")
+    dtype = "bfloat16" if s.device == "cuda" else s.dtype
+    proc = run_train(s.throughput + ["--lr", "6e-4", "--warmup_steps", "2", "--eval_interval", "1000",
+                                     "--eval_iters", "1", "--no_checkpoint", "--dataset", ctx.data,
+                                     "--device", s.device, "--dtype", dtype, "--max_steps", str(s.throughput_steps),
+                                     "--out_dir", out])
+    if proc.returncode != 0:
+        raise RuntimeError(f"train.py exited {proc.returncode}: {last_line(proc.stderr)}")
+    steps = [r for r in read_jsonl(out) if "loss" in r]
+    timed = steps[min(5, len(steps) - 1):]  # the first steps pay for allocation and kernel selection
+    tok = statistics.median(r["tokens_per_sec"] for r in timed)
+    mfu = statistics.median(r["mfu"] for r in timed)
+    peak = re.search(r"MFU against ([\d.]+) GFLOP/s", proc.stdout)
+    gflops = float(peak.group(1)) if peak else math.nan
+    peak_s = f"{gflops / 1e3:.0f} TFLOP/s" if gflops >= 1e3 else f"{gflops:.0f} GFLOP/s"
+    name = torch.cuda.get_device_name() if s.device == "cuda" else "cpu, measured peak"
+    ok = len(steps) == s.throughput_steps and all(math.isfinite(r["loss"]) for r in steps) and 0 < mfu <= 1
+    model = s.throughput[s.throughput.index("--model") + 1]
+    ctx.add(f"throughput {model} {dtype}", ok,
+            f"{tok:,.0f} tok/s, MFU {100 * mfu:.1f}% of {peak_s} ({name}); median of steps "
+            f"{timed[0]['step']}-{timed[-1]['step']}, peak mem {steps[-1]['peak_memory_bytes'] / 2**30:.2f} GiB")
+
+
+WRAPPERS = {  # name: (dp_type, tp, param_dtype)
+    "ddp": ("ddp", False, None),
+    "fsdp": ("fsdp", False, torch.bfloat16),  # --param_dtype bfloat16: bf16 compute copies, fp32 master shard
+    "tp": (None, True, None),
+}
+
+
+def comm_theory(name: str, t, plan) -> dict[str, int]:
+    """Bytes per step the wrapper's own formula gives (parallel/comm.py names where each lives)."""
+    a = plan.args
+    if name == "ddp":  # every trainable parameter's fp32 gradient, once per step (no_sync before the last micro-step)
+        return {"all_reduce": sum(b.nbytes for b in t.model.buckets)}
+    if name == "fsdp":
+        return {k: v * plan.grad_accum for k, v in t.model.comm_bytes_per_micro_step().items()}
+    from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
+    lowp = plan.dtype != torch.float32  # under autocast the matmul outputs are low precision, the residual fp32
+    per = tp_comm_bytes_per_micro_step(plan.config, a.micro_batch_size, a.seq_len, _ForcedOne(1), False, False,
+                                       dtype_bytes=2 if lowp else 4, residual_bytes=4)
+    return {k: v * plan.grad_accum for k, v in per.items()}
+
+
+def stage_wrappers(ctx: Context) -> None:
+    s = ctx.setup
+    device = torch.device(s.device, 0) if s.device == "cuda" else torch.device("cpu")
+    ref_plan = make_plan(ctx, "cpu-ref", s.small, "cpu", "float32", s.steps)
+    import train
+    ctx.cpu_losses, _ = train_losses(train.build(ref_plan), s.steps)
+    mesh = one_rank_mesh(device)
+    for name, (dp_type, tp, param_dtype) in WRAPPERS.items():
+        dtype = "bfloat16" if param_dtype == torch.bfloat16 else s.dtype
+        plan = make_plan(ctx, name, s.small, s.device, dtype, s.steps)
+        try:
+            runs = {}
+            for forced in (False, True):
+                with forced_collectives(forced):
+                    t = build_wrapped(plan, mesh, dp_type, tp, param_dtype)
+                    runs[forced] = train_losses(t, s.steps) + (t,)
+            losses, _, _ = runs[False]
+            rtol = RTOL[torch.bfloat16 if param_dtype == torch.bfloat16 else plan.dtype]
+            d = max_rel(losses, ctx.cpu_losses)
+            what = f"custom {name}" + (" param_dtype=bf16" if param_dtype else "")
+            ctx.add(f"{name} vs cpu fp32", d <= rtol and all(map(math.isfinite, losses)),
+                    f"{what} on {device} {dtype}: max rel loss diff {d:.1e} <= {rtol:.1e} over {s.steps} steps")
+            forced_losses, forced_bytes, t = runs[True]
+            d = max_rel(forced_losses, losses)
+            want = {k: v for k, v in comm_theory(name, t, plan).items() if v}
+            got = [{k: v for k, v in b.items() if v} for b in forced_bytes]
+            bytes_ok = all(g == want for g in got) and bool(want)
+            same = "bit-equal" if forced_losses == losses else f"max rel diff {d:.1e}"
+            ctx.add(f"{name} collectives issued", d <= SAME_RTOL and bytes_ok,
+                    f"losses {same} to the short-circuited run; bytes/step {fmt_bytes(got[-1])}"
+                    + ("" if bytes_ok else f" != formula {fmt_bytes(want)}"))
+        except Exception as e:  # noqa: BLE001 -- one row per wrapper, the others still run
+            ctx.add(f"{name}", False, f"{type(e).__name__}: {first_line(e)}")
+            traceback.print_exc()
+
+
+def stage_fp16(ctx: Context) -> None:
+    s = ctx.setup
+    import train
+    from parallel.grads import AgreeingGradScaler
+    plan = make_plan(ctx, "fp16", s.small, s.device, "float16", 2 * s.steps)
+    t = train.build(plan)
+    records = [train.train_step(t, step) for step in range(1, 2 * s.steps + 1)]
+    losses = [r["loss"] for r in records]
+    finite = all(map(math.isfinite, losses))
+    falling = losses[-1] < losses[0]
+    scales = [r["loss_scale"] for r in records]
+    ctx.add("fp16 + GradScaler", finite and falling and isinstance(t.scaler, AgreeingGradScaler),
+            f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps (finite: {finite}), "
+            f"loss scale {scales[0]:g} -> {scales[-1]:g}")
+    fused = t.optimizer.defaults.get("fused")
+    if plan.device.type != "cuda":
+        ctx.add("fused AdamW", None, f"skipped: needs CUDA (train.build asks for it on CUDA only; fused={fused})")
+    else:
+        ctx.add("fused AdamW", fused is True, f"optimizer.defaults['fused'] = {fused}")
+
+
+def stage_resume(ctx: Context) -> None:
+    s = ctx.setup
+    kill = s.steps // 2
+    base = s.small + COMMON + ["--dataset", ctx.data, "--device", s.device, "--dtype", s.dtype,
+                               "--max_steps", str(s.steps), "--keep_checkpoints", "2"]
+    whole, cut = ctx.out_dir("resume-whole"), ctx.out_dir("resume-cut")
+    u = run_train(base + ["--out_dir", whole], deterministic=True)
+    k = run_train(base + ["--out_dir", cut, "--checkpoint_interval", str(kill)], deterministic=True,
+                  env={"GPT_KILL_AT_STEP": str(kill)})
+    r = run_train(base + ["--out_dir", cut, "--resume"], deterministic=True)
+    if u.returncode != 0 or k.returncode != -signal.SIGKILL or r.returncode != 0:
+        raise RuntimeError(f"exit codes: whole {u.returncode}, killed {k.returncode} (want -9), resumed "
+                           f"{r.returncode}: {last_line(u.stderr + k.stderr + r.stderr)}")
+    ref = by_step(read_jsonl(whole))
+    got = by_step(read_jsonl(cut))  # a step logged twice counts as its last record
+    after = [st for st in sorted(ref) if st > kill]
+    equal = [st for st in after if got.get(st) == ref[st]]
+    resumed = "resuming from" in r.stdout
+    ctx.add("checkpoint + --resume", resumed and len(equal) == len(after) == s.steps - kill,
+            f"killed after step {kill}, resumed on {s.device} {s.dtype}: steps {kill + 1}-{s.steps} bit-equal "
+            f"{len(equal)}/{len(after)}" + ("" if len(equal) == len(after) else
+                                           f", max diff {max(abs(got.get(x, math.inf) - ref[x]) for x in after):.1e}"))
+
+
+def stage_gpu_tests(ctx: Context) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                           os.path.join("tests", "test_gpu.py")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=child_env())
+    summary = last_line(proc.stdout)
+    counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", summary))
+    if proc.returncode == 0 and counts.get("skipped") and not counts.get("passed"):
+        ctx.add("gpu tests", None, f"skipped: needs CUDA ({summary})")
+    else:
+        ctx.add("gpu tests", proc.returncode == 0 and counts.get("passed", 0) > 0, summary)
+        if proc.returncode != 0:
+            print(proc.stdout[-4000:], file=sys.stderr)
+
+
+STAGES = [("throughput", stage_throughput), ("wrappers", stage_wrappers), ("fp16", stage_fp16),
+          ("resume", stage_resume), ("gpu tests", stage_gpu_tests)]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def child_env(**extra: str) -> dict[str, str]:
+    from parallel.mesh import child_env as base
+    return base(PYTHONUNBUFFERED="1", **extra)
+
+
+def run_train(args: list[str], deterministic: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python train.py ARGS`, or with `deterministic` the same main() after switching to deterministic
+    kernels (math SDPA: the fused attention backwards accumulate with atomics, so two runs differ in bits)."""
+    launcher = [sys.executable, os.path.abspath(__file__), "--deterministic-train"] if deterministic else \
+        [sys.executable, os.path.join(ROOT, "train.py")]
+    return subprocess.run(launcher + args, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=child_env(**(env or {})))
+
+
+def deterministic_train(argv: list[str]) -> int:
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    import train
+    return train.main(argv)
+
+
+def read_jsonl(out_dir: str) -> list[dict]:
+    from metrics import read_jsonl as read
+    return read(out_dir)
+
+
+def by_step(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def fmt_bytes(b: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in b.items()) or "none"
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def print_table(rows: list[Row], seconds: float, dry_run: bool) -> None:
+    w = max(len(r.check) for r in rows)
+    title = f"GPU check{' (dry run on CPU)' if dry_run else ''}: {seconds:.0f}s"
+    print(f"\n{title}\n{'check':<{w}}  result  detail\n{'-' * w}  ------  {'-' * 60}")
+    for r in rows:
+        print(f"{r.check:<{w}}  {r.status:<6}  {r.detail}")
+    fails = sum(r.status == "FAIL" for r in rows)
+    print(f"{len(rows)} checks: {len(rows) - fails - sum(r.status == 'skip' for r in rows)} ok, {fails} FAIL, "
+          f"{sum(r.status == 'skip' for r in rows)} skipped", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--deterministic-train"]:
+        return deterministic_train(argv[1:])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps: check the plumbing")
+    p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (runs, metrics) instead of a temp dir")
+    p.add_argument("--only", nargs="*", choices=[name for name, _ in STAGES], help="run only these stages")
+    args = p.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: error: no CUDA device; run with --dry-run to check the plumbing on CPU", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    tmp = args.keep or tempfile.mkdtemp(prefix="gpu_check_")
+    os.makedirs(tmp, exist_ok=True)
+    from tests.harness import make_token_bins
+    ctx = Context(DRY if args.dry_run else GPU, tmp, make_token_bins(os.path.join(tmp, "data"), n_train=200_000,
+                                                                      n_val=20_000))
+    try:
+        for name, fn in STAGES:
+            if args.only and name not in args.only:
+                continue
+            print(f"== {name}", flush=True)
+            t1 = time.perf_counter()
+            try:
+                fn(ctx)
+            except Exception as e:  # noqa: BLE001 -- the table reports it; the other stages still run
+                ctx.add(name, False, f"{type(e).__name__}: {first_line(e)}")
+                traceback.print_exc()
+            print(f"   {time.perf_counter() - t1:.1f}s", flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print_table(ctx.rows, time.perf_counter() - t0, args.dry_run)
+    return 1 if any(r.status == "FAIL" for r in ctx.rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""scripts/gpu_check.sh --dry-run, as CI runs it: every stage runs on CPU and the table has every row and no FAIL.
+(On this 2-core CPU box it takes 3-4 minutes, most of it starting Python processes: hence `slow`.)"""
+import os
+import re
+import subprocess
+import unittest
+
+import pytest
+
+from tests.harness import ROOT, rank0_only
+
+ROWS = ["throughput tiny float32", "ddp vs cpu fp32", "ddp collectives issued", "fsdp vs cpu fp32",
+        "fsdp collectives issued", "tp vs cpu fp32", "tp collectives issued", "fp16 + GradScaler", "fused AdamW",
+        "checkpoint + --resume", "gpu tests"]
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: run once, not on every torchrun rank")
+class TestGpuCheckDryRun(unittest.TestCase):
+    def test_every_stage_runs_and_none_fails(self):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                               "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+        proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--dry-run"], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=1500)
+        tail = f"\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        self.assertEqual(proc.returncode, 0, tail)
+        table = proc.stdout[proc.stdout.index("GPU check (dry run on CPU)"):]
+        rows = dict(re.split(r"\s{2,}", line, maxsplit=2)[:2] for line in table.splitlines()[3:-1])
+        self.assertEqual(list(rows), ROWS, tail)
+        self.assertNotIn("FAIL", rows.values(), tail)
+        self.assertEqual(rows["fused AdamW"], "skip")  # needs CUDA
+        self.assertEqual(rows["gpu tests"], "skip")
+        self.assertIn("11 checks: 9 ok, 0 FAIL, 2 skipped", table)
+
+
+if __name__ == "__main__":
+    unittest.main()
