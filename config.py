@@ -75,8 +75,8 @@ def train_parser() -> Parser:
     a("--bucket_cap_mb", type=float, default=25.0, help="custom DDP: gradient bucket size")
     a("--grad_compression", choices=["none", "bf16"], default="none", help="custom DDP: bf16 on the wire")
     a("--param_dtype", choices=["auto", *DTYPES], default="auto",
-      help="FSDP: dtype of the gathered compute copies (the master shard stays fp32); auto: bf16 under "
-           "--dtype bfloat16, else float32")
+      help="FSDP: dtype of the gathered compute copies (the master shard stays fp32); auto: the --dtype "
+           "autocast computes in")
     a("--reduce_dtype", choices=DTYPES, default="float32", help="FSDP: dtype gradients are reduce-scattered in")
     # model and data
     a("--model", default="gpt2", help=f"preset: {', '.join(PRESETS)}")
@@ -158,8 +158,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.dtype) -> ParallelConfig:
     """The layout settings `parallel.parallelize` composes, with every default resolved."""
     param_dtype = args.param_dtype
-    if param_dtype == "auto":
-        param_dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    if param_dtype == "auto":  # gather what autocast computes in: half the bytes, no fp32 copies kept alive
+        param_dtype = str(dtype).removeprefix("torch.")
     return ParallelConfig(dp_type=args.data_parallel_type if dims.dp_enabled else None,
                           implementation=args.implementation, loss_parallel=args.enable_loss_parallelism,
                           sequence_parallel=args.sequence_parallel,

@@ -28,7 +28,8 @@ from parallel.comm import local
 # Dense (non-sparse) bf16/fp16 peak FLOP/s per device, from the vendors' datasheets. Matched against
 # torch.cuda.get_device_name in order, so the specific variants come before the family name.
 DATASHEET_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-                  ("A100", 312e12), ("A6000", 154.8e12), ("L40S", 362e12), ("A10G", 125e12), ("L4", 121e12),
+                  ("A100", 312e12), ("A6000", 154.8e12), ("L40S", 362e12), ("L40", 181e12), ("A10G", 125e12),
+                  ("L4", 121e12),
                   ("4090", 165e12))
 
 

@@ -45,6 +45,10 @@ class CommCounter:
         return out
 
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 COUNTER = CommCounter()  # one per process: every wrapper's traffic adds up in the same place
 
 
@@ -80,7 +84,7 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: dis
         output.copy_(shard.view_as(output))
         return None
     COUNTER.add("all_gather", _nbytes(output))
-    return dist.all_gather_into_tensor(output, shard, group=group, async_op=async_op)
+    return _all_gather(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -90,7 +94,7 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.
         output.copy_(full.view_as(output))
         return None
     COUNTER.add("reduce_scatter", _nbytes(full))
-    return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

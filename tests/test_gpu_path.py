@@ -140,11 +140,12 @@ class TestDtypes(unittest.TestCase):
             with self.assertRaisesRegex(config.UsageError, f"{flag} float16 need --dtype float16"):
                 config.validate(args)
 
-    def test_param_dtype_follows_bf16_compute(self):
+    def test_param_dtype_follows_the_compute_dtype(self):
         from parallel.mesh import ParallelDims
         dims = ParallelDims(2, 1, 2)
         args = _tiny_args("unused", "unused", "--data_parallel_size", "2", "--data_parallel_type", "fsdp")
         self.assertEqual(config.parallel_config(args, dims, torch.bfloat16).param_dtype, torch.bfloat16)
+        self.assertEqual(config.parallel_config(args, dims, torch.float16).param_dtype, torch.float16)
         self.assertIsNone(config.parallel_config(args, dims, torch.float32).param_dtype)  # fp32: no cast
         args.param_dtype = "float32"
         self.assertIsNone(config.parallel_config(args, dims, torch.bfloat16).param_dtype)
