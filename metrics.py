@@ -43,10 +43,10 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
     """Achieved FLOP/s of an n×n×n matmul, the best of repeated timings (a stand-in for peak)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    best, deadline = 0.0, time.perf_counter() + seconds
     for _ in range(2):
         a @ b  # warm-up
-    while time.perf_counter() < deadline:
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while best == 0.0 or time.perf_counter() < deadline:  # at least one timing, however loaded the machine
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(4):
