@@ -9,7 +9,7 @@ GPU machine too.
   loopback port, runs fn on each, and re-raises the first failure with its traceback. A rank that dies
   takes the others down, so a failing test never hangs.
 - If torchrun gave a different world size than the test needs (a 4-rank test under a 2-rank torchrun),
-  rank 0 spawns the N ranks itself and the other torchrun ranks wait at a barrier.
+  rank 0 spawns the N ranks itself and broadcasts their results, so every torchrun rank checks all of them.
 
 fn(rank, world_size, *args) runs with the default process group initialised; its return values come
 back as a list indexed by rank.
@@ -54,8 +54,10 @@ BACKEND = "gloo"  # test bodies build CPU tensors: gloo, even where CUDA exists
 
 
 def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.clear()  # no TORCHELASTIC_* from a surrounding torchrun: with TORCHELASTIC_USE_AGENT_STORE
+    os.environ.update(env)  # rank 0 would wait for an agent's store instead of starting its own
     torch.set_num_threads(1)
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
@@ -78,16 +80,17 @@ def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
 def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any] | None:
     """Run fn(rank, world_size, *args) on `world_size` ranks (see module docstring).
 
-    Returns every rank's result under spawn; under a matching torchrun, [this rank's result] on each
-    rank (each rank checks its own assertions)."""
+    Returns every rank's result under spawn and under a torchrun of another size (on every torchrun rank);
+    under a matching torchrun, [this rank's result] on each rank (each rank checks its own). Never None:
+    no rank is left with nothing to assert."""
     if under_torchrun():
         if not dist.is_initialized():
             dist.init_process_group(BACKEND, timeout=TIMEOUT)
         if dist.get_world_size() == world_size:
             return [fn(dist.get_rank(), world_size, *args)]
-        out = spawn(fn, world_size, *args) if dist.get_rank() == 0 else None
-        dist.barrier()
-        return out
+        out = [spawn(fn, world_size, *args) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(out, src=0)
+        return out[0]
     return spawn(fn, world_size, *args)
 
 
