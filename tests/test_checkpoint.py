@@ -21,6 +21,7 @@ import tempfile
 import time
 import unittest
 
+import pytest
 import torch
 
 import checkpoint
@@ -118,6 +119,7 @@ def kill_and_resume(layout: str) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
+@pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestKillAndResume(unittest.TestCase):
     """SIGKILLed after step KILL, resumed: the same losses and state as the uninterrupted run, bit for bit."""
@@ -191,6 +193,7 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
     return bad
 
 
+@pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestResharding(unittest.TestCase):
     def test_every_layout_loads_every_layouts_checkpoint(self):
@@ -230,6 +233,7 @@ class TestResharding(unittest.TestCase):
             self.assertLessEqual(abs(loss - ref[step - 1]), rtol * abs(ref[step - 1]), f"step {step}")
 
 
+@pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestFailures(unittest.TestCase):
     def run_single(self, name: str, extra: list[str], env: dict | None = None):
@@ -271,6 +275,7 @@ class TestFailures(unittest.TestCase):
         self.assertIn("another model config (n_layer 2 (checkpoint) vs 3)", proc.stderr)
 
 
+@pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestLaunchers(unittest.TestCase):
     def reference(self) -> dict:

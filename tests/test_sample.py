@@ -11,6 +11,7 @@ import tempfile
 import unittest
 from unittest import mock
 
+import pytest
 import torch
 
 import checkpoint
@@ -68,13 +69,16 @@ class TestSample(unittest.TestCase):
         self.assertTrue(greedy.startswith("To be, or not"))
         self.assertEqual(greedy, run_sample("--start", f"FILE:{path}", "--temperature", "0", "--seed", "2"))
 
-    def test_missing_checkpoint_and_offline_hub_are_one_line_errors(self):
+    def test_missing_checkpoint_is_a_one_line_error(self):
         import sample
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             self.assertEqual(sample.main(["--out_dir", os.path.join(TMP.name, "nowhere")]), 2)
         self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())
         self.assertTrue(err.getvalue().startswith("sample.py: error: no complete checkpoint"), err.getvalue())
+
+    @pytest.mark.slow
+    def test_offline_hub_is_a_one_line_error(self):
         with tempfile.TemporaryDirectory() as empty:  # an empty hub cache, offline: whatever ~/.cache holds
             proc = launch(["--init_from", "gpt2"], script="sample.py", timeout=120,
                           env={"HF_HOME": empty, "HF_HUB_CACHE": empty, "HUGGINGFACE_HUB_CACHE": empty,

@@ -10,6 +10,7 @@ import os
 import tempfile
 import unittest
 
+import pytest
 from metrics import read_jsonl as read_metrics
 from tests.harness import launch_ranks, make_token_bins, rank0_only, run_train, train_losses
 
@@ -31,6 +32,7 @@ def assert_close_losses(test: unittest.TestCase, got: list[float], ref: list[flo
         test.assertLessEqual(abs(a - b), rtol * abs(b), f"{what}: step {s} loss {a} vs one process {b}")
 
 
+@pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestLayoutsAgree(unittest.TestCase):
     @classmethod
@@ -129,6 +131,7 @@ class TestLayoutsAgree(unittest.TestCase):
                                      "--enable_loss_parallelism"], 4, 1e-4, impl="custom")
 
 
+@pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestMetrics(unittest.TestCase):
     def test_metrics_jsonl_fields_and_val(self):
@@ -157,6 +160,7 @@ class TestMetrics(unittest.TestCase):
                 self.assertAlmostEqual(got, by_hand, delta=1e-12)
 
 
+@pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestBadInput(unittest.TestCase):
     """Each case: exit code 2, exactly one line on stderr naming the problem, nothing written."""
