@@ -38,7 +38,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
     best, deadline = 0.0, time.perf_counter() + seconds
     for _ in range(2):
         a @ b  # warm-up
-    while time.perf_counter() < deadline:
+    while best == 0.0 or time.perf_counter() < deadline:  # at least one timing, however slow the warm-up was
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(4):
