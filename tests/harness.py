@@ -1,20 +1,29 @@
-"""Run a test body on N distributed ranks, whichever way the test suite was launched.
+"""The one place tests start ranks and whole runs from.
 
-- Under `torchrun --nproc_per_node=N -m unittest tests/test_x.py` (the seed's way; NCCL on GPUs, gloo
-  on CPU), `run_distributed(fn, N)` joins the torchrun group and calls fn on every rank in-process.
+In-process ranks: `run_distributed(fn, N)` runs a test body on N distributed ranks, whichever way the
+test suite was launched. Test bodies build CPU models, so their group is always gloo on the CPU, on a
+GPU machine too.
+- Under `torchrun --nproc_per_node=N -m unittest tests/test_x.py` (the seed's way),
+  `run_distributed(fn, N)` joins the torchrun group and calls fn on every rank in-process.
 - Under plain pytest (CI, CPU only) it spawns N fresh processes that form a gloo group on a free
   loopback port, runs fn on each, and re-raises the first failure with its traceback. A rank that dies
   takes the others down, so a failing test never hangs.
 - If torchrun gave a different world size than the test needs (a 4-rank test under a 2-rank torchrun),
-  rank 0 spawns the N ranks itself and the other torchrun ranks wait at a barrier.
+  rank 0 spawns the N ranks itself and broadcasts their results, so every torchrun rank checks all of them.
 
 fn(rank, world_size, *args) runs with the default process group initialised; its return values come
 back as a list indexed by rank.
+
+Whole runs: `launch` starts a script (train.py by default) as a user would, `python` for one rank and
+`torchrun` for more, in an environment without this process's torchrun variables
+(`parallel.mesh.child_env`), on the CPU unless the test passes its own `--device`.
 """
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 from datetime import timedelta
@@ -23,6 +32,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from metrics import read_jsonl
+from parallel.mesh import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = timedelta(seconds=300)
@@ -38,17 +50,18 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
 
 
-def _backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+BACKEND = "gloo"  # test bodies build CPU tensors: gloo, even where CUDA exists
 
 
 def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.clear()  # no TORCHELASTIC_* from a surrounding torchrun: with TORCHELASTIC_USE_AGENT_STORE
+    os.environ.update(env)  # rank 0 would wait for an agent's store instead of starting its own
     torch.set_num_threads(1)
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=TIMEOUT)
+    dist.init_process_group(BACKEND, rank=rank, world_size=world_size, timeout=TIMEOUT)
     try:
         out = fn(rank, world_size, *args)
         torch.save(out, os.path.join(result_dir, f"{rank}.pt"))
@@ -67,18 +80,17 @@ def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
 def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any] | None:
     """Run fn(rank, world_size, *args) on `world_size` ranks (see module docstring).
 
-    Returns every rank's result under spawn; under a matching torchrun, [this rank's result] on each
-    rank (each rank checks its own assertions)."""
+    Returns every rank's result under spawn and under a torchrun of another size (on every torchrun rank);
+    under a matching torchrun, [this rank's result] on each rank (each rank checks its own). Never None:
+    no rank is left with nothing to assert."""
     if under_torchrun():
         if not dist.is_initialized():
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(_backend(), timeout=TIMEOUT)
+            dist.init_process_group(BACKEND, timeout=TIMEOUT)
         if dist.get_world_size() == world_size:
             return [fn(dist.get_rank(), world_size, *args)]
-        out = spawn(fn, world_size, *args) if dist.get_rank() == 0 else None
-        dist.barrier()
-        return out
+        out = [spawn(fn, world_size, *args) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(out, src=0)
+        return out[0]
     return spawn(fn, world_size, *args)
 
 
@@ -103,28 +115,67 @@ def make_token_bins(directory: str, n_train: int = 60_000, n_val: int = 8_000, v
     return directory
 
 
-def run_train(args: list[str], nproc: int = 1, timeout: float = 600) -> "subprocess.CompletedProcess":
-    """Run train.py as a user would: `python train.py` for one rank, `torchrun --standalone` for more."""
-    import subprocess
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE"):
-        env.pop(k, None)  # a run started from inside a torchrun test must not join that job
-    launcher = [sys.executable] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run(launcher + [os.path.join(ROOT, "train.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+def launch(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: list[str] | None = None,
+           timeout: float = 600, wait: bool = True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+           script: str = "train.py", device: str | None = "cpu"):
+    """Run `script` as a user runs it: python for one rank, torchrun (--standalone unless `torchrun` says
+    otherwise) for more. `env` is added to `child_env()` (so a test may set RANK etc. itself). `--device
+    device` is appended unless args name a device or device is None. Returns the CompletedProcess (stdout
+    and stderr apart), or the Popen (in its own session; `stdout`, `stderr` as given) when wait=False."""
+    if device is not None and not any(a == "--device" or a.startswith("--device=") for a in args):
+        args = [*args, "--device", device]
+    full_env = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    if torchrun is None and nproc == 1:
+        cmd = [sys.executable]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.2",
+               *(torchrun or ["--standalone"]), f"--nproc_per_node={nproc}"]
+    cmd += [os.path.join(ROOT, script), *args]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=stdout, stderr=stderr,
+                                text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too, not only the launcher
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def read_metrics(out_dir: str) -> list[dict]:
-    import json
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def launch_ranks(args: list[str], nproc: int, env: dict | None = None, timeout: float = 300,
+                 script: str = "train.py") -> list[subprocess.CompletedProcess]:
+    """Start `nproc` ranks of `script` by hand, as torchrun would (RANK, WORLD_SIZE, MASTER_* set), each with
+    its own stdout/stderr, and wait for every one: one CompletedProcess per rank. Unlike torchrun, no agent
+    SIGTERMs the other ranks when the first one exits, so each rank's own exit code and output are seen."""
+    port = str(free_port())
+    procs = [launch(args, 1, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nproc),
+                                  "LOCAL_WORLD_SIZE": str(nproc), "RANK": str(r), "LOCAL_RANK": str(r),
+                                  **(env or {})}, script=script, wait=False, stderr=subprocess.PIPE)
+             for r in range(nproc)]
+    done = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return done
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    """train.py on `nproc` ranks (see launch)."""
+    return launch(args, nproc, timeout=timeout, **kw)
 
 
 def train_losses(out_dir: str) -> list[float]:
     """Per-step training losses; a step logged twice (after a resume) counts as its last record."""
-    by_step = {r["step"]: r["loss"] for r in read_metrics(out_dir) if "loss" in r}
+    by_step = {r["step"]: r["loss"] for r in read_jsonl(out_dir) if "loss" in r}
     return [by_step[s] for s in sorted(by_step)]
 
 

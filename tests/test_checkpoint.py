@@ -24,12 +24,13 @@ import time
 import unittest
 import unittest.mock
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
-from tests.harness import (ROOT, free_port, make_token_bins, rank0_only, read_metrics, spawn, train_losses,
-                           under_torchrun)
+from metrics import read_jsonl as read_metrics
+from tests.harness import free_port, launch, make_token_bins, rank0_only, spawn, train_losses, under_torchrun
 
 STEPS, KILL, EVERY = 6, 4, 2
 BASE = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256",
@@ -53,35 +54,6 @@ LAYOUTS = {
 }
 
 
-
-
-def launch(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: list[str] | None = None,
-           timeout: float = 300, wait: bool = True, stdout=subprocess.PIPE):
-    """train.py as a user runs it: python for one rank, torchrun (--standalone unless `torchrun` says
-    otherwise) for more. Returns the CompletedProcess, or the Popen when wait=False."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    for k in list(full_env):  # a run started from inside a torchrun test must not join that job
-        if (k.startswith("TORCHELASTIC_") or k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE")) \
-                and k not in (env or {}):
-            del full_env[k]
-    if torchrun is None and nproc == 1:
-        cmd = [sys.executable]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.2",
-               *(torchrun or ["--standalone"]), f"--nproc_per_node={nproc}"]
-    cmd += [os.path.join(ROOT, "train.py"), *args]
-    if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=stdout, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too, not only the launcher
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def state_of(path: str) -> tuple[dict, float]:
@@ -140,6 +112,7 @@ def kill_and_resume(layout: str) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
+@pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestKillAndResume(unittest.TestCase):
     """SIGKILLed after step KILL, resumed: the same losses and state as the uninterrupted run, bit for bit."""
@@ -185,7 +158,7 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
     bad, trainers = [], {}
     for target, flags in targets.items():
         args = config.parse_args(BASE + flags + ["--dataset", os.path.join(os.path.dirname(out), "data"),
-                                                "--out_dir", os.path.join(out, target)])
+                                                 "--out_dir", os.path.join(out, target), "--device", "cpu"])
         t = trainers[target] = train.build(config.validate(args))
         entries = t.par.checkpoint_entries(t.optimizer)
         count = {e.name: torch.zeros(torch.Size(e.shape).numel()) for e in entries}
@@ -212,6 +185,7 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
     return bad
 
 
+@pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestResharding(unittest.TestCase):
     def test_every_layout_loads_every_layouts_checkpoint(self):
@@ -251,6 +225,7 @@ class TestResharding(unittest.TestCase):
             self.assertLessEqual(abs(loss - ref[step - 1]), rtol * abs(ref[step - 1]), f"step {step}")
 
 
+@pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestFailures(unittest.TestCase):
     def run_single(self, name: str, extra: list[str], env: dict | None = None):
@@ -292,6 +267,7 @@ class TestFailures(unittest.TestCase):
         self.assertIn("another model config (n_layer 2 (checkpoint) vs 3)", proc.stderr)
 
 
+@pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestLaunchers(unittest.TestCase):
     def reference(self) -> dict:

@@ -192,6 +192,28 @@ class TestTokenizer(TmpDirTest):
         with mock.patch.dict(os.environ, {"TIKTOKEN_CACHE_DIR": ""}):  # caching disabled
             self.assertFalse(tokenizer._tiktoken_has_gpt2_cached())
 
+    def test_tiktoken_cache_detection_finds_a_complete_cache(self):
+        """A cache holding every file under tiktoken's name (sha1 of the URL) with the expected sha256 is
+        found, under TIKTOKEN_CACHE_DIR or DATA_GYM_CACHE_DIR; one file missing or altered is not. The real
+        files are not fetched: the expected hashes are patched to those of stand-in contents."""
+        contents = {url: f"stand-in for {url}".encode() for url in tokenizer._TIKTOKEN_GPT2_FILES}
+        expected = {url: hashlib.sha256(c).hexdigest() for url, c in contents.items()}
+        paths = {url: self.tmp / hashlib.sha1(url.encode()).hexdigest() for url in contents}
+        for url, c in contents.items():
+            paths[url].write_bytes(c)
+        with mock.patch.object(tokenizer, "_TIKTOKEN_GPT2_FILES", expected):
+            for var in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR"):
+                with mock.patch.dict(os.environ, {var: str(self.tmp)}):  # restores what it pops too
+                    if var == "DATA_GYM_CACHE_DIR":
+                        os.environ.pop("TIKTOKEN_CACHE_DIR", None)  # it takes precedence
+                    self.assertTrue(tokenizer._tiktoken_has_gpt2_cached(), var)
+            with mock.patch.dict(os.environ, {"TIKTOKEN_CACHE_DIR": str(self.tmp)}):
+                first = next(iter(paths.values()))
+                first.write_bytes(b"altered")
+                self.assertFalse(tokenizer._tiktoken_has_gpt2_cached())
+                first.unlink()
+                self.assertFalse(tokenizer._tiktoken_has_gpt2_cached())
+
 
 # -----------------------------------------------------------------------------
 # shared helpers

@@ -3,7 +3,7 @@
 Each distributed class runs one spawned body in setUpClass and each test method checks one property of
 its results, so the file spawns three times in all. Runs under pytest and under
 `torchrun --standalone --nproc_per_node=2 -m unittest tests/test_ddp.py` (each rank then checks its own
-results).
+results; under a torchrun of another size every rank checks all the spawned ranks' results).
 """
 from __future__ import annotations
 
@@ -274,7 +274,7 @@ class TestMatchesTorchDDP(unittest.TestCase):
         cls.results = run_distributed(_matches_torch_body, 2)
 
     def test_losses_grads_and_params_equal_torch_ddp_bit_for_bit(self):
-        for r in self.results or []:
+        for r in self.results:
             self.assertEqual(r["loss_ours"], r["loss_ref"])
             self.assertEqual(r["grad_mismatch"], [[]] * (2 * STEPS))
             self.assertTrue(all(r["norm_equal"]))
@@ -282,13 +282,13 @@ class TestMatchesTorchDDP(unittest.TestCase):
             self.assertTrue(r["replicas_equal"])
 
     def test_no_sync_leaves_gradients_local_and_unreduced(self):
-        for r in self.results or []:
+        for r in self.results:
             self.assertEqual(r["nosync_bytes"], [0] * STEPS * (ACCUM - 1))
             self.assertEqual(r["nosync_vs_local"], [[]] * STEPS * (ACCUM - 1))
             self.assertTrue(all(n > 0 for n in r["synced_vs_local"]))  # after the sync they differ
 
     def test_all_reduce_bytes_per_optimizer_step_equal_parameter_bytes(self):
-        for r in self.results or []:
+        for r in self.results:
             self.assertEqual(r["bytes_per_step"], [r["expected_bytes"]] * STEPS)
 
 
@@ -298,7 +298,7 @@ class TestOverlapAndCompression(unittest.TestCase):
         cls.results = run_distributed(_overlap_and_bf16_body, 2)
 
     def test_first_bucket_launched_before_backward_finishes(self):
-        for r in self.results or []:
+        for r in self.results:
             ev = r["events"]
             kinds = [e[0] for e in ev]
             launches = [e[1] for e in ev if e[0] == "launch"]
@@ -313,7 +313,7 @@ class TestOverlapAndCompression(unittest.TestCase):
 
     def test_bf16_compression_within_tolerance_and_half_the_bytes(self):
         tol = 2 ** -7  # bf16 keeps 8 significant bits: each element within 1/128 of the tensor's max |g|
-        for r in self.results or []:
+        for r in self.results:
             self.assertEqual(r["fp32_bytes"], r["param_bytes"])
             self.assertEqual(r["bf16_bytes"], r["param_bytes"] // 2)
             worst = max(r["rel_err"].values())
@@ -327,7 +327,7 @@ class TestUnusedParameters(unittest.TestCase):
         cls.results = run_distributed(_unused_body, 2)
 
     def test_unused_parameter_is_a_clear_error_by_default(self):
-        for r in self.results or []:
+        for r in self.results:
             self.assertIsNotNone(r["error"])
             self.assertIn("unused.weight", r["error"])
             self.assertIn("unused.bias", r["error"])
@@ -335,7 +335,7 @@ class TestUnusedParameters(unittest.TestCase):
             self.assertIn("find_unused_parameters=True", r["error"])
 
     def test_find_unused_parameters_trains_and_matches_torch_ddp(self):
-        for r in self.results or []:
+        for r in self.results:
             self.assertTrue(all(r["loss_equal"]))
             self.assertEqual(r["grad_mismatch"], [[]] * STEPS)
             self.assertEqual(r["param_mismatch"], [[]] * STEPS)

@@ -2,11 +2,14 @@
 
 The ranks are started once for the whole file (spawning costs seconds): `_body` measures everything and
 every test method checks one property of what the ranks measured. Under torchrun each rank checks its
-own measurements.
+own measurements. Properties are measured from outside the module where it can be done: collectives as
+torch.distributed receives them, bytes from the storages actually held, coverage as exact intervals.
 """
 from __future__ import annotations
 
+import gc
 import unittest
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -84,6 +87,40 @@ def _rel(a: dict, b: dict) -> float:
     return float(num / sum((b[k].double() ** 2).sum() for k in b) ** 0.5)
 
 
+def _intervals(pieces: dict) -> dict:
+    """Every rank's [start, end) element intervals of each key's piece (`pieces`: key -> (offset, numel)),
+    gathered onto every rank; empty pieces left out."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {k: (o, o + n) for k, (o, n) in pieces.items() if n})
+    return {k: sorted(r[k] for r in everyone if k in r) for k in pieces}
+
+
+def tiles(intervals: list[tuple[int, int]], numel: int) -> bool:
+    """The intervals, in order, cover [0, numel) exactly: no gap, no overlap."""
+    end = 0
+    for a, b in intervals:
+        if a != end:
+            return False
+        end = b
+    return end == numel
+
+
+def _live_storages() -> dict[int, int]:
+    """data_ptr -> nbytes of the storage of every tensor Python can reach (meta and empty ones left out)."""
+    gc.collect()
+    out = {}
+    for o in gc.get_objects():
+        if not issubclass(type(o), torch.Tensor) or o.is_meta:
+            continue
+        try:
+            ptr, n = o.untyped_storage().data_ptr(), o.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):  # wrapper subclasses (DTensor): their local tensor counts
+            continue
+        if n:
+            out[ptr] = n
+    return out
+
+
 def _body(rank: int, world_size: int) -> dict:
     return {**_parity_body(rank, world_size), **_mechanics_body(rank, world_size)}
 
@@ -110,15 +147,14 @@ def _parity_body(rank: int, world_size: int) -> dict:
         out["fsdp2_params_equal"] = list(ours[2]) == list(theirs[2]) and all(
             torch.equal(ours[2][k], theirs[2][k]) for k in theirs[2])
     # ... and so are AdamW's moments: this rank's slices of them against FSDP2's, gathered.
-    moments, match, held = ours[3].sharded_optimizer_state(ours[4]), True, []
+    moments, match, held, sizes = ours[3].sharded_optimizer_state(ours[4]), True, {}, {}
     for name, p in theirs[3].named_parameters():
         for key in ("exp_avg", "exp_avg_sq"):
             full, piece = theirs[4].state[p][key].full_tensor().reshape(-1), moments[name][key]
             match &= torch.equal(piece.flat, full[piece.offset:piece.offset + piece.flat.numel()])
-            held.append(piece.flat.numel() - (p.numel() if rank == 0 else 0))
-    held = torch.tensor(held)
-    dist.all_reduce(held)
-    out["moments_match"], out["moments_cover"] = match, bool((held == 0).all())
+            held[f"{name}/{key}"] = (piece.offset, piece.flat.numel())
+            sizes[f"{name}/{key}"] = p.numel()
+    out["moments_match"], out["moments_intervals"], out["moments_numel"] = match, _intervals(held), sizes
     # 2. Against FSDP2 with clipping: the global norm is summed in a different order.
     ours, theirs = _run_ours(rank, clip=True), _run_fsdp2(rank, clip=True)
     out["clip_losses"], out["clip_norms"] = (ours[0], theirs[0]), (ours[1], theirs[1])
@@ -162,11 +198,18 @@ def _parity_body(rank: int, world_size: int) -> dict:
         return original(module, prefix, *args, **kwargs)
 
     fsdp_module.materialize_module = spy
+    before = _live_storages()
     try:
         deferred = FSDP(meta_gpt, deferred_init_seed=0, device="cpu")
     finally:
         fsdp_module.materialize_module = original
     out["deferred_materialize"] = real_at_materialize
+    # What construction left alive, found by scanning every reachable tensor (not by asking the module):
+    # only the shards may hold storage; a retained full parameter or unit would show up here.
+    shards = {u.shard.untyped_storage().data_ptr() for u in deferred.units}
+    out["deferred_new_storages"] = sorted(n for ptr, n in _live_storages().items()
+                                          if ptr not in before and ptr not in shards)
+    out["deferred_shards_alive"] = shards <= set(_live_storages())
     deferred_sd = deferred.full_state_dict()
     opt = torch.optim.AdamW(deferred.param_groups(WD), lr=LR)
     out["deferred_losses"] = (_train(deferred, opt, deferred.clip_grad_norm_, rank)[0],
@@ -195,7 +238,8 @@ class TestFSDPParity(unittest.TestCase):
     def test_sharded_optimizer_state_equals_fsdp2_bitwise(self):
         for r in self.results:
             self.assertTrue(r["moments_match"])
-            self.assertTrue(r["moments_cover"], "the ranks' moment slices do not tile each parameter")
+            for key, intervals in r["moments_intervals"].items():  # the ranks' slices tile each moment
+                self.assertTrue(tiles(intervals, r["moments_numel"][key]), f"{key}: {intervals}")
 
     def test_equals_fsdp2_with_clipping_within_1e6(self):
         # Not bitwise: FSDP2 sums per-parameter norms of its row shards, we sum squares of our flat shards,
@@ -238,6 +282,9 @@ class TestFSDPParity(unittest.TestCase):
             self.assertEqual(sorted(set(units)), list(range(CFG.n_layer + 1)))
             for unit, held in r["deferred_materialize"]:
                 self.assertLessEqual(held, {unit}, f"materialising unit {unit} while {held} hold full params")
+            # and afterwards nothing but the shards holds new storage (no retained full copy)
+            self.assertTrue(r["deferred_shards_alive"])
+            self.assertEqual(r["deferred_new_storages"], [], "storages (bytes) left alive by deferred init")
 
 
 # ---------------------------------------------------------------------------------- mechanics body
@@ -264,6 +311,35 @@ def _micro_step(model, rank: int, step: int = 0, micro: int = 0) -> torch.Tensor
     return loss.detach()
 
 
+def _recorded_micro_step(model: FSDP, rank: int) -> list[tuple[str, str]]:
+    """One micro-step, recording in order: every all-gather as torch.distributed receives it (the unit is
+    the one whose flat buffer is the output), the end of h.0's MLP forward, and the start of h.1's attention
+    backward (a hook on the gradient of its output). Marks come from hooks on submodules, not the FSDP
+    module's own bookkeeping."""
+    log: list[tuple[str, str]] = []
+    real = dist.all_gather_into_tensor
+
+    def all_gather(output, *args, **kwargs):
+        ptr = output.untyped_storage().data_ptr()
+        log.append(("all_gather", next((u.name for u in model.units if u.flat.untyped_storage().data_ptr() == ptr),
+                                       "other")))
+        return real(output, *args, **kwargs)
+
+    def mark_backward(module, args, output) -> None:  # returns None: the output is left as it is
+        output.register_hook(lambda grad: log.append(("backward_start", "transformer.h.1")))
+
+    h = model.module.transformer.h
+    handles = [h[0].mlp.register_forward_hook(lambda m, a, o: log.append(("forward_end", "transformer.h.0"))),
+               h[1].attn.register_forward_hook(mark_backward)]
+    try:
+        with mock.patch.object(dist, "all_gather_into_tensor", all_gather):
+            _micro_step(model, rank)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return log
+
+
 def _mechanics_body(rank: int, world_size: int) -> dict:
     out: dict = {"rank": rank}
     eager = _eager_gpt()
@@ -287,22 +363,26 @@ def _mechanics_body(rank: int, world_size: int) -> dict:
     out["pieces_match"] = list(pieces) == list(ref_sd) and all(
         p.shape == ref_sd[k].shape and torch.equal(p.flat, ref_sd[k].reshape(-1)[p.offset:][:p.flat.numel()])
         for k, p in pieces.items())
-    covered = torch.tensor([p.flat.numel() for p in pieces.values()])
-    dist.all_reduce(covered)
-    out["pieces_cover"] = covered.tolist() == [ref_sd[k].numel() for k in pieces]
+    out["pieces_intervals"] = _intervals({k: (p.offset, p.flat.numel()) for k, p in pieces.items()})
+    out["pieces_numel"] = {k: ref_sd[k].numel() for k in pieces}
 
     # One micro-step: communication, prefetch order, storage between uses.
     comm.COUNTER.reset()
-    _micro_step(model, rank)
+    out["calls_prefetch"] = _recorded_micro_step(model, rank)
     out["comm"] = comm.COUNTER.snapshot()
     out["comm_expected"] = model.comm_bytes_per_micro_step()
     out["padded"] = [(u.numel, u.padded) for u in model.units]
-    out["events_prefetch"] = list(model.events)
     opt = torch.optim.AdamW(model.param_groups(WD), lr=LR)
     _micro_step(model, rank, micro=1)
     model.clip_grad_norm_(MAX_NORM)
     opt.step()
     out["state_bytes"] = model.state_bytes(opt)
+    # the same, counted here from every tensor the model and optimizer hold (views of one storage once)
+    attrs = _original_attrs(model)
+    out["state_bytes_measured"] = _storage_bytes(
+        [t for u in model.units for t in (u.shard, u.flat, u.flat.grad, u.acc_grad)]
+        + [t for p in model.parameters() for t in (p, p.grad)] + list(attrs.values())
+        + [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])
     out["unit_bytes"] = 16 * max(u.numel for u in model.units)  # fp32 param + grad + 2 AdamW moments
     attrs = _original_attrs(model)
     out["attrs_meta"] = all(t.is_meta for t in attrs.values())
@@ -325,8 +405,7 @@ def _mechanics_body(rank: int, world_size: int) -> dict:
 
     # Prefetch off: the next unit's all-gather comes only when it is needed.
     model = FSDP(_eager_gpt(), prefetch=False)
-    _micro_step(model, rank)
-    out["events_no_prefetch"] = list(model.events)
+    out["calls_no_prefetch"] = _recorded_micro_step(model, rank)
 
     # ZeRO-2 style (keep gathered until backward): one all-gather per micro-step, same numbers.
     losses = {}
@@ -363,10 +442,6 @@ def _mechanics_body(rank: int, world_size: int) -> dict:
     return out
 
 
-def _index(events, what: str, unit: str, phase: str) -> int:
-    return events.index((what, unit, phase))
-
-
 class TestFSDPMechanics(unittest.TestCase):
     """Memory, communication, prefetch order and state dicts, measured on 2 gloo ranks."""
 
@@ -377,16 +452,20 @@ class TestFSDPMechanics(unittest.TestCase):
     def test_full_state_dict_reassembles_unsharded_model(self):
         for r in self.results:
             self.assertTrue(r["pieces_match"])
-            self.assertTrue(r["pieces_cover"])
+            for name, intervals in r["pieces_intervals"].items():  # the ranks' pieces tile each parameter
+                self.assertTrue(tiles(intervals, r["pieces_numel"][name]), f"{name}: {intervals}")
             if r["rank"] == 0:
                 self.assertTrue(r["full_sd_equal"])
                 self.assertTrue(r["roundtrip"])
 
     def test_state_bytes_at_most_one_nth_plus_one_unit(self):
+        """Measured from the storages the model and optimizer hold (not the module's own count, which must
+        agree with it): within one unit's 16 bytes/element of 1/N of the unsharded state."""
         for r in self.results:
             bound = r["ref_state_bytes"] / WORLD + r["unit_bytes"]
-            self.assertLessEqual(r["state_bytes"], bound)
-            self.assertGreaterEqual(r["state_bytes"], r["ref_state_bytes"] / WORLD - r["unit_bytes"])
+            self.assertLessEqual(r["state_bytes_measured"], bound)
+            self.assertGreaterEqual(r["state_bytes_measured"], r["ref_state_bytes"] / WORLD - r["unit_bytes"])
+            self.assertEqual(r["state_bytes"], r["state_bytes_measured"])
 
     def test_only_shards_hold_storage_between_uses(self):
         for r in self.results:
@@ -410,19 +489,21 @@ class TestFSDPMechanics(unittest.TestCase):
             self.assertLess(sum(padded) - sum(numel), WORLD * len(padded))
 
     def test_prefetch_is_issued_before_current_unit_finishes(self):
+        """The all-gather calls themselves (recorded at torch.distributed): with prefetch, h.1's is issued
+        before h.0's MLP has run, and h.0's backward re-gather before h.1's attention backward starts; without
+        prefetch each comes only after. Root once, each Block twice (forward, backward) per micro-step."""
         for r in self.results:
-            ev = r["events_prefetch"]
-            # forward: h.1's all-gather is issued before h.0's forward ends
-            self.assertLess(_index(ev, "all_gather", "transformer.h.1", "forward"),
-                            _index(ev, "forward_end", "transformer.h.0", "forward"))
-            # backward: h.0's all-gather is issued before h.1's backward ends
-            self.assertLess(_index(ev, "all_gather", "transformer.h.0", "backward"),
-                            _index(ev, "backward_end", "transformer.h.1", "backward"))
-            ev = r["events_no_prefetch"]
-            self.assertGreater(_index(ev, "all_gather", "transformer.h.1", "forward"),
-                               _index(ev, "forward_end", "transformer.h.0", "forward"))
-            self.assertGreater(_index(ev, "all_gather", "transformer.h.0", "backward"),
-                               _index(ev, "backward_end", "transformer.h.1", "backward"))
+            for key, prefetch in (("calls_prefetch", True), ("calls_no_prefetch", False)):
+                log = r[key]
+                gathers = [u for what, u in log if what == "all_gather"]
+                self.assertEqual(sorted(gathers), sorted(["root"] + 2 * [f"transformer.h.{i}" for i in range(CFG.n_layer)]),
+                                 log)
+                h1_forward = log.index(("all_gather", "transformer.h.1"))
+                h0_backward = len(log) - 1 - log[::-1].index(("all_gather", "transformer.h.0"))
+                mlp_end = log.index(("forward_end", "transformer.h.0"))
+                attn_bwd = log.index(("backward_start", "transformer.h.1"))
+                self.assertEqual(h1_forward < mlp_end, prefetch, f"{key}: {log}")
+                self.assertEqual(h0_backward < attn_bwd, prefetch, f"{key}: {log}")
 
     def test_reshard_after_forward_off_gathers_once(self):
         for r in self.results:

@@ -33,6 +33,10 @@ WORLD, B, T, SEED = 2, 2, 32, 1337
 STEPS, LR, MAX_NORM = 3, 1e-3, 0.5
 LAYOUTS = [(lp, sp) for lp in (False, True) for sp in (False, True)]  # (loss_parallel, sequence_parallel)
 NOISE = "attn.c_k.bias"  # gradient zero in exact arithmetic (see module docstring)
+# TP vs one process, at most this many times one process (fp32) vs itself in fp64: two fp32 runs, each about
+# 1x from the exact result, differ by up to ~2x; measured 0.5-1.0x here (2026-11, torch 2.13 CPU); 2x margin.
+ROUNDING_FACTOR = 4
+EPS32 = torch.finfo(torch.float32).eps
 
 
 def _batch(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +161,10 @@ def _one_process_body(rank: int, world_size: int) -> dict:
     ref_model = _eager()
     out["ref_train"] = _train(ref_model, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM))
     ref_params = {n: p.detach() for n, p in ref_model.named_parameters()}
+    # The yardstick for "float rounding": how far this float32 run is from the same run in float64.
+    ref64 = _eager().double()
+    out["ref64_train"] = _train(ref64, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM))
+    out["fp32_vs_fp64"] = _norm_errors(ref_params, {n: p.detach() for n, p in ref64.named_parameters()})
 
     # 1. Loss and re-assembled gradients; comm bytes against the formula; a few AdamW steps.
     for lp, sp in LAYOUTS:
@@ -269,21 +277,28 @@ class TestTPMatchesOneProcess(unittest.TestCase):
                 self.assertLessEqual(m["grad_rel"][worst], 1e-5, f"{layout}: {worst}")
 
     def test_params_match_one_process_after_adamw_steps(self):
-        # Losses and clipped grad norms within 1e-5; weights within 1e-6 as a whole (||a - b|| / ||b||) and
-        # 1e-4 per tensor. AdamW divides by sqrt(v), so a gradient element that is itself near rounding
-        # noise moves by a visible part of lr: one process alone, with its batch split in two micro-batches,
-        # differs from itself by 5e-6 (norm) / 6e-5 (max) in h.0.attn.c_proj.weight after these 3 steps.
+        """After 3 clipped AdamW steps, TP differs from one process by no more than ROUNDING_FACTOR times
+        what float32 rounding alone does to the one-process run (its distance from the same run in float64),
+        measured here: for losses and clipped norms, for the weights as a whole (||a - b|| / ||b||) and for
+        the worst tensor. (AdamW divides by sqrt(v), so rounding noise in a near-zero gradient moves a weight
+        by a visible part of lr; the float64 run shows how much that is for this model and these steps.)"""
         for r in self.results:
             ref_losses, ref_norms = r["ref_train"]
+            losses64, norms64 = r["ref64_train"]
+            self.assertTrue(all(n > MAX_NORM for n in ref_norms), f"clipping never acted: {ref_norms}")
+            scalar_base = max(_rel(a, b) for a, b in zip(ref_losses + ref_norms, losses64 + norms64))
+            base = dict(r["fp32_vs_fp64"])
+            base_all = base.pop("all")
+            base_worst = max(base.values())
+            self.assertGreater(base_all, 0)  # the yardstick is not degenerate
             for layout in LAYOUTS:
                 losses, norms = r[layout]["train"]
-                self.assertTrue(all(n > MAX_NORM for n in ref_norms), f"clipping never acted: {ref_norms}")
                 for a, b in zip(losses + norms, ref_losses + ref_norms):
-                    self.assertLessEqual(_rel(a, b), 1e-5, layout)
-                rel = r[layout]["param_rel"]
-                self.assertLessEqual(rel.pop("all"), 1e-6, layout)
+                    self.assertLessEqual(_rel(a, b), ROUNDING_FACTOR * max(scalar_base, EPS32), layout)
+                rel = dict(r[layout]["param_rel"])
+                self.assertLessEqual(rel.pop("all"), ROUNDING_FACTOR * base_all, layout)
                 worst = max(rel, key=rel.get)
-                self.assertLessEqual(rel[worst], 1e-4, f"{layout}: {worst}")
+                self.assertLessEqual(rel[worst], ROUNDING_FACTOR * base_worst, f"{layout}: {worst}")
 
     def test_shards_are_marked_and_names_kept(self):
         # Column-parallel weights and biases by rows (dim 0), row-parallel weights by columns (dim 1), the
