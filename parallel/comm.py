@@ -46,8 +46,9 @@ class CommCounter:
 
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up on torch.distributed at each call (so a test can record what torch receives).
+ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 COUNTER = CommCounter()  # one per process: every wrapper's traffic adds up in the same place
 
@@ -84,7 +85,7 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: dis
         output.copy_(shard.view_as(output))
         return None
     COUNTER.add("all_gather", _nbytes(output))
-    return _all_gather(output, shard, group=group, async_op=async_op)
+    return getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -94,7 +95,7 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.
         output.copy_(full.view_as(output))
         return None
     COUNTER.add("reduce_scatter", _nbytes(full))
-    return _reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return getattr(dist, REDUCE_SCATTER)(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -317,7 +317,7 @@ def _recorded_micro_step(model: FSDP, rank: int) -> list[tuple[str, str]]:
     backward (a hook on the gradient of its output). Marks come from hooks on submodules, not the FSDP
     module's own bookkeeping."""
     log: list[tuple[str, str]] = []
-    real = dist.all_gather_into_tensor
+    real = getattr(dist, comm.ALL_GATHER)
 
     def all_gather(output, *args, **kwargs):
         ptr = output.untyped_storage().data_ptr()
@@ -332,7 +332,7 @@ def _recorded_micro_step(model: FSDP, rank: int) -> list[tuple[str, str]]:
     handles = [h[0].mlp.register_forward_hook(lambda m, a, o: log.append(("forward_end", "transformer.h.0"))),
                h[1].attn.register_forward_hook(mark_backward)]
     try:
-        with mock.patch.object(dist, "all_gather_into_tensor", all_gather):
+        with mock.patch.object(dist, comm.ALL_GATHER, all_gather):
             _micro_step(model, rank)
     finally:
         for handle in handles:
