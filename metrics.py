@@ -19,8 +19,10 @@ import os
 import resource
 import sys
 import time
+from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import GPTConfig
 from parallel.comm import local
@@ -120,6 +122,22 @@ def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+class LargestTensor(TorchDispatchMode):
+    """While active, records the most elements of any tensor an op returns that `keep` accepts (default: any
+    real, non-meta tensor), e.g. the largest index a checkpoint builds or the largest TP allocation."""
+
+    def __init__(self, keep: Callable[[torch.Tensor], bool] = lambda t: not t.is_meta):
+        super().__init__()
+        self.keep, self.numel = keep, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and self.keep(t):
+                self.numel = max(self.numel, t.numel())
+        return out
 
 
 def read_jsonl(out_dir_or_file: str) -> list[dict]:

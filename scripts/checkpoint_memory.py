@@ -11,7 +11,7 @@ Each is measured as the rise of the kernel's peak RSS (VmHWM, reset through /pro
 before) above the RSS before it, i.e. the extra memory the operation needs on top of the model, gradients
 and optimizer state (with glibc told to return freed blocks, so the numbers do not depend on what earlier
 steps left in the heap). Loading counts the checkpoint's memory-mapped pages it touches. "int64" is the
-largest int64 tensor any torch op created meanwhile (indices, runs), recorded by a TorchDispatchMode.
+largest int64 tensor any torch op created meanwhile (indices, runs), recorded by metrics.LargestTensor.
 Linux (glibc) only.
 """
 from __future__ import annotations
@@ -23,10 +23,11 @@ import sys
 import tempfile
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from metrics import LargestTensor  # noqa: E402
 
 LAYOUTS = {  # name: (ranks, train.py flags)
     "single": (1, []),
@@ -48,21 +49,6 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-class LargestInt64(TorchDispatchMode):
-    """Records the largest int64 tensor (in elements) that any op returns while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.dtype == torch.int64:
-                self.numel = max(self.numel, t.numel())
-        return out
-
-
 def _exact_rss() -> None:
     """Make RSS follow allocations: blocks of 128 KiB and more are mmap'd and unmapped when freed (glibc's
     adaptive threshold would keep them in the heap), and free heap memory is handed back now. Without
@@ -78,7 +64,7 @@ def measure(fn) -> dict:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     before = _status("VmRSS")
-    with LargestInt64() as mode:
+    with LargestTensor(lambda t: t.dtype == torch.int64) as mode:
         fn()
     return {"peak": _status("VmHWM") - before, "int64": mode.numel * 8}
 

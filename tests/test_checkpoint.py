@@ -26,11 +26,16 @@ import unittest.mock
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
+from metrics import LargestTensor
 from metrics import read_jsonl as read_metrics
 from tests.harness import free_port, launch, make_token_bins, rank0_only, spawn, train_losses, under_torchrun
+
+
+def _is_int64(t: torch.Tensor) -> bool:
+    return t.dtype == torch.int64
+
 
 STEPS, KILL, EVERY = 6, 4, 2
 BASE = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256",
@@ -383,21 +388,6 @@ class TestFormat(unittest.TestCase):
                 checkpoint.consolidate(d)
 
 
-class _LargestInt64(TorchDispatchMode):
-    """Records the largest int64 tensor (in elements) any op returns while active: indices and runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.dtype == torch.int64:
-                self.numel = max(self.numel, t.numel())
-        return out
-
-
 def _fake_group(rank: int, world: int) -> None:
     """A process group of `world` ranks in which this process is `rank` and collectives do nothing."""
     import torch.distributed as dist
@@ -481,7 +471,7 @@ class TestIndexMemory(unittest.TestCase):
         source = GPT(config)
         adam = torch.optim.AdamW(source.parameters())
         extra = {"config": {"model": dataclasses.asdict(config), "train": {}}, "layout": {"world_size": 1}}
-        with tempfile.TemporaryDirectory() as d, _LargestInt64() as one_process:
+        with tempfile.TemporaryDirectory() as d, LargestTensor(_is_int64) as one_process:
             path = checkpoint.save(d, 1, entries_for(list(source.named_parameters()), adam), adam, extra,
                                    rank=0, world_size=1, keep=2)
             self.assertLessEqual(one_process.numel, 16)  # one run per parameter
@@ -492,14 +482,14 @@ class TestIndexMemory(unittest.TestCase):
                 optimizer = torch.optim.AdamW(fsdp.param_groups(0.1))
                 held = max(e.numel for e in entries_for_fsdp(fsdp, optimizer, {}, 0, 1))
                 self.assertGreater(held, 300_000)
-                with unittest.mock.patch.object(checkpoint, "_INDEX_CHUNK", 1024), _LargestInt64() as load:
+                with unittest.mock.patch.object(checkpoint, "_INDEX_CHUNK", 1024), LargestTensor(_is_int64) as load:
                     checkpoint.load(path, entries_for_fsdp(fsdp, optimizer, {}, 0, 1), optimizer, rank=3,
                                     world_size=8)
                 for name, piece in fsdp.sharded_state_dict().items():  # the right elements arrived
                     want = source.get_parameter(name).detach().reshape(-1)[piece.offset:]
                     self.assertTrue(torch.equal(piece.flat, want[:piece.flat.numel()]), name)
                 os.makedirs(checkpoint.step_dir(d, 2) + ".tmp-saving")  # rank 0's part of the save
-                with _LargestInt64() as save:
+                with LargestTensor(_is_int64) as save:
                     checkpoint.save(d, 2, entries_for_fsdp(fsdp, optimizer, {}, 0, 1), optimizer, {}, rank=3,
                                     world_size=8, keep=2)
             finally:

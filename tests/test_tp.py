@@ -18,8 +18,8 @@ import unittest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from metrics import LargestTensor
 from model import GPT, GPTConfig, init_parameter, param_groups
 from parallel import comm
 from parallel.grads import clip_grad_norm_
@@ -134,21 +134,6 @@ def _saved_bytes(model: GPT) -> tuple[int, int]:
     return sum(seen.values()), sum(seen[p] for p in ln_ptrs)
 
 
-class _LargestAllocation(TorchDispatchMode):
-    """The most elements of any real (non-meta) tensor an op produced while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                self.numel = max(self.numel, t.numel())
-        return out
-
-
 # ------------------------------------------------------------------------------------- bodies
 
 def _one_process_body(rank: int, world_size: int) -> dict:
@@ -198,7 +183,7 @@ def _one_process_body(rank: int, world_size: int) -> dict:
     # 4. Deferred init: a meta GPT gets only this rank's shards, equal to slices of eager init bit for bit.
     with torch.device("meta"):
         lazy = GPT(CFG)
-    with _LargestAllocation() as spy:
+    with LargestTensor() as spy:
         apply_tensor_parallel(lazy, group, False, True, seed=SEED)
     eager_sharded = _tp(False, True)
     eager_full = dict(_eager().named_parameters())
