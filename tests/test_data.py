@@ -503,6 +503,24 @@ class TestShakespeare(TmpDirTest):
         self.assertTrue(val_text.rstrip().endswith("[Exeunt.]"))
         self.assertEqual(self.listdir(self.tmp), ["train.bin", "val.bin"])
 
+    def test_ensure_prepared_leader_prepares_once_others_wait(self):
+        """train.py's on-demand prepare: the leader runs main() only when bins are missing; a follower never
+        prepares, returns once both bins exist, and gives up (False) after its wait."""
+        import threading
+        calls = []
+        fake_main = lambda argv: calls.append(argv) or write_token_bins(  # noqa: E731
+            self.tmp, {"train": (3, [[1, 2, 3]]), "val": (2, [[4, 5]])}) and 0
+        with mock.patch.object(shakespeare, "main", fake_main), redirect_stdout(io.StringIO()):
+            self.assertFalse(shakespeare.ensure_prepared(self.tmp, leader=False, wait_s=0.2))
+            self.assertEqual(calls, [])
+            timer = threading.Timer(0.3, shakespeare.ensure_prepared, (self.tmp, True))
+            timer.start()
+            self.assertTrue(shakespeare.ensure_prepared(self.tmp, leader=False, wait_s=30))
+            timer.join()
+            self.assertEqual(calls, [["--out_dir", str(self.tmp)]])
+            self.assertTrue(shakespeare.ensure_prepared(self.tmp, leader=True))  # present: not prepared again
+            self.assertEqual(len(calls), 1)
+
     def test_cli_help(self):
         proc = run_script("data/shakespeare/prepare.py", "--help")
         self.assertEqual(proc.returncode, 0, proc.stderr)
