@@ -3,7 +3,7 @@
 In-process ranks: `run_distributed(fn, N)` runs a test body on N distributed ranks, whichever way the
 test suite was launched. Test bodies build CPU models, so their group is always gloo on the CPU, on a
 GPU machine too.
-- Under `torchrun --nproc_per_node=N -m unittest tests/test_x.py` (the seed's way),
+- Under `torchrun --nproc_per_node=N -m unittest tests/test_x.py` (how the suite runs on GPU nodes),
   `run_distributed(fn, N)` joins the torchrun group and calls fn on every rank in-process.
 - Under plain pytest (CI, CPU only) it spawns N fresh processes that form a gloo group on a free
   loopback port, runs fn on each, and re-raises the first failure with its traceback. A rank that dies
