@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import checkpoint
 import faults
@@ -62,8 +63,7 @@ def build(plan: Plan) -> Trainer:
         model = GPT(plan.config)
         model.init_weights(args.seed, plan.device)
     par = parallelize(model, mesh, plan.dims, plan.par, plan.device)
-    fused = plan.device.type == "cuda" and not any(isinstance(p, torch.distributed.tensor.DTensor)
-                                                   for p in par.model.parameters())
+    fused = plan.device.type == "cuda" and not any(isinstance(p, DTensor) for p in par.model.parameters())
     optimizer = torch.optim.AdamW(par.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                                   fused=fused or None)
     scaler = AgreeingGradScaler(plan.device.type) if plan.dtype == torch.float16 else None
