@@ -35,11 +35,12 @@ import torch
 
 from bench.matrix import LAYOUTS, Layout, Setup, fit_heads, matrix
 from bench import report, runner
+from config import Parser, UsageError, error_line
 from model import GPT, make_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m bench", description=__doc__.splitlines()[0])
     a = p.add_argument
     a("--out", default="out/bench", help="directory for bench.json, bench.md, plots and runs/")
     a("--quick", action="store_true", help="tiny model, few steps: a few minutes on 2 CPU cores")
@@ -108,7 +109,11 @@ def ensure_dataset(requested: str, out: str, vocab_size: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as e:
+        error_line("bench", e)
+        return 2
     if args.section:
         with open(os.path.join(args.section, "bench.json")) as f:
             rows = json.load(f)
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     nproc = args.nproc or (machine["count"] if gpu else 2)
     layouts = matrix(nproc, gpu, args.include_2d, args.layouts.split(",") if args.layouts else None)
     if not layouts:
-        print("bench: no layout left to run", file=sys.stderr)
+        error_line("bench", "no layout left to run")
         return 2
     peak = args.peak_flops or machine["peak_flops"]
     setup = make_setup(args, machine, nproc, layouts, peak)

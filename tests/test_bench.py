@@ -244,6 +244,19 @@ class TestMarkdown(unittest.TestCase):
         self.assertEqual(report.pair_ratios(self.rows)[0]["ratio"], 1.5)
 
 
+class TestBadInput(unittest.TestCase):
+    def test_one_line_and_exit_2(self):
+        for argv, message in ((["--layouts", "nope"], "unknown layouts ['nope']"),
+                              (["--repeats", "0"], "--repeats and --steps must be >= 1"),
+                              (["--no_such_flag"], "unrecognized arguments: --no_such_flag")):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                self.assertEqual(cli.main(argv), 2, argv)
+            self.assertEqual(err.getvalue().count("\n"), 1, err.getvalue())
+            self.assertTrue(err.getvalue().startswith("bench: error: "), err.getvalue())
+            self.assertIn(message, err.getvalue())
+
+
 class TestRunner(unittest.TestCase):
     """The matrix goes on past a layout that fails, raises or times out; rows record why."""
 
