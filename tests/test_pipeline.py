@@ -69,7 +69,15 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
     for n, p in stage.named_parameters():
         ref = ref_grads["transformer.wte.weight" if n == "lm_head.weight" else n]
         grads[n] = rel(p.grad, ref)
+    # the global norm counts the tied matrix once; clipping scales the lm_head copy like wte
+    ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm()  # GPT lists the tied matrix once
+    max_norm = 0.5 * ref_norm.item()
+    norm = runner.clip_grad_norm_(max_norm)
+    coef = max_norm / (ref_norm + 1e-6)
+    clipped = {n: rel(p.grad, coef * ref_grads["transformer.wte.weight" if n == "lm_head.weight" else n])
+               for n, p in stage.named_parameters()}
     return {"loss": loss.item(), "grads": grads, "p2p": p2p, "peak": runner.peak_in_flight,
+            "norm": rel(norm, ref_norm), "clipped": clipped,
             "p2p_theory": p2p_bytes_per_step(world, virtual, rank, m, (MB, T, cfg.n_embd)),
             "timeline": len(runner.timeline)}
 
@@ -142,6 +150,13 @@ class PipelineMatchesOneProcess(unittest.TestCase):
                     names |= set(r["grads"])
                 cfg = config(case[1])
                 self.assertEqual(names, {n for n, _ in GPT(cfg).named_parameters()} | {"lm_head.weight"})
+
+    def test_grad_norm_counts_tied_matrix_once_and_clip_scales_both_copies(self):
+        for world, case, per_rank in self.each():
+            with self.subTest(pp=world, case=case):
+                self.assertTrue(all(r["norm"] < 1e-6 for r in per_rank), [r["norm"] for r in per_rank])
+                bad = {n: e for r in per_rank for n, e in r["clipped"].items() if not e < 1e-6}
+                self.assertEqual(bad, {})
 
     def test_p2p_bytes_equal_theory(self):
         for world, (name, n_layer, v, m), per_rank in self.each():
