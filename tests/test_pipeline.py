@@ -8,7 +8,8 @@ use) across two ranks, where one process adds both uses micro-batch by micro-bat
 over a handful of terms errs by a few ulps (~1e-7 relative), so 1e-6 leaves margin and still catches any
 missing, doubled or misscaled micro-batch (errors of order 1/M).
 
-p2p bytes (theory): with C = P·V chunks there are C-1 chunk boundaries, all across ranks when P > 1; each
+p2p bytes (theory): with C = P·V chunks there are C-1 chunk boundaries, all across ranks when P > 1 (none
+when P = 1: chunks then hand over in memory); each
 moves M activations (mb, T, n_embd) forward and M gradients of the same shape backward, fp32:
 total = 2·(C-1)·M·mb·T·n_embd·4 bytes, and per rank `p2p_bytes_per_step`.
 """
@@ -21,6 +22,7 @@ import torch
 from model import GPT, make_config
 from parallel import comm
 from parallel.pipeline import PipelineRunner, PipelineStage, p2p_bytes_per_step
+from parallel.pipeline_schedule import SCHEDULES, chunk_of, split_layers
 from tests.harness import run_distributed
 
 SEED, MB, T = 0, 2, 16
@@ -107,11 +109,11 @@ def deferred_init(rank: int, world: int, n_layer: int, virtual: int) -> dict:
 
 CASES_2 = [(name, n_layer, v, m) for name, n_layer, v in (("gpipe", 2, 1), ("1f1b", 2, 1),
                                                           ("interleaved_1f1b", 4, 2)) for m in (2, 4)]
+CASES_1 = [("1f1b", 2, 1, 2), ("interleaved_1f1b", 4, 2, 2)]  # P = 1: chunks hand over locally, lm_head tied
 CASES_4 = [("1f1b", 4, 1, m) for m in (4, 8)] + [("gpipe", 4, 1, 8)]
 
 
 def expected_names(cfg, rank: int, pp: int, virtual: int) -> set[str]:
-    from parallel.pipeline_schedule import chunk_of, split_layers
     layers = split_layers(cfg.n_layer, pp, virtual)
     chunks = [chunk_of(rank, v, pp) for v in range(virtual)]
     names = {n for n, _ in GPT(cfg).named_parameters() if n.startswith("transformer.h.")
@@ -126,10 +128,10 @@ def expected_names(cfg, rank: int, pp: int, virtual: int) -> set[str]:
 class PipelineMatchesOneProcess(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.res = {2: run_distributed(check_cases, 2, CASES_2), 4: run_distributed(check_cases, 4, CASES_4)}
+        cls.res = {p: run_distributed(check_cases, p, cases) for p, cases in ((1, CASES_1), (2, CASES_2), (4, CASES_4))}
 
     def each(self):
-        for world, cases in ((2, CASES_2), (4, CASES_4)):
+        for world, cases in ((1, CASES_1), (2, CASES_2), (4, CASES_4)):
             for case in cases:
                 yield world, case, [r[case] for r in self.res[world]]
 
@@ -149,7 +151,8 @@ class PipelineMatchesOneProcess(unittest.TestCase):
                     self.assertEqual(bad, {})
                     names |= set(r["grads"])
                 cfg = config(case[1])
-                self.assertEqual(names, {n for n, _ in GPT(cfg).named_parameters()} | {"lm_head.weight"})
+                tied_copy = {"lm_head.weight"} if world > 1 else set()
+                self.assertEqual(names, {n for n, _ in GPT(cfg).named_parameters()} | tied_copy)
 
     def test_grad_norm_counts_tied_matrix_once_and_clip_scales_both_copies(self):
         for world, case, per_rank in self.each():
@@ -162,7 +165,8 @@ class PipelineMatchesOneProcess(unittest.TestCase):
         for world, (name, n_layer, v, m), per_rank in self.each():
             with self.subTest(pp=world, case=(name, n_layer, v, m)):
                 act = MB * T * config(n_layer).n_embd * 4
-                self.assertEqual(sum(r["p2p"] for r in per_rank), 2 * (world * v - 1) * m * act)
+                boundaries = world * v - 1 if world > 1 else 0  # P = 1: every boundary is local
+                self.assertEqual(sum(r["p2p"] for r in per_rank), 2 * boundaries * m * act)
                 self.assertEqual([r["p2p"] for r in per_rank], [r["p2p_theory"] for r in per_rank])
 
     def test_stored_activations_1f1b_at_most_p_minus_rank_gpipe_m(self):
@@ -178,7 +182,6 @@ class PipelineMatchesOneProcess(unittest.TestCase):
                     self.assertEqual(peaks, [m] * world)
 
     def test_timeline_has_one_entry_per_action(self):
-        from parallel.pipeline_schedule import SCHEDULES
         for world, (name, n_layer, v, m), per_rank in self.each():
             lists = SCHEDULES[name](world, m, v)
             self.assertEqual([r["timeline"] for r in per_rank], [len(a) for a in lists])
