@@ -4,7 +4,9 @@ The counter records payload bytes per kind, per call:
 - all_reduce: the tensor's bytes;
 - all_gather: the bytes of the gathered (full) output;
 - reduce_scatter: the bytes of the (full) input;
-- broadcast: the tensor's bytes.
+- broadcast: the tensor's bytes;
+- p2p: the bytes of each tensor sent point-to-point (`send`; `recv` adds nothing, so summed over ranks
+  every message counts once).
 Each wrapper's theory is written in these sizes, beside its code: `ddp_comm_bytes_per_step` (parallel/ddp.py),
 the FSDP formula in parallel/fsdp.py (2 all-gathers of each Block and 1 of the root, and 1 reduce-scatter
 of everything, per micro-step), `tp_comm_bytes_per_micro_step` (parallel/tensor_parallel.py). Backend
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 
 
 class CommCounter:
@@ -38,10 +40,11 @@ class CommCounter:
         self.bytes = defaultdict(int)
 
     def snapshot(self) -> dict[str, int]:
-        """{kind: bytes} for all_reduce, all_gather and reduce_scatter (and broadcast if any)."""
+        """{kind: bytes} for all_reduce, all_gather and reduce_scatter (and broadcast, p2p if any)."""
         out = {k: int(self.bytes.get(k, 0)) for k in KINDS[:3]}
-        if self.bytes.get("broadcast"):
-            out["broadcast"] = int(self.bytes["broadcast"])
+        for k in KINDS[3:]:
+            if self.bytes.get(k):
+                out[k] = int(self.bytes[k])
         return out
 
 
@@ -114,3 +117,22 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
         return
     COUNTER.add("broadcast", _nbytes(tensor))
     dist.broadcast(tensor, src=src, group=group)
+
+
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> dist.Work:
+    """Post a non-blocking send of `tensor` to `dst` (a rank of `group`); returns the work handle to wait.
+
+    Plain isend, not batch_isend_irecv (which can hang on gloo). gloo matches the k-th send from a to b
+    with the k-th receive on b from a, so both sides must post a pair's messages in the same order."""
+    COUNTER.add("p2p", _nbytes(tensor))
+    return dist.isend(tensor, dst=_global(dst, group), group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> dist.Work:
+    """Post a non-blocking receive into `tensor` from `src` (a rank of `group`); returns the work handle.
+    Not counted: the sender counts the message."""
+    return dist.irecv(tensor, src=_global(src, group), group=group)
+
+
+def _global(rank: int, group: dist.ProcessGroup | None) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)

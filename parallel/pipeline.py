@@ -1,0 +1,260 @@
+"""Pipeline parallelism at run time: a GPT cut into stages, and a runner that executes a schedule's actions.
+
+Schedules (which compute runs when, and every SEND/RECV) come from parallel/pipeline_schedule.py as per-rank
+action lists; this module only executes them.
+
+- `PipelineStage`: the part of a GPT that pp rank r of P keeps, for V virtual chunks per rank: the Blocks of
+  chunks r, r+P, ... (`split_layers`, `chunk_of`), plus wte/wpe on chunk 0's rank and ln_f/lm_head on the
+  last chunk's rank. Parameter names stay the GPT's (transformer.h.3.attn.c_q.weight), so optimizer groups and
+  checkpoints map by name.
+- Tied embedding (Megatron's rule): with P > 1 the last stage holds its own copy of the embedding matrix,
+  `lm_head.weight`, initialised under the name transformer.wte.weight, so it starts equal to wte. After each
+  backward `PipelineRunner.reduce_tied_grads` all-reduces (SUM) the two gradients over the two-rank embedding
+  group [first rank, last rank]; both then hold the one-process gradient of the tied matrix, and with the
+  same optimizer step the copies stay equal. With P == 1 lm_head is tied to wte as in GPT.
+- `PipelineRunner.step`: forward and backward of M micro-batches by the named schedule. Communication:
+  point-to-point only (comm.send / comm.recv, counted as "p2p"): per micro-batch and stage boundary one
+  activation (mb, T, C) forward and its gradient backward. Shapes are known to both sides, so there is no
+  shape handshake.
+
+Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` (or grads.clip_grad_norm_ over
+`norm_items()` plus scaling the copy yourself) -> optimizer step.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from model import GPT, materialize_module
+from parallel import comm
+from parallel.grads import clip_grad_norm_
+from parallel.pipeline_schedule import (B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, chunk_of, rank_of,
+                                        split_layers)
+
+
+class PipelineStage(nn.Module):
+    """Pipeline rank `rank` of `pp` with `virtual` chunks: stores only its own chunks' parameters.
+
+    Built from a GPT on meta (then `materialize(seed)` allocates and inits exactly this stage's parameters,
+    by name, as GPT.init_weights would) or from an initialised GPT (the stage shares its modules; the
+    lm_head copy is a clone of wte). Holds no reference to the GPT: other stages' modules are not kept.
+    """
+
+    def __init__(self, model: GPT, rank: int, pp: int, virtual: int = 1):
+        super().__init__()
+        self.config, self.rank, self.pp, self.virtual = model.config, rank, pp, virtual
+        self.n_chunks = pp * virtual
+        self.layers = split_layers(model.config.n_layer, pp, virtual)
+        self.chunks = [chunk_of(rank, v, pp) for v in range(virtual)]  # this rank's global chunk indices
+        self.first, self.last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
+        t = model.transformer
+        self.transformer = nn.ModuleDict()
+        if self.first:
+            self.transformer["wte"], self.transformer["wpe"], self.transformer["drop"] = t.wte, t.wpe, t.drop
+        # a ModuleDict keyed by the global Block index keeps the names transformer.h.<i>.*
+        self.transformer["h"] = nn.ModuleDict({str(i): t.h[i] for c in self.chunks for i in self.layers[c]})
+        if self.last:
+            self.transformer["ln_f"] = t.ln_f
+            if pp == 1:
+                self.lm_head = model.lm_head  # tied to wte, as in GPT
+            else:
+                w = model.transformer.wte.weight
+                self.lm_head = nn.Linear(self.config.n_embd, self.config.vocab_size, bias=False,
+                                         device=w.device, dtype=w.dtype)
+                if not w.is_meta:
+                    with torch.no_grad():
+                        self.lm_head.weight.copy_(w)
+        self.loss_fn = model.loss_fn
+
+    def init_units(self) -> list[tuple[str, nn.Module]]:
+        """(GPT name, module) pairs that together own each of this stage's parameters once."""
+        t = self.transformer
+        units = [("transformer.wte", t.wte), ("transformer.wpe", t.wpe)] if self.first else []
+        units += [(f"transformer.h.{i}", b) for i, b in t.h.items()]
+        if self.last:
+            units.append(("transformer.ln_f", t.ln_f))
+            if self.pp > 1:
+                units.append(("lm_head", self.lm_head))  # materialize_module inits it as transformer.wte.weight
+        return units
+
+    def materialize(self, seed: int, device: torch.device | str | None = None) -> None:
+        """Allocate and init this stage's parameters only, one unit at a time (values equal GPT's eager init)."""
+        for prefix, module in self.init_units():
+            materialize_module(module, prefix, self.config, seed, device)
+        if self.last and self.pp == 1:
+            self.lm_head.weight = self.transformer.wte.weight
+
+    def forward_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunk `chunk` on its input: token ids (B, T) for chunk 0, else the activation (B, T, C).
+        Returns the activation (B, T, C), or on the last chunk the mean cross-entropy against `targets`."""
+        t = self.transformer
+        if chunk == 0:
+            pos = torch.arange(x.shape[1], device=x.device)
+            x = t.drop(t.wte(x) + t.wpe(pos))  # (B, T, C)
+        for i in self.layers[chunk]:
+            x = t.h[str(i)](x)  # (B, T, C)
+        if chunk == self.n_chunks - 1:
+            logits = self.lm_head(t.ln_f(x))  # (B, T, V)
+            return self.loss_fn(logits, targets)
+        return x
+
+
+def embedding_group(pipelines: list[list[int]]) -> dist.ProcessGroup | None:
+    """The two-rank group [first, last] of this rank's pipeline (None if this rank is in neither end, or P==1).
+
+    `pipelines` lists every pipeline's global ranks in pp order; every rank of the world must call this with
+    the same list, because dist.new_group is collective over the whole world."""
+    mine = None
+    for ranks in pipelines:
+        if len(ranks) < 2:
+            continue
+        g = dist.new_group([ranks[0], ranks[-1]])
+        if dist.get_rank() in (ranks[0], ranks[-1]):
+            mine = g
+    return mine
+
+
+def p2p_bytes_per_step(pp: int, virtual: int, rank: int, micro: int, shape: tuple[int, ...],
+                       element_size: int = 4) -> int:
+    """Bytes rank `rank` sends per step (theory): every local chunk but the last sends each micro-batch's
+    activation forward, every local chunk but the first sends its input gradient backward."""
+    if pp == 1:
+        return 0
+    chunks = [chunk_of(rank, v, pp) for v in range(virtual)]
+    messages = sum(c < pp * virtual - 1 for c in chunks) + sum(c > 0 for c in chunks)
+    n = 1
+    for s in shape:
+        n *= s
+    return messages * micro * n * element_size
+
+
+class PipelineRunner:
+    """Runs one rank's action list of a schedule over its `PipelineStage`.
+
+    Stores, per micro-batch whose forward ran and whose backward has not: each chunk's input (a leaf) and
+    output (or scaled loss) with its graph; freed at that backward. Communicates point-to-point with the
+    neighbouring chunks' ranks in `group` (the pp group; None: the whole world) and, in `reduce_tied_grads`,
+    all-reduces the embedding gradient over `embed_group` (built here when the pipeline is the whole world;
+    otherwise pass `embedding_group(...)`'s result).
+
+    After a step: `timeline` is [(action, start, end)] in perf_counter seconds, one per action;
+    `peak_in_flight` is the most (chunk, micro) activations stored at once.
+    """
+
+    def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
+                 embed_group: dist.ProcessGroup | None = None, act_dtype: torch.dtype = torch.float32):
+        self.stage, self.group, self.act_dtype = stage, group, act_dtype
+        if comm.world(group) != stage.pp:
+            raise ValueError(f"pp group has {comm.world(group)} ranks, the stage was cut for pp={stage.pp}")
+        if embed_group is None and stage.pp > 1:
+            if comm.world(group) != dist.get_world_size():
+                raise ValueError("the pp group is not the whole world: pass embed_group=embedding_group(...)")
+            embed_group = embedding_group([list(range(stage.pp))])
+        self.embed_group = embed_group
+        self.timeline: list[tuple[object, float, float]] = []
+        self.peak_in_flight = 0
+
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], schedule_name: str = "1f1b") -> torch.Tensor:
+        """Forward and backward of every micro-batch; gradients accumulate into the stage's .grad.
+
+        Every rank passes the same list (only chunk 0 reads x, only the last chunk y; the others read the
+        shapes). Each micro-batch's loss is scaled by 1/M, so summed over ranks the return values are the
+        mean loss; this rank returns its share (0 unless it holds the last chunk)."""
+        st, M = self.stage, len(micro_batches)
+        actions = SCHEDULES[schedule_name](st.pp, M, st.virtual)[st.rank]
+        mb, T = micro_batches[0][0].shape
+        device = next(st.parameters()).device
+        shape = (mb, T, st.config.n_embd)
+        stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (c, m) -> (input, output)
+        act_in: dict[tuple[int, int], torch.Tensor] = {}    # (c, m) -> input of F(c, m), received or local
+        grad_out: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> grad of chunk c's output
+        to_send: dict[tuple[str, int, int], torch.Tensor] = {}
+        sends: list[tuple[dist.Work, torch.Tensor]] = []
+        loss = torch.zeros((), device=device)
+        self.timeline, self.peak_in_flight = [], 0
+        for a in actions:
+            t0 = time.perf_counter()
+            key = (a.chunk, a.micro)
+            if a.kind == F:
+                x, y = micro_batches[a.micro]
+                inp = x.to(device) if a.chunk == 0 else act_in.pop(key)
+                out = st.forward_chunk(a.chunk, inp, y.to(device) if a.chunk == st.n_chunks - 1 else None)
+                if a.chunk == st.n_chunks - 1:
+                    out = out / M
+                    loss += out.detach()
+                elif rank_of(a.chunk + 1, st.pp) == st.rank:  # next chunk is local (P == 1)
+                    act_in[(a.chunk + 1, a.micro)] = out.detach().requires_grad_()
+                else:
+                    to_send[(SEND_F, *key)] = self._check(out.detach())
+                stored[key] = (inp if a.chunk > 0 else None, out)
+                self.peak_in_flight = max(self.peak_in_flight, len(stored))
+            elif a.kind == B:
+                inp, out = stored.pop(key)
+                torch.autograd.backward(out, None if a.chunk == st.n_chunks - 1 else grad_out.pop(key))
+                if a.chunk > 0:
+                    if rank_of(a.chunk - 1, st.pp) == st.rank:
+                        grad_out[(a.chunk - 1, a.micro)] = inp.grad
+                    else:
+                        to_send[(SEND_B, *key)] = self._check(inp.grad.contiguous())
+                del inp, out
+            elif a.kind in (SEND_F, SEND_B):
+                t = to_send.pop((a.kind, *key))
+                peer = rank_of(a.chunk + (1 if a.kind == SEND_F else -1), st.pp)
+                sends.append((comm.send(t, peer, self.group), t))  # keep t alive until the send completes
+            elif a.kind in (RECV_F, RECV_B):
+                buf = torch.empty(shape, dtype=self.act_dtype, device=device)
+                peer = rank_of(a.chunk + (-1 if a.kind == RECV_F else 1), st.pp)
+                comm.recv(buf, peer, self.group).wait()
+                if a.kind == RECV_F:
+                    act_in[key] = buf.requires_grad_()  # after the wait: a leaf the chunk's backward fills
+                else:
+                    grad_out[key] = buf
+            self.timeline.append((a, t0, time.perf_counter()))
+        for work, _ in sends:
+            work.wait()
+        assert not stored and not act_in and not grad_out and not to_send, "schedule left work undone"
+        return loss
+
+    def _check(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype != self.act_dtype:
+            raise TypeError(f"activation dtype {t.dtype} is not the runner's act_dtype {self.act_dtype}: "
+                            "the receiving rank allocates act_dtype")
+        return t
+
+    def tied_weight(self) -> nn.Parameter | None:
+        """This rank's copy of the embedding matrix: wte on the first stage, lm_head's on the last."""
+        if self.stage.pp == 1:
+            return None
+        return self.stage.transformer.wte.weight if self.stage.first else (
+            self.stage.lm_head.weight if self.stage.last else None)
+
+    def reduce_tied_grads(self) -> None:
+        """All-reduce (SUM, counted) the embedding gradient over [first, last]: both then hold wte's
+        one-process gradient (embedding use + lm_head use). A no-op with P == 1 and on middle stages."""
+        w = self.tied_weight()
+        if w is None:
+            return
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        comm.all_reduce(w.grad, group=self.embed_group)
+
+    def norm_items(self) -> list[tuple]:
+        """Items for parallel.grads.clip_grad_norm_: every stage parameter with groups (pp group,), so each
+        pipeline-sharded gradient's squares are summed over the pp group, except the last stage's lm_head
+        copy: after reduce_tied_grads it equals wte's gradient, which the first stage counts, so the tied
+        matrix counts once. Clipping over these items leaves the copy unscaled: use `clip_grad_norm_`."""
+        g = self.group if self.group is not None else dist.group.WORLD
+        skip = self.tied_weight() if self.stage.last else None
+        return [(p, (g,)) for p in self.stage.parameters() if p is not skip]
+
+    def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
+        """grads.clip_grad_norm_ over `norm_items()`, and the lm_head copy scaled by the same factor so the
+        two copies of the tied matrix stay equal. Returns the global norm."""
+        norm = clip_grad_norm_(self.norm_items(), max_norm)
+        w = self.tied_weight() if self.stage.last else None
+        if max_norm is not None and w is not None and w.grad is not None:
+            w.grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(w.grad.device))
+        return norm
