@@ -20,12 +20,16 @@ def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None) -> torch.T
 
     Squares are summed locally per sharding pattern, then all-reduced over the groups that pattern is
     sharded over, so each gradient element is counted exactly once whatever the layout. Items are
-    (param, groups) or (param, groups, lo, hi) for a slice of a flat shard's gradient."""
+    (param, groups) or (param, groups, lo, hi) for a slice of a flat shard's gradient; groups None marks a
+    copy of a gradient counted elsewhere (PP's lm_head copy of the tied embedding): scaled, not measured."""
     by_groups: dict[tuple, list[torch.Tensor]] = {}   # what to measure
     to_scale: dict[int, torch.Tensor] = {}             # the gradients' own storage, to clip in place
     for p, groups, *segment in norm_groups:
         g = p.grad
         if g is None:
+            continue
+        if groups is None:
+            to_scale[id(g)] = g
             continue
         if segment:  # (lo, hi): one original parameter's slice of a flat FSDP shard
             to_scale[id(g)] = g
@@ -43,7 +47,7 @@ def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None) -> torch.T
     # no element (an FSDP rank may hold no slice of some parameter): walk the patterns in list order.
     total = None
     device = next(iter(to_scale.values())).device if to_scale else torch.device("cpu")
-    for groups in dict.fromkeys(item[1] for item in norm_groups):
+    for groups in dict.fromkeys(item[1] for item in norm_groups if item[1] is not None):
         grads = by_groups.get(groups, [])
         sq = torch.stack([n.float() for n in torch._foreach_norm(grads)]).pow(2).sum() if grads else \
             torch.zeros((), device=device)

@@ -17,8 +17,7 @@ action lists; this module only executes them.
   activation (mb, T, C) forward and its gradient backward. Shapes are known to both sides, so there is no
   shape handshake.
 
-Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` (or grads.clip_grad_norm_ over
-`norm_items()` plus scaling the copy yourself) -> optimizer step.
+Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` -> optimizer step.
 """
 from __future__ import annotations
 
@@ -243,18 +242,13 @@ class PipelineRunner:
 
     def norm_items(self) -> list[tuple]:
         """Items for parallel.grads.clip_grad_norm_: every stage parameter with groups (pp group,), so each
-        pipeline-sharded gradient's squares are summed over the pp group, except the last stage's lm_head
-        copy: after reduce_tied_grads it equals wte's gradient, which the first stage counts, so the tied
-        matrix counts once. Clipping over these items leaves the copy unscaled: use `clip_grad_norm_`."""
+        pipeline-sharded gradient's squares are summed over the pp group; the last stage's lm_head copy with
+        groups None (scaled, not measured): after reduce_tied_grads it equals wte's gradient, which the first
+        stage counts, so the tied matrix counts once and both copies are clipped alike."""
         g = self.group if self.group is not None else dist.group.WORLD
-        skip = self.tied_weight() if self.stage.last else None
-        return [(p, (g,)) for p in self.stage.parameters() if p is not skip]
+        copy = self.tied_weight() if self.stage.last else None
+        return [(p, None if p is copy else (g,)) for p in self.stage.parameters()]
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        """grads.clip_grad_norm_ over `norm_items()`, and the lm_head copy scaled by the same factor so the
-        two copies of the tied matrix stay equal. Returns the global norm."""
-        norm = clip_grad_norm_(self.norm_items(), max_norm)
-        w = self.tied_weight() if self.stage.last else None
-        if max_norm is not None and w is not None and w.grad is not None:
-            w.grad.mul_(torch.clamp(max_norm / (norm + 1e-6), max=1.0).to(w.grad.device))
-        return norm
+        """The global norm over `norm_items()` (clipped at max_norm); returns it."""
+        return clip_grad_norm_(self.norm_items(), max_norm)
