@@ -205,6 +205,17 @@ def _write_durably(path: str, write: Callable[[IO], None], mode: str = "wb") -> 
     faults.checkpoint_file_written()
 
 
+def _all_shapes(entries: list) -> dict[str, list[int]]:
+    """{name: full shape} of every parameter any rank holds (pipeline stages hold different ones), in
+    rank order; collective when distributed (all_gather_object of each rank's small dict)."""
+    mine = {e.name: list(e.shape) for e in entries}
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return mine
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {name: shape for d in every for name, shape in d.items()}
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
@@ -228,7 +239,7 @@ def save(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimize
     _barrier()
     path = os.path.join(tmp, rank_file(rank))
     _write_durably(path, lambda f: torch.save(_shard_dict(entries, device), f))
-    _barrier()
+    shapes = _all_shapes(entries)  # collective: also the barrier after every write
     if rank == 0:
         files = [rank_file(r) for r in range(world_size)]
         missing = [f for f in files if not os.path.exists(os.path.join(tmp, f))]
@@ -237,7 +248,7 @@ def save(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimize
                                   f"--out_dir must be on a filesystem that every node shares")
         manifest = {"format": FORMAT, "version": VERSION, "step": step, **extra,
                     "optimizer": _optimizer_state(optimizer), "files": files,
-                    "tensors": {e.name: {"shape": list(e.shape)} for e in entries},
+                    "tensors": {name: {"shape": shape} for name, shape in shapes.items()},
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         _write_durably(os.path.join(tmp, MANIFEST), lambda f: json.dump(manifest, f, indent=1), "w")
         _fsync_dir(tmp)

@@ -69,6 +69,11 @@ def train_parser() -> Parser:
     a("--sequence_parallel", action="store_true", help="TP: LayerNorms/residuals on sequence-sharded activations")
     a("--data_parallel_size", type=int, default=1, help="degree of data parallelism")
     a("--data_parallel_type", choices=["ddp", "fsdp"], default=None, help="required when dp > 1")
+    a("--pipeline_parallel_size", type=int, default=1, help="degree of pipeline parallelism (stages)")
+    a("--pp_schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
+      help="pipeline schedule; the step's micro-batches are the pipeline's micro-batches")
+    a("--pp_virtual_stages", type=int, default=None, metavar="V",
+      help="interleaved_1f1b: model chunks per pipeline rank (V > 1)")
     a("--implementation", choices=["custom", "pytorch"], default="custom")
     a("--deferred_init", action="store_true", help="build on meta, materialise after sharding")
     a("--gradient_clipping", action="store_true", help="clip the global gradient norm at 1.0")
@@ -166,11 +171,12 @@ def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.d
                           param_dtype=None if param_dtype == "float32" else getattr(torch, param_dtype),
                           reduce_dtype=getattr(torch, args.reduce_dtype),
                           deferred_init=args.deferred_init, seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
-                          grad_compression=None if args.grad_compression == "none" else args.grad_compression)
+                          grad_compression=None if args.grad_compression == "none" else args.grad_compression,
+                          pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual_stages or 1)
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    for flag in ("tensor_parallel_size", "data_parallel_size", "micro_batch_size", "seq_len",
+    for flag in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "micro_batch_size", "seq_len",
                  "total_batch_size", "max_steps", "eval_interval", "eval_iters"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
@@ -219,6 +225,30 @@ def _check_model(args: argparse.Namespace, dims: ParallelDims) -> tuple[GPTConfi
     if args.seq_len > config.block_size:
         raise UsageError(f"--seq_len {args.seq_len} exceeds the model's block_size {config.block_size}")
     return config, hf_state
+
+
+def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig, micro: int) -> None:
+    """The schedule, its virtual stages and the micro-batch count M against the split of n_layer Blocks."""
+    interleaved = args.pp_schedule == "interleaved_1f1b"
+    if args.pp_virtual_stages is not None and not interleaved:
+        raise UsageError(f"--pp_virtual_stages is for --pp_schedule interleaved_1f1b; {args.pp_schedule} runs "
+                         f"one chunk per pipeline rank")
+    if not dims.pp_enabled:
+        if args.pp_schedule != "1f1b" or args.pp_virtual_stages is not None:
+            raise UsageError("--pp_schedule and --pp_virtual_stages need --pipeline_parallel_size > 1")
+        return
+    virtual = args.pp_virtual_stages or 1
+    if interleaved and virtual < 2:
+        raise UsageError("--pp_schedule interleaved_1f1b needs --pp_virtual_stages V > 1 (model chunks per rank)")
+    if config.n_layer < dims.pp * virtual:
+        raise UsageError(f"n_layer ({config.n_layer}) < pipeline_parallel_size x virtual stages = {dims.pp} x "
+                         f"{virtual}: every pipeline chunk needs at least one Block")
+    if interleaved and micro % dims.pp:
+        raise UsageError(f"--pp_schedule interleaved_1f1b needs the step's micro-batches M = total_batch_size / "
+                         f"(micro_batch_size x seq_len x data_parallel_size) = {micro} to be a multiple of "
+                         f"--pipeline_parallel_size {dims.pp} (Megatron's rule)")
+    if args.implementation == "pytorch":
+        raise UsageError("--pipeline_parallel_size > 1 with --implementation pytorch is not available yet")
 
 
 def _check_data(args: argparse.Namespace, config: GPTConfig, local_rank: int) -> str:
@@ -271,8 +301,12 @@ def validate(args: argparse.Namespace) -> Plan:
     The built-in Shakespeare corpus is prepared here when it is missing (local rank 0 does it)."""
     rank, local_rank, world_size = env_world()
     _check_flags(args)
+    if world_size % args.pipeline_parallel_size:
+        raise UsageError(f"--pipeline_parallel_size {args.pipeline_parallel_size} does not divide the world size "
+                         f"({world_size} ranks)")
     try:
-        dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world_size)
+        dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world_size,
+                            args.pipeline_parallel_size)
         device = pick_device(args.device)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -284,6 +318,7 @@ def validate(args: argparse.Namespace) -> Plan:
         raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size x "
                          f"seq_len x data_parallel_size = {args.micro_batch_size} x {args.seq_len} x {dims.dp} "
                          f"= {tokens_per_micro}")
+    _check_pipeline(args, dims, config, args.total_batch_size // tokens_per_micro)
     data_dir = _check_data(args, config, local_rank)
     resume_from = _check_out_dir(args, config)
     return Plan(args=args, dims=dims, par=parallel_config(args, dims, dtype), config=config, device=device,

@@ -254,6 +254,8 @@ def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: GPTCo
     """
     rows = rows or slice(None)
     cols = cols or slice(None)
+    if name == "lm_head.weight":  # tied to wte: the same values (and a pipeline's copy of it starts equal)
+        name = "transformer.wte.weight"
     if ".ln_" in name or name.startswith("transformer.ln_f"):
         fill = 1.0 if name.endswith("weight") else 0.0
         return torch.full(shape, fill)[rows] if len(shape) == 1 else torch.full(shape, fill)[rows, cols]
@@ -282,7 +284,7 @@ def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: 
     init it.
 
     Only this module's own parameters are allocated, so a meta model can be materialised one Block at a
-    time. Tied parameters are initialised under the name GPT registers first (transformer.wte.weight).
+    time. lm_head.weight takes wte's values (init_parameter's rule for the tied matrix).
     """
     if device is None:
         device = next(module.parameters()).device
@@ -292,7 +294,6 @@ def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: 
         module.to_empty(device=device, recurse=True)  # meta, or built elsewhere: every value is written below
     for name, p in module.named_parameters():
         full = f"{prefix}.{name}" if prefix else name
-        full = "transformer.wte.weight" if full == "lm_head.weight" else full
         with torch.no_grad():
             p.copy_(init_parameter(full, p.shape, config, seed))
 

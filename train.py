@@ -94,6 +94,14 @@ def _mean_over_dp(t: Trainer, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def _sum_over_pp(t: Trainer, value: torch.Tensor) -> torch.Tensor:
+    """The last pipeline stage's loss on every stage (the others add zeros). Not counted as wrapper traffic."""
+    value = value.detach().float()
+    if t.par.pp_group is not None:
+        dist.all_reduce(value, group=t.par.pp_group)
+    return value
+
+
 def _autocast(plan: Plan):
     return torch.autocast(plan.device.type, dtype=plan.dtype, enabled=plan.dtype != torch.float32)
 
@@ -107,17 +115,23 @@ def train_step(t: Trainer, step: int) -> dict:
     comm.COUNTER.reset()
     metrics.reset_peak_memory(plan.device)
     t0 = time.perf_counter()
-    loss_sum = torch.zeros((), device=plan.device)
-    for micro in range(plan.grad_accum):
-        chunk = micro_batch_chunk(micro, t.dp_rank, plan.dims.dp)
-        x, y = t.data.get("train", step, plan.rows, chunk, args.micro_batch_size)
-        x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
-        with t.par.grad_sync(micro == plan.grad_accum - 1), t.par.loss_context():
-            with _autocast(plan):
-                _, loss = t.model(x, y)
-            loss = loss / plan.grad_accum
-            (t.scaler.scale(loss) if t.scaler else loss).backward()
-        loss_sum += comm.full(loss).detach()
+    if t.par.pipeline is not None:  # the step's micro-batches flow through the pipeline's schedule
+        batches = [t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
+                              args.micro_batch_size) for m in range(plan.grad_accum)]
+        with _autocast(plan):
+            loss_sum = _sum_over_pp(t, t.par.pipeline_step(batches, t.scaler.scale if t.scaler else None))
+    else:
+        loss_sum = torch.zeros((), device=plan.device)
+        for micro in range(plan.grad_accum):
+            chunk = micro_batch_chunk(micro, t.dp_rank, plan.dims.dp)
+            x, y = t.data.get("train", step, plan.rows, chunk, args.micro_batch_size)
+            x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
+            with t.par.grad_sync(micro == plan.grad_accum - 1), t.par.loss_context():
+                with _autocast(plan):
+                    _, loss = t.model(x, y)
+                loss = loss / plan.grad_accum
+                (t.scaler.scale(loss) if t.scaler else loss).backward()
+            loss_sum += comm.full(loss).detach()
     if t.scaler:
         t.scaler.unscale_(t.optimizer)  # ranks agree on found-inf here (AgreeingGradScaler)
     norm = t.par.clip_grad_norm_(1.0 if args.gradient_clipping else None)
@@ -152,13 +166,18 @@ def evaluate(t: Trainer) -> float:
     plan, args = t.plan, t.plan.args
     dp, mb, n = plan.dims.dp, args.micro_batch_size, args.eval_iters
     t.model.eval()
-    total = torch.zeros((), device=plan.device)
-    for i in range(math.ceil(n / dp)):
-        chunk = micro_batch_chunk(i, t.dp_rank, dp)
-        x, y = t.data.get("val", 0, n * mb, min(chunk, n - 1), mb)
-        with t.par.loss_context(), _autocast(plan):
-            _, loss = t.model(x.to(plan.device), y.to(plan.device))
-        total += comm.full(loss).detach().float() * (chunk < n)
+    chunks = [micro_batch_chunk(i, t.dp_rank, dp) for i in range(math.ceil(n / dp))]
+    batches = [t.data.get("val", 0, n * mb, min(chunk, n - 1), mb) for chunk in chunks]
+    if t.par.pipeline is not None:
+        with _autocast(plan):
+            losses = t.par.pipeline.forward_only(batches)
+    else:
+        losses = []
+        for x, y in batches:
+            with t.par.loss_context(), _autocast(plan):
+                losses.append(comm.full(t.model(x.to(plan.device), y.to(plan.device))[1]).detach().float())
+    total = sum(loss * (chunk < n) for loss, chunk in zip(losses, chunks))
+    total = _sum_over_pp(t, total)
     t.model.train()
     return (_mean_over_dp(t, total) * dp / n).item()
 
@@ -166,6 +185,9 @@ def evaluate(t: Trainer) -> float:
 def describe(t: Trainer) -> str:
     d, par, a = t.plan.dims, t.plan.par, t.plan.args
     layout = f"dp={d.dp}" + (f" ({par.dp_type})" if par.dp_type else "") + f" tp={d.tp}"
+    if d.pp_enabled:
+        virtual = f", V={par.pp_virtual}" if par.pp_virtual > 1 else ""
+        layout = f"pp={d.pp} ({par.pp_schedule}{virtual}) {layout}"
     with torch.device("meta"):
         n = GPT(t.plan.config).num_params()
     return (f"{par.implementation} {layout} on {t.plan.device} {str(t.plan.dtype).removeprefix('torch.')} | "
@@ -200,7 +222,7 @@ def save_checkpoint(t: Trainer, step: int) -> str:
     extra = {"config": {"model": asdict(plan.config),
                         "train": {**{k: getattr(a, k, None) for k in MATH_ARGS},
                                   "dtype": str(plan.dtype).removeprefix("torch.")}},
-             "layout": {"world_size": d.world_size, "dp": d.dp, "tp": d.tp,
+             "layout": {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "tp": d.tp,
                         "implementation": plan.par.implementation, "dp_type": plan.par.dp_type}}
     if t.scaler is not None:
         extra["scaler"] = t.scaler.state_dict()
@@ -218,7 +240,7 @@ def restore_checkpoint(t: Trainer) -> int:
         t.scaler.load_state_dict(m["scaler"])
     if plan.rank == 0:
         lay = m["layout"]
-        print(f"resuming from {plan.resume_from} (saved by {lay['implementation']} dp={lay['dp']}"
+        print(f"resuming from {plan.resume_from} (saved by {lay['implementation']} pp={lay.get('pp', 1)} dp={lay['dp']}"
               f"{' (' + lay['dp_type'] + ')' if lay['dp_type'] else ''} tp={lay['tp']}): continuing at step "
               f"{m['step'] + 1}" + (f" (nothing left: --max_steps {args.max_steps})"
                                     if m["step"] >= args.max_steps else ""), flush=True)

@@ -179,6 +179,25 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
             self._sync_backward = self.require_backward_grad_sync  # decided at forward, like torch DDP
         return self.module(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def reduce_on_exit(self):
+        """For backward passes that run without this wrapper's forward (a pipeline's chunks): inside, they
+        accumulate gradients locally; on a normal exit, every bucket is all-reduced once (scaled by 1/N,
+        SUM) and waited for. A pipeline step thus moves each gradient once, after its last micro-batch,
+        without the overlap with backward that DDP's forward-armed hooks give."""
+        self._sync_backward = False
+        try:
+            yield
+        finally:
+            self._sync_backward = True
+        self._attach_grads()
+        for k in range(len(self.buckets)):
+            self._launch(k)
+        self._wait_all()
+        if self._wire is not None and self.world_size > 1:
+            for k in range(len(self.buckets)):
+                self._buffers[k].copy_(self._wire[k])
+
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero every bucket buffer in place (gradients stay attached). `set_to_none` is accepted and
         treated as False: the buffers *are* the gradients."""

@@ -15,13 +15,16 @@ from torch.distributed.tensor import DTensor, Replicate
 
 
 @torch.no_grad()
-def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None,
+                    across: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients; scales them by min(1, max_norm / (norm + 1e-6)) if max_norm.
 
     Squares are summed locally per sharding pattern, then all-reduced over the groups that pattern is
     sharded over, so each gradient element is counted exactly once whatever the layout. Items are
     (param, groups) or (param, groups, lo, hi) for a slice of a flat shard's gradient; groups None marks a
-    copy of a gradient counted elsewhere (PP's lm_head copy of the tied embedding): scaled, not measured."""
+    copy of a gradient counted elsewhere (PP's lm_head copy of the tied embedding): scaled, not measured.
+    `across` (the pp group) holds disjoint parameters on each of its ranks: the total is summed over it
+    once, after the per-pattern sums, because its ranks list different patterns in different orders."""
     by_groups: dict[tuple, list[torch.Tensor]] = {}   # what to measure
     to_scale: dict[int, torch.Tensor] = {}             # the gradients' own storage, to clip in place
     for p, groups, *segment in norm_groups:
@@ -54,6 +57,9 @@ def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None) -> torch.T
         for g in groups:
             dist.all_reduce(sq, group=g)  # a scalar: not counted as wrapper traffic
         total = sq if total is None else total + sq
+    if across is not None:
+        total = total if total is not None else torch.zeros((), device=device)
+        dist.all_reduce(total, group=across)  # a scalar: not counted as wrapper traffic
     norm = total.sqrt() if total is not None else torch.zeros(())
     if max_norm is not None:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -1,7 +1,8 @@
-"""The one place that picks device and backend, validates the parallel layout and builds the 2D mesh.
+"""The one place that picks device and backend, validates the parallel layout and builds the mesh.
 
-Mesh dims are ("dp", "tp"); tp is the inner (fastest-varying) dim so TP groups are neighbouring ranks,
-which on a GPU node share NVLink. Rank r sits at dp = r // tp, tp = r % tp.
+Mesh dims are ("pp", "dp", "tp"), tp innermost (fastest-varying) so TP groups are neighbouring ranks, which
+on a GPU node share NVLink; pp outermost, so a pipeline's stages span nodes and only its point-to-point
+activations cross them. Rank r = (pp_rank * dp + dp_rank) * tp + tp_rank.
 """
 from __future__ import annotations
 
@@ -33,19 +34,21 @@ def backend_for(device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """A validated (dp, tp) layout. dp * tp must equal the world size."""
+    """A validated (pp, dp, tp) layout. pp * dp * tp must equal the world size."""
     dp: int
     tp: int
     world_size: int
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        if self.dp < 1 or self.tp < 1:
-            raise ValueError(f"parallel sizes must be >= 1, got data_parallel_size={self.dp}, "
-                             f"tensor_parallel_size={self.tp}")
-        if self.dp * self.tp != self.world_size:
-            raise ValueError(f"data_parallel_size ({self.dp}) x tensor_parallel_size ({self.tp}) = "
-                             f"{self.dp * self.tp} must equal the world size ({self.world_size}); "
-                             f"launch with torchrun --nproc_per_node={self.dp * self.tp}")
+        if self.dp < 1 or self.tp < 1 or self.pp < 1:
+            raise ValueError(f"parallel sizes must be >= 1, got pipeline_parallel_size={self.pp}, "
+                             f"data_parallel_size={self.dp}, tensor_parallel_size={self.tp}")
+        n = self.pp * self.dp * self.tp
+        if n != self.world_size:
+            raise ValueError(f"pipeline_parallel_size ({self.pp}) x data_parallel_size ({self.dp}) x "
+                             f"tensor_parallel_size ({self.tp}) = {n} must equal the world size "
+                             f"({self.world_size}); launch with torchrun --nproc_per_node={n}")
 
     @property
     def dp_enabled(self) -> bool:
@@ -55,6 +58,10 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
 
 def env_world() -> tuple[int, int, int]:
     """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) for a plain `python`."""
@@ -63,7 +70,7 @@ def env_world() -> tuple[int, int, int]:
 
 
 def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float = 600.0) -> DeviceMesh | None:
-    """Join the process group (when there is more than one rank) and return the ("dp", "tp") mesh."""
+    """Join the process group (when there is more than one rank) and return the ("pp", "dp", "tp") mesh."""
     if dims.world_size == 1:
         return None
     if device.type == "cuda":
@@ -71,7 +78,7 @@ def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float 
     if not dist.is_initialized():
         dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    return init_device_mesh(device.type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
 
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -92,3 +99,7 @@ def dp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
 
 def tp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
     return None if mesh is None else mesh["tp"].get_group()
+
+
+def pp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
+    return None if mesh is None else mesh["pp"].get_group()

@@ -1,9 +1,11 @@
 """The one composition point: `parallelize` wraps a GPT for a layout, always in this order,
 
+    0. pipeline stage over mesh["pp"]               (keeps this pp rank's chunks; the rest is dropped)
     1. tensor parallelism over mesh["tp"]           (shards matmul weights; materialises its own shards)
     2. FSDP over mesh["dp"]                         (shards what is left; materialises one unit at a time)
     3. materialise whatever is still on meta        (deferred init: only the local slices of DTensors)
     4. DDP over mesh["dp"]                          (replicates: needs real values, broadcasts rank 0's)
+    5. the pipeline runner over mesh["pp"]          (runs the schedule through whatever 1-4 made)
 
 Each step is an `apply_*` function looked up in `APPLY` by (implementation, what): "custom" are ours
 from this package, "pytorch" are PyTorch's own (DTensor `parallelize_module`, FSDP2 `fully_shard`,
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -28,6 +31,7 @@ from model import GPT, init_parameter, param_groups
 from parallel.comm import local
 from parallel.fsdp import FullyShardedDataParallel
 from parallel.grads import clip_grad_norm_
+from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,8 @@ class ParallelConfig:
     reduce_dtype: torch.dtype = torch.float32  # FSDP: dtype gradients are reduce-scattered in
     bucket_cap_mb: float = 25.0
     grad_compression: str | None = None  # custom DDP: "bf16" on the wire
+    pp_schedule: str = "1f1b"           # pipeline: "gpipe" | "1f1b" | "interleaved_1f1b"
+    pp_virtual: int = 1                 # pipeline: model chunks per pp rank (interleaved_1f1b: > 1)
 
 
 @dataclass(kw_only=True)
@@ -56,6 +62,20 @@ class Parallelized:
     sharded_as: dict[str, DTensor] = field(default_factory=dict)  # torch DDP over DTensor TP: the DTensors
     accumulate_locally: bool = False    # DDP: all-reduce on the last micro-step only (no_sync before it)
     dtensor_loss_parallel: bool = False  # DTensor loss parallel needs its context around forward + backward
+    pipeline: PipelineRunner | None = None  # pp > 1: runs a step's micro-batches by `schedule`
+    schedule: str = "1f1b"
+    pp_group: dist.ProcessGroup | None = None  # the gradient norm's squares are summed over it last
+
+    def pipeline_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                      scale: Callable | None = None) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches through the pipeline, then the data-parallel
+        gradient reduction (DDP: once, here; FSDP: per micro-batch, in its hooks) and the tied-embedding
+        all-reduce over [first, last] stage. Returns this rank's share of the mean loss (0 off the last stage)."""
+        reduce = self.model.reduce_on_exit() if self.accumulate_locally else contextlib.nullcontext()
+        with reduce:
+            loss = self.pipeline.step(micro_batches, self.schedule, scale)
+        self.pipeline.reduce_tied_grads()
+        return loss
 
     @property
     def fsdp(self) -> FullyShardedDataParallel | None:
@@ -81,7 +101,7 @@ class Parallelized:
         return param_groups(list(self.model.named_parameters()), weight_decay)
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        return clip_grad_norm_(self.norm_groups, max_norm)
+        return clip_grad_norm_(self.norm_groups, max_norm, across=self.pp_group)
 
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         import metrics
@@ -96,12 +116,22 @@ class Parallelized:
             if isinstance(module, FSDPModule):  # (an eval), but the optimizer holds the sharded parameters
                 module.reshard()
         if self.fsdp is not None:
-            return entries_for_fsdp(self.fsdp, optimizer, self.fsdp.tp_shard_dims, self.tp_rank, self.tp_size)
-        return entries_for(list(self.model.named_parameters()), optimizer, self.replica_rank, self.sharded_as,
-                           self.tp_rank, self.tp_size)
+            entries = entries_for_fsdp(self.fsdp, optimizer, self.fsdp.tp_shard_dims, self.tp_rank, self.tp_size)
+        else:
+            entries = entries_for(list(self.model.named_parameters()), optimizer, self.replica_rank,
+                                  self.sharded_as, self.tp_rank, self.tp_size)
+        for e in entries:
+            if e.name == "lm_head.weight":  # the last stage's copy of the tied matrix: loaded, never written
+                e.name, e.write = "transformer.wte.weight", False
+        return entries
 
 
 # ----------------------------------------------------------------------------- the steps
+
+def apply_pp_custom(model: GPT, pp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
+    """Our pipeline stage (parallel/pipeline.py): this pp rank's chunks of the GPT, nothing of the others'."""
+    return PipelineStage(model, pp_mesh.get_local_rank(), pp_mesh.size(), cfg.pp_virtual), {}
+
 
 def apply_tp_custom(model: GPT, tp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
     """Our Megatron TP (parallel/tensor_parallel.py); on meta it materialises only this rank's shards."""
@@ -154,6 +184,7 @@ def apply_ddp_pytorch(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig
 
 
 APPLY: dict[tuple[str, str], Callable] = {
+    ("custom", "pp"): apply_pp_custom,
     ("custom", "tp"): apply_tp_custom, ("pytorch", "tp"): apply_tp_pytorch,
     ("custom", "fsdp"): apply_fsdp_custom, ("pytorch", "fsdp"): apply_fsdp_pytorch,
     ("custom", "ddp"): apply_ddp_custom, ("pytorch", "ddp"): apply_ddp_pytorch,
@@ -173,6 +204,9 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
         model, more = APPLY[impl, what](model, mesh[mesh_dim], cfg, device)
         extras.update(more)
 
+    if dims.pp_enabled:
+        step("pp", "pp")
+    stage = model
     if dims.tp_enabled:
         step("tp", "tp")
     if dp_type == "fsdp":
@@ -185,6 +219,14 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
         norm_groups = model.grad_norm_items({n: (tp_group,) for n in model.tp_shard_dims})
     else:
         norm_groups = [(p, groups[n.removeprefix("module.")]) for n, p in model.named_parameters()]
+    if dims.pp_enabled:
+        pp_group = mesh["pp"].get_group()
+        pipelines = mesh.mesh.permute(1, 2, 0).reshape(-1, dims.pp).tolist()  # every (dp, tp): its pp ranks
+        runner = PipelineRunner(stage, pp_group, embedding_group(pipelines),
+                                seq_shard=dims.tp if cfg.sequence_parallel else 1)
+        copy = runner.tied_weight() if stage.last else None
+        norm_groups = [(item[0], None, *item[2:]) if item[0] is copy else item for item in norm_groups]
+        extras.update(pipeline=runner, schedule=cfg.pp_schedule, pp_group=pp_group)
     tp = {} if mesh is None else {"tp_rank": mesh["tp"].get_local_rank(), "tp_size": dims.tp}
     return Parallelized(model=model, norm_groups=norm_groups, **tp, **extras)
 
@@ -218,8 +260,9 @@ def materialize(model: nn.Module, seed: int, device: torch.device) -> None:
             if isinstance(p, DTensor):
                 full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
             p.copy_(full)
-    if model.lm_head.weight is not model.transformer.wte.weight:
-        model.lm_head.weight = model.transformer.wte.weight
+    t = model.transformer
+    if "wte" in t and hasattr(model, "lm_head") and getattr(model, "pp", 1) == 1:  # re-tie (not a PP copy)
+        model.lm_head.weight = t.wte.weight
 
 
 def localize_tp_params(model: nn.Module) -> dict[str, DTensor]:

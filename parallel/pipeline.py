@@ -22,6 +22,7 @@ Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` -> optimizer 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -144,8 +145,13 @@ class PipelineRunner:
     """
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
-                 embed_group: dist.ProcessGroup | None = None, act_dtype: torch.dtype = torch.float32):
-        self.stage, self.group, self.act_dtype = stage, group, act_dtype
+                 embed_group: dist.ProcessGroup | None = None, act_dtype: torch.dtype = torch.float32,
+                 seq_shard: int = 1, forward: Callable | None = None):
+        """`seq_shard`: activations between chunks are (mb, T / seq_shard, C) (tp under sequence
+        parallelism). `forward(chunk, x, targets)` runs a chunk (default `stage.forward_chunk`; a wrapper
+        that must see every forward, like FSDP, passes its own)."""
+        self.stage, self.group, self.act_dtype, self.seq_shard = stage, group, act_dtype, seq_shard
+        self.forward = forward or stage.forward_chunk
         if comm.world(group) != stage.pp:
             raise ValueError(f"pp group has {comm.world(group)} ranks, the stage was cut for pp={stage.pp}")
         if embed_group is None and stage.pp > 1:
@@ -156,17 +162,19 @@ class PipelineRunner:
         self.timeline: list[tuple[object, float, float]] = []
         self.peak_in_flight = 0
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], schedule_name: str = "1f1b") -> torch.Tensor:
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], schedule_name: str = "1f1b",
+             scale: Callable | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients accumulate into the stage's .grad.
 
         Every rank passes the same list (only chunk 0 reads x, only the last chunk y; the others read the
-        shapes). Each micro-batch's loss is scaled by 1/M, so summed over ranks the return values are the
-        mean loss; this rank returns its share (0 unless it holds the last chunk)."""
+        shapes). Each micro-batch's loss is scaled by 1/M (then by `scale`, e.g. a GradScaler's, for its
+        backward), so summed over ranks the return values are the mean loss; this rank returns its share
+        (0 unless it holds the last chunk)."""
         st, M = self.stage, len(micro_batches)
         actions = SCHEDULES[schedule_name](st.pp, M, st.virtual)[st.rank]
         mb, T = micro_batches[0][0].shape
         device = next(st.parameters()).device
-        shape = (mb, T, st.config.n_embd)
+        shape = (mb, T // self.seq_shard, st.config.n_embd)
         stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (c, m) -> (input, output)
         act_in: dict[tuple[int, int], torch.Tensor] = {}    # (c, m) -> input of F(c, m), received or local
         grad_out: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> grad of chunk c's output
@@ -180,7 +188,7 @@ class PipelineRunner:
             if a.kind == F:
                 x, y = micro_batches[a.micro]
                 inp = x.to(device) if a.chunk == 0 else act_in.pop(key)
-                out = st.forward_chunk(a.chunk, inp, y.to(device) if a.chunk == st.n_chunks - 1 else None)
+                out = self.forward(a.chunk, inp, y.to(device) if a.chunk == st.n_chunks - 1 else None)
                 if a.chunk == st.n_chunks - 1:
                     out = out / M
                     loss += out.detach()
@@ -192,7 +200,10 @@ class PipelineRunner:
                 self.peak_in_flight = max(self.peak_in_flight, len(stored))
             elif a.kind == B:
                 inp, out = stored.pop(key)
-                torch.autograd.backward(out, None if a.chunk == st.n_chunks - 1 else grad_out.pop(key))
+                if a.chunk == st.n_chunks - 1:
+                    torch.autograd.backward(scale(out) if scale is not None else out)
+                else:
+                    torch.autograd.backward(out, grad_out.pop(key))
                 if a.chunk > 0:
                     if rank_of(a.chunk - 1, st.pp) == st.rank:
                         grad_out[(a.chunk - 1, a.micro)] = inp.grad
@@ -217,6 +228,38 @@ class PipelineRunner:
         assert not stored and not act_in and not grad_out and not to_send, "schedule left work undone"
         return loss
 
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each micro-batch's loss (evaluation): the chunks run in order, micro-batch after micro-batch, each
+        rank sending its chunk's output on with isend and receiving its input with a blocking irecv. Every
+        rank passes the same list; the rank of the last chunk returns the losses, the others zeros."""
+        st = self.stage
+        mb, T = micro_batches[0][0].shape
+        device = next(st.parameters()).device
+        shape = (mb, T // self.seq_shard, st.config.n_embd)
+        losses, sends = [], []
+        for x, y in micro_batches:
+            loss = torch.zeros((), device=device)
+            h = None
+            for c in range(st.n_chunks):
+                if rank_of(c, st.pp) != st.rank:
+                    continue
+                if c == 0:
+                    h = x.to(device)
+                elif rank_of(c - 1, st.pp) != st.rank:
+                    h = torch.empty(shape, dtype=self.act_dtype, device=device)
+                    comm.recv(h, rank_of(c - 1, st.pp), self.group).wait()
+                h = self.forward(c, h, y.to(device) if c == st.n_chunks - 1 else None)
+                if c == st.n_chunks - 1:
+                    loss = h.detach().float()
+                elif rank_of(c + 1, st.pp) != st.rank:
+                    h = self._check(h.contiguous())
+                    sends.append((comm.send(h, rank_of(c + 1, st.pp), self.group), h))
+            losses.append(loss)
+        for work, _ in sends:
+            work.wait()
+        return losses
+
     def _check(self, t: torch.Tensor) -> torch.Tensor:
         if t.dtype != self.act_dtype:
             raise TypeError(f"activation dtype {t.dtype} is not the runner's act_dtype {self.act_dtype}: "
@@ -240,15 +283,16 @@ class PipelineRunner:
             w.grad = torch.zeros_like(w)
         comm.all_reduce(w.grad, group=self.embed_group)
 
-    def norm_items(self) -> list[tuple]:
-        """Items for parallel.grads.clip_grad_norm_: every stage parameter with groups (pp group,), so each
-        pipeline-sharded gradient's squares are summed over the pp group; the last stage's lm_head copy with
-        groups None (scaled, not measured): after reduce_tied_grads it equals wte's gradient, which the first
-        stage counts, so the tied matrix counts once and both copies are clipped alike."""
-        g = self.group if self.group is not None else dist.group.WORLD
+    def norm_items(self, groups: dict[str, tuple] | None = None) -> list[tuple]:
+        """Items for parallel.grads.clip_grad_norm_ (summed over the pp group with `across=`): each stage
+        parameter with the groups `groups[name]` its gradient is sharded over inside the stage (default: none),
+        and the last stage's lm_head copy with groups None (scaled, not measured): after reduce_tied_grads it
+        equals wte's gradient, which the first stage counts, so the tied matrix counts once and both copies
+        are clipped alike."""
         copy = self.tied_weight() if self.stage.last else None
-        return [(p, None if p is copy else (g,)) for p in self.stage.parameters()]
+        return [(p, None if p is copy else (groups or {}).get(n, ())) for n, p in self.stage.named_parameters()]
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        """The global norm over `norm_items()` (clipped at max_norm); returns it."""
-        return clip_grad_norm_(self.norm_items(), max_norm)
+        """The global norm over `norm_items()` and the pp group (clipped at max_norm); returns it."""
+        return clip_grad_norm_(self.norm_items(), max_norm,
+                               across=self.group if self.group is not None else dist.group.WORLD)
