@@ -107,6 +107,9 @@ class _FlatUnit:
         if self.state != "sharded":
             return
         self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
+        if self.padded == 0:  # a pipeline stage's empty root: nothing to gather
+            self.state = "gathered"
+            return
         src = self.shard if self.shard.dtype == self.flat.dtype else self.shard.to(self.flat.dtype)
         # Written through `.data`: a new alias with its own version counter, so autograd's saved views of
         # `flat` from forward stay valid when backward re-gathers into the same storage.
@@ -216,11 +219,21 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         for name, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         self._aliases = list(aliases.values())
-        n_units = 1 + len(module.transformer.h)
+        h = module.transformer.h  # a GPT's ModuleList, or a pipeline stage's ModuleDict keyed by global index
+        blocks = list(h.items()) if isinstance(h, nn.ModuleDict) else list(enumerate(h))
+        self._position = {int(i): pos for pos, (i, _) in enumerate(blocks, start=1)}  # global Block -> unit
+        self._global = [None] + [int(i) for i, _ in blocks]
+        self._n_blocks = len(blocks)
+        # A pipeline's first and last stages each hold the tied matrix (wte; lm_head's copy of it): it gets a
+        # unit of its own, last, so both stages shard it alike and can sum its shard gradients elementwise.
+        self._tied_unit = getattr(module, "pp", 1) > 1 and (module.first or module.last)
+        n_units = 1 + len(blocks) + self._tied_unit
         self.units = [self._build_unit(i, deferred_init_seed, device) for i in range(n_units)]
+        self.roots = [self.units[0]] + ([self.units[-1]] if self._tied_unit else [])  # gathered per forward
         self.flat_params = nn.ParameterList([p for u in self.units for p, _, _ in u.pieces])
+        self._pipelined = False  # run_chunk: chunks of a pipeline stage, not one GPT forward
 
-        for i, block in enumerate(module.transformer.h, start=1):
+        for i, (_, block) in enumerate(blocks, start=1):
             block.register_forward_pre_hook(partial(self._pre_forward, i))
             block.register_forward_hook(partial(self._post_forward, i))
         for unit in self.units:
@@ -228,10 +241,24 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 
     # ------------------------------------------------------------------------------------------ setup
 
-    @staticmethod
-    def _unit_index(name: str) -> int:
-        """0 for the root, i + 1 for transformer.h.i."""
-        return int(name.split(".")[2]) + 1 if name.startswith("transformer.h.") else 0
+    def _unit_index(self, name: str) -> int:
+        """0 for the root, the unit of Block i for transformer.h.i (i + 1 in a whole GPT), the last for a
+        pipeline stage's tied matrix."""
+        if name.startswith("transformer.h."):
+            return self._position[int(name.split(".")[2])]
+        if self._tied_unit and name.rpartition(".")[0] in ("transformer.wte", "lm_head"):
+            return self._n_blocks + 1
+        return 0
+
+    def tied_pieces(self) -> list[nn.Parameter]:
+        """This rank's shard pieces of a pipeline stage's tied matrix (empty without one). The first and the
+        last stage shard it alike, so the dp rank d of each holds the same elements."""
+        return [p for p, _, _ in self.units[-1].pieces] if self._tied_unit else []
+
+    def _adjacent(self, i: int, j: int) -> bool:
+        """Units i and j are neighbouring Blocks of the model (worth a prefetch): not across a pipeline
+        stage's chunks, whose Blocks run at other times."""
+        return 1 <= j <= self._n_blocks and abs(self._global[i] - self._global[j]) == 1
 
     def _build_unit(self, index: int, seed: int | None, device: torch.device) -> _FlatUnit:
         """Materialise (if asked), flatten and shard one unit, then drop its full parameters."""
@@ -262,7 +289,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
             for module, attr in spec.owners:
                 module._parameters.pop(attr, None)
                 module.__dict__[attr] = spec.placeholder
-        name = "root" if index == 0 else f"transformer.h.{index - 1}"
+        name = "root" if index == 0 else "tied" if index > self._n_blocks else f"transformer.h.{self._global[index]}"
         return _FlatUnit(name, specs, shard, self.world, self.rank, n_decay, self.param_dtype)
 
     # ------------------------------------------------------------------------------ forward / backward
@@ -274,27 +301,40 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """GPT's forward: (logits, loss). Gathers the root (and prefetches the first Block) first."""
+        return self._run(self.module, (idx, targets), prefetch_first=True)
+
+    def run_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """A pipeline stage's `forward_chunk` under this FSDP: the root gathered around it, each Block by
+        its hooks. Per micro-batch and chunk, as GPT's forward is per micro-step: units are re-gathered for
+        every chunk forward and backward, and reduce-scattered after every backward, so between steps (and
+        between micro-batches) each rank holds 1/N. Prefetch stays inside a chunk."""
+        self._pipelined = True
+        return self._run(self.module.forward_chunk, (chunk, x, targets), prefetch_first=False)
+
+    def _run(self, fn, args: tuple, prefetch_first: bool):
         self.events.clear()
-        root = self.units[0]
-        root.reshard()  # a copy left by a forward without backward may predate an optimizer step
-        self._gather(root, "forward")
-        if self.prefetch and len(self.units) > 1:
+        for root in self.roots:
+            root.reshard()  # a copy left by a forward without backward may predate an optimizer step
+            self._gather(root, "forward")
+        if prefetch_first and self.prefetch and self._n_blocks:
             self._gather(self.units[1], "forward")
-        root.wait()
-        root.show_full()
-        logits, loss = self.module(idx, targets)
-        outputs = [t for t in (logits, loss) if t is not None and t.requires_grad]
+        for root in self.roots:
+            root.wait()
+            root.show_full()
+        out = fn(*args)
+        outputs = [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None and t.requires_grad]
         for t in outputs:
             t.register_hook(self._root_pre_backward)
         if not outputs:
-            root.reshard()
-        return logits, loss
+            for root in self.roots:
+                root.reshard()
+        return out
 
     def _pre_forward(self, i: int, module: nn.Module, args) -> None:
         unit = self.units[i]
         self.events.append(("forward_start", unit.name, "forward"))
         self._gather(unit, "forward")
-        if self.prefetch and i + 1 < len(self.units):
+        if self.prefetch and self._adjacent(i, i + 1):
             self._gather(self.units[i + 1], "forward")
         unit.wait()
         unit.show_full()
@@ -317,18 +357,19 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         if self._backward_started:
             return
         self._start_backward()
-        root = self.units[0]
-        self._gather(root, "backward")  # only if a later forward freed it
-        if self.prefetch and len(self.units) > 1:
-            self._gather(self.units[-1], "backward")
-        root.wait()
+        for root in self.roots:
+            self._gather(root, "backward")  # only if a later forward freed it
+        if self.prefetch and self._n_blocks and not self._pipelined:
+            self._gather(self.units[self._n_blocks], "backward")
+        for root in self.roots:
+            root.wait()
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
         unit = self.units[i]
         self._start_backward()
         self.events.append(("backward_start", unit.name, "backward"))
         self._gather(unit, "backward")
-        if self.prefetch and i > 1:
+        if self.prefetch and self._adjacent(i, i - 1):
             self._gather(self.units[i - 1], "backward")
         unit.wait()
 
@@ -379,21 +420,24 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         """This rank's shard gradients as items for parallel.grads.clip_grad_norm_.
 
         Every element is sharded over this FSDP's group; `groups` ({original name: more groups}, e.g. TP's;
-        names not in it have none) adds the groups a parameter is also sharded over. Without extra groups each flat piece is one item
+        names not in it have none) adds the groups a parameter is also sharded over; None marks a copy counted
+        elsewhere (a pipeline's lm_head copy of wte: scaled, not measured). Without extra groups each flat piece is one item
         (param, (group,)); with them, each original parameter's slice is (piece, groups, lo, hi). The list
         starts with one empty item per pattern, the same on every rank, so every rank issues the same
         reductions even where it holds no slice of some parameter."""
-        groups = groups or {}
-        if not any(groups.values()):
+        groups = {n: g for n, g in (groups or {}).items() if g != ()}
+        if not groups:
             return [(p, (self.group,)) for p in self.flat_params]
-        items = [(torch.empty(0), (self.group,) + g) for g in dict.fromkeys([(), *groups.values()])]
+        patterns = [(), *(g for g in groups.values() if g is not None)]
+        items = [(torch.empty(0), (self.group,) + g) for g in dict.fromkeys(patterns)]
         for unit in self.units:
             for spec in unit.specs:
                 a, b, start = self._held(unit, spec)
                 for p, pa, pb in unit.pieces:
                     if b > a and pa <= start and start + (b - a) <= pb:
                         extra = groups.get(spec.names[0], ())
-                        items.append((p, (self.group,) + extra, start - pa, start - pa + (b - a)))
+                        items.append((p, None if extra is None else (self.group,) + extra, start - pa,
+                                      start - pa + (b - a)))
         return items
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
@@ -509,10 +553,11 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def comm_bytes_per_micro_step(self) -> dict[str, int]:
         """What parallel/comm.COUNTER records for one synchronised forward + backward: the padded flat
         buffers, i.e. at most N - 1 elements per unit more than the parameters themselves."""
-        elems = [u.padded for u in self.units]
+        roots = sum(u.padded for u in self.roots)
+        blocks = sum(u.padded for u in self.units[1:self._n_blocks + 1])
         p_size = torch.empty((), dtype=self.param_dtype).element_size()
         r_size = torch.empty((), dtype=self.reduce_dtype).element_size()
-        return fsdp_comm_bytes_per_micro_step(elems[0], sum(elems[1:]), self.world, self.reshard_after_forward,
+        return fsdp_comm_bytes_per_micro_step(roots, blocks, self.world, self.reshard_after_forward,
                                               p_size, r_size)
 
 

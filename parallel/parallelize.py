@@ -215,17 +215,21 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
     groups = grad_groups(model, tp_group)  # by name, before DDP renames the parameters "module.*"
     if dp_type == "ddp":
         step("ddp", "dp")
+    # a pipeline's last stage holds a copy of wte as lm_head.weight: its gradient is scaled, not measured
+    copy = dims.pp_enabled and stage.last
     if isinstance(model, FullyShardedDataParallel):
-        norm_groups = model.grad_norm_items({n: (tp_group,) for n in model.tp_shard_dims})
+        norm_groups = model.grad_norm_items({**{n: (tp_group,) for n in model.tp_shard_dims},
+                                             **({"lm_head.weight": None} if copy else {})})
     else:
-        norm_groups = [(p, groups[n.removeprefix("module.")]) for n, p in model.named_parameters()]
+        norm_groups = [(p, None if copy and n.endswith("lm_head.weight") else groups[n.removeprefix("module.")])
+                       for n, p in model.named_parameters()]
     if dims.pp_enabled:
         pp_group = mesh["pp"].get_group()
         pipelines = mesh.mesh.permute(1, 2, 0).reshape(-1, dims.pp).tolist()  # every (dp, tp): its pp ranks
         runner = PipelineRunner(stage, pp_group, embedding_group(pipelines),
-                                seq_shard=dims.tp if cfg.sequence_parallel else 1)
-        copy = runner.tied_weight() if stage.last else None
-        norm_groups = [(item[0], None, *item[2:]) if item[0] is copy else item for item in norm_groups]
+                                seq_shard=dims.tp if cfg.sequence_parallel else 1, device=device,
+                                **({"forward": model.run_chunk, "tied": model.tied_pieces()}
+                                   if isinstance(model, FullyShardedDataParallel) else {}))
         extras.update(pipeline=runner, schedule=cfg.pp_schedule, pp_group=pp_group)
     tp = {} if mesh is None else {"tp_rank": mesh["tp"].get_local_rank(), "tp_size": dims.tp}
     return Parallelized(model=model, norm_groups=norm_groups, **tp, **extras)

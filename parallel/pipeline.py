@@ -146,12 +146,16 @@ class PipelineRunner:
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
                  embed_group: dist.ProcessGroup | None = None, act_dtype: torch.dtype = torch.float32,
-                 seq_shard: int = 1, forward: Callable | None = None):
+                 seq_shard: int = 1, forward: Callable | None = None, tied: list[nn.Parameter] | None = None,
+                 device: torch.device | None = None):
         """`seq_shard`: activations between chunks are (mb, T / seq_shard, C) (tp under sequence
         parallelism). `forward(chunk, x, targets)` runs a chunk (default `stage.forward_chunk`; a wrapper
-        that must see every forward, like FSDP, passes its own)."""
+        that must see every forward, like FSDP, passes its own). `tied`: the parameters whose gradients
+        `reduce_tied_grads` sums (default: the tied weight; under FSDP its shard pieces)."""
         self.stage, self.group, self.act_dtype, self.seq_shard = stage, group, act_dtype, seq_shard
         self.forward = forward or stage.forward_chunk
+        self.device = device if device is not None else next(stage.parameters()).device
+        self.tied = tied if tied is not None else [w for w in [self.tied_weight()] if w is not None]
         if comm.world(group) != stage.pp:
             raise ValueError(f"pp group has {comm.world(group)} ranks, the stage was cut for pp={stage.pp}")
         if embed_group is None and stage.pp > 1:
@@ -173,7 +177,7 @@ class PipelineRunner:
         st, M = self.stage, len(micro_batches)
         actions = SCHEDULES[schedule_name](st.pp, M, st.virtual)[st.rank]
         mb, T = micro_batches[0][0].shape
-        device = next(st.parameters()).device
+        device = self.device
         shape = (mb, T // self.seq_shard, st.config.n_embd)
         stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (c, m) -> (input, output)
         act_in: dict[tuple[int, int], torch.Tensor] = {}    # (c, m) -> input of F(c, m), received or local
@@ -235,7 +239,7 @@ class PipelineRunner:
         rank passes the same list; the rank of the last chunk returns the losses, the others zeros."""
         st = self.stage
         mb, T = micro_batches[0][0].shape
-        device = next(st.parameters()).device
+        device = self.device
         shape = (mb, T // self.seq_shard, st.config.n_embd)
         losses, sends = [], []
         for x, y in micro_batches:
@@ -276,12 +280,10 @@ class PipelineRunner:
     def reduce_tied_grads(self) -> None:
         """All-reduce (SUM, counted) the embedding gradient over [first, last]: both then hold wte's
         one-process gradient (embedding use + lm_head use). A no-op with P == 1 and on middle stages."""
-        w = self.tied_weight()
-        if w is None:
-            return
-        if w.grad is None:
-            w.grad = torch.zeros_like(w)
-        comm.all_reduce(w.grad, group=self.embed_group)
+        for w in self.tied:
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            comm.all_reduce(w.grad, group=self.embed_group)
 
     def norm_items(self, groups: dict[str, tuple] | None = None) -> list[tuple]:
         """Items for parallel.grads.clip_grad_norm_ (summed over the pp group with `across=`): each stage

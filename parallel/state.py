@@ -224,7 +224,7 @@ def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_dims: dict[str, 
     moments = fsdp.sharded_optimizer_state(optimizer)
     out, seen = [], set()
     for name, piece in params.items():
-        if id(piece.flat) in seen or name == "lm_head.weight":  # the tied weight once, as wte
+        if id(piece.flat) in seen:  # the tied weight once, as wte (a pipeline stage's lm_head is a copy)
             continue
         seen.add(id(piece.flat))
         shape = list(piece.shape)

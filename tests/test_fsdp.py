@@ -192,9 +192,12 @@ def _parity_body(rank: int, world_size: int) -> dict:
     real_at_materialize = []  # (unit being materialised, units that held real parameters at that moment)
     original = fsdp_module.materialize_module
 
+    def unit_of(name: str) -> int:  # a whole GPT's units: 0 the root, i + 1 for transformer.h.i
+        return int(name.split(".")[2]) + 1 if name.startswith("transformer.h.") else 0
+
     def spy(module, prefix, *args, **kwargs):
-        held = {FSDP._unit_index(n) for n, p in meta_gpt.named_parameters() if not p.is_meta}
-        real_at_materialize.append((FSDP._unit_index(prefix + "."), held))
+        held = {unit_of(n) for n, p in meta_gpt.named_parameters() if not p.is_meta}
+        real_at_materialize.append((unit_of(prefix + "."), held))
         return original(module, prefix, *args, **kwargs)
 
     fsdp_module.materialize_module = spy
