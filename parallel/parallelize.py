@@ -5,7 +5,8 @@
     2. FSDP over mesh["dp"]                         (shards what is left; materialises one unit at a time)
     3. materialise whatever is still on meta        (deferred init: only the local slices of DTensors)
     4. DDP over mesh["dp"]                          (replicates: needs real values, broadcasts rank 0's)
-    5. the pipeline runner over mesh["pp"]          (runs the schedule through whatever 1-4 made)
+    5. the pipeline runner over mesh["pp"]          (runs the schedule through whatever 1-4 made: ours, or
+                                                     torch.distributed.pipelining's for "pytorch")
 
 Each step is an `apply_*` function looked up in `APPLY` by (implementation, what): "custom" are ours
 from this package, "pytorch" are PyTorch's own (DTensor `parallelize_module`, FSDP2 `fully_shard`,
@@ -31,7 +32,7 @@ from model import GPT, init_parameter, param_groups
 from parallel.comm import local
 from parallel.fsdp import FullyShardedDataParallel
 from parallel.grads import clip_grad_norm_
-from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
+from parallel.pipeline import PipelineRunner, PipelineStage, TorchPipelineRunner, embedding_group
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def apply_ddp_pytorch(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig
 
 
 APPLY: dict[tuple[str, str], Callable] = {
-    ("custom", "pp"): apply_pp_custom,
+    ("custom", "pp"): apply_pp_custom, ("pytorch", "pp"): apply_pp_custom,  # one cut; the runners differ
     ("custom", "tp"): apply_tp_custom, ("pytorch", "tp"): apply_tp_pytorch,
     ("custom", "fsdp"): apply_fsdp_custom, ("pytorch", "fsdp"): apply_fsdp_pytorch,
     ("custom", "ddp"): apply_ddp_custom, ("pytorch", "ddp"): apply_ddp_pytorch,
@@ -226,7 +227,8 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
     if dims.pp_enabled:
         pp_group = mesh["pp"].get_group()
         pipelines = mesh.mesh.permute(1, 2, 0).reshape(-1, dims.pp).tolist()  # every (dp, tp): its pp ranks
-        runner = PipelineRunner(stage, pp_group, embedding_group(pipelines),
+        runner_class = TorchPipelineRunner if impl == "pytorch" else PipelineRunner
+        runner = runner_class(stage, pp_group, embedding_group(pipelines),
                                 seq_shard=dims.tp if cfg.sequence_parallel else 1, device=device,
                                 **({"forward": model.run_chunk, "tied": model.tied_pieces()}
                                    if isinstance(model, FullyShardedDataParallel) else {}))

@@ -89,7 +89,8 @@ class PipelineStage(nn.Module):
 
     def forward_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk `chunk` on its input: token ids (B, T) for chunk 0, else the activation (B, T, C).
-        Returns the activation (B, T, C), or on the last chunk the mean cross-entropy against `targets`."""
+        Returns the activation (B, T, C), or on the last chunk the mean cross-entropy against `targets`
+        (the logits (B, T, V) without targets)."""
         t = self.transformer
         if chunk == 0:
             pos = torch.arange(x.shape[1], device=x.device)
@@ -98,7 +99,7 @@ class PipelineStage(nn.Module):
             x = t.h[str(i)](x)  # (B, T, C)
         if chunk == self.n_chunks - 1:
             logits = self.lm_head(t.ln_f(x))  # (B, T, V)
-            return self.loss_fn(logits, targets)
+            return logits if targets is None else self.loss_fn(logits, targets)
         return x
 
 
@@ -298,3 +299,78 @@ class PipelineRunner:
         """The global norm over `norm_items()` and the pp group (clipped at max_norm); returns it."""
         return clip_grad_norm_(self.norm_items(), max_norm,
                                across=self.group if self.group is not None else dist.group.WORLD)
+
+
+# ----------------------------------------------------------------------------- the PyTorch twin
+
+class TorchChunk(nn.Module):
+    """Global chunk `c` of a PipelineStage as the module torch.distributed.pipelining runs: it registers
+    only chunk c's modules (the stage's own objects, so gradients land in the stage) and computes
+    `stage.forward_chunk(c, x)`: the activation, or the logits on the last chunk (the schedule's loss_fn
+    takes them)."""
+
+    def __init__(self, stage: PipelineStage, c: int):
+        super().__init__()
+        t = stage.transformer
+        self.stage_ref, self.c = [stage], c  # in a list: not registered, the stage holds other chunks too
+        self.h = nn.ModuleList([t.h[str(i)] for i in stage.layers[c]])
+        if c == 0:
+            self.wte, self.wpe = t.wte, t.wpe
+        if c == stage.n_chunks - 1:
+            self.ln_f, self.lm_head = t.ln_f, stage.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stage_ref[0].forward_chunk(self.c, x)
+
+
+class TorchPipelineRunner(PipelineRunner):
+    """PipelineRunner's contract on torch.distributed.pipelining: PipelineStage per local chunk (the same
+    split), ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B. Shapes are given to torch (no shape
+    inference pass); the example tensors must require grad, or torch sends no gradient back
+    (pipelining/_utils.py derives the grad metadata from them). loss_fn is CE / M with scale_grads=False:
+    torch's default scale_grads=True divides every .grad by M after the step, which would also divide
+    gradient accumulated before it. The tied embedding is summed outside the schedule, as ours.
+    Evaluation (`forward_only`) is ours: torch's schedules run training steps."""
+
+    SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+    def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None, *args, **kw):
+        super().__init__(stage, group, *args, **kw)
+        self.chunk_modules = {c: TorchChunk(stage, c) for c in stage.chunks}
+        self._built: dict[tuple, object] = {}
+
+    def _schedule(self, name: str, M: int, mb: int, T: int):
+        key = (name, M, mb, T)
+        if key not in self._built:
+            from torch.distributed.pipelining import (PipelineStage as TorchStage, Schedule1F1B, ScheduleGPipe,
+                                                      ScheduleInterleaved1F1B)
+            st, meta = self.stage, torch.device("meta")
+            act = (mb, T // self.seq_shard, st.config.n_embd)
+            stages = []
+            for c in st.chunks:
+                x = torch.empty((mb, T), dtype=torch.long, device=meta) if c == 0 else \
+                    torch.empty(act, dtype=self.act_dtype, device=meta, requires_grad=True)
+                out = torch.empty((mb, T, st.config.vocab_size) if c == st.n_chunks - 1 else act,
+                                  dtype=self.act_dtype, device=meta, requires_grad=True)
+                stages.append(TorchStage(self.chunk_modules[c], c, st.n_chunks, self.device, input_args=x,
+                                         output_args=out, group=self.group))
+            loss_fn = lambda logits, y: st.loss_fn(logits, y) / M  # noqa: E731
+            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[name]
+            self._built[key] = cls(stages if name == "interleaved_1f1b" else stages[0], n_microbatches=M,
+                                   loss_fn=loss_fn, scale_grads=False)
+        return self._built[key]
+
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], schedule_name: str = "1f1b",
+             scale: Callable | None = None) -> torch.Tensor:
+        """As PipelineRunner.step, by torch's schedule: torch splits the concatenated batch along dim 0 into
+        M equal parts, which gives back exactly these micro-batches."""
+        if scale is not None:
+            raise ValueError("the torch pipelining twin has no loss-scaling hook (fp16 GradScaler); use bf16")
+        st, M = self.stage, len(micro_batches)
+        mb, T = micro_batches[0][0].shape
+        schedule = self._schedule(schedule_name, M, mb, T)
+        args = (torch.cat([x for x, _ in micro_batches]).to(self.device),) if st.first else ()
+        target = torch.cat([y for _, y in micro_batches]).to(self.device) if st.last else None
+        losses: list[torch.Tensor] = []
+        schedule.step(*args, target=target, losses=losses if st.last else None)
+        return torch.stack([x.detach() for x in losses]).sum() if st.last else torch.zeros((), device=self.device)
