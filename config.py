@@ -247,9 +247,10 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
         raise UsageError(f"--pp_schedule interleaved_1f1b needs the step's micro-batches M = total_batch_size / "
                          f"(micro_batch_size x seq_len x data_parallel_size) = {micro} to be a multiple of "
                          f"--pipeline_parallel_size {dims.pp} (Megatron's rule)")
-    if args.implementation == "pytorch" and (dims.dp_enabled or dims.tp_enabled):
-        raise UsageError("--implementation pytorch runs pipeline parallelism alone (torch.distributed.pipelining); "
-                         "its composition with torch's DDP / FSDP2 / DTensor TP is not wired yet")
+    if args.implementation == "pytorch" and (args.sequence_parallel or args.enable_loss_parallelism):
+        raise UsageError("--implementation pytorch with --pipeline_parallel_size > 1 runs DTensor TP without "
+                         "--sequence_parallel / --enable_loss_parallelism: their DTensor activations and logits "
+                         "are not plain tensors torch.distributed.pipelining can send or feed its loss_fn")
     if args.implementation == "pytorch" and args.dtype == "float16":
         raise UsageError("--implementation pytorch with --pipeline_parallel_size > 1 has no fp16 loss scaling "
                          "(torch's schedules compute the loss inside step()); use --dtype bfloat16")

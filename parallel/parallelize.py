@@ -32,7 +32,7 @@ from model import GPT, init_parameter, param_groups
 from parallel.comm import local
 from parallel.fsdp import FullyShardedDataParallel
 from parallel.grads import clip_grad_norm_
-from parallel.pipeline import PipelineRunner, PipelineStage, TorchPipelineRunner, embedding_group
+from parallel.pipeline import PipelineRunner, PipelineStage, TorchChunk, TorchPipelineRunner, embedding_group
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,14 @@ def apply_pp_custom(model: GPT, pp_mesh: DeviceMesh, cfg: ParallelConfig, device
     return PipelineStage(model, pp_mesh.get_local_rank(), pp_mesh.size(), cfg.pp_virtual), {}
 
 
+def apply_pp_pytorch(model: GPT, pp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
+    """The same cut, plus one module per local chunk (`TorchChunk`) for torch.distributed.pipelining's
+    PipelineStage: torch's DDP and FSDP2 then wrap those chunk modules, as torchtitan wraps its model chunks."""
+    stage = PipelineStage(model, pp_mesh.get_local_rank(), pp_mesh.size(), cfg.pp_virtual)
+    stage.chunk_modules = {c: TorchChunk(stage, c) for c in stage.chunks}
+    return stage, {}
+
+
 def apply_tp_custom(model: GPT, tp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
     """Our Megatron TP (parallel/tensor_parallel.py); on meta it materialises only this rank's shards."""
     from parallel.tensor_parallel import apply_tensor_parallel
@@ -148,7 +156,8 @@ def apply_tp_pytorch(model: GPT, tp_mesh: DeviceMesh, cfg: ParallelConfig, devic
 
     from parallel.tensor_parallel import pytorch_tp_plan
     parallelize_module(model, tp_mesh, pytorch_tp_plan(model, cfg.loss_parallel, cfg.sequence_parallel))
-    model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) over vocab: re-tie after the swap
+    if not isinstance(model, PipelineStage):  # a stage's lm_head is a copy of wte, not tied to it
+        model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) over vocab: re-tie after the swap
     return model, {"dtensor_loss_parallel": cfg.loss_parallel}
 
 
@@ -163,9 +172,11 @@ def apply_fsdp_pytorch(model: GPT, dp_mesh: DeviceMesh, cfg: ParallelConfig, dev
     """FSDP2: each Block one unit, the root (embeddings, ln_f) another, as ours."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype)
-    for block in model.transformer.h:
+    h = model.transformer.h
+    for block in (h.values() if isinstance(h, nn.ModuleDict) else h):
         fully_shard(block, mesh=dp_mesh, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    for root in getattr(model, "chunk_modules", {}).values() or [model]:  # a pipeline stage: each chunk
+        fully_shard(root, mesh=dp_mesh, mp_policy=mp)
     return model, {}
 
 
@@ -179,13 +190,16 @@ def apply_ddp_custom(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,
 def apply_ddp_pytorch(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
     from torch.nn.parallel import DistributedDataParallel
     sharded_as = localize_tp_params(model)
-    ddp = DistributedDataParallel(model, process_group=dp_mesh.get_group(),
-                                  device_ids=[device.index] if device.type == "cuda" else None)
-    return ddp, {"accumulate_locally": True, "replica_rank": dp_mesh.get_local_rank(), "sharded_as": sharded_as}
+    kw = {"process_group": dp_mesh.get_group(), "device_ids": [device.index] if device.type == "cuda" else None}
+    if isinstance(model, PipelineStage):  # each chunk its own DDP; torch's PipelineStage syncs on the last backward
+        model.chunk_modules = {c: DistributedDataParallel(m, **kw) for c, m in model.chunk_modules.items()}
+        return model, {"replica_rank": dp_mesh.get_local_rank(), "sharded_as": sharded_as}
+    return DistributedDataParallel(model, **kw), {"accumulate_locally": True, "replica_rank": dp_mesh.get_local_rank(),
+                                                  "sharded_as": sharded_as}
 
 
 APPLY: dict[tuple[str, str], Callable] = {
-    ("custom", "pp"): apply_pp_custom, ("pytorch", "pp"): apply_pp_custom,  # one cut; the runners differ
+    ("custom", "pp"): apply_pp_custom, ("pytorch", "pp"): apply_pp_pytorch,
     ("custom", "tp"): apply_tp_custom, ("pytorch", "tp"): apply_tp_pytorch,
     ("custom", "fsdp"): apply_fsdp_custom, ("pytorch", "fsdp"): apply_fsdp_pytorch,
     ("custom", "ddp"): apply_ddp_custom, ("pytorch", "ddp"): apply_ddp_pytorch,

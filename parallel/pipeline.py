@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from model import GPT, materialize_module
 from parallel import comm
@@ -284,7 +285,11 @@ class PipelineRunner:
         for w in self.tied:
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
-            comm.all_reduce(w.grad, group=self.embed_group)
+            if isinstance(w.grad, DTensor) and w.grad.placements != w.placements:
+                # DTensor TP leaves the embedding's gradient Replicate while its weight is Shard(0): take the
+                # weight's layout (a local slice), so both ends sum the same rows
+                w.grad = w.grad.redistribute(w.device_mesh, w.placements)
+            comm.all_reduce(comm.local(w.grad), group=self.embed_group)  # a DTensor (FSDP2, DTensor TP): its shard
 
     def norm_items(self, groups: dict[str, tuple] | None = None) -> list[tuple]:
         """Items for parallel.grads.clip_grad_norm_ (summed over the pp group with `across=`): each stage
@@ -336,8 +341,15 @@ class TorchPipelineRunner(PipelineRunner):
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None, *args, **kw):
         super().__init__(stage, group, *args, **kw)
-        self.chunk_modules = {c: TorchChunk(stage, c) for c in stage.chunks}
+        # the chunk modules torch runs: the stage's own when torch's DDP / FSDP2 wrapped them (parallelize)
+        self.chunk_modules = getattr(stage, "chunk_modules", None) or {c: TorchChunk(stage, c) for c in stage.chunks}
+        self.forward = self._forward_chunk
         self._built: dict[tuple, object] = {}
+
+    def _forward_chunk(self, c: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Through the chunk module, so its wrappers' hooks run (evaluation)."""
+        out = self.chunk_modules[c](x)
+        return out if targets is None or c != self.stage.n_chunks - 1 else self.stage.loss_fn(out, targets)
 
     def _schedule(self, name: str, M: int, mb: int, T: int):
         key = (name, M, mb, T)

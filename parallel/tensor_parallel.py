@@ -445,7 +445,8 @@ def pytorch_tp_plan(model: GPT, loss_parallel: bool, sequence_parallel: bool) ->
     if sp:
         plan["transformer.wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0),
                                                       use_local_output=False)
-    for i in range(len(model.transformer.h)):
+    h = model.transformer.h  # a GPT's ModuleList, or a pipeline stage's ModuleDict keyed by global index
+    for i in (h.keys() if isinstance(h, nn.ModuleDict) else range(len(h))):
         p = f"transformer.h.{i}"
         plan.update({f"{p}.attn.c_q": ColwiseParallel(), f"{p}.attn.c_k": ColwiseParallel(),
                      f"{p}.attn.c_v": ColwiseParallel(),
@@ -460,4 +461,5 @@ def pytorch_tp_plan(model: GPT, loss_parallel: bool, sequence_parallel: bool) ->
         plan["transformer.ln_f"] = SequenceParallel()
     plan["lm_head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                       use_local_output=not loss_parallel)
-    return plan
+    present = {name for name, _ in model.named_modules()}  # a pipeline stage holds only some of them
+    return {name: style for name, style in plan.items() if name in present}
