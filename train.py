@@ -27,6 +27,7 @@ from model import GPT
 from parallel import comm
 from parallel.grads import AgreeingGradScaler
 from parallel.mesh import init_distributed
+from parallel.pipeline_schedule import bubble_fraction
 from parallel.parallelize import Parallelized, parallelize
 
 
@@ -155,6 +156,10 @@ def train_step(t: Trainer, step: int) -> dict:
         m["comm_bytes"] = comm_bytes
     if t.scaler:
         m["loss_scale"] = t.scaler.get_scale()
+    if t.par.pipeline is not None and t.par.pipeline.timeline:  # ours records one (torch's schedules don't)
+        m["pp_idle_fraction"] = t.par.pipeline.idle_fraction()
+        m["pp_bubble_theory"] = bubble_fraction(plan.par.pp_schedule, plan.dims.pp, plan.grad_accum,
+                                                plan.par.pp_virtual)
     return m
 
 

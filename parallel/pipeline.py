@@ -234,6 +234,15 @@ class PipelineRunner:
         assert not stored and not act_in and not grad_out and not to_send, "schedule left work undone"
         return loss
 
+    def idle_fraction(self) -> float | None:
+        """This rank's share of the last step's span not spent in F or B (its bubble, plus waiting on
+        messages), from `timeline`; None before a step."""
+        if not self.timeline:
+            return None
+        busy = sum(end - start for a, start, end in self.timeline if a.kind in (F, B))
+        span = self.timeline[-1][2] - self.timeline[0][1]
+        return 1.0 - busy / span if span > 0 else 0.0
+
     @torch.no_grad()
     def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Each micro-batch's loss (evaluation): the chunks run in order, micro-batch after micro-batch, each
