@@ -162,6 +162,7 @@ def make_row(lay: Layout, runs: list[dict], setup: Setup) -> dict:
     theory_total = sum(theory.values())
     return {
         "layout": lay.name, "implementation": lay.implementation, "nproc": lay.nproc, "dp": lay.dp, "tp": lay.tp,
+        "pp": lay.pp,
         "status": bad[0] if bad else "ok",
         "tokens_per_sec": pick("tokens_per_sec"), "mfu": pick("mfu"), "step_time_ms": pick("step_time_ms"),
         "peak_memory_bytes": pick("peak_memory_bytes", max), "state_bytes": pick("state_bytes", max),
@@ -170,7 +171,7 @@ def make_row(lay: Layout, runs: list[dict], setup: Setup) -> dict:
         "comm_ratio": comm / theory_total if comm is not None and theory_total else None,
         "tokens_per_sec_runs": [r["summary"]["tokens_per_sec"] if r["summary"] else None for r in runs],
         "measured_steps": sum(s["measured_steps"] for s in ok),
-        "micro_batch_size": setup.micro_batch(lay.dp), "grad_accum": setup.grad_accum(lay.dp),
+        "micro_batch_size": setup.micro_batch(lay.dp, lay.pp), "grad_accum": setup.grad_accum(lay.dp, lay.pp),
         "model": setup.model, "seq_len": setup.seq_len, "global_batch_tokens": setup.global_batch_tokens,
         "device": setup.device, "peak_flops": setup.peak_flops,
         "out_dirs": [r["out_dir"] for r in runs], "seconds": sum(r["seconds"] for r in runs),
