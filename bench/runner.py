@@ -80,15 +80,16 @@ _EXC = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)(:|$)")
 
 def failure_line(output: str) -> str:
     """The line that says why a job failed: train.py's one-line error, else the first exception raised,
-    else the last line."""
+    else the last line. When train.py's error only says a peer rank was lost, the exception that rank
+    died of (if the log has it) says more."""
     lines = [re.sub(r"^\[(default|rank)\d*\]:\s*", "", ln).strip() for ln in output.splitlines()]
     lines = [ln for ln in lines if ln]
-    for ln in lines:
-        if "train.py: error:" in ln:
-            return ln.split("train.py: error:", 1)[1].strip()[:300]
-    for ln in lines:
-        if _EXC.match(ln) and "ChildFailedError" not in ln:
-            return ln[:300]
+    error = next((ln.split("train.py: error:", 1)[1].strip() for ln in lines if "train.py: error:" in ln), None)
+    exc = next((ln for ln in lines if _EXC.match(ln) and "ChildFailedError" not in ln), None)
+    if error is not None and not (exc and "peer rank was lost" in error):
+        return error[:300]
+    if exc is not None:
+        return exc[:300]
     return lines[-1][:300] if lines else "no output"
 
 

@@ -302,6 +302,13 @@ class TestSummary(unittest.TestCase):
         self.assertEqual(runner.failure_line(torchrun), "RuntimeError: boom on rank 1")
         self.assertEqual(runner.failure_line("train.py: error: --seq_len 9 exceeds\nmore"), "--seq_len 9 exceeds")
         self.assertEqual(runner.failure_line("just\nlast line\n"), "last line")
+        # a rank crashed and another reported the lost peer: the crash is the reason
+        lost = ("[rank0]: RuntimeError: aten.embedding.default got mixed torch.Tensor and DTensor\n"
+                "train.py: error: rank 6: a collective failed at step 0: a peer rank was lost or stalled\n")
+        self.assertEqual(runner.failure_line(lost), "RuntimeError: aten.embedding.default got mixed torch.Tensor "
+                                                    "and DTensor")
+        self.assertEqual(runner.failure_line(lost.split("\n", 1)[1]),
+                         "rank 6: a collective failed at step 0: a peer rank was lost or stalled")
 
 
 def fake_row(layout, impl, tps, comm=None, theory=100, status="ok", nproc=2, dp=2, tp=1, pp=1) -> dict:
