@@ -2,14 +2,20 @@
 
     python -m bench --quick --out out/bench            # tiny model, a few steps: minutes on 2 CPU cores
     python -m bench --out out/bench                    # `small` for longer: the numbers to publish
+    python -m bench --quick --include_pp --out out/bench  # also the pipeline layouts and schedules
     python -m bench --section out/bench                # the README "Results" snippet from bench.json
 
 Run it from the repository root. The matrix (bench/matrix.py) is single; ddp, fsdp and tp (tp with loss
 parallelism), each with `--implementation custom` and `pytorch`; and with >= 4 ranks 2d-ddp and 2d-fsdp
 (tp=2 x dp=N/2). Ranks are the GPUs present, or `--nproc` gloo ranks on CPU (2D: `--nproc 4`, or
-`--include_2d` for 4 ranks besides 2). Every layout trains the same model on the same global batch, each
-as its own job (bench/runner.py) under <out>/runs/. The micro-batch is rows/dp, capped at
---micro_batch_size on GPU (then gradient accumulation makes up the rest).
+`--include_2d` for 4 ranks besides 2). `--include_pp` adds the pipeline layouts pp, pp-dp, pp-tp and 3d
+(pp=2 alone, x dp=2, x tp=2, x dp=2 x tp=2: 2, 4, 4, 8 ranks; on GPU those that fit), 1F1B schedule, no
+loss parallelism (the pytorch twin refuses it under PP), and runs bench.pipeline once into <out>/pipeline/
+(P=2 on CPU, min(4, GPUs) on GPU; M=8, V=2): per-stage timelines, pipeline_timeline.png and the
+schedules' idle fraction measured against theory. Every layout trains the same model on the same global
+batch, each as its own job (bench/runner.py) under <out>/runs/. The micro-batch is rows/dp, capped at
+--micro_batch_size on GPU (then gradient accumulation makes up the rest); under PP it is also small
+enough that the step has M >= 2P micro-batches.
 
 Peak matmul FLOP/s is measured once (CPU: one thread, as torchrun gives each rank; GPU: the datasheet,
 see metrics.peak_flops) and passed to every job, so MFU is comparable. Throughput is the median
@@ -17,7 +23,8 @@ tokens/s over the steps after --warmup. Communication is what parallel/comm.COUN
 step (custom layouts only), next to theory from the formulas beside each parallelism (docs/benchmarks.md).
 
 Outputs in --out (bench/report.py): bench.json (one row per layout x implementation), bench_meta.json
-(command, machine), bench.md, results_section.md, and throughput.png, memory.png, comm_vs_world.png.
+(command, machine), bench.md, results_section.md, and throughput.png, memory.png, comm_vs_world.png;
+with --include_pp also pipeline/ (pipeline.json, pipeline.md, pipeline_timeline.png).
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from bench.matrix import LAYOUTS, Layout, Setup, fit_heads, matrix
+from bench.matrix import LAYOUTS, PP_LAYOUTS, Layout, Setup, fit_heads, matrix
 from bench import report, runner
 from config import Parser, UsageError, error_line
 from model import GPT, make_config
@@ -46,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--quick", action="store_true", help="tiny model, few steps: a few minutes on 2 CPU cores")
     a("--nproc", type=int, default=None, help="ranks (default: the GPUs present, or 2 on CPU)")
     a("--include_2d", action="store_true", help="CPU with < 4 ranks: also run the 2D layouts on 4 ranks")
+    a("--include_pp", action="store_true",
+      help="also the pipeline layouts (pp, pp-dp, pp-tp, 3d: 2/4/4/8 ranks) and bench.pipeline into <out>/pipeline")
     a("--peak_flops", type=float, default=None, help="per device (default: measured / datasheet once)")
     a("--layouts", default=None, help=f"comma list out of {','.join(LAYOUTS)}")
     a("--repeats", type=int, default=1)
@@ -63,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         unknown = set(args.layouts.split(",")) - set(LAYOUTS)
         if unknown:
             p.error(f"unknown layouts {sorted(unknown)}; choose from {','.join(LAYOUTS)}")
+        pp = [name for name in args.layouts.split(",") if name in PP_LAYOUTS]
+        if pp and not args.include_pp:
+            p.error(f"layouts {','.join(pp)} run only with --include_pp")
     if args.repeats < 1 or (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
         p.error("--repeats and --steps must be >= 1, --warmup >= 0")
     return args
@@ -108,6 +120,22 @@ def ensure_dataset(requested: str, out: str, vocab_size: int) -> str:
     return d
 
 
+def run_pipeline(out: str, pp: int, timeout: float, micro: int = 8, virtual: int = 2) -> dict:
+    """bench.pipeline's three schedules on `pp` ranks into `out` (pipeline_timeline.png, pipeline.md):
+    {pp, micro, virtual, dir, summary, rows} for bench.md, or {..., error} if the job failed (the layout
+    rows stand without it)."""
+    from bench import pipeline
+    info = {"pp": pp, "micro": micro, "virtual": virtual, "dir": "pipeline"}
+    print(f"[bench] bench.pipeline P={pp} M={micro} V={virtual} into {out}", flush=True)
+    try:
+        rows = pipeline.run(out, pp=pp, micro=micro, virtual=virtual, timeout=timeout)
+    except Exception as e:  # noqa: BLE001 -- the matrix's results are written whatever this job does
+        info["error"] = f"{type(e).__name__}: {e}"[:300]
+        print(f"[bench] bench.pipeline failed: {info['error']}", flush=True)
+        return info
+    return {**info, "summary": pipeline.summary(rows), "rows": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
@@ -127,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = runner.probe_machine(measure=args.peak_flops is None)
     gpu = machine["device"] == "cuda"
     nproc = args.nproc or (machine["count"] if gpu else 2)
-    layouts = matrix(nproc, gpu, args.include_2d, args.layouts.split(",") if args.layouts else None)
+    layouts = matrix(nproc, gpu, args.include_2d, args.layouts.split(",") if args.layouts else None,
+                     include_pp=args.include_pp)
     if not layouts:
         error_line("bench", "no layout left to run")
         return 2
@@ -151,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] {machine_desc}; peak {peak:.4g} FLOP/s per device; {len(layouts)} layouts; "
           f"{setup.model} {params / 1e6:.1f}M params, {setup.rows} x {setup.seq_len} tokens/step, "
           f"{setup.warmup}+{setup.steps} steps", flush=True)
+    if any(lay.pp > 1 for lay in layouts):
+        notes.append("PP layouts: 1F1B, M micro-batches per step (grad_accum column) with M >= 2P where the batch "
+                     "allows; theory for rank 0 = pipeline stage 0 (parallel.pipeline.p2p_bytes_per_step, the "
+                     "tied-embedding all-reduce, DDP and TP on stage 0's parameters and Blocks only)")
     rows = runner.run_matrix(layouts, setup, args.out, args.repeats, log=lambda s: print(s, flush=True))
     meta = {"command": shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
             "machine": machine_desc, "torch": torch.__version__,
@@ -159,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             "params": params, "config": asdict(setup.config), "steps": setup.steps, "warmup": setup.warmup,
             "repeats": args.repeats, "dataset": setup.dataset, "notes": notes,
             "wall_seconds": time.perf_counter() - t0}
+    if args.include_pp:
+        meta["pipeline"] = run_pipeline(os.path.join(args.out, "pipeline"), min(4, nproc) if gpu else 2,
+                                        setup.timeout)
+        meta["wall_seconds"] = time.perf_counter() - t0
     report.write_outputs(rows, meta, setup, args.out)
     print(f"[bench] wrote {args.out}/bench.json, bench.md, results_section.md "
           f"({meta['wall_seconds']:.0f} s)", flush=True)

@@ -1,7 +1,9 @@
 """Which layouts the bench runs, what they share, and how many bytes each should communicate.
 
 The communication formulas live beside the code they describe (parallel/ddp.py, parallel/fsdp.py,
-parallel/tensor_parallel.py); here they are only applied to a layout's parameter shard and batch.
+parallel/tensor_parallel.py, parallel/pipeline.py); here they are only applied to a layout's parameter
+shard and batch. The one exception is TP on a pipeline's first stage (`tp_first_stage_bytes_per_micro_step`),
+a cut of the TP formula that only the bench needs.
 """
 from __future__ import annotations
 
@@ -13,23 +15,27 @@ import torch
 from model import GPT, GPTConfig
 from parallel.ddp import ddp_comm_bytes_per_step
 from parallel.fsdp import fsdp_comm_bytes_per_micro_step
+from parallel.pipeline import p2p_bytes_per_step
+from parallel.pipeline_schedule import split_layers
 from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
 
-LAYOUTS = ("single", "ddp", "fsdp", "tp", "2d-ddp", "2d-fsdp")
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+PP_LAYOUTS = ("pp", "pp-dp", "pp-tp", "3d")  # pp=2 alone, x dp=2 (DDP), x tp=2, x dp=2 x tp=2
+LAYOUTS = ("single", "ddp", "fsdp", "tp", "2d-ddp", "2d-fsdp", *PP_LAYOUTS)
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One cell of the matrix: a layout name, an implementation and its (dp, tp) degrees."""
+    """One cell of the matrix: a layout name, an implementation and its (pp, dp, tp) degrees."""
     name: str            # one of LAYOUTS
     implementation: str  # "custom" | "pytorch" | "none" (single)
     dp: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def nproc(self) -> int:
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
     @property
     def dp_type(self) -> str | None:
@@ -45,15 +51,22 @@ class Layout:
         out = ["--implementation", self.implementation]
         if self.dp > 1:
             out += ["--data_parallel_size", str(self.dp), "--data_parallel_type", self.dp_type]
+        if self.pp > 1:  # the default 1f1b schedule
+            out += ["--pipeline_parallel_size", str(self.pp)]
         if self.tp > 1:
-            out += ["--tensor_parallel_size", str(self.tp), "--enable_loss_parallelism"]
+            out += ["--tensor_parallel_size", str(self.tp)]
+            if self.pp == 1:  # under PP the pytorch twin refuses it; both twins run the same layout without
+                out.append("--enable_loss_parallelism")
         if self.dp_type == "fsdp":
             out.append("--deferred_init")  # materialise only this rank's shard, as one would at scale
         return out
 
 
-def matrix(nproc: int, on_gpu: bool, include_2d: bool, wanted: list[str] | None = None) -> list[Layout]:
-    """The layouts to run, in order; 2D (tp=2 x dp=N/2) needs >= 4 ranks (on CPU: 4 with --include_2d)."""
+def matrix(nproc: int, on_gpu: bool, include_2d: bool, wanted: list[str] | None = None,
+           include_pp: bool = False) -> list[Layout]:
+    """The layouts to run, in order; 2D (tp=2 x dp=N/2) needs >= 4 ranks (on CPU: 4 with --include_2d).
+    include_pp: also pp, pp-dp, pp-tp and 3d (pp=2; 2, 4, 4 and 8 ranks), on GPU only those that fit in
+    the nproc GPUs present."""
     lays = [Layout("single", "none")]
     if nproc >= 2:
         for name, dp, tp in (("ddp", nproc, 1), ("fsdp", nproc, 1), ("tp", 1, nproc)):
@@ -62,6 +75,10 @@ def matrix(nproc: int, on_gpu: bool, include_2d: bool, wanted: list[str] | None 
     if n2d and n2d % 2 == 0:
         for name in ("2d-ddp", "2d-fsdp"):
             lays += [Layout(name, impl, dp=n2d // 2, tp=2) for impl in ("custom", "pytorch")]
+    if include_pp:
+        for name, dp, tp in zip(PP_LAYOUTS, (1, 2, 1, 2), (1, 1, 2, 2)):
+            if not on_gpu or 2 * dp * tp <= nproc:
+                lays += [Layout(name, impl, dp=dp, tp=tp, pp=2) for impl in ("custom", "pytorch")]
     if wanted:
         lays = [lay for lay in lays if lay.name in wanted]
     return lays
@@ -88,19 +105,24 @@ class Setup:
     def global_batch_tokens(self) -> int:
         return self.rows * self.seq_len
 
-    def micro_batch(self, dp: int) -> int:
-        """The largest divisor of rows/dp that is <= micro_cap."""
+    def micro_batch(self, dp: int, pp: int = 1) -> int:
+        """The largest divisor of rows/dp that is <= micro_cap; under PP (pp > 1) also small enough that
+        the step has M = rows/(dp*mb) >= 2*pp micro-batches, so the 1F1B bubble (P-1)/(M+P-1) stays
+        below 1/3 (1 when rows/dp < 2*pp: as many micro-batches as there are rows)."""
         per_rank = self.rows // dp
-        return max(d for d in range(1, min(per_rank, self.micro_cap) + 1) if per_rank % d == 0)
+        fits = [d for d in range(1, min(per_rank, self.micro_cap) + 1) if per_rank % d == 0
+                and (pp == 1 or per_rank // d >= 2 * pp)]
+        return max(fits, default=1)
 
-    def grad_accum(self, dp: int) -> int:
-        return self.rows // (dp * self.micro_batch(dp))
+    def grad_accum(self, dp: int, pp: int = 1) -> int:
+        """Micro-steps per optimizer step; under PP the pipeline's micro-batches M."""
+        return self.rows // (dp * self.micro_batch(dp, pp))
 
     def train_args(self, lay: Layout, out_dir: str) -> list[str]:
         c = self.config
         return ["--model", self.model, "--n_layer", str(c.n_layer), "--n_head", str(c.n_head),
                 "--n_embd", str(c.n_embd), "--dataset", self.dataset, "--seq_len", str(self.seq_len),
-                "--micro_batch_size", str(self.micro_batch(lay.dp)),
+                "--micro_batch_size", str(self.micro_batch(lay.dp, lay.pp)),
                 "--total_batch_size", str(self.global_batch_tokens),
                 "--max_steps", str(self.warmup + self.steps), "--warmup_steps", "1",
                 "--eval_interval", str(self.warmup + self.steps + 1), "--eval_iters", "1",
@@ -120,18 +142,23 @@ def fit_heads(config: GPTConfig, tp: int) -> GPTConfig:
 
 # ----------------------------------------------------------------------------- theory
 
-def param_count(config: GPTConfig, tp: int = 1, root_only: bool = False) -> int:
+def param_count(config: GPTConfig, tp: int = 1, root_only: bool = False, first_stage_of: int = 1) -> int:
     """Parameters one rank holds under Megatron TP (tp=1: all of them, the tied weight counted once).
 
     Split over the tp ranks: the vocab (wte = lm_head), column-parallel weights and biases (c_q, c_k, c_v,
     mlp.c_fc) and row-parallel weights (attn.c_proj, mlp.c_proj). Replicated: LayerNorms, the position
     embedding and the row-parallel biases. root_only: just the parameters outside the Blocks (FSDP's root
-    unit: wte = lm_head, wpe, ln_f)."""
+    unit: wte = lm_head, wpe, ln_f). first_stage_of=P > 1: just pipeline stage 0's of a P-stage cut
+    (wte, wpe and the Blocks of split_layers' first chunk; ln_f and lm_head's copy live on the last)."""
     with torch.device("meta"):
         model = GPT(config)
+    first = split_layers(config.n_layer, first_stage_of)[0] if first_stage_of > 1 else None
     total = 0
-    for name, p in model.named_parameters():  # named_parameters yields the tied weight once
+    for name, p in model.named_parameters():  # named_parameters yields the tied weight once (as wte)
         if root_only and name.startswith("transformer.h."):
+            continue
+        if first is not None and not (name.startswith(("transformer.wte.", "transformer.wpe."))
+                                      or (name.startswith("transformer.h.") and int(name.split(".")[2]) in first)):
             continue
         replicated = ".ln_" in name or "ln_f" in name or "wpe" in name or name.endswith("c_proj.bias")
         total += p.numel() if replicated else p.numel() // tp
@@ -145,8 +172,11 @@ def _add(out: dict[str, int], by_kind: dict[str, int], times: int = 1) -> dict[s
 
 
 def comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
-    """Payload bytes per rank per optimizer step for this layout, by kind: the DP formula on this rank's
-    TP shard of the parameters (Ψ/tp, roughly) plus the TP formula, per micro-step terms times grad_accum."""
+    """Payload bytes per rank (global rank 0) per optimizer step for this layout, by kind: the DP formula
+    on this rank's TP shard of the parameters (Ψ/tp, roughly) plus the TP formula, per micro-step terms
+    times grad_accum. Under PP rank 0 is pipeline stage 0: see `pp_comm_theory`."""
+    if lay.pp > 1:
+        return pp_comm_theory(lay, setup)
     out = dict.fromkeys(KINDS, 0)
     A = setup.grad_accum(lay.dp)
     psi = param_count(setup.config, lay.tp)
@@ -161,6 +191,51 @@ def comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
                                                dtype_bytes=setup.dtype_bytes, residual_bytes=setup.residual_bytes),
              A)
     return out
+
+
+def pp_comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
+    """Payload bytes global rank 0 (pipeline stage 0 of P, dp rank 0, tp rank 0) sends per optimizer step
+    under the 1F1B pipeline with M micro-batches of mb rows (the step's micro-steps):
+    - p2p: stage 0 sends each micro-batch's output activation (mb, T, C) forward and receives (uncounted)
+      its gradient: parallel.pipeline.p2p_bytes_per_step; the residual stream, so residual_bytes each;
+    - all-reduce of the tied embedding's gradient over [first stage, last stage]: this rank's wte shard
+      (V/tp x C), fp32, once per step;
+    - DDP: one all-reduce of stage 0's parameters (its TP shard) per step, after the last micro-batch;
+    - TP: `tp_first_stage_bytes_per_micro_step` times M."""
+    c, T = setup.config, setup.seq_len
+    mb, M = setup.micro_batch(lay.dp, lay.pp), setup.grad_accum(lay.dp, lay.pp)
+    out = dict.fromkeys(KINDS, 0)
+    out["p2p"] = p2p_bytes_per_step(lay.pp, 1, 0, M, (mb, T, c.n_embd), setup.residual_bytes)
+    out["all_reduce"] += c.vocab_size // lay.tp * c.n_embd * 4
+    if lay.dp_type == "ddp":
+        _add(out, ddp_comm_bytes_per_step(param_count(c, lay.tp, first_stage_of=lay.pp), lay.dp))
+    elif lay.dp_type is not None:
+        raise ValueError(f"no PP theory for dp_type {lay.dp_type!r}")
+    if lay.tp > 1:
+        blocks = len(split_layers(c.n_layer, lay.pp)[0])
+        _add(out, tp_first_stage_bytes_per_micro_step(c, blocks, mb, T, lay.tp, setup.dtype_bytes,
+                                                      setup.residual_bytes), M)
+    return out
+
+
+def tp_first_stage_bytes_per_micro_step(config: GPTConfig, blocks: int, B: int, T: int, tp: int,
+                                        dtype_bytes: int = 4, residual_bytes: int = 4) -> dict[str, int]:
+    """TP bytes one rank of pipeline stage 0 (wte, wpe and `blocks` Blocks) records per micro-batch,
+    without sequence parallelism.
+
+    tp_comm_bytes_per_micro_step counts, for the whole model, the f of 2L+1 region entries, the g of 2L
+    exits plus the embedding's, and the loss. Stage 0 runs only some of those modules, and each costs the
+    same there as in the whole model (its input is the full (B, T, C) activation on every tp rank):
+    - entries: ln_1 and ln_2 of each of its Blocks, f's backward all-reduce of A(residual): 2·L0 of them.
+      ln_f is on the last stage;
+    - exits: attn.c_proj and mlp.c_proj of each Block, g's forward all-reduce of A(dtype): 2·L0; and the
+      vocab-parallel embedding's g, A(residual);
+    - no loss term: the loss (vocab-parallel or not) is computed on the last stage.
+    With A(b) = B·T·C·b. tp == 1: nothing."""
+    if tp == 1:
+        return {"all_reduce": 0}
+    A = B * T * config.n_embd
+    return {"all_reduce": 2 * blocks * A * residual_bytes + 2 * blocks * A * dtype_bytes + A * residual_bytes}
 
 
 def comm_curves(setup: Setup, world: list[int]) -> dict[str, list[dict[str, int]]]:

@@ -1,5 +1,7 @@
 """What a bench run writes: bench.json and bench_meta.json, bench.md (tables and notes), the README
-results snippet, and the plots (throughput, memory, communication vs world size)."""
+results snippet, and the plots (throughput, memory, communication vs world size). With --include_pp,
+bench.md and the snippet also carry bench.pipeline's idle fraction measured vs theory and link its
+pipeline/pipeline_timeline.png."""
 from __future__ import annotations
 
 import json
@@ -24,19 +26,21 @@ def _impl(row: dict) -> str:
 
 
 def _ranks(row: dict) -> str:
+    if row.get("pp", 1) > 1:
+        return f"{row['nproc']} (pp{row['pp']}×dp{row['dp']}×tp{row['tp']})"
     return f"{row['nproc']} ({row['dp']}×{row['tp']})"
 
 
 def _kinds(d: dict | None) -> str:
     if not d:
         return "—"
-    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}
+    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC", "p2p": "P2P"}
     parts = [f"{short.get(k, k)} {v / MiB:,.2f}" for k, v in d.items() if v]
     return " / ".join(parts) or "0"
 
 
 def results_table(rows: list[dict]) -> str:
-    head = ("| layout | impl | ranks (dp×tp) | tokens/s | MFU | peak mem/rank (MiB) | state/rank (MiB) "
+    head = ("| layout | impl | ranks (dp×tp; PP: pp×dp×tp) | tokens/s | MFU | peak mem/rank (MiB) | state/rank (MiB) "
             "| comm/step measured (MiB) | by kind (MiB) | theory (MiB) | theory by kind (MiB) | measured/theory "
             "| status |\n|---|---|---|---:|---:|---:|---:|---:|---|---:|---|---:|---|")
     lines = [head]
@@ -91,12 +95,15 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         "- comm: payload bytes rank 0's wrappers sent per optimizer step (parallel/comm.py), median; PyTorch "
         "layouts bypass our counter (—). Theory: DDP Ψ per step; FSDP per micro-step all-gather 2Ψ_blocks + "
         f"Ψ_root and reduce-scatter Ψ; TP per {TP_SOURCE}; 2D: the DP term on this rank's TP shard of Ψ plus "
-        "the TP term.",
+        "the TP term; PP (rank 0 = stage 0): P2P the M activations it sends forward, AR the tied-embedding "
+        "gradient (wte's shard) plus DDP on stage 0's parameters and TP on its Blocks and embedding "
+        "(bench.matrix.pp_comm_theory).",
     ]
     if meta.get("notes"):
         notes += [f"- {n}" for n in meta["notes"]]
     plots = "".join(f"![{p}]({p}.png)\n" for p in ("throughput", "memory", "comm_vs_world")
                     if p in meta.get("plots", []))
+    pipeline = pipeline_markdown(meta["pipeline"]) if meta.get("pipeline") else ""
     return "\n".join([
         "# Parallel layouts benchmark", "",
         setup_line(rows, meta) + ".", "",
@@ -106,8 +113,31 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
         f"wall time {meta.get('wall_seconds', 0):.0f} s.", "",
         results_table(rows), "",
         "Custom / PyTorch throughput:", "", ratio_table(rows), "",
-        *notes, "", plots,
+        *notes, "", plots, pipeline,
     ])
+
+
+def _pipeline_title(info: dict) -> str:
+    return (f"Pipeline schedules (`python -m bench.pipeline`, P={info['pp']}, M={info['micro']}, "
+            f"V={info['virtual']} for interleaved)")
+
+
+def pipeline_markdown(info: dict) -> str:
+    """bench.md's pipeline section: per schedule idle measured vs theory, span and saved activations, and
+    the timeline plot; or why bench.pipeline failed."""
+    lines = [f"## {_pipeline_title(info)}", ""]
+    if "error" in info:
+        return "\n".join(lines + [f"failed: {info['error']}", ""])
+    lines += ["| schedule | idle measured (all ranks) | idle theory | span (ms) | peak saved/rank (MiB) |",
+              "|---|---:|---:|---:|---:|"]
+    for name, s in info["summary"].items():
+        lines.append(f"| {name} | {s['idle_fraction']:.3f} | {s['idle_theory']:.3f} | {1e3 * s['span_s']:.1f} "
+                     f"| {s['peak_saved_bytes_max'] / MiB:.2f} |")
+    lines += ["", "Idle theory is the bubble (P-1)/(M+P-1), interleaved (P-1)/(V·M+P-1), for equal stages and free messages; measured idle "
+              "also holds stage imbalance, p2p latency and core contention. Per-rank table: "
+              f"[{info['dir']}/pipeline.md]({info['dir']}/pipeline.md).", "",
+              f"![pipeline_timeline]({info['dir']}/pipeline_timeline.png)", ""]
+    return "\n".join(lines)
 
 
 def render_section(rows: list[dict], meta: dict | None = None) -> str:
@@ -130,7 +160,14 @@ def render_section(rows: list[dict], meta: dict | None = None) -> str:
         lines += ["", "Custom / PyTorch tokens/s: " + ", ".join(f"{p['layout']} {p['ratio']:.2f}" for p in pairs) + "."]
     lines += ["", "Comm is the payload our wrappers sent per optimizer step on rank 0 (parallel/comm.py) against "
               "theory (DDP Ψ, FSDP 2Ψ_blocks + Ψ_root all-gather and Ψ reduce-scatter per micro-step, TP per the "
-              "Megatron formula); PyTorch's collectives are not counted."]
+              "Megatron formula, PP: stage 0's activations sent, tied-embedding all-reduce, and DDP/TP on stage 0 "
+              "alone); PyTorch's collectives are not counted."]
+    info = (meta or {}).get("pipeline")
+    if info and "summary" in info:
+        idle = ", ".join(f"{name} {s['idle_fraction']:.2f} ({s['idle_theory']:.2f})"
+                         for name, s in info["summary"].items())
+        lines += ["", f"{_pipeline_title(info)}: idle fraction measured (theory) {idle}; timelines in "
+                  f"{info['dir']}/pipeline_timeline.png."]
     return "\n".join(lines) + "\n"
 
 
@@ -182,14 +219,16 @@ def write_plots(rows: list[dict], setup: Setup, out: str) -> list[str]:
 
     world = list(range(2, 17))
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    style = {"ddp": "tab:blue", "fsdp": "tab:green", "tp": "tab:red", "2d-ddp": "tab:purple", "2d-fsdp": "tab:brown"}
-    for name, ds in comm_curves(setup, world).items():
+    style = {"ddp": "tab:blue", "fsdp": "tab:green", "tp": "tab:red", "2d-ddp": "tab:purple", "2d-fsdp": "tab:brown",
+             "pp": "tab:olive", "pp-dp": "tab:cyan", "pp-tp": "tab:pink", "3d": "black"}
+    curves = comm_curves(setup, world)
+    for name, ds in curves.items():
         ax.plot(world, [sum(d.values()) / MiB for d in ds], color=style[name], label=f"{name} theory (payload)")
         ax.plot(world, [ring_bytes(d, n) / MiB for d, n in zip(ds, world)], color=style[name], ls="--", lw=0.8,
                 label=f"{name} theory (ring bytes sent)")
     for r in rows:
         if r["implementation"] == "custom" and r["layout"] in style:
-            if r["layout"].startswith("2d"):
+            if r["layout"] not in curves:  # a point of its own, no curve: 2D and the PP layouts
                 ax.scatter([r["nproc"]], [r["comm_theory_bytes"] / MiB], facecolors="none",
                            edgecolors=style[r["layout"]], s=60, label=f"{r['layout']} theory")
             if r["comm_bytes"] is not None:

@@ -80,15 +80,16 @@ _EXC = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)(:|$)")
 
 def failure_line(output: str) -> str:
     """The line that says why a job failed: train.py's one-line error, else the first exception raised,
-    else the last line."""
+    else the last line. When train.py's error only says a peer rank was lost, the exception that rank
+    died of (if the log has it) says more."""
     lines = [re.sub(r"^\[(default|rank)\d*\]:\s*", "", ln).strip() for ln in output.splitlines()]
     lines = [ln for ln in lines if ln]
-    for ln in lines:
-        if "train.py: error:" in ln:
-            return ln.split("train.py: error:", 1)[1].strip()[:300]
-    for ln in lines:
-        if _EXC.match(ln) and "ChildFailedError" not in ln:
-            return ln[:300]
+    error = next((ln.split("train.py: error:", 1)[1].strip() for ln in lines if "train.py: error:" in ln), None)
+    exc = next((ln for ln in lines if _EXC.match(ln) and "ChildFailedError" not in ln), None)
+    if error is not None and not (exc and "peer rank was lost" in error):
+        return error[:300]
+    if exc is not None:
+        return exc[:300]
     return lines[-1][:300] if lines else "no output"
 
 
@@ -162,6 +163,7 @@ def make_row(lay: Layout, runs: list[dict], setup: Setup) -> dict:
     theory_total = sum(theory.values())
     return {
         "layout": lay.name, "implementation": lay.implementation, "nproc": lay.nproc, "dp": lay.dp, "tp": lay.tp,
+        "pp": lay.pp,
         "status": bad[0] if bad else "ok",
         "tokens_per_sec": pick("tokens_per_sec"), "mfu": pick("mfu"), "step_time_ms": pick("step_time_ms"),
         "peak_memory_bytes": pick("peak_memory_bytes", max), "state_bytes": pick("state_bytes", max),
@@ -170,7 +172,7 @@ def make_row(lay: Layout, runs: list[dict], setup: Setup) -> dict:
         "comm_ratio": comm / theory_total if comm is not None and theory_total else None,
         "tokens_per_sec_runs": [r["summary"]["tokens_per_sec"] if r["summary"] else None for r in runs],
         "measured_steps": sum(s["measured_steps"] for s in ok),
-        "micro_batch_size": setup.micro_batch(lay.dp), "grad_accum": setup.grad_accum(lay.dp),
+        "micro_batch_size": setup.micro_batch(lay.dp, lay.pp), "grad_accum": setup.grad_accum(lay.dp, lay.pp),
         "model": setup.model, "seq_len": setup.seq_len, "global_batch_tokens": setup.global_batch_tokens,
         "device": setup.device, "peak_flops": setup.peak_flops,
         "out_dirs": [r["out_dir"] for r in runs], "seconds": sum(r["seconds"] for r in runs),

@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 import unittest
+from dataclasses import replace
 from unittest import mock
 
 import bench.__main__ as cli
@@ -72,14 +73,16 @@ class TestTheory(unittest.TestCase):
         for cap in (8, 1):  # grad_accum 1, then 4
             s = make_setup(micro_cap=cap)
             theory = comm_theory(Layout("ddp", "custom", dp=2), s)
-            self.assertEqual(theory, {"all_reduce": psi_by_hand(CFG), "all_gather": 0, "reduce_scatter": 0})
+            self.assertEqual(theory, {"all_reduce": psi_by_hand(CFG), "all_gather": 0, "reduce_scatter": 0,
+                                      "p2p": 0})
 
     def test_fsdp_is_three_psi_less_the_root_per_micro_step(self):
         psi, root = psi_by_hand(CFG), fsdp_root_by_hand(CFG)
         s = make_setup(micro_cap=2)  # 8 rows over dp=2: micro 2, grad_accum 2
         self.assertEqual((s.micro_batch(2), s.grad_accum(2)), (2, 2))
         theory = comm_theory(Layout("fsdp", "custom", dp=2), s)
-        self.assertEqual(theory, {"all_reduce": 0, "all_gather": (2 * psi - root) * 2, "reduce_scatter": psi * 2})
+        self.assertEqual(theory, {"all_reduce": 0, "all_gather": (2 * psi - root) * 2, "reduce_scatter": psi * 2,
+                                  "p2p": 0})
 
     def test_fsdp_formula_without_reshard_and_in_bf16(self):
         from parallel.fsdp import fsdp_comm_bytes_per_micro_step as fsdp
@@ -92,7 +95,8 @@ class TestTheory(unittest.TestCase):
     def test_tp_is_megatron(self):
         s = make_setup()  # 8 rows, dp=1: micro 8, grad_accum 1
         theory = comm_theory(Layout("tp", "custom", tp=2), s)
-        self.assertEqual(theory, {"all_reduce": tp_by_hand(CFG, 8, 8), "all_gather": 0, "reduce_scatter": 0})
+        self.assertEqual(theory, {"all_reduce": tp_by_hand(CFG, 8, 8), "all_gather": 0, "reduce_scatter": 0,
+                                  "p2p": 0})
         # (4L + 2) activations of 8*8*16 fp32 plus 3 fp32 per token, with L = 2
         self.assertEqual(tp_by_hand(CFG, 8, 8), (4 * 2 + 2) * 8 * 8 * 16 * 4 + 3 * 8 * 8 * 4)
         s = make_setup(micro_cap=2)  # micro 2, grad_accum 4: the per-micro-step count four times
@@ -108,10 +112,11 @@ class TestTheory(unittest.TestCase):
         s = make_setup()  # 8 rows, dp=2: micro 4, grad_accum 1
         tp = tp_by_hand(CFG, 4, 8)
         ddp = comm_theory(Layout("2d-ddp", "custom", dp=2, tp=2), s)
-        self.assertEqual(ddp, {"all_reduce": psi_by_hand(CFG, 2) + tp, "all_gather": 0, "reduce_scatter": 0})
+        self.assertEqual(ddp, {"all_reduce": psi_by_hand(CFG, 2) + tp, "all_gather": 0, "reduce_scatter": 0,
+                               "p2p": 0})
         fsdp = comm_theory(Layout("2d-fsdp", "custom", dp=2, tp=2), s)
         self.assertEqual(fsdp, {"all_reduce": tp, "all_gather": 2 * psi_by_hand(CFG, 2) - fsdp_root_by_hand(CFG, 2),
-                                "reduce_scatter": psi_by_hand(CFG, 2)})
+                                "reduce_scatter": psi_by_hand(CFG, 2), "p2p": 0})
 
     def test_comm_curves(self):
         from bench.matrix import comm_curves
@@ -123,6 +128,56 @@ class TestTheory(unittest.TestCase):
         # TP alone: the whole batch (B = 8) on every rank, so the payload does not depend on N
         self.assertEqual(curves["tp"], [{"all_reduce": tp_by_hand(CFG, 8, 8), "all_gather": 0,
                                          "reduce_scatter": 0}] * 2)
+
+
+class TestPipelineTheory(unittest.TestCase):
+    """Rank 0 under PP is pipeline stage 0 of 2: with CFG's 2 Blocks it holds wte (128 x 16 = 2048), wpe
+    (32 x 16 = 512) and Block 0 (12C^2 + 13C = 3280 elements; 1688 of them on a tp=2 rank: the 3184 of
+    q/k/v, c_fc and the two c_proj weights halved, plus 96 replicated: ln_1, ln_2 and the c_proj biases).
+    8 rows of T=8: dp=1 gives micro-batch 2 and M=4; dp=2 micro-batch 1 and M=4 (M >= 2P either way).
+    Expected bytes are written out here, not computed by the bench's functions."""
+
+    def theory(self, name: str, dp: int = 1, tp: int = 1, **kw) -> dict[str, int]:
+        return comm_theory(Layout(name, "custom", dp=dp, tp=tp, pp=2), make_setup(**kw))
+
+    def test_pp_alone(self):
+        # p2p: 4 micro-batches x (2, 8, 16) fp32 sent forward; AR: wte's 2048 fp32 gradient over [first, last]
+        self.assertEqual(self.theory("pp"), {"all_reduce": 2048 * 4, "all_gather": 0, "reduce_scatter": 0,
+                                             "p2p": 4 * 2 * 8 * 16 * 4})
+
+    def test_pp_dp(self):
+        # DDP all-reduces stage 0's 2048 + 512 + 3280 = 5840 parameters once per step, besides the tied one
+        self.assertEqual(self.theory("pp-dp", dp=2), {"all_reduce": 2048 * 4 + 5840 * 4, "all_gather": 0,
+                                                      "reduce_scatter": 0, "p2p": 4 * 1 * 8 * 16 * 4})
+
+    def test_pp_tp(self):
+        # per micro-batch A = 2 x 8 x 16 = 256 elements, all-reduced 5 times on stage 0: ln_1 and ln_2
+        # (backward), attn.c_proj and mlp.c_proj (forward), the embedding (forward); no ln_f, no loss
+        self.assertEqual(self.theory("pp-tp", tp=2), {"all_reduce": 1024 * 4 + 4 * 5 * 256 * 4, "all_gather": 0,
+                                                      "reduce_scatter": 0, "p2p": 4 * 2 * 8 * 16 * 4})
+
+    def test_3d(self):
+        # tied: wte's shard 1024; DDP: the stage's TP shard 1024 + 512 + 1688 = 3224; TP: 5 x A = 5 x 128
+        self.assertEqual(self.theory("3d", dp=2, tp=2),
+                         {"all_reduce": 1024 * 4 + 3224 * 4 + 4 * 5 * 128 * 4, "all_gather": 0,
+                          "reduce_scatter": 0, "p2p": 4 * 1 * 8 * 16 * 4})
+
+    def test_odd_layer_count_puts_the_extra_block_on_stage_0(self):
+        # 3 Blocks over 2 stages: [0, 1] and [2], so stage 0 all-reduces 2 x 2 + 1 = 9 activations per micro-batch
+        c3 = replace(CFG, n_layer=3)
+        self.assertEqual(self.theory("pp-tp", tp=2, config=c3)["all_reduce"], 1024 * 4 + 4 * 9 * 256 * 4)
+        # and DDP holds 2048 + 512 + 2 x 3280 parameters
+        self.assertEqual(self.theory("pp-dp", dp=2, config=c3)["all_reduce"], 2048 * 4 + (2560 + 6560) * 4)
+
+    def test_autocast_halves_only_the_matmul_exits(self):
+        # bf16: attn.c_proj and mlp.c_proj outputs 2 bytes; the embedding, ln entries and activations sent stay fp32
+        theory = self.theory("pp-tp", tp=2, dtype_bytes=2)
+        self.assertEqual(theory["all_reduce"], 1024 * 4 + 4 * (3 * 256 * 4 + 2 * 256 * 2))
+        self.assertEqual(theory["p2p"], 4 * 2 * 8 * 16 * 4)
+
+    def test_stage_0_parameters(self):
+        self.assertEqual(param_count(CFG, first_stage_of=2), 2048 + 512 + 3280)
+        self.assertEqual(param_count(CFG, tp=2, first_stage_of=2), 1024 + 512 + 1688)
 
 
 class TestMatrix(unittest.TestCase):
@@ -148,6 +203,47 @@ class TestMatrix(unittest.TestCase):
                      "--eval_iters 1", "--total_batch_size 64", "--micro_batch_size 4", "--implementation custom"):
             self.assertIn(flag, joined)
         self.assertNotIn("--implementation", " ".join(s.train_args(Layout("single", "none"), "/x")))
+
+    def test_pp_layouts(self):
+        pp = lambda lays: [(lay.key, lay.nproc, lay.pp, lay.dp, lay.tp) for lay in lays if lay.pp > 1]  # noqa: E731
+        self.assertEqual(pp(matrix(2, on_gpu=False, include_2d=False)), [])
+        expected = [(f"{name}-{impl}", 2 * dp * tp, 2, dp, tp)
+                    for name, dp, tp in (("pp", 1, 1), ("pp-dp", 2, 1), ("pp-tp", 1, 2), ("3d", 2, 2))
+                    for impl in ("custom", "pytorch")]
+        self.assertEqual(pp(matrix(2, on_gpu=False, include_2d=False, include_pp=True)), expected)
+        # on GPU only what fits on the GPUs present: 4 GPUs leave out the 8-rank 3d, 2 GPUs keep pp alone
+        self.assertEqual(pp(matrix(4, on_gpu=True, include_2d=False, include_pp=True)), expected[:6])
+        self.assertEqual(pp(matrix(2, on_gpu=True, include_2d=False, include_pp=True)), expected[:2])
+        self.assertEqual(pp(matrix(8, on_gpu=True, include_2d=False, include_pp=True)), expected)
+        self.assertEqual([lay.key for lay in matrix(2, False, False, ["3d"], include_pp=True)],
+                         ["3d-custom", "3d-pytorch"])
+
+    def test_pp_flags(self):
+        s = make_setup()
+        for lay in matrix(2, False, False, ["pp", "pp-dp", "pp-tp", "3d"], include_pp=True):
+            args = s.train_args(lay, "/x")
+            self.assertEqual(args[args.index("--pipeline_parallel_size") + 1], "2")
+            self.assertEqual(args[args.index("--implementation") + 1], lay.implementation)
+            self.assertNotIn("--enable_loss_parallelism", args, lay.key)  # the pytorch twin refuses it under PP
+            self.assertNotIn("--pp_schedule", args)  # the default, 1f1b
+            self.assertEqual("--tensor_parallel_size" in args, lay.tp == 2, lay.key)
+            if lay.dp == 2:
+                self.assertIn("--data_parallel_size 2 --data_parallel_type ddp", " ".join(args))
+        # without PP the TP layouts keep loss parallelism
+        self.assertIn("--enable_loss_parallelism", s.train_args(Layout("tp", "pytorch", tp=2), "/x"))
+
+    def test_pp_micro_batches(self):
+        s = make_setup()  # 8 rows, micro_cap 8
+        self.assertEqual((s.micro_batch(1), s.grad_accum(1)), (8, 1))  # without PP: unchanged
+        self.assertEqual((s.micro_batch(1, pp=2), s.grad_accum(1, pp=2)), (2, 4))  # M = 4 >= 2P
+        self.assertEqual((s.micro_batch(2, pp=2), s.grad_accum(2, pp=2)), (1, 4))
+        self.assertEqual((s.micro_batch(1, pp=4), s.grad_accum(1, pp=4)), (1, 8))
+        s16 = make_setup(rows=16)
+        self.assertEqual((s16.micro_batch(1, pp=2), s16.grad_accum(1, pp=2)), (4, 4))  # the largest with M >= 4
+        self.assertEqual(make_setup(rows=16, micro_cap=2).micro_batch(1, pp=2), 2)  # still <= micro_cap
+        self.assertEqual(make_setup(rows=4).micro_batch(2, pp=2), 1)  # 2 rows per dp rank: M = 2 is the most
+        args = s.train_args(Layout("pp", "custom", pp=2), "/x")
+        self.assertIn("--micro_batch_size 2 --total_batch_size 64", " ".join(args))
 
     def test_fit_heads(self):
         small = GPTConfig(n_layer=6, n_head=6, n_embd=384)
@@ -206,10 +302,17 @@ class TestSummary(unittest.TestCase):
         self.assertEqual(runner.failure_line(torchrun), "RuntimeError: boom on rank 1")
         self.assertEqual(runner.failure_line("train.py: error: --seq_len 9 exceeds\nmore"), "--seq_len 9 exceeds")
         self.assertEqual(runner.failure_line("just\nlast line\n"), "last line")
+        # a rank crashed and another reported the lost peer: the crash is the reason
+        lost = ("[rank0]: RuntimeError: aten.embedding.default got mixed torch.Tensor and DTensor\n"
+                "train.py: error: rank 6: a collective failed at step 0: a peer rank was lost or stalled\n")
+        self.assertEqual(runner.failure_line(lost), "RuntimeError: aten.embedding.default got mixed torch.Tensor "
+                                                    "and DTensor")
+        self.assertEqual(runner.failure_line(lost.split("\n", 1)[1]),
+                         "rank 6: a collective failed at step 0: a peer rank was lost or stalled")
 
 
-def fake_row(layout, impl, tps, comm=None, theory=100, status="ok", nproc=2, dp=2, tp=1) -> dict:
-    return {"layout": layout, "implementation": impl, "nproc": nproc, "dp": dp, "tp": tp, "status": status,
+def fake_row(layout, impl, tps, comm=None, theory=100, status="ok", nproc=2, dp=2, tp=1, pp=1) -> dict:
+    return {"layout": layout, "implementation": impl, "nproc": nproc, "dp": dp, "tp": tp, "pp": pp, "status": status,
             "tokens_per_sec": tps, "mfu": None if tps is None else 0.25, "peak_memory_bytes": 3 * MiB,
             "state_bytes": MiB, "comm_bytes": comm,
             "comm_bytes_by_kind": None if comm is None else {"all_reduce": comm},
@@ -244,10 +347,44 @@ class TestMarkdown(unittest.TestCase):
         self.assertEqual(report.pair_ratios(self.rows)[0]["ratio"], 1.5)
 
 
+PIPELINE_INFO = {"pp": 2, "micro": 8, "virtual": 2, "dir": "pipeline",
+                 "summary": {"1f1b": {"idle_fraction": 0.25, "idle_theory": 1 / 9, "span_s": 0.05,
+                                      "peak_saved_bytes_max": 2 * MiB}}}
+
+
+class TestPipelineReport(unittest.TestCase):
+    rows = [fake_row("3d", "custom", 800.0, comm=300, theory=300, nproc=8, dp=2, tp=2, pp=2),
+            fake_row("3d", "pytorch", 1000.0, nproc=8, dp=2, tp=2, pp=2)]
+    rows[0]["comm_bytes_by_kind"] = {"all_reduce": 2 * MiB, "p2p": MiB // 2}
+
+    def test_pp_rows(self):
+        md = report.render_markdown(self.rows, {"pipeline": PIPELINE_INFO})
+        self.assertIn("| 3d | custom | 8 (pp2×dp2×tp2) | 800 |", md)
+        self.assertIn("AR 2.00 / P2P 0.50", md)
+        self.assertIn("| 3d | 800 | 1,000 | 0.80 |", md)  # custom / pytorch
+        self.assertIn("| 1f1b | 0.250 | 0.111 | 50.0 | 2.00 |", md)  # idle measured vs theory
+        self.assertIn("![pipeline_timeline](pipeline/pipeline_timeline.png)", md)
+        sec = report.render_section(self.rows, {"pipeline": PIPELINE_INFO})
+        self.assertIn("| 3d | pytorch | 8 (pp2×dp2×tp2) | 1,000 |", sec)
+        self.assertIn("1f1b 0.25 (0.11)", sec)
+        self.assertIn("pipeline/pipeline_timeline.png", sec)
+        self.assertIn("3d 0.80", sec)
+
+    def test_failed_pipeline_job_is_said(self):
+        md = report.render_markdown(self.rows, {"pipeline": {**PIPELINE_INFO, "error": "TimeoutExpired: x"}})
+        self.assertIn("failed: TimeoutExpired: x", md)
+        self.assertNotIn("pipeline_timeline.png", md)
+
+    def test_plots_with_pp_rows(self):
+        with tempfile.TemporaryDirectory() as d:
+            self.assertEqual(report.write_plots(self.rows, make_setup(), d), ["throughput", "memory", "comm_vs_world"])
+
+
 class TestBadInput(unittest.TestCase):
     def test_one_line_and_exit_2(self):
         for argv, message in ((["--layouts", "nope"], "unknown layouts ['nope']"),
                               (["--repeats", "0"], "--repeats and --steps must be >= 1"),
+                              (["--layouts", "pp,3d"], "layouts pp,3d run only with --include_pp"),
                               (["--no_such_flag"], "unrecognized arguments: --no_such_flag")):
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
@@ -323,6 +460,33 @@ class TestRunner(unittest.TestCase):
                 self.assertTrue(os.path.exists(os.path.join(d, name)), name)
             with open(os.path.join(d, "bench_meta.json")) as f:
                 self.assertTrue(json.load(f)["command"].startswith("python -m bench --quick --out "))
+
+    def test_include_pp_runs_the_pipeline_bench(self):
+        machine = {"device": "cpu", "count": 2, "name": "test cpu", "dtype_bytes": 4, "peak_flops": None}
+        from bench import pipeline
+        calls = []
+
+        def fake_pipeline(out, pp, micro, virtual, **kw):
+            calls.append((os.path.basename(out), pp, micro, virtual))
+            return [{"schedule": "1f1b", "idle_fraction": 0.2, "idle_theory": 1 / 9, "span_s": 0.01,
+                     "peak_saved_bytes": MiB}]
+
+        with tempfile.TemporaryDirectory() as d:
+            with mock.patch.object(runner, "probe_machine", return_value=machine), \
+                    mock.patch.object(report, "write_plots", return_value=[]), \
+                    mock.patch.object(pipeline, "run", side_effect=fake_pipeline), \
+                    mock.patch.object(runner, "run_job", return_value=JobResult(1, "KeyError: x", 0.1)):
+                cli.main(["--quick", "--out", d, "--peak_flops", "1e9", "--layouts", "pp", "--include_pp",
+                          "--dataset", "unused"])
+            self.assertEqual(calls, [("pipeline", 2, 8, 2)])
+            with open(os.path.join(d, "bench.json")) as f:
+                rows = json.load(f)
+            self.assertEqual([(r["layout"], r["pp"], r["micro_batch_size"], r["grad_accum"]) for r in rows],
+                             [("pp", 2, 2, 4), ("pp", 2, 2, 4)])  # quick: 8 rows; M = 4 >= 2P
+            with open(os.path.join(d, "bench.md")) as f:
+                md = f.read()
+            self.assertIn("| 1f1b | 0.200 | 0.111 |", md)
+            self.assertIn("pipeline/pipeline_timeline.png", md)
 
 
 class TestPlots(unittest.TestCase):
