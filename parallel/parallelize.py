@@ -189,9 +189,10 @@ def apply_ddp_custom(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,
 
 def apply_ddp_pytorch(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
     from torch.nn.parallel import DistributedDataParallel
-    sharded_as = localize_tp_params(model)
+    stage = isinstance(model, PipelineStage)  # the chunk modules run, not the stage: they carry the hooks
+    sharded_as = localize_tp_params(model, list(model.chunk_modules.values()) if stage else None)
     kw = {"process_group": dp_mesh.get_group(), "device_ids": [device.index] if device.type == "cuda" else None}
-    if isinstance(model, PipelineStage):  # each chunk its own DDP; torch's PipelineStage syncs on the last backward
+    if stage:  # each chunk its own DDP; torch's PipelineStage syncs on the last backward
         model.chunk_modules = {c: DistributedDataParallel(m, **kw) for c, m in model.chunk_modules.items()}
         return model, {"replica_rank": dp_mesh.get_local_rank(), "sharded_as": sharded_as}
     return DistributedDataParallel(model, **kw), {"accumulate_locally": True, "replica_rank": dp_mesh.get_local_rank(),
@@ -285,7 +286,7 @@ def materialize(model: nn.Module, seed: int, device: torch.device) -> None:
         model.lm_head.weight = t.wte.weight
 
 
-def localize_tp_params(model: nn.Module) -> dict[str, DTensor]:
+def localize_tp_params(model: nn.Module, run_by: list[nn.Module] | None = None) -> dict[str, DTensor]:
     """Let torch DDP (which knows nothing of DTensor) all-reduce the local shards of TP parameters.
 
     Each DTensor parameter is replaced by a plain Parameter holding its local shard (tied weights
@@ -294,6 +295,8 @@ def localize_tp_params(model: nn.Module) -> dict[str, DTensor]:
     (torch's `_pre_dp_module_transform` does this too, but re-creates the Parameters after every
     forward, which detaches them from DDP's hooks, and it unties the embedding from lm_head.)
     Returns {name: DTensor} as they were (empty when there are none), for checkpoint entries.
+    `run_by`: the modules whose forward runs the model (default: the model itself; a pipeline stage's chunk
+    modules) carry the hooks.
     """
     dtensors = {n: p for n, p in model.named_parameters() if isinstance(p, DTensor)}
     locals_: dict[int, tuple[nn.Parameter, object]] = {}
@@ -320,6 +323,7 @@ def localize_tp_params(model: nn.Module) -> dict[str, DTensor]:
             module._parameters[attr] = locals_[k][0]
 
     if dtensors:
-        model.register_forward_pre_hook(to_dtensor)
-        model.register_forward_hook(to_local)
+        for m in run_by or [model]:
+            m.register_forward_pre_hook(to_dtensor)
+            m.register_forward_hook(to_local)
     return dtensors

@@ -184,6 +184,9 @@ class TestPipelineAgreesWithOneProcess(unittest.TestCase):
         run("single_short", [], 1, SHORT, checkpoints=True)  # shared with TestPipelineCheckpoints
         self.check("3d", [*PP2, *DDP2, *TP2_SP], 8, rtol=1e-4, steps=SHORT, ref="single_short",
                    p2p=expected_p2p(2, 1, 2, 2))
+        # the twin: torch.distributed.pipelining x torch DDP (per chunk) x DTensor TP (no SP/LP under it)
+        self.check("torch_3d", [*PP2, *DDP2, "--tensor_parallel_size", "2", "--implementation", "pytorch"], 8,
+                   rtol=1e-4, steps=SHORT, ref="single_short")
 
     def test_deferred_init(self):
         """Each stage materialises only its own chunks on meta, with the eager init's values: bit-equal to
