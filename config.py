@@ -68,7 +68,11 @@ def train_parser() -> Parser:
     a("--enable_loss_parallelism", action="store_true", help="vocab-parallel cross-entropy under TP")
     a("--sequence_parallel", action="store_true", help="TP: LayerNorms/residuals on sequence-sharded activations")
     a("--data_parallel_size", type=int, default=1, help="degree of data parallelism")
-    a("--data_parallel_type", choices=["ddp", "fsdp"], default=None, help="required when dp > 1")
+    a("--data_parallel_type", choices=["ddp", "zero1", "zero2", "fsdp"], default=None,
+      help="required when dp > 1: replicate (ddp) or shard optimizer state (zero1), + gradients (zero2), "
+           "+ parameters (fsdp = ZeRO-3)")
+    a("--data_parallel_replicate_size", type=int, default=1, metavar="R",
+      help="HSDP: the dp ranks are R replicas x dp/R shards (zero1, zero2, fsdp)")
     a("--pipeline_parallel_size", type=int, default=1, help="degree of pipeline parallelism (stages)")
     a("--pp_schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
       help="pipeline schedule; the step's micro-batches are the pipeline's micro-batches")
@@ -172,11 +176,13 @@ def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.d
                           reduce_dtype=getattr(torch, args.reduce_dtype),
                           deferred_init=args.deferred_init, seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
                           grad_compression=None if args.grad_compression == "none" else args.grad_compression,
-                          pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual_stages or 1)
+                          pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual_stages or 1,
+                          dp_replicate=args.data_parallel_replicate_size)
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    for flag in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "micro_batch_size", "seq_len",
+    for flag in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "data_parallel_replicate_size",
+                 "micro_batch_size", "seq_len",
                  "total_batch_size", "max_steps", "eval_interval", "eval_iters"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
@@ -193,7 +199,11 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def _check_layout(args: argparse.Namespace, dims: ParallelDims, dtype: torch.dtype) -> None:
     if dims.dp_enabled and args.data_parallel_type is None:
-        raise UsageError(f"--data_parallel_type ddp|fsdp is required with --data_parallel_size {dims.dp}")
+        raise UsageError(f"--data_parallel_type ddp|zero1|zero2|fsdp is required with --data_parallel_size {dims.dp}")
+    R = args.data_parallel_replicate_size
+    if R > 1 and (dims.dp % R or args.data_parallel_type in (None, "ddp")):
+        raise UsageError(f"--data_parallel_replicate_size {R} needs a sharded --data_parallel_type (zero1, zero2, "
+                         f"fsdp) and must divide --data_parallel_size {dims.dp}")
     for flag in ("enable_loss_parallelism", "sequence_parallel"):
         if getattr(args, flag) and not dims.tp_enabled:
             raise UsageError(f"--{flag} needs --tensor_parallel_size > 1")
@@ -311,7 +321,7 @@ def validate(args: argparse.Namespace) -> Plan:
                          f"({world_size} ranks)")
     try:
         dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world_size,
-                            args.pipeline_parallel_size)
+                            args.pipeline_parallel_size, args.data_parallel_replicate_size)
         device = pick_device(args.device)
     except ValueError as e:
         raise UsageError(str(e)) from None

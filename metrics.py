@@ -96,32 +96,43 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # lifetime peak; Linux reports KiB
 
 
+def state_breakdown(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Bytes of this rank's {"params", "grads", "optimizer"} state, each storage counted once."""
+    params = list(model.parameters())
+    moments = [v for state in (optimizer.state.values() if optimizer is not None else ())
+               for v in state.values() if isinstance(v, torch.Tensor)]
+    return storage_bytes_by_kind({"params": params, "grads": [p.grad for p in params if p.grad is not None],
+                                  "optimizer": moments})
+
+
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of this rank's parameters, gradients and optimizer state, each storage counted once."""
-    tensors = []
-    for p in model.parameters():
-        tensors.append(p)
-        if p.grad is not None:
-            tensors.append(p.grad)
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            tensors.extend(v for v in state.values() if isinstance(v, torch.Tensor))
-    return distinct_storage_bytes(tensors)
+    return sum(state_breakdown(model, optimizer).values())
+
+
+def storage_bytes_by_kind(kinds: dict[str, list[torch.Tensor]]) -> dict[str, int]:
+    """Per kind, bytes of the distinct storages behind its tensors; a storage shared by two kinds counts in
+    the first (views of one buffer count once; meta, freed and empty storages count 0; a DTensor counts
+    its local shard)."""
+    seen: set[int] = set()
+    out = {}
+    for kind, tensors in kinds.items():
+        total = 0
+        for t in tensors:
+            t = local(t)
+            if t.is_meta:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        out[kind] = total
+    return out
 
 
 def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; meta, freed and
-    empty storages count 0; a DTensor counts its local shard)."""
-    seen, total = set(), 0
-    for t in tensors:
-        t = local(t)
-        if t.is_meta:
-            continue
-        storage = t.untyped_storage()
-        if storage.data_ptr() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
+    """Bytes of the distinct storages behind `tensors` (see storage_bytes_by_kind)."""
+    return storage_bytes_by_kind({"all": tensors})["all"]
 
 
 class LargestTensor(TorchDispatchMode):

@@ -65,8 +65,13 @@ def build(plan: Plan) -> Trainer:
         model.init_weights(args.seed, plan.device)
     par = parallelize(model, mesh, plan.dims, plan.par, plan.device)
     fused = plan.device.type == "cuda" and not any(isinstance(p, DTensor) for p in par.model.parameters())
-    optimizer = torch.optim.AdamW(par.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                                  fused=fused or None)
+    adamw = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "fused": fused or None}
+    if par.zero_optimizer:  # torch's ZeRO-1: each dp rank keeps AdamW state for its partition of the parameters
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(par.param_groups(args.weight_decay), torch.optim.AdamW,
+                                            process_group=mesh["dp"].get_group(), **adamw)
+    else:
+        optimizer = torch.optim.AdamW(par.param_groups(args.weight_decay), **adamw)
     scaler = AgreeingGradScaler(plan.device.type) if plan.dtype == torch.float16 else None
     data = BatchSource(plan.data_dir, args.seq_len, plan.config.vocab_size, args.seed)
     with torch.device("meta"):
@@ -141,17 +146,19 @@ def train_step(t: Trainer, step: int) -> dict:
         t.scaler.update()
     else:
         t.optimizer.step()
+    t.par.after_optimizer_step()
     comm_bytes = comm.COUNTER.snapshot()  # before the scalar reductions below, which are not wrapper traffic
     loss = _mean_over_dp(t, loss_sum)
     loss_value, norm_value = loss.item(), float(norm)  # .item() synchronises the device, so dt is honest
     dt = time.perf_counter() - t0
-    state = t.par.state_bytes(t.optimizer)  # gradients still allocated: the step's true peak state
+    state = t.par.state_breakdown(t.optimizer)  # gradients still allocated: the step's true peak state
     t.optimizer.zero_grad(set_to_none=True)
     tokens_per_sec = args.total_batch_size / dt
     m = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "step_time_ms": dt * 1000,
          "tokens_per_sec": tokens_per_sec,
          "mfu": t.flops_per_token * tokens_per_sec / (t.peak_flops * plan.dims.world_size),
-         "peak_memory_bytes": metrics.peak_memory_bytes(plan.device), "state_bytes": state}
+         "peak_memory_bytes": metrics.peak_memory_bytes(plan.device), "state_bytes": sum(state.values()),
+         "state_bytes_by_kind": state}
     if plan.par.implementation == "custom" and plan.dims.world_size > 1:
         m["comm_bytes"] = comm_bytes
     if t.scaler:

@@ -1,4 +1,6 @@
-"""Our FSDP: ZeRO-3 over a data-parallel group, one flat parameter per unit (Rajbhandari et al. 2020).
+"""Our sharding engine: ZeRO stages 1, 2 and 3 (FSDP) and HSDP over a data-parallel group, one flat
+parameter per unit (Rajbhandari et al. 2020). The module text describes ZeRO-3; `FullyShardedDataParallel`'s
+docstring says what stages 1 and 2 and HSDP change.
 
 Units are the transformer Blocks, plus the root: wte, wpe, ln_f and lm_head, whose tied weight is stored
 once. A unit's parameters are concatenated into one flat fp32 buffer (the matrices that get weight decay
@@ -24,6 +26,7 @@ hook on each Block's output (runs before that Block's backward); a post-accumula
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
@@ -81,11 +84,22 @@ class _FlatUnit:
     """
 
     def __init__(self, name: str, specs: list[_ParamSpec], shard: torch.Tensor, world: int, rank: int,
-                 n_decay: int, compute_dtype: torch.dtype):
-        self.name, self.specs, self.shard = name, specs, shard
+                 n_decay: int, compute_dtype: torch.dtype, persistent: bool = False):
+        self.name, self.specs = name, specs
         self.numel = sum(s.numel for s in specs)
         self.padded = shard.numel() * world
         S, lo = shard.numel(), rank * shard.numel()
+        # ZeRO-1/2 (`persistent`): the full copy stays allocated for the whole run and is only marked stale
+        # by an optimizer step. In fp32 the shard is a view of it (in-place all-gather), so the master copy
+        # costs nothing extra: params Ψ, not Ψ + Ψ/N.
+        self.persistent = persistent
+        self.flat = torch.empty(self.padded, dtype=compute_dtype, device=shard.device, requires_grad=True)
+        if persistent and compute_dtype == shard.dtype:
+            self.flat.data[lo:lo + S].copy_(shard)
+            shard = self.flat.data[lo:lo + S]
+        elif not persistent:
+            self.flat.untyped_storage().resize_(0)
+        self.shard = shard
         self.pieces: list[tuple[nn.Parameter, int, int]] = []  # (param, start, end) inside `shard`
         self.decay: list[bool] = []
         for start, end, decay in ((0, n_decay, True), (n_decay, self.numel, False)):
@@ -95,18 +109,21 @@ class _FlatUnit:
                 self.decay.append(decay)
         padding = self.padded - self.numel
         self.split_sizes = [s.numel for s in specs] + ([padding] if padding else [])
-        self.flat = torch.empty(self.padded, dtype=compute_dtype, device=shard.device, requires_grad=True)
-        self.flat.untyped_storage().resize_(0)
-        self.state = "sharded"  # -> "gathering" (all-gather issued) -> "gathered" -> "sharded"
+        # "sharded" (no full copy; ZeRO-1/2: "stale", a full copy whose other ranks' slices are outdated)
+        # -> "gathering" (all-gather issued) -> "gathered" -> back by reshard()
+        self.state = "stale" if persistent else "sharded"
         self._work = None
         self._in_flight: tuple[torch.Tensor, ...] = ()  # all-gather input and output, alive until wait()
         self.acc_grad: torch.Tensor | None = None  # full gradient kept across micro-steps under no_sync()
+        self.acc_stale = False  # ZeRO-1: acc_grad was reduced (its own slice is the shard gradient): overwrite
 
     def gather(self, group: dist.ProcessGroup | None) -> None:
-        """Allocate `flat` and start the all-gather of every rank's shard into it (async, in compute dtype)."""
-        if self.state != "sharded":
+        """Allocate `flat` (unless persistent) and start the all-gather of every rank's shard into it (async,
+        in compute dtype; in place when the shard is a view of it)."""
+        if self.state not in ("sharded", "stale"):
             return
-        self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
+        if not self.persistent:
+            self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
         if self.padded == 0:  # a pipeline stage's empty root: nothing to gather
             self.state = "gathered"
             return
@@ -132,13 +149,17 @@ class _FlatUnit:
                 module.__dict__[attr] = view
 
     def reshard(self) -> None:
-        """Free the gathered parameters: attributes show meta placeholders, `flat`'s storage shrinks to 0."""
-        if self.state == "sharded":
+        """Free the gathered parameters: attributes show meta placeholders, `flat`'s storage shrinks to 0
+        (persistent: stays, marked stale: the next gather refreshes it in place)."""
+        if self.state in ("sharded", "stale"):
             return
         self.wait()
         for spec in self.specs:
             for module, attr in spec.owners:
                 module.__dict__[attr] = spec.placeholder
+        if self.persistent:
+            self.state = "stale"
+            return
         self.flat.untyped_storage().resize_(0)
         self.state = "sharded"
 
@@ -186,23 +207,42 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 
     `events` lists (what, unit, phase) for the last micro-step: all-gathers and reduce-scatters as they are
     issued, and each Block's forward/backward start and end, so tests can check the prefetch order.
+
+    The ZeRO ladder (`zero_stage`), on the same units and shards; AdamW always steps on the 1/N shards:
+    - 3 (FSDP, the default): as above.
+    - 2: every rank keeps the full parameters (the shard is a view of them in fp32), gathered once per step:
+      `after_optimizer_step()` marks them stale and the next forward all-gathers the updated shards in place.
+      Gradients as in 3: each unit's reduce-scattered as soon as it is complete, the full gradient freed.
+    - 1: parameters as in 2; each unit's full gradient is kept (a persistent buffer) and accumulated over
+      the step's micro-steps; the last micro-step's backward ends with one reduce-scatter of every unit
+      (not overlapped). Per step: reduce-scatter Ψ + all-gather Ψ, as 2, but a full gradient per rank.
+    HSDP (`replicate_group`): the sharding above within `process_group` (S ranks), and the R replicas of
+    each shard kept equal: every reduce-scattered gradient shard is all-reduced (SUM) over
+    `replicate_group` before the division by S·R. Parameters are gathered within the shard group only.
     """
 
     def __init__(self, module: GPT, process_group: dist.ProcessGroup | None = None,
                  reshard_after_forward: bool = True, prefetch: bool = True,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
-                 deferred_init_seed: int | None = None, device: torch.device | str | None = None):
+                 deferred_init_seed: int | None = None, device: torch.device | str | None = None,
+                 zero_stage: int = 3, replicate_group: dist.ProcessGroup | None = None):
         super().__init__()
+        if zero_stage not in (1, 2, 3):
+            raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
         self.module = module
         self.group = process_group
         self.world = comm.world(process_group)
         self.rank = dist.get_rank(process_group) if self.world > 1 else 0
-        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.zero_stage, self.persistent = zero_stage, zero_stage < 3
+        self.replicate_group = replicate_group
+        self.replicas = comm.world(replicate_group) if replicate_group is not None else 1
+        self.reshard_after_forward = reshard_after_forward and not self.persistent
+        self.prefetch = prefetch
         self.param_dtype = param_dtype or torch.float32
         self.reduce_dtype = reduce_dtype
         # fp16 sums of N gradients can overflow where their mean would not: divide before the reduce-scatter
         # (as DDP does). Other dtypes divide after it, as FSDP2 does, which keeps fp32 runs bit-equal to it.
-        self._predivide = reduce_dtype == torch.float16 and self.world > 1
+        self._predivide = reduce_dtype == torch.float16 and self.world * self.replicas > 1
         self.events: list[tuple[str, str, str]] = []  # (what, unit, phase) since the last forward began
         self._backward_started = False
         self._pending: list[tuple[_FlatUnit, object, torch.Tensor, torch.Tensor]] = []
@@ -290,12 +330,12 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
                 module._parameters.pop(attr, None)
                 module.__dict__[attr] = spec.placeholder
         name = "root" if index == 0 else "tied" if index > self._n_blocks else f"transformer.h.{self._global[index]}"
-        return _FlatUnit(name, specs, shard, self.world, self.rank, n_decay, self.param_dtype)
+        return _FlatUnit(name, specs, shard, self.world, self.rank, n_decay, self.param_dtype, self.persistent)
 
     # ------------------------------------------------------------------------------ forward / backward
 
     def _gather(self, unit: _FlatUnit, phase: str) -> None:
-        if unit.state == "sharded":
+        if unit.state in ("sharded", "stale"):
             self.events.append(("all_gather", unit.name, phase))
             unit.gather(self.group)
 
@@ -314,7 +354,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def _run(self, fn, args: tuple, prefetch_first: bool):
         self.events.clear()
         for root in self.roots:
-            root.reshard()  # a copy left by a forward without backward may predate an optimizer step
+            if not self.persistent:
+                root.reshard()  # a copy left by a forward without backward may predate an optimizer step
             self._gather(root, "forward")
         if prefetch_first and self.prefetch and self._n_blocks:
             self._gather(self.units[1], "forward")
@@ -325,7 +366,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         outputs = [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None and t.requires_grad]
         for t in outputs:
             t.register_hook(self._root_pre_backward)
-        if not outputs:
+        if not outputs and not self.persistent:
             for root in self.roots:
                 root.reshard()
         return out
@@ -343,7 +384,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         unit = self.units[i]
         self.events.append(("forward_end", unit.name, "forward"))
         needs_backward = torch.is_grad_enabled() and output.requires_grad
-        if self.reshard_after_forward or not needs_backward:
+        if not self.persistent and (self.reshard_after_forward or not needs_backward):
             unit.reshard()
         if needs_backward:
             output.register_hook(partial(self._pre_backward, i))
@@ -376,17 +417,26 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def _post_backward(self, unit: _FlatUnit, flat: torch.Tensor) -> None:
         """All of the unit's gradients are in `flat.grad`: free the unit and reduce-scatter the gradient."""
         self.events.append(("backward_end", unit.name, "backward"))
-        unit.reshard()
+        if not self.persistent:
+            unit.reshard()
         grad, flat.grad = flat.grad.to(self.reduce_dtype), None
         if unit.acc_grad is not None:
-            grad, unit.acc_grad = unit.acc_grad.add_(grad), None
-        if not self.require_backward_grad_sync:
+            grad = unit.acc_grad.copy_(grad) if unit.acc_stale else unit.acc_grad.add_(grad)
+            unit.acc_grad, unit.acc_stale = None, False
+        if not self.require_backward_grad_sync or self.zero_stage == 1:  # ZeRO-1: reduced at the end
             unit.acc_grad = grad
             return
         self._finish_reduce_scatters()  # at most one in flight: full gradients are not kept around
+        self._reduce_scatter(unit, grad)
+
+    def _reduce_scatter(self, unit: _FlatUnit, grad: torch.Tensor, in_place: bool = False) -> None:
+        """Start the reduce-scatter of a unit's full gradient `grad` (in reduce_dtype) over the shard group;
+        `in_place`: into grad's own slice of this rank (ZeRO-1: the shard gradient lives in the full buffer)."""
         if self._predivide:
-            grad.div_(self.world)
-        out = torch.empty(unit.shard.numel(), dtype=self.reduce_dtype, device=grad.device)
+            grad.div_(self.world * self.replicas)
+        S = unit.shard.numel()
+        out = grad[self.rank * S:(self.rank + 1) * S] if in_place else \
+            torch.empty(S, dtype=self.reduce_dtype, device=grad.device)
         self.events.append(("reduce_scatter", unit.name, "backward"))
         work = comm.reduce_scatter_tensor(out, grad, self.group, async_op=True)
         self._pending.append((unit, work, out, grad))
@@ -395,18 +445,58 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         for unit, work, out, _ in self._pending:
             if work is not None:
                 work.wait()
+            if self.replicas > 1:  # HSDP: the replicas of this shard sum their reduce-scattered pieces
+                comm.all_reduce(out, group=self.replicate_group)
             out = out.float()
-            if self.world > 1 and not self._predivide:
-                out.div_(self.world)
+            n = self.world * self.replicas
+            if n > 1 and not self._predivide:
+                out.div_(n)
             unit.add_grad(out)
         self._pending.clear()
 
     def _end_backward(self) -> None:
         """Queued on the autograd engine by the first pre-backward hook; runs after the whole backward."""
+        if self.zero_stage == 1 and self.require_backward_grad_sync:
+            self.reduce_accumulated()
         self._finish_reduce_scatters()
-        for unit in self.units:
-            unit.reshard()
+        if not self.persistent:
+            for unit in self.units:
+                unit.reshard()
         self._backward_started = False
+
+    def reduce_accumulated(self) -> None:
+        """Reduce-scatter every unit's accumulated full gradient (ZeRO-1 at the end of a step's backward,
+        and the first syncing backward after `no_sync`), one unit in flight at a time. ZeRO-1 keeps its
+        full-gradient buffers for the next step (the first accumulation overwrites them), reduce-scatters
+        into each buffer's own slice, which then is the shard gradient (no separate Ψ/N), and with every
+        buffer in memory anyway issues all reduce-scatters before waiting for any."""
+        zero1 = self.zero_stage == 1
+        for unit in self.units:
+            if unit.acc_grad is None:
+                continue
+            if not zero1:
+                self._finish_reduce_scatters()
+            self._reduce_scatter(unit, unit.acc_grad, in_place=zero1 and self.reduce_dtype == torch.float32)
+            if zero1:
+                unit.acc_stale = True
+            else:
+                unit.acc_grad = None
+        self._finish_reduce_scatters()
+
+    @contextlib.contextmanager
+    def reduce_on_exit(self):
+        """For backward passes that run outside a syncing micro-step (a pipeline's chunks): inside, gradients
+        accumulate unreduced (ZeRO-1's full buffers); on a normal exit they are reduce-scattered once."""
+        with self.no_sync():
+            yield
+        self.reduce_accumulated()
+
+    def after_optimizer_step(self) -> None:
+        """ZeRO-1/2: the optimizer has updated this rank's shards, so every full copy is stale; the next
+        forward all-gathers the updated shards into it (in place). ZeRO-3: nothing (gathered per use)."""
+        if self.persistent:
+            for unit in self.units:
+                unit.reshard()
 
     # ---------------------------------------------------------------------------- optimizer helpers
 
@@ -536,19 +626,24 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         n = sum(u.numel for u in self.units)
         return n - self.config.block_size * self.config.n_embd if non_embedding else n
 
-    def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
-        """Bytes this rank holds for parameters, gradients (shard grads, and unsharded ones kept under
-        no_sync) and `optimizer`'s state: the sum over distinct storages, padding included."""
-        tensors = []
+    def state_breakdown(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds, {"params", "grads", "optimizer"}: shards and (ZeRO-1/2) the full copies;
+        shard gradients and full ones (ZeRO-1's buffers, or kept under no_sync); `optimizer`'s state.
+        Distinct storages, padding included; a ZeRO-3 unit gathered right now counts too."""
+        from metrics import storage_bytes_by_kind
+        params, grads, moments = [], [], []
         for unit in self.units:
-            tensors.append(unit.shard)
-            tensors += [p.grad for p, _, _ in unit.pieces if p.grad is not None]
-            tensors += [t for t in (unit.flat.grad, unit.acc_grad) if t is not None]
+            params += [unit.shard, unit.flat]
+            grads += [p.grad for p, _, _ in unit.pieces if p.grad is not None]
+            grads += [t for t in (unit.flat.grad, unit.acc_grad) if t is not None]
         if optimizer is not None:
             for p in self.flat_params:
-                tensors += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-        from metrics import distinct_storage_bytes
-        return distinct_storage_bytes(tensors)
+                moments += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        return storage_bytes_by_kind({"params": params, "grads": grads, "optimizer": moments})
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """The sum of `state_breakdown`."""
+        return sum(self.state_breakdown(optimizer).values())
 
     def comm_bytes_per_micro_step(self) -> dict[str, int]:
         """What parallel/comm.COUNTER records for one synchronised forward + backward: the padded flat

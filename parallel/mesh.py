@@ -39,6 +39,7 @@ class ParallelDims:
     tp: int
     world_size: int
     pp: int = 1
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.tp < 1 or self.pp < 1:
@@ -62,6 +63,10 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
 
 def env_world() -> tuple[int, int, int]:
     """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) for a plain `python`."""
@@ -70,7 +75,8 @@ def env_world() -> tuple[int, int, int]:
 
 
 def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float = 600.0) -> DeviceMesh | None:
-    """Join the process group (when there is more than one rank) and return the ("pp", "dp", "tp") mesh."""
+    """Join the process group (when there is more than one rank) and return the ("pp", "dp", "tp") mesh;
+    with HSDP a `HybridMesh` whose "dp" also splits into "dp_replicate" x "dp_shard"."""
     if dims.world_size == 1:
         return None
     if device.type == "cuda":
@@ -78,7 +84,24 @@ def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float 
     if not dist.is_initialized():
         dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    return init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+    if dims.dp_replicate == 1:
+        return init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return HybridMesh(init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
+                                       mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp")))
+
+
+class HybridMesh:
+    """The HSDP mesh: ("pp", "dp_replicate", "dp_shard", "tp"), dp_replicate outer, plus "dp", the two
+    flattened (dp rank = replicate rank x dp_shard + shard rank), kept here: torch deprecates slicing a
+    flattened dim from the root mesh. `mesh` is the rank grid seen as (pp, dp, tp), like the plain mesh's."""
+
+    def __init__(self, root: DeviceMesh):
+        self.root = root
+        self.dp = root["dp_replicate", "dp_shard"]._flatten("dp")
+        self.mesh = root.mesh.reshape(root.mesh.shape[0], -1, root.mesh.shape[-1])
+
+    def __getitem__(self, name):
+        return self.dp if name == "dp" else self.root[name]
 
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -38,7 +38,8 @@ from parallel.pipeline import PipelineRunner, PipelineStage, TorchChunk, TorchPi
 @dataclass(frozen=True)
 class ParallelConfig:
     """The validated layout settings (config.validate builds it from the flags)."""
-    dp_type: str | None = None          # "ddp" | "fsdp" | None (no data parallelism)
+    dp_type: str | None = None          # "ddp" | "zero1" | "zero2" | "fsdp" (ZeRO-3) | None (no data parallelism)
+    dp_replicate: int = 1               # HSDP: replicas of each shard group (zero1, zero2, fsdp)
     implementation: str = "pytorch"     # "pytorch" | "custom"
     loss_parallel: bool = False
     sequence_parallel: bool = False
@@ -66,6 +67,7 @@ class Parallelized:
     pipeline: PipelineRunner | None = None  # pp > 1: runs a step's micro-batches by `schedule`
     schedule: str = "1f1b"
     pp_group: dist.ProcessGroup | None = None  # the gradient norm's squares are summed over it last
+    zero_optimizer: bool = False        # torch's ZeRO-1 twin: AdamW wrapped in ZeroRedundancyOptimizer
 
     def pipeline_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                       scale: Callable | None = None) -> torch.Tensor:
@@ -104,9 +106,20 @@ class Parallelized:
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         return clip_grad_norm_(self.norm_groups, max_norm, across=self.pp_group)
 
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+    def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """This rank's {"params", "grads", "optimizer"} bytes (distinct storages)."""
         import metrics
-        return self.fsdp.state_bytes(optimizer) if self.fsdp is not None else metrics.state_bytes(self.model, optimizer)
+        if self.fsdp is not None:
+            return self.fsdp.state_breakdown(optimizer)
+        return metrics.state_breakdown(self.model, getattr(optimizer, "optim", optimizer))  # ZeRO-1 twin: its shard
+
+    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        return sum(self.state_breakdown(optimizer).values())
+
+    def after_optimizer_step(self) -> None:
+        """ZeRO-1/2 keep full parameter copies: the optimizer updated the shards, so they are stale."""
+        if self.fsdp is not None:
+            self.fsdp.after_optimizer_step()
 
     def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list:
         """This rank's parameters and AdamW moments as layout-independent entries (parallel/state.py)."""
@@ -161,34 +174,49 @@ def apply_tp_pytorch(model: GPT, tp_mesh: DeviceMesh, cfg: ParallelConfig, devic
     return model, {"dtensor_loss_parallel": cfg.loss_parallel}
 
 
-def apply_fsdp_custom(model: GPT, dp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
+ZERO_STAGE = {"zero1": 1, "zero2": 2, "fsdp": 3}
+
+
+def apply_fsdp_custom(model: GPT, mesh, cfg: ParallelConfig, device: torch.device):
+    """Our sharding engine at the ZeRO stage of cfg.dp_type: over mesh["dp"], or with HSDP over
+    mesh["dp_shard"], replicated over mesh["dp_replicate"]. ZeRO-1 accumulates its micro-steps locally."""
     meta = any(p.is_meta for p in model.parameters())
-    return FullyShardedDataParallel(model, process_group=dp_mesh.get_group(), param_dtype=cfg.param_dtype,
-                                    reduce_dtype=cfg.reduce_dtype, device=device,
-                                    deferred_init_seed=cfg.seed if meta else None), {}
+    hsdp = cfg.dp_replicate > 1
+    fsdp = FullyShardedDataParallel(model, process_group=mesh["dp_shard" if hsdp else "dp"].get_group(),
+                                    param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype, device=device,
+                                    deferred_init_seed=cfg.seed if meta else None,
+                                    zero_stage=ZERO_STAGE[cfg.dp_type],
+                                    replicate_group=mesh["dp_replicate"].get_group() if hsdp else None)
+    return fsdp, {"accumulate_locally": fsdp.zero_stage == 1}
 
 
-def apply_fsdp_pytorch(model: GPT, dp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
-    """FSDP2: each Block one unit, the root (embeddings, ln_f) another, as ours."""
+def apply_fsdp_pytorch(model: GPT, mesh, cfg: ParallelConfig, device: torch.device):
+    """FSDP2: each Block one unit, the root (embeddings, ln_f) another, as ours. zero2: the same with
+    reshard_after_forward=False (parameters stay gathered from forward to backward). HSDP: on the 2D
+    (dp_replicate, dp_shard) mesh."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype)
+    dp_mesh = mesh.root["dp_replicate", "dp_shard"] if cfg.dp_replicate > 1 else mesh["dp"]
+    kw = {"mesh": dp_mesh, "mp_policy": mp, "reshard_after_forward": cfg.dp_type != "zero2"}
     h = model.transformer.h
     for block in (h.values() if isinstance(h, nn.ModuleDict) else h):
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(block, **kw)
     for root in getattr(model, "chunk_modules", {}).values() or [model]:  # a pipeline stage: each chunk
-        fully_shard(root, mesh=dp_mesh, mp_policy=mp)
+        fully_shard(root, **kw)
     return model, {}
 
 
-def apply_ddp_custom(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
+def apply_ddp_custom(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device):
     from parallel.ddp import DistributedDataParallel
+    dp_mesh = mesh["dp"]
     return DistributedDataParallel(model, process_group=dp_mesh.get_group(), bucket_cap_mb=cfg.bucket_cap_mb,
                                    grad_compression=cfg.grad_compression), \
         {"accumulate_locally": True, "replica_rank": dp_mesh.get_local_rank()}
 
 
-def apply_ddp_pytorch(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
+def apply_ddp_pytorch(model: nn.Module, mesh, cfg: ParallelConfig, device: torch.device):
     from torch.nn.parallel import DistributedDataParallel
+    dp_mesh = mesh["dp"]
     stage = isinstance(model, PipelineStage)  # the chunk modules run, not the stage: they carry the hooks
     sharded_as = localize_tp_params(model, list(model.chunk_modules.values()) if stage else None)
     kw = {"process_group": dp_mesh.get_group(), "device_ids": [device.index] if device.type == "cuda" else None}
@@ -215,9 +243,9 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
     dp_type = cfg.dp_type if dims.dp_enabled else None
     tp_group = mesh["tp"].get_group() if mesh is not None else None
 
-    def step(what: str, mesh_dim: str) -> None:
-        nonlocal model
-        model, more = APPLY[impl, what](model, mesh[mesh_dim], cfg, device)
+    def step(what: str, mesh_dim: str | None) -> None:
+        nonlocal model  # data parallel steps get the whole mesh: HSDP needs its replicate and shard dims
+        model, more = APPLY[impl, what](model, mesh[mesh_dim] if mesh_dim else mesh, cfg, device)
         extras.update(more)
 
     if dims.pp_enabled:
@@ -225,12 +253,16 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
     stage = model
     if dims.tp_enabled:
         step("tp", "tp")
-    if dp_type == "fsdp":
-        step("fsdp", "dp")
+    # which engine a dp_type runs on: ours shard on one engine; torch's ZeRO-1 is DDP + ZeroRedundancyOptimizer
+    engine = {"ddp": "ddp", "zero1": "fsdp", "zero2": "fsdp", "fsdp": "fsdp"}.get(dp_type)
+    if impl == "pytorch" and dp_type == "zero1":
+        engine, extras["zero_optimizer"] = "ddp", True
+    if engine == "fsdp":
+        step("fsdp", None)
     materialize(model, cfg.seed, device)
     groups = grad_groups(model, tp_group)  # by name, before DDP renames the parameters "module.*"
-    if dp_type == "ddp":
-        step("ddp", "dp")
+    if engine == "ddp":
+        step("ddp", None)
     # a pipeline's last stage holds a copy of wte as lm_head.weight: its gradient is scaled, not measured
     copy = dims.pp_enabled and stage.last
     if isinstance(model, FullyShardedDataParallel):
