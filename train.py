@@ -196,7 +196,8 @@ def evaluate(t: Trainer) -> float:
 
 def describe(t: Trainer) -> str:
     d, par, a = t.plan.dims, t.plan.par, t.plan.args
-    layout = f"dp={d.dp}" + (f" ({par.dp_type})" if par.dp_type else "") + f" tp={d.tp}"
+    layout = f"dp={d.dp}" + (f" ({par.dp_type})" if par.dp_type else "") + \
+        (f" = {d.dp_replicate} replicas x {d.dp_shard} shards" if d.dp_replicate > 1 else "") + f" tp={d.tp}"
     if d.pp_enabled:
         virtual = f", V={par.pp_virtual}" if par.pp_virtual > 1 else ""
         layout = f"pp={d.pp} ({par.pp_schedule}{virtual}) {layout}"
@@ -234,11 +235,12 @@ def save_checkpoint(t: Trainer, step: int) -> str:
     extra = {"config": {"model": asdict(plan.config),
                         "train": {**{k: getattr(a, k, None) for k in MATH_ARGS},
                                   "dtype": str(plan.dtype).removeprefix("torch.")}},
-             "layout": {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "tp": d.tp,
+             "layout": {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "dp_replicate": d.dp_replicate, "tp": d.tp,
                         "implementation": plan.par.implementation, "dp_type": plan.par.dp_type}}
     if t.scaler is not None:
         extra["scaler"] = t.scaler.state_dict()
-    return checkpoint.save(a.out_dir, step, t.par.checkpoint_entries(t.optimizer), t.optimizer, extra,
+    return checkpoint.save(a.out_dir, step, t.par.checkpoint_entries(t.optimizer),
+                           t.par.checkpoint_optimizer(t.optimizer), extra,
                            rank=plan.rank, world_size=d.world_size, keep=a.keep_checkpoints, device=plan.device)
 
 
@@ -246,7 +248,8 @@ def restore_checkpoint(t: Trainer) -> int:
     """Load --resume's checkpoint (saved in any layout) into this one; returns its step. The data position
     is the step itself: batches are a pure function of (seed, step)."""
     plan, args = t.plan, t.plan.args
-    m = checkpoint.load(plan.resume_from, t.par.checkpoint_entries(t.optimizer), t.optimizer, rank=plan.rank,
+    m = checkpoint.load(plan.resume_from, t.par.checkpoint_entries(t.optimizer),
+                        t.par.checkpoint_optimizer(t.optimizer), rank=plan.rank,
                         world_size=plan.dims.world_size, device=plan.device)
     if t.scaler is not None and "scaler" in m:
         t.scaler.load_state_dict(m["scaler"])

@@ -106,6 +106,11 @@ class Parallelized:
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         return clip_grad_norm_(self.norm_groups, max_norm, across=self.pp_group)
 
+    def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer whose step count and hyperparameters a checkpoint records and restores: the local
+        AdamW inside torch's ZeroRedundancyOptimizer, else the optimizer itself."""
+        return optimizer.optim if self.zero_optimizer else optimizer
+
     def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """This rank's {"params", "grads", "optimizer"} bytes (distinct storages)."""
         import metrics
@@ -130,7 +135,12 @@ class Parallelized:
             if isinstance(module, FSDPModule):  # (an eval), but the optimizer holds the sharded parameters
                 module.reshard()
         if self.fsdp is not None:
-            entries = entries_for_fsdp(self.fsdp, optimizer, self.fsdp.tp_shard_dims, self.tp_rank, self.tp_size)
+            entries = entries_for_fsdp(self.fsdp, optimizer, self.fsdp.tp_shard_dims, self.tp_rank, self.tp_size,
+                                       self.replica_rank)
+        elif self.zero_optimizer:  # torch's ZeRO-1: each parameter's owner writes it with its moments
+            owner = optimizer._param_to_rank
+            entries = entries_for(list(self.model.named_parameters()), optimizer.optim, 0, self.sharded_as,
+                                  self.tp_rank, self.tp_size, owns=lambda p: owner[p] == self.replica_rank)
         else:
             entries = entries_for(list(self.model.named_parameters()), optimizer, self.replica_rank,
                                   self.sharded_as, self.tp_rank, self.tp_size)
@@ -187,7 +197,8 @@ def apply_fsdp_custom(model: GPT, mesh, cfg: ParallelConfig, device: torch.devic
                                     deferred_init_seed=cfg.seed if meta else None,
                                     zero_stage=ZERO_STAGE[cfg.dp_type],
                                     replicate_group=mesh["dp_replicate"].get_group() if hsdp else None)
-    return fsdp, {"accumulate_locally": fsdp.zero_stage == 1}
+    return fsdp, {"accumulate_locally": fsdp.zero_stage == 1,
+                  "replica_rank": mesh["dp_replicate"].get_local_rank() if hsdp else 0}
 
 
 def apply_fsdp_pytorch(model: GPT, mesh, cfg: ParallelConfig, device: torch.device):

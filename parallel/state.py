@@ -186,7 +186,7 @@ def _is_writer(p: torch.Tensor, replica_rank: int, plain_replica_rank: int) -> b
 
 def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
                 replica_rank: int = 0, sharded_as: dict[str, DTensor] | None = None,
-                plain_replica_rank: int = 0, tp_size: int = 1) -> list[Entry]:
+                plain_replica_rank: int = 0, tp_size: int = 1, owns=None) -> list[Entry]:
     """Entries for parameters that are whole tensors or DTensors (one process, DDP, FSDP2, DTensor TP).
 
     `replica_rank` is this rank's index among identical replicas (the dp rank under DDP, else 0);
@@ -194,26 +194,30 @@ def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.o
     (the tp rank under tensor parallelism, where such parameters are replicated). Our own TP layers'
     shards (marked `_tp_shard_dim`) are the `plain_replica_rank`-th of `tp_size` slices.
     `sharded_as` maps names of plain local tensors that are really DTensor shards (TP under torch
-    DDP) to a DTensor with the right placements."""
+    DDP) to a DTensor with the right placements.
+    `owns(p)` (torch's ZeRO-1, ZeroRedundancyOptimizer): `optimizer` (its local AdamW) holds the moments of
+    the parameters this rank owns; the owner writes such a parameter with its moments (the replicas' values
+    are equal), and a rank that does not own it loads its moments into a scratch buffer."""
     ensure_optimizer_state(optimizer)
     out = []
     for name, p in named_params:
         name = name.removeprefix("module.")
         layout = (sharded_as or {}).get(name, p)
-        state = optimizer.state[p]
+        mine = owns is None or owns(p)
+        state = optimizer.state[p] if mine else {k: torch.zeros_like(local(p)) for k in MOMENTS}
         tensors = {"param": local(p).detach().view(-1)}
         tensors.update({k: local(state[k]).view(-1) for k in MOMENTS})
         axes = _axes(layout, plain_replica_rank, tp_size)
         n = math.prod(len(a) for a in axes)
         if n != tensors["param"].numel():
             raise ValueError(f"{name}: {tensors['param'].numel()} local elements, but its layout says {n}")
-        out.append(Entry(name, full_shape(layout, tp_size), axes, (0, n), tensors,
-                         _is_writer(layout, replica_rank, plain_replica_rank)))
+        write = mine and _is_writer(layout, 0 if owns is not None else replica_rank, plain_replica_rank)
+        out.append(Entry(name, full_shape(layout, tp_size), axes, (0, n), tensors, write))
     return out
 
 
 def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_dims: dict[str, int], tp_rank: int,
-                     tp_size: int) -> list[Entry]:
+                     tp_size: int, replica_rank: int = 0) -> list[Entry]:
     """Entries for our FSDP: each original parameter's slice of this rank's flat shard.
 
     A slice covers elements [offset, offset + n) of the parameter as FSDP saw it: the whole parameter,
@@ -236,5 +240,5 @@ def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_dims: dict[str, 
         n = piece.flat.numel()
         tensors = {"param": piece.flat.view(-1), **{k: moments[name][k].flat.view(-1) for k in MOMENTS}}
         out.append(Entry(name, tuple(shape), tuple(axes), (piece.offset, piece.offset + n), tensors,
-                         n > 0 and (dim is not None or tp_rank == 0)))
+                         n > 0 and replica_rank == 0 and (dim is not None or tp_rank == 0)))
     return out
