@@ -40,7 +40,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from bench.matrix import LAYOUTS, PP_LAYOUTS, Layout, Setup, fit_heads, matrix
+from bench.matrix import LAYOUTS, PP_LAYOUTS, ZERO_LAYOUTS, Layout, Setup, fit_heads, matrix
 from bench import report, runner
 from config import Parser, UsageError, error_line
 from model import GPT, make_config
@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--include_2d", action="store_true", help="CPU with < 4 ranks: also run the 2D layouts on 4 ranks")
     a("--include_pp", action="store_true",
       help="also the pipeline layouts (pp, pp-dp, pp-tp, 3d: 2/4/4/8 ranks) and bench.pipeline into <out>/pipeline")
+    a("--include_zero", action="store_true",
+      help="also the ZeRO ladder (zero1, zero2 over all ranks; hsdp: 2 replicas, 4 ranks on CPU) and memory_ladder.png")
     a("--peak_flops", type=float, default=None, help="per device (default: measured / datasheet once)")
     a("--layouts", default=None, help=f"comma list out of {','.join(LAYOUTS)}")
     a("--repeats", type=int, default=1)
@@ -75,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         pp = [name for name in args.layouts.split(",") if name in PP_LAYOUTS]
         if pp and not args.include_pp:
             p.error(f"layouts {','.join(pp)} run only with --include_pp")
+        zero = [name for name in args.layouts.split(",") if name in ZERO_LAYOUTS]
+        if zero and not args.include_zero:
+            p.error(f"layouts {','.join(zero)} run only with --include_zero")
     if args.repeats < 1 or (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
         p.error("--repeats and --steps must be >= 1, --warmup >= 0")
     return args
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = machine["device"] == "cuda"
     nproc = args.nproc or (machine["count"] if gpu else 2)
     layouts = matrix(nproc, gpu, args.include_2d, args.layouts.split(",") if args.layouts else None,
-                     include_pp=args.include_pp)
+                     include_pp=args.include_pp, include_zero=args.include_zero)
     if not layouts:
         error_line("bench", "no layout left to run")
         return 2
@@ -180,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] {machine_desc}; peak {peak:.4g} FLOP/s per device; {len(layouts)} layouts; "
           f"{setup.model} {params / 1e6:.1f}M params, {setup.rows} x {setup.seq_len} tokens/step, "
           f"{setup.warmup}+{setup.steps} steps", flush=True)
+    if any(lay.name in ZERO_LAYOUTS for lay in layouts):
+        notes.append("ZeRO theory per optimizer step (parallel.fsdp.zero_comm_bytes_per_step): zero1 reduce-scatter "
+                     "Ψ + all-gather Ψ once; zero2 reduce-scatter Ψ per micro-step + all-gather Ψ once; hsdp: fsdp "
+                     "within the shard group plus all-reduce Ψ/S per micro-step across replicas. torch's zero2 twin "
+                     "(fully_shard(reshard_after_forward=False)) frees parameters after backward, so its state is "
+                     "ZeRO-3's between steps; its zero1 twin (ZeroRedundancyOptimizer) partitions whole parameters, "
+                     "so a rank's optimizer state depends on which tensors it owns")
     if any(lay.pp > 1 for lay in layouts):
         notes.append("PP layouts: 1F1B, M micro-batches per step (grad_accum column) with M >= 2P where the batch "
                      "allows; theory for rank 0 = pipeline stage 0 (parallel.pipeline.p2p_bytes_per_step, the "

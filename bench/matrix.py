@@ -14,13 +14,14 @@ import torch
 
 from model import GPT, GPTConfig
 from parallel.ddp import ddp_comm_bytes_per_step
-from parallel.fsdp import fsdp_comm_bytes_per_micro_step
+from parallel.fsdp import ZERO_STAGES, fsdp_comm_bytes_per_micro_step, zero_comm_bytes_per_step
 from parallel.pipeline import p2p_bytes_per_step
 from parallel.pipeline_schedule import split_layers
 from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
 
 PP_LAYOUTS = ("pp", "pp-dp", "pp-tp", "3d")  # pp=2 alone, x dp=2 (DDP), x tp=2, x dp=2 x tp=2
-LAYOUTS = ("single", "ddp", "fsdp", "tp", "2d-ddp", "2d-fsdp", *PP_LAYOUTS)
+ZERO_LAYOUTS = ("zero1", "zero2", "hsdp")  # the ZeRO ladder beside ddp and fsdp (= ZeRO-3); hsdp: fsdp, R=2
+LAYOUTS = ("single", "ddp", "fsdp", "tp", "2d-ddp", "2d-fsdp", *PP_LAYOUTS, *ZERO_LAYOUTS)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
@@ -32,6 +33,7 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    replicate: int = 1   # HSDP: dp = replicate x shard
 
     @property
     def nproc(self) -> int:
@@ -39,7 +41,11 @@ class Layout:
 
     @property
     def dp_type(self) -> str | None:
-        return None if self.dp == 1 else ("fsdp" if self.name.endswith("fsdp") else "ddp")
+        if self.dp == 1:
+            return None
+        if self.name in ("zero1", "zero2"):
+            return self.name
+        return "fsdp" if self.name.endswith("fsdp") or self.name == "hsdp" else "ddp"
 
     @property
     def key(self) -> str:
@@ -51,19 +57,21 @@ class Layout:
         out = ["--implementation", self.implementation]
         if self.dp > 1:
             out += ["--data_parallel_size", str(self.dp), "--data_parallel_type", self.dp_type]
+        if self.replicate > 1:
+            out += ["--data_parallel_replicate_size", str(self.replicate)]
         if self.pp > 1:  # the default 1f1b schedule
             out += ["--pipeline_parallel_size", str(self.pp)]
         if self.tp > 1:
             out += ["--tensor_parallel_size", str(self.tp)]
             if self.pp == 1:  # under PP the pytorch twin refuses it; both twins run the same layout without
                 out.append("--enable_loss_parallelism")
-        if self.dp_type == "fsdp":
+        if self.dp_type in ("zero1", "zero2", "fsdp"):
             out.append("--deferred_init")  # materialise only this rank's shard, as one would at scale
         return out
 
 
 def matrix(nproc: int, on_gpu: bool, include_2d: bool, wanted: list[str] | None = None,
-           include_pp: bool = False) -> list[Layout]:
+           include_pp: bool = False, include_zero: bool = False) -> list[Layout]:
     """The layouts to run, in order; 2D (tp=2 x dp=N/2) needs >= 4 ranks (on CPU: 4 with --include_2d).
     include_pp: also pp, pp-dp, pp-tp and 3d (pp=2; 2, 4, 4 and 8 ranks), on GPU only those that fit in
     the nproc GPUs present."""
@@ -79,6 +87,12 @@ def matrix(nproc: int, on_gpu: bool, include_2d: bool, wanted: list[str] | None 
         for name, dp, tp in zip(PP_LAYOUTS, (1, 2, 1, 2), (1, 1, 2, 2)):
             if not on_gpu or 2 * dp * tp <= nproc:
                 lays += [Layout(name, impl, dp=dp, tp=tp, pp=2) for impl in ("custom", "pytorch")]
+    if include_zero and nproc >= 2:  # zero1, zero2 over all ranks; hsdp: 2 replicas of nproc/2 (CPU: 2 x 2)
+        for name in ("zero1", "zero2"):
+            lays += [Layout(name, impl, dp=nproc) for impl in ("custom", "pytorch")]
+        n = nproc if nproc >= 4 else (0 if on_gpu else 4)
+        if n and n % 2 == 0:
+            lays += [Layout("hsdp", impl, dp=n, replicate=2) for impl in ("custom", "pytorch")]
     if wanted:
         lays = [lay for lay in lays if lay.name in wanted]
     return lays
@@ -182,9 +196,13 @@ def comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
     psi = param_count(setup.config, lay.tp)
     if lay.dp_type == "ddp":
         _add(out, ddp_comm_bytes_per_step(psi, lay.dp))
-    elif lay.dp_type == "fsdp":
+    elif lay.dp_type == "fsdp" and lay.replicate == 1:
         root = param_count(setup.config, lay.tp, root_only=True)
         _add(out, fsdp_comm_bytes_per_micro_step(root, psi - root, lay.dp), A)
+    elif lay.dp_type is not None:  # zero1, zero2, hsdp
+        root = param_count(setup.config, lay.tp, root_only=True)
+        _add(out, zero_comm_bytes_per_step(ZERO_STAGES[lay.dp_type], root, psi - root, lay.dp // lay.replicate,
+                                           lay.replicate, A))
     if lay.tp > 1:
         _add(out, tp_comm_bytes_per_micro_step(setup.config, setup.micro_batch(lay.dp), setup.seq_len, lay.tp,
                                                loss_parallel=True, sequence_parallel=False,

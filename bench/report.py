@@ -28,6 +28,8 @@ def _impl(row: dict) -> str:
 def _ranks(row: dict) -> str:
     if row.get("pp", 1) > 1:
         return f"{row['nproc']} (pp{row['pp']}×dp{row['dp']}×tp{row['tp']})"
+    if row.get("replicate", 1) > 1:
+        return f"{row['nproc']} ({row['replicate']}×{row['dp'] // row['replicate']} HSDP×{row['tp']})"
     return f"{row['nproc']} ({row['dp']}×{row['tp']})"
 
 
@@ -101,7 +103,7 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
     ]
     if meta.get("notes"):
         notes += [f"- {n}" for n in meta["notes"]]
-    plots = "".join(f"![{p}]({p}.png)\n" for p in ("throughput", "memory", "comm_vs_world")
+    plots = "".join(f"![{p}]({p}.png)\n" for p in ("throughput", "memory", "comm_vs_world", "memory_ladder")
                     if p in meta.get("plots", []))
     pipeline = pipeline_markdown(meta["pipeline"]) if meta.get("pipeline") else ""
     return "\n".join([
@@ -220,7 +222,8 @@ def write_plots(rows: list[dict], setup: Setup, out: str) -> list[str]:
     world = list(range(2, 17))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     style = {"ddp": "tab:blue", "fsdp": "tab:green", "tp": "tab:red", "2d-ddp": "tab:purple", "2d-fsdp": "tab:brown",
-             "pp": "tab:olive", "pp-dp": "tab:cyan", "pp-tp": "tab:pink", "3d": "black"}
+             "pp": "tab:olive", "pp-dp": "tab:cyan", "pp-tp": "tab:pink", "3d": "black",
+             "zero1": "gold", "zero2": "darkorange", "hsdp": "darkgreen"}
     curves = comm_curves(setup, world)
     for name, ds in curves.items():
         ax.plot(world, [sum(d.values()) / MiB for d in ds], color=style[name], label=f"{name} theory (payload)")
@@ -242,7 +245,55 @@ def write_plots(rows: list[dict], setup: Setup, out: str) -> list[str]:
     fig.tight_layout()
     fig.savefig(os.path.join(out, "comm_vs_world.png"), dpi=120)
     plt.close(fig)
-    return ["throughput", "memory", "comm_vs_world"]
+    names = ["throughput", "memory", "comm_vs_world"]
+    if write_memory_ladder(rows, setup, out, plt):
+        names.append("memory_ladder")
+    return names
+
+
+LADDER = ("ddp", "zero1", "zero2", "fsdp", "hsdp")  # the ZeRO paper's Figure 1 order, then HSDP
+
+
+def ladder_formula(layout: str, psi: float, n: int, s: int) -> dict[str, float]:
+    """The ZeRO paper's bytes per rank (fp32 Adam, Ψ = parameter bytes), params / grads / optimizer state."""
+    return {"ddp": {"params": psi, "grads": psi, "optimizer": 2 * psi},
+            "zero1": {"params": psi, "grads": psi, "optimizer": 2 * psi / n},
+            "zero2": {"params": psi, "grads": psi / n, "optimizer": 2 * psi / n},
+            "fsdp": {"params": psi / n, "grads": psi / n, "optimizer": 2 * psi / n},
+            "hsdp": {"params": psi / s, "grads": psi / s, "optimizer": 2 * psi / s}}[layout]
+
+
+def write_memory_ladder(rows: list[dict], setup: Setup, out: str, plt) -> bool:
+    """memory_ladder.png: measured params / grads / optimizer state per rank (rank 0) of our DDP, ZeRO-1,
+    ZeRO-2, ZeRO-3 and HSDP, stacked, next to the ZeRO paper's formula (outlined). False if no row has it."""
+    from bench.matrix import param_count
+    picked = [r for name in LADDER for r in rows if r["layout"] == name and r["implementation"] == "custom"
+              and r["status"] == "ok" and r.get("state_bytes_by_kind")]
+    if not picked:
+        return False
+    psi = 4 * param_count(setup.config)
+    fig, ax = plt.subplots(figsize=(1.6 * len(picked) + 2, 4.5))
+    colors = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green"}
+    for i, r in enumerate(picked):
+        bottom, fbottom = 0.0, 0.0
+        formula = ladder_formula(r["layout"], psi, r["dp"], r["dp"] // r.get("replicate", 1))
+        for kind, color in colors.items():
+            v = r["state_bytes_by_kind"][kind] / MiB
+            ax.bar(i - 0.18, v, 0.34, bottom=bottom, color=color, label=kind if i == 0 else None)
+            ax.bar(i + 0.18, formula[kind] / MiB, 0.34, bottom=fbottom, fill=False, edgecolor=color, hatch="//",
+                   label=f"{kind} (formula)" if i == 0 else None)
+            bottom += v
+            fbottom += formula[kind] / MiB
+        ax.text(i - 0.18, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(picked)), [f"{r['layout']}\nN={r['dp']}" + (f", R={r['replicate']}" if r.get("replicate", 1) > 1
+                                                                        else "") for r in picked], fontsize=8)
+    ax.set_ylabel("MiB per rank")
+    ax.set_title(f"State per rank: measured (solid) vs the ZeRO formulas (hatched), Ψ = {psi / MiB:.1f} MiB")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "memory_ladder.png"), dpi=120)
+    plt.close(fig)
+    return True
 
 
 def write_outputs(rows: list[dict], meta: dict, setup: Setup, out: str) -> None:

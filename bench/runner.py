@@ -66,6 +66,8 @@ def summarize(records: list[dict], warmup: int) -> dict | None:
     out = {"tokens_per_sec": med("tokens_per_sec"), "mfu": med("mfu"), "step_time_ms": med("step_time_ms"),
            "peak_memory_bytes": max(r.get("peak_memory_bytes", 0) for r in steps) or None,
            "state_bytes": max(r.get("state_bytes", 0) for r in steps) or None,
+           "state_bytes_by_kind": max((r["state_bytes_by_kind"] for r in steps if "state_bytes_by_kind" in r),
+                                      key=lambda d: sum(d.values()), default=None),
            "comm_bytes": None, "comm_bytes_by_kind": None, "measured_steps": len(steps)}
     if all("comm_bytes" in r for r in steps):
         kinds = sorted({k for r in steps for k in r["comm_bytes"]})
@@ -167,6 +169,9 @@ def make_row(lay: Layout, runs: list[dict], setup: Setup) -> dict:
         "status": bad[0] if bad else "ok",
         "tokens_per_sec": pick("tokens_per_sec"), "mfu": pick("mfu"), "step_time_ms": pick("step_time_ms"),
         "peak_memory_bytes": pick("peak_memory_bytes", max), "state_bytes": pick("state_bytes", max),
+        "state_bytes_by_kind": max((s["state_bytes_by_kind"] for s in ok if s.get("state_bytes_by_kind")),
+                                   key=lambda d: sum(d.values()), default=None),
+        "replicate": lay.replicate, "dp_type": lay.dp_type,
         "comm_bytes": comm, "comm_bytes_by_kind": by_kind,
         "comm_theory_bytes": theory_total, "comm_theory_by_kind": theory,
         "comm_ratio": comm / theory_total if comm is not None and theory_total else None,

@@ -656,6 +656,33 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
                                               p_size, r_size)
 
 
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "fsdp": 3}
+
+
+def zero_comm_bytes_per_step(stage: int, root: int, blocks: int, shard: int, replicas: int = 1,
+                             micro_steps: int = 1, param_bytes: int = 4, reduce_bytes: int = 4) -> dict[str, int]:
+    """What parallel/comm.COUNTER records on one rank per optimizer step of `micro_steps` micro-steps, for
+    the elements of the root unit and of all Blocks (padded as the units are), S = `shard` ranks per
+    shard group and R = `replicas` (HSDP):
+    - ZeRO-1: reduce-scatter Ψ once (the accumulated gradient, at the end of the step's backward), and
+      all-gather Ψ once (the updated shards, at the next step's first forward);
+    - ZeRO-2: reduce-scatter Ψ per micro-step (each unit as soon as its gradient is complete), all-gather
+      Ψ once per step;
+    - ZeRO-3: `fsdp_comm_bytes_per_micro_step` per micro-step;
+    - HSDP (R > 1): the above within the shard group, plus an all-reduce of each reduce-scattered 1/S
+      shard across the replicas: Ψ/S per reduce-scatter."""
+    psi = root + blocks
+    if stage == 3:
+        out = {k: v * micro_steps for k, v in fsdp_comm_bytes_per_micro_step(root, blocks, shard, True, param_bytes,
+                                                                             reduce_bytes).items()}
+        scatters = micro_steps if shard > 1 else 0
+    else:
+        scatters = (1 if stage == 1 else micro_steps) if shard > 1 else 0
+        out = {"all_gather": psi * param_bytes if shard > 1 else 0, "reduce_scatter": psi * reduce_bytes * scatters}
+    out["all_reduce"] = psi // shard * reduce_bytes * (1 if stage == 1 else micro_steps) if replicas > 1 else 0
+    return out
+
+
 def fsdp_comm_bytes_per_micro_step(root: int, blocks: int, world: int, reshard_after_forward: bool = True,
                                    param_bytes: int = 4, reduce_bytes: int = 4) -> dict[str, int]:
     """Payload bytes of one rank's all-gathers and reduce-scatters in one synchronised forward + backward,

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import GPT, init_parameter, param_groups
 from parallel.comm import local
-from parallel.fsdp import FullyShardedDataParallel
+from parallel.fsdp import ZERO_STAGES, FullyShardedDataParallel
 from parallel.grads import clip_grad_norm_
 from parallel.pipeline import PipelineRunner, PipelineStage, TorchChunk, TorchPipelineRunner, embedding_group
 
@@ -184,9 +184,6 @@ def apply_tp_pytorch(model: GPT, tp_mesh: DeviceMesh, cfg: ParallelConfig, devic
     return model, {"dtensor_loss_parallel": cfg.loss_parallel}
 
 
-ZERO_STAGE = {"zero1": 1, "zero2": 2, "fsdp": 3}
-
-
 def apply_fsdp_custom(model: GPT, mesh, cfg: ParallelConfig, device: torch.device):
     """Our sharding engine at the ZeRO stage of cfg.dp_type: over mesh["dp"], or with HSDP over
     mesh["dp_shard"], replicated over mesh["dp_replicate"]. ZeRO-1 accumulates its micro-steps locally."""
@@ -195,7 +192,7 @@ def apply_fsdp_custom(model: GPT, mesh, cfg: ParallelConfig, device: torch.devic
     fsdp = FullyShardedDataParallel(model, process_group=mesh["dp_shard" if hsdp else "dp"].get_group(),
                                     param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype, device=device,
                                     deferred_init_seed=cfg.seed if meta else None,
-                                    zero_stage=ZERO_STAGE[cfg.dp_type],
+                                    zero_stage=ZERO_STAGES[cfg.dp_type],
                                     replicate_group=mesh["dp_replicate"].get_group() if hsdp else None)
     return fsdp, {"accumulate_locally": fsdp.zero_stage == 1,
                   "replica_rank": mesh["dp_replicate"].get_local_rank() if hsdp else 0}
