@@ -80,6 +80,10 @@ def train_parser() -> Parser:
       help="interleaved_1f1b: model chunks per pipeline rank (V > 1)")
     a("--implementation", choices=["custom", "pytorch"], default="custom")
     a("--deferred_init", action="store_true", help="build on meta, materialise after sharding")
+    a("--activation_checkpointing", choices=["none", "full", "selective"], default="none",
+      help="recompute Blocks in backward: every Block (full) or every --ac_every-th (selective)")
+    a("--ac_every", type=int, default=2, metavar="K", help="selective activation checkpointing: every K-th Block")
+    a("--compile", action="store_true", help="torch.compile each Block (needs a C++ compiler on CPU)")
     a("--gradient_clipping", action="store_true", help="clip the global gradient norm at 1.0")
     a("--bucket_cap_mb", type=float, default=25.0, help="custom DDP: gradient bucket size")
     a("--grad_compression", choices=["none", "bf16"], default="none", help="custom DDP: bf16 on the wire")
@@ -153,6 +157,13 @@ class Plan:
     resume_from: str | None = None  # checkpoint directory (--resume found one)
 
 
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile's CPU backend (inductor) would build with, or None."""
+    import shutil
+    return next((path for name in (os.environ.get("CXX"), "g++", "c++", "clang++") if name
+                 for path in [shutil.which(name)] if path), None)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """'auto': bf16 on a GPU with native bf16 (compute capability >= 8.0), fp16 with a GradScaler on an
     older one, fp32 on CPU. A capability query touches no device memory, unlike
@@ -177,12 +188,14 @@ def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.d
                           deferred_init=args.deferred_init, seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
                           grad_compression=None if args.grad_compression == "none" else args.grad_compression,
                           pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual_stages or 1,
-                          dp_replicate=args.data_parallel_replicate_size)
+                          dp_replicate=args.data_parallel_replicate_size,
+                          activation_checkpointing=args.activation_checkpointing, ac_every=args.ac_every,
+                          compile=args.compile)
 
 
 def _check_flags(args: argparse.Namespace) -> None:
     for flag in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "data_parallel_replicate_size",
-                 "micro_batch_size", "seq_len",
+                 "ac_every", "micro_batch_size", "seq_len",
                  "total_batch_size", "max_steps", "eval_interval", "eval_iters"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
@@ -326,6 +339,9 @@ def validate(args: argparse.Namespace) -> Plan:
     except ValueError as e:
         raise UsageError(str(e)) from None
     dtype = resolve_dtype(args.dtype, device)
+    if args.compile and device.type == "cpu" and not cxx_compiler():
+        raise UsageError("--compile on CPU needs a C++ compiler for inductor and none was found (looked for $CXX, "
+                         "g++, c++, clang++); install one (Debian/Ubuntu: apt-get install g++) or drop --compile")
     _check_layout(args, dims, dtype)
     config, hf_state = _check_model(args, dims)
     tokens_per_micro = args.micro_batch_size * args.seq_len * dims.dp

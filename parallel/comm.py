@@ -65,6 +65,7 @@ def world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
+@torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: str = "sum",
                async_op: bool = False):
     """In-place all-reduce of `tensor` over `group`. op: "sum", "avg" (sum then divide), or "max".
@@ -81,6 +82,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op:
     return work
 
 
+@torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None,
                            async_op: bool = False):
     """Gather every rank's equal-sized `shard` into `output` (rank order, along dim 0)."""
@@ -91,6 +93,7 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: dis
     return getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=async_op)
 
 
+@torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
                           async_op: bool = False):
     """Sum `full` over ranks and leave this rank's 1/N slice (along dim 0) in `output`."""
@@ -111,6 +114,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+@torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> None:
     """Overwrite `tensor` with global rank `src`'s copy."""
     if world(group) == 1:
@@ -119,6 +123,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     dist.broadcast(tensor, src=src, group=group)
 
 
+@torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> dist.Work:
     """Post a non-blocking send of `tensor` to `dst` (a rank of `group`); returns the work handle to wait.
 
@@ -128,6 +133,7 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
     return dist.isend(tensor, dst=_global(dst, group), group=group)
 
 
+@torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> dist.Work:
     """Post a non-blocking receive into `tensor` from `src` (a rank of `group`); returns the work handle.
     Not counted: the sender counts the message."""

@@ -413,6 +413,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         if self.prefetch and self._adjacent(i, i - 1):
             self._gather(self.units[i - 1], "backward")
         unit.wait()
+        unit.show_full()  # activation checkpointing recomputes the Block's forward from its attributes
 
     def _post_backward(self, unit: _FlatUnit, flat: torch.Tensor) -> None:
         """All of the unit's gradients are in `flat.grad`: free the unit and reduce-scatter the gradient."""

@@ -2,6 +2,7 @@
 
     0. pipeline stage over mesh["pp"]               (keeps this pp rank's chunks; the rest is dropped)
     1. tensor parallelism over mesh["tp"]           (shards matmul weights; materialises its own shards)
+       then activation checkpointing and torch.compile of each Block (parallel/blocks.py)
     2. FSDP over mesh["dp"]                         (shards what is left; materialises one unit at a time)
     3. materialise whatever is still on meta        (deferred init: only the local slices of DTensors)
     4. DDP over mesh["dp"]                          (replicates: needs real values, broadcasts rank 0's)
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from model import GPT, init_parameter, param_groups
 from parallel.comm import local
 from parallel.fsdp import ZERO_STAGES, FullyShardedDataParallel
+from parallel.blocks import apply_activation_checkpointing, apply_compile
 from parallel.grads import clip_grad_norm_
 from parallel.pipeline import PipelineRunner, PipelineStage, TorchChunk, TorchPipelineRunner, embedding_group
 
@@ -51,6 +53,9 @@ class ParallelConfig:
     grad_compression: str | None = None  # custom DDP: "bf16" on the wire
     pp_schedule: str = "1f1b"           # pipeline: "gpipe" | "1f1b" | "interleaved_1f1b"
     pp_virtual: int = 1                 # pipeline: model chunks per pp rank (interleaved_1f1b: > 1)
+    activation_checkpointing: str = "none"  # "none" | "full" | "selective" (every ac_every-th Block)
+    ac_every: int = 2
+    compile: bool = False               # torch.compile each Block's forward
 
 
 @dataclass(kw_only=True)
@@ -261,6 +266,10 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
     stage = model
     if dims.tp_enabled:
         step("tp", "tp")
+    if cfg.activation_checkpointing != "none":
+        apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.ac_every)
+    if cfg.compile:
+        apply_compile(model)
     # which engine a dp_type runs on: ours shard on one engine; torch's ZeRO-1 is DDP + ZeroRedundancyOptimizer
     engine = {"ddp": "ddp", "zero1": "fsdp", "zero2": "fsdp", "fsdp": "fsdp"}.get(dp_type)
     if impl == "pytorch" and dp_type == "zero1":

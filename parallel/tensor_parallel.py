@@ -390,7 +390,7 @@ def full_tensor(t: torch.Tensor, shard_dim: int | None, group) -> torch.Tensor:
 
 def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, loss_parallel: bool,
                                  sequence_parallel: bool, dtype_bytes: int = 4,
-                                 residual_bytes: int | None = None) -> dict[str, int]:
+                                 residual_bytes: int | None = None, recomputed_blocks: int = 0) -> dict[str, int]:
     """Bytes parallel/comm.COUNTER records on one rank for one forward + backward, by kind.
 
     dtype_bytes: element size of matmul outputs (the compute dtype). residual_bytes: that of the residual
@@ -403,7 +403,11 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
     - under SP also the position embeddings' backward all-gather (T*C) and the fp32 all-reduce of the
       gradients of the replicated parameters that saw only T/p positions (LayerNorms, row-parallel biases);
     - the loss: with loss parallelism 3 fp32 numbers per token (max; target logit and sum-exp), else the
-      all-gather of the full (B, T, V) logits.
+      all-gather of the full (B, T, V) logits;
+    - activation checkpointing of `recomputed_blocks` Blocks: backward re-runs each one's forward up to the
+      last tensor it saves (mlp.c_proj's input; non-reentrant checkpointing stops there), so its forward
+      collectives run again except mlp.c_proj's exit: under SP 2 all-gathers of A(residual) (ln_1, ln_2
+      entries) and 1 reduce-scatter of A(dtype) (attn.c_proj), else 1 all-reduce of A(dtype).
     """
     out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     if tp == 1:
@@ -419,6 +423,11 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
         out["all_reduce"] += ((2 * L + 1) * (1 + n_bias) * C + 2 * L * n_bias * C) * 4
     else:
         out["all_reduce"] += entries + exits
+    if sequence_parallel:
+        out["all_gather"] += recomputed_blocks * 2 * N * C * residual_bytes
+        out["reduce_scatter"] += recomputed_blocks * N * C * dtype_bytes
+    else:
+        out["all_reduce"] += recomputed_blocks * N * C * dtype_bytes
     if loss_parallel:
         out["all_reduce"] += 3 * N * 4
     else:
