@@ -1,0 +1,508 @@
+"""train.py under the ZeRO ladder and HSDP: every stage logs the losses, gradient norms and val losses of one
+process, its PyTorch twin logs the same losses, deferred init and kill + resume are bit-equal, checkpoints load
+across stages, each rank holds the bytes and moves the bytes the ZeRO paper says, and bad layouts are refused
+in one line.
+
+Each run is a real `python train.py` / `torchrun train.py` on the stand-in corpus of tests/harness.py, with a
+4-Block tiny GPT and M = 8 micro-batches per step over all ranks: 4 per rank at dp=2, 2 at dp=4 (HSDP
+R=2 x S=2), so every layout accumulates gradients. Runs are made once and shared by name (`run`); the
+one-process reference is made in each class's setUpClass. `zero1`, `zero2`, `fsdp` name our engine
+(parallel/fsdp.py, ZeRO stages 1, 2, 3), `torch_<name>` its twin (`--implementation pytorch`): torch DDP +
+ZeroRedundancyOptimizer, fully_shard(reshard_after_forward=False), fully_shard; the HSDP twins of zero2 and
+fsdp run on the 2D (dp_replicate, dp_shard) mesh, zero1's shards over all dp ranks (see TestZeroStateBytes).
+"""
+import contextlib
+import io
+import os
+import shutil
+import tempfile
+import unittest
+from unittest import mock
+
+import pytest
+import torch
+
+import checkpoint
+from metrics import read_jsonl
+from model import GPT, make_config
+from parallel.fsdp import fsdp_comm_bytes_per_micro_step
+from tests.harness import launch_ranks, make_token_bins, rank0_only, run_train
+
+STEPS = 6
+MB, T, N_LAYER, M = 2, 32, 4, 8  # micro-batch, seq_len, Blocks, micro-batches per step (all ranks)
+EVAL_EVERY = 3
+BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", str(T),
+        "--total_batch_size", str(M * MB * T), "--max_steps", str(STEPS), "--eval_interval", str(EVAL_EVERY),
+        "--eval_iters", "2", "--warmup_steps", "2", "--lr", "3e-3", "--gradient_clipping",
+        "--peak_flops", "1e12"]  # fixed MFU denominator (see test_train)
+TP2_SP = ["--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"]
+
+
+def dp(kind: str, size: int = 2, replicate: int = 1) -> list[str]:
+    return ["--data_parallel_size", str(size), "--data_parallel_type", kind] + \
+        (["--data_parallel_replicate_size", str(replicate)] if replicate > 1 else [])
+
+
+# name -> (flags, ranks) of our engine's layouts; "torch_<name>" is the same with --implementation pytorch
+LAYOUTS = {
+    "zero1": (dp("zero1"), 2),
+    "zero2": (dp("zero2"), 2),
+    "fsdp": (dp("fsdp"), 2),
+    "hsdp_zero1": (dp("zero1", 4, 2), 4),
+    "hsdp_zero2": (dp("zero2", 4, 2), 4),
+    "hsdp_fsdp": (dp("fsdp", 4, 2), 4),
+    "tp_zero1": (dp("zero1") + TP2_SP, 4),  # dp=2 x tp=2; DTensor TP runs with SP and loss parallel too
+    "tp_zero2": (dp("zero2") + TP2_SP, 4),
+}
+SAVING = ("zero1", "torch_zero1")  # checkpoint sources for TestZeroCheckpoints: they save every 3 steps
+
+TMP = None
+RUNS: dict[str, str] = {}  # name -> out_dir of a finished run
+
+
+def setUpModule():
+    global TMP
+    TMP = tempfile.TemporaryDirectory()
+    make_token_bins(os.path.join(TMP.name, "data"))
+
+
+def tearDownModule():
+    TMP.cleanup()
+
+
+def layout(name: str) -> tuple[list[str], int]:
+    """(flags, ranks) of a LAYOUTS name, its twin "torch_<name>", or "single"."""
+    if name == "single":
+        return [], 1
+    impl = "pytorch" if name.startswith("torch_") else "custom"
+    flags, nproc = LAYOUTS[name.removeprefix("torch_")]
+    return [*flags, "--implementation", impl], nproc
+
+
+def run(name: str, flags: list[str] | None = None, nproc: int | None = None) -> str:
+    """Train once per name (later callers reuse the run); returns its out_dir. Layout from `layout(name)`
+    unless given; SAVING runs checkpoint every 3 steps, the others not at all."""
+    if name not in RUNS:
+        if flags is None:
+            flags, nproc = layout(name)
+        out = os.path.join(TMP.name, name)
+        saving = ["--checkpoint_interval", "3"] if name in SAVING else ["--no_checkpoint"]
+        proc = run_train(BASE + ["--dataset", os.path.join(TMP.name, "data"), "--out_dir", out] + saving + flags,
+                         nproc)
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        RUNS[name] = out
+    return RUNS[name]
+
+
+def steps_of(out: str) -> dict[int, dict]:
+    """step -> its training record (a step logged twice, before and after a resume, counts as its last)."""
+    return {r["step"]: r for r in read_jsonl(out) if "loss" in r}
+
+
+def evals_of(out: str) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in read_jsonl(out) if "val_loss" in r}
+
+
+def assert_close(test: unittest.TestCase, got: dict, ref: dict, key: str | None, rtol: float, what: str,
+                 steps=None) -> None:
+    """got[s][key] (or got[s]) within rtol of ref's, for every step of `got` (or `steps`); rtol 0: equal bits."""
+    steps = sorted(got) if steps is None else list(steps)
+    test.assertTrue(steps and set(steps) <= set(got) and set(steps) <= set(ref), f"{what}: steps {sorted(got)}")
+    for s in steps:
+        a, b = (got[s][key], ref[s][key]) if key else (got[s], ref[s])
+        test.assertLessEqual(abs(a - b), rtol * abs(b), f"{what}: step {s} {key or 'val_loss'} {a} vs {b}")
+
+
+# ----------------------------------------------------------------------------- the model's units
+
+def unit_sizes() -> dict[str, int]:
+    """Elements of each sharding unit of the tiny GPT, from first principles: each Block, and the root (wte,
+    which lm_head shares, wpe, ln_f)."""
+    with torch.device("meta"):
+        gpt = GPT(make_config("tiny", n_layer=N_LAYER))
+    sizes: dict[str, int] = {}
+    for name, p in gpt.named_parameters():  # the tied lm_head.weight is wte's object: listed once
+        unit = ".".join(name.split(".")[:3]) if name.startswith("transformer.h.") else "root"
+        sizes[unit] = sizes.get(unit, 0) + p.numel()
+    assert sum(sizes.values()) == gpt.num_params(), "every parameter in exactly one unit"
+    return sizes
+
+
+def padded_bytes(group: int, units: str = "all") -> int:
+    """fp32 bytes of the units' flat buffers, each padded up to a multiple of the shard-group size `group`
+    (what parallel/comm.py counts); units: "all", "root" or "blocks"."""
+    sizes = {u: n for u, n in unit_sizes().items() if units == "all" or (u == "root") == (units == "root")}
+    return 4 * sum(-(-n // group) * group for n in sizes.values())
+
+
+PSI = 4 * sum(unit_sizes().values())  # Ψ: fp32 bytes of all parameters, the tied embedding once
+UNITS = N_LAYER + 1
+
+
+# ----------------------------------------------------------------------------- against one process
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestZeroAgreesWithOneProcess(unittest.TestCase):
+    """Every stage, HSDP and ZeRO x TP, ours and the twin, against one process over STEPS steps: loss and
+    grad_norm every step, val_loss at steps 0, 3 and 6.
+
+    Tolerances (relative): 1e-6 without TP. A ZeRO stage computes what one process computes, in another
+    order: each rank sums its 4 (HSDP: 2) micro-batches' gradients, the reduce-scatter (and HSDP's all-reduce
+    over replicas) sums the ranks', then divides; one process sums 8 micro-batches. AdamW on a shard is
+    elementwise, so the only differences are fp32 rounding of those sums (measured: <= 1.9e-7 on every
+    loss, grad norm and val loss, TP layouts included).
+    The norm is accumulated in fp64 (parallel/grads.py). 1e-4 with TP, which also splits matmul reductions
+    across ranks (as in test_train and test_pipeline_train).
+
+    PyTorch + TP: both twins run with --sequence_parallel --enable_loss_parallelism, like ours: torch DDP
+    over DTensor TP (parallel/parallelize.localize_tp_params) under ZeroRedundancyOptimizer, and fully_shard
+    over DTensor TP, both accept them (checked: they also run; DTensor makes them ~4x slower per step here).
+    """
+
+    @classmethod
+    def setUpClass(cls):
+        cls.ref = steps_of(run("single"))
+        cls.ref_evals = evals_of(RUNS["single"])
+
+    def check(self, name: str, rtol: float = 1e-6) -> dict[int, dict]:
+        out = run(name)
+        got = steps_of(out)
+        self.assertEqual(sorted(got), list(range(1, STEPS + 1)), name)
+        assert_close(self, got, self.ref, "loss", rtol, name)
+        assert_close(self, got, self.ref, "grad_norm", rtol, name)
+        self.assertEqual(sorted(evals_of(out)), [0, EVAL_EVERY, STEPS], name)
+        assert_close(self, evals_of(out), self.ref_evals, None, rtol, name)
+        return got
+
+    def test_reference_learns(self):
+        self.assertLess(self.ref[STEPS]["loss"], self.ref[1]["loss"] - 0.5)
+
+    def test_zero_stages_dp2(self):
+        for name in ("zero1", "zero2", "fsdp"):
+            for impl in ("", "torch_"):
+                with self.subTest(impl + name):
+                    self.check(impl + name)
+
+    def test_hsdp_2x2(self):
+        """R=2 replicas x S=2 shards on 4 ranks. torch_hsdp_zero1 is ZeroRedundancyOptimizer over all 4 dp
+        ranks (the twin has no replicated ZeRO-1: R only shapes the mesh; see TestZeroStateBytes)."""
+        for name in ("hsdp_zero1", "hsdp_zero2", "hsdp_fsdp"):
+            for impl in ("", "torch_"):
+                with self.subTest(impl + name):
+                    self.check(impl + name)
+
+    def test_zero_with_tp_2x2(self):
+        for name in ("tp_zero1", "tp_zero2"):
+            for impl in ("", "torch_"):
+                with self.subTest(impl + name):
+                    self.check(impl + name, rtol=1e-4)
+
+    def test_custom_equals_its_twin(self):
+        """Ours and its twin per step within 1e-6 relative on the loss, for every layout (TP ones too): both
+        sum the same per-rank gradients through the same collectives, so they differ at most where torch
+        orders a sum differently (measured: the same bits at every step without TP; with TP, DTensor's
+        matmuls and loss differ from ours by one fp32 ulp, 9e-8, on one or two of the 6 steps)."""
+        for name in LAYOUTS:
+            with self.subTest(name):
+                assert_close(self, steps_of(run(name)), steps_of(run("torch_" + name)), "loss", 1e-6,
+                             f"{name} vs its twin")
+
+    def test_deferred_init_is_bit_equal(self):
+        """--deferred_init builds on meta and materialises one unit at a time from the seed: the same weights
+        as eager init, so the same losses and grad norms, bit for bit (0 tolerance)."""
+        for name in ("zero1", "zero2"):
+            with self.subTest(name):
+                flags, nproc = layout(name)
+                deferred = steps_of(run(name + "_deferred", [*flags, "--deferred_init"], nproc))
+                eager = steps_of(run(name))
+                self.assertEqual(sorted(deferred), list(range(1, STEPS + 1)))
+                assert_close(self, deferred, eager, "loss", 0, f"{name}: deferred vs eager")
+                assert_close(self, deferred, eager, "grad_norm", 0, f"{name}: deferred vs eager")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestZeroCheckpoints(unittest.TestCase):
+    """Kill + --resume is bit-equal to the uninterrupted run of the same layout; a checkpoint saved by one
+    stage (and implementation) resumes under another and continues like one process.
+
+    Cross-layout resumes start from the source's step-3 checkpoint and are compared with the uninterrupted
+    one-process run at 1e-6 (loss, grad_norm of steps 4-6, val_loss at step 6), the tolerance of
+    TestZeroAgreesWithOneProcess: the checkpoint holds the source run's weights and AdamW moments, which equal
+    one process's up to the rounding of the gradient sums."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.single = run("single")
+
+    def kill_and_resume(self, name: str, kill_rank: int) -> None:
+        """A checkpoint every 2 steps; rank `kill_rank` SIGKILLs itself after step 3 (faults.py:
+        GPT_KILL_AT_STEP); --resume continues from step 2's checkpoint and recomputes step 3. Every step's loss
+        and grad_norm, and the val losses, equal the uninterrupted run's bits."""
+        flags, nproc = layout(name)
+        out = os.path.join(TMP.name, name + "_killed")
+        args = BASE + ["--dataset", os.path.join(TMP.name, "data"), "--out_dir", out,
+                       "--checkpoint_interval", "2", *flags]
+        k = run_train(args, nproc, env={"GPT_KILL_AT_STEP": "3", "GPT_KILL_RANK": str(kill_rank)})
+        self.assertNotEqual(k.returncode, 0, f"not killed:\n{k.stdout[-2000:]}\n{k.stderr[-2000:]}")
+        self.assertIn(f"rank {kill_rank} sends itself SIGKILL", k.stdout)
+        self.assertEqual([s for s, _ in checkpoint.list_checkpoints(out)], [2])
+        r = run_train(args + ["--resume"], nproc)
+        self.assertEqual(r.returncode, 0, f"resume:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+        self.assertIn(f"resuming from {checkpoint.step_dir(out, 2)}", r.stdout)
+        got, ref = steps_of(out), steps_of(run(name))
+        self.assertEqual(sorted(got), list(range(1, STEPS + 1)))
+        self.assertEqual([(got[s]["loss"], got[s]["grad_norm"]) for s in got],
+                         [(ref[s]["loss"], ref[s]["grad_norm"]) for s in got])
+        self.assertEqual(evals_of(out), evals_of(run(name)))
+
+    def test_kill_and_resume_zero1(self):
+        self.kill_and_resume("zero1", kill_rank=1)
+
+    def test_kill_and_resume_hsdp_fsdp(self):
+        """Rank 3: shard 1 of replica 1, whose replica-0 twin (rank 1) wrote the shard."""
+        self.kill_and_resume("hsdp_fsdp", kill_rank=3)
+
+    def resume(self, name: str, source: str, target: str) -> None:
+        """A fresh out_dir holding only `source`'s step-3 checkpoint, resumed to STEPS in `target`'s layout."""
+        out = os.path.join(TMP.name, name)
+        shutil.copytree(checkpoint.step_dir(run(source), 3), checkpoint.step_dir(out, 3))
+        flags, nproc = layout(target)
+        proc = run_train(BASE + ["--dataset", os.path.join(TMP.name, "data"), "--out_dir", out, "--resume",
+                                 "--no_checkpoint"] + flags, nproc)
+        self.assertEqual(proc.returncode, 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        self.assertIn(f"resuming from {checkpoint.step_dir(out, 3)}", proc.stdout)
+        self.assertNotIn("arguments differ", proc.stdout)
+        got, ref = steps_of(out), steps_of(self.single)
+        self.assertEqual(sorted(got), list(range(4, STEPS + 1)), name)
+        assert_close(self, got, ref, "loss", 1e-6, name)
+        assert_close(self, got, ref, "grad_norm", 1e-6, name)
+        assert_close(self, evals_of(out), evals_of(self.single), None, 1e-6, name, steps=[STEPS])
+
+    def test_zero1_checkpoint_resumes_as_hsdp_fsdp(self):
+        self.resume("zero1_to_hsdp_fsdp", "zero1", "hsdp_fsdp")
+
+    def test_zero1_checkpoint_resumes_as_torch_zero2(self):
+        self.resume("zero1_to_torch_zero2", "zero1", "torch_zero2")
+
+    def test_torch_zero1_checkpoint_resumes_as_zero2(self):
+        """The twin's ZeroRedundancyOptimizer writes each parameter from the rank that owns its moments."""
+        self.resume("torch_zero1_to_zero2", "torch_zero1", "zero2")
+
+
+# ----------------------------------------------------------------------------- bytes held and moved
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestZeroStateBytes(unittest.TestCase):
+    """Rank 0's state_bytes_by_kind (after the optimizer step, before zero_grad) against the ZeRO paper's
+    per-rank bytes, Ψ = fp32 bytes of all parameters (tied embedding once), N = the dp size, S = the
+    shard-group size (HSDP: N / R):
+
+        stage      params   grads   optimizer (AdamW's two moments)
+        ddp        Ψ        Ψ       2Ψ          (the control: 4Ψ per rank, whatever N)
+        zero1      Ψ        Ψ       2Ψ/N        (the shard gradient is a slice of the full gradient buffer:
+                                                 reduce-scattered in place, so nothing is added to Ψ)
+        zero2      Ψ        Ψ/N     2Ψ/N
+        fsdp       Ψ/N      Ψ/N     2Ψ/N
+        HSDP       as the stage, with S for N
+
+    What the formulas leave out, so the tolerance (bytes, measured above the formula, never below):
+    - padding: each unit's flat buffer is padded to a multiple of the shard group, < S elements of 4 bytes
+      per unit for a full-size kind, < 1 element per unit for a sharded one (rank 0's shard holds
+      ceil(n / S) real elements of a unit of n). Every unit of this model divides by 4 (asserted), so
+      there is none here and params and grads must equal the formula exactly.
+    - AdamW's `step`: one fp32 scalar (4 bytes) per tensor it steps, i.e. per shard piece; rank 0 holds one
+      or two pieces per unit (the unit's weight-decay matrices and its no-decay rest), so 4 to 8 bytes per
+      unit (DDP: 4 per parameter tensor).
+    """
+
+    def kinds(self, name: str) -> dict[str, int]:
+        """Rank 0's state bytes by kind, the same at every step."""
+        records = steps_of(run(name))
+        by_kind = records[1]["state_bytes_by_kind"]
+        for s, r in records.items():
+            self.assertEqual(r["state_bytes_by_kind"], by_kind, f"{name}: step {s}")
+            self.assertEqual(r["state_bytes"], sum(by_kind.values()), f"{name}: step {s}")
+        return by_kind
+
+    def check(self, name: str, params: float, grads: float, optimizer: float, step_tensors: tuple[int, int]):
+        got = self.kinds(name)
+        self.assertEqual(got["params"], params, f"{name}: params")
+        self.assertEqual(got["grads"], grads, f"{name}: grads")
+        lo, hi = step_tensors
+        self.assertTrue(optimizer + 4 * lo <= got["optimizer"] <= optimizer + 4 * hi,
+                        f"{name}: optimizer {got['optimizer']} vs 2Ψ/N = {optimizer} + {lo}..{hi} step tensors")
+
+    def test_no_padding_in_this_model(self):
+        for unit, n in unit_sizes().items():
+            self.assertEqual(n % 4, 0, unit)
+        self.assertEqual(padded_bytes(2), PSI)
+        self.assertEqual(padded_bytes(4), PSI)
+
+    def test_zero_ladder_dp2_against_ddp(self):
+        """DDP, the control, holds 4Ψ per rank (every rank everything; our DDP's gradient buckets are the
+        gradients); each stage holds less: zero1 2Ψ + 2Ψ/N, zero2 Ψ + 3Ψ/N, fsdp 4Ψ/N."""
+        N = 2
+        run("ddp", dp("ddp") + ["--implementation", "custom"], 2)
+        with torch.device("meta"):
+            n_tensors = len(list(GPT(make_config("tiny", n_layer=N_LAYER)).parameters()))
+        self.check("ddp", PSI, PSI, 2 * PSI, (n_tensors, n_tensors))
+        for name, params, grads in (("zero1", PSI, PSI), ("zero2", PSI, PSI / N), ("fsdp", PSI / N, PSI / N)):
+            with self.subTest(name):
+                self.check(name, params, grads, 2 * PSI / N, (UNITS, 2 * UNITS))
+        totals = [sum(self.kinds(name).values()) for name in ("ddp", "zero1", "zero2", "fsdp")]
+        self.assertTrue(totals[0] > totals[1] > totals[2] > totals[3], totals)  # 4Ψ > 3Ψ > 2.5Ψ > 2Ψ (N = 2)
+
+    def test_hsdp_2x2(self):
+        S = 2
+        for name, params, grads in (("hsdp_zero1", PSI, PSI), ("hsdp_zero2", PSI, PSI / S),
+                                    ("hsdp_fsdp", PSI / S, PSI / S)):
+            with self.subTest(name):
+                self.check(name, params, grads, 2 * PSI / S, (UNITS, 2 * UNITS))
+
+    def test_torch_zero1_partitions_whole_tensors(self):
+        """Not the formulas: the twin's ZeroRedundancyOptimizer gives each rank whole parameters (largest first,
+        to the least-loaded rank), so rank 0's partition is the 3.2M-element embedding alone, at dp=2 and under
+        HSDP alike: there the twin shards over the flattened dp group of 4, R only shapes the mesh (ours keeps
+        2Ψ/S). Recorded so that a change of the twin shows up."""
+        wte = 4 * make_config("tiny").vocab_size * make_config("tiny").n_embd
+        for name in ("torch_zero1", "torch_hsdp_zero1"):
+            with self.subTest(name):
+                self.assertEqual(self.kinds(name), {"params": PSI, "grads": PSI, "optimizer": 2 * wte + 4})
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestZeroCommBytes(unittest.TestCase):
+    """Rank 0's comm_bytes per step (parallel/comm.py: the padded flat buffers; all_gather counts the gathered
+    output, reduce_scatter the full input, all_reduce the tensor) against the theory, derived here from the
+    model's units padded to the shard group (P = their fp32 bytes; k = micro-steps per rank):
+
+        zero1   reduce_scatter P once per step (micro-steps accumulate locally), all_gather P once per step
+        zero2   reduce_scatter P per micro-step, all_gather P once per step
+        fsdp    per micro-step: all_gather root + 2 x Blocks (gathered for forward and again for backward),
+                reduce_scatter P
+        HSDP    the stage within the shard group (S = 2), plus all_reduce P/S over the replicas for every
+                reduce-scattered shard (per step for zero1, per micro-step otherwise)
+
+    The once-per-step all_gather of zero1/zero2 happens at the step's first forward after the optimizer
+    step, which is the evaluation when one follows a step (step 0 and every EVAL_EVERY-th): the counter is
+    reset at each step's start, so steps 1 and 4 count 0 and the rest count P.
+    """
+
+    def comm(self, name: str) -> dict[int, dict[str, int]]:
+        records = steps_of(run(name))
+        self.assertEqual(sorted(records), list(range(1, STEPS + 1)), name)
+        return {s: r["comm_bytes"] for s, r in records.items()}
+
+    def check(self, name: str, per_step: dict[str, int], once: int):
+        """`per_step` every step; all_gather `once` on the steps that gather after an optimizer step."""
+        for s, got in self.comm(name).items():
+            gathered = 0 if (s - 1) % EVAL_EVERY == 0 else once
+            want = {**per_step, "all_gather": per_step.get("all_gather", gathered)}
+            self.assertEqual(got, {"all_reduce": 0, **want}, f"{name}: step {s}")
+
+    def test_zero1(self):
+        """Whatever the micro-step count (4 here): one reduce-scatter per step."""
+        P = padded_bytes(2)
+        self.check("zero1", {"reduce_scatter": P}, once=P)
+
+    def test_zero2(self):
+        P, k = padded_bytes(2), M // 2
+        self.check("zero2", {"reduce_scatter": k * P}, once=P)
+
+    def test_fsdp(self):
+        """Also the engine's own formula (parallel/fsdp.fsdp_comm_bytes_per_micro_step), which says the same."""
+        k, root, blocks = M // 2, padded_bytes(2, "root"), padded_bytes(2, "blocks")
+        want = {"all_gather": k * (root + 2 * blocks), "reduce_scatter": k * (root + blocks)}
+        engine = fsdp_comm_bytes_per_micro_step(root // 4, blocks // 4, 2)
+        self.assertEqual(want, {kind: k * b for kind, b in engine.items()})
+        self.check("fsdp", want, once=0)
+
+    def test_hsdp(self):
+        S, k = 2, M // 4
+        P, root, blocks = padded_bytes(S), padded_bytes(S, "root"), padded_bytes(S, "blocks")
+        self.check("hsdp_zero1", {"reduce_scatter": P, "all_reduce": P // S}, once=P)
+        self.check("hsdp_zero2", {"reduce_scatter": k * P, "all_reduce": k * P // S}, once=P)
+        self.check("hsdp_fsdp", {"all_gather": k * (root + 2 * blocks), "reduce_scatter": k * P,
+                                "all_reduce": k * P // S}, once=0)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str) -> None:
+    """train.main in this process, as one rank with no torchrun variables: exit code 2, exactly one line
+    `train.py: error: ...` naming the problem, nothing written."""
+    import train
+    from parallel.mesh import child_env
+    out = os.path.join(TMP.name, "bad_in_process")
+    err = io.StringIO()
+    with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stderr(err), \
+            contextlib.redirect_stdout(io.StringIO()):
+        os.environ.update(child_env())
+        code = train.main(BASE + ["--dataset", os.path.join(TMP.name, "data"), "--out_dir", out,
+                                  "--device", "cpu"] + flags)
+    lines = err.getvalue().splitlines()
+    test.assertEqual(code, 2, err.getvalue())
+    test.assertEqual(len(lines), 1, err.getvalue())
+    test.assertTrue(lines[0].startswith("train.py: error: "), lines[0])
+    test.assertIn(needle, lines[0])
+    test.assertFalse(os.path.exists(out))
+
+
+class TestBadZeroFlagsOneRank(unittest.TestCase):
+    """One-rank checks, in this process (no torch import per case): each well under a second."""
+
+    def test_replicas_do_not_divide_one_rank(self):
+        expect_error_in_process(self, ["--data_parallel_replicate_size", "2"],
+                                "--data_parallel_replicate_size 2 needs a sharded --data_parallel_type (zero1, "
+                                "zero2, fsdp) and must divide --data_parallel_size 1")
+
+    def test_replicas_with_ddp(self):
+        expect_error_in_process(self, ["--data_parallel_type", "ddp", "--data_parallel_replicate_size", "2"],
+                                "--data_parallel_replicate_size 2 needs a sharded --data_parallel_type")
+
+    def test_replicas_below_one(self):
+        expect_error_in_process(self, ["--data_parallel_replicate_size", "0"],
+                                "--data_parallel_replicate_size must be >= 1, got 0")
+
+    def test_unknown_data_parallel_type(self):
+        expect_error_in_process(self, ["--data_parallel_type", "zero3"], "argument --data_parallel_type: invalid "
+                                                                         "choice: 'zero3'")
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestBadZeroFlags(unittest.TestCase):
+    """Ranks started by hand (tests/harness.launch_ranks): every rank exits 2 with exactly its one line
+    `train.py: error: ...`, before any work (nothing written)."""
+
+    def expect_error(self, flags: list[str], needle: str, nproc: int = 2):
+        out = os.path.join(TMP.name, "bad")
+        ranks = launch_ranks(BASE + ["--dataset", os.path.join(TMP.name, "data"), "--out_dir", out] + flags, nproc)
+        for rank, proc in enumerate(ranks):
+            self.assertEqual(proc.returncode, 2, f"rank {rank}: {proc.stderr}")
+            lines = proc.stderr.splitlines()
+            self.assertEqual(len(lines), 1, f"rank {rank}: {proc.stderr}")
+            self.assertTrue(lines[0].startswith("train.py: error: "), f"rank {rank}: {lines[0]}")
+            self.assertIn(needle, lines[0], f"rank {rank}")
+        self.assertFalse(os.path.exists(out))
+
+    def test_replicas_do_not_divide_dp(self):
+        self.expect_error(dp("fsdp", 4, 3), "--data_parallel_replicate_size 3 needs a sharded --data_parallel_type "
+                                            "(zero1, zero2, fsdp) and must divide --data_parallel_size 4", nproc=4)
+
+    def test_replicas_with_ddp(self):
+        self.expect_error(dp("ddp", 2, 2), "--data_parallel_replicate_size 2 needs a sharded --data_parallel_type")
+
+    def test_replicas_without_a_data_parallel_type(self):
+        self.expect_error(["--data_parallel_size", "2", "--data_parallel_replicate_size", "2"],
+                          "--data_parallel_type ddp|zero1|zero2|fsdp is required with --data_parallel_size 2")
+
+
+if __name__ == "__main__":
+    unittest.main()
