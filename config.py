@@ -217,6 +217,9 @@ def _check_layout(args: argparse.Namespace, dims: ParallelDims, dtype: torch.dty
     if R > 1 and (dims.dp % R or args.data_parallel_type in (None, "ddp")):
         raise UsageError(f"--data_parallel_replicate_size {R} needs a sharded --data_parallel_type (zero1, zero2, "
                          f"fsdp) and must divide --data_parallel_size {dims.dp}")
+    if R > 1 and args.data_parallel_type == "zero1" and args.implementation == "pytorch":
+        raise UsageError("--implementation pytorch has no hybrid ZeRO-1: ZeroRedundancyOptimizer shards over one "
+                         "group and would ignore --data_parallel_replicate_size; use the custom engine or zero2/fsdp")
     for flag in ("enable_loss_parallelism", "sequence_parallel"):
         if getattr(args, flag) and not dims.tp_enabled:
             raise UsageError(f"--{flag} needs --tensor_parallel_size > 1")
