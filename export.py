@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default=None, help="the .safetensors file (default: <out_dir>/hf/model.safetensors)")
     try:
         args = p.parse_args(argv)
-        path = args.checkpoint or checkpoint.newest(args.out_dir)
+        path = args.checkpoint or checkpoint.newest_intact(
+            args.out_dir, lambda line: sys.stderr.write(f"export.py: {line}\n"))
         if path is None:
-            raise UsageError(f"no complete checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}")
+            raise UsageError(f"no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}")
+        checkpoint.verify(path)
         output = args.output or os.path.join(args.out_dir, "hf", "model.safetensors")
         export(path, output)
     except (UsageError, checkpoint.CheckpointError, ValueError) as e:

@@ -45,11 +45,12 @@ def load(args: argparse.Namespace, device: torch.device) -> GPT:
     if path is None:
         if args.out_dir is None:
             raise UsageError("pass --out_dir RUN (or --checkpoint DIR, or --init_from gpt2)")
-        path = checkpoint.newest(args.out_dir)
+        path = checkpoint.newest_intact(args.out_dir, lambda line: sys.stderr.write(f"sample.py: {line}\n"))
         if path is None:
-            raise UsageError(f"no complete checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
+            raise UsageError(f"no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
                              f"train without --no_checkpoint")
     try:
+        checkpoint.verify(path)
         return checkpoint.load_model(path, device)
     except checkpoint.CheckpointError as e:
         raise UsageError(str(e)) from None

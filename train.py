@@ -294,7 +294,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
     plan, args, is_main = t.plan, t.plan.args, t.plan.rank == 0
     start = restore_checkpoint(t) if plan.resume_from else 0
     if args.resume and not plan.resume_from and is_main:
-        print(f"--resume: no complete checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
+        print(f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
               f"starting fresh", flush=True)
     progress = metrics.Progress(args.max_steps - start, is_main)
     if start == 0:  # a resumed run skips it: its checkpoint step's eval was logged before the save
