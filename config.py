@@ -7,6 +7,7 @@ weights. After `validate` the trainer reads layout questions from `plan.par` and
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -193,15 +194,28 @@ def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.d
                           compile=args.compile)
 
 
+# every numeric flag's range, checked before any work: (flag, lowest allowed value, None: optional)
+AT_LEAST_ONE = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "data_parallel_replicate_size",
+                "pp_virtual_stages", "ac_every", "micro_batch_size", "seq_len", "total_batch_size", "max_steps",
+                "eval_interval", "eval_iters", "keep_checkpoints", "n_layer", "n_head", "n_embd", "block_size")
+AT_LEAST_ZERO = ("warmup_steps", "checkpoint_interval", "profile")
+POSITIVE_FLOATS = ("lr", "timeout", "bucket_cap_mb", "peak_flops")  # finite and > 0
+NON_NEGATIVE_FLOATS = ("weight_decay",)                                # finite and >= 0
+
+
 def _check_flags(args: argparse.Namespace) -> None:
-    for flag in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "data_parallel_replicate_size",
-                 "ac_every", "micro_batch_size", "seq_len",
-                 "total_batch_size", "max_steps", "eval_interval", "eval_iters"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.checkpoint_interval < 0 or args.keep_checkpoints < 1:
-        raise UsageError(f"--checkpoint_interval must be >= 0 and --keep_checkpoints >= 1, got "
-                         f"{args.checkpoint_interval} and {args.keep_checkpoints}")
+    for flag in AT_LEAST_ONE + AT_LEAST_ZERO:
+        value, low = getattr(args, flag), 1 if flag in AT_LEAST_ONE else 0
+        if value is not None and value < low:
+            raise UsageError(f"--{flag} must be >= {low}, got {value}")
+    for flag in POSITIVE_FLOATS + NON_NEGATIVE_FLOATS:
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and (value > 0 or (flag in NON_NEGATIVE_FLOATS
+                                                                               and value == 0))):
+            raise UsageError(f"--{flag} must be a finite number {'>= 0' if flag in NON_NEGATIVE_FLOATS else '> 0'}, "
+                             f"got {value}")
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise UsageError(f"--out_dir {args.out_dir} is a file, not a directory")
     if args.no_checkpoint and args.checkpoint_interval:
         raise UsageError("--no_checkpoint saves nothing and --checkpoint_interval asks for saves: pass one of them")
     if args.resume and args.overwrite:

@@ -183,3 +183,26 @@ def rank0_only() -> bool:
     """True on the process that should run whole-job tests: every process outside torchrun, rank 0 inside
     (whole training runs launch their own ranks; running them from every torchrun rank would repeat them)."""
     return not under_torchrun() or os.environ.get("RANK", "0") == "0"
+
+
+def expect_train_error_in_process(test, args: list[str], needle: str, out_dir: str, fresh: bool = True) -> None:
+    """train.main(args + --out_dir out_dir --device cpu) in this process, as one rank with no torchrun
+    variables: exit code 2, exactly one line `train.py: error: ...` containing `needle`, and (`fresh`) out_dir
+    never created (nothing written before the refusal)."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    import train
+    err = io.StringIO()
+    with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stderr(err), \
+            contextlib.redirect_stdout(io.StringIO()):
+        os.environ.update(child_env())
+        code = train.main([*args, "--out_dir", out_dir, "--device", "cpu"])
+    lines = err.getvalue().splitlines()
+    test.assertEqual(code, 2, err.getvalue())
+    test.assertEqual(len(lines), 1, err.getvalue())
+    test.assertTrue(lines[0].startswith("train.py: error: "), lines[0])
+    test.assertIn(needle, lines[0])
+    if fresh:
+        test.assertFalse(os.path.exists(out_dir))

@@ -13,7 +13,6 @@ import os
 import shutil
 import tempfile
 import unittest
-from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import torch
 import checkpoint
 from metrics import read_jsonl
 from parallel.pipeline import p2p_bytes_per_step
-from tests.harness import launch_ranks, make_token_bins, rank0_only, run_train
+from tests.harness import expect_train_error_in_process, launch_ranks, make_token_bins, rank0_only, run_train
 
 STEPS, SHORT = 10, 6  # SHORT: the checkpoint runs and the 8-rank 3D run
 MB, T, C, N_LAYER = 2, 32, 64, 4  # micro-batch, seq_len, n_embd of `tiny`, Blocks
@@ -339,23 +338,9 @@ class TestPipelineCheckpoints(unittest.TestCase):
 # ----------------------------------------------------------------------------- bad input
 
 def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str) -> None:
-    """train.main in this process, as one rank with no torchrun variables: exit code 2, exactly one line
-    `train.py: error: ...` naming the problem, nothing written."""
-    import train
-    from parallel.mesh import child_env
-    out = os.path.join(TMP.name, "bad_in_process")
-    err = io.StringIO()
-    with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stderr(err), \
-            contextlib.redirect_stdout(io.StringIO()):
-        os.environ.update(child_env())
-        code = train.main(BASE + ["--max_steps", "2", "--dataset", os.path.join(TMP.name, "data"),
-                                  "--out_dir", out, "--device", "cpu"] + flags)
-    lines = err.getvalue().splitlines()
-    test.assertEqual(code, 2, err.getvalue())
-    test.assertEqual(len(lines), 1, err.getvalue())
-    test.assertTrue(lines[0].startswith("train.py: error: "), lines[0])
-    test.assertIn(needle, lines[0])
-    test.assertFalse(os.path.exists(out))
+    """train.main in this process, as one rank (tests/harness.expect_train_error_in_process)."""
+    expect_train_error_in_process(test, BASE + ["--max_steps", "2", "--dataset", os.path.join(TMP.name, "data")] + flags, needle,
+                                  os.path.join(TMP.name, "bad_in_process"))
 
 
 class TestBadPipelineFlagsOneRank(unittest.TestCase):

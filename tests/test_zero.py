@@ -11,13 +11,10 @@ one-process reference is made in each class's setUpClass. `zero1`, `zero2`, `fsd
 ZeroRedundancyOptimizer, fully_shard(reshard_after_forward=False), fully_shard; the HSDP twins of zero2 and
 fsdp run on the 2D (dp_replicate, dp_shard) mesh, zero1's shards over all dp ranks (see TestZeroStateBytes).
 """
-import contextlib
-import io
 import os
 import shutil
 import tempfile
 import unittest
-from unittest import mock
 
 import pytest
 import torch
@@ -26,7 +23,7 @@ import checkpoint
 from metrics import read_jsonl
 from model import GPT, make_config
 from parallel.fsdp import fsdp_comm_bytes_per_micro_step
-from tests.harness import launch_ranks, make_token_bins, rank0_only, run_train
+from tests.harness import expect_train_error_in_process, launch_ranks, make_token_bins, rank0_only, run_train
 
 STEPS = 6
 MB, T, N_LAYER, M = 2, 32, 4, 8  # micro-batch, seq_len, Blocks, micro-batches per step (all ranks)
@@ -432,23 +429,9 @@ class TestZeroCommBytes(unittest.TestCase):
 # ----------------------------------------------------------------------------- bad input
 
 def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str) -> None:
-    """train.main in this process, as one rank with no torchrun variables: exit code 2, exactly one line
-    `train.py: error: ...` naming the problem, nothing written."""
-    import train
-    from parallel.mesh import child_env
-    out = os.path.join(TMP.name, "bad_in_process")
-    err = io.StringIO()
-    with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stderr(err), \
-            contextlib.redirect_stdout(io.StringIO()):
-        os.environ.update(child_env())
-        code = train.main(BASE + ["--dataset", os.path.join(TMP.name, "data"), "--out_dir", out,
-                                  "--device", "cpu"] + flags)
-    lines = err.getvalue().splitlines()
-    test.assertEqual(code, 2, err.getvalue())
-    test.assertEqual(len(lines), 1, err.getvalue())
-    test.assertTrue(lines[0].startswith("train.py: error: "), lines[0])
-    test.assertIn(needle, lines[0])
-    test.assertFalse(os.path.exists(out))
+    """train.main in this process, as one rank (tests/harness.expect_train_error_in_process)."""
+    expect_train_error_in_process(test, BASE + ["--dataset", os.path.join(TMP.name, "data")] + flags, needle,
+                                  os.path.join(TMP.name, "bad_in_process"))
 
 
 class TestBadZeroFlagsOneRank(unittest.TestCase):
