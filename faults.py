@@ -6,6 +6,8 @@
   "all") sends itself GPT_KILL_SIGNAL (KILL, or STOP to stall). With GPT_KILL_MARKER=file it happens only
   while that file does not exist (it is created first), i.e. once across torchrun restarts.
 - GPT_CKPT_FAIL_AFTER_FILES=n: the n-th checkpoint file this process writes raises, as a full disk would.
+- GPT_SIGNAL_AT_STEP=s: in the middle of step s (after its backward, before the optimizer step) rank
+  GPT_SIGNAL_RANK (default 0, or "all") sends itself GPT_SIGNAL (TERM or INT), as a cluster preempting it would.
 """
 from __future__ import annotations
 
@@ -55,3 +57,11 @@ def checkpoint_file_written() -> None:
     if limit and _files_written >= limit:
         raise RuntimeError(f"GPT_CKPT_FAIL_AFTER_FILES={limit}: injected failure after writing "
                            f"{_files_written} checkpoint files (test hook)")
+
+
+def maybe_signal_mid_step(step: int, rank: int) -> None:
+    if _env_int("GPT_SIGNAL_AT_STEP") != step:
+        return
+    who = os.environ.get("GPT_SIGNAL_RANK", "0")
+    if who == "all" or int(who) == rank:
+        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("GPT_SIGNAL", "TERM")))

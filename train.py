@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -138,6 +139,7 @@ def train_step(t: Trainer, step: int) -> dict:
                 loss = loss / plan.grad_accum
                 (t.scaler.scale(loss) if t.scaler else loss).backward()
             loss_sum += comm.full(loss).detach()
+    faults.maybe_signal_mid_step(step, plan.rank)
     if t.scaler:
         t.scaler.unscale_(t.optimizer)  # ranks agree on found-inf here (AgreeingGradScaler)
     norm = t.par.clip_grad_norm_(1.0 if args.gradient_clipping else None)
@@ -286,11 +288,44 @@ def is_comm_failure(e: BaseException) -> bool:
         "gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed", "Broken pipe"))
 
 
+# ----------------------------------------------------------------------------- preemption
+
+PREEMPTED = 5  # exit code: stopped by SIGTERM/SIGINT after finishing a step and saving it
+
+
+class Preemption:
+    """SIGTERM and SIGINT (on any rank) ask the run to stop after the current step: the handler only sets a
+    flag; `agreed()`, the last collective of every step (a MAX over all ranks of one int), tells every rank
+    whether any rank was signalled, so all stop after the same step, save it and exit with PREEMPTED.
+    A second signal on a rank restores the default handler and raises it again: an immediate stop."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, device: torch.device):
+        self.device, self.signal = device, None
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:  # the second one: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signal = signal.Signals(signum).name
+        sys.stderr.write(f"train.py: {self.signal} received: stopping after this step, with a checkpoint\n")
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1 if self.signal else 0], dtype=torch.int32, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one int: not wrapper traffic
+        return bool(flag.item())
+
+
 # ----------------------------------------------------------------------------- the loop
 
-def run(t: Trainer, logger: metrics.Logger) -> int:
+def run(t: Trainer, logger: metrics.Logger, preemption: Preemption | None = None) -> int:
     """Evaluate, then train from the start (or the resumed step) to --max_steps, evaluating and saving
-    on schedule. Returns the exit code: 0, or 3 for a non-finite step (nothing of it is saved)."""
+    on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or PREEMPTED
+    when a rank was signalled (the step is finished and saved first)."""
     plan, args, is_main = t.plan, t.plan.args, t.plan.rank == 0
     start = restore_checkpoint(t) if plan.resume_from else 0
     if args.resume and not plan.resume_from and is_main:
@@ -322,10 +357,18 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
             logger.log({"step": step, "val_loss": val})
             progress.eval(step, val)
         every = args.checkpoint_interval and step % args.checkpoint_interval == 0
-        if not args.no_checkpoint and (every or step == args.max_steps):
+        stop = preemption is not None and preemption.agreed()
+        path = None
+        if not args.no_checkpoint and (every or step == args.max_steps or stop):
             path = save_checkpoint(t, step)
             if step == args.max_steps:
                 progress.write(f"saved {path}")
+        if stop:
+            progress.close()
+            sys.stderr.write(f"train.py: rank {plan.rank}: preempted ({preemption.signal or 'a peer was signalled'}):"
+                             f" stopped after step {step}, " + (f"saved {path}; continue with --resume\n" if path
+                                                                else "nothing saved (--no_checkpoint)\n"))
+            return PREEMPTED
         faults.maybe_kill(step, plan.rank)
     progress.close()
     if profiler is not None:
@@ -348,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(t), flush=True)
         warn_shared_rendezvous_store()
     try:
-        code = run(t, logger)
-        if code == 0 and dist.is_initialized():
+        code = run(t, logger, Preemption(plan.device))
+        if code in (0, PREEMPTED) and dist.is_initialized():
             dist.barrier()  # no rank tears the group down while a peer still has collectives in flight
         return code
     except checkpoint.CheckpointError as e:
