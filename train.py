@@ -7,11 +7,13 @@ one line with exit code 2 on every rank before any work.
 """
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -320,9 +322,44 @@ class Preemption:
         return bool(flag.item())
 
 
+class StepWatchdog:
+    """A step that runs longer than --timeout explains itself: a timer started with each step writes every
+    thread's Python stack to <out_dir>/hang/rank_<r>.txt (faulthandler) and prints one line pointing there.
+    A collective that waits on a stalled peer releases the GIL, so the timer runs; the collective's own
+    timeout (the same --timeout, counted from when it started, after the step did) then ends the run."""
+
+    def __init__(self, out_dir: str, rank: int, timeout: float):
+        self.path = os.path.join(out_dir, "hang", f"rank_{rank}.txt")
+        self.rank, self.timeout, self.timer, self.step = rank, timeout, None, 0
+
+    def start(self, step: int) -> None:
+        self.stop()
+        self.step = step
+        self.timer = threading.Timer(self.timeout, self._dump)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _dump(self) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "w") as f:
+            f.write(f"rank {self.rank}: step {self.step} still running after --timeout {self.timeout:g}s; "
+                    f"every thread's stack:\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        sys.stderr.write(f"train.py: rank {self.rank}: step {self.step} has run for more than --timeout "
+                         f"{self.timeout:g}s; Python stacks in {self.path}\n")
+        sys.stderr.flush()
+
+
 # ----------------------------------------------------------------------------- the loop
 
-def run(t: Trainer, logger: metrics.Logger, preemption: Preemption | None = None) -> int:
+def run(t: Trainer, logger: metrics.Logger, preemption: Preemption | None = None,
+        watchdog: StepWatchdog | None = None) -> int:
     """Evaluate, then train from the start (or the resumed step) to --max_steps, evaluating and saving
     on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or PREEMPTED
     when a rank was signalled (the step is finished and saved first)."""
@@ -339,6 +376,8 @@ def run(t: Trainer, logger: metrics.Logger, preemption: Preemption | None = None
     profiler = make_profiler(t)
     for step in range(start + 1, args.max_steps + 1):
         t.step = step
+        if watchdog is not None:
+            watchdog.start(step)
         faults.maybe_inject_nan(step, t.model)
         m = train_step(t, step)
         logger.log(m)
@@ -369,6 +408,8 @@ def run(t: Trainer, logger: metrics.Logger, preemption: Preemption | None = None
                              f" stopped after step {step}, " + (f"saved {path}; continue with --resume\n" if path
                                                                 else "nothing saved (--no_checkpoint)\n"))
             return PREEMPTED
+        if watchdog is not None:
+            watchdog.stop()
         faults.maybe_kill(step, plan.rank)
     progress.close()
     if profiler is not None:
@@ -390,8 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     if is_main:
         print(describe(t), flush=True)
         warn_shared_rendezvous_store()
+    watchdog = StepWatchdog(args.out_dir, plan.rank, args.timeout)
     try:
-        code = run(t, logger, Preemption(plan.device))
+        code = run(t, logger, Preemption(plan.device), watchdog)
         if code in (0, PREEMPTED) and dist.is_initialized():
             dist.barrier()  # no rank tears the group down while a peer still has collectives in flight
         return code
@@ -407,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                                f"[{str(e).strip().splitlines()[0][:200]}]")
         return 4
     finally:
+        watchdog.stop()
         logger.close()
         if dist.is_initialized():
             dist.destroy_process_group()

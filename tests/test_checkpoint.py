@@ -322,7 +322,8 @@ class TestLaunchers(unittest.TestCase):
 
     def test_lost_or_stalled_peer_ends_the_run_within_timeout(self):
         """Two ranks started by hand (no torchrun agent to clean up): rank 1 is SIGKILLed, or SIGSTOPped
-        (alive but silent), after step 2. Rank 0 must exit with a clear message within --timeout."""
+        (alive but silent), after step 2. Rank 0 must exit with a clear message within --timeout; with the
+        silent peer, its step overruns --timeout first and rank 0 writes its stacks to hang/rank_0.txt."""
         timeout, runs = 5, {}
         for sig in ("KILL", "STOP"):
             out, port = os.path.join(TMP.name, f"peer-{sig}"), free_port()
@@ -353,6 +354,14 @@ class TestLaunchers(unittest.TestCase):
                 self.assertEqual(len(lines), 1, text0[-3000:])
                 self.assertIn("rank 0: a collective failed at step 3", lines[0])
                 self.assertIn("a peer rank was lost or stalled; restart with --resume", lines[0])
+                if sig == "STOP":  # the stalled step explains itself: rank 0's stack, waiting in DDP's all-reduce
+                    stack = os.path.join(TMP.name, f"peer-{sig}", "hang", "rank_0.txt")
+                    pointer = [ln for ln in text0.splitlines() if "has run for more than --timeout" in ln]
+                    self.assertEqual(len(pointer), 1, text0[-3000:])
+                    self.assertIn(stack, pointer[0])
+                    text = open(stack).read()
+                    self.assertIn('parallel/ddp.py", line', text)
+                    self.assertIn("in _wait_all", text)  # the all-reduce wait at the end of backward
                 waited = exited[sig] - hooked[sig]
                 self.assertLess(waited, timeout + 10, f"SIG{sig}: rank 0 took {waited:.1f}s")  # + a loaded box
                 print(f"\n  peer SIG{sig}: rank 0 exited {waited:.1f}s after it", file=sys.stderr)
