@@ -46,6 +46,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import zlib
 from dataclasses import asdict, fields
@@ -257,22 +258,23 @@ def _write_durably(path: str, write: Callable[[IO], None], mode: str = "wb") -> 
     faults.checkpoint_file_written()
 
 
-def _all_shapes(entries: list, check: dict) -> tuple[dict[str, list[int]], dict[str, dict]]:
+def _all_shapes(shapes: dict[str, list[int]], check: dict, group: dist.ProcessGroup | None = None,
+                ) -> tuple[dict[str, list[int]], dict[str, dict]]:
     """({name: full shape} of every parameter any rank holds (pipeline stages hold different ones), {rank
     file: its size and CRC-32}), over all ranks; collective when distributed (all_gather_object of each
-    rank's small dicts)."""
-    mine = ({e.name: list(e.shape) for e in entries}, check)
+    rank's small dicts over `group`)."""
+    mine = (shapes, check)
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return mine
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    dist.all_gather_object(every, mine, group=group)
     return ({name: shape for d, _ in every for name, shape in d.items()},
             {name: c for _, d in every for name, c in d.items()})
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def save(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimizer, extra: dict, *,
@@ -281,6 +283,27 @@ def save(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimize
 
     `extra` (from rank 0) goes into the manifest: "config" {"model", "train"}, "layout", and anything
     else the trainer restores itself (e.g. "scaler")."""
+    return write(snapshot(out_dir, step, entries, optimizer, extra, rank=rank, world_size=world_size, keep=keep,
+                          device=device))
+
+
+def snapshot(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimizer, extra: dict, *,
+             rank: int, world_size: int, keep: int, device: torch.device | None = None) -> dict:
+    """This rank's part of the checkpoint of `step`, copied off the live state (to CPU memory): what `write`
+    puts on disk. Taking it is the only part of a save that must stop training."""
+    return {"out_dir": out_dir, "step": step, "rank": rank, "world_size": world_size, "keep": keep,
+            "shard": _shard_dict(entries, device), "shapes": {e.name: list(e.shape) for e in entries},
+            "manifest": {**extra, "optimizer": _optimizer_state(optimizer)} if rank == 0 else None}
+
+
+def write(snap: dict, group: dist.ProcessGroup | None = None) -> str:
+    """Write a `snapshot` atomically (collective over `group`: every rank calls it with its own snapshot).
+
+    Rank 0 clears leftovers and creates `<step>.tmp-saving`; every rank writes and fsyncs its file; the
+    ranks exchange their tensor shapes and file checks (all_gather_object, which also orders the writes
+    before the manifest); rank 0 writes the manifest, renames the directory and prunes old checkpoints.
+    `group` lets a background thread save over a process group of its own (`AsyncSaver`)."""
+    out_dir, step, rank, world_size = snap["out_dir"], snap["step"], snap["rank"], snap["world_size"]
     root = os.path.join(out_dir, SUBDIR)
     final = step_dir(out_dir, step)
     tmp = final + ".tmp-saving"
@@ -290,18 +313,17 @@ def save(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimize
             if ".tmp-" in name or name.endswith(".deleting"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    _barrier(group)
     path = os.path.join(tmp, rank_file(rank))
-    _write_durably(path, lambda f: torch.save(_shard_dict(entries, device), f))
-    shapes, checks = _all_shapes(entries, {rank_file(rank): file_check(path)})  # collective: also the barrier
+    _write_durably(path, lambda f: torch.save(snap["shard"], f))
+    shapes, checks = _all_shapes(snap["shapes"], {rank_file(rank): file_check(path)}, group)  # also a barrier
     if rank == 0:
         files = [rank_file(r) for r in range(world_size)]
         missing = [f for f in files if not os.path.exists(os.path.join(tmp, f))]
         if missing:
             raise CheckpointError(f"{tmp}: rank files {missing} are missing after every rank wrote its own; "
                                   f"--out_dir must be on a filesystem that every node shares")
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, **extra,
-                    "optimizer": _optimizer_state(optimizer), "files": files,
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, **snap["manifest"], "files": files,
                     "tensors": {name: {"shape": shape} for name, shape in shapes.items()},
                     "file_checks": checks,
                     "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -312,9 +334,44 @@ def save(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimize
         os.rename(tmp, final)
         _fsync_dir(root)
         shutil.rmtree(final + ".deleting", ignore_errors=True)
-        prune(out_dir, keep)
-    _barrier()
+        prune(out_dir, snap["keep"])
+    _barrier(group)
     return final
+
+
+class AsyncSaver:
+    """Checkpoints that don't stop training (--async_checkpoint): `save` takes the snapshot (a CPU copy of
+    this rank's state) and returns; a background thread writes it with `write`, over a gloo process group of
+    its own so its collectives never interleave with training's. A second save first waits for the one in
+    flight (so at most one snapshot is held besides the live state); `wait` joins it and re-raises its
+    error. Atomicity is `write`'s: a crash mid-write leaves the previous checkpoint the newest."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        self.path: str | None = None
+
+    def save(self, snap: dict) -> None:
+        self.wait()
+        self.path = step_dir(snap["out_dir"], snap["step"])
+
+        def work():
+            try:
+                write(snap, self.group)
+            except BaseException as e:  # noqa: BLE001 -- handed to the training thread by wait()
+                self.error = e
+
+        self.thread = threading.Thread(target=work, name=f"checkpoint-{snap['step']}", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
 
 
 def prune(out_dir: str, keep: int) -> None:

@@ -125,6 +125,8 @@ def train_parser() -> Parser:
     a("--checkpoint_interval", type=int, default=0, metavar="N",
       help="also save a checkpoint every N steps (one is always saved at the end, unless --no_checkpoint)")
     a("--no_checkpoint", action="store_true", help="save no checkpoint at all, not even the final one")
+    a("--async_checkpoint", action="store_true",
+      help="copy the state to CPU memory and write it in a background thread while training goes on")
     a("--keep_checkpoints", type=int, default=3, metavar="K", help="keep the newest K checkpoints (default 3)")
     a("--resume", action="store_true",
       help="continue from the newest complete checkpoint in --out_dir (none there: start fresh)")

@@ -46,6 +46,7 @@ class Trainer:
     flops_per_token: float
     peak_flops: float
     step: int = 0  # the step being run, for error messages
+    saver: checkpoint.AsyncSaver | None = None  # --async_checkpoint: writes in a background thread
 
     @property
     def model(self) -> torch.nn.Module:
@@ -79,7 +80,8 @@ def build(plan: Plan) -> Trainer:
     data = BatchSource(plan.data_dir, args.seq_len, plan.config.vocab_size, args.seed)
     with torch.device("meta"):
         n_params = GPT(plan.config).num_params(non_embedding=True)
-    return Trainer(plan, mesh, par, optimizer, scaler, data,
+    saver = checkpoint.AsyncSaver() if args.async_checkpoint else None  # collective: its own gloo group
+    return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver,
                    dp_rank=mesh["dp"].get_local_rank() if mesh is not None else 0,
                    flops_per_token=metrics.flops_per_token(plan.config, n_params, args.seq_len),
                    peak_flops=args.peak_flops or metrics.peak_flops(plan.device, plan.dtype))
@@ -233,8 +235,10 @@ MATH_ARGS = ("seed", "lr", "warmup_steps", "max_steps", "weight_decay", "total_b
              "dataset")  # stored with each checkpoint; a resume with other values says so
 
 
-def save_checkpoint(t: Trainer, step: int) -> str:
-    """Collective: every rank writes its elements of the state after `step` (format: checkpoint.py)."""
+def save_checkpoint(t: Trainer, step: int, wait: bool = False) -> tuple[str, float]:
+    """Collective: every rank writes its elements of the state after `step` (format: checkpoint.py).
+    Returns (directory, milliseconds training was blocked). With --async_checkpoint only the snapshot (a CPU
+    copy) blocks and a background thread writes it, unless `wait` (the final save, a preemption)."""
     plan, a, d = t.plan, t.plan.args, t.plan.dims
     extra = {"config": {"model": asdict(plan.config),
                         "train": {**{k: getattr(a, k, None) for k in MATH_ARGS},
@@ -243,9 +247,18 @@ def save_checkpoint(t: Trainer, step: int) -> str:
                         "implementation": plan.par.implementation, "dp_type": plan.par.dp_type}}
     if t.scaler is not None:
         extra["scaler"] = t.scaler.state_dict()
-    return checkpoint.save(a.out_dir, step, t.par.checkpoint_entries(t.optimizer),
-                           t.par.checkpoint_optimizer(t.optimizer), extra,
-                           rank=plan.rank, world_size=d.world_size, keep=a.keep_checkpoints, device=plan.device)
+    t0 = time.perf_counter()
+    snap = checkpoint.snapshot(a.out_dir, step, t.par.checkpoint_entries(t.optimizer),
+                               t.par.checkpoint_optimizer(t.optimizer), extra, rank=plan.rank,
+                               world_size=d.world_size, keep=a.keep_checkpoints, device=plan.device)
+    if t.saver is None:
+        path = checkpoint.write(snap)
+    else:
+        t.saver.save(snap)
+        path = t.saver.path
+        if wait:
+            t.saver.wait()
+    return path, (time.perf_counter() - t0) * 1000
 
 
 def restore_checkpoint(t: Trainer) -> int:
@@ -399,7 +412,8 @@ def run(t: Trainer, logger: metrics.Logger, preemption: Preemption | None = None
         stop = preemption is not None and preemption.agreed()
         path = None
         if not args.no_checkpoint and (every or step == args.max_steps or stop):
-            path = save_checkpoint(t, step)
+            path, blocked_ms = save_checkpoint(t, step, wait=stop or step == args.max_steps)
+            logger.log({"step": step, "checkpoint_blocked_ms": blocked_ms, "async_checkpoint": t.saver is not None})
             if step == args.max_steps:
                 progress.write(f"saved {path}")
         if stop:
@@ -414,6 +428,8 @@ def run(t: Trainer, logger: metrics.Logger, preemption: Preemption | None = None
     progress.close()
     if profiler is not None:
         profiler.stop()
+    if t.saver is not None:
+        t.saver.wait()
     return 0
 
 

@@ -1,11 +1,20 @@
-"""Preemption: SIGTERM or SIGINT on one rank, mid-step, stops every rank after that step, with a checkpoint,
+"""Cluster faults: preemption and checkpoints written in the background.
+
+Preemption: SIGTERM or SIGINT on one rank, mid-step, stops every rank after that step, with a checkpoint,
 each rank printing one line and exiting PREEMPTED (5); `--resume` then continues bit-equal to an
 uninterrupted run. The signal comes from the faults.py hook GPT_SIGNAL_AT_STEP (after the step's backward,
 before its optimizer step), so "mid-step" is the same point every time. Ranks are started by hand
-(tests/harness.launch_ranks) so each rank's own exit code and stderr are seen."""
+(tests/harness.launch_ranks) so each rank's own exit code and stderr are seen.
+
+Async checkpoints (--async_checkpoint): the files a background thread writes equal a synchronous save's, a
+resume from them is bit-equal, and a write that fails in the background leaves the previous checkpoint the
+newest (the failure surfaces at the next save)."""
 import os
+import shutil
 import tempfile
 import unittest
+
+import torch
 
 import pytest
 
@@ -68,6 +77,58 @@ class TestPreemption(unittest.TestCase):
         proc = launch(self.args([], out), env={"GPT_SIGNAL_AT_STEP": str(SIGNAL_AT)})
         self.assertEqual(proc.returncode, PREEMPTED, proc.stderr[-2000:])
         self.assertEqual(launch([*self.args([], out), "--resume"]).returncode, 0)
+        self.assertEqual(train_losses(out), train_losses(ref))
+
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestAsyncCheckpoint(unittest.TestCase):
+    FSDP = ["--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--checkpoint_interval", "2"]
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.data = make_token_bins(os.path.join(cls.tmp.name, "data"))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def args(self, flags: list[str], out: str) -> list[str]:
+        return [*BASE, *flags, "--dataset", self.data, "--out_dir", out]
+
+    def test_same_files_and_bit_equal_resume(self):
+        sync, asyn = os.path.join(self.tmp.name, "sync"), os.path.join(self.tmp.name, "async")
+        self.assertEqual([p.returncode for p in launch_ranks(self.args(self.FSDP, sync), 2)], [0, 0])
+        ranks = launch_ranks(self.args([*self.FSDP, "--async_checkpoint"], asyn), 2)
+        self.assertEqual([p.returncode for p in ranks], [0, 0], ranks[0].stderr[-2000:])
+        self.assertEqual(train_losses(asyn), train_losses(sync))
+        for step in (4, STEPS):  # every tensor of the background-written checkpoints equals the synchronous one's
+            a, b = (checkpoint.consolidate(checkpoint.step_dir(d, step), ("param", "exp_avg", "exp_avg_sq"))
+                    for d in (asyn, sync))
+            self.assertEqual(a.keys(), b.keys())
+            for name in a:
+                for kind in a[name]:
+                    self.assertTrue(torch.equal(a[name][kind], b[name][kind]), f"step {step} {name} {kind}")
+        shutil.rmtree(checkpoint.step_dir(asyn, STEPS))  # resume from the async step-4 checkpoint
+        resumed = launch_ranks([*self.args([*self.FSDP, "--async_checkpoint"], asyn), "--resume"], 2)
+        self.assertEqual([p.returncode for p in resumed], [0, 0], resumed[0].stderr[-2000:])
+        self.assertIn("step_000004 ", resumed[0].stdout)
+        self.assertEqual(train_losses(asyn), train_losses(sync))
+
+    def test_failed_background_write_leaves_the_previous_checkpoint(self):
+        """One process, a checkpoint every 2 steps: its 3rd file (step 4's rank file; step 2 wrote a rank file
+        and a manifest) fails in the background thread. The run stops at its next save with that error; step 2
+        stays the newest checkpoint, and --resume from it is bit-equal to an undisturbed run."""
+        ref, out = os.path.join(self.tmp.name, "one_ref"), os.path.join(self.tmp.name, "one_fail")
+        every = ["--checkpoint_interval", "2", "--async_checkpoint"]
+        self.assertEqual(launch(self.args(every, ref)).returncode, 0)
+        proc = launch(self.args(every, out), env={"GPT_CKPT_FAIL_AFTER_FILES": "3"})
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("GPT_CKPT_FAIL_AFTER_FILES=3", proc.stderr)
+        self.assertEqual(checkpoint.newest(out), checkpoint.step_dir(out, 2))
+        self.assertEqual(launch([*self.args(every, out), "--resume"]).returncode, 0)
         self.assertEqual(train_losses(out), train_losses(ref))
 
 
