@@ -1,0 +1,142 @@
+"""Context parallelism: causal ring attention over a cp group, in plain PyTorch ops (so it runs on CPU too).
+
+Each of the C ranks holds a slice of every sequence along time, and the matching slices of q, k and v.
+- **The split.** With `zigzag` (the default; Megatron's and torchtitan's causal load balance), a sequence is
+  cut into 2C equal chunks and rank r holds chunks r and 2C-1-r, so every rank does the same causal
+  attention work. Without it, rank r holds the r-th of C contiguous slices. `local_positions` says which
+  global positions a rank holds; position embeddings use them.
+- **Forward.** C steps. At step s a rank attends its queries to the k/v block that started on rank r-s,
+  while it already sends that block on to rank r+1 and receives the next one from rank r-1 (isend/irecv,
+  posted before the block's compute, counted as "p2p" by parallel/comm.py). Partial results merge by an
+  online softmax: a running max and sum per query, in fp32. A block whose keys all lie after every query
+  of this rank (fully masked under causality) is skipped.
+- **Backward.** The k/v blocks go round the ring again, and with each block travel the gradients dK, dV
+  accumulated for it so far: at each step a rank adds its queries' contribution (from the saved
+  log-sum-exp, without re-running the softmax merge). After C steps every block has been seen by every
+  rank, and one more send hands each dK/dV back to the rank that owns the block.
+
+Per attention call a rank sends C-1 k/v blocks forward, and 2(C-1) k/v blocks plus one dK/dV pair in
+backward (each of shape (B, heads, T/C, head_dim)).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+
+
+def chunks_of(rank: int, cp: int, zigzag: bool = True) -> list[int]:
+    """The sequence chunks rank `rank` holds: (r, 2C-1-r) of 2C with zigzag, (r,) of C without."""
+    return [rank, 2 * cp - 1 - rank] if zigzag else [rank]
+
+
+def local_positions(T: int, rank: int, cp: int, zigzag: bool = True) -> torch.Tensor:
+    """Global positions (int64, in local order) of the tokens rank `rank` holds of a length-T sequence."""
+    n = 2 * cp if zigzag else cp
+    if T % n:
+        raise ValueError(f"sequence length {T} is not divisible by {n} ({'2 x ' if zigzag else ''}cp={cp})")
+    size = T // n
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks_of(rank, cp, zigzag)])
+
+
+def shard_sequence(x: torch.Tensor, rank: int, cp: int, zigzag: bool = True, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of `x` along `dim` (the time dim), in local order."""
+    return x.index_select(dim, local_positions(x.shape[dim], rank, cp, zigzag).to(x.device))
+
+
+def _rank(group) -> int:
+    return dist.get_rank(group) if comm.world(group) > 1 else 0
+
+
+def _exchange(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], list]:
+    """Post the send of `tensors` to the next rank and the receive of the same shapes from the previous one;
+    returns (receive buffers, works to wait for)."""
+    C, r = comm.world(group), _rank(group)
+    bufs = [torch.empty_like(t) for t in tensors]
+    works = [comm.recv(b, (r - 1) % C, group) for b in bufs]
+    works += [comm.send(t.contiguous(), (r + 1) % C, group) for t in tensors]
+    return bufs, works
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Causally masked attention scores in fp32: (B, H, Tq, Tk), -inf where a key lies after its query."""
+    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    return s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, zigzag: bool):
+        C, r = comm.world(group), _rank(group)
+        T = q.shape[2] * C
+        positions = [local_positions(T, i, C, zigzag).to(q.device) for i in range(C)]
+        q_pos, scale = positions[r], 1.0 / math.sqrt(q.shape[-1])
+        B, H, Tq, D = q.shape
+        o = torch.zeros(B, H, Tq, D, dtype=torch.float32, device=q.device)
+        m = torch.full((B, H, Tq), float("-inf"), device=q.device)
+        l_sum = torch.zeros(B, H, Tq, device=q.device)
+        kv, src = [k, v], r
+        for step in range(C):
+            pending = _exchange(kv, group) if step < C - 1 else None
+            k_pos = positions[src]
+            if bool((k_pos.min() <= q_pos).any()):  # else: every key after every query, fully masked
+                s = _scores(q, kv[0], q_pos, k_pos, scale)
+                m_new = torch.maximum(m, s.amax(-1))
+                safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                p = torch.exp(s - safe[..., None])
+                corr = torch.exp(m - safe)
+                l_sum = l_sum * corr + p.sum(-1)
+                o = o * corr[..., None] + torch.matmul(p, kv[1].float())
+                m = m_new
+            if pending is not None:
+                bufs, works = pending
+                for w in works:
+                    w.wait()
+                kv, src = bufs, (src - 1) % C
+        o = o / l_sum[..., None]
+        lse = m + torch.log(l_sum)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.group, ctx.zigzag, ctx.positions, ctx.scale = group, zigzag, positions, scale
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_o):
+        q, k, v, o, lse = ctx.saved_tensors
+        group, positions, scale = ctx.group, ctx.positions, ctx.scale
+        C, r = comm.world(group), _rank(group)
+        q_pos, g = positions[r], grad_o.float()
+        delta = (g * o).sum(-1)  # (B, H, Tq): rowsum(dO * O)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        travel = [k, v, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        src = r
+        for step in range(C):
+            k_pos = positions[src]
+            if bool((k_pos.min() <= q_pos).any()):
+                kb, vb = travel[0].float(), travel[1].float()
+                s = _scores(q, kb, q_pos, k_pos, scale)
+                p = torch.exp(s - lse[..., None])                     # the forward's softmax, exactly merged
+                travel[3] = travel[3] + torch.matmul(p.transpose(-2, -1), g)          # dV
+                ds = p * (torch.matmul(g, vb.transpose(-2, -1)) - delta[..., None])
+                dq += torch.matmul(ds, kb) * scale
+                travel[2] = travel[2] + torch.matmul(ds.transpose(-2, -1), q.float()) * scale  # dK
+            if C > 1:  # pass the block on (after C-1 moves it is rank r+1's; the C-th move returns dK/dV home)
+                last = step == C - 1
+                bufs, works = _exchange(travel[2:] if last else travel, group)
+                for w in works:
+                    w.wait()
+                travel = [None, None, *bufs] if last else bufs
+                src = (src - 1) % C
+        dk, dv = travel[2], travel[3]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+                   zigzag: bool = True) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence, spread over `group` (see the module
+    docstring). q, k, v: (B, heads, T/C, head_dim), this rank's tokens in `local_positions` order; returns
+    this rank's output, same shape and dtype. With one rank it is plain causal attention."""
+    return _RingAttention.apply(q, k, v, group, zigzag)
