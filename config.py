@@ -79,6 +79,8 @@ def train_parser() -> Parser:
       help="pipeline schedule; the step's micro-batches are the pipeline's micro-batches")
     a("--pp_virtual_stages", type=int, default=None, metavar="V",
       help="interleaved_1f1b: model chunks per pipeline rank (V > 1)")
+    a("--context_parallel_size", type=int, default=1, metavar="C",
+      help="split every sequence over C ranks (ring attention); gradients reduced over dp x C")
     a("--implementation", choices=["custom", "pytorch"], default="custom")
     a("--deferred_init", action="store_true", help="build on meta, materialise after sharding")
     a("--activation_checkpointing", choices=["none", "full", "selective"], default="none",
@@ -183,7 +185,9 @@ def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.d
     param_dtype = args.param_dtype
     if param_dtype == "auto":  # gather what autocast computes in: half the bytes, no fp32 copies kept alive
         param_dtype = str(dtype).removeprefix("torch.")
-    return ParallelConfig(dp_type=args.data_parallel_type if dims.dp_enabled else None,
+    # context parallelism replicates the parameters over cp: a data-parallel wrapper reduces over dp x cp
+    dp_type = (args.data_parallel_type or "ddp") if dims.cp_enabled else args.data_parallel_type
+    return ParallelConfig(dp_type=dp_type if dims.dp_enabled or dims.cp_enabled else None,
                           implementation=args.implementation, loss_parallel=args.enable_loss_parallelism,
                           sequence_parallel=args.sequence_parallel,
                           param_dtype=None if param_dtype == "float32" else getattr(torch, param_dtype),
@@ -198,6 +202,7 @@ def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.d
 
 # every numeric flag's range, checked before any work: (flag, lowest allowed value, None: optional)
 AT_LEAST_ONE = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "data_parallel_replicate_size",
+                "context_parallel_size",
                 "pp_virtual_stages", "ac_every", "micro_batch_size", "seq_len", "total_batch_size", "max_steps",
                 "eval_interval", "eval_iters", "keep_checkpoints", "n_layer", "n_head", "n_embd", "block_size")
 AT_LEAST_ZERO = ("warmup_steps", "checkpoint_interval", "profile")
@@ -267,6 +272,27 @@ def _check_model(args: argparse.Namespace, dims: ParallelDims) -> tuple[GPTConfi
     if args.seq_len > config.block_size:
         raise UsageError(f"--seq_len {args.seq_len} exceeds the model's block_size {config.block_size}")
     return config, hf_state
+
+
+def _check_context(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig) -> None:
+    """Context parallelism: what it needs of the sequence and what it does not compose with (yet)."""
+    C = dims.cp
+    if C == 1:
+        return
+    if args.seq_len % (2 * C):
+        raise UsageError(f"--context_parallel_size {C} needs --seq_len ({args.seq_len}) divisible by 2 x {C}: "
+                         f"each sequence is cut into 2C chunks (zigzag)")
+    if args.implementation == "pytorch":
+        raise UsageError("--context_parallel_size > 1 runs our ring attention (--implementation custom): PyTorch's "
+                         "context_parallel rings only the flash, memory-efficient and cuDNN SDPA kernels, none of "
+                         "which runs on CPU")
+    if args.sequence_parallel:
+        raise UsageError("--context_parallel_size with --sequence_parallel is not supported: both shard the "
+                         "sequence of the same activations")
+    if args.data_parallel_replicate_size > 1:
+        raise UsageError("--context_parallel_size with --data_parallel_replicate_size is not supported")
+    if config.dropout > 0:
+        raise UsageError(f"--context_parallel_size needs dropout 0 (got {config.dropout}): ring attention has none")
 
 
 def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig, micro: int) -> None:
@@ -356,7 +382,8 @@ def validate(args: argparse.Namespace) -> Plan:
                          f"({world_size} ranks)")
     try:
         dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world_size,
-                            args.pipeline_parallel_size, args.data_parallel_replicate_size)
+                            args.pipeline_parallel_size, args.data_parallel_replicate_size,
+                            args.context_parallel_size)
         device = pick_device(args.device)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -372,6 +399,7 @@ def validate(args: argparse.Namespace) -> Plan:
                          f"seq_len x data_parallel_size = {args.micro_batch_size} x {args.seq_len} x {dims.dp} "
                          f"= {tokens_per_micro}")
     _check_pipeline(args, dims, config, args.total_batch_size // tokens_per_micro)
+    _check_context(args, dims, config)
     data_dir = _check_data(args, config, local_rank)
     resume_from = _check_out_dir(args, config)
     return Plan(args=args, dims=dims, par=parallel_config(args, dims, dtype), config=config, device=device,

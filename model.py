@@ -63,6 +63,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(C, C, bias=config.bias)
         self.head_dim = config.head_dim
         self.dropout = config.dropout
+        self.cp_group = None  # context parallelism: ring attention over this group (parallel/context_parallel.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -71,7 +72,11 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = self.c_v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, nh, T, hs)
+        if self.cp_group is not None:  # T is this rank's share of the sequence: the ring sees all of it
+            from parallel.context_parallel import ring_attention
+            y = ring_attention(q, k, v, self.cp_group)  # (B, nh, T, hs)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
         return self.c_proj(y)
 
@@ -101,6 +106,15 @@ class Block(nn.Module):
         return x
 
 
+def token_positions(T: int, cp: tuple[int, int] | None, device) -> torch.Tensor:
+    """Absolute positions of the T tokens this rank holds: 0..T-1, or under context parallelism (cp =
+    (rank, size)) its zigzag share of a sequence of T * size tokens."""
+    if cp is None:
+        return torch.arange(T, device=device)
+    from parallel.context_parallel import local_positions
+    return local_positions(T * cp[1], cp[0], cp[1]).to(device)
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over all B*T targets in fp32, skipping targets of -1: GPT's default `loss_fn`."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-1)
@@ -120,13 +134,14 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
         self.loss_fn = cross_entropy  # (logits, targets) -> loss; vocab-parallel under TP loss parallelism
+        self.cp = None  # context parallelism: (rank, size) in the cp group; tokens are a zigzag share
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Returns (logits, loss); loss is the mean cross-entropy over all B*T targets, or None."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        pos = token_positions(T, self.cp, idx.device)
         # (B, T, C); under sequence parallelism both embeddings give only this rank's T/tp positions
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:

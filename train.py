@@ -82,7 +82,7 @@ def build(plan: Plan) -> Trainer:
         n_params = GPT(plan.config).num_params(non_embedding=True)
     saver = checkpoint.AsyncSaver() if args.async_checkpoint else None  # collective: its own gloo group
     return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver,
-                   dp_rank=mesh["dp"].get_local_rank() if mesh is not None else 0,
+                   dp_rank=plan.dims.coordinates(plan.rank)["dp"],
                    flops_per_token=metrics.flops_per_token(plan.config, n_params, args.seq_len),
                    peak_flops=args.peak_flops or metrics.peak_flops(plan.device, plan.dtype))
 
@@ -97,12 +97,23 @@ def lr_at(step: int, lr: float, warmup_steps: int, max_steps: int) -> float:
 
 
 def _mean_over_dp(t: Trainer, value: torch.Tensor) -> torch.Tensor:
-    """Average a scalar over data-parallel ranks (SUM then divide: works on every backend). Not counted
-    as wrapper traffic."""
-    if t.mesh is not None and t.plan.dims.dp_enabled:
+    """Average a scalar over data-parallel ranks, and context-parallel ones, whose tokens are equal shares of
+    the same rows (mesh["dp"] is dp x cp then). SUM then divide: works on every backend. Not counted as
+    wrapper traffic."""
+    d = t.plan.dims
+    if t.mesh is not None and (d.dp_enabled or d.cp_enabled):
         dist.all_reduce(value, group=t.mesh["dp"].get_group())
-        value = value / t.plan.dims.dp
+        value = value / (d.dp * d.cp)
     return value
+
+
+def _tokens(t: Trainer, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens of a micro-batch's rows: all of them, or its zigzag share under context parallelism."""
+    if not t.plan.dims.cp_enabled:
+        return x, y
+    from parallel.context_parallel import shard_sequence
+    cp, C = t.plan.dims.coordinates(t.plan.rank)["cp"], t.plan.dims.cp
+    return shard_sequence(x, cp, C), shard_sequence(y, cp, C)
 
 
 def _sum_over_pp(t: Trainer, value: torch.Tensor) -> torch.Tensor:
@@ -127,15 +138,15 @@ def train_step(t: Trainer, step: int) -> dict:
     metrics.reset_peak_memory(plan.device)
     t0 = time.perf_counter()
     if t.par.pipeline is not None:  # the step's micro-batches flow through the pipeline's schedule
-        batches = [t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
-                              args.micro_batch_size) for m in range(plan.grad_accum)]
+        batches = [_tokens(t, *t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
+                                          args.micro_batch_size)) for m in range(plan.grad_accum)]
         with _autocast(plan):
             loss_sum = _sum_over_pp(t, t.par.pipeline_step(batches, t.scaler.scale if t.scaler else None))
     else:
         loss_sum = torch.zeros((), device=plan.device)
         for micro in range(plan.grad_accum):
             chunk = micro_batch_chunk(micro, t.dp_rank, plan.dims.dp)
-            x, y = t.data.get("train", step, plan.rows, chunk, args.micro_batch_size)
+            x, y = _tokens(t, *t.data.get("train", step, plan.rows, chunk, args.micro_batch_size))
             x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
             with t.par.grad_sync(micro == plan.grad_accum - 1), t.par.loss_context():
                 with _autocast(plan):
@@ -185,7 +196,7 @@ def evaluate(t: Trainer) -> float:
     dp, mb, n = plan.dims.dp, args.micro_batch_size, args.eval_iters
     t.model.eval()
     chunks = [micro_batch_chunk(i, t.dp_rank, dp) for i in range(math.ceil(n / dp))]
-    batches = [t.data.get("val", 0, n * mb, min(chunk, n - 1), mb) for chunk in chunks]
+    batches = [_tokens(t, *t.data.get("val", 0, n * mb, min(chunk, n - 1), mb)) for chunk in chunks]
     if t.par.pipeline is not None:
         with _autocast(plan):
             losses = t.par.pipeline.forward_only(batches)
@@ -202,7 +213,7 @@ def evaluate(t: Trainer) -> float:
 
 def describe(t: Trainer) -> str:
     d, par, a = t.plan.dims, t.plan.par, t.plan.args
-    layout = f"dp={d.dp}" + (f" ({par.dp_type})" if par.dp_type else "") + \
+    layout = (f"cp={d.cp} " if d.cp_enabled else "") + f"dp={d.dp}" + (f" ({par.dp_type})" if par.dp_type else "") + \
         (f" = {d.dp_replicate} replicas x {d.dp_shard} shards" if d.dp_replicate > 1 else "") + f" tp={d.tp}"
     if d.pp_enabled:
         virtual = f", V={par.pp_virtual}" if par.pp_virtual > 1 else ""
@@ -243,7 +254,8 @@ def save_checkpoint(t: Trainer, step: int, wait: bool = False) -> tuple[str, flo
     extra = {"config": {"model": asdict(plan.config),
                         "train": {**{k: getattr(a, k, None) for k in MATH_ARGS},
                                   "dtype": str(plan.dtype).removeprefix("torch.")}},
-             "layout": {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "dp_replicate": d.dp_replicate, "tp": d.tp,
+             "layout": {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "dp_replicate": d.dp_replicate,
+                        "cp": d.cp, "tp": d.tp,
                         "implementation": plan.par.implementation, "dp_type": plan.par.dp_type}}
     if t.scaler is not None:
         extra["scaler"] = t.scaler.state_dict()

@@ -55,7 +55,7 @@ def _exchange(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], l
     """Post the send of `tensors` to the next rank and the receive of the same shapes from the previous one;
     returns (receive buffers, works to wait for)."""
     C, r = comm.world(group), _rank(group)
-    bufs = [torch.empty_like(t) for t in tensors]
+    bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous, unlike empty_like
     works = [comm.recv(b, (r - 1) % C, group) for b in bufs]
     works += [comm.send(t.contiguous(), (r + 1) % C, group) for t in tensors]
     return bufs, works
@@ -140,3 +140,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     docstring). q, k, v: (B, heads, T/C, head_dim), this rank's tokens in `local_positions` order; returns
     this rank's output, same shape and dtype. With one rank it is plain causal attention."""
     return _RingAttention.apply(q, k, v, group, zigzag)
+
+
+def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Make `model` (a GPT or a pipeline stage) run on this rank's zigzag share of every sequence: positions
+    from `local_positions`, and every attention a ring over `group`. Parameters are untouched (replicated
+    over cp; their gradients are reduced over dp x cp by the data-parallel wrapper)."""
+    model.cp = (_rank(group), comm.world(group))
+    for module in model.modules():
+        if hasattr(module, "cp_group"):
+            module.cp_group = group

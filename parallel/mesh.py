@@ -40,14 +40,16 @@ class ParallelDims:
     world_size: int
     pp: int = 1
     dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard
+    cp: int = 1            # context parallelism: each sequence split over cp ranks
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.tp < 1 or self.pp < 1:
             raise ValueError(f"parallel sizes must be >= 1, got pipeline_parallel_size={self.pp}, "
                              f"data_parallel_size={self.dp}, tensor_parallel_size={self.tp}")
-        n = self.pp * self.dp * self.tp
+        n = self.pp * self.dp * self.cp * self.tp
         if n != self.world_size:
-            raise ValueError(f"pipeline_parallel_size ({self.pp}) x data_parallel_size ({self.dp}) x "
+            cp = f"context_parallel_size ({self.cp}) x " if self.cp > 1 else ""
+            raise ValueError(f"pipeline_parallel_size ({self.pp}) x data_parallel_size ({self.dp}) x {cp}"
                              f"tensor_parallel_size ({self.tp}) = {n} must equal the world size "
                              f"({self.world_size}); launch with torchrun --nproc_per_node={n}")
 
@@ -62,6 +64,15 @@ class ParallelDims:
     @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's place on the mesh: rank = ((pp * dp + dp) * cp + cp) * tp + tp."""
+        return {"tp": rank % self.tp, "cp": rank // self.tp % self.cp, "dp": rank // (self.tp * self.cp) % self.dp,
+                "pp": rank // (self.tp * self.cp * self.dp)}
 
     @property
     def dp_shard(self) -> int:
@@ -84,6 +95,9 @@ def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float 
     if not dist.is_initialized():
         dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+    if dims.cp > 1:
+        return ContextMesh(init_device_mesh(device.type, (dims.pp, dims.dp, dims.cp, dims.tp),
+                                            mesh_dim_names=("pp", "dp", "cp", "tp")))
     if dims.dp_replicate == 1:
         return init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
     return HybridMesh(init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
@@ -98,6 +112,21 @@ class HybridMesh:
     def __init__(self, root: DeviceMesh):
         self.root = root
         self.dp = root["dp_replicate", "dp_shard"]._flatten("dp")
+        self.mesh = root.mesh.reshape(root.mesh.shape[0], -1, root.mesh.shape[-1])
+
+    def __getitem__(self, name):
+        return self.dp if name == "dp" else self.root[name]
+
+
+class ContextMesh:
+    """The context-parallel mesh: ("pp", "dp", "cp", "tp"). Parameters are replicated over cp, so every
+    gradient reduction and loss mean runs over dp x cp: "dp" here is the two flattened (kept here: torch
+    deprecates slicing a flattened dim from the root); "cp" is the ring. `mesh` is the rank grid seen as
+    (pp, dp x cp, tp). A rank's pure dp coordinate (which rows it reads) is ParallelDims.coordinates'."""
+
+    def __init__(self, root: DeviceMesh):
+        self.root = root
+        self.dp = root["dp", "cp"]._flatten("dp_cp")
         self.mesh = root.mesh.reshape(root.mesh.shape[0], -1, root.mesh.shape[-1])
 
     def __getitem__(self, name):

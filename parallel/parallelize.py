@@ -33,6 +33,7 @@ from model import GPT, init_parameter, param_groups
 from parallel.comm import local
 from parallel.fsdp import ZERO_STAGES, FullyShardedDataParallel
 from parallel.blocks import apply_activation_checkpointing, apply_compile
+from parallel.context_parallel import apply_context_parallel
 from parallel.grads import clip_grad_norm_
 from parallel.pipeline import PipelineRunner, PipelineStage, TorchChunk, TorchPipelineRunner, embedding_group
 
@@ -253,7 +254,7 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
     """TP -> FSDP -> materialise -> DDP (see the module docstring). `model` may be on meta when
     cfg.deferred_init; `mesh` is None for one process."""
     impl, extras = cfg.implementation, {}
-    dp_type = cfg.dp_type if dims.dp_enabled else None
+    dp_type = cfg.dp_type if dims.dp_enabled or dims.cp_enabled else None
     tp_group = mesh["tp"].get_group() if mesh is not None else None
 
     def step(what: str, mesh_dim: str | None) -> None:
@@ -264,6 +265,8 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
     if dims.pp_enabled:
         step("pp", "pp")
     stage = model
+    if dims.cp_enabled:  # ring attention over mesh["cp"]; the dp wrappers below then reduce over dp x cp
+        apply_context_parallel(model, mesh["cp"].get_group())
     if dims.tp_enabled:
         step("tp", "tp")
     if cfg.activation_checkpointing != "none":

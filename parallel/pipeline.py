@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from model import GPT, materialize_module
+from model import GPT, materialize_module, token_positions
 from parallel import comm
 from parallel.grads import clip_grad_norm_
 from parallel.pipeline_schedule import (B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, chunk_of, rank_of,
@@ -69,6 +69,7 @@ class PipelineStage(nn.Module):
                     with torch.no_grad():
                         self.lm_head.weight.copy_(w)
         self.loss_fn = model.loss_fn
+        self.cp = model.cp
 
     def init_units(self) -> list[tuple[str, nn.Module]]:
         """(GPT name, module) pairs that together own each of this stage's parameters once."""
@@ -94,7 +95,7 @@ class PipelineStage(nn.Module):
         (the logits (B, T, V) without targets)."""
         t = self.transformer
         if chunk == 0:
-            pos = torch.arange(x.shape[1], device=x.device)
+            pos = token_positions(x.shape[1], self.cp, x.device)
             x = t.drop(t.wte(x) + t.wpe(pos))  # (B, T, C)
         for i in self.layers[chunk]:
             x = t.h[str(i)](x)  # (B, T, C)
