@@ -284,7 +284,8 @@ def restore_checkpoint(t: Trainer) -> int:
         t.scaler.load_state_dict(m["scaler"])
     if plan.rank == 0:
         lay = m["layout"]
-        print(f"resuming from {plan.resume_from} (saved by {lay['implementation']} pp={lay.get('pp', 1)} dp={lay['dp']}"
+        cp = f" cp={lay['cp']}" if lay.get("cp", 1) > 1 else ""
+        print(f"resuming from {plan.resume_from} (saved by {lay['implementation']} pp={lay.get('pp', 1)}{cp} dp={lay['dp']}"
               f"{' (' + lay['dp_type'] + ')' if lay['dp_type'] else ''} tp={lay['tp']}): continuing at step "
               f"{m['step'] + 1}" + (f" (nothing left: --max_steps {args.max_steps})"
                                     if m["step"] >= args.max_steps else ""), flush=True)
