@@ -1,0 +1,302 @@
+"""train.py under context parallelism: every mesh with a cp dimension logs the losses and gradient norms of one
+process, sends the ring bytes the theory says, writes checkpoints that know nothing of cp, and refuses bad
+context flags in one line.
+
+Each run is a real `python train.py` / `torchrun train.py` on the stand-in corpus of tests/harness.py, with a
+2-Block tiny GPT, seq_len 32 (divisible by 2C for C = 2 and 4: the zigzag split cuts each row into 2C chunks) and
+M = 2 micro-batches per step (1 under dp=2). Runs are made once and shared by name (`run`); the one-process
+reference is made in setUpClass.
+"""
+import os
+import shutil
+import tempfile
+import unittest
+
+import pytest
+import torch
+
+import checkpoint
+from metrics import read_jsonl
+from parallel.context_parallel import cp_p2p_bytes_per_micro_step
+from parallel.pipeline import p2p_bytes_per_step
+from tests.harness import expect_train_error_in_process, launch_ranks, make_token_bins, rank0_only, run_train
+
+STEPS = 6
+MB, T, C, N_LAYER = 2, 32, 64, 2  # micro-batch, seq_len, n_embd of `tiny`, Blocks
+M = 2  # micro-batches per step at dp=1
+BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", str(T),
+        "--total_batch_size", str(M * MB * T), "--eval_interval", "3", "--eval_iters", "2", "--warmup_steps", "2",
+        "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12"]  # fixed MFU denominator (see test_train)
+CP2 = ["--context_parallel_size", "2"]
+DDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
+
+TMP = None
+RUNS: dict[str, str] = {}  # name -> out_dir of a finished run
+
+
+def setUpModule():
+    global TMP
+    TMP = tempfile.TemporaryDirectory()
+    make_token_bins(os.path.join(TMP.name, "data"))
+
+
+def tearDownModule():
+    TMP.cleanup()
+
+
+def run(name: str, flags: list[str], nproc: int, checkpoints: bool = False) -> str:
+    """Train once per name (later callers reuse the run); returns its out_dir. Without `checkpoints`,
+    --no_checkpoint; with it, a checkpoint every 3 steps (and the final one)."""
+    if name not in RUNS:
+        out = os.path.join(TMP.name, name)
+        saving = ["--checkpoint_interval", "3"] if checkpoints else ["--no_checkpoint"]
+        proc = run_train(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
+                                 "--out_dir", out] + saving + flags, nproc)
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        RUNS[name] = out
+    return RUNS[name]
+
+
+def cp2_run() -> str:
+    """The CP=2 run, with checkpoints at steps 3 and 6: shared by the agreement, bytes and checkpoint tests."""
+    return run("cp2", CP2, 2, checkpoints=True)
+
+
+def steps_of(out: str) -> dict[int, dict]:
+    """step -> its training record (a step logged twice, before and after a resume, counts as its last)."""
+    return {r["step"]: r for r in read_jsonl(out) if "loss" in r}
+
+
+def evals_of(out: str) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in read_jsonl(out) if "val_loss" in r}
+
+
+def assert_close(test: unittest.TestCase, got: dict, ref: dict, key: str, rtol: float, what: str,
+                 steps=None) -> None:
+    """got[s][key] (or got[s]) within rtol of ref's, for every step of `got` (or `steps`); rtol 0: equal bits."""
+    steps = sorted(got) if steps is None else list(steps)
+    test.assertTrue(steps and set(steps) <= set(got) and set(steps) <= set(ref), f"{what}: steps {sorted(got)}")
+    for s in steps:
+        a, b = (got[s][key], ref[s][key]) if key else (got[s], ref[s])
+        test.assertLessEqual(abs(a - b), rtol * abs(b), f"{what}: step {s} {key or 'val_loss'} {a} vs {b}")
+
+
+def ring_bytes(cp: int, dp: int = 1, tp: int = 1, n_layer: int = N_LAYER) -> int:
+    """Ring bytes global rank 0 sends per step: the step's M / dp micro-batches, each a forward + backward
+    through n_layer ring attentions (parallel.context_parallel.cp_p2p_bytes_per_micro_step)."""
+    return M // dp * cp_p2p_bytes_per_micro_step(n_layer, MB, T, C, cp, tp)
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestContextParallelAgreesWithOneProcess(unittest.TestCase):
+    """Each CP layout's per-step loss, grad_norm and val_loss against one process, over STEPS steps.
+
+    Tolerances (relative): 1e-5 without TP: context parallelism only changes the order fp32 sums are taken in
+    (attention's softmax merged block by block in the ring, each row's loss summed over cp shares, gradients
+    summed over dp x cp); 1e-4 with TP, which also splits matmul reductions across ranks.
+
+    rank 0's comm_bytes["p2p"] (metrics.jsonl is written by rank 0) is its ring traffic every step, plus the
+    pipeline's activations under PP.
+    """
+
+    @classmethod
+    def setUpClass(cls):
+        cls.ref = steps_of(run("single", [], 1))
+        cls.ref_evals = evals_of(RUNS["single"])
+
+    def check(self, out: str, rtol: float = 1e-5, p2p: int | None = None) -> dict[int, dict]:
+        """Losses, grad norms and val losses of the run in `out` within rtol of one process; rank 0's p2p bytes
+        equal `p2p` every step."""
+        got, name = steps_of(out), os.path.basename(out)
+        self.assertEqual(sorted(got), list(range(1, STEPS + 1)), name)
+        assert_close(self, got, self.ref, "loss", rtol, name)
+        assert_close(self, got, self.ref, "grad_norm", rtol, name)
+        evals = evals_of(out)
+        self.assertEqual(sorted(evals), [0, 3, STEPS], name)
+        assert_close(self, evals, self.ref_evals, None, rtol, name)
+        if p2p is not None:
+            self.assertGreater(p2p, 0)
+            self.assertEqual([got[s]["comm_bytes"]["p2p"] for s in got], [p2p] * STEPS, f"{name}: p2p bytes")
+        return got
+
+    def test_reference_learns(self):
+        self.assertEqual(len(self.ref), STEPS)
+        self.assertLess(self.ref[STEPS]["loss"], self.ref[1]["loss"] - 0.3)
+
+    def test_cp2(self):
+        self.check(cp2_run(), p2p=ring_bytes(2))
+
+    def test_cp2_p2p_bytes_by_hand(self):
+        """The ring's bytes per step of the CP=2 run, counted by hand. One k (or v) block is all of rank 0's heads
+        for its T/2 tokens: A = MB x T/2 x n_embd x 4 bytes (fp32) = 2 x 16 x 64 x 4 = 8,192. Per attention,
+        forward sends k and v on once (C-1 = 1 move; the block that is fully masked for some queries still
+        travels): 2A. Backward sends k, v and their running dK, dV on once (4A), then hands dK, dV home (2A): 6A.
+        So 8A = 65,536 per Block, x 2 Blocks = 131,072 per micro-batch, x M = 2 micro-batches = 262,144 per
+        step; eval forwards are not counted in any step."""
+        by_hand = 8 * (MB * (T // 2) * C * 4) * N_LAYER * M
+        self.assertEqual(by_hand, 262_144)
+        self.assertEqual(ring_bytes(2), by_hand)
+        got = steps_of(cp2_run())
+        self.assertEqual([got[s]["comm_bytes"]["p2p"] for s in sorted(got)], [by_hand] * STEPS)
+
+    def test_cp4(self):
+        """4 ranks on one ring: rank 0 holds chunks 0 and 7 of 8."""
+        self.check(run("cp4", ["--context_parallel_size", "4"], 4), p2p=ring_bytes(4))
+
+    def test_cp_ddp_2x2(self):
+        self.check(run("cp_ddp", [*CP2, *DDP2], 4), p2p=ring_bytes(2, dp=2))
+
+    def test_cp_fsdp_2x2(self):
+        self.check(run("cp_fsdp", [*CP2, "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 4),
+                   p2p=ring_bytes(2, dp=2))
+
+    def test_cp_tp_2x2(self):
+        """TP with loss parallelism (sequence parallelism is refused with CP): each rank's ring carries its
+        n_head / tp heads, so A is n_embd / tp wide."""
+        self.check(run("cp_tp", [*CP2, "--tensor_parallel_size", "2", "--enable_loss_parallelism"], 4),
+                   rtol=1e-4, p2p=ring_bytes(2, tp=2))
+
+    def test_cp_pp_2x2(self):
+        """Rank 0 is pp rank 0: its ring runs through its stage's one Block, and it sends each micro-batch's
+        activations on as (MB, T / C, n_embd), this rank's share of the rows."""
+        pipeline = p2p_bytes_per_step(2, 1, 0, M, (MB, T // 2, C), element_size=4)
+        self.check(run("cp_pp", [*CP2, "--pipeline_parallel_size", "2"], 4),
+                   p2p=pipeline + ring_bytes(2, n_layer=N_LAYER // 2))
+
+
+def state(path: str) -> dict[str, torch.Tensor]:
+    return {name: kinds["param"] for name, kinds in checkpoint.consolidate(path).items()}
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestContextParallelCheckpoints(unittest.TestCase):
+    """CP checkpoints hold the one-process tensors (parameters are replicated over cp), so they load into any
+    layout. References (setUpClass): one process and CP=2, STEPS steps each. Steps 1-3 of a STEPS run are those
+    of any run of >= 3 steps (2 warmup steps, then the cosine starts at the peak). Runs resumed from CP=2's step-3
+    checkpoint continue to STEPS and are compared with the uninterrupted one-process run at 1e-5. A killed CP=2
+    run resumed under CP=2 is bit-equal to the uninterrupted CP=2 run."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.single = run("single", [], 1)
+        cls.cp = cp2_run()
+
+    def resume(self, name: str, flags: list[str], nproc: int) -> str:
+        """A fresh out_dir holding only the CP=2 run's step-3 checkpoint, resumed to STEPS in this layout."""
+        out = os.path.join(TMP.name, name)
+        shutil.copytree(checkpoint.step_dir(self.cp, 3), checkpoint.step_dir(out, 3))
+        proc = run_train(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
+                                 "--out_dir", out, "--resume", "--no_checkpoint"] + flags, nproc)
+        self.assertEqual(proc.returncode, 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        self.assertIn(f"resuming from {checkpoint.step_dir(out, 3)} (saved by custom pp=1 cp=2 dp=1", proc.stdout)
+        self.assertNotIn("arguments differ", proc.stdout)
+        self.assertEqual(sorted(steps_of(out)), list(range(4, STEPS + 1)), name)
+        return out
+
+    def check_resumed(self, out: str, what: str) -> None:
+        ref = steps_of(self.single)
+        assert_close(self, steps_of(out), ref, "loss", 1e-5, what)
+        assert_close(self, steps_of(out), ref, "grad_norm", 1e-5, what)
+        assert_close(self, evals_of(out), evals_of(self.single), None, 1e-5, what, steps=[STEPS])
+
+    def test_cp_checkpoint_holds_the_one_process_tensors(self):
+        """No tensor is sharded over cp: the step-3 checkpoint lists the model's parameters at full shape, and
+        its manifest records the saving layout's cp degree."""
+        from model import GPT, make_config
+        model = GPT(make_config("tiny", n_layer=N_LAYER))
+        want = {n: p.shape for n, p in model.named_parameters() if n != "lm_head.weight"}
+        got = state(checkpoint.step_dir(self.cp, 3))
+        self.assertEqual({n: t.shape for n, t in got.items()}, want)
+        self.assertEqual(checkpoint.read_manifest(checkpoint.step_dir(self.cp, 3))["layout"]["cp"], 2)
+
+    def test_cp_checkpoint_resumes_in_one_process(self):
+        self.check_resumed(self.resume("cp_to_single", [], 1), "CP=2 -> one process")
+
+    def test_cp_checkpoint_resumes_under_ddp(self):
+        self.check_resumed(self.resume("cp_to_ddp", DDP2, 2), "CP=2 -> DDP x2")
+
+    def test_kill_and_resume_is_bit_equal(self):
+        """CP=2, a checkpoint every 3 steps, rank 1 SIGKILLs itself after step 4 (faults.py: GPT_KILL_AT_STEP);
+        --resume continues from step 3's checkpoint and recomputes step 4. Every step's loss and grad_norm, the
+        final val_loss and the final checkpoint equal the uninterrupted CP=2 run's bits."""
+        out = os.path.join(TMP.name, "cp_killed")
+        args = BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"), "--out_dir", out,
+                       "--checkpoint_interval", "3", *CP2]
+        k = run_train(args, 2, env={"GPT_KILL_AT_STEP": "4", "GPT_KILL_RANK": "1"})
+        self.assertNotEqual(k.returncode, 0, f"not killed:\n{k.stdout[-2000:]}\n{k.stderr[-2000:]}")
+        self.assertIn("rank 1 sends itself SIGKILL", k.stdout)
+        self.assertEqual([s for s, _ in checkpoint.list_checkpoints(out)], [3])
+        r = run_train(args + ["--resume"], 2)
+        self.assertEqual(r.returncode, 0, f"resume:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+        self.assertIn(f"resuming from {checkpoint.step_dir(out, 3)}", r.stdout)
+        got, ref = steps_of(out), steps_of(self.cp)
+        self.assertEqual(sorted(got), list(range(1, STEPS + 1)))
+        self.assertEqual([(got[s]["loss"], got[s]["grad_norm"]) for s in got],
+                         [(ref[s]["loss"], ref[s]["grad_norm"]) for s in got])
+        self.assertEqual(evals_of(out)[STEPS], evals_of(self.cp)[STEPS])
+        final, want = state(checkpoint.newest(out)), state(checkpoint.newest(self.cp))
+        self.assertEqual(final.keys(), want.keys())
+        for name, p in final.items():
+            self.assertTrue(torch.equal(p, want[name]), name)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str) -> None:
+    """train.main in this process, as one rank (tests/harness.expect_train_error_in_process)."""
+    expect_train_error_in_process(test, BASE + ["--max_steps", "2", "--dataset", os.path.join(TMP.name, "data")]
+                                  + flags, needle, os.path.join(TMP.name, "bad_in_process"))
+
+
+class TestBadContextFlagsOneRank(unittest.TestCase):
+    """One-rank checks, in this process (no torch import per case): each well under a second. The other context
+    checks need a world of C ranks to get past the layout check, so they are in TestBadContextFlags."""
+
+    def test_cp_does_not_match_one_rank(self):
+        expect_error_in_process(self, CP2, "pipeline_parallel_size (1) x data_parallel_size (1) x "
+                                           "context_parallel_size (2) x tensor_parallel_size (1) = 2 must equal "
+                                           "the world size (1)")
+
+    def test_cp_size_below_one(self):
+        expect_error_in_process(self, ["--context_parallel_size", "0"], "--context_parallel_size must be >= 1, got 0")
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestBadContextFlags(unittest.TestCase):
+    """Ranks started by hand (tests/harness.launch_ranks): every rank exits 2 with exactly its one line
+    `train.py: error: ...`, before any work (nothing written).
+
+    Dropout > 0 is refused too (config._check_context), but no flag or preset sets dropout, so no run can
+    ask for it."""
+
+    def expect_error(self, flags: list[str], needle: str, nproc: int = 2):
+        out = os.path.join(TMP.name, f"bad_{self._testMethodName}")  # a run that wrongly starts fails only its test
+        ranks = launch_ranks(BASE + ["--max_steps", "2", "--dataset", os.path.join(TMP.name, "data"),
+                                     "--out_dir", out] + flags, nproc)
+        for rank, proc in enumerate(ranks):
+            self.assertEqual(proc.returncode, 2, f"rank {rank}: {proc.stderr}")
+            lines = proc.stderr.splitlines()
+            self.assertEqual(len(lines), 1, f"rank {rank}: {proc.stderr}")
+            self.assertTrue(lines[0].startswith("train.py: error: "), f"rank {rank}: {lines[0]}")
+            self.assertIn(needle, lines[0], f"rank {rank}")
+        self.assertFalse(os.path.exists(out))
+
+    def test_seq_len_not_divisible_by_2c(self):
+        """seq_len 34 is divisible by C = 2 but not by 2C = 4: zigzag cuts each row into 2C chunks."""
+        self.expect_error([*CP2, "--seq_len", "34", "--total_batch_size", str(M * MB * 34)],
+                          "--context_parallel_size 2 needs --seq_len (34) divisible by 2 x 2")
+
+    def test_pytorch_implementation(self):
+        self.expect_error([*CP2, "--implementation", "pytorch"],
+                          "PyTorch's context_parallel rings only the flash, memory-efficient and cuDNN SDPA kernels")
+
+    def test_sequence_parallel(self):
+        self.expect_error([*CP2, "--tensor_parallel_size", "2", "--sequence_parallel"],
+                          "--context_parallel_size with --sequence_parallel is not supported", nproc=4)
+
+
+if __name__ == "__main__":
+    unittest.main()
