@@ -1,4 +1,10 @@
-"""Fault hooks for the tests, switched on by environment variables; each is a no-op otherwise.
+"""Faults a run meets on a cluster, and hooks that inject them in tests.
+
+What train.py uses: `Preemption` (SIGTERM/SIGINT -> finish the step, save, exit PREEMPTED on every rank),
+`StepWatchdog` (a step past --timeout writes every thread's stack), `is_comm_failure` (a collective that lost
+its peer: exit 4) and `warn_shared_rendezvous_store` (torchrun --max-restarts pitfall).
+
+Test hooks, switched on by environment variables; each is a no-op otherwise:
 
 - GPT_INJECT_NAN_AT_STEP=s: before step s every parameter becomes NaN, so the step's loss is NaN on
   every rank (the trainer must stop without saving).
@@ -11,10 +17,14 @@
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
+import sys
+import threading
 
 import torch
+import torch.distributed as dist
 
 from parallel.comm import local
 
@@ -65,3 +75,89 @@ def maybe_signal_mid_step(step: int, rank: int) -> None:
     who = os.environ.get("GPT_SIGNAL_RANK", "0")
     if who == "all" or int(who) == rank:
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("GPT_SIGNAL", "TERM")))
+
+
+# ----------------------------------------------------------------------------- what train.py uses
+
+def warn_shared_rendezvous_store() -> None:
+    """torchrun --max-restarts: by default the restarted workers join through the launcher's rendezvous
+    store, which still holds the previous attempt's process-group keys, so a restarted rank can read a dead
+    peer's address and fail or hang (torch 2.13). A fresh store per attempt avoids it."""
+    if (os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        sys.stderr.write("warning: torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a "
+                         "restarted job may read the previous attempt's peer addresses and fail or hang; export "
+                         "it before torchrun\n")
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """A collective that timed out or lost its peer (gloo and NCCL raise RuntimeErrors that say so)."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(s in text for s in (
+        "gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed", "Broken pipe"))
+
+
+# ----------------------------------------------------------------------------- preemption
+
+PREEMPTED = 5  # exit code: stopped by SIGTERM/SIGINT after finishing a step and saving it
+
+
+class Preemption:
+    """SIGTERM and SIGINT (on any rank) ask the run to stop after the current step: the handler only sets a
+    flag; `agreed()`, the last collective of every step (a MAX over all ranks of one int), tells every rank
+    whether any rank was signalled, so all stop after the same step, save it and exit with PREEMPTED.
+    A second signal on a rank restores the default handler and raises it again: an immediate stop."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, device: torch.device):
+        self.device, self.signal = device, None
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None:  # the second one: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.signal = signal.Signals(signum).name
+        sys.stderr.write(f"train.py: {self.signal} received: stopping after this step, with a checkpoint\n")
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1 if self.signal else 0], dtype=torch.int32, device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one int: not wrapper traffic
+        return bool(flag.item())
+
+
+class StepWatchdog:
+    """A step that runs longer than --timeout explains itself: a timer started with each step writes every
+    thread's Python stack to <out_dir>/hang/rank_<r>.txt (faulthandler) and prints one line pointing there.
+    A collective that waits on a stalled peer releases the GIL, so the timer runs; the collective's own
+    timeout (the same --timeout, counted from when it started, after the step did) then ends the run."""
+
+    def __init__(self, out_dir: str, rank: int, timeout: float):
+        self.path = os.path.join(out_dir, "hang", f"rank_{rank}.txt")
+        self.rank, self.timeout, self.timer, self.step = rank, timeout, None, 0
+
+    def start(self, step: int) -> None:
+        self.stop()
+        self.step = step
+        self.timer = threading.Timer(self.timeout, self._dump)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _dump(self) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "w") as f:
+            f.write(f"rank {self.rank}: step {self.step} still running after --timeout {self.timeout:g}s; "
+                    f"every thread's stack:\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        sys.stderr.write(f"train.py: rank {self.rank}: step {self.step} has run for more than --timeout "
+                         f"{self.timeout:g}s; Python stacks in {self.path}\n")
+        sys.stderr.flush()

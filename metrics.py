@@ -232,3 +232,17 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def make_profiler(steps: int, out_dir: str, device: torch.device):
+    """--profile N: a started torch.profiler trace of N steps after 2 warm-up steps (call .step() per
+    training step), written to <out_dir>/profile for TensorBoard or Perfetto; None for N = 0."""
+    if not steps:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=activities, schedule=schedule(wait=0, warmup=2, active=steps, repeat=1),
+                   on_trace_ready=tensorboard_trace_handler(os.path.join(out_dir, "profile")),
+                   record_shapes=True, with_stack=False)
+    prof.start()
+    return prof

@@ -7,13 +7,10 @@ one line with exit code 2 on every rank before any work.
 """
 from __future__ import annotations
 
-import faulthandler
 import math
 import os
 import shutil
-import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -225,20 +222,6 @@ def describe(t: Trainer) -> str:
             f"x seq_len {a.seq_len} | MFU against {t.peak_flops / 1e9:.1f} GFLOP/s per device")
 
 
-def make_profiler(t: Trainer):
-    """--profile N: a torch.profiler trace of N steps after 2 warm-up steps, for TensorBoard or Perfetto."""
-    args = t.plan.args
-    if not args.profile:
-        return None
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if t.plan.device.type == "cuda" else [])
-    prof = profile(activities=activities, schedule=schedule(wait=0, warmup=2, active=args.profile, repeat=1),
-                   on_trace_ready=tensorboard_trace_handler(os.path.join(args.out_dir, "profile")),
-                   record_shapes=True, with_stack=False)
-    prof.start()
-    return prof
-
-
 # ----------------------------------------------------------------------------- checkpoints
 
 MATH_ARGS = ("seed", "lr", "warmup_steps", "max_steps", "weight_decay", "total_batch_size", "seq_len",
@@ -298,96 +281,12 @@ def restore_checkpoint(t: Trainer) -> int:
     return int(m["step"])
 
 
-def warn_shared_rendezvous_store() -> None:
-    """torchrun --max-restarts: by default the restarted workers join through the launcher's rendezvous
-    store, which still holds the previous attempt's process-group keys, so a restarted rank can read a dead
-    peer's address and fail or hang (torch 2.13). A fresh store per attempt avoids it."""
-    if (os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        sys.stderr.write("warning: torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a "
-                         "restarted job may read the previous attempt's peer addresses and fail or hang; export "
-                         "it before torchrun\n")
-
-
-def is_comm_failure(e: BaseException) -> bool:
-    """A collective that timed out or lost its peer (gloo and NCCL raise RuntimeErrors that say so)."""
-    text = str(e)
-    return isinstance(e, dist.DistError) or any(s in text for s in (
-        "gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed", "Broken pipe"))
-
-
-# ----------------------------------------------------------------------------- preemption
-
-PREEMPTED = 5  # exit code: stopped by SIGTERM/SIGINT after finishing a step and saving it
-
-
-class Preemption:
-    """SIGTERM and SIGINT (on any rank) ask the run to stop after the current step: the handler only sets a
-    flag; `agreed()`, the last collective of every step (a MAX over all ranks of one int), tells every rank
-    whether any rank was signalled, so all stop after the same step, save it and exit with PREEMPTED.
-    A second signal on a rank restores the default handler and raises it again: an immediate stop."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, device: torch.device):
-        self.device, self.signal = device, None
-        for sig in self.SIGNALS:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.signal is not None:  # the second one: stop now
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self.signal = signal.Signals(signum).name
-        sys.stderr.write(f"train.py: {self.signal} received: stopping after this step, with a checkpoint\n")
-
-    def agreed(self) -> bool:
-        flag = torch.tensor([1 if self.signal else 0], dtype=torch.int32, device=self.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one int: not wrapper traffic
-        return bool(flag.item())
-
-
-class StepWatchdog:
-    """A step that runs longer than --timeout explains itself: a timer started with each step writes every
-    thread's Python stack to <out_dir>/hang/rank_<r>.txt (faulthandler) and prints one line pointing there.
-    A collective that waits on a stalled peer releases the GIL, so the timer runs; the collective's own
-    timeout (the same --timeout, counted from when it started, after the step did) then ends the run."""
-
-    def __init__(self, out_dir: str, rank: int, timeout: float):
-        self.path = os.path.join(out_dir, "hang", f"rank_{rank}.txt")
-        self.rank, self.timeout, self.timer, self.step = rank, timeout, None, 0
-
-    def start(self, step: int) -> None:
-        self.stop()
-        self.step = step
-        self.timer = threading.Timer(self.timeout, self._dump)
-        self.timer.daemon = True
-        self.timer.start()
-
-    def stop(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
-    def _dump(self) -> None:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with open(self.path, "w") as f:
-            f.write(f"rank {self.rank}: step {self.step} still running after --timeout {self.timeout:g}s; "
-                    f"every thread's stack:\n")
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
-        sys.stderr.write(f"train.py: rank {self.rank}: step {self.step} has run for more than --timeout "
-                         f"{self.timeout:g}s; Python stacks in {self.path}\n")
-        sys.stderr.flush()
-
-
 # ----------------------------------------------------------------------------- the loop
 
-def run(t: Trainer, logger: metrics.Logger, preemption: Preemption | None = None,
-        watchdog: StepWatchdog | None = None) -> int:
+def run(t: Trainer, logger: metrics.Logger, preemption: faults.Preemption | None = None,
+        watchdog: faults.StepWatchdog | None = None) -> int:
     """Evaluate, then train from the start (or the resumed step) to --max_steps, evaluating and saving
-    on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or PREEMPTED
+    on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or faults.PREEMPTED
     when a rank was signalled (the step is finished and saved first)."""
     plan, args, is_main = t.plan, t.plan.args, t.plan.rank == 0
     start = restore_checkpoint(t) if plan.resume_from else 0
@@ -399,7 +298,7 @@ def run(t: Trainer, logger: metrics.Logger, preemption: Preemption | None = None
         val = evaluate(t)
         logger.log({"step": 0, "val_loss": val})
         progress.eval(0, val)
-    profiler = make_profiler(t)
+    profiler = metrics.make_profiler(args.profile, args.out_dir, t.plan.device)
     for step in range(start + 1, args.max_steps + 1):
         t.step = step
         if watchdog is not None:
@@ -434,7 +333,7 @@ def run(t: Trainer, logger: metrics.Logger, preemption: Preemption | None = None
             sys.stderr.write(f"train.py: rank {plan.rank}: preempted ({preemption.signal or 'a peer was signalled'}):"
                              f" stopped after step {step}, " + (f"saved {path}; continue with --resume\n" if path
                                                                 else "nothing saved (--no_checkpoint)\n"))
-            return PREEMPTED
+            return faults.PREEMPTED
         if watchdog is not None:
             watchdog.stop()
         faults.maybe_kill(step, plan.rank)
@@ -459,18 +358,18 @@ def main(argv: list[str] | None = None) -> int:
     logger = metrics.Logger(args.out_dir, is_main, append=args.resume)  # a resumed run appends
     if is_main:
         print(describe(t), flush=True)
-        warn_shared_rendezvous_store()
-    watchdog = StepWatchdog(args.out_dir, plan.rank, args.timeout)
+        faults.warn_shared_rendezvous_store()
+    watchdog = faults.StepWatchdog(args.out_dir, plan.rank, args.timeout)
     try:
-        code = run(t, logger, Preemption(plan.device), watchdog)
-        if code in (0, PREEMPTED) and dist.is_initialized():
+        code = run(t, logger, faults.Preemption(plan.device), watchdog)
+        if code in (0, faults.PREEMPTED) and dist.is_initialized():
             dist.barrier()  # no rank tears the group down while a peer still has collectives in flight
         return code
     except checkpoint.CheckpointError as e:
         error_line("train.py", e)
         return 2
     except RuntimeError as e:
-        if plan.dims.world_size == 1 or not is_comm_failure(e):
+        if plan.dims.world_size == 1 or not faults.is_comm_failure(e):
             raise
         error_line("train.py", f"rank {plan.rank}: a collective failed at step {t.step} (--timeout {args.timeout:g}s): a peer "
                                f"rank was lost or stalled; restart with --resume to continue from "

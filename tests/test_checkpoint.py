@@ -296,7 +296,7 @@ class TestLaunchers(unittest.TestCase):
                       torchrun=["--standalone", "--max-restarts=1"])
         self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
         self.assertTrue(os.path.exists(marker))
-        self.assertIn("no complete checkpoint", proc.stdout)
+        self.assertIn("no intact checkpoint", proc.stdout)
         self.assertIn(f"resuming from {checkpoint.step_dir(out, 2)}", proc.stdout)
         self.check_like_ddp(out)
 

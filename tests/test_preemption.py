@@ -20,7 +20,7 @@ import pytest
 
 import checkpoint
 from tests.harness import launch, launch_ranks, make_token_bins, rank0_only, train_losses
-from train import PREEMPTED
+from faults import PREEMPTED
 
 STEPS, SIGNAL_AT = 5, 3
 BASE = ["--model", "tiny", "--n_layer", "2", "--micro_batch_size", "2", "--seq_len", "32",

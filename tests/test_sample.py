@@ -76,7 +76,7 @@ class TestSample(unittest.TestCase):
         with contextlib.redirect_stderr(err):
             self.assertEqual(sample.main(["--out_dir", os.path.join(TMP.name, "nowhere")]), 2)
         self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())
-        self.assertTrue(err.getvalue().startswith("sample.py: error: no complete checkpoint"), err.getvalue())
+        self.assertTrue(err.getvalue().startswith("sample.py: error: no intact checkpoint"), err.getvalue())
 
     @pytest.mark.slow
     def test_offline_hub_is_a_one_line_error(self):
