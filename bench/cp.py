@@ -126,7 +126,9 @@ def markdown(rows: list[dict], config: dict) -> str:
               "measured steps, median tokens/s (global batch / step time)",
               "- saved: distinct non-parameter storages autograd holds for backward, peak over one forward + "
               "backward of one micro-batch on rank 0 (bench.pipeline.SavedBytes); ratio = bytes(C=1) / bytes(C) "
-              "at the same seq_len, expected about C"]
+              "at the same seq_len, expected about C",
+              "- attention: the ring's (B, H, T/C, D) output is copied by the reshape before c_proj, where SDPA's "
+              "CPU output is a view: one more (B, T/C, n_embd) tensor per layer, so expect about 5C/6 there"]
     cores = config.get("cpu_count")
     big = max((r["cp"] for r in rows), default=1)
     if cores is not None and big > cores:
