@@ -1,14 +1,14 @@
 """Context parallelism measured: a sequence-length sweep over C ranks, tokens/s and saved activations per rank.
 
     python -m bench.cp --out out/cp [--model tiny] [--n_layer 2] [--seq_lens 128,256,512] [--cps 1,2,4]
-                       [--steps 4] [--warmup 2] [--tokens_per_step 1024]
+                       [--steps 4] [--warmup 2] [--rows 4]
 
 For each (seq_len T, C) two things run, each as its own job (gloo, CPU, OMP_NUM_THREADS=1 per rank):
 
 - **Throughput.** A real train.py run: `torchrun --nproc_per_node=C train.py --context_parallel_size C`
-  (plain `python train.py` for C = 1). Every run of the sweep trains the same global batch,
-  --tokens_per_step tokens = tokens_per_step/T rows of T tokens, in one micro-step (micro_batch_size = rows,
-  each cp rank holds T/C tokens of every row), for --warmup + --steps steps, with --no_checkpoint and no
+  (plain `python train.py` for C = 1). Every run trains --rows sequences of T tokens per step, in one
+  micro-step (micro_batch_size = rows; each cp rank holds T/C tokens of every row): at one T the global
+  batch in tokens is the same for every C, and it grows with T as the sequences do, for --warmup + --steps steps, with --no_checkpoint and no
   eval. tokens/s is the median of metrics.jsonl's tokens_per_sec (global batch / step time) over the steps
   after --warmup (bench.runner.summarize). Peak FLOP/s is measured once and passed to every run, so the
   runs spend no time on it.
@@ -56,17 +56,15 @@ def launcher(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
-def train_command(seq_len: int, cp: int, out_dir: str, *, model: str, n_layer: int | None, tokens_per_step: int,
+def train_command(seq_len: int, cp: int, out_dir: str, *, model: str, n_layer: int | None, rows: int,
                   warmup: int, steps: int, dataset: str, peak_flops: float | None = None,
                   timeout: float = 600) -> list[str]:
-    """train.py for one (seq_len, C) point: the whole global batch (tokens_per_step tokens) in one micro-step
-    on every cp rank, no checkpoints, no eval before the last step."""
-    if tokens_per_step % seq_len:
-        raise ValueError(f"tokens_per_step {tokens_per_step} is not a multiple of seq_len {seq_len}")
+    """train.py for one (seq_len, C) point: the global batch (rows x seq_len tokens) in one micro-step on
+    every cp rank, no checkpoints, no eval before the last step."""
     total = warmup + steps
     cmd = [*launcher(cp), os.path.join(ROOT, "train.py"), "--model", model, "--dataset", dataset,
            "--seq_len", str(seq_len), "--block_size", str(max(seq_len, 1)),
-           "--micro_batch_size", str(tokens_per_step // seq_len), "--total_batch_size", str(tokens_per_step),
+           "--micro_batch_size", str(rows), "--total_batch_size", str(rows * seq_len),
            "--max_steps", str(total), "--warmup_steps", "1", "--eval_interval", str(total + 1),
            "--eval_iters", "1", "--no_checkpoint", "--timeout", str(int(timeout)), "--out_dir", out_dir,
            "--overwrite"]
@@ -121,8 +119,8 @@ def markdown(rows: list[dict], config: dict) -> str:
                      f"| {_fmt(r['saved_ratio'], '.2f')} | {_fmt(r.get('attn_saved_bytes'), '.2f', MiB)} "
                      f"| {_fmt(r['attn_ratio'], '.2f')} | {r.get('status', 'ok')} |")
     lines += ["", f"- model {config['model']} (n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocab "
-              f"{config['vocab_size']}); every run: {config['tokens_per_step']} tokens per step "
-              f"(tokens_per_step / seq_len rows, one micro-step), {config['warmup']} warm-up + {config['steps']} "
+              f"{config['vocab_size']}); every run: {config['rows']} rows x seq_len tokens per step "
+              f"(the same for every C at one seq_len, one micro-step), {config['warmup']} warm-up + {config['steps']} "
               "measured steps, median tokens/s (global batch / step time)",
               "- saved: distinct non-parameter storages autograd holds for backward, peak over one forward + "
               "backward of one micro-batch on rank 0 (bench.pipeline.SavedBytes); ratio = bytes(C=1) / bytes(C) "
@@ -159,7 +157,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     ax_t.set_ylabel("tokens/s (median, global)")
-    ax_t.set_title("throughput, same tokens per step")
+    ax_t.set_title("throughput, same rows per step")
     ax_m.set_yscale("log")
     ax_m.set_ylabel("peak saved activations per rank (MiB)")
     ax_m.set_title("saved for backward, rank 0")
@@ -211,7 +209,7 @@ def worker(spec: dict) -> None:
         if C > 1:
             apply_context_parallel(model, dist.group.WORLD)
         g = torch.Generator().manual_seed(T)
-        tokens = torch.randint(0, cfg.vocab_size, (spec["tokens_per_step"] // T, T + 1), generator=g)
+        tokens = torch.randint(0, cfg.vocab_size, (spec["rows"], T + 1), generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
         if C > 1:
             x, y = shard_sequence(x, rank, C), shard_sequence(y, rank, C)
@@ -235,7 +233,7 @@ def worker(spec: dict) -> None:
 # ---- the sweep ------------------------------------------------------------------------------------------------
 
 def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_layer: int | None = 2,
-        tokens_per_step: int = 1024, warmup: int = 2, steps: int = 4, timeout: float = 600,
+        rows: int = 4, warmup: int = 2, steps: int = 4, timeout: float = 600,
         log=print) -> list[dict]:
     """Measure saved bytes (one job per C), then train every (seq_len, C); write cp.json, cp.md and
     cp_seq_scaling.png into `out`; return the rows."""
@@ -250,13 +248,12 @@ def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_la
     dataset = ensure_dataset("", out, cfg.vocab_size)
     machine = probe_machine(measure=True)
     log(f"[bench.cp] {machine['name']}, {os.cpu_count()} cores; {model} n_layer {cfg.n_layer}; seq_lens {seq_lens}, "
-        f"C in {cps}; {tokens_per_step} tokens/step, {warmup}+{steps} steps")
+        f"C in {cps}; {rows} rows x seq_len tokens/step, {warmup}+{steps} steps")
 
     memory: dict[int, dict] = {}
     for cp in cps:
         result = os.path.join(out, "runs", f"saved-c{cp}.json")
-        spec = {"model": model, "n_layer": n_layer, "seq_lens": seq_lens, "tokens_per_step": tokens_per_step,
-                "result": result}
+        spec = {"model": model, "n_layer": n_layer, "seq_lens": seq_lens, "rows": rows, "result": result}
         job = run_job(memory_command(cp, spec), os.path.join(out, "runs", f"saved-c{cp}.log"), timeout)
         if job.returncode == 0 and os.path.exists(result):
             with open(result) as f:
@@ -268,7 +265,7 @@ def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_la
         for cp in cps:
             run_dir = os.path.join(out, "runs", f"T{T}-c{cp}")
             os.makedirs(run_dir, exist_ok=True)
-            cmd = train_command(T, cp, run_dir, model=model, n_layer=n_layer, tokens_per_step=tokens_per_step,
+            cmd = train_command(T, cp, run_dir, model=model, n_layer=n_layer, rows=rows,
                                 warmup=warmup, steps=steps, dataset=dataset, peak_flops=machine["peak_flops"],
                                 timeout=timeout)
             job = run_job(cmd, os.path.join(run_dir, "bench.log"), timeout)
@@ -286,16 +283,16 @@ def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_la
             log(f"[bench.cp] T={T:<5} C={cp}: {status}" + (f", {tps:,.0f} tok/s" if tps else "")
                 + f" ({job.seconds:.0f} s)")
 
-    rows = cp_rows(points)
+    table = cp_rows(points)
     config = {"model": model, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
-              "seq_lens": seq_lens, "cps": cps, "tokens_per_step": tokens_per_step, "warmup": warmup,
+              "seq_lens": seq_lens, "cps": cps, "rows": rows, "warmup": warmup,
               "steps": steps, "cpu_count": os.cpu_count(), "machine": machine, "dataset": dataset}
     with open(os.path.join(out, "cp.json"), "w") as f:
-        json.dump({"config": config, "rows": rows}, f, indent=1)
+        json.dump({"config": config, "rows": table}, f, indent=1)
     with open(os.path.join(out, "cp.md"), "w") as f:
-        f.write(markdown(rows, config))
-    plot(rows, os.path.join(out, "cp_seq_scaling.png"))
-    return rows
+        f.write(markdown(table, config))
+    plot(table, os.path.join(out, "cp_seq_scaling.png"))
+    return table
 
 
 def _ints(text: str) -> list[int]:
@@ -310,7 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--n_layer", type=int, default=2, help="override the preset's layer count (0: the preset's)")
     a("--seq_lens", type=_ints, default=[128, 256, 512])
     a("--cps", type=_ints, default=[1, 2, 4], help="context-parallel degrees; 1 is the baseline of the ratios")
-    a("--tokens_per_step", type=int, default=1024, help="global batch in tokens, the same for every run")
+    a("--rows", type=int, default=4, help="sequences per step: the global batch is rows x seq_len tokens")
     a("--warmup", type=int, default=2)
     a("--steps", type=int, default=4, help="measured steps after --warmup")
     a("--timeout", type=float, default=600, help="seconds per job")
@@ -323,8 +320,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if 1 not in args.cps:
         p.error("--cps needs 1: the ratios are against C=1")
     for T in args.seq_lens:
-        if args.tokens_per_step % T:
-            p.error(f"--tokens_per_step {args.tokens_per_step} is not a multiple of seq_len {T}")
         bad = [c for c in args.cps if T % (2 * c)]
         if bad:
             p.error(f"seq_len {T} is not divisible by 2 x C for C in {bad} (the zigzag split)")
@@ -336,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(json.loads(args.worker))
         return 0
-    rows = run(args.out, args.seq_lens, args.cps, args.model, args.n_layer or None, args.tokens_per_step,
+    rows = run(args.out, args.seq_lens, args.cps, args.model, args.n_layer or None, args.rows,
                args.warmup, args.steps, args.timeout)
     config = json.load(open(os.path.join(args.out, "cp.json")))["config"]
     print(markdown(rows, config), end="")

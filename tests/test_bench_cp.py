@@ -15,17 +15,17 @@ def flag(cmd: list[str], name: str) -> str:
 
 
 def build(seq_len: int, cp: int, **kw) -> list[str]:
-    opts = dict(model="tiny", n_layer=2, tokens_per_step=1024, warmup=2, steps=4, dataset="/d")
+    opts = dict(model="tiny", n_layer=2, rows=4, warmup=2, steps=4, dataset="/d")
     return train_command(seq_len, cp, "/o", **{**opts, **kw})
 
 
 @pytest.mark.parametrize("seq_len,cp", [(128, 1), (256, 2), (512, 4)])
-def test_train_command_same_global_batch_one_micro_step(seq_len, cp):
-    """total_batch_size is the same at every point; rows = tokens / seq_len, all in one micro-step (so
+def test_train_command_rows_of_seq_len_in_one_micro_step(seq_len, cp):
+    """total_batch_size = rows x seq_len whatever C, all in one micro-step (micro_batch_size = rows, so
     grad_accum = 1); no checkpoints; eval only after the last of warmup + steps."""
     cmd = build(seq_len, cp)
-    assert flag(cmd, "--total_batch_size") == "1024"
-    assert int(flag(cmd, "--micro_batch_size")) * int(flag(cmd, "--seq_len")) == 1024
+    assert flag(cmd, "--total_batch_size") == str(4 * seq_len) and flag(cmd, "--seq_len") == str(seq_len)
+    assert flag(cmd, "--micro_batch_size") == "4"
     assert flag(cmd, "--max_steps") == "6" and int(flag(cmd, "--eval_interval")) > 6
     assert "--no_checkpoint" in cmd and flag(cmd, "--out_dir") == "/o"
 
@@ -37,11 +37,6 @@ def test_train_command_launcher_by_degree():
     assert four[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node=4" in four
     assert flag(four, "--context_parallel_size") == "4"
     assert "--peak_flops" not in one and flag(build(128, 1, peak_flops=1e9), "--peak_flops") == "1000000000.0"
-
-
-def test_train_command_refuses_uneven_rows():
-    with pytest.raises(ValueError, match="multiple of seq_len"):
-        build(384, 1)
 
 
 def test_memory_command_carries_cp_in_the_json():
@@ -71,7 +66,7 @@ def test_ratios_none_when_a_measurement_is_missing():
     assert rows[2]["saved_ratio"] is None  # no C = 1 at 256
 
 
-CONFIG = {"model": "tiny", "n_layer": 2, "n_embd": 64, "vocab_size": 50304, "tokens_per_step": 1024,
+CONFIG = {"model": "tiny", "n_layer": 2, "n_embd": 64, "vocab_size": 50304, "rows": 4,
           "warmup": 2, "steps": 4}
 
 
@@ -86,9 +81,9 @@ def test_markdown_rows_and_oversubscription_note():
 def test_parse_args_checks_the_sweep():
     assert parse_args(["--out", "x"]).seq_lens == [128, 256, 512]
     assert parse_args(["--out", "x", "--cps", "1,2"]).cps == [1, 2]
-    for bad in (["--cps", "2,4"], ["--seq_lens", "100"], ["--seq_lens", "20", "--tokens_per_step", "1000"]):
+    for bad in (["--cps", "2,4"], ["--seq_lens", "20"], ["--seq_lens", "6", "--cps", "1,2"]):
         with pytest.raises(SystemExit):
-            parse_args(["--out", "x", *bad])  # no C=1; 1024 % 100; 20 % (2 x 4)
+            parse_args(["--out", "x", *bad])  # no C=1; 20 % (2 x 4) = 4; 6 % (2 x 2) = 2
 
 
 def test_measure_saved_hand_count_one_process():
