@@ -1,0 +1,343 @@
+"""Context parallelism measured: a sequence-length sweep over C ranks, tokens/s and saved activations per rank.
+
+    python -m bench.cp --out out/cp [--model tiny] [--n_layer 2] [--seq_lens 128,256,512] [--cps 1,2,4]
+                       [--steps 4] [--warmup 2] [--rows 4]
+
+For each (seq_len T, C) two things run, each as its own job (gloo, CPU, OMP_NUM_THREADS=1 per rank):
+
+- **Throughput.** A real train.py run: `torchrun --nproc_per_node=C train.py --context_parallel_size C`
+  (plain `python train.py` for C = 1). Every run trains --rows sequences of T tokens per step, in one
+  micro-step (micro_batch_size = rows; each cp rank holds T/C tokens of every row): at one T the global
+  batch in tokens is the same for every C, and it grows with T as the sequences do, for --warmup + --steps steps, with --no_checkpoint and no
+  eval. tokens/s is the median of metrics.jsonl's tokens_per_sec (global batch / step time) over the steps
+  after --warmup (bench.runner.summarize). Peak FLOP/s is measured once and passed to every run, so the
+  runs spend no time on it.
+- **Saved activations.** One small job per C (all seq_lens in it): every rank builds the same GPT, applies
+  parallel.context_parallel.apply_context_parallel when C > 1, takes its zigzag share of one micro-batch
+  (the rows above, seeded random tokens), and runs one forward + backward under bench.pipeline.SavedBytes.
+  Counted: bytes of distinct non-parameter storages autograd holds for backward, live, so the peak is the
+  most held at once (the end of forward); a storage saved by several ops counts once. Not counted:
+  parameters, gradients, optimizer state, and temporaries that are never saved (the scores inside ring
+  attention, backward's buffers). Per rank we report rank 0's peak (the zigzag split gives all ranks the
+  same shapes; the max over ranks is kept in cp.json). "attention" is the part saved inside the attention
+  modules (c_q/c_k/c_v's input, q/k/v, the kernel's output and statistics, c_proj's input), summed over
+  layers. C = 1 runs in one process with PyTorch's SDPA, as train.py does. Per layer SDPA saves x (the
+  ln_1 output), q, k, v, its output and the log-sum-exp; its CPU output is laid out (B, T, H, D), so
+  c_proj's input is a view of it. The ring's output is (B, H, T/C, D)-contiguous and the reshape copies it:
+  one more (B, T/C, n_embd) tensor per layer, so the attention ratio comes out near 5C/6, not C.
+
+Every saved activation is (B, T/C, ...) per rank, the logits included, and neither SDPA nor the ring saves
+a T x T matrix, so both the whole peak and the attention part should fall by about C: the ratio column is
+bytes(C=1) / bytes(C) at the same T. With more ranks than cores (4 ranks on 2 cores) the ranks share the
+cores, so tokens/s there measures contention as much as the ring: cp.md says so.
+
+Outputs in --out: cp.json (config, rows), cp.md (the table) and cp_seq_scaling.png (tokens/s vs T per C;
+saved bytes per rank vs T per C, log scale); runs/ holds each job's log and metrics.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 2 ** 20
+
+
+# ---- commands --------------------------------------------------------------------------------------------
+
+def launcher(nproc: int) -> list[str]:
+    """How a job of `nproc` ranks starts: plain python for one, torchrun (standalone) for more."""
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def train_command(seq_len: int, cp: int, out_dir: str, *, model: str, n_layer: int | None, rows: int,
+                  warmup: int, steps: int, dataset: str, peak_flops: float | None = None,
+                  timeout: float = 600) -> list[str]:
+    """train.py for one (seq_len, C) point: the global batch (rows x seq_len tokens) in one micro-step on
+    every cp rank, no checkpoints, no eval before the last step."""
+    total = warmup + steps
+    cmd = [*launcher(cp), os.path.join(ROOT, "train.py"), "--model", model, "--dataset", dataset,
+           "--seq_len", str(seq_len), "--block_size", str(max(seq_len, 1)),
+           "--micro_batch_size", str(rows), "--total_batch_size", str(rows * seq_len),
+           "--max_steps", str(total), "--warmup_steps", "1", "--eval_interval", str(total + 1),
+           "--eval_iters", "1", "--no_checkpoint", "--timeout", str(int(timeout)), "--out_dir", out_dir,
+           "--overwrite"]
+    if n_layer is not None:
+        cmd += ["--n_layer", str(n_layer)]
+    if peak_flops is not None:
+        cmd += ["--peak_flops", repr(float(peak_flops))]
+    if cp > 1:
+        cmd += ["--context_parallel_size", str(cp)]
+    return cmd
+
+
+def memory_command(cp: int, spec: dict) -> list[str]:
+    """The saved-bytes worker on `cp` ranks; its flags travel as one JSON value (torchrun's own parser would
+    take a prefix of some of them, see bench.pipeline)."""
+    return [*launcher(cp), "-m", "bench.cp", f"--worker={json.dumps({**spec, 'cp': cp})}"]
+
+
+# ---- from measurements to rows -----------------------------------------------------------------------------
+
+def cp_rows(points: list[dict]) -> list[dict]:
+    """Each point ({seq_len, cp, tokens_per_sec, peak_saved_bytes, attn_saved_bytes, ...}) with its ratios to
+    the C = 1 point of the same seq_len: saved_ratio = bytes(C=1) / bytes(C) (about C when every activation is
+    (B, T/C, ...)), attn_ratio likewise, speedup = tokens/s(C) / tokens/s(C=1). None where either is missing.
+    Sorted by (seq_len, cp)."""
+    base = {p["seq_len"]: p for p in points if p["cp"] == 1}
+
+    def ratio(num, den):
+        return num / den if num is not None and den else None
+
+    rows = []
+    for p in sorted(points, key=lambda p: (p["seq_len"], p["cp"])):
+        b = base.get(p["seq_len"], {})
+        rows.append({**p, "saved_ratio": ratio(b.get("peak_saved_bytes"), p.get("peak_saved_bytes")),
+                     "attn_ratio": ratio(b.get("attn_saved_bytes"), p.get("attn_saved_bytes")),
+                     "speedup": ratio(p.get("tokens_per_sec"), b.get("tokens_per_sec"))})
+    return rows
+
+
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    return "—" if value is None else format(value / scale, spec)
+
+
+def markdown(rows: list[dict], config: dict) -> str:
+    """The table (one line per (seq_len, C)) and notes: what was run, and oversubscription when max C > cores."""
+    lines = ["| seq_len | C | tokens/s | speedup vs C=1 | peak saved / rank (MiB) | ratio C=1 / C "
+             "| attention saved / rank (MiB) | attn ratio | status |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['seq_len']} | {r['cp']} | {_fmt(r.get('tokens_per_sec'), ',.0f')} "
+                     f"| {_fmt(r['speedup'], '.2f')} | {_fmt(r.get('peak_saved_bytes'), '.2f', MiB)} "
+                     f"| {_fmt(r['saved_ratio'], '.2f')} | {_fmt(r.get('attn_saved_bytes'), '.2f', MiB)} "
+                     f"| {_fmt(r['attn_ratio'], '.2f')} | {r.get('status', 'ok')} |")
+    lines += ["", f"- model {config['model']} (n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocab "
+              f"{config['vocab_size']}); every run: {config['rows']} rows x seq_len tokens per step "
+              f"(the same for every C at one seq_len, one micro-step), {config['warmup']} warm-up + {config['steps']} "
+              "measured steps, median tokens/s (global batch / step time)",
+              "- saved: distinct non-parameter storages autograd holds for backward, peak over one forward + "
+              "backward of one micro-batch on rank 0 (bench.pipeline.SavedBytes); ratio = bytes(C=1) / bytes(C) "
+              "at the same seq_len, expected about C",
+              "- attention: the ring's (B, H, T/C, D) output is copied by the reshape before c_proj, where SDPA's "
+              "CPU output is a view: one more (B, T/C, n_embd) tensor per layer, so expect about 5C/6 there"]
+    cores = config.get("cpu_count")
+    big = max((r["cp"] for r in rows), default=1)
+    if cores is not None and big > cores:
+        lines.append(f"- {big} ranks on {cores} CPU cores is oversubscribed: the ranks share the cores, so "
+                     f"tokens/s at C > {cores} measures contention as much as the ring (one thread per rank)")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Two panels: tokens/s vs seq_len, one line per C; peak saved bytes per rank vs seq_len, log y."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for cp in sorted({r["cp"] for r in rows}):
+        rs = [r for r in rows if r["cp"] == cp]
+        pts = [(r["seq_len"], r["tokens_per_sec"]) for r in rs if r.get("tokens_per_sec")]
+        if pts:
+            ax_t.plot(*zip(*pts), marker="o", label=f"C={cp}")
+        pts = [(r["seq_len"], r["peak_saved_bytes"] / MiB) for r in rs if r.get("peak_saved_bytes")]
+        if pts:
+            ax_m.plot(*zip(*pts), marker="o", label=f"C={cp}")
+    seq = sorted({r["seq_len"] for r in rows})
+    for ax in (ax_t, ax_m):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seq, [str(s) for s in seq])
+        ax.set_xlabel("sequence length (tokens)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax_t.set_ylabel("tokens/s (median, global)")
+    ax_t.set_title("throughput, same rows per step")
+    ax_m.set_yscale("log")
+    ax_m.set_ylabel("peak saved activations per rank (MiB)")
+    ax_m.set_title("saved for backward, rank 0")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# ---- the saved-bytes worker ----------------------------------------------------------------------------------
+
+def measure_saved(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
+    """(peak saved bytes, bytes saved inside attention modules) over one forward + backward of (x, y)."""
+    from bench.pipeline import SavedBytes
+    from model import CausalSelfAttention
+    attn = [0]
+    with SavedBytes(exclude=list(model.parameters())) as saved:
+        before = {}
+        hooks = []
+        for m in model.modules():
+            if isinstance(m, CausalSelfAttention):
+                hooks.append(m.register_forward_pre_hook(lambda mod, _: before.__setitem__(mod, saved.bytes)))
+                hooks.append(m.register_forward_hook(
+                    lambda mod, _, __: attn.__setitem__(0, attn[0] + saved.bytes - before[mod])))
+        _, loss = model(x, y)
+        for h in hooks:
+            h.remove()
+        loss.backward()
+    return saved.peak, attn[0]
+
+
+def worker(spec: dict) -> None:
+    """Every rank (or the one process when C = 1): per seq_len, build the model, take this rank's share of one
+    micro-batch, measure; rank 0 writes {seq_len: {rank0, max over ranks, attention}} to spec['result']."""
+    import torch.distributed as dist
+    from model import GPT, make_config
+    from parallel.context_parallel import apply_context_parallel, shard_sequence
+
+    torch.set_num_threads(1)
+    C = spec["cp"]
+    if C > 1:
+        dist.init_process_group("gloo")
+        assert dist.get_world_size() == C, (dist.get_world_size(), C)
+    rank = dist.get_rank() if C > 1 else 0
+    result = {}
+    for T in spec["seq_lens"]:
+        cfg = make_config(spec["model"], n_layer=spec["n_layer"], block_size=T)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if C > 1:
+            apply_context_parallel(model, dist.group.WORLD)
+        g = torch.Generator().manual_seed(T)
+        tokens = torch.randint(0, cfg.vocab_size, (spec["rows"], T + 1), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        if C > 1:
+            x, y = shard_sequence(x, rank, C), shard_sequence(y, rank, C)
+        x, y = x.contiguous(), y.contiguous()
+        peak, attn = measure_saved(model, x, y)
+        peaks = [peak]
+        if C > 1:
+            peaks = [None] * C
+            dist.all_gather_object(peaks, peak)
+        result[T] = {"peak_saved_bytes": peaks[0], "peak_saved_bytes_max": max(peaks), "attn_saved_bytes": attn,
+                     "local_tokens": x.numel(), "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
+                     "n_layer": cfg.n_layer}
+        del model
+    if rank == 0:
+        with open(spec["result"], "w") as f:
+            json.dump(result, f)
+    if C > 1:
+        dist.destroy_process_group()
+
+
+# ---- the sweep ------------------------------------------------------------------------------------------------
+
+def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_layer: int | None = 2,
+        rows: int = 4, warmup: int = 2, steps: int = 4, timeout: float = 600,
+        log=print) -> list[dict]:
+    """Measure saved bytes (one job per C), then train every (seq_len, C); write cp.json, cp.md and
+    cp_seq_scaling.png into `out`; return the rows."""
+    from bench.__main__ import ensure_dataset
+    from bench.runner import classify, probe_machine, run_job, summarize
+    from metrics import read_jsonl
+    from model import make_config
+
+    out = os.path.abspath(out)
+    os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    cfg = make_config(model, n_layer=n_layer)
+    dataset = ensure_dataset("", out, cfg.vocab_size)
+    machine = probe_machine(measure=True)
+    log(f"[bench.cp] {machine['name']}, {os.cpu_count()} cores; {model} n_layer {cfg.n_layer}; seq_lens {seq_lens}, "
+        f"C in {cps}; {rows} rows x seq_len tokens/step, {warmup}+{steps} steps")
+
+    memory: dict[int, dict] = {}
+    for cp in cps:
+        result = os.path.join(out, "runs", f"saved-c{cp}.json")
+        spec = {"model": model, "n_layer": n_layer, "seq_lens": seq_lens, "rows": rows, "result": result}
+        job = run_job(memory_command(cp, spec), os.path.join(out, "runs", f"saved-c{cp}.log"), timeout)
+        if job.returncode == 0 and os.path.exists(result):
+            with open(result) as f:
+                memory[cp] = {int(k): v for k, v in json.load(f).items()}
+        log(f"[bench.cp] saved bytes, C={cp}: {classify(job, {}, timeout)} ({job.seconds:.0f} s)")
+
+    points = []
+    for T in seq_lens:
+        for cp in cps:
+            run_dir = os.path.join(out, "runs", f"T{T}-c{cp}")
+            os.makedirs(run_dir, exist_ok=True)
+            cmd = train_command(T, cp, run_dir, model=model, n_layer=n_layer, rows=rows,
+                                warmup=warmup, steps=steps, dataset=dataset, peak_flops=machine["peak_flops"],
+                                timeout=timeout)
+            job = run_job(cmd, os.path.join(run_dir, "bench.log"), timeout)
+            wrote = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+            s = summarize(read_jsonl(run_dir), warmup) if job.returncode == 0 and wrote else None
+            status = classify(job, s, timeout)
+            mem = memory.get(cp, {}).get(T, {})
+            points.append({"seq_len": T, "cp": cp, "status": status,
+                           "tokens_per_sec": s and s["tokens_per_sec"], "step_time_ms": s and s["step_time_ms"],
+                           "mfu": s and s["mfu"], "comm_bytes": s and s["comm_bytes"],
+                           "peak_saved_bytes": mem.get("peak_saved_bytes"),
+                           "peak_saved_bytes_max": mem.get("peak_saved_bytes_max"),
+                           "attn_saved_bytes": mem.get("attn_saved_bytes"), "seconds": round(job.seconds, 1)})
+            tps = points[-1]["tokens_per_sec"]
+            log(f"[bench.cp] T={T:<5} C={cp}: {status}" + (f", {tps:,.0f} tok/s" if tps else "")
+                + f" ({job.seconds:.0f} s)")
+
+    table = cp_rows(points)
+    config = {"model": model, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
+              "seq_lens": seq_lens, "cps": cps, "rows": rows, "warmup": warmup,
+              "steps": steps, "cpu_count": os.cpu_count(), "machine": machine, "dataset": dataset}
+    with open(os.path.join(out, "cp.json"), "w") as f:
+        json.dump({"config": config, "rows": table}, f, indent=1)
+    with open(os.path.join(out, "cp.md"), "w") as f:
+        f.write(markdown(table, config))
+    plot(table, os.path.join(out, "cp_seq_scaling.png"))
+    return table
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.cp", description=__doc__.splitlines()[0])
+    a = p.add_argument
+    a("--out", default=None, help="output directory (required)")
+    a("--model", default="tiny")
+    a("--n_layer", type=int, default=2, help="override the preset's layer count (0: the preset's)")
+    a("--seq_lens", type=_ints, default=[128, 256, 512])
+    a("--cps", type=_ints, default=[1, 2, 4], help="context-parallel degrees; 1 is the baseline of the ratios")
+    a("--rows", type=int, default=4, help="sequences per step: the global batch is rows x seq_len tokens")
+    a("--warmup", type=int, default=2)
+    a("--steps", type=int, default=4, help="measured steps after --warmup")
+    a("--timeout", type=float, default=600, help="seconds per job")
+    a("--worker", default=None, help=argparse.SUPPRESS)  # JSON spec: run the saved-bytes worker
+    args = p.parse_args(argv)
+    if args.worker:
+        return args
+    if args.out is None:
+        p.error("--out is required")
+    if 1 not in args.cps:
+        p.error("--cps needs 1: the ratios are against C=1")
+    for T in args.seq_lens:
+        bad = [c for c in args.cps if T % (2 * c)]
+        if bad:
+            p.error(f"seq_len {T} is not divisible by 2 x C for C in {bad} (the zigzag split)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    rows = run(args.out, args.seq_lens, args.cps, args.model, args.n_layer or None, args.rows,
+               args.warmup, args.steps, args.timeout)
+    config = json.load(open(os.path.join(args.out, "cp.json")))["config"]
+    print(markdown(rows, config), end="")
+    print(f"[bench.cp] wrote {os.path.abspath(args.out)}/cp.json, cp.md, cp_seq_scaling.png")
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

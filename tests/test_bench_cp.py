@@ -1,0 +1,100 @@
+"""bench/cp.py: the command builders' flags, the ratio arithmetic and table on synthetic rows, the flag checks,
+and the saved-bytes count of one tiny forward + backward against a hand count (no training, no processes)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from bench.cp import cp_rows, markdown, measure_saved, memory_command, parse_args, train_command
+
+
+def flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def build(seq_len: int, cp: int, **kw) -> list[str]:
+    opts = dict(model="tiny", n_layer=2, rows=4, warmup=2, steps=4, dataset="/d")
+    return train_command(seq_len, cp, "/o", **{**opts, **kw})
+
+
+@pytest.mark.parametrize("seq_len,cp", [(128, 1), (256, 2), (512, 4)])
+def test_train_command_rows_of_seq_len_in_one_micro_step(seq_len, cp):
+    """total_batch_size = rows x seq_len whatever C, all in one micro-step (micro_batch_size = rows, so
+    grad_accum = 1); no checkpoints; eval only after the last of warmup + steps."""
+    cmd = build(seq_len, cp)
+    assert flag(cmd, "--total_batch_size") == str(4 * seq_len) and flag(cmd, "--seq_len") == str(seq_len)
+    assert flag(cmd, "--micro_batch_size") == "4"
+    assert flag(cmd, "--max_steps") == "6" and int(flag(cmd, "--eval_interval")) > 6
+    assert "--no_checkpoint" in cmd and flag(cmd, "--out_dir") == "/o"
+
+
+def test_train_command_launcher_by_degree():
+    """C = 1: plain python, no cp flag; C > 1: torchrun with C ranks and --context_parallel_size C."""
+    one, four = build(128, 1), build(128, 4)
+    assert one[0] == sys.executable and one[1].endswith("train.py") and "--context_parallel_size" not in one
+    assert four[1:3] == ["-m", "torch.distributed.run"] and "--nproc_per_node=4" in four
+    assert flag(four, "--context_parallel_size") == "4"
+    assert "--peak_flops" not in one and flag(build(128, 1, peak_flops=1e9), "--peak_flops") == "1000000000.0"
+
+
+def test_memory_command_carries_cp_in_the_json():
+    cmd = memory_command(2, {"seq_lens": [128]})
+    assert "--nproc_per_node=2" in cmd and cmd[-1] == '--worker={"seq_lens": [128], "cp": 2}'
+    assert memory_command(1, {})[:3] == [sys.executable, "-m", "bench.cp"]
+
+
+def point(T, cp, tps, saved, attn):
+    return {"seq_len": T, "cp": cp, "tokens_per_sec": tps, "peak_saved_bytes": saved, "attn_saved_bytes": attn,
+            "status": "ok"}
+
+
+def test_ratios_against_c1_of_the_same_seq_len():
+    """saved_ratio = bytes(C=1)/bytes(C), speedup = tps(C)/tps(C=1), per seq_len; rows sorted by (T, C)."""
+    rows = cp_rows([point(256, 2, 300.0, 500, 60), point(128, 1, 100.0, 400, 40), point(256, 1, 200.0, 1000, 100),
+                    point(128, 4, 50.0, 100, 10)])
+    assert [(r["seq_len"], r["cp"]) for r in rows] == [(128, 1), (128, 4), (256, 1), (256, 2)]
+    assert [r["saved_ratio"] for r in rows] == [1.0, 4.0, 1.0, 2.0]
+    assert [r["attn_ratio"] for r in rows] == [1.0, 4.0, 1.0, 100 / 60]
+    assert [r["speedup"] for r in rows] == [1.0, 0.5, 1.0, 1.5]
+
+
+def test_ratios_none_when_a_measurement_is_missing():
+    rows = cp_rows([point(128, 1, None, 400, 40), point(128, 2, 80.0, None, 20), point(256, 2, 80.0, 10, 5)])
+    assert rows[1]["speedup"] is None and rows[1]["saved_ratio"] is None and rows[1]["attn_ratio"] == 2.0
+    assert rows[2]["saved_ratio"] is None  # no C = 1 at 256
+
+
+CONFIG = {"model": "tiny", "n_layer": 2, "n_embd": 64, "vocab_size": 50304, "rows": 4,
+          "warmup": 2, "steps": 4}
+
+
+def test_markdown_rows_and_oversubscription_note():
+    rows = cp_rows([point(128, 1, 1000.0, 2 * 2 ** 20, 2 ** 20), point(128, 4, 500.0, 2 ** 19, 2 ** 18)])
+    md = markdown(rows, {**CONFIG, "cpu_count": 2})
+    assert "| 128 | 4 | 500 | 0.50 | 0.50 | 4.00 | 0.25 | 4.00 | ok |" in md
+    assert "4 ranks on 2 CPU cores is oversubscribed" in md
+    assert "oversubscribed" not in markdown(rows, {**CONFIG, "cpu_count": 4})
+
+
+def test_parse_args_checks_the_sweep():
+    assert parse_args(["--out", "x"]).seq_lens == [128, 256, 512]
+    assert parse_args(["--out", "x", "--cps", "1,2"]).cps == [1, 2]
+    for bad in (["--cps", "2,4"], ["--seq_lens", "20"], ["--seq_lens", "6", "--cps", "1,2"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--out", "x", *bad])  # no C=1; 20 % (2 x 4) = 4; 6 % (2 x 2) = 2
+
+
+def test_measure_saved_hand_count_one_process():
+    """tiny GPT, vocab 64, 1 layer, B=2, T=8, fp32: U = B*T*n_embd*4 = 4096 bytes. The attention module saves
+    ln_1's output, q, k, v, SDPA's output (c_proj's input is a view of it) = 5U, plus the log-sum-exp
+    B*H*T*4 = 256. The whole peak is at least that plus the logits B*T*V*4 = 4096."""
+    from model import GPT, make_config
+    torch.manual_seed(0)
+    model = GPT(make_config("tiny", n_layer=1, vocab_size=64, block_size=8))
+    x = torch.randint(0, 64, (2, 8))
+    peak, attn = measure_saved(model, x, x)
+    assert attn == 5 * 4096 + 256
+    assert peak >= attn + 2 * 8 * 64 * 4
+    assert all(p.grad is not None for p in model.parameters())
