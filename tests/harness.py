@@ -206,3 +206,23 @@ def expect_train_error_in_process(test, args: list[str], needle: str, out_dir: s
     test.assertIn(needle, lines[0])
     if fresh:
         test.assertFalse(os.path.exists(out_dir))
+
+
+def steps_of(out_dir: str) -> dict[int, dict]:
+    """step -> its training record in out_dir's metrics.jsonl (a step logged twice, before and after a
+    resume, counts as its last)."""
+    return {r["step"]: r for r in read_jsonl(out_dir) if "loss" in r}
+
+
+def evals_of(out_dir: str) -> dict[int, float]:
+    """step -> val_loss in out_dir's metrics.jsonl."""
+    return {r["step"]: r["val_loss"] for r in read_jsonl(out_dir) if "val_loss" in r}
+
+
+def assert_close(test, got: dict, ref: dict, key: str | None, rtol: float, what: str, steps=None) -> None:
+    """got[s][key] (or got[s]) within rtol of ref's, for every step of `got` (or `steps`); rtol 0: equal bits."""
+    steps = sorted(got) if steps is None else list(steps)
+    test.assertTrue(steps and set(steps) <= set(got) and set(steps) <= set(ref), f"{what}: steps {sorted(got)}")
+    for s in steps:
+        a, b = (got[s][key], ref[s][key]) if key else (got[s], ref[s])
+        test.assertLessEqual(abs(a - b), rtol * abs(b), f"{what}: step {s} {key or 'val_loss'} {a} vs {b}")

@@ -20,11 +20,10 @@ import torch
 
 from bench.ac import SavedAndRecomputedBytes
 from bench.pipeline import SavedBytes
-from metrics import read_jsonl
 from model import GPT, make_config
 from parallel.blocks import apply_activation_checkpointing
 from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
-from tests.harness import make_token_bins, rank0_only, run_train
+from tests.harness import evals_of, make_token_bins, rank0_only, run_train, steps_of
 
 STEPS = 10  # the compiled runs are compared over their first 10 steps; the AC runs share the eager references
 MB, T, N_LAYER, ACCUM = 2, 32, 4, 4  # micro-batch, seq_len, Blocks, micro-batches per step at dp=1
@@ -61,14 +60,6 @@ def run(name: str, flags: list[str], nproc: int) -> str:
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         RUNS[name] = out
     return RUNS[name]
-
-
-def steps_of(out: str) -> dict[int, dict]:
-    return {r["step"]: r for r in read_jsonl(out) if "loss" in r}
-
-
-def evals_of(out: str) -> dict[int, float]:
-    return {r["step"]: r["val_loss"] for r in read_jsonl(out) if "val_loss" in r}
 
 
 def flag(flags: list[str], name: str, default: str | None = None) -> str | None:

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 import checkpoint
-from metrics import read_jsonl
 from parallel.context_parallel import cp_p2p_bytes_per_micro_step
 from parallel.pipeline import p2p_bytes_per_step
-from tests.harness import expect_train_error_in_process, launch_ranks, make_token_bins, rank0_only, run_train
+from tests.harness import (
+    assert_close, evals_of, expect_train_error_in_process, launch_ranks, make_token_bins, rank0_only,
+    run_train, steps_of)
 
 STEPS = 6
 MB, T, C, N_LAYER = 2, 32, 64, 2  # micro-batch, seq_len, n_embd of `tiny`, Blocks
@@ -60,25 +61,6 @@ def run(name: str, flags: list[str], nproc: int, checkpoints: bool = False) -> s
 def cp2_run() -> str:
     """The CP=2 run, with checkpoints at steps 3 and 6: shared by the agreement, bytes and checkpoint tests."""
     return run("cp2", CP2, 2, checkpoints=True)
-
-
-def steps_of(out: str) -> dict[int, dict]:
-    """step -> its training record (a step logged twice, before and after a resume, counts as its last)."""
-    return {r["step"]: r for r in read_jsonl(out) if "loss" in r}
-
-
-def evals_of(out: str) -> dict[int, float]:
-    return {r["step"]: r["val_loss"] for r in read_jsonl(out) if "val_loss" in r}
-
-
-def assert_close(test: unittest.TestCase, got: dict, ref: dict, key: str, rtol: float, what: str,
-                 steps=None) -> None:
-    """got[s][key] (or got[s]) within rtol of ref's, for every step of `got` (or `steps`); rtol 0: equal bits."""
-    steps = sorted(got) if steps is None else list(steps)
-    test.assertTrue(steps and set(steps) <= set(got) and set(steps) <= set(ref), f"{what}: steps {sorted(got)}")
-    for s in steps:
-        a, b = (got[s][key], ref[s][key]) if key else (got[s], ref[s])
-        test.assertLessEqual(abs(a - b), rtol * abs(b), f"{what}: step {s} {key or 'val_loss'} {a} vs {b}")
 
 
 def ring_bytes(cp: int, dp: int = 1, tp: int = 1, n_layer: int = N_LAYER) -> int:

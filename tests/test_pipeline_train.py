@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import checkpoint
-from metrics import read_jsonl
 from parallel.pipeline import p2p_bytes_per_step
-from tests.harness import expect_train_error_in_process, launch_ranks, make_token_bins, rank0_only, run_train
+from tests.harness import (
+    assert_close, evals_of, expect_train_error_in_process, launch_ranks, make_token_bins, rank0_only,
+    run_train, steps_of)
 
 STEPS, SHORT = 10, 6  # SHORT: the checkpoint runs and the 8-rank 3D run
 MB, T, C, N_LAYER = 2, 32, 64, 4  # micro-batch, seq_len, n_embd of `tiny`, Blocks
@@ -57,25 +58,6 @@ def run(name: str, flags: list[str], nproc: int, steps: int = STEPS, checkpoints
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         RUNS[name] = out
     return RUNS[name]
-
-
-def steps_of(out: str) -> dict[int, dict]:
-    """step -> its training record (a step logged twice, before and after a resume, counts as its last)."""
-    return {r["step"]: r for r in read_jsonl(out) if "loss" in r}
-
-
-def evals_of(out: str) -> dict[int, float]:
-    return {r["step"]: r["val_loss"] for r in read_jsonl(out) if "val_loss" in r}
-
-
-def assert_close(test: unittest.TestCase, got: dict, ref: dict, key: str, rtol: float, what: str,
-                 steps=None) -> None:
-    """got[s][key] (or got[s]) within rtol of ref's, for every step of `got` (or `steps`); rtol 0: equal bits."""
-    steps = sorted(got) if steps is None else list(steps)
-    test.assertTrue(steps and set(steps) <= set(got) and set(steps) <= set(ref), f"{what}: steps {sorted(got)}")
-    for s in steps:
-        a, b = (got[s][key], ref[s][key]) if key else (got[s], ref[s])
-        test.assertLessEqual(abs(a - b), rtol * abs(b), f"{what}: step {s} {key or 'val_loss'} {a} vs {b}")
 
 
 def expected_p2p(pp: int, virtual: int, dp: int, seq_shard: int) -> int:
