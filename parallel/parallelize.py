@@ -1,9 +1,10 @@
 """The one composition point: `parallelize` wraps a GPT for a layout, always in this order,
 
     0. pipeline stage over mesh["pp"]               (keeps this pp rank's chunks; the rest is dropped)
+       then context parallelism over mesh["cp"]     (ring attention; parameters stay replicated over cp)
     1. tensor parallelism over mesh["tp"]           (shards matmul weights; materialises its own shards)
        then activation checkpointing and torch.compile of each Block (parallel/blocks.py)
-    2. FSDP over mesh["dp"]                         (shards what is left; materialises one unit at a time)
+    2. FSDP / ZeRO-1/2 / HSDP over mesh["dp"]       (shards what is left; materialises one unit at a time)
     3. materialise whatever is still on meta        (deferred init: only the local slices of DTensors)
     4. DDP over mesh["dp"]                          (replicates: needs real values, broadcasts rank 0's)
     5. the pipeline runner over mesh["pp"]          (runs the schedule through whatever 1-4 made: ours, or
@@ -251,8 +252,8 @@ APPLY: dict[tuple[str, str], Callable] = {
 
 def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
                 device: torch.device) -> Parallelized:
-    """TP -> FSDP -> materialise -> DDP (see the module docstring). `model` may be on meta when
-    cfg.deferred_init; `mesh` is None for one process."""
+    """PP cut -> CP -> TP -> AC/compile -> FSDP or ZeRO -> materialise -> DDP -> pipeline runner (see the
+    module docstring). `model` may be on meta when cfg.deferred_init; `mesh` is None for one process."""
     impl, extras = cfg.implementation, {}
     dp_type = cfg.dp_type if dims.dp_enabled or dims.cp_enabled else None
     tp_group = mesh["tp"].get_group() if mesh is not None else None
@@ -296,9 +297,9 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
         pipelines = mesh.mesh.permute(1, 2, 0).reshape(-1, dims.pp).tolist()  # every (dp, tp): its pp ranks
         runner_class = TorchPipelineRunner if impl == "pytorch" else PipelineRunner
         runner = runner_class(stage, pp_group, embedding_group(pipelines),
-                                seq_shard=dims.tp if cfg.sequence_parallel else 1, device=device,
-                                **({"forward": model.run_chunk, "tied": model.tied_pieces()}
-                                   if isinstance(model, FullyShardedDataParallel) else {}))
+                              seq_shard=dims.tp if cfg.sequence_parallel else 1, device=device,
+                              **({"forward": model.run_chunk, "tied": model.tied_pieces()}
+                                 if isinstance(model, FullyShardedDataParallel) else {}))
         extras.update(pipeline=runner, schedule=cfg.pp_schedule, pp_group=pp_group)
     tp = {} if mesh is None else {"tp_rank": mesh["tp"].get_local_rank(), "tp_size": dims.tp}
     return Parallelized(model=model, norm_groups=norm_groups, **tp, **extras)
