@@ -34,7 +34,6 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,6 +41,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from parallel.mesh import ParallelDims  # noqa: E402
 
 BF16_U = 2.0 ** -8  # bf16 unit roundoff: 8 significand bits
 # Loss tolerances, relative to the CPU fp32 run. bf16: 2u, one rounding of the matmul inputs (u) plus, on a
@@ -134,11 +135,26 @@ def forced_collectives(on: bool):
         yield
 
 
+@dataclass(frozen=True)
+class OneRankDims(ParallelDims):
+    """A one-rank layout that says dp and/or tp are on (with size 1), so parallelize applies the wrappers."""
+    dp_on: bool = False
+    tp_on: bool = False
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_on
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp_on
+
+
 def build_wrapped(plan, mesh, dp_type: str | None, tp: bool, param_dtype: torch.dtype | None):
     """train.build on one rank, but with a wrapper: `dims` says dp/tp are on (with size 1) and
     init_distributed hands over our one-rank mesh, so parallelize applies the custom wrappers."""
     import train
-    dims = SimpleNamespace(dp=1, tp=1, world_size=1, dp_enabled=dp_type is not None, tp_enabled=tp)
+    dims = OneRankDims(1, 1, 1, dp_on=dp_type is not None, tp_on=tp)
     par = replace(plan.par, dp_type=dp_type, implementation="custom", param_dtype=param_dtype)
     with mock.patch.object(train, "init_distributed", lambda *a, **k: mesh):
         return train.build(replace(plan, dims=dims, par=par))
