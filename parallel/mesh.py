@@ -143,15 +143,3 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
     env.update(extra)
     return env
-
-
-def dp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
-    return None if mesh is None else mesh["dp"].get_group()
-
-
-def tp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
-    return None if mesh is None else mesh["tp"].get_group()
-
-
-def pp_group(mesh: DeviceMesh | None) -> dist.ProcessGroup | None:
-    return None if mesh is None else mesh["pp"].get_group()
