@@ -274,7 +274,7 @@ def _check_model(args: argparse.Namespace, dims: ParallelDims) -> tuple[GPTConfi
     return config, hf_state
 
 
-def _check_context(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig) -> None:
+def _check_context(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig, device: torch.device) -> None:
     """Context parallelism: what it needs of the sequence and what it does not compose with (yet)."""
     C = dims.cp
     if C == 1:
@@ -282,10 +282,13 @@ def _check_context(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
     if args.seq_len % (2 * C):
         raise UsageError(f"--context_parallel_size {C} needs --seq_len ({args.seq_len}) divisible by 2 x {C}: "
                          f"each sequence is cut into 2C chunks (zigzag)")
-    if args.implementation == "pytorch":
-        raise UsageError("--context_parallel_size > 1 runs our ring attention (--implementation custom): PyTorch's "
-                         "context_parallel rings only the flash, memory-efficient and cuDNN SDPA kernels, none of "
-                         "which runs on CPU")
+    if args.implementation == "pytorch" and device.type != "cuda":
+        raise UsageError("--implementation pytorch --context_parallel_size needs CUDA: PyTorch's context_parallel "
+                         "rings only the flash, memory-efficient and cuDNN SDPA kernels, and attention on "
+                         f"{device.type} is none of them (--implementation custom runs our ring anywhere)")
+    if args.implementation == "pytorch" and (dims.tp_enabled or dims.pp_enabled or args.compile):
+        raise UsageError("--implementation pytorch --context_parallel_size composes with data parallelism only "
+                         "(DDP, FSDP2); for CP with TP, PP or --compile use --implementation custom")
     if args.sequence_parallel:
         raise UsageError("--context_parallel_size with --sequence_parallel is not supported: both shard the "
                          "sequence of the same activations")
@@ -399,7 +402,7 @@ def validate(args: argparse.Namespace) -> Plan:
                          f"seq_len x data_parallel_size = {args.micro_batch_size} x {args.seq_len} x {dims.dp} "
                          f"= {tokens_per_micro}")
     _check_pipeline(args, dims, config, args.total_batch_size // tokens_per_micro)
-    _check_context(args, dims, config)
+    _check_context(args, dims, config, device)
     data_dir = _check_data(args, config, local_rank)
     resume_from = _check_out_dir(args, config)
     return Plan(args=args, dims=dims, par=parallel_config(args, dims, dtype), config=config, device=device,

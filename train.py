@@ -105,8 +105,9 @@ def _mean_over_dp(t: Trainer, value: torch.Tensor) -> torch.Tensor:
 
 
 def _tokens(t: Trainer, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's tokens of a micro-batch's rows: all of them, or its zigzag share under context parallelism."""
-    if not t.plan.dims.cp_enabled:
+    """This rank's tokens of a micro-batch's rows: all of them, or its zigzag share under our context
+    parallelism (torch's twin takes the whole rows and shards them itself: Parallelized.micro_step)."""
+    if not t.plan.dims.cp_enabled or t.par.torch_cp is not None:
         return x, y
     from parallel.context_parallel import shard_sequence
     cp, C = t.plan.dims.coordinates(t.plan.rank)["cp"], t.plan.dims.cp
@@ -145,7 +146,7 @@ def train_step(t: Trainer, step: int) -> dict:
             chunk = micro_batch_chunk(micro, t.dp_rank, plan.dims.dp)
             x, y = _tokens(t, *t.data.get("train", step, plan.rows, chunk, args.micro_batch_size))
             x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
-            with t.par.grad_sync(micro == plan.grad_accum - 1), t.par.loss_context():
+            with t.par.grad_sync(micro == plan.grad_accum - 1), t.par.micro_step(x, y) as (x, y):
                 with _autocast(plan):
                     _, loss = t.model(x, y)
                 loss = loss / plan.grad_accum
@@ -200,8 +201,8 @@ def evaluate(t: Trainer) -> float:
     else:
         losses = []
         for x, y in batches:
-            with t.par.loss_context(), _autocast(plan):
-                losses.append(comm.full(t.model(x.to(plan.device), y.to(plan.device))[1]).detach().float())
+            with t.par.micro_step(x.to(plan.device), y.to(plan.device)) as (x, y), _autocast(plan):
+                losses.append(comm.full(t.model(x, y)[1]).detach().float())
     total = sum(loss * (chunk < n) for loss, chunk in zip(losses, chunks))
     total = _sum_over_pp(t, total)
     t.model.train()

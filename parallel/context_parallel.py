@@ -20,6 +20,7 @@ backward (each of shape (B, heads, T/C, head_dim)).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -150,6 +151,35 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -> 
     for module in model.modules():
         if hasattr(module, "cp_group"):
             module.cp_group = group
+
+
+# ---- the PyTorch twin (CUDA only) ---------------------------------------------------------------------------
+
+# torch 2.13's context_parallel rings these SDPA kernels and no others (_context_parallel/_attention.py,
+# `_sdpa_handler`); on CPU, SDPA runs aten._scaled_dot_product_flash_attention_for_cpu, for which it raises
+# "NotImplementedError: ... does not have a sharding strategy registered" (tried on gloo ranks)
+TORCH_CP_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+
+
+def apply_torch_context_parallel(model: torch.nn.Module, cp_rank: int, cp: int) -> None:
+    """The twin's half of `apply_context_parallel`: zigzag positions for the position embedding; attention
+    stays F.scaled_dot_product_attention, which `torch_context_parallel` rings. torch's head-tail load
+    balancer gives rank r chunks r and 2C-1-r, in that order: our split (tests/test_context_parallel.py)."""
+    model.cp = (cp_rank, cp)
+
+
+@contextlib.contextmanager
+def torch_context_parallel(cp_mesh, x: torch.Tensor, y: torch.Tensor):
+    """PyTorch's context parallelism around one micro-step's forward + backward, as torchtitan uses it:
+    `context_parallel` shards copies of the full rows x and y along time in place (head-tail), and while it
+    is open every F.scaled_dot_product_attention is a ring over cp_mesh (k/v all-gathered by default:
+    torch's "allgather" rotater). Yields this rank's (x, y)."""
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    x, y = x.clone(), y.clone()  # sharded in place: x and y may be views of one token buffer
+    with sdpa_kernel([getattr(SDPBackend, k) for k in TORCH_CP_KERNELS]), \
+            context_parallel(cp_mesh, buffers=[x, y], buffer_seq_dims=[1, 1], no_restore_buffers={x, y}):
+        yield x, y
 
 
 def cp_p2p_bytes_per_micro_step(n_layer: int, B: int, T: int, n_embd: int, cp: int, tp: int = 1,

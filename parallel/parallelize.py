@@ -1,7 +1,8 @@
 """The one composition point: `parallelize` wraps a GPT for a layout, always in this order,
 
     0. pipeline stage over mesh["pp"]               (keeps this pp rank's chunks; the rest is dropped)
-       then context parallelism over mesh["cp"]     (ring attention; parameters stay replicated over cp)
+       then context parallelism over mesh["cp"]     (ring attention, or torch's context_parallel around each
+                                                     micro-step for "pytorch"; parameters stay replicated over cp)
     1. tensor parallelism over mesh["tp"]           (shards matmul weights; materialises its own shards)
        then activation checkpointing and torch.compile of each Block (parallel/blocks.py)
     2. FSDP / ZeRO-1/2 / HSDP over mesh["dp"]       (shards what is left; materialises one unit at a time)
@@ -34,7 +35,7 @@ from model import GPT, init_parameter, param_groups
 from parallel.comm import local
 from parallel.fsdp import ZERO_STAGES, FullyShardedDataParallel
 from parallel.blocks import apply_activation_checkpointing, apply_compile
-from parallel.context_parallel import apply_context_parallel
+from parallel.context_parallel import apply_context_parallel, apply_torch_context_parallel, torch_context_parallel
 from parallel.grads import clip_grad_norm_
 from parallel.pipeline import PipelineRunner, PipelineStage, TorchChunk, TorchPipelineRunner, embedding_group
 
@@ -75,6 +76,7 @@ class Parallelized:
     schedule: str = "1f1b"
     pp_group: dist.ProcessGroup | None = None  # the gradient norm's squares are summed over it last
     zero_optimizer: bool = False        # torch's ZeRO-1 twin: AdamW wrapped in ZeroRedundancyOptimizer
+    torch_cp: DeviceMesh | None = None  # torch's context_parallel twin: the cp mesh its SDPA rings over
 
     def pipeline_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                       scale: Callable | None = None) -> torch.Tensor:
@@ -98,11 +100,18 @@ class Parallelized:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
-    def loss_context(self):
-        if self.dtensor_loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-            return loss_parallel()
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def micro_step(self, x: torch.Tensor, y: torch.Tensor):
+        """Around one micro-batch's forward (and backward): what the PyTorch twins need open while they run.
+        Yields the (x, y) to feed the model: torch's context_parallel takes the full rows and shards them
+        itself; everything else gets this rank's tokens already (train._tokens)."""
+        with contextlib.ExitStack() as stack:
+            if self.dtensor_loss_parallel:
+                from torch.distributed.tensor.parallel import loss_parallel
+                stack.enter_context(loss_parallel())
+            if self.torch_cp is not None:
+                x, y = stack.enter_context(torch_context_parallel(self.torch_cp, x, y))
+            yield x, y
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW groups: decay only on (pieces of) original parameters with at least 2 dims."""
@@ -170,6 +179,18 @@ def apply_pp_pytorch(model: GPT, pp_mesh: DeviceMesh, cfg: ParallelConfig, devic
     stage = PipelineStage(model, pp_mesh.get_local_rank(), pp_mesh.size(), cfg.pp_virtual)
     stage.chunk_modules = {c: TorchChunk(stage, c) for c in stage.chunks}
     return stage, {}
+
+
+def apply_cp_custom(model: GPT, cp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
+    """Our ring attention over mesh["cp"] in every attention module (parallel/context_parallel.py)."""
+    apply_context_parallel(model, cp_mesh.get_group())
+    return model, {}
+
+
+def apply_cp_pytorch(model: GPT, cp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
+    """torch's context_parallel (CUDA only): zigzag positions now, the SDPA ring per micro-step (micro_step)."""
+    apply_torch_context_parallel(model, cp_mesh.get_local_rank(), cp_mesh.size())
+    return model, {"torch_cp": cp_mesh}
 
 
 def apply_tp_custom(model: GPT, tp_mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device):
@@ -244,6 +265,7 @@ def apply_ddp_pytorch(model: nn.Module, mesh, cfg: ParallelConfig, device: torch
 
 APPLY: dict[tuple[str, str], Callable] = {
     ("custom", "pp"): apply_pp_custom, ("pytorch", "pp"): apply_pp_pytorch,
+    ("custom", "cp"): apply_cp_custom, ("pytorch", "cp"): apply_cp_pytorch,
     ("custom", "tp"): apply_tp_custom, ("pytorch", "tp"): apply_tp_pytorch,
     ("custom", "fsdp"): apply_fsdp_custom, ("pytorch", "fsdp"): apply_fsdp_pytorch,
     ("custom", "ddp"): apply_ddp_custom, ("pytorch", "ddp"): apply_ddp_pytorch,
@@ -266,8 +288,8 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
     if dims.pp_enabled:
         step("pp", "pp")
     stage = model
-    if dims.cp_enabled:  # ring attention over mesh["cp"]; the dp wrappers below then reduce over dp x cp
-        apply_context_parallel(model, mesh["cp"].get_group())
+    if dims.cp_enabled:  # a ring over mesh["cp"]; the dp wrappers below then reduce over dp x cp
+        step("cp", "cp")
     if dims.tp_enabled:
         step("tp", "tp")
     if cfg.activation_checkpointing != "none":

@@ -10,6 +10,11 @@ Stages (a row each; a stage that raises is a FAIL row, and the others still run)
   fp32. A one-rank group short-circuits parallel/comm.py (`world(group) == 1`), so each wrapper runs again
   with that short-cut off (`forced_collectives`): the collectives are then really issued, on one rank they
   are identities, so the losses must be unchanged, and the bytes counted must equal the wrapper's formula.
+- context parallel: our ring attention on this device against SDPA (fp32, output and input gradients); and the
+  PyTorch twin (torch's context_parallel, CUDA only) on a one-rank cp mesh against the plain model: loss and
+  gradients. One rank makes the ring a single block, so this checks the plumbing (positions, sharding, the
+  DTensor dispatch of SDPA, the kernel choice), not the exchange: `torchrun --nproc_per_node=2 train.py
+  --implementation pytorch --context_parallel_size 2` against one process does that (docs/gpu.md).
 - fp16: --dtype float16 with the AgreeingGradScaler: losses finite and falling.
 - fused adamw: train.build chose torch's fused AdamW (CUDA only).
 - resume: an uninterrupted run against one SIGKILLed after its step-3 checkpoint and `--resume`d: the
@@ -41,6 +46,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from parallel.mesh import ParallelDims  # noqa: E402
 
@@ -51,6 +57,7 @@ BF16_U = 2.0 ** -8  # bf16 unit roundoff: 8 significand bits
 # gradient or a lost reduction moves the loss by far more). fp32 across devices: summation order only.
 RTOL = {torch.bfloat16: 2 * BF16_U, torch.float32: 1e-4}
 SAME_RTOL = 1e-6  # forced collectives vs short-circuited: identities on one rank, expected bit-equal
+CP_RTOL = 1e-5  # fp32 attention by two kernels (block-merged vs one softmax): summation order only, as on CPU
 
 
 @dataclass(frozen=True)
@@ -274,6 +281,56 @@ def stage_wrappers(ctx: Context) -> None:
             traceback.print_exc()
 
 
+def stage_context_parallel(ctx: Context) -> None:
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from model import GPT
+    from parallel.context_parallel import apply_torch_context_parallel, ring_attention, torch_context_parallel
+    s = ctx.setup
+    device = torch.device(s.device, 0) if s.device == "cuda" else torch.device("cpu")
+    one_rank_mesh(device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here: the tolerances are fp32's
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v, dout = (torch.randn(2, 4, 128, 16, generator=g).to(device) for _ in range(4))
+        errs = []
+        for attend in (lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
+                       lambda a, b, c: ring_attention(a, b, c, None)):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = attend(*leaves)
+            out.backward(dout)
+            errs.append([out.detach(), *(t.grad for t in leaves)])
+        worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(errs[1], errs[0]))
+        ctx.add("cp ring vs sdpa", worst <= CP_RTOL,
+                f"ours on {device} fp32, T=128, one rank: max rel diff of out, dq, dk, dv {worst:.1e} <= {CP_RTOL:.0e}")
+        if device.type != "cuda":
+            ctx.add("cp torch twin", None, "skipped: needs CUDA (torch's context_parallel rings only the flash, "
+                                           "efficient and cuDNN kernels: tests/test_context_parallel_twin.py)")
+            return
+        plan = make_plan(ctx, "cp-twin", s.small, s.device, "float32", 1)
+        model = GPT(plan.config).to(device)
+        twin = copy.deepcopy(model)
+        apply_torch_context_parallel(twin, 0, 1)
+        x = torch.randint(plan.config.vocab_size, (4, plan.args.seq_len), generator=g).to(device)
+        y = torch.roll(x, -1, 1)
+        ref = model(x, y)[1]
+        ref.backward()
+        with torch_context_parallel(init_device_mesh("cuda", (1,), mesh_dim_names=("cp",)), x, y) as (lx, ly):
+            loss = twin(lx, ly)[1]
+            loss.backward()
+        d_loss = abs(loss.item() - ref.item()) / abs(ref.item())
+        d_grad = max(((a.grad - b.grad).abs().max() / b.grad.abs().max()).item()
+                     for a, b in zip(twin.parameters(), model.parameters()))
+        ctx.add("cp torch twin", d_loss <= CP_RTOL and d_grad <= CP_RTOL,
+                f"torch context_parallel on a 1-rank cp mesh vs the plain model, fp32: loss rel diff {d_loss:.1e}, "
+                f"max rel grad diff {d_grad:.1e} (<= {CP_RTOL:.0e})")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
 def stage_fp16(ctx: Context) -> None:
     s = ctx.setup
     import train
@@ -333,7 +390,8 @@ def stage_gpu_tests(ctx: Context) -> None:
             print(proc.stdout[-4000:], file=sys.stderr)
 
 
-STAGES = [("throughput", stage_throughput), ("wrappers", stage_wrappers), ("fp16", stage_fp16),
+STAGES = [("throughput", stage_throughput), ("wrappers", stage_wrappers),
+          ("context parallel", stage_context_parallel), ("fp16", stage_fp16),
           ("resume", stage_resume), ("gpu tests", stage_gpu_tests)]
 
 

@@ -10,7 +10,8 @@ import pytest
 from tests.harness import ROOT, rank0_only
 
 ROWS = ["throughput tiny float32", "ddp vs cpu fp32", "ddp collectives issued", "fsdp vs cpu fp32",
-        "fsdp collectives issued", "tp vs cpu fp32", "tp collectives issued", "fp16 + GradScaler", "fused AdamW",
+        "fsdp collectives issued", "tp vs cpu fp32", "tp collectives issued", "cp ring vs sdpa", "cp torch twin",
+        "fp16 + GradScaler", "fused AdamW",
         "checkpoint + --resume", "gpu tests"]
 
 
@@ -30,7 +31,8 @@ class TestGpuCheckDryRun(unittest.TestCase):
         self.assertNotIn("FAIL", rows.values(), tail)
         self.assertEqual(rows["fused AdamW"], "skip")  # needs CUDA
         self.assertEqual(rows["gpu tests"], "skip")
-        self.assertIn("11 checks: 9 ok, 0 FAIL, 2 skipped", table)
+        self.assertEqual(rows["cp torch twin"], "skip")
+        self.assertIn("13 checks: 10 ok, 0 FAIL, 3 skipped", table)
 
 
 if __name__ == "__main__":
