@@ -12,7 +12,6 @@
 
 The twin itself runs in scripts/gpu_check.py (stage "context parallel"), on a one-rank cp mesh.
 """
-import argparse
 import unittest
 
 import torch
