@@ -1,9 +1,12 @@
 """Context parallelism measured: a sequence-length sweep over C ranks, tokens/s and saved activations per rank.
 
     python -m bench.cp --out out/cp [--model tiny] [--n_layer 2] [--seq_lens 128,256,512] [--cps 1,2,4]
-                       [--steps 4] [--warmup 2] [--rows 4]
+                       [--tps 2] [--steps 4] [--warmup 2] [--rows 4]
 
-For each (seq_len T, C) two things run, each as its own job (gloo, CPU, OMP_NUM_THREADS=1 per rank):
+For each (seq_len T, C) two things run, each as its own job (gloo, CPU, OMP_NUM_THREADS=1 per rank). Each
+--tps degree runs the same way as a TP point to compare with (our TP with sequence and loss parallelism on
+the same rows; tp = 1 turns it off), and every point's comm bytes per step are set against their formula
+(`comm_theory`).
 
 - **Throughput.** A real train.py run: `torchrun --nproc_per_node=C train.py --context_parallel_size C`
   (plain `python train.py` for C = 1). Every run trains --rows sequences of T tokens per step, in one
@@ -58,11 +61,12 @@ def launcher(nproc: int) -> list[str]:
 
 def train_command(seq_len: int, cp: int, out_dir: str, *, model: str, n_layer: int | None, rows: int,
                   warmup: int, steps: int, dataset: str, peak_flops: float | None = None,
-                  timeout: float = 600) -> list[str]:
+                  timeout: float = 600, tp: int = 1) -> list[str]:
     """train.py for one (seq_len, C) point: the global batch (rows x seq_len tokens) in one micro-step on
-    every cp rank, no checkpoints, no eval before the last step."""
+    every cp rank, no checkpoints, no eval before the last step. tp > 1 (with cp = 1): the TP point to compare
+    with, our TP with sequence and loss parallelism, each tp rank seeing all rows."""
     total = warmup + steps
-    cmd = [*launcher(cp), os.path.join(ROOT, "train.py"), "--model", model, "--dataset", dataset,
+    cmd = [*launcher(cp * tp), os.path.join(ROOT, "train.py"), "--model", model, "--dataset", dataset,
            "--seq_len", str(seq_len), "--block_size", str(max(seq_len, 1)),
            "--micro_batch_size", str(rows), "--total_batch_size", str(rows * seq_len),
            "--max_steps", str(total), "--warmup_steps", "1", "--eval_interval", str(total + 1),
@@ -74,13 +78,31 @@ def train_command(seq_len: int, cp: int, out_dir: str, *, model: str, n_layer: i
         cmd += ["--peak_flops", repr(float(peak_flops))]
     if cp > 1:
         cmd += ["--context_parallel_size", str(cp)]
+    if tp > 1:
+        cmd += ["--tensor_parallel_size", str(tp), "--sequence_parallel", "--enable_loss_parallelism"]
     return cmd
 
 
-def memory_command(cp: int, spec: dict) -> list[str]:
-    """The saved-bytes worker on `cp` ranks; its flags travel as one JSON value (torchrun's own parser would
-    take a prefix of some of them, see bench.pipeline)."""
-    return [*launcher(cp), "-m", "bench.cp", f"--worker={json.dumps({**spec, 'cp': cp})}"]
+def memory_command(cp: int, spec: dict, tp: int = 1) -> list[str]:
+    """The saved-bytes worker on cp x tp ranks; its flags travel as one JSON value (torchrun's own parser
+    would take a prefix of some of them, see bench.pipeline)."""
+    return [*launcher(cp * tp), "-m", "bench.cp", f"--worker={json.dumps({**spec, 'cp': cp, 'tp': tp})}"]
+
+
+def comm_theory(cfg, rows: int, T: int, cp: int, tp: int, param_bytes: int) -> int:
+    """Bytes parallel/comm.COUNTER records on rank 0 for one step of a point: C > 1: the ring
+    (cp_p2p_bytes_per_micro_step) plus our DDP's all-reduce of every gradient over the cp ranks
+    (param_bytes, fp32, the tied matrix once); TP > 1: tp_comm_bytes_per_micro_step with SP and loss
+    parallelism (no data parallelism there); one rank: nothing."""
+    from parallel.context_parallel import cp_p2p_bytes_per_micro_step
+    from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
+    if tp > 1:
+        return sum(tp_comm_bytes_per_micro_step(cfg, rows, T, tp, True, True).values())
+    return cp_p2p_bytes_per_micro_step(cfg.n_layer, rows, T, cfg.n_embd, cp) + (param_bytes if cp > 1 else 0)
+
+
+def layout(p: dict) -> str:
+    return f"TP={p['tp']}" if p.get("tp", 1) > 1 else (f"C={p['cp']}" if p["cp"] > 1 else "1 rank")
 
 
 # ---- from measurements to rows -----------------------------------------------------------------------------
@@ -90,17 +112,18 @@ def cp_rows(points: list[dict]) -> list[dict]:
     the C = 1 point of the same seq_len: saved_ratio = bytes(C=1) / bytes(C) (about C when every activation is
     (B, T/C, ...)), attn_ratio likewise, speedup = tokens/s(C) / tokens/s(C=1). None where either is missing.
     Sorted by (seq_len, cp)."""
-    base = {p["seq_len"]: p for p in points if p["cp"] == 1}
+    base = {p["seq_len"]: p for p in points if p["cp"] == 1 and p.get("tp", 1) == 1}
 
     def ratio(num, den):
         return num / den if num is not None and den else None
 
     rows = []
-    for p in sorted(points, key=lambda p: (p["seq_len"], p["cp"])):
+    for p in sorted(points, key=lambda p: (p["seq_len"], p.get("tp", 1) > 1, p["cp"], p.get("tp", 1))):
         b = base.get(p["seq_len"], {})
         rows.append({**p, "saved_ratio": ratio(b.get("peak_saved_bytes"), p.get("peak_saved_bytes")),
                      "attn_ratio": ratio(b.get("attn_saved_bytes"), p.get("attn_saved_bytes")),
-                     "speedup": ratio(p.get("tokens_per_sec"), b.get("tokens_per_sec"))})
+                     "speedup": ratio(p.get("tokens_per_sec"), b.get("tokens_per_sec")),
+                     "comm_ratio": ratio(p.get("comm_bytes"), p.get("comm_theory"))})
     return rows
 
 
@@ -110,14 +133,15 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 def markdown(rows: list[dict], config: dict) -> str:
     """The table (one line per (seq_len, C)) and notes: what was run, and oversubscription when max C > cores."""
-    lines = ["| seq_len | C | tokens/s | speedup vs C=1 | peak saved / rank (MiB) | ratio C=1 / C "
-             "| attention saved / rank (MiB) | attn ratio | status |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = ["| seq_len | layout | tokens/s | speedup vs 1 rank | peak saved / rank (MiB) | ratio 1 rank / this "
+             "| attention saved / rank (MiB) | attn ratio | comm / step / rank (MiB) | measured / formula | status |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['seq_len']} | {r['cp']} | {_fmt(r.get('tokens_per_sec'), ',.0f')} "
+        lines.append(f"| {r['seq_len']} | {layout(r)} | {_fmt(r.get('tokens_per_sec'), ',.0f')} "
                      f"| {_fmt(r['speedup'], '.2f')} | {_fmt(r.get('peak_saved_bytes'), '.2f', MiB)} "
                      f"| {_fmt(r['saved_ratio'], '.2f')} | {_fmt(r.get('attn_saved_bytes'), '.2f', MiB)} "
-                     f"| {_fmt(r['attn_ratio'], '.2f')} | {r.get('status', 'ok')} |")
+                     f"| {_fmt(r['attn_ratio'], '.2f')} | {_fmt(r.get('comm_bytes'), '.2f', MiB)} "
+                     f"| {_fmt(r.get('comm_ratio'), '.3f')} | {r.get('status', 'ok')} |")
     lines += ["", f"- model {config['model']} (n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocab "
               f"{config['vocab_size']}); every run: {config['rows']} rows x seq_len tokens per step "
               f"(the same for every C at one seq_len, one micro-step), {config['warmup']} warm-up + {config['steps']} "
@@ -126,12 +150,16 @@ def markdown(rows: list[dict], config: dict) -> str:
               "backward of one micro-batch on rank 0 (bench.pipeline.SavedBytes); ratio = bytes(C=1) / bytes(C) "
               "at the same seq_len, expected about C",
               "- attention: the ring's (B, H, T/C, D) output is copied by the reshape before c_proj, where SDPA's "
-              "CPU output is a view: one more (B, T/C, n_embd) tensor per layer, so expect about 5C/6 there"]
+              "CPU output is a view: one more (B, T/C, n_embd) tensor per layer, so expect about 5C/6 there",
+              "- TP rows: our TP with sequence and loss parallelism on the same rows (each tp rank sees every row); "
+              "comm: rank 0's parallel/comm.py count per step (median), against the ring + gradient all-reduce "
+              "(C) or TP formula (bench.cp.comm_theory)"]
     cores = config.get("cpu_count")
-    big = max((r["cp"] for r in rows), default=1)
+    big = max((r["cp"] * r.get("tp", 1) for r in rows), default=1)
     if cores is not None and big > cores:
         lines.append(f"- {big} ranks on {cores} CPU cores is oversubscribed: the ranks share the cores, so "
-                     f"tokens/s at C > {cores} measures contention as much as the ring (one thread per rank)")
+                     f"tokens/s with more than {cores} ranks measures contention as much as the ring (one thread "
+                     "per rank)")
     return "\n".join(lines) + "\n"
 
 
@@ -141,14 +169,15 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for cp in sorted({r["cp"] for r in rows}):
-        rs = [r for r in rows if r["cp"] == cp]
+    for name in dict.fromkeys(layout(r) for r in rows):
+        rs = [r for r in rows if layout(r) == name]
+        style = {"marker": "s", "linestyle": "--"} if name.startswith("TP") else {"marker": "o"}
         pts = [(r["seq_len"], r["tokens_per_sec"]) for r in rs if r.get("tokens_per_sec")]
         if pts:
-            ax_t.plot(*zip(*pts), marker="o", label=f"C={cp}")
+            ax_t.plot(*zip(*pts), label=name, **style)
         pts = [(r["seq_len"], r["peak_saved_bytes"] / MiB) for r in rs if r.get("peak_saved_bytes")]
         if pts:
-            ax_m.plot(*zip(*pts), marker="o", label=f"C={cp}")
+            ax_m.plot(*zip(*pts), label=name, **style)
     seq = sorted({r["seq_len"] for r in rows})
     for ax in (ax_t, ax_m):
         ax.set_xscale("log", base=2)
@@ -194,13 +223,14 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
     from model import GPT, make_config
     from parallel.context_parallel import apply_context_parallel, shard_sequence
+    from parallel.tensor_parallel import apply_tensor_parallel
 
     torch.set_num_threads(1)
-    C = spec["cp"]
-    if C > 1:
+    C, P = spec["cp"], spec.get("tp", 1)
+    if C * P > 1:
         dist.init_process_group("gloo")
-        assert dist.get_world_size() == C, (dist.get_world_size(), C)
-    rank = dist.get_rank() if C > 1 else 0
+        assert dist.get_world_size() == C * P, (dist.get_world_size(), C, P)
+    rank = dist.get_rank() if C * P > 1 else 0
     result = {}
     for T in spec["seq_lens"]:
         cfg = make_config(spec["model"], n_layer=spec["n_layer"], block_size=T)
@@ -208,6 +238,9 @@ def worker(spec: dict) -> None:
         model = GPT(cfg)
         if C > 1:
             apply_context_parallel(model, dist.group.WORLD)
+        if P > 1:  # as the TP rows train: sequence and loss parallelism
+            apply_tensor_parallel(model, dist.group.WORLD, loss_parallel=True, sequence_parallel=True)
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # the tied matrix once
         g = torch.Generator().manual_seed(T)
         tokens = torch.randint(0, cfg.vocab_size, (spec["rows"], T + 1), generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
@@ -216,27 +249,27 @@ def worker(spec: dict) -> None:
         x, y = x.contiguous(), y.contiguous()
         peak, attn = measure_saved(model, x, y)
         peaks = [peak]
-        if C > 1:
-            peaks = [None] * C
+        if C * P > 1:
+            peaks = [None] * (C * P)
             dist.all_gather_object(peaks, peak)
         result[T] = {"peak_saved_bytes": peaks[0], "peak_saved_bytes_max": max(peaks), "attn_saved_bytes": attn,
                      "local_tokens": x.numel(), "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
-                     "n_layer": cfg.n_layer}
+                     "n_layer": cfg.n_layer, "param_bytes": param_bytes}
         del model
     if rank == 0:
         with open(spec["result"], "w") as f:
             json.dump(result, f)
-    if C > 1:
+    if C * P > 1:
         dist.destroy_process_group()
 
 
 # ---- the sweep ------------------------------------------------------------------------------------------------
 
 def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_layer: int | None = 2,
-        rows: int = 4, warmup: int = 2, steps: int = 4, timeout: float = 600,
+        rows: int = 4, warmup: int = 2, steps: int = 4, timeout: float = 600, tps: list[int] = (),
         log=print) -> list[dict]:
-    """Measure saved bytes (one job per C), then train every (seq_len, C); write cp.json, cp.md and
-    cp_seq_scaling.png into `out`; return the rows."""
+    """Measure saved bytes (one job per layout: each C, and each TP degree in `tps` to compare with), then
+    train every (seq_len, layout); write cp.json, cp.md and cp_seq_scaling.png into `out`; return the rows."""
     from bench.__main__ import ensure_dataset
     from bench.runner import classify, probe_machine, run_job, summarize
     from metrics import read_jsonl
@@ -248,44 +281,50 @@ def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_la
     dataset = ensure_dataset("", out, cfg.vocab_size)
     machine = probe_machine(measure=True)
     log(f"[bench.cp] {machine['name']}, {os.cpu_count()} cores; {model} n_layer {cfg.n_layer}; seq_lens {seq_lens}, "
-        f"C in {cps}; {rows} rows x seq_len tokens/step, {warmup}+{steps} steps")
+        f"C in {cps}, TP in {list(tps)}; {rows} rows x seq_len tokens/step, {warmup}+{steps} steps")
 
-    memory: dict[int, dict] = {}
-    for cp in cps:
-        result = os.path.join(out, "runs", f"saved-c{cp}.json")
+    layouts = [(cp, 1) for cp in cps] + [(1, tp) for tp in tps]
+    memory: dict[tuple[int, int], dict] = {}
+    for cp, tp in layouts:
+        name = f"c{cp}" + (f"-tp{tp}" if tp > 1 else "")
+        result = os.path.join(out, "runs", f"saved-{name}.json")
         spec = {"model": model, "n_layer": n_layer, "seq_lens": seq_lens, "rows": rows, "result": result}
-        job = run_job(memory_command(cp, spec), os.path.join(out, "runs", f"saved-c{cp}.log"), timeout)
+        job = run_job(memory_command(cp, spec, tp), os.path.join(out, "runs", f"saved-{name}.log"), timeout)
         if job.returncode == 0 and os.path.exists(result):
             with open(result) as f:
-                memory[cp] = {int(k): v for k, v in json.load(f).items()}
-        log(f"[bench.cp] saved bytes, C={cp}: {classify(job, {}, timeout)} ({job.seconds:.0f} s)")
+                memory[cp, tp] = {int(k): v for k, v in json.load(f).items()}
+        log(f"[bench.cp] saved bytes, {layout({'cp': cp, 'tp': tp})}: {classify(job, {}, timeout)} "
+            f"({job.seconds:.0f} s)")
 
     points = []
     for T in seq_lens:
-        for cp in cps:
-            run_dir = os.path.join(out, "runs", f"T{T}-c{cp}")
+        full_params = memory.get((1, 1), {}).get(T, {}).get("param_bytes")
+        for cp, tp in layouts:
+            run_dir = os.path.join(out, "runs", f"T{T}-c{cp}" + (f"-tp{tp}" if tp > 1 else ""))
             os.makedirs(run_dir, exist_ok=True)
             cmd = train_command(T, cp, run_dir, model=model, n_layer=n_layer, rows=rows,
                                 warmup=warmup, steps=steps, dataset=dataset, peak_flops=machine["peak_flops"],
-                                timeout=timeout)
+                                timeout=timeout, tp=tp)
             job = run_job(cmd, os.path.join(run_dir, "bench.log"), timeout)
             wrote = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
             s = summarize(read_jsonl(run_dir), warmup) if job.returncode == 0 and wrote else None
             status = classify(job, s, timeout)
-            mem = memory.get(cp, {}).get(T, {})
-            points.append({"seq_len": T, "cp": cp, "status": status,
+            mem = memory.get((cp, tp), {}).get(T, {})
+            theory = comm_theory(cfg, rows, T, cp, tp, full_params or 0) \
+                if full_params or tp > 1 or cp == 1 else None
+            points.append({"seq_len": T, "cp": cp, "tp": tp, "status": status, "comm_theory": theory,
                            "tokens_per_sec": s and s["tokens_per_sec"], "step_time_ms": s and s["step_time_ms"],
                            "mfu": s and s["mfu"], "comm_bytes": s and s["comm_bytes"],
                            "peak_saved_bytes": mem.get("peak_saved_bytes"),
                            "peak_saved_bytes_max": mem.get("peak_saved_bytes_max"),
                            "attn_saved_bytes": mem.get("attn_saved_bytes"), "seconds": round(job.seconds, 1)})
-            tps = points[-1]["tokens_per_sec"]
-            log(f"[bench.cp] T={T:<5} C={cp}: {status}" + (f", {tps:,.0f} tok/s" if tps else "")
+            rate = points[-1]["tokens_per_sec"]
+            log(f"[bench.cp] T={T:<5} {layout(points[-1])}: {status}" + (f", {rate:,.0f} tok/s" if rate else "")
                 + f" ({job.seconds:.0f} s)")
 
     table = cp_rows(points)
     config = {"model": model, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
-              "seq_lens": seq_lens, "cps": cps, "rows": rows, "warmup": warmup,
+              "seq_lens": seq_lens, "cps": cps, "tps": list(tps), "rows": rows, "warmup": warmup,
               "steps": steps, "cpu_count": os.cpu_count(), "machine": machine, "dataset": dataset}
     with open(os.path.join(out, "cp.json"), "w") as f:
         json.dump({"config": config, "rows": table}, f, indent=1)
@@ -307,6 +346,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--n_layer", type=int, default=2, help="override the preset's layer count (0: the preset's)")
     a("--seq_lens", type=_ints, default=[128, 256, 512])
     a("--cps", type=_ints, default=[1, 2, 4], help="context-parallel degrees; 1 is the baseline of the ratios")
+    a("--tps", type=_ints, default=[2], help="tensor-parallel degrees (SP + loss parallel) to compare with")
     a("--rows", type=int, default=4, help="sequences per step: the global batch is rows x seq_len tokens")
     a("--warmup", type=int, default=2)
     a("--steps", type=int, default=4, help="measured steps after --warmup")
@@ -332,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.worker))
         return 0
     rows = run(args.out, args.seq_lens, args.cps, args.model, args.n_layer or None, args.rows,
-               args.warmup, args.steps, args.timeout)
+               args.warmup, args.steps, args.timeout, [t for t in args.tps if t > 1])
     config = json.load(open(os.path.join(args.out, "cp.json")))["config"]
     print(markdown(rows, config), end="")
     print(f"[bench.cp] wrote {os.path.abspath(args.out)}/cp.json, cp.md, cp_seq_scaling.png")

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from bench.cp import cp_rows, markdown, measure_saved, memory_command, parse_args, train_command
+from bench.cp import comm_theory, cp_rows, markdown, measure_saved, memory_command, parse_args, train_command
 
 
 def flag(cmd: list[str], name: str) -> str:
@@ -39,15 +39,35 @@ def test_train_command_launcher_by_degree():
     assert "--peak_flops" not in one and flag(build(128, 1, peak_flops=1e9), "--peak_flops") == "1000000000.0"
 
 
-def test_memory_command_carries_cp_in_the_json():
+def test_train_command_tp_point():
+    """The TP point to compare with: tp ranks, our TP with sequence and loss parallelism, no cp flag."""
+    cmd = build(256, 1, tp=2)
+    assert "--nproc_per_node=2" in cmd and flag(cmd, "--tensor_parallel_size") == "2"
+    assert "--sequence_parallel" in cmd and "--enable_loss_parallelism" in cmd and "--context_parallel_size" not in cmd
+
+
+def test_memory_command_carries_cp_and_tp_in_the_json():
     cmd = memory_command(2, {"seq_lens": [128]})
-    assert "--nproc_per_node=2" in cmd and cmd[-1] == '--worker={"seq_lens": [128], "cp": 2}'
+    assert "--nproc_per_node=2" in cmd and cmd[-1] == '--worker={"seq_lens": [128], "cp": 2, "tp": 1}'
     assert memory_command(1, {})[:3] == [sys.executable, "-m", "bench.cp"]
+    assert "--nproc_per_node=4" in memory_command(1, {}, tp=4)
 
 
-def point(T, cp, tps, saved, attn):
-    return {"seq_len": T, "cp": cp, "tokens_per_sec": tps, "peak_saved_bytes": saved, "attn_saved_bytes": attn,
-            "status": "ok"}
+def test_comm_theory_by_layout():
+    """C: the ring's formula plus the gradient all-reduce; TP: the TP formula (SP + loss parallel); 1 rank: 0.
+    Hand count for the ring, tiny (n_layer 2, n_embd 64), 4 rows, T = 128, C = 2: A = 4 * 64 * 64 * 4 bytes
+    = 65536; per layer 2A forward + 6A backward = 8A; 2 layers: 16A = 1,048,576."""
+    from model import make_config
+    from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
+    cfg = make_config("tiny")
+    assert comm_theory(cfg, 4, 128, 1, 1, 999) == 0
+    assert comm_theory(cfg, 4, 128, 2, 1, 1000) == 1_048_576 + 1000
+    assert comm_theory(cfg, 4, 128, 1, 2, 1000) == sum(tp_comm_bytes_per_micro_step(cfg, 4, 128, 2, True, True).values())
+
+
+def point(T, cp, tps, saved, attn, tp=1, comm=None, theory=None):
+    return {"seq_len": T, "cp": cp, "tp": tp, "tokens_per_sec": tps, "peak_saved_bytes": saved,
+            "attn_saved_bytes": attn, "comm_bytes": comm, "comm_theory": theory, "status": "ok"}
 
 
 def test_ratios_against_c1_of_the_same_seq_len():
@@ -58,6 +78,15 @@ def test_ratios_against_c1_of_the_same_seq_len():
     assert [r["saved_ratio"] for r in rows] == [1.0, 4.0, 1.0, 2.0]
     assert [r["attn_ratio"] for r in rows] == [1.0, 4.0, 1.0, 100 / 60]
     assert [r["speedup"] for r in rows] == [1.0, 0.5, 1.0, 1.5]
+
+
+def test_tp_rows_after_the_cp_rows_against_the_same_baseline():
+    rows = cp_rows([point(128, 1, 50.0, 100, 10, tp=2, comm=30, theory=30), point(128, 2, 300.0, 500, 60, comm=20,
+                                                                              theory=40),
+                    point(128, 1, 100.0, 1000, 100)])
+    assert [(r["cp"], r["tp"]) for r in rows] == [(1, 1), (2, 1), (1, 2)]
+    assert rows[2]["saved_ratio"] == 10.0 and rows[2]["speedup"] == 0.5 and rows[2]["comm_ratio"] == 1.0
+    assert rows[1]["comm_ratio"] == 0.5 and rows[0]["comm_ratio"] is None
 
 
 def test_ratios_none_when_a_measurement_is_missing():
@@ -71,9 +100,11 @@ CONFIG = {"model": "tiny", "n_layer": 2, "n_embd": 64, "vocab_size": 50304, "row
 
 
 def test_markdown_rows_and_oversubscription_note():
-    rows = cp_rows([point(128, 1, 1000.0, 2 * 2 ** 20, 2 ** 20), point(128, 4, 500.0, 2 ** 19, 2 ** 18)])
+    rows = cp_rows([point(128, 1, 1000.0, 2 * 2 ** 20, 2 ** 20),
+                    point(128, 4, 500.0, 2 ** 19, 2 ** 18, comm=2 ** 21, theory=2 ** 21)])
     md = markdown(rows, {**CONFIG, "cpu_count": 2})
-    assert "| 128 | 4 | 500 | 0.50 | 0.50 | 4.00 | 0.25 | 4.00 | ok |" in md
+    assert "| 128 | 1 rank | 1,000 | 1.00 | 2.00 | 1.00 | 1.00 | 1.00 | — | — | ok |" in md
+    assert "| 128 | C=4 | 500 | 0.50 | 0.50 | 4.00 | 0.25 | 4.00 | 2.00 | 1.000 | ok |" in md
     assert "4 ranks on 2 CPU cores is oversubscribed" in md
     assert "oversubscribed" not in markdown(rows, {**CONFIG, "cpu_count": 4})
 
