@@ -1,6 +1,7 @@
-"""The docs stay true: the README's flag tables match `train.py --help`, and relative links resolve.
+"""The docs stay true: docs/training.md's flag table matches `train.py --help`, every flag the README's and its
+tables name exists, and relative links resolve.
 
-A flag counts as documented when a README table row's first cell starts with `--flag` (in backticks,
+A flag counts as documented when a docs/training.md table row's first cell starts with `--flag` (in backticks,
 e.g. "`--profile N`") or names it as `--flag` in backticks (e.g. "`--lr`, `--warmup_steps`").
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import unittest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
+FLAG_PAGE = os.path.join(ROOT, "docs", "training.md")  # every flag has a row here
 
 FLAG = r"--[A-Za-z0-9][A-Za-z0-9_-]*"
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")  # [text](target) and ![alt](target)
@@ -71,22 +73,28 @@ def relative_links(path: str) -> list[str]:
     return targets
 
 
-class TestReadmeFlags(unittest.TestCase):
+def cells_of(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as f:
+        return first_cells(f.read())
+
+
+class TestFlagTables(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.flags = help_flags()
-        with open(README, encoding="utf-8") as f:
-            cls.cells = first_cells(f.read())
 
-    def test_every_train_flag_has_a_readme_row(self):
-        missing = sorted(f for f in self.flags if not any(documents(c, f) for c in self.cells))
-        self.assertEqual(missing, [], "flags in `python train.py --help` with no row in a README table "
+    def test_every_train_flag_has_a_row(self):
+        cells = cells_of(FLAG_PAGE)
+        missing = sorted(f for f in self.flags if not any(documents(c, f) for c in cells))
+        self.assertEqual(missing, [], "flags in `python train.py --help` with no row in docs/training.md "
                                       "(add a row like | `--flag` | description |)")
 
     def test_every_flag_row_names_a_real_flag(self):
-        named = set().union(*(flags_named(c) for c in self.cells))
-        stale = sorted(named - self.flags)
-        self.assertEqual(stale, [], "README table rows name flags that `python train.py --help` does not list")
+        for page in (README, FLAG_PAGE):
+            named = set().union(*(flags_named(c) for c in cells_of(page)))
+            stale = sorted(named - self.flags)
+            self.assertEqual(stale, [], f"{os.path.basename(page)} table rows name flags that `python train.py "
+                                        "--help` does not list")
 
 
 class TestLinks(unittest.TestCase):
