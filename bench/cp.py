@@ -26,8 +26,8 @@ the same rows; tp = 1 turns it off), and every point's comm bytes per step are s
   modules (c_q/c_k/c_v's input, q/k/v, the kernel's output and statistics, c_proj's input), summed over
   layers. C = 1 runs in one process with PyTorch's SDPA, as train.py does. Per layer SDPA saves x (the
   ln_1 output), q, k, v, its output and the log-sum-exp; its CPU output is laid out (B, T, H, D), so
-  c_proj's input is a view of it. The ring's output is (B, H, T/C, D)-contiguous and the reshape copies it:
-  one more (B, T/C, n_embd) tensor per layer, so the attention ratio comes out near 5C/6, not C.
+  c_proj's input is a view of it. The ring lays its output out the same way and saves the output itself (not
+  an fp32 copy), so per layer it saves the same tensors at T/C: the attention ratio should be C.
 
 Every saved activation is (B, T/C, ...) per rank, the logits included, and neither SDPA nor the ring saves
 a T x T matrix, so both the whole peak and the attention part should fall by about C: the ratio column is
@@ -149,8 +149,8 @@ def markdown(rows: list[dict], config: dict) -> str:
               "- saved: distinct non-parameter storages autograd holds for backward, peak over one forward + "
               "backward of one micro-batch on rank 0 (bench.pipeline.SavedBytes); ratio = bytes(C=1) / bytes(C) "
               "at the same seq_len, expected about C",
-              "- attention: the ring's (B, H, T/C, D) output is copied by the reshape before c_proj, where SDPA's "
-              "CPU output is a view: one more (B, T/C, n_embd) tensor per layer, so expect about 5C/6 there",
+              "- attention: the part saved inside the attention modules; the ring saves what SDPA saves, at T/C "
+              "tokens, so expect C",
               "- TP rows: our TP with sequence and loss parallelism on the same rows (each tp rank sees every row); "
               "comm: rank 0's parallel/comm.py count per step (median), against the ring + gradient all-reduce "
               "(C) or TP formula (bench.cp.comm_theory)"]

@@ -98,11 +98,14 @@ class _RingAttention(torch.autograd.Function):
                 for w in works:
                     w.wait()
                 kv, src = bufs, (src - 1) % C
-        o = o / l_sum[..., None]
+        # laid out (B, Tq, H, D) like SDPA's output, so the caller's transpose + reshape to (B, Tq, H*D) is a
+        # view: the output is then saved once, here and as c_proj's input (not a second, reshaped copy)
+        out = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
+        out.copy_(o / l_sum[..., None])
         lse = m + torch.log(l_sum)
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.zigzag, ctx.positions, ctx.scale = group, zigzag, positions, scale
-        return o.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_o):
@@ -110,7 +113,7 @@ class _RingAttention(torch.autograd.Function):
         group, positions, scale = ctx.group, ctx.positions, ctx.scale
         C, r = comm.world(group), _rank(group)
         q_pos, g = positions[r], grad_o.float()
-        delta = (g * o).sum(-1)  # (B, H, Tq): rowsum(dO * O)
+        delta = (g * o.float()).sum(-1)  # (B, H, Tq): rowsum(dO * O)
         dq = torch.zeros_like(q, dtype=torch.float32)
         travel = [k, v, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
         src = r
