@@ -9,6 +9,7 @@
   in config._check_context should go. The context also puts F.scaled_dot_product_attention back on exit.
 - **What it composes with.** config._check_context refuses the twin off CUDA and with TP, PP or --compile,
   and lets it through on CUDA with data parallelism (checked on a `cuda` device object; no GPU needed).
+  Dropout under CP is refused for ours and the twin alike.
 
 The twin itself runs in scripts/gpu_check.py (stage "context parallel"), on a one-rank cp mesh.
 """
@@ -63,11 +64,11 @@ class TestTorchContextParallelTokens(unittest.TestCase):
                         self.assertIn("_scaled_dot_product_flash_attention_for_cpu", c["cpu_attention"])
 
 
-def check(flags: list[str], world: int, device: str) -> None:
+def check(flags: list[str], world: int, device: str, config: GPTConfig = GPTConfig()) -> None:
     args = train_parser().parse_args(["--seq_len", "64", *flags])
     dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world, args.pipeline_parallel_size,
                         args.data_parallel_replicate_size, args.context_parallel_size)
-    _check_context(args, dims, GPTConfig(), torch.device(device))
+    _check_context(args, dims, config, torch.device(device))
 
 
 class TestTwinLayoutChecks(unittest.TestCase):
@@ -83,6 +84,13 @@ class TestTwinLayoutChecks(unittest.TestCase):
                              (["--compile"], 2)):
             with self.subTest(flags=flags), self.assertRaisesRegex(UsageError, "composes with data parallelism only"):
                 check(self.TWIN + flags, world, "cuda")
+
+    def test_dropout_refused_under_cp(self):
+        """No flag sets dropout (a config from elsewhere could): the ring has no attention dropout, ours or torch's."""
+        for impl, device in (("custom", "cpu"), ("pytorch", "cuda")):
+            with self.subTest(impl=impl), self.assertRaisesRegex(UsageError, "needs dropout 0 \\(got 0.1\\)"):
+                check(["--context_parallel_size", "2", "--implementation", impl], 2, device, GPTConfig(dropout=0.1))
+        check(["--implementation", "custom"], 1, "cpu", GPTConfig(dropout=0.1))  # no CP: dropout is fine
 
     def test_allowed_on_cuda_with_data_parallelism(self):
         for flags, world in (([], 2), (["--data_parallel_size", "2"], 4),
