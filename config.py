@@ -289,9 +289,10 @@ def _check_context(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
     if args.implementation == "pytorch" and (dims.tp_enabled or dims.pp_enabled or args.compile):
         raise UsageError("--implementation pytorch --context_parallel_size composes with data parallelism only "
                          "(DDP, FSDP2); for CP with TP, PP or --compile use --implementation custom")
-    if args.sequence_parallel:
-        raise UsageError("--context_parallel_size with --sequence_parallel is not supported: both shard the "
-                         "sequence of the same activations")
+    if args.sequence_parallel and (args.seq_len // C) % dims.tp:
+        raise UsageError(f"--sequence_parallel with --context_parallel_size {C} needs each rank's share of a "
+                         f"sequence (--seq_len / C = {args.seq_len // C}) divisible by --tensor_parallel_size "
+                         f"({dims.tp})")
     if args.data_parallel_replicate_size > 1:
         raise UsageError("--context_parallel_size with --data_parallel_replicate_size is not supported")
     if config.dropout > 0:

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import checkpoint
+from model import make_config
 from parallel.context_parallel import cp_p2p_bytes_per_micro_step
 from parallel.pipeline import p2p_bytes_per_step
+from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
 from tests.harness import (
     assert_close, evals_of, expect_train_error_in_process, launch_ranks, make_token_bins, rank0_only,
     run_train, steps_of)
@@ -133,11 +135,15 @@ class TestContextParallelAgreesWithOneProcess(unittest.TestCase):
         self.check(run("cp_fsdp", [*CP2, "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 4),
                    p2p=ring_bytes(2, dp=2))
 
-    def test_cp_tp_2x2(self):
-        """TP with loss parallelism (sequence parallelism is refused with CP): each rank's ring carries its
-        n_head / tp heads, so A is n_embd / tp wide."""
-        self.check(run("cp_tp", [*CP2, "--tensor_parallel_size", "2", "--enable_loss_parallelism"], 4),
-                   rtol=1e-4, p2p=ring_bytes(2, tp=2))
+    def test_cp_tp_sp_2x2(self):
+        """TP with sequence and loss parallelism inside each cp rank's share: SP splits the rank's T/C tokens
+        (in their zigzag order) over tp, its all-gathers restore them before attention, and each rank's ring
+        carries its n_head / tp heads, so A is n_embd / tp wide. TP's collectives are those of a T/C sequence."""
+        got = self.check(run("cp_tp", [*CP2, "--tensor_parallel_size", "2", "--sequence_parallel",
+                                       "--enable_loss_parallelism"], 4), rtol=1e-4, p2p=ring_bytes(2, tp=2))
+        tp = tp_comm_bytes_per_micro_step(make_config("tiny", n_layer=N_LAYER), MB, T // 2, 2, True, True)
+        for kind in ("all_gather", "reduce_scatter"):
+            self.assertEqual({got[s]["comm_bytes"][kind] for s in got}, {M * tp[kind]}, kind)
 
     def test_cp_pp_2x2(self):
         """Rank 0 is pp rank 0: its ring runs through its stage's one Block, and it sends each micro-batch's
@@ -275,9 +281,6 @@ class TestBadContextFlags(unittest.TestCase):
         self.expect_error([*CP2, "--implementation", "pytorch"],
                           "PyTorch's context_parallel rings only the flash, memory-efficient and cuDNN SDPA kernels")
 
-    def test_sequence_parallel(self):
-        self.expect_error([*CP2, "--tensor_parallel_size", "2", "--sequence_parallel"],
-                          "--context_parallel_size with --sequence_parallel is not supported", nproc=4)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@
 - **Why it is refused on CPU.** Inside it, CPU attention raises NotImplementedError: torch rings only the
   flash, memory-efficient and cuDNN kernels. If a torch release lifts that, this test fails and the refusal
   in config._check_context should go. The context also puts F.scaled_dot_product_attention back on exit.
-- **What it composes with.** config._check_context refuses the twin off CUDA and with TP, PP or --compile,
+- **What it composes with.** config._check_context (fast, in process) refuses the twin off CUDA and with TP, PP or --compile,
   and lets it through on CUDA with data parallelism (checked on a `cuda` device object; no GPU needed).
-  Dropout under CP is refused for ours and the twin alike.
+  Dropout under CP is refused for ours and the twin alike, and SP with CP needs each cp rank's T/C tokens
+  divisible by tp.
 
 The twin itself runs in scripts/gpu_check.py (stage "context parallel"), on a one-rank cp mesh.
 """
@@ -65,13 +66,15 @@ class TestTorchContextParallelTokens(unittest.TestCase):
 
 
 def check(flags: list[str], world: int, device: str, config: GPTConfig = GPTConfig()) -> None:
-    args = train_parser().parse_args(["--seq_len", "64", *flags])
+    args = train_parser().parse_args(["--seq_len", "64", *flags])  # a later --seq_len wins
     dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world, args.pipeline_parallel_size,
                         args.data_parallel_replicate_size, args.context_parallel_size)
     _check_context(args, dims, config, torch.device(device))
 
 
-class TestTwinLayoutChecks(unittest.TestCase):
+class TestContextLayoutChecks(unittest.TestCase):
+    """config._check_context on its own (no processes): the world size is whatever the flags multiply to."""
+
     TWIN = ["--implementation", "pytorch", "--context_parallel_size", "2"]
 
     def test_refused_off_cuda(self):
@@ -84,6 +87,15 @@ class TestTwinLayoutChecks(unittest.TestCase):
                              (["--compile"], 2)):
             with self.subTest(flags=flags), self.assertRaisesRegex(UsageError, "composes with data parallelism only"):
                 check(self.TWIN + flags, world, "cuda")
+
+    def test_sequence_parallel_needs_the_share_divisible_by_tp(self):
+        """seq_len 36: divisible by 2C = 4, but each cp rank's 18 tokens do not split over tp = 4 (ours, SP)."""
+        flags = ["--context_parallel_size", "2", "--tensor_parallel_size", "4", "--sequence_parallel"]
+        with self.assertRaisesRegex(UsageError, "--sequence_parallel with --context_parallel_size 2 needs each "
+                                                "rank's share of a sequence \\(--seq_len / C = 18\\) divisible by "
+                                                "--tensor_parallel_size \\(4\\)"):
+            check([*flags, "--seq_len", "36"], 8, "cpu")
+        check(flags, 8, "cpu")  # seq_len 64: shares of 32 split over 4
 
     def test_dropout_refused_under_cp(self):
         """No flag sets dropout (a config from elsewhere could): the ring has no attention dropout, ours or torch's."""
