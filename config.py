@@ -286,15 +286,14 @@ def _check_context(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
         raise UsageError("--implementation pytorch --context_parallel_size needs CUDA: PyTorch's context_parallel "
                          "rings only the flash, memory-efficient and cuDNN SDPA kernels, and attention on "
                          f"{device.type} is none of them (--implementation custom runs our ring anywhere)")
-    if args.implementation == "pytorch" and (dims.tp_enabled or dims.pp_enabled or args.compile):
+    if args.implementation == "pytorch" and (dims.tp_enabled or dims.pp_enabled or args.compile
+                                             or args.data_parallel_replicate_size > 1):
         raise UsageError("--implementation pytorch --context_parallel_size composes with data parallelism only "
-                         "(DDP, FSDP2); for CP with TP, PP or --compile use --implementation custom")
+                         "(DDP, FSDP2); for CP with TP, PP, HSDP or --compile use --implementation custom")
     if args.sequence_parallel and (args.seq_len // C) % dims.tp:
         raise UsageError(f"--sequence_parallel with --context_parallel_size {C} needs each rank's share of a "
                          f"sequence (--seq_len / C = {args.seq_len // C}) divisible by --tensor_parallel_size "
                          f"({dims.tp})")
-    if args.data_parallel_replicate_size > 1:
-        raise UsageError("--context_parallel_size with --data_parallel_replicate_size is not supported")
     if config.dropout > 0:
         raise UsageError(f"--context_parallel_size needs dropout 0 (got {config.dropout}): ring attention has none")
 

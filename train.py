@@ -212,7 +212,8 @@ def evaluate(t: Trainer) -> float:
 def describe(t: Trainer) -> str:
     d, par, a = t.plan.dims, t.plan.par, t.plan.args
     layout = (f"cp={d.cp} " if d.cp_enabled else "") + f"dp={d.dp}" + (f" ({par.dp_type})" if par.dp_type else "") + \
-        (f" = {d.dp_replicate} replicas x {d.dp_shard} shards" if d.dp_replicate > 1 else "") + f" tp={d.tp}"
+        (f" = {d.dp_replicate} replicas x {d.dp_shard} shards" if d.dp_replicate > 1 else "") + \
+        (" (sharded over dp_shard x cp)" if d.dp_replicate > 1 and d.cp_enabled else "") + f" tp={d.tp}"
     if d.pp_enabled:
         virtual = f", V={par.pp_virtual}" if par.pp_virtual > 1 else ""
         layout = f"pp={d.pp} ({par.pp_schedule}{virtual}) {layout}"

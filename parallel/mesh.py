@@ -1,8 +1,8 @@
 """The one place that picks device and backend, validates the parallel layout and builds the mesh.
 
-Mesh dims are ("pp", "dp", "tp"), tp innermost (fastest-varying) so TP groups are neighbouring ranks, which
+Mesh dims are ("pp", "dp", "cp", "tp"), tp innermost (fastest-varying) so TP groups are neighbouring ranks, which
 on a GPU node share NVLink; pp outermost, so a pipeline's stages span nodes and only its point-to-point
-activations cross them. Rank r = (pp_rank * dp + dp_rank) * tp + tp_rank.
+activations cross them. Rank r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def backend_for(device: torch.device) -> str:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """A validated (pp, dp, tp) layout. pp * dp * tp must equal the world size."""
+    """A validated (pp, dp, cp, tp) layout. pp * dp * cp * tp must equal the world size."""
     dp: int
     tp: int
     world_size: int
@@ -85,9 +85,11 @@ def env_world() -> tuple[int, int, int]:
             int(os.environ.get("WORLD_SIZE", 1)))
 
 
-def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float = 600.0) -> DeviceMesh | None:
-    """Join the process group (when there is more than one rank) and return the ("pp", "dp", "tp") mesh;
-    with HSDP a `HybridMesh` whose "dp" also splits into "dp_replicate" x "dp_shard"."""
+def init_distributed(dims: ParallelDims, device: torch.device,
+                     timeout_s: float = 600.0) -> DeviceMesh | FoldedMesh | None:
+    """Join the process group (when there is more than one rank) and return the mesh: ("pp", "dp", "tp"),
+    or with HSDP and/or context parallelism a `FoldedMesh` over ("pp", ["dp_replicate", "dp_shard" | "dp"],
+    ["cp"], "tp") whose "dp" is every data-parallel dim and cp folded into one group."""
     if dims.world_size == 1:
         return None
     if device.type == "cuda":
@@ -95,42 +97,38 @@ def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float 
     if not dist.is_initialized():
         dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    if dims.cp > 1:
-        return ContextMesh(init_device_mesh(device.type, (dims.pp, dims.dp, dims.cp, dims.tp),
-                                            mesh_dim_names=("pp", "dp", "cp", "tp")))
-    if dims.dp_replicate == 1:
+    hsdp, cp = dims.dp_replicate > 1, dims.cp > 1
+    if not hsdp and not cp:
         return init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
-    return HybridMesh(init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.tp),
-                                       mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp")))
+    data = [("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard)] if hsdp else [("dp", dims.dp)]
+    named = [("pp", dims.pp), *data, *([("cp", dims.cp)] if cp else []), ("tp", dims.tp)]
+    root = init_device_mesh(device.type, tuple(n for _, n in named), mesh_dim_names=tuple(k for k, _ in named))
+    folds = {"dp": [k for k, _ in data] + (["cp"] if cp else [])}
+    if hsdp and cp:  # parameters are replicated over cp: FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp)
+        folds["dp_shard"] = ["dp_shard", "cp"]
+    return FoldedMesh(root, folds)
 
 
-class HybridMesh:
-    """The HSDP mesh: ("pp", "dp_replicate", "dp_shard", "tp"), dp_replicate outer, plus "dp", the two
-    flattened (dp rank = replicate rank x dp_shard + shard rank), kept here: torch deprecates slicing a
-    flattened dim from the root mesh. `mesh` is the rank grid seen as (pp, dp, tp), like the plain mesh's."""
+class FoldedMesh:
+    """A mesh with some of its dims also seen as one flattened group, by name; the other names index the root.
 
-    def __init__(self, root: DeviceMesh):
+    - HSDP: ("pp", "dp_replicate", "dp_shard", "tp"); "dp" is dp_replicate x dp_shard (dp rank = replicate
+      rank x dp_shard + shard rank), for the loss mean.
+    - Context parallelism: ("pp", "dp", "cp", "tp"). Parameters are replicated over cp, so every gradient
+      reduction and loss mean runs over dp x cp: "dp" is the two flattened. "cp" is the ring.
+    - Both: "dp" is dp_replicate x dp_shard x cp, and "dp_shard" is dp_shard x cp (what FSDP shards over).
+
+    The flattened groups are kept here (torch deprecates slicing a flattened dim from the root). `mesh` is the
+    rank grid seen as (pp, everything between, tp), like the plain mesh's. A rank's pure dp coordinate (which
+    rows it reads) is ParallelDims.coordinates'."""
+
+    def __init__(self, root: DeviceMesh, folds: dict[str, list[str]]):
         self.root = root
-        self.dp = root["dp_replicate", "dp_shard"]._flatten("dp")
+        self.folds = {name: root[tuple(dims)]._flatten("_".join(dims)) for name, dims in folds.items()}
         self.mesh = root.mesh.reshape(root.mesh.shape[0], -1, root.mesh.shape[-1])
 
-    def __getitem__(self, name):
-        return self.dp if name == "dp" else self.root[name]
-
-
-class ContextMesh:
-    """The context-parallel mesh: ("pp", "dp", "cp", "tp"). Parameters are replicated over cp, so every
-    gradient reduction and loss mean runs over dp x cp: "dp" here is the two flattened (kept here: torch
-    deprecates slicing a flattened dim from the root); "cp" is the ring. `mesh` is the rank grid seen as
-    (pp, dp x cp, tp). A rank's pure dp coordinate (which rows it reads) is ParallelDims.coordinates'."""
-
-    def __init__(self, root: DeviceMesh):
-        self.root = root
-        self.dp = root["dp", "cp"]._flatten("dp_cp")
-        self.mesh = root.mesh.reshape(root.mesh.shape[0], -1, root.mesh.shape[-1])
-
-    def __getitem__(self, name):
-        return self.dp if name == "dp" else self.root[name]
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.folds[name] if name in self.folds else self.root[name]
 
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

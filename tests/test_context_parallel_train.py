@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import checkpoint
-from model import make_config
+from model import GPT, make_config
 from parallel.context_parallel import cp_p2p_bytes_per_micro_step
 from parallel.pipeline import p2p_bytes_per_step
 from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
@@ -134,6 +134,20 @@ class TestContextParallelAgreesWithOneProcess(unittest.TestCase):
     def test_cp_fsdp_2x2(self):
         self.check(run("cp_fsdp", [*CP2, "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 4),
                    p2p=ring_bytes(2, dp=2))
+
+    def test_cp_hsdp_2x2(self):
+        """HSDP under CP: 2 replicas of a shard group that is dp_shard (1) x cp (2), as torchtitan's dp_shard_cp.
+        Parameters are replicated over cp, so FSDP shards them over the cp ranks too: the state per rank is
+        4Ψ/2 (fp32 parameters, gradients, AdamW's two moments; Ψ = 4 bytes x the parameter count), plus per
+        unit (N_LAYER + 1 of them) at most one padding element in each of those 4 buffers and AdamW's 4-byte
+        step counters (at most 2 flat parameters per unit): < 24 bytes a unit. (Measured: 12 bytes in all.)"""
+        got = self.check(run("cp_hsdp", [*CP2, "--data_parallel_size", "2", "--data_parallel_replicate_size", "2",
+                                         "--data_parallel_type", "fsdp"], 4), p2p=ring_bytes(2, dp=2))
+        with torch.device("meta"):
+            psi = 4 * GPT(make_config("tiny", n_layer=N_LAYER)).num_params()
+        extra = got[1]["state_bytes"] - 2 * psi
+        self.assertGreaterEqual(extra, 0)
+        self.assertLess(extra, 24 * (N_LAYER + 1))
 
     def test_cp_tp_sp_2x2(self):
         """TP with sequence and loss parallelism inside each cp rank's share: SP splits the rank's T/C tokens

@@ -7,7 +7,7 @@
 - **Why it is refused on CPU.** Inside it, CPU attention raises NotImplementedError: torch rings only the
   flash, memory-efficient and cuDNN kernels. If a torch release lifts that, this test fails and the refusal
   in config._check_context should go. The context also puts F.scaled_dot_product_attention back on exit.
-- **What it composes with.** config._check_context (fast, in process) refuses the twin off CUDA and with TP, PP or --compile,
+- **What it composes with.** config._check_context (fast, in process) refuses the twin off CUDA and with TP, PP, HSDP or --compile,
   and lets it through on CUDA with data parallelism (checked on a `cuda` device object; no GPU needed).
   Dropout under CP is refused for ours and the twin alike, and SP with CP needs each cp rank's T/C tokens
   divisible by tp.
@@ -82,9 +82,10 @@ class TestContextLayoutChecks(unittest.TestCase):
                                                 "memory-efficient and cuDNN SDPA kernels"):
             check(self.TWIN, 2, "cpu")
 
-    def test_refused_with_tp_pp_compile(self):
+    def test_refused_with_tp_pp_compile_hsdp(self):
         for flags, world in ((["--tensor_parallel_size", "2"], 4), (["--pipeline_parallel_size", "2"], 4),
-                             (["--compile"], 2)):
+                             (["--compile"], 2), (["--data_parallel_size", "2", "--data_parallel_type", "fsdp",
+                                                   "--data_parallel_replicate_size", "2"], 4)):
             with self.subTest(flags=flags), self.assertRaisesRegex(UsageError, "composes with data parallelism only"):
                 check(self.TWIN + flags, world, "cuda")
 
