@@ -52,14 +52,24 @@ def _rank(group) -> int:
     return dist.get_rank(group) if comm.world(group) > 1 else 0
 
 
+def exchange_order(rank: int, cp: int) -> tuple[str, str]:
+    """The order a rank posts its ring step's two halves in: even ranks send first, odd ranks receive first.
+    gloo's isend/irecv never block, so any order works there; NCCL runs a rank's p2p operations in posting
+    order, and with C = 2 both ranks' sends and receives share one pair, so "receive first" on both would
+    wait forever. The alternation gives every blocking send a posted receive (tests/test_context_parallel.py
+    simulates it for C = 1..8)."""
+    return ("send", "recv") if rank % 2 == 0 else ("recv", "send")
+
+
 def _exchange(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], list]:
-    """Post the send of `tensors` to the next rank and the receive of the same shapes from the previous one;
-    returns (receive buffers, works to wait for)."""
+    """Post the send of `tensors` to the next rank and the receive of the same shapes from the previous one,
+    in `exchange_order`; returns (receive buffers, works to wait for)."""
     C, r = comm.world(group), _rank(group)
     bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous, unlike empty_like
-    works = [comm.recv(b, (r - 1) % C, group) for b in bufs]
-    works += [comm.send(t.contiguous(), (r + 1) % C, group) for t in tensors]
-    return bufs, works
+    post = {"recv": lambda: [comm.recv(b, (r - 1) % C, group) for b in bufs],
+            "send": lambda: [comm.send(t.contiguous(), (r + 1) % C, group) for t in tensors]}
+    first, second = exchange_order(r, C)
+    return bufs, post[first]() + post[second]()
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
@@ -69,12 +79,19 @@ def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.
     return s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
 
 
+def _attends(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """Whether any query attends to any key of a block (host tensors): else every key lies after every query,
+    and the block is fully masked under causality."""
+    return bool(k_pos.min() <= q_pos.max())
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, zigzag: bool):
         C, r = comm.world(group), _rank(group)
         T = q.shape[2] * C
-        positions = [local_positions(T, i, C, zigzag).to(q.device) for i in range(C)]
+        host = [local_positions(T, i, C, zigzag) for i in range(C)]  # decides skips without a device sync
+        positions = [p.to(q.device) for p in host]
         q_pos, scale = positions[r], 1.0 / math.sqrt(q.shape[-1])
         B, H, Tq, D = q.shape
         o = torch.zeros(B, H, Tq, D, dtype=torch.float32, device=q.device)
@@ -84,7 +101,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(C):
             pending = _exchange(kv, group) if step < C - 1 else None
             k_pos = positions[src]
-            if bool((k_pos.min() <= q_pos).any()):  # else: every key after every query, fully masked
+            if _attends(host[r], host[src]):
                 s = _scores(q, kv[0], q_pos, k_pos, scale)
                 m_new = torch.maximum(m, s.amax(-1))
                 safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -104,13 +121,13 @@ class _RingAttention(torch.autograd.Function):
         out.copy_(o / l_sum[..., None])
         lse = m + torch.log(l_sum)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.zigzag, ctx.positions, ctx.scale = group, zigzag, positions, scale
+        ctx.group, ctx.zigzag, ctx.positions, ctx.host, ctx.scale = group, zigzag, positions, host, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_o):
         q, k, v, o, lse = ctx.saved_tensors
-        group, positions, scale = ctx.group, ctx.positions, ctx.scale
+        group, positions, host, scale = ctx.group, ctx.positions, ctx.host, ctx.scale
         C, r = comm.world(group), _rank(group)
         q_pos, g = positions[r], grad_o.float()
         delta = (g * o.float()).sum(-1)  # (B, H, Tq): rowsum(dO * O)
@@ -119,7 +136,7 @@ class _RingAttention(torch.autograd.Function):
         src = r
         for step in range(C):
             k_pos = positions[src]
-            if bool((k_pos.min() <= q_pos).any()):
+            if _attends(host[r], host[src]):
                 kb, vb = travel[0].float(), travel[1].float()
                 s = _scores(q, kb, q_pos, k_pos, scale)
                 p = torch.exp(s - lse[..., None])                     # the forward's softmax, exactly merged

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel import comm
-from parallel.context_parallel import local_positions, ring_attention, shard_sequence
+from parallel.context_parallel import exchange_order, local_positions, ring_attention, shard_sequence
 from tests.harness import run_distributed
 
 B, H, D = 2, 3, 8
@@ -55,6 +55,32 @@ class TestRingAttention(unittest.TestCase):
                         C = world
                         blocks = 2 * (C - 1) + 4 * (C - 1) + 2 if C > 1 else 0
                         self.assertEqual(r["p2p"], blocks * r["block_bytes"])
+
+    def test_exchange_order_never_waits_forever_with_blocking_p2p(self):
+        """NCCL runs each rank's p2p operations in posting order, a send waiting for its receive: simulate that
+        (one queue per rank; the heads of two queues meet when one sends to the other, which receives from
+        it) for a ring step of k and v, C = 1..8. The order parallel/context_parallel.py posts always finishes;
+        "receive first" on every rank, the naive order, hangs at every C > 1 (so this test can fail)."""
+        def ops(rank: int, C: int, order) -> list:
+            half = {"send": [("send", (rank + 1) % C)] * 2, "recv": [("recv", (rank - 1) % C)] * 2}
+            return [op for kind in order(rank, C) for op in half[kind]]
+
+        def finishes(C: int, order) -> bool:
+            queues = [ops(r, C, order) for r in range(C)] if C > 1 else [[]]
+            while any(queues):
+                for r, q in enumerate(queues):
+                    if q and q[0][0] == "send" and queues[q[0][1]][:1] == [("recv", r)]:
+                        queues[q[0][1]].pop(0)
+                        q.pop(0)
+                        break
+                else:
+                    return False
+            return True
+
+        for C in range(1, 9):
+            with self.subTest(C=C):
+                self.assertTrue(finishes(C, exchange_order))
+                self.assertEqual(finishes(C, lambda r, c: ("recv", "send")), C == 1)
 
     def test_positions(self):
         self.assertEqual(local_positions(8, 0, 2).tolist(), [0, 1, 6, 7])
