@@ -88,6 +88,13 @@ def _attends(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, zigzag: bool):
+        # fp32 inside, as the backward (which autocast never reaches) recomputes it: under bf16 autocast the
+        # matmuls below would otherwise give bf16 scores and a log-sum-exp the backward's softmax disagrees with
+        with torch.autocast(q.device.type, enabled=False):
+            return _RingAttention._forward(ctx, q, k, v, group, zigzag)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, group, zigzag: bool):
         C, r = comm.world(group), _rank(group)
         T = q.shape[2] * C
         host = [local_positions(T, i, C, zigzag) for i in range(C)]  # decides skips without a device sync
