@@ -16,11 +16,16 @@ back as a list indexed by rank.
 
 Whole runs: `launch` starts a script (train.py by default) as a user would, `python` for one rank and
 `torchrun` for more, in an environment without this process's torchrun variables
-(`parallel.mesh.child_env`), on the CPU unless the test passes its own `--device`.
+(`parallel.mesh.child_env`), on the CPU unless the test passes its own `--device`. `shared_run` trains a
+run once per test session, whichever test file asks for it first; `WholeRuns` is the setup every whole-run
+test file shares (its flags, scratch folder, corpus, and runs by name).
 """
 from __future__ import annotations
 
+import atexit
+import itertools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,6 +120,13 @@ def make_token_bins(directory: str, n_train: int = 60_000, n_val: int = 8_000, v
     return directory
 
 
+def _with_device(args: list[str], device: str | None) -> list[str]:
+    """args + `--device device`, unless args name a device or device is None."""
+    if device is not None and not any(a == "--device" or a.startswith("--device=") for a in args):
+        return [*args, "--device", device]
+    return list(args)
+
+
 def launch(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: list[str] | None = None,
            timeout: float = 600, wait: bool = True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
            script: str = "train.py", device: str | None = "cpu"):
@@ -122,8 +134,7 @@ def launch(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: l
     otherwise) for more. `env` is added to `child_env()` (so a test may set RANK etc. itself). `--device
     device` is appended unless args name a device or device is None. Returns the CompletedProcess (stdout
     and stderr apart), or the Popen (in its own session; `stdout`, `stderr` as given) when wait=False."""
-    if device is not None and not any(a == "--device" or a.startswith("--device=") for a in args):
-        args = [*args, "--device", device]
+    args = _with_device(args, device)
     full_env = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     if torchrun is None and nproc == 1:
         cmd = [sys.executable]
@@ -185,10 +196,12 @@ def rank0_only() -> bool:
     return not under_torchrun() or os.environ.get("RANK", "0") == "0"
 
 
-def expect_train_error_in_process(test, args: list[str], needle: str, out_dir: str, fresh: bool = True) -> None:
+def expect_train_error_in_process(test, args: list[str], needle: str, out_dir: str, fresh: bool = True,
+                                  env: dict | None = None) -> None:
     """train.main(args + --out_dir out_dir --device cpu) in this process, as one rank with no torchrun
-    variables: exit code 2, exactly one line `train.py: error: ...` containing `needle`, and (`fresh`) out_dir
-    never created (nothing written before the refusal)."""
+    variables and nothing else of this process's environment but `env`: exit code 2, exactly one line
+    `train.py: error: ...` containing `needle`, and (`fresh`) out_dir never created (nothing written before
+    the refusal)."""
     import contextlib
     import io
     from unittest import mock
@@ -197,7 +210,7 @@ def expect_train_error_in_process(test, args: list[str], needle: str, out_dir: s
     err = io.StringIO()
     with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stderr(err), \
             contextlib.redirect_stdout(io.StringIO()):
-        os.environ.update(child_env())
+        os.environ.update(child_env(**(env or {})))
         code = train.main([*args, "--out_dir", out_dir, "--device", "cpu"])
     lines = err.getvalue().splitlines()
     test.assertEqual(code, 2, err.getvalue())
@@ -206,6 +219,20 @@ def expect_train_error_in_process(test, args: list[str], needle: str, out_dir: s
     test.assertIn(needle, lines[0])
     if fresh:
         test.assertFalse(os.path.exists(out_dir))
+
+
+def expect_train_error_on_ranks(test, args: list[str], needle: str, nproc: int, out_dir: str) -> None:
+    """train.py args + --out_dir out_dir on `nproc` ranks started by hand (launch_ranks): every rank exits 2
+    with exactly its one line `train.py: error: ...` containing `needle`, before any work (out_dir never
+    created)."""
+    ranks = launch_ranks([*args, "--out_dir", out_dir], nproc)
+    for rank, proc in enumerate(ranks):
+        test.assertEqual(proc.returncode, 2, f"rank {rank}: {proc.stderr}")
+        lines = proc.stderr.splitlines()
+        test.assertEqual(len(lines), 1, f"rank {rank}: {proc.stderr}")
+        test.assertTrue(lines[0].startswith("train.py: error: "), f"rank {rank}: {lines[0]}")
+        test.assertIn(needle, lines[0], f"rank {rank}")
+    test.assertFalse(os.path.exists(out_dir))
 
 
 def steps_of(out_dir: str) -> dict[int, dict]:
@@ -226,3 +253,157 @@ def assert_close(test, got: dict, ref: dict, key: str | None, rtol: float, what:
     for s in steps:
         a, b = (got[s][key], ref[s][key]) if key else (got[s], ref[s])
         test.assertLessEqual(abs(a - b), rtol * abs(b), f"{what}: step {s} {key or 'val_loss'} {a} vs {b}")
+
+
+def checkpoint_params(path: str) -> dict[str, torch.Tensor]:
+    """name -> full parameter tensor of the checkpoint at `path` (checkpoint.consolidate)."""
+    import checkpoint
+    return {name: kinds["param"] for name, kinds in checkpoint.consolidate(path).items()}
+
+
+# ----------------------------------------------------------------------------- runs shared by test files
+
+_SESSION: str | None = None
+_DATA: str | None = None
+_FINISHED: dict[tuple, str] = {}  # run_key -> out_dir of a run that exited 0
+_ATTEMPTS = itertools.count()
+SHARED: dict[tuple, list[str]] = {}  # run_key -> the names it was asked for under (conftest's summary line)
+
+
+def session_dir() -> str:
+    """A scratch folder for this test session (this process), deleted when the process exits."""
+    global _SESSION
+    if _SESSION is None:
+        _SESSION = tempfile.mkdtemp(prefix="gpt-tests-")
+        atexit.register(shutil.rmtree, _SESSION, True)
+    return _SESSION
+
+
+def shared_data() -> str:
+    """The stand-in corpus of make_token_bins' defaults, written once per session. The whole-run files train
+    on this one folder, so runs of two files can have identical arguments, and be trained once (shared_run)."""
+    global _DATA
+    if _DATA is None:
+        _DATA = make_token_bins(os.path.join(session_dir(), "data"))
+    return _DATA
+
+
+def run_key(args: list[str], nproc: int) -> tuple:
+    """What makes two runs of train.py one run: the rank count and everything train.py's own parser makes of
+    `args` but --out_dir (so neither the order of the flags nor a default spelled out matters). Args the parser
+    refuses are keyed by their text (such a run fails, and a failed run is never registered)."""
+    import config
+    try:
+        parsed = vars(config.parse_args(list(args)))
+    except config.UsageError:
+        return nproc, tuple(args)
+    parsed.pop("out_dir")
+    return nproc, tuple(sorted((k, repr(v)) for k, v in parsed.items()))
+
+
+def shared_run(args: list[str], nproc: int, name: str = "run") -> str:
+    """train.py with `args` (no --out_dir: this picks it) on `nproc` ranks (run_train), trained once per test
+    session: a later call with the same run_key, from any test file, gets the finished run's out_dir. A run is
+    registered only after it exited 0, and every attempt writes a fresh out_dir, so a failed or half-written run
+    is never handed out (a failure raises; the next caller trains it again). Callers only read what it wrote."""
+    args = _with_device(args, "cpu")
+    assert not any(a == "--out_dir" or a.startswith("--out_dir=") for a in args), "shared_run picks the out_dir"
+    key = run_key(args, nproc)
+    SHARED.setdefault(key, []).append(name)
+    if key not in _FINISHED:
+        out = os.path.join(session_dir(), "runs", f"{next(_ATTEMPTS)}-{name}")
+        proc = run_train([*args, "--out_dir", out], nproc)
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        _FINISHED[key] = out
+    return _FINISHED[key]
+
+
+class WholeRuns:
+    """The setup of a whole-run test file: its `base` flags, a scratch folder of its own (`path(name)`; made by
+    set_up and deleted by tear_down, the file's setUpModule and tearDownModule), the session's corpus (`data`),
+    and `run(name, args, nproc)`: base + --dataset data + args, trained once per name through shared_run (so a
+    run identical to one of another file, or of this file under another name, is not trained again).
+    `RUNS[name]` is the out_dir of the finished run `name`.
+
+        RUNS = WholeRuns(BASE)
+        setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
+    """
+
+    def __init__(self, base: list[str]):
+        self.base, self.runs, self._tmp = list(base), {}, None
+
+    def set_up(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+
+    def tear_down(self) -> None:
+        self._tmp.cleanup()
+
+    @property
+    def data(self) -> str:
+        return shared_data()
+
+    def path(self, name: str) -> str:
+        """`name` in this file's scratch folder: for what is not shared (killed, resumed and refused runs)."""
+        return os.path.join(self._tmp.name, name)
+
+    def args(self, *args: str) -> list[str]:
+        """base + --dataset data + args."""
+        return [*self.base, "--dataset", self.data, *args]
+
+    def run(self, name: str, args: list[str], nproc: int) -> str:
+        if name not in self.runs:
+            self.runs[name] = shared_run(self.args(*args), nproc, name)
+        return self.runs[name]
+
+    def __getitem__(self, name: str) -> str:
+        return self.runs[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.runs
+
+
+def check_kill_and_resume(test, args: list[str], nproc: int, out: str, ref: str, steps: int, kill_at: int,
+                          kill_rank: int, every: int, final_state: bool = True) -> None:
+    """Kill + --resume is bit-equal to `ref`, the out_dir of the uninterrupted `steps`-step run of the same args.
+    train.py args + --out_dir out + a checkpoint every `every` steps, on nproc ranks: rank `kill_rank` SIGKILLs
+    itself after step `kill_at` (faults.py: GPT_KILL_AT_STEP), leaving the checkpoint of step `saved` (kill_at
+    rounded down to a multiple of every) the newest; --resume continues from it and recomputes steps saved + 1
+    to kill_at. Every step's loss and grad_norm and every val_loss equal ref's bits, and (final_state) so do
+    the final checkpoint's parameters."""
+    import checkpoint
+    saved = kill_at - kill_at % every
+    args = [*args, "--out_dir", out, "--checkpoint_interval", str(every)]
+    k = run_train(args, nproc, env={"GPT_KILL_AT_STEP": str(kill_at), "GPT_KILL_RANK": str(kill_rank)})
+    test.assertNotEqual(k.returncode, 0, f"not killed:\n{k.stdout[-2000:]}\n{k.stderr[-2000:]}")
+    test.assertIn(f"rank {kill_rank} sends itself SIGKILL", k.stdout)
+    test.assertEqual([s for s, _ in checkpoint.list_checkpoints(out)], [saved])
+    r = run_train([*args, "--resume"], nproc)
+    test.assertEqual(r.returncode, 0, f"resume:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    test.assertIn(f"resuming from {checkpoint.step_dir(out, saved)}", r.stdout)
+    got, want = steps_of(out), steps_of(ref)
+    test.assertEqual(sorted(got), list(range(1, steps + 1)))
+    test.assertEqual([(got[s]["loss"], got[s]["grad_norm"]) for s in got],
+                     [(want[s]["loss"], want[s]["grad_norm"]) for s in got])
+    test.assertEqual(evals_of(out), evals_of(ref))
+    if final_state:
+        final, wanted = checkpoint_params(checkpoint.newest(out)), checkpoint_params(checkpoint.newest(ref))
+        test.assertEqual(final.keys(), wanted.keys())
+        for name, p in final.items():
+            test.assertTrue(torch.equal(p, wanted[name]), name)
+
+
+def check_resume_from(test, source: str, step: int, args: list[str], nproc: int, out: str, steps: int,
+                      saved_by: str = "") -> None:
+    """A fresh out_dir `out` holding only the step-`step` checkpoint of the run in `source`, resumed by train.py
+    args + --out_dir out --resume --no_checkpoint on nproc ranks: it exits 0, says it resumes from that
+    checkpoint (`saved_by`: how the note after the path starts, naming the saving layout), notes no argument
+    differing from the checkpoint's run, and logs steps step + 1 to `steps`."""
+    import checkpoint
+    shutil.copytree(checkpoint.step_dir(source, step), checkpoint.step_dir(out, step))
+    proc = run_train([*args, "--out_dir", out, "--resume", "--no_checkpoint"], nproc)
+    name = os.path.basename(out)
+    test.assertEqual(proc.returncode, 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    test.assertIn(f"resuming from {checkpoint.step_dir(out, step)}" + (f" ({saved_by}" if saved_by else ""),
+                  proc.stdout)
+    test.assertNotIn("arguments differ", proc.stdout)
+    test.assertEqual(sorted(steps_of(out)), list(range(step + 1, steps + 1)), name)

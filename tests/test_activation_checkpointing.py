@@ -3,17 +3,14 @@ no number, keeps only the Block boundaries for backward, and re-runs exactly the
 says; a compiled Block agrees with the eager one; bad flags are refused in one line.
 
 Whole runs are real `python train.py` / `torchrun train.py` on the stand-in corpus of tests/harness.py, with
-a 4-Block tiny GPT and 4 micro-batches per step (2 under dp=2), made once and shared by name (`run`). The
+a 4-Block tiny GPT and 4 micro-batches per step (2 under dp=2), made once and shared by name (`run`, through
+tests/harness.WholeRuns: the one-process run without AC is test_pipeline_train's reference, trained once). The
 saved-activation measurements run in this process on a small GPT (vocab 512, so the logits do not hide the
 Blocks), with bench.ac.SavedAndRecomputedBytes: bench.pipeline.SavedBytes plus
 the tensors checkpoint recomputes in backward, which saved_tensors_hooks of ours never see.
 """
-import contextlib
-import io
-import os
 import tempfile
 import unittest
-from unittest import mock
 
 import pytest
 import torch
@@ -23,7 +20,7 @@ from bench.pipeline import SavedBytes
 from model import GPT, make_config
 from parallel.blocks import apply_activation_checkpointing
 from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
-from tests.harness import evals_of, make_token_bins, rank0_only, run_train, steps_of
+from tests.harness import WholeRuns, evals_of, expect_train_error_in_process, rank0_only, steps_of
 
 STEPS = 10  # the compiled runs are compared over their first 10 steps; the AC runs share the eager references
 MB, T, N_LAYER, ACCUM = 2, 32, 4, 4  # micro-batch, seq_len, Blocks, micro-batches per step at dp=1
@@ -37,29 +34,13 @@ DDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
 FSDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "fsdp"]
 TP2_SP = ["--tensor_parallel_size", "2", "--sequence_parallel"]
 
-TMP = None
-RUNS: dict[str, str] = {}  # name -> out_dir of a finished run
-
-
-def setUpModule():
-    global TMP
-    TMP = tempfile.TemporaryDirectory()
-    make_token_bins(os.path.join(TMP.name, "data"))
-
-
-def tearDownModule():
-    TMP.cleanup()
+RUNS = WholeRuns(BASE)
+setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
 
 
 def run(name: str, flags: list[str], nproc: int) -> str:
     """Train STEPS steps once per name (later callers reuse the run), no checkpoints; returns its out_dir."""
-    if name not in RUNS:
-        out = os.path.join(TMP.name, name)
-        proc = run_train(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
-                                 "--out_dir", out, "--no_checkpoint"] + flags, nproc)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        RUNS[name] = out
-    return RUNS[name]
+    return RUNS.run(name, ["--max_steps", str(STEPS), "--no_checkpoint", *flags], nproc)
 
 
 def flag(flags: list[str], name: str, default: str | None = None) -> str | None:
@@ -281,20 +262,10 @@ class TestSavedActivations(unittest.TestCase):
 
 def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str, env: dict | None = None):
     """train.main in this process, as one rank with no torchrun variables and only `env` set: exit code 2,
-    exactly one line `train.py: error: ...` naming the problem, nothing written."""
-    import train
-    out = os.path.join(TMP.name, "bad_in_process")
-    err = io.StringIO()
-    with mock.patch.dict(os.environ, env or {}, clear=True), contextlib.redirect_stderr(err), \
-            contextlib.redirect_stdout(io.StringIO()):
-        code = train.main(BASE + ["--max_steps", "2", "--dataset", os.path.join(TMP.name, "data"),
-                                  "--out_dir", out, "--device", "cpu"] + flags)
-    lines = err.getvalue().splitlines()
-    test.assertEqual(code, 2, err.getvalue())
-    test.assertEqual(len(lines), 1, err.getvalue())
-    test.assertTrue(lines[0].startswith("train.py: error: "), lines[0])
-    test.assertIn(needle, lines[0])
-    test.assertFalse(os.path.exists(out))
+    exactly one line `train.py: error: ...` naming the problem, nothing written
+    (tests/harness.expect_train_error_in_process)."""
+    expect_train_error_in_process(test, RUNS.args("--max_steps", "2", *flags), needle, RUNS.path("bad_in_process"),
+                                  env=env)
 
 
 class TestBadFlagsOneRank(unittest.TestCase):

@@ -4,16 +4,13 @@ context flags in one line.
 
 Each run is a real `python train.py` / `torchrun train.py` on the stand-in corpus of tests/harness.py, with a
 2-Block tiny GPT, seq_len 32 (divisible by 2C for C = 2 and 4: the zigzag split cuts each row into 2C chunks) and
-M = 2 micro-batches per step (1 under dp=2). Runs are made once and shared by name (`run`); the one-process
-reference is made in setUpClass.
+M = 2 micro-batches per step (1 under dp=2). Runs are made once and shared by name (`run`, through
+tests/harness.WholeRuns); the one-process reference is made in setUpClass.
 """
 import os
-import shutil
-import tempfile
 import unittest
 
 import pytest
-import torch
 
 import checkpoint
 from model import GPT, make_config
@@ -21,8 +18,8 @@ from parallel.context_parallel import cp_p2p_bytes_per_micro_step
 from parallel.pipeline import p2p_bytes_per_step
 from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
 from tests.harness import (
-    assert_close, evals_of, expect_train_error_in_process, launch_ranks, make_token_bins, rank0_only,
-    run_train, steps_of)
+    WholeRuns, assert_close, check_kill_and_resume, check_resume_from, checkpoint_params as state, evals_of,
+    expect_train_error_in_process, expect_train_error_on_ranks, rank0_only, steps_of)
 
 STEPS = 6
 MB, T, C, N_LAYER = 2, 32, 64, 2  # micro-batch, seq_len, n_embd of `tiny`, Blocks
@@ -33,31 +30,15 @@ BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(
 CP2 = ["--context_parallel_size", "2"]
 DDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
 
-TMP = None
-RUNS: dict[str, str] = {}  # name -> out_dir of a finished run
-
-
-def setUpModule():
-    global TMP
-    TMP = tempfile.TemporaryDirectory()
-    make_token_bins(os.path.join(TMP.name, "data"))
-
-
-def tearDownModule():
-    TMP.cleanup()
+RUNS = WholeRuns(BASE)
+setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
 
 
 def run(name: str, flags: list[str], nproc: int, checkpoints: bool = False) -> str:
     """Train once per name (later callers reuse the run); returns its out_dir. Without `checkpoints`,
     --no_checkpoint; with it, a checkpoint every 3 steps (and the final one)."""
-    if name not in RUNS:
-        out = os.path.join(TMP.name, name)
-        saving = ["--checkpoint_interval", "3"] if checkpoints else ["--no_checkpoint"]
-        proc = run_train(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
-                                 "--out_dir", out] + saving + flags, nproc)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        RUNS[name] = out
-    return RUNS[name]
+    saving = ["--checkpoint_interval", "3"] if checkpoints else ["--no_checkpoint"]
+    return RUNS.run(name, ["--max_steps", str(STEPS), *saving, *flags], nproc)
 
 
 def cp2_run() -> str:
@@ -167,10 +148,6 @@ class TestContextParallelAgreesWithOneProcess(unittest.TestCase):
                    p2p=pipeline + ring_bytes(2, n_layer=N_LAYER // 2))
 
 
-def state(path: str) -> dict[str, torch.Tensor]:
-    return {name: kinds["param"] for name, kinds in checkpoint.consolidate(path).items()}
-
-
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestContextParallelCheckpoints(unittest.TestCase):
@@ -187,14 +164,9 @@ class TestContextParallelCheckpoints(unittest.TestCase):
 
     def resume(self, name: str, flags: list[str], nproc: int) -> str:
         """A fresh out_dir holding only the CP=2 run's step-3 checkpoint, resumed to STEPS in this layout."""
-        out = os.path.join(TMP.name, name)
-        shutil.copytree(checkpoint.step_dir(self.cp, 3), checkpoint.step_dir(out, 3))
-        proc = run_train(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
-                                 "--out_dir", out, "--resume", "--no_checkpoint"] + flags, nproc)
-        self.assertEqual(proc.returncode, 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        self.assertIn(f"resuming from {checkpoint.step_dir(out, 3)} (saved by custom pp=1 cp=2 dp=1", proc.stdout)
-        self.assertNotIn("arguments differ", proc.stdout)
-        self.assertEqual(sorted(steps_of(out)), list(range(4, STEPS + 1)), name)
+        out = RUNS.path(name)
+        check_resume_from(self, self.cp, 3, RUNS.args("--max_steps", str(STEPS), *flags), nproc, out, STEPS,
+                          saved_by="saved by custom pp=1 cp=2 dp=1")
         return out
 
     def check_resumed(self, out: str, what: str) -> None:
@@ -221,35 +193,18 @@ class TestContextParallelCheckpoints(unittest.TestCase):
 
     def test_kill_and_resume_is_bit_equal(self):
         """CP=2, a checkpoint every 3 steps, rank 1 SIGKILLs itself after step 4 (faults.py: GPT_KILL_AT_STEP);
-        --resume continues from step 3's checkpoint and recomputes step 4. Every step's loss and grad_norm, the
-        final val_loss and the final checkpoint equal the uninterrupted CP=2 run's bits."""
-        out = os.path.join(TMP.name, "cp_killed")
-        args = BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"), "--out_dir", out,
-                       "--checkpoint_interval", "3", *CP2]
-        k = run_train(args, 2, env={"GPT_KILL_AT_STEP": "4", "GPT_KILL_RANK": "1"})
-        self.assertNotEqual(k.returncode, 0, f"not killed:\n{k.stdout[-2000:]}\n{k.stderr[-2000:]}")
-        self.assertIn("rank 1 sends itself SIGKILL", k.stdout)
-        self.assertEqual([s for s, _ in checkpoint.list_checkpoints(out)], [3])
-        r = run_train(args + ["--resume"], 2)
-        self.assertEqual(r.returncode, 0, f"resume:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-        self.assertIn(f"resuming from {checkpoint.step_dir(out, 3)}", r.stdout)
-        got, ref = steps_of(out), steps_of(self.cp)
-        self.assertEqual(sorted(got), list(range(1, STEPS + 1)))
-        self.assertEqual([(got[s]["loss"], got[s]["grad_norm"]) for s in got],
-                         [(ref[s]["loss"], ref[s]["grad_norm"]) for s in got])
-        self.assertEqual(evals_of(out)[STEPS], evals_of(self.cp)[STEPS])
-        final, want = state(checkpoint.newest(out)), state(checkpoint.newest(self.cp))
-        self.assertEqual(final.keys(), want.keys())
-        for name, p in final.items():
-            self.assertTrue(torch.equal(p, want[name]), name)
+        --resume continues from step 3's checkpoint and recomputes step 4. Every step's loss and grad_norm, every
+        val_loss and the final checkpoint's parameters equal the uninterrupted CP=2 run's bits
+        (tests/harness.check_kill_and_resume)."""
+        check_kill_and_resume(self, RUNS.args("--max_steps", str(STEPS), *CP2), 2, RUNS.path("cp_killed"), self.cp,
+                              STEPS, kill_at=4, kill_rank=1, every=3)
 
 
 # ----------------------------------------------------------------------------- bad input
 
 def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str) -> None:
     """train.main in this process, as one rank (tests/harness.expect_train_error_in_process)."""
-    expect_train_error_in_process(test, BASE + ["--max_steps", "2", "--dataset", os.path.join(TMP.name, "data")]
-                                  + flags, needle, os.path.join(TMP.name, "bad_in_process"))
+    expect_train_error_in_process(test, RUNS.args("--max_steps", "2", *flags), needle, RUNS.path("bad_in_process"))
 
 
 class TestBadContextFlagsOneRank(unittest.TestCase):
@@ -275,16 +230,8 @@ class TestBadContextFlags(unittest.TestCase):
     ask for it."""
 
     def expect_error(self, flags: list[str], needle: str, nproc: int = 2):
-        out = os.path.join(TMP.name, f"bad_{self._testMethodName}")  # a run that wrongly starts fails only its test
-        ranks = launch_ranks(BASE + ["--max_steps", "2", "--dataset", os.path.join(TMP.name, "data"),
-                                     "--out_dir", out] + flags, nproc)
-        for rank, proc in enumerate(ranks):
-            self.assertEqual(proc.returncode, 2, f"rank {rank}: {proc.stderr}")
-            lines = proc.stderr.splitlines()
-            self.assertEqual(len(lines), 1, f"rank {rank}: {proc.stderr}")
-            self.assertTrue(lines[0].startswith("train.py: error: "), f"rank {rank}: {lines[0]}")
-            self.assertIn(needle, lines[0], f"rank {rank}")
-        self.assertFalse(os.path.exists(out))
+        out = RUNS.path(f"bad_{self._testMethodName}")  # a run that wrongly starts fails only its test
+        expect_train_error_on_ranks(self, RUNS.args("--max_steps", "2", *flags), needle, nproc, out)
 
     def test_seq_len_not_divisible_by_2c(self):
         """seq_len 34 is divisible by C = 2 but not by 2C = 4: zigzag cuts each row into 2C chunks."""

@@ -4,14 +4,13 @@ refuses bad pipeline flags in one line.
 
 Each run is a real `python train.py` / `torchrun train.py` on the stand-in corpus of tests/harness.py, with a
 4-Block tiny GPT (so P=4, and P=2 with V=2 chunks per rank, give every chunk a Block) and M = 4 micro-batches
-per step (2 under dp=2). Runs are made once and shared by name (`run`); the one-process references are made
-in setUpClass.
+per step (2 under dp=2). Runs are made once and shared by name (`run`; tests/harness.WholeRuns: a run identical
+to another file's, such as the one-process reference of test_activation_checkpointing, is trained once); the
+one-process references are made in setUpClass.
 """
 import contextlib
 import io
 import os
-import shutil
-import tempfile
 import unittest
 
 import pytest
@@ -20,8 +19,8 @@ import torch
 import checkpoint
 from parallel.pipeline import p2p_bytes_per_step
 from tests.harness import (
-    assert_close, evals_of, expect_train_error_in_process, launch_ranks, make_token_bins, rank0_only,
-    run_train, steps_of)
+    WholeRuns, assert_close, check_kill_and_resume, check_resume_from, checkpoint_params as state, evals_of,
+    expect_train_error_in_process, expect_train_error_on_ranks, rank0_only, steps_of)
 
 STEPS, SHORT = 10, 6  # SHORT: the checkpoint runs and the 8-rank 3D run
 MB, T, C, N_LAYER = 2, 32, 64, 4  # micro-batch, seq_len, n_embd of `tiny`, Blocks
@@ -33,31 +32,15 @@ INTERLEAVED = [*PP2, "--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages",
 TP2_SP = ["--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"]
 DDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
 
-TMP = None
-RUNS: dict[str, str] = {}  # name -> out_dir of a finished run
-
-
-def setUpModule():
-    global TMP
-    TMP = tempfile.TemporaryDirectory()
-    make_token_bins(os.path.join(TMP.name, "data"))
-
-
-def tearDownModule():
-    TMP.cleanup()
+RUNS = WholeRuns(BASE)
+setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
 
 
 def run(name: str, flags: list[str], nproc: int, steps: int = STEPS, checkpoints: bool = False) -> str:
     """Train once per name (later callers reuse the run); returns its out_dir. Without `checkpoints`,
     --no_checkpoint; with it, a checkpoint every 3 steps (and the final one)."""
-    if name not in RUNS:
-        out = os.path.join(TMP.name, name)
-        saving = ["--checkpoint_interval", "3"] if checkpoints else ["--no_checkpoint"]
-        proc = run_train(BASE + ["--max_steps", str(steps), "--dataset", os.path.join(TMP.name, "data"),
-                                 "--out_dir", out] + saving + flags, nproc)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        RUNS[name] = out
-    return RUNS[name]
+    saving = ["--checkpoint_interval", "3"] if checkpoints else ["--no_checkpoint"]
+    return RUNS.run(name, ["--max_steps", str(steps), *saving, *flags], nproc)
 
 
 def expected_p2p(pp: int, virtual: int, dp: int, seq_shard: int) -> int:
@@ -178,10 +161,6 @@ class TestPipelineAgreesWithOneProcess(unittest.TestCase):
         assert_close(self, got, eager, "grad_norm", 0, "deferred vs eager")
 
 
-def state(path: str) -> dict[str, torch.Tensor]:
-    return {name: kinds["param"] for name, kinds in checkpoint.consolidate(path).items()}
-
-
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestPipelineCheckpoints(unittest.TestCase):
@@ -202,16 +181,10 @@ class TestPipelineCheckpoints(unittest.TestCase):
         cls.single = run("single_short", [], 1, SHORT, checkpoints=True)
         cls.pp = run("pp_short", PP2, 2, SHORT, checkpoints=True)
 
-    def resume(self, name: str, source: str, flags: list[str], nproc: int, env: dict | None = None) -> str:
+    def resume(self, name: str, source: str, flags: list[str], nproc: int) -> str:
         """A fresh out_dir holding only `source`'s step-3 checkpoint, resumed to SHORT in this layout."""
-        out = os.path.join(TMP.name, name)
-        shutil.copytree(checkpoint.step_dir(source, 3), checkpoint.step_dir(out, 3))
-        proc = run_train(BASE + ["--max_steps", str(SHORT), "--dataset", os.path.join(TMP.name, "data"),
-                                 "--out_dir", out, "--resume", "--no_checkpoint"] + flags, nproc, env=env)
-        self.assertEqual(proc.returncode, 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        self.assertIn(f"resuming from {checkpoint.step_dir(out, 3)}", proc.stdout)
-        self.assertNotIn("arguments differ", proc.stdout)
-        self.assertEqual(sorted(steps_of(out)), list(range(4, SHORT + 1)), name)
+        out = RUNS.path(name)
+        check_resume_from(self, source, 3, RUNS.args("--max_steps", str(SHORT), *flags), nproc, out, SHORT)
         return out
 
     def check_resumed(self, out: str, rtol: float, what: str) -> None:
@@ -250,32 +223,17 @@ class TestPipelineCheckpoints(unittest.TestCase):
     def test_kill_and_resume_is_bit_equal(self):
         """P=2, a checkpoint every 2 steps, rank 1 (the last stage) SIGKILLs itself after step 3 (faults.py:
         GPT_KILL_AT_STEP); --resume continues from step 2's checkpoint and recomputes step 3. Every step's loss
-        and grad_norm, and the final val_loss, equal the uninterrupted P=2 run's bits."""
-        out = os.path.join(TMP.name, "pp_killed")
-        args = BASE + ["--max_steps", str(SHORT), "--dataset", os.path.join(TMP.name, "data"), "--out_dir", out,
-                       "--checkpoint_interval", "2", *PP2]
-        k = run_train(args, 2, env={"GPT_KILL_AT_STEP": "3", "GPT_KILL_RANK": "1"})
-        self.assertNotEqual(k.returncode, 0, f"not killed:\n{k.stdout[-2000:]}\n{k.stderr[-2000:]}")
-        self.assertIn("rank 1 sends itself SIGKILL", k.stdout)
-        self.assertEqual([s for s, _ in checkpoint.list_checkpoints(out)], [2])
-        r = run_train(args + ["--resume"], 2)
-        self.assertEqual(r.returncode, 0, f"resume:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-        self.assertIn(f"resuming from {checkpoint.step_dir(out, 2)}", r.stdout)
-        got, ref = steps_of(out), steps_of(self.pp)
-        self.assertEqual(sorted(got), list(range(1, SHORT + 1)))
-        self.assertEqual([(got[s]["loss"], got[s]["grad_norm"]) for s in got],
-                         [(ref[s]["loss"], ref[s]["grad_norm"]) for s in got])
-        self.assertEqual(evals_of(out)[SHORT], evals_of(self.pp)[SHORT])
-        self.assertEqual(state(checkpoint.newest(out)).keys(), state(checkpoint.newest(self.pp)).keys())
-        for name, p in state(checkpoint.newest(out)).items():
-            self.assertTrue(torch.equal(p, state(checkpoint.newest(self.pp))[name]), name)
+        and grad_norm, every val_loss and the final checkpoint's parameters equal the uninterrupted P=2 run's
+        bits (tests/harness.check_kill_and_resume)."""
+        check_kill_and_resume(self, RUNS.args("--max_steps", str(SHORT), *PP2), 2, RUNS.path("pp_killed"), self.pp,
+                              SHORT, kill_at=3, kill_rank=1, every=2)
 
     def test_loaded_pp_checkpoint_gives_the_logged_val_loss(self):
         """checkpoint.load_model assembles the P=2 run's final checkpoint into one GPT whose loss on the eval
         batch (train.evaluate's micro-batches) is the val_loss the pipeline logged at that step."""
         from data.batches import BatchSource
         model = checkpoint.load_model(checkpoint.newest(self.pp)).eval()
-        data = BatchSource(os.path.join(TMP.name, "data"), T, model.config.vocab_size, 1337)
+        data = BatchSource(RUNS.data, T, model.config.vocab_size, 1337)
         n = 2  # --eval_iters
         with torch.no_grad():
             losses = [model(*data.get("val", 0, n * MB, chunk, MB))[1] for chunk in range(n)]
@@ -303,7 +261,7 @@ class TestPipelineCheckpoints(unittest.TestCase):
         text = sample_text()
         self.assertEqual(text, sample_text())
         self.assertEqual(len(text.split("---------------\n")[:-1]), 2, text)
-        output = os.path.join(TMP.name, "pp_export", "model.safetensors")
+        output = os.path.join(RUNS.path("pp_export"), "model.safetensors")
         with contextlib.redirect_stdout(io.StringIO()):
             self.assertEqual(export.main(["--out_dir", self.pp, "--output", output]), 0)
         saved = state(checkpoint.newest(self.pp))
@@ -321,8 +279,7 @@ class TestPipelineCheckpoints(unittest.TestCase):
 
 def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str) -> None:
     """train.main in this process, as one rank (tests/harness.expect_train_error_in_process)."""
-    expect_train_error_in_process(test, BASE + ["--max_steps", "2", "--dataset", os.path.join(TMP.name, "data")] + flags, needle,
-                                  os.path.join(TMP.name, "bad_in_process"))
+    expect_train_error_in_process(test, RUNS.args("--max_steps", "2", *flags), needle, RUNS.path("bad_in_process"))
 
 
 class TestBadPipelineFlagsOneRank(unittest.TestCase):
@@ -353,16 +310,7 @@ class TestBadPipelineFlags(unittest.TestCase):
     `train.py: error: ...`, before any work (nothing written)."""
 
     def expect_error(self, flags: list[str], needle: str, nproc: int = 2):
-        out = os.path.join(TMP.name, "bad")
-        ranks = launch_ranks(BASE + ["--max_steps", "2", "--dataset", os.path.join(TMP.name, "data"),
-                                     "--out_dir", out] + flags, nproc)
-        for rank, proc in enumerate(ranks):
-            self.assertEqual(proc.returncode, 2, f"rank {rank}: {proc.stderr}")
-            lines = proc.stderr.splitlines()
-            self.assertEqual(len(lines), 1, f"rank {rank}: {proc.stderr}")
-            self.assertTrue(lines[0].startswith("train.py: error: "), f"rank {rank}: {lines[0]}")
-            self.assertIn(needle, lines[0], f"rank {rank}")
-        self.assertFalse(os.path.exists(out))
+        expect_train_error_on_ranks(self, RUNS.args("--max_steps", "2", *flags), needle, nproc, RUNS.path("bad"))
 
     def test_pp_does_not_divide_the_world(self):
         self.expect_error(["--pipeline_parallel_size", "3"],

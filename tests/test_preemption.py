@@ -19,7 +19,7 @@ import torch
 import pytest
 
 import checkpoint
-from tests.harness import launch, launch_ranks, make_token_bins, rank0_only, train_losses
+from tests.harness import launch, launch_ranks, rank0_only, shared_data, train_losses
 from faults import PREEMPTED
 
 STEPS, SIGNAL_AT = 5, 3
@@ -33,13 +33,13 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.slow
-@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
-class TestPreemption(unittest.TestCase):
+class Runs:
+    """The two classes' setup: a scratch folder per class (`tmp`), the session's corpus (`data`), and `args`."""
+
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
-        cls.data = make_token_bins(os.path.join(cls.tmp.name, "data"))
+        cls.data = shared_data()
 
     @classmethod
     def tearDownClass(cls):
@@ -48,6 +48,10 @@ class TestPreemption(unittest.TestCase):
     def args(self, flags: list[str], out: str) -> list[str]:
         return [*BASE, *flags, "--dataset", self.data, "--out_dir", out]
 
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestPreemption(Runs, unittest.TestCase):
     def test_signal_on_one_rank_stops_all_saves_and_resumes_bit_equal(self):
         for name, flags in LAYOUTS.items():
             for sig, rank in (("TERM", "1"), ("INT", "0")):
@@ -83,20 +87,8 @@ class TestPreemption(unittest.TestCase):
 
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
-class TestAsyncCheckpoint(unittest.TestCase):
+class TestAsyncCheckpoint(Runs, unittest.TestCase):
     FSDP = ["--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--checkpoint_interval", "2"]
-
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.data = make_token_bins(os.path.join(cls.tmp.name, "data"))
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
-
-    def args(self, flags: list[str], out: str) -> list[str]:
-        return [*BASE, *flags, "--dataset", self.data, "--out_dir", out]
 
     def test_same_files_and_bit_equal_resume(self):
         sync, asyn = os.path.join(self.tmp.name, "sync"), os.path.join(self.tmp.name, "async")

@@ -12,7 +12,7 @@ import unittest
 
 import pytest
 from metrics import read_jsonl as read_metrics
-from tests.harness import launch_ranks, make_token_bins, rank0_only, run_train, train_losses
+from tests.harness import WholeRuns, launch_ranks, rank0_only, run_train, shared_data, train_losses
 
 STEPS = 10
 TINY = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "512",
@@ -24,6 +24,7 @@ TINY = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--tota
 
 
 DDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
+RUNS = WholeRuns(TINY)  # TestLayoutsAgree's runs; nothing here uses its scratch folder (no setUpModule)
 
 
 def assert_close_losses(test: unittest.TestCase, got: list[float], ref: list[float], rtol: float, what: str):
@@ -37,26 +38,12 @@ def assert_close_losses(test: unittest.TestCase, got: list[float], ref: list[flo
 class TestLayoutsAgree(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.data = make_token_bins(os.path.join(cls.tmp.name, "data"))
         cls.ref = cls.run_layout("single", [], 1)
 
     @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
-
-    runs: dict[str, list[float]] = {}
-
-    @classmethod
     def run_layout(cls, name: str, flags: list[str], nproc: int) -> list[float]:
-        """Train once per name (a test that needs another's run reuses it)."""
-        if name in cls.runs:
-            return cls.runs[name]
-        out = os.path.join(cls.tmp.name, name)
-        proc = run_train(TINY + ["--dataset", cls.data, "--out_dir", out] + flags, nproc)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        cls.runs[name] = train_losses(out)
-        return cls.runs[name]
+        """Train once per name (a test that needs another's run reuses it): tests/harness.WholeRuns."""
+        return train_losses(RUNS.run(name, flags, nproc))
 
     def check(self, name: str, flags: list[str], nproc: int, rtol: float, impl: str = "pytorch") -> list[float]:
         losses = self.run_layout(name, ["--implementation", impl] + flags, nproc)
@@ -136,7 +123,7 @@ class TestLayoutsAgree(unittest.TestCase):
 class TestMetrics(unittest.TestCase):
     def test_metrics_jsonl_fields_and_val(self):
         with tempfile.TemporaryDirectory() as tmp:
-            data = make_token_bins(os.path.join(tmp, "data"))
+            data = shared_data()
             out = os.path.join(tmp, "run")
             proc = run_train(TINY + ["--dataset", data, "--out_dir", out, "--max_steps", "4"])
             self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
@@ -168,7 +155,7 @@ class TestBadInput(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
-        cls.data = make_token_bins(os.path.join(cls.tmp.name, "data"))
+        cls.data = shared_data()
         cls.out = os.path.join(cls.tmp.name, "out")
 
     @classmethod

@@ -5,26 +5,23 @@ in one line.
 
 Each run is a real `python train.py` / `torchrun train.py` on the stand-in corpus of tests/harness.py, with a
 4-Block tiny GPT and M = 8 micro-batches per step over all ranks: 4 per rank at dp=2, 2 at dp=4 (HSDP
-R=2 x S=2), so every layout accumulates gradients. Runs are made once and shared by name (`run`); the
-one-process reference is made in each class's setUpClass. `zero1`, `zero2`, `fsdp` name our engine
-(parallel/fsdp.py, ZeRO stages 1, 2, 3), `torch_<name>` its twin (`--implementation pytorch`): torch DDP +
-ZeroRedundancyOptimizer, fully_shard(reshard_after_forward=False), fully_shard; the HSDP twins of zero2 and
-fsdp run on the 2D (dp_replicate, dp_shard) mesh, zero1's shards over all dp ranks (see TestZeroStateBytes).
+R=2 x S=2), so every layout accumulates gradients. Runs are made once and shared by name (`run`, through
+tests/harness.WholeRuns); the one-process reference is made in each class's setUpClass. `zero1`, `zero2`,
+`fsdp` name our engine (parallel/fsdp.py, ZeRO stages 1, 2, 3), `torch_<name>` its twin (`--implementation
+pytorch`): torch DDP + ZeroRedundancyOptimizer, fully_shard(reshard_after_forward=False), fully_shard; the HSDP
+twins of zero2 and fsdp run on the 2D (dp_replicate, dp_shard) mesh, zero1's shards over all dp ranks (see
+TestZeroStateBytes).
 """
-import os
-import shutil
-import tempfile
 import unittest
 
 import pytest
 import torch
 
-import checkpoint
 from model import GPT, make_config
 from parallel.fsdp import fsdp_comm_bytes_per_micro_step
 from tests.harness import (
-    assert_close, evals_of, expect_train_error_in_process, launch_ranks, make_token_bins, rank0_only,
-    run_train, steps_of)
+    WholeRuns, assert_close, check_kill_and_resume, check_resume_from, evals_of, expect_train_error_in_process,
+    expect_train_error_on_ranks, rank0_only, steps_of)
 
 STEPS = 6
 MB, T, N_LAYER, M = 2, 32, 4, 8  # micro-batch, seq_len, Blocks, micro-batches per step (all ranks)
@@ -54,18 +51,8 @@ LAYOUTS = {
 }
 SAVING = ("zero1", "torch_zero1")  # checkpoint sources for TestZeroCheckpoints: they save every 3 steps
 
-TMP = None
-RUNS: dict[str, str] = {}  # name -> out_dir of a finished run
-
-
-def setUpModule():
-    global TMP
-    TMP = tempfile.TemporaryDirectory()
-    make_token_bins(os.path.join(TMP.name, "data"))
-
-
-def tearDownModule():
-    TMP.cleanup()
+RUNS = WholeRuns(BASE)
+setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
 
 
 def layout(name: str) -> tuple[list[str], int]:
@@ -80,16 +67,12 @@ def layout(name: str) -> tuple[list[str], int]:
 def run(name: str, flags: list[str] | None = None, nproc: int | None = None) -> str:
     """Train once per name (later callers reuse the run); returns its out_dir. Layout from `layout(name)`
     unless given; SAVING runs checkpoint every 3 steps, the others not at all."""
-    if name not in RUNS:
-        if flags is None:
-            flags, nproc = layout(name)
-        out = os.path.join(TMP.name, name)
-        saving = ["--checkpoint_interval", "3"] if name in SAVING else ["--no_checkpoint"]
-        proc = run_train(BASE + ["--dataset", os.path.join(TMP.name, "data"), "--out_dir", out] + saving + flags,
-                         nproc)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-        RUNS[name] = out
-    return RUNS[name]
+    if name in RUNS:  # a later caller may name a run that is not in LAYOUTS ("ddp") without its flags
+        return RUNS[name]
+    if flags is None:
+        flags, nproc = layout(name)
+    saving = ["--checkpoint_interval", "3"] if name in SAVING else ["--no_checkpoint"]
+    return RUNS.run(name, [*saving, *flags], nproc)
 
 
 # ----------------------------------------------------------------------------- the model's units
@@ -220,23 +203,11 @@ class TestZeroCheckpoints(unittest.TestCase):
     def kill_and_resume(self, name: str, kill_rank: int) -> None:
         """A checkpoint every 2 steps; rank `kill_rank` SIGKILLs itself after step 3 (faults.py:
         GPT_KILL_AT_STEP); --resume continues from step 2's checkpoint and recomputes step 3. Every step's loss
-        and grad_norm, and the val losses, equal the uninterrupted run's bits."""
+        and grad_norm, and the val losses, equal the uninterrupted run's bits; so do the final checkpoint's
+        parameters where that run saves one (SAVING). See tests/harness.check_kill_and_resume."""
         flags, nproc = layout(name)
-        out = os.path.join(TMP.name, name + "_killed")
-        args = BASE + ["--dataset", os.path.join(TMP.name, "data"), "--out_dir", out,
-                       "--checkpoint_interval", "2", *flags]
-        k = run_train(args, nproc, env={"GPT_KILL_AT_STEP": "3", "GPT_KILL_RANK": str(kill_rank)})
-        self.assertNotEqual(k.returncode, 0, f"not killed:\n{k.stdout[-2000:]}\n{k.stderr[-2000:]}")
-        self.assertIn(f"rank {kill_rank} sends itself SIGKILL", k.stdout)
-        self.assertEqual([s for s, _ in checkpoint.list_checkpoints(out)], [2])
-        r = run_train(args + ["--resume"], nproc)
-        self.assertEqual(r.returncode, 0, f"resume:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-        self.assertIn(f"resuming from {checkpoint.step_dir(out, 2)}", r.stdout)
-        got, ref = steps_of(out), steps_of(run(name))
-        self.assertEqual(sorted(got), list(range(1, STEPS + 1)))
-        self.assertEqual([(got[s]["loss"], got[s]["grad_norm"]) for s in got],
-                         [(ref[s]["loss"], ref[s]["grad_norm"]) for s in got])
-        self.assertEqual(evals_of(out), evals_of(run(name)))
+        check_kill_and_resume(self, RUNS.args(*flags), nproc, RUNS.path(name + "_killed"), run(name), STEPS,
+                              kill_at=3, kill_rank=kill_rank, every=2, final_state=name in SAVING)
 
     def test_kill_and_resume_zero1(self):
         self.kill_and_resume("zero1", kill_rank=1)
@@ -247,16 +218,10 @@ class TestZeroCheckpoints(unittest.TestCase):
 
     def resume(self, name: str, source: str, target: str) -> None:
         """A fresh out_dir holding only `source`'s step-3 checkpoint, resumed to STEPS in `target`'s layout."""
-        out = os.path.join(TMP.name, name)
-        shutil.copytree(checkpoint.step_dir(run(source), 3), checkpoint.step_dir(out, 3))
+        out = RUNS.path(name)
         flags, nproc = layout(target)
-        proc = run_train(BASE + ["--dataset", os.path.join(TMP.name, "data"), "--out_dir", out, "--resume",
-                                 "--no_checkpoint"] + flags, nproc)
-        self.assertEqual(proc.returncode, 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        self.assertIn(f"resuming from {checkpoint.step_dir(out, 3)}", proc.stdout)
-        self.assertNotIn("arguments differ", proc.stdout)
+        check_resume_from(self, run(source), 3, RUNS.args(*flags), nproc, out, STEPS)
         got, ref = steps_of(out), steps_of(self.single)
-        self.assertEqual(sorted(got), list(range(4, STEPS + 1)), name)
         assert_close(self, got, ref, "loss", 1e-6, name)
         assert_close(self, got, ref, "grad_norm", 1e-6, name)
         assert_close(self, evals_of(out), evals_of(self.single), None, 1e-6, name, steps=[STEPS])
@@ -412,8 +377,7 @@ class TestZeroCommBytes(unittest.TestCase):
 
 def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str) -> None:
     """train.main in this process, as one rank (tests/harness.expect_train_error_in_process)."""
-    expect_train_error_in_process(test, BASE + ["--dataset", os.path.join(TMP.name, "data")] + flags, needle,
-                                  os.path.join(TMP.name, "bad_in_process"))
+    expect_train_error_in_process(test, RUNS.args(*flags), needle, RUNS.path("bad_in_process"))
 
 
 class TestBadZeroFlagsOneRank(unittest.TestCase):
@@ -444,15 +408,7 @@ class TestBadZeroFlags(unittest.TestCase):
     `train.py: error: ...`, before any work (nothing written)."""
 
     def expect_error(self, flags: list[str], needle: str, nproc: int = 2):
-        out = os.path.join(TMP.name, "bad")
-        ranks = launch_ranks(BASE + ["--dataset", os.path.join(TMP.name, "data"), "--out_dir", out] + flags, nproc)
-        for rank, proc in enumerate(ranks):
-            self.assertEqual(proc.returncode, 2, f"rank {rank}: {proc.stderr}")
-            lines = proc.stderr.splitlines()
-            self.assertEqual(len(lines), 1, f"rank {rank}: {proc.stderr}")
-            self.assertTrue(lines[0].startswith("train.py: error: "), f"rank {rank}: {lines[0]}")
-            self.assertIn(needle, lines[0], f"rank {rank}")
-        self.assertFalse(os.path.exists(out))
+        expect_train_error_on_ranks(self, RUNS.args(*flags), needle, nproc, RUNS.path("bad"))
 
     def test_replicas_do_not_divide_dp(self):
         self.expect_error(dp("fsdp", 4, 3), "--data_parallel_replicate_size 3 needs a sharded --data_parallel_type "
