@@ -11,6 +11,7 @@ import os
 import unittest
 
 import pytest
+import torch
 
 import checkpoint
 from model import GPT, make_config
@@ -21,7 +22,7 @@ from tests.harness import (
     WholeRuns, assert_close, check_kill_and_resume, check_resume_from, checkpoint_params as state, evals_of,
     expect_train_error_in_process, expect_train_error_on_ranks, rank0_only, steps_of)
 
-STEPS = 6
+STEPS = 10  # the issue's "first 10 losses"
 MB, T, C, N_LAYER = 2, 32, 64, 2  # micro-batch, seq_len, n_embd of `tiny`, Blocks
 M = 2  # micro-batches per step at dp=1
 BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", str(T),
@@ -36,8 +37,8 @@ setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
 
 def run(name: str, flags: list[str], nproc: int, checkpoints: bool = False) -> str:
     """Train once per name (later callers reuse the run); returns its out_dir. Without `checkpoints`,
-    --no_checkpoint; with it, a checkpoint every 3 steps (and the final one)."""
-    saving = ["--checkpoint_interval", "3"] if checkpoints else ["--no_checkpoint"]
+    --no_checkpoint; with it, a checkpoint every 3 steps (and the final one), all 4 kept: steps 3, 6, 9, 10."""
+    saving = ["--checkpoint_interval", "3", "--keep_checkpoints", "4"] if checkpoints else ["--no_checkpoint"]
     return RUNS.run(name, ["--max_steps", str(STEPS), *saving, *flags], nproc)
 
 
@@ -78,7 +79,7 @@ class TestContextParallelAgreesWithOneProcess(unittest.TestCase):
         assert_close(self, got, self.ref, "loss", rtol, name)
         assert_close(self, got, self.ref, "grad_norm", rtol, name)
         evals = evals_of(out)
-        self.assertEqual(sorted(evals), [0, 3, STEPS], name)
+        self.assertEqual(sorted(evals), [0, 3, 6, 9, STEPS], name)
         assert_close(self, evals, self.ref_evals, None, rtol, name)
         if p2p is not None:
             self.assertGreater(p2p, 0)
