@@ -255,6 +255,25 @@ def assert_close(test, got: dict, ref: dict, key: str | None, rtol: float, what:
         test.assertLessEqual(abs(a - b), rtol * abs(b), f"{what}: step {s} {key or 'val_loss'} {a} vs {b}")
 
 
+def check_against(test, out: str, ref: str, steps: int, evals: list[int], rtol: float,
+                  p2p: int | None = None) -> dict[int, dict]:
+    """The run in `out` against the run in `ref` (out_dirs, same steps and data): it logged steps 1..steps and
+    val losses at exactly `evals`; every loss, grad_norm and val_loss is within rtol (relative) of ref's; and,
+    given `p2p`, rank 0 sent that many p2p bytes every step. Returns out's steps."""
+    got, name = steps_of(out), os.path.basename(out)
+    test.assertEqual(sorted(got), list(range(1, steps + 1)), name)
+    want = steps_of(ref)
+    assert_close(test, got, want, "loss", rtol, name)
+    assert_close(test, got, want, "grad_norm", rtol, name)
+    got_evals = evals_of(out)
+    test.assertEqual(sorted(got_evals), evals, name)
+    assert_close(test, got_evals, evals_of(ref), None, rtol, name)
+    if p2p is not None:
+        test.assertGreater(p2p, 0)
+        test.assertEqual([got[s]["comm_bytes"]["p2p"] for s in got], [p2p] * steps, f"{name}: p2p bytes")
+    return got
+
+
 def checkpoint_params(path: str) -> dict[str, torch.Tensor]:
     """name -> full parameter tensor of the checkpoint at `path` (checkpoint.consolidate)."""
     import checkpoint

@@ -7,7 +7,6 @@ Each run is a real `python train.py` / `torchrun train.py` on the stand-in corpu
 M = 2 micro-batches per step (1 under dp=2). Runs are made once and shared by name (`run`, through
 tests/harness.WholeRuns); the one-process reference is made in setUpClass.
 """
-import os
 import unittest
 
 import pytest
@@ -19,8 +18,8 @@ from parallel.context_parallel import cp_p2p_bytes_per_micro_step
 from parallel.pipeline import p2p_bytes_per_step
 from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
 from tests.harness import (
-    WholeRuns, assert_close, check_kill_and_resume, check_resume_from, checkpoint_params as state, evals_of,
-    expect_train_error_in_process, expect_train_error_on_ranks, rank0_only, steps_of)
+    WholeRuns, assert_close, check_against, check_kill_and_resume, check_resume_from, checkpoint_params as state,
+    evals_of, expect_train_error_in_process, expect_train_error_on_ranks, rank0_only, steps_of)
 
 STEPS = 10  # the issue's "first 10 losses"
 MB, T, C, N_LAYER = 2, 32, 64, 2  # micro-batch, seq_len, n_embd of `tiny`, Blocks
@@ -74,17 +73,7 @@ class TestContextParallelAgreesWithOneProcess(unittest.TestCase):
     def check(self, out: str, rtol: float = 1e-5, p2p: int | None = None) -> dict[int, dict]:
         """Losses, grad norms and val losses of the run in `out` within rtol of one process; rank 0's p2p bytes
         equal `p2p` every step."""
-        got, name = steps_of(out), os.path.basename(out)
-        self.assertEqual(sorted(got), list(range(1, STEPS + 1)), name)
-        assert_close(self, got, self.ref, "loss", rtol, name)
-        assert_close(self, got, self.ref, "grad_norm", rtol, name)
-        evals = evals_of(out)
-        self.assertEqual(sorted(evals), [0, 3, 6, 9, STEPS], name)
-        assert_close(self, evals, self.ref_evals, None, rtol, name)
-        if p2p is not None:
-            self.assertGreater(p2p, 0)
-            self.assertEqual([got[s]["comm_bytes"]["p2p"] for s in got], [p2p] * STEPS, f"{name}: p2p bytes")
-        return got
+        return check_against(self, out, RUNS["single"], STEPS, [0, 3, 6, 9, STEPS], rtol, p2p)
 
     def test_reference_learns(self):
         self.assertEqual(len(self.ref), STEPS)

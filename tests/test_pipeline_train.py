@@ -19,8 +19,8 @@ import torch
 import checkpoint
 from parallel.pipeline import p2p_bytes_per_step
 from tests.harness import (
-    WholeRuns, assert_close, check_kill_and_resume, check_resume_from, checkpoint_params as state, evals_of,
-    expect_train_error_in_process, expect_train_error_on_ranks, rank0_only, steps_of)
+    WholeRuns, assert_close, check_against, check_kill_and_resume, check_resume_from, checkpoint_params as state,
+    evals_of, expect_train_error_in_process, expect_train_error_on_ranks, rank0_only, steps_of)
 
 STEPS, SHORT = 10, 6  # SHORT: the checkpoint runs and the 8-rank 3D run
 MB, T, C, N_LAYER = 2, 32, 64, 4  # micro-batch, seq_len, n_embd of `tiny`, Blocks
@@ -75,17 +75,7 @@ class TestPipelineAgreesWithOneProcess(unittest.TestCase):
         """Losses and val losses within rtol of the one-process run `ref`; grad_norm too unless TP is in
         `flags` (see check_tp_norm); rank 0's p2p bytes equal `p2p` every step."""
         out = run(name, flags, nproc, steps, checkpoints=False)
-        got, ref_steps, ref_evals = steps_of(out), steps_of(RUNS[ref]), evals_of(RUNS[ref])
-        self.assertEqual(sorted(got), list(range(1, steps + 1)), name)
-        assert_close(self, got, ref_steps, "loss", rtol, name)
-        assert_close(self, got, ref_steps, "grad_norm", rtol, name)
-        evals = evals_of(out)
-        self.assertEqual(sorted(evals), [0, 5, steps] if steps > 5 else [0, steps], name)
-        assert_close(self, evals, ref_evals, None, rtol, name)
-        if p2p is not None:
-            self.assertGreater(p2p, 0)
-            self.assertEqual([got[s]["comm_bytes"]["p2p"] for s in got], [p2p] * steps, f"{name}: p2p bytes")
-        return got
+        return check_against(self, out, RUNS[ref], steps, [0, 5, steps] if steps > 5 else [0, steps], rtol, p2p)
 
     def test_reference_learns(self):
         self.assertEqual(len(self.ref), STEPS)
