@@ -191,7 +191,7 @@ TORCH_CP_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 def apply_torch_context_parallel(model: torch.nn.Module, cp_rank: int, cp: int) -> None:
     """The twin's half of `apply_context_parallel`: zigzag positions for the position embedding; attention
     stays F.scaled_dot_product_attention, which `torch_context_parallel` rings. torch's head-tail load
-    balancer gives rank r chunks r and 2C-1-r, in that order: our split (tests/test_context_parallel.py)."""
+    balancer gives rank r chunks r and 2C-1-r, in that order: our split (tests/test_context_parallel_twin.py)."""
     model.cp = (cp_rank, cp)
 
 
