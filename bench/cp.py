@@ -284,9 +284,10 @@ def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_la
         f"C in {cps}, TP in {list(tps)}; {rows} rows x seq_len tokens/step, {warmup}+{steps} steps")
 
     layouts = [(cp, 1) for cp in cps] + [(1, tp) for tp in tps]
+    tag = {(cp, tp): f"c{cp}" + (f"-tp{tp}" if tp > 1 else "") for cp, tp in layouts}  # file names under runs/
     memory: dict[tuple[int, int], dict] = {}
     for cp, tp in layouts:
-        name = f"c{cp}" + (f"-tp{tp}" if tp > 1 else "")
+        name = tag[cp, tp]
         result = os.path.join(out, "runs", f"saved-{name}.json")
         spec = {"model": model, "n_layer": n_layer, "seq_lens": seq_lens, "rows": rows, "result": result}
         job = run_job(memory_command(cp, spec, tp), os.path.join(out, "runs", f"saved-{name}.log"), timeout)
@@ -300,7 +301,7 @@ def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_la
     for T in seq_lens:
         full_params = memory.get((1, 1), {}).get(T, {}).get("param_bytes")
         for cp, tp in layouts:
-            run_dir = os.path.join(out, "runs", f"T{T}-c{cp}" + (f"-tp{tp}" if tp > 1 else ""))
+            run_dir = os.path.join(out, "runs", f"T{T}-{tag[cp, tp]}")
             os.makedirs(run_dir, exist_ok=True)
             cmd = train_command(T, cp, run_dir, model=model, n_layer=n_layer, rows=rows,
                                 warmup=warmup, steps=steps, dataset=dataset, peak_flops=machine["peak_flops"],
