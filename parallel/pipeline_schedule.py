@@ -12,22 +12,27 @@ Actions. `Action(kind, chunk, micro)`; `chunk` is always a chunk of the rank tha
   RECV_B(c, m)         grad of chunk c's output from chunk c+1; matches SEND_B(c+1, m).
 
 Pairing rule. Each schedule fixes only the order of F/B on each rank; `_with_p2p` runs those orders once
-as early as data allows (F=1, B=2 units, messages free) and gives every message a meeting time, its
-consumer's start. Each rank then lists, in time order: a RECV just before the compute that needs it
-(ties: message first), and a SEND either right after its producer (default, for isend) or at the meeting
-time (`blocking=True`, for blocking send). Within one peer pair both sides list their messages in the same
-order, which is what gloo needs: it matches the k-th send from a to b with the k-th receive on b from a,
-for send/recv and isend/irecv alike.
-- Default (isend): a send never waits, so nothing deadlocks and the timeline is the ideal one (per-pair
-  order agreement is checked by `simulate`, for every layout the tests cover); every
-  schedule, interleaved included, meets `bubble_fraction` exactly. With blocking sends these lists can
-  deadlock (interleaved 1F1B does: simulate(..., p2p="rendezvous") reports it).
-- blocking=True: all of a rank's messages follow one global order (meeting time, then ready time, sender),
-  so the lowest unfinished message always has both of its ranks waiting on it: blocking send/recv cannot
-  deadlock. The price: a sender that would have run ahead waits for its receiver. GPipe and 1F1B lose
-  nothing; interleaved 1F1B loses some of its gain (tests/test_pipeline_schedule.py measures it).
+as early as data allows (F=1, B=2 units, messages free) and gives every message two times: ready (its
+producer's end) and meet (its consumer's start). Each rank then lists its actions in time order, a message
+before any compute starting at its time, by one of three pairings:
+- "ready" (default): SEND and RECV both at the ready time, with the same key on both sides (ready time,
+  sender, chunk, micro). Every rank's messages then follow one global order, so within a peer pair both sides list
+  the pair's messages, both directions merged, in the same order. That is what NCCL needs: torch runs a
+  pair's unbatched isend/irecv on one communicator and stream in posting order, and a send completes only
+  when the peer's matching receive is at the head of its side (simulate(..., p2p="nccl")); what gloo needs
+  (the k-th send from a to b meets the k-th receive on b from a) follows. With the global order the lowest
+  unfinished message always has both ranks posted on it, so no p2p model deadlocks, and with isends the
+  timeline is the ideal one: every schedule meets `bubble_fraction` exactly. A receiver waits from the
+  ready time on, which in the ideal timeline is when the data arrives.
+- "meet": both at the meeting time (the same global-order argument). The sender posts late, so a sender
+  that would have run ahead waits for its receiver: GPipe and 1F1B lose nothing, interleaved 1F1B loses
+  some of its gain (tests/test_pipeline_schedule.py measures it).
+- "split": SEND at ready, RECV at meet (the order before 2026-12: each direction agrees, the merged pair
+  order does not). gloo and isend run it at the ideal timeline; under NCCL's pair order, and with blocking
+  sends, interleaved 1F1B deadlocks (e.g. P=2, V=2, M=4: rank 0 posts SEND_F(c0,m2) before RECV_B(c2,m0)
+  while rank 1 posts SEND_B(c3,m0) before RECV_F(c1,m2)). Kept so the tests show the simulator catches it.
 
-`simulate` executes the lists with either semantics and checks everything above.
+`simulate` executes the lists under each p2p model (async, nccl, rendezvous) and checks everything above.
 """
 from __future__ import annotations
 
@@ -83,15 +88,15 @@ def rank_of(chunk: int, pp: int) -> int:
 
 # ---- schedules: per-rank compute order, then the P2P actions -----------------------------------------
 
-def gpipe(pp: int, micro_batches: int, virtual: int = 1, blocking: bool = False) -> list[list[Action]]:
+def gpipe(pp: int, micro_batches: int, virtual: int = 1, pairing: str = "ready") -> list[list[Action]]:
     """GPipe / picotron's AFAB: every forward, then every backward, micro-batches in order."""
     _check(pp, micro_batches, virtual, need_v1=True)
     order = [[Action(F, r, m) for m in range(micro_batches)] + [Action(B, r, m) for m in range(micro_batches)]
              for r in range(pp)]
-    return _with_p2p(order, pp, blocking)
+    return _with_p2p(order, pp, pairing)
 
 
-def one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, blocking: bool = False) -> list[list[Action]]:
+def one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, pairing: str = "ready") -> list[list[Action]]:
     """PipeDream-flush 1F1B: P-r-1 warm-up forwards, then (F, B) pairs, then the remaining backwards.
 
     Rank r never holds more than P-r micro-batches' activations (GPipe holds M)."""
@@ -104,10 +109,10 @@ def one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, blocking: bool = 
             ops += [Action(F, r, warm + i), Action(B, r, i)]
         ops += [Action(B, r, m) for m in range(micro_batches - warm, micro_batches)]
         order.append(ops)
-    return _with_p2p(order, pp, blocking)
+    return _with_p2p(order, pp, pairing)
 
 
-def interleaved_one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, blocking: bool = False) -> list[list[Action]]:
+def interleaved_one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, pairing: str = "ready") -> list[list[Action]]:
     """Megatron's interleaved 1F1B (Narayanan et al. 2021, section 2.2; megatron/core/pipeline_parallel/
     schedules.py, forward_backward_pipelining_with_interleaving).
 
@@ -136,7 +141,7 @@ def interleaved_one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, block
             ops += [nth(warm + i, F, r), nth(i, B, r)]
         ops += [nth(k, B, r) for k in range(total - warm, total)]
         order.append(ops)
-    return _with_p2p(order, pp, blocking)
+    return _with_p2p(order, pp, pairing)
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_one_f_one_b}
@@ -159,8 +164,13 @@ def _needs(a: Action, pp: int, chunks: int) -> Action | None:
     return None
 
 
-def _with_p2p(order: list[list[Action]], pp: int, blocking: bool, f_time: int = 1, b_time: int = 2) -> list[list[Action]]:
+PAIRINGS = ("ready", "meet", "split")
+
+
+def _with_p2p(order: list[list[Action]], pp: int, pairing: str, f_time: int = 1, b_time: int = 2) -> list[list[Action]]:
     """Insert SEND/RECV actions into per-rank compute orders by the pairing rule (module docstring)."""
+    if pairing not in PAIRINGS:
+        raise ValueError(f"unknown pairing {pairing!r}; known: {PAIRINGS}")
     chunks = max(a.chunk for ops in order for a in ops) + 1
     # 1. ideal start times: each compute as soon as its rank is free and its inputs exist (messages free)
     start: dict[Action, int] = {}
@@ -181,7 +191,7 @@ def _with_p2p(order: list[list[Action]], pp: int, blocking: bool, f_time: int = 
                 pos[r], moved = pos[r] + 1, True
         if not moved:
             raise ScheduleError(f"compute orders deadlock at {[order[r][pos[r]:pos[r] + 1] for r in range(pp)]}")
-    # 2. every cross-rank message meets at its consumer's start; number them by (meet, ready, sender, ...)
+    # 2. every cross-rank message gets one key per side: (time, 0, tie-breaks); computes (start, 1, ...)
     keyed = []
     for r in range(pp):
         for c in order[r]:
@@ -189,10 +199,13 @@ def _with_p2p(order: list[list[Action]], pp: int, blocking: bool, f_time: int = 
             if (recv := _needs(c, pp, chunks)) is not None:
                 src_chunk = c.chunk - 1 if c.kind == F else c.chunk + 1
                 send = Action(SEND_F if c.kind == F else SEND_B, src_chunk, c.micro)
-                key = (start[c], 0, end[(c.kind, src_chunk, c.micro)], rank_of(src_chunk, pp), c.chunk, c.micro)
-                send_key = key if blocking else (end[(c.kind, src_chunk, c.micro)], 0) + key[2:]
-                keyed += [(key, r, recv), (send_key, rank_of(src_chunk, pp), send)]
-    # 3. each rank's actions in that order: a message before any compute starting at its meeting time
+                ready, sender = end[(c.kind, src_chunk, c.micro)], rank_of(src_chunk, pp)
+                ready_key = (ready, 0, ready, sender, c.chunk, c.micro)
+                meet_key = (start[c], 0, ready, sender, c.chunk, c.micro)
+                send_key = meet_key if pairing == "meet" else ready_key
+                recv_key = ready_key if pairing == "ready" else meet_key
+                keyed += [(recv_key, r, recv), (send_key, sender, send)]
+    # 3. each rank's actions in that order: a message before any compute starting at its time
     out: list[list[Action]] = [[] for _ in range(pp)]
     for _, r, a in sorted(keyed, key=lambda x: x[0]):
         out[r].append(a)
@@ -223,14 +236,25 @@ def _peer(a: Action, pp: int) -> tuple[int, Action]:
     return rank_of(a.chunk + step, pp), Action(kind, a.chunk + step, a.micro)
 
 
+P2P_MODELS = ("async", "nccl", "rendezvous")
+
+
 def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batches: int | None = None,
              f_time: int = 1, b_time: int = 2, p2p: str = "rendezvous") -> SimResult:
-    """Run every rank's list; computes take f_time / b_time units. p2p="rendezvous": a send blocks until its
-    receive is posted and both complete at the later arrival (blocking send/recv). p2p="async": a send is
-    queued per (sender, receiver) and the rank goes on (isend); a receive takes the oldest queued send from
-    its peer and waits while there is none. Raises ScheduleError on deadlock,
-    a send meeting the wrong receive, a compute before its input arrived, F/B out of order, work on
-    another rank's chunk, or any (chunk, micro) without exactly one F and one B."""
+    """Run every rank's list; computes take f_time / b_time units. Three p2p models:
+    - "rendezvous": a send blocks until its receive is posted; both complete at the later arrival
+      (blocking send/recv).
+    - "async" (gloo, isend/irecv): a send is queued per (sender, receiver) and the rank goes on; a receive
+      takes the oldest queued send from its peer and waits while there is none.
+    - "nccl" (torch's unbatched isend/irecv on NCCL): one FIFO per peer pair and side, shared by both
+      directions, in posting order. Posting never blocks the rank, but the rank waits on each receive it
+      posts before going on (the next compute needs it). The ops at the heads of a pair's two sides complete
+      together when one is a send and the other its receive; two sends (or two receives) at the heads wait
+      for each other forever.
+    Raises ScheduleError on deadlock, a send meeting the wrong receive, a compute before its input arrived,
+    F/B out of order, work on another rank's chunk, or any (chunk, micro) without exactly one F and one B."""
+    if p2p not in P2P_MODELS:
+        raise ValueError(f"unknown p2p model {p2p!r}; known: {P2P_MODELS}")
     if len(schedule) != pp:
         raise ScheduleError(f"schedule has {len(schedule)} ranks, pp={pp}")
     chunks = pp * virtual
@@ -245,7 +269,10 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
     done: set[Action] = set()  # computes and receives completed, over all ranks (chunks name their rank)
     pos, clock, held, peak, busy = [0] * pp, [0] * pp, [0] * pp, [0] * pp, [0] * pp
     timeline: list[list[tuple[int, int, Action]]] = [[] for _ in range(pp)]
-    posted: dict[tuple[int, int], deque] = defaultdict(deque)  # (src, dst) -> sends in flight (async)
+    posted: dict[tuple[int, int], deque] = defaultdict(deque)  # async: (src, dst) -> sends in flight;
+    # nccl: (me, peer) -> my ops on that pair not yet completed, oldest first
+    arrived: dict[Action, int] = {}  # nccl: a completed receive's time
+    waiting = [False] * pp  # nccl: the rank's head RECV is posted and it waits on it
 
     def head(r: int) -> Action | None:
         return schedule[r][pos[r]] if pos[r] < len(schedule[r]) else None
@@ -260,8 +287,8 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
                     raise ScheduleError(f"rank {r} runs {a} before its forward")
                 src = a.chunk - 1 if a.kind == F else a.chunk + 1
                 local = rank_of(src, pp) == r
-                arrived = Action(a.kind, src, a.micro) if local else Action(RECV_F if a.kind == F else RECV_B, *a[1:])
-                if 0 <= src < chunks and arrived not in done:
+                arrival = Action(a.kind, src, a.micro) if local else Action(RECV_F if a.kind == F else RECV_B, *a[1:])
+                if 0 <= src < chunks and arrival not in done:
                     raise ScheduleError(f"rank {r} runs {a} before its input arrived")
                 cost = f_time if a.kind == F else b_time
                 timeline[r].append((clock[r], clock[r] + cost, a))
@@ -279,7 +306,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
             if a.kind.startswith("SEND"):
                 if Action(a.kind[-1], a.chunk, a.micro) not in done:
                     raise ScheduleError(f"rank {r} posts {a} before computing it")
-                if p2p == "async":  # isend: queue it and go on
+                if p2p in ("async", "nccl"):  # isend: queue it and go on
                     posted[(r, q)].append((a, want, clock[r]))
                     pos[r], moved = pos[r] + 1, True
                     continue
@@ -291,6 +318,13 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
                 clock[r] = clock[q] = max(clock[r], clock[q])
                 done.add(b)
                 pos[r], pos[q], moved = pos[r] + 1, pos[q] + 1, True
+            elif p2p == "nccl":
+                if not waiting[r]:
+                    posted[(r, q)].append((a, want, clock[r]))
+                    waiting[r], moved = True, True
+                elif a in done:
+                    clock[r] = max(clock[r], arrived[a])
+                    waiting[r], pos[r], moved = False, pos[r] + 1, True
             elif p2p == "async" and posted[(q, r)]:  # a receive takes the oldest send from its peer
                 sent, meets, t = posted[(q, r)].popleft()
                 if meets != a:
@@ -298,9 +332,13 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
                 clock[r] = max(clock[r], t)
                 done.add(a)
                 pos[r], moved = pos[r] + 1, True
+        if p2p == "nccl":
+            moved |= _match_pair_heads(posted, arrived, done)
         if not moved:
             stuck = {r: head(r) for r in range(pp) if head(r) is not None}
-            raise ScheduleError(f"deadlock: no rank can progress; waiting {stuck}")
+            heads = {k: v[0][0] for k, v in posted.items() if v} if p2p == "nccl" else {}
+            raise ScheduleError(f"deadlock: no rank can progress; waiting {stuck}"
+                                + (f"; pair heads (rank, peer): {heads}" if heads else ""))
     for c in range(chunks):
         for m in range(micro_batches):
             for kind in COMPUTE:
@@ -309,6 +347,28 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
     if any(posted.values()):
         raise ScheduleError(f"sends never received: {[x[0] for x in posted.values() for x in x]}")
     return SimResult(max(clock), timeline, peak, busy)
+
+
+def _match_pair_heads(posted: dict[tuple[int, int], deque], arrived: dict[Action, int], done: set) -> bool:
+    """NCCL pair FIFOs: complete every send/receive pair standing at the heads of both sides of a pair.
+    Returns whether anything completed; raises on a send meeting the wrong receive."""
+    moved = False
+    for (r, q) in list(posted):
+        if r > q:
+            continue
+        mine, theirs = posted[(r, q)], posted[(q, r)]
+        while mine and theirs:
+            (a, want, ta), (b, _, tb) = mine[0], theirs[0]
+            if a.kind.startswith("SEND") == b.kind.startswith("SEND"):
+                break  # both sending (or both receiving): neither completes, ever
+            if b != want:
+                raise ScheduleError(f"order mismatch on pair ({r}, {q}): rank {r}'s {a} meets rank {q}'s {b}")
+            recv = b if b.kind.startswith("RECV") else a
+            arrived[recv] = max(ta, tb)
+            done.add(recv)
+            mine.popleft(), theirs.popleft()
+            moved = True
+    return moved
 
 
 # ---- theory ------------------------------------------------------------------------------------------

@@ -15,11 +15,22 @@ from __future__ import annotations
 import unittest
 from fractions import Fraction
 
-from parallel.pipeline_schedule import (B, F, RECV_F, SCHEDULES, SEND_F, Action, ScheduleError, bubble_fraction,
-                                        chunk_of, gpipe, interleaved_one_f_one_b, one_f_one_b, simulate,
-                                        split_layers)
+from parallel.pipeline_schedule import (B, F, P2P_MODELS, PAIRINGS, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action,
+                                        ScheduleError, bubble_fraction, chunk_of, gpipe, interleaved_one_f_one_b,
+                                        one_f_one_b, simulate, split_layers)
 
 PPS = (2, 3, 4, 8)
+
+
+def nccl_grid():
+    """(name, pp, micro, virtual) the NCCL model must pass: P in 2..8, V in 1..3, M in {P, P+1, 2P, 4P}, as
+    each schedule accepts them (gpipe and 1f1b run V = 1; interleaved needs M % P == 0)."""
+    for name in SCHEDULES:
+        for p in range(2, 9):
+            for m in (p, p + 1, 2 * p, 4 * p):
+                for v in (1,) if name != "interleaved_1f1b" else (1, 2, 3):
+                    if not refuses(name, p, m, v):
+                        yield name, p, m, v
 
 
 def cases():
@@ -85,17 +96,48 @@ class TestSchedules(unittest.TestCase):
                 self.assertEqual(n_send, 2 * m * (p * v - 1))
 
     def test_simulator_accepts_every_schedule(self):
-        """No deadlock, sends meet receives in order, F before B, exactly-once coverage: isend lists under
-        async p2p, blocking lists under both."""
+        """No deadlock, sends meet receives in order, F before B, exactly-once coverage: the default ("ready")
+        and "meet" lists under every p2p model."""
         for name, p, m, v in cases():
             if refuses(name, p, m, v):
                 continue
             with self.subTest(name=name, pp=p, micro=m, virtual=v):
-                fn = SCHEDULES[name]
-                simulate(fn(p, m, v), p, v, m, p2p="async")
-                blocking = fn(p, m, v, blocking=True)
-                simulate(blocking, p, v, m, p2p="async")
-                simulate(blocking, p, v, m, p2p="rendezvous")
+                for pairing in ("ready", "meet"):
+                    sched = SCHEDULES[name](p, m, v, pairing=pairing)
+                    for mode in P2P_MODELS:
+                        simulate(sched, p, v, m, p2p=mode)
+
+    def test_nccl_pair_order_every_schedule(self):
+        """NCCL's model (one FIFO per peer pair for both directions; a send completes only with its receive at
+        the head of the peer's side) over P in 2..8, V in 1..3, M in {P, P+1, 2P, 4P}: the runner's lists
+        finish, at the ideal makespan 3(V·M + P - 1), as under gloo's async model."""
+        n = 0
+        for name, p, m, v in nccl_grid():
+            with self.subTest(name=name, pp=p, micro=m, virtual=v):
+                sched = SCHEDULES[name](p, m, v)
+                for mode in ("nccl", "async"):
+                    self.assertEqual(simulate(sched, p, v, m, p2p=mode).makespan, 3 * (v * m + p - 1))
+                n += 1
+        self.assertEqual(n, 7 * 4 * 2 + 7 * 3 * 3)  # gpipe, 1f1b: 4 M each; interleaved: V in 1..3, M in {P, 2P, 4P}
+
+    def test_pairs_merge_both_directions_in_one_order(self):
+        """What NCCL needs, checked on the lists themselves: each peer pair's messages, both directions merged,
+        appear in the same order on both of its ranks."""
+        for name, p, m, v in nccl_grid():
+            sched = SCHEDULES[name](p, m, v)
+            with self.subTest(name=name, pp=p, micro=m, virtual=v):
+                for r in range(p):
+                    for q in range(r + 1, p):
+                        def on(rank, peer):  # the pair's messages on `rank`, named by (sender's chunk, micro, dir)
+                            out = []
+                            for a in sched[rank]:
+                                if a.kind in (SEND_F, SEND_B, RECV_F, RECV_B):
+                                    src = {SEND_F: a.chunk, SEND_B: a.chunk, RECV_F: a.chunk - 1, RECV_B: a.chunk + 1}[a.kind]
+                                    dst = {SEND_F: a.chunk + 1, SEND_B: a.chunk - 1, RECV_F: a.chunk, RECV_B: a.chunk}[a.kind]
+                                    if {src % p, dst % p} == {rank, peer}:
+                                        out.append((src, dst, a.micro))
+                            return out
+                        self.assertEqual(on(r, q), on(q, r))
 
     def test_in_flight_activations(self):
         for p in PPS:
@@ -111,24 +153,26 @@ class TestSchedules(unittest.TestCase):
         for name in ("gpipe", "1f1b"):
             for p in PPS:
                 for m in (p, p + 1, 2 * p):
-                    for blocking in (False, True):
-                        for mode in ("async", "rendezvous"):
-                            with self.subTest(name=name, pp=p, micro=m, blocking=blocking, p2p=mode):
-                                res = simulate(SCHEDULES[name](p, m, blocking=blocking), p, 1, m, p2p=mode)
+                    for pairing in ("ready", "meet"):
+                        for mode in P2P_MODELS:
+                            with self.subTest(name=name, pp=p, micro=m, pairing=pairing, p2p=mode):
+                                res = simulate(SCHEDULES[name](p, m, pairing=pairing), p, 1, m, p2p=mode)
                                 self.assertEqual(res.makespan, 3 * (m + p - 1))
                                 self.assertEqual(exact_bubble(res), Fraction(p - 1, m + p - 1))
                                 self.assertAlmostEqual(res.bubble_fraction, bubble_fraction(name, p, m))
 
     def test_interleaved_bubble(self):
-        """isend lists reach Megatron's (P-1)/(V·M+P-1) exactly; blocking lists stay above it."""
+        """The default lists reach Megatron's (P-1)/(V·M+P-1) exactly with isends (gloo and NCCL); "meet"
+        lists (senders post at the meeting time) stay above it."""
         for p in PPS:
             for m in (p, 2 * p):
                 for v in (1, 2):
                     with self.subTest(pp=p, micro=m, virtual=v):
-                        res = simulate(interleaved_one_f_one_b(p, m, v), p, v, m, p2p="async")
-                        self.assertEqual(res.makespan, 3 * (v * m + p - 1))
-                        self.assertEqual(exact_bubble(res), Fraction(p - 1, v * m + p - 1))
-                        slow = simulate(interleaved_one_f_one_b(p, m, v, blocking=True), p, v, m)
+                        for mode in ("async", "nccl"):
+                            res = simulate(interleaved_one_f_one_b(p, m, v), p, v, m, p2p=mode)
+                            self.assertEqual(res.makespan, 3 * (v * m + p - 1))
+                            self.assertEqual(exact_bubble(res), Fraction(p - 1, v * m + p - 1))
+                        slow = simulate(interleaved_one_f_one_b(p, m, v, pairing="meet"), p, v, m)
                         self.assertGreaterEqual(exact_bubble(slow), exact_bubble(res))
 
     def test_theory_values(self):
@@ -142,21 +186,51 @@ class TestSchedules(unittest.TestCase):
 class TestBrokenSchedules(unittest.TestCase):
     """The simulator's checks fire: each schedule below is a correct one with one thing broken."""
 
-    def test_isend_lists_deadlock_under_blocking_sends(self):
-        with self.assertRaisesRegex(ScheduleError, "deadlock"):
-            simulate(interleaved_one_f_one_b(4, 8, 2), 4, 2, 8, p2p="rendezvous")
+    def test_split_lists_deadlock_under_nccl(self):
+        """The lists before the NCCL fix ("split": send at ready, receive at meet; bit-identical to main 805c4ea's
+        default lists) deadlock under NCCL's pair order for interleaved 1F1B with M > P, every P and V (V = 1 too: its warm-up is
+        2(P-r-1), not 1F1B's P-r-1), and
+        under blocking sends; with M == P and for GPipe and 1F1B they pass."""
+        failed = passed = 0
+        for name, p, m, v in nccl_grid():
+            sched = SCHEDULES[name](p, m, v, pairing="split")
+            simulate(sched, p, v, m, p2p="async")  # gloo never blocks on it
+            if name == "interleaved_1f1b" and m > p:
+                for mode in ("nccl", "rendezvous"):
+                    with self.subTest(pp=p, micro=m, virtual=v, p2p=mode), \
+                            self.assertRaisesRegex(ScheduleError, "deadlock"):
+                        simulate(sched, p, v, m, p2p=mode)
+                failed += 1
+            else:
+                simulate(sched, p, v, m, p2p="nccl")
+                passed += 1
+        self.assertEqual(failed, 7 * 3 * 2)  # 42 of interleaved's 63; the other 21 have M == P
+        with self.assertRaisesRegex(ScheduleError, r"pair heads.*\(0, 1\): SEND_F\(c0,m2\).*\(1, 0\): SEND_B\(c3,m0\)"):
+            simulate(interleaved_one_f_one_b(2, 4, 2, pairing="split"), 2, 2, 4, p2p="nccl")  # the issue's example
+
+    def test_both_sides_sending_first_deadlocks_under_nccl(self):
+        """Two sends at the heads of a pair's two sides never complete under NCCL; gloo buffers them."""
+        sched = [[Action(F, 0, 0), Action(SEND_F, 0, 0), Action(F, 0, 1), Action(SEND_F, 0, 1),
+                  Action(RECV_B, 0, 0), Action(B, 0, 0), Action(RECV_B, 0, 1), Action(B, 0, 1)],
+                 [Action(RECV_F, 1, 0), Action(F, 1, 0), Action(B, 1, 0), Action(SEND_B, 1, 0),
+                  Action(RECV_F, 1, 1), Action(F, 1, 1), Action(B, 1, 1), Action(SEND_B, 1, 1)]]
+        simulate(sched, 2, 1, 2, p2p="async")
+        with self.assertRaisesRegex(ScheduleError, r"deadlock.*\(0, 1\): SEND_F\(c0,m1\), \(1, 0\): SEND_B\(c1,m0\)"):
+            simulate(sched, 2, 1, 2, p2p="nccl")
 
     def test_swap_with_both_sides_sending_first_deadlocks(self):
-        sched = one_f_one_b(2, 3, blocking=True)
+        sched = one_f_one_b(2, 3, pairing="meet")
         ops = sched[1]
         i = next(k for k in range(len(ops) - 1) if ops[k].kind == RECV_F and ops[k + 1].kind == "SEND_B")
         ops[i], ops[i + 1] = ops[i + 1], ops[i]  # rank 1 now sends its grad before receiving the activation
         with self.assertRaisesRegex(ScheduleError, "deadlock"):
             simulate(sched, 2, 1, 3, p2p="rendezvous")
+        with self.assertRaisesRegex(ScheduleError, "deadlock"):
+            simulate(sched, 2, 1, 3, p2p="nccl")
 
     def test_receives_out_of_order(self):
-        for mode in ("async", "rendezvous"):
-            sched = gpipe(2, 2, blocking=True)
+        for mode in P2P_MODELS:
+            sched = gpipe(2, 2, pairing="meet")
             ops = sched[1]
             a, b = (k for k, x in enumerate(ops) if x.kind == RECV_F)
             ops[a], ops[b] = ops[b], ops[a]
