@@ -7,6 +7,7 @@ activations cross them. Rank r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -30,6 +31,44 @@ def pick_device(requested: str = "auto") -> torch.device:
 def backend_for(device: torch.device) -> str:
     """NCCL for CUDA ranks, gloo for CPU ranks."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+class HostTimer:
+    """Marks by the host clock. On the CPU the host runs the work, so its clock times the work."""
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, marks: list) -> list[float]:
+        """perf_counter seconds of each mark."""
+        return list(marks)
+
+
+class DeviceTimer:
+    """Marks as CUDA events on the current stream: intervals of the device's work, not of its enqueueing (on CUDA
+    `Work.wait()` and kernel launches return at once, so the host clock would time the launches)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self) -> tuple[float, torch.cuda.Event]:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return time.perf_counter(), event
+
+    def seconds(self, marks: list) -> list[float]:
+        """Each mark's device time, as host seconds from the first mark's host time (synchronises the last
+        event: call it after the step)."""
+        if not marks:
+            return []
+        (host0, first), last = marks[0], marks[-1][1]
+        last.synchronize()
+        return [host0 + first.elapsed_time(e) / 1000 for _, e in marks]
+
+
+def make_timer(device: torch.device) -> HostTimer | DeviceTimer:
+    """Device events where the device has them (CUDA), the host clock on the CPU."""
+    return DeviceTimer(device) if device.type == "cuda" else HostTimer()
 
 
 @dataclass(frozen=True)

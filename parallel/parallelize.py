@@ -318,7 +318,8 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
         pp_group = mesh["pp"].get_group()
         pipelines = mesh.mesh.permute(1, 2, 0).reshape(-1, dims.pp).tolist()  # every (dp, tp): its pp ranks
         runner_class = TorchPipelineRunner if impl == "pytorch" else PipelineRunner
-        runner = runner_class(stage, pp_group, embedding_group(pipelines),
+        runner = runner_class(stage, pp_group, embedding_group(pipelines),  # every rank builds every group
+                              act_dtype=activation_dtype(cfg, engine),
                               seq_shard=dims.tp if cfg.sequence_parallel else 1, device=device,
                               **({"forward": model.run_chunk, "tied": model.tied_pieces()}
                                  if isinstance(model, FullyShardedDataParallel) else {}))
@@ -328,6 +329,14 @@ def parallelize(model: GPT, mesh: DeviceMesh | None, dims, cfg: ParallelConfig,
 
 
 # ----------------------------------------------------------------------------- helpers
+
+def activation_dtype(cfg: ParallelConfig, engine: str | None) -> torch.dtype:
+    """The dtype of the residual stream between pipeline chunks, on every rank alike: the embedding's output
+    dtype, which every Block keeps (x + f(x) promotes autocast's bf16 f(x) to x's dtype). That is the compute
+    copies' param_dtype under a sharding engine (ours or FSDP2, which also casts chunk inputs to it), and the
+    parameters' fp32 otherwise (autocast alone leaves embeddings and the residual in fp32)."""
+    return cfg.param_dtype if engine == "fsdp" and cfg.param_dtype is not None else torch.float32
+
 
 def grad_groups(model: nn.Module, tp_group) -> dict[str, tuple]:
     """For each parameter name, the process groups its gradient is sharded over: a DTensor's non-replicated

@@ -21,7 +21,6 @@ Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` -> optimizer 
 """
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -32,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from model import GPT, materialize_module, token_positions
 from parallel import comm
 from parallel.grads import clip_grad_norm_
+from parallel.mesh import make_timer
 from parallel.pipeline_schedule import (B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, chunk_of, rank_of,
                                         split_layers)
 
@@ -109,7 +109,8 @@ def embedding_group(pipelines: list[list[int]]) -> dist.ProcessGroup | None:
     """The two-rank group [first, last] of this rank's pipeline (None if this rank is in neither end, or P==1).
 
     `pipelines` lists every pipeline's global ranks in pp order; every rank of the world must call this with
-    the same list, because dist.new_group is collective over the whole world."""
+    the same list, member or not (a middle stage too), because dist.new_group is collective over the whole
+    world: on NCCL a new_group that some rank skips hangs the ranks that call it."""
     mine = None
     for ranks in pipelines:
         if len(ranks) < 2:
@@ -134,40 +135,60 @@ def p2p_bytes_per_step(pp: int, virtual: int, rank: int, micro: int, shape: tupl
     return messages * micro * n * element_size
 
 
+WHOLE_WORLD = "whole world"  # PipelineRunner's embed_group default: the pipeline is the world, build it here
+
+
 class PipelineRunner:
     """Runs one rank's action list of a schedule over its `PipelineStage`.
 
     Stores, per micro-batch whose forward ran and whose backward has not: each chunk's input (a leaf) and
-    output (or scaled loss) with its graph; freed at that backward. Communicates point-to-point with the
-    neighbouring chunks' ranks in `group` (the pp group; None: the whole world) and, in `reduce_tied_grads`,
-    all-reduces the embedding gradient over `embed_group` (built here when the pipeline is the whole world;
-    otherwise pass `embedding_group(...)`'s result).
+    output (or scaled loss) with its graph; freed at that backward. A sent tensor is held until its send has
+    completed (checked after every action; a forward's send surely has by its backward, which waits on it), so
+    a rank holds what the schedule bounds (1F1B: P - rank micro-batches), not every micro-batch sent.
+    Communicates point-to-point with the neighbouring chunks' ranks in `group` (the pp group; None: the whole
+    world) and, in `reduce_tied_grads`, all-reduces the embedding gradient over `embed_group`: the result of
+    `embedding_group(...)`, which every rank of the world builds together (None on a middle stage); by default
+    the runner builds it, for a pipeline that is the whole world.
 
-    After a step: `timeline` is [(action, start, end)] in perf_counter seconds, one per action;
-    `peak_in_flight` is the most (chunk, micro) activations stored at once.
+    After a step: `timeline` is [(action, start, end)] in seconds, one per action (device events on CUDA,
+    the host clock on the CPU: parallel.mesh.make_timer); `peak_in_flight` is the most (chunk, micro)
+    activations stored at once; `peak_held_bytes` the most bytes of distinct tensor storages the runner held
+    at once (stored inputs and outputs, received buffers, gradients and activations waiting for or in a send).
     """
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
-                 embed_group: dist.ProcessGroup | None = None, act_dtype: torch.dtype = torch.float32,
+                 embed_group: dist.ProcessGroup | None | str = WHOLE_WORLD, act_dtype: torch.dtype = torch.float32,
                  seq_shard: int = 1, forward: Callable | None = None, tied: list[nn.Parameter] | None = None,
                  device: torch.device | None = None):
-        """`seq_shard`: activations between chunks are (mb, T / seq_shard, C) (tp under sequence
-        parallelism). `forward(chunk, x, targets)` runs a chunk (default `stage.forward_chunk`; a wrapper
-        that must see every forward, like FSDP, passes its own). `tied`: the parameters whose gradients
-        `reduce_tied_grads` sums (default: the tied weight; under FSDP its shard pieces)."""
+        """`act_dtype`: the dtype of the activations between chunks, what the stages really produce (the
+        residual stream's: fp32, or the compute copies' dtype when FSDP gathers bf16 ones); both sides of a
+        send must agree, since the receiver allocates it. `seq_shard`: activations between chunks are (mb, T /
+        seq_shard, C) (tp under sequence parallelism). `forward(chunk, x, targets)` runs a chunk (default
+        `stage.forward_chunk`; a wrapper that must see every forward, like FSDP, passes its own). `tied`: the
+        parameters whose gradients `reduce_tied_grads` sums (default: the tied weight; under FSDP its shard
+        pieces)."""
         self.stage, self.group, self.act_dtype, self.seq_shard = stage, group, act_dtype, seq_shard
         self.forward = forward or stage.forward_chunk
         self.device = device if device is not None else next(stage.parameters()).device
         self.tied = tied if tied is not None else [w for w in [self.tied_weight()] if w is not None]
         if comm.world(group) != stage.pp:
             raise ValueError(f"pp group has {comm.world(group)} ranks, the stage was cut for pp={stage.pp}")
-        if embed_group is None and stage.pp > 1:
-            if comm.world(group) != dist.get_world_size():
-                raise ValueError("the pp group is not the whole world: pass embed_group=embedding_group(...)")
-            embed_group = embedding_group([list(range(stage.pp))])
+        if isinstance(embed_group, str):
+            if stage.pp > 1 and comm.world(group) != dist.get_world_size():
+                raise ValueError("the pp group is not the whole world: pass embed_group=embedding_group(...), "
+                                 "built by every rank of the world")
+            embed_group = embedding_group([list(range(stage.pp))]) if stage.pp > 1 else None
         self.embed_group = embed_group
-        self.timeline: list[tuple[object, float, float]] = []
+        self.timer = make_timer(self.device)
+        self._marks: list[tuple[object, object, object]] = []
         self.peak_in_flight = 0
+        self.peak_held_bytes = 0
+
+    @property
+    def timeline(self) -> list[tuple[object, float, float]]:
+        """[(action, start, end)] of the last step, in seconds (see the class docstring)."""
+        times = self.timer.seconds([m for _, a, b in self._marks for m in (a, b)])
+        return [(a, times[2 * i], times[2 * i + 1]) for i, (a, _, _) in enumerate(self._marks)]
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], schedule_name: str = "1f1b",
              scale: Callable | None = None) -> torch.Tensor:
@@ -186,11 +207,11 @@ class PipelineRunner:
         act_in: dict[tuple[int, int], torch.Tensor] = {}    # (c, m) -> input of F(c, m), received or local
         grad_out: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> grad of chunk c's output
         to_send: dict[tuple[str, int, int], torch.Tensor] = {}
-        sends: list[tuple[dist.Work, torch.Tensor]] = []
+        sends: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}  # in flight: keep t alive
         loss = torch.zeros((), device=device)
-        self.timeline, self.peak_in_flight = [], 0
+        self._marks, self.peak_in_flight, self.peak_held_bytes = [], 0, 0
         for a in actions:
-            t0 = time.perf_counter()
+            t0 = self.timer.mark()
             key = (a.chunk, a.micro)
             if a.kind == F:
                 x, y = micro_batches[a.micro]
@@ -207,6 +228,8 @@ class PipelineRunner:
                 self.peak_in_flight = max(self.peak_in_flight, len(stored))
             elif a.kind == B:
                 inp, out = stored.pop(key)
+                if (SEND_F, *key) in sends:  # the peer's gradient came back, so its copy of out was received
+                    sends.pop((SEND_F, *key))[0].wait()
                 if a.chunk == st.n_chunks - 1:
                     torch.autograd.backward(scale(out) if scale is not None else out)
                 else:
@@ -220,7 +243,8 @@ class PipelineRunner:
             elif a.kind in (SEND_F, SEND_B):
                 t = to_send.pop((a.kind, *key))
                 peer = rank_of(a.chunk + (1 if a.kind == SEND_F else -1), st.pp)
-                sends.append((comm.send(t, peer, self.group), t))  # keep t alive until the send completes
+                sends[(a.kind, *key)] = (comm.send(t, peer, self.group), t)
+                del t
             elif a.kind in (RECV_F, RECV_B):
                 buf = torch.empty(shape, dtype=self.act_dtype, device=device)
                 peer = rank_of(a.chunk + (-1 if a.kind == RECV_F else 1), st.pp)
@@ -229,8 +253,12 @@ class PipelineRunner:
                     act_in[key] = buf.requires_grad_()  # after the wait: a leaf the chunk's backward fills
                 else:
                     grad_out[key] = buf
-            self.timeline.append((a, t0, time.perf_counter()))
-        for work, _ in sends:
+                del buf
+            self._marks.append((a, t0, self.timer.mark()))
+            for done in [k for k, (work, _) in sends.items() if work.is_completed()]:
+                del sends[done]
+            self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(stored, act_in, grad_out, to_send, sends))
+        for work, _ in sends.values():
             work.wait()
         assert not stored and not act_in and not grad_out and not to_send, "schedule left work undone"
         return loss
@@ -277,6 +305,7 @@ class PipelineRunner:
         return losses
 
     def _check(self, t: torch.Tensor) -> torch.Tensor:
+        """t, if it has the act_dtype both sides allocate; otherwise a TypeError naming both."""
         if t.dtype != self.act_dtype:
             raise TypeError(f"activation dtype {t.dtype} is not the runner's act_dtype {self.act_dtype}: "
                             "the receiving rank allocates act_dtype")
@@ -314,6 +343,19 @@ class PipelineRunner:
         """The global norm over `norm_items()` and the pp group (clipped at max_norm); returns it."""
         return clip_grad_norm_(self.norm_items(), max_norm,
                                across=self.group if self.group is not None else dist.group.WORLD)
+
+
+def held_bytes(*containers: dict) -> int:
+    """Bytes of the distinct storages of every tensor in the containers' values (tensors, or tuples of them):
+    what a runner's bookkeeping keeps alive. A tensor and a view of it count once."""
+    seen: dict[int, int] = {}
+    for box in containers:
+        for v in box.values():
+            for t in v if isinstance(v, tuple) else (v,):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
 
 
 # ----------------------------------------------------------------------------- the PyTorch twin
@@ -362,18 +404,21 @@ class TorchPipelineRunner(PipelineRunner):
         return out if targets is None or c != self.stage.n_chunks - 1 else self.stage.loss_fn(out, targets)
 
     def _schedule(self, name: str, M: int, mb: int, T: int):
-        key = (name, M, mb, T)
+        key = (name, M, mb, T, torch.is_autocast_enabled(self.device.type))
         if key not in self._built:
             from torch.distributed.pipelining import (PipelineStage as TorchStage, Schedule1F1B, ScheduleGPipe,
                                                       ScheduleInterleaved1F1B)
             st, meta = self.stage, torch.device("meta")
             act = (mb, T // self.seq_shard, st.config.n_embd)
+            kind = self.device.type
+            logits_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.act_dtype
             stages = []
             for c in st.chunks:
                 x = torch.empty((mb, T), dtype=torch.long, device=meta) if c == 0 else \
                     torch.empty(act, dtype=self.act_dtype, device=meta, requires_grad=True)
-                out = torch.empty((mb, T, st.config.vocab_size) if c == st.n_chunks - 1 else act,
-                                  dtype=self.act_dtype, device=meta, requires_grad=True)
+                last = c == st.n_chunks - 1  # logits: autocast's dtype where it is on (built inside step)
+                out = torch.empty((mb, T, st.config.vocab_size) if last else act,
+                                  dtype=logits_dtype if last else self.act_dtype, device=meta, requires_grad=True)
                 stages.append(TorchStage(self.chunk_modules[c], c, st.n_chunks, self.device, input_args=x,
                                          output_args=out, group=self.group))
             loss_fn = lambda logits, y: st.loss_fn(logits, y) / M  # noqa: E731

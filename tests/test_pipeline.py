@@ -201,3 +201,87 @@ class DeferredInit(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def held_cases(rank: int, world: int) -> dict:
+    """One step of each (schedule, M): rank 0's peak held bytes and peak in-flight count, on every rank (so the
+    result reads the same under spawn and under a same-size torchrun)."""
+    cfg = config(2)
+    out = {}
+    for name in ("1f1b", "gpipe"):
+        for m in (4, 16):
+            with torch.device("meta"):
+                model = GPT(cfg)
+            stage = PipelineStage(model, rank, world)
+            stage.materialize(SEED)
+            runner = PipelineRunner(stage)
+            runner.step(micro_batches(cfg, m), name)
+            out[name, m] = {"held": runner.peak_held_bytes, "in_flight": runner.peak_in_flight}
+    mine = [out]
+    torch.distributed.broadcast_object_list(mine, src=0)
+    return mine[0]
+
+
+class RunnerHoldsWhatTheScheduleBounds(unittest.TestCase):
+    """Bytes of live tensor storages the runner keeps (stored inputs and outputs, received buffers, tensors in
+    or waiting for a send), rank 0 of P = 2, fp32 activations of A = mb·T·n_embd·4 bytes. Under 1F1B rank 0 holds
+    at most P - 0 = 2 micro-batches' outputs plus one received gradient: 3A, whatever M. A sent activation shares
+    its output's storage, so a runner that kept its sends until the step's end would hold M outputs (16A at
+    M = 16), as GPipe does by design (M outputs + one gradient)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.res = run_distributed(held_cases, 2)[0]
+
+    def test_1f1b_stays_within_its_bound_at_any_m(self):
+        A = MB * T * config(2).n_embd * 4
+        for m in (4, 16):
+            with self.subTest(m=m):
+                self.assertEqual(self.res["1f1b", m]["in_flight"], 2)
+                self.assertLessEqual(self.res["1f1b", m]["held"], 3 * A)
+        self.assertEqual(self.res["1f1b", 16]["held"], self.res["1f1b", 4]["held"])
+
+    def test_gpipe_holds_every_micro_batch(self):
+        """The measurement sees growth where there is some: GPipe's M outputs."""
+        A = MB * T * config(2).n_embd * 4
+        for m in (4, 16):
+            with self.subTest(m=m):
+                self.assertEqual(self.res["gpipe", m]["held"], (m + 1) * A)
+
+
+def new_group_calls(rank: int, world: int) -> list:
+    """parallelize a pp = world GPT (pp spans the world: rank 1 is a middle stage); every dist.new_group call's
+    ranks, in order, on this rank."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from parallel.mesh import ParallelDims, init_distributed
+    from parallel.parallelize import ParallelConfig, parallelize
+    dims = ParallelDims(dp=1, tp=1, world_size=world, pp=world)
+    mesh = init_distributed(dims, torch.device("cpu"))
+    calls, real = [], dist.new_group
+
+    def recording(ranks=None, *args, **kw):
+        calls.append(sorted(ranks) if ranks is not None else None)
+        return real(ranks, *args, **kw)
+    with torch.device("meta"):
+        model = GPT(config(world))
+    with mock.patch.object(dist, "new_group", recording):
+        par = parallelize(model, mesh, dims, ParallelConfig(implementation="custom", deferred_init=True, seed=SEED),
+                          torch.device("cpu"))
+    return {"calls": calls, "embed": par.pipeline.embed_group is not None}
+
+
+class EveryRankCallsEveryNewGroup(unittest.TestCase):
+    """On NCCL a new_group that some rank skips hangs the ranks that call it; gloo only misnames later groups.
+    With pp = 3 spanning the world, the middle stage has no embedding group: it must still call new_group for
+    [first, last] with the others, and not once more on its own."""
+
+    def test_pp3_middle_stage(self):
+        per_rank = run_distributed(new_group_calls, 3)
+        if len(per_rank) == 1:  # a same-size torchrun: each rank checks its own, against the expected list
+            self.assertEqual(per_rank[0]["calls"], [[0, 2]])
+            return
+        self.assertEqual([r["calls"] for r in per_rank], [[[0, 2]]] * 3)
+        self.assertEqual([r["embed"] for r in per_rank], [True, False, True])
