@@ -101,6 +101,7 @@ def train_parser() -> Parser:
     a("--n_head", type=int)
     a("--n_embd", type=int)
     a("--block_size", type=int)
+    a("--vocab_size", type=int, help="override the preset's vocabulary (50304), e.g. for a small test corpus")
     a("--dataset", default="shakespeare", help="shakespeare, openwebtext, or a dir with train.bin/val.bin")
     # batch and optimisation
     a("--micro_batch_size", type=int, default=8)
@@ -204,7 +205,8 @@ def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.d
 AT_LEAST_ONE = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "data_parallel_replicate_size",
                 "context_parallel_size",
                 "pp_virtual_stages", "ac_every", "micro_batch_size", "seq_len", "total_batch_size", "max_steps",
-                "eval_interval", "eval_iters", "keep_checkpoints", "n_layer", "n_head", "n_embd", "block_size")
+                "eval_interval", "eval_iters", "keep_checkpoints", "n_layer", "n_head", "n_embd", "block_size",
+                "vocab_size")
 AT_LEAST_ZERO = ("warmup_steps", "checkpoint_interval", "profile")
 POSITIVE_FLOATS = ("lr", "timeout", "bucket_cap_mb", "peak_flops")  # finite and > 0
 NON_NEGATIVE_FLOATS = ("weight_decay",)                                # finite and >= 0
@@ -261,7 +263,7 @@ def _check_model(args: argparse.Namespace, dims: ParallelDims) -> tuple[GPTConfi
     else:
         try:
             config = make_config(args.model, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                                 block_size=args.block_size)
+                                 block_size=args.block_size, vocab_size=args.vocab_size)
         except ValueError as e:
             raise UsageError(str(e)) from None
     if config.n_embd % config.n_head:
