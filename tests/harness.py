@@ -17,7 +17,7 @@ back as a list indexed by rank.
 Whole runs: `launch` starts a script (train.py by default) as a user would, `python` for one rank and
 `torchrun` for more, in an environment without this process's torchrun variables
 (`parallel.mesh.child_env`), on the CPU unless the test passes its own `--device`. `shared_run` trains a
-run once per test session, whichever test file asks for it first; `WholeRuns` is the setup every whole-run
+run once per test session, whichever test file asks for it first, on ranks forked from bench.forkserver; `WholeRuns` is the setup every whole-run
 test file shares (its flags, scratch folder, corpus, and runs by name).
 """
 from __future__ import annotations
@@ -321,7 +321,7 @@ def run_key(args: list[str], nproc: int) -> tuple:
 
 
 def shared_run(args: list[str], nproc: int, name: str = "run") -> str:
-    """train.py with `args` (no --out_dir: this picks it) on `nproc` ranks (run_train), trained once per test
+    """train.py with `args` (no --out_dir: this picks it) on `nproc` ranks (forked: fork_server), trained once per test
     session: a later call with the same run_key, from any test file, gets the finished run's out_dir. A run is
     registered only after it exited 0, and every attempt writes a fresh out_dir, so a failed or half-written run
     is never handed out (a failure raises; the next caller trains it again). Callers only read what it wrote."""
@@ -331,10 +331,26 @@ def shared_run(args: list[str], nproc: int, name: str = "run") -> str:
     SHARED.setdefault(key, []).append(name)
     if key not in _FINISHED:
         out = os.path.join(session_dir(), "runs", f"{next(_ATTEMPTS)}-{name}")
-        proc = run_train([*args, "--out_dir", out], nproc)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        proc = fork_server().run([*args, "--out_dir", out], nproc, timeout=600)
+        assert proc.returncode == 0, f"{name} failed ({proc.codes}):\n{proc.stdout[-2000:]}\n" + \
+            "\n".join(f"rank {r}: {e[-3000:]}" for r, e in enumerate(proc.stderr) if e)
         _FINISHED[key] = out
     return _FINISHED[key]
+
+
+_SERVER = None
+
+
+def fork_server():
+    """The session's bench.forkserver.ForkServer: shared runs fork their ranks from one process that imported
+    torch and train.py once (2.5 s per rank saved; killed-and-resumed and refused runs still start as a user
+    starts them, with python or torchrun)."""
+    global _SERVER
+    if _SERVER is None:
+        from bench.forkserver import ForkServer
+        _SERVER = ForkServer()
+        atexit.register(_SERVER.close)
+    return _SERVER
 
 
 class WholeRuns:
