@@ -66,6 +66,7 @@ class Layout:
     sp: bool = True   # tp > 1: sequence parallelism + loss parallelism
     dtype: str = "float32"
     deferred: bool = False  # --deferred_init
+    impl: str = "custom"    # --implementation
 
     @property
     def nproc(self) -> int:
@@ -84,7 +85,7 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tp={self.tp}" + ("" if self.sp else "(plain)"))
         return " ".join(parts or ["single"]) + ("" if self.dtype == "float32" else f" {self.dtype}") + \
-            (" deferred" if self.deferred else "")
+            (" deferred" if self.deferred else "") + ("" if self.impl == "custom" else f" [{self.impl}]")
 
     @property
     def micro_batches(self) -> int:
@@ -101,7 +102,8 @@ class Layout:
         """train.py's flags for this layout (after BASE). The validation set is the same ROWS rows for every
         layout: --eval_iters x --micro_batch_size = ROWS."""
         mb = max(1, ROWS // self.dp // self.micro_batches)
-        f = ["--micro_batch_size", str(mb), "--eval_iters", str(max(1, ROWS // mb)), "--dtype", self.dtype]
+        f = ["--micro_batch_size", str(mb), "--eval_iters", str(max(1, ROWS // mb)), "--dtype", self.dtype,
+             "--implementation", self.impl]
         if self.dtype != "float32":
             f += ["--param_dtype", self.dtype]
         if self.pp > 1:
@@ -178,12 +180,14 @@ def sample(n: int, seed: int = 0) -> list[Layout]:
 
 def bf16_rows() -> list[Layout]:
     """The GPU's default precision (bf16 autocast and bf16 compute copies) on the layouts where it matters:
-    PP x FSDP, PP x ZeRO-2, TP, DDP; and PP x DDP (fp32 activations under autocast alone)."""
+    PP x FSDP, PP x ZeRO-2, TP, DDP; PP x DDP (fp32 activations under autocast alone); and the
+    torch.distributed.pipelining twin over FSDP2 (its stages' output_args follow the same dtypes)."""
     bf = "bfloat16"
     return [Layout(pp=2, dp=2, dp_type="fsdp", dtype=bf), Layout(pp=2, dp=2, dp_type="zero2", dtype=bf),
             Layout(tp=2, dtype=bf), Layout(dp=2, dp_type="ddp", dtype=bf), Layout(dp=2, dp_type="fsdp", dtype=bf),
             Layout(pp=2, dp=2, dp_type="ddp", dtype=bf), Layout(pp=2, schedule="interleaved_1f1b", virtual=2,
-                                                                dp=2, dp_type="fsdp", dtype=bf)]
+                                                                dp=2, dp_type="fsdp", dtype=bf),
+            Layout(pp=2, dp=2, dp_type="fsdp", dtype=bf, impl="pytorch")]
 
 
 def tolerance(layout: Layout) -> float:

@@ -285,3 +285,28 @@ class EveryRankCallsEveryNewGroup(unittest.TestCase):
             return
         self.assertEqual([r["calls"] for r in per_rank], [[[0, 2]]] * 3)
         self.assertEqual([r["embed"] for r in per_rank], [True, False, True])
+
+
+class TimerIsChosenWithTheDevice(unittest.TestCase):
+    """pp_idle_fraction and the timeline time the work: device events where the device queues it (CUDA: a
+    wait() returns at once there), the host clock on the CPU (parallel.mesh.make_timer, the one place)."""
+
+    def test_choice(self):
+        from parallel.mesh import DeviceTimer, HostTimer, make_timer
+        self.assertIsInstance(make_timer(torch.device("cpu")), HostTimer)
+        self.assertIsInstance(make_timer(torch.device("cuda", 0)), DeviceTimer)  # built without touching CUDA
+
+    def test_device_marks_become_host_seconds_from_the_first(self):
+        from parallel.mesh import DeviceTimer
+
+        class Event:  # torch.cuda.Event's elapsed_time is in milliseconds
+            def __init__(self, ms):
+                self.ms = ms
+
+            def elapsed_time(self, other):
+                return other.ms - self.ms
+
+            def synchronize(self):
+                pass
+        marks = [(100.0, Event(5.0)), (100.9, Event(7.5)), (101.0, Event(1005.0))]
+        self.assertEqual(DeviceTimer(torch.device("cuda", 0)).seconds(marks), [100.0, 100.0025, 101.0])
