@@ -347,7 +347,9 @@ class AsyncSaver:
     error. Atomicity is `write`'s: a crash mid-write leaves the previous checkpoint the newest."""
 
     def __init__(self):
-        self.group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+        from parallel.mesh import group_timeout
+        self.group = dist.new_group(backend="gloo", timeout=group_timeout()) \
+            if dist.is_available() and dist.is_initialized() else None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.path: str | None = None

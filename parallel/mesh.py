@@ -13,6 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -124,28 +125,54 @@ def env_world() -> tuple[int, int, int]:
             int(os.environ.get("WORLD_SIZE", 1)))
 
 
+_TIMEOUT: timedelta | None = None  # the run's --timeout, once init_distributed has run
+
+
+def group_timeout() -> timedelta | None:
+    """The run's --timeout, for a group created after the mesh (`dist.new_group(..., timeout=group_timeout())`):
+    new_group's own default is the backend's (30 min on gloo, 10 on NCCL), not the world group's."""
+    return _TIMEOUT
+
+
+def honour_timeout(timeout: timedelta) -> None:
+    """Give every process group this rank is in `timeout`. DeviceMesh builds its dims' groups (split_group on
+    NCCL, new_group on gloo) and flattened dims with the backend's default timeout, not the world's, so a
+    stalled dp, tp, pp or cp peer would be noticed after 10-30 minutes instead of --timeout."""
+    global _TIMEOUT
+    _TIMEOUT = timeout
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timeout, group)
+
+
 def init_distributed(dims: ParallelDims, device: torch.device,
                      timeout_s: float = 600.0) -> DeviceMesh | FoldedMesh | None:
     """Join the process group (when there is more than one rank) and return the mesh: ("pp", "dp", "tp"),
     or with HSDP and/or context parallelism a `FoldedMesh` over ("pp", ["dp_replicate", "dp_shard" | "dp"],
-    ["cp"], "tp") whose "dp" is every data-parallel dim and cp folded into one group."""
+    ["cp"], "tp") whose "dp" is every data-parallel dim and cp folded into one group. Every group then has
+    the run's timeout (`honour_timeout`)."""
     if dims.world_size == 1:
         return None
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s),
+        dist.init_process_group(backend=backend_for(device), timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     hsdp, cp = dims.dp_replicate > 1, dims.cp > 1
     if not hsdp and not cp:
-        return init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+        honour_timeout(timeout)
+        return mesh
     data = [("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard)] if hsdp else [("dp", dims.dp)]
     named = [("pp", dims.pp), *data, *([("cp", dims.cp)] if cp else []), ("tp", dims.tp)]
     root = init_device_mesh(device.type, tuple(n for _, n in named), mesh_dim_names=tuple(k for k, _ in named))
     folds = {"dp": [k for k, _ in data] + (["cp"] if cp else [])}
     if hsdp and cp:  # parameters are replicated over cp: FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp)
         folds["dp_shard"] = ["dp_shard", "cp"]
-    return FoldedMesh(root, folds)
+    mesh = FoldedMesh(root, folds)
+    honour_timeout(timeout)
+    return mesh
 
 
 class FoldedMesh:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from model import GPT, materialize_module, token_positions
 from parallel import comm
 from parallel.grads import clip_grad_norm_
-from parallel.mesh import make_timer
+from parallel.mesh import group_timeout, make_timer
 from parallel.pipeline_schedule import (B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, chunk_of, rank_of,
                                         split_layers)
 
@@ -115,7 +115,7 @@ def embedding_group(pipelines: list[list[int]]) -> dist.ProcessGroup | None:
     for ranks in pipelines:
         if len(ranks) < 2:
             continue
-        g = dist.new_group([ranks[0], ranks[-1]])
+        g = dist.new_group([ranks[0], ranks[-1]], timeout=group_timeout())
         if dist.get_rank() in (ranks[0], ranks[-1]):
             mine = g
     return mine
