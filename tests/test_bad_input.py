@@ -5,34 +5,55 @@ test_zero.py."""
 import os
 import tempfile
 import unittest
+from unittest import mock
 
+import config
+from config import train_parser
 from tests.harness import expect_train_error_in_process, make_token_bins
 
 BASE = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "64",
         "--max_steps", "2"]
 
-# flag value -> the words the one line must contain
+# Every int and float option of train.py's parser but --seed (any int seeds), with its valid range: the one
+# table the cases below are generated from. A numeric option the parser gains must be added here.
+RANGES = {
+    **dict.fromkeys(["--tensor_parallel_size", "--data_parallel_size", "--data_parallel_replicate_size",
+                     "--pipeline_parallel_size", "--pp_virtual_stages", "--context_parallel_size", "--ac_every",
+                     "--n_layer", "--n_head", "--n_embd", "--block_size", "--micro_batch_size", "--seq_len",
+                     "--total_batch_size", "--max_steps", "--eval_interval", "--eval_iters", "--keep_checkpoints"],
+                    ">= 1"),
+    **dict.fromkeys(["--warmup_steps", "--checkpoint_interval", "--profile"], ">= 0"),
+    **dict.fromkeys(["--lr", "--timeout", "--bucket_cap_mb", "--peak_flops"], "> 0"),  # floats, finite
+    "--weight_decay": ">= 0",                                                          # float, finite
+}
+UNRANGED = {"--seed"}
+
+
+def numeric_options() -> dict[str, type]:
+    """Every option of train.py's parser whose type is int or float: flag -> type."""
+    return {a.option_strings[0]: a.type for a in train_parser()._actions if a.type in (int, float)}
+
+
+def range_cases() -> tuple[dict[tuple[str, str], str], dict[str, str]]:
+    """From RANGES: (flag, out-of-range value) -> the message config gives, and flag -> its lowest valid value."""
+    bad, lowest, kinds = {}, {}, numeric_options()
+    for flag, rule in RANGES.items():
+        if kinds[flag] is int:
+            low = int(rule.split()[1])
+            bad[(flag, str(low - 1))] = f"{flag} must be >= {low}, got {low - 1}"
+            lowest[flag] = str(low)
+        else:
+            values = ("0", "-1", "nan", "inf", "-inf") if rule == "> 0" else ("-1", "nan", "inf", "-inf")
+            for v in values:
+                bad[(flag, v)] = f"{flag} must be a finite number {rule}, got {float(v)}"
+            lowest[flag] = "5e-324" if rule == "> 0" else "0"  # the smallest positive double, or 0
+    return bad, lowest
+
+
+# flag value -> the words the one line must contain (beyond the generated range cases)
 CASES = {
-    ("--lr", "nan"): "--lr must be a finite number > 0, got nan",
-    ("--lr", "-1e-3"): "--lr must be a finite number > 0",
-    ("--lr", "0"): "--lr must be a finite number > 0",
-    ("--weight_decay", "inf"): "--weight_decay must be a finite number >= 0, got inf",
-    ("--weight_decay", "-0.1"): "--weight_decay must be a finite number >= 0",
-    ("--timeout", "0"): "--timeout must be a finite number > 0",
-    ("--timeout", "-inf"): "--timeout must be a finite number > 0",
-    ("--peak_flops", "nan"): "--peak_flops must be a finite number > 0",
-    ("--bucket_cap_mb", "0"): "--bucket_cap_mb must be a finite number > 0",
-    ("--warmup_steps", "-1"): "--warmup_steps must be >= 0",
-    ("--checkpoint_interval", "-2"): "--checkpoint_interval must be >= 0",
-    ("--profile", "-1"): "--profile must be >= 0",
-    ("--keep_checkpoints", "0"): "--keep_checkpoints must be >= 1",
-    ("--n_layer", "0"): "--n_layer must be >= 1",
-    ("--n_embd", "-64"): "--n_embd must be >= 1",
-    ("--block_size", "0"): "--block_size must be >= 1",
-    ("--ac_every", "0"): "--ac_every must be >= 1",
-    ("--eval_iters", "0"): "--eval_iters must be >= 1",
-    ("--seq_len", "0"): "--seq_len must be >= 1",
     ("--lr", "fast"): "argument --lr: invalid float value: 'fast'",
+    ("--micro_batch_size", "2.5"): "argument --micro_batch_size: invalid int value: '2.5'",
     ("--activation_checkpointing", "some"): "argument --activation_checkpointing: invalid choice",
 }
 
@@ -47,11 +68,29 @@ class TestRangesAndPaths(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def test_numeric_flags(self):
-        for (flag, value), words in CASES.items():
-            with self.subTest(f"{flag} {value}"):
+    def test_every_numeric_option_has_a_range(self):
+        """The table covers the parser: a new int or float option fails here until its range is written down."""
+        self.assertEqual(set(numeric_options()) - UNRANGED, set(RANGES))
+
+    def test_out_of_range_values_are_refused(self):
+        bad, _ = range_cases()
+        for i, ((flag, value), words) in enumerate({**bad, **CASES}.items()):
+            with self.subTest(f"{flag} {value}"):  # an out_dir each: a value wrongly let through fails only its case
                 expect_train_error_in_process(self, [*BASE, "--dataset", self.data, f"{flag}={value}"], words,
-                                              os.path.join(self.tmp.name, "out"))
+                                              os.path.join(self.tmp.name, f"out_{i}"))
+
+    def test_lowest_valid_value_passes_the_range_check(self):
+        """The bound is the table's, not stricter: validate may refuse the value for another reason (seq_len >
+        block_size 1, ...), never with the range check's `--flag must be`."""
+        _, lowest = range_cases()
+        for flag, value in lowest.items():
+            with self.subTest(f"{flag} {value}"), mock.patch.dict(os.environ, clear=True):  # one rank
+                args = config.parse_args([*BASE, "--dataset", self.data, f"{flag}={value}",
+                                          "--out_dir", os.path.join(self.tmp.name, "lowest"), "--device", "cpu"])
+                try:
+                    config.validate(args)
+                except config.UsageError as e:
+                    self.assertNotIn(f"{flag} must be", str(e))
 
     def test_out_dir_that_is_a_file(self):
         path = os.path.join(self.tmp.name, "a_file")

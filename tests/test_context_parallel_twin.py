@@ -19,7 +19,7 @@ import unittest
 import torch
 import torch.nn.functional as F
 
-from config import UsageError, _check_context, train_parser
+from config import UsageError, _check_context, _check_layout, train_parser
 from model import GPTConfig
 from parallel.context_parallel import local_positions, shard_sequence, torch_context_parallel
 from parallel.mesh import ParallelDims
@@ -66,9 +66,13 @@ class TestTorchContextParallelTokens(unittest.TestCase):
 
 
 def check(flags: list[str], world: int, device: str, config: GPTConfig = GPTConfig()) -> None:
+    """config._check_context on the flags, after the layout check validate runs before it (config._check_layout),
+    so a case refused there (dp > 1 without --data_parallel_type, ...) never counts as this check's refusal
+    or as let through."""
     args = train_parser().parse_args(["--seq_len", "64", *flags])  # a later --seq_len wins
     dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world, args.pipeline_parallel_size,
                         args.data_parallel_replicate_size, args.context_parallel_size)
+    _check_layout(args, dims, torch.float32)
     _check_context(args, dims, config, torch.device(device))
 
 
@@ -106,7 +110,7 @@ class TestContextLayoutChecks(unittest.TestCase):
         check(["--implementation", "custom"], 1, "cpu", GPTConfig(dropout=0.1))  # no CP: dropout is fine
 
     def test_allowed_on_cuda_with_data_parallelism(self):
-        for flags, world in (([], 2), (["--data_parallel_size", "2"], 4),
+        for flags, world in (([], 2), (["--data_parallel_size", "2", "--data_parallel_type", "ddp"], 4),
                              (["--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 4)):
             with self.subTest(flags=flags):
                 check(self.TWIN + flags, world, "cuda")  # raises nothing

@@ -17,9 +17,10 @@ import tempfile
 import unittest
 
 import pytest
+import torch
 
 import checkpoint
-from tests.harness import ROOT, launch, make_token_bins, rank0_only, train_losses
+from tests.harness import ROOT, checkpoint_params, launch, make_token_bins, rank0_only, train_losses
 
 BASE = ["--model", "tiny", "--n_layer", "2", "--micro_batch_size", "2", "--seq_len", "32",
         "--total_batch_size", "128", "--eval_interval", "10", "--eval_iters", "1", "--warmup_steps", "1",
@@ -48,6 +49,24 @@ def copy_run(name: str) -> str:
     out = os.path.join(TMP.name, name)
     shutil.copytree(ORIGINAL, out)
     return out
+
+
+def exported_params(path: str, source: str) -> dict[str, torch.Tensor]:
+    """name -> parameter of the safetensors file export.py wrote at `path`, read back as our GPT (the model
+    config of checkpoint `source`); lm_head.weight (tied, not exported) left out."""
+    from safetensors.torch import load_file
+
+    from model import GPT
+    config, sd = checkpoint.load_model(source).config, load_file(path)
+    back = GPT.from_hf_state_dict(sd, vocab_size=config.vocab_size, n_head=config.n_head)
+    rows = sd["transformer.wte.weight"].shape[0]  # GPT-2's 50257: export drops the padding rows
+    return {name: p.detach()[:rows] if name == "transformer.wte.weight" else p.detach()
+            for name, p in back.named_parameters() if name != "lm_head.weight"}
+
+
+def same(p: torch.Tensor, full: torch.Tensor) -> bool:
+    """p equals the leading p.numel() elements of `full` (a checkpoint's parameter; wte's unpadded rows)."""
+    return torch.equal(p, full.reshape(-1)[:p.numel()].view(p.shape))
 
 
 def ckpt(out: str, step: int) -> str:
@@ -132,8 +151,17 @@ class TestDamagedCheckpoints(unittest.TestCase):
                 lines = [ln for ln in proc.stderr.splitlines() if "skipping damaged checkpoint" in ln]
                 self.assertEqual(len(lines), 1, proc.stderr)
                 self.assertIn(f"step_{STEPS:06d}", lines[0])
+                if script == "export.py":
+                    self.assertIn(f"exported {ckpt(out, STEPS - 1)} -> ", proc.stdout)
         with open(os.path.join(out, "hf", "config.json")) as f:
             self.assertIn("n_layer", json.dumps(json.load(f)))
+        # the exported weights are step 3's (the intact one), which differ from step 4's
+        exported = exported_params(os.path.join(out, "hf", "model.safetensors"), ckpt(out, STEPS - 1))
+        older, newer = checkpoint_params(ckpt(out, STEPS - 1)), checkpoint_params(ckpt(ORIGINAL, STEPS))
+        self.assertEqual(exported.keys(), older.keys())
+        for name, p in exported.items():
+            self.assertTrue(same(p, older[name]), name)
+        self.assertFalse(all(same(p, newer[name]) for name, p in exported.items()))
 
     def test_named_damaged_checkpoint_is_refused_in_one_line(self):
         """export.py --checkpoint DIR names a checkpoint: a damaged one is refused (exit 2), not replaced."""

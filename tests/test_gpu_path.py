@@ -95,18 +95,24 @@ class TestFP16Agreement(unittest.TestCase):
         self.assertNotEqual(results[0]["scale"], results[1]["scale"])
 
 
-def _fp16_reduce_body(rank: int, world: int, scale: float) -> bool:
-    """Both ranks back-propagate the same batch times `scale`; FSDP reduce-scatters in fp16."""
+def _fp16_reduce_body(rank: int, world: int, scale: float) -> dict:
+    """Both ranks back-propagate the same batch times `scale`; FSDP reduce-scatters in fp16. Returns whether
+    every shard gradient is finite, the reduce-scatter bytes parallel/comm.py counted (the elements' own
+    size: 2 each in fp16) and the padded elements of all units."""
     import torch.distributed as dist
 
+    from parallel import comm
     from parallel.fsdp import FullyShardedDataParallel
     model = GPT(TINY)
     model.init_weights(0, "cpu")
     fsdp = FullyShardedDataParallel(model, process_group=dist.group.WORLD, reduce_dtype=torch.float16)
     x = torch.arange(32).view(2, 16) % 256
+    comm.COUNTER.reset()
     _, loss = fsdp(x, x)
     (loss * scale).backward()
-    return all(torch.isfinite(p.grad).all().item() for p in fsdp.flat_params)
+    return {"finite": all(torch.isfinite(p.grad).all().item() for p in fsdp.flat_params),
+            "reduce_scatter_bytes": comm.COUNTER.snapshot()["reduce_scatter"],
+            "padded": sum(u.padded for u in fsdp.units)}
 
 
 class TestFP16ReduceScatter(unittest.TestCase):
@@ -119,7 +125,9 @@ class TestFP16ReduceScatter(unittest.TestCase):
         g_max = max(p.grad.abs().max().item() for p in model.parameters())
         scale = 40000.0 / g_max  # largest gradient 40000: fits fp16 (65504), the sum of 2 ranks does not
         self.assertGreater(2 * 40000.0, torch.finfo(torch.float16).max)
-        self.assertEqual(spawn(_fp16_reduce_body, 2, scale), [True, True])
+        for r in spawn(_fp16_reduce_body, 2, scale):
+            self.assertTrue(r["finite"])
+            self.assertEqual(r["reduce_scatter_bytes"], 2 * r["padded"])  # fp16 on the wire, every unit once
 
 
 # ----------------------------------------------------------------------------- dtypes and flags

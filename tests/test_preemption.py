@@ -19,6 +19,7 @@ import torch
 import pytest
 
 import checkpoint
+from metrics import read_jsonl
 from tests.harness import launch, launch_ranks, rank0_only, shared_data, train_losses
 from faults import PREEMPTED
 
@@ -48,6 +49,23 @@ class Runs:
     def args(self, flags: list[str], out: str) -> list[str]:
         return [*BASE, *flags, "--dataset", self.data, "--out_dir", out]
 
+    def resume(self, flags: list[str], out: str, step: int, nproc: int) -> None:
+        """--resume the run in `out` (nproc 1: python, else ranks by hand): it exits 0, says it continues from
+        step `step`'s checkpoint, and appends exactly steps step + 1.. to metrics.jsonl (a fresh start would
+        append steps 1..)."""
+        before = logged_steps(out)
+        args = [*self.args(flags, out), "--resume"]
+        procs = [launch(args)] if nproc == 1 else launch_ranks(args, nproc)
+        self.assertEqual([p.returncode for p in procs], [0] * nproc, procs[0].stderr[-2000:])
+        self.assertIn(f"resuming from {checkpoint.step_dir(out, step)} (", procs[0].stdout)
+        self.assertIn(f"continuing at step {step + 1}", procs[0].stdout)
+        self.assertEqual(logged_steps(out), before + list(range(step + 1, STEPS + 1)))
+
+
+def logged_steps(out: str) -> list[int]:
+    """The steps of out's training records in metrics.jsonl, in the order they were logged."""
+    return [r["step"] for r in read_jsonl(out) if "loss" in r]
+
 
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
@@ -71,8 +89,7 @@ class TestPreemption(Runs, unittest.TestCase):
                     # the step was finished, logged and saved (no regular saves: --checkpoint_interval 0)
                     self.assertEqual(checkpoint.newest(out), checkpoint.step_dir(out, SIGNAL_AT))
                     self.assertEqual(sorted(train_losses(out)), sorted(train_losses(ref)[:SIGNAL_AT]))
-                    resumed = launch_ranks([*self.args(flags, out), "--resume"], 2)
-                    self.assertEqual([p.returncode for p in resumed], [0, 0], resumed[0].stderr[-2000:])
+                    self.resume(flags, out, SIGNAL_AT, 2)
                     self.assertEqual(train_losses(out), train_losses(ref))  # bit for bit
 
     def test_one_process(self):
@@ -80,7 +97,8 @@ class TestPreemption(Runs, unittest.TestCase):
         self.assertEqual(launch(self.args([], ref)).returncode, 0)
         proc = launch(self.args([], out), env={"GPT_SIGNAL_AT_STEP": str(SIGNAL_AT)})
         self.assertEqual(proc.returncode, PREEMPTED, proc.stderr[-2000:])
-        self.assertEqual(launch([*self.args([], out), "--resume"]).returncode, 0)
+        self.assertEqual(checkpoint.newest(out), checkpoint.step_dir(out, SIGNAL_AT))
+        self.resume([], out, SIGNAL_AT, 1)
         self.assertEqual(train_losses(out), train_losses(ref))
 
 
@@ -104,9 +122,7 @@ class TestAsyncCheckpoint(Runs, unittest.TestCase):
                 for kind in a[name]:
                     self.assertTrue(torch.equal(a[name][kind], b[name][kind]), f"step {step} {name} {kind}")
         shutil.rmtree(checkpoint.step_dir(asyn, STEPS))  # resume from the async step-4 checkpoint
-        resumed = launch_ranks([*self.args([*self.FSDP, "--async_checkpoint"], asyn), "--resume"], 2)
-        self.assertEqual([p.returncode for p in resumed], [0, 0], resumed[0].stderr[-2000:])
-        self.assertIn("step_000004 ", resumed[0].stdout)
+        self.resume([*self.FSDP, "--async_checkpoint"], asyn, 4, 2)
         self.assertEqual(train_losses(asyn), train_losses(sync))
 
     def test_failed_background_write_leaves_the_previous_checkpoint(self):
@@ -120,7 +136,7 @@ class TestAsyncCheckpoint(Runs, unittest.TestCase):
         self.assertNotEqual(proc.returncode, 0)
         self.assertIn("GPT_CKPT_FAIL_AFTER_FILES=3", proc.stderr)
         self.assertEqual(checkpoint.newest(out), checkpoint.step_dir(out, 2))
-        self.assertEqual(launch([*self.args(every, out), "--resume"]).returncode, 0)
+        self.resume(every, out, 2, 1)
         self.assertEqual(train_losses(out), train_losses(ref))
 
 
