@@ -19,7 +19,7 @@ BASE = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "32", "--tota
 RANGES = {
     **dict.fromkeys(["--tensor_parallel_size", "--data_parallel_size", "--data_parallel_replicate_size",
                      "--pipeline_parallel_size", "--pp_virtual_stages", "--context_parallel_size", "--ac_every",
-                     "--n_layer", "--n_head", "--n_embd", "--block_size", "--micro_batch_size", "--seq_len",
+                     "--n_layer", "--n_head", "--n_embd", "--block_size", "--vocab_size", "--micro_batch_size", "--seq_len",
                      "--total_batch_size", "--max_steps", "--eval_interval", "--eval_iters", "--keep_checkpoints"],
                     ">= 1"),
     **dict.fromkeys(["--warmup_steps", "--checkpoint_interval", "--profile"], ">= 0"),
