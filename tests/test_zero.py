@@ -67,8 +67,8 @@ def layout(name: str) -> tuple[list[str], int]:
 def run(name: str, flags: list[str] | None = None, nproc: int | None = None) -> str:
     """Train once per name (later callers reuse the run); returns its out_dir. Layout from `layout(name)`
     unless given; SAVING runs checkpoint every 3 steps, the others not at all."""
-    if name in RUNS:  # a later caller may name a run that is not in LAYOUTS ("ddp") without its flags
-        return RUNS[name]
+    if flags is None and name in RUNS:  # a later caller may name a run that is not in LAYOUTS ("ddp") without its
+        return RUNS[name]               # flags; one that gives flags goes through RUNS.run, which compares them
     if flags is None:
         flags, nproc = layout(name)
     saving = ["--checkpoint_interval", "3"] if name in SAVING else ["--no_checkpoint"]
