@@ -24,7 +24,7 @@ import metrics
 from config import Plan, UsageError, error_line, parse_args, validate
 from data.batches import BatchSource, micro_batch_chunk
 from model import GPT
-from parallel import comm
+from parallel import blocks, comm
 from parallel.grads import AgreeingGradScaler
 from parallel.mesh import init_distributed
 from parallel.pipeline_schedule import bubble_fraction
@@ -133,6 +133,7 @@ def train_step(t: Trainer, step: int) -> dict:
     for group in t.optimizer.param_groups:
         group["lr"] = lr
     comm.COUNTER.reset()
+    blocks.AC_COUNTER.reset()
     metrics.reset_peak_memory(plan.device)
     t0 = time.perf_counter()
     if t.par.pipeline is not None:  # the step's micro-batches flow through the pipeline's schedule
@@ -178,6 +179,9 @@ def train_step(t: Trainer, step: int) -> dict:
         m["comm_bytes"] = comm_bytes
     if t.scaler:
         m["loss_scale"] = t.scaler.get_scale()
+    if plan.par.activation_checkpointing != "none" and not plan.par.compile:  # compiled: recomputed unseen
+        m["ac_checkpointed_blocks"] = blocks.AC_COUNTER.checkpointed  # this rank's Blocks x micro-batches
+        m["ac_recomputed_blocks"] = blocks.AC_COUNTER.recomputed
     if t.par.pipeline is not None and t.par.pipeline.timeline:  # ours records one (torch's schedules don't)
         m["pp_idle_fraction"] = t.par.pipeline.idle_fraction()
         m["pp_bubble_theory"] = bubble_fraction(plan.par.pp_schedule, plan.dims.pp, plan.grad_accum,
