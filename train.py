@@ -84,6 +84,12 @@ def build(plan: Plan) -> Trainer:
                    peak_flops=args.peak_flops or metrics.peak_flops(plan.device, plan.dtype))
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile (dynamo) has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
 def lr_at(step: int, lr: float, warmup_steps: int, max_steps: int) -> float:
     """Linear warmup over warmup_steps, then cosine decay to 10% of lr at max_steps (step is 1-based)."""
     it = step - 1
@@ -182,6 +188,8 @@ def train_step(t: Trainer, step: int) -> dict:
     if plan.par.activation_checkpointing != "none" and not plan.par.compile:  # compiled: recomputed unseen
         m["ac_checkpointed_blocks"] = blocks.AC_COUNTER.checkpointed  # this rank's Blocks x micro-batches
         m["ac_recomputed_blocks"] = blocks.AC_COUNTER.recomputed
+    if plan.par.compile:
+        m["compiled_graphs"] = compiled_graphs()
     if t.par.pipeline is not None and t.par.pipeline.timeline:  # ours records one (torch's schedules don't)
         m["pp_idle_fraction"] = t.par.pipeline.idle_fraction()
         m["pp_bubble_theory"] = bubble_fraction(plan.par.pp_schedule, plan.dims.pp, plan.grad_accum,
