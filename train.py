@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ class Trainer:
     peak_flops: float
     step: int = 0  # the step being run, for error messages
     saver: checkpoint.AsyncSaver | None = None  # --async_checkpoint: writes in a background thread
+    built: dict = field(default_factory=dict)  # what build() measured of the model it made (run() logs it)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -64,6 +65,7 @@ def build(plan: Plan) -> Trainer:
     else:
         model = GPT(plan.config)
         model.init_weights(args.seed, plan.device)
+    on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)  # all of them under deferred init
     par = parallelize(model, mesh, plan.dims, plan.par, plan.device)
     fused = plan.device.type == "cuda" and not any(isinstance(p, DTensor) for p in par.model.parameters())
     adamw = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "fused": fused or None}
@@ -78,7 +80,8 @@ def build(plan: Plan) -> Trainer:
     with torch.device("meta"):
         n_params = GPT(plan.config).num_params(non_embedding=True)
     saver = checkpoint.AsyncSaver() if args.async_checkpoint else None  # collective: its own gloo group
-    return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver,
+    built = {"params_on_meta": on_meta}
+    return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver, built=built,
                    dp_rank=plan.dims.coordinates(plan.rank)["dp"],
                    flops_per_token=metrics.flops_per_token(plan.config, n_params, args.seq_len),
                    peak_flops=args.peak_flops or metrics.peak_flops(plan.device, plan.dtype))
@@ -308,6 +311,7 @@ def run(t: Trainer, logger: metrics.Logger, preemption: faults.Preemption | None
         print(f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
               f"starting fresh", flush=True)
     progress = metrics.Progress(args.max_steps - start, is_main)
+    logger.log({"step": start, **t.built})
     if start == 0:  # a resumed run skips it: its checkpoint step's eval was logged before the save
         val = evaluate(t)
         logger.log({"step": 0, "val_loss": val})

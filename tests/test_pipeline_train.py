@@ -17,6 +17,8 @@ import pytest
 import torch
 
 import checkpoint
+from metrics import read_jsonl
+from model import GPT, make_config
 from parallel.pipeline import p2p_bytes_per_step
 from tests.harness import (
     WholeRuns, assert_close, check_against, check_kill_and_resume, check_resume_from, checkpoint_params as state,
@@ -47,6 +49,16 @@ def expected_p2p(pp: int, virtual: int, dp: int, seq_shard: int) -> int:
     """Bytes global rank 0 (pp rank 0 of the (pp, dp, tp) mesh) sends per step: fp32 activations
     (mb, T / seq_shard, C) of each of the step's M = 4 / dp micro-batches."""
     return p2p_bytes_per_step(pp, virtual, 0, 4 // dp, (MB, T // seq_shard, C), element_size=4)
+
+
+def params_on_meta(name: str) -> int:
+    """Parameters on meta when train.py's parallelize got run `name`'s model (rank 0's build record)."""
+    return next(r for r in read_jsonl(RUNS[name]) if "params_on_meta" in r)["params_on_meta"]
+
+
+def n_params() -> int:
+    with torch.device("meta"):
+        return GPT(make_config("tiny", n_layer=N_LAYER)).num_params()
 
 
 @pytest.mark.slow
@@ -116,6 +128,7 @@ class TestPipelineAgreesWithOneProcess(unittest.TestCase):
                    p2p=expected_p2p(2, 1, 2, 1))
         self.check("pp_fsdp_interleaved", [*INTERLEAVED, "--data_parallel_size", "2", "--data_parallel_type",
                                            "fsdp", "--deferred_init"], 4)
+        self.assertEqual(params_on_meta("pp_fsdp_interleaved"), n_params(), "deferred: all on meta")
 
     def test_pytorch_twin_schedules(self):
         """torch.distributed.pipelining runs on gloo: each schedule on the same cut."""
@@ -144,9 +157,11 @@ class TestPipelineAgreesWithOneProcess(unittest.TestCase):
 
     def test_deferred_init(self):
         """Each stage materialises only its own chunks on meta, with the eager init's values: bit-equal to
-        the eager P=2 run (and so within 1e-5 of one process)."""
+        the eager P=2 run (and so within 1e-5 of one process). That it was deferred: every parameter was on
+        meta when parallelize got the model (params_on_meta), and none under eager init."""
         got = self.check("1f1b_deferred", [*PP2, "--deferred_init"], 2)
         eager = steps_of(run("1f1b", PP2, 2))
+        self.assertEqual((params_on_meta("1f1b_deferred"), params_on_meta("1f1b")), (n_params(), 0))
         assert_close(self, got, eager, "loss", 0, "deferred vs eager")
         assert_close(self, got, eager, "grad_norm", 0, "deferred vs eager")
 

@@ -17,6 +17,7 @@ import unittest
 import pytest
 import torch
 
+from metrics import read_jsonl
 from model import GPT, make_config
 from parallel.fsdp import fsdp_comm_bytes_per_micro_step
 from tests.harness import (
@@ -97,6 +98,11 @@ def padded_bytes(group: int, units: str = "all") -> int:
     return 4 * sum(-(-n // group) * group for n in sizes.values())
 
 
+def built(name: str) -> dict:
+    """What train.py's build measured for run `name` (rank 0): the record with params_on_meta."""
+    return next(r for r in read_jsonl(RUNS[name]) if "params_on_meta" in r)
+
+
 PSI = 4 * sum(unit_sizes().values())  # Ψ: fp32 bytes of all parameters, the tied embedding once
 UNITS = N_LAYER + 1
 
@@ -172,12 +178,17 @@ class TestZeroAgreesWithOneProcess(unittest.TestCase):
 
     def test_deferred_init_is_bit_equal(self):
         """--deferred_init builds on meta and materialises one unit at a time from the seed: the same weights
-        as eager init, so the same losses and grad norms, bit for bit (0 tolerance)."""
+        as eager init, so the same losses and grad norms, bit for bit (0 tolerance). That it was deferred:
+        every parameter was on meta when parallelize got the model (params_on_meta), and none under eager init."""
+        with torch.device("meta"):
+            n_params = GPT(make_config("tiny", n_layer=N_LAYER)).num_params()
         for name in ("zero1", "zero2"):
             with self.subTest(name):
                 flags, nproc = layout(name)
                 deferred = steps_of(run(name + "_deferred", [*flags, "--deferred_init"], nproc))
                 eager = steps_of(run(name))
+                self.assertEqual((built(name + "_deferred")["params_on_meta"], built(name)["params_on_meta"]),
+                                 (n_params, 0), name)
                 self.assertEqual(sorted(deferred), list(range(1, STEPS + 1)))
                 assert_close(self, deferred, eager, "loss", 0, f"{name}: deferred vs eager")
                 assert_close(self, deferred, eager, "grad_norm", 0, f"{name}: deferred vs eager")
