@@ -80,11 +80,23 @@ def build(plan: Plan) -> Trainer:
     with torch.device("meta"):
         n_params = GPT(plan.config).num_params(non_embedding=True)
     saver = checkpoint.AsyncSaver() if args.async_checkpoint else None  # collective: its own gloo group
-    built = {"params_on_meta": on_meta}
+    built = {"params_on_meta": on_meta, "distributed_classes": distributed_classes(par, optimizer)}
     return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver, built=built,
                    dp_rank=plan.dims.coordinates(plan.rank)["dp"],
                    flops_per_token=metrics.flops_per_token(plan.config, n_params, args.seq_len),
                    peak_flops=args.peak_flops or metrics.peak_flops(plan.device, plan.dtype))
+
+
+def distributed_classes(par: Parallelized, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The distributed classes the built model is made of, found on its objects (not read from the flags):
+    each module, parameter, optimizer or pipeline runner whose class is ours (parallel/) or PyTorch's
+    (torch.distributed, torch.nn.parallel), as "module.Class"; FSDP2's generated classes as FSDPModule."""
+    from torch.distributed.fsdp import FSDPModule
+    modules = [*par.model.modules(), *getattr(par.model, "chunk_modules", {}).values()]
+    objects = [*modules, *par.model.parameters(), optimizer, par.pipeline]
+    names = {f"{c.__module__}.{c.__qualname__}"
+             for c in (FSDPModule if isinstance(o, FSDPModule) else type(o) for o in objects)}
+    return sorted(n for n in names if n.startswith(("parallel.", "torch.distributed.", "torch.nn.parallel.")))
 
 
 def compiled_graphs() -> int:
