@@ -209,6 +209,7 @@ def train_step(t: Trainer, step: int) -> dict:
         m["pp_idle_fraction"] = t.par.pipeline.idle_fraction()
         m["pp_bubble_theory"] = bubble_fraction(plan.par.pp_schedule, plan.dims.pp, plan.grad_accum,
                                                 plan.par.pp_virtual)
+        m["pp_peak_in_flight"] = t.par.pipeline.peak_in_flight  # most (chunk, micro-batch) activations held
     return m
 
 

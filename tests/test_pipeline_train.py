@@ -25,9 +25,9 @@ from tests.harness import (
     evals_of, expect_train_error_in_process, expect_train_error_on_ranks, rank0_only, steps_of)
 
 STEPS, SHORT = 10, 6  # SHORT: the checkpoint runs and the 8-rank 3D run
-MB, T, C, N_LAYER = 2, 32, 64, 4  # micro-batch, seq_len, n_embd of `tiny`, Blocks
+MB, T, C, N_LAYER, M = 2, 32, 64, 4, 4  # micro-batch, seq_len, n_embd of `tiny`, Blocks, micro-batches per step
 BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", str(T),
-        "--total_batch_size", str(4 * MB * T), "--eval_interval", "5", "--eval_iters", "2", "--warmup_steps", "2",
+        "--total_batch_size", str(M * MB * T), "--eval_interval", "5", "--eval_iters", "2", "--warmup_steps", "2",
         "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12"]  # fixed MFU denominator (see test_train)
 PP2 = ["--pipeline_parallel_size", "2"]
 INTERLEAVED = [*PP2, "--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"]
@@ -47,8 +47,8 @@ def run(name: str, flags: list[str], nproc: int, steps: int = STEPS, checkpoints
 
 def expected_p2p(pp: int, virtual: int, dp: int, seq_shard: int) -> int:
     """Bytes global rank 0 (pp rank 0 of the (pp, dp, tp) mesh) sends per step: fp32 activations
-    (mb, T / seq_shard, C) of each of the step's M = 4 / dp micro-batches."""
-    return p2p_bytes_per_step(pp, virtual, 0, 4 // dp, (MB, T // seq_shard, C), element_size=4)
+    (mb, T / seq_shard, C) of each of the step's M / dp micro-batches."""
+    return p2p_bytes_per_step(pp, virtual, 0, M // dp, (MB, T // seq_shard, C), element_size=4)
 
 
 def params_on_meta(name: str) -> int:
@@ -101,10 +101,17 @@ class TestPipelineAgreesWithOneProcess(unittest.TestCase):
 
     def test_schedules_reorder_work_only(self):
         """GPipe and 1F1B cut the model alike and each chunk runs its backwards in micro-batch order 0..M-1, so
-        every gradient accumulates in the same order: the same bits, step for step."""
+        every gradient accumulates in the same order: the same bits, step for step. What tells them apart is
+        what rank 0 holds: GPipe runs all M forwards before any backward, so it stores M micro-batches' activations
+        at its peak; 1F1B at most P - rank of them (capped at M): 2 on rank 0 of P = 2 (pp_peak_in_flight)."""
         gpipe = steps_of(run("gpipe", [*PP2, "--pp_schedule", "gpipe"], 2))
-        assert_close(self, gpipe, steps_of(run("1f1b", PP2, 2)), "loss", 0, "gpipe vs 1f1b")
-        assert_close(self, gpipe, steps_of(RUNS["1f1b"]), "grad_norm", 0, "gpipe vs 1f1b")
+        one_f_one_b = steps_of(run("1f1b", PP2, 2))
+        assert_close(self, gpipe, one_f_one_b, "loss", 0, "gpipe vs 1f1b")
+        assert_close(self, gpipe, one_f_one_b, "grad_norm", 0, "gpipe vs 1f1b")
+        P, rank = 2, 0
+        self.assertEqual([gpipe[s]["pp_peak_in_flight"] for s in sorted(gpipe)], [M] * STEPS, "gpipe")
+        self.assertEqual([one_f_one_b[s]["pp_peak_in_flight"] for s in sorted(one_f_one_b)],
+                         [min(P - rank, M)] * STEPS, "1f1b")
 
     def test_p2_interleaved_v2(self):
         # rank 0 holds chunks 0 and 2: both send activations on, chunk 2 also sends its input gradient back
