@@ -343,7 +343,7 @@ class WholeRuns:
     and `run(name, args, nproc)`: base + --dataset data + args, trained once per name through shared_run (so a
     run identical to one of another file, or of this file under another name, is not trained again). A name
     asked for again with another run_key (other flags or ranks) is an error, never the first run's out_dir.
-    `RUNS[name]` is the out_dir of the finished run `name`.
+    `RUNS[name]` is the out_dir of the finished run `name`, `RUNS.argv[name]` its train.py args.
 
         RUNS = WholeRuns(BASE)
         setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
@@ -352,6 +352,7 @@ class WholeRuns:
     def __init__(self, base: list[str]):
         self.base, self.runs, self._tmp = list(base), {}, None
         self.keys: dict[str, tuple] = {}  # name -> the run_key it was trained with
+        self.argv: dict[str, list[str]] = {}  # name -> the train.py args it was trained with (less --out_dir)
 
     def set_up(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
@@ -380,7 +381,7 @@ class WholeRuns:
             raise AssertionError(f"run {name!r} asked for with other flags than it was trained with: {diff}")
         if name not in self.runs:
             self.runs[name] = shared_run(args, nproc, name)
-            self.keys[name] = key
+            self.keys[name], self.argv[name] = key, args
         return self.runs[name]
 
     def __getitem__(self, name: str) -> str:

@@ -34,6 +34,7 @@ class RunsByName(unittest.TestCase):
         first = runs.run("a", ["--lr", "1e-3", "--no_checkpoint"], 2)
         self.assertEqual(runs.run("a", ["--no_checkpoint", "--lr", "1e-3", "--seed", "1337"], 2), first)
         self.assertEqual((runs["a"], len(self.trained)), (first, 1))
+        self.assertEqual(runs.argv["a"], [*BASE, "--dataset", "/data", "--lr", "1e-3", "--no_checkpoint"])
 
     def test_other_flags_under_the_same_name_fail(self):
         runs = WholeRuns(BASE)
