@@ -94,8 +94,8 @@ class TestPipelineAgreesWithOneProcess(unittest.TestCase):
 
     def check(self, name: str, flags: list[str], nproc: int, rtol: float = 1e-5, steps: int = STEPS,
               ref: str = "single", p2p: int | None = None) -> dict[int, dict]:
-        """Losses and val losses within rtol of the one-process run `ref`; grad_norm too unless TP is in
-        `flags` (see check_tp_norm); rank 0's p2p bytes equal `p2p` every step."""
+        """Losses, grad norms and val losses within rtol of the one-process run `ref` (check_against); rank 0's
+        p2p bytes equal `p2p` every step."""
         out = run(name, flags, nproc, steps, checkpoints=False)
         return check_against(self, out, RUNS[ref], steps, [0, 5, steps] if steps > 5 else [0, steps], rtol, p2p)
 
@@ -211,10 +211,12 @@ class TestPipelineCheckpoints(unittest.TestCase):
         return out
 
     def check_resumed(self, out: str, rtol: float, what: str) -> None:
+        """Losses, grad norms and val losses within rtol of one process. The grad norm under TP too: without the
+        sequence-parallel LayerNorm-gradient all-reduce, P=2 -> PP x TP-SP's losses move by only 6e-7 (val_loss
+        1.2e-6) but its grad_norm by 9e-3."""
         ref = steps_of(self.single)
         assert_close(self, steps_of(out), ref, "loss", rtol, what)
-        if rtol <= 1e-5:
-            assert_close(self, steps_of(out), ref, "grad_norm", rtol, what)
+        assert_close(self, steps_of(out), ref, "grad_norm", rtol, what)
         assert_close(self, evals_of(out), evals_of(self.single), None, rtol, what, steps=[5, SHORT])
 
     def test_pp_weights_match_one_process(self):
