@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ import metrics
 from config import Plan, UsageError, error_line, parse_args, validate
 from data.batches import BatchSource, micro_batch_chunk
 from model import GPT
-from parallel import comm
+from parallel import blocks, comm
 from parallel.grads import AgreeingGradScaler
 from parallel.mesh import init_distributed
 from parallel.pipeline_schedule import bubble_fraction
@@ -44,6 +44,7 @@ class Trainer:
     peak_flops: float
     step: int = 0  # the step being run, for error messages
     saver: checkpoint.AsyncSaver | None = None  # --async_checkpoint: writes in a background thread
+    built: dict = field(default_factory=dict)  # what build() measured of the model it made (run() logs it)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -64,6 +65,7 @@ def build(plan: Plan) -> Trainer:
     else:
         model = GPT(plan.config)
         model.init_weights(args.seed, plan.device)
+    on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)  # all of them under deferred init
     par = parallelize(model, mesh, plan.dims, plan.par, plan.device)
     fused = plan.device.type == "cuda" and not any(isinstance(p, DTensor) for p in par.model.parameters())
     adamw = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "fused": fused or None}
@@ -78,10 +80,29 @@ def build(plan: Plan) -> Trainer:
     with torch.device("meta"):
         n_params = GPT(plan.config).num_params(non_embedding=True)
     saver = checkpoint.AsyncSaver() if args.async_checkpoint else None  # collective: its own gloo group
-    return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver,
+    built = {"params_on_meta": on_meta, "distributed_classes": distributed_classes(par, optimizer)}
+    return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver, built=built,
                    dp_rank=plan.dims.coordinates(plan.rank)["dp"],
                    flops_per_token=metrics.flops_per_token(plan.config, n_params, args.seq_len),
                    peak_flops=args.peak_flops or metrics.peak_flops(plan.device, plan.dtype))
+
+
+def distributed_classes(par: Parallelized, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The distributed classes the built model is made of, found on its objects (not read from the flags):
+    each module, parameter, optimizer or pipeline runner whose class is ours (parallel/) or PyTorch's
+    (torch.distributed, torch.nn.parallel), as "module.Class"; FSDP2's generated classes as FSDPModule."""
+    from torch.distributed.fsdp import FSDPModule
+    modules = [*par.model.modules(), *getattr(par.model, "chunk_modules", {}).values()]
+    objects = [*modules, *par.model.parameters(), optimizer, par.pipeline]
+    names = {f"{c.__module__}.{c.__qualname__}"
+             for c in (FSDPModule if isinstance(o, FSDPModule) else type(o) for o in objects)}
+    return sorted(n for n in names if n.startswith(("parallel.", "torch.distributed.", "torch.nn.parallel.")))
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile (dynamo) has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
 
 
 def lr_at(step: int, lr: float, warmup_steps: int, max_steps: int) -> float:
@@ -133,6 +154,7 @@ def train_step(t: Trainer, step: int) -> dict:
     for group in t.optimizer.param_groups:
         group["lr"] = lr
     comm.COUNTER.reset()
+    blocks.AC_COUNTER.reset()
     metrics.reset_peak_memory(plan.device)
     t0 = time.perf_counter()
     if t.par.pipeline is not None:  # the step's micro-batches flow through the pipeline's schedule
@@ -178,10 +200,16 @@ def train_step(t: Trainer, step: int) -> dict:
         m["comm_bytes"] = comm_bytes
     if t.scaler:
         m["loss_scale"] = t.scaler.get_scale()
+    if plan.par.activation_checkpointing != "none" and not plan.par.compile:  # compiled: recomputed unseen
+        m["ac_checkpointed_blocks"] = blocks.AC_COUNTER.checkpointed  # this rank's Blocks x micro-batches
+        m["ac_recomputed_blocks"] = blocks.AC_COUNTER.recomputed
+    if plan.par.compile:
+        m["compiled_graphs"] = compiled_graphs()
     if t.par.pipeline is not None and t.par.pipeline.timeline:  # ours records one (torch's schedules don't)
         m["pp_idle_fraction"] = t.par.pipeline.idle_fraction()
         m["pp_bubble_theory"] = bubble_fraction(plan.par.pp_schedule, plan.dims.pp, plan.grad_accum,
                                                 plan.par.pp_virtual)
+        m["pp_peak_in_flight"] = t.par.pipeline.peak_in_flight  # most (chunk, micro-batch) activations held
     return m
 
 
@@ -296,6 +324,7 @@ def run(t: Trainer, logger: metrics.Logger, preemption: faults.Preemption | None
         print(f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
               f"starting fresh", flush=True)
     progress = metrics.Progress(args.max_steps - start, is_main)
+    logger.log({"step": start, **t.built})
     if start == 0:  # a resumed run skips it: its checkpoint step's eval was logged before the save
         val = evaluate(t)
         logger.log({"step": 0, "val_loss": val})

@@ -9,6 +9,7 @@ stay outside and run eagerly once per forward and once per backward.
   input in forward and recomputes its forward inside backward, when autograd first needs a tensor it would
   have saved. The recomputation replays the forward's RNG state (dropout is bit-identical) and re-runs the
   collectives inside the Block: our TP's all-gathers / all-reduces, counted again in `comm_bytes`.
+  `AC_COUNTER` counts the checkpointed forwards and their recomputations (train.py logs them per step).
   - `full` checkpoints every Block.
   - `selective` checkpoints every k-th Block (`every`, by global Block index, so every layout checkpoints
     the same Blocks). Saved activations fall by about (k-1)/k of full's saving, for 1/k of the recompute.
@@ -38,6 +39,40 @@ def checkpointed(block: nn.Module) -> bool:
     return getattr(block, "_ac", False)
 
 
+class RecomputeCounter:
+    """Since `reset()`: `checkpointed`, forwards through a checkpointed Block; `recomputed`, how many of them
+    backward ran again (checkpoint calling the forward's function a second time). Eager only: under
+    torch.compile the checkpoint is traced into the compiled graph, whose recomputation nothing here sees."""
+
+    def __init__(self) -> None:
+        self.checkpointed = self.recomputed = 0
+
+    def reset(self) -> None:
+        self.checkpointed = self.recomputed = 0
+
+
+AC_COUNTER = RecomputeCounter()  # one per process, as parallel/comm.COUNTER
+
+
+def _checkpointed(inner):
+    """A Block forward that runs `inner` through checkpoint, counted in AC_COUNTER."""
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # traced: the plain checkpoint, nothing of the counting
+            return checkpoint(inner, x, use_reentrant=False, preserve_rng_state=True)
+        calls = 0
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                AC_COUNTER.recomputed += 1
+            return inner(x)
+
+        AC_COUNTER.checkpointed += 1
+        return checkpoint(run, x, use_reentrant=False, preserve_rng_state=True)
+    return forward
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) -> list[int]:
     """Checkpoint the Blocks `mode` picks ("full": all; "selective": index % every == 0); returns their
     global indices."""
@@ -46,12 +81,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
     picked = []
     for i, block in blocks_by_index(model):
         if mode == "full" or (mode == "selective" and i % every == 0):
-            inner = block.forward
-
-            def forward(x: torch.Tensor, _inner=inner) -> torch.Tensor:
-                return checkpoint(_inner, x, use_reentrant=False, preserve_rng_state=True)
-
-            block.forward, block._ac = forward, True
+            block.forward, block._ac = _checkpointed(block.forward), True
             picked.append(i)
     return picked
 

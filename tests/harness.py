@@ -357,8 +357,9 @@ class WholeRuns:
     """The setup of a whole-run test file: its `base` flags, a scratch folder of its own (`path(name)`; made by
     set_up and deleted by tear_down, the file's setUpModule and tearDownModule), the session's corpus (`data`),
     and `run(name, args, nproc)`: base + --dataset data + args, trained once per name through shared_run (so a
-    run identical to one of another file, or of this file under another name, is not trained again).
-    `RUNS[name]` is the out_dir of the finished run `name`.
+    run identical to one of another file, or of this file under another name, is not trained again). A name
+    asked for again with another run_key (other flags or ranks) is an error, never the first run's out_dir.
+    `RUNS[name]` is the out_dir of the finished run `name`, `RUNS.argv[name]` its train.py args.
 
         RUNS = WholeRuns(BASE)
         setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
@@ -366,6 +367,8 @@ class WholeRuns:
 
     def __init__(self, base: list[str]):
         self.base, self.runs, self._tmp = list(base), {}, None
+        self.keys: dict[str, tuple] = {}  # name -> the run_key it was trained with
+        self.argv: dict[str, list[str]] = {}  # name -> the train.py args it was trained with (less --out_dir)
 
     def set_up(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
@@ -386,8 +389,15 @@ class WholeRuns:
         return [*self.base, "--dataset", self.data, *args]
 
     def run(self, name: str, args: list[str], nproc: int) -> str:
+        args = self.args(*args)
+        key = run_key(_with_device(args, "cpu"), nproc)  # as shared_run keys it
+        if name in self.keys and self.keys[name] != key:
+            (n0, old), (n1, new) = self.keys[name], key
+            diff = sorted(set(old) ^ set(new)) if n0 == n1 else f"{n0} ranks vs {n1}"
+            raise AssertionError(f"run {name!r} asked for with other flags than it was trained with: {diff}")
         if name not in self.runs:
-            self.runs[name] = shared_run(self.args(*args), nproc, name)
+            self.runs[name] = shared_run(args, nproc, name)
+            self.keys[name], self.argv[name] = key, args
         return self.runs[name]
 
     def __getitem__(self, name: str) -> str:
