@@ -125,7 +125,7 @@ class TestZeroAgreesWithOneProcess(unittest.TestCase):
     order: each rank sums its 4 (HSDP: 2) micro-batches' gradients, the reduce-scatter (and HSDP's all-reduce
     over replicas) sums the ranks', then divides; one process sums 8 micro-batches. AdamW on a shard is
     elementwise, so the only differences are fp32 rounding of those sums (measured: <= 1.9e-7 on every
-    loss, grad norm and val loss, TP layouts included).
+    loss, grad norm and val loss without TP).
     The norm is accumulated in fp64 (parallel/grads.py). With TP, which also splits matmul reductions across
     ranks: tp_rtol(), 4x how far the one-process run itself is from the same run in float64 (tests/rounding.py;
     measured: 3.3e-7, step 3's grad_norm, so 1.3e-6; the TP runs' worst is 2.7e-7). A missing sequence-parallel
