@@ -25,6 +25,7 @@ import json
 import math
 import os
 import random
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -254,14 +255,13 @@ def judge(layout: Layout, result, out: str, ref: dict | None) -> Row:
     row = Row(layout, "FAIL", seconds=result.seconds)
     errors = [e.strip().splitlines() for e in result.stderr]
     if result.codes == [2] * layout.nproc:
-        lines = [e for e in errors]
-        if all(len(e) == 1 and e[0].startswith("train.py: error: ") for e in lines) and len({e[0] for e in lines}) == 1:
+        if all(len(e) == 1 and e[0].startswith("train.py: error: ") for e in errors) and len({e[0] for e in errors}) == 1:
             if os.path.exists(out):
                 row.detail = f"refused, but wrote {out}"
             else:
-                row.status, row.detail = "refused", lines[0][0].removeprefix("train.py: error: ")
+                row.status, row.detail = "refused", errors[0][0].removeprefix("train.py: error: ")
         else:
-            row.detail = "exit 2 without exactly one 'train.py: error:' line per rank: " + repr(lines)[:300]
+            row.detail = "exit 2 without exactly one 'train.py: error:' line per rank: " + repr(errors)[:300]
         return row
     if result.codes != [0] * layout.nproc:
         tail = next((e for e in errors if e and e != [""]), ["?"])[-1]
@@ -320,7 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         ([] if args.no_bf16 else bf16_rows())
     if args.only:
         todo = [x for x in todo if fnmatch.fnmatch(x.name, args.only)]
-    import sys
     sys.path.insert(0, ROOT)
     from tests.harness import make_token_bins
     t0 = time.perf_counter()
