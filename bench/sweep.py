@@ -297,6 +297,19 @@ def sweep(todo: list[Layout], data: str, out_root: str, server: ForkServer, log=
     return rows
 
 
+def bitwise_against(rows: list[Row], path: str) -> tuple[list[str], list[str]]:
+    """(names whose losses, grad norms and val losses equal those recorded in the sweep.json at `path`, exactly;
+    names that differ, or that `path` lacks). Refused layouts must be refused there too."""
+    with open(path) as f:
+        before = {r["layout"]: r for r in json.load(f)}
+    same, differ = [], []
+    for r in rows:
+        old = before.get(r.layout.name)
+        ok = old is not None and old["status"] == r.status and old.get("values", {}) == r.values
+        (same if ok else differ).append(r.layout.name)
+    return same, differ
+
+
 def format_row(row: Row) -> str:
     worst = "" if row.worst is None else f"{row.worst:.1e}"
     rtol = "" if row.rtol is None else f"{row.rtol:.0e}"
@@ -315,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no_bf16", action="store_true", help="skip the bf16 rows")
     p.add_argument("--only", default=None, help="glob over layout names")
     p.add_argument("--out", default=None, help="also write sweep.json and sweep.md here")
+    p.add_argument("--against", default=None, help="a sweep.json: also require every layout's logged numbers to "
+                                                     "equal its bit for bit (a refactor's proof)")
     args = p.parse_args(argv)
     todo = layouts(args.max_world) + middle_stage_rows() + sample(args.sample, args.seed) * (args.sample > 0) + \
         ([] if args.no_bf16 else bf16_rows())
@@ -331,15 +346,20 @@ def main(argv: list[str] | None = None) -> int:
     by = {s: sum(r.status == s for r in rows) for s in ("ok", "refused", "FAIL")}
     print(f"\n{len(rows)} layouts: {by['ok']} ok, {by['refused']} refused, {by['FAIL']} failed in "
           f"{time.perf_counter() - t0:.0f} s. {BF16_RULE}.")
+    differ = []
+    if args.against:
+        same, differ = bitwise_against(rows, args.against)
+        print(f"against {args.against}: {len(same)} layouts bit-identical; differ or missing: {differ or 'none'}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "sweep.json"), "w") as f:
             json.dump([{"layout": r.layout.name, "ranks": r.layout.nproc, "flags": r.layout.flags(), "status": r.status,
-                        "detail": r.detail, "worst": r.worst, "rtol": r.rtol, "seconds": round(r.seconds, 2)}
+                        "detail": r.detail, "worst": r.worst, "rtol": r.rtol, "seconds": round(r.seconds, 2),
+                        "values": r.values}
                        for r in rows], f, indent=1)
         with open(os.path.join(args.out, "sweep.md"), "w") as f:
             f.write(HEADER + "\n" + "\n".join(format_row(r) for r in rows) + "\n")
-    return 1 if fails else 0
+    return 1 if fails or differ else 0
 
 
 if __name__ == "__main__":

@@ -136,3 +136,20 @@ class TestJudge:
         assert S.worst_difference(ref, ref) == 0.0
         assert S.worst_difference({**ref, "loss": [1.0, 2.0 * (1 + 2e-5)]}, ref) == pytest.approx(2e-5)
         assert S.worst_difference({**ref, "loss": [1.0]}, ref) == float("inf")  # a step missing
+
+    def test_bitwise_against_a_recorded_sweep(self, tmp_path):
+        """--against: equal only when every logged number is the same float (one ulp apart differs), and a
+        layout the record lacks, or refused there, differs."""
+        import json
+        vals = {"loss": [1.0, 2.0], "grad_norm": [0.5, 0.25], "val_loss": [3.0]}
+        other = S.Layout(dp=2, dp_type="fsdp")
+        path = tmp_path / "sweep.json"
+        path.write_text(json.dumps([{"layout": self.lay.name, "status": "ok", "values": vals},
+                                    {"layout": other.name, "status": "refused", "values": {}}]))
+        row = lambda lay, v, status="ok": S.Row(lay, status, values=v)
+        assert S.bitwise_against([row(self.lay, vals)], str(path)) == ([self.lay.name], [])
+        nudged = {**vals, "grad_norm": [0.5, float.__add__(0.25, 2.0 ** -54)]}  # the next float above 0.25
+        assert nudged["grad_norm"][1] != 0.25
+        assert S.bitwise_against([row(self.lay, nudged)], str(path)) == ([], [self.lay.name])
+        assert S.bitwise_against([row(other, vals)], str(path)) == ([], [other.name])  # refused before
+        assert S.bitwise_against([row(S.Layout(tp=2), vals)], str(path))[1] == [S.Layout(tp=2).name]  # missing
