@@ -161,3 +161,39 @@ class StepWatchdog:
         sys.stderr.write(f"train.py: rank {self.rank}: step {self.step} has run for more than --timeout "
                          f"{self.timeout:g}s; Python stacks in {self.path}\n")
         sys.stderr.flush()
+
+
+class Faults:
+    """Every fault hook of a training step behind one object: the watchdog and the test hooks around each step,
+    the mid-step signal hook, and whether the ranks agreed to stop for a preemption.
+
+        before_step(s, model)   watchdog armed for step s; GPT_INJECT_NAN_AT_STEP
+        mid_step(s)             after the backward, before the optimizer step: GPT_SIGNAL_AT_STEP
+        after_step(s)           the step, its eval and checkpoint are done: watchdog off; GPT_KILL_AT_STEP
+        preempted()             collective: a rank was signalled (every rank then stops after this step)"""
+
+    def __init__(self, out_dir: str, rank: int, timeout: float, device: torch.device | None = None):
+        self.rank = rank
+        self.watchdog = StepWatchdog(out_dir, rank, timeout)
+        self.preemption = Preemption(device) if device is not None else None
+
+    def before_step(self, step: int, model: torch.nn.Module) -> None:
+        self.watchdog.start(step)
+        maybe_inject_nan(step, model)
+
+    def mid_step(self, step: int) -> None:
+        maybe_signal_mid_step(step, self.rank)
+
+    def after_step(self, step: int) -> None:
+        self.watchdog.stop()
+        maybe_kill(step, self.rank)
+
+    def preempted(self) -> bool:
+        return self.preemption is not None and self.preemption.agreed()
+
+    @property
+    def signal(self) -> str | None:
+        return self.preemption.signal if self.preemption is not None else None
+
+    def close(self) -> None:
+        self.watchdog.stop()

@@ -22,10 +22,10 @@ import time
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import GPTConfig
-from parallel.comm import local
 
 # Dense (non-sparse) bf16/fp16 peak FLOP/s per device, from the vendors' datasheets. Matched against
 # torch.cuda.get_device_name in order, so the specific variants come before the family name.
@@ -119,7 +119,7 @@ def storage_bytes_by_kind(kinds: dict[str, list[torch.Tensor]]) -> dict[str, int
     for kind, tensors in kinds.items():
         total = 0
         for t in tensors:
-            t = local(t)
+            t = t.to_local() if isinstance(t, DTensor) else t  # a DTensor: its local shard
             if t.is_meta:
                 continue
             storage = t.untyped_storage()

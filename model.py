@@ -53,6 +53,19 @@ def make_config(preset: str, **overrides: int | float | None) -> GPTConfig:
     return replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None and k in known})
 
 
+class AttentionCore(nn.Module):
+    """Causal softmax attention of (B, nh, T, hs) queries, keys and values: the one place a wrapper swaps to
+    change how attention sees the sequence (context parallelism: a ring over the ranks holding it)."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        dropout = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -62,8 +75,7 @@ class CausalSelfAttention(nn.Module):
         self.c_v = nn.Linear(C, C, bias=config.bias)
         self.c_proj = nn.Linear(C, C, bias=config.bias)
         self.head_dim = config.head_dim
-        self.dropout = config.dropout
-        self.cp_group = None  # context parallelism: ring attention over this group (parallel/context_parallel.py)
+        self.core = AttentionCore(config.dropout)  # context parallelism swaps in a ring (parallel/context_parallel.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -71,12 +83,7 @@ class CausalSelfAttention(nn.Module):
         q = self.c_q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.c_k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = self.c_v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        dropout = self.dropout if self.training else 0.0
-        if self.cp_group is not None:  # T is this rank's share of the sequence: the ring sees all of it
-            from parallel.context_parallel import ring_attention
-            y = ring_attention(q, k, v, self.cp_group)  # (B, nh, T, hs)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # (B, nh, T, hs)
+        y = self.core(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hs)
         return self.c_proj(y)
 
@@ -106,13 +113,10 @@ class Block(nn.Module):
         return x
 
 
-def token_positions(T: int, cp: tuple[int, int] | None, device) -> torch.Tensor:
-    """Absolute positions of the T tokens this rank holds: 0..T-1, or under context parallelism (cp =
-    (rank, size)) its zigzag share of a sequence of T * size tokens."""
-    if cp is None:
-        return torch.arange(T, device=device)
-    from parallel.context_parallel import local_positions
-    return local_positions(T * cp[1], cp[0], cp[1]).to(device)
+def token_positions(T: int, device) -> torch.Tensor:
+    """Absolute positions 0..T-1 of a sequence a rank holds whole: GPT's default `positions` (context
+    parallelism swaps in its rank's share of a longer sequence)."""
+    return torch.arange(T, device=device)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -134,14 +138,14 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
         self.loss_fn = cross_entropy  # (logits, targets) -> loss; vocab-parallel under TP loss parallelism
-        self.cp = None  # context parallelism: (rank, size) in the cp group; tokens are a zigzag share
+        self.positions = token_positions  # (T, device) -> the T tokens' absolute positions
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Returns (logits, loss); loss is the mean cross-entropy over all B*T targets, or None."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = token_positions(T, self.cp, idx.device)
+        pos = self.positions(T, idx.device)
         # (B, T, C); under sequence parallelism both embeddings give only this rank's T/tp positions
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:

@@ -24,17 +24,15 @@ import metrics
 from config import Plan, UsageError, error_line, parse_args, validate
 from data.batches import BatchSource, micro_batch_chunk
 from model import GPT
-from parallel import blocks, comm
-from parallel.grads import AgreeingGradScaler
-from parallel.mesh import init_distributed
-from parallel.pipeline_schedule import bubble_fraction
+from parallel import comm
+from parallel.mesh import Mesh, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 
 
 @dataclass
 class Trainer:
     plan: Plan
-    mesh: object  # DeviceMesh ("dp", "tp"), None for one process
+    mesh: Mesh  # always there: size-1 dims on one process (parallel/mesh.py)
     par: Parallelized
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
@@ -44,6 +42,7 @@ class Trainer:
     peak_flops: float
     step: int = 0  # the step being run, for error messages
     saver: checkpoint.AsyncSaver | None = None  # --async_checkpoint: writes in a background thread
+    faults: faults.Faults | None = None  # watchdog, preemption and the test hooks (run() sets it)
     built: dict = field(default_factory=dict)  # what build() measured of the model it made (run() logs it)
 
     @property
@@ -56,6 +55,7 @@ def build(plan: Plan) -> Trainer:
     Every parameter, and so every optimizer state, ends on plan.device."""
     args = plan.args
     torch.manual_seed(args.seed)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = plan.tf32  # config.use_tf32
     mesh = init_distributed(plan.dims, plan.device, args.timeout)
     if plan.hf_state is not None:
         model = GPT.from_hf_state_dict(plan.hf_state).to(plan.device)
@@ -66,23 +66,17 @@ def build(plan: Plan) -> Trainer:
         model = GPT(plan.config)
         model.init_weights(args.seed, plan.device)
     on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)  # all of them under deferred init
-    par = parallelize(model, mesh, plan.dims, plan.par, plan.device)
+    par = parallelize(model, mesh, plan.par, plan.device)
     fused = plan.device.type == "cuda" and not any(isinstance(p, DTensor) for p in par.model.parameters())
-    adamw = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "fused": fused or None}
-    if par.zero_optimizer:  # torch's ZeRO-1: each dp rank keeps AdamW state for its partition of the parameters
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        optimizer = ZeroRedundancyOptimizer(par.param_groups(args.weight_decay), torch.optim.AdamW,
-                                            process_group=mesh["dp"].get_group(), **adamw)
-    else:
-        optimizer = torch.optim.AdamW(par.param_groups(args.weight_decay), **adamw)
-    scaler = AgreeingGradScaler(plan.device.type) if plan.dtype == torch.float16 else None
+    optimizer = par.make_optimizer(args.weight_decay, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+    scaler = par.make_grad_scaler() if plan.dtype == torch.float16 else None
     data = BatchSource(plan.data_dir, args.seq_len, plan.config.vocab_size, args.seed)
     with torch.device("meta"):
         n_params = GPT(plan.config).num_params(non_embedding=True)
     saver = checkpoint.AsyncSaver() if args.async_checkpoint else None  # collective: its own gloo group
     built = {"params_on_meta": on_meta, "distributed_classes": distributed_classes(par, optimizer)}
     return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver, built=built,
-                   dp_rank=plan.dims.coordinates(plan.rank)["dp"],
+                   dp_rank=mesh["batch"].rank,
                    flops_per_token=metrics.flops_per_token(plan.config, n_params, args.seq_len),
                    peak_flops=args.peak_flops or metrics.peak_flops(plan.device, plan.dtype))
 
@@ -99,12 +93,6 @@ def distributed_classes(par: Parallelized, optimizer: torch.optim.Optimizer) -> 
     return sorted(n for n in names if n.startswith(("parallel.", "torch.distributed.", "torch.nn.parallel.")))
 
 
-def compiled_graphs() -> int:
-    """Graphs torch.compile (dynamo) has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
-
-
 def lr_at(step: int, lr: float, warmup_steps: int, max_steps: int) -> float:
     """Linear warmup over warmup_steps, then cosine decay to 10% of lr at max_steps (step is 1-based)."""
     it = step - 1
@@ -112,35 +100,6 @@ def lr_at(step: int, lr: float, warmup_steps: int, max_steps: int) -> float:
         return lr * (it + 1) / warmup_steps
     progress = (it - warmup_steps) / max(1, max_steps - warmup_steps)
     return lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
-
-
-def _mean_over_dp(t: Trainer, value: torch.Tensor) -> torch.Tensor:
-    """Average a scalar over data-parallel ranks, and context-parallel ones, whose tokens are equal shares of
-    the same rows (mesh["dp"] is dp x cp then). SUM then divide: works on every backend. Not counted as
-    wrapper traffic."""
-    d = t.plan.dims
-    if t.mesh is not None and (d.dp_enabled or d.cp_enabled):
-        dist.all_reduce(value, group=t.mesh["dp"].get_group())
-        value = value / (d.dp * d.cp)
-    return value
-
-
-def _tokens(t: Trainer, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's tokens of a micro-batch's rows: all of them, or its zigzag share under our context
-    parallelism (torch's twin takes the whole rows and shards them itself: Parallelized.micro_step)."""
-    if not t.plan.dims.cp_enabled or t.par.torch_cp is not None:
-        return x, y
-    from parallel.context_parallel import shard_sequence
-    cp, C = t.plan.dims.coordinates(t.plan.rank)["cp"], t.plan.dims.cp
-    return shard_sequence(x, cp, C), shard_sequence(y, cp, C)
-
-
-def _sum_over_pp(t: Trainer, value: torch.Tensor) -> torch.Tensor:
-    """The last pipeline stage's loss on every stage (the others add zeros). Not counted as wrapper traffic."""
-    value = value.detach().float()
-    if t.par.pp_group is not None:
-        dist.all_reduce(value, group=t.par.pp_group)
-    return value
 
 
 def _autocast(plan: Plan):
@@ -153,28 +112,14 @@ def train_step(t: Trainer, step: int) -> dict:
     lr = lr_at(step, args.lr, args.warmup_steps, args.max_steps)
     for group in t.optimizer.param_groups:
         group["lr"] = lr
-    comm.COUNTER.reset()
-    blocks.AC_COUNTER.reset()
+    t.par.reset_counters()
     metrics.reset_peak_memory(plan.device)
     t0 = time.perf_counter()
-    if t.par.pipeline is not None:  # the step's micro-batches flow through the pipeline's schedule
-        batches = [_tokens(t, *t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
-                                          args.micro_batch_size)) for m in range(plan.grad_accum)]
-        with _autocast(plan):
-            loss_sum = _sum_over_pp(t, t.par.pipeline_step(batches, t.scaler.scale if t.scaler else None))
-    else:
-        loss_sum = torch.zeros((), device=plan.device)
-        for micro in range(plan.grad_accum):
-            chunk = micro_batch_chunk(micro, t.dp_rank, plan.dims.dp)
-            x, y = _tokens(t, *t.data.get("train", step, plan.rows, chunk, args.micro_batch_size))
-            x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
-            with t.par.grad_sync(micro == plan.grad_accum - 1), t.par.micro_step(x, y) as (x, y):
-                with _autocast(plan):
-                    _, loss = t.model(x, y)
-                loss = loss / plan.grad_accum
-                (t.scaler.scale(loss) if t.scaler else loss).backward()
-            loss_sum += comm.full(loss).detach()
-    faults.maybe_signal_mid_step(step, plan.rank)
+    batches = [t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
+                          args.micro_batch_size) for m in range(plan.grad_accum)]
+    loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
+    if t.faults is not None:
+        t.faults.mid_step(step)
     if t.scaler:
         t.scaler.unscale_(t.optimizer)  # ranks agree on found-inf here (AgreeingGradScaler)
     norm = t.par.clip_grad_norm_(1.0 if args.gradient_clipping else None)
@@ -185,13 +130,20 @@ def train_step(t: Trainer, step: int) -> dict:
         t.optimizer.step()
     t.par.after_optimizer_step()
     comm_bytes = comm.COUNTER.snapshot()  # before the scalar reductions below, which are not wrapper traffic
-    loss = _mean_over_dp(t, loss_sum)
-    loss_value, norm_value = loss.item(), float(norm)  # .item() synchronises the device, so dt is honest
+    loss_value, norm_value = t.par.mean_loss(loss).item(), float(norm)  # .item() syncs the device: dt is honest
     dt = time.perf_counter() - t0
     state = t.par.state_breakdown(t.optimizer)  # gradients still allocated: the step's true peak state
     t.optimizer.zero_grad(set_to_none=True)
+    return step_metrics(t, step, lr, loss_value, norm_value, dt, state, comm_bytes)
+
+
+def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt: float, state: dict[str, int],
+                 comm_bytes: dict[str, int]) -> dict:
+    """The step's record: loss, speed (tokens/s, MFU), memory, bytes moved, and what AC, compile and the
+    pipeline report (Parallelized.step_counters)."""
+    plan, args = t.plan, t.plan.args
     tokens_per_sec = args.total_batch_size / dt
-    m = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "step_time_ms": dt * 1000,
+    m = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "step_time_ms": dt * 1000,
          "tokens_per_sec": tokens_per_sec,
          "mfu": t.flops_per_token * tokens_per_sec / (t.peak_flops * plan.dims.world_size),
          "peak_memory_bytes": metrics.peak_memory_bytes(plan.device), "state_bytes": sum(state.values()),
@@ -200,16 +152,7 @@ def train_step(t: Trainer, step: int) -> dict:
         m["comm_bytes"] = comm_bytes
     if t.scaler:
         m["loss_scale"] = t.scaler.get_scale()
-    if plan.par.activation_checkpointing != "none" and not plan.par.compile:  # compiled: recomputed unseen
-        m["ac_checkpointed_blocks"] = blocks.AC_COUNTER.checkpointed  # this rank's Blocks x micro-batches
-        m["ac_recomputed_blocks"] = blocks.AC_COUNTER.recomputed
-    if plan.par.compile:
-        m["compiled_graphs"] = compiled_graphs()
-    if t.par.pipeline is not None and t.par.pipeline.timeline:  # ours records one (torch's schedules don't)
-        m["pp_idle_fraction"] = t.par.pipeline.idle_fraction()
-        m["pp_bubble_theory"] = bubble_fraction(plan.par.pp_schedule, plan.dims.pp, plan.grad_accum,
-                                                plan.par.pp_virtual)
-        m["pp_peak_in_flight"] = t.par.pipeline.peak_in_flight  # most (chunk, micro-batch) activations held
+    m.update(t.par.step_counters(plan.grad_accum))
     return m
 
 
@@ -222,19 +165,11 @@ def evaluate(t: Trainer) -> float:
     dp, mb, n = plan.dims.dp, args.micro_batch_size, args.eval_iters
     t.model.eval()
     chunks = [micro_batch_chunk(i, t.dp_rank, dp) for i in range(math.ceil(n / dp))]
-    batches = [_tokens(t, *t.data.get("val", 0, n * mb, min(chunk, n - 1), mb)) for chunk in chunks]
-    if t.par.pipeline is not None:
-        with _autocast(plan):
-            losses = t.par.pipeline.forward_only(batches)
-    else:
-        losses = []
-        for x, y in batches:
-            with t.par.micro_step(x.to(plan.device), y.to(plan.device)) as (x, y), _autocast(plan):
-                losses.append(comm.full(t.model(x, y)[1]).detach().float())
+    batches = [t.data.get("val", 0, n * mb, min(chunk, n - 1), mb) for chunk in chunks]
+    losses = t.par.forward_only(batches, lambda: _autocast(plan))
     total = sum(loss * (chunk < n) for loss, chunk in zip(losses, chunks))
-    total = _sum_over_pp(t, total)
     t.model.train()
-    return (_mean_over_dp(t, total) * dp / n).item()
+    return (t.par.mean_loss(total) * dp / n).item()
 
 
 def describe(t: Trainer) -> str:
@@ -313,8 +248,7 @@ def restore_checkpoint(t: Trainer) -> int:
 
 # ----------------------------------------------------------------------------- the loop
 
-def run(t: Trainer, logger: metrics.Logger, preemption: faults.Preemption | None = None,
-        watchdog: faults.StepWatchdog | None = None) -> int:
+def run(t: Trainer, logger: metrics.Logger) -> int:
     """Evaluate, then train from the start (or the resumed step) to --max_steps, evaluating and saving
     on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or faults.PREEMPTED
     when a rank was signalled (the step is finished and saved first)."""
@@ -332,9 +266,7 @@ def run(t: Trainer, logger: metrics.Logger, preemption: faults.Preemption | None
     profiler = metrics.make_profiler(args.profile, args.out_dir, t.plan.device)
     for step in range(start + 1, args.max_steps + 1):
         t.step = step
-        if watchdog is not None:
-            watchdog.start(step)
-        faults.maybe_inject_nan(step, t.model)
+        t.faults.before_step(step, t.model)
         m = train_step(t, step)
         logger.log(m)
         progress.step(m)
@@ -352,7 +284,7 @@ def run(t: Trainer, logger: metrics.Logger, preemption: faults.Preemption | None
             logger.log({"step": step, "val_loss": val})
             progress.eval(step, val)
         every = args.checkpoint_interval and step % args.checkpoint_interval == 0
-        stop = preemption is not None and preemption.agreed()
+        stop = t.faults.preempted()
         path = None
         if not args.no_checkpoint and (every or step == args.max_steps or stop):
             path, blocked_ms = save_checkpoint(t, step, wait=stop or step == args.max_steps)
@@ -361,13 +293,11 @@ def run(t: Trainer, logger: metrics.Logger, preemption: faults.Preemption | None
                 progress.write(f"saved {path}")
         if stop:
             progress.close()
-            sys.stderr.write(f"train.py: rank {plan.rank}: preempted ({preemption.signal or 'a peer was signalled'}):"
+            sys.stderr.write(f"train.py: rank {plan.rank}: preempted ({t.faults.signal or 'a peer was signalled'}):"
                              f" stopped after step {step}, " + (f"saved {path}; continue with --resume\n" if path
                                                                 else "nothing saved (--no_checkpoint)\n"))
             return faults.PREEMPTED
-        if watchdog is not None:
-            watchdog.stop()
-        faults.maybe_kill(step, plan.rank)
+        t.faults.after_step(step)
     progress.close()
     if profiler is not None:
         profiler.stop()
@@ -390,9 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     if is_main:
         print(describe(t), flush=True)
         faults.warn_shared_rendezvous_store()
-    watchdog = faults.StepWatchdog(args.out_dir, plan.rank, args.timeout)
+    t.faults = faults.Faults(args.out_dir, plan.rank, args.timeout, plan.device)
     try:
-        code = run(t, logger, faults.Preemption(plan.device), watchdog)
+        code = run(t, logger)
         if code in (0, faults.PREEMPTED) and dist.is_initialized():
             dist.barrier()  # no rank tears the group down while a peer still has collectives in flight
         return code
@@ -408,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                                f"[{str(e).strip().splitlines()[0][:200]}]")
         return 4
     finally:
-        watchdog.stop()
+        t.faults.close()
         logger.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -190,10 +190,11 @@ PROBE = r"""
 import json, os, sys, torch
 sys.path.insert(0, os.getcwd())
 import metrics
+from config import resolve_dtype
 measure = sys.argv[1] == "1"
 if torch.cuda.is_available():
     dev = torch.device("cuda", 0)
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    dtype = resolve_dtype("auto", dev)  # the trainer's rule: bf16 where native (capability >= 8), else fp16
     out = {"device": "cuda", "count": torch.cuda.device_count(), "name": torch.cuda.get_device_name(dev),
            "dtype_bytes": 2, "peak_flops": metrics.peak_flops(dev, dtype) if measure else None}
 else:

@@ -90,3 +90,9 @@ def apply_compile(model: nn.Module) -> None:
     """torch.compile each Block's forward (its hooks stay eager)."""
     for _, block in blocks_by_index(model):
         block.forward = torch.compile(block.forward)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile (dynamo) has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]

@@ -48,10 +48,6 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int, zigzag: bool = True, dim
     return x.index_select(dim, local_positions(x.shape[dim], rank, cp, zigzag).to(x.device))
 
 
-def _rank(group) -> int:
-    return dist.get_rank(group) if comm.world(group) > 1 else 0
-
-
 def exchange_order(rank: int, cp: int) -> tuple[str, str]:
     """The order a rank posts its ring step's two halves in: even ranks send first, odd ranks receive first.
     gloo's isend/irecv never block, so any order works there; NCCL runs a rank's p2p operations in posting
@@ -64,7 +60,7 @@ def exchange_order(rank: int, cp: int) -> tuple[str, str]:
 def _exchange(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], list]:
     """Post the send of `tensors` to the next rank and the receive of the same shapes from the previous one,
     in `exchange_order`; returns (receive buffers, works to wait for)."""
-    C, r = comm.world(group), _rank(group)
+    C, r = comm.world(group), comm.rank(group)
     bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous, unlike empty_like
     post = {"recv": lambda: [comm.recv(b, (r - 1) % C, group) for b in bufs],
             "send": lambda: [comm.send(t.contiguous(), (r + 1) % C, group) for t in tensors]}
@@ -95,7 +91,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, q, k, v, group, zigzag: bool):
-        C, r = comm.world(group), _rank(group)
+        C, r = comm.world(group), comm.rank(group)
         T = q.shape[2] * C
         host = [local_positions(T, i, C, zigzag) for i in range(C)]  # decides skips without a device sync
         positions = [p.to(q.device) for p in host]
@@ -135,7 +131,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_o):
         q, k, v, o, lse = ctx.saved_tensors
         group, positions, host, scale = ctx.group, ctx.positions, ctx.host, ctx.scale
-        C, r = comm.world(group), _rank(group)
+        C, r = comm.world(group), comm.rank(group)
         q_pos, g = positions[r], grad_o.float()
         delta = (g * o.float()).sum(-1)  # (B, H, Tq): rowsum(dO * O)
         dq = torch.zeros_like(q, dtype=torch.float32)
@@ -170,14 +166,46 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
     return _RingAttention.apply(q, k, v, group, zigzag)
 
 
+class RingAttentionCore(torch.nn.Module):
+    """model.AttentionCore's causal attention with the keys and values of the whole sequence, which `group`'s
+    ranks hold in zigzag shares: `ring_attention`. No dropout (config refuses it under CP)."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        super().__init__()
+        self.group = group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return ring_attention(q, k, v, self.group)
+
+
+class ZigzagPositions:
+    """model.GPT's `positions` for rank `rank` of `cp`: the absolute positions of its zigzag share (T of them)
+    of a sequence of T * cp tokens."""
+
+    def __init__(self, rank: int, cp: int):
+        self.rank, self.cp = rank, cp
+        self._made: dict[tuple[int, str], torch.Tensor] = {}  # one host -> device copy per (T, device), not per forward
+
+    def __call__(self, T: int, device) -> torch.Tensor:
+        key = (T, str(device))
+        if key not in self._made:
+            self._made[key] = local_positions(T * self.cp, self.rank, self.cp).to(device)
+        return self._made[key]
+
+
+def positions_for(rank: int, cp: int) -> ZigzagPositions:
+    return ZigzagPositions(rank, cp)
+
+
 def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Make `model` (a GPT or a pipeline stage) run on this rank's zigzag share of every sequence: positions
-    from `local_positions`, and every attention a ring over `group`. Parameters are untouched (replicated
-    over cp; their gradients are reduced over dp x cp by the data-parallel wrapper)."""
-    model.cp = (_rank(group), comm.world(group))
-    for module in model.modules():
-        if hasattr(module, "cp_group"):
-            module.cp_group = group
+    """Make `model` (a GPT or a pipeline stage) run on this rank's zigzag share of every sequence: its positions
+    from `local_positions`, and every attention core a ring over `group` (the tokens themselves are cut by
+    `shard_sequence` before the forward). Parameters are untouched (replicated over cp; their gradients are
+    reduced over dp x cp by the data-parallel wrapper)."""
+    model.positions = positions_for(comm.rank(group), comm.world(group))
+    for module in list(model.modules()):
+        if hasattr(module, "core"):
+            module.core = RingAttentionCore(group)
 
 
 # ---- the PyTorch twin (CUDA only) ---------------------------------------------------------------------------
@@ -186,13 +214,6 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -> 
 # `_sdpa_handler`); on CPU, SDPA runs aten._scaled_dot_product_flash_attention_for_cpu, for which it raises
 # "NotImplementedError: ... does not have a sharding strategy registered" (tried on gloo ranks)
 TORCH_CP_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
-
-
-def apply_torch_context_parallel(model: torch.nn.Module, cp_rank: int, cp: int) -> None:
-    """The twin's half of `apply_context_parallel`: zigzag positions for the position embedding; attention
-    stays F.scaled_dot_product_attention, which `torch_context_parallel` rings. torch's head-tail load
-    balancer gives rank r chunks r and 2C-1-r, in that order: our split (tests/test_context_parallel_twin.py)."""
-    model.cp = (cp_rank, cp)
 
 
 @contextlib.contextmanager

@@ -1,11 +1,14 @@
-"""The one place that picks device and backend, validates the parallel layout and builds the mesh.
+"""The one place that picks device, backend and timers, validates the parallel layout and builds the mesh.
 
-Mesh dims are ("pp", "dp", "cp", "tp"), tp innermost (fastest-varying) so TP groups are neighbouring ranks, which
-on a GPU node share NVLink; pp outermost, so a pipeline's stages span nodes and only its point-to-point
-activations cross them. Rank r = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank.
+Mesh dims are ("pp", "dp_replicate", "dp_shard", "cp", "tp"), always all five (size 1 where unused), tp innermost
+(fastest-varying) so TP groups are neighbouring ranks, which on a GPU node share NVLink; pp outermost, so a
+pipeline's stages span nodes and only its point-to-point activations cross them. dp = dp_replicate x dp_shard
+(dp_replicate > 1 only under HSDP). Flattened dims have names for what they do: `batch` (data loading),
+`loss` (loss mean, DDP's gradient mean: dp x cp), `fsdp` (sharding: dp_shard x cp).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -145,56 +148,85 @@ def honour_timeout(timeout: timedelta) -> None:
             c10d._set_pg_timeout(timeout, group)
 
 
-def init_distributed(dims: ParallelDims, device: torch.device,
-                     timeout_s: float = 600.0) -> DeviceMesh | FoldedMesh | None:
-    """Join the process group (when there is more than one rank) and return the mesh: ("pp", "dp", "tp"),
-    or with HSDP and/or context parallelism a `FoldedMesh` over ("pp", ["dp_replicate", "dp_shard" | "dp"],
-    ["cp"], "tp") whose "dp" is every data-parallel dim and cp folded into one group. Every group then has
-    the run's timeout (`honour_timeout`)."""
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's dims, outermost first
+# flattened dims, by what they are for: name -> the dims they span
+FLATTENED = {
+    "batch": ("dp_replicate", "dp_shard"),      # which rows of the global batch a rank reads (data loading)
+    "loss": ("dp_replicate", "dp_shard", "cp"),  # same parameters, other tokens: the loss mean and DDP's gradient mean
+    "fsdp": ("dp_shard", "cp"),                  # what a sharding engine shards over (HSDP replicates over dp_replicate)
+}
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    """One named dim of the mesh as this rank sees it: its size, this rank's coordinate on it, and the process
+    group over it (None on one process, where every dim has size 1 and nothing is communicated). `device_mesh`:
+    the same dim as a torch DeviceMesh, for the PyTorch twins (None on one process)."""
+    name: str
+    size: int
+    rank: int
+    group: dist.ProcessGroup | None
+    device_mesh: DeviceMesh | None
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+
+class Mesh:
+    """The run's one mesh, always there (on one process too): dims ("pp", "dp_replicate", "dp_shard", "cp", "tp"),
+    size-1 dims included, tp innermost, and the flattened dims of `FLATTENED` by honest names (`batch`, `loss`,
+    `fsdp`). `mesh[name]` is a MeshDim. A flattened dim that spans one dim of size > 1 (say loss without cp)
+    is that dim: no extra group. Rank r = (((pp * R + rep) * S + shard) * C + cp) * T + tp, as
+    ParallelDims.coordinates."""
+
+    def __init__(self, dims: ParallelDims, root: DeviceMesh | None = None):
+        self.dims, self.root = dims, root
+        sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+                 "tp": dims.tp}
+        self._dims: dict[str, MeshDim] = {}
+        for name in DIMS:
+            dm = root[name] if root is not None else None
+            self._dims[name] = MeshDim(name, sizes[name], dm.get_local_rank() if dm is not None else 0,
+                                       dm.get_group() if dm is not None else None, dm)
+        for name, spans in FLATTENED.items():
+            big = [d for d in spans if sizes[d] > 1]
+            if len(big) <= 1:  # one dim (or none) of size > 1: the flattened dim is that dim
+                self._dims[name] = dataclasses.replace(self._dims[big[0] if big else spans[-1]], name=name)
+                continue
+            dm = root[spans]._flatten("_".join(spans))
+            self._dims[name] = MeshDim(name, dm.size(), dm.get_local_rank(), dm.get_group(), dm)
+
+    def __getitem__(self, name: str) -> MeshDim:
+        return self._dims[name]
+
+    def device_mesh(self, *names: str) -> DeviceMesh:
+        """A torch DeviceMesh over `names` (one name: that dim, flattened ones included; several: the root's
+        sub-mesh), for the twins that take a mesh."""
+        return self._dims[names[0]].device_mesh if len(names) == 1 else self.root[names]
+
+    def pipelines(self) -> list[list[int]]:
+        """Every pipeline's global ranks in pp order (pp is outermost: the ranks j, j + W/P, j + 2W/P, ...)."""
+        rest = self.dims.world_size // self.dims.pp
+        return [[s * rest + j for s in range(self.dims.pp)] for j in range(rest)]
+
+
+def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float = 600.0) -> Mesh:
+    """Join the process group (when there is more than one rank) and return the run's Mesh (on one process: every
+    dim of size 1, no groups). Every group then has the run's timeout (`honour_timeout`)."""
     if dims.world_size == 1:
-        return None
+        return Mesh(dims)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend_for(device), timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
-    hsdp, cp = dims.dp_replicate > 1, dims.cp > 1
-    if not hsdp and not cp:
-        mesh = init_device_mesh(device.type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
-        honour_timeout(timeout)
-        return mesh
-    data = [("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard)] if hsdp else [("dp", dims.dp)]
-    named = [("pp", dims.pp), *data, *([("cp", dims.cp)] if cp else []), ("tp", dims.tp)]
-    root = init_device_mesh(device.type, tuple(n for _, n in named), mesh_dim_names=tuple(k for k, _ in named))
-    folds = {"dp": [k for k, _ in data] + (["cp"] if cp else [])}
-    if hsdp and cp:  # parameters are replicated over cp: FSDP shards over dp_shard x cp (torchtitan's dp_shard_cp)
-        folds["dp_shard"] = ["dp_shard", "cp"]
-    mesh = FoldedMesh(root, folds)
+    root = init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
+                            mesh_dim_names=DIMS)
+    mesh = Mesh(dims, root)
     honour_timeout(timeout)
     return mesh
-
-
-class FoldedMesh:
-    """A mesh with some of its dims also seen as one flattened group, by name; the other names index the root.
-
-    - HSDP: ("pp", "dp_replicate", "dp_shard", "tp"); "dp" is dp_replicate x dp_shard (dp rank = replicate
-      rank x dp_shard + shard rank), for the loss mean.
-    - Context parallelism: ("pp", "dp", "cp", "tp"). Parameters are replicated over cp, so every gradient
-      reduction and loss mean runs over dp x cp: "dp" is the two flattened. "cp" is the ring.
-    - Both: "dp" is dp_replicate x dp_shard x cp, and "dp_shard" is dp_shard x cp (what FSDP shards over).
-
-    The flattened groups are kept here (torch deprecates slicing a flattened dim from the root). `mesh` is the
-    rank grid seen as (pp, everything between, tp), like the plain mesh's. A rank's pure dp coordinate (which
-    rows it reads) is ParallelDims.coordinates'."""
-
-    def __init__(self, root: DeviceMesh, folds: dict[str, list[str]]):
-        self.root = root
-        self.folds = {name: root[tuple(dims)]._flatten("_".join(dims)) for name, dims in folds.items()}
-        self.mesh = root.mesh.reshape(root.mesh.shape[0], -1, root.mesh.shape[-1])
-
-    def __getitem__(self, name: str) -> DeviceMesh:
-        return self.folds[name] if name in self.folds else self.root[name]
 
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

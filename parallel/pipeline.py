@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from model import GPT, materialize_module, token_positions
+from model import GPT, materialize_module
 from parallel import comm
 from parallel.grads import clip_grad_norm_
 from parallel.mesh import group_timeout, make_timer
@@ -69,7 +69,7 @@ class PipelineStage(nn.Module):
                     with torch.no_grad():
                         self.lm_head.weight.copy_(w)
         self.loss_fn = model.loss_fn
-        self.cp = model.cp
+        self.positions = model.positions  # (T, device) -> positions; context parallelism may have swapped them
 
     def init_units(self) -> list[tuple[str, nn.Module]]:
         """(GPT name, module) pairs that together own each of this stage's parameters once."""
@@ -95,7 +95,7 @@ class PipelineStage(nn.Module):
         (the logits (B, T, V) without targets)."""
         t = self.transformer
         if chunk == 0:
-            pos = token_positions(x.shape[1], self.cp, x.device)
+            pos = self.positions(x.shape[1], x.device)
             x = t.drop(t.wte(x) + t.wpe(pos))  # (B, T, C)
         for i in self.layers[chunk]:
             x = t.h[str(i)](x)  # (B, T, C)

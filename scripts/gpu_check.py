@@ -287,7 +287,7 @@ def stage_context_parallel(ctx: Context) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from model import GPT
-    from parallel.context_parallel import apply_torch_context_parallel, ring_attention, torch_context_parallel
+    from parallel.context_parallel import positions_for, ring_attention, torch_context_parallel
     s = ctx.setup
     device = torch.device(s.device, 0) if s.device == "cuda" else torch.device("cpu")
     one_rank_mesh(device)
@@ -313,7 +313,7 @@ def stage_context_parallel(ctx: Context) -> None:
         plan = make_plan(ctx, "cp-twin", s.small, s.device, "float32", 1)
         model = GPT(plan.config).to(device)
         twin = copy.deepcopy(model)
-        apply_torch_context_parallel(twin, 0, 1)
+        twin.positions = positions_for(0, 1)  # the twin's zigzag positions (parallel/twins.apply_cp)
         x = torch.randint(plan.config.vocab_size, (4, plan.args.seq_len), generator=g).to(device)
         y = torch.roll(x, -1, 1)
         ref = model(x, y)[1]

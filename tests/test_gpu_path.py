@@ -142,6 +142,15 @@ class TestDtypes(unittest.TestCase):
                 self.assertEqual(config.resolve_dtype("auto", cuda), torch.bfloat16)
         self.assertEqual(config.resolve_dtype("auto", torch.device("cpu")), torch.float32)
 
+    def test_tf32_only_for_fp32_on_cuda_unless_refused(self):
+        """config.use_tf32: TF32 changes fp32 matmuls only; CPU runs and autocast runs keep their math."""
+        from config import use_tf32
+        cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+        self.assertTrue(use_tf32(cuda, torch.float32))
+        self.assertFalse(use_tf32(cuda, torch.float32, no_tf32=True))
+        self.assertFalse(use_tf32(cuda, torch.bfloat16))
+        self.assertFalse(use_tf32(cpu, torch.float32))
+
     def test_fp16_fsdp_dtypes_need_the_grad_scaler(self):
         for flag in ("--param_dtype", "--reduce_dtype"):
             args = _tiny_args("unused", "unused", flag, "float16", "--dtype", "bfloat16")

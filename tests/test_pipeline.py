@@ -329,7 +329,7 @@ def new_group_calls(rank: int, world: int) -> list:
     with torch.device("meta"):
         model = GPT(config(world))
     with mock.patch.object(dist, "new_group", recording):
-        par = parallelize(model, mesh, dims, ParallelConfig(implementation="custom", deferred_init=True, seed=SEED),
+        par = parallelize(model, mesh, ParallelConfig(implementation="custom", deferred_init=True, seed=SEED),
                           torch.device("cpu"))
     return {"calls": calls, "embed": par.pipeline.embed_group is not None}
 

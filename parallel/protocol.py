@@ -1,0 +1,161 @@
+"""What every data-parallel wrapper answers, ours and (through a thin adapter, parallel/twins.py) PyTorch's, so
+that `Parallelized` (parallel/parallelize.py) only delegates and never asks which wrapper it holds.
+
+    param_groups(weight_decay)      AdamW groups over what this rank steps (whole parameters, or FSDP shards)
+    make_optimizer(wd, **adamw)     AdamW over those groups (torch's ZeRO-1 twin: ZeroRedundancyOptimizer)
+    grad_norm_items()               (param, groups[, lo, hi]) items for parallel/grads.clip_grad_norm_
+    grad_sync(last_micro_step)      context around one micro-step's forward + backward (DDP: no_sync before the last)
+    step_sync()                     context around a pipeline's whole step (ours: accumulate, reduce once on exit)
+    after_optimizer_step()          ZeRO-1/2: the full parameter copies are stale now
+    state_breakdown(optimizer)      this rank's {"params", "grads", "optimizer"} bytes
+    checkpoint_entries(optimizer)   layout-independent entries (parallel/state.py)
+    checkpoint_optimizer(optimizer) the AdamW whose step count and hyperparameters a checkpoint records
+
+`Replicated` is the default: parameters as they are (no data parallelism, or a wrapper that keeps whole
+replicas); `Accumulating` adds DDP's local accumulation; `Sharded` is our FSDP / ZeRO engine.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel.state import Entry, entries_for, entries_for_fsdp
+
+
+class DataParallel(Protocol):
+    model: nn.Module
+
+    def param_groups(self, weight_decay: float) -> list[dict]: ...
+    def make_optimizer(self, weight_decay: float, **adamw) -> torch.optim.Optimizer: ...
+    def grad_norm_items(self) -> list[tuple]: ...
+    def grad_sync(self, last_micro_step: bool) -> ContextManager: ...
+    def step_sync(self) -> ContextManager: ...
+    def after_optimizer_step(self) -> None: ...
+    def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]: ...
+    def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list[Entry]: ...
+    def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank's parameters sit in the other dims, which norms and checkpoints need.
+    tp_*: plain (non-DTensor) parameters are replicated over TP, our TP shards are the tp_rank-th slice;
+    replica_rank: index among identical replicas (checkpoint writers are replica 0);
+    lm_head_copy: this pipeline stage holds the last stage's copy of the tied embedding (scaled, not measured)."""
+    tp_group: dist.ProcessGroup | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    replica_rank: int = 0
+    lm_head_copy: bool = False
+
+
+class Replicated:
+    """Parameters as they are: no data parallelism, or whole replicas (torch DDP under a pipeline, whose
+    PipelineStage syncs). `groups`: for each parameter name, the groups its gradient is sharded over (TP)."""
+
+    def __init__(self, model: nn.Module, at: Placement, groups: dict[str, tuple],
+                 sharded_as: dict | None = None):
+        self.model, self.at, self.sharded_as = model, at, sharded_as or {}
+        copy = at.lm_head_copy
+        self._norm_items = [(p, None if copy and n.endswith("lm_head.weight") else groups[n.removeprefix("module.")])
+                            for n, p in model.named_parameters()]
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        from model import param_groups
+        return param_groups(list(self.model.named_parameters()), weight_decay)
+
+    def make_optimizer(self, weight_decay: float, **adamw) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.param_groups(weight_decay), **adamw)
+
+    def grad_norm_items(self) -> list[tuple]:
+        return self._norm_items
+
+    def grad_sync(self, last_micro_step: bool) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def step_sync(self) -> ContextManager:
+        return contextlib.nullcontext()
+
+    def after_optimizer_step(self) -> None:
+        pass
+
+    def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        import metrics
+        return metrics.state_breakdown(self.model, self.checkpoint_optimizer(optimizer))
+
+    def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list[Entry]:
+        return _tied_copy_read_only(self._entries(optimizer))
+
+    def _entries(self, optimizer: torch.optim.Optimizer) -> list[Entry]:
+        a = self.at
+        return entries_for(list(self.model.named_parameters()), optimizer, a.replica_rank, self.sharded_as,
+                           a.tp_rank, a.tp_size)
+
+
+class Accumulating(Replicated):
+    """Whole replicas whose gradients are reduced once per step: micro-steps before the last run in `no_sync`;
+    a pipeline's step runs inside our wrapper's `reduce_on_exit` (torch's DDP has none: it is only used
+    without a pipeline)."""
+
+    def grad_sync(self, last_micro_step: bool) -> ContextManager:
+        return contextlib.nullcontext() if last_micro_step else self.model.no_sync()
+
+    def step_sync(self) -> ContextManager:
+        return self.model.reduce_on_exit()
+
+
+class Sharded:
+    """Our FSDP / ZeRO-1/2 / HSDP engine (parallel/fsdp.py): it answers groups, norms, state and the ZeRO-1/2
+    refresh itself; this adds what needs the other dims (TP slices, the replica index, the lm_head copy).
+    ZeRO-1 accumulates its micro-steps locally (reduced on the last one, or on a pipeline step's exit)."""
+
+    def __init__(self, fsdp, at: Placement):
+        self.model, self.at = fsdp, at
+        tp = {n: (at.tp_group,) for n in fsdp.tp_shard_dims}
+        self._norm_items = fsdp.grad_norm_items({**tp, **({"lm_head.weight": None} if at.lm_head_copy else {})})
+        self._local = fsdp.zero_stage == 1
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        return self.model.param_groups(weight_decay)
+
+    def make_optimizer(self, weight_decay: float, **adamw) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.param_groups(weight_decay), **adamw)
+
+    def grad_norm_items(self) -> list[tuple]:
+        return self._norm_items
+
+    def grad_sync(self, last_micro_step: bool) -> ContextManager:
+        return self.model.no_sync() if self._local and not last_micro_step else contextlib.nullcontext()
+
+    def step_sync(self) -> ContextManager:
+        return self.model.reduce_on_exit() if self._local else contextlib.nullcontext()
+
+    def after_optimizer_step(self) -> None:
+        self.model.after_optimizer_step()
+
+    def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        return self.model.state_breakdown(optimizer)
+
+    def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list[Entry]:
+        a = self.at
+        return _tied_copy_read_only(entries_for_fsdp(self.model, optimizer, self.model.tp_shard_dims, a.tp_rank,
+                                                     a.tp_size, a.replica_rank))
+
+
+def _tied_copy_read_only(entries: list[Entry]) -> list[Entry]:
+    """The last stage's copy of the tied matrix (lm_head.weight): loaded as transformer.wte.weight, never written."""
+    for e in entries:
+        if e.name == "lm_head.weight":
+            e.name, e.write = "transformer.wte.weight", False
+    return entries

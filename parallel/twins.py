@@ -1,0 +1,204 @@
+"""PyTorch's own wrappers on the same mesh as ours (`--implementation pytorch`), each a step of
+parallel/parallelize.py's composition, with the thin adapter that makes it answer parallel/protocol.py.
+
+    pp    torch.distributed.pipelining's PipelineStage per local chunk (TorchChunk) and its schedules
+    cp    torch's context_parallel (CUDA only): the SDPA ring opened around each micro-step
+    tp    DTensor `parallelize_module` with our sharding (`pytorch_tp_plan`); loss parallel as a context
+    fsdp  FSDP2 `fully_shard`: each Block one unit, the root (or each pipeline chunk) another
+    ddp   `DistributedDataParallel` (DTensor TP parameters localised for it: `localize_tp_params`); zero1 is
+          the same plus `ZeroRedundancyOptimizer`
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from parallel.blocks import blocks_by_index
+from parallel.comm import local
+from parallel.context_parallel import positions_for, torch_context_parallel
+from parallel.mesh import Mesh
+from parallel.pipeline import PipelineStage, TorchChunk, TorchPipelineRunner
+from parallel.protocol import Accumulating, Placement, Replicated
+
+
+# ----------------------------------------------------------------------------- adapters
+
+class TorchFSDP2(Replicated):
+    """FSDP2's parameters are DTensors sharded over the fsdp dims: norms and entries read their placements.
+    FSDP2 leaves the root unsharded after a no_grad forward (an eval), while the optimizer holds the sharded
+    parameters: reshard before listing checkpoint entries."""
+
+    def checkpoint_entries(self, optimizer: torch.optim.Optimizer):
+        from torch.distributed.fsdp import FSDPModule
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return super().checkpoint_entries(optimizer)
+
+
+class TorchZeRO1(Replicated):
+    """torch DDP plus ZeroRedundancyOptimizer over the loss group: each replica keeps the AdamW state of its
+    partition of the parameters; after the step it broadcasts its partition's new values to the others.
+    Without a pipeline micro-steps before the last run in DDP's no_sync (`accumulate`); under one, each chunk's
+    DDP is synced by torch's PipelineStage."""
+
+    def __init__(self, model: nn.Module, at: Placement, groups: dict, group, sharded_as: dict | None = None,
+                 accumulate: bool = True):
+        super().__init__(model, at, groups, sharded_as)
+        self.group, self.accumulate = group, accumulate
+
+    def grad_sync(self, last_micro_step: bool):
+        return self.model.no_sync() if self.accumulate and not last_micro_step else contextlib.nullcontext()
+
+    def make_optimizer(self, weight_decay: float, **adamw) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(self.param_groups(weight_decay), torch.optim.AdamW, process_group=self.group,
+                                       **adamw)
+
+    def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer.optim  # the local AdamW: its step count, hyperparameters and this rank's moments
+
+    def _entries(self, optimizer: torch.optim.Optimizer):
+        """Each parameter's owner writes it with its moments (the replicas' values are equal)."""
+        from parallel.state import entries_for
+        owner, a = optimizer._param_to_rank, self.at
+        return entries_for(list(self.model.named_parameters()), optimizer.optim, 0, self.sharded_as, a.tp_rank,
+                           a.tp_size, owns=lambda p: owner[p] == a.replica_rank)
+
+
+# ----------------------------------------------------------------------------- the steps
+
+def apply_pp(model, mesh: Mesh, cfg, par):
+    """Our cut (parallel/pipeline.PipelineStage), plus one module per local chunk (`TorchChunk`) for torch's
+    PipelineStage: torch's DDP and FSDP2 then wrap those chunk modules, as torchtitan wraps its model chunks."""
+    stage = PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual)
+    stage.chunk_modules = {c: TorchChunk(stage, c) for c in stage.chunks}
+    return stage
+
+
+def apply_cp(model, mesh: Mesh, cfg, par):
+    """torch's context_parallel (CUDA only): zigzag positions now (torch's head-tail load balancer gives rank r
+    chunks r and 2C-1-r, our split), the SDPA ring per micro-step; it takes the full rows and shards them."""
+    cp = mesh["cp"]
+    model.positions = positions_for(cp.rank, cp.size)
+    par.micro_contexts.append(lambda x, y: torch_context_parallel(cp.device_mesh, x, y))
+    return model
+
+
+def apply_tp(model, mesh: Mesh, cfg, par):
+    """DTensor TP with the same sharding as ours (`pytorch_tp_plan`, torchtitan-style). DTensor loss parallel
+    needs its context around each micro-step's forward and backward."""
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    from parallel.tensor_parallel import pytorch_tp_plan
+    parallelize_module(model, mesh["tp"].device_mesh, pytorch_tp_plan(model, cfg.loss_parallel, cfg.sequence_parallel))
+    if not isinstance(model, PipelineStage):  # a stage's lm_head is a copy of wte, not tied to it
+        model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) over vocab: re-tie after the swap
+    if cfg.loss_parallel:
+        par.micro_contexts.append(lambda x, y: _around(loss_parallel(), x, y))
+    return model
+
+
+def apply_fsdp(model, mesh: Mesh, cfg, par):
+    """FSDP2: each Block one unit, the root (embeddings, ln_f) another, as ours. zero2: the same with
+    reshard_after_forward=False (parameters stay gathered from forward to backward). HSDP: on the 2D
+    (dp_replicate, fsdp) mesh."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype)
+    if mesh["dp_replicate"].enabled:
+        dp_mesh = mesh.device_mesh("dp_replicate", "dp_shard")
+    else:
+        dp_mesh = mesh["loss"].device_mesh
+    kw = {"mesh": dp_mesh, "mp_policy": mp, "reshard_after_forward": cfg.dp_type != "zero2"}
+    for _, block in blocks_by_index(model):
+        fully_shard(block, **kw)
+    for root in getattr(model, "chunk_modules", {}).values() or [model]:  # a pipeline stage: each chunk
+        fully_shard(root, **kw)
+    par.dp_wrapper = lambda at, groups: TorchFSDP2(model, at, groups)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh: Mesh, cfg, par):
+    """torch DDP over the loss group (dp x cp). Under a pipeline each chunk module is its own DDP, which
+    torch's PipelineStage syncs on the last backward; otherwise micro-steps before the last run in no_sync.
+    zero1: DDP plus ZeroRedundancyOptimizer (TorchZeRO1)."""
+    from torch.nn.parallel import DistributedDataParallel
+    loss = mesh["loss"]
+    stage = isinstance(model, PipelineStage)  # the chunk modules run, not the stage: they carry the hooks
+    sharded_as = localize_tp_params(model, list(model.chunk_modules.values()) if stage else None)
+    kw = {"process_group": loss.group, "device_ids": [par.device.index] if par.device.type == "cuda" else None}
+    at_rank = lambda at: dataclasses.replace(at, replica_rank=loss.rank)  # noqa: E731
+    if stage:
+        model.chunk_modules = {c: DistributedDataParallel(m, **kw) for c, m in model.chunk_modules.items()}
+        wrapped = model
+    else:
+        wrapped = DistributedDataParallel(model, **kw)
+    if cfg.dp_type == "zero1":
+        par.dp_wrapper = lambda at, groups: TorchZeRO1(wrapped, at_rank(at), groups, loss.group, sharded_as,
+                                                       accumulate=not stage)
+    elif stage:
+        par.dp_wrapper = lambda at, groups: Replicated(wrapped, at_rank(at), groups, sharded_as)
+    else:
+        par.dp_wrapper = lambda at, groups: Accumulating(wrapped, at_rank(at), groups, sharded_as)
+    return wrapped
+
+
+def apply_runner(model, mesh: Mesh, cfg, par):
+    """torch.distributed.pipelining's schedules through whatever the steps before made (TorchPipelineRunner)."""
+    par.pipeline = TorchPipelineRunner(model, **par.runner_args(cfg))
+    return model
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@contextlib.contextmanager
+def _around(context, x: torch.Tensor, y: torch.Tensor):
+    with context:
+        yield x, y
+
+
+def localize_tp_params(model: nn.Module, run_by: list[nn.Module] | None = None) -> dict[str, DTensor]:
+    """Let torch DDP (which knows nothing of DTensor) all-reduce the local shards of TP parameters.
+
+    Each DTensor parameter is replaced by a plain Parameter holding its local shard (tied weights
+    stay one Parameter); a forward pre-hook swaps in DTensor views of those Parameters and a forward
+    hook swaps the same Parameter objects back, so DDP's gradient hooks stay attached to them.
+    (torch's `_pre_dp_module_transform` does this too, but re-creates the Parameters after every
+    forward, which detaches them from DDP's hooks, and it unties the embedding from lm_head.)
+    Returns {name: DTensor} as they were (empty when there are none), for checkpoint entries.
+    `run_by`: the modules whose forward runs the model (default: the model itself; a pipeline stage's chunk
+    modules) carry the hooks.
+    """
+    dtensors = {n: p for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    locals_: dict[int, tuple[nn.Parameter, object]] = {}
+    users: list[tuple[nn.Module, str, int]] = []
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if isinstance(p, DTensor):
+                if id(p) not in locals_:
+                    locals_[id(p)] = (nn.Parameter(local(p).detach()), p._spec)
+                users.append((module, attr, id(p)))
+                module._parameters[attr] = locals_[id(p)][0]
+
+    def to_dtensor(*_):
+        views = {k: DTensor.from_local(t, spec.mesh, spec.placements, run_check=False,
+                                       shape=spec.shape, stride=spec.stride)
+                 for k, (t, spec) in locals_.items()}
+        for module, attr, k in users:
+            del module._parameters[attr]
+            setattr(module, attr, views[k])
+
+    def to_local(*_):
+        for module, attr, k in users:
+            delattr(module, attr)
+            module._parameters[attr] = locals_[k][0]
+
+    if dtensors:
+        for m in run_by or [model]:
+            m.register_forward_pre_hook(to_dtensor)
+            m.register_forward_hook(to_local)
+    return dtensors
