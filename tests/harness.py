@@ -14,6 +14,11 @@ GPU machine too.
 fn(rank, world_size, *args) runs with the default process group initialised; its return values come
 back as a list indexed by rank.
 
+Measurements beside assertions: a file registers functions run inside the ranks (`measures =
+Measurements(N)`, `@measures.register(name)` on a function in the test class, right above the test that reads
+`measures[name]`), and `measures.run()` in setUpClass runs them all in one run_distributed. A measurement that
+raises fails only its own tests, with its traceback.
+
 Whole runs: `launch` starts a script (train.py by default) as a user would, `python` for one rank and
 `torchrun` for more, in an environment without this process's torchrun variables
 (`parallel.mesh.child_env`), on the CPU unless the test passes its own `--device`. `shared_run` trains a
@@ -31,8 +36,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -67,11 +73,10 @@ def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, r
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     dist.init_process_group(BACKEND, rank=rank, world_size=world_size, timeout=TIMEOUT)
-    try:
-        out = fn(rank, world_size, *args)
-        torch.save(out, os.path.join(result_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    # A raise leaves the group up: the peers' collectives then fail ("Connection closed") only once this
+    # process has exited, so its error, not a peer's, is the one spawn reports.
+    torch.save(fn(rank, world_size, *args), os.path.join(result_dir, f"{rank}.pt"))
+    dist.destroy_process_group()
 
 
 def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
@@ -99,6 +104,110 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any] | No
     return spawn(fn, world_size, *args)
 
 
+# ----------------------------------------------------------------------------- measurements beside assertions
+
+class Outcome(NamedTuple):
+    """What one measurement gave on one rank: its return value, or (error) the traceback of what it raised."""
+    rank: int
+    value: Any
+    error: str | None
+
+
+class MeasurementError(RuntimeError):
+    """A measurement raised on some rank; the message carries each raising rank's traceback."""
+
+
+_MEASURE_RUNS = itertools.count()  # names this process's runs apart in a store a torchrun keeps across them
+
+
+def _measure_all(rank: int, world_size: int, functions: dict[str, Callable], peers_timeout: timedelta
+                 ) -> dict[str, Outcome]:
+    """Every registered measurement on this rank, in registration order: name -> Outcome. One that raises is
+    kept as its traceback and the next one runs, but only once every rank is done with it (a key per rank in
+    the process group's store, outside its collectives): a rank that raised before a collective its peers
+    then wait in leaves the ranks out of step, and is told so after `peers_timeout` by a RuntimeError that
+    ends the whole run (and, under spawn, every rank), instead of later measurements pairing the wrong
+    collectives."""
+    store = dist.distributed_c10d._get_default_store() if world_size > 1 and dist.is_initialized() else None
+    run = next(_MEASURE_RUNS)
+    out: dict[str, Outcome] = {}
+    for name, fn in functions.items():
+        try:
+            out[name] = Outcome(rank, fn(rank, world_size), None)
+        except Exception:
+            out[name] = Outcome(rank, None, traceback.format_exc())
+        if store is None:
+            continue
+        key = f"tests.harness.measurements/{run}/{name}/"
+        store.set(key + str(rank), "done")
+        if out[name].error is not None:  # a rank that returned is in step: only one that raised waits
+            try:
+                store.wait([key + str(r) for r in range(world_size)], peers_timeout)
+            except Exception:
+                raise RuntimeError(f"measurement {name!r} raised on rank {rank} and not every rank finished it "
+                                   f"within {peers_timeout}: the ranks are out of step, so no later measurement "
+                                   f"can run. Rank {rank}'s error:\n{out[name].error}") from None
+    return out
+
+
+class Measurements:
+    """The measurements of a test file, each a function run inside the ranks and read by the test below it:
+
+        measures = Measurements(world_size=2)
+
+        class TestX(unittest.TestCase):
+            @classmethod
+            def setUpClass(cls):
+                measures.run()
+
+            @measures.register("loss")
+            def measure_loss(rank, world_size):   # runs on every rank; returns what the test checks
+                return train(...)
+
+            def test_loss_falls(self):
+                for r in measures["loss"]:        # every rank's return value (see run_distributed)
+                    ...
+
+    `run()` runs every function registered here in one run_distributed (registration order), once per
+    process: spawning costs seconds, so a file starts its ranks once for all its classes. A function that
+    raises fails only the tests that read it, with its traceback (MeasurementError); a failed start fails every
+    class that runs it, with the same error, without starting again."""
+
+    def __init__(self, world_size: int, peers_timeout: timedelta = timedelta(seconds=60)):
+        self.world_size, self.peers_timeout = world_size, peers_timeout
+        self.functions: dict[str, Callable] = {}
+        self._results: list[dict[str, Outcome]] | BaseException | None = None
+
+    def register(self, name: str) -> Callable:
+        """Decorator: fn(rank, world_size) -> its measurement, registered as `name`; returned as a staticmethod,
+        so it may sit in the test class, above the test that reads it."""
+        def add(fn: Callable) -> staticmethod:
+            assert name not in self.functions, f"measurement {name!r} registered twice"
+            self.functions[name] = fn
+            return staticmethod(fn)
+        return add
+
+    def run(self) -> None:
+        """Run every registered measurement, unless this process already did (or failed to)."""
+        if self._results is None:
+            try:
+                self._results = run_distributed(_measure_all, self.world_size, self.functions, self.peers_timeout)
+            except Exception as e:
+                self._results = e
+        if isinstance(self._results, BaseException):
+            raise self._results
+
+    def __getitem__(self, name: str) -> list[Any]:
+        """Every rank's return value of measurement `name` (as run_distributed returns them: under a torchrun
+        of world_size ranks, this rank's); MeasurementError if it raised on any of those ranks."""
+        if name not in self.functions:
+            raise KeyError(f"no measurement {name!r} registered (registered: {sorted(self.functions)})")
+        self.run()
+        outcomes = [by_name[name] for by_name in self._results]
+        errors = [f"rank {o.rank}:\n{o.error}" for o in outcomes if o.error is not None]
+        if errors:
+            raise MeasurementError(f"measurement {name!r} raised\n" + "\n".join(errors))
+        return [o.value for o in outcomes]
 
 
 # ----------------------------------------------------------------------------- whole training runs
