@@ -112,6 +112,7 @@ class Preemption:
 
     def __init__(self, device: torch.device):
         self.device, self.signal = device, None
+        self._flag, self._work = None, None  # this step's vote (vote -> agreed)
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -122,10 +123,21 @@ class Preemption:
         self.signal = signal.Signals(signum).name
         sys.stderr.write(f"train.py: {self.signal} received: stopping after this step, with a checkpoint\n")
 
-    def agreed(self) -> bool:
-        flag = torch.tensor([1 if self.signal else 0], dtype=torch.int32, device=self.device)
+    def vote(self) -> None:
+        """Start this step's agreement (a MAX over all ranks of one int, asynchronous): called before the step's
+        end-of-step scalars, so that reading it in `agreed` waits for nothing more than they did."""
+        self._flag = torch.tensor([1 if self.signal else 0], dtype=torch.int32, device=self.device)
+        self._work = None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one int: not wrapper traffic
+            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)  # not wrapper traffic
+
+    def agreed(self) -> bool:
+        """Whether any rank was signalled by its vote (one is started here if the step started none)."""
+        if self._flag is None:
+            self.vote()
+        if self._work is not None:
+            self._work.wait()
+        flag, self._flag = self._flag, None
         return bool(flag.item())
 
 
@@ -169,6 +181,7 @@ class Faults:
 
         before_step(s, model)   watchdog armed for step s; GPT_INJECT_NAN_AT_STEP
         mid_step(s)             after the backward, before the optimizer step: GPT_SIGNAL_AT_STEP
+        vote()                  start the preemption vote (asynchronous), before the step's end-of-step scalars
         after_step(s)           the step, its eval and checkpoint are done: watchdog off; GPT_KILL_AT_STEP
         preempted()             collective: a rank was signalled (every rank then stops after this step)"""
 
@@ -187,6 +200,11 @@ class Faults:
     def after_step(self, step: int) -> None:
         self.watchdog.stop()
         maybe_kill(step, self.rank)
+
+    def vote(self) -> None:
+        """Start the preemption vote that `preempted` reads (train_step: just before its end-of-step scalars)."""
+        if self.preemption is not None:
+            self.preemption.vote()
 
     def preempted(self) -> bool:
         return self.preemption is not None and self.preemption.agreed()

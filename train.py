@@ -119,7 +119,7 @@ def train_step(t: Trainer, step: int) -> dict:
                           args.micro_batch_size) for m in range(plan.grad_accum)]
     loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
     if t.faults is not None:
-        t.faults.mid_step(step)
+        t.faults.mid_step(step)  # the test hook that signals a rank mid-step
     if t.scaler:
         t.scaler.unscale_(t.optimizer)  # ranks agree on found-inf here (AgreeingGradScaler)
     norm = t.par.clip_grad_norm_(1.0 if args.gradient_clipping else None)
@@ -129,6 +129,8 @@ def train_step(t: Trainer, step: int) -> dict:
     else:
         t.optimizer.step()
     t.par.after_optimizer_step()
+    if t.faults is not None:
+        t.faults.vote()  # read by run() after the step: its all-reduce finishes with the scalars below
     comm_bytes = comm.COUNTER.snapshot()  # before the scalar reductions below, which are not wrapper traffic
     loss_value, norm_value = t.par.mean_loss(loss).item(), float(norm)  # .item() syncs the device: dt is honest
     dt = time.perf_counter() - t0

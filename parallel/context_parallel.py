@@ -21,6 +21,7 @@ backward (each of shape (B, heads, T/C, head_dim)).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -75,10 +76,15 @@ def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.
     return s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
 
 
-def _attends(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """Whether any query attends to any key of a block (host tensors): else every key lies after every query,
-    and the block is fully masked under causality."""
-    return bool(k_pos.min() <= q_pos.max())
+@functools.lru_cache(maxsize=64)
+def _ring_layout(T: int, C: int, zigzag: bool, device: torch.device) -> tuple[list[torch.Tensor], list[list[bool]]]:
+    """For a ring of C ranks over T tokens: each rank's positions on `device`, and attends[i][j], whether any
+    query of rank i attends to any key of rank j (else every key lies after every query: the block is fully
+    masked and skipped). Made once per (T, C, device), on the host: no host -> device copy or device read per
+    layer."""
+    host = [local_positions(T, i, C, zigzag) for i in range(C)]
+    attends = [[bool(host[j].min() <= host[i].max()) for j in range(C)] for i in range(C)]
+    return [p.to(device) for p in host], attends
 
 
 class _RingAttention(torch.autograd.Function):
@@ -93,8 +99,7 @@ class _RingAttention(torch.autograd.Function):
     def _forward(ctx, q, k, v, group, zigzag: bool):
         C, r = comm.world(group), comm.rank(group)
         T = q.shape[2] * C
-        host = [local_positions(T, i, C, zigzag) for i in range(C)]  # decides skips without a device sync
-        positions = [p.to(q.device) for p in host]
+        positions, attends = _ring_layout(T, C, zigzag, q.device)
         q_pos, scale = positions[r], 1.0 / math.sqrt(q.shape[-1])
         B, H, Tq, D = q.shape
         o = torch.zeros(B, H, Tq, D, dtype=torch.float32, device=q.device)
@@ -104,7 +109,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(C):
             pending = _exchange(kv, group) if step < C - 1 else None
             k_pos = positions[src]
-            if _attends(host[r], host[src]):
+            if attends[r][src]:
                 s = _scores(q, kv[0], q_pos, k_pos, scale)
                 m_new = torch.maximum(m, s.amax(-1))
                 safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -124,13 +129,13 @@ class _RingAttention(torch.autograd.Function):
         out.copy_(o / l_sum[..., None])
         lse = m + torch.log(l_sum)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.zigzag, ctx.positions, ctx.host, ctx.scale = group, zigzag, positions, host, scale
+        ctx.group, ctx.zigzag, ctx.positions, ctx.attends, ctx.scale = group, zigzag, positions, attends, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_o):
         q, k, v, o, lse = ctx.saved_tensors
-        group, positions, host, scale = ctx.group, ctx.positions, ctx.host, ctx.scale
+        group, positions, attends, scale = ctx.group, ctx.positions, ctx.attends, ctx.scale
         C, r = comm.world(group), comm.rank(group)
         q_pos, g = positions[r], grad_o.float()
         delta = (g * o.float()).sum(-1)  # (B, H, Tq): rowsum(dO * O)
@@ -139,7 +144,7 @@ class _RingAttention(torch.autograd.Function):
         src = r
         for step in range(C):
             k_pos = positions[src]
-            if _attends(host[r], host[src]):
+            if attends[r][src]:
                 kb, vb = travel[0].float(), travel[1].float()
                 s = _scores(q, kb, q_pos, k_pos, scale)
                 p = torch.exp(s - lse[..., None])                     # the forward's softmax, exactly merged

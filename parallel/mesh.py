@@ -32,6 +32,16 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device(requested, int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without blocking the host: on CUDA through pinned memory with a non-blocking copy (from
+    pageable memory `non_blocking=True` is a synchronous copy); a tensor already there is returned as is."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def backend_for(device: torch.device) -> str:
     """NCCL for CUDA ranks, gloo for CPU ranks."""
     return "nccl" if device.type == "cuda" else "gloo"

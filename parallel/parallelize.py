@@ -37,7 +37,7 @@ from parallel.blocks import AC_COUNTER, apply_activation_checkpointing, apply_co
 from parallel.context_parallel import apply_context_parallel, shard_sequence
 from parallel.fsdp import ZERO_STAGES, FullyShardedDataParallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_
-from parallel.mesh import Mesh
+from parallel.mesh import Mesh, to_device
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
 from parallel.pipeline_schedule import bubble_fraction
 from parallel.protocol import Accumulating, DataParallel, Placement, Replicated, Sharded
@@ -93,7 +93,7 @@ class Parallelized:
         gradient reduction (DDP: on the last micro-step; FSDP: every micro-step, in its hooks) and, under a
         pipeline, the tied-embedding all-reduce over [first, last] stage. `scale`: a GradScaler's, for the
         backward. Returns this rank's share of the mean loss (0 off a pipeline's last stage): `mean_loss`."""
-        batches = [self.shard_tokens(x, y) for x, y in batches]
+        batches = self._on_device(batches)
         if self.pipeline is not None:  # autocast around the whole schedule: backward runs inside it
             with autocast(), self.dp.step_sync():
                 loss = self.pipeline.step(batches, self.schedule, scale)
@@ -102,7 +102,6 @@ class Parallelized:
             return loss
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             with self.dp.grad_sync(i == len(batches) - 1), self.micro_step(x, y) as (x, y):
                 with autocast():
                     _, loss = self.model(x, y)
@@ -115,15 +114,20 @@ class Parallelized:
     def forward_only(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
                      autocast: Callable = contextlib.nullcontext) -> list[torch.Tensor]:
         """Each micro-batch's mean loss (fp32), for evaluation: on a pipeline's last stage only (0 elsewhere)."""
-        batches = [self.shard_tokens(x, y) for x, y in batches]
+        batches = self._on_device(batches)
         if self.pipeline is not None:
             with autocast():
                 return self.pipeline.forward_only(batches)
         losses = []
         for x, y in batches:
-            with self.micro_step(x.to(self.device), y.to(self.device)) as (x, y), autocast():
+            with self.micro_step(x, y) as (x, y), autocast():
                 losses.append(comm.full(self.model(x, y)[1]).detach().float())
         return losses
+
+    def _on_device(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's tokens of every micro-batch (cut on the host), all copied to the device at the step's start
+        without a host sync (parallel.mesh.to_device): the next micro-batch's copy runs while this one computes."""
+        return [tuple(to_device(t, self.device) for t in self.shard_tokens(x, y)) for x, y in batches]
 
     def mean_loss(self, value: torch.Tensor) -> torch.Tensor:
         """The loss over the whole batch from this rank's share: summed over pp (only the last stage holds it),
