@@ -65,6 +65,11 @@ def world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
+def rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank within `group`; 0 when the group has one rank (or there is no process group)."""
+    return dist.get_rank(group) if world(group) > 1 else 0
+
+
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: str = "sum",
                async_op: bool = False):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from model import GPT, GPTConfig, init_parameter, materialize_module
 from parallel import comm
-from parallel.tp_comm import (all_gather_along, copy_to_region, gather_from_region, gather_from_sequence, rank_in,
+from parallel.tp_comm import (all_gather_along, copy_to_region, gather_from_region, gather_from_sequence,
                               reduce_from_region, reduce_scatter_to_sequence, scatter_to_sequence)
 
 IGNORE_INDEX = -1  # as GPT.forward's cross-entropy
@@ -113,7 +113,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.weight = weight
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.vocab_start = rank_in(group) * weight.shape[0]
+        self.vocab_start = comm.rank(group) * weight.shape[0]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         tp = comm.world(self.group)
@@ -182,7 +182,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group):  # logits (N, V/p) fp32, targets (N,)
         n_local = logits.shape[-1]
-        lo = rank_in(group) * n_local
+        lo = comm.rank(group) * n_local
         z_max = logits.max(dim=-1).values  # (N,)
         comm.all_reduce(z_max, group, op="max")
         exp = logits - z_max.unsqueeze(-1)  # (N, V/p), <= 0
@@ -253,7 +253,7 @@ class _Builder:
             assert out._tp_shard_dim == dim, f"{name} is tied to a parameter sharded along another dim"
             return out
         n = p.shape[dim] // comm.world(self.group)
-        idx = slice(rank_in(self.group) * n, (rank_in(self.group) + 1) * n)
+        idx = slice(comm.rank(self.group) * n, (comm.rank(self.group) + 1) * n)
         if not p.is_meta:
             local = p.detach().narrow(dim, idx.start, n).clone()
         else:
