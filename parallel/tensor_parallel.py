@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from model import GPT, GPTConfig, init_parameter, materialize_module
 from parallel import comm
+from parallel.blocks import blocks_by_index
 from parallel.tp_comm import (all_gather_along, copy_to_region, gather_from_region, gather_from_sequence,
                               reduce_from_region, reduce_scatter_to_sequence, scatter_to_sequence)
 
@@ -454,8 +455,7 @@ def pytorch_tp_plan(model: GPT, loss_parallel: bool, sequence_parallel: bool) ->
     if sp:
         plan["transformer.wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0),
                                                       use_local_output=False)
-    h = model.transformer.h  # a GPT's ModuleList, or a pipeline stage's ModuleDict keyed by global index
-    for i in (h.keys() if isinstance(h, nn.ModuleDict) else range(len(h))):
+    for i, _ in blocks_by_index(model):  # a GPT's Blocks, or a pipeline stage's (keyed by global index)
         p = f"transformer.h.{i}"
         plan.update({f"{p}.attn.c_q": ColwiseParallel(), f"{p}.attn.c_k": ColwiseParallel(),
                      f"{p}.attn.c_v": ColwiseParallel(),
