@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from model import GPT, GPTConfig, init_parameter, materialize_module
 from parallel import comm
 from parallel.blocks import blocks_by_index
+from parallel.grads import norm_items
 from parallel.tp_comm import (all_gather_along, copy_to_region, gather_from_region, gather_from_sequence,
                               reduce_from_region, reduce_scatter_to_sequence, scatter_to_sequence)
 
@@ -378,8 +379,7 @@ def tp_grad_groups(model: nn.Module, tp_group) -> dict[str, tuple]:
 
 def tp_norm_groups(model: nn.Module, tp_group) -> list[tuple[nn.Parameter, tuple]]:
     """(param, groups) items for parallel.grads.clip_grad_norm_, by the rule of `tp_grad_groups`."""
-    groups = tp_grad_groups(model, tp_group)
-    return [(p, groups[n]) for n, p in model.named_parameters()]
+    return norm_items(model.named_parameters(), tp_grad_groups(model, tp_group))
 
 
 def full_tensor(t: torch.Tensor, shard_dim: int | None, group) -> torch.Tensor:
