@@ -19,6 +19,7 @@ from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_d
 from model import GPT, PRESETS, GPTConfig, make_config
 from parallel.mesh import ParallelDims, env_world, pick_device
 from parallel.parallelize import ParallelConfig
+from parallel.tensor_parallel import check_tp_divisibility
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -276,9 +277,9 @@ def _check_model(args: argparse.Namespace, dims: ParallelDims) -> tuple[GPTConfi
             raise UsageError(str(e)) from None
     if config.n_embd % config.n_head:
         raise UsageError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
-    for what, n in (("n_head", config.n_head), ("n_embd", config.n_embd), ("vocab_size", config.vocab_size)):
-        if n % dims.tp:
-            raise UsageError(f"{what} ({n}) is not divisible by --tensor_parallel_size {dims.tp}")
+    reason = check_tp_divisibility(config, dims.tp)
+    if reason:
+        raise UsageError(f"--tensor_parallel_size {dims.tp}: {reason}")
     if args.seq_len > config.block_size:
         raise UsageError(f"--seq_len {args.seq_len} exceeds the model's block_size {config.block_size}")
     return config, hf_state

@@ -66,7 +66,7 @@ def world(group: dist.ProcessGroup | None) -> int:
 
 
 def rank(group: dist.ProcessGroup | None) -> int:
-    """This rank's index in `group`; 0 when torch.distributed is not initialised (single process)."""
+    """This process's rank within `group`; 0 when the group has one rank (or there is no process group)."""
     return dist.get_rank(group) if world(group) > 1 else 0
 
 

@@ -1,17 +1,39 @@
 """What every rank must agree on about the gradients, whatever the layout: their global norm (and the
 clip that uses it), and, under fp16, whether any of them overflowed.
 
-Norm: a layout describes its gradients as items: (param, groups) for a whole gradient, or
-(param, groups, lo, hi) for one original parameter's slice of a flat FSDP shard gradient; `groups` are
-the process groups that gradient is sharded over. Squares are summed locally per pattern of groups and
-all-reduced (SUM, one fp32 scalar each) over exactly those groups, so each element counts once whatever
-the layout; replicated gradients (groups == ()) are counted once, with no communication.
+Norm: a layout describes its gradients as items (`norm_items` builds them by name): (param, groups) for
+a whole gradient, or (param, groups, lo, hi) for one original parameter's slice of a flat FSDP shard
+gradient; `groups` are the process groups that gradient is sharded over. Squares are summed locally per
+pattern of groups and all-reduced (SUM, one fp32 scalar each) over exactly those groups, so each element
+counts once whatever the layout; replicated gradients (groups == ()) are counted once, with no
+communication.
 """
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+
+
+def norm_items(entries: Iterable[tuple], groups: Mapping[str, tuple | None] | None = None,
+               within: tuple = (), every_pattern: bool = False) -> list[tuple]:
+    """Items for `clip_grad_norm_`, one per entry, in order. An entry is (name, param) for a whole gradient
+    or (name, param, lo, hi) for its [lo, hi) slice; its groups are `within` + groups[name] (names not in
+    `groups`: `within` alone), or None where groups[name] is None: a copy counted elsewhere (scaled, not
+    measured). `every_pattern`: the list starts with one empty item per pattern (`within` + (), then
+    `within` + each distinct value of `groups`), so every rank issues the same all-reduces in the same
+    order even where it holds no slice of some parameter (FSDP's shards)."""
+    groups = groups or {}
+    items: list[tuple] = []
+    if every_pattern:
+        patterns = [(), *(g for g in groups.values() if g is not None)]
+        items = [(torch.empty(0), within + g) for g in dict.fromkeys(patterns)]
+    for name, p, *segment in entries:
+        extra = groups.get(name, ())
+        items.append((p, None if extra is None else within + extra, *segment))
+    return items
 
 
 @torch.no_grad()

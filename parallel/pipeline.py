@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from model import GPT, materialize_module
 from parallel import comm
-from parallel.grads import clip_grad_norm_
+from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import group_timeout, make_timer
 from parallel.pipeline_schedule import (B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, chunk_of, rank_of,
                                         split_layers)
@@ -336,8 +336,8 @@ class PipelineRunner:
         and the last stage's lm_head copy with groups None (scaled, not measured): after reduce_tied_grads it
         equals wte's gradient, which the first stage counts, so the tied matrix counts once and both copies
         are clipped alike."""
-        copy = self.tied_weight() if self.stage.last else None
-        return [(p, None if p is copy else (groups or {}).get(n, ())) for n, p in self.stage.named_parameters()]
+        copy = {"lm_head.weight": None} if self.stage.last and self.stage.pp > 1 else {}
+        return norm_items(self.stage.named_parameters(), {**(groups or {}), **copy})
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """The global norm over `norm_items()` and the pp group (clipped at max_norm); returns it."""

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parallel.grads import norm_items
 from parallel.state import Entry, entries_for, entries_for_fsdp
 
 
@@ -61,9 +62,9 @@ class Replicated:
     def __init__(self, model: nn.Module, at: Placement, groups: dict[str, tuple],
                  sharded_as: dict | None = None):
         self.model, self.at, self.sharded_as = model, at, sharded_as or {}
-        copy = at.lm_head_copy
-        self._norm_items = [(p, None if copy and n.endswith("lm_head.weight") else groups[n.removeprefix("module.")])
-                            for n, p in model.named_parameters()]
+        copy = {"lm_head.weight": None} if at.lm_head_copy else {}  # scaled, not measured (counted as wte)
+        self._norm_items = norm_items(((n.removeprefix("module."), p) for n, p in model.named_parameters()),
+                                      {**groups, **copy})
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         from model import param_groups
@@ -121,7 +122,7 @@ class Sharded:
         self.model, self.at = fsdp, at
         tp = {n: (at.tp_group,) for n in fsdp.tp_shard_dims}
         self._norm_items = fsdp.grad_norm_items({**tp, **({"lm_head.weight": None} if at.lm_head_copy else {})})
-        self._local = fsdp.zero_stage == 1
+        self._local = fsdp.policy.reduces_at_end  # ZeRO-1
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         return self.model.param_groups(weight_decay)

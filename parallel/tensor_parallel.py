@@ -30,7 +30,9 @@ import torch.nn.functional as F
 
 from model import GPT, GPTConfig, init_parameter, materialize_module
 from parallel import comm
-from parallel.tp_comm import (all_gather_along, copy_to_region, gather_from_region, gather_from_sequence, rank_in,
+from parallel.blocks import blocks_by_index
+from parallel.grads import norm_items
+from parallel.tp_comm import (all_gather_along, copy_to_region, gather_from_region, gather_from_sequence,
                               reduce_from_region, reduce_scatter_to_sequence, scatter_to_sequence)
 
 IGNORE_INDEX = -1  # as GPT.forward's cross-entropy
@@ -113,7 +115,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.weight = weight
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.vocab_start = rank_in(group) * weight.shape[0]
+        self.vocab_start = comm.rank(group) * weight.shape[0]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         tp = comm.world(self.group)
@@ -182,7 +184,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group):  # logits (N, V/p) fp32, targets (N,)
         n_local = logits.shape[-1]
-        lo = rank_in(group) * n_local
+        lo = comm.rank(group) * n_local
         z_max = logits.max(dim=-1).values  # (N,)
         comm.all_reduce(z_max, group, op="max")
         exp = logits - z_max.unsqueeze(-1)  # (N, V/p), <= 0
@@ -253,7 +255,7 @@ class _Builder:
             assert out._tp_shard_dim == dim, f"{name} is tied to a parameter sharded along another dim"
             return out
         n = p.shape[dim] // comm.world(self.group)
-        idx = slice(rank_in(self.group) * n, (rank_in(self.group) + 1) * n)
+        idx = slice(comm.rank(self.group) * n, (comm.rank(self.group) + 1) * n)
         if not p.is_meta:
             local = p.detach().narrow(dim, idx.start, n).clone()
         else:
@@ -377,8 +379,7 @@ def tp_grad_groups(model: nn.Module, tp_group) -> dict[str, tuple]:
 
 def tp_norm_groups(model: nn.Module, tp_group) -> list[tuple[nn.Parameter, tuple]]:
     """(param, groups) items for parallel.grads.clip_grad_norm_, by the rule of `tp_grad_groups`."""
-    groups = tp_grad_groups(model, tp_group)
-    return [(p, groups[n]) for n, p in model.named_parameters()]
+    return norm_items(model.named_parameters(), tp_grad_groups(model, tp_group))
 
 
 def full_tensor(t: torch.Tensor, shard_dim: int | None, group) -> torch.Tensor:
@@ -454,8 +455,7 @@ def pytorch_tp_plan(model: GPT, loss_parallel: bool, sequence_parallel: bool) ->
     if sp:
         plan["transformer.wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0),
                                                       use_local_output=False)
-    h = model.transformer.h  # a GPT's ModuleList, or a pipeline stage's ModuleDict keyed by global index
-    for i in (h.keys() if isinstance(h, nn.ModuleDict) else range(len(h))):
+    for i, _ in blocks_by_index(model):  # a GPT's Blocks, or a pipeline stage's (keyed by global index)
         p = f"transformer.h.{i}"
         plan.update({f"{p}.attn.c_q": ColwiseParallel(), f"{p}.attn.c_k": ColwiseParallel(),
                      f"{p}.attn.c_v": ColwiseParallel(),

@@ -18,16 +18,10 @@ branches of the graph (a residual add passes one gradient to both of its inputs)
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from parallel import comm
 
 SEQ_DIM = 1  # activations are (B, T, C)
-
-
-def rank_in(group: dist.ProcessGroup | None) -> int:
-    """This process's rank within `group`; 0 when the group has one rank (or there is no process group)."""
-    return dist.get_rank(group) if comm.world(group) > 1 else 0
 
 
 # ----------------------------------------------------------------------------- helpers (no autograd)
@@ -46,7 +40,7 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} over {world} tensor-parallel ranks; "
                          f"it must be divisible by the tensor-parallel size (with sequence parallelism: "
                          f"seq_len % tp == 0)")
-    return x.chunk(world, dim)[rank_in(group)].contiguous()
+    return x.chunk(world, dim)[comm.rank(group)].contiguous()
 
 
 def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:

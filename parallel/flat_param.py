@@ -1,0 +1,313 @@
+"""The flat-parameter layout of our sharding engine (parallel/fsdp.py), and the state-dict views over it.
+
+What is sharded: a unit's parameters (one Block's, or the root's: wte = lm_head, wpe, ln_f) are concatenated
+into one flat fp32 buffer, the matrices that get weight decay first, then biases and LayerNorm, then zero
+padding up to a multiple of N. Each of the N ranks of the shard group keeps only its slice
+[rank*S, (rank+1)*S), S = padded / N: the master copy, which the optimizer steps on through plain views.
+
+What is communicated here, and which way:
+- `_FlatUnit.gather`: all-gather of every rank's slice into the unit's full `flat` buffer (compute dtype),
+  which parallel/fsdp.py's hooks issue before each use (ZeRO-3) or once per step (ZeRO-1/2);
+- `FlatLayout`: the sharded state dict and optimizer state are views of the slices (none); the full state
+  dict all-gathers each unit once (kept on group rank 0); loading from rank 0 broadcasts each unit once.
+
+How parameters come and go. The GPT's nn.Parameters are removed from its modules; each name becomes a
+plain attribute that is, while its unit is gathered, a view of the unit's `flat` leaf tensor (made by
+`flat.split(sizes)`, so autograd sums all the unit's gradients into `flat.grad` in one
+SplitWithSizesBackward, with no per-parameter copy), and otherwise a meta placeholder (no storage; using it
+raises). Freeing shrinks `flat`'s storage to 0 bytes. Gathering regrows it and writes through `flat.data`,
+an alias with its own version counter, so the views autograd saved in forward read the re-gathered values
+in backward without tripping the in-place check.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parallel import comm
+from parallel.state import MOMENTS  # AdamW's per-element state
+
+
+class ShardPiece(NamedTuple):
+    """This rank's part of one original parameter: `flat` holds elements [offset, offset + flat.numel()) of
+    the parameter flattened in row-major order; `shape` is the parameter's full shape."""
+    flat: torch.Tensor
+    offset: int
+    shape: torch.Size
+
+
+@dataclass
+class _ParamSpec:
+    names: list[str]                     # every name GPT knows it by, the init / state-dict name first
+    owners: list[tuple[nn.Module, str]]  # (module, attribute) pairs that show it
+    shape: torch.Size
+    offset: int                          # where it starts inside the unit's flat buffer
+    placeholder: torch.Tensor            # meta tensor the owners show between uses
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def _held(spec: _ParamSpec, lo: int, S: int) -> tuple[int, int, int]:
+    """(a, b, start): the shard [lo, lo + S) of the flat buffer holds elements [a, b) of the flattened
+    parameter (a == b == 0 when none), at [start, start + b - a) of the shard."""
+    a, b = max(spec.offset, lo), min(spec.offset + spec.numel, lo + S)
+    return (a - spec.offset, b - spec.offset, a - lo) if b > a else (0, 0, 0)
+
+
+class _FlatUnit:
+    """One unit's parameters as a flat buffer of `padded` elements, 1/N of it stored per rank.
+
+    Each rank stores:
+    - `shard`: its fp32 slice [rank*S, (rank+1)*S) of the flat buffer (S = padded / N), the master copy;
+    - `pieces`: up to two nn.Parameters that are views of `shard` (the slice's weight-decay part and its
+      no-decay part, padding excluded), which the optimizer steps on and whose `.grad` it reads;
+    - `flat`: a leaf tensor of all `padded` elements in the compute dtype. With `keeps_full` (ZeRO-1/2) it
+      stays allocated for the whole run and is only marked stale by an optimizer step (in fp32 the shard is
+      a view of it, so the master copy costs nothing extra: params Ψ, not Ψ + Ψ/N); otherwise (ZeRO-3) its
+      storage exists only while the unit is gathered. The original parameters are then views of it.
+    """
+
+    def __init__(self, name: str, specs: list[_ParamSpec], shard: torch.Tensor, world: int, rank: int,
+                 n_decay: int, compute_dtype: torch.dtype, keeps_full: bool = False):
+        self.name, self.specs = name, specs
+        self.numel = sum(s.numel for s in specs)
+        self.padded = shard.numel() * world
+        S, lo = shard.numel(), rank * shard.numel()
+        self.keeps_full = keeps_full
+        self.flat = torch.empty(self.padded, dtype=compute_dtype, device=shard.device, requires_grad=True)
+        if keeps_full and compute_dtype == shard.dtype:  # in-place all-gather: the shard is a view of flat
+            self.flat.data[lo:lo + S].copy_(shard)
+            shard = self.flat.data[lo:lo + S]
+        elif not keeps_full:
+            self.flat.untyped_storage().resize_(0)
+        self.shard = shard
+        self.pieces: list[tuple[nn.Parameter, int, int]] = []  # (param, start, end) inside `shard`
+        self.decay: list[bool] = []
+        for start, end, decay in ((0, n_decay, True), (n_decay, self.numel, False)):
+            a, b = max(start, lo) - lo, min(end, lo + S) - lo
+            if b > a:
+                self.pieces.append((nn.Parameter(shard[a:b]), a, b))
+                self.decay.append(decay)
+        padding = self.padded - self.numel
+        self.split_sizes = [s.numel for s in specs] + ([padding] if padding else [])
+        # "sharded" (no full copy; keeps_full: "stale", a full copy whose other ranks' slices are outdated)
+        # -> "gathering" (all-gather issued) -> "gathered" -> back by reshard()
+        self.state = "stale" if keeps_full else "sharded"
+        self._work = None
+        self._in_flight: tuple[torch.Tensor, ...] = ()  # all-gather input and output, alive until wait()
+        self.acc_grad: torch.Tensor | None = None  # full gradient kept across micro-steps (ZeRO-1, no_sync)
+        self.acc_stale = False  # ZeRO-1: acc_grad was reduced (its own slice is the shard gradient): overwrite
+
+    def gather(self, group: dist.ProcessGroup | None) -> None:
+        """Allocate `flat` (unless kept) and start the all-gather of every rank's shard into it (async, in
+        compute dtype; in place when the shard is a view of it)."""
+        if self.state not in ("sharded", "stale"):
+            return
+        if not self.keeps_full:
+            self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
+        if self.padded == 0:  # a pipeline stage's empty root: nothing to gather
+            self.state = "gathered"
+            return
+        src = self.shard if self.shard.dtype == self.flat.dtype else self.shard.to(self.flat.dtype)
+        # Written through `.data`: a new alias with its own version counter, so autograd's saved views of
+        # `flat` from forward stay valid when backward re-gathers into the same storage.
+        out = self.flat.data
+        self._in_flight = (src, out)
+        self._work = comm.all_gather_into_tensor(out, src, group, async_op=True)
+        self.state = "gathering"
+
+    def wait(self) -> None:
+        if self.state == "gathering":
+            if self._work is not None:
+                self._work.wait()
+            self._work, self._in_flight, self.state = None, (), "gathered"
+
+    def show_full(self) -> None:
+        """Point every original parameter attribute at its view of the gathered `flat` (autograd-tracked)."""
+        for spec, view in zip(self.specs, self.flat.split(self.split_sizes)):
+            view = view.view(spec.shape)
+            for module, attr in spec.owners:
+                module.__dict__[attr] = view
+
+    def reshard(self) -> None:
+        """Attributes show meta placeholders again; `flat`'s storage shrinks to 0 (kept: stays, marked stale,
+        and the next gather refreshes it in place)."""
+        if self.state in ("sharded", "stale"):
+            return
+        self.wait()
+        for spec in self.specs:
+            for module, attr in spec.owners:
+                module.__dict__[attr] = spec.placeholder
+        if self.keeps_full:
+            self.state = "stale"
+            return
+        self.flat.untyped_storage().resize_(0)
+        self.state = "sharded"
+
+    def release(self) -> None:
+        """Done with the unit until its next use: ZeRO-3 frees it; a kept full copy stays gathered."""
+        if not self.keeps_full:
+            self.reshard()
+
+    def mark_stale(self) -> None:
+        """The optimizer updated the shards: a kept full copy is outdated, and the next gather refreshes it
+        in place. (A unit that is not kept is gathered afresh for every use anyway.)"""
+        if self.keeps_full:
+            self.reshard()
+
+    def add_grad(self, shard_grad: torch.Tensor) -> None:
+        """Accumulate a reduced fp32 gradient slice (S elements) into the pieces' `.grad`."""
+        for p, a, b in self.pieces:
+            if p.grad is None:
+                p.grad = shard_grad[a:b]
+            else:
+                p.grad.add_(shard_grad[a:b])
+
+
+def flatten_unit(gpt: nn.Module, name: str, aliases: list[list[str]], world: int, rank: int,
+                 compute_dtype: torch.dtype, device: torch.device, keeps_full: bool) -> _FlatUnit:
+    """Flatten and shard the (materialised) parameters named by `aliases`, one [init name, *tied names] list
+    each: copy only this rank's slice into a new fp32 shard (no full flat copy of the unit is ever made), then
+    replace the parameters in their modules by meta placeholders."""
+    values = {names[0]: gpt.get_parameter(names[0]) for names in aliases}
+    mine = sorted(aliases, key=lambda names: values[names[0]].dim() < 2)  # stable: weight-decay matrices first
+    n_decay = sum(values[names[0]].numel() for names in mine if values[names[0]].dim() >= 2)
+
+    specs, offset = [], 0
+    for names in mine:
+        shape = values[names[0]].shape
+        owners = [(gpt.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names]
+        specs.append(_ParamSpec(names, owners, shape, offset, torch.empty(shape, dtype=compute_dtype, device="meta")))
+        offset += shape.numel()
+    S = -(-offset // world)  # padding: the last rank's shard ends in up to N - 1 zeros
+    shard = torch.zeros(S, dtype=torch.float32, device=device)
+    for spec in specs:
+        a, b, start = _held(spec, rank * S, S)
+        shard[start:start + b - a].copy_(values[spec.names[0]].detach().reshape(-1)[a:b])
+    del values
+    for spec in specs:
+        for module, attr in spec.owners:
+            module._parameters.pop(attr, None)
+            module.__dict__[attr] = spec.placeholder
+    return _FlatUnit(name, specs, shard, world, rank, n_decay, compute_dtype, keeps_full)
+
+
+class FlatLayout:
+    """Every unit of one model as this rank's shards, and the views that map them back to parameter names.
+
+    `names` lists GPT.state_dict()'s names in order (the tied weight under both); every view is keyed by
+    them. Sharded views are views of the live fp32 shards, with no communication: together the ranks'
+    pieces tile each parameter exactly once. Full views cost one collective per unit over `group`."""
+
+    def __init__(self, units: list[_FlatUnit], group: dist.ProcessGroup | None, rank: int, world: int,
+                 names: list[str]):
+        self.units, self.group, self.rank, self.world, self.names = units, group, rank, world, names
+
+    def held(self, unit: _FlatUnit, spec: _ParamSpec) -> tuple[int, int, int]:
+        """(a, b, start): this rank's shard of `unit` holds elements [a, b) of `spec`, at shard[start:]."""
+        return _held(spec, self.rank * unit.shard.numel(), unit.shard.numel())
+
+    def slices(self) -> Iterator[tuple[_FlatUnit, _ParamSpec, nn.Parameter | None, int, int]]:
+        """(unit, spec, piece, lo, hi) for every original parameter: this rank holds its part as elements
+        [lo, hi) of shard piece `piece` (a parameter's slice never straddles two pieces); piece None when
+        this rank holds none of it."""
+        for unit in self.units:
+            for spec in unit.specs:
+                a, b, start = self.held(unit, spec)
+                found = None, 0, 0
+                for p, pa, pb in unit.pieces:
+                    if b > a and pa <= start and start + (b - a) <= pb:
+                        found = p, start - pa, start - pa + (b - a)
+                yield (unit, spec, *found)
+
+    def state_breakdown(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds, {"params", "grads", "optimizer"}: shards and (ZeRO-1/2) the full copies;
+        shard gradients and full ones (ZeRO-1's buffers, or kept under no_sync); `optimizer`'s state.
+        Distinct storages, padding included; a ZeRO-3 unit gathered right now counts too."""
+        from metrics import storage_bytes_by_kind
+        params, grads, moments = [], [], []
+        for unit in self.units:
+            params += [unit.shard, unit.flat]
+            grads += [p.grad for p, _, _ in unit.pieces if p.grad is not None]
+            grads += [t for t in (unit.flat.grad, unit.acc_grad) if t is not None]
+        if optimizer is not None:
+            for p in (p for unit in self.units for p, _, _ in unit.pieces):
+                moments += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        return storage_bytes_by_kind({"params": params, "grads": grads, "optimizer": moments})
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded fp32 state dict, keyed like GPT.state_dict() (tied weight under both names), on
+        group rank 0; None elsewhere. Every rank must call it: one all-gather per unit."""
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            full = torch.empty(unit.padded, dtype=torch.float32, device=unit.shard.device)
+            comm.all_gather_into_tensor(full, unit.shard, self.group)
+            if self.rank == 0:
+                for spec in unit.specs:
+                    value = full[spec.offset:spec.offset + spec.numel].view(spec.shape).clone()
+                    out.update((name, value) for name in spec.names)
+        return {name: out[name] for name in self.names} if self.rank == 0 else None
+
+    def sharded_state_dict(self) -> dict[str, ShardPiece]:
+        """{original name: this rank's ShardPiece} for every name in GPT.state_dict() (pieces may be empty;
+        the tied weight appears under both names). No communication."""
+        out: dict[str, ShardPiece] = {}
+        for unit in self.units:
+            for spec in unit.specs:
+                a, b, start = self.held(unit, spec)
+                piece = ShardPiece(unit.shard[start:start + b - a], a, spec.shape)
+                out.update((name, piece) for name in spec.names)
+        return {name: out[name] for name in self.names}
+
+    def sharded_optimizer_state(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...] = MOMENTS,
+                                ) -> dict[str, dict[str, ShardPiece]]:
+        """{original name: {key: ShardPiece}}: the same slices as `sharded_state_dict()`, of the optimizer's
+        per-element state (AdamW's moments; present after the first step). No communication."""
+        out: dict[str, dict[str, ShardPiece]] = {}
+        for unit, spec, p, lo, hi in self.slices():
+            a = self.held(unit, spec)[0]
+            if p is not None:
+                state = optimizer.state[p]
+                entry = {k: ShardPiece(state[k][lo:hi], a, spec.shape) for k in keys}
+            else:
+                entry = {k: ShardPiece(unit.shard.new_empty(0), a, spec.shape) for k in keys}
+            out.update((name, entry) for name in spec.names)
+        return {name: out[name] for name in self.names}
+
+    def load_sharded_state_dict(self, sd: dict[str, ShardPiece]) -> None:
+        """Copy this rank's pieces (the layout `sharded_state_dict()` gives) into the shards."""
+        for unit in self.units:
+            unit.reshard()
+            for spec in unit.specs:
+                a, b, start = self.held(unit, spec)
+                piece = sd[spec.names[0]]
+                if piece.offset != a or piece.flat.numel() != b - a:
+                    raise ValueError(f"{spec.names[0]}: piece [{piece.offset}, +{piece.flat.numel()}) does not "
+                                     f"match this rank's [{a}, {b}); use load_full_state_dict across layouts")
+                unit.shard[start:start + b - a].copy_(piece.flat)
+
+    def load_full_state_dict(self, sd: dict[str, torch.Tensor] | None, from_rank0: bool = False) -> None:
+        """Load an unsharded state dict. Every rank passes it, or with `from_rank0` only group rank 0 does
+        (others pass None) and each unit's flat buffer is broadcast from it."""
+        for unit in self.units:
+            unit.reshard()
+            if from_rank0:
+                full = torch.zeros(unit.padded, dtype=torch.float32, device=unit.shard.device)
+                if self.rank == 0:
+                    for spec in unit.specs:
+                        full[spec.offset:spec.offset + spec.numel].copy_(sd[spec.names[0]].reshape(-1))
+                src = dist.get_global_rank(self.group, 0) if self.group is not None and self.world > 1 else 0
+                comm.broadcast(full, src, self.group)
+                S = unit.shard.numel()
+                unit.shard.copy_(full[self.rank * S:(self.rank + 1) * S])
+                continue
+            for spec in unit.specs:
+                a, b, start = self.held(unit, spec)
+                unit.shard[start:start + b - a].copy_(sd[spec.names[0]].reshape(-1)[a:b])
