@@ -211,10 +211,12 @@ def _pieces(runs: torch.Tensor):
         yield done, done + size, _positions(torch.tensor(batch))
 
 
-def _shard_dict(entries: list, device: torch.device | None) -> dict[str, torch.Tensor]:
+def _shard_dict(entries: list, device: torch.device | None,
+                buffers: "SnapshotBuffers | None" = None) -> dict[str, torch.Tensor]:
     """This rank's file: its writer entries grouped by name (runs + values per kind) and its RNG states.
-    Values are copied once (to CPU); the live views cannot be saved as they are, torch.save would write
-    their whole storage."""
+    Values are copied once, to CPU memory: fresh tensors, or `buffers`' reused (pinned on CUDA) ones with
+    non-blocking copies (then `buffers.ready()` must be waited before the values are read). The live views
+    cannot be saved as they are: torch.save would write their whole storage."""
     by_name: dict[str, list] = {}
     for e in entries:
         if e.write and e.numel:
@@ -223,11 +225,46 @@ def _shard_dict(entries: list, device: torch.device | None) -> dict[str, torch.T
     for name, group in by_name.items():
         out[f"{name}::runs"] = torch.cat([e.runs() for e in group])
         for kind in group[0].tensors:
-            out[f"{name}::{kind}"] = torch.cat([e.tensors[kind].detach() for e in group]).cpu()
+            parts = [e.tensors[kind].detach() for e in group]
+            out[f"{name}::{kind}"] = torch.cat(parts).cpu() if buffers is None else \
+                buffers.copy(f"{name}::{kind}", parts)
     out["rng::cpu"] = torch.get_rng_state()
     if device is not None and device.type == "cuda":
         out["rng::cuda"] = torch.cuda.get_rng_state(device)
     return out
+
+
+class SnapshotBuffers:
+    """CPU buffers an async checkpoint's snapshot copies into, kept and reused from save to save (one per
+    tensor of the file), pinned on CUDA so that the device -> host copies are non-blocking: the training
+    thread only enqueues them, and the writer thread waits for them (`ready`) before torch.save reads them.
+    Reuse is safe because they are handed out by AsyncSaver.free_buffers, which waits for the write in flight."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._done = None
+
+    def copy(self, key: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        n = sum(p.numel() for p in parts)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() != n or buf.dtype != parts[0].dtype:
+            buf = self.buffers[key] = torch.empty(n, dtype=parts[0].dtype, pin_memory=self.device.type == "cuda")
+        offset = 0
+        for p in parts:
+            buf[offset:offset + p.numel()].copy_(p.reshape(-1), non_blocking=True)
+            offset += p.numel()
+        return buf
+
+    def enqueued(self) -> None:
+        """Every copy of this snapshot is enqueued: mark the point the writer waits for."""
+        from parallel.mesh import record_event
+        self._done = record_event(self.device)
+
+    def ready(self) -> None:
+        """Wait until the copies have landed (the writer thread, before torch.save)."""
+        if self._done is not None:
+            self._done()
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
@@ -288,11 +325,16 @@ def save(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimize
 
 
 def snapshot(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimizer, extra: dict, *,
-             rank: int, world_size: int, keep: int, device: torch.device | None = None) -> dict:
+             rank: int, world_size: int, keep: int, device: torch.device | None = None,
+             buffers: SnapshotBuffers | None = None) -> dict:
     """This rank's part of the checkpoint of `step`, copied off the live state (to CPU memory): what `write`
-    puts on disk. Taking it is the only part of a save that must stop training."""
+    puts on disk. Taking it is the only part of a save that must stop training; into `buffers` (an async
+    save's) it only enqueues the copies, and `write` waits for them."""
+    shard = _shard_dict(entries, device, buffers)
+    if buffers is not None:
+        buffers.enqueued()
     return {"out_dir": out_dir, "step": step, "rank": rank, "world_size": world_size, "keep": keep,
-            "shard": _shard_dict(entries, device), "shapes": {e.name: list(e.shape) for e in entries},
+            "shard": shard, "shapes": {e.name: list(e.shape) for e in entries}, "buffers": buffers,
             "manifest": {**extra, "optimizer": _optimizer_state(optimizer)} if rank == 0 else None}
 
 
@@ -315,6 +357,8 @@ def write(snap: dict, group: dist.ProcessGroup | None = None) -> str:
         os.makedirs(tmp)
     _barrier(group)
     path = os.path.join(tmp, rank_file(rank))
+    if snap.get("buffers") is not None:
+        snap["buffers"].ready()  # the snapshot's non-blocking copies have landed
     _write_durably(path, lambda f: torch.save(snap["shard"], f))
     shapes, checks = _all_shapes(snap["shapes"], {rank_file(rank): file_check(path)}, group)  # also a barrier
     if rank == 0:
@@ -340,19 +384,25 @@ def write(snap: dict, group: dist.ProcessGroup | None = None) -> str:
 
 
 class AsyncSaver:
-    """Checkpoints that don't stop training (--async_checkpoint): `save` takes the snapshot (a CPU copy of
-    this rank's state) and returns; a background thread writes it with `write`, over a gloo process group of
+    """Checkpoints that don't stop training (--async_checkpoint): `save` takes the snapshot (non-blocking
+    copies of this rank's state into `buffers`, reused pinned CPU memory) and returns; a background thread writes it with `write`, over a gloo process group of
     its own so its collectives never interleave with training's. A second save first waits for the one in
     flight (so at most one snapshot is held besides the live state); `wait` joins it and re-raises its
     error. Atomicity is `write`'s: a crash mid-write leaves the previous checkpoint the newest."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
         from parallel.mesh import group_timeout
         self.group = dist.new_group(backend="gloo", timeout=group_timeout()) \
             if dist.is_available() and dist.is_initialized() else None
+        self.buffers = SnapshotBuffers(device or torch.device("cpu"))  # reused by every snapshot of this run
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.path: str | None = None
+
+    def free_buffers(self) -> SnapshotBuffers:
+        """The buffers for the next snapshot, once the write in flight (which reads them) has finished."""
+        self.wait()
+        return self.buffers
 
     def save(self, snap: dict) -> None:
         self.wait()

@@ -73,7 +73,7 @@ def build(plan: Plan) -> Trainer:
     data = BatchSource(plan.data_dir, args.seq_len, plan.config.vocab_size, args.seed)
     with torch.device("meta"):
         n_params = GPT(plan.config).num_params(non_embedding=True)
-    saver = checkpoint.AsyncSaver() if args.async_checkpoint else None  # collective: its own gloo group
+    saver = checkpoint.AsyncSaver(plan.device) if args.async_checkpoint else None  # collective: its own gloo group
     built = {"params_on_meta": on_meta, "distributed_classes": distributed_classes(par, optimizer)}
     return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver, built=built,
                    dp_rank=mesh["batch"].rank,
@@ -212,7 +212,8 @@ def save_checkpoint(t: Trainer, step: int, wait: bool = False) -> tuple[str, flo
     t0 = time.perf_counter()
     snap = checkpoint.snapshot(a.out_dir, step, t.par.checkpoint_entries(t.optimizer),
                                t.par.checkpoint_optimizer(t.optimizer), extra, rank=plan.rank,
-                               world_size=d.world_size, keep=a.keep_checkpoints, device=plan.device)
+                               world_size=d.world_size, keep=a.keep_checkpoints, device=plan.device,
+                               buffers=t.saver.free_buffers() if t.saver is not None else None)
     if t.saver is None:
         path = checkpoint.write(snap)
     else:

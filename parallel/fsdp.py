@@ -78,7 +78,8 @@ class GradReduction:
         self.replicas = comm.world(replicate_group) if replicate_group is not None else 1
         self.n = comm.world(group) * self.replicas
         self.predivide = reduce_dtype == torch.float16 and self.n > 1
-        self.pending: list[tuple[_FlatUnit, object, torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[_FlatUnit, object, torch.Tensor, torch.Tensor]] = []  # reduce-scatters
+        self.reducing: list[tuple[_FlatUnit, object, torch.Tensor]] = []  # HSDP's replica all-reduces
 
     def start(self, unit: _FlatUnit, grad: torch.Tensor, in_place: bool = False) -> None:
         """Start the reduce-scatter of `grad` over the shard group; `in_place`: into grad's own slice of this
@@ -92,17 +93,31 @@ class GradReduction:
         work = comm.reduce_scatter_tensor(out, grad, self.group, async_op=True)
         self.pending.append((unit, work, out, grad))
 
-    def finish(self) -> None:
+    def finish(self, final: bool = True) -> None:
+        """Wait for the started reduce-scatters. HSDP then starts each piece's all-reduce over the replicas,
+        asynchronous as the reduce-scatter was: waited (and the piece added into `.grad`) at the next `finish`,
+        when the next unit's reduce-scatter is started (`final=False`: one unit's all-reduce stays in flight
+        behind the next unit's backward), or here when `final` (the end of backward)."""
+        earlier, self.reducing = self.reducing, []
         for unit, work, out, _ in self.pending:
             if work is not None:
                 work.wait()
-            if self.replicas > 1:  # HSDP: the replicas of this shard sum their reduce-scattered pieces
-                comm.all_reduce(out, group=self.replicate_group)
+            work = comm.all_reduce(out, group=self.replicate_group, async_op=True) if self.replicas > 1 else None
+            self.reducing.append((unit, work, out))  # HSDP: the replicas of this shard sum their pieces
+        self.pending.clear()
+        self._add_reduced(earlier)  # after the new all-reduces are started: they overlap the wait
+        if final:
+            self._add_reduced(self.reducing)
+            self.reducing = []
+
+    def _add_reduced(self, reduced: list) -> None:
+        for unit, work, out in reduced:
+            if work is not None:
+                work.wait()
             out = out.float()
             if self.n > 1 and not self.predivide:
                 out.div_(self.n)
             unit.add_grad(out)
-        self.pending.clear()
 
 
 class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
@@ -328,7 +343,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         if not self.require_backward_grad_sync or self.policy.reduces_at_end:
             unit.acc_grad = grad
             return
-        self.reduction.finish()  # at most one in flight: full gradients are not kept around
+        self.reduction.finish(final=False)  # one reduce-scatter in flight: full gradients are not kept around
         self.reduction.start(unit, grad)
 
     def _end_backward(self) -> None:
@@ -354,7 +369,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
                 self.reduction.start(unit, unit.acc_grad, in_place=self.reduce_dtype == torch.float32)
                 unit.acc_stale = True
             else:
-                self.reduction.finish()
+                self.reduction.finish(final=False)
                 self.reduction.start(unit, unit.acc_grad)
                 unit.acc_grad = None
         self.reduction.finish()

@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,16 @@ class DeviceTimer:
         (host0, first), last = marks[0], marks[-1][1]
         last.synchronize()
         return [host0 + first.elapsed_time(e) / 1000 for _, e in marks]
+
+
+def record_event(device: torch.device) -> Callable[[], None]:
+    """A wait for the work enqueued so far on `device`'s current stream: a CUDA event's synchronize; on the CPU
+    the work is done when enqueued, so nothing."""
+    if device.type != "cuda":
+        return lambda: None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event.synchronize
 
 
 def make_timer(device: torch.device) -> HostTimer | DeviceTimer:

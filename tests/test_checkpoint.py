@@ -386,6 +386,32 @@ class TestFormat(unittest.TestCase):
         self.assertEqual(checkpoint._runs(cases["rows"]).tolist(), [[160, 320]])
         self.assertEqual(len(checkpoint._runs(cases["columns"])), 48)
 
+    def test_async_snapshot_reuses_its_buffers_and_copies_the_values(self):
+        """An async save's snapshot copies into the saver's buffers, the same storage every save (no new host
+        memory per checkpoint), with the values a fresh copy has, and later changes to the live state do not
+        reach it. free_buffers waits for the write in flight, which reads them."""
+        from model import GPT, GPTConfig
+        from parallel.state import entries_for
+        model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16))
+        model.init_weights(seed=0)
+        opt = torch.optim.AdamW(model.parameters())
+        model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
+        opt.step()
+        saver = checkpoint.AsyncSaver(torch.device("cpu"))
+        take = lambda buffers: checkpoint.snapshot("unused", 1, entries_for(list(model.named_parameters()), opt),  # noqa: E731
+                                                   opt, {}, rank=1, world_size=1, keep=1, buffers=buffers)["shard"]
+        fresh, first = take(None), take(saver.free_buffers())
+        ptrs = {k: v.data_ptr() for k, v in first.items() if k in saver.buffers.buffers}
+        self.assertEqual(len(ptrs), 3 * len(list(model.parameters())))  # param, exp_avg, exp_avg_sq each
+        for k in fresh:
+            self.assertTrue(torch.equal(fresh[k], first[k]), k)
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)
+        self.assertTrue(all(torch.equal(fresh[k], first[k]) for k in ptrs), "the live state reached the snapshot")
+        second = take(saver.free_buffers())
+        self.assertEqual({k: second[k].data_ptr() for k in ptrs}, ptrs)
+        self.assertFalse(torch.equal(second["transformer.wte.weight::param"], fresh["transformer.wte.weight::param"]))
+
     def test_rank_files_are_not_unpickled(self):
         """A rank file holding anything but tensors is refused (torch.load weights_only=True)."""
         with tempfile.TemporaryDirectory() as d:

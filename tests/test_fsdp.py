@@ -533,6 +533,52 @@ class TestFSDPMechanics(unittest.TestCase):
             self.assertEqual({k: r["comm"][k] for k in r["comm_expected"]}, r["comm_expected"])
             self.assertLess(sum(padded) - sum(numel), WORLD * len(padded))
 
+    @measures.register("hsdp_replica_all_reduce")
+    def measure_hsdp_replica_all_reduce(rank: int, world_size: int) -> dict:
+        """One micro-step of HSDP with 2 replicas x 1 shard (each rank its own shard group), recording every
+        all-reduce over the replicate group as torch.distributed receives it (async or not) and when its Work is
+        waited; and the gradient against plain FSDP over both ranks (the same sum and division)."""
+        singles = [dist.new_group([r]) for r in range(world_size)]  # every rank calls every new_group
+        log, real = [], dist.all_reduce
+
+        class Waited:
+            def __init__(self, work, i):
+                self.work, self.i = work, i
+
+            def wait(self, *a, **kw):
+                log.append(("wait", self.i))
+                return self.work.wait(*a, **kw)
+
+        def all_reduce(tensor, *args, async_op=False, **kw):
+            i = sum(e[0] == "start" for e in log)
+            log.append(("start", i, async_op))
+            work = real(tensor, *args, async_op=async_op, **kw)
+            return Waited(work, i) if async_op else work
+        hsdp = FSDP(_eager_gpt(), process_group=singles[rank], replicate_group=dist.group.WORLD)
+        with mock.patch.object(dist, "all_reduce", all_reduce):
+            _micro_step(hsdp, rank)
+        plain = FSDP(_eager_gpt())
+        _micro_step(plain, rank)
+        held = lambda u: torch.cat([p.grad for p, _, _ in u.pieces]) if u.pieces else torch.zeros(0)  # noqa: E731
+        grads_hsdp = torch.cat([held(u) for u in hsdp.units])  # one shard: every unit whole
+        parts = [None] * world_size  # plain FSDP: this rank's half of each unit, gathered in rank order
+        dist.all_gather_object(parts, [held(u) for u in plain.units])
+        grads_plain = torch.cat([torch.cat(pieces) for pieces in zip(*parts)])
+        return {"log": log, "units": len(hsdp.units), "equal": torch.equal(grads_hsdp, grads_plain)}
+
+    def test_hsdp_replica_all_reduce_is_async_and_overlaps(self):
+        """HSDP sums each reduce-scattered piece over the replicas with an asynchronous all-reduce, waited only
+        after the next unit's has started (so, on NCCL, not on the compute stream per unit), with the gradient
+        plain FSDP over the same ranks gives, bit for bit."""
+        for r in measures["hsdp_replica_all_reduce"]:
+            starts = [e for e in r["log"] if e[0] == "start"]
+            self.assertEqual(len(starts), r["units"])  # one per unit
+            self.assertTrue(all(async_op for _, _, async_op in starts), "a synchronous replica all-reduce")
+            at = {e: i for i, e in enumerate(r["log"])}
+            for i in range(r["units"] - 1):
+                self.assertLess(at[("start", i + 1, True)], at[("wait", i)], f"all-reduce {i} waited before the next")
+            self.assertTrue(r["equal"])
+
     @measures.register("prefetch_order")
     def measure_prefetch_order(rank: int, world_size: int) -> dict:
         """One recorded micro-step (_recorded_micro_step) of a fresh FSDP GPT with prefetch, one without."""
