@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import checkpoint
 import faults
@@ -25,7 +24,7 @@ from config import Plan, UsageError, error_line, parse_args, validate
 from data.batches import BatchSource, micro_batch_chunk
 from model import GPT
 from parallel import comm
-from parallel.mesh import Mesh, init_distributed
+from parallel.mesh import Mesh, fused_optimizer, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 
 
@@ -67,8 +66,8 @@ def build(plan: Plan) -> Trainer:
         model.init_weights(args.seed, plan.device)
     on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)  # all of them under deferred init
     par = parallelize(model, mesh, plan.par, plan.device)
-    fused = plan.device.type == "cuda" and not any(isinstance(p, DTensor) for p in par.model.parameters())
-    optimizer = par.make_optimizer(args.weight_decay, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+    optimizer = par.make_optimizer(args.weight_decay, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                                   fused=fused_optimizer(plan.device) or None)
     scaler = par.make_grad_scaler() if plan.dtype == torch.float16 else None
     data = BatchSource(plan.data_dir, args.seq_len, plan.config.vocab_size, args.seed)
     with torch.device("meta"):

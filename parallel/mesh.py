@@ -43,6 +43,13 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
+def fused_optimizer(device: torch.device) -> bool:
+    """Whether torch's fused AdamW runs on `device` (torch 2.13: CUDA, CPU and others; DTensor parameters too,
+    so the FSDP2 and DTensor TP twins step fused like ours): one kernel per step instead of a foreach chain."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    return device.type in _get_fused_kernels_supported_devices()
+
+
 def backend_for(device: torch.device) -> str:
     """NCCL for CUDA ranks, gloo for CPU ranks."""
     return "nccl" if device.type == "cuda" else "gloo"

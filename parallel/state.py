@@ -115,10 +115,11 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create AdamW's state as its first step would (zero moments, step 0) without changing any
     parameter, so a checkpoint can be loaded into it."""
     for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")  # as torch's AdamW keeps it then
         for p in group["params"]:
             state = optimizer.state[p]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
                 for k in MOMENTS:
                     state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
 

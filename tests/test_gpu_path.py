@@ -53,6 +53,22 @@ class TestDevicePlacement(unittest.TestCase):
             self.assertEqual(len(moments), 2 * len(list(t.model.parameters())))
             self.assertEqual({v.device.type for v in moments}, {"meta"})
 
+    def test_adamw_is_fused_where_torch_fuses(self):
+        """train.build asks for torch's fused AdamW on every device torch 2.13 fuses on, the CPU included (the
+        meta device above is not one); the DTensor twins too (the sweep holds their losses to one process)."""
+        import train
+        from parallel.mesh import fused_optimizer
+        self.assertEqual([fused_optimizer(torch.device(d)) for d in ("cpu", "cuda", "meta")], [True, True, False])
+        with tempfile.TemporaryDirectory() as d, mock.patch.dict(os.environ):
+            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+                os.environ.pop(k, None)
+            data = make_token_bins(os.path.join(d, "data"), n_train=4000, n_val=1000)
+            t = train.build(config.validate(_tiny_args(data, os.path.join(d, "run"))))
+            self.assertIs(t.optimizer.defaults["fused"], True)
+            train.train_step(t, 1)
+            steps = {s["step"].dtype for s in t.optimizer.state.values()}
+            self.assertEqual(steps, {torch.float32})  # fused AdamW keeps its step count as an fp32 tensor
+
 
 # ----------------------------------------------------------------------------- fp16 across ranks
 
