@@ -67,7 +67,7 @@ def build(plan: Plan) -> Trainer:
     on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)  # all of them under deferred init
     par = parallelize(model, mesh, plan.par, plan.device)
     optimizer = par.make_optimizer(args.weight_decay, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                                   fused=fused_optimizer(plan.device) or None)
+                                   fused=fused_optimizer(plan.device, list(par.model.parameters())) or None)
     scaler = par.make_grad_scaler() if plan.dtype == torch.float16 else None
     data = BatchSource(plan.data_dir, args.seq_len, plan.config.vocab_size, args.seed)
     with torch.device("meta"):

@@ -43,11 +43,14 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def fused_optimizer(device: torch.device) -> bool:
-    """Whether torch's fused AdamW runs on `device` (torch 2.13: CUDA, CPU and others; DTensor parameters too,
-    so the FSDP2 and DTensor TP twins step fused like ours): one kernel per step instead of a foreach chain."""
+def fused_optimizer(device: torch.device, params: list[torch.Tensor] | None = None) -> bool:
+    """Whether torch's fused AdamW runs on `device` (torch 2.13: CUDA, CPU and others) for `params`: one kernel
+    per step instead of a foreach chain. DTensor parameters fuse too (FSDP2's), but not mixed with plain ones in
+    one group (DTensor TP leaves some plain): "aten._fused_adamw_.default got mixed torch.Tensor and DTensor"."""
+    from torch.distributed.tensor import DTensor
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-    return device.type in _get_fused_kernels_supported_devices()
+    kinds = {isinstance(p, DTensor) for p in params or []}
+    return device.type in _get_fused_kernels_supported_devices() and len(kinds) <= 1
 
 
 def backend_for(device: torch.device) -> str:

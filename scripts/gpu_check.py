@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import re
@@ -48,7 +49,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from parallel.mesh import ParallelDims  # noqa: E402
+from parallel.mesh import MeshDim, ParallelDims  # noqa: E402
 
 BF16_U = 2.0 ** -8  # bf16 unit roundoff: 8 significand bits
 # Loss tolerances, relative to the CPU fp32 run. bf16: 2u, one rounding of the matmul inputs (u) plus, on a
@@ -142,29 +143,36 @@ def forced_collectives(on: bool):
         yield
 
 
-@dataclass(frozen=True)
-class OneRankDims(ParallelDims):
-    """A one-rank layout that says dp and/or tp are on (with size 1), so parallelize applies the wrappers."""
-    dp_on: bool = False
-    tp_on: bool = False
+class OneRankMesh:
+    """The one-rank run's Mesh (parallel/mesh.py), but with the dims in `on` enabled at size 1, so parallelize
+    applies their wrappers (whose collectives over one rank then short-circuit, or are forced to run)."""
 
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp_on
+    def __init__(self, mesh, on: set[str]):
+        self.mesh, self.on = mesh, on
 
+    def __getattr__(self, name):
+        return getattr(self.mesh, name)
+
+    def __getitem__(self, name: str):
+        dim = self.mesh[name]
+        return _EnabledDim(**vars(dim)) if name in self.on else dim
+
+
+@dataclasses.dataclass(frozen=True)
+class _EnabledDim(MeshDim):
     @property
-    def tp_enabled(self) -> bool:
-        return self.tp_on
+    def enabled(self) -> bool:
+        return True
 
 
 def build_wrapped(plan, mesh, dp_type: str | None, tp: bool, param_dtype: torch.dtype | None):
-    """train.build on one rank, but with a wrapper: `dims` says dp/tp are on (with size 1) and
-    init_distributed hands over our one-rank mesh, so parallelize applies the custom wrappers."""
+    """train.build on one rank, but with a wrapper: the mesh says the data dims (loss, fsdp, batch) and/or tp
+    are on (with size 1) and init_distributed hands it over, so parallelize applies the custom wrappers."""
     import train
-    dims = OneRankDims(1, 1, 1, dp_on=dp_type is not None, tp_on=tp)
+    on = ({"loss", "fsdp", "batch"} if dp_type is not None else set()) | ({"tp"} if tp else set())
     par = replace(plan.par, dp_type=dp_type, implementation="custom", param_dtype=param_dtype)
-    with mock.patch.object(train, "init_distributed", lambda *a, **k: mesh):
-        return train.build(replace(plan, dims=dims, par=par))
+    with mock.patch.object(train, "init_distributed", lambda *a, **k: OneRankMesh(mesh, on)):
+        return train.build(replace(plan, par=par))
 
 
 def train_losses(t, steps: int) -> tuple[list[float], list[dict]]:
@@ -184,17 +192,17 @@ def max_rel(a: list[float], b: list[float]) -> float:
 
 
 def one_rank_mesh(device: torch.device):
-    """A world-size-1 process group (NCCL on CUDA, gloo on CPU) and its ("dp", "tp") mesh."""
+    """A world-size-1 process group (NCCL on CUDA, gloo on CPU) and the run's Mesh over it (every dim size 1)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallel.mesh import backend_for
+    from parallel.mesh import DIMS, Mesh, backend_for
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         from tests.harness import free_port
         dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                                 world_size=1, device_id=device if device.type == "cuda" else None)
-    return init_device_mesh(device.type, (1, 1), mesh_dim_names=("dp", "tp"))
+    return Mesh(ParallelDims(1, 1, 1), init_device_mesh(device.type, (1,) * len(DIMS), mesh_dim_names=DIMS))
 
 
 # ----------------------------------------------------------------------------- stages

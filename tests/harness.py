@@ -330,15 +330,29 @@ def expect_train_error_in_process(test, args: list[str], needle: str, out_dir: s
         test.assertFalse(os.path.exists(out_dir))
 
 
+def forked(args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600):
+    """train.py's main with `args` (+ --device cpu) on `nproc` ranks forked from the session's fork_server, each
+    rank's exit code and stderr apart (bench.forkserver.RunResult): as torchrun's ranks, without the interpreter
+    start per rank (2.5 s each here) and with no agent that stops the others when one exits."""
+    return fork_server().run(_with_device(args, "cpu"), nproc, env=env, timeout=timeout)
+
+
+def forked_ranks(args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600
+                 ) -> list[subprocess.CompletedProcess]:
+    """`forked`, as one CompletedProcess per rank (its exit code and stderr; stdout, every rank's, on rank 0's)."""
+    run = forked(args, nproc, env, timeout)
+    return [subprocess.CompletedProcess(args, code, run.stdout if r == 0 else "", err)
+            for r, (code, err) in enumerate(zip(run.codes, run.stderr))]
+
+
 def expect_train_error_on_ranks(test, args: list[str], needle: str, nproc: int, out_dir: str) -> None:
-    """train.py args + --out_dir out_dir on `nproc` ranks started by hand (launch_ranks): every rank exits 2
-    with exactly its one line `train.py: error: ...` containing `needle`, before any work (out_dir never
-    created)."""
-    ranks = launch_ranks([*args, "--out_dir", out_dir], nproc)
-    for rank, proc in enumerate(ranks):
-        test.assertEqual(proc.returncode, 2, f"rank {rank}: {proc.stderr}")
-        lines = proc.stderr.splitlines()
-        test.assertEqual(len(lines), 1, f"rank {rank}: {proc.stderr}")
+    """train.py args + --out_dir out_dir on `nproc` forked ranks (`forked`): every rank exits 2 with exactly its
+    one line `train.py: error: ...` containing `needle`, before any work (out_dir never created)."""
+    run = forked([*args, "--out_dir", out_dir], nproc)
+    for rank, (code, stderr) in enumerate(zip(run.codes, run.stderr)):
+        test.assertEqual(code, 2, f"rank {rank}: {stderr}")
+        lines = stderr.splitlines()
+        test.assertEqual(len(lines), 1, f"rank {rank}: {stderr}")
         test.assertTrue(lines[0].startswith("train.py: error: "), f"rank {rank}: {lines[0]}")
         test.assertIn(needle, lines[0], f"rank {rank}")
     test.assertFalse(os.path.exists(out_dir))
@@ -451,9 +465,10 @@ _SERVER = None
 
 
 def fork_server():
-    """The session's bench.forkserver.ForkServer: shared runs fork their ranks from one process that imported
-    torch and train.py once (2.5 s per rank saved; killed-and-resumed and refused runs still start as a user
-    starts them, with python or torchrun)."""
+    """The session's bench.forkserver.ForkServer: shared, killed-and-resumed and refused runs fork their ranks
+    from one process that imported torch and train.py once (2.5 s per rank saved). How a user starts them, with
+    python and torchrun, is tested where the launcher matters (test_checkpoint.TestLaunchers, test_preemption,
+    test_train's CLI tests)."""
     global _SERVER
     if _SERVER is None:
         from bench.forkserver import ForkServer
@@ -527,12 +542,12 @@ def check_kill_and_resume(test, args: list[str], nproc: int, out: str, ref: str,
     import checkpoint
     saved = kill_at - kill_at % every
     args = [*args, "--out_dir", out, "--checkpoint_interval", str(every)]
-    k = run_train(args, nproc, env={"GPT_KILL_AT_STEP": str(kill_at), "GPT_KILL_RANK": str(kill_rank)})
-    test.assertNotEqual(k.returncode, 0, f"not killed:\n{k.stdout[-2000:]}\n{k.stderr[-2000:]}")
+    k = forked(args, nproc, env={"GPT_KILL_AT_STEP": str(kill_at), "GPT_KILL_RANK": str(kill_rank)})
+    test.assertEqual(k.codes[kill_rank], -signal.SIGKILL, f"not killed:\n{k.stdout[-2000:]}\n{k.stderr}")
     test.assertIn(f"rank {kill_rank} sends itself SIGKILL", k.stdout)
     test.assertEqual([s for s, _ in checkpoint.list_checkpoints(out)], [saved])
-    r = run_train([*args, "--resume"], nproc)
-    test.assertEqual(r.returncode, 0, f"resume:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    r = forked([*args, "--resume"], nproc)
+    test.assertEqual(r.returncode, 0, f"resume:\n{r.stdout[-2000:]}\n" + "\n".join(e[-3000:] for e in r.stderr))
     test.assertIn(f"resuming from {checkpoint.step_dir(out, saved)}", r.stdout)
     got, want = steps_of(out), steps_of(ref)
     test.assertEqual(sorted(got), list(range(1, steps + 1)))
@@ -554,9 +569,9 @@ def check_resume_from(test, source: str, step: int, args: list[str], nproc: int,
     differing from the checkpoint's run, and logs steps step + 1 to `steps`."""
     import checkpoint
     shutil.copytree(checkpoint.step_dir(source, step), checkpoint.step_dir(out, step))
-    proc = run_train([*args, "--out_dir", out, "--resume", "--no_checkpoint"], nproc)
+    proc = forked([*args, "--out_dir", out, "--resume", "--no_checkpoint"], nproc)
     name = os.path.basename(out)
-    test.assertEqual(proc.returncode, 0, f"{name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    test.assertEqual(proc.returncode, 0, f"{name}:\n{proc.stdout[-2000:]}\n" + "\n".join(e[-3000:] for e in proc.stderr))
     test.assertIn(f"resuming from {checkpoint.step_dir(out, step)}" + (f" ({saved_by}" if saved_by else ""),
                   proc.stdout)
     test.assertNotIn("arguments differ", proc.stdout)

@@ -218,7 +218,7 @@ class TestBadContextFlagsOneRank(unittest.TestCase):
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestBadContextFlags(unittest.TestCase):
-    """Ranks started by hand (tests/harness.launch_ranks): every rank exits 2 with exactly its one line
+    """Forked ranks (tests/harness.forked): every rank exits 2 with exactly its one line
     `train.py: error: ...`, before any work (nothing written).
 
     Dropout > 0 is refused too (config._check_context), but no flag or preset sets dropout, so no run can

@@ -59,6 +59,10 @@ class TestDevicePlacement(unittest.TestCase):
         import train
         from parallel.mesh import fused_optimizer
         self.assertEqual([fused_optimizer(torch.device(d)) for d in ("cpu", "cuda", "meta")], [True, True, False])
+        from torch.distributed.tensor import DTensor
+        fake = mock.MagicMock(spec=DTensor)  # only its type is read (isinstance)
+        self.assertTrue(fused_optimizer(torch.device("cpu"), [fake, fake]))  # FSDP2: every parameter a DTensor
+        self.assertFalse(fused_optimizer(torch.device("cpu"), [fake, torch.zeros(1)]))  # DTensor TP: mixed
         with tempfile.TemporaryDirectory() as d, mock.patch.dict(os.environ):
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
                 os.environ.pop(k, None)

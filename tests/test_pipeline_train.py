@@ -332,7 +332,7 @@ class TestBadPipelineFlagsOneRank(unittest.TestCase):
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestBadPipelineFlags(unittest.TestCase):
-    """Two ranks started by hand (tests/harness.launch_ranks): every rank exits 2 with exactly its one line
+    """Two forked ranks (tests/harness.forked): every rank exits 2 with exactly its one line
     `train.py: error: ...`, before any work (nothing written)."""
 
     def expect_error(self, flags: list[str], needle: str, nproc: int = 2):

@@ -3,8 +3,9 @@
 Preemption: SIGTERM or SIGINT on one rank, mid-step, stops every rank after that step, with a checkpoint,
 each rank printing one line and exiting PREEMPTED (5); `--resume` then continues bit-equal to an
 uninterrupted run. The signal comes from the faults.py hook GPT_SIGNAL_AT_STEP (after the step's backward,
-before its optimizer step), so "mid-step" is the same point every time. Ranks are started by hand
-(tests/harness.launch_ranks) so each rank's own exit code and stderr are seen.
+before its optimizer step), so "mid-step" is the same point every time. Ranks are forked from the session's
+fork server (tests/harness.forked_ranks: no agent stops the others when one exits) so each rank's own exit
+code and stderr are seen.
 
 Async checkpoints (--async_checkpoint): the files a background thread writes equal a synchronous save's, a
 resume from them is bit-equal, and a write that fails in the background leaves the previous checkpoint the
@@ -20,7 +21,7 @@ import pytest
 
 import checkpoint
 from metrics import read_jsonl
-from tests.harness import launch, launch_ranks, rank0_only, shared_data, train_losses
+from tests.harness import forked_ranks, rank0_only, shared_data, train_losses
 from faults import PREEMPTED
 
 STEPS, SIGNAL_AT = 5, 3
@@ -55,7 +56,7 @@ class Runs:
         append steps 1..)."""
         before = logged_steps(out)
         args = [*self.args(flags, out), "--resume"]
-        procs = [launch(args)] if nproc == 1 else launch_ranks(args, nproc)
+        procs = forked_ranks(args, nproc)
         self.assertEqual([p.returncode for p in procs], [0] * nproc, procs[0].stderr[-2000:])
         self.assertIn(f"resuming from {checkpoint.step_dir(out, step)} (", procs[0].stdout)
         self.assertIn(f"continuing at step {step + 1}", procs[0].stdout)
@@ -76,9 +77,9 @@ class TestPreemption(Runs, unittest.TestCase):
                 with self.subTest(f"{name} SIG{sig} on rank {rank}"):
                     ref = os.path.join(self.tmp.name, f"{name}_ref")
                     if not os.path.isdir(ref):
-                        self.assertEqual([p.returncode for p in launch_ranks(self.args(flags, ref), 2)], [0, 0])
+                        self.assertEqual([p.returncode for p in forked_ranks(self.args(flags, ref), 2)], [0, 0])
                     out = os.path.join(self.tmp.name, f"{name}_{sig}")
-                    ranks = launch_ranks(self.args(flags, out), 2, env={"GPT_SIGNAL_AT_STEP": str(SIGNAL_AT),
+                    ranks = forked_ranks(self.args(flags, out), 2, env={"GPT_SIGNAL_AT_STEP": str(SIGNAL_AT),
                                                                        "GPT_SIGNAL_RANK": rank,
                                                                        "GPT_SIGNAL": sig})
                     for r, proc in enumerate(ranks):
@@ -94,8 +95,8 @@ class TestPreemption(Runs, unittest.TestCase):
 
     def test_one_process(self):
         ref, out = os.path.join(self.tmp.name, "single_ref"), os.path.join(self.tmp.name, "single")
-        self.assertEqual(launch(self.args([], ref)).returncode, 0)
-        proc = launch(self.args([], out), env={"GPT_SIGNAL_AT_STEP": str(SIGNAL_AT)})
+        self.assertEqual(forked_ranks(self.args([], ref))[0].returncode, 0)
+        proc = forked_ranks(self.args([], out), env={"GPT_SIGNAL_AT_STEP": str(SIGNAL_AT)})[0]
         self.assertEqual(proc.returncode, PREEMPTED, proc.stderr[-2000:])
         self.assertEqual(checkpoint.newest(out), checkpoint.step_dir(out, SIGNAL_AT))
         self.resume([], out, SIGNAL_AT, 1)
@@ -110,8 +111,8 @@ class TestAsyncCheckpoint(Runs, unittest.TestCase):
 
     def test_same_files_and_bit_equal_resume(self):
         sync, asyn = os.path.join(self.tmp.name, "sync"), os.path.join(self.tmp.name, "async")
-        self.assertEqual([p.returncode for p in launch_ranks(self.args(self.FSDP, sync), 2)], [0, 0])
-        ranks = launch_ranks(self.args([*self.FSDP, "--async_checkpoint"], asyn), 2)
+        self.assertEqual([p.returncode for p in forked_ranks(self.args(self.FSDP, sync), 2)], [0, 0])
+        ranks = forked_ranks(self.args([*self.FSDP, "--async_checkpoint"], asyn), 2)
         self.assertEqual([p.returncode for p in ranks], [0, 0], ranks[0].stderr[-2000:])
         self.assertEqual(train_losses(asyn), train_losses(sync))
         for step in (4, STEPS):  # every tensor of the background-written checkpoints equals the synchronous one's
@@ -131,8 +132,8 @@ class TestAsyncCheckpoint(Runs, unittest.TestCase):
         stays the newest checkpoint, and --resume from it is bit-equal to an undisturbed run."""
         ref, out = os.path.join(self.tmp.name, "one_ref"), os.path.join(self.tmp.name, "one_fail")
         every = ["--checkpoint_interval", "2", "--async_checkpoint"]
-        self.assertEqual(launch(self.args(every, ref)).returncode, 0)
-        proc = launch(self.args(every, out), env={"GPT_CKPT_FAIL_AFTER_FILES": "3"})
+        self.assertEqual(forked_ranks(self.args(every, ref))[0].returncode, 0)
+        proc = forked_ranks(self.args(every, out), env={"GPT_CKPT_FAIL_AFTER_FILES": "3"})[0]
         self.assertNotEqual(proc.returncode, 0)
         self.assertIn("GPT_CKPT_FAIL_AFTER_FILES=3", proc.stderr)
         self.assertEqual(checkpoint.newest(out), checkpoint.step_dir(out, 2))
