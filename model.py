@@ -119,9 +119,138 @@ def token_positions(T: int, device) -> torch.Tensor:
     return torch.arange(T, device=device)
 
 
+IGNORE_INDEX = -1  # a target that counts for nothing: the loss is the mean over the others
+LOSS_CHUNK_BYTES = 32 * 2 ** 20  # fp32 logits of one row chunk of `linear_cross_entropy`, at most (for V <= 2^17)
+LOSS_CHUNK_ALIGN = 64  # chunk rows are a multiple of it: each chunk starts where a GEMM's row blocks start
+
+
+def loss_chunk_rows(vocab: int) -> int:
+    """Rows per chunk of `linear_cross_entropy` for logits `vocab` wide: the most multiple of LOSS_CHUNK_ALIGN whose
+    fp32 logits fit LOSS_CHUNK_BYTES (at least LOSS_CHUNK_ALIGN): 128 rows (24.6 MiB) at V = 50304."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * vocab) // LOSS_CHUNK_ALIGN) * LOSS_CHUNK_ALIGN
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over all B*T targets in fp32, skipping targets of -1: GPT's default `loss_fn`."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=-1)
+    """Mean cross-entropy over all B*T targets in fp32, skipping targets of -1, from the whole logits: GPT's
+    `loss_fn`, for a head that runs whole (see `head_output`) and for torch's pipeline schedules, which take logits."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX)
+
+
+class WholeVocab:
+    """The rows of `linear_cross_entropy` when its weight holds the whole vocab: torch's log-softmax, so each
+    row's log-probabilities, and their gradient, are F.cross_entropy's.
+
+    What `linear_cross_entropy` asks of its `vocab` (tensor parallelism has its own, VocabShard in
+    parallel/tensor_parallel.py), for one chunk's logits z (n, V) in the compute dtype (z may be overwritten):
+    - `log_prob(z, targets)` -> (each row's fp32 log-probability of its target (n,), any value where the target
+      is IGNORE_INDEX; per-row statistics (n, k) that backward needs, or None);
+    - `grad(z, targets, stats, scale)` -> d/dz of sum_r scale_r * -log p_r(target_r), (n, V) fp32:
+      (softmax - one-hot) * scale.
+    """
+
+    def log_prob(self, z: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logp = torch.log_softmax(z.float(), dim=-1)  # (n, V)
+        return logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), None
+
+    def grad(self, z: torch.Tensor, targets: torch.Tensor, stats: None, scale: torch.Tensor) -> torch.Tensor:
+        z = z.float()
+        logp = torch.log_softmax(z, dim=-1)  # (n, V)
+        grad_logp = z.zero_().scatter_(-1, targets.clamp(min=0).unsqueeze(-1), -scale.unsqueeze(-1))  # nll_loss's
+        # log_softmax's own backward kernel (its exp is not torch.exp's): F.cross_entropy's gradient bit for bit
+        return torch._log_softmax_backward_data(grad_logp, logp, -1, torch.float32)
+
+
+WHOLE_VOCAB = WholeVocab()
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """cross_entropy(x W^T, targets), `chunk` rows at a time, so that no (N, V) tensor is ever made.
+
+    forward: per chunk of rows, the logits z = x_c W^T (in autocast's dtype where it is on, as F.linear), their
+    rows' log-probabilities of the targets (`vocab.log_prob`); the loss is nll_loss of those (mean over targets
+    != -1). Saves x, W (their compute-dtype casts under autocast), targets and the vocab's per-row statistics.
+    backward: per chunk again, z (recomputed: one more x_c W^T), g = d(loss)/dz (`vocab.grad`, in the compute
+    dtype as autocast's F.linear backward gets it), dx_c = g W, dW += g^T x_c (summed in fp32, or float64).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, vocab, chunk):  # x (N, C), weight (V, C), targets (N,)
+        kind, N = x.device.type, x.shape[0]
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        with torch.autocast(kind, enabled=False):
+            xc, wc = x.to(dtype), weight.to(dtype)  # the casts autocast's F.linear makes (and saves)
+            picked = torch.empty(N, 1, dtype=torch.float32, device=x.device)
+            stats = []
+            for lo in range(0, N, chunk):
+                logp, s = vocab.log_prob(F.linear(xc[lo:lo + chunk], wc), targets[lo:lo + chunk])  # (n,)
+                picked[lo:lo + chunk, 0] = logp
+                stats.append(s)
+            # nll_loss of the (N, 1) picked log-probabilities: F.cross_entropy's own sum over rows
+            loss = F.nll_loss(picked, targets.clamp(max=0), ignore_index=IGNORE_INDEX)
+        stats = torch.cat(stats) if stats[0] is not None else None
+        ctx.save_for_backward(xc, wc, targets, stats)
+        ctx.vocab, ctx.chunk, ctx.dtypes = vocab, chunk, (x.dtype, weight.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        xc, wc, targets, stats = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        kind, N = xc.device.type, xc.shape[0]
+        valid = targets != IGNORE_INDEX
+        scale = torch.where(valid, grad_loss / valid.sum(), 0.0)  # (N,) nll_loss's gradient: d(loss)/d(-log p)
+        dx = torch.empty(xc.shape, dtype=x_dtype, device=xc.device) if ctx.needs_input_grad[0] else None
+        dw = (torch.zeros(wc.shape, dtype=torch.promote_types(wc.dtype, torch.float32), device=wc.device)
+              if ctx.needs_input_grad[1] else None)
+        with torch.autocast(kind, enabled=False):
+            for lo in range(0, N, ctx.chunk):
+                rows = slice(lo, lo + ctx.chunk)
+                z = F.linear(xc[rows], wc)  # (n, V), as in forward
+                g = ctx.vocab.grad(z, targets[rows], None if stats is None else stats[rows], scale[rows]).to(xc.dtype)
+                del z
+                if dx is not None:
+                    dx[rows] = g @ wc  # (n, C)
+                if dw is not None and dw.dtype == g.dtype:
+                    dw.addmm_(g.t(), xc[rows])  # (V, C)
+                elif dw is not None:
+                    dw += g.t() @ xc[rows]  # each chunk's product in the compute dtype, their sum in fp32
+        return dx, None if dw is None else dw.to(w_dtype), None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab=WHOLE_VOCAB,
+                         chunk_rows: int | None = None) -> torch.Tensor:
+    """cross_entropy(F.linear(x, weight), targets): lm_head and the mean cross-entropy over targets != -1 together,
+    without the (..., V) logits or their log-softmax: GPT's default `head_loss`.
+
+    x (..., C), weight (V, C) (under tensor parallelism this rank's vocab rows, with `vocab` saying how rows
+    reduce over the vocab), targets (...). The rows are taken `chunk_rows` at a time (default `loss_chunk_rows`:
+    128 for V = 50304); only one chunk's logits are alive at a time, in forward and again in backward, which
+    recomputes them (2*C*V more FLOPs per row). Held for backward: x, targets, and the vocab's per-row
+    statistics (none for the whole vocab). Each row goes through F.cross_entropy's own kernels, so the loss and
+    d(x) are its bits where each chunk's logits are the whole matmul's (chunks of LOSS_CHUNK_ALIGN rows); dW is
+    summed over the rows chunk by chunk: within 2*gamma_N*(|G|^T |X|) of one matmul (tests/test_loss.py)."""
+    chunk_rows = chunk_rows or loss_chunk_rows(weight.shape[0])
+    return _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, targets.reshape(-1), vocab, chunk_rows)
+
+
+def head_output(owner: nn.Module, x: torch.Tensor, targets: torch.Tensor | None):
+    """lm_head and the loss of `owner` (a GPT, or a pipeline's last stage) on x (B, T, C), ln_f's output.
+
+    Without targets: (logits (B, T, V), None). With them: (None, the mean cross-entropy), by `owner.head_loss`
+    (x, lm_head's weight, targets), which never holds the whole logits. A head whose forward is hooked runs as
+    a module instead (skipping its forward would skip the hooks: PyTorch's DTensor TP plan redistributes
+    lm_head's input and output there), and so does a head of an owner whose head_loss is None: its whole
+    logits go to `owner.loss_fn`.
+    """
+    head = owner.lm_head
+    if targets is None:
+        return head(x), None
+    if owner.head_loss is not None and not (head._forward_pre_hooks or head._forward_hooks):
+        return None, owner.head_loss(x, head.weight, targets)
+    if owner.loss_fn is None:
+        raise ValueError("lm_head must run whole here (its forward is hooked), but this model's loss needs "
+                         "head_loss: its logits are this rank's vocab slice (loss parallelism)")
+    return None, owner.loss_fn(head(x), targets)
 
 
 class GPT(nn.Module):
@@ -137,11 +266,13 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
-        self.loss_fn = cross_entropy  # (logits, targets) -> loss; vocab-parallel under TP loss parallelism
+        self.head_loss = linear_cross_entropy  # (x, lm_head weight, targets) -> loss, chunked; vocab-parallel under TP
+        self.loss_fn = cross_entropy  # (logits, targets) -> loss, for a head that runs whole (head_output)
         self.positions = token_positions  # (T, device) -> the T tokens' absolute positions
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Returns (logits, loss); loss is the mean cross-entropy over all B*T targets, or None."""
+        """Returns (logits (B, T, V), None) without targets; with them (None, loss), loss the mean cross-entropy
+        over the B*T targets, computed with lm_head chunk by chunk over the rows (`head_output`)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
@@ -150,12 +281,8 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
-        x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)  # (B, T, V), or this rank's vocab slice under loss parallelism
-        loss = None
-        if targets is not None:
-            loss = self.loss_fn(logits, targets)
-        return logits, loss
+        x = self.transformer.ln_f(x)  # (B, T, C)
+        return head_output(self, x, targets)  # logits (B, T, V) or this rank's vocab slice under loss parallelism
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Unique parameters (the tied embedding counted once); optionally without position embeddings."""

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from model import GPT, materialize_module
+from model import GPT, head_output, materialize_module
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import group_timeout, make_timer
@@ -68,7 +68,7 @@ class PipelineStage(nn.Module):
                 if not w.is_meta:
                     with torch.no_grad():
                         self.lm_head.weight.copy_(w)
-        self.loss_fn = model.loss_fn
+        self.head_loss, self.loss_fn = model.head_loss, model.loss_fn  # lm_head + loss chunked; on whole logits
         self.positions = model.positions  # (T, device) -> positions; context parallelism may have swapped them
 
     def init_units(self) -> list[tuple[str, nn.Module]]:
@@ -91,8 +91,9 @@ class PipelineStage(nn.Module):
 
     def forward_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk `chunk` on its input: token ids (B, T) for chunk 0, else the activation (B, T, C).
-        Returns the activation (B, T, C), or on the last chunk the mean cross-entropy against `targets`
-        (the logits (B, T, V) without targets)."""
+        Returns the activation (B, T, C), or on the last chunk the mean cross-entropy against `targets`, lm_head
+        and loss computed together chunk by chunk over rows as GPT's (model.head_output), or the logits (B, T, V)
+        without targets."""
         t = self.transformer
         if chunk == 0:
             pos = self.positions(x.shape[1], x.device)
@@ -100,8 +101,8 @@ class PipelineStage(nn.Module):
         for i in self.layers[chunk]:
             x = t.h[str(i)](x)  # (B, T, C)
         if chunk == self.n_chunks - 1:
-            logits = self.lm_head(t.ln_f(x))  # (B, T, V)
-            return logits if targets is None else self.loss_fn(logits, targets)
+            logits, loss = head_output(self, t.ln_f(x), targets)  # (B, T, V) logits, or the loss
+            return logits if targets is None else loss
         return x
 
 

@@ -28,14 +28,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, init_parameter, materialize_module
+from model import GPT, GPTConfig, init_parameter, linear_cross_entropy, loss_chunk_rows, materialize_module
 from parallel import comm
 from parallel.blocks import blocks_by_index
 from parallel.grads import norm_items
 from parallel.tp_comm import (all_gather_along, copy_to_region, gather_from_region, gather_from_sequence,
                               reduce_from_region, reduce_scatter_to_sequence, scatter_to_sequence)
-
-IGNORE_INDEX = -1  # as GPT.forward's cross-entropy
 
 # Module name (fnmatch pattern) -> style. Read top to bottom, this is the whole sharding.
 TP_PLAN: dict[str, str] = {
@@ -173,47 +171,62 @@ class SequenceParallelPositionEmbedding(nn.Embedding):
 
 # ----------------------------------------------------------------------------- loss
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean over tokens of log(sum_v exp(z_v)) - z_target, with z split by vocab over the group.
+class VocabShard:
+    """The rows of model.linear_cross_entropy when its weight is this rank's vocab rows [start, start + V/p) (see
+    model.WholeVocab for the interface): softmax statistics over the whole vocab from every rank's slice.
 
-    forward: max all-reduced (MAX); the target's logit (from the rank owning it, zeros elsewhere) and the
-    local sums of exp(z - max) all-reduced together (SUM); backward: softmax - one-hot of this rank's
-    slice, no communication. Only the (N, V/p) local logits and one buffer of their size are held.
+    log_prob, per chunk of rows: with loss parallelism (Megatron's vocab-parallel cross-entropy) the row max is
+    all-reduced (MAX), then the target's logit (from the rank owning it, zeros elsewhere) and the local sums of
+    exp(z - max), together (SUM): 3 fp32 numbers a row. Without it (`gather`), the chunk's logits are all-gathered
+    over the vocab in the compute dtype (what plain TP communicates) and the same statistics taken on the whole
+    rows. Either way each rank keeps (max, sum-exp) per row for backward.
+    grad: softmax - one-hot of this rank's slice, from the recomputed local logits and those statistics, no
+    communication (d(x) is summed over the ranks where x entered the region: f, at ln_f's output).
     """
 
-    @staticmethod
-    def forward(ctx, logits, targets, group):  # logits (N, V/p) fp32, targets (N,)
-        n_local = logits.shape[-1]
-        lo = comm.rank(group) * n_local
-        z_max = logits.max(dim=-1).values  # (N,)
-        comm.all_reduce(z_max, group, op="max")
-        exp = logits - z_max.unsqueeze(-1)  # (N, V/p), <= 0
-        mine = (targets >= lo) & (targets < lo + n_local)  # target in this rank's slice (never IGNORE_INDEX)
-        local_t = (targets - lo).masked_fill(~mine, 0)
-        stats = torch.empty(2, logits.shape[0], dtype=logits.dtype, device=logits.device)
-        stats[0] = exp.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)  # z_target - max
-        torch.sum(exp.exp_(), dim=-1, out=stats[1])  # sum of exp(z - max) over this rank's slice
-        comm.all_reduce(stats, group)
-        valid = targets != IGNORE_INDEX
-        n_valid = valid.sum()
-        loss = torch.where(valid, stats[1].log() - stats[0], 0.0).sum() / n_valid
-        exp.div_(stats[1].unsqueeze(-1))  # softmax over the whole vocab, this rank's columns
-        ctx.save_for_backward(exp, local_t, mine & valid, valid, n_valid)
-        return loss
+    def __init__(self, group, start: int, gather: bool = False):
+        self.group, self.start, self.gather = group, start, gather
 
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_t, hit, valid, n_valid = ctx.saved_tensors
-        grad = softmax  # reused in place: this graph can be backpropagated once (as Megatron's)
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -hit.to(grad.dtype).unsqueeze(-1))  # - one-hot
-        grad.mul_((grad_loss * valid.to(grad.dtype) / n_valid).unsqueeze(-1))
-        return grad, None, None
+    def _mine(self, targets: torch.Tensor, lo: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = (targets >= lo) & (targets < lo + n)  # target in columns [lo, lo + n) (never an ignored -1)
+        return mine, (targets - lo).masked_fill(~mine, 0)
+
+    def log_prob(self, z: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, reduce = self.start, not self.gather
+        if self.gather:
+            z, lo = all_gather_along(z, -1, self.group), 0  # (n, V)
+        z = z.float()  # (n, V/p), or (n, V) gathered
+        z_max = z.max(dim=-1).values  # (n,)
+        if reduce:
+            comm.all_reduce(z_max, self.group, op="max")
+        shifted = z.sub_(z_max.unsqueeze(-1))  # <= 0
+        mine, local_t = self._mine(targets, lo, z.shape[-1])
+        stats = torch.empty(2, z.shape[0], dtype=z.dtype, device=z.device)
+        stats[0] = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)  # z_target - max
+        torch.sum(shifted.exp_(), dim=-1, out=stats[1])  # sum of exp(z - max) over these columns
+        if reduce:
+            comm.all_reduce(stats, self.group)
+        return stats[0] - stats[1].log(), torch.stack([z_max, stats[1]], dim=-1)  # log p(target); (n, 2)
+
+    def grad(self, z: torch.Tensor, targets: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        z_max, sum_exp = stats.unbind(-1)
+        mine, local_t = self._mine(targets, self.start, z.shape[-1])
+        g = z.float().sub_(z_max.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1))  # softmax, this rank's columns
+        g.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))  # - one-hot
+        return g.mul_(scale.unsqueeze(-1))
 
 
-def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
-    """F.cross_entropy(full_logits, targets, ignore_index=-1) (mean over non-ignored tokens) computed from
-    this rank's vocab slice of the logits (..., V/p); targets (...) hold global ids. Computed in fp32."""
-    return _VocabParallelCrossEntropy.apply(local_logits.flatten(0, -2).float(), targets.flatten(), group)
+def vocab_parallel_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group,
+                                 gather: bool = False, chunk_rows: int | None = None) -> torch.Tensor:
+    """cross_entropy(F.linear(x, full weight), targets) (mean over targets != -1) from this rank's vocab rows
+    `weight` (V/p, C) of the tied matrix: x (..., C) the same on every rank, targets (...) global ids. Chunked over
+    rows as model.linear_cross_entropy (only one chunk's (n, V/p) logits at a time); the rows reduce over the
+    vocab by VocabShard: all-reduced statistics (loss parallelism), or with `gather` the chunk's logits
+    all-gathered. Computed in fp32."""
+    vocab = VocabShard(group, comm.rank(group) * weight.shape[0], gather)
+    # chunks sized by the fp32 logits they make: this rank's columns, or the gathered whole rows
+    chunk_rows = chunk_rows or loss_chunk_rows(weight.shape[0] * (comm.world(group) if gather else 1))
+    return linear_cross_entropy(x, weight, targets, vocab, chunk_rows)
 
 
 # ----------------------------------------------------------------------------- applying the plan
@@ -331,9 +344,10 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
 
     With `seed` the model may be on meta: only this rank's shards (and the replicated LayerNorms and
     position table) are materialised on `device` (default CPU), bit-identical to the matching slices of
-    eager init. Without loss parallelism the logits are all-gathered over the vocab and the model's
-    plain cross-entropy is used; with it, logits stay this rank's (B, T, V/p) and the model's loss_fn
-    becomes vocab_parallel_cross_entropy.
+    eager init. The model's head_loss becomes vocab_parallel_cross_entropy: lm_head and loss chunked over rows
+    from this rank's vocab rows. Without loss parallelism each chunk's logits are all-gathered over the vocab
+    (and lm_head(x) returns the whole (B, T, V)); with it, per-row statistics are all-reduced instead and
+    lm_head(x) returns this rank's (B, T, V/p).
     """
     tp = comm.world(tp_group)
     reason = check_tp_divisibility(model.config, tp)
@@ -364,8 +378,10 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
         raise ValueError(f"parameters outside TP_PLAN left on meta: {still_meta}")
+    # lm_head + loss chunked from this rank's vocab rows; with loss parallelism no rank has whole logits
+    model.head_loss = functools.partial(vocab_parallel_cross_entropy, group=tp_group, gather=not loss_parallel)
     if loss_parallel:
-        model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp_group)
+        model.loss_fn = None  # lm_head gives this rank's vocab slice: no loss of whole logits
     return model
 
 

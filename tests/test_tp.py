@@ -202,7 +202,8 @@ def _one_process_body(rank: int, world_size: int) -> dict:
             cols=slice(4 * CFG.n_embd // world_size * rank, 4 * CFG.n_embd // world_size * (rank + 1)))),
     }
 
-    # 5. vocab_parallel_cross_entropy against F.cross_entropy on the whole logits, values and grads.
+    # 5. vocab_parallel_cross_entropy against F.cross_entropy on the whole logits, values and grads. The logits
+    # are x W^T with W the identity (V, V), exact in fp32, so x carries them; each rank holds W's vocab rows.
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(5, 16, CFG.vocab_size, generator=g) * 4
     logits[0, 0, 3] = 1e4           # exp would overflow without the max
@@ -213,17 +214,20 @@ def _one_process_body(rank: int, world_size: int) -> dict:
     targets = torch.randint(0, CFG.vocab_size, (5, 16), generator=g)
     targets[0, 0], targets[0, 1], targets[2, 5] = 3, 300, 0
     targets[3, :7] = -1
+    eye = torch.eye(CFG.vocab_size).chunk(world_size, 0)[rank]  # (V/p, V)
+    mine = slice(rank * CFG.vocab_size // world_size, (rank + 1) * CFG.vocab_size // world_size)
     out["xent"] = []
-    for scale in (1.0, 2.5):
+    for scale, gather, rows in ((1.0, False, None), (2.5, False, 7), (2.5, True, 7)):  # 80 rows: 7 at a time
         full = logits.clone().requires_grad_()
         ref_l = F.cross_entropy(full.flatten(0, 1), targets.flatten(), ignore_index=-1)
         (scale * ref_l).backward()
-        local = logits.chunk(world_size, -1)[rank].clone().requires_grad_()
-        got = vocab_parallel_cross_entropy(local, targets, group)
-        (scale * got).backward()
+        x = logits.clone().requires_grad_()
+        got = vocab_parallel_cross_entropy(x, eye, targets, group, gather=gather, chunk_rows=rows)
+        (scale * got).backward()  # x.grad: this rank's columns (the identity's rows it holds), zeros elsewhere
         out["xent"].append((float(got.detach()), float(ref_l.detach()),
-                            float((local.grad - full.grad.chunk(world_size, -1)[rank]).abs().max()),
-                            float(full.grad.abs().max()), bool(torch.isfinite(got.detach()))))
+                            float((x.grad[..., mine] - full.grad[..., mine]).abs().max()),
+                            float(full.grad.abs().max()), bool(torch.isfinite(got.detach())),
+                            float(torch.cat([x.grad[..., :mine.start], x.grad[..., mine.stop:]], -1).abs().max())))
 
     # 6. Bad meshes and unsupported settings: clear errors before any work.
     errors = {}
@@ -334,10 +338,11 @@ class TestTPMatchesOneProcess(unittest.TestCase):
 
     def test_vocab_parallel_cross_entropy_equals_full(self):
         for r in self.results:
-            for got, ref, grad_err, grad_scale, finite in r["xent"]:
+            for got, ref, grad_err, grad_scale, finite, elsewhere in r["xent"]:
                 self.assertTrue(finite)
                 self.assertLessEqual(_rel(got, ref), 1e-6)
                 self.assertLessEqual(grad_err, 1e-6 * grad_scale)
+                self.assertEqual(elsewhere, 0.0)
 
     def test_bad_meshes_and_settings_give_clear_errors(self):
         for r in self.results:
@@ -357,14 +362,18 @@ def _dtensor_body(rank: int, world_size: int) -> dict:
     out: dict = {"rank": rank}
     for lp, sp in LAYOUTS:
         ours = _tp(lp, sp)
-        logits, loss = ours(*_batch())
+        _, loss = ours(*_batch())  # lm_head + loss chunked: no logits
         loss.backward()
+        with torch.no_grad():
+            logits, _ = ours(_batch()[0])
         theirs = _eager()
         parallelize_module(theirs, mesh, pytorch_tp_plan(theirs, lp, sp))
         theirs.lm_head.weight = theirs.transformer.wte.weight  # the tie, undone by the swap to DTensors
         with loss_parallel() if lp else contextlib.nullcontext():
-            their_logits, their_loss = theirs(*_batch())
+            _, their_loss = theirs(*_batch())  # their lm_head is hooked: it runs whole (model.head_output)
             their_loss.backward()
+            with torch.no_grad():
+                their_logits, _ = theirs(_batch()[0])
         if lp:  # both keep this rank's vocab slice of the logits
             their_logits, their_loss = their_logits.to_local(), their_loss.full_tensor()
         out[(lp, sp)] = {"loss_rel": _rel(loss, their_loss),

@@ -1,0 +1,221 @@
+"""The chunked lm_head + cross-entropy (model.linear_cross_entropy) against today's whole-logits path,
+F.cross_entropy(F.linear(x, W)), in one process.
+
+The tolerance, any chunking (tests/rounding.py's rule): both are fp32 evaluations of the same math in other
+orders, each within about one yardstick eps of the exact value, eps = the whole-logits path's distance from the
+same computation in float64; so they differ by up to about 2 eps, and ROUNDING_FACTOR = 4 allows a 2x margin
+(per tensor, max |a - b| / max |b|; at least EPS32).
+
+Where the arithmetic allows, bit for bit: with chunks of a multiple of LOSS_CHUNK_ALIGN rows each chunk starts
+where the GEMM's row blocks start, so each row's logits are the whole GEMM's bits (on this CPU's MKL; one row
+or 7 are not: other kernels, other sum orders); log-softmax, its backward and nll_loss's sum over the rows are
+torch's own kernels, as in F.cross_entropy. Then the loss and d(x) = d(logits) W are equal bit for bit, and only
+dW = d(logits)^T x is summed over the rows in another order: chunk by chunk, each chunk's GEMM then an fp32 add.
+Any order of an n-term sum is within gamma_n * sum |terms| of the exact sum (gamma_n = n u / (1 - n u),
+u = 2^-24; Higham, Accuracy and Stability of Numerical Algorithms, eq. 4.4), so the two dW differ elementwise by
+at most 2 gamma_N (|G|^T |X|). Under bf16 autocast the products are bf16 (u_b = 2^-8), each chunk's and today's
+one: at most 2 u_b + 2 gamma_N on the same |G|^T |X|.
+"""
+from __future__ import annotations
+
+import functools
+import unittest
+
+import torch
+import torch.nn.functional as F
+
+from bench.pipeline import SavedBytes
+from metrics import LargestTensor
+from model import GPT, LOSS_CHUNK_ALIGN, GPTConfig, linear_cross_entropy, loss_chunk_rows
+from parallel.tensor_parallel import VocabShard
+from tests.rounding import EPS32, ROUNDING_FACTOR
+
+U32, U_BF16 = 2.0 ** -24, 2.0 ** -8
+N, C, V = 200, 32, 1000
+CFG = GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def gamma(n: int, u: float = U32) -> float:
+    return n * u / (1 - n * u)
+
+
+def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, C, generator=g)
+    w = torch.randn(V, C, generator=g) * 0.5
+    t = torch.randint(0, V, (N,), generator=g)
+    t[::7] = -1  # ignored targets
+    return x, w, t
+
+
+def _whole(x, w, t, autocast: bool = False):
+    """Today's path: (loss, dx, dw, d(logits)) of F.cross_entropy(F.linear(x, w).float(), t), in x's dtype."""
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = F.linear(x, w)
+        logits.retain_grad()
+        loss = F.cross_entropy(logits if x.dtype == torch.float64 else logits.float(), t, ignore_index=-1)
+    (loss * 0.75).backward()  # an incoming gradient other than 1 (as 1/M under accumulation)
+    return loss.detach(), x.grad, w.grad, logits.grad.float()
+
+
+def _chunked(x, w, t, chunk_rows=None, autocast: bool = False, vocab=None):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    kw = {} if vocab is None else {"vocab": vocab}
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = linear_cross_entropy(x, w, t, chunk_rows=chunk_rows, **kw)
+    (loss * 0.75).backward()
+    return loss.detach(), x.grad, w.grad
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def _dw_bound(g: torch.Tensor, x: torch.Tensor, factor: float) -> torch.Tensor:
+    """factor * (|G|^T |X|), elementwise, in float64."""
+    return factor * (g.double().abs().t() @ x.double().abs())
+
+
+class TestAgainstWholeLogits(unittest.TestCase):
+    def test_fp32_within_rounding_of_whole_logits_for_any_chunking(self):
+        x, w, t = _inputs()
+        today = _whole(x, w, t)[:3]
+        exact = _whole(x.double(), w.double(), t)[:3]
+        eps = [max(_rel(a, b), EPS32) for a, b in zip(today, exact)]  # loss, dx, dW: the yardsticks
+        self.assertGreater(max(eps), EPS32)  # not degenerate
+        for rows in (1, 7, 64, N, None):  # one row, uneven chunks, aligned ones, one chunk, the default
+            for what, got, ref, e in zip(("loss", "dx", "dW"), _chunked(x, w, t, rows), today, eps):
+                self.assertLessEqual(_rel(got, ref), ROUNDING_FACTOR * e, f"{rows} rows: {what}")
+
+    def test_fp32_aligned_chunks_bit_equal_but_dw_within_the_reordering_bound(self):
+        x, w, t = _inputs()
+        ref_loss, ref_dx, ref_dw, g = _whole(x, w, t)
+        bound = _dw_bound(g, x, 2 * gamma(N))
+        for rows in (LOSS_CHUNK_ALIGN, 3 * LOSS_CHUNK_ALIGN, None):  # 64 + 64 + 64 + 8 rows; 192 + 8; one chunk
+            loss, dx, dw = _chunked(x, w, t, rows)
+            self.assertTrue(torch.equal(loss, ref_loss), rows)
+            self.assertTrue(torch.equal(dx, ref_dx), rows)
+            err = (dw.double() - ref_dw.double()).abs()
+            self.assertTrue(bool((err <= bound).all()), f"{rows}: worst {float((err - bound).max())}")
+
+    def test_bf16_autocast(self):
+        """The logits in bf16 as autocast's F.linear makes them, the loss in fp32 of those: the same bits;
+        dW's chunk products each rounded to bf16, summed in fp32 (see the module docstring for the bound)."""
+        x, w, t = _inputs(1)
+        ref_loss, ref_dx, ref_dw, g = _whole(x, w, t, autocast=True)
+        bound = _dw_bound(g, x, 2 * U_BF16 + 2 * gamma(N))
+        for rows in (LOSS_CHUNK_ALIGN, None):
+            loss, dx, dw = _chunked(x, w, t, rows, autocast=True)
+            self.assertTrue(torch.equal(loss, ref_loss), rows)
+            self.assertTrue(torch.equal(dx, ref_dx), rows)
+            self.assertEqual(dw.dtype, torch.float32)
+            self.assertTrue(bool(((dw.double() - ref_dw.double()).abs() <= bound).all()), rows)
+
+    def test_vocab_shard_of_one_rank_equals_the_whole_vocab(self):
+        """VocabShard (tensor parallelism's rows) on a group of one holds the whole vocab: its Megatron-style
+        statistics (max, sum of exp) give F.cross_entropy within rounding (tests/test_tp.py runs it on 2 ranks)."""
+        x, w, t = _inputs(2)
+        today = _whole(x, w, t)[:3]
+        exact = _whole(x.double(), w.double(), t)[:3]
+        for gather in (False, True):
+            got = _chunked(x, w, t, 7, vocab=VocabShard(None, 0, gather))
+            for what, a, ref, e in zip(("loss", "dx", "dW"), got, today, exact):
+                self.assertLessEqual(_rel(a, ref), ROUNDING_FACTOR * max(_rel(ref, e), EPS32), (gather, what))
+
+    def test_ignored_rows_get_no_gradient(self):
+        x, w, t = _inputs(3)
+        _, dx, _ = _chunked(x, w, t, 5)
+        self.assertTrue(bool((dx[t == -1] == 0).all()))
+        self.assertTrue(bool((dx[t != -1] != 0).any(dim=-1).all()))
+
+
+class TestMemory(unittest.TestCase):
+    def test_no_tensor_of_all_logits_and_only_x_and_targets_saved(self):
+        """Forward and backward never make an (N, V) tensor: the largest is a chunk's (rows, V) logits or dW
+        (V, C); what is saved for backward is x and the targets (the weight is a parameter)."""
+        x, w, t = _inputs()
+        x.requires_grad_()
+        w = torch.nn.Parameter(w)
+        with LargestTensor() as spy, SavedBytes(exclude=[w]) as saved:
+            linear_cross_entropy(x, w, t, chunk_rows=16).backward()
+        self.assertLessEqual(spy.numel, max(16 * V, V * C))
+        self.assertEqual(saved.peak, x.numel() * 4 + t.numel() * 8)
+
+    def test_default_chunk_rows(self):
+        """The most multiple of 64 rows whose fp32 logits fit 32 MiB: 128 rows of GPT-2's 50304 (24.6 MiB), 320 of
+        a TP=2 slice; at least 64."""
+        self.assertEqual([loss_chunk_rows(v) for v in (50304, 25152, 512, 2 ** 17, 2 ** 20)],
+                         [128, 320, 16384, 64, 64])
+
+
+class TestGPT(unittest.TestCase):
+    def setUp(self):
+        torch.manual_seed(0)
+        self.idx = torch.randint(0, CFG.vocab_size, (3, 32))
+        self.targets = torch.randint(0, CFG.vocab_size, (3, 32))
+        self.targets[0, :5] = -1
+
+    def _model(self) -> GPT:
+        model = GPT(CFG)
+        model.init_weights(7)
+        return model
+
+    def _loss_and_grads(self, model: GPT):
+        logits, loss = model(self.idx, self.targets)
+        loss.backward()
+        return logits, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    def test_equals_the_whole_logits_path(self):
+        """head_loss None is today's path (lm_head on all rows, then loss_fn): the same loss bits, the same
+        gradient bits everywhere but the tied matrix, whose lm_head part dW is summed over rows in another order
+        (within 2 gamma_N |G|^T |X|) before the embedding's part is added (one more rounding, u |sum|, each)."""
+        chunked, whole = self._model(), self._model()
+        chunked.head_loss = functools.partial(linear_cross_entropy, chunk_rows=LOSS_CHUNK_ALIGN)  # 96 rows: 64 + 32
+        whole.head_loss = None
+        seen = {}
+
+        def capture(module, inputs, logits):  # the whole path's lm_head input X and its logits (for G)
+            seen["x"], seen["logits"] = inputs[0].detach(), logits
+            logits.retain_grad()
+
+        whole.lm_head.register_forward_hook(capture)
+        logits, loss, grads = self._loss_and_grads(chunked)
+        ref_logits, ref_loss, ref_grads = self._loss_and_grads(whole)
+        self.assertIsNone(logits)
+        self.assertIsNone(ref_logits)
+        self.assertTrue(torch.equal(loss, ref_loss))
+        self.assertEqual(grads.keys(), ref_grads.keys())
+        self.assertNotIn("lm_head.weight", grads)  # tied: one Parameter, one gradient
+        self.assertIs(chunked.lm_head.weight, chunked.transformer.wte.weight)
+        for n in grads:
+            if n != "transformer.wte.weight":
+                self.assertTrue(torch.equal(grads[n], ref_grads[n]), n)
+        wte = "transformer.wte.weight"
+        g, x = seen["logits"].grad.flatten(0, 1), seen["x"].flatten(0, 1)
+        bound = _dw_bound(g, x, 2 * gamma(x.shape[0])) + 2 * U32 * ref_grads[wte].double().abs()
+        self.assertTrue(bool(((grads[wte].double() - ref_grads[wte].double()).abs() <= bound).all()))
+
+    def test_sampling_and_evaluation_get_logits(self):
+        model = self._model()
+        logits, loss = model(self.idx)
+        self.assertIsNone(loss)
+        self.assertEqual(tuple(logits.shape), (3, 32, CFG.vocab_size))
+        with torch.no_grad():
+            _, eval_loss = model(self.idx, self.targets)
+            ref = F.cross_entropy(logits.flatten(0, 1), self.targets.flatten(), ignore_index=-1)
+        self.assertTrue(torch.equal(eval_loss, ref))
+
+    def test_a_hooked_head_runs_whole(self):
+        """A forward hook on lm_head (PyTorch's DTensor TP plan puts its redistributions there) sees the head
+        run, on the whole logits; the loss is the same."""
+        model, seen = self._model(), []
+        _, ref = model(self.idx, self.targets)
+        model.lm_head.register_forward_hook(lambda m, i, o: seen.append(tuple(o.shape)))
+        _, loss = model(self.idx, self.targets)
+        self.assertEqual(seen, [(3, 32, CFG.vocab_size)])
+        self.assertTrue(torch.equal(loss, ref))
+
+
+if __name__ == "__main__":
+    unittest.main()
