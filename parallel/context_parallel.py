@@ -1,4 +1,4 @@
-"""Context parallelism: causal ring attention over a cp group, in plain PyTorch ops (so it runs on CPU too).
+"""Context parallelism: causal ring attention over a cp group, one fused attention kernel per block pair.
 
 Each of the C ranks holds a slice of every sequence along time, and the matching slices of q, k and v.
 - **The split.** With `zigzag` (the default; Megatron's and torchtitan's causal load balance), a sequence is
@@ -7,31 +7,43 @@ Each of the C ranks holds a slice of every sequence along time, and the matching
   global positions a rank holds; position embeddings use them.
 - **Forward.** C steps. At step s a rank attends its queries to the k/v block that started on rank r-s,
   while it already sends that block on to rank r+1 and receives the next one from rank r-1 (isend/irecv,
-  posted before the block's compute, counted as "p2p" by parallel/comm.py). Partial results merge by an
-  online softmax: a running max and sum per query, in fp32. A block whose keys all lie after every query
-  of this rank (fully masked under causality) is skipped.
+  posted before the block's compute, counted as "p2p" by parallel/comm.py). A (query chunk, key chunk)
+  pair is fully visible (the key chunk comes first), causal (the same chunk) or fully masked (skipped), so
+  with zigzag each block is one fused-kernel call, `is_causal` on a rank's own block only, no mask
+  (`_ring_layout`). Each call returns its output and log-sum-exp; blocks merge by an online softmax on the
+  log-sum-exp, in fp32.
 - **Backward.** The k/v blocks go round the ring again, and with each block travel the gradients dK, dV
-  accumulated for it so far: at each step a rank adds its queries' contribution (from the saved
-  log-sum-exp, without re-running the softmax merge). After C steps every block has been seen by every
-  rank, and one more send hands each dK/dV back to the rank that owns the block.
+  (fp32) accumulated for it so far. At each step a rank runs the kernel's backward on the same pairs, given
+  the merged output and log-sum-exp: that is the pair's exact share of dQ, dK, dV (the softmax it
+  recomputes is the merged one). The next block's k/v transfer is posted before the step's compute, and
+  the block's dK/dV go on after it, so both overlap the next step's compute. After C steps every block has
+  been seen by every rank, and the C-th dK/dV move hands each block's gradients back to its owner.
+- **Kernels** (`_kernel_of`, by device and dtype): CPU runs
+  aten._scaled_dot_product_flash_attention_for_cpu in fp32 (bf16 inputs under autocast are cast up: that
+  kernel would round probabilities and accumulate gradients in bf16, and without AVX512-BF16/AMX it is
+  slower: 8x on the AVX2 machine of results/cp); CUDA runs the flash kernel in bf16/fp16 (the dtype autocast gives, as SDPA would) and the
+  memory-efficient kernel in fp32.
 
-Per attention call a rank sends C-1 k/v blocks forward, and 2(C-1) k/v blocks plus one dK/dV pair in
-backward (each of shape (B, heads, T/C, head_dim)).
+Per attention call a rank sends C-1 (k, v) pairs forward, and C-1 (k, v) pairs plus C (dK, dV) pairs in
+backward, each tensor of shape (B, heads, T/C, head_dim): `cp_p2p_bytes_per_micro_step`.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from parallel import comm
 
+aten = torch.ops.aten
+
 
 def chunks_of(rank: int, cp: int, zigzag: bool = True) -> list[int]:
-    """The sequence chunks rank `rank` holds: (r, 2C-1-r) of 2C with zigzag, (r,) of C without."""
+    """The sequence chunks rank `rank` holds, in ascending order: (r, 2C-1-r) of 2C with zigzag, (r,) of C
+    without."""
     return [rank, 2 * cp - 1 - rank] if zigzag else [rank]
 
 
@@ -54,7 +66,8 @@ def exchange_order(rank: int, cp: int) -> tuple[str, str]:
     gloo's isend/irecv never block, so any order works there; NCCL runs a rank's p2p operations in posting
     order, and with C = 2 both ranks' sends and receives share one pair, so "receive first" on both would
     wait forever. The alternation gives every blocking send a posted receive (tests/test_context_parallel.py
-    simulates it for C = 1..8)."""
+    simulates it for C = 1..8, for the forward's exchanges and for the backward's interleaved k/v and dK/dV
+    ones)."""
     return ("send", "recv") if rank % 2 == 0 else ("recv", "send")
 
 
@@ -69,97 +82,169 @@ def _exchange(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], l
     return bufs, post[first]() + post[second]()
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """Causally masked attention scores in fp32: (B, H, Tq, Tk), -inf where a key lies after its query."""
-    s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
-    return s.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+def _received(pending: tuple[list[torch.Tensor], list]) -> list[torch.Tensor]:
+    """Wait for an `_exchange` (its send and its receive) and return the received tensors."""
+    bufs, works = pending
+    for w in works:
+        w.wait()
+    return bufs
+
+
+class _Call(NamedTuple):
+    """One fused-kernel call of a ring step: the query rows `q` of this rank's block against the key rows `k`
+    of the visiting block (local indices), with `causal` when they are the same tokens."""
+    q: slice
+    k: slice
+    causal: bool
 
 
 @functools.lru_cache(maxsize=64)
-def _ring_layout(T: int, C: int, zigzag: bool, device: torch.device) -> tuple[list[torch.Tensor], list[list[bool]]]:
-    """For a ring of C ranks over T tokens: each rank's positions on `device`, and attends[i][j], whether any
-    query of rank i attends to any key of rank j (else every key lies after every query: the block is fully
-    masked and skipped). Made once per (T, C, device), on the host: no host -> device copy or device read per
-    layer."""
-    host = [local_positions(T, i, C, zigzag) for i in range(C)]
-    attends = [[bool(host[j].min() <= host[i].max()) for j in range(C)] for i in range(C)]
-    return [p.to(device) for p in host], attends
+def _ring_layout(T: int, C: int, zigzag: bool) -> tuple[tuple[tuple[_Call, ...], ...], ...]:
+    """calls[i][j]: the kernel calls that attend rank i's queries to rank j's keys, from the chunk pairs: a
+    query chunk sees a key chunk fully if the key chunk comes first in the sequence, causally if it is the
+    same chunk, and not at all if it comes later. Local order is ascending, so a rank's own block is one causal
+    call, and another rank's block is seen, by each query chunk, up to a prefix of its chunks; neighbouring
+    query chunks that see the same prefix share one call. With zigzag: rank j < i's block, first chunk, for
+    all of i's queries; rank j > i's block, whole, for i's second chunk; () would be a block fully masked.
+    Made once per (T, C, zigzag), from Python ints: no host <-> device traffic per layer."""
+    local_positions(T, 0, C, zigzag)  # raises unless T cuts into the chunks
+    size = T // (2 * C if zigzag else C)
+    chunks = [chunks_of(i, C, zigzag) for i in range(C)]
+    calls = []
+    for i in range(C):
+        row = []
+        for j in range(C):
+            if i == j:
+                block = slice(0, len(chunks[i]) * size)
+                row.append((_Call(block, block, True),))
+                continue
+            groups: list[list[int]] = []  # [first query chunk, end query chunk, key chunks seen]
+            for a, qc in enumerate(chunks[i]):
+                seen = sum(kc < qc for kc in chunks[j])
+                if seen and groups and groups[-1][1] == a and groups[-1][2] == seen:
+                    groups[-1][1] = a + 1
+                elif seen:
+                    groups.append([a, a + 1, seen])
+            row.append(tuple(_Call(slice(a * size, b * size), slice(0, n * size), False) for a, b, n in groups))
+        calls.append(tuple(row))
+    return tuple(calls)
+
+
+def _kernel_of(x: torch.Tensor) -> tuple[str, torch.dtype]:
+    """The fused kernel for inputs like `x`, and the dtype it runs in: CUDA runs the input's dtype, "flash" for
+    bf16/fp16 and "efficient" (memory-efficient) for fp32; CPU runs "cpu" (its flash kernel) in fp32 or wider
+    (see the module docstring)."""
+    if x.device.type != "cuda":
+        return "cpu", torch.promote_types(x.dtype, torch.float32)
+    return ("flash" if x.dtype in (torch.float16, torch.bfloat16) else "efficient"), x.dtype
+
+
+def _kernel_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
+    """One fused call of q (B, H, Tq, D) over k, v (B, H, Tk, D), all one dtype, `causal` (top-left: used only
+    with Tq = Tk) or not: (out like q, laid out (B, Tq, H, D); lse fp32 (B, H, Tq); the kernel's state for its
+    backward: the dropout RNG's, unused at dropout 0)."""
+    if kernel == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+        return out, lse, ()
+    if kernel == "flash":
+        out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        return out, lse, (seed, offset)
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+    return out, lse[..., :q.shape[2]], (seed, offset)  # its lse rows are padded to a multiple of 32
+
+
+def _kernel_backward(kernel: str, g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor, causal: bool, state: tuple):
+    """The backward of `_kernel_forward`'s call on (q, k, v), given the output gradient g, the output `out` and
+    its log-sum-exp: (dq, dk, dv) in q's dtype. Given the merged out and lse of all keys, it is these keys'
+    share of the gradients."""
+    if kernel == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal)
+    if kernel == "flash":
+        return aten._scaled_dot_product_flash_attention_backward(
+            g, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, *state)
+    n = lse.shape[-1]  # the kernel reads lse in its forward's layout: rows padded to a multiple of 32
+    padded = lse.new_zeros(*lse.shape[:-1], n + -n % 32)
+    padded[..., :n] = lse
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        g, q, k, v, None, out, padded, *state, 0.0, [True, True, True, False], causal)
+    return dq, dk, dv
+
+
+def _merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """Fold one call's (o_b, lse_b) into the running fp32 (o, lse) of the same query rows, in place: the
+    softmax over both key sets weighs o_b by e^lse_b / (e^lse + e^lse_b) = sigmoid(lse_b - lse)."""
+    o.lerp_(o_b.to(o.dtype), torch.sigmoid(lse_b - lse).unsqueeze(-1))
+    lse.copy_(torch.logaddexp(lse, lse_b))
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, zigzag: bool):
-        # fp32 inside, as the backward (which autocast never reaches) recomputes it: under bf16 autocast the
-        # matmuls below would otherwise give bf16 scores and a log-sum-exp the backward's softmax disagrees with
+        # autocast off inside: the kernels run in _kernel_of's dtype, and the backward (which autocast never
+        # reaches) must recompute the forward's softmax from the same inputs
         with torch.autocast(q.device.type, enabled=False):
             return _RingAttention._forward(ctx, q, k, v, group, zigzag)
 
     @staticmethod
     def _forward(ctx, q, k, v, group, zigzag: bool):
         C, r = comm.world(group), comm.rank(group)
-        T = q.shape[2] * C
-        positions, attends = _ring_layout(T, C, zigzag, q.device)
-        q_pos, scale = positions[r], 1.0 / math.sqrt(q.shape[-1])
-        B, H, Tq, D = q.shape
-        o = torch.zeros(B, H, Tq, D, dtype=torch.float32, device=q.device)
-        m = torch.full((B, H, Tq), float("-inf"), device=q.device)
-        l_sum = torch.zeros(B, H, Tq, device=q.device)
-        kv, src = [k, v], r
-        for step in range(C):
-            pending = _exchange(kv, group) if step < C - 1 else None
-            k_pos = positions[src]
-            if attends[r][src]:
-                s = _scores(q, kv[0], q_pos, k_pos, scale)
-                m_new = torch.maximum(m, s.amax(-1))
-                safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                p = torch.exp(s - safe[..., None])
-                corr = torch.exp(m - safe)
-                l_sum = l_sum * corr + p.sum(-1)
-                o = o * corr[..., None] + torch.matmul(p, kv[1].float())
-                m = m_new
-            if pending is not None:
-                bufs, works = pending
-                for w in works:
-                    w.wait()
-                kv, src = bufs, (src - 1) % C
-        # laid out (B, Tq, H, D) like SDPA's output, so the caller's transpose + reshape to (B, Tq, H*D) is a
-        # view: the output is then saved once, here and as c_proj's input (not a second, reshaped copy)
-        out = torch.empty(B, Tq, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
-        out.copy_(o / l_sum[..., None])
-        lse = m + torch.log(l_sum)
+        calls = _ring_layout(q.shape[2] * C, C, zigzag)[r]
+        kernel, kd = _kernel_of(q)
+        qc = q.to(kd)
+        pending = _exchange([k, v], group) if C > 1 else None
+        # step 0, this rank's own block: causal, and every query sees itself, so it starts every row's merge.
+        # The kernel lays its output out (B, Tq, H, D) like SDPA's, so the caller's transpose + reshape to
+        # (B, Tq, H*D) is a view: the output is then saved once, here and as c_proj's input
+        o, lse, state = _kernel_forward(kernel, qc, k.to(kd), v.to(kd), True)
+        if C > 1:
+            o = o.float()
+            for step in range(1, C):
+                kv, src = _received(pending), (r - step) % C
+                pending = _exchange(kv, group) if step < C - 1 else None
+                kb, vb = kv[0].to(kd), kv[1].to(kd)
+                for c in calls[src]:
+                    o_b, lse_b, _ = _kernel_forward(kernel, qc[:, :, c.q], kb[:, :, c.k], vb[:, :, c.k], c.causal)
+                    _merge(o[:, :, c.q], lse[:, :, c.q], o_b, lse_b)
+        out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.zigzag, ctx.positions, ctx.attends, ctx.scale = group, zigzag, positions, attends, scale
+        ctx.group, ctx.calls, ctx.kernel, ctx.state = group, calls, kernel, state
         return out
 
     @staticmethod
     def backward(ctx, grad_o):
-        q, k, v, o, lse = ctx.saved_tensors
-        group, positions, attends, scale = ctx.group, ctx.positions, ctx.attends, ctx.scale
+        with torch.autocast(grad_o.device.type, enabled=False):
+            return _RingAttention._backward(ctx, grad_o)
+
+    @staticmethod
+    def _backward(ctx, grad_o):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, calls, kernel, state = ctx.group, ctx.calls, ctx.kernel, ctx.state
         C, r = comm.world(group), comm.rank(group)
-        q_pos, g = positions[r], grad_o.float()
-        delta = (g * o.float()).sum(-1)  # (B, H, Tq): rowsum(dO * O)
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        travel = [k, v, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
-        src = r
-        for step in range(C):
-            k_pos = positions[src]
-            if attends[r][src]:
-                kb, vb = travel[0].float(), travel[1].float()
-                s = _scores(q, kb, q_pos, k_pos, scale)
-                p = torch.exp(s - lse[..., None])                     # the forward's softmax, exactly merged
-                travel[3] = travel[3] + torch.matmul(p.transpose(-2, -1), g)          # dV
-                ds = p * (torch.matmul(g, vb.transpose(-2, -1)) - delta[..., None])
-                dq += torch.matmul(ds, kb) * scale
-                travel[2] = travel[2] + torch.matmul(ds.transpose(-2, -1), q.float()) * scale  # dK
-            if C > 1:  # pass the block on (after C-1 moves it is rank r+1's; the C-th move returns dK/dV home)
-                last = step == C - 1
-                bufs, works = _exchange(travel[2:] if last else travel, group)
-                for w in works:
-                    w.wait()
-                travel = [None, None, *bufs] if last else bufs
-                src = (src - 1) % C
-        dk, dv = travel[2], travel[3]
+        kd = _kernel_of(q)[1]
+        g, o, qc = grad_o.to(kd), out.to(kd), q.to(kd)
+        pending_kv = _exchange([k, v], group) if C > 1 else None
+        dq, dk, dv = _kernel_backward(kernel, g, qc, k.to(kd), v.to(kd), o, lse, True, state)
+        if C == 1:
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        dq = dq.float()
+        pending_dkv = _exchange([dk.float(), dv.float()], group)  # this block's dK, dV so far, on to rank r+1
+        for step in range(1, C):
+            kv, src = _received(pending_kv), (r - step) % C
+            pending_kv = _exchange(kv, group) if step < C - 1 else None
+            kb, vb = kv[0].to(kd), kv[1].to(kd)
+            shares = []
+            for c in calls[src]:
+                dq_c, dk_c, dv_c = _kernel_backward(kernel, g[:, :, c.q], qc[:, :, c.q], kb[:, :, c.k], vb[:, :, c.k],
+                                                    o[:, :, c.q], lse[:, :, c.q], c.causal, state)
+                dq[:, :, c.q] += dq_c
+                shares.append((c.k, dk_c, dv_c))
+            dk, dv = _received(pending_dkv)  # block src's dK, dV from the ranks it visited before this one
+            for ks, dk_c, dv_c in shares:
+                dk[:, :, ks] += dk_c
+                dv[:, :, ks] += dv_c
+            pending_dkv = _exchange([dk, dv], group)  # after the last step: home, to the block's owner r+1
+        dk, dv = _received(pending_dkv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

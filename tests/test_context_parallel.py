@@ -1,37 +1,96 @@
-"""Ring attention (parallel/context_parallel.py) on 2 and 4 gloo ranks against full causal attention on the
-gathered sequence: output and the gradients of q, k and v within 1e-5 of the reference tensor's largest value
-(fp32; the ring merges softmax blocks in another order than one softmax), with and without the zigzag split, including sequences whose chunks
-are single tokens. Also the p2p bytes per call against the docstring's count."""
+"""Ring attention (parallel/context_parallel.py) on 1, 2 and 4 gloo ranks against full causal attention on the
+gathered sequence: output and the gradients of q, k and v, with and without the zigzag split, including
+sequences whose chunks are single tokens; the p2p bytes per call against the docstring's count; the order the
+ring posts its transfers in (NCCL-safe, and before the compute they overlap); which chunk pairs the kernel calls
+cover; and, on meta tensors, the CUDA kernels' calls.
+
+Tolerances are derived, not picked. fp32: the reference is SDPA on the same inputs in float64, and the
+yardstick is how far one-process fp32 SDPA (the same fused CPU kernel, on the whole sequence) is from it. The
+ring runs that kernel per block and merges blocks by their log-sum-exp, so it sums in another order, and two
+fp32 results of the same math in different orders are each about one yardstick from the exact one: the ring
+may be ROUNDING_FACTOR (4, tests/rounding.py: a 2x margin) yardsticks from float64, at least EPS32, each
+relative to the reference tensor's largest value. bf16: see test_bf16_autocast_computes_in_fp32."""
+import functools
+import re
 import unittest
+from contextlib import contextmanager
+from unittest import mock
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+import parallel.context_parallel as cp
 from parallel import comm
 from parallel.context_parallel import exchange_order, local_positions, ring_attention, shard_sequence
 from tests.harness import run_distributed
+from tests.rounding import EPS32, ROUNDING_FACTOR
 
 B, H, D = 2, 3, 8
+KEYS = ("out", "dq", "dk", "dv")
+
+
+def attention_and_grads(q, k, v, dout) -> list[torch.Tensor]:
+    """One-process causal SDPA of (q, k, v) and its gradients for output gradient dout: [out, dq, dk, dv]."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    out.backward(dout)
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+@contextmanager
+def recorded():
+    """Everything the ring does that orders its overlap, in order, on this rank: each comm.send / comm.recv as
+    (kind, peer, shape, dtype), each kernel call as ("fwd",) or ("bwd",)."""
+    events = []
+
+    def post(kind, real):
+        def call(t, peer, group=None):
+            events.append((kind, peer, tuple(t.shape), str(t.dtype)))
+            return real(t, peer, group)
+        return call
+
+    def kernel(kind, real):
+        def call(*args):
+            events.append((kind,))
+            return real(*args)
+        return call
+
+    with mock.patch.object(comm, "send", post("send", comm.send)), \
+            mock.patch.object(comm, "recv", post("recv", comm.recv)), \
+            mock.patch.object(cp, "_kernel_forward", kernel("fwd", cp._kernel_forward)), \
+            mock.patch.object(cp, "_kernel_backward", kernel("bwd", cp._kernel_backward)):
+        yield events
 
 
 def case(rank: int, world: int, T: int, zigzag: bool) -> dict:
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
-    ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, is_causal=True)
-    ref.backward(dout)
+    exact = attention_and_grads(q.double(), k.double(), v.double(), dout.double())
+    one = attention_and_grads(q, k, v, dout)
     mine = [shard_sequence(t, rank, world, zigzag, dim=2).clone().requires_grad_() for t in (q, k, v)]
     comm.COUNTER.reset()
-    out = ring_attention(*mine, None, zigzag)
-    out.backward(shard_sequence(dout, rank, world, zigzag, dim=2))
+    with recorded() as events:
+        out = ring_attention(*mine, None, zigzag)
+        out.backward(shard_sequence(dout, rank, world, zigzag, dim=2))
     sent = comm.COUNTER.snapshot().get("p2p", 0)
     pos = local_positions(T, rank, world, zigzag)
     # max error relative to the largest value of the whole reference tensor (a rank's own slice can be all 0:
     # position 0 attends only to itself, so its dq is 0 up to rounding)
-    err = lambda a, full: ((a - full[:, :, pos]).abs().max() / full.abs().max()).item()  # noqa: E731
-    return {"out": err(out, ref), "dq": err(mine[0].grad, ref_q.grad), "dk": err(mine[1].grad, ref_k.grad),
-            "dv": err(mine[2].grad, ref_v.grad),
-            "p2p": sent, "block_bytes": B * H * (T // world) * D * 4}
+    rel = lambda a, full, at: ((a.double() - full[:, :, at]).abs().max() / full.abs().max()).item()  # noqa: E731
+    got = [out, *(t.grad for t in mine)]
+    return {"err": {key: rel(a, full, pos) for key, a, full in zip(KEYS, got, exact)},
+            "yardstick": {key: rel(a, full, slice(None)) for key, a, full in zip(KEYS, one, exact)},
+            "p2p": sent, "block_bytes": B * H * (T // world) * D * 4, "events": everyone(events, world)}
+
+
+def everyone(x, world: int) -> list:
+    """Every rank's x on every rank (a matching torchrun gives each rank only its own result)."""
+    if world == 1:
+        return [x]
+    out = [None] * world
+    dist.all_gather_object(out, x)
+    return out
 
 
 def run_cases(rank: int, world: int) -> list:
@@ -42,78 +101,163 @@ def run_cases(rank: int, world: int) -> list:
     return out
 
 
+@functools.cache
+def ring_results(world: int) -> list:
+    """run_cases on `world` ranks, once per test session: [rank] -> [((T, zigzag), result)]."""
+    return run_distributed(run_cases, world) if world > 1 else [run_cases(0, 1)]
+
+
+def drain(queues: list[list[tuple]]) -> bool:
+    """NCCL's blocking p2p, one queue per rank in posting order: the head send of rank a to b completes with the
+    head receive of b from a, and both must describe the same message (gloo too meets the k-th send from a to b
+    with b's k-th receive from a). False when no head can move: a hang."""
+    queues = [list(q) for q in queues]
+    while any(queues):
+        for a, q in enumerate(queues):
+            if q and q[0][0] == "send" and queues[q[0][1]][:1] and queues[q[0][1]][0][:2] == ("recv", a):
+                b = q[0][1]
+                assert queues[b][0][2:] == q[0][2:], f"rank {a}'s send {q[0]} meets rank {b}'s {queues[b][0]}"
+                queues[b].pop(0)
+                q.pop(0)
+                break
+        else:
+            return False
+    return True
+
+
 def bf16_case(rank: int, world: int) -> dict:
     """Ring attention under CPU bf16 autocast (bf16 q, k, v, as the linears give them) against fp32 SDPA on
     the same bf16-rounded inputs and output gradient: max error relative to the reference's largest value."""
     g = torch.Generator().manual_seed(1)
     T = 16 * world
     q, k, v, dout = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(4))
-    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*ref_in, is_causal=True)
-    ref.backward(dout.float())
+    ref = attention_and_grads(q.float(), k.float(), v.float(), dout.float())
     mine = [shard_sequence(t, rank, world, dim=2).clone().requires_grad_() for t in (q, k, v)]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = ring_attention(*mine, None)
     out.backward(shard_sequence(dout, rank, world, dim=2))
     pos = local_positions(T, rank, world)
     err = lambda a, full: ((a.float() - full[:, :, pos]).abs().max() / full.abs().max()).item()  # noqa: E731
-    return {"dtype": out.dtype, "out": err(out, ref), "dq": err(mine[0].grad, ref_in[0].grad),
-            "dk": err(mine[1].grad, ref_in[1].grad), "dv": err(mine[2].grad, ref_in[2].grad)}
+    got = [out, *(t.grad for t in mine)]
+    return {"dtype": out.dtype, **{key: err(a, full) for key, a, full in zip(KEYS, got, ref)}}
 
 
 class TestRingAttention(unittest.TestCase):
+    def test_equals_full_causal_attention(self):
+        for world in (1, 2, 4):
+            for rank, cases in enumerate(ring_results(world)):
+                for (T, zigzag), r in cases:
+                    with self.subTest(world=world, rank=rank, T=T, zigzag=zigzag):
+                        for key in KEYS:
+                            tol = ROUNDING_FACTOR * max(r["yardstick"][key], EPS32)
+                            self.assertLessEqual(r["err"][key], tol, f"{key}: {r['err'][key]:.2e} > {tol:.2e}")
+                        # forward: C-1 k/v pairs; backward: C-1 (k, v) and C-1 (dK, dV) moves, and 1 (dK, dV) home
+                        C = world
+                        blocks = 2 * (C - 1) + 4 * (C - 1) + 2 if C > 1 else 0
+                        self.assertEqual(r["p2p"], blocks * r["block_bytes"])
+
     def test_bf16_autocast_computes_in_fp32(self):
-        """Under bf16 autocast the ring still computes in fp32 (its backward, which autocast never reaches,
-        recomputes the softmax from the forward's log-sum-exp, so both must agree). Given the same bf16 inputs,
-        it then differs from fp32 attention only by fp32 summation order and one rounding of its bf16 output
-        and gradients: half a bf16 ulp, 2^-9 relative, bounded here by 2^-8 of the largest value. (Scores left
-        to autocast gave dq off by 4.9e-3 to 8.7e-3 here.)"""
+        """Under bf16 autocast the ring still computes in fp32 on CPU (the kernels get fp32 copies of the bf16
+        q, k, v), so given the same bf16 inputs it differs from fp32 attention by fp32 summation order (about
+        1e-7) and one rounding of its output and of each gradient to bf16: at most half a bf16 ulp, 2^-8
+        relative (bf16 keeps 8 significant bits), so at most 2^-8 of the largest value. (Scores left to
+        autocast gave dq off by 4.9e-3 to 8.7e-3 here.)"""
         for world in (1, 2):
             results = run_distributed(bf16_case, world) if world > 1 else [bf16_case(0, 1)]
             for rank, r in enumerate(results):
                 with self.subTest(world=world, rank=rank):
                     self.assertEqual(r["dtype"], torch.bfloat16)
-                    for key in ("out", "dq", "dk", "dv"):
+                    for key in KEYS:
                         self.assertLess(r[key], 2 ** -8, key)
 
-    def test_equals_full_causal_attention(self):
-        for world in (1, 2, 4):
-            results = run_distributed(run_cases, world) if world > 1 else [run_cases(0, 1)]
-            for rank, cases in enumerate(results):
-                for (T, zigzag), r in cases:
-                    with self.subTest(world=world, rank=rank, T=T, zigzag=zigzag):
-                        for key in ("out", "dq", "dk", "dv"):
-                            self.assertLess(r[key], 1e-5, f"{key}: {r[key]}")
-                        # forward: C-1 k/v pairs; backward: C-1 (k, v, dK, dV) moves and 1 (dK, dV) return
-                        C = world
-                        blocks = 2 * (C - 1) + 4 * (C - 1) + 2 if C > 1 else 0
-                        self.assertEqual(r["p2p"], blocks * r["block_bytes"])
-
     def test_exchange_order_never_waits_forever_with_blocking_p2p(self):
-        """NCCL runs each rank's p2p operations in posting order, a send waiting for its receive: simulate that
-        (one queue per rank; the heads of two queues meet when one sends to the other, which receives from
-        it) for a ring step of k and v, C = 1..8. The order parallel/context_parallel.py posts always finishes;
-        "receive first" on every rank, the naive order, hangs at every C > 1 (so this test can fail)."""
-        def ops(rank: int, C: int, order) -> list:
-            half = {"send": [("send", (rank + 1) % C)] * 2, "recv": [("recv", (rank - 1) % C)] * 2}
-            return [op for kind in order(rank, C) for op in half[kind]]
+        """NCCL runs each rank's p2p operations in posting order, a send waiting for its receive (`drain`). A ring
+        exchange is two sends to r+1 and two receives from r-1; a forward posts C-1 of them, a backward 2C-1 (k/v
+        and dK/dV interleaved: k/v before a step's compute, dK/dV after it). parallel/context_parallel.py's order
+        always finishes, C = 1..8; "receive first" on every rank, the naive order, hangs at every C > 1 (so this
+        test can fail)."""
+        def ops(rank: int, C: int, order, exchanges: int) -> list:
+            half = {"send": [("send", (rank + 1) % C, i) for i in range(2)],
+                    "recv": [("recv", (rank - 1) % C, i) for i in range(2)]}
+            return [op for _ in range(exchanges) for kind in order(rank, C) for op in half[kind]]
 
-        def finishes(C: int, order) -> bool:
-            queues = [ops(r, C, order) for r in range(C)] if C > 1 else [[]]
-            while any(queues):
-                for r, q in enumerate(queues):
-                    if q and q[0][0] == "send" and queues[q[0][1]][:1] == [("recv", r)]:
-                        queues[q[0][1]].pop(0)
-                        q.pop(0)
-                        break
-                else:
-                    return False
-            return True
-
+        naive = lambda r, c: ("recv", "send")  # noqa: E731
         for C in range(1, 9):
-            with self.subTest(C=C):
-                self.assertTrue(finishes(C, exchange_order))
-                self.assertEqual(finishes(C, lambda r, c: ("recv", "send")), C == 1)
+            for exchanges in ((C - 1, 2 * C - 1, 3 * C - 2) if C > 1 else (0,)):  # forward, backward, both
+                with self.subTest(C=C, exchanges=exchanges):
+                    self.assertTrue(drain([ops(r, C, exchange_order, exchanges) for r in range(C)]))
+                    self.assertEqual(drain([ops(r, C, naive, exchanges) for r in range(C)]), C == 1)
+
+    def test_posted_transfers_drain_and_overlap_the_compute(self):
+        """What the 2- and 4-rank runs above posted, as recorded on every rank: fed to `drain` (NCCL's blocking
+        p2p), every rank's sends and receives over one forward + backward finish, each message meeting a
+        receive of its shape and dtype. And the overlap: with E one exchange (2 sends, 2 receives), F a forward
+        and K a backward kernel call, every rank posts, with zigzag (one call per block), the forward as
+        (E F) x (C-1), F (the next block's transfer is posted before this block's compute) and the backward as
+        E K E, (E K E) x (C-2), K E (the next k/v posted before the compute, this block's dK/dV after it)."""
+        for world in (2, 4):
+            for (T, zigzag), r in ring_results(world)[0]:
+                with self.subTest(world=world, T=T, zigzag=zigzag):
+                    events = r["events"]
+                    self.assertTrue(drain([[e for e in ev if e[0] in ("send", "recv")] for ev in events]))
+                    if not zigzag:
+                        continue
+                    C = world
+                    for rank, ev in enumerate(events):
+                        shape = "".join("E" if e[0] in ("send", "recv") else "F" if e[0] == "fwd" else "K" for e in ev)
+                        self.assertEqual(re.sub("E{4}", "E", shape), "EF" * (C - 1) + "F" + "EKE" * (C - 1) + "KE",
+                                         f"rank {rank}")
+
+    def test_layout_attends_every_causal_pair_once(self):
+        """`_ring_layout`'s kernel calls, over all (query rank, key rank) blocks, cover each (query, key) pair that
+        causal attention allows exactly once and no other (a causal call covers its square's lower triangle),
+        for C = 1..4 with and without zigzag. With zigzag each block is at most one call, and every rank attends
+        the same number of pairs."""
+        for C in range(1, 5):
+            for zigzag in (True, False):
+                T = 3 * (2 * C if zigzag else C)  # 3-token chunks
+                pos = [local_positions(T, i, C, zigzag) for i in range(C)]
+                layout = cp._ring_layout(T, C, zigzag)
+                work = []
+                for i in range(C):
+                    pairs = 0
+                    for j in range(C):
+                        with self.subTest(C=C, zigzag=zigzag, i=i, j=j):
+                            seen = torch.zeros(len(pos[i]), len(pos[j]), dtype=torch.int64)
+                            for c in layout[i][j]:
+                                block = torch.ones_like(seen[c.q, c.k])
+                                seen[c.q, c.k] += block.tril() if c.causal else block
+                            want = (pos[j][None, :] <= pos[i][:, None]).long()
+                            self.assertTrue(torch.equal(seen, want), f"{seen}\n!=\n{want}")
+                            if zigzag:
+                                self.assertLessEqual(len(layout[i][j]), 1)
+                            pairs += int(want.sum())
+                    work.append(pairs)
+                if zigzag:
+                    self.assertEqual(len(set(work)), 1, work)
+
+    def test_cuda_kernel_calls_match_their_ops(self):
+        """The CUDA path as far as a CPU build can check it (the kernels themselves need a GPU): on meta tensors
+        (torch's meta kernels give shapes and dtypes only), every call a C = 2 zigzag ring makes, forward and
+        backward, with the flash kernel (bf16) and the memory-efficient one (fp32; its lse rows come padded to
+        a multiple of 32, so Tq = 24 checks the unpadding), takes the arguments its op's schema asks for and
+        gives what the merge and the gradient sums expect: out like q, fp32 lse (B, H, Tq), gradients like
+        their inputs."""
+        T, C = 48, 2
+        for kernel, dtype in (("flash", torch.bfloat16), ("efficient", torch.float32)):
+            for r in range(C):
+                for src in range(C):
+                    for c in cp._ring_layout(T, C, True)[r][src]:
+                        with self.subTest(kernel=kernel, r=r, src=src, call=c):
+                            q, k, v, g = (torch.empty(B, T // C, H, D, dtype=dtype, device="meta").transpose(1, 2)
+                                          for _ in range(4))
+                            q, g, k, v = q[:, :, c.q], g[:, :, c.q], k[:, :, c.k], v[:, :, c.k]
+                            out, lse, state = cp._kernel_forward(kernel, q, k, v, c.causal)
+                            self.assertEqual((out.shape, out.dtype), (q.shape, dtype))
+                            self.assertEqual((lse.shape, lse.dtype), (q.shape[:3], torch.float32))
+                            grads = cp._kernel_backward(kernel, g, q, k, v, out, lse, c.causal, state)
+                            self.assertEqual([(t.shape, t.dtype) for t in grads],
+                                             [(t.shape, dtype) for t in (q, k, v)])
 
     def test_positions(self):
         self.assertEqual(local_positions(8, 0, 2).tolist(), [0, 1, 6, 7])
