@@ -1,7 +1,7 @@
 """Context parallelism measured: a sequence-length sweep over C ranks, tokens/s and saved activations per rank.
 
     python -m bench.cp --out out/cp [--model tiny] [--n_layer 2] [--seq_lens 128,256,512] [--cps 1,2,4]
-                       [--tps 2] [--steps 4] [--warmup 2] [--rows 4]
+                       [--tps 2] [--steps 4] [--warmup 2] [--rows 4] [--attn_reps 5]
 
 For each (seq_len T, C) two things run, each as its own job (gloo, CPU, OMP_NUM_THREADS=1 per rank). Each
 --tps degree runs the same way as a TP point to compare with (our TP with sequence and loss parallelism on
@@ -28,14 +28,18 @@ the same rows; tp = 1 turns it off), and every point's comm bytes per step are s
   ln_1 output), q, k, v, its output and the log-sum-exp; its CPU output is laid out (B, T, H, D), so
   c_proj's input is a view of it. The ring lays its output out the same way and saves the output itself (not
   an fp32 copy), so per layer it saves the same tensors at T/C: the attention ratio should be C.
+- **One attention, C = 1.** Before the jobs, for each seq_len, `time_attention` times one attention's
+  forward + backward on the rows' q, k, v in this process (one thread): plain SDPA against ring_attention on
+  one rank, so the ratio is what the ring's kernel calls cost over SDPA's, communication aside.
 
 Every saved activation is (B, T/C, ...) per rank, the logits included, and neither SDPA nor the ring saves
 a T x T matrix, so both the whole peak and the attention part should fall by about C: the ratio column is
 bytes(C=1) / bytes(C) at the same T. With more ranks than cores (4 ranks on 2 cores) the ranks share the
 cores, so tokens/s there measures contention as much as the ring: cp.md says so.
 
-Outputs in --out: cp.json (config, rows), cp.md (the table) and cp_seq_scaling.png (tokens/s vs T per C;
-saved bytes per rank vs T per C, log scale); runs/ holds each job's log and metrics.jsonl.
+Outputs in --out: cp.json (config, with the attention timings and the load average; rows), cp.md (the
+tables) and cp_seq_scaling.png (tokens/s vs T per C; saved bytes per rank vs T per C, log scale); runs/
+holds each job's log and metrics.jsonl.
 """
 from __future__ import annotations
 
@@ -155,11 +159,16 @@ def markdown(rows: list[dict], config: dict) -> str:
               "comm: rank 0's parallel/comm.py count per step (median), against the ring + gradient all-reduce "
               "(C) or TP formula (bench.cp.comm_theory)"]
     cores = config.get("cpu_count")
+    if config.get("load_average"):
+        start, end = config["load_average"]
+        lines.append(f"- load average (1 min) {start:.2f} at the start and {end:.2f} at the end, on {cores} cores")
     big = max((r["cp"] * r.get("tp", 1) for r in rows), default=1)
     if cores is not None and big > cores:
         lines.append(f"- {big} ranks on {cores} CPU cores is oversubscribed: the ranks share the cores, so "
                      f"tokens/s with more than {cores} ranks measures contention as much as the ring (one thread "
                      "per rank)")
+    lines += attention_markdown(config.get("attention_c1") or [], config["rows"], config.get("n_head", "H"),
+                                config.get("head_dim", "D"))
     return "\n".join(lines) + "\n"
 
 
@@ -263,13 +272,63 @@ def worker(spec: dict) -> None:
         dist.destroy_process_group()
 
 
+# ---- one attention, C = 1 ----------------------------------------------------------------------------------
+
+def time_attention(seq_len: int, rows: int, n_head: int, head_dim: int, reps: int = 5) -> dict:
+    """Forward + backward of one causal attention of (rows, n_head, seq_len, head_dim) fp32 q, k, v (views of
+    (B, T, H, D) tensors, as the model makes them), on one thread in this process: F.scaled_dot_product_attention
+    (model.AttentionCore, what a 1-rank run uses) against ring_attention with no group (C = 1: the ring's kernel
+    calls and autograd Function, no communication). Median wall times of `reps` rounds after one warm-up round;
+    the two alternate within a round, so load drift hits both."""
+    import statistics
+    import time
+
+    import torch.nn.functional as F
+
+    from parallel.context_parallel import ring_attention
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        leaves = [torch.randn(rows, seq_len, n_head, head_dim, generator=g).requires_grad_() for _ in range(3)]
+        dout = torch.randn(rows, n_head, seq_len, head_dim, generator=g)
+        ways = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                "ring": lambda q, k, v: ring_attention(q, k, v, None)}
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        for rnd in range(reps + 1):
+            for name, attend in ways.items():
+                for t in leaves:
+                    t.grad = None
+                start = time.perf_counter()
+                attend(*(t.transpose(1, 2) for t in leaves)).backward(dout)
+                if rnd:
+                    times[name].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    sdpa, ring = (1e3 * statistics.median(times[name]) for name in ("sdpa", "ring"))
+    return {"seq_len": seq_len, "sdpa_ms": sdpa, "ring_ms": ring, "ratio": ring / sdpa}
+
+
+def attention_markdown(timings: list[dict], rows: int, n_head: int, head_dim: int) -> list[str]:
+    """The C = 1 ring-vs-SDPA table's lines (none without timings)."""
+    if not timings:
+        return []
+    lines = ["", "| seq_len | SDPA fwd+bwd (ms) | ring C=1 fwd+bwd (ms) | ring / SDPA |", "|---:|---:|---:|---:|"]
+    lines += [f"| {t['seq_len']} | {t['sdpa_ms']:.2f} | {t['ring_ms']:.2f} | {t['ratio']:.2f} |" for t in timings]
+    lines += ["", f"- one attention, q/k/v ({rows}, {n_head}, seq_len, {head_dim}) fp32, forward + backward on one "
+              "thread in the bench's process (bench.cp.time_attention): SDPA as a 1-rank run calls it, and "
+              "ring_attention with one rank (its fused kernel calls, no communication); medians"]
+    return lines
+
+
 # ---- the sweep ------------------------------------------------------------------------------------------------
 
 def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_layer: int | None = 2,
         rows: int = 4, warmup: int = 2, steps: int = 4, timeout: float = 600, tps: list[int] = (),
-        log=print) -> list[dict]:
-    """Measure saved bytes (one job per layout: each C, and each TP degree in `tps` to compare with), then
-    train every (seq_len, layout); write cp.json, cp.md and cp_seq_scaling.png into `out`; return the rows."""
+        log=print, attn_reps: int = 5) -> list[dict]:
+    """Time one attention at C = 1, ring against SDPA (`time_attention`, `attn_reps` rounds; 0: not timed),
+    measure saved bytes (one job per layout: each C, and each TP degree in `tps` to compare with), then train
+    every (seq_len, layout); write cp.json, cp.md and cp_seq_scaling.png into `out`; return the rows."""
     from bench.__main__ import ensure_dataset
     from bench.runner import classify, probe_machine, run_job, summarize
     from metrics import read_jsonl
@@ -282,6 +341,12 @@ def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_la
     machine = probe_machine(measure=True)
     log(f"[bench.cp] {machine['name']}, {os.cpu_count()} cores; {model} n_layer {cfg.n_layer}; seq_lens {seq_lens}, "
         f"C in {cps}, TP in {list(tps)}; {rows} rows x seq_len tokens/step, {warmup}+{steps} steps")
+    load_start = os.getloadavg()[0]
+    attention = [time_attention(T, rows, cfg.n_head, cfg.n_embd // cfg.n_head, attn_reps)
+                 for T in seq_lens] if attn_reps else []
+    for t in attention:
+        log(f"[bench.cp] T={t['seq_len']:<5} one attention fwd+bwd, C=1: SDPA {t['sdpa_ms']:.1f} ms, ring "
+            f"{t['ring_ms']:.1f} ms ({t['ratio']:.2f}x)")
 
     layouts = [(cp, 1) for cp in cps] + [(1, tp) for tp in tps]
     tag = {(cp, tp): f"c{cp}" + (f"-tp{tp}" if tp > 1 else "") for cp, tp in layouts}  # file names under runs/
@@ -324,9 +389,11 @@ def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_la
                 + f" ({job.seconds:.0f} s)")
 
     table = cp_rows(points)
-    config = {"model": model, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
+    config = {"model": model, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head,
+              "head_dim": cfg.n_embd // cfg.n_head, "vocab_size": cfg.vocab_size,
               "seq_lens": seq_lens, "cps": cps, "tps": list(tps), "rows": rows, "warmup": warmup,
-              "steps": steps, "cpu_count": os.cpu_count(), "machine": machine, "dataset": dataset}
+              "steps": steps, "cpu_count": os.cpu_count(), "machine": machine, "dataset": dataset,
+              "attention_c1": attention, "load_average": [load_start, os.getloadavg()[0]]}
     with open(os.path.join(out, "cp.json"), "w") as f:
         json.dump({"config": config, "rows": table}, f, indent=1)
     with open(os.path.join(out, "cp.md"), "w") as f:
@@ -352,6 +419,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--warmup", type=int, default=2)
     a("--steps", type=int, default=4, help="measured steps after --warmup")
     a("--timeout", type=float, default=600, help="seconds per job")
+    a("--attn_reps", type=int, default=5, help="rounds of the C = 1 ring-vs-SDPA attention timing (0: none)")
     a("--worker", default=None, help=argparse.SUPPRESS)  # JSON spec: run the saved-bytes worker
     args = p.parse_args(argv)
     if args.worker:
@@ -373,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.worker))
         return 0
     rows = run(args.out, args.seq_lens, args.cps, args.model, args.n_layer or None, args.rows,
-               args.warmup, args.steps, args.timeout, [t for t in args.tps if t > 1])
+               args.warmup, args.steps, args.timeout, [t for t in args.tps if t > 1], attn_reps=args.attn_reps)
     config = json.load(open(os.path.join(args.out, "cp.json")))["config"]
     print(markdown(rows, config), end="")
     print(f"[bench.cp] wrote {os.path.abspath(args.out)}/cp.json, cp.md, cp_seq_scaling.png")

@@ -1,5 +1,6 @@
-"""bench/cp.py: the command builders' flags, the ratio arithmetic and table on synthetic rows, the flag checks,
-and the saved-bytes count of one tiny forward + backward against a hand count (no training, no processes)."""
+"""bench/cp.py: the command builders' flags, the ratio arithmetic and tables on synthetic rows, the flag checks,
+the saved-bytes count of one tiny forward + backward against a hand count, and one tiny C = 1 attention timing
+(no training, no processes)."""
 from __future__ import annotations
 
 import sys
@@ -7,7 +8,9 @@ import sys
 import pytest
 import torch
 
-from bench.cp import comm_theory, cp_rows, markdown, measure_saved, memory_command, parse_args, train_command
+from bench.cp import (
+    attention_markdown, comm_theory, cp_rows, markdown, measure_saved, memory_command, parse_args, time_attention,
+    train_command)
 
 
 def flag(cmd: list[str], name: str) -> str:
@@ -107,11 +110,32 @@ def test_markdown_rows_and_oversubscription_note():
     assert "| 128 | C=4 | 500 | 0.50 | 0.50 | 4.00 | 0.25 | 4.00 | 2.00 | 1.000 | ok |" in md
     assert "4 ranks on 2 CPU cores is oversubscribed" in md
     assert "oversubscribed" not in markdown(rows, {**CONFIG, "cpu_count": 4})
+    assert "ring / SDPA" not in md and "load average" not in md  # neither measured here
+
+
+def test_markdown_attention_table_and_load_average():
+    timed = {**CONFIG, "cpu_count": 2, "n_head": 4, "head_dim": 16, "load_average": [1.5, 2.25],
+             "attention_c1": [{"seq_len": 128, "sdpa_ms": 2.0, "ring_ms": 2.5, "ratio": 1.25}]}
+    md = markdown(cp_rows([point(128, 1, 1000.0, 2 ** 20, 2 ** 19)]), timed)
+    assert "| 128 | 2.00 | 2.50 | 1.25 |" in md
+    assert "q/k/v (4, 4, seq_len, 16) fp32" in md
+    assert "load average (1 min) 1.50 at the start and 2.25 at the end, on 2 cores" in md
+    assert attention_markdown([], 4, 4, 16) == []
+
+
+def test_time_attention_times_both_one_thread():
+    """A tiny timing: both medians positive, their ratio, and the thread count restored."""
+    threads = torch.get_num_threads()
+    t = time_attention(16, 2, 2, 8, reps=2)
+    assert t["seq_len"] == 16 and t["sdpa_ms"] > 0 and t["ring_ms"] > 0
+    assert t["ratio"] == pytest.approx(t["ring_ms"] / t["sdpa_ms"])
+    assert torch.get_num_threads() == threads
 
 
 def test_parse_args_checks_the_sweep():
     assert parse_args(["--out", "x"]).seq_lens == [128, 256, 512]
     assert parse_args(["--out", "x", "--cps", "1,2"]).cps == [1, 2]
+    assert parse_args(["--out", "x"]).attn_reps == 5 and parse_args(["--out", "x", "--attn_reps", "0"]).attn_reps == 0
     for bad in (["--cps", "2,4"], ["--seq_lens", "20"], ["--seq_lens", "6", "--cps", "1,2"]):
         with pytest.raises(SystemExit):
             parse_args(["--out", "x", *bad])  # no C=1; 20 % (2 x 4) = 4; 6 % (2 x 2) = 2
