@@ -1,7 +1,12 @@
-"""One-shot GPU check: every CUDA path of the trainer once, in about 5 minutes on one GPU, one table at the end.
+"""One-shot GPU check: every CUDA path of the trainer once on one GPU, one table and one report at the end.
 
-    bash scripts/gpu_check.sh              # on a machine with a CUDA device (docs/gpu.md)
+    bash scripts/gpu_check.sh              # on a machine with a CUDA device (docs/gpu.md); report in results/gpu/
     bash scripts/gpu_check.sh --dry-run    # anywhere: CPU, tiny model, few steps; checks the plumbing
+
+What one GPU cannot check (world-size-1 NCCL groups only), and where it is checked instead: the order of
+NCCL p2p between two ranks (the schedule simulator's "nccl" pair-FIFO model, tests/test_pipeline_schedule.py),
+collectives that move data between GPUs (every wrapper against one process on gloo ranks, tests/), a ring
+exchange of CP (torchrun --nproc_per_node=2 on two GPUs, docs/gpu.md), NVLink/InfiniBand bandwidth.
 
 Stages (a row each; a stage that raises is a FAIL row, and the others still run):
 - throughput: `train.py --model gpt2` in bf16 autocast, one process, 20 steps: tokens/s and MFU.
@@ -19,15 +24,15 @@ Stages (a row each; a stage that raises is a FAIL row, and the others still run)
 - fused adamw: train.build chose torch's fused AdamW (every device torch fuses on, CPU included).
 - resume: an uninterrupted run against one SIGKILLed after its step-3 checkpoint and `--resume`d: the
   same losses bit for bit (the runs use deterministic kernels: math SDPA, deterministic algorithms).
-- gpu tests: `pytest -m gpu tests/test_gpu.py`.
+- gpu tests: `pytest -m gpu tests/test_gpu.py` (needs requirements-dev.txt; says so when pytest is missing).
+- sync audit, overlap, real size, goals: scripts/gpu_measure.py (its docstring).
 
 The data is a synthetic learnable token corpus written to a temporary directory: the GPU box has no internet.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
+import json
 import math
 import os
 import re
@@ -39,171 +44,16 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field, replace
-from unittest import mock
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from parallel.mesh import MeshDim, ParallelDims  # noqa: E402
-
-BF16_U = 2.0 ** -8  # bf16 unit roundoff: 8 significand bits
-# Loss tolerances, relative to the CPU fp32 run. bf16: 2u, one rounding of the matmul inputs (u) plus, on a
-# GPU, one of fused attention's bf16 softmax probabilities (u). Measured on CPU bf16 autocast for the GPU
-# setup's model: at most 1e-4 (0.03 u) over its 6 steps, so 2u has margin and still catches a real bug (a wrong
-# gradient or a lost reduction moves the loss by far more). fp32 across devices: summation order only.
-RTOL = {torch.bfloat16: 2 * BF16_U, torch.float32: 1e-4}
-SAME_RTOL = 1e-6  # forced collectives vs short-circuited: identities on one rank, expected bit-equal
-CP_RTOL = 1e-5  # fp32 attention by two kernels (block-merged vs one softmax): summation order only, as on CPU
-
-
-@dataclass(frozen=True)
-class Setup:
-    device: str
-    dtype: str                  # compute dtype of the wrapper, resume and throughput stages
-    throughput: list[str]       # train.py flags of the throughput run
-    small: list[str]            # flags of the model the other stages train
-    steps: int                  # steps of the wrapper, fp16 and resume stages
-    throughput_steps: int
-
-
-GPU = Setup("cuda", "bfloat16",
-            ["--model", "gpt2", "--micro_batch_size", "16", "--seq_len", "1024", "--total_batch_size", "32768"],
-            ["--model", "small", "--n_layer", "4", "--micro_batch_size", "4", "--seq_len", "128",
-             "--total_batch_size", "1024"], steps=6, throughput_steps=20)
-DRY = Setup("cpu", "float32",
-            ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256"],
-            ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "128"],
-            steps=4, throughput_steps=3)
-COMMON = ["--lr", "3e-3", "--warmup_steps", "2", "--eval_interval", "1000", "--eval_iters", "1",
-          "--gradient_clipping"]
-
-
-@dataclass
-class Row:
-    check: str
-    status: str  # ok | FAIL | skip
-    detail: str
-
-
-@dataclass
-class Context:
-    setup: Setup
-    tmp: str
-    data: str
-    rows: list[Row] = field(default_factory=list)
-    cpu_losses: list[float] | None = None
-
-    def add(self, check: str, ok: bool | None, detail: str) -> None:
-        self.rows.append(Row(check, "skip" if ok is None else ("ok" if ok else "FAIL"), detail))
-
-    def out_dir(self, name: str) -> str:
-        return os.path.join(self.tmp, name)
-
-
-# ----------------------------------------------------------------------------- in-process trainers
-
-def make_plan(ctx: Context, name: str, flags: list[str], device: str, dtype: str, steps: int, *extra: str):
-    from config import parse_args, validate
-    return validate(parse_args([*flags, *COMMON, "--dataset", ctx.data, "--device", device, "--dtype", dtype,
-                                "--max_steps", str(steps), "--out_dir", ctx.out_dir(name), *extra]))
-
-
-class _ForcedOne(int):
-    """1 that is not `== 1`: parallel/comm.py and the wrappers skip their one-rank short-cut and issue the
-    collectives, while every division, split and `> 1` test still sees 1."""
-
-    def __eq__(self, other):
-        return False
-
-    def __ne__(self, other):
-        return True
-
-    __hash__ = int.__hash__
-
-
-@contextlib.contextmanager
-def forced_collectives(on: bool):
-    """With `on`, parallel.comm.world reports a one-rank group as _ForcedOne (see there)."""
-    if not on:
-        yield
-        return
-    from parallel import comm
-    real = comm.world
-
-    def world(group):
-        n = real(group)
-        return _ForcedOne(1) if n == 1 and dist.is_initialized() else n
-
-    with mock.patch.object(comm, "world", world):
-        yield
-
-
-class OneRankMesh:
-    """The one-rank run's Mesh (parallel/mesh.py), but with the dims in `on` enabled at size 1, so parallelize
-    applies their wrappers (whose collectives over one rank then short-circuit, or are forced to run)."""
-
-    def __init__(self, mesh, on: set[str]):
-        self.mesh, self.on = mesh, on
-
-    def __getattr__(self, name):
-        return getattr(self.mesh, name)
-
-    def __getitem__(self, name: str):
-        dim = self.mesh[name]
-        return _EnabledDim(**vars(dim)) if name in self.on else dim
-
-
-@dataclasses.dataclass(frozen=True)
-class _EnabledDim(MeshDim):
-    @property
-    def enabled(self) -> bool:
-        return True
-
-
-def build_wrapped(plan, mesh, dp_type: str | None, tp: bool, param_dtype: torch.dtype | None):
-    """train.build on one rank, but with a wrapper: the mesh says the data dims (loss, fsdp, batch) and/or tp
-    are on (with size 1) and init_distributed hands it over, so parallelize applies the custom wrappers."""
-    import train
-    on = ({"loss", "fsdp", "batch"} if dp_type is not None else set()) | ({"tp"} if tp else set())
-    par = replace(plan.par, dp_type=dp_type, implementation="custom", param_dtype=param_dtype)
-    with mock.patch.object(train, "init_distributed", lambda *a, **k: OneRankMesh(mesh, on)):
-        return train.build(replace(plan, par=par))
-
-
-def train_losses(t, steps: int) -> tuple[list[float], list[dict]]:
-    """train.train_step for steps 1..steps; (losses, per-step comm bytes as parallel/comm.COUNTER saw them)."""
-    import train
-    from parallel import comm
-    losses, comm_bytes = [], []
-    for step in range(1, steps + 1):
-        losses.append(train.train_step(t, step)["loss"])
-        comm_bytes.append(comm.COUNTER.snapshot())  # train_step counts nothing after its own snapshot
-    return losses, comm_bytes
-
-
-def max_rel(a: list[float], b: list[float]) -> float:
-    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=math.inf) if len(a) == len(b) \
-        else math.inf
-
-
-def one_rank_mesh(device: torch.device):
-    """A world-size-1 process group (NCCL on CUDA, gloo on CPU) and the run's Mesh over it (every dim size 1)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from parallel.mesh import DIMS, Mesh, backend_for
-    if not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        from tests.harness import free_port
-        dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1, device_id=device if device.type == "cuda" else None)
-    return Mesh(ParallelDims(1, 1, 1), init_device_mesh(device.type, (1,) * len(DIMS), mesh_dim_names=DIMS))
-
+import gpu_measure
+from gpu_harness import (
+    COMMON, CP_RTOL, DRY, GPU, RTOL, ROOT, SAME_RTOL, Context, Row, _ForcedOne, build_wrapped, by_step, child_env,
+    deterministic_train, first_line, fmt_bytes, forced_collectives, last_line, make_plan, max_rel, one_rank_mesh,
+    read_jsonl, run_train, train_losses)
 
 # ----------------------------------------------------------------------------- stages
 
@@ -382,6 +232,10 @@ def stage_resume(ctx: Context) -> None:
 
 
 def stage_gpu_tests(ctx: Context) -> None:
+    import importlib.util
+    if importlib.util.find_spec("pytest") is None:
+        ctx.add("gpu tests", None, "skipped: pytest is not installed (pip install -r requirements-dev.txt)")
+        return
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                            os.path.join("tests", "test_gpu.py")], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env=child_env())
@@ -397,55 +251,13 @@ def stage_gpu_tests(ctx: Context) -> None:
 
 STAGES = [("throughput", stage_throughput), ("wrappers", stage_wrappers),
           ("context parallel", stage_context_parallel), ("fp16", stage_fp16),
-          ("resume", stage_resume), ("gpu tests", stage_gpu_tests)]
+          ("resume", stage_resume), ("gpu tests", stage_gpu_tests), *gpu_measure.STAGES]
 
 
-# ----------------------------------------------------------------------------- helpers
-
-def child_env(**extra: str) -> dict[str, str]:
-    from parallel.mesh import child_env as base
-    return base(PYTHONUNBUFFERED="1", **extra)
-
-
-def run_train(args: list[str], deterministic: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python train.py ARGS`, or with `deterministic` the same main() after switching to deterministic
-    kernels (math SDPA: the fused attention backwards accumulate with atomics, so two runs differ in bits)."""
-    launcher = [sys.executable, os.path.abspath(__file__), "--deterministic-train"] if deterministic else \
-        [sys.executable, os.path.join(ROOT, "train.py")]
-    return subprocess.run(launcher + args, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=child_env(**(env or {})))
-
-
-def deterministic_train(argv: list[str]) -> int:
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    if torch.cuda.is_available():
-        torch.backends.cuda.enable_flash_sdp(False)
-        torch.backends.cuda.enable_mem_efficient_sdp(False)
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    import train
-    return train.main(argv)
-
-
-def read_jsonl(out_dir: str) -> list[dict]:
-    from metrics import read_jsonl as read
-    return read(out_dir)
-
-
-def by_step(records: list[dict]) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-def fmt_bytes(b: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in b.items()) or "none"
-
-
-def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:200]
-
-
-def last_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1][:300] if lines else ""
+def counts(rows: list[Row]) -> str:
+    n = {k: sum(r.status == k for r in rows) for k in ("ok", "FAIL", "skip", "met", "missed")}
+    return (f"{len(rows)} checks: {n['ok']} ok, {n['FAIL']} FAIL, {n['skip']} skipped; goals {n['met']} met, "
+            f"{n['missed']} missed")
 
 
 def print_table(rows: list[Row], seconds: float, dry_run: bool) -> None:
@@ -454,9 +266,24 @@ def print_table(rows: list[Row], seconds: float, dry_run: bool) -> None:
     print(f"\n{title}\n{'check':<{w}}  result  detail\n{'-' * w}  ------  {'-' * 60}")
     for r in rows:
         print(f"{r.check:<{w}}  {r.status:<6}  {r.detail}")
-    fails = sum(r.status == "FAIL" for r in rows)
-    print(f"{len(rows)} checks: {len(rows) - fails - sum(r.status == 'skip' for r in rows)} ok, {fails} FAIL, "
-          f"{sum(r.status == 'skip' for r in rows)} skipped", flush=True)
+    print(counts(rows), flush=True)
+
+
+def write_report(ctx: Context, directory: str, seconds: float, dry_run: bool) -> None:
+    """gpu_check.md (the table) and gpu_check.json (rows, the measured numbers, the machine) in `directory`."""
+    os.makedirs(directory, exist_ok=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not dry_run else "cpu (dry run)"
+    machine = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "seconds": seconds,
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    with open(os.path.join(directory, "gpu_check.json"), "w") as f:
+        json.dump({"machine": machine, "rows": [vars(r) for r in ctx.rows], "measured": ctx.measured}, f, indent=1)
+    lines = [f"# GPU check: {device}, {seconds:.0f} s", "",
+             f"`bash scripts/gpu_check.sh`, torch {torch.__version__}, {machine['date']}. {counts(ctx.rows)}.", "",
+             "| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {r.check} | {r.status} | {r.detail.replace('|', '/')} |" for r in ctx.rows]
+    with open(os.path.join(directory, "gpu_check.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"gpu_check: wrote {directory}/gpu_check.md and gpu_check.json")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps: check the plumbing")
     p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (runs, metrics) instead of a temp dir")
+    p.add_argument("--report", metavar="DIR", help="write gpu_check.md and .json here (default: results/gpu on "
+                   "a GPU, none in the dry run)")
     p.add_argument("--only", nargs="*", choices=[name for name, _ in STAGES], help="run only these stages")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -494,7 +323,11 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
-    print_table(ctx.rows, time.perf_counter() - t0, args.dry_run)
+    seconds = time.perf_counter() - t0
+    print_table(ctx.rows, seconds, args.dry_run)
+    report = args.report or (None if args.dry_run else os.path.join(ROOT, "results", "gpu"))
+    if report:
+        write_report(ctx, report, seconds, args.dry_run)
     return 1 if any(r.status == "FAIL" for r in ctx.rows) else 0
 
 

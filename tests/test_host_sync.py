@@ -3,8 +3,9 @@
 On CUDA `Tensor.item()`, `tolist()`, `cpu()` and `bool(tensor)` block the host until the device has caught up,
 so one inside the step (per micro-batch, per layer) serialises the launch queue. A CPU run cannot feel that,
 but it runs the same code: here every such call made from our code (the nearest frame in this repository,
-tests excluded) during steps 2 and 3 of each layout family is recorded on every rank, and anything beyond
-`ALLOWED` fails. Step 1 is left out: one-time setup (AdamW's lazy state, compile) may read the host.
+tests excluded) during steps 2 and 3 of each layout family is recorded on every rank (debug/host_sync.py),
+and anything beyond its `ALLOWED` fails. Step 1 is left out: one-time setup (AdamW's lazy state, compile) may
+read the host.
 
 Not seen here: host -> device copies of unpinned memory (on the CPU every tensor is on the "device"):
 Parallelized.forward_backward moves a step's batches once, through parallel.mesh.to_device (pinned,
@@ -20,16 +21,9 @@ import unittest
 import pytest
 import torch
 
+from debug.host_sync import ours, recording, unallowed
 from tests.harness import make_token_bins, run_distributed
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (file, function) -> why it may read the host once per step
-ALLOWED = {
-    ("train.py", "train_step"): "the step's loss and grad norm, logged (one sync, at the end)",
-    ("faults.py", "agreed"): "the preemption vote, all-reduced with the loss's reductions, read after them",
-    ("data/batches.py", "get"): "host tensors only: the rows' offsets come from a CPU generator",
-}
-SYNCS = ("item", "tolist", "cpu", "__bool__")
 FAMILIES = {  # name -> (ranks, flags)
     "plain": (1, []),
     "ddp": (2, ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]),
@@ -42,16 +36,6 @@ FAMILIES = {  # name -> (ranks, flags)
     "cp": (2, ["--context_parallel_size", "2", "--data_parallel_type", "ddp"]),
     "ac": (2, ["--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--activation_checkpointing", "full"]),
 }
-
-
-def ours(frame) -> tuple[str, str] | None:
-    """(path relative to the repository, function) of the nearest frame in our code, tests excluded."""
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if path.startswith(ROOT + os.sep) and not path.startswith(os.path.join(ROOT, "tests")):
-            return os.path.relpath(path, ROOT), frame.f_code.co_name
-        frame = frame.f_back
-    return None
 
 
 def syncs_in_families(rank: int, world: int, data: str, families: dict[str, list[str]]) -> dict[str, list]:
@@ -74,24 +58,11 @@ def syncs_in_steps(rank: int, world: int, data: str, flags: list[str], name: str
     t.faults = faults.Faults(out, rank, 60.0, plan.device)
     train.train_step(t, 1)
     t.faults.preempted()
-    seen, real = [], {name: getattr(torch.Tensor, name) for name in SYNCS}
-
-    def recording(name):
-        def call(self, *args, **kw):
-            where = ours(sys._getframe(1))
-            if where is not None:
-                seen.append((*where, name))
-            return real[name](self, *args, **kw)
-        return call
-    try:
-        for name in SYNCS:
-            setattr(torch.Tensor, name, recording(name))
+    seen: list[tuple[str, str, str]] = []
+    with recording(seen):
         for step in (2, 3):
             train.train_step(t, step)
             t.faults.preempted()
-    finally:
-        for name in SYNCS:
-            setattr(torch.Tensor, name, real[name])
     return seen
 
 
@@ -114,7 +85,7 @@ class NoHostSyncInTheStep(unittest.TestCase):
             for rank, per_family in enumerate(run_distributed(syncs_in_families, world, self.data, families)):
                 for family, seen in per_family.items():
                     with self.subTest(family=family, rank=rank):
-                        extra = sorted({s for s in seen if s[:2] not in ALLOWED})
+                        extra = unallowed(seen)
                         self.assertEqual(extra, [], f"{family}, rank {rank}: host reads inside the step")
 
     def test_the_recorder_sees_a_sync_in_our_code(self):

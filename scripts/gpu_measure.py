@@ -1,0 +1,317 @@
+"""The one-GPU check's measuring stages (scripts/gpu_check.py runs them after its correctness stages).
+
+- sync audit: steps 2..N of every one-rank path (plain, DDP, ZeRO-1, ZeRO-2 with bf16 compute copies, FSDP,
+  TP with SP and loss parallelism, the CP ring at C = 1, the pipeline runner at pp = 1 with V = 2, AC,
+  compile) under `torch.cuda.set_sync_debug_mode("error")` on CUDA, with the host reads from our code
+  recorded (debug/host_sync.py) on every device: only its ALLOWED end-of-step reads may happen, and on CUDA
+  they alone run with the sync debugger off. Step 1 is warm-up (AdamW's lazy state, compile).
+- overlap: every collective DDP and FSDP post completes only `delay` after it was posted. On CUDA a
+  device-side sleep (`torch.cuda._sleep`, cycles calibrated by events) on a side stream that waited for the
+  posting stream, and `wait()` makes the waiting stream wait for the sleep too; on the CPU a host sleep until
+  posted + delay. The losses must stay bit-equal to the same run without delays (a missing wait or an early
+  free reads or frees data too soon), and the step time grows only by the delay that compute did not hide:
+  exposed = (t_delayed - t_forced) / (collectives per step x delay), 0 = all hidden, 1 = none.
+- real size: GPT-2 124M, bf16 autocast, micro-batch 16 x 1024 (the dry run: the tiny model), for plain,
+  DDP, FSDP, ZeRO-1, ZeRO-2, TP (one rank, collectives forced), AC and compile: tokens/s, MFU against the
+  datasheet bf16 dense peak, max allocated and reserved memory against state bytes plus the activation
+  estimate 34·s·b·h·L bytes (Korthikanti et al. 2022, bf16, no recompute, fused attention: no s² term), which
+  SDPA kernel ran (profiler), fused AdamW, and zero dynamo recompiles after warm-up.
+- goals (reported as met / missed rows, never failing the check): plain GPT-2 124M MFU >= 45% with compile;
+  every wrapper's tokens/s >= 0.95 x plain at one rank; max reserved <= 1.15 x max allocated.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import traceback
+from contextlib import contextmanager
+from unittest import mock
+
+import torch
+
+from gpu_harness import DATA_DIMS, Context, build_on, first_line, forced_collectives, make_plan, one_rank_mesh
+
+# name -> (mesh dims enabled at size 1, ParallelConfig changes)
+PATHS: dict[str, tuple[frozenset, dict]] = {
+    "plain": (frozenset(), {}),
+    "ddp": (DATA_DIMS, {"dp_type": "ddp"}),
+    "zero1": (DATA_DIMS, {"dp_type": "zero1"}),
+    "zero2 bf16 copies": (DATA_DIMS, {"dp_type": "zero2", "param_dtype": torch.bfloat16}),
+    "fsdp": (DATA_DIMS, {"dp_type": "fsdp"}),
+    "tp+sp": (frozenset({"tp"}), {"sequence_parallel": True, "loss_parallel": True}),
+    "cp ring": (frozenset({"cp"}), {}),
+    "pp V=2": (frozenset({"pp"}), {"pp_schedule": "interleaved_1f1b", "pp_virtual": 2}),
+    "ac": (frozenset(), {"activation_checkpointing": "full"}),
+    "compile": (frozenset(), {"compile": True}),
+}
+REAL_SIZE = ("plain", "ddp", "fsdp", "zero1", "zero2 bf16 copies", "tp+sp", "ac", "compile")
+DRY_REAL_SIZE = ("plain", "fsdp")  # the dry run checks the stage's plumbing; the sync audit builds every path
+GPT2_FLAGS = ["--model", "gpt2", "--micro_batch_size", "16", "--seq_len", "1024", "--total_batch_size", "16384"]
+GOAL_MFU, GOAL_WRAPPER, GOAL_RESERVED = 0.45, 0.95, 1.15
+
+
+def device_of(ctx: Context) -> torch.device:
+    return torch.device(ctx.setup.device, 0) if ctx.setup.device == "cuda" else torch.device("cpu")
+
+
+def build_path(ctx: Context, name: str, flags: list[str], dtype: str, steps: int, forced: bool = False):
+    """The trainer of one PATHS entry on the one-rank mesh (collectives really issued with `forced`)."""
+    on, changes = PATHS[name]
+    if "param_dtype" in changes:
+        dtype = "bfloat16"
+    plan = make_plan(ctx, name.replace(" ", "-").replace("+", "-").replace("=", ""), flags, ctx.setup.device,
+                     dtype, steps)
+    with forced_collectives(forced):
+        return build_on(plan, one_rank_mesh(device_of(ctx)), on, **changes)
+
+
+# ----------------------------------------------------------------------------- sync audit
+
+def stage_sync_audit(ctx: Context) -> None:
+    import faults
+    import train
+    from debug.host_sync import recording, unallowed
+    s, cuda = ctx.setup, ctx.setup.device == "cuda"
+    skip_compile = not cuda  # inductor's CPU compile of even the tiny model costs ~30 s of the dry run
+    for name in PATHS:
+        if name == "compile" and skip_compile:
+            ctx.add("sync audit compile", None, "skipped in the dry run: a CPU compile costs ~30 s; runs on CUDA")
+            continue
+        try:
+            t = build_path(ctx, name, s.small, s.dtype, s.steps)
+            t.faults = faults.Faults(ctx.out_dir(f"sync-{len(ctx.rows)}"), 0, 600.0, t.plan.device)
+            train.train_step(t, 1)
+            t.faults.preempted()
+            seen: list = []
+            with recording(seen, audit=cuda), sync_debugger(cuda):
+                for step in range(2, s.steps + 1):
+                    train.train_step(t, step)
+                    t.faults.preempted()
+            extra = unallowed(seen)
+            how = "set_sync_debug_mode('error') and " if cuda else ""
+            ctx.add(f"sync audit {name}", not extra,
+                    f"steps 2-{s.steps} under {how}the host-read recorder: "
+                    + (f"{len(seen)} allowed reads" if not extra else "unallowed " + ", ".join(
+                        f"{f}:{fn} {kind}" for f, fn, kind in extra[:3])))
+        except Exception as e:  # noqa: BLE001 -- one row per path (a sync under "error" raises here)
+            ctx.add(f"sync audit {name}", False, f"{type(e).__name__}: {first_line(e)}")
+            traceback.print_exc()
+
+
+@contextmanager
+def sync_debugger(on: bool):
+    if not on:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+# ----------------------------------------------------------------------------- overlap
+
+class DelayedWork:
+    """CPU: a collective that runs only `wait()`: after sleeping until posted + delay, it runs blocking, so
+    its output is unwritten until then (a missing wait reads stale data, as on a GPU)."""
+
+    def __init__(self, run, deadline: float):
+        self.run, self.deadline = run, deadline
+
+    def wait(self, *args) -> bool:
+        time.sleep(max(0.0, self.deadline - time.perf_counter()))
+        if self.run is not None:
+            self.run()
+            self.run = None
+        return True
+
+
+class Delays:
+    """Patches parallel.comm's three collectives so each completes `seconds` after it is posted; counts them.
+
+    CUDA: the collective is issued from a side stream that first waited for the posting stream and then
+    slept `seconds` on the device, so NCCL's stream (which waits for its issuing stream) starts it late;
+    `Work.wait()` makes the waiting stream wait for NCCL's, as without delays. The compute stream itself is
+    never delayed: only what waits on the collective is."""
+
+    def __init__(self, device: torch.device, seconds: float):
+        self.device, self.seconds, self.count = device, seconds, 0
+        if device.type == "cuda":
+            self.side = torch.cuda.Stream(device)
+            self.cycles = int(seconds * sleep_cycles_per_second(device))
+
+    def issue(self, real, args, kw, async_op: bool):
+        self.count += 1
+        if self.device.type != "cuda":
+            deadline = time.perf_counter() + self.seconds
+            if async_op:
+                return DelayedWork(lambda: real(*args, async_op=False, **kw), deadline)
+            DelayedWork(None, deadline).wait()  # a blocking collective: its delay is exposed by construction
+            return real(*args, async_op=False, **kw)
+        compute = torch.cuda.current_stream()
+        self.side.wait_stream(compute)
+        with torch.cuda.stream(self.side):
+            torch.cuda._sleep(self.cycles)
+            work = real(*args, async_op=async_op, **kw)
+        if not async_op:
+            compute.wait_stream(self.side)
+        return work
+
+    @contextmanager
+    def applied(self):
+        from parallel import comm
+
+        def delayed(real):
+            def call(*args, async_op: bool = False, **kw):
+                return self.issue(real, args, kw, async_op)
+            return call
+        names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+        with mock.patch.multiple(comm, **{n: delayed(getattr(comm, n)) for n in names}):
+            yield
+
+    def has_teeth(self, device: torch.device) -> bool:
+        """An all-gather read before its wait() still holds the output's old zeros, and after it the ones:
+        so a wrapper that forgot a wait, or freed a buffer early, would change the losses."""
+        from parallel import comm
+        out, shard = torch.zeros(4, device=device), torch.ones(4, device=device)
+        with self.applied():
+            work = comm.all_gather_into_tensor(out, shard, None, async_op=True)
+            early = out.clone()
+            work.wait()
+            late = out.clone()
+        self.count -= 1
+        return bool((early == 0).all() and (late == 1).all())
+
+
+def sleep_cycles_per_second(device: torch.device) -> float:
+    """GPU clock cycles per second of torch.cuda._sleep, timed with events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm-up
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / (start.elapsed_time(end) / 1e3)
+
+
+def timed_losses(t, steps: int) -> tuple[list[float], float]:
+    """Losses of steps 1..steps and the median step time of steps 2..steps (train_step's own dt)."""
+    import train
+    records = [train.train_step(t, step) for step in range(1, steps + 1)]
+    return [r["loss"] for r in records], statistics.median(r["step_time_ms"] / 1e3 for r in records[1:])
+
+
+def stage_overlap(ctx: Context) -> None:
+    s, device = ctx.setup, device_of(ctx)
+    delay = 2e-3 if device.type == "cuda" else 5e-3
+    steps = s.steps + 2 if device.type == "cuda" else s.steps
+    for name in ("ddp", "fsdp"):
+        try:
+            with forced_collectives(True):
+                forced, t_forced = timed_losses(build_path(ctx, name, s.small, s.dtype, steps, forced=True), steps)
+            delays = Delays(device, delay)
+            with forced_collectives(True):
+                teeth = delays.has_teeth(device)
+            with forced_collectives(True), delays.applied():
+                t = build_path(ctx, name, s.small, s.dtype, steps, forced=True)
+                delays.count = 0
+                got, t_delayed = timed_losses(t, steps)
+            per_step = delays.count / steps
+            exposed = (t_delayed - t_forced) / (per_step * delay) if per_step else math.nan
+            ctx.measured.setdefault("overlap", {})[name] = {
+                "delay_s": delay, "collectives_per_step": per_step, "step_s_forced": t_forced,
+                "step_s_delayed": t_delayed, "exposed_fraction": exposed, "early_read_sees_old_data": teeth}
+            ctx.add(f"overlap {name}", got == forced and per_step > 0 and teeth,
+                    f"{per_step:.0f} collectives/step each delayed {delay * 1e3:.0f} ms (a read before wait sees "
+                    f"old data: {teeth}): losses "
+                    f"{'bit-equal' if got == forced else 'DIFFER'}; step {t_forced * 1e3:.1f} -> "
+                    f"{t_delayed * 1e3:.1f} ms, exposed {exposed:.2f} of the delay")
+        except Exception as e:  # noqa: BLE001
+            ctx.add(f"overlap {name}", False, f"{type(e).__name__}: {first_line(e)}")
+            traceback.print_exc()
+
+
+# ----------------------------------------------------------------------------- real size
+
+def sdpa_kernel(t) -> str:
+    """The attention kernels one training step launched, by the profiler's names."""
+    import train
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if t.plan.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        train.train_step(t, 10_000)
+    names = {e.key for e in prof.key_averages()}
+    found = sorted({n for n in names for k in ("flash", "efficient", "cudnn", "math_attention")
+                    if k in n.lower() and ("attention" in n.lower() or "fmha" in n.lower() or "flash" in n.lower())})
+    return ", ".join(found[:2]) or "none found"
+
+
+def stage_real_size(ctx: Context) -> None:
+    import metrics
+    import train
+    s, device = ctx.setup, device_of(ctx)
+    cuda = device.type == "cuda"
+    flags = GPT2_FLAGS if cuda else s.throughput
+    dtype, steps = ("bfloat16", 10) if cuda else ("float32", 3)
+    results = ctx.measured.setdefault("real_size", {})
+    for name in REAL_SIZE if cuda else DRY_REAL_SIZE:
+        try:
+            t = build_path(ctx, name, flags, dtype, steps, forced=name == "tp+sp")
+            with forced_collectives(name == "tp+sp"):
+                records = [train.train_step(t, step) for step in range(1, 3)]  # warm-up: state, compile
+                compiles = dynamo_frames()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(device)
+                records = [train.train_step(t, step) for step in range(3, steps + 1)]
+                recompiles = dynamo_frames() - compiles
+                kernel = sdpa_kernel(t)
+            tok = statistics.median(r["tokens_per_sec"] for r in records)
+            mfu = statistics.median(r["mfu"] for r in records)
+            alloc = torch.cuda.max_memory_allocated(device) if cuda else metrics.peak_memory_bytes(device)
+            reserved = torch.cuda.max_memory_reserved(device) if cuda else alloc
+            state = records[-1]["state_bytes"]
+            a = t.plan.args
+            acts = 34 * a.seq_len * a.micro_batch_size * t.plan.config.n_embd * t.plan.config.n_layer
+            fused = t.optimizer.defaults.get("fused") is True
+            results[name] = {"tokens_per_sec": tok, "mfu": mfu, "max_allocated": alloc, "max_reserved": reserved,
+                             "state_bytes": state, "activation_estimate": acts, "sdpa": kernel,
+                             "fused_adamw": fused, "recompiles": recompiles}
+            ctx.add(f"real size {name}", fused and recompiles == 0 and all(map(math.isfinite, (tok, mfu))),
+                    f"{tok:,.0f} tok/s, MFU {100 * mfu:.1f}%; allocated {alloc / 2**30:.2f} GiB (state "
+                    f"{state / 2**30:.2f} + activations ~{acts / 2**30:.2f}), reserved {reserved / 2**30:.2f}; "
+                    f"attention {kernel}; fused AdamW {fused}; recompiles {recompiles}")
+        except Exception as e:  # noqa: BLE001
+            ctx.add(f"real size {name}", False, f"{type(e).__name__}: {first_line(e)}")
+            traceback.print_exc()
+
+
+def dynamo_frames() -> int:
+    """Frames dynamo has compiled so far in this process (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+    return int(sum(counters["frames"].values())) if "frames" in counters else 0
+
+
+def stage_goals(ctx: Context) -> None:
+    real = ctx.measured.get("real_size", {})
+    if not real:
+        ctx.goal("goals", None, "no real-size numbers (that stage did not run)")
+        return
+    best = real.get("compile") or {}
+    ctx.goal(f"goal MFU >= {GOAL_MFU:.0%} (compile)", (best["mfu"] >= GOAL_MFU) if best else None,
+             f"plain + compile: {100 * best['mfu']:.1f}%" if best else "compile did not run")
+    plain = real.get("plain")
+    for name, r in real.items():
+        if name in ("plain", "ac", "compile") or plain is None:  # AC recomputes by design; compile is no wrapper
+            continue
+        ratio = r["tokens_per_sec"] / plain["tokens_per_sec"]
+        ctx.goal(f"goal {name} >= {GOAL_WRAPPER} x plain", ratio >= GOAL_WRAPPER, f"tokens/s ratio {ratio:.3f}")
+    worst = max(real.items(), key=lambda kv: kv[1]["max_reserved"] / kv[1]["max_allocated"])
+    ratio = worst[1]["max_reserved"] / worst[1]["max_allocated"]
+    ctx.goal(f"goal reserved <= {GOAL_RESERVED} x allocated", ratio <= GOAL_RESERVED,
+             f"worst {worst[0]}: {ratio:.3f}")
+
+
+STAGES = [("sync audit", stage_sync_audit), ("overlap", stage_overlap), ("real size", stage_real_size),
+          ("goals", stage_goals)]
