@@ -20,7 +20,8 @@ RANGES = {
     **dict.fromkeys(["--tensor_parallel_size", "--data_parallel_size", "--data_parallel_replicate_size",
                      "--pipeline_parallel_size", "--pp_virtual_stages", "--context_parallel_size", "--ac_every",
                      "--n_layer", "--n_head", "--n_embd", "--block_size", "--vocab_size", "--micro_batch_size", "--seq_len",
-                     "--total_batch_size", "--max_steps", "--eval_interval", "--eval_iters", "--keep_checkpoints"],
+                     "--total_batch_size", "--max_steps", "--eval_interval", "--eval_iters", "--keep_checkpoints",
+                     "--trace_step"],
                     ">= 1"),
     **dict.fromkeys(["--warmup_steps", "--checkpoint_interval", "--profile"], ">= 0"),
     **dict.fromkeys(["--lr", "--timeout", "--bucket_cap_mb", "--peak_flops"], "> 0"),  # floats, finite
