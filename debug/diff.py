@@ -7,7 +7,8 @@ forward outputs by micro-batch, each micro-batch in the order one process runs i
 the model's forward on meta), the head's loss last; then gradients in backward order (reverse module order).
 The first record outside the tolerance is printed with the size of the difference, then the next few.
 
-Tolerance (relative to the tensor's largest element, max |b|; sums relative to the abs sum): the rule the
+Tolerance (relative to the tensor's largest element, max |b|, but never to less than FLOOR = 2^-10 of the step's
+largest gradient element, or output element for outputs; sums relative to the abs sum): the rule the
 layout tests state (tests/test_train.py, docs/testing.md): 0 (bit-equal) for two runs of the same layout;
 1e-5 when either run is data-, pipeline- or context-parallel; 1e-4 when either is tensor-parallel; 2^-8 when
 either computes in bf16/fp16 (bench/sweep.BF16_RULE). Sums also get float64 rounding slack (n * 2^-52 of the
@@ -155,29 +156,41 @@ def layout_name(meta: dict) -> str:
 
 # ----------------------------------------------------------------------------- comparing
 
-def compare(a: Fingerprint, b: Fingerprint, rtol: float) -> str | None:
-    """None when a and b agree within rtol; else the size of their difference, in one line."""
+FLOOR = 2.0 ** -10  # of the step's largest element of the same kind: the least scale an element is held to
+
+
+def largest(f: Fingerprint) -> float:
+    """The largest magnitude the fingerprint knows of: of every element, or of the samples (at least the mean)."""
+    if f.full is not None:
+        return float(f.full.abs().max()) if f.n else 0.0
+    return max([abs(v) for v in f.samples.values()] + [f.abs / max(f.n, 1)])
+
+
+def compare(a: Fingerprint, b: Fingerprint, rtol: float, floor: float = 0.0) -> str | None:
+    """None when a and b agree within rtol of b's scale: its largest element, or `floor` where that is larger
+    (a tensor that is zero in exact arithmetic, such as c_k's bias gradient, is rounding noise of the terms that
+    cancelled, which no tolerance relative to itself can hold); else the size of their difference, in one line."""
     if a.shape != b.shape:
         return f"shape {a.shape} vs {b.shape}"
-    slack = 2 * a.n * EPS64 * max(a.abs, b.abs)
-    if a.full is not None and b.full is not None:
-        scale = float(b.full.abs().max()) if a.n else 0.0
+    own = largest(b)
+    scale = max(own, floor)
+    if a.full is not None and b.full is not None and a.n:
         diff = (a.full - b.full).abs()
-        worst = int(diff.argmax()) if a.n else 0
-        if a.n and float(diff[worst]) > rtol * scale:
-            index = list(torch.unravel_index(torch.tensor(worst), a.shape)) if a.shape else []
-            return (f"max |a-b| {float(diff[worst]):.3g} at {[int(i) for i in index]} ({float(diff[worst]) / max(scale, 1e-300):.2g}"
-                    f" of max |b| {scale:.3g}); {int((diff > rtol * scale).sum())} of {a.n} elements differ; "
+        worst = int(diff.argmax())
+        if float(diff[worst]) > rtol * scale:
+            index = [int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape)]
+            return (f"max |a-b| {float(diff[worst]):.3g} at {index} ({float(diff[worst]) / max(own, 1e-300):.2g} of "
+                    f"max |b| {own:.3g}); {int((diff > rtol * scale).sum())} of {a.n} elements differ; "
                     f"sum {a.sum:.6g} vs {b.sum:.6g}")
     common = sorted(set(a.samples) & set(b.samples))
-    scale = max([abs(b.samples[i]) for i in common] + [b.abs / max(b.n, 1)])
     bad = [i for i in common if abs(a.samples[i] - b.samples[i]) > rtol * scale]
     if bad:
         i = max(bad, key=lambda i: abs(a.samples[i] - b.samples[i]))
         return (f"sampled element {i}: {a.samples[i]:.6g} vs {b.samples[i]:.6g} ({len(bad)} of {len(common)} "
                 f"samples differ); sum {a.sum:.6g} vs {b.sum:.6g}")
+    slack = 2 * a.n * EPS64 * max(a.abs, b.abs)  # float64 sums of the pieces, in another order
     for what, x, y in (("sum", a.sum, b.sum), ("abs sum", a.abs, b.abs)):
-        if abs(x - y) > rtol * max(a.abs, b.abs) + slack:
+        if abs(x - y) > rtol * max(a.abs, b.abs, a.n * floor) + slack:
             return f"{what} {x:.9g} vs {y:.9g} (|a-b| {abs(x - y):.3g}, {abs(x - y) / max(b.abs, 1e-300):.2g} of the abs sum)"
     return None
 
@@ -201,8 +214,10 @@ def check_comparable(a: dict, b: dict) -> None:
         raise BadInput(f"traces of different batches ({diff}): their micro-batches do not line up")
 
 
-def diff(run_a: str, run_b: str, out=sys.stdout) -> int:
-    """Print the comparison of two runs' traces; return 0 (agree) or 1 (part). BadInput for what can't be compared."""
+def diff(run_a: str, run_b: str, out=None) -> int:
+    """Print the comparison of two runs' traces (to `out`, default stdout); return 0 (agree) or 1 (part). BadInput
+    for what can't be compared."""
+    out = out or sys.stdout
     meta_a, fa = load(run_a)
     meta_b, fb = load(run_b)
     check_comparable(meta_a, meta_b)
@@ -210,7 +225,8 @@ def diff(run_a: str, run_b: str, out=sys.stdout) -> int:
     print(f"A: {run_a} ({layout_name(meta_a)})\nB: {run_b} ({layout_name(meta_b)})\nstep {meta_a['step']}; "
           f"tolerance {'bit-equal' if rtol == 0 else f'{rtol:.3g} relative'}", file=out)
     both = execution_order(set(fa) & set(fb), meta_a["model"])
-    parted = [(k, why) for k in both if (why := compare(fa[k], fb[k], rtol)) is not None]
+    floor = {g: FLOOR * max([largest(fb[k]) for k in both if (k[0] == "grad") == g] + [0.0]) for g in (False, True)}
+    parted = [(k, why) for k in both if (why := compare(fa[k], fb[k], rtol, floor[k[0] == "grad"])) is not None]
     only = [(run, sorted(set(x) - set(y), key=str)) for run, x, y in (("A", fa, fb), ("B", fb, fa))]
     for run, keys in only:
         if keys:

@@ -25,7 +25,8 @@ BASE = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--tota
         "--max_steps", "1", "--trace_step", "1", "--eval_iters", "1", "--warmup_steps", "1", "--lr", "3e-3",
         "--gradient_clipping", "--no_checkpoint", "--peak_flops", "1e12", "--implementation", "custom"]
 TP_SP = ["--tensor_parallel_size", "2", "--sequence_parallel"]
-BUCKET_MB, DROPPED = 0.25, 2  # DDP: buckets of at most 0.25 MiB; the fault drops bucket 2
+BUCKET_MB, DROPPED = 0.25, 1  # DDP: buckets of at most 0.25 MiB; the fault drops bucket 1 (Block 0's parameters,
+# but for mlp.c_proj.bias, which closes bucket 0)
 DDP = ["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--bucket_cap_mb", str(BUCKET_MB)]
 BIAS = "transformer.h.1.mlp.c_fc.bias"
 RUNS = {
@@ -75,27 +76,31 @@ class TestDiffNamesTheFault(unittest.TestCase):
             code, lines = self.diff(run)
             self.assertEqual(code, 0, "\n".join(lines))
             self.assertIn(f"tolerance {rtol} relative", lines[2])
-            # every record of one process is compared: 4 micro-batches x (31 module outputs + the loss), 26 gradients
-            self.assertEqual(lines[-1], "agree: 128 forward records and 26 gradients within tolerance", run)
+            # every record of one process is compared: 4 micro-batches x (32 module outputs + the loss), 36 gradients
+            self.assertEqual(lines[-1], "agree: 132 forward records and 36 gradients within tolerance", run)
 
     def test_a_perturbed_tp_shard_of_a_bias_gradient_is_named_first_and_alone(self):
         code, lines = self.diff("tp_sp_bias")
         self.assertEqual(code, 1)
         self.assertEqual(self.first(lines), f"gradient  {BIAS}", "\n".join(lines))
-        self.assertEqual(lines[-1], "1 of 154 records differ (0 forward, 1 gradients)")
+        self.assertEqual(lines[-1], "1 of 168 records differ (0 forward, 1 gradients)")
         self.assertIn("128 of 256 elements differ", lines[lines.index(f"first divergence: gradient  {BIAS}") + 1])
 
     def test_a_dropped_ddp_bucket_is_named_by_its_first_gradient_in_backward_order(self):
         code, lines = self.diff("ddp_drop")
         self.assertEqual(code, 1)
         bucket = bucket_names(DROPPED)
+        self.assertIn("transformer.h.0.mlp.c_proj.weight", bucket)
+        self.assertEqual(self.first(lines), "gradient  transformer.h.0.mlp.c_proj.weight", "\n".join(lines))
         named = [line.split("gradient  ")[1] for line in lines if line.startswith(("first divergence", "then"))]
-        self.assertTrue(named and set(named) <= bucket, f"{named} vs bucket {sorted(bucket)}")
-        self.assertEqual(self.first(lines), f"gradient  {named[0]}")
-        self.assertEqual(lines[-1], f"{len(bucket)} of 154 records differ (0 forward, {len(bucket)} gradients)")
+        self.assertTrue(set(named) <= bucket, f"{named} vs bucket {sorted(bucket)}")
+        # every gradient of the bucket parts but c_k's bias, which is zero in exact arithmetic (softmax ignores a
+        # key bias): the dropped micro-batch's share of it is rounding noise, below the floor (debug/diff.py)
+        n = len(bucket) - 1
+        self.assertEqual(lines[-1], f"{n} of 168 records differ (0 forward, {n} gradients)")
 
     def test_the_wrong_tied_copy_on_the_last_stage_is_named_at_lm_head(self):
         code, lines = self.diff("pp_tied")
         self.assertEqual(code, 1)
         self.assertEqual(self.first(lines), "forward   micro-batch 0  lm_head  (its loss)", "\n".join(lines))
-        self.assertTrue(lines[-1].endswith("(4 forward, 26 gradients)"), lines[-1])  # every loss, every gradient
+        self.assertTrue(lines[-1].endswith("(4 forward, 36 gradients)"), lines[-1])  # every loss, every gradient
