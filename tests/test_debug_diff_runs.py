@@ -1,9 +1,9 @@
 """`--trace_step` + `python -m debug diff` on real train.py runs: clean runs of other layouts agree with one
 process, and a fault injected in one place (faults.py's wrong-math hooks) is named first, each time.
 
-Six runs of the tiny model, one step each (8 rows of 64 tokens: 4 micro-batches in one process, 2 per dp rank):
-one process; FSDP x2 and TP x2 with sequence parallelism, clean; TP x2 + SP with one TP shard of one Block's MLP
-bias gradient perturbed; DDP x2 (small buckets) with one micro-batch's gradients dropped from one bucket on one
+Five runs of the tiny model, one step each (8 rows of 64 tokens: 4 micro-batches in one process, 2 per dp rank):
+one process; FSDP x2, clean; TP x2 + sequence parallelism with one TP shard of one Block's MLP bias gradient
+perturbed (every other record must agree, so it is TP + SP's clean check too); DDP x2 (small buckets) with one micro-batch's gradients dropped from one bucket on one
 rank; PP x2 whose last stage draws its copy of the tied embedding under the wrong name.
 """
 from __future__ import annotations
@@ -32,7 +32,6 @@ BIAS = "transformer.h.1.mlp.c_fc.bias"
 RUNS = {
     "single": ([], 1, {}),
     "fsdp": (["--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 2, {}),
-    "tp_sp": (TP_SP, 2, {}),
     "tp_sp_bias": (TP_SP, 2, {"GPT_FAULT_GRAD": BIAS, "GPT_FAULT_RANK": "1"}),
     "ddp_drop": (DDP, 2, {"GPT_FAULT_DDP_DROP_BUCKET": str(DROPPED), "GPT_FAULT_RANK": "1"}),
     "pp_tied": (["--pipeline_parallel_size", "2"], 2, {"GPT_FAULT_TIED_COPY": "1"}),
@@ -71,15 +70,15 @@ class TestDiffNamesTheFault(unittest.TestCase):
     def first(self, lines: list[str]) -> str:
         return next(line for line in lines if line.startswith("first divergence")).split(": ", 1)[1]
 
-    def test_clean_layouts_agree_with_one_process(self):
-        for run, rtol in (("fsdp", "1e-05"), ("tp_sp", "0.0001")):
-            code, lines = self.diff(run)
-            self.assertEqual(code, 0, "\n".join(lines))
-            self.assertIn(f"tolerance {rtol} relative", lines[2])
-            # every record of one process is compared: 4 micro-batches x (32 module outputs + the loss), 36 gradients
-            self.assertEqual(lines[-1], "agree: 132 forward records and 36 gradients within tolerance", run)
+    def test_a_clean_layout_agrees_with_one_process(self):
+        code, lines = self.diff("fsdp")
+        self.assertEqual(code, 0, "\n".join(lines))
+        self.assertIn("tolerance 1e-05 relative", lines[2])
+        # every record of one process is compared: 4 micro-batches x (32 module outputs + the loss), 36 gradients
+        self.assertEqual(lines[-1], "agree: 132 forward records and 36 gradients within tolerance")
 
     def test_a_perturbed_tp_shard_of_a_bias_gradient_is_named_first_and_alone(self):
+        """Also the clean TP x2 + SP layout's test: every other record (all outputs, 35 gradients) agrees."""
         code, lines = self.diff("tp_sp_bias")
         self.assertEqual(code, 1)
         self.assertEqual(self.first(lines), f"gradient  {BIAS}", "\n".join(lines))
@@ -103,4 +102,5 @@ class TestDiffNamesTheFault(unittest.TestCase):
         code, lines = self.diff("pp_tied")
         self.assertEqual(code, 1)
         self.assertEqual(self.first(lines), "forward   micro-batch 0  lm_head  (its loss)", "\n".join(lines))
-        self.assertTrue(lines[-1].endswith("(4 forward, 36 gradients)"), lines[-1])  # every loss, every gradient
+        # every loss and every gradient but c_k's two biases (zero in exact arithmetic: rounding noise either way)
+        self.assertTrue(lines[-1].endswith("(4 forward, 34 gradients)"), lines[-1])
