@@ -56,6 +56,7 @@ CASES = {
     ("--lr", "fast"): "argument --lr: invalid float value: 'fast'",
     ("--micro_batch_size", "2.5"): "argument --micro_batch_size: invalid int value: '2.5'",
     ("--activation_checkpointing", "some"): "argument --activation_checkpointing: invalid choice",
+    ("--trace_step", "3"): "--trace_step 3 is past --max_steps 2",
 }
 
 

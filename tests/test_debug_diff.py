@@ -8,6 +8,7 @@ gradients backward); bad input in one line, exit 2. Slow: real train.py runs in 
 from __future__ import annotations
 
 import os
+import unittest
 from dataclasses import asdict
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from debug import diff, trace
 from debug.__main__ import main
 from model import PRESETS
+from tests.harness import expect_train_error_in_process, make_token_bins
 
 MODEL = asdict(PRESETS["tiny"])
 ONE = {"pp": 1, "dp": 1, "dp_replicate": 1, "cp": 1, "tp": 1, "implementation": "custom", "dp_type": None,
@@ -181,3 +183,13 @@ def test_tolerance_rule():
     assert diff.tolerance(meta(pp=2), meta(cp=2)) == 1e-5
     assert diff.tolerance(meta(tp=2), meta(dp=2, dp_type="fsdp")) == 1e-4
     assert diff.tolerance(meta(), {**meta(), "dtype": "bfloat16"}) == 2.0 ** -8
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--compile"], "--trace_step records through module hooks"),
+    (["--implementation", "pytorch", "--context_parallel_size", "2"], "--trace_step cannot place the sequence shards")])
+def test_train_refuses_what_it_cannot_trace_in_one_line(tmp_path, flags, needle):
+    data = make_token_bins(str(tmp_path / "data"), n_train=2000, n_val=500)
+    args = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "64",
+            "--max_steps", "2", "--trace_step", "1", "--dataset", data, *flags]
+    expect_train_error_in_process(unittest.TestCase(), args, needle, str(tmp_path / "out"))
