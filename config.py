@@ -241,7 +241,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the run in --out_dir and --overwrite discards it: pass one of them")
     if args.trace_step is not None and args.trace_step > args.max_steps:
-        raise UsageError(f"--trace_step {args.trace_step} is past --max_steps {args.max_steps}: nothing would be traced")
+        raise UsageError(f"--trace_step {args.trace_step} is past --max_steps {args.max_steps}: nothing would be "
+                         f"traced")
     if args.trace_step is not None and args.compile:
         raise UsageError("--trace_step records through module hooks, which a compiled Block runs inside its graph; "
                          "trace an eager run (without --compile)")

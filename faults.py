@@ -20,8 +20,9 @@ Wrong-math hooks for the divergence bisector's tests (`python -m debug diff`), o
   say) are raised by a tenth of their largest magnitude, as a wrong reduction of that shard would.
 - GPT_FAULT_DDP_DROP_BUCKET=k: our DDP zeroes bucket k's gradient buffer after each step's first local
   micro-step (inside no_sync): that micro-batch's gradients never reach the bucket's all-reduce.
-- GPT_FAULT_TIED_COPY=1: before step 1, a pipeline's last stage draws its copy of the tied embedding (lm_head.weight) under its
-  own name instead of transformer.wte.weight's (model.init_parameter's rule), so lm_head uses the wrong matrix.
+- GPT_FAULT_TIED_COPY=1: before step 1, a pipeline's last stage draws its copy of the tied embedding
+  (lm_head.weight) under its own name instead of transformer.wte.weight's (model.init_parameter's rule), so
+  lm_head uses the wrong matrix.
 """
 from __future__ import annotations
 

@@ -191,7 +191,8 @@ def compare(a: Fingerprint, b: Fingerprint, rtol: float, floor: float = 0.0) -> 
     slack = 2 * a.n * EPS64 * max(a.abs, b.abs)  # float64 sums of the pieces, in another order
     for what, x, y in (("sum", a.sum, b.sum), ("abs sum", a.abs, b.abs)):
         if abs(x - y) > rtol * max(a.abs, b.abs, a.n * floor) + slack:
-            return f"{what} {x:.9g} vs {y:.9g} (|a-b| {abs(x - y):.3g}, {abs(x - y) / max(b.abs, 1e-300):.2g} of the abs sum)"
+            return (f"{what} {x:.9g} vs {y:.9g} (|a-b| {abs(x - y):.3g}, {abs(x - y) / max(b.abs, 1e-300):.2g} of "
+                    f"the abs sum)")
     return None
 
 
@@ -210,7 +211,8 @@ def check_comparable(a: dict, b: dict) -> None:
                          if a["model"].get(k) != b["model"].get(k))
         raise BadInput(f"traces of different models: {diff}")
     if a["batch"] != b["batch"]:
-        diff = ", ".join(f"{k} {a['batch'][k]} vs {b['batch'][k]}" for k in a["batch"] if a["batch"][k] != b["batch"][k])
+        diff = ", ".join(f"{k} {a['batch'][k]} vs {b['batch'][k]}" for k in a["batch"]
+                         if a["batch"][k] != b["batch"][k])
         raise BadInput(f"traces of different batches ({diff}): their micro-batches do not line up")
 
 

@@ -25,7 +25,7 @@ import random
 from dataclasses import asdict
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from data.batches import micro_batch_chunk
@@ -83,7 +83,8 @@ def piece(kind: str, micro: int | None, name: str, shape: tuple[int, ...], runs:
     starts, lengths, offsets = runs[order, 0], runs[order, 1], offsets[order]
     want = torch.tensor(sample_positions(name, shape), dtype=torch.int64)
     k = (torch.searchsorted(starts, want, right=True) - 1).clamp(min=0)
-    held = (want >= starts[k]) & (want < starts[k] + lengths[k]) if len(starts) else torch.zeros_like(want, dtype=torch.bool)
+    held = (want >= starts[k]) & (want < starts[k] + lengths[k]) if len(starts) else \
+        torch.zeros_like(want, dtype=torch.bool)
     at = want[held]
     record = {"kind": kind, "micro": micro, "name": name, "shape": tuple(shape), "combine": combine,
               "n": v.numel(), "sum": float(v.sum()), "abs": float(v.abs().sum()), "sample_at": at,

@@ -54,11 +54,13 @@ def write(run: str, records: dict[tuple, torch.Tensor], layout: dict = ONE, spli
             if split == "columns" and full.dim() > 1:
                 n = shape[-1] // 2
                 axes = [range(s) for s in shape[:-1]] + [range(r * n, (r + 1) * n)]
-                out.append(trace.piece(kind, micro, name, shape, trace._runs(shape, axes), full[..., r * n:(r + 1) * n]))
+                values = full[..., r * n:(r + 1) * n]
+                out.append(trace.piece(kind, micro, name, shape, trace._runs(shape, axes), values))
             elif split == "flat" and full.numel() > 1:
                 cut = full.numel() // 3  # not a row boundary
                 lo, hi = (0, cut) if r == 0 else (cut, full.numel())
-                out.append(trace.piece(kind, micro, name, shape, torch.tensor([[lo, hi - lo]]), full.reshape(-1)[lo:hi]))
+                values = full.reshape(-1)[lo:hi]
+                out.append(trace.piece(kind, micro, name, shape, torch.tensor([[lo, hi - lo]]), values))
             elif r == 0:
                 out.append(trace.piece(kind, micro, name, shape, torch.tensor([[0, full.numel()]]), full))
         meta = {"format": trace.FORMAT, "version": trace.VERSION, "step": step, "rank": r, "world_size": world,
@@ -176,7 +178,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, needle):
 
 
 def test_tolerance_rule():
-    meta = lambda **lay: {"layout": {**ONE, **lay}, "dtype": "float32"}  # noqa: E731
+    meta = lambda **lay: {"layout": {**ONE, **lay}, "dtype": "float32"}
     assert diff.tolerance(meta(), meta()) == 0.0
     assert diff.tolerance(meta(dp=2, dp_type="ddp"), meta(dp=2, dp_type="ddp")) == 0.0
     assert diff.tolerance(meta(), meta(dp=2, dp_type="ddp")) == 1e-5

@@ -3,8 +3,9 @@ process, and a fault injected in one place (faults.py's wrong-math hooks) is nam
 
 Five runs of the tiny model, one step each (8 rows of 64 tokens: 4 micro-batches in one process, 2 per dp rank):
 one process; FSDP x2, clean; TP x2 + sequence parallelism with one TP shard of one Block's MLP bias gradient
-perturbed (every other record must agree, so it is TP + SP's clean check too); DDP x2 (small buckets) with one micro-batch's gradients dropped from one bucket on one
-rank; PP x2 whose last stage draws its copy of the tied embedding under the wrong name.
+perturbed (every other record must agree, so it is TP + SP's clean check too); DDP x2 (small buckets) with one
+micro-batch's gradients dropped from one bucket on one rank; PP x2 whose last stage draws its copy of the tied
+embedding under the wrong name.
 """
 from __future__ import annotations
 
