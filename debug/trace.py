@@ -244,7 +244,7 @@ class Tracer:
         meta = {"format": FORMAT, "version": VERSION, "step": self.step, "rank": plan.rank,
                 "world_size": d.world_size, "model": asdict(plan.config),
                 "batch": {"micro_batch_size": self.mb, "seq_len": self.T, "rows": plan.rows, "seed": plan.args.seed},
-                "dtype": str(plan.dtype).removeprefix("torch."),
+                "dtype": str(plan.dtype).removeprefix("torch."), "device": plan.device.type,
                 "layout": {"pp": d.pp, "dp": d.dp, "dp_replicate": d.dp_replicate, "cp": d.cp, "tp": d.tp,
                            "implementation": p.implementation, "dp_type": p.dp_type,
                            "sequence_parallel": p.sequence_parallel, "loss_parallel": p.loss_parallel}}

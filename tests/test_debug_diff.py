@@ -185,6 +185,7 @@ def test_tolerance_rule():
     assert diff.tolerance(meta(pp=2), meta(cp=2)) == 1e-5
     assert diff.tolerance(meta(tp=2), meta(dp=2, dp_type="fsdp")) == 1e-4
     assert diff.tolerance(meta(), {**meta(), "dtype": "bfloat16"}) == 2.0 ** -8
+    assert diff.tolerance({**meta(), "device": "cuda"}, {**meta(), "device": "cuda"}) == 1e-5
 
 
 @pytest.mark.parametrize("flags, needle", [
