@@ -124,6 +124,8 @@ def train_parser() -> Parser:
     a("--timeout", type=float, default=600.0, help="seconds a collective may wait before the run fails")
     a("--peak_flops", type=float, default=None,
       help="peak FLOP/s of one device, for MFU (default: datasheet for known GPUs, else measured)")
+    a("--trace_step", type=int, default=None, metavar="S",
+      help="record step S's module outputs and gradients to <out_dir>/trace/ for `python -m debug diff`")
     a("--profile", type=int, default=0, metavar="N",
       help="write a torch.profiler trace of N steps (after 2 warm-up steps) to <out_dir>/profile")
     # checkpoints
@@ -215,7 +217,7 @@ AT_LEAST_ONE = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel
                 "context_parallel_size",
                 "pp_virtual_stages", "ac_every", "micro_batch_size", "seq_len", "total_batch_size", "max_steps",
                 "eval_interval", "eval_iters", "keep_checkpoints", "n_layer", "n_head", "n_embd", "block_size",
-                "vocab_size")
+                "vocab_size", "trace_step")
 AT_LEAST_ZERO = ("warmup_steps", "checkpoint_interval", "profile")
 POSITIVE_FLOATS = ("lr", "timeout", "bucket_cap_mb", "peak_flops")  # finite and > 0
 NON_NEGATIVE_FLOATS = ("weight_decay",)                                # finite and >= 0
@@ -238,6 +240,15 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError("--no_checkpoint saves nothing and --checkpoint_interval asks for saves: pass one of them")
     if args.resume and args.overwrite:
         raise UsageError("--resume continues the run in --out_dir and --overwrite discards it: pass one of them")
+    if args.trace_step is not None and args.trace_step > args.max_steps:
+        raise UsageError(f"--trace_step {args.trace_step} is past --max_steps {args.max_steps}: nothing would be "
+                         f"traced")
+    if args.trace_step is not None and args.compile:
+        raise UsageError("--trace_step records through module hooks, which a compiled Block runs inside its graph; "
+                         "trace an eager run (without --compile)")
+    if args.trace_step is not None and args.implementation == "pytorch" and args.context_parallel_size > 1:
+        raise UsageError("--trace_step cannot place the sequence shards of torch's context_parallel; trace CP "
+                         "with --implementation custom")
     if args.deferred_init and args.init_from != "scratch":
         raise UsageError("--deferred_init builds a fresh model; it cannot be combined with --init_from")
 

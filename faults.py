@@ -14,6 +14,15 @@ Test hooks, switched on by environment variables; each is a no-op otherwise:
 - GPT_CKPT_FAIL_AFTER_FILES=n: the n-th checkpoint file this process writes raises, as a full disk would.
 - GPT_SIGNAL_AT_STEP=s: in the middle of step s (after its backward, before the optimizer step) rank
   GPT_SIGNAL_RANK (default 0, or "all") sends itself GPT_SIGNAL (TERM or INT), as a cluster preempting it would.
+
+Wrong-math hooks for the divergence bisector's tests (`python -m debug diff`), on rank GPT_FAULT_RANK (default 0):
+- GPT_FAULT_GRAD=name: after every backward, this rank's elements of parameter `name`'s gradient (its TP shard,
+  say) are raised by a tenth of their largest magnitude, as a wrong reduction of that shard would.
+- GPT_FAULT_DDP_DROP_BUCKET=k: our DDP zeroes bucket k's gradient buffer after each step's first local
+  micro-step (inside no_sync): that micro-batch's gradients never reach the bucket's all-reduce.
+- GPT_FAULT_TIED_COPY=1: before step 1, a pipeline's last stage draws its copy of the tied embedding
+  (lm_head.weight) under its own name instead of transformer.wte.weight's (model.init_parameter's rule), so
+  lm_head uses the wrong matrix.
 """
 from __future__ import annotations
 
@@ -75,6 +84,49 @@ def maybe_signal_mid_step(step: int, rank: int) -> None:
     who = os.environ.get("GPT_SIGNAL_RANK", "0")
     if who == "all" or int(who) == rank:
         os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("GPT_SIGNAL", "TERM")))
+
+
+def _fault_rank() -> bool:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return rank == int(os.environ.get("GPT_FAULT_RANK", "0"))
+
+
+def _named(model: torch.nn.Module, name: str) -> torch.nn.Parameter | None:
+    """Parameter `name` (model.py's name) of `model`, inside any wrapper that prefixes it (DDP's "module.")."""
+    return next((p for n, p in model.named_parameters() if n == name or n.endswith("." + name)), None)
+
+
+def maybe_perturb_grad(model: torch.nn.Module) -> None:
+    name = os.environ.get("GPT_FAULT_GRAD")
+    p = _named(model, name) if name and _fault_rank() else None
+    if p is not None and p.grad is not None:
+        g = local(p.grad)
+        g.add_(0.1 * float(g.abs().max()))
+        print(f"GPT_FAULT_GRAD={name}: perturbed this rank's {tuple(g.shape)} gradient (test hook)", flush=True)
+
+
+_bucket_dropped = False  # this step's (GPT_FAULT_DDP_DROP_BUCKET), reset by Faults.before_step
+
+
+def maybe_drop_bucket(buffers: list[torch.Tensor]) -> None:
+    """Our DDP, after a backward inside no_sync: GPT_FAULT_DDP_DROP_BUCKET's hook (see the module docstring)."""
+    global _bucket_dropped
+    k = _env_int("GPT_FAULT_DDP_DROP_BUCKET")
+    if k is not None and not _bucket_dropped and _fault_rank():
+        buffers[k].zero_()
+        _bucket_dropped = True
+
+
+def maybe_untie_copy(step: int, model: torch.nn.Module) -> None:
+    p = _named(model, "lm_head.weight") if os.environ.get("GPT_FAULT_TIED_COPY") and step == 1 else None
+    if p is not None:  # only a pipeline's last stage has its own copy (a tied lm_head is named as wte)
+        from model import init_parameter
+        with torch.no_grad():
+            local(p).copy_(init_parameter("lm_head.copy.weight", p.shape, model_config(model), 0))
+
+
+def model_config(model: torch.nn.Module):
+    return next(m.config for m in model.modules() if hasattr(m, "config") and not callable(m.config))
 
 
 # ----------------------------------------------------------------------------- what train.py uses
@@ -179,8 +231,8 @@ class Faults:
     """Every fault hook of a training step behind one object: the watchdog and the test hooks around each step,
     the mid-step signal hook, and whether the ranks agreed to stop for a preemption.
 
-        before_step(s, model)   watchdog armed for step s; GPT_INJECT_NAN_AT_STEP
-        mid_step(s)             after the backward, before the optimizer step: GPT_SIGNAL_AT_STEP
+        before_step(s, model)   watchdog armed for step s; GPT_INJECT_NAN_AT_STEP, GPT_FAULT_TIED_COPY
+        mid_step(s, model)      after the backward, before the optimizer step: GPT_SIGNAL_AT_STEP, GPT_FAULT_GRAD
         vote()                  start the preemption vote (asynchronous), before the step's end-of-step scalars
         after_step(s)           the step, its eval and checkpoint are done: watchdog off; GPT_KILL_AT_STEP
         preempted()             collective: a rank was signalled (every rank then stops after this step)"""
@@ -191,11 +243,16 @@ class Faults:
         self.preemption = Preemption(device) if device is not None else None
 
     def before_step(self, step: int, model: torch.nn.Module) -> None:
+        global _bucket_dropped
         self.watchdog.start(step)
         maybe_inject_nan(step, model)
+        maybe_untie_copy(step, model)
+        _bucket_dropped = False
 
-    def mid_step(self, step: int) -> None:
+    def mid_step(self, step: int, model: torch.nn.Module | None = None) -> None:
         maybe_signal_mid_step(step, self.rank)
+        if model is not None:
+            maybe_perturb_grad(model)
 
     def after_step(self, step: int) -> None:
         self.watchdog.stop()

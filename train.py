@@ -22,6 +22,7 @@ import faults
 import metrics
 from config import Plan, UsageError, error_line, parse_args, validate
 from data.batches import BatchSource, micro_batch_chunk
+from debug.trace import Tracer
 from model import GPT
 from parallel import comm
 from parallel.mesh import Mesh, fused_optimizer, init_distributed
@@ -43,6 +44,7 @@ class Trainer:
     saver: checkpoint.AsyncSaver | None = None  # --async_checkpoint: writes in a background thread
     faults: faults.Faults | None = None  # watchdog, preemption and the test hooks (run() sets it)
     built: dict = field(default_factory=dict)  # what build() measured of the model it made (run() logs it)
+    tracer: Tracer = field(default_factory=Tracer)  # --trace_step: step S's outputs and gradients (debug/trace.py)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -74,7 +76,7 @@ def build(plan: Plan) -> Trainer:
         n_params = GPT(plan.config).num_params(non_embedding=True)
     saver = checkpoint.AsyncSaver(plan.device) if args.async_checkpoint else None  # collective: its own gloo group
     built = {"params_on_meta": on_meta, "distributed_classes": distributed_classes(par, optimizer)}
-    return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver, built=built,
+    return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver, built=built, tracer=Tracer(args.trace_step),
                    dp_rank=mesh["batch"].rank,
                    flops_per_token=metrics.flops_per_token(plan.config, n_params, args.seq_len),
                    peak_flops=args.peak_flops or metrics.peak_flops(plan.device, plan.dtype))
@@ -116,9 +118,11 @@ def train_step(t: Trainer, step: int) -> dict:
     t0 = time.perf_counter()
     batches = [t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
                           args.micro_batch_size) for m in range(plan.grad_accum)]
+    t.tracer.before_step(t, step)
     loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
     if t.faults is not None:
-        t.faults.mid_step(step)  # the test hook that signals a rank mid-step
+        t.faults.mid_step(step, t.model)  # the test hooks that signal a rank or perturb a gradient mid-step
+    t.tracer.after_backward(t, step)
     if t.scaler:
         t.scaler.unscale_(t.optimizer)  # ranks agree on found-inf here (AgreeingGradScaler)
     norm = t.par.clip_grad_norm_(1.0 if args.gradient_clipping else None)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import faults
 from parallel import comm
 
 _engine = torch.autograd.Variable._execution_engine
@@ -310,6 +311,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
             self._used[:] = bytes(a | b for a, b in zip(self._used, self._fired))
         if not self._sync_backward:
             self._fired[:] = bytes(n)
+            faults.maybe_drop_bucket(self._buffers)  # a test hook (GPT_FAULT_DDP_DROP_BUCKET); a no-op otherwise
             return
         try:
             if self._next_bucket < len(self.buckets):

@@ -20,7 +20,8 @@ RANGES = {
     **dict.fromkeys(["--tensor_parallel_size", "--data_parallel_size", "--data_parallel_replicate_size",
                      "--pipeline_parallel_size", "--pp_virtual_stages", "--context_parallel_size", "--ac_every",
                      "--n_layer", "--n_head", "--n_embd", "--block_size", "--vocab_size", "--micro_batch_size", "--seq_len",
-                     "--total_batch_size", "--max_steps", "--eval_interval", "--eval_iters", "--keep_checkpoints"],
+                     "--total_batch_size", "--max_steps", "--eval_interval", "--eval_iters", "--keep_checkpoints",
+                     "--trace_step"],
                     ">= 1"),
     **dict.fromkeys(["--warmup_steps", "--checkpoint_interval", "--profile"], ">= 0"),
     **dict.fromkeys(["--lr", "--timeout", "--bucket_cap_mb", "--peak_flops"], "> 0"),  # floats, finite
@@ -55,6 +56,7 @@ CASES = {
     ("--lr", "fast"): "argument --lr: invalid float value: 'fast'",
     ("--micro_batch_size", "2.5"): "argument --micro_batch_size: invalid int value: '2.5'",
     ("--activation_checkpointing", "some"): "argument --activation_checkpointing: invalid choice",
+    ("--trace_step", "3"): "--trace_step 3 is past --max_steps 2",
 }
 
 
