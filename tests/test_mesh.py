@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import tempfile
 import unittest
-from datetime import timedelta
 
 import pytest
 import torch
