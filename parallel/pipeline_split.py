@@ -64,7 +64,7 @@ def measure_costs(config: GPTConfig, seq_len: int, micro_batch: int, device: tor
     """StageCosts timed instead of counted: nanoseconds of the forward + backward of one Block, of the
     embedding (wte + wpe lookups) and of the head (ln_f, then lm_head and the loss by linear_cross_entropy, as
     the last stage runs them) on one (micro_batch, seq_len) micro-batch on `device`, each the fastest of
-    `repeats` after a warm-up (other load only adds time). Timings differ between runs and machines, so where
+    `repeats` rounds after a warm-up round (other load only adds time). Timings differ between runs and machines, so where
     ranks must agree one rank measures and the others take its numbers."""
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
@@ -80,17 +80,15 @@ def measure_costs(config: GPTConfig, seq_len: int, micro_batch: int, device: tor
     parts = {"block": lambda: block(x).backward(dy),
              "embed": lambda: (wte(idx) + wpe(pos)).backward(dy),
              "head": lambda: linear_cross_entropy(ln_f(x), head, idx).backward()}
-    timer, out = make_timer(device), {}
-    for name, fn in parts.items():
-        best = None
-        for _ in range(repeats + 1):
+    timer, best = make_timer(device), dict.fromkeys(parts, float("inf"))
+    for i in range(repeats + 1):  # round-robin, so a burst of other load hits every part alike
+        for name, fn in parts.items():
             t0 = timer.mark()
             fn()
             t1 = timer.mark()
-            dt = timer.seconds([t0, t1])
-            best = dt[1] - dt[0] if best is None else min(best, dt[1] - dt[0])
-        out[name] = max(1, round(best * 1e9))
-    return StageCosts(**out)
+            start, end = timer.seconds([t0, t1])
+            best[name] = min(best[name], end - start) if i else best[name]  # round 0 warms up
+    return StageCosts(**{name: max(1, round(t * 1e9)) for name, t in best.items()})
 
 
 def balanced_split(block_costs: Sequence[int], chunks: int, first: int = 0, last: int = 0) -> list[range]:
