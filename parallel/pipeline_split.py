@@ -42,8 +42,9 @@ from parallel.mesh import make_timer
 
 @dataclass(frozen=True)
 class StageCosts:
-    """Training FLOPs per token (forward + backward) of one Block, of chunk 0's embedding and of the last
-    chunk's head (ln_f, lm_head with its recompute, the loss)."""
+    """The cost of one Block, of chunk 0's embedding and of the last chunk's head (ln_f, lm_head with its
+    recompute, the loss), forward + backward, in one unit: training FLOPs per token (`stage_costs`) or
+    nanoseconds per micro-batch (`measure_costs`)."""
     block: int
     embed: int
     head: int
@@ -64,8 +65,8 @@ def measure_costs(config: GPTConfig, seq_len: int, micro_batch: int, device: tor
     """StageCosts timed instead of counted: nanoseconds of the forward + backward of one Block, of the
     embedding (wte + wpe lookups) and of the head (ln_f, then lm_head and the loss by linear_cross_entropy, as
     the last stage runs them) on one (micro_batch, seq_len) micro-batch on `device`, each the fastest of
-    `repeats` rounds after a warm-up round (other load only adds time). Timings differ between runs and machines, so where
-    ranks must agree one rank measures and the others take its numbers."""
+    `repeats` rounds after a warm-up round (other load only adds time). Timings differ between runs and
+    machines, so where ranks must agree one rank measures and the others take its numbers."""
     device = torch.device(device)
     g = torch.Generator().manual_seed(0)
     C, V, T = config.n_embd, config.vocab_size, seq_len
