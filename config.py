@@ -19,6 +19,7 @@ from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_d
 from model import GPT, PRESETS, GPTConfig, make_config
 from parallel.mesh import ParallelDims, env_world, pick_device
 from parallel.parallelize import ParallelConfig
+from parallel.pipeline_split import check_counts, layers_for
 from parallel.tensor_parallel import check_tp_divisibility
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -80,6 +81,9 @@ def train_parser() -> Parser:
       help="pipeline schedule; the step's micro-batches are the pipeline's micro-batches")
     a("--pp_virtual_stages", type=int, default=None, metavar="V",
       help="interleaved_1f1b: model chunks per pipeline rank (V > 1)")
+    a("--pp_layers_per_stage", default=None, metavar="A,B,...",
+      help="Blocks per pipeline chunk, P x V counts in chunk order (default: split by the cost model, "
+           "parallel/pipeline_split.py)")
     a("--context_parallel_size", type=int, default=1, metavar="C",
       help="split every sequence over C ranks (ring attention); gradients reduced over dp x C")
     a("--implementation", choices=["custom", "pytorch"], default="custom")
@@ -193,8 +197,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
 
 
-def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.dtype) -> ParallelConfig:
-    """The layout settings `parallel.parallelize` composes, with every default resolved."""
+def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.dtype,
+                    pp_layers: tuple[int, ...] | None = None) -> ParallelConfig:
+    """The layout settings `parallel.parallelize` composes, with every default resolved (`pp_layers`: the
+    pipeline's Blocks per chunk, `_check_pipeline`'s)."""
     param_dtype = args.param_dtype
     if param_dtype == "auto":  # gather what autocast computes in: half the bytes, no fp32 copies kept alive
         param_dtype = str(dtype).removeprefix("torch.")
@@ -207,7 +213,7 @@ def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.d
                           reduce_dtype=getattr(torch, args.reduce_dtype),
                           deferred_init=args.deferred_init, seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
                           grad_compression=None if args.grad_compression == "none" else args.grad_compression,
-                          pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual_stages or 1,
+                          pp_schedule=args.pp_schedule, pp_virtual=args.pp_virtual_stages or 1, pp_layers=pp_layers,
                           activation_checkpointing=args.activation_checkpointing, ac_every=args.ac_every,
                           compile=args.compile)
 
@@ -320,8 +326,11 @@ def _check_context(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
         raise UsageError(f"--context_parallel_size needs dropout 0 (got {config.dropout}): ring attention has none")
 
 
-def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig, micro: int) -> None:
-    """The schedule, its virtual stages and the micro-batch count M against the split of n_layer Blocks."""
+def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig,
+                    micro: int) -> tuple[int, ...] | None:
+    """The schedule, its virtual stages and the micro-batch count M against the split of n_layer Blocks.
+    Returns the split, Blocks per chunk: --pp_layers_per_stage's, else the cost model's at --seq_len
+    (parallel/pipeline_split.py); None without a pipeline."""
     interleaved = args.pp_schedule == "interleaved_1f1b"
     if args.pp_virtual_stages is not None and not interleaved:
         raise UsageError(f"--pp_virtual_stages is for --pp_schedule interleaved_1f1b; {args.pp_schedule} runs "
@@ -329,7 +338,9 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
     if not dims.pp_enabled:
         if args.pp_schedule != "1f1b" or args.pp_virtual_stages is not None:
             raise UsageError("--pp_schedule and --pp_virtual_stages need --pipeline_parallel_size > 1")
-        return
+        if args.pp_layers_per_stage is not None:
+            raise UsageError("--pp_layers_per_stage needs --pipeline_parallel_size > 1")
+        return None
     virtual = args.pp_virtual_stages or 1
     if interleaved and virtual < 2:
         raise UsageError("--pp_schedule interleaved_1f1b needs --pp_virtual_stages V > 1 (model chunks per rank)")
@@ -347,6 +358,17 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
     if args.implementation == "pytorch" and args.dtype == "float16":
         raise UsageError("--implementation pytorch with --pipeline_parallel_size > 1 has no fp16 loss scaling "
                          "(torch's schedules compute the loss inside step()); use --dtype bfloat16")
+    counts = None
+    if args.pp_layers_per_stage is not None:
+        flag = f"--pp_layers_per_stage {args.pp_layers_per_stage}"
+        try:
+            counts = tuple(int(n) for n in args.pp_layers_per_stage.split(","))
+        except ValueError:
+            raise UsageError(f"{flag}: not a comma-separated list of integers (Blocks per chunk)") from None
+        reason = check_counts(counts, config.n_layer, dims.pp * virtual)
+        if reason:
+            raise UsageError(f"{flag} {reason}")
+    return tuple(len(r) for r in layers_for(config, dims.pp, virtual, args.seq_len, counts))
 
 
 def _check_data(args: argparse.Namespace, config: GPTConfig, local_rank: int) -> str:
@@ -423,11 +445,11 @@ def validate(args: argparse.Namespace) -> Plan:
         raise UsageError(f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size x "
                          f"seq_len x data_parallel_size = {args.micro_batch_size} x {args.seq_len} x {dims.dp} "
                          f"= {tokens_per_micro}")
-    _check_pipeline(args, dims, config, args.total_batch_size // tokens_per_micro)
+    pp_layers = _check_pipeline(args, dims, config, args.total_batch_size // tokens_per_micro)
     _check_context(args, dims, config, device)
     data_dir = _check_data(args, config, local_rank)
     resume_from = _check_out_dir(args, config)
-    return Plan(args=args, dims=dims, par=parallel_config(args, dims, dtype), config=config, device=device,
+    return Plan(args=args, dims=dims, par=parallel_config(args, dims, dtype, pp_layers), config=config, device=device,
                 dtype=dtype, grad_accum=args.total_batch_size // tokens_per_micro,
                 rows=args.total_batch_size // args.seq_len, data_dir=data_dir, rank=rank, hf_state=hf_state,
                 resume_from=resume_from, tf32=use_tf32(device, dtype, args.no_tf32))

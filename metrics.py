@@ -35,9 +35,19 @@ DATASHEET_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12),
                   ("4090", 165e12))
 
 
+FORWARD_FLOPS_PER_PARAM = 2  # per token: one multiply-add per matmul weight
+TRAIN_FLOPS_PER_PARAM = 6    # per token: forward 2, backward 4 (the input's gradient and the weight's)
+
+
+def attention_flops_per_token(config: GPTConfig, seq_len: int, n_layer: int | None = None) -> int:
+    """Training FLOPs per token of the attention scores and their weighted sum, 12·L·H·T over n_layer Blocks
+    (default: config.n_layer); the causal mask's skipped half is counted, as PaLM does."""
+    return 12 * (config.n_layer if n_layer is None else n_layer) * config.n_embd * seq_len
+
+
 def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token: 6N + 12·L·H·T."""
-    return 6 * n_params + 12 * config.n_layer * config.n_embd * seq_len
+    return TRAIN_FLOPS_PER_PARAM * n_params + attention_flops_per_token(config, seq_len)
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,

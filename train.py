@@ -27,6 +27,7 @@ from model import GPT
 from parallel import comm
 from parallel.mesh import Mesh, fused_optimizer, init_distributed
 from parallel.parallelize import Parallelized, parallelize
+from parallel.pipeline_split import describe_split, layers_for, stage_costs
 
 
 @dataclass
@@ -192,6 +193,13 @@ def describe(t: Trainer) -> str:
             f"x seq_len {a.seq_len} | MFU against {t.peak_flops / 1e9:.1f} GFLOP/s per device")
 
 
+def describe_pipeline_split(plan: Plan) -> str:
+    """The pipeline's split in one line: each chunk's Blocks and its cost (parallel/pipeline_split.py)."""
+    layers = layers_for(plan.config, plan.dims.pp, plan.par.pp_virtual, counts=plan.par.pp_layers)
+    by = "--pp_layers_per_stage" if plan.args.pp_layers_per_stage else "cost"
+    return describe_split(layers, stage_costs(plan.config, plan.args.seq_len), by)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 MATH_ARGS = ("seed", "lr", "warmup_steps", "max_steps", "weight_decay", "total_batch_size", "seq_len",
@@ -325,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     logger = metrics.Logger(args.out_dir, is_main, append=args.resume)  # a resumed run appends
     if is_main:
         print(describe(t), flush=True)
+        if plan.dims.pp_enabled:
+            print(describe_pipeline_split(plan), flush=True)
         faults.warn_shared_rendezvous_store()
     t.faults = faults.Faults(args.out_dir, plan.rank, args.timeout, plan.device)
     try:

@@ -16,7 +16,7 @@ from model import GPT, GPTConfig
 from parallel.ddp import ddp_comm_bytes_per_step
 from parallel.fsdp import ZERO_STAGES, fsdp_comm_bytes_per_micro_step, zero_comm_bytes_per_step
 from parallel.pipeline import p2p_bytes_per_step
-from parallel.pipeline_schedule import split_layers
+from parallel.pipeline_split import layers_for
 from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
 
 PP_LAYOUTS = ("pp", "pp-dp", "pp-tp", "3d")  # pp=2 alone, x dp=2 (DDP), x tp=2, x dp=2 x tp=2
@@ -156,17 +156,19 @@ def fit_heads(config: GPTConfig, tp: int) -> GPTConfig:
 
 # ----------------------------------------------------------------------------- theory
 
-def param_count(config: GPTConfig, tp: int = 1, root_only: bool = False, first_stage_of: int = 1) -> int:
+def param_count(config: GPTConfig, tp: int = 1, root_only: bool = False, first_stage_of: int = 1,
+                seq_len: int | None = None) -> int:
     """Parameters one rank holds under Megatron TP (tp=1: all of them, the tied weight counted once).
 
     Split over the tp ranks: the vocab (wte = lm_head), column-parallel weights and biases (c_q, c_k, c_v,
     mlp.c_fc) and row-parallel weights (attn.c_proj, mlp.c_proj). Replicated: LayerNorms, the position
     embedding and the row-parallel biases. root_only: just the parameters outside the Blocks (FSDP's root
     unit: wte = lm_head, wpe, ln_f). first_stage_of=P > 1: just pipeline stage 0's of a P-stage cut
-    (wte, wpe and the Blocks of split_layers' first chunk; ln_f and lm_head's copy live on the last)."""
+    (wte, wpe and the Blocks of the first chunk of train.py's split at `seq_len`, parallel/pipeline_split.py;
+    ln_f and lm_head's copy live on the last)."""
     with torch.device("meta"):
         model = GPT(config)
-    first = split_layers(config.n_layer, first_stage_of)[0] if first_stage_of > 1 else None
+    first = layers_for(config, first_stage_of, seq_len=seq_len)[0] if first_stage_of > 1 else None
     total = 0
     for name, p in model.named_parameters():  # named_parameters yields the tied weight once (as wte)
         if root_only and name.startswith("transformer.h."):
@@ -226,11 +228,11 @@ def pp_comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
     out["p2p"] = p2p_bytes_per_step(lay.pp, 1, 0, M, (mb, T, c.n_embd), setup.residual_bytes)
     out["all_reduce"] += c.vocab_size // lay.tp * c.n_embd * 4
     if lay.dp_type == "ddp":
-        _add(out, ddp_comm_bytes_per_step(param_count(c, lay.tp, first_stage_of=lay.pp), lay.dp))
+        _add(out, ddp_comm_bytes_per_step(param_count(c, lay.tp, first_stage_of=lay.pp, seq_len=T), lay.dp))
     elif lay.dp_type is not None:
         raise ValueError(f"no PP theory for dp_type {lay.dp_type!r}")
     if lay.tp > 1:
-        blocks = len(split_layers(c.n_layer, lay.pp)[0])
+        blocks = len(layers_for(c, lay.pp, seq_len=T)[0])
         _add(out, tp_first_stage_bytes_per_micro_step(c, blocks, mb, T, lay.tp, setup.dtype_bytes,
                                                       setup.residual_bytes), M)
     return out

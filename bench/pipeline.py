@@ -10,8 +10,11 @@ is kept (on a shared machine other load only adds time).
 
 Per rank: busy = sum of its F and B intervals; span = max end - min start of any action over all ranks;
 idle = 1 - busy/span. The schedule's idle (mean over ranks, i.e. 1 - sum busy/(P·span)) sits next to
-`bubble_fraction`, which assumes equal stages and free messages. On CPU the stages are not equal (chunk 0
-embeds, the last chunk runs lm_head and the loss) and P ranks share the cores, so expect a gap.
+`bubble_fraction`, which assumes equal stages and free messages. The Blocks are split as train.py splits
+them, by cost (parallel/pipeline_split.py: FLOPs, or with `--balance time` rank 0's timings of a Block,
+the embedding and the head, taken before the schedules run; `--layers_per_stage` sets the split of the
+one-chunk schedules by hand), but whole Blocks cannot balance chunk 0's embedding against the last chunk's
+lm_head and loss exactly, and P ranks share the cores, so expect a gap.
 
 Saved activations: bytes of distinct storages that autograd holds for backward (saved_tensors_hooks; a
 storage saved by several ops counts once, parameters are excluded), tracked live: a storage counts from
@@ -136,9 +139,9 @@ def summary(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def markdown(rows: list[dict], cores: int | None = None) -> str:
-    """The per-rank table, one line per schedule with idle measured vs theory, and a note when the P ranks
-    outnumber `cores`."""
+def markdown(rows: list[dict], cores: int | None = None, split: dict[str, list[int]] | None = None) -> str:
+    """The per-rank table, one line per schedule with idle measured vs theory (and `split`[schedule], its Blocks
+    per chunk), and a note when the P ranks outnumber `cores`."""
     lines = ["| schedule | rank | F / B mean (ms) | busy (ms) | span (ms) | idle measured | idle theory "
              "| in flight (theory) | peak saved (MiB) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -148,8 +151,9 @@ def markdown(rows: list[dict], cores: int | None = None) -> str:
                      f"({r['peak_in_flight_theory']}) | {r['peak_saved_bytes'] / MiB:.2f} |")
     lines.append("")
     for name, s in summary(rows).items():
+        blocks = f"; Blocks per chunk {split[name]}" if split and name in split else ""
         lines.append(f"- {name}: idle {s['idle_fraction']:.3f} measured (all ranks) vs {s['idle_theory']:.3f} "
-                     f"theory; span {1e3 * s['span_s']:.1f} ms")
+                     f"theory; span {1e3 * s['span_s']:.1f} ms{blocks}")
     if cores is not None and rows and rows[0]["pp"] > cores:
         lines.append(f"- {rows[0]['pp']} ranks on {cores} CPU cores: an F or B stretches while more ranks compute "
                      "at once, so idle here mixes the bubble with contention (and p2p latency, stage imbalance)")
@@ -206,6 +210,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from model import GPT, make_config
     from parallel.pipeline import PipelineRunner, PipelineStage
+    from parallel.pipeline_split import layers_for, measure_costs, stage_costs
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -218,12 +223,20 @@ def worker(args: argparse.Namespace) -> None:
     raw = {"pp": P, "micro": args.micro, "virtual": args.virtual, "model": args.model, "n_layer": cfg.n_layer,
            "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "seq_len": args.seq_len,
            "micro_batch_size": args.micro_batch_size, "warmup": args.warmup, "repeats": args.repeats,
-           "cpu_count": os.cpu_count(), "schedules": {}}
+           "cpu_count": os.cpu_count(), "balance": args.balance, "split": {}, "schedules": {}}
+    costs = [stage_costs(cfg, args.seq_len)]
+    if args.balance == "time":  # every rank cuts by rank 0's timings
+        costs = [measure_costs(cfg, args.seq_len, args.micro_batch_size) if rank == 0 else None]
+        dist.broadcast_object_list(costs, src=0)
+    raw["costs"] = dict(vars(costs[0]))  # FLOPs per token, or nanoseconds per micro-batch
     for name in args.schedules.split(","):
         v = args.virtual if name == "interleaved_1f1b" else 1
+        counts = tuple(int(n) for n in args.layers_per_stage.split(",")) if args.layers_per_stage and v == 1 else None
+        counts = tuple(len(r) for r in layers_for(cfg, P, v, counts=counts, costs=costs[0]))
+        raw["split"][name] = list(counts)  # Blocks per chunk
         with torch.device("meta"):
             model = GPT(cfg)
-        stage = PipelineStage(model, rank, P, v)
+        stage = PipelineStage(model, rank, P, v, counts)
         stage.materialize(seed=0)
         runner = PipelineRunner(stage)
         for _ in range(args.warmup):
@@ -278,7 +291,7 @@ def run(out: str, pp: int = 4, micro: int = 8, virtual: int = 2, model: str = "t
     with open(os.path.join(out, "pipeline.json"), "w") as f:
         json.dump({"config": config, "summary": summary(rows), "rows": rows}, f, indent=1)
     with open(os.path.join(out, "pipeline.md"), "w") as f:
-        f.write(markdown(rows, raw["cpu_count"]))
+        f.write(markdown(rows, raw["cpu_count"], raw.get("split")))
     plot(raw, rows, os.path.join(out, "pipeline_timeline.png"))
     return rows
 
@@ -293,6 +306,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--model", default="tiny")
     a("--n_layer", type=int, default=None, help="default P·V: one Block per interleaved chunk")
     a("--vocab_size", type=int, default=512, help="small, so lm_head costs about one Block")
+    a("--balance", choices=["flops", "time"], default="flops",
+      help="split by the FLOP cost model (train.py's) or by rank 0's timings of a Block, the embedding, the head")
+    a("--layers_per_stage", default=None, metavar="A,B,...",
+      help="gpipe and 1f1b: Blocks per stage, P counts (default: train.py's split by cost)")
     a("--seq_len", type=int, default=128)
     a("--micro_batch_size", type=int, default=8)
     a("--warmup", type=int, default=2)
@@ -317,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     opts = {k: v for k, v in vars(args).items() if k not in ("out", "pp", "micro", "virtual", "model", "timeout",
                                                               "worker")}
-    rows = run(args.out, args.pp, args.micro, args.virtual, args.model, args.timeout, **opts)
-    print(markdown(rows, os.cpu_count()), end="")
+    run(args.out, args.pp, args.micro, args.virtual, args.model, args.timeout, **opts)
+    with open(os.path.join(os.path.abspath(args.out), "pipeline.md")) as f:
+        print(f.read(), end="")
     print(f"[bench.pipeline] wrote {os.path.abspath(args.out)}/pipeline.json, pipeline.md, pipeline_timeline.png")
     return 0
 

@@ -58,6 +58,7 @@ class ParallelConfig:
     grad_compression: str | None = None  # custom DDP: "bf16" on the wire
     pp_schedule: str = "1f1b"           # pipeline: "gpipe" | "1f1b" | "interleaved_1f1b"
     pp_virtual: int = 1                 # pipeline: model chunks per pp rank (interleaved_1f1b: > 1)
+    pp_layers: tuple[int, ...] | None = None  # pipeline: Blocks per chunk (P·V counts); None: the cost model's
     activation_checkpointing: str = "none"  # "none" | "full" | "selective" (every ac_every-th Block)
     ac_every: int = 2
     compile: bool = False               # torch.compile each Block's forward
@@ -224,7 +225,7 @@ class Parallelized:
 
 def apply_pp(model: GPT, mesh: Mesh, cfg: ParallelConfig, par: Parallelized) -> PipelineStage:
     """Our pipeline stage (parallel/pipeline.py): this pp rank's chunks of the GPT, nothing of the others'."""
-    return PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual)
+    return PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers)
 
 
 def apply_cp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, par: Parallelized) -> nn.Module:

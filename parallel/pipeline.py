@@ -4,9 +4,9 @@ Schedules (which compute runs when, and every SEND/RECV) come from parallel/pipe
 action lists; this module only executes them.
 
 - `PipelineStage`: the part of a GPT that pp rank r of P keeps, for V virtual chunks per rank: the Blocks of
-  chunks r, r+P, ... (`split_layers`, `chunk_of`), plus wte/wpe on chunk 0's rank and ln_f/lm_head on the
-  last chunk's rank. Parameter names stay the GPT's (transformer.h.3.attn.c_q.weight), so optimizer groups and
-  checkpoints map by name.
+  chunks r, r+P, ... (`chunk_of`; which Blocks a chunk holds: parallel/pipeline_split.py, by cost or given),
+  plus wte/wpe on chunk 0's rank and ln_f/lm_head on the last chunk's rank. Parameter names stay the GPT's
+  (transformer.h.3.attn.c_q.weight), so optimizer groups and checkpoints map by name.
 - Tied embedding (Megatron's rule): with P > 1 the last stage holds its own copy of the embedding matrix,
   `lm_head.weight`, initialised under the name transformer.wte.weight, so it starts equal to wte. After each
   backward `PipelineRunner.reduce_tied_grads` all-reduces (SUM) the two gradients over the two-rank embedding
@@ -21,7 +21,7 @@ Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` -> optimizer 
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,8 @@ from model import GPT, head_output, materialize_module
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import group_timeout, make_timer
-from parallel.pipeline_schedule import (B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, chunk_of, rank_of,
-                                        split_layers)
+from parallel.pipeline_schedule import B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, chunk_of, rank_of
+from parallel.pipeline_split import layers_for
 
 
 class PipelineStage(nn.Module):
@@ -42,13 +42,16 @@ class PipelineStage(nn.Module):
     Built from a GPT on meta (then `materialize(seed)` allocates and inits exactly this stage's parameters,
     by name, as GPT.init_weights would) or from an initialised GPT (the stage shares its modules; the
     lm_head copy is a clone of wte). Holds no reference to the GPT: other stages' modules are not kept.
+    `layers`: Blocks per chunk, P·V counts (every rank passes the same: config.py resolves them from
+    --pp_layers_per_stage or the cost model); None: the cost model's split at T = block_size
+    (parallel/pipeline_split.layers_for). `self.layers[c]` is chunk c's range of Block indices.
     """
 
-    def __init__(self, model: GPT, rank: int, pp: int, virtual: int = 1):
+    def __init__(self, model: GPT, rank: int, pp: int, virtual: int = 1, layers: Sequence[int] | None = None):
         super().__init__()
         self.config, self.rank, self.pp, self.virtual = model.config, rank, pp, virtual
         self.n_chunks = pp * virtual
-        self.layers = split_layers(model.config.n_layer, pp, virtual)
+        self.layers = layers_for(model.config, pp, virtual, counts=layers)
         self.chunks = [chunk_of(rank, v, pp) for v in range(virtual)]  # this rank's global chunk indices
         self.first, self.last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
         t = model.transformer

@@ -75,7 +75,7 @@ class TorchZeRO1(Replicated):
 def apply_pp(model, mesh: Mesh, cfg, par):
     """Our cut (parallel/pipeline.PipelineStage), plus one module per local chunk (`TorchChunk`) for torch's
     PipelineStage: torch's DDP and FSDP2 then wrap those chunk modules, as torchtitan wraps its model chunks."""
-    stage = PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual)
+    stage = PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers)
     stage.chunk_modules = {c: TorchChunk(stage, c) for c in stage.chunks}
     return stage
 

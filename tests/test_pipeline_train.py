@@ -11,6 +11,7 @@ one-process references are made in setUpClass.
 import contextlib
 import io
 import os
+import shutil
 import unittest
 
 import pytest
@@ -22,7 +23,7 @@ from model import GPT, make_config
 from parallel.pipeline import p2p_bytes_per_step
 from tests.harness import (
     WholeRuns, assert_close, check_against, check_kill_and_resume, check_resume_from, checkpoint_params as state,
-    evals_of, expect_train_error_in_process, expect_train_error_on_ranks, rank0_only, steps_of)
+    evals_of, expect_train_error_in_process, expect_train_error_on_ranks, forked, rank0_only, steps_of)
 from tests.rounding import rounding_rtol_of
 
 STEPS, SHORT = 10, 6  # SHORT: the checkpoint runs and the 8-rank 3D run
@@ -254,6 +255,37 @@ class TestPipelineCheckpoints(unittest.TestCase):
         check_kill_and_resume(self, RUNS.args("--max_steps", str(SHORT), *PP2), 2, RUNS.path("pp_killed"), self.pp,
                               SHORT, kill_at=3, kill_rank=1, every=2)
 
+    def test_resume_under_another_split_is_bit_equal(self):
+        """pp_short runs the cost model's split, Blocks [0-2] | [3] (tiny's 50304-way head outweighs its 4 Blocks:
+        tests/test_pipeline_split.py); its step-3 checkpoint resumed under --pp_layers_per_stage 1,3 logs steps 4-6
+        with the same bits (loss, grad_norm, val_loss) and saves a final checkpoint equal to pp_short's, each rank
+        writing exactly its own Blocks. A split changes which rank runs a Block, not what it computes; the one sum
+        it regroups, the norm's squares (fp64, per stage, then over pp), rounds to the same fp32 norm and clip
+        coefficient unless its ~1e-16 relative change straddles an fp32 rounding boundary."""
+        out = RUNS.path("pp_resplit")
+        shutil.copytree(checkpoint.step_dir(self.pp, 3), checkpoint.step_dir(out, 3))
+        proc = forked(RUNS.args("--max_steps", str(SHORT), *PP2, "--pp_layers_per_stage", "1,3", "--out_dir", out,
+                                "--resume"), 2)
+        self.assertEqual(proc.returncode, 0, f"{proc.stdout[-2000:]}\n" + "\n".join(e[-3000:] for e in proc.stderr))
+        self.assertIn("pipeline split by --pp_layers_per_stage (training FLOPs per token): chunk 0 Block 0 (",
+                      proc.stdout)
+        got, want = steps_of(out), steps_of(self.pp)
+        self.assertEqual(sorted(got), [4, 5, SHORT])
+        self.assertEqual([(got[s]["loss"], got[s]["grad_norm"]) for s in got],
+                         [(want[s]["loss"], want[s]["grad_norm"]) for s in got])
+        self.assertEqual(evals_of(out), {s: evals_of(self.pp)[s] for s in (5, SHORT)})
+        final, wanted = state(checkpoint.newest(out)), state(checkpoint.newest(self.pp))
+        self.assertEqual(final.keys(), wanted.keys())
+        for name, p in final.items():
+            self.assertTrue(torch.equal(p, wanted[name]), name)
+
+        def blocks_written(path: str) -> dict[int, set[int]]:
+            return {r: {int(k.split(".")[2]) for k in torch.load(os.path.join(path, f"rank_{r:05d}.pt"),
+                                                                 weights_only=True, mmap=True)
+                        if k.startswith("transformer.h.")} for r in range(2)}
+        self.assertEqual(blocks_written(checkpoint.step_dir(self.pp, 3)), {0: {0, 1, 2}, 1: {3}})
+        self.assertEqual(blocks_written(checkpoint.newest(out)), {0: {0}, 1: {1, 2, 3}})
+
     def test_loaded_pp_checkpoint_gives_the_logged_val_loss(self):
         """checkpoint.load_model assembles the P=2 run's final checkpoint into one GPT whose loss on the eval
         batch (train.evaluate's micro-batches) is the val_loss the pipeline logged at that step."""
@@ -323,6 +355,22 @@ class TestBadPipelineFlagsOneRank(unittest.TestCase):
                 expect_error_in_process(self, ["--pp_schedule", schedule, "--pp_virtual_stages", "2"],
                                         f"--pp_virtual_stages is for --pp_schedule interleaved_1f1b; {schedule}")
 
+    def test_layers_per_stage_needs_a_pipeline(self):
+        expect_error_in_process(self, ["--pp_layers_per_stage", "4"],
+                                "--pp_layers_per_stage needs --pipeline_parallel_size > 1")
+
+    def test_layers_per_stage_checked(self):
+        """As rank 0 of 2 (WORLD_SIZE=2): the flags are refused before any process group would exist."""
+        for flags, needle in (([*PP2, "--pp_layers_per_stage", "3,2"], "3,2 sums to 5, not n_layer (4)"),
+                              ([*PP2, "--pp_layers_per_stage", "4,0"], "4,0 gives chunk 1 no Block (0)"),
+                              ([*INTERLEAVED, "--pp_layers_per_stage", "1,1,2"],
+                               "1,1,2 gives 3 counts; the pipeline has P x V = 4 chunks, one count each"),
+                              ([*PP2, "--pp_layers_per_stage", "2,x"], "2,x: not a comma-separated list of integers")):
+            with self.subTest(flags):
+                expect_train_error_in_process(self, RUNS.args("--max_steps", "2", *flags),
+                                              f"--pp_layers_per_stage {needle}", RUNS.path("bad_in_process"),
+                                              env={"WORLD_SIZE": "2"})
+
     def test_schedule_needs_a_pipeline(self):
         for flags in (["--pp_schedule", "gpipe"], ["--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"]):
             with self.subTest(flags):
@@ -346,6 +394,10 @@ class TestBadPipelineFlags(unittest.TestCase):
         self.expect_error([*PP2, "--n_layer", "1"], "n_layer (1) < pipeline_parallel_size x virtual stages = 2 x 1")
         self.expect_error([*INTERLEAVED, "--n_layer", "3"], "n_layer (3) < pipeline_parallel_size x virtual stages "
                                                             "= 2 x 2")
+
+    def test_layers_per_stage_that_does_not_sum(self):
+        self.expect_error([*PP2, "--pp_layers_per_stage", "2,1"],
+                          "--pp_layers_per_stage 2,1 sums to 3, not n_layer (4)")
 
     def test_interleaved_micro_batches_not_a_multiple_of_pp(self):
         self.expect_error([*INTERLEAVED, "--total_batch_size", str(MB * T)], "micro-batches M = total_batch_size / "

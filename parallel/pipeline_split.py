@@ -1,0 +1,159 @@
+"""Which Blocks each pipeline chunk holds: cut by cost, not by Block count.
+
+The n_layer Blocks are cut into C = P·V consecutive chunks, each at least one Block (chunk c runs on rank c mod
+P: parallel/pipeline_schedule.chunk_of). Chunk 0 also runs the embedding, chunk C-1 ln_f, lm_head and the
+loss. Those extras are not the same size as a Block, so an even count of Blocks leaves one stage slower,
+and every other rank waits for it at each micro-batch. For GPT-2 124M at T = 1024, the head costs ~6 Blocks.
+
+Cost model (`stage_costs`): training FLOPs (forward + backward) per token, the FLOPs metrics.py counts for
+MFU (`TRAIN_FLOPS_PER_PARAM` per matmul weight, `attention_flops_per_token`):
+- a Block: 6·(its parameters) + 12·C·T (attention), i.e. 72C² + 12CT for GPT-2's Block;
+- the head (last chunk): 6·(V·C + ln_f's 2C) plus 2·V·C more, because model.linear_cross_entropy recomputes
+  the logits in its backward (MFU does not count that recompute; the stage's clock does);
+- the embedding (chunk 0): no matmul. Its forward adds wpe to the wte rows (C adds per token), its backward adds
+  each token's gradient into a wte row and a wpe row (2C): 3C, next to nothing, but it keeps the model honest.
+Not counted: elementwise work (LayerNorm, GELU, softmax, the loss's exponentials), so on a device where that
+dominates (a tiny model on a CPU) the model overweights the matmul-heavy head. There `measure_costs` times
+the three parts instead (bench.pipeline --balance time), or `--pp_layers_per_stage` sets the split by hand.
+Tensor and context parallelism divide every term alike and leave the split unchanged.
+
+The split (`balanced_split`, exact, by dynamic programming over (chunk, first Block)): the most expensive chunk
+as cheap as possible; among the splits that achieve it, the second most expensive as cheap as possible, and so
+on (the chunks' costs sorted largest first, smallest lexicographically); remaining ties give the earlier chunk
+more Blocks. With every Block alike and no extras that is `pipeline_schedule.split_layers`, the count split.
+torchtitan's `generate_llm_fqn_per_model_part` weighs the embedding and the head in whole Blocks
+(input_weight, output_weight) for the same reason; here they are weighed in FLOPs.
+
+Every rank computes the same split from the same numbers (integers, so no rounding can tell ranks apart);
+nothing is communicated. Checkpoints keep full tensors by name, so a run saved under one split resumes under
+any other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from metrics import FORWARD_FLOPS_PER_PARAM, TRAIN_FLOPS_PER_PARAM, attention_flops_per_token
+from model import Block, GPTConfig, linear_cross_entropy
+from parallel.mesh import make_timer
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """The cost of one Block, of chunk 0's embedding and of the last chunk's head (ln_f, lm_head with its
+    recompute, the loss), forward + backward, in one unit: training FLOPs per token (`stage_costs`) or
+    nanoseconds per micro-batch (`measure_costs`)."""
+    block: int
+    embed: int
+    head: int
+
+
+def stage_costs(config: GPTConfig, seq_len: int) -> StageCosts:
+    """The cost model of the module docstring for `config` at sequence length `seq_len`."""
+    with torch.device("meta"):
+        block_params = sum(p.numel() for p in Block(config).parameters())
+    C, V = config.n_embd, config.vocab_size
+    block = TRAIN_FLOPS_PER_PARAM * block_params + attention_flops_per_token(config, seq_len, n_layer=1)
+    head = TRAIN_FLOPS_PER_PARAM * (V * C + 2 * C) + FORWARD_FLOPS_PER_PARAM * V * C
+    return StageCosts(block=block, embed=3 * C, head=head)
+
+
+def measure_costs(config: GPTConfig, seq_len: int, micro_batch: int, device: torch.device | str = "cpu",
+                  repeats: int = 5) -> StageCosts:
+    """StageCosts timed instead of counted: nanoseconds of the forward + backward of one Block, of the
+    embedding (wte + wpe lookups) and of the head (ln_f, then lm_head and the loss by linear_cross_entropy, as
+    the last stage runs them) on one (micro_batch, seq_len) micro-batch on `device`, each the fastest of
+    `repeats` rounds after a warm-up round (other load only adds time). Timings differ between runs and
+    machines, so where ranks must agree one rank measures and the others take its numbers."""
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    C, V, T = config.n_embd, config.vocab_size, seq_len
+    block = Block(config).to(device)
+    wte, wpe = torch.nn.Embedding(V, C).to(device), torch.nn.Embedding(config.block_size, C).to(device)
+    ln_f = torch.nn.LayerNorm(C, bias=config.bias).to(device)
+    head = torch.nn.Parameter(0.02 * torch.randn(V, C, generator=g).to(device))
+    idx = torch.randint(0, V, (micro_batch, T), generator=g).to(device)
+    x = torch.randn(micro_batch, T, C, generator=g).to(device).requires_grad_()
+    dy = torch.randn(micro_batch, T, C, generator=g).to(device)
+    pos = torch.arange(T, device=device)
+    parts = {"block": lambda: block(x).backward(dy),
+             "embed": lambda: (wte(idx) + wpe(pos)).backward(dy),
+             "head": lambda: linear_cross_entropy(ln_f(x), head, idx).backward()}
+    timer, best = make_timer(device), dict.fromkeys(parts, float("inf"))
+    for i in range(repeats + 1):  # round-robin, so a burst of other load hits every part alike
+        for name, fn in parts.items():
+            t0 = timer.mark()
+            fn()
+            t1 = timer.mark()
+            start, end = timer.seconds([t0, t1])
+            best[name] = min(best[name], end - start) if i else best[name]  # round 0 warms up
+    return StageCosts(**{name: max(1, round(t * 1e9)) for name, t in best.items()})
+
+
+def balanced_split(block_costs: Sequence[int], chunks: int, first: int = 0, last: int = 0) -> list[range]:
+    """Block indices of each of `chunks` consecutive chunks, each >= 1 Block, chunk c costing the sum of its
+    Blocks' `block_costs` plus `first` (c = 0) and `last` (c = chunks - 1): the split of the module docstring
+    (minimal most expensive chunk, then the next, ...; ties: the earlier chunk takes more). Exact, O(C·L²)."""
+    L = len(block_costs)
+    if chunks < 1 or L < chunks:
+        raise ValueError(f"cannot split {L} Blocks into {chunks} non-empty chunks")
+    prefix = [0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(c: int, a: int, b: int) -> int:
+        return prefix[b] - prefix[a] + (first if c == 0 else 0) + (last if c == chunks - 1 else 0)
+
+    # best[a]: for chunks c..C-1 starting at Block a, the key (costs sorted largest first, -sizes) and sizes
+    best: dict[int, tuple[tuple, tuple, tuple[int, ...]]] = {a: (((cost(chunks - 1, a, L),), (a - L,), (L - a,)))
+                                                            for a in range(chunks - 1, L)}
+    for c in range(chunks - 2, -1, -1):
+        best = {a: min((tuple(sorted((cost(c, a, b), *best[b][0]), reverse=True)), (a - b, *best[b][1]),
+                        (b - a, *best[b][2])) for b in range(a + 1, L - (chunks - c - 1) + 1))
+                for a in range(c, L - (chunks - c) + 1)}
+    bounds = [0]
+    for n in best[0][2]:
+        bounds.append(bounds[-1] + n)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def layers_for(config: GPTConfig, pp: int, virtual: int = 1, seq_len: int | None = None,
+               counts: Sequence[int] | None = None, costs: StageCosts | None = None) -> list[range]:
+    """The split a pipeline of `pp` ranks x `virtual` chunks uses: `counts` Blocks per chunk if given (the
+    --pp_layers_per_stage override; `check_counts` first), else `balanced_split` of `costs` (default:
+    `stage_costs` at `seq_len`, itself defaulting to config.block_size)."""
+    chunks = pp * virtual
+    if counts is not None:
+        reason = check_counts(counts, config.n_layer, chunks)
+        if reason:
+            raise ValueError(reason)
+        bounds = [0]
+        for n in counts:
+            bounds.append(bounds[-1] + n)
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    k = costs or stage_costs(config, seq_len or config.block_size)
+    return balanced_split([k.block] * config.n_layer, chunks, k.embed, k.head)
+
+
+def check_counts(counts: Sequence[int], n_layer: int, chunks: int) -> str | None:
+    """Why `counts` (Blocks per chunk) is not a split of n_layer Blocks into `chunks` chunks, or None."""
+    if len(counts) != chunks:
+        return f"gives {len(counts)} counts; the pipeline has P x V = {chunks} chunks, one count each"
+    if min(counts) < 1:
+        return f"gives chunk {list(counts).index(min(counts))} no Block ({min(counts)}); every chunk needs >= 1"
+    if sum(counts) != n_layer:
+        return f"sums to {sum(counts)}, not n_layer ({n_layer})"
+    return None
+
+
+def describe_split(layers: list[range], costs: StageCosts, by: str = "cost",
+                   unit: str = "training FLOPs per token") -> str:
+    """One line: each chunk's Blocks and its cost in `unit` (M = 1e6)."""
+    parts = []
+    for c, r in enumerate(layers):
+        extra = costs.embed * (c == 0) + costs.head * (c == len(layers) - 1)
+        blocks = f"Block {r.start}" if len(r) == 1 else f"Blocks {r.start}-{r.stop - 1}"
+        parts.append(f"chunk {c} {blocks} ({(len(r) * costs.block + extra) / 1e6:.3g}M)")
+    return f"pipeline split by {by} ({unit}): " + ", ".join(parts)
