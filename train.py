@@ -26,6 +26,7 @@ from model import GPT
 from parallel import comm
 from parallel.mesh import Mesh, fused_optimizer, init_distributed
 from parallel.parallelize import Parallelized, parallelize
+from plan.predict import for_run, summary
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Trainer:
     saver: checkpoint.AsyncSaver | None = None  # --async_checkpoint: writes in a background thread
     faults: faults.Faults | None = None  # watchdog, preemption and the test hooks (run() sets it)
     built: dict = field(default_factory=dict)  # what build() measured of the model it made (run() logs it)
+    saved_step: int = 1  # the step whose saved activations are measured (metrics.SavedActivations: one step)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -116,7 +118,8 @@ def train_step(t: Trainer, step: int) -> dict:
     t0 = time.perf_counter()
     batches = [t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
                           args.micro_batch_size) for m in range(plan.grad_accum)]
-    loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
+    with metrics.SavedActivations(t.par.parameter_tensors if step == t.saved_step else None) as saved:
+        loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
     if t.faults is not None:
         t.faults.mid_step(step)  # the test hook that signals a rank mid-step
     if t.scaler:
@@ -135,7 +138,8 @@ def train_step(t: Trainer, step: int) -> dict:
     dt = time.perf_counter() - t0
     state = t.par.state_breakdown(t.optimizer)  # gradients still allocated: the step's true peak state
     t.optimizer.zero_grad(set_to_none=True)
-    return step_metrics(t, step, lr, loss_value, norm_value, dt, state, comm_bytes)
+    m = step_metrics(t, step, lr, loss_value, norm_value, dt, state, comm_bytes)
+    return m if saved.peak is None else {**m, "saved_activation_bytes": saved.peak}
 
 
 def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt: float, state: dict[str, int],
@@ -261,6 +265,11 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
               f"starting fresh", flush=True)
     progress = metrics.Progress(args.max_steps - start, is_main)
     logger.log({"step": start, **t.built})
+    t.saved_step = start + 1
+    predicted = for_run(plan)
+    if predicted is not None:
+        logger.log({"step": 0, "predicted": predicted})
+        progress.write(summary(predicted))
     if start == 0:  # a resumed run skips it: its checkpoint step's eval was logged before the save
         val = evaluate(t)
         logger.log({"step": 0, "val_loss": val})
