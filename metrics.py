@@ -322,9 +322,10 @@ class Logger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, record["step"])
-                elif isinstance(v, dict):
+                elif isinstance(v, dict):  # one level: {"predicted": {...}}'s own dicts are not plotted
                     for kk, vv in v.items():
-                        self.tb.add_scalar(f"{k}/{kk}", vv, record["step"])
+                        if isinstance(vv, (int, float)):
+                            self.tb.add_scalar(f"{k}/{kk}", vv, record["step"])
 
     def close(self) -> None:
         if self.enabled:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from metrics import flops_per_token
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, loss_chunk_rows
 from parallel.context_parallel import cp_p2p_bytes_per_micro_step
 from parallel.ddp import ddp_comm_bytes_per_step
 from parallel.flat_param import FlatLayout, shard_numel
@@ -129,22 +129,22 @@ def state_bytes(s: Setup, pp_rank: int = 0) -> dict[str, int]:
     return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(params)}
 
 
-def stage_blocks(s: Setup, pp_rank: int = 0) -> tuple[int, bool, bool]:
-    """(Blocks this pp rank runs, whether it holds the embeddings (first chunk), the head (last chunk))."""
+def stage_blocks(s: Setup, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
+    """(global indices of the Blocks this pp rank runs, whether it holds the embeddings (the first chunk),
+    whether it holds the head (the last chunk))."""
     if not s.dims.pp_enabled:
-        return s.config.n_layer, True, True
+        return list(range(s.config.n_layer)), True, True
     V = s.args.pp_virtual_stages or 1
     layers = split_layers(s.config.n_layer, s.dims.pp, V)
     chunks = [chunk_of(pp_rank, v, s.dims.pp) for v in range(V)]
-    return sum(len(layers[c]) for c in chunks), 0 in chunks, s.dims.pp * V - 1 in chunks
+    return [i for c in chunks for i in layers[c]], 0 in chunks, s.dims.pp * V - 1 in chunks
 
 
-def recomputed_blocks(s: Setup, blocks: int) -> int:
-    """Blocks of this rank whose forward activation checkpointing re-runs in backward (per micro-step)."""
+def recomputed_blocks(s: Setup, blocks: list[int]) -> int:
+    """How many of `blocks` (global indices) activation checkpointing re-runs in backward, per micro-step: the
+    Blocks parallel.blocks.apply_activation_checkpointing picks (all, or index % ac_every == 0)."""
     ac = s.args.activation_checkpointing
-    if ac == "none":
-        return 0
-    return blocks if ac == "full" else len(range(0, blocks, s.args.ac_every))
+    return sum(ac == "full" or (ac == "selective" and i % s.args.ac_every == 0) for i in blocks)
 
 
 def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]] | None:
@@ -161,8 +161,8 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]] | Non
     redo = recomputed_blocks(s, blocks)
     out = {"tp": {k: v * M for k, v in tp_comm_bytes_per_micro_step(
         c, B, T, d.tp, a.enable_loss_parallelism, a.sequence_parallel, s.compute_bytes, s.residual_bytes, redo,
-        blocks, first, last).items()},
-           "cp": {"p2p": M * cp_p2p_bytes_per_micro_step(blocks, B, a.seq_len, c.n_embd, d.cp, d.tp, s.compute_bytes,
+        len(blocks), first, last).items()},
+           "cp": {"p2p": M * cp_p2p_bytes_per_micro_step(len(blocks), B, a.seq_len, c.n_embd, d.cp, d.tp, s.compute_bytes,
                                                          redo)}}
     if d.pp_enabled:
         shape = (B, T // (d.tp if a.sequence_parallel else 1), c.n_embd)
@@ -241,7 +241,7 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     X = B * T * s.config.n_embd * s.residual_bytes // (s.dims.tp if a.sequence_parallel else 1)  # a Block's input
     ckpt = recomputed_blocks(s, blocks)
     ends = ends_saved_bytes(s, B, T, first, last)
-    held = (blocks - ckpt) * S + ckpt * X
+    held = (len(blocks) - ckpt) * S + ckpt * X
     if a.activation_checkpointing == "full":
         micro = held + max(ends, (S - X) + ends_saved_bytes(s, B, T, first, False))
     else:
@@ -262,16 +262,19 @@ def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
 # ----------------------------------------------------------------------------- peak and time
 
 def largest_transient(s: Setup, pp_rank: int = 0) -> int:
-    """The largest buffer that lives only for part of a step: a ZeRO-3 unit gathered (two are, with prefetch),
-    or the logits of one loss chunk, or a TP all-gather of (B, T, V) logits without loss parallelism."""
+    """The largest buffers that live only for part of a step: two ZeRO-3 units gathered at once (the one running
+    and the prefetched next), or the loss's one chunk of fp32 logits, log-softmax and their gradient (3 x rows
+    x V/tp x 4: model.loss_chunk_rows, docs/metrics.md), or, without loss parallelism, the whole (rows, V)
+    logits a TP chunk all-gathers. An allocator's view: fragmentation and the CUDA context are not in it."""
     a, c = s.args, s.config
     out = 0
     if s.dp_type == "fsdp":
         shard = s.dims.dp_shard * s.dims.cp
         out = 2 * max(shard_numel(n, shard) * shard for n, _ in units(s, pp_rank).values()) * s.param_bytes
-    rows = a.micro_batch_size * a.seq_len // s.dims.cp
-    if s.dims.tp_enabled and not a.enable_loss_parallelism:
-        out = max(out, rows * c.vocab_size * s.compute_bytes)
+    if stage_blocks(s, pp_rank)[2]:
+        rows = min(loss_chunk_rows(c.vocab_size), a.micro_batch_size * a.seq_len // s.dims.cp)
+        vocab = c.vocab_size if s.dims.tp_enabled and not a.enable_loss_parallelism else c.vocab_size // s.dims.tp
+        out = max(out, 3 * rows * vocab * 4)
     return out
 
 
@@ -302,7 +305,7 @@ def step_flops(s: Setup) -> float:
     recomputed Block's forward (a third of its 6N) added under activation checkpointing."""
     n = sum(k for _, k, _ in _local_params(s.config, 1, 1, 1, 0)) - s.config.block_size * s.config.n_embd
     per_token = flops_per_token(s.config, n, s.args.seq_len)
-    redo = recomputed_blocks(s, s.config.n_layer) / s.config.n_layer
+    redo = recomputed_blocks(s, list(range(s.config.n_layer))) / s.config.n_layer
     block_share = 12 * s.config.n_layer * s.config.n_embd ** 2 / max(n, 1)  # the Blocks' part of 6N's N
     per_token *= 1 + redo * block_share / 3
     return per_token * s.args.total_batch_size / s.dims.world_size
