@@ -266,7 +266,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
     progress = metrics.Progress(args.max_steps - start, is_main)
     logger.log({"step": start, **t.built})
     t.saved_step = start + 1
-    predicted = for_run(plan)
+    predicted = for_run(plan) if is_main else None  # rank 0's prediction, which rank 0's records measure
     if predicted is not None:
         logger.log({"step": 0, "predicted": predicted})
         progress.write(summary(predicted))

@@ -114,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"no layout of {a.gpus} GPUs is accepted by train.py for these batch sizes and "
                              f"constraints (try another --micro_batch_size, --total_batch_size or --gpus)")
         budget = cluster.memory * a.headroom
-        # ties (the time model has no per-micro-step cost) go to bigger micro-batches: fewer, larger kernels
+        # ties (the time model has no per-micro-step cost, and hides overlapped traffic) go to bigger
+        # micro-batches (fewer, larger kernels), then to fewer bytes sent
         fits = sorted((c for c in every if c.predicted["peak_memory_bytes"] <= budget),
-                      key=lambda c: (round(c.seconds, 6), -c.setup.args.micro_batch_size))
+                      key=lambda c: (round(c.seconds, 4), -c.setup.args.micro_batch_size,
+                                     sum(c.predicted.get("comm_bytes", {}).values())))
         if a.explain:
             match = [c for c in every if c.name == a.explain]
             if not match:

@@ -87,10 +87,17 @@ def local_params(s: Setup, pp_rank: int = 0) -> list[tuple[str, int, int]]:
     return _local_params(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank)
 
 
+@functools.lru_cache(maxsize=8)
+def _meta_gpt(config: GPTConfig) -> GPT:
+    """The model on meta, built once per config (a PipelineStage only takes references to its modules)."""
+    with torch.device("meta"):
+        return GPT(config)
+
+
 @functools.lru_cache(maxsize=4096)
 def _local_params(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int) -> list[tuple[str, int, int]]:
+    gpt = _meta_gpt(config)
     with torch.device("meta"):
-        gpt = GPT(config)
         module = PipelineStage(gpt, pp_rank, pp, virtual) if pp > 1 else gpt
     out = []
     for name, p in module.named_parameters():
