@@ -104,7 +104,9 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
     sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp}
     bubble = bubble_fraction(s.args.pp_schedule, d.pp, s.grad_accum, s.args.pp_virtual_stages or 1) if d.pp > 1 else 0
     compute = step_flops(s) / (cluster.peak_flops * efficiency) / (1 - bubble)
-    groups = comm_by_group(s) or {}
+    groups = comm_by_group(s)
+    if groups is None:  # no formula for its traffic: unranked (inf), never ahead of a layout whose cost is known
+        return {"compute": step_flops(s) / (cluster.peak_flops * efficiency) / (1 - bubble), "total": float("inf")}
     group_dims = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp_shard" if s.dp_type != "ddp" else "dp_replicate",
                   "dp_replicate": "dp_replicate"}
     group_size = {"tp": d.tp, "cp": d.cp, "pp": 2, "dp": d.dp_shard * d.cp if s.dp_type != "ddp" else d.dp * d.cp,
