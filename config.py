@@ -419,10 +419,12 @@ def resume_checkpoint(out_dir: str, config: GPTConfig, report: bool = True) -> s
     return path
 
 
-def validate(args: argparse.Namespace) -> Plan:
-    """Check the arguments against each other, the environment and the data; raise UsageError.
-    The built-in Shakespeare corpus is prepared here when it is missing (local rank 0 does it)."""
-    rank, local_rank, world_size = env_world()
+def check_layout(args: argparse.Namespace, world_size: int, device: torch.device
+                 ) -> tuple[ParallelDims, GPTConfig, torch.dtype, dict | None, int, tuple[int, ...] | None]:
+    """Every check of the flags against each other and the model that needs no process group, data or out_dir:
+    (dims, model config, dtype, OpenAI's weights or None, micro-steps per step, the pipeline's Blocks per
+    chunk or None). Raises UsageError. The layout
+    planner (plan/) asks it which layouts the trainer accepts, with a world size and device of its choosing."""
     _check_flags(args)
     if world_size % args.pipeline_parallel_size:
         raise UsageError(f"--pipeline_parallel_size {args.pipeline_parallel_size} does not divide the world size "
@@ -431,7 +433,6 @@ def validate(args: argparse.Namespace) -> Plan:
         dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world_size,
                             args.pipeline_parallel_size, args.data_parallel_replicate_size,
                             args.context_parallel_size)
-        device = pick_device(args.device)
     except ValueError as e:
         raise UsageError(str(e)) from None
     dtype = resolve_dtype(args.dtype, device)
@@ -447,9 +448,21 @@ def validate(args: argparse.Namespace) -> Plan:
                          f"= {tokens_per_micro}")
     pp_layers = _check_pipeline(args, dims, config, args.total_batch_size // tokens_per_micro)
     _check_context(args, dims, config, device)
+    return dims, config, dtype, hf_state, args.total_batch_size // tokens_per_micro, pp_layers
+
+
+def validate(args: argparse.Namespace) -> Plan:
+    """Check the arguments against each other, the environment and the data; raise UsageError.
+    The built-in Shakespeare corpus is prepared here when it is missing (local rank 0 does it)."""
+    rank, local_rank, world_size = env_world()
+    try:
+        device = pick_device(args.device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    dims, config, dtype, hf_state, grad_accum, pp_layers = check_layout(args, world_size, device)
     data_dir = _check_data(args, config, local_rank)
     resume_from = _check_out_dir(args, config)
     return Plan(args=args, dims=dims, par=parallel_config(args, dims, dtype, pp_layers), config=config, device=device,
-                dtype=dtype, grad_accum=args.total_batch_size // tokens_per_micro,
+                dtype=dtype, grad_accum=grad_accum,
                 rows=args.total_batch_size // args.seq_len, data_dir=data_dir, rank=rank, hf_state=hf_state,
                 resume_from=resume_from, tf32=use_tf32(device, dtype, args.no_tf32))

@@ -19,9 +19,12 @@ import os
 import resource
 import sys
 import time
-from typing import Callable
+import weakref
+from typing import Callable, Iterable
+from unittest import mock
 
 import torch
+import torch.utils.checkpoint
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -161,6 +164,134 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+# ----------------------------------------------------------------------------- saved activations
+
+class SavedBytes:
+    """Live and peak bytes of distinct non-parameter storages saved for backward while the context is open.
+
+    Each saved tensor is wrapped in a holder whose __del__ runs when autograd drops it (after that node's
+    backward, or when its graph is freed); a storage leaves the count when its last holder goes."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self.live: dict[int, list[int]] = {}  # storage data_ptr -> [holders, nbytes]
+        self.bytes = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t)
+
+    def _pack(self, t: torch.Tensor) -> "_Held":
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.skip:
+            return _Held(t, None, key)
+        if key in self.live:
+            self.live[key][0] += 1
+        else:
+            self.live[key] = [1, storage.nbytes()]
+            self.bytes += storage.nbytes()
+            self.peak = max(self.peak, self.bytes)
+        return _Held(t, self, key)
+
+    def _drop(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.bytes -= entry[1]
+            del self.live[key]
+
+    def __enter__(self) -> "SavedBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Held:
+    """One saved tensor, detached: a saved output must not keep its own grad_fn alive (a cycle)."""
+    __slots__ = ("t", "counter", "key")
+
+    def __init__(self, t: torch.Tensor, counter: SavedBytes | None, key: int):
+        self.t, self.counter, self.key = t.detach(), counter, key
+
+    def __del__(self):
+        if self.counter is not None:
+            self.counter._drop(self.key)
+
+
+class SavedAndRecomputedBytes(SavedBytes):
+    """SavedBytes, plus the tensors a checkpointed Block's recomputation keeps for backward.
+
+    Those never reach our saved_tensors_hooks: torch.utils.checkpoint recomputes under its own
+    `_recomputation_hook` (the innermost hooks win) and holds the results in its frame until backward unpacks
+    them. So while open, this wraps that hook's pack function to count each storage it keeps (distinct,
+    parameters excluded, not already counted as saved) from the moment it is recomputed until it is freed (a
+    weakref finalizer on the storage)."""
+
+    def __enter__(self) -> "SavedAndRecomputedBytes":
+        counter, base = self, torch.utils.checkpoint._recomputation_hook
+        self.recomputed: dict[int, int] = {}  # storage data_ptr -> nbytes
+
+        class Counting(base):
+            def __init__(self, *args):
+                super().__init__(*args)
+                inner = self.pack_hook
+
+                def pack(t: torch.Tensor):
+                    held = inner(t)
+                    counter._recomputed(t.untyped_storage())
+                    return held
+
+                self.pack_hook = pack
+
+        self._patch = mock.patch.object(torch.utils.checkpoint, "_recomputation_hook", Counting)
+        self._patch.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._patch.stop()
+
+    def _recomputed(self, storage) -> None:
+        key = storage.data_ptr()
+        if key in self.skip or key in self.live or key in self.recomputed:
+            return
+        self.recomputed[key] = storage.nbytes()
+        self.bytes += storage.nbytes()
+        self.peak = max(self.peak, self.bytes)
+        weakref.finalize(storage, self._free_recomputed, key)
+
+    def _free_recomputed(self, key: int) -> None:
+        self.bytes -= self.recomputed.pop(key)
+
+
+class SavedActivations:
+    """While open, the peak bytes of distinct non-parameter storages saved for backward, a checkpointed Block's
+    recomputed tensors included (SavedAndRecomputedBytes over saved-tensor hooks). `params` returns
+    the tensors whose storages are parameters right now (a sharding engine regrows its gathered buffers, so
+    they are looked up again at every saved tensor). With params None it measures nothing and
+    costs nothing: `peak` stays None. A Python hook per saved tensor: train.py measures one step only."""
+
+    def __init__(self, params: Callable[[], list[torch.Tensor]] | None):
+        self.params, self.peak, self._inner = params, None, None
+
+    def __enter__(self) -> "SavedActivations":
+        if self.params is not None:
+            params = self.params
+
+            class Counting(SavedAndRecomputedBytes):
+                def _pack(self, t: torch.Tensor):  # looked up afresh: a freed buffer's address may be reused
+                    self.skip = {p.untyped_storage().data_ptr() for p in params()}
+                    return super()._pack(t)
+
+            self._inner = Counting(exclude=params()).__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._inner is not None:
+            self._inner.__exit__(*exc)
+            self.peak = self._inner.peak
+
+
 def read_jsonl(out_dir_or_file: str) -> list[dict]:
     """The records of a run's metrics.jsonl (give the run's directory or the file itself)."""
     path = out_dir_or_file
@@ -201,9 +332,10 @@ class Logger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, record["step"])
-                elif isinstance(v, dict):
+                elif isinstance(v, dict):  # one level: {"predicted": {...}}'s own dicts are not plotted
                     for kk, vv in v.items():
-                        self.tb.add_scalar(f"{k}/{kk}", vv, record["step"])
+                        if isinstance(vv, (int, float)):
+                            self.tb.add_scalar(f"{k}/{kk}", vv, record["step"])
 
     def close(self) -> None:
         if self.enabled:

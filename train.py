@@ -28,6 +28,7 @@ from parallel import comm
 from parallel.mesh import Mesh, fused_optimizer, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 from parallel.pipeline_split import describe_split, layers_for, stage_costs
+from plan.predict import for_run, summary
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Trainer:
     faults: faults.Faults | None = None  # watchdog, preemption and the test hooks (run() sets it)
     built: dict = field(default_factory=dict)  # what build() measured of the model it made (run() logs it)
     tracer: Tracer = field(default_factory=Tracer)  # --trace_step: step S's outputs and gradients (debug/trace.py)
+    saved_step: int = 1  # the step whose saved activations are measured (metrics.SavedActivations: one step)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -120,7 +122,8 @@ def train_step(t: Trainer, step: int) -> dict:
     batches = [t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
                           args.micro_batch_size) for m in range(plan.grad_accum)]
     t.tracer.before_step(t, step)
-    loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
+    with metrics.SavedActivations(t.par.parameter_tensors if step == t.saved_step else None) as saved:
+        loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
     if t.faults is not None:
         t.faults.mid_step(step, t.model)  # the test hooks that signal a rank or perturb a gradient mid-step
     t.tracer.after_backward(t, step)
@@ -140,7 +143,8 @@ def train_step(t: Trainer, step: int) -> dict:
     dt = time.perf_counter() - t0
     state = t.par.state_breakdown(t.optimizer)  # gradients still allocated: the step's true peak state
     t.optimizer.zero_grad(set_to_none=True)
-    return step_metrics(t, step, lr, loss_value, norm_value, dt, state, comm_bytes)
+    m = step_metrics(t, step, lr, loss_value, norm_value, dt, state, comm_bytes)
+    return m if saved.peak is None else {**m, "saved_activation_bytes": saved.peak}
 
 
 def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt: float, state: dict[str, int],
@@ -273,6 +277,11 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
               f"starting fresh", flush=True)
     progress = metrics.Progress(args.max_steps - start, is_main)
     logger.log({"step": start, **t.built})
+    t.saved_step = start + 1
+    predicted = for_run(plan) if is_main else None  # rank 0's prediction, which rank 0's records measure
+    if predicted is not None:
+        logger.log({"step": 0, "predicted": predicted})
+        progress.write(summary(predicted))
     if start == 0:  # a resumed run skips it: its checkpoint step's eval was logged before the save
         val = evaluate(t)
         logger.log({"step": 0, "val_loss": val})

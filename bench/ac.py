@@ -26,66 +26,16 @@ import argparse
 import json
 import os
 import sys
-import weakref
-from unittest import mock
 
 import torch
 import torch.utils.checkpoint
 
-from bench.pipeline import SavedBytes
+from metrics import SavedAndRecomputedBytes  # noqa: F401 -- lives in metrics (train.py uses it)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("none", "full", "selective")
 LAYOUTS = {"single": 1, "fsdp2": 2}  # name -> ranks
 MiB = 2 ** 20
-
-
-# ---- saved activations, recomputation included -------------------------------------------------------
-
-class SavedAndRecomputedBytes(SavedBytes):
-    """SavedBytes, plus the tensors a checkpointed Block's recomputation keeps for backward.
-
-    Those never reach our saved_tensors_hooks: torch.utils.checkpoint recomputes under its own
-    `_recomputation_hook` (the innermost hooks win) and holds the results in its frame until backward unpacks
-    them. So while open, this wraps that hook's pack function to count each storage it keeps (distinct,
-    parameters excluded, not already counted as saved) from the moment it is recomputed until it is freed (a
-    weakref finalizer on the storage)."""
-
-    def __enter__(self) -> "SavedAndRecomputedBytes":
-        counter, base = self, torch.utils.checkpoint._recomputation_hook
-        self.recomputed: dict[int, int] = {}  # storage data_ptr -> nbytes
-
-        class Counting(base):
-            def __init__(self, *args):
-                super().__init__(*args)
-                inner = self.pack_hook
-
-                def pack(t: torch.Tensor):
-                    held = inner(t)
-                    counter._recomputed(t.untyped_storage())
-                    return held
-
-                self.pack_hook = pack
-
-        self._patch = mock.patch.object(torch.utils.checkpoint, "_recomputation_hook", Counting)
-        self._patch.start()
-        return super().__enter__()
-
-    def __exit__(self, *exc) -> None:
-        super().__exit__(*exc)
-        self._patch.stop()
-
-    def _recomputed(self, storage) -> None:
-        key = storage.data_ptr()
-        if key in self.skip or key in self.live or key in self.recomputed:
-            return
-        self.recomputed[key] = storage.nbytes()
-        self.bytes += storage.nbytes()
-        self.peak = max(self.peak, self.bytes)
-        weakref.finalize(storage, self._free_recomputed, key)
-
-    def _free_recomputed(self, key: int) -> None:
-        self.bytes -= self.recomputed.pop(key)
 
 
 def saved_bytes(config, ac: str, every: int, micro_batch: int, seq_len: int) -> tuple[int, int]:

@@ -32,69 +32,15 @@ import os
 import subprocess
 import sys
 import time
-from typing import Iterable
 
 import torch
 
+from metrics import SavedBytes  # noqa: F401 -- measured here; it lives in metrics (train.py uses it too)
 from parallel.pipeline_schedule import B, COMPUTE, F, SCHEDULES, bubble_fraction, simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ("gpipe", "1f1b", "interleaved_1f1b")
 MiB = 2 ** 20
-
-
-# ---- measuring saved activations ---------------------------------------------------------------------
-
-class SavedBytes:
-    """Live and peak bytes of distinct non-parameter storages saved for backward while the context is open.
-
-    Each saved tensor is wrapped in a holder whose __del__ runs when autograd drops it (after that node's
-    backward, or when its graph is freed); a storage leaves the count when its last holder goes."""
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
-        self.live: dict[int, list[int]] = {}  # storage data_ptr -> [holders, nbytes]
-        self.bytes = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t)
-
-    def _pack(self, t: torch.Tensor) -> "_Held":
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.skip:
-            return _Held(t, None, key)
-        if key in self.live:
-            self.live[key][0] += 1
-        else:
-            self.live[key] = [1, storage.nbytes()]
-            self.bytes += storage.nbytes()
-            self.peak = max(self.peak, self.bytes)
-        return _Held(t, self, key)
-
-    def _drop(self, key: int) -> None:
-        entry = self.live[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.bytes -= entry[1]
-            del self.live[key]
-
-    def __enter__(self) -> "SavedBytes":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-
-class _Held:
-    """One saved tensor, detached: a saved output must not keep its own grad_fn alive (a cycle)."""
-    __slots__ = ("t", "counter", "key")
-
-    def __init__(self, t: torch.Tensor, counter: SavedBytes | None, key: int):
-        self.t, self.counter, self.key = t.detach(), counter, key
-
-    def __del__(self):
-        if self.counter is not None:
-            self.counter._drop(self.key)
 
 
 # ---- from timelines to numbers ---------------------------------------------------------------------------
@@ -208,6 +154,7 @@ def plot(raw: dict, rows: list[dict], path: str) -> None:
 def worker(args: argparse.Namespace) -> None:
     """Every rank: each schedule, warm-up steps, barrier, one measured step; rank 0 writes the raw timelines."""
     import torch.distributed as dist
+
     from model import GPT, make_config
     from parallel.pipeline import PipelineRunner, PipelineStage
     from parallel.pipeline_split import layers_for, measure_costs, stage_costs

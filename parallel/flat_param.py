@@ -171,6 +171,12 @@ class _FlatUnit:
                 p.grad.add_(shard_grad[a:b])
 
 
+def shard_numel(numel: int, world: int) -> int:
+    """S, the elements of each rank's shard of a unit of `numel`: padded up to a multiple of N, so the last
+    rank's shard ends in up to N - 1 zeros."""
+    return -(-numel // world)
+
+
 def flatten_unit(gpt: nn.Module, name: str, aliases: list[list[str]], world: int, rank: int,
                  compute_dtype: torch.dtype, device: torch.device, keeps_full: bool) -> _FlatUnit:
     """Flatten and shard the (materialised) parameters named by `aliases`, one [init name, *tied names] list
@@ -186,7 +192,7 @@ def flatten_unit(gpt: nn.Module, name: str, aliases: list[list[str]], world: int
         owners = [(gpt.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in names]
         specs.append(_ParamSpec(names, owners, shape, offset, torch.empty(shape, dtype=compute_dtype, device="meta")))
         offset += shape.numel()
-    S = -(-offset // world)  # padding: the last rank's shard ends in up to N - 1 zeros
+    S = shard_numel(offset, world)
     shard = torch.zeros(S, dtype=torch.float32, device=device)
     for spec in specs:
         a, b, start = _held(spec, rank * S, S)
@@ -241,6 +247,28 @@ class FlatLayout:
             for p in (p for unit in self.units for p, _, _ in unit.pieces):
                 moments += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
         return storage_bytes_by_kind({"params": params, "grads": grads, "optimizer": moments})
+
+    @staticmethod
+    def unit_state_bytes(numel: int, n_decay: int, world: int, rank: int, keeps_params: bool, reduces_at_end: bool,
+                         param_bytes: int = 4, reduce_bytes: int = 4) -> dict[str, int]:
+        """What `state_breakdown` counts for one unit after an optimizer step (the theory, for the planner):
+        of `numel` elements (`n_decay` of them in >= 2-D weights, first), rank `rank` of `world` holds
+        [lo, lo + S) of the padded buffer, S = `shard_numel`, as up to two pieces (decay, no-decay):
+        - params: the fp32 shard, and with `keeps_params` the full padded copy in the compute dtype (in fp32 the
+          shard is a view of it, so only the copy counts);
+        - grads: the fp32 shard gradient (S, one reduced buffer the pieces' .grad view) if it holds a piece;
+          with `reduces_at_end` (ZeRO-1) the full padded buffer in `reduce_bytes`, which in fp32 is itself
+          the shard gradient's storage;
+        - optimizer: AdamW's two fp32 moments per held element and one fp32 step tensor per piece."""
+        S = shard_numel(numel, world)
+        lo = rank * S
+        held = max(0, min(numel, lo + S) - lo)
+        pieces = (min(n_decay, lo + S) > lo) + (min(numel, lo + S) > max(n_decay, lo))
+        params = S * 4 if not keeps_params else S * world * param_bytes + (0 if param_bytes == 4 else S * 4)
+        grads = S * 4 if pieces else 0
+        if reduces_at_end:
+            grads = S * world * reduce_bytes + (grads if reduce_bytes != 4 else 0)
+        return {"params": params, "grads": grads, "optimizer": 8 * held + 4 * pieces}
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The unsharded fp32 state dict, keyed like GPT.state_dict() (tied weight under both names), on

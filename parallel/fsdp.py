@@ -220,12 +220,9 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 
     def _unit_index(self, name: str) -> int:
         """0 for the root, the unit of Block i for transformer.h.i (i + 1 in a whole GPT), the last for a
-        pipeline stage's tied matrix."""
-        if name.startswith("transformer.h."):
-            return self._position[int(name.split(".")[2])]
-        if self._tied_unit and name.rpartition(".")[0] in ("transformer.wte", "lm_head"):
-            return self._n_blocks + 1
-        return 0
+        pipeline stage's tied matrix (`unit_key`)."""
+        key = unit_key(name, self._tied_unit)
+        return 0 if key == "root" else self._n_blocks + 1 if key == "tied" else self._position[int(key.split(".")[2])]
 
     def tied_pieces(self) -> list[nn.Parameter]:
         """This rank's shard pieces of a pipeline stage's tied matrix (empty without one). The first and the
@@ -469,6 +466,16 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "fsdp": 3}
+
+
+def unit_key(name: str, tied_unit: bool) -> str:
+    """The sharding unit parameter `name` belongs to: "transformer.h.<i>" (its Block), "tied" (a pipeline
+    stage's tied matrix, wte or lm_head's copy, when `tied_unit`), or "root" (the rest: wte = lm_head, wpe, ln_f)."""
+    if name.startswith("transformer.h."):
+        return ".".join(name.split(".")[:3])
+    if tied_unit and name.rpartition(".")[0] in ("transformer.wte", "lm_head"):
+        return "tied"
+    return "root"
 
 
 def zero_comm_bytes_per_step(stage: int, root: int, blocks: int, shard: int, replicas: int = 1,

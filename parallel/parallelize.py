@@ -179,6 +179,14 @@ class Parallelized:
             m["pp_peak_in_flight"] = self.pipeline.peak_in_flight
         return m
 
+    def parameter_tensors(self) -> list[torch.Tensor]:
+        """Every tensor holding parameter values right now: the parameters, and a sharding engine's flat
+        buffers (gathered or kept), which its original parameters are views of (metrics.SavedActivations
+        leaves them out of the activations)."""
+        fsdp = self.fsdp
+        return [*self.model.parameters(), *(u.flat for u in fsdp.units)] if fsdp is not None else \
+            list(self.model.parameters())
+
     def make_grad_scaler(self) -> AgreeingGradScaler:
         """fp16's GradScaler whose ranks agree on found-inf (parallel/grads.py)."""
         return AgreeingGradScaler(self.device.type)

@@ -294,8 +294,24 @@ class _Builder:
             materialize_module(module, name, self.config, self.seed, self.device)
 
 
+# which dim of each parameter a style splits over the tp ranks (absent: replicated); the styles below read it,
+# and so does `tp_local_shape` (the layout planner's per-rank shapes)
+SHARD_DIMS: dict[str, dict[str, int]] = {"vocab": {"weight": 0}, "colwise": {"weight": 0, "bias": 0},
+                                         "rowwise": {"weight": 1}, "vocab_head": {"weight": 0}}
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape one tp rank stores of parameter `name` (full `shape`): 1/tp along its style's SHARD_DIMS dim."""
+    module, _, attr = name.rpartition(".")
+    dim = SHARD_DIMS.get(plan_style(module) or "", {}).get(attr)
+    if dim is None or tp == 1:
+        return tuple(shape)
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+
+
 def _vocab(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:
-    return VocabParallelEmbedding(b.shard(f"{name}.weight", m.weight, 0), b.group, b.sequence_parallel)
+    return VocabParallelEmbedding(b.shard(f"{name}.weight", m.weight, SHARD_DIMS["vocab"]["weight"]), b.group,
+                                  b.sequence_parallel)
 
 
 def _position(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:
@@ -309,18 +325,21 @@ def _norm(b: _Builder, name: str, m: nn.LayerNorm) -> nn.Module:
 
 
 def _colwise(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
-    return ColumnParallelLinear(b.shard(f"{name}.weight", m.weight, 0), b.shard(f"{name}.bias", m.bias, 0), b.group)
+    dims = SHARD_DIMS["colwise"]
+    return ColumnParallelLinear(b.shard(f"{name}.weight", m.weight, dims["weight"]),
+                                b.shard(f"{name}.bias", m.bias, dims["bias"]), b.group)
 
 
 def _rowwise(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
-    return RowParallelLinear(b.shard(f"{name}.weight", m.weight, 1), b.replicated(f"{name}.bias", m.bias),
+    return RowParallelLinear(b.shard(f"{name}.weight", m.weight, SHARD_DIMS["rowwise"]["weight"]),
+                             b.replicated(f"{name}.bias", m.bias),
                              b.group, b.sequence_parallel)
 
 
 def _vocab_head(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
     # GPT ties this weight to wte's, already sharded by "vocab": shard() returns that same Parameter.
-    return ColumnParallelLinear(b.shard(f"{name}.weight", m.weight, 0), None, b.group,
-                                gather_output=not b.loss_parallel)
+    return ColumnParallelLinear(b.shard(f"{name}.weight", m.weight, SHARD_DIMS["vocab_head"]["weight"]), None,
+                                b.group, gather_output=not b.loss_parallel)
 
 
 STYLES = {"vocab": _vocab, "position": _position, "norm": _norm, "colwise": _colwise, "rowwise": _rowwise,
@@ -407,7 +426,8 @@ def full_tensor(t: torch.Tensor, shard_dim: int | None, group) -> torch.Tensor:
 
 def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, loss_parallel: bool,
                                  sequence_parallel: bool, dtype_bytes: int = 4,
-                                 residual_bytes: int | None = None, recomputed_blocks: int = 0) -> dict[str, int]:
+                                 residual_bytes: int | None = None, recomputed_blocks: int = 0,
+                                 blocks: int | None = None, first: bool = True, last: bool = True) -> dict[str, int]:
     """Bytes parallel/comm.COUNTER records on one rank for one forward + backward, by kind.
 
     dtype_bytes: element size of matmul outputs (the compute dtype). residual_bytes: that of the residual
@@ -425,19 +445,24 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
       last tensor it saves (mlp.c_proj's input; non-reentrant checkpointing stops there), so its forward
       collectives run again except mlp.c_proj's exit: under SP 2 all-gathers of A(residual) (ln_1, ln_2
       entries) and 1 reduce-scatter of A(dtype) (attn.c_proj), else 1 all-reduce of A(dtype).
+    - a pipeline stage (`blocks` of the Blocks; `first`: it holds the embeddings, `last`: ln_f and the loss):
+      each module it runs costs what it costs in the whole model, and the others nothing (default: the whole
+      model, L Blocks, first and last).
     """
     out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     if tp == 1:
         return out
     residual_bytes = dtype_bytes if residual_bytes is None else residual_bytes
-    C, L, N = config.n_embd, config.n_layer, B * T
-    entries = (2 * L + 1) * N * C * residual_bytes
-    exits = 2 * L * N * C * dtype_bytes + N * C * residual_bytes
+    C, N = config.n_embd, B * T
+    L = config.n_layer if blocks is None else blocks
+    norms = 2 * L + last  # ln_1, ln_2 of each Block, and ln_f
+    entries = norms * N * C * residual_bytes
+    exits = 2 * L * N * C * dtype_bytes + first * N * C * residual_bytes
     if sequence_parallel:
-        out["all_gather"] += entries + exits + T * C * residual_bytes
+        out["all_gather"] += entries + exits + first * T * C * residual_bytes
         out["reduce_scatter"] += entries + exits
         n_bias = 1 if config.bias else 0
-        out["all_reduce"] += ((2 * L + 1) * (1 + n_bias) * C + 2 * L * n_bias * C) * 4
+        out["all_reduce"] += (norms * (1 + n_bias) * C + 2 * L * n_bias * C) * 4
     else:
         out["all_reduce"] += entries + exits
     if sequence_parallel:
@@ -445,6 +470,8 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
         out["reduce_scatter"] += recomputed_blocks * N * C * dtype_bytes
     else:
         out["all_reduce"] += recomputed_blocks * N * C * dtype_bytes
+    if not last:
+        return out
     if loss_parallel:
         out["all_reduce"] += 3 * N * 4
     else:

@@ -1,0 +1,55 @@
+"""The cluster the planner plans for: named GPU presets (their figures cited) and which link each mesh dim uses.
+
+Figures are per GPU. Memory in GiB as the device reports it; peak = dense bf16/fp16 tensor-core FLOP/s (no
+sparsity); intra = NVLink bandwidth per direction (the datasheets quote both directions together: halved here);
+inter = the node's network per GPU per direction, for the usual one NIC per GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    memory: int          # bytes per GPU
+    peak_flops: float    # dense bf16 FLOP/s per GPU
+    intra_bw: float      # bytes/s per GPU per direction inside a node
+    inter_bw: float      # bytes/s per GPU per direction between nodes
+    name: str = "custom"
+
+
+PRESETS: dict[str, dict] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (2021): 40 GB HBM2 / 80 GB HBM2e, BF16 312 TFLOPS dense (624 with
+    # sparsity), NVLink 600 GB/s (bidirectional). Network: DGX A100, 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU.
+    "a100-40gb": dict(memory=40 * GiB, peak_flops=312e12, intra_bw=300e9, inter_bw=25e9),
+    "a100-80gb": dict(memory=80 * GiB, peak_flops=312e12, intra_bw=300e9, inter_bw=25e9),
+    # NVIDIA H100 Tensor Core GPU datasheet (2023), SXM5: 80 GB HBM3, BF16 1,979 TFLOPS with sparsity = 989.4
+    # dense, NVLink 900 GB/s (bidirectional). Network: DGX H100, 8 x 400 Gb/s NDR InfiniBand = 50 GB/s per GPU.
+    "h100-sxm": dict(memory=80 * GiB, peak_flops=989e12, intra_bw=450e9, inter_bw=50e9),
+    # NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: 141 GB HBM3e, BF16 1,979 TFLOPS with sparsity (989 dense),
+    # NVLink 900 GB/s. Network as DGX H100 (DGX H200: 8 x 400 Gb/s).
+    "h200": dict(memory=141 * 10 ** 9, peak_flops=989e12, intra_bw=450e9, inter_bw=50e9),
+}
+
+
+def parse_memory(text: str) -> int:
+    """'80GB', '40GiB', '141e9' -> bytes (GB read as GiB, as nvidia-smi and torch report a GPU's memory)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 2 ** 10, "M": 2 ** 20, "G": GiB, "T": 2 ** 40}.get(t[-1:], 1)
+    value = float(t[:-1] if t[-1:] in "KMGT" else t)
+    return int(value * scale)
+
+
+def link_of(dim: str, sizes: dict[str, int], gpus_per_node: int) -> str:
+    """"intra" or "inter": whether a group of mesh dim `dim` spans nodes. The mesh (parallel/mesh.py) orders
+    dims pp, dp_replicate, dp_shard, cp, tp, tp innermost: a group's ranks are `stride` apart, stride = the
+    product of the inner dims' sizes, so it stays in a node when stride x size <= gpus_per_node."""
+    order = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    stride = 1
+    for d in reversed(order[order.index(dim) + 1:]):
+        stride *= sizes[d]
+    return "intra" if stride * sizes[dim] <= gpus_per_node else "inter"

@@ -1,0 +1,335 @@
+"""What one rank of a layout holds and sends, predicted from the formulas that sit beside the wrappers.
+
+Nothing here is measured and no formula is restated: the per-rank parameter shapes come from the model on meta
+cut by `PipelineStage` and `tensor_parallel.tp_local_shape`; ZeRO/FSDP state from `FlatLayout.unit_state_bytes`
+over `fsdp.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`, `zero_comm_bytes_per_step`,
+`tp_comm_bytes_per_micro_step`, `cp_p2p_bytes_per_micro_step` and `pipeline.p2p_bytes_per_step`; FLOPs from
+metrics.flops_per_token. What is new here is the saved-activation count (`block_saved_bytes`, derived in its
+docstring) and its composition with AC, SP, CP and the pipeline's in-flight bound.
+
+`predict` answers with the keys train.py measures each step (state_bytes, state_bytes_by_kind, comm_bytes,
+saved_activation_bytes, peak_memory_bytes), so a run logs prediction and measurement side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from metrics import flops_per_token
+from model import GPT, GPTConfig, loss_chunk_rows
+from parallel.context_parallel import cp_p2p_bytes_per_micro_step
+from parallel.ddp import ddp_comm_bytes_per_step
+from parallel.flat_param import FlatLayout, shard_numel
+from parallel.fsdp import ZERO_LADDER, ZERO_STAGES, unit_key, zero_comm_bytes_per_step
+from parallel.mesh import ParallelDims
+from parallel.parallelize import activation_dtype
+from parallel.pipeline import PipelineStage, p2p_bytes_per_step
+from parallel.pipeline_schedule import (
+    SCHEDULES,
+    chunk_of,
+    simulate,
+)
+from parallel.pipeline_split import layers_for
+from parallel.tensor_parallel import tp_comm_bytes_per_micro_step, tp_local_shape
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One validated layout, as config.check_layout returns it (the planner's input, and train.py's), with the
+    ParallelConfig config.parallel_config resolves from it (dp_type, param_dtype: the trainer's own rules)."""
+    args: argparse.Namespace
+    dims: ParallelDims
+    config: GPTConfig
+    dtype: torch.dtype
+    grad_accum: int  # M: micro-steps per step (a pipeline's micro-batches)
+    pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (parallel/pipeline_split.py)
+
+    @property
+    def par(self):
+        from config import parallel_config
+        return parallel_config(self.args, self.dims, self.dtype, self.pp_layers)
+
+    @property
+    def dp_type(self) -> str | None:
+        """What wraps the model for data parallelism: None, "ddp" or a ZeRO stage (CP alone means DDP)."""
+        return self.par.dp_type
+
+    @property
+    def compute_bytes(self) -> int:
+        return _size(self.dtype)
+
+    @property
+    def param_bytes(self) -> int:
+        """Element size of a sharding engine's compute copies (None: fp32)."""
+        return _size(self.par.param_dtype or torch.float32)
+
+    @property
+    def reduce_bytes(self) -> int:
+        return _size(self.par.reduce_dtype)
+
+    @property
+    def residual_bytes(self) -> int:
+        """The residual stream's element size (parallelize.activation_dtype)."""
+        return _size(activation_dtype(self.par, "fsdp" if self.dp_type in ZERO_STAGES else None))
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def local_params(s: Setup, pp_rank: int = 0) -> list[tuple[str, int, int]]:
+    """(name, elements, dims) of each distinct parameter one rank of pipeline stage `pp_rank` holds (its tp
+    shard; the tied matrix once, or on a pipeline's last stage the lm_head copy too)."""
+    return _local_params(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank)
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_gpt(config: GPTConfig) -> GPT:
+    """The model on meta, built once per config (a PipelineStage only takes references to its modules)."""
+    with torch.device("meta"):
+        return GPT(config)
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_params(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int) -> list[tuple[str, int, int]]:
+    gpt = _meta_gpt(config)
+    with torch.device("meta"):
+        module = PipelineStage(gpt, pp_rank, pp, virtual) if pp > 1 else gpt
+    out = []
+    for name, p in module.named_parameters():
+        shape = tp_local_shape(name, tuple(p.shape), tp)
+        out.append((name, int(torch.Size(shape).numel()), len(shape)))
+    return out
+
+
+def units(s: Setup, pp_rank: int = 0) -> dict[str, tuple[int, int]]:
+    """The sharding engine's units on this stage: {unit: (elements, elements in >= 2-D weights)}."""
+    tied = s.dims.pp_enabled and any(n.startswith(("transformer.wte", "lm_head")) for n, _, _ in local_params(s, pp_rank))
+    out: dict[str, list[int]] = {"root": [0, 0]}
+    for name, n, ndim in local_params(s, pp_rank):
+        u = out.setdefault(unit_key(name, tied), [0, 0])
+        u[0] += n
+        u[1] += n if ndim >= 2 else 0
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def state_bytes(s: Setup, pp_rank: int = 0) -> dict[str, int]:
+    """{"params", "grads", "optimizer"} bytes after an optimizer step, as Parallelized.state_breakdown counts
+    them: fp32 parameters and gradients and AdamW's two moments + one fp32 step tensor per parameter, each
+    storage once (DDP's gradients are views of its buckets: the same bytes); a ZeRO stage per unit."""
+    if s.dp_type in ZERO_STAGES:
+        policy = ZERO_LADDER[ZERO_STAGES[s.dp_type]]
+        shard = s.dims.dp_shard * s.dims.cp
+        out = dict.fromkeys(("params", "grads", "optimizer"), 0)
+        for numel, n_decay in units(s, pp_rank).values():
+            got = FlatLayout.unit_state_bytes(numel, n_decay, shard, 0, policy.keeps_params, policy.reduces_at_end,
+                                              s.param_bytes, s.reduce_bytes)
+            for k in out:
+                out[k] += got[k]
+        return out
+    params = local_params(s, pp_rank)
+    n = sum(k for _, k, _ in params)
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(params)}
+
+
+def stage_blocks(s: Setup, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
+    """(global indices of the Blocks this pp rank runs, whether it holds the embeddings (the first chunk),
+    whether it holds the head (the last chunk))."""
+    if not s.dims.pp_enabled:
+        return list(range(s.config.n_layer)), True, True
+    V = s.args.pp_virtual_stages or 1
+    layers = layers_for(s.config, s.dims.pp, V, s.args.seq_len, s.pp_layers)
+    chunks = [chunk_of(pp_rank, v, s.dims.pp) for v in range(V)]
+    return [i for c in chunks for i in layers[c]], 0 in chunks, s.dims.pp * V - 1 in chunks
+
+
+def recomputed_blocks(s: Setup, blocks: list[int]) -> int:
+    """How many of `blocks` (global indices) activation checkpointing re-runs in backward, per micro-step: the
+    Blocks parallel.blocks.apply_activation_checkpointing picks (all, or index % ac_every == 0)."""
+    ac = s.args.activation_checkpointing
+    return sum(ac == "full" or (ac == "selective" and i % s.args.ac_every == 0) for i in blocks)
+
+
+def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]] | None:
+    """Payload bytes by group and kind that parallel/comm.COUNTER records on global rank 0 of stage `pp_rank`
+    per step (our wrappers only): groups "tp", "cp", "pp" (the activations and the tied embedding's gradient),
+    "dp" (DDP over dp x cp, or a ZeRO stage's gathers and scatters over dp_shard x cp) and "dp_replicate"
+    (HSDP's all-reduce). None where no formula covers the composition: a sharding engine under a pipeline
+    (it gathers per chunk and micro-batch)."""
+    d, a, c, M = s.dims, s.args, s.config, s.grad_accum
+    if d.pp_enabled and s.dp_type in ZERO_STAGES:
+        return None
+    blocks, first, last = stage_blocks(s, pp_rank)
+    T, B = a.seq_len // d.cp, a.micro_batch_size
+    redo = recomputed_blocks(s, blocks)
+    out = {"tp": {k: v * M for k, v in tp_comm_bytes_per_micro_step(
+        c, B, T, d.tp, a.enable_loss_parallelism, a.sequence_parallel, s.compute_bytes, s.residual_bytes, redo,
+        len(blocks), first, last).items()},
+           "cp": {"p2p": M * cp_p2p_bytes_per_micro_step(len(blocks), B, a.seq_len, c.n_embd, d.cp, d.tp, s.compute_bytes,
+                                                         redo)}}
+    if d.pp_enabled:
+        shape = (B, T // (d.tp if a.sequence_parallel else 1), c.n_embd)
+        out["pp"] = {"p2p": p2p_bytes_per_step(d.pp, a.pp_virtual_stages or 1, pp_rank, M, shape, s.residual_bytes),
+                     # the tied embedding's gradient, all-reduced over [first, last]: this rank's tp shard, fp32
+                     "all_reduce": 4 * c.vocab_size // d.tp * c.n_embd if first or last else 0}
+    if s.dp_type == "ddp":
+        n = sum(k for _, k, _ in local_params(s, pp_rank))
+        out["dp"] = ddp_comm_bytes_per_step(n, d.dp * d.cp, 2 if a.grad_compression == "bf16" else 4)
+    elif s.dp_type in ZERO_STAGES:
+        shard = d.dp_shard * d.cp
+        padded = {u: shard_numel(n, shard) * shard for u, (n, _) in units(s, pp_rank).items()}
+        root = padded.pop("root")
+        zero = zero_comm_bytes_per_step(ZERO_STAGES[s.dp_type], root, sum(padded.values()), shard, d.dp_replicate, M,
+                                        s.param_bytes, s.reduce_bytes)
+        out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
+        out["dp"] = zero
+    return out
+
+
+def comm_bytes(s: Setup, pp_rank: int = 0) -> dict[str, int] | None:
+    """`comm_by_group` summed by kind, as train.py logs comm_bytes (p2p only when there is some)."""
+    groups = comm_by_group(s, pp_rank)
+    if groups is None:
+        return None
+    out = dict.fromkeys(KINDS, 0)
+    for part in groups.values():
+        for k, v in part.items():
+            out[k] += v
+    return {k: v for k, v in out.items() if v or k != "p2p"}
+
+
+# ----------------------------------------------------------------------------- saved activations
+
+def block_saved_bytes(s: Setup, B: int, T: int) -> int:
+    """Bytes one Block's forward saves for backward on one rank, for B rows of T tokens (T: this rank's share
+    under CP), fp32 or autocast, counted tensor by tensor (N = B*T tokens, C = n_embd, p = tp, r = residual
+    bytes, a = compute bytes; each storage once):
+    - ln_1, ln_2: their inputs (N*C*r; N*C*r/p under SP) and fp32 mean and rstd (2*N*4; /p under SP);
+    - q, k, v's Linear input, ln_1's output (N*C*r; gathered whole under SP), likewise c_fc's, ln_2's output;
+    - attention: q, k, v and its output (4*N*C*a/p; c_proj's input is a view of the output) and the fp32
+      log-sum-exp (B*(H/p)*T*4): the fused kernel keeps no (T, T) scores;
+    - the MLP: c_fc's output (GELU's input) and GELU's output (c_proj's input), 4*N*C*a/p each.
+    In fp32 and without TP that is 16*N*C*4 + 16*N + 4*B*H*T bytes. Korthikanti et al.'s 34*s*b*h (+ 5*a*s^2*b)
+    counts fp16 with dropout masks (5*s*b*h) and the materialised attention scores; we have neither."""
+    c, p, sp = s.config, s.dims.tp, s.args.sequence_parallel
+    N, C, r, a = B * T, c.n_embd, s.residual_bytes, s.compute_bytes
+    ln = 2 * ((N * C * r + 2 * N * 4) // (p if sp else 1))
+    ln_out = 2 * N * C * r
+    attn = 4 * N * C * a // p + B * (c.n_head // p) * T * 4
+    mlp = 8 * N * C * a // p
+    return ln + ln_out + attn + mlp
+
+
+def ends_saved_bytes(s: Setup, B: int, T: int, first: bool, last: bool) -> int:
+    """The embeddings (token ids and positions, int64) and the head: ln_f's input, stats and output
+    (lm_head's input: the chunked loss keeps no logits) and the targets (int64)."""
+    C, r = s.config.n_embd, s.residual_bytes
+    out = (B * T * 8 + T * 8) if first else 0
+    if last:
+        out += 2 * B * T * C * r + 2 * B * T * 4 + B * T * 8
+    return out
+
+
+def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """Peak bytes saved for backward on one rank over a step (what metrics' SavedBytes hooks measure):
+    one micro-batch's, or under a pipeline the schedule's most in-flight (chunk, micro-batch) activations
+    (parallel.pipeline_schedule.simulate) times a chunk's. AC keeps a checkpointed Block's input only, and
+    re-runs one Block at a time in backward: `full` peaks there (all inputs + one Block's tensors, the head's
+    freed by then), `selective` at the end of forward (its recomputations come after the Blocks above freed
+    theirs)."""
+    a = s.args
+    B, T = a.micro_batch_size, a.seq_len // s.dims.cp
+    blocks, first, last = stage_blocks(s, pp_rank)
+    S = block_saved_bytes(s, B, T)
+    X = B * T * s.config.n_embd * s.residual_bytes // (s.dims.tp if a.sequence_parallel else 1)  # a Block's input
+    ckpt = recomputed_blocks(s, blocks)
+    ends = ends_saved_bytes(s, B, T, first, last)
+    held = (len(blocks) - ckpt) * S + ckpt * X
+    if a.activation_checkpointing == "full":
+        micro = held + max(ends, (S - X) + ends_saved_bytes(s, B, T, first, False))
+    else:
+        micro = held + ends
+    if not s.dims.pp_enabled:
+        return micro
+    V = a.pp_virtual_stages or 1
+    in_flight = _in_flight(a.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
+    return in_flight * micro // V  # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
+    """Most (chunk, micro-batch) activations each rank holds under `schedule` (the runner's isend: "async")."""
+    return simulate(SCHEDULES[schedule](pp, micro, virtual), pp, virtual, micro, p2p="async").max_in_flight
+
+
+# ----------------------------------------------------------------------------- peak and time
+
+def largest_transient(s: Setup, pp_rank: int = 0) -> int:
+    """The largest buffers that live only for part of a step: two ZeRO-3 units gathered at once (the one running
+    and the prefetched next), or the loss's one chunk of fp32 logits, log-softmax and their gradient (3 x rows
+    x V/tp x 4: model.loss_chunk_rows, docs/metrics.md), or, without loss parallelism, the whole (rows, V)
+    logits a TP chunk all-gathers. An allocator's view: fragmentation and the CUDA context are not in it."""
+    a, c = s.args, s.config
+    out = 0
+    if s.dp_type == "fsdp":
+        shard = s.dims.dp_shard * s.dims.cp
+        out = 2 * max(shard_numel(n, shard) * shard for n, _ in units(s, pp_rank).values()) * s.param_bytes
+    if stage_blocks(s, pp_rank)[2]:
+        rows = min(loss_chunk_rows(c.vocab_size), a.micro_batch_size * a.seq_len // s.dims.cp)
+        vocab = c.vocab_size if s.dims.tp_enabled and not a.enable_loss_parallelism else c.vocab_size // s.dims.tp
+        out = max(out, 3 * rows * vocab * 4)
+    return out
+
+
+def peak_memory_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """state + saved activations + the largest transient (an allocator's peak, not a process's resident set)."""
+    return sum(state_bytes(s, pp_rank).values()) + saved_activation_bytes(s, pp_rank) + largest_transient(s, pp_rank)
+
+
+def predict(s: Setup, pp_rank: int = 0) -> dict:
+    """The keys train.py measures, for global rank 0 of pipeline stage `pp_rank`."""
+    state = state_bytes(s, pp_rank)
+    out = {"state_bytes": sum(state.values()), "state_bytes_by_kind": state,
+           "saved_activation_bytes": saved_activation_bytes(s, pp_rank),
+           "peak_memory_bytes": peak_memory_bytes(s, pp_rank)}
+    comm = comm_bytes(s, pp_rank)
+    if comm is not None and s.dims.world_size > 1:
+        out["comm_bytes"] = comm
+    return out
+
+
+def worst_rank(s: Setup) -> dict:
+    """`predict` for the pipeline stage with the highest peak (the one that decides whether a layout fits)."""
+    return max((predict(s, r) for r in range(s.dims.pp)), key=lambda p: p["peak_memory_bytes"])
+
+
+def step_flops(s: Setup) -> float:
+    """Training FLOPs of one step on one rank: metrics.flops_per_token x the step's tokens / ranks, with a
+    recomputed Block's forward (a third of its 6N) added under activation checkpointing."""
+    n = sum(k for _, k, _ in _local_params(s.config, 1, 1, 1, 0)) - s.config.block_size * s.config.n_embd
+    per_token = flops_per_token(s.config, n, s.args.seq_len)
+    redo = recomputed_blocks(s, list(range(s.config.n_layer))) / s.config.n_layer
+    block_share = 12 * s.config.n_layer * s.config.n_embd ** 2 / max(n, 1)  # the Blocks' part of 6N's N
+    per_token *= 1 + redo * block_share / 3
+    return per_token * s.args.total_batch_size / s.dims.world_size
+
+
+def for_run(plan) -> dict | None:
+    """train.py's prediction for its own layout (rank 0's), or None for --implementation pytorch (its twins'
+    buffers and collectives are torch's, which these formulas do not describe)."""
+    if plan.par.implementation != "custom":
+        return None
+    return predict(Setup(plan.args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers))
+
+
+def summary(p: dict) -> str:
+    """One line for a run's start: predicted state, saved activations, peak and bytes sent per step."""
+    mib = lambda b: f"{b / 2 ** 20:.1f} MiB"  # noqa: E731
+    comm = f", sends {mib(sum(p['comm_bytes'].values()))}/step" if "comm_bytes" in p else ""
+    return (f"predicted (python -m plan): state {mib(p['state_bytes'])}, saved activations "
+            f"{mib(p['saved_activation_bytes'])}, peak {mib(p['peak_memory_bytes'])}{comm}")

@@ -1,0 +1,168 @@
+"""Every layout the trainer accepts for a model on a cluster, each with its predicted bytes and step time.
+
+A candidate is a list of train.py flags; config.check_layout (the trainer's own validation, before any process
+group) decides whether it is accepted, so the planner never offers a layout train.py would refuse.
+
+The step-time model (simple on purpose; it ranks layouts, it does not promise seconds):
+- compute: the rank's FLOPs (predict.step_flops: 6N + 12LHT per token, plus AC's recomputed forwards) at
+  `efficiency` x the GPU's peak, stretched by the pipeline's bubble: / (1 - bubble_fraction);
+- communication: each group's payload (predict.comm_by_group) over its link (cluster.link_of: NVLink inside a
+  node, the network across), times the ring factor of its kind (all-reduce 2(n-1)/n, all-gather and
+  reduce-scatter (n-1)/n, p2p 1);
+- overlap: DDP's and ZeRO-2/3's gradient traffic and ZeRO-3's gathers run behind compute (the wrappers issue
+  them asynchronously, bucket by bucket / unit by unit), so they cost only what exceeds the compute; TP's
+  collectives (on the critical path between matmuls), CP's ring (not overlapped with its own block's kernel
+  here), pipeline p2p and ZeRO-1's end-of-step reduce-scatter are added.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from config import UsageError, check_layout, train_parser
+from parallel.pipeline_schedule import bubble_fraction
+from plan.cluster import Cluster, link_of
+from plan.predict import Setup, comm_by_group, step_flops, worst_rank
+
+RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0}
+OVERLAPPED = ("dp", "dp_replicate")  # gradient (and ZeRO-3 gather) traffic the wrappers issue asynchronously
+
+
+@dataclass
+class Candidate:
+    name: str
+    flags: list[str]
+    setup: Setup
+    predicted: dict
+    seconds: float
+    times: dict
+
+    def torchrun(self, extra: str = "") -> str:
+        n = self.setup.dims.world_size
+        launch = "python" if n == 1 else f"torchrun --nproc_per_node={min(n, 8)}" + (
+            f" --nnodes={n // 8}" if n > 8 else "")
+        return f"{launch} train.py {' '.join(self.flags)}{extra}"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_name(pp: int, schedule: str, virtual: int, dp: int, dp_type: str | None, replicate: int, cp: int, tp: int,
+                ac: str, mb: int) -> str:
+    """e.g. `pp=2(1f1b) dp=4(fsdp,R=2) cp=2 tp=2 ac=full mb=4`: the dims > 1, then AC and the micro-batch."""
+    parts = []
+    if pp > 1:
+        parts.append(f"pp={pp}({schedule}{f',V={virtual}' if virtual > 1 else ''})")
+    if dp_type:
+        parts.append(f"dp={dp}({dp_type}{f',R={replicate}' if replicate > 1 else ''})")
+    if cp > 1:
+        parts.append(f"cp={cp}")
+    if tp > 1:
+        parts.append(f"tp={tp}")
+    return " ".join(parts + [f"ac={ac}", f"mb={mb}"])
+
+
+def flags_for(model_flags: list[str], pp: int, schedule: str, virtual: int, dp: int, dp_type: str | None,
+              replicate: int, cp: int, tp: int, ac: str, mb: int) -> list[str]:
+    f = [*model_flags, "--micro_batch_size", str(mb)]
+    if pp > 1:
+        f += ["--pipeline_parallel_size", str(pp), "--pp_schedule", schedule]
+        f += ["--pp_virtual_stages", str(virtual)] if virtual > 1 else []
+    if dp > 1:
+        f += ["--data_parallel_size", str(dp)]
+    if dp_type and (dp > 1 or dp_type != "ddp"):
+        f += ["--data_parallel_type", dp_type]
+    if replicate > 1:
+        f += ["--data_parallel_replicate_size", str(replicate)]
+    if cp > 1:
+        f += ["--context_parallel_size", str(cp)]
+    if tp > 1:
+        f += ["--tensor_parallel_size", str(tp), "--sequence_parallel", "--enable_loss_parallelism"]
+    if ac != "none":
+        f += ["--activation_checkpointing", ac]
+    return f
+
+
+def accepted(flags: list[str], world: int, device: torch.device) -> Setup | None:
+    """The layout as train.py would validate it (config.check_layout), or None if train.py refuses it."""
+    try:
+        args = train_parser().parse_args([*flags, "--implementation", "custom", "--out_dir", "-"])
+        dims, config, dtype, _, accum, pp_layers = check_layout(args, world, device)
+    except UsageError:
+        return None
+    return Setup(args, dims, config, dtype, accum, pp_layers)
+
+
+def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
+    """Seconds per step by part (the module docstring's model): compute, each group's communication, total."""
+    d = s.dims
+    sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp}
+    bubble = bubble_fraction(s.args.pp_schedule, d.pp, s.grad_accum, s.args.pp_virtual_stages or 1) if d.pp > 1 else 0
+    compute = step_flops(s) / (cluster.peak_flops * efficiency) / (1 - bubble)
+    groups = comm_by_group(s)
+    if groups is None:  # no formula for its traffic: unranked (inf), never ahead of a layout whose cost is known
+        return {"compute": step_flops(s) / (cluster.peak_flops * efficiency) / (1 - bubble), "total": float("inf")}
+    group_dims = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp_shard" if s.dp_type != "ddp" else "dp_replicate",
+                  "dp_replicate": "dp_replicate"}
+    group_size = {"tp": d.tp, "cp": d.cp, "pp": 2, "dp": d.dp_shard * d.cp if s.dp_type != "ddp" else d.dp * d.cp,
+                  "dp_replicate": d.dp_replicate}
+    times = {"compute": compute}
+    for g, kinds in groups.items():
+        n = group_size[g]
+        if n <= 1:
+            continue
+        inter = any(link_of(dim, sizes, cluster.gpus_per_node) == "inter" for dim in
+                    (("dp_replicate", "dp_shard", "cp") if g == "dp" else (group_dims[g],)) if sizes[dim] > 1)
+        bw = cluster.inter_bw if inter else cluster.intra_bw
+        times[g] = sum(v * RING[k](n) for k, v in kinds.items()) / bw
+    hidden = sum(times.get(g, 0) for g in OVERLAPPED) if s.dp_type in ("ddp", "zero2", "fsdp") else 0
+    exposed = sum(v for g, v in times.items() if g != "compute") - hidden
+    times["total"] = max(compute, hidden) + exposed
+    return times
+
+
+def candidates(model_flags: list[str], cluster: Cluster, micro_batches: list[int], constraints: dict,
+               efficiency: float = 0.5) -> list[Candidate]:
+    """Every accepted layout on `cluster.gpus` ranks: pp x schedule x dp type (HSDP with a node's worth of
+    shards) x cp x tp (within a node) x AC x micro-batch, each with its worst stage's prediction and step
+    time. `constraints` pins any of pp, tp, cp, dp_type, ac."""
+    N, G = cluster.gpus, cluster.gpus_per_node
+    device = torch.device("meta")  # check_layout only asks its type (CPU-only refusals); the dtype is explicit
+    out = []
+    for pp, cp, tp in itertools.product(divisors(N), divisors(N), divisors(min(N, G))):
+        if N % (pp * cp * tp) or any(constraints.get(k) not in (None, v) for k, v in (("pp", pp), ("cp", cp), ("tp", tp))):
+            continue
+        dp = N // (pp * cp * tp)
+        schedules = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
+        dp_types = [("ddp", 1), ("zero1", 1), ("zero2", 1), ("fsdp", 1)] if dp * cp > 1 else [(None, 1)]
+        shards_in_node = G // (cp * tp)
+        if dp > shards_in_node > 1 and dp % shards_in_node == 0:
+            dp_types += [(t, dp // shards_in_node) for t in ("zero2", "fsdp")]
+        for (schedule, v), (dp_type, r), ac, mb in itertools.product(schedules, dp_types, ("none", "selective", "full"),
+                                                                     micro_batches):
+            if constraints.get("dp_type") not in (None, dp_type) or constraints.get("ac") not in (None, ac):
+                continue
+            flags = flags_for(model_flags, pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb)
+            s = accepted(flags, N, device)
+            if s is None:
+                continue
+            pred = worst_rank(s)
+            times = step_time(s, cluster, efficiency)
+            out.append(Candidate(layout_name(pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb), flags, s, pred,
+                                 times["total"], times))
+    return out
+
+
+def model_flags(a: argparse.Namespace) -> list[str]:
+    """train.py's model and batch flags from the planner's arguments."""
+    f = ["--model", a.model, "--seq_len", str(a.seq_len), "--total_batch_size", str(a.total_batch_size),
+         "--dtype", a.dtype]
+    for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
+        if getattr(a, k) is not None:
+            f += [f"--{k}", str(getattr(a, k))]
+    return f

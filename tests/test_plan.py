@@ -1,0 +1,155 @@
+"""The layout planner's pure predictions (plan/predict.py) against published points, and `python -m plan`'s
+bad input. No process group, no run: the whole-run comparison with measured bytes is test_plan_runs.py."""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+
+from config import check_layout, train_parser
+from parallel.flat_param import FlatLayout
+from plan import __main__ as cli
+from plan.predict import Setup, block_saved_bytes, state_bytes
+from plan.search import candidates, model_flags
+
+
+def setup(flags: list[str], world: int = 1) -> Setup:
+    args = train_parser().parse_args([*flags, "--implementation", "custom", "--out_dir", "-"])
+    dims, config, dtype, _, accum, pp_layers = check_layout(args, world, torch.device("meta"))
+    return Setup(args, dims, config, dtype, accum, pp_layers)
+
+
+# ----------------------------------------------------------------------------- ZeRO's model states
+
+# Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", section 3.1:
+# mixed-precision Adam keeps "2Ψ + 2Ψ + KΨ = 16Ψ bytes" (fp16 parameters and gradients, K = 12: fp32 parameters,
+# momentum and variance). Figure 1, Ψ = 7.5B, N_d = 64: baseline (2 + 2 + K)Ψ = 120GB; P_os (2 + 2 + K/N_d)Ψ =
+# 31.4GB; P_os+g (2 + (2 + K)/N_d)Ψ = 16.6GB; P_os+g+p (2 + 2 + K)Ψ/N_d = 1.9GB.
+PSI, ND = 7_500_000_000, 64
+
+
+def zero_unit(stage: int, param_bytes: int, reduce_bytes: int) -> int:
+    """Our per-rank model state for one unit of Ψ elements sharded over N_d ranks (rank 0), minus AdamW's fp32
+    step tensor (4 bytes a piece: no counterpart in the paper)."""
+    keeps, at_end = {1: (True, True), 2: (True, False), 3: (False, False)}[stage]
+    got = FlatLayout.unit_state_bytes(PSI, PSI, ND, 0, keeps, at_end, param_bytes, reduce_bytes)
+    return sum(got.values()) - 4
+
+
+def test_zero_paper_baseline_is_16_psi():
+    """DDP in fp32 keeps 4 + 4 + 8 bytes per parameter: the paper's 16Ψ total, split differently (fp32
+    parameters and gradients, which are the master copy, and AdamW's two moments)."""
+    s = setup(["--model", "tiny", "--seq_len", "32", "--total_batch_size", "64", "--micro_batch_size", "2"])
+    n = sum(p.numel() for p in _gpt(s).parameters())
+    tensors = len(list(_gpt(s).parameters()))
+    assert sum(state_bytes(s).values()) == 16 * n + 4 * tensors
+    assert 16 * PSI == 120 * 10 ** 9
+
+
+def test_zero_paper_stage_3_is_16_psi_over_nd():
+    """ZeRO-3 (our fsdp): every state 1/N_d, 16Ψ/N_d = 1.875GB (the figure's 1.9GB), with bf16 compute copies too:
+    they exist only while a unit is gathered."""
+    assert zero_unit(3, 2, 2) == zero_unit(3, 4, 4) == 16 * PSI // ND == 1_875_000_000
+
+
+def test_zero_paper_stages_1_and_2_differ_by_our_fp32_shard_gradient():
+    """With bf16 compute copies (2Ψ) ZeRO-2 is the paper's P_os+g, 2Ψ + 14Ψ/N_d = 16.64GB (16.6GB), plus 2Ψ/N_d:
+    our reduced shard gradient is fp32 (4 bytes, the optimizer steps on it), the paper's fp16 (2). ZeRO-1 with
+    bf16 reduction keeps the full gradient in bf16 (2Ψ), the paper's P_os 4Ψ + 12Ψ/N_d = 31.41GB (31.4GB), plus
+    our fp32 shard gradient 4Ψ/N_d (the paper's fp16 gradients are not sharded at stage 1)."""
+    assert zero_unit(2, 2, 2) == 2 * PSI + 14 * PSI // ND + 2 * PSI // ND
+    assert zero_unit(1, 2, 2) == 4 * PSI + 12 * PSI // ND + 4 * PSI // ND
+    assert round((2 * PSI + 14 * PSI / ND) / 1e9, 1) == 16.6 and round((4 * PSI + 12 * PSI / ND) / 1e9, 1) == 31.4
+
+
+def _gpt(s: Setup):
+    from model import GPT
+    with torch.device("meta"):
+        return GPT(s.config)
+
+
+# ----------------------------------------------------------------------------- Korthikanti et al.'s activations
+
+# Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.1, eq. (1):
+# "Activations memory per layer = sbh(34 + 5as/h)" bytes, 16-bit activations, no parallelism, where 34sbh =
+# attention 11sbh (QKV input 2, Q and K 4, V 2, output projection input 2, its dropout mask 1) + MLP 19sbh (input
+# 2, GELU input 8, GELU output 8, dropout mask 1) + 2 LayerNorms' inputs 4sbh, and 5as^2b the softmax (2), its
+# dropout mask (1) and the scores (2). Eq. (2), tensor parallelism over t: sbh(10 + 24/t + 5as/(ht)).
+# GPT-3 175B: s = 2048, h = 12288, a = 96.
+GPT3 = ["--model", "gpt2", "--n_layer", "96", "--n_head", "96", "--n_embd", "12288", "--block_size", "2048",
+        "--seq_len", "2048", "--total_batch_size", "16384", "--micro_batch_size", "1"]
+
+
+def korthikanti(s: int, b: int, h: int, a: int, t: int = 1) -> float:
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def test_korthikanti_gpt3_layer_without_dropout_or_scores():
+    """Ours in 16-bit (bf16 compute copies under FSDP: residual stream and matmuls in bf16): eq. (1) less what
+    we do not keep, the two dropout masks (2sbh: dropout 0) and the 5as^2b of materialised scores (the fused
+    kernel keeps only its fp32 log-sum-exp, 4abs), plus the LayerNorms' fp32 mean and rstd (16sb), which eq. (1)
+    leaves out. For GPT-3 the scores alone would be 5as/h = 80 sbh, 2.4x the rest."""
+    st = setup([*GPT3, "--dtype", "bfloat16", "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 2)
+    s_, b, h, a = 2048, 1, 12288, 96
+    paper = s_ * b * h * (34 + 5 * a * s_ / h)
+    assert block_saved_bytes(st, b, s_) == paper - 2 * s_ * b * h - 5 * a * s_ * s_ * b + 16 * s_ * b + 4 * a * s_ * b
+
+
+def test_korthikanti_tensor_parallel_term():
+    """Eq. (2) with t = 8: the part that does not shrink with t is 10sbh: the LayerNorms' inputs (4), the
+    QKV and MLP inputs (4), the dropout masks (2); ours keeps the first two, 8sbh (+ the fp32 LayerNorm
+    statistics), and 24sbh/t of sharded matmul activations, exactly as eq. (2)."""
+    t = 8
+    st = setup([*GPT3, "--dtype", "bfloat16", "--data_parallel_size", "2", "--data_parallel_type", "fsdp",
+                "--tensor_parallel_size", str(t)], 2 * t)
+    s_, b, h, a = 2048, 1, 12288, 96
+    ours = block_saved_bytes(st, b, s_)
+    assert ours == korthikanti(s_, b, h, a, t) - 2 * s_ * b * h - 5 * a * s_ * s_ * b // t + 16 * s_ * b \
+        + 4 * (a // t) * s_ * b
+
+
+# ----------------------------------------------------------------------------- the search and its CLI
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+SMALL = ["--model", "tiny", "--seq_len", "64", "--total_batch_size", "1024", "--gpus", "2", "--gpus_per_node", "2",
+         "--micro_batch_size", "4"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--gpu", "b300"], "--gpu 'b300' is not a known preset"),
+    (["--total_batch_size", "1000"], "must be a positive multiple of --seq_len"),
+    (["--micro_batch_size", "3"], "is not divisible by --micro_batch_size 3"),
+    (["--gpu_memory", "1MB"], "nothing fits in 0 GiB per GPU; the smallest layout"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle):
+    code, out, err = run_cli([*SMALL, *argv])
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("python -m plan: error: ") and needle in err, err
+
+
+def test_nothing_fits_names_a_memory_that_fits():
+    """The memory "nothing fits" names is enough: planning again with it finds a layout."""
+    _, _, err = run_cli([*SMALL, "--gpu_memory", "1MB"])
+    need = err.split("needs ")[1].split(" GiB")[0]
+    code, out, _ = run_cli([*SMALL, "--gpu_memory", f"{float(need) + 0.1}GiB"])
+    assert code == 0 and len([line for line in out.splitlines() if line.startswith("| ")]) > 2, out
+
+
+def test_every_candidate_is_accepted_by_the_trainer_and_every_accepted_layout_is_a_candidate():
+    """On 4 ranks with the tiny model: the table's layouts are exactly those config.check_layout accepts among
+    the (pp, dp type, cp, tp, AC) grid, and refused ones (pp=4 > n_layer=2 Blocks) are absent."""
+    a = cli.parser().parse_args(["--model", "tiny", "--seq_len", "64", "--total_batch_size", "2048", "--gpus", "4"])
+    from plan.cluster import Cluster
+    got = candidates(model_flags(a), Cluster(4, 4, 2 ** 40, 1e15, 1e11, 1e10), [2], {})
+    names = {c.name for c in got}
+    assert "dp=4(fsdp) ac=none mb=2" in names and "tp=4 ac=full mb=2" in names
+    assert not any(n.startswith("pp=4") for n in names), "tiny has 2 Blocks: pp=4 is refused by config.py"
+    assert any(n.startswith("pp=2(interleaved_1f1b,V=2)") for n in names) is False  # 2 Blocks: V=2 x pp=2 > 2

@@ -1,0 +1,130 @@
+"""The planner held against runs: for each layout below, train.py's own step-0 record `{"predicted": ...}`
+(plan/predict.py, rank 0) against what rank 0 measured in step 2 (saved activations: step 1), in the same
+metrics.jsonl:
+
+- state_bytes_by_kind and comm_bytes: equal, byte for byte (both are counts: the storages the wrappers hold,
+  the payload parallel/comm.COUNTER recorded);
+- saved_activation_bytes (metrics.SavedActivations' saved-tensor hooks, on the first step only): within 5%. The
+  prediction counts each saved tensor by its shape (plan.predict.block_saved_bytes); the hooks see storages,
+  so what the prediction leaves out (small index and mask tensors of the vocab-parallel embedding and loss,
+  int64 ids) is the whole difference;
+- peak memory is not compared on the CPU: the measured number is the process's resident set (VmHWM), ~0.6 GB
+  of Python and torch against the tiny model's ~50 MB of state, which no allocator model predicts within 15%.
+
+The layouts are bench.sweep's (the tiny GPT with 12 Blocks, 512-token vocabulary, 12 rows of 32 tokens), one
+two steps each, every dim and dp type: one process, DDP, ZeRO-1/2/3, HSDP, TP with and without SP, CP, PP (each
+schedule), their compositions up to 8 ranks, and activation checkpointing. Each is one forked run
+(tests/harness.shared_run), trained once per session. `pytest -s` prints the table.
+"""
+from __future__ import annotations
+
+import unittest
+
+import pytest
+
+from bench import sweep as S
+from metrics import read_jsonl
+from tests.harness import rank0_only, shared_data, shared_run
+
+L = S.Layout
+LAYOUTS: list[tuple[S.Layout, list[str]]] = [
+    (L(), []), (L(), ["--activation_checkpointing", "full"]),
+    (L(dp=2, dp_type="ddp"), []), (L(dp=2, dp_type="zero1"), []), (L(dp=2, dp_type="zero2"), []),
+    (L(dp=2, dp_type="fsdp"), []), (L(dp=2, dp_type="fsdp"), ["--activation_checkpointing", "selective"]),
+    (L(dp=4, dp_type="fsdp", replicate=2), []), (L(dp=4, dp_type="zero1", replicate=2), []),
+    (L(tp=2), []), (L(tp=2, sp=False), []), (L(tp=2), ["--activation_checkpointing", "full"]),
+    (L(cp=2), []), (L(cp=2, dp_type="zero2"), []),
+    (L(pp=2), []), (L(pp=2, dp=2, dp_type="ddp", schedule="gpipe"), []),
+    (L(pp=2, tp=2, schedule="interleaved_1f1b", virtual=2), []), (L(pp=2, dp=2, dp_type="fsdp"), []),
+    (L(dp=2, tp=2, dp_type="fsdp"), []),
+    (L(pp=2, cp=2, tp=2, dp_type="ddp"), []), (L(dp=2, cp=2, tp=2, dp_type="fsdp"), []),
+]
+SAVED_RTOL = 0.05
+# Measured, not yet explained: under TP with --activation_checkpointing full the measured peak is one
+# (B, T, 4C/p) tensor short of the prediction (196224 = 196608 - 384 bytes here, +15.8%). A recompute log of a
+# 2-rank SP Block shows the recomputation holds mlp.c_fc's output but never mlp.c_proj's input (GELU's output,
+# which the forward does save, and the one-process recomputation holds too): the row-parallel c_proj's recompute
+# stops before it. The prediction keeps the one-process rule until that is understood.
+OVER_PREDICTED = {"tp=2 ac=full"}
+
+
+def name(layout: S.Layout, extra: list[str]) -> str:
+    return layout.name + (f" ac={extra[1]}" if extra else "")
+
+
+def records(layout: S.Layout, extra: list[str]) -> tuple[dict, dict]:
+    """(predicted, measured) of the layout's two-step run: step 2's record (the steady state: ZeRO-1/2's
+    all-gather of the updated shards happens from step 2 on; their full copies start current), with step 1's
+    saved_activation_bytes (measured on the first step only)."""
+    out = shared_run([*S.BASE, "--dataset", shared_data(), *layout.flags(), *extra, "--max_steps", "2"],
+                     layout.nproc, name=name(layout, extra).replace(" ", "_"))
+    recs = read_jsonl(out)
+    predicted = next(r["predicted"] for r in recs if "predicted" in r)
+    steps = {r["step"]: r for r in recs if "loss" in r}
+    return predicted, {**steps[2], "saved_activation_bytes": steps[1]["saved_activation_bytes"]}
+
+
+def table(runs: dict[str, tuple[dict, dict]]) -> str:
+    """Measured against predicted, one row per layout (printed by the test; docs/planner.md quotes it)."""
+    rows = ["| layout | state bytes (= predicted) | comm bytes/step (= predicted) | saved act. measured | "
+            "predicted | diff |", "|---|---|---|---|---|---|"]
+    for n, (p, m) in runs.items():
+        got, want = m["saved_activation_bytes"], p["saved_activation_bytes"]
+        comm = sum(m.get("comm_bytes", {}).values())
+        same = "=" if p.get("comm_bytes") and nonzero(p["comm_bytes"]) == nonzero(m.get("comm_bytes", {})) else \
+            ("no formula" if "comm_bytes" in m else "")
+        rows.append(f"| {n} | {m['state_bytes']} {'=' if p['state_bytes'] == m['state_bytes'] else '!='} | "
+                    f"{comm} {same} | {got} | {want} | {100 * (want - got) / got:+.1f}% |")
+    return "\n".join(rows)
+
+
+def nonzero(d: dict) -> dict:
+    return {k: v for k, v in d.items() if v}
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestPredictedAgainstMeasured(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.runs = {name(x, e): records(x, e) for x, e in LAYOUTS}
+        print("\n" + table(cls.runs))
+
+    def test_enough_layouts(self):
+        self.assertGreaterEqual(len(self.runs), 15)
+
+    def test_state_bytes_equal(self):
+        for n, (p, m) in self.runs.items():
+            with self.subTest(n):
+                self.assertEqual(p["state_bytes_by_kind"], m["state_bytes_by_kind"])
+                self.assertEqual(p["state_bytes"], m["state_bytes"])
+
+    def test_comm_bytes_equal(self):
+        """Every layout with a formula for its composition (all but a sharding engine under a pipeline)."""
+        covered = 0
+        for n, (p, m) in self.runs.items():
+            if "comm_bytes" not in m:
+                continue
+            with self.subTest(n):
+                if "comm_bytes" in p:
+                    covered += 1
+                    self.assertEqual(nonzero(p["comm_bytes"]), nonzero(m["comm_bytes"]))
+                else:
+                    self.assertIn("fsdp", n, "only PP x a sharding engine has no comm formula")
+        self.assertGreaterEqual(covered, 15)
+
+    def test_saved_activations_within_5_percent(self):
+        for n, (p, m) in self.runs.items():
+            if n in OVER_PREDICTED:
+                continue
+            with self.subTest(n):
+                got, want = m["saved_activation_bytes"], p["saved_activation_bytes"]
+                self.assertLessEqual(abs(got - want), SAVED_RTOL * got, f"measured {got}, predicted {want}")
+
+    @pytest.mark.xfail(strict=True, reason="see OVER_PREDICTED: fails while the gap is there, passes (and so "
+                                           "fails strict) once the prediction or the recomputation changes")
+    def test_tp_full_ac_saved_activations_within_5_percent(self):
+        for n in OVER_PREDICTED:
+            p, m = self.runs[n]
+            got, want = m["saved_activation_bytes"], p["saved_activation_bytes"]
+            self.assertLessEqual(abs(got - want), SAVED_RTOL * got, f"{n}: measured {got}, predicted {want}")
