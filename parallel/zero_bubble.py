@@ -39,10 +39,13 @@ from torch.overrides import TorchFunctionMode
 
 
 class _InputGradLinear(torch.autograd.Function):
-    """y = F.linear(x, weight, bias); backward: dx only, (x, dy) pushed to the store for W."""
+    """y = F.linear(x, weight, bias); backward: dx only, (x, dy) pushed to the store for W. The parameters come
+    in a tuple, so autograd sees no edge to them: their AccumulateGrad (and the post-accumulate hooks of a
+    data-parallel wrapper) do not run in B; W accumulates."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, store, key):
+    def forward(ctx, x, params, store, key):
+        weight, bias = params
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
         with torch.autocast(kind, enabled=False):
@@ -60,7 +63,7 @@ class _InputGradLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])  # (B·T, out)
         dx = dy2.mm(wc).view(xc.shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         ctx.store.push(ctx.key, ctx.weight, ctx.bias, xc, dy2)
-        return dx, None, None, None, None
+        return dx, None, None, None
 
 
 class _RouteLinears(TorchFunctionMode):
@@ -77,7 +80,7 @@ class _RouteLinears(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             if (id(weight) in self.store.params and weight.requires_grad and x.dim() == 3 and x.is_contiguous()
                     and (bias is None or id(bias) in self.store.params)):
-                return _InputGradLinear.apply(x, weight, bias, self.store, self.key)
+                return _InputGradLinear.apply(x, (weight, bias), self.store, self.key)
         return func(*args, **kwargs)
 
 
