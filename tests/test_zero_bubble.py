@@ -123,7 +123,51 @@ def runner_case(rank: int, pp: int, group, embed_group, m: int) -> dict:
         out[name] = (loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, runner.peak_in_flight)
     (l1, g1, f1), (l2, g2, f2) = out["1f1b"], out["zb_h1"]
     return {"loss_equal": torch.equal(l1, l2), "grads_equal": {n: torch.equal(g1[n], g2[n]) for n in g1},
-            "loss": float(l2), "in_flight": (f1, f2)}
+            "loss": float(l2), "in_flight": (f1, f2), "grads": g1}
+
+
+U32 = 2.0 ** -24
+
+
+def gamma(n: int) -> float:
+    """gamma_n = n u / (1 - n u), fp32: the relative bound of a sum whose terms went through n roundings (Higham 4.4)."""
+    return n * U32 / (1 - n * U32)
+
+
+def v_case(rank: int, group, embed_group, m: int, one: dict[str, torch.Tensor]) -> dict:
+    """zbv and dualpipev on a P = 2 V cut (rank 0: chunks 0 and 3, the tied embedding one parameter; rank 1:
+    chunks 1 and 2, handed over in memory) against `one`, the P = 2 1F1B gradients of the same micro-batches.
+    Every Block, wpe and ln_f gradient sums the same per-micro-batch terms in the same order (each chunk's W's
+    run in micro-batch order): torch.equal. The tied matrix: the V adds e_m (embedding use) and h_m (lm_head use)
+    to one .grad, 2M terms in turn; 1F1B sums M per end and all-reduces the two: both within gamma_2M resp.
+    gamma_(M+1) of the exact sum, so |v - 1f1b| <= (gamma_2M + gamma_(M+1)) sum_m (|e_m| + |h_m|), elementwise,
+    the terms recorded by a hook on the V's tied parameter."""
+    cfg = config()
+    batches = micro_batches(cfg, m)
+    out = {}
+    for name in ("zbv", "dualpipev"):
+        stage = PipelineStage(gpt(), rank, 2, 2, v_shape=True)
+        runner = PipelineRunner(stage, group, embed_group=embed_group)
+        magnitude = torch.zeros(cfg.vocab_size, cfg.n_embd, dtype=torch.float64)
+
+        def record(g: torch.Tensor) -> None:
+            magnitude.add_(g.double().abs())
+
+        hooks = [stage.transformer.wte.weight.register_hook(record)] if stage.first else []
+        loss = runner.step(batches, name)
+        for h in hooks:
+            h.remove()
+        runner.reduce_tied_grads()  # nothing to sum: one rank holds both ends
+        dist.all_reduce(loss, group=group)
+        grads = {n: p.grad for n, p in stage.named_parameters()}
+        tied = "transformer.wte.weight"
+        bound = (gamma(2 * m) + gamma(m + 1)) * magnitude
+        out[name] = {"loss": float(loss), "names": sorted(grads), "tied_copy": runner.tied_weight() is not None,
+                     "equal": [n for n in grads if n != tied and not torch.equal(grads[n], one[n])],
+                     "tied_excess": float(((grads[tied].double() - one[tied].double()).abs() - bound).max())
+                     if tied in grads else None,
+                     "in_flight": runner.peak_in_flight}
+    return out
 
 
 def reference_loss(m: int) -> float:
@@ -154,7 +198,12 @@ class TestZeroBubbleRanks(unittest.TestCase):
     def measure_p2(rank, world):
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank builds both, in this order
         embed = embedding_group([[0, 1], [2, 3]])
-        return runner_case(rank % 2, 2, groups[rank // 2], embed, M_RANKS)
+        got = runner_case(rank % 2, 2, groups[rank // 2], embed, M_RANKS)
+        stages = [None, None]  # both stages' 1F1B gradients: the V cuts the Blocks otherwise
+        dist.all_gather_object(stages, got.pop("grads"), group=groups[rank // 2])
+        one = {n: g for grads in stages for n, g in grads.items() if n != "lm_head.weight"}
+        got["v"] = v_case(rank % 2, groups[rank // 2], embedding_group([[0, 1], [2, 3]], v_shape=True), M_RANKS, one)
+        return got
 
     def check(self, name: str, pp: int) -> None:
         ref = reference_loss(M_RANKS)
@@ -171,6 +220,26 @@ class TestZeroBubbleRanks(unittest.TestCase):
 
     def test_p2_bit_equal_to_1f1b(self):
         self.check("p2", 2)
+
+    def test_v_schedules(self):
+        """zbv and dualpipev at P = 2, M = 8 (v_case derives the bounds): the loss within 1e-5 of one process;
+        rank 0 holds wte, wpe, Block 0, Block 3, ln_f and the tied lm_head as one parameter (no copy, no
+        embedding group), rank 1 Blocks 1 and 2; the held micro-batches are the simulator's (chunk, micro)
+        bound, 4 (zbv) and 5 (dualpipev) on both ranks."""
+        ref = reference_loss(M_RANKS)
+        for rank, got in enumerate(MEASURES["p2"]):
+            for name, v in got["v"].items():
+                with self.subTest(rank=rank, schedule=name):
+                    self.assertLessEqual(abs(v["loss"] - ref), 1e-5 * ref)
+                    self.assertEqual(v["equal"], [])
+                    self.assertFalse(v["tied_copy"])
+                    self.assertEqual(v["in_flight"], {"zbv": 4, "dualpipev": 5}[name])
+                    if rank % 2 == 0:
+                        self.assertLessEqual(v["tied_excess"], 0.0)
+                        self.assertNotIn("lm_head.weight", v["names"])
+                        self.assertIn("transformer.ln_f.weight", v["names"])
+                    else:
+                        self.assertEqual([n for n in v["names"] if not n.startswith("transformer.h.")], [])
 
 
 # ----------------------------------------------------------------------------- whole train.py runs
