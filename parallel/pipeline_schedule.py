@@ -563,10 +563,19 @@ def bubble_fraction(schedule_name: str, pp: int, micro: int, virtual: int = 1) -
     ZB-H1 (Qi et al. 2023, section 3.1): the backward split into B and W, t_F = t_B = t_W; its bubble is
     (P-1)(t_F + t_B - t_W) = P-1 units against M·3 units of work per rank, so (P-1)/(3M+P-1): 1F1B's
     3(P-1) units of fill and drain cut to a third.
+
+    ZB-V and DualPipe-V: the simulator's ideal timeline of the list (each chunk's F = B = W = 1). For M >= 2P
+    both take 6M + P - 1 units (tests/test_pipeline_schedule.py): every rank idles P-1 chunk-F units, the
+    least any list can (the last rank's first F waits for micro-batch 0 to cross P-1 chunks), so
+    (P-1)/(6M+P-1): in units of a whole stage (2 chunks) half of ZB-H1's. DualPipe-V's gain over ZB-V, F and B
+    of two micro-batches overlapped on two streams, is outside this model (its overlapped pairs run in turn).
     """
     if schedule_name not in ALL_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule_name!r}; known: {sorted(ALL_SCHEDULES)}")
     if schedule_name == "zb_h1":  # (P-1)(t_F + t_B - t_W) of idle against M(t_F + t_B + t_W) of work, all = 1
         return (pp - 1) / (3 * micro + pp - 1)
+    if schedule_name in V_SCHEDULES:  # from the list itself: its ideal timeline (unit times, isends)
+        return simulate(ALL_SCHEDULES[schedule_name](pp, micro, 2), pp, 2, micro, p2p="async",
+                        v_shape=True).bubble_fraction
     v = virtual if schedule_name == "interleaved_1f1b" else 1
     return (pp - 1) / (v * micro + pp - 1)

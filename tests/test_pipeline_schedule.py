@@ -22,7 +22,7 @@ from fractions import Fraction
 
 from parallel.pipeline_schedule import (B, F, P2P_MODELS, PAIRINGS, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, W, Action,
                                         ScheduleError, bubble_fraction, chunk_of, gpipe, interleaved_one_f_one_b,
-                                        one_f_one_b, simulate, split_layers, zb_h1)
+                                        one_f_one_b, simulate, split_layers, zb_h1, zbv, dualpipev)
 
 PPS = (2, 3, 4, 8)
 
@@ -245,6 +245,64 @@ class TestZeroBubbleH1(unittest.TestCase):
         sched[1].remove(Action(W, 1, 0))
         with self.assertRaisesRegex(ScheduleError, r"W\(c1,m0\) never runs"):
             simulate(sched, 2, 1, 2, p2p="async")
+
+
+class TestVSchedules(unittest.TestCase):
+    """ZB-V and DualPipe-V on the V layout (rank r holds chunks r and 2P-1-r), P in 2..8, M in {P, P+1, 2P, 4P}
+    as each accepts them (zbv: M >= P; dualpipev: M >= 2P), under every p2p model."""
+
+    def grid(self):
+        for name, least in (("zbv", 1), ("dualpipev", 2)):
+            for p in range(2, 9):
+                for m in (p, p + 1, 2 * p, 4 * p):
+                    if m >= least * p:
+                        yield name, p, m
+
+    def test_layout(self):
+        self.assertEqual([[chunk_of(r, v, 4, v_shape=True) for v in range(2)] for r in range(4)],
+                         [[0, 7], [1, 6], [2, 5], [3, 4]])
+
+    def test_lists_cover_f_b_w_once(self):
+        for name, p, m in self.grid():
+            sched = {"zbv": zbv, "dualpipev": dualpipev}[name](p, m)
+            for kind in (F, B, W):
+                seen = sorted((a.chunk, a.micro) for ops in sched for a in ops if a.kind == kind)
+                self.assertEqual(seen, [(c, i) for c in range(2 * p) for i in range(m)], (name, p, m, kind))
+            for ops in sched:  # each chunk's W's in its B's order
+                for c in {a.chunk for a in ops}:
+                    self.assertEqual([a.micro for a in ops if a.kind == W and a.chunk == c], list(range(m)))
+            # chunks P-1 and P share rank P-1: no message between them
+            self.assertFalse(any(a.kind == SEND_F and a.chunk == p - 1 for a in sched[p - 1]))
+
+    def test_every_p2p_model_and_bubble(self):
+        n = 0
+        for name, p, m in self.grid():
+            sched = {"zbv": zbv, "dualpipev": dualpipev}[name](p, m)
+            for mode in P2P_MODELS:
+                with self.subTest(name=name, pp=p, micro=m, p2p=mode):
+                    res = simulate(sched, p, 2, m, p2p=mode, v_shape=True)
+                    self.assertAlmostEqual(res.bubble_fraction, bubble_fraction(name, p, m, 2))
+                    if m >= 2 * p:
+                        self.assertEqual(res.makespan, 6 * m + p - 1)
+                        self.assertEqual(exact_bubble(res), Fraction(p - 1, 6 * m + p - 1))
+                        # (chunk, micro) held from F to W: 2P (zbv, 1F1B's P stages of activations), 2P+1
+                        self.assertEqual(res.max_in_flight, [2 * p + (name == "dualpipev")] * p)
+                    n += 1
+        self.assertEqual(n, (7 * 4 + 7 * 2) * len(P2P_MODELS))  # zbv: every M of the grid; dualpipev: 2P, 4P
+
+    def test_refusals(self):
+        with self.assertRaisesRegex(ValueError, "zbv needs micro_batches >= pp"):
+            zbv(4, 3)
+        with self.assertRaisesRegex(ValueError, "dualpipev needs micro_batches >= 2 x pp"):
+            dualpipev(4, 7)
+        for fn in (zbv, dualpipev):
+            with self.assertRaisesRegex(ValueError, "two chunks per rank"):
+                fn(2, 8, 3)
+
+    def test_wrong_layout_is_caught(self):
+        """The V lists under the interleaved placement (rank r holding r and r+P) name chunks the rank lacks."""
+        with self.assertRaisesRegex(ScheduleError, "cannot run"):
+            simulate(zbv(2, 4), 2, 2, 4, p2p="async")
 
 
 class TestBrokenSchedules(unittest.TestCase):
