@@ -346,17 +346,18 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
 
 def _check_zero_bubble(args: argparse.Namespace, dims: ParallelDims, micro: int) -> None:
     """The zero-bubble schedules: enough micro-batches (zb_h1, zbv: M >= P; dualpipev: M >= 2P), and the layouts
-    their split backward is built and tested for (parallel/zero_bubble.py: DDP or no data parallelism; eager
-    Blocks; our implementation)."""
+    their split backward is built and tested for (parallel/zero_bubble.py: DDP or no data parallelism, eager
+    Blocks; the PyTorch twin, torch's ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble / ScheduleDualPipeV,
+    without data parallelism)."""
     name, least = args.pp_schedule, 2 * dims.pp if args.pp_schedule == "dualpipev" else dims.pp
     if micro < least:
         raise UsageError(f"--pp_schedule {name} needs the step's micro-batches M = total_batch_size / (micro_batch_size "
                          f"x seq_len x data_parallel_size) = {micro} >= "
                          + (f"2 x --pipeline_parallel_size = {least}" if least > dims.pp
                             else f"--pipeline_parallel_size {dims.pp}"))
-    if args.implementation == "pytorch":
-        raise UsageError(f"--pp_schedule {name} runs on --implementation custom only (our split backward; the "
-                         "PyTorch twin maps gpipe, 1f1b and interleaved_1f1b)")
+    if args.implementation == "pytorch" and dims.dp_enabled:
+        raise UsageError(f"--implementation pytorch --pp_schedule {name} runs without data parallelism here: torch's "
+                         "split backward under its DDP / FSDP2 is not tested; use --implementation custom with ddp")
     if dims.dp_enabled and args.data_parallel_type != "ddp":
         raise UsageError(f"--pp_schedule {name} composes with --data_parallel_type ddp, not "
                          f"{args.data_parallel_type}: our ZeRO/FSDP engine reduce-scatters a unit's gradients at its "

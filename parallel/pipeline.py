@@ -415,14 +415,18 @@ class TorchChunk(nn.Module):
 
 class TorchPipelineRunner(PipelineRunner):
     """PipelineRunner's contract on torch.distributed.pipelining: PipelineStage per local chunk (the same
-    split), ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B. Shapes are given to torch (no shape
+    split), ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, and for the zero-bubble schedules
+    ScheduleInterleavedZeroBubble (zb_h1: one stage per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV (our
+    V cut: torch maps stages to ranks in a V itself); they run on gloo in torch 2.13. Shapes are given to torch (no shape
     inference pass); the example tensors must require grad, or torch sends no gradient back
     (pipelining/_utils.py derives the grad metadata from them). loss_fn is CE / M with scale_grads=False:
     torch's default scale_grads=True divides every .grad by M after the step, which would also divide
     gradient accumulated before it. The tied embedding is summed outside the schedule, as ours.
     Evaluation (`forward_only`) is ours: torch's schedules run training steps."""
 
-    SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+    SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
+    MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zb_h1": "ScheduleInterleavedZeroBubble",
+             "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}  # take a list of stages
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None, *args, **kw):
         super().__init__(stage, group, *args, **kw)
@@ -455,8 +459,9 @@ class TorchPipelineRunner(PipelineRunner):
                 stages.append(TorchStage(self.chunk_modules[c], c, st.n_chunks, self.device, input_args=x,
                                          output_args=out, group=self.group))
             loss_fn = lambda logits, y: st.loss_fn(logits, y) / M  # noqa: E731
-            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[name]
-            self._built[key] = cls(stages if name == "interleaved_1f1b" else stages[0], n_microbatches=M,
+            import torch.distributed.pipelining as pipelining
+            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(name) or getattr(pipelining, self.MULTI[name])
+            self._built[key] = cls(stages if name in self.MULTI else stages[0], n_microbatches=M,
                                    loss_fn=loss_fn, scale_grads=False)
         return self._built[key]
 
