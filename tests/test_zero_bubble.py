@@ -45,8 +45,8 @@ def micro_batches(cfg, m: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def gpt() -> GPT:
-    model = GPT(config())
+def gpt(n_layer: int = N_LAYER) -> GPT:
+    model = GPT(make_config("tiny", n_layer=n_layer, vocab_size=256, block_size=32))
     model.init_weights(SEED)
     return model
 
@@ -54,16 +54,19 @@ def gpt() -> GPT:
 LINEARS = ("c_q", "c_k", "c_v", "c_proj", "c_fc")
 
 
+FAST_LAYERS, FAST_M = 2, 2
+
+
 class TestSplitBackward(unittest.TestCase):
-    """One GPT, M = 3 micro-batches: backward whole (autograd) vs B under the store then W micro-batch by
+    """One 2-Block GPT, M = 2 micro-batches: backward whole (autograd) vs B under the store then W micro-batch by
     micro-batch; every gradient torch.equal."""
 
     def grads(self, split: bool, autocast: bool = False, ac: bool = False) -> tuple[dict, dict]:
-        model = gpt()
+        model = gpt(FAST_LAYERS)
         if ac:
             apply_activation_checkpointing(model, "full", 2)
         store = WeightGradStore(model.parameters())
-        batches = micro_batches(model.config, 3)
+        batches = micro_batches(model.config, FAST_M)
         for m, (x, y) in enumerate(batches):
             with torch.autocast("cpu", torch.bfloat16, enabled=autocast), \
                     (store.defer(m) if split else contextlib.nullcontext()):
@@ -95,10 +98,10 @@ class TestSplitBackward(unittest.TestCase):
     def test_activation_checkpointing_recomputes_once(self):
         AC_COUNTER.reset()
         self.check_equal(ac=True)
-        self.assertEqual(AC_COUNTER.recomputed, 2 * 3 * N_LAYER)  # both runs, 3 micro-batches, each Block once
+        self.assertEqual(AC_COUNTER.recomputed, 2 * FAST_M * FAST_LAYERS)  # both runs, each micro-batch's Blocks once
 
     def test_w_needs_b(self):
-        store = WeightGradStore(gpt().parameters())
+        store = WeightGradStore(gpt(FAST_LAYERS).parameters())
         store.flush((0, 0))  # nothing pushed: a W without its B adds nothing
         self.assertEqual(len(store), 0)
 
