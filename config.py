@@ -77,10 +77,12 @@ def train_parser() -> Parser:
     a("--data_parallel_replicate_size", type=int, default=1, metavar="R",
       help="HSDP: the dp ranks are R replicas x dp/R shards (zero1, zero2, fsdp)")
     a("--pipeline_parallel_size", type=int, default=1, help="degree of pipeline parallelism (stages)")
-    a("--pp_schedule", choices=["gpipe", "1f1b", "interleaved_1f1b"], default="1f1b",
-      help="pipeline schedule; the step's micro-batches are the pipeline's micro-batches")
+    a("--pp_schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"], default="1f1b",
+      help="pipeline schedule; the step's micro-batches are the pipeline's micro-batches (zb_h1, zbv, dualpipev: "
+           "zero-bubble, the backward split into input and weight gradients; zbv and dualpipev cut 2 chunks per "
+           "rank in a V)")
     a("--pp_virtual_stages", type=int, default=None, metavar="V",
-      help="interleaved_1f1b: model chunks per pipeline rank (V > 1)")
+      help="interleaved_1f1b: model chunks per pipeline rank (V > 1); zbv, dualpipev: 2")
     a("--pp_layers_per_stage", default=None, metavar="A,B,...",
       help="Blocks per pipeline chunk, P x V counts in chunk order (default: split by the cost model, "
            "parallel/pipeline_split.py)")
@@ -331,10 +333,10 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
     """The schedule, its virtual stages and the micro-batch count M against the split of n_layer Blocks.
     Returns the split, Blocks per chunk: --pp_layers_per_stage's, else the cost model's at --seq_len
     (parallel/pipeline_split.py); None without a pipeline."""
-    interleaved = args.pp_schedule == "interleaved_1f1b"
-    if args.pp_virtual_stages is not None and not interleaved:
+    interleaved, v_shape = args.pp_schedule == "interleaved_1f1b", args.pp_schedule in ("zbv", "dualpipev")
+    if args.pp_virtual_stages is not None and not (interleaved or v_shape):
         raise UsageError(f"--pp_virtual_stages is for --pp_schedule interleaved_1f1b; {args.pp_schedule} runs "
-                         f"one chunk per pipeline rank")
+                         f"one chunk per pipeline rank (zbv and dualpipev take --pp_virtual_stages 2)")
     if not dims.pp_enabled:
         if args.pp_schedule != "1f1b" or args.pp_virtual_stages is not None:
             raise UsageError("--pp_schedule and --pp_virtual_stages need --pipeline_parallel_size > 1")
@@ -344,9 +346,13 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
     virtual = args.pp_virtual_stages or 1
     if interleaved and virtual < 2:
         raise UsageError("--pp_schedule interleaved_1f1b needs --pp_virtual_stages V > 1 (model chunks per rank)")
+    if v_shape and virtual != 2:
+        raise UsageError(f"--pp_schedule {args.pp_schedule} needs --pp_virtual_stages 2 (two chunks per rank in a V)")
     if config.n_layer < dims.pp * virtual:
         raise UsageError(f"n_layer ({config.n_layer}) < pipeline_parallel_size x virtual stages = {dims.pp} x "
                          f"{virtual}: every pipeline chunk needs at least one Block")
+    if args.pp_schedule in ("zb_h1", "zbv", "dualpipev"):
+        _check_zero_bubble(args, dims, micro)
     if interleaved and micro % dims.pp:
         raise UsageError(f"--pp_schedule interleaved_1f1b needs the step's micro-batches M = total_batch_size / "
                          f"(micro_batch_size x seq_len x data_parallel_size) = {micro} to be a multiple of "
@@ -369,6 +375,30 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
         if reason:
             raise UsageError(f"{flag} {reason}")
     return tuple(len(r) for r in layers_for(config, dims.pp, virtual, args.seq_len, counts))
+
+
+def _check_zero_bubble(args: argparse.Namespace, dims: ParallelDims, micro: int) -> None:
+    """The zero-bubble schedules: enough micro-batches (zb_h1, zbv: M >= P; dualpipev: M >= 2P), and the layouts
+    their split backward is built and tested for (parallel/zero_bubble.py: DDP or no data parallelism, eager
+    Blocks; the PyTorch twin, torch's ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble / ScheduleDualPipeV,
+    without data parallelism)."""
+    name, least = args.pp_schedule, 2 * dims.pp if args.pp_schedule == "dualpipev" else dims.pp
+    if micro < least:
+        raise UsageError(f"--pp_schedule {name} needs the step's micro-batches M = total_batch_size / (micro_batch_size "
+                         f"x seq_len x data_parallel_size) = {micro} >= "
+                         + (f"2 x --pipeline_parallel_size = {least}" if least > dims.pp
+                            else f"--pipeline_parallel_size {dims.pp}"))
+    if args.implementation == "pytorch" and dims.dp_enabled:
+        raise UsageError(f"--implementation pytorch --pp_schedule {name} runs without data parallelism here: torch's "
+                         "split backward under its DDP / FSDP2 is not tested; use --implementation custom with ddp")
+    if dims.dp_enabled and args.data_parallel_type != "ddp":
+        raise UsageError(f"--pp_schedule {name} composes with --data_parallel_type ddp, not "
+                         f"{args.data_parallel_type}: our ZeRO/FSDP engine reduce-scatters a unit's gradients at its "
+                         "backward, before the deferred weight gradients (W) exist")
+    if dims.tp_enabled or dims.cp_enabled or args.compile:
+        raise UsageError(f"--pp_schedule {name} runs with pipeline and data parallelism (ddp) only: its split "
+                         "backward is not yet tested under --tensor_parallel_size, --context_parallel_size or "
+                         "--compile (torch refuses its own input/weight split under compile too)")
 
 
 def _check_data(args: argparse.Namespace, config: GPTConfig, local_rank: int) -> str:

@@ -8,7 +8,7 @@ the same GPT, cut into P·V chunks (n_layer defaults to P·V, one Block per inte
 relative to its own perf_counter just after the barrier and gathered, and the step with the shortest span
 is kept (on a shared machine other load only adds time).
 
-Per rank: busy = sum of its F and B intervals; span = max end - min start of any action over all ranks;
+Per rank: busy = sum of its F, B and W intervals; span = max end - min start of any action over all ranks;
 idle = 1 - busy/span. The schedule's idle (mean over ranks, i.e. 1 - sum busy/(P·span)) sits next to
 `bubble_fraction`, which assumes equal stages and free messages. The Blocks are split as train.py splits
 them, by cost (parallel/pipeline_split.py: FLOPs, or with `--balance time` rank 0's timings of a Block,
@@ -36,7 +36,7 @@ import time
 import torch
 
 from metrics import SavedBytes  # noqa: F401 -- measured here; it lives in metrics (train.py uses it too)
-from parallel.pipeline_schedule import B, COMPUTE, F, SCHEDULES, bubble_fraction, simulate
+from parallel.pipeline_schedule import ALL_SCHEDULES, B, COMPUTE, F, V_SCHEDULES, W, bubble_fraction, simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -59,8 +59,9 @@ def pipeline_rows(raw: dict) -> list[dict]:
     P, M, V = raw["pp"], raw["micro"], raw["virtual"]
     rows = []
     for name, ranks in raw["schedules"].items():
-        v = V if name == "interleaved_1f1b" else 1
-        sim = simulate(SCHEDULES[name](P, M, v), P, v, M, p2p="async")  # the runner uses isend
+        v = chunks_per_rank(name, V)
+        sim = simulate(ALL_SCHEDULES[name](P, M, v), P, v, M, p2p="async",  # the runner uses isend
+                       v_shape=name in V_SCHEDULES)
         busy, span, idle = idle_stats([[(a[0], a[3], a[4]) for a in r["timeline"]] for r in ranks])
         for rank, r in enumerate(ranks):
             dur = {k: [a[4] - a[3] for a in r["timeline"] if a[0] == k] for k in COMPUTE}
@@ -70,8 +71,14 @@ def pipeline_rows(raw: dict) -> list[dict]:
                          "peak_in_flight_theory": sim.max_in_flight[rank],
                          "peak_saved_bytes": r["peak_saved_bytes"],
                          "mean_f_ms": 1e3 * sum(dur[F]) / max(len(dur[F]), 1),
-                         "mean_b_ms": 1e3 * sum(dur[B]) / max(len(dur[B]), 1)})
+                         "mean_b_ms": 1e3 * sum(dur[B]) / max(len(dur[B]), 1),
+                         "mean_w_ms": 1e3 * sum(dur[W]) / max(len(dur[W]), 1)})
     return rows
+
+
+def chunks_per_rank(name: str, virtual: int) -> int:
+    """V of schedule `name` in a run with --virtual `virtual`: interleaved takes it, the V schedules 2."""
+    return virtual if name == "interleaved_1f1b" else 2 if name in V_SCHEDULES else 1
 
 
 def summary(rows: list[dict]) -> dict[str, dict]:
@@ -107,7 +114,7 @@ def markdown(rows: list[dict], cores: int | None = None, split: dict[str, list[i
 
 
 def plot(raw: dict, rows: list[dict], path: str) -> None:
-    """One subplot per schedule: y = rank, x = ms; F blue, B green (darker: the rank's first chunk), micro
+    """One subplot per schedule: y = rank, x = ms; F blue, B green, W orange (darker: the rank's first chunk), micro
     index inside each bar; grey = the rank is not computing."""
     import matplotlib
     matplotlib.use("Agg")
@@ -118,7 +125,7 @@ def plot(raw: dict, rows: list[dict], path: str) -> None:
     span = max(s["span_s"] for s in stats.values()) * 1e3
     fig, axes = plt.subplots(len(names), 1, figsize=(14, 1.0 + 0.55 * P * len(names)), sharex=True,
                              squeeze=False)
-    colours = {F: ("#1f4e9c", "#7fa7e0"), B: ("#1c7a3c", "#8fd19e")}
+    colours = {F: ("#1f4e9c", "#7fa7e0"), B: ("#1c7a3c", "#8fd19e"), W: ("#b35900", "#f0a860")}
     for ax, name in zip(axes[:, 0], names):
         ranks = raw["schedules"][name]
         t0 = min(a[3] for r in ranks for a in r["timeline"])
@@ -139,9 +146,9 @@ def plot(raw: dict, rows: list[dict], path: str) -> None:
         ax.set_yticks(range(P), [f"rank {r}" for r in range(P)])
         ax.set_ylim(P - 0.5, -0.5)  # rank 0 on top, as in the Megatron figure
     axes[-1, 0].set_xlabel("time since the barrier (ms)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*colours[F], *colours[B], "#e4e4e4")]
-    fig.legend(handles, ["F", "F (2nd+ chunk)", "B", "B (2nd+ chunk)", "idle / p2p"], loc="upper right",
-               ncol=5, fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*colours[F], *colours[B], *colours[W], "#e4e4e4")]
+    fig.legend(handles, ["F", "F (2nd+ chunk)", "B", "B (2nd+ chunk)", "W (split)", "W (2nd+ chunk)",
+                         "idle / p2p"], loc="upper right", ncol=7, fontsize=8)
     fig.suptitle(f"Pipeline schedules measured: P={P}, M={raw['micro']} (bar label: micro-batch)", x=0.02,
                  ha="left", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
@@ -177,13 +184,13 @@ def worker(args: argparse.Namespace) -> None:
         dist.broadcast_object_list(costs, src=0)
     raw["costs"] = dict(vars(costs[0]))  # FLOPs per token, or nanoseconds per micro-batch
     for name in args.schedules.split(","):
-        v = args.virtual if name == "interleaved_1f1b" else 1
+        v = chunks_per_rank(name, args.virtual)
         counts = tuple(int(n) for n in args.layers_per_stage.split(",")) if args.layers_per_stage and v == 1 else None
         counts = tuple(len(r) for r in layers_for(cfg, P, v, counts=counts, costs=costs[0]))
         raw["split"][name] = list(counts)  # Blocks per chunk
         with torch.device("meta"):
             model = GPT(cfg)
-        stage = PipelineStage(model, rank, P, v, counts)
+        stage = PipelineStage(model, rank, P, v, counts, v_shape=name in V_SCHEDULES)
         stage.materialize(seed=0)
         runner = PipelineRunner(stage)
         for _ in range(args.warmup):

@@ -39,7 +39,7 @@ from parallel.fsdp import ZERO_STAGES, FullyShardedDataParallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_
 from parallel.mesh import Mesh, to_device
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
-from parallel.pipeline_schedule import bubble_fraction
+from parallel.pipeline_schedule import V_SCHEDULES, bubble_fraction
 from parallel.protocol import Accumulating, DataParallel, Placement, Replicated, Sharded
 
 
@@ -56,7 +56,7 @@ class ParallelConfig:
     reduce_dtype: torch.dtype = torch.float32  # FSDP: dtype gradients are reduce-scattered in
     bucket_cap_mb: float = 25.0
     grad_compression: str | None = None  # custom DDP: "bf16" on the wire
-    pp_schedule: str = "1f1b"           # pipeline: "gpipe" | "1f1b" | "interleaved_1f1b"
+    pp_schedule: str = "1f1b"           # pipeline: "gpipe" | "1f1b" | "interleaved_1f1b" | "zb_h1" | "zbv" | "dualpipev"
     pp_virtual: int = 1                 # pipeline: model chunks per pp rank (interleaved_1f1b: > 1)
     pp_layers: tuple[int, ...] | None = None  # pipeline: Blocks per chunk (P·V counts); None: the cost model's
     activation_checkpointing: str = "none"  # "none" | "full" | "selective" (every ac_every-th Block)
@@ -222,7 +222,8 @@ class Parallelized:
         """What a pipeline runner takes, from the mesh: the pp group, the tied-embedding group (every rank of the
         world builds every pipeline's, member or not), the activations' dtype and shape between chunks."""
         fsdp = self.fsdp
-        return {"group": self.mesh["pp"].group, "embed_group": embedding_group(self.mesh.pipelines()),
+        v_shape = cfg.pp_schedule in V_SCHEDULES  # one rank holds both ends: no embedding group
+        return {"group": self.mesh["pp"].group, "embed_group": embedding_group(self.mesh.pipelines(), v_shape),
                 "act_dtype": activation_dtype(cfg, self.engine),
                 "seq_shard": self.mesh["tp"].size if cfg.sequence_parallel else 1, "device": self.device,
                 **({"forward": fsdp.run_chunk, "tied": fsdp.tied_pieces()} if fsdp is not None else {})}
@@ -233,7 +234,8 @@ class Parallelized:
 
 def apply_pp(model: GPT, mesh: Mesh, cfg: ParallelConfig, par: Parallelized) -> PipelineStage:
     """Our pipeline stage (parallel/pipeline.py): this pp rank's chunks of the GPT, nothing of the others'."""
-    return PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers)
+    return PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers,
+                         v_shape=cfg.pp_schedule in V_SCHEDULES)
 
 
 def apply_cp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, par: Parallelized) -> nn.Module:
@@ -324,7 +326,7 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
     if engine == "ddp":
         step("ddp")
     at = Placement(tp_group=tp.group, tp_rank=tp.rank, tp_size=tp.size,  # the wrapper sets its replica_rank
-                   lm_head_copy=mesh["pp"].enabled and par.stage.last)
+                   lm_head_copy=mesh["pp"].enabled and par.stage.last and not par.stage.both_ends)
     par.dp = par.dp_wrapper(at, groups) if par.dp_wrapper else Replicated(par.model, at, groups)
     if mesh["pp"].enabled:
         step("runner")
@@ -369,5 +371,5 @@ def materialize(model: nn.Module, seed: int, device: torch.device) -> None:
                 full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
             p.copy_(full)
     t = model.transformer
-    if "wte" in t and hasattr(model, "lm_head") and getattr(model, "pp", 1) == 1:  # re-tie (not a PP copy)
+    if "wte" in t and hasattr(model, "lm_head") and getattr(model, "both_ends", True):  # re-tie (not a PP copy)
         model.lm_head.weight = t.wte.weight

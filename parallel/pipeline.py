@@ -4,15 +4,19 @@ Schedules (which compute runs when, and every SEND/RECV) come from parallel/pipe
 action lists; this module only executes them.
 
 - `PipelineStage`: the part of a GPT that pp rank r of P keeps, for V virtual chunks per rank: the Blocks of
-  chunks r, r+P, ... (`chunk_of`; which Blocks a chunk holds: parallel/pipeline_split.py, by cost or given),
-  plus wte/wpe on chunk 0's rank and ln_f/lm_head on the last chunk's rank. Parameter names stay the GPT's
-  (transformer.h.3.attn.c_q.weight), so optimizer groups and checkpoints map by name.
-- Tied embedding (Megatron's rule): with P > 1 the last stage holds its own copy of the embedding matrix,
-  `lm_head.weight`, initialised under the name transformer.wte.weight, so it starts equal to wte. After each
+  chunks r, r+P, ... (`chunk_of`; the V schedules: r and 2P-1-r; which Blocks a chunk holds:
+  parallel/pipeline_split.py, by cost or given), plus wte/wpe on chunk 0's rank and ln_f/lm_head on the last
+  chunk's rank. Parameter names stay the GPT's (transformer.h.3.attn.c_q.weight), so optimizer groups and
+  checkpoints map by name.
+- Tied embedding (Megatron's rule): when the last chunk sits on another rank than chunk 0, the last stage holds
+  its own copy of the embedding matrix, `lm_head.weight`, initialised under the name transformer.wte.weight, so
+  it starts equal to wte. After each
   backward `PipelineRunner.reduce_tied_grads` all-reduces (SUM) the two gradients over the two-rank embedding
   group [first rank, last rank]; both then hold the one-process gradient of the tied matrix, and with the
-  same optimizer step the copies stay equal. With P == 1 lm_head is tied to wte as in GPT.
-- `PipelineRunner.step`: forward and backward of M micro-batches by the named schedule. Communication:
+  same optimizer step the copies stay equal. Where one rank holds both ends (P == 1, and rank 0 of the V
+  schedules, which holds chunks 0 and 2P-1) lm_head is tied to wte as in GPT: no copy, no embedding group.
+- `PipelineRunner.step`: forward and backward of M micro-batches by the named schedule; a split schedule's B
+  and W (zero-bubble: SPLIT_SCHEDULES) go through a `WeightGradStore` (parallel/zero_bubble.py). Communication:
   point-to-point only (comm.send / comm.recv, counted as "p2p"): per micro-batch and stage boundary one
   activation (mb, T, C) forward and its gradient backward. Shapes are known to both sides, so there is no
   shape handshake.
@@ -21,6 +25,7 @@ Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` -> optimizer 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence
 
 import torch
@@ -32,8 +37,10 @@ from model import GPT, head_output, materialize_module
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import group_timeout, make_timer
-from parallel.pipeline_schedule import B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, chunk_of, rank_of
+from parallel.pipeline_schedule import (ALL_SCHEDULES, B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F,
+                                        SPLIT_SCHEDULES, V_SCHEDULES, W, chunk_of, rank_of)
 from parallel.pipeline_split import layers_for
+from parallel.zero_bubble import WeightGradStore
 
 
 class PipelineStage(nn.Module):
@@ -47,13 +54,17 @@ class PipelineStage(nn.Module):
     (parallel/pipeline_split.layers_for). `self.layers[c]` is chunk c's range of Block indices.
     """
 
-    def __init__(self, model: GPT, rank: int, pp: int, virtual: int = 1, layers: Sequence[int] | None = None):
+    def __init__(self, model: GPT, rank: int, pp: int, virtual: int = 1, layers: Sequence[int] | None = None,
+                 v_shape: bool = False):
         super().__init__()
-        self.config, self.rank, self.pp, self.virtual = model.config, rank, pp, virtual
+        self.config, self.rank, self.pp, self.virtual, self.v_shape = model.config, rank, pp, virtual, v_shape
+        if v_shape and virtual != 2:
+            raise ValueError(f"a V layout has two chunks per rank; got virtual={virtual}")
         self.n_chunks = pp * virtual
         self.layers = layers_for(model.config, pp, virtual, counts=layers)
-        self.chunks = [chunk_of(rank, v, pp) for v in range(virtual)]  # this rank's global chunk indices
+        self.chunks = [chunk_of(rank, v, pp, v_shape) for v in range(virtual)]  # this rank's global chunk indices
         self.first, self.last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
+        self.both_ends = self.first and self.last  # lm_head stays tied to wte here (P == 1; a V's rank 0)
         t = model.transformer
         self.transformer = nn.ModuleDict()
         if self.first:
@@ -62,7 +73,7 @@ class PipelineStage(nn.Module):
         self.transformer["h"] = nn.ModuleDict({str(i): t.h[i] for c in self.chunks for i in self.layers[c]})
         if self.last:
             self.transformer["ln_f"] = t.ln_f
-            if pp == 1:
+            if self.both_ends:
                 self.lm_head = model.lm_head  # tied to wte, as in GPT
             else:
                 w = model.transformer.wte.weight
@@ -81,7 +92,7 @@ class PipelineStage(nn.Module):
         units += [(f"transformer.h.{i}", b) for i, b in t.h.items()]
         if self.last:
             units.append(("transformer.ln_f", t.ln_f))
-            if self.pp > 1:
+            if not self.both_ends:
                 units.append(("lm_head", self.lm_head))  # materialize_module inits it as transformer.wte.weight
         return units
 
@@ -89,7 +100,7 @@ class PipelineStage(nn.Module):
         """Allocate and init this stage's parameters only, one unit at a time (values equal GPT's eager init)."""
         for prefix, module in self.init_units():
             materialize_module(module, prefix, self.config, seed, device)
-        if self.last and self.pp == 1:
+        if self.both_ends:
             self.lm_head.weight = self.transformer.wte.weight
 
     def forward_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,15 +120,16 @@ class PipelineStage(nn.Module):
         return x
 
 
-def embedding_group(pipelines: list[list[int]]) -> dist.ProcessGroup | None:
-    """The two-rank group [first, last] of this rank's pipeline (None if this rank is in neither end, or P==1).
+def embedding_group(pipelines: list[list[int]], v_shape: bool = False) -> dist.ProcessGroup | None:
+    """The two-rank group [first, last] of this rank's pipeline (None if this rank is in neither end, or P==1;
+    and for every rank under a V layout, whose first rank holds both ends: no group is built).
 
     `pipelines` lists every pipeline's global ranks in pp order; every rank of the world must call this with
     the same list, member or not (a middle stage too), because dist.new_group is collective over the whole
     world: on NCCL a new_group that some rank skips hangs the ranks that call it."""
     mine = None
     for ranks in pipelines:
-        if len(ranks) < 2:
+        if len(ranks) < 2 or v_shape:
             continue
         g = dist.new_group([ranks[0], ranks[-1]], timeout=group_timeout())
         if dist.get_rank() in (ranks[0], ranks[-1]):
@@ -126,13 +138,16 @@ def embedding_group(pipelines: list[list[int]]) -> dist.ProcessGroup | None:
 
 
 def p2p_bytes_per_step(pp: int, virtual: int, rank: int, micro: int, shape: tuple[int, ...],
-                       element_size: int = 4) -> int:
-    """Bytes rank `rank` sends per step (theory): every local chunk but the last sends each micro-batch's
-    activation forward, every local chunk but the first sends its input gradient backward."""
+                       element_size: int = 4, v_shape: bool = False) -> int:
+    """Bytes rank `rank` sends per step (theory): every local chunk whose next chunk is on another rank sends
+    each micro-batch's activation forward, every local chunk whose previous one is sends its input gradient
+    backward (none between the V's chunks P-1 and P, both on rank P-1)."""
     if pp == 1:
         return 0
-    chunks = [chunk_of(rank, v, pp) for v in range(virtual)]
-    messages = sum(c < pp * virtual - 1 for c in chunks) + sum(c > 0 for c in chunks)
+    C = pp * virtual
+    chunks = [chunk_of(rank, v, pp, v_shape) for v in range(virtual)]
+    messages = (sum(c < C - 1 and rank_of(c + 1, pp, v_shape) != rank for c in chunks)
+                + sum(c > 0 and rank_of(c - 1, pp, v_shape) != rank for c in chunks))
     n = 1
     for s in shape:
         n *= s
@@ -146,8 +161,9 @@ class PipelineRunner:
     """Runs one rank's action list of a schedule over its `PipelineStage`.
 
     Stores, per micro-batch whose forward ran and whose backward has not: each chunk's input (a leaf) and
-    output (or scaled loss) with its graph; freed at that backward. A sent tensor is held until its send has
-    completed (checked after every action; a forward's send surely has by its backward, which waits on it), so
+    output (or scaled loss) with its graph; freed at that backward. Under a split schedule, from B to W: the
+    (input, output gradient) of each of the chunk's linears (`self.store`). A sent tensor is held until its send
+    has completed (checked after every action; a forward's send surely has by its backward, which waits on it), so
     a rank holds what the schedule bounds (1F1B: P - rank micro-batches), not every micro-batch sent.
     Communicates point-to-point with the neighbouring chunks' ranks in `group` (the pp group; None: the whole
     world) and, in `reduce_tied_grads`, all-reduces the embedding gradient over `embed_group`: the result of
@@ -156,8 +172,9 @@ class PipelineRunner:
 
     After a step: `timeline` is [(action, start, end)] in seconds, one per action (device events on CUDA,
     the host clock on the CPU: parallel.mesh.make_timer); `peak_in_flight` is the most (chunk, micro)
-    activations stored at once; `peak_held_bytes` the most bytes of distinct tensor storages the runner held
-    at once (stored inputs and outputs, received buffers, gradients and activations waiting for or in a send).
+    whose forward ran and whose backward (W, when split) has not, at once; `peak_held_bytes` the most bytes of
+    distinct tensor storages the runner held at once (stored inputs and outputs, received buffers, gradients and
+    activations waiting for or in a send, the (input, output gradient) pairs waiting for W).
     """
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
@@ -181,12 +198,13 @@ class PipelineRunner:
             if stage.pp > 1 and comm.world(group) != dist.get_world_size():
                 raise ValueError("the pp group is not the whole world: pass embed_group=embedding_group(...), "
                                  "built by every rank of the world")
-            embed_group = embedding_group([list(range(stage.pp))]) if stage.pp > 1 else None
+            embed_group = embedding_group([list(range(stage.pp))], stage.v_shape) if stage.pp > 1 else None
         self.embed_group = embed_group
         self.timer = make_timer(self.device)
         self._marks: list[tuple[object, object, object]] = []
         self.peak_in_flight = 0
         self.peak_held_bytes = 0
+        self.store = WeightGradStore(stage.parameters())  # a split schedule's deferred weight gradients
 
     @property
     def timeline(self) -> list[tuple[object, float, float]]:
@@ -203,7 +221,13 @@ class PipelineRunner:
         backward), so summed over ranks the return values are the mean loss; this rank returns its share
         (0 unless it holds the last chunk)."""
         st, M = self.stage, len(micro_batches)
-        actions = SCHEDULES[schedule_name](st.pp, M, st.virtual)[st.rank]
+        if (schedule_name in V_SCHEDULES) != st.v_shape:
+            raise ValueError(f"schedule {schedule_name} needs a stage cut {'in' if not st.v_shape else 'without'} "
+                             "a V (PipelineStage(..., v_shape=True) for zbv and dualpipev)")
+        actions = ALL_SCHEDULES[schedule_name](st.pp, M, st.virtual)[st.rank]
+        split = schedule_name in SPLIT_SCHEDULES
+        defer = self.store.defer if split else (lambda key: contextlib.nullcontext())
+        live: set[tuple[int, int]] = set()  # (c, m) whose F ran and whose B (W, when split) has not
         mb, T = micro_batches[0][0].shape
         device = self.device
         shape = (mb, T // self.seq_shard, st.config.n_embd)
@@ -220,38 +244,46 @@ class PipelineRunner:
             if a.kind == F:
                 x, y = micro_batches[a.micro]
                 inp = x.to(device) if a.chunk == 0 else act_in.pop(key)
-                out = self.forward(a.chunk, inp, y.to(device) if a.chunk == st.n_chunks - 1 else None)
+                with defer(key):
+                    out = self.forward(a.chunk, inp, y.to(device) if a.chunk == st.n_chunks - 1 else None)
                 if a.chunk == st.n_chunks - 1:
                     out = out / M
                     loss += out.detach()
-                elif rank_of(a.chunk + 1, st.pp) == st.rank:  # next chunk is local (P == 1)
+                elif rank_of(a.chunk + 1, st.pp, st.v_shape) == st.rank:  # next chunk is local (P == 1; the V)
                     act_in[(a.chunk + 1, a.micro)] = out.detach().requires_grad_()
                 else:
                     to_send[(SEND_F, *key)] = self._check(out.detach())
                 stored[key] = (inp if a.chunk > 0 else None, out)
-                self.peak_in_flight = max(self.peak_in_flight, len(stored))
+                live.add(key)
+                self.peak_in_flight = max(self.peak_in_flight, len(live))
             elif a.kind == B:
                 inp, out = stored.pop(key)
                 if (SEND_F, *key) in sends:  # the peer's gradient came back, so its copy of out was received
                     sends.pop((SEND_F, *key))[0].wait()
-                if a.chunk == st.n_chunks - 1:
-                    torch.autograd.backward(scale(out) if scale is not None else out)
-                else:
-                    torch.autograd.backward(out, grad_out.pop(key))
+                with defer(key):  # split: the input gradient only (and a checkpointed Block's recompute)
+                    if a.chunk == st.n_chunks - 1:
+                        torch.autograd.backward(scale(out) if scale is not None else out)
+                    else:
+                        torch.autograd.backward(out, grad_out.pop(key))
+                if not split:
+                    live.discard(key)
                 if a.chunk > 0:
-                    if rank_of(a.chunk - 1, st.pp) == st.rank:
+                    if rank_of(a.chunk - 1, st.pp, st.v_shape) == st.rank:
                         grad_out[(a.chunk - 1, a.micro)] = inp.grad
                     else:
                         to_send[(SEND_B, *key)] = self._check(inp.grad.contiguous())
                 del inp, out
+            elif a.kind == W:  # the weight gradients B(c, m) left, in the order of the B's: 1F1B's sums
+                self.store.flush(key)
+                live.discard(key)
             elif a.kind in (SEND_F, SEND_B):
                 t = to_send.pop((a.kind, *key))
-                peer = rank_of(a.chunk + (1 if a.kind == SEND_F else -1), st.pp)
+                peer = rank_of(a.chunk + (1 if a.kind == SEND_F else -1), st.pp, st.v_shape)
                 sends[(a.kind, *key)] = (comm.send(t, peer, self.group), t)
                 del t
             elif a.kind in (RECV_F, RECV_B):
                 buf = torch.empty(shape, dtype=self.act_dtype, device=device)
-                peer = rank_of(a.chunk + (-1 if a.kind == RECV_F else 1), st.pp)
+                peer = rank_of(a.chunk + (-1 if a.kind == RECV_F else 1), st.pp, st.v_shape)
                 comm.recv(buf, peer, self.group).wait()
                 if a.kind == RECV_F:
                     act_in[key] = buf.requires_grad_()  # after the wait: a leaf the chunk's backward fills
@@ -261,18 +293,20 @@ class PipelineRunner:
             self._marks.append((a, t0, self.timer.mark()))
             for done in [k for k, (work, _) in sends.items() if work.is_completed()]:
                 del sends[done]
-            self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(stored, act_in, grad_out, to_send, sends))
+            self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(stored, act_in, grad_out, to_send, sends,
+                                                                        self.store.held()))
         for work, _ in sends.values():
             work.wait()
-        assert not stored and not act_in and not grad_out and not to_send, "schedule left work undone"
+        assert not stored and not act_in and not grad_out and not to_send and not self.store, \
+            "schedule left work undone"
         return loss
 
     def idle_fraction(self) -> float | None:
-        """This rank's share of the last step's span not spent in F or B (its bubble, plus waiting on
+        """This rank's share of the last step's span not spent in F, B or W (its bubble, plus waiting on
         messages), from `timeline`; None before a step."""
         if not self.timeline:
             return None
-        busy = sum(end - start for a, start, end in self.timeline if a.kind in (F, B))
+        busy = sum(end - start for a, start, end in self.timeline if a.kind in COMPUTE)
         span = self.timeline[-1][2] - self.timeline[0][1]
         return 1.0 - busy / span if span > 0 else 0.0
 
@@ -290,19 +324,19 @@ class PipelineRunner:
             loss = torch.zeros((), device=device)
             h = None
             for c in range(st.n_chunks):
-                if rank_of(c, st.pp) != st.rank:
+                if rank_of(c, st.pp, st.v_shape) != st.rank:
                     continue
                 if c == 0:
                     h = x.to(device)
-                elif rank_of(c - 1, st.pp) != st.rank:
+                elif rank_of(c - 1, st.pp, st.v_shape) != st.rank:
                     h = torch.empty(shape, dtype=self.act_dtype, device=device)
-                    comm.recv(h, rank_of(c - 1, st.pp), self.group).wait()
+                    comm.recv(h, rank_of(c - 1, st.pp, st.v_shape), self.group).wait()
                 h = self.forward(c, h, y.to(device) if c == st.n_chunks - 1 else None)
                 if c == st.n_chunks - 1:
                     loss = h.detach().float()
-                elif rank_of(c + 1, st.pp) != st.rank:
+                elif rank_of(c + 1, st.pp, st.v_shape) != st.rank:
                     h = self._check(h.contiguous())
-                    sends.append((comm.send(h, rank_of(c + 1, st.pp), self.group), h))
+                    sends.append((comm.send(h, rank_of(c + 1, st.pp, st.v_shape), self.group), h))
             losses.append(loss)
         for work, _ in sends:
             work.wait()
@@ -316,8 +350,9 @@ class PipelineRunner:
         return t
 
     def tied_weight(self) -> nn.Parameter | None:
-        """This rank's copy of the embedding matrix: wte on the first stage, lm_head's on the last."""
-        if self.stage.pp == 1:
+        """This rank's copy of the embedding matrix: wte on the first stage, lm_head's on the last (None where
+        one rank holds both ends: they are one tied parameter)."""
+        if self.stage.both_ends:
             return None
         return self.stage.transformer.wte.weight if self.stage.first else (
             self.stage.lm_head.weight if self.stage.last else None)
@@ -340,7 +375,7 @@ class PipelineRunner:
         and the last stage's lm_head copy with groups None (scaled, not measured): after reduce_tied_grads it
         equals wte's gradient, which the first stage counts, so the tied matrix counts once and both copies
         are clipped alike."""
-        copy = {"lm_head.weight": None} if self.stage.last and self.stage.pp > 1 else {}
+        copy = {"lm_head.weight": None} if self.stage.last and not self.stage.both_ends else {}
         return norm_items(self.stage.named_parameters(), {**(groups or {}), **copy})
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
@@ -386,14 +421,18 @@ class TorchChunk(nn.Module):
 
 class TorchPipelineRunner(PipelineRunner):
     """PipelineRunner's contract on torch.distributed.pipelining: PipelineStage per local chunk (the same
-    split), ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B. Shapes are given to torch (no shape
+    split), ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, and for the zero-bubble schedules
+    ScheduleInterleavedZeroBubble (zb_h1: one stage per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV (our
+    V cut: torch maps stages to ranks in a V itself); they run on gloo in torch 2.13. Shapes are given to torch (no shape
     inference pass); the example tensors must require grad, or torch sends no gradient back
     (pipelining/_utils.py derives the grad metadata from them). loss_fn is CE / M with scale_grads=False:
     torch's default scale_grads=True divides every .grad by M after the step, which would also divide
     gradient accumulated before it. The tied embedding is summed outside the schedule, as ours.
     Evaluation (`forward_only`) is ours: torch's schedules run training steps."""
 
-    SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+    SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
+    MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zb_h1": "ScheduleInterleavedZeroBubble",
+             "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}  # take a list of stages
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None, *args, **kw):
         super().__init__(stage, group, *args, **kw)
@@ -410,8 +449,7 @@ class TorchPipelineRunner(PipelineRunner):
     def _schedule(self, name: str, M: int, mb: int, T: int):
         key = (name, M, mb, T, torch.is_autocast_enabled(self.device.type))
         if key not in self._built:
-            from torch.distributed.pipelining import (PipelineStage as TorchStage, Schedule1F1B, ScheduleGPipe,
-                                                      ScheduleInterleaved1F1B)
+            from torch.distributed.pipelining import (PipelineStage as TorchStage, Schedule1F1B, ScheduleGPipe)
             st, meta = self.stage, torch.device("meta")
             act = (mb, T // self.seq_shard, st.config.n_embd)
             kind = self.device.type
@@ -426,8 +464,9 @@ class TorchPipelineRunner(PipelineRunner):
                 stages.append(TorchStage(self.chunk_modules[c], c, st.n_chunks, self.device, input_args=x,
                                          output_args=out, group=self.group))
             loss_fn = lambda logits, y: st.loss_fn(logits, y) / M  # noqa: E731
-            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[name]
-            self._built[key] = cls(stages if name == "interleaved_1f1b" else stages[0], n_microbatches=M,
+            import torch.distributed.pipelining as pipelining
+            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(name) or getattr(pipelining, self.MULTI[name])
+            self._built[key] = cls(stages if name in self.MULTI else stages[0], n_microbatches=M,
                                    loss_fn=loss_fn, scale_grads=False)
         return self._built[key]
 

@@ -6,6 +6,10 @@ r, r+P, r+2P, ... (Megatron's interleaving; V = 1 is the plain pipeline).
 
 Actions. `Action(kind, chunk, micro)`; `chunk` is always a chunk of the rank that runs the action:
   F(c, m) / B(c, m)    forward / backward of micro-batch m through chunk c;
+  W(c, m)              the weight gradients of B(c, m), in a split schedule (SPLIT_SCHEDULES): there B is the
+                       gradient w.r.t. the chunk's input only, what the previous chunk waits for, and W the
+                       weight gradients, which nothing waits for (Qi et al. 2023, "Zero Bubble Pipeline
+                       Parallelism"); parallel/zero_bubble.py splits the backward;
   SEND_F(c, m)         chunk c's output to chunk c+1's rank;   matches RECV_F(c+1, m) there;
   RECV_F(c, m)         chunk c's input from chunk c-1's rank;  matches SEND_F(c-1, m);
   SEND_B(c, m)         grad of chunk c's input to chunk c-1;   matches RECV_B(c-1, m) there;
@@ -40,8 +44,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-F, B, SEND_F, RECV_F, SEND_B, RECV_B = "F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE = (F, B)
+F, B, W, SEND_F, RECV_F, SEND_B, RECV_B = "F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+COMPUTE = (F, B, W)
 
 
 class Action(NamedTuple):
@@ -77,12 +81,18 @@ def split_layers(n_layer: int, pp: int, virtual: int = 1) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def chunk_of(rank: int, v: int, pp: int) -> int:
-    """Global index of rank's v-th local chunk (Megatron: rank r holds r, r+P, r+2P, ...)."""
+def chunk_of(rank: int, v: int, pp: int, v_shape: bool = False) -> int:
+    """Global index of rank's v-th local chunk (Megatron: rank r holds r, r+P, r+2P, ...; `v_shape`, the V
+    schedules' two chunks: rank r holds r and 2P-1-r, so rank 0 holds the first and the last)."""
+    if v_shape:
+        return rank if v == 0 else 2 * pp - 1 - rank
     return v * pp + rank
 
 
-def rank_of(chunk: int, pp: int) -> int:
+def rank_of(chunk: int, pp: int, v_shape: bool = False) -> int:
+    """The rank holding `chunk` (`chunk_of`'s inverse)."""
+    if v_shape:
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
     return chunk % pp
 
 
@@ -144,7 +154,164 @@ def interleaved_one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, pairi
     return _with_p2p(order, pp, pairing)
 
 
+def zb_h1(pp: int, micro_batches: int, virtual: int = 1, pairing: str = "ready") -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2023, section 3.1; torch's ScheduleInterleavedZeroBubble with one stage per rank):
+    1F1B's order with the backward split into B (input gradient) and W (weight gradients).
+
+    Rank r runs P-r-1 warm-up forwards, then for i = 0..M-1: F(i + P-r-1) while any is left, B(i), and from
+    i = r on one W (the oldest whose B ran); the last r W's close the list. Deferring rank r's first r W's fills
+    the drain, where rank r would wait r·(t_B) under 1F1B: with t_F = t_B = t_W the bubble is
+    (P-1)(t_F + t_B - t_W) against 1F1B's (P-1)(t_F + t_B + t_W) (`bubble_fraction`). Memory: rank r holds
+    what W(i) needs from F(i) until W(i), at most P micro-batches on every rank (1F1B's rank 0). Needs M >= P.
+    """
+    _check(pp, micro_batches, virtual, need_v1=True)
+    if micro_batches < pp:
+        raise ValueError(f"zb_h1 needs micro_batches >= pp; got micro_batches={micro_batches}, pp={pp}")
+    order = []
+    for r in range(pp):
+        warm = pp - r - 1
+        ops = [Action(F, r, m) for m in range(warm)]
+        w = 0
+        for i in range(micro_batches):
+            if warm + i < micro_batches:
+                ops.append(Action(F, r, warm + i))
+            ops.append(Action(B, r, i))
+            if i >= r:
+                ops.append(Action(W, r, w))
+                w += 1
+        ops += [Action(W, r, m) for m in range(w, micro_batches)]
+        order.append(ops)
+    return _with_p2p(order, pp, pairing)
+
+
+def zbv(pp: int, micro_batches: int, virtual: int = 2, pairing: str = "ready") -> list[list[Action]]:
+    """ZB-V (Qi et al. 2023, section 6; torch's ScheduleZBVZeroBubble, whose order this is): two chunks per rank
+    in a V (rank r holds chunk r on the way down and 2P-1-r on the way up: `chunk_of(..., v_shape=True)`).
+
+    Rank r, with c0 = r and c1 = 2P-1-r: 2(P-r)-1 forwards of c0; r pairs F(c1), F(c0); P-r triples F(c1),
+    B(c1), W(c1); then, while forwards are left, F(c0) B(c0) W(c0) F(c1) B(c1) W(c1); the cool-down runs the
+    remaining B's (c0 and c1 alternating for r rounds, then B(c0) W(c0) for P-r) and the deferred W's of c1,
+    then of c0. As torch, the order is built for max(M, 2P-1) micro-batches and those >= M are dropped. Each
+    chunk's W's follow its B's micro-batch order. Needs M >= P (every rank's warm-up reaches the bottom of the
+    V)."""
+    if virtual != 2:
+        raise ValueError(f"zbv runs two chunks per rank in a V; got virtual={virtual}")
+    _check(pp, micro_batches, virtual)
+    if micro_batches < pp:
+        raise ValueError(f"zbv needs micro_batches >= pp; got micro_batches={micro_batches}, pp={pp}")
+    n = max(2 * pp - 1, micro_batches)
+    order = []
+    for r in range(pp):
+        c0, c1 = r, 2 * pp - 1 - r
+        cnt = {(k, c): 0 for k in (F, B, W) for c in (c0, c1)}
+        ops: list[Action] = []
+
+        def add(kind: str, c: int) -> None:
+            ops.append(Action(kind, c, cnt[kind, c]))
+            cnt[kind, c] += 1
+
+        for _ in range(2 * (pp - r) - 1):
+            add(F, c0)
+        for _ in range(r):
+            add(F, c1), add(F, c0)
+        for _ in range(pp - r):
+            add(F, c1), add(B, c1), add(W, c1)
+        while cnt[F, c1] < cnt[F, c0] or cnt[F, c0] < n:
+            if cnt[F, c0] < n:
+                add(F, c0)
+            add(B, c0), add(W, c0)
+            add(F, c1), add(B, c1), add(W, c1)
+        for _ in range(r):
+            add(B, c0), add(B, c1)
+        for _ in range(pp - r):
+            add(B, c0), add(W, c0)
+        while cnt[W, c1] < cnt[B, c1]:
+            add(W, c1)
+        while cnt[W, c0] < cnt[B, c0]:
+            add(W, c0)
+        order.append([a for a in ops if a.micro < micro_batches])
+    return _with_p2p(order, pp, pairing, v_shape=True)
+
+
+def dualpipev(pp: int, micro_batches: int, virtual: int = 2, pairing: str = "ready") -> list[list[Action]]:
+    """DualPipe-V (DeepSeek-V3's DualPipe on a V: torch's ScheduleDualPipeV, after deepseek-ai/DualPipe, whose
+    order this is). Chunks as `zbv`'s. Steps on rank r, c0 = r, c1 = 2P-1-r:
+    1. 2(P-r-1) F(c0); 2. r+1 pairs F(c0) F(c1); 3. P-r-1 rounds B(c1) W(oldest) F(c1);
+    4. M-2P+r+1 rounds of two overlapped pairs (F(c0) with the whole backward of c1, F(c1) with that of c0;
+       the last rank's first round runs its first pair unoverlapped);
+    5. P-r-1 rounds: whole backward of c1, F(c1) with the whole backward of c0;
+    6. r+1 rounds B(c1) B(c0), whole backwards until halfway, then split (B now, W later);
+    7. P-r-1 rounds W(oldest) B(c0); 8. the remaining W's, oldest first.
+    A whole backward is B then W at once; an overlapped pair is its F then its whole backward (DualPipe overlaps
+    their compute and communication on two streams; here they run one after the other, which the list and the
+    simulator's timeline show as such). Needs M >= 2P (torch's "at least as many microbatches as stages")."""
+    if virtual != 2:
+        raise ValueError(f"dualpipev runs two chunks per rank in a V; got virtual={virtual}")
+    _check(pp, micro_batches, virtual)
+    if micro_batches < 2 * pp:
+        raise ValueError(f"dualpipev needs micro_batches >= 2 x pp; got micro_batches={micro_batches}, pp={pp}")
+    order = []
+    for r in range(pp):
+        c0, c1 = r, 2 * pp - 1 - r
+        cnt = {(k, c): 0 for k in (F, B) for c in (c0, c1)}
+        ops: list[Action] = []
+        weights: list[Action] = []  # split B's whose W is still to run, oldest first
+
+        def add(kind: str, c: int, whole: bool = False) -> None:
+            a = Action(kind, c, cnt[kind, c])
+            cnt[kind, c] += 1
+            ops.append(a)
+            if kind == B:
+                (ops if whole else weights).append(Action(W, c, a.micro))
+
+        def pending_w() -> None:
+            if weights:
+                ops.append(weights.pop(0))
+
+        for _ in range(2 * (pp - r - 1)):
+            add(F, c0)
+        for _ in range(r + 1):
+            add(F, c0), add(F, c1)
+        for _ in range(pp - r - 1):
+            add(B, c1), pending_w(), add(F, c1)
+        for i in range(micro_batches - 2 * pp + r + 1):
+            add(F, c0), add(B, c1, whole=True)
+            add(F, c1), add(B, c0, whole=True)
+        for _ in range(pp - r - 1):
+            add(B, c1, whole=True)
+            add(F, c1), add(B, c0, whole=True)
+        split = False
+        steps = r + 1
+        for i in range(steps):
+            if i == steps // 2 and r % 2 == 1:
+                split = True
+            add(B, c1, whole=not split)
+            if i == steps // 2 and r % 2 == 0:
+                split = True
+            add(B, c0, whole=not split)
+        for _ in range(pp - r - 1):
+            pending_w()
+            add(B, c0, whole=not split)
+        while weights:
+            pending_w()
+        order.append(ops)
+    return _with_p2p(order, pp, pairing, v_shape=True)
+
+
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_one_f_one_b}
+SPLIT_SCHEDULES = {"zb_h1": zb_h1, "zbv": zbv, "dualpipev": dualpipev}  # B: the input gradient; W: the weights'
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank in a V (chunk_of(..., v_shape=True))
+ALL_SCHEDULES = {**SCHEDULES, **SPLIT_SCHEDULES}
+
+
+def is_split(schedule: list[list[Action]]) -> bool:
+    """Whether a schedule's backward is split into B and W (it has W actions)."""
+    return any(a.kind == W for ops in schedule for a in ops)
+
+
+def unit_times(split: bool) -> tuple[int, int, int]:
+    """(t_F, t_B, t_W) in the simulator's units: F = 1, a whole backward 2; split, B = W = 1."""
+    return (1, 1, 1) if split else (1, 2, 0)
 
 
 def _check(pp: int, micro_batches: int, virtual: int, need_v1: bool = False) -> None:
@@ -155,11 +322,11 @@ def _check(pp: int, micro_batches: int, virtual: int, need_v1: bool = False) -> 
                          "(use interleaved_one_f_one_b)")
 
 
-def _needs(a: Action, pp: int, chunks: int) -> Action | None:
+def _needs(a: Action, pp: int, chunks: int, v: bool = False) -> Action | None:
     """The receive compute action `a` waits for, or None (first/last chunk, or the neighbour is local)."""
-    if a.kind == F and a.chunk > 0 and rank_of(a.chunk - 1, pp) != rank_of(a.chunk, pp):
+    if a.kind == F and a.chunk > 0 and rank_of(a.chunk - 1, pp, v) != rank_of(a.chunk, pp, v):
         return Action(RECV_F, a.chunk, a.micro)
-    if a.kind == B and a.chunk < chunks - 1 and rank_of(a.chunk + 1, pp) != rank_of(a.chunk, pp):
+    if a.kind == B and a.chunk < chunks - 1 and rank_of(a.chunk + 1, pp, v) != rank_of(a.chunk, pp, v):
         return Action(RECV_B, a.chunk, a.micro)
     return None
 
@@ -167,10 +334,11 @@ def _needs(a: Action, pp: int, chunks: int) -> Action | None:
 PAIRINGS = ("ready", "meet", "split")
 
 
-def _with_p2p(order: list[list[Action]], pp: int, pairing: str, f_time: int = 1, b_time: int = 2) -> list[list[Action]]:
+def _with_p2p(order: list[list[Action]], pp: int, pairing: str, v_shape: bool = False) -> list[list[Action]]:
     """Insert SEND/RECV actions into per-rank compute orders by the pairing rule (module docstring)."""
     if pairing not in PAIRINGS:
         raise ValueError(f"unknown pairing {pairing!r}; known: {PAIRINGS}")
+    cost = dict(zip(COMPUTE, unit_times(is_split(order))))
     chunks = max(a.chunk for ops in order for a in ops) + 1
     # 1. ideal start times: each compute as soon as its rank is free and its inputs exist (messages free)
     start: dict[Action, int] = {}
@@ -182,12 +350,12 @@ def _with_p2p(order: list[list[Action]], pp: int, pairing: str, f_time: int = 1,
             while pos[r] < len(order[r]):
                 a = order[r][pos[r]]
                 src = a.chunk - 1 if a.kind == F else a.chunk + 1
-                deps = [(a.kind, src, a.micro)] if 0 <= src < chunks else []
-                deps += [(F, a.chunk, a.micro)] if a.kind == B else []
+                deps = [(a.kind, src, a.micro)] if a.kind != W and 0 <= src < chunks else []
+                deps += [(F, a.chunk, a.micro)] if a.kind == B else [(B, a.chunk, a.micro)] if a.kind == W else []
                 if any(d not in end for d in deps):
                     break
                 start[a] = max([clock[r]] + [end[d] for d in deps])
-                clock[r] = end[a] = start[a] + (f_time if a.kind == F else b_time)
+                clock[r] = end[a] = start[a] + cost[a.kind]
                 pos[r], moved = pos[r] + 1, True
         if not moved:
             raise ScheduleError(f"compute orders deadlock at {[order[r][pos[r]:pos[r] + 1] for r in range(pp)]}")
@@ -196,10 +364,10 @@ def _with_p2p(order: list[list[Action]], pp: int, pairing: str, f_time: int = 1,
     for r in range(pp):
         for c in order[r]:
             keyed.append(((start[c], 1, r, c.chunk, c.micro), r, c))
-            if (recv := _needs(c, pp, chunks)) is not None:
+            if (recv := _needs(c, pp, chunks, v_shape)) is not None:
                 src_chunk = c.chunk - 1 if c.kind == F else c.chunk + 1
                 send = Action(SEND_F if c.kind == F else SEND_B, src_chunk, c.micro)
-                ready, sender = end[(c.kind, src_chunk, c.micro)], rank_of(src_chunk, pp)
+                ready, sender = end[(c.kind, src_chunk, c.micro)], rank_of(src_chunk, pp, v_shape)
                 ready_key = (ready, 0, ready, sender, c.chunk, c.micro)
                 meet_key = (start[c], 0, ready, sender, c.chunk, c.micro)
                 send_key = meet_key if pairing == "meet" else ready_key
@@ -229,19 +397,22 @@ class SimResult:
         return 1 - sum(self.busy) / (len(self.busy) * self.makespan)
 
 
-def _peer(a: Action, pp: int) -> tuple[int, Action]:
+def _peer(a: Action, pp: int, v: bool = False) -> tuple[int, Action]:
     """The rank `a` talks to and the action that must meet it there."""
     other = {SEND_F: (RECV_F, 1), RECV_F: (SEND_F, -1), SEND_B: (RECV_B, -1), RECV_B: (SEND_B, 1)}
     kind, step = other[a.kind]
-    return rank_of(a.chunk + step, pp), Action(kind, a.chunk + step, a.micro)
+    return rank_of(a.chunk + step, pp, v), Action(kind, a.chunk + step, a.micro)
 
 
 P2P_MODELS = ("async", "nccl", "rendezvous")
 
 
 def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batches: int | None = None,
-             f_time: int = 1, b_time: int = 2, p2p: str = "rendezvous") -> SimResult:
-    """Run every rank's list; computes take f_time / b_time units. Three p2p models:
+             f_time: int = 1, b_time: int | None = None, w_time: int | None = None,
+             p2p: str = "rendezvous", v_shape: bool = False) -> SimResult:
+    """Run every rank's list; computes take f_time / b_time / w_time units (default `unit_times`: B = 2 for a
+    whole backward, B = W = 1 when the schedule is split); `v_shape`: the chunks sit as `chunk_of(..., v_shape=True)`
+    puts them (the V schedules). Three p2p models:
     - "rendezvous": a send blocks until its receive is posted; both complete at the later arrival
       (blocking send/recv).
     - "async" (gloo, isend/irecv): a send is queued per (sender, receiver) and the rank goes on; a receive
@@ -252,17 +423,23 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
       together when one is a send and the other its receive; two sends (or two receives) at the heads wait
       for each other forever.
     Raises ScheduleError on deadlock, a send meeting the wrong receive, a compute before its input arrived,
-    F/B out of order, work on another rank's chunk, or any (chunk, micro) without exactly one F and one B."""
+    F/B/W out of order, work on another rank's chunk, or any (chunk, micro) without exactly one F and one B (and
+    one W in a split schedule). A rank holds a micro-batch's activations from its F to its B, or to its W when
+    split (what W needs stays until W): `max_in_flight`."""
     if p2p not in P2P_MODELS:
         raise ValueError(f"unknown p2p model {p2p!r}; known: {P2P_MODELS}")
     if len(schedule) != pp:
         raise ScheduleError(f"schedule has {len(schedule)} ranks, pp={pp}")
     chunks = pp * virtual
+    split = is_split(schedule)
+    _, b_default, w_default = unit_times(split)
+    cost = {F: f_time, B: b_default if b_time is None else b_time, W: w_default if w_time is None else w_time}
+    release = W if split else B
     if micro_batches is None:
         micro_batches = 1 + max((a.micro for ops in schedule for a in ops), default=-1)
     for r, ops in enumerate(schedule):
         for a in ops:
-            if rank_of(a.chunk, pp) != r or not 0 <= a.chunk < chunks or not 0 <= a.micro < micro_batches:
+            if rank_of(a.chunk, pp, v_shape) != r or not 0 <= a.chunk < chunks or not 0 <= a.micro < micro_batches:
                 raise ScheduleError(f"rank {r} cannot run {a} (pp={pp}, virtual={virtual}, M={micro_batches})")
             if (a.kind in (SEND_F, RECV_B) and a.chunk == chunks - 1) or (a.kind in (RECV_F, SEND_B) and a.chunk == 0):
                 raise ScheduleError(f"rank {r}: {a} has no neighbouring chunk")
@@ -285,16 +462,17 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
                     raise ScheduleError(f"rank {r} runs {a} twice")
                 if a.kind == B and Action(F, a.chunk, a.micro) not in done:
                     raise ScheduleError(f"rank {r} runs {a} before its forward")
+                if a.kind == W and Action(B, a.chunk, a.micro) not in done:
+                    raise ScheduleError(f"rank {r} runs {a} before its input-gradient B")
                 src = a.chunk - 1 if a.kind == F else a.chunk + 1
-                local = rank_of(src, pp) == r
+                local = rank_of(src, pp, v_shape) == r
                 arrival = Action(a.kind, src, a.micro) if local else Action(RECV_F if a.kind == F else RECV_B, *a[1:])
-                if 0 <= src < chunks and arrival not in done:
+                if a.kind != W and 0 <= src < chunks and arrival not in done:
                     raise ScheduleError(f"rank {r} runs {a} before its input arrived")
-                cost = f_time if a.kind == F else b_time
-                timeline[r].append((clock[r], clock[r] + cost, a))
-                clock[r] += cost
-                busy[r] += cost
-                held[r] += 1 if a.kind == F else -1
+                timeline[r].append((clock[r], clock[r] + cost[a.kind], a))
+                clock[r] += cost[a.kind]
+                busy[r] += cost[a.kind]
+                held[r] += 1 if a.kind == F else -1 if a.kind == release else 0
                 peak[r] = max(peak[r], held[r])
                 done.add(a)
                 pos[r], moved = pos[r] + 1, True
@@ -302,16 +480,16 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
             a = head(r)
             if a is None or a.kind in COMPUTE:
                 continue
-            q, want = _peer(a, pp)
+            q, want = _peer(a, pp, v_shape)
             if a.kind.startswith("SEND"):
-                if Action(a.kind[-1], a.chunk, a.micro) not in done:
+                if Action(a.kind[-1], a.chunk, a.micro) not in done:  # SEND_B follows B: the input gradient
                     raise ScheduleError(f"rank {r} posts {a} before computing it")
                 if p2p in ("async", "nccl"):  # isend: queue it and go on
                     posted[(r, q)].append((a, want, clock[r]))
                     pos[r], moved = pos[r] + 1, True
                     continue
                 b = head(q)
-                if b is None or not b.kind.startswith("RECV") or _peer(b, pp)[0] != r:
+                if b is None or not b.kind.startswith("RECV") or _peer(b, pp, v_shape)[0] != r:
                     continue  # the peer is busy with someone else: wait (a deadlock shows as no progress)
                 if b != want:
                     raise ScheduleError(f"order mismatch: rank {r} sends {a} but rank {q} posts {b} (wants {want})")
@@ -341,7 +519,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
                                 + (f"; pair heads (rank, peer): {heads}" if heads else ""))
     for c in range(chunks):
         for m in range(micro_batches):
-            for kind in COMPUTE:
+            for kind in COMPUTE if split else (F, B):
                 if Action(kind, c, m) not in done:
                     raise ScheduleError(f"{Action(kind, c, m)} never runs")
     if any(posted.values()):
@@ -381,8 +559,23 @@ def bubble_fraction(schedule_name: str, pp: int, micro: int, virtual: int = 1) -
     of a stage): (P-1)/(V·M+P-1). Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
     GPU Clusters Using Megatron-LM", section 2.2, state the same bubbles as bubble / ideal time:
     (p-1)/m and (p-1)/(v·m); x/(1+x) of those gives ours.
+
+    ZB-H1 (Qi et al. 2023, section 3.1): the backward split into B and W, t_F = t_B = t_W; its bubble is
+    (P-1)(t_F + t_B - t_W) = P-1 units against M·3 units of work per rank, so (P-1)/(3M+P-1): 1F1B's
+    3(P-1) units of fill and drain cut to a third.
+
+    ZB-V and DualPipe-V: the simulator's ideal timeline of the list (each chunk's F = B = W = 1). For M >= 2P
+    both take 6M + P - 1 units (tests/test_pipeline_schedule.py): every rank idles P-1 chunk-F units, the
+    least any list can (the last rank's first F waits for micro-batch 0 to cross P-1 chunks), so
+    (P-1)/(6M+P-1): in units of a whole stage (2 chunks) half of ZB-H1's. DualPipe-V's gain over ZB-V, F and B
+    of two micro-batches overlapped on two streams, is outside this model (its overlapped pairs run in turn).
     """
-    if schedule_name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule_name!r}; known: {sorted(SCHEDULES)}")
+    if schedule_name not in ALL_SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule_name!r}; known: {sorted(ALL_SCHEDULES)}")
+    if schedule_name == "zb_h1":  # (P-1)(t_F + t_B - t_W) of idle against M(t_F + t_B + t_W) of work, all = 1
+        return (pp - 1) / (3 * micro + pp - 1)
+    if schedule_name in V_SCHEDULES:  # from the list itself: its ideal timeline (unit times, isends)
+        return simulate(ALL_SCHEDULES[schedule_name](pp, micro, 2), pp, 2, micro, p2p="async",
+                        v_shape=True).bubble_fraction
     v = virtual if schedule_name == "interleaved_1f1b" else 1
     return (pp - 1) / (v * micro + pp - 1)

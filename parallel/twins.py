@@ -22,6 +22,7 @@ from parallel.comm import local
 from parallel.context_parallel import positions_for, torch_context_parallel
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineStage, TorchChunk, TorchPipelineRunner
+from parallel.pipeline_schedule import V_SCHEDULES
 from parallel.protocol import Accumulating, Placement, Replicated
 
 
@@ -75,7 +76,8 @@ class TorchZeRO1(Replicated):
 def apply_pp(model, mesh: Mesh, cfg, par):
     """Our cut (parallel/pipeline.PipelineStage), plus one module per local chunk (`TorchChunk`) for torch's
     PipelineStage: torch's DDP and FSDP2 then wrap those chunk modules, as torchtitan wraps its model chunks."""
-    stage = PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers)
+    stage = PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers,
+                          v_shape=cfg.pp_schedule in V_SCHEDULES)
     stage.chunk_modules = {c: TorchChunk(stage, c) for c in stage.chunks}
     return stage
 

@@ -28,7 +28,8 @@ from parallel.mesh import ParallelDims
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import PipelineStage, p2p_bytes_per_step
 from parallel.pipeline_schedule import (
-    SCHEDULES,
+    ALL_SCHEDULES,
+    V_SCHEDULES,
     chunk_of,
     simulate,
 )
@@ -144,7 +145,7 @@ def stage_blocks(s: Setup, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
         return list(range(s.config.n_layer)), True, True
     V = s.args.pp_virtual_stages or 1
     layers = layers_for(s.config, s.dims.pp, V, s.args.seq_len, s.pp_layers)
-    chunks = [chunk_of(pp_rank, v, s.dims.pp) for v in range(V)]
+    chunks = [chunk_of(pp_rank, v, s.dims.pp, s.args.pp_schedule in V_SCHEDULES) for v in range(V)]
     return [i for c in chunks for i in layers[c]], 0 in chunks, s.dims.pp * V - 1 in chunks
 
 
@@ -264,7 +265,7 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
 @functools.lru_cache(maxsize=1024)
 def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
     """Most (chunk, micro-batch) activations each rank holds under `schedule` (the runner's isend: "async")."""
-    return simulate(SCHEDULES[schedule](pp, micro, virtual), pp, virtual, micro, p2p="async").max_in_flight
+    return simulate(ALL_SCHEDULES[schedule](pp, micro, virtual), pp, virtual, micro, p2p="async").max_in_flight
 
 
 # ----------------------------------------------------------------------------- peak and time

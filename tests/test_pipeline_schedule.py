@@ -9,15 +9,20 @@ rank after P-1 forwards and its backward gets back to rank 0 after P-1 more back
 (P-1)·1 before its first backward could start in the ideal pipeline and the drain mirrors the fill:
 makespan = (M + P - 1)(1 + 2), busy = 3M per rank, bubble = 1 - 3M / makespan = (P-1)/(M+P-1).
 Interleaved with V chunks per rank (each chunk's F = 1, B = 2): makespan = 3(V·M + P - 1).
+
+ZB-H1 splits B = 2 into B = 1 (input gradient) and W = 1 (weight gradients). The fill is 1F1B's: rank 0's
+first B waits for micro-batch 0's F through P-1 ranks and its B back, (P-1)(t_F + t_B) = 2(P-1) past its
+P warm-up F's; the drain is filled by the W's each rank r deferred (r of them), so the last B on rank 0 is
+followed only by its own W's: makespan = 3M + P - 1, bubble (P-1)/(3M+P-1), Qi et al.'s (P-1)(t_F + t_B - t_W).
 """
 from __future__ import annotations
 
 import unittest
 from fractions import Fraction
 
-from parallel.pipeline_schedule import (B, F, P2P_MODELS, PAIRINGS, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action,
+from parallel.pipeline_schedule import (B, F, P2P_MODELS, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, W, Action,
                                         ScheduleError, bubble_fraction, chunk_of, gpipe, interleaved_one_f_one_b,
-                                        one_f_one_b, simulate, split_layers)
+                                        one_f_one_b, simulate, split_layers, zb_h1, zbv, dualpipev)
 
 PPS = (2, 3, 4, 8)
 
@@ -179,8 +184,125 @@ class TestSchedules(unittest.TestCase):
         self.assertAlmostEqual(bubble_fraction("gpipe", 4, 8), 3 / 11)
         self.assertAlmostEqual(bubble_fraction("1f1b", 4, 8), 3 / 11)
         self.assertAlmostEqual(bubble_fraction("interleaved_1f1b", 4, 8, 2), 3 / 19)
+        self.assertAlmostEqual(bubble_fraction("zb_h1", 4, 8), 3 / 27)
         with self.assertRaisesRegex(ValueError, "unknown schedule"):
             bubble_fraction("zb", 2, 2)
+
+
+class TestZeroBubbleH1(unittest.TestCase):
+    """ZB-H1 over P in 2..8 and M in {P, P+1, 2P, 4P} (it needs M >= P), under every p2p model."""
+
+    def grid(self):
+        for p in range(2, 9):
+            for m in (p, p + 1, 2 * p, 4 * p):
+                yield p, m
+
+    def test_lists_cover_f_b_w_once(self):
+        for p, m in self.grid():
+            sched = zb_h1(p, m)
+            for kind in (F, B, W):
+                seen = sorted((a.chunk, a.micro) for ops in sched for a in ops if a.kind == kind)
+                self.assertEqual(seen, [(c, i) for c in range(p) for i in range(m)], (p, m, kind))
+            for r, ops in enumerate(sched):  # W's of a chunk in the order of its B's: 1F1B's gradient sums
+                order = [a.micro for a in ops if a.kind == W]
+                self.assertEqual(order, sorted(order))
+
+    def test_bubble_and_memory_every_p2p_model(self):
+        n = 0
+        for p, m in self.grid():
+            for mode in P2P_MODELS:
+                with self.subTest(pp=p, micro=m, p2p=mode):
+                    res = simulate(zb_h1(p, m), p, 1, m, p2p=mode)
+                    self.assertEqual(res.makespan, 3 * m + p - 1)
+                    self.assertEqual(exact_bubble(res), Fraction(p - 1, 3 * m + p - 1))
+                    self.assertAlmostEqual(res.bubble_fraction, bubble_fraction("zb_h1", p, m))
+                    # held from F to W: P micro-batches on every rank, 1F1B's rank 0
+                    self.assertEqual(res.max_in_flight, [p] * p)
+                    n += 1
+        self.assertEqual(n, 7 * 4 * len(P2P_MODELS))
+
+    def test_a_third_of_1f1b_bubble(self):
+        """Idle units per rank, t_F = t_B = t_W = 1: 1F1B's fill and drain 3(P-1), ZB-H1's P-1."""
+        for p in (2, 4):
+            zb, one = simulate(zb_h1(p, 8), p, 1, 8, p2p="nccl"), simulate(one_f_one_b(p, 8), p, 1, 8, p2p="nccl")
+            self.assertEqual((zb.makespan - 3 * 8, one.makespan - 3 * 8), (p - 1, 3 * (p - 1)))
+
+    def test_refuses_too_few_micro_batches(self):
+        with self.assertRaisesRegex(ValueError, "zb_h1 needs micro_batches >= pp"):
+            zb_h1(4, 3)
+        with self.assertRaisesRegex(ValueError, "one chunk per rank"):
+            zb_h1(2, 4, 2)
+
+    def test_w_before_its_b(self):
+        sched = zb_h1(2, 2)
+        ops = sched[0]
+        ops.insert(0, ops.pop(ops.index(Action(W, 0, 1))))
+        with self.assertRaisesRegex(ScheduleError, "before its input-gradient B"):
+            simulate(sched, 2, 1, 2, p2p="async")
+
+    def test_missing_w(self):
+        sched = zb_h1(2, 2)
+        sched[1].remove(Action(W, 1, 0))
+        with self.assertRaisesRegex(ScheduleError, r"W\(c1,m0\) never runs"):
+            simulate(sched, 2, 1, 2, p2p="async")
+
+
+class TestVSchedules(unittest.TestCase):
+    """ZB-V and DualPipe-V on the V layout (rank r holds chunks r and 2P-1-r), P in 2..8, M in {P, P+1, 2P, 4P}
+    as each accepts them (zbv: M >= P; dualpipev: M >= 2P), under every p2p model."""
+
+    def grid(self):
+        for name, least in (("zbv", 1), ("dualpipev", 2)):
+            for p in range(2, 9):
+                for m in (p, p + 1, 2 * p, 4 * p):
+                    if m >= least * p:
+                        yield name, p, m
+
+    def test_layout(self):
+        self.assertEqual([[chunk_of(r, v, 4, v_shape=True) for v in range(2)] for r in range(4)],
+                         [[0, 7], [1, 6], [2, 5], [3, 4]])
+
+    def test_lists_cover_f_b_w_once(self):
+        for name, p, m in self.grid():
+            sched = {"zbv": zbv, "dualpipev": dualpipev}[name](p, m)
+            for kind in (F, B, W):
+                seen = sorted((a.chunk, a.micro) for ops in sched for a in ops if a.kind == kind)
+                self.assertEqual(seen, [(c, i) for c in range(2 * p) for i in range(m)], (name, p, m, kind))
+            for ops in sched:  # each chunk's W's in its B's order
+                for c in {a.chunk for a in ops}:
+                    self.assertEqual([a.micro for a in ops if a.kind == W and a.chunk == c], list(range(m)))
+            # chunks P-1 and P share rank P-1: no message between them
+            self.assertFalse(any(a.kind == SEND_F and a.chunk == p - 1 for a in sched[p - 1]))
+
+    def test_every_p2p_model_and_bubble(self):
+        n = 0
+        for name, p, m in self.grid():
+            sched = {"zbv": zbv, "dualpipev": dualpipev}[name](p, m)
+            for mode in P2P_MODELS:
+                with self.subTest(name=name, pp=p, micro=m, p2p=mode):
+                    res = simulate(sched, p, 2, m, p2p=mode, v_shape=True)
+                    self.assertAlmostEqual(res.bubble_fraction, bubble_fraction(name, p, m, 2))
+                    if m >= 2 * p:
+                        self.assertEqual(res.makespan, 6 * m + p - 1)
+                        self.assertEqual(exact_bubble(res), Fraction(p - 1, 6 * m + p - 1))
+                        # (chunk, micro) held from F to W: 2P (zbv, 1F1B's P stages of activations), 2P+1
+                        self.assertEqual(res.max_in_flight, [2 * p + (name == "dualpipev")] * p)
+                    n += 1
+        self.assertEqual(n, (7 * 4 + 7 * 2) * len(P2P_MODELS))  # zbv: every M of the grid; dualpipev: 2P, 4P
+
+    def test_refusals(self):
+        with self.assertRaisesRegex(ValueError, "zbv needs micro_batches >= pp"):
+            zbv(4, 3)
+        with self.assertRaisesRegex(ValueError, "dualpipev needs micro_batches >= 2 x pp"):
+            dualpipev(4, 7)
+        for fn in (zbv, dualpipev):
+            with self.assertRaisesRegex(ValueError, "two chunks per rank"):
+                fn(2, 8, 3)
+
+    def test_wrong_layout_is_caught(self):
+        """The V lists under the interleaved placement (rank r holding r and r+P) name chunks the rank lacks."""
+        with self.assertRaisesRegex(ScheduleError, "cannot run"):
+            simulate(zbv(2, 4), 2, 2, 4, p2p="async")
 
 
 class TestBrokenSchedules(unittest.TestCase):

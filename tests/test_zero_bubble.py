@@ -1,0 +1,327 @@
+"""The split backward (parallel/zero_bubble.py) and ZB-H1 (parallel/pipeline_schedule.zb_h1) at run time.
+
+Bit-identity, and why it is the right bar. ZB-H1 splits each chunk's backward into B (input gradient) and W
+(weight gradients) and moves W later; the products are those autograd computes for the whole backward
+(parallel/zero_bubble.py names them), and each chunk's W's run in the order of its B's, micro-batch 0..M-1,
+so every .grad sums the same terms in the same order as under 1F1B: the gradients, losses and grad norms are
+1F1B's bits (torch.equal), not merely close. Against one process the bar is then 1F1B's: 1e-5 relative on the
+losses (tests/test_pipeline_train.py derives it).
+
+- TestSplitBackward (fast, one process): the store against autograd on a whole GPT, fp32 and bf16 autocast and
+  full activation checkpointing; that B really leaves the linears' weight gradients to W.
+- TestZeroBubbleRanks (slow, one launch of 4 spawned gloo ranks): the runner at P = 4 (the whole world) and
+  P = 2 (two pipelines of 2): ZB-H1's gradients and loss torch.equal to 1F1B's, the loss within 1e-5 of one
+  process, and the held micro-batches at the schedule's bound (P on every rank).
+- TestZeroBubbleTrain (slow, whole train.py runs): P = 2 and P = 2 x DDP 2 against 1F1B bit for bit and one
+  process at 1e-5: DDP's bucket all-reduce runs once, after the schedule's last W (reduce_on_exit); zbv and
+  dualpipev, ours and the PyTorch twin's, against one process; and the bad-input refusals.
+"""
+from __future__ import annotations
+
+import contextlib
+import unittest
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from model import GPT, make_config
+from parallel.blocks import AC_COUNTER, apply_activation_checkpointing
+from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
+from parallel.zero_bubble import WeightGradStore
+from tests.harness import (Measurements, WholeRuns, assert_close, expect_train_error_on_ranks, rank0_only,
+                           steps_of)
+
+SEED, MB, T, N_LAYER = 0, 2, 16, 4
+
+
+def config():
+    return make_config("tiny", n_layer=N_LAYER, vocab_size=256, block_size=32)
+
+
+def micro_batches(cfg, m: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (m, MB, T + 1), generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def gpt(n_layer: int = N_LAYER) -> GPT:
+    model = GPT(make_config("tiny", n_layer=n_layer, vocab_size=256, block_size=32))
+    model.init_weights(SEED)
+    return model
+
+
+LINEARS = ("c_q", "c_k", "c_v", "c_proj", "c_fc")
+
+
+FAST_LAYERS, FAST_M = 2, 2
+
+
+class TestSplitBackward(unittest.TestCase):
+    """One 2-Block GPT, M = 2 micro-batches: backward whole (autograd) vs B under the store then W micro-batch by
+    micro-batch; every gradient torch.equal."""
+
+    def grads(self, split: bool, autocast: bool = False, ac: bool = False) -> tuple[dict, dict]:
+        model = gpt(FAST_LAYERS)
+        if ac:
+            apply_activation_checkpointing(model, "full", 2)
+        store = WeightGradStore(model.parameters())
+        batches = micro_batches(model.config, FAST_M)
+        for m, (x, y) in enumerate(batches):
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast), \
+                    (store.defer(m) if split else contextlib.nullcontext()):
+                _, loss = model(x, y)
+                (loss / len(batches)).backward()
+        after_b = {n: p.grad is not None for n, p in model.named_parameters()}
+        for m in range(len(batches)):
+            store.flush(m)
+        self.assertEqual(len(store), 0)
+        return {n: p.grad for n, p in model.named_parameters()}, after_b
+
+    def check_equal(self, **kw) -> None:
+        ref, _ = self.grads(False, **kw)
+        got, after_b = self.grads(True, **kw)
+        self.assertEqual(ref.keys(), got.keys())
+        for n in ref:
+            self.assertTrue(torch.equal(got[n], ref[n]), n)
+        # deferral is real: after every B, the linears of the Blocks have no gradient yet, everything else has
+        for n, has in after_b.items():
+            deferred = n.startswith("transformer.h.") and n.split(".")[-2] in LINEARS
+            self.assertEqual(has, not deferred, n)
+
+    def test_fp32(self):
+        self.check_equal()
+
+    def test_bf16_autocast(self):
+        self.check_equal(autocast=True)
+
+    def test_activation_checkpointing_recomputes_once(self):
+        AC_COUNTER.reset()
+        self.check_equal(ac=True)
+        self.assertEqual(AC_COUNTER.recomputed, 2 * FAST_M * FAST_LAYERS)  # both runs, each micro-batch's Blocks once
+
+    def test_w_needs_b(self):
+        store = WeightGradStore(gpt(FAST_LAYERS).parameters())
+        store.flush((0, 0))  # nothing pushed: a W without its B adds nothing
+        self.assertEqual(len(store), 0)
+
+
+# ----------------------------------------------------------------------------- the runner on spawned ranks
+
+def runner_case(rank: int, pp: int, group, embed_group, m: int) -> dict:
+    """One stage of a P = pp pipeline: a 1F1B step, then a ZB-H1 step from zero gradients, same micro-batches.
+    Returns whether every gradient (tied copies summed) and the loss are torch.equal, the summed loss (the pp
+    SUM of every rank's share), and each step's peak in-flight count."""
+    cfg = config()
+    batches = micro_batches(cfg, m)
+    stage = PipelineStage(gpt(), rank, pp)
+    runner = PipelineRunner(stage, group, embed_group=embed_group)
+    out = {}
+    for name in ("1f1b", "zb_h1"):
+        for p in stage.parameters():
+            p.grad = None
+        loss = runner.step(batches, name)
+        runner.reduce_tied_grads()
+        dist.all_reduce(loss, group=group)
+        out[name] = (loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, runner.peak_in_flight)
+    (l1, g1, f1), (l2, g2, f2) = out["1f1b"], out["zb_h1"]
+    return {"loss_equal": torch.equal(l1, l2), "grads_equal": {n: torch.equal(g1[n], g2[n]) for n in g1},
+            "loss": float(l2), "in_flight": (f1, f2), "grads": g1}
+
+
+U32 = 2.0 ** -24
+
+
+def gamma(n: int) -> float:
+    """gamma_n = n u / (1 - n u), fp32: the relative bound of a sum whose terms went through n roundings (Higham 4.4)."""
+    return n * U32 / (1 - n * U32)
+
+
+def v_case(rank: int, group, embed_group, m: int, one: dict[str, torch.Tensor]) -> dict:
+    """zbv and dualpipev on a P = 2 V cut (rank 0: chunks 0 and 3, the tied embedding one parameter; rank 1:
+    chunks 1 and 2, handed over in memory) against `one`, the P = 2 1F1B gradients of the same micro-batches.
+    Every Block, wpe and ln_f gradient sums the same per-micro-batch terms in the same order (each chunk's W's
+    run in micro-batch order): torch.equal. The tied matrix: the V adds e_m (embedding use) and h_m (lm_head use)
+    to one .grad, 2M terms in turn; 1F1B sums M per end and all-reduces the two: both within gamma_2M resp.
+    gamma_(M+1) of the exact sum, so |v - 1f1b| <= (gamma_2M + gamma_(M+1)) sum_m (|e_m| + |h_m|), elementwise,
+    the terms recorded by a hook on the V's tied parameter."""
+    cfg = config()
+    batches = micro_batches(cfg, m)
+    out = {}
+    for name in ("zbv", "dualpipev"):
+        stage = PipelineStage(gpt(), rank, 2, 2, v_shape=True)
+        runner = PipelineRunner(stage, group, embed_group=embed_group)
+        magnitude = torch.zeros(cfg.vocab_size, cfg.n_embd, dtype=torch.float64)
+
+        def record(g: torch.Tensor) -> None:
+            magnitude.add_(g.double().abs())
+
+        hooks = [stage.transformer.wte.weight.register_hook(record)] if stage.first else []
+        loss = runner.step(batches, name)
+        for h in hooks:
+            h.remove()
+        runner.reduce_tied_grads()  # nothing to sum: one rank holds both ends
+        dist.all_reduce(loss, group=group)
+        grads = {n: p.grad for n, p in stage.named_parameters()}
+        tied = "transformer.wte.weight"
+        bound = (gamma(2 * m) + gamma(m + 1)) * magnitude
+        out[name] = {"loss": float(loss), "names": sorted(grads), "tied_copy": runner.tied_weight() is not None,
+                     "equal": [n for n in grads if n != tied and not torch.equal(grads[n], one[n])],
+                     "tied_excess": float(((grads[tied].double() - one[tied].double()).abs() - bound).max())
+                     if tied in grads else None,
+                     "in_flight": runner.peak_in_flight}
+    return out
+
+
+def reference_loss(m: int) -> float:
+    """One process: the mean over the M micro-batches' losses, in float64."""
+    model = gpt()
+    with torch.no_grad():
+        return sum(float(model(x, y)[1]) for x, y in micro_batches(model.config, m)) / m
+
+
+MEASURES = Measurements(world_size=4)
+M_RANKS = 8
+
+
+@pytest.mark.slow
+class TestZeroBubbleRanks(unittest.TestCase):
+    """P = 4 over the 4 ranks, and P = 2 as two pipelines [0, 1], [2, 3], M = 8: ZB-H1 against 1F1B bit for
+    bit, and its loss within 1e-5 of one process."""
+
+    @classmethod
+    def setUpClass(cls):
+        MEASURES.run()
+
+    @MEASURES.register("p4")
+    def measure_p4(rank, world):
+        return runner_case(rank, 4, None, embedding_group([[0, 1, 2, 3]]), M_RANKS)
+
+    @MEASURES.register("p2")
+    def measure_p2(rank, world):
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank builds both, in this order
+        embed = embedding_group([[0, 1], [2, 3]])
+        got = runner_case(rank % 2, 2, groups[rank // 2], embed, M_RANKS)
+        stages = [None, None]  # both stages' 1F1B gradients: the V cuts the Blocks otherwise
+        dist.all_gather_object(stages, got.pop("grads"), group=groups[rank // 2])
+        one = {n: g for grads in stages for n, g in grads.items() if n != "lm_head.weight"}
+        got["v"] = v_case(rank % 2, groups[rank // 2], embedding_group([[0, 1], [2, 3]], v_shape=True), M_RANKS, one)
+        return got
+
+    def check(self, name: str, pp: int) -> None:
+        ref = reference_loss(M_RANKS)
+        for rank, got in enumerate(MEASURES[name]):
+            with self.subTest(rank=rank):
+                self.assertTrue(got["loss_equal"])
+                self.assertEqual([n for n, ok in got["grads_equal"].items() if not ok], [])
+                self.assertLessEqual(abs(got["loss"] - ref), 1e-5 * ref)
+                # 1F1B holds P - rank micro-batches; ZB-H1 holds what W needs until W: P on every rank
+                self.assertEqual(got["in_flight"], (pp - rank % pp, pp))
+
+    def test_p4_bit_equal_to_1f1b(self):
+        self.check("p4", 4)
+
+    def test_p2_bit_equal_to_1f1b(self):
+        self.check("p2", 2)
+
+    def test_v_schedules(self):
+        """zbv and dualpipev at P = 2, M = 8 (v_case derives the bounds): the loss within 1e-5 of one process;
+        rank 0 holds wte, wpe, Block 0, Block 3, ln_f and the tied lm_head as one parameter (no copy, no
+        embedding group), rank 1 Blocks 1 and 2; the held micro-batches are the simulator's (chunk, micro)
+        bound, 4 (zbv) and 5 (dualpipev) on both ranks."""
+        ref = reference_loss(M_RANKS)
+        for rank, got in enumerate(MEASURES["p2"]):
+            for name, v in got["v"].items():
+                with self.subTest(rank=rank, schedule=name):
+                    self.assertLessEqual(abs(v["loss"] - ref), 1e-5 * ref)
+                    self.assertEqual(v["equal"], [])
+                    self.assertFalse(v["tied_copy"])
+                    self.assertEqual(v["in_flight"], {"zbv": 4, "dualpipev": 5}[name])
+                    if rank % 2 == 0:
+                        self.assertLessEqual(v["tied_excess"], 0.0)
+                        self.assertNotIn("lm_head.weight", v["names"])
+                        self.assertIn("transformer.ln_f.weight", v["names"])
+                    else:
+                        self.assertEqual([n for n in v["names"] if not n.startswith("transformer.h.")], [])
+
+
+# ----------------------------------------------------------------------------- whole train.py runs
+
+STEPS, M = 10, 4
+BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", "32",
+        "--total_batch_size", str(M * MB * 32), "--eval_interval", "5", "--eval_iters", "2", "--warmup_steps", "2",
+        "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12"]  # tests/test_pipeline_train.py's
+PP2 = ["--pipeline_parallel_size", "2"]
+ZB = [*PP2, "--pp_schedule", "zb_h1"]
+DDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
+RUNS = WholeRuns(BASE)
+setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
+
+
+def run(name: str, flags: list[str], nproc: int) -> dict[int, dict]:
+    return steps_of(RUNS.run(name, ["--max_steps", str(STEPS), "--no_checkpoint", *flags], nproc))
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestZeroBubbleTrain(unittest.TestCase):
+    """train.py --pp_schedule zb_h1: each step's loss and grad_norm are the 1F1B run's bits (the same runs as
+    tests/test_pipeline_train.py, shared by name), and within 1e-5 of one process."""
+
+    def check(self, got: dict, same_as: dict, ref: dict, what: str) -> None:
+        for key in ("loss", "grad_norm"):
+            assert_close(self, got, same_as, key, 0, f"{what} vs 1f1b")
+            assert_close(self, got, ref, key, 1e-5, f"{what} vs one process")
+
+    def test_p2(self):
+        self.check(run("zb_h1", ZB, 2), run("1f1b", PP2, 2), run("single", [], 1), "zb_h1")
+
+    def test_p2_ddp2(self):
+        """DDP reduces the buckets after the schedule (reduce_on_exit), so after every W: a W left out of the
+        all-reduce would leave the two replicas' gradients apart and the losses off 1F1B's."""
+        self.check(run("zb_h1_ddp", [*ZB, *DDP2], 4), run("pp_ddp", [*PP2, *DDP2], 4), run("single", [], 1),
+                   "zb_h1 x ddp")
+
+    def test_v_schedules(self):
+        """zbv and dualpipev through train.py (P = 2, V = 2: rank 0 holds Blocks 0 and 3 and the tied embedding
+        as one parameter, so the gradient norm, the optimizer and the checkpoint entries see it once): within
+        1e-5 of one process. Not 1F1B's bits: the tied matrix sums its 2M terms in another order."""
+        ref = run("single", [], 1)
+        for name in ("zbv", "dualpipev"):
+            with self.subTest(name):
+                got = run(name, [*PP2, "--pp_schedule", name, "--pp_virtual_stages", "2"], 2)
+                for key in ("loss", "grad_norm"):
+                    assert_close(self, got, ref, key, 1e-5, f"{name} vs one process")
+
+    def test_v_schedules_need_two_virtual_stages(self):
+        for flags in ([*PP2, "--pp_schedule", "zbv"], [*PP2, "--pp_schedule", "dualpipev", "--pp_virtual_stages", "3"]):
+            with self.subTest(flags):
+                expect_train_error_on_ranks(self, RUNS.args("--max_steps", "2", *flags),
+                                            f"--pp_schedule {flags[3]} needs --pp_virtual_stages 2", 2,
+                                            RUNS.path("bad"))
+
+    def test_dualpipev_needs_2p_micro_batches(self):
+        expect_train_error_on_ranks(self, RUNS.args("--max_steps", "2", *PP2, "--pp_schedule", "dualpipev",
+                                                    "--pp_virtual_stages", "2", "--total_batch_size", str(3 * MB * 32)),
+                                    "= 3 >= 2 x --pipeline_parallel_size = 4", 2, RUNS.path("bad"))
+
+    def test_too_few_micro_batches(self):
+        expect_train_error_on_ranks(self, RUNS.args("--max_steps", "2", *ZB, "--total_batch_size", str(MB * 32)),
+                                    "--pp_schedule zb_h1 needs the step's micro-batches M = total_batch_size / "
+                                    "(micro_batch_size x seq_len x data_parallel_size) = 1 >= "
+                                    "--pipeline_parallel_size 2", 2, RUNS.path("bad"))
+
+    def test_pytorch_twin(self):
+        """torch's ScheduleInterleavedZeroBubble (one stage per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV
+        on the same cuts, on gloo: within 1e-5 of one process (torch's W accumulates in its own order)."""
+        ref = run("single", [], 1)
+        for name, flags in (("zb_h1", ZB), ("zbv", [*PP2, "--pp_schedule", "zbv", "--pp_virtual_stages", "2"]),
+                            ("dualpipev", [*PP2, "--pp_schedule", "dualpipev", "--pp_virtual_stages", "2"])):
+            with self.subTest(name):
+                got = run(f"torch_{name}", [*flags, "--implementation", "pytorch"], 2)
+                for key in ("loss", "grad_norm"):
+                    assert_close(self, got, ref, key, 1e-5, f"torch {name} vs one process")
+
+
+if __name__ == "__main__":
+    unittest.main()
