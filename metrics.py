@@ -166,6 +166,11 @@ class LargestTensor(TorchDispatchMode):
 
 # ----------------------------------------------------------------------------- saved activations
 
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage behind `t`; a DTensor's local shard's (a wrapper subclass has none of its own)."""
+    return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+
+
 class SavedBytes:
     """Live and peak bytes of distinct non-parameter storages saved for backward while the context is open.
 
@@ -173,13 +178,13 @@ class SavedBytes:
     backward, or when its graph is freed); a storage leaves the count when its last holder goes."""
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self.skip = {storage_of(t).data_ptr() for t in exclude}
         self.live: dict[int, list[int]] = {}  # storage data_ptr -> [holders, nbytes]
         self.bytes = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t)
 
     def _pack(self, t: torch.Tensor) -> "_Held":
-        storage = t.untyped_storage()
+        storage = storage_of(t)
         key = storage.data_ptr()
         if key in self.skip:
             return _Held(t, None, key)
@@ -238,7 +243,7 @@ class SavedAndRecomputedBytes(SavedBytes):
 
                 def pack(t: torch.Tensor):
                     held = inner(t)
-                    counter._recomputed(t.untyped_storage())
+                    counter._recomputed(storage_of(t))
                     return held
 
                 self.pack_hook = pack
@@ -280,7 +285,7 @@ class SavedActivations:
 
             class Counting(SavedAndRecomputedBytes):
                 def _pack(self, t: torch.Tensor):  # looked up afresh: a freed buffer's address may be reused
-                    self.skip = {p.untyped_storage().data_ptr() for p in params()}
+                    self.skip = {storage_of(p).data_ptr() for p in params()}
                     return super()._pack(t)
 
             self._inner = Counting(exclude=params()).__enter__()

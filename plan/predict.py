@@ -265,7 +265,8 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
 @functools.lru_cache(maxsize=1024)
 def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
     """Most (chunk, micro-batch) activations each rank holds under `schedule` (the runner's isend: "async")."""
-    return simulate(ALL_SCHEDULES[schedule](pp, micro, virtual), pp, virtual, micro, p2p="async").max_in_flight
+    return simulate(ALL_SCHEDULES[schedule](pp, micro, virtual), pp, virtual, micro, p2p="async",
+                    v_shape=schedule in V_SCHEDULES).max_in_flight
 
 
 # ----------------------------------------------------------------------------- peak and time
