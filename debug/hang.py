@@ -239,7 +239,7 @@ def analyze(dumps: dict[int, dict]) -> Report:
             report.lines.append(f"rank {r}: no dump and no ring")
             continue
         w, end = _waiting(d), (d["ops"][-1] if d["ops"] else None)
-        src = "dump" if d["source"] == "dump" else "no dump at the hang (stopped, dead or crashed?); its live ring"
+        src = "its dump" if d["source"] == "dump" else "no dump: stopped, dead or crashed? its ring file"
         now = (f"waits in {describe(w)}" if w is not None else
                f"in no comm op; its last: {describe(end)}" if end is not None else "no comm op recorded")
         report.lines.append(f"rank {r} ({src}): {now}")

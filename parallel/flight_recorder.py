@@ -31,6 +31,8 @@ HEADER = struct.Struct("<8sqqiiiii")  # magic, ops recorded, string bytes used, 
 # n (this rank's op index), seq, bytes, step, micro, peer, group id, site id, dtype id, op, state, ndim, pad, shape
 RECORD = struct.Struct("<qqqiiiiiiBBBx4q")
 STATE_AT = struct.calcsize("<qqqiiiiiiB")  # offset of the state byte within a record
+COUNT = struct.Struct("<q")  # the header's op count (offset 8) and string bytes used (offset 16)
+PAD = tuple((0,) * (4 - nd) for nd in range(5))
 STRINGS = 64 * 1024  # bytes of interned strings behind the ring
 DEFAULT_SIZE = 2000
 
@@ -58,6 +60,7 @@ class FlightRecorder:
         self._strings: dict[str, int] = {}
         self._groups: dict[Any, tuple[int, tuple[int, ...]]] = {}  # process group -> (string id, ranks)
         self._sites: dict[Any, int] = {}  # code object -> string id
+        self._dtypes: dict[Any, int] = {}  # torch.dtype -> string id
         self._seq: dict[tuple, int] = {}
         self.rank, self.world = rank, world
         if capacity:
@@ -99,7 +102,7 @@ class FlightRecorder:
             self._buf[at] = len(data)
             self._buf[at + 1:at + 1 + len(data)] = data
             self._used += 1 + len(data)
-            struct.pack_into("<q", self._buf, 16, self._used)  # after the string is there
+            COUNT.pack_into(self._buf, 16, self._used)  # after the string is there
             i = self._strings[s] = len(self._strings)
         return i
 
@@ -127,16 +130,18 @@ class FlightRecorder:
         site = self._sites.get(f.f_code)
         if site is None:
             site = self._sites[f.f_code] = self._intern(f"{f.f_globals.get('__name__', '?')}.{f.f_code.co_name}")
-        shape = tensor.shape
+        shape = tuple(tensor.shape)
         nd = len(shape)
-        dims = (*shape[:4], *(0,) * (4 - nd)) if nd <= 4 else (*shape[:3], -1)
-        dtype = self._intern(str(tensor.dtype).removeprefix("torch."))
+        dims = shape + PAD[nd] if nd <= 4 else (*shape[:3], -1)
+        dtype = self._dtypes.get(tensor.dtype)
+        if dtype is None:
+            dtype = self._dtypes[tensor.dtype] = self._intern(str(tensor.dtype).removeprefix("torch."))
         n = self.count
         RECORD.pack_into(self._buf, HEADER.size + (n % self.capacity) * RECORD.size, n, seq,
                          tensor.numel() * tensor.element_size(), self.step, self.micro, peer, gid, site, dtype,
                          op, POSTED, nd, *dims)
         self.count = n + 1
-        struct.pack_into("<q", self._buf, 8, n + 1)  # after the record: a reader never sees half of one
+        COUNT.pack_into(self._buf, 8, n + 1)  # after the record: a reader never sees half of one
         return n
 
     def done(self, n: int) -> None:
