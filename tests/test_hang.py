@@ -217,6 +217,20 @@ class TestCommandLine(unittest.TestCase):
             self.assertEqual((code, len(err.splitlines())), (2, 1), err)
             self.assertIn("rank_0.json: not a flight-recorder dump", err)
 
+    def test_python_m_debug_hang(self):
+        """The command a user types, in a fresh interpreter: it needs no torch (reads dumps anywhere)."""
+        import subprocess
+        import sys
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        with tempfile.TemporaryDirectory() as d:
+            self.write(d, 0, steps(2))
+            self.write(d, 1, steps(2, skip=(2, 0)))
+            proc = subprocess.run([sys.executable, "-c", "import sys, runpy; sys.argv = ['debug', 'hang', sys.argv[1]];"
+                                   " sys.modules['torch'] = None; runpy.run_module('debug', run_name='__main__')", d],
+                                  cwd=root, capture_output=True, text=True, timeout=60)
+        self.assertEqual(proc.returncode, 1, proc.stderr)
+        self.assertIn("finding: mismatched collective #3 on group [0, 1]: rank(s) [1] skipped it", proc.stdout)
+
 
 # ----------------------------------------------------------------------------- real hangs
 
