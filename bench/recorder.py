@@ -4,9 +4,10 @@
 
 1. Per op: `RECORDER.post` + `done` (what every comm op pays) timed in a loop on a one-rank gloo group, in
    CPU microseconds (median of 5 repeats of 20,000 ops).
-2. Per step: train.py, custom DDP x 2 on the `small` preset (2 micro-batches of 2 x 128 tokens per rank), run alternately with the recorder on (the
-   default, K = 2000) and off (GPT_FLIGHT_RECORDER_SIZE=0), `--pairs` times each; the median step time of
-   steps after the first of each run, and the ops recorded per step (rank 0's ring / steps).
+2. Per step: train.py, custom DDP x 2 on the `small` preset (2 micro-batches of 2 x 128 tokens per rank), run
+   alternately with the recorder on (the default, K = 2000) and off (GPT_FLIGHT_RECORDER_SIZE=0), `--pairs`
+   times each (on-off, off-on, ...); the median step time of steps after the first of each run, and the ops
+   recorded per step (rank 0's ring).
 The overhead bound is ops per step x per-op cost / median step time; the measured step times are reported
 beside it (on a shared machine their noise is larger than the bound).
 """
@@ -55,7 +56,7 @@ def step_times(pairs: int, steps: int, out: str) -> dict:
     ops_per_step = None
     with ForkServer() as server:
         for i in range(pairs):
-            for mode in ("on", "off"):
+            for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):  # ABBA: a drifting load cancels
                 run_dir = os.path.join(out, f"{mode}-{i}")
                 env = {"GPT_FLIGHT_RECORDER_SIZE": "0"} if mode == "off" else {}
                 r = server.run([*args, "--out_dir", run_dir, "--overwrite"], 2, env=env, timeout=1800)
