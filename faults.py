@@ -14,6 +14,11 @@ Test hooks, switched on by environment variables; each is a no-op otherwise:
 - GPT_CKPT_FAIL_AFTER_FILES=n: the n-th checkpoint file this process writes raises, as a full disk would.
 - GPT_SIGNAL_AT_STEP=s: in the middle of step s (after its backward, before the optimizer step) rank
   GPT_SIGNAL_RANK (default 0, or "all") sends itself GPT_SIGNAL (TERM or INT), as a cluster preempting it would.
+- GPT_COMM_FAULT=skip|shape: in step GPT_COMM_FAULT_STEP (default 1) rank GPT_COMM_FAULT_RANK (default 0)
+  skips (does not issue) the GPT_COMM_FAULT_NTH-th (default 0) op GPT_COMM_FAULT_OP (all_reduce, default, or
+  recv) that goes through parallel/comm.py, or (shape) issues it on one element fewer: a rank out of step
+  with its group (skip all_reduce), a mismatched collective (shape), a pipeline send left without its receive
+  (skip recv). What `python -m debug hang` is tested on (with GPT_KILL_SIGNAL=STOP for a stopped rank).
 
 Wrong-math hooks for the divergence bisector's tests (`python -m debug diff`), on rank GPT_FAULT_RANK (default 0):
 - GPT_FAULT_GRAD=name: after every backward, this rank's elements of parameter `name`'s gradient (its TP shard,
@@ -35,6 +40,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from parallel import comm
 from parallel.comm import local
 
 _files_written = 0  # by this process, for GPT_CKPT_FAIL_AFTER_FILES
@@ -67,6 +73,35 @@ def maybe_kill(step: int, rank: int) -> None:
     sig = getattr(signal, "SIG" + os.environ.get("GPT_KILL_SIGNAL", "KILL"))
     print(f"GPT_KILL_AT_STEP={step}: rank {rank} sends itself {sig.name} (test hook)", flush=True)
     os.kill(os.getpid(), sig)
+
+
+class CommFault:
+    """GPT_COMM_FAULT's hook, parallel.comm.FAULT on the faulty rank: "skip" or "shape" for the nth `op` of
+    `step` this rank issues, None for every other op."""
+
+    def __init__(self, kind: str, op: str, step: int, nth: int, rank: int):
+        if kind not in ("skip", "shape") or op not in ("all_reduce", "recv") or (kind, op) == ("shape", "recv"):
+            raise ValueError(f"GPT_COMM_FAULT={kind} GPT_COMM_FAULT_OP={op}: not a fault this hook injects")
+        self.kind, self.op, self.step, self.nth, self.rank, self.seen = kind, op, step, nth, rank, 0
+
+    def __call__(self, op: str, tensor: torch.Tensor) -> str | None:
+        if op != self.op or comm.RECORDER.step != self.step:
+            return None
+        self.seen += 1
+        if self.seen - 1 != self.nth:
+            return None
+        print(f"GPT_COMM_FAULT={self.kind}: rank {self.rank} {'skips' if self.kind == 'skip' else 'narrows'} its "
+              f"{op} #{self.nth} of step {self.step} (shape {tuple(tensor.shape)}) (test hook)", flush=True)
+        return self.kind
+
+
+def comm_fault(rank: int) -> CommFault | None:
+    """GPT_COMM_FAULT's hook for this rank (None when unset or meant for another rank)."""
+    kind = os.environ.get("GPT_COMM_FAULT")
+    if not kind or int(os.environ.get("GPT_COMM_FAULT_RANK", "0")) != rank:
+        return None
+    return CommFault(kind, os.environ.get("GPT_COMM_FAULT_OP", "all_reduce"), _env_int("GPT_COMM_FAULT_STEP") or 1,
+                     _env_int("GPT_COMM_FAULT_NTH") or 0, rank)
 
 
 def checkpoint_file_written() -> None:
@@ -181,7 +216,7 @@ class Preemption:
         self._flag = torch.tensor([1 if self.signal else 0], dtype=torch.int32, device=self.device)
         self._work = None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)  # not wrapper traffic
+            self._work = comm.all_reduce(self._flag, op="max", async_op=True, counted=False)  # not wrapper traffic
 
     def agreed(self) -> bool:
         """Whether any rank was signalled by its vote (one is started here if the step started none)."""
@@ -193,15 +228,22 @@ class Preemption:
         return bool(flag.item())
 
 
+def ring_path(out_dir: str, rank: int) -> str:
+    """Where rank `rank`'s flight recorder lives while the run does (parallel/flight_recorder.py)."""
+    return os.path.join(out_dir, "flight_recorder", f"rank_{rank}.bin")
+
+
 class StepWatchdog:
     """A step that runs longer than --timeout explains itself: a timer started with each step writes every
-    thread's Python stack to <out_dir>/hang/rank_<r>.txt (faulthandler) and prints one line pointing there.
+    thread's Python stack to <out_dir>/hang/rank_<r>.txt (faulthandler), and this rank's flight recorder (its
+    last comm ops) to rank_<r>.json beside it, and prints one line pointing there.
     A collective that waits on a stalled peer releases the GIL, so the timer runs; the collective's own
     timeout (the same --timeout, counted from when it started, after the step did) then ends the run."""
 
     def __init__(self, out_dir: str, rank: int, timeout: float):
         self.path = os.path.join(out_dir, "hang", f"rank_{rank}.txt")
-        self.rank, self.timeout, self.timer, self.step = rank, timeout, None, 0
+        self.ops_path = os.path.join(out_dir, "hang", f"rank_{rank}.json")
+        self.rank, self.timeout, self.timer, self.step, self.dumped = rank, timeout, None, 0, False
 
     def start(self, step: int) -> None:
         self.stop()
@@ -222,16 +264,25 @@ class StepWatchdog:
                     f"every thread's stack:\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+        self.dump_ops(f"step {self.step} still running after --timeout {self.timeout:g}s")
         sys.stderr.write(f"train.py: rank {self.rank}: step {self.step} has run for more than --timeout "
-                         f"{self.timeout:g}s; Python stacks in {self.path}\n")
+                         f"{self.timeout:g}s; Python stacks in {self.path}, its last comm ops in {self.ops_path} "
+                         f"(python -m debug hang {os.path.dirname(os.path.dirname(self.path)) or '.'})\n")
         sys.stderr.flush()
+
+    def dump_ops(self, reason: str) -> None:
+        """This rank's flight recorder to rank_<r>.json (once: the first reason, the watchdog's or a failure's)."""
+        if not self.dumped:
+            self.dumped = True
+            comm.RECORDER.dump(self.ops_path, reason)
 
 
 class Faults:
     """Every fault hook of a training step behind one object: the watchdog and the test hooks around each step,
     the mid-step signal hook, and whether the ranks agreed to stop for a preemption.
 
-        before_step(s, model)   watchdog armed for step s; GPT_INJECT_NAN_AT_STEP, GPT_FAULT_TIED_COPY
+        before_step(s, model)   watchdog armed for step s (and the flight recorder's step); GPT_INJECT_NAN_AT_STEP,
+                                GPT_FAULT_TIED_COPY
         mid_step(s, model)      after the backward, before the optimizer step: GPT_SIGNAL_AT_STEP, GPT_FAULT_GRAD
         vote()                  start the preemption vote (asynchronous), before the step's end-of-step scalars
         after_step(s)           the step, its eval and checkpoint are done: watchdog off; GPT_KILL_AT_STEP
@@ -241,9 +292,11 @@ class Faults:
         self.rank = rank
         self.watchdog = StepWatchdog(out_dir, rank, timeout)
         self.preemption = Preemption(device) if device is not None else None
+        comm.FAULT = comm_fault(rank)
 
     def before_step(self, step: int, model: torch.nn.Module) -> None:
         global _bucket_dropped
+        comm.RECORDER.step, comm.RECORDER.micro = step, -1
         self.watchdog.start(step)
         maybe_inject_nan(step, model)
         maybe_untie_copy(step, model)
@@ -272,3 +325,4 @@ class Faults:
 
     def close(self) -> None:
         self.watchdog.stop()
+        comm.FAULT = None

@@ -336,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         error_line("train.py", e)
         return 2
     args, is_main = plan.args, plan.rank == 0
+    world = plan.dims.world_size  # the flight recorder's ring: in a file, so a killed or stopped rank's stays
+    comm.RECORDER.open(faults.ring_path(args.out_dir, plan.rank) if world > 1 else None, plan.rank, world)
     t = build(plan)
     if args.overwrite and is_main:  # a fresh run: old checkpoints must not be resumed into it later
         shutil.rmtree(os.path.join(args.out_dir, checkpoint.SUBDIR), ignore_errors=True)
@@ -357,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         if plan.dims.world_size == 1 or not faults.is_comm_failure(e):
             raise
+        t.faults.watchdog.dump_ops(f"a collective failed at step {t.step}: {str(e).strip().splitlines()[0][:200]}")
         error_line("train.py", f"rank {plan.rank}: a collective failed at step {t.step} (--timeout {args.timeout:g}s): a peer "
                                f"rank was lost or stalled; restart with --resume to continue from "
                                f"{checkpoint.newest(args.out_dir) or 'the start'} "
@@ -364,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         return 4
     finally:
         t.faults.close()
+        comm.RECORDER.close()
         logger.close()
         if dist.is_initialized():
             dist.destroy_process_group()

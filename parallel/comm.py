@@ -13,16 +13,24 @@ of everything, per micro-step), `tp_comm_bytes_per_micro_step` (parallel/tensor_
 overheads (ring 2(N-1)/N factors, gloo emulating reduce-scatter through all-reduce) are deliberately not
 counted: they are properties of the transport, not of the algorithm.
 
+Every op is also recorded, posted and then completed, in this rank's flight recorder
+(parallel/flight_recorder.py; `python -m debug hang` reads it after a hang), counted or not: the scalar
+reductions (grad norm, mean loss, found-inf, the preemption vote) pass `counted=False`. An async op returns
+its work wrapped, so that its wait() marks the record completed. `FAULT` is faults.py's test hook.
+
 Averages are computed as SUM followed by a division by the group size, which every backend supports
 (gloo has no ReduceOp.AVG in older torch versions, and some backends none for integer tensors).
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from parallel.flight_recorder import RECORDER
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 
@@ -56,6 +64,61 @@ REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single
 COUNTER = CommCounter()  # one per process: every wrapper's traffic adds up in the same place
 
 
+# faults.py's test hook (None in a normal run): FAULT(op, tensor) -> None, "skip" (the op is not issued) or
+# "shape" (it is issued on all but the last element of the tensor), as a buggy rank would.
+FAULT: Callable[[str, torch.Tensor], str | None] | None = None
+
+
+class Recorded:
+    """An async op's work handle whose wait() (or a True is_completed()) also marks its record completed."""
+    __slots__ = ("work", "n")
+
+    def __init__(self, work: dist.Work, n: int):
+        self.work, self.n = work, n
+
+    def wait(self, *args) -> bool:
+        out = self.work.wait(*args)
+        RECORDER.done(self.n)
+        return out
+
+    def is_completed(self) -> bool:
+        done = self.work.is_completed()
+        if done:
+            RECORDER.done(self.n)
+        return done
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
+class Skipped:
+    """The work handle of an op FAULT skipped: already complete."""
+
+    def wait(self, *args) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _issued(n: int, work, async_op: bool):
+    """The handle to give back for op `n` (RECORDER.post's), after torch returned `work`."""
+    if async_op:
+        return Recorded(work, n) if n >= 0 else work
+    RECORDER.done(n)
+    return work
+
+
+def _fault(op: str, tensor: torch.Tensor) -> torch.Tensor | None:
+    """tensor, narrowed by a "shape" fault; None for a "skip" fault."""
+    action = FAULT(op, tensor)
+    if action == "skip":
+        return None
+    if action == "shape":
+        return tensor.view(-1)[:-1]
+    return tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -72,16 +135,22 @@ def rank(group: dist.ProcessGroup | None) -> int:
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: str = "sum",
-               async_op: bool = False):
+               async_op: bool = False, counted: bool = True):
     """In-place all-reduce of `tensor` over `group`. op: "sum", "avg" (sum then divide), or "max".
 
-    With async_op the division for "avg" is left to the caller, after wait().
+    With async_op the division for "avg" is left to the caller, after wait(). counted=False: recorded but not
+    counted (the scalar reductions that are not wrapper traffic).
     """
     if world(group) == 1:
         return None
-    COUNTER.add("all_reduce", _nbytes(tensor))
+    if counted:
+        COUNTER.add("all_reduce", _nbytes(tensor))
+    wire = tensor if FAULT is None else _fault("all_reduce", tensor)
+    if wire is None:
+        return Skipped() if async_op else None
+    n = RECORDER.post(0, wire, group)
     red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    work = dist.all_reduce(tensor, op=red, group=group, async_op=async_op)
+    work = _issued(n, dist.all_reduce(wire, op=red, group=group, async_op=async_op), async_op)
     if op == "avg" and not async_op:
         tensor.div_(world(group))
     return work
@@ -95,7 +164,8 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: dis
         output.copy_(shard.view_as(output))
         return None
     COUNTER.add("all_gather", _nbytes(output))
-    return getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=async_op)
+    n = RECORDER.post(1, shard, group)
+    return _issued(n, getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=async_op), async_op)
 
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
@@ -106,7 +176,9 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.
         output.copy_(full.view_as(output))
         return None
     COUNTER.add("reduce_scatter", _nbytes(full))
-    return getattr(dist, REDUCE_SCATTER)(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    n = RECORDER.post(2, full, group)
+    return _issued(n, getattr(dist, REDUCE_SCATTER)(output, full, op=dist.ReduceOp.SUM, group=group,
+                                                    async_op=async_op), async_op)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -125,7 +197,9 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     if world(group) == 1:
         return
     COUNTER.add("broadcast", _nbytes(tensor))
+    n = RECORDER.post(3, tensor, group, -1)
     dist.broadcast(tensor, src=src, group=group)
+    RECORDER.done(n)
 
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
@@ -135,14 +209,20 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
     Plain isend, not batch_isend_irecv (which can hang on gloo). gloo matches the k-th send from a to b
     with the k-th receive on b from a, so both sides must post a pair's messages in the same order."""
     COUNTER.add("p2p", _nbytes(tensor))
-    return dist.isend(tensor, dst=_global(dst, group), group=group)
+    peer = _global(dst, group)
+    n = RECORDER.post(4, tensor, group, peer)
+    return _issued(n, dist.isend(tensor, dst=peer, group=group), True)
 
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> dist.Work:
     """Post a non-blocking receive into `tensor` from `src` (a rank of `group`); returns the work handle.
     Not counted: the sender counts the message."""
-    return dist.irecv(tensor, src=_global(src, group), group=group)
+    if FAULT is not None and _fault("recv", tensor) is None:
+        return Skipped()
+    peer = _global(src, group)
+    n = RECORDER.post(5, tensor, group, peer)
+    return _issued(n, dist.irecv(tensor, src=peer, group=group), True)
 
 
 def _global(rank: int, group: dist.ProcessGroup | None) -> int:

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from parallel import comm
+
 
 def norm_items(entries: Iterable[tuple], groups: Mapping[str, tuple | None] | None = None,
                within: tuple = (), every_pattern: bool = False) -> list[tuple]:
@@ -79,11 +81,11 @@ def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None,
         sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum() if grads else \
             torch.zeros((), dtype=torch.float64, device=device)
         for g in groups:
-            dist.all_reduce(sq, group=g)  # a scalar: not counted as wrapper traffic
+            comm.all_reduce(sq, group=g, counted=False)  # a scalar: not counted as wrapper traffic
         total = sq if total is None else total + sq
     if across is not None:
         total = total if total is not None else torch.zeros((), dtype=torch.float64, device=device)
-        dist.all_reduce(total, group=across)  # a scalar: not counted as wrapper traffic
+        comm.all_reduce(total, group=across, counted=False)  # a scalar: not counted as wrapper traffic
     norm = total.sqrt() if total is not None else torch.zeros((), dtype=torch.float64)
     if max_norm is not None:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -108,4 +110,4 @@ class AgreeingGradScaler(torch.amp.GradScaler):
         super().unscale_(optimizer)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
+                comm.all_reduce(found_inf, group=self.group, op="max", counted=False)

@@ -98,17 +98,20 @@ class Parallelized:
         if self.pipeline is not None:  # autocast around the whole schedule: backward runs inside it
             with autocast(), self.dp.step_sync():
                 loss = self.pipeline.step(batches, self.schedule, scale)
+            comm.RECORDER.micro = -1
             with autocast():
                 self.pipeline.reduce_tied_grads()
             return loss
         loss_sum = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(batches):
+            comm.RECORDER.micro = i  # the flight recorder's context
             with self.dp.grad_sync(i == len(batches) - 1), self.micro_step(x, y) as (x, y):
                 with autocast():
                     _, loss = self.model(x, y)
                 loss = loss / len(batches)
                 (scale(loss) if scale else loss).backward()
             loss_sum += comm.full(loss).detach()
+        comm.RECORDER.micro = -1
         return loss_sum
 
     @torch.no_grad()
@@ -137,9 +140,9 @@ class Parallelized:
         value = value.detach().float()
         pp, loss = self.mesh["pp"], self.mesh["loss"]
         if pp.enabled:
-            dist.all_reduce(value, group=pp.group)
+            comm.all_reduce(value, group=pp.group, counted=False)
         if loss.enabled:
-            dist.all_reduce(value, group=loss.group)
+            comm.all_reduce(value, group=loss.group, counted=False)
             value = value / loss.size
         return value
 

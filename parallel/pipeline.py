@@ -241,6 +241,7 @@ class PipelineRunner:
         for a in actions:
             t0 = self.timer.mark()
             key = (a.chunk, a.micro)
+            comm.RECORDER.micro = a.micro  # the flight recorder's context
             if a.kind == F:
                 x, y = micro_batches[a.micro]
                 inp = x.to(device) if a.chunk == 0 else act_in.pop(key)

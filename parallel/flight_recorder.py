@@ -1,0 +1,206 @@
+"""The flight recorder: every op that goes through parallel/comm.py, the last K of them per rank.
+
+Each record: the op, its group (name and global ranks), a sequence number (per group for collectives, per
+(group, op, peer) for p2p: the k-th send from a to b meets the k-th receive on b from a), shape, dtype, bytes,
+the peer (a global rank, p2p only), the training step and micro-batch (set by train.py, the pipeline and the
+micro-batch loop), the call site (the module and function that called comm, one frame up: no stack walk)
+and its state (posted; completed once the op returned, or its work's wait() did).
+
+Records are fixed-size slots of one bytes buffer, a ring of K (env GPT_FLIGHT_RECORDER_SIZE, default 2000;
+0 switches it off). `open(path, ...)` (train.py, at the start of a run) puts that buffer in a memory-mapped
+file, <out_dir>/flight_recorder/rank_N.bin: the kernel keeps what was written even when the rank is then
+SIGKILLed, aborted by a backend (gloo aborts on a size mismatch) or SIGSTOPped, so `python -m debug hang`
+reads those ranks' last ops too (`decode`; this module imports torch only to resolve groups). Strings
+(groups, sites, dtypes) are interned into a table behind the ring, once each. Nothing is communicated; the
+watchdog's JSON dump (`dump`, <out_dir>/hang/rank_N.json) is `read()` of the ring.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import sys
+from typing import Any
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
+POSTED, COMPLETED = 0, 1
+STATES = ("posted", "completed")
+MAGIC = b"GPTFR001"
+HEADER = struct.Struct("<8sqqiiiii")  # magic, ops recorded, string bytes used, rank, world, K, record size, pid
+# n (this rank's op index), seq, bytes, step, micro, peer, group id, site id, dtype id, op, state, ndim, pad, shape
+RECORD = struct.Struct("<qqqiiiiiiBBBx4q")
+STATE_AT = struct.calcsize("<qqqiiiiiiB")  # offset of the state byte within a record
+COUNT = struct.Struct("<q")  # the header's op count (offset 8) and string bytes used (offset 16)
+PAD = tuple((0,) * (4 - nd) for nd in range(5))
+STRINGS = 64 * 1024  # bytes of interned strings behind the ring
+DEFAULT_SIZE = 2000
+
+
+def size_from_env() -> int:
+    return int(os.environ.get("GPT_FLIGHT_RECORDER_SIZE", DEFAULT_SIZE))
+
+
+class FlightRecorder:
+    """A bounded ring of this rank's last `capacity` comm ops (see the module docstring). `post` and
+    `done` are the per-op cost: a dict lookup or two and one struct.pack_into."""
+
+    def __init__(self, capacity: int | None = None):
+        self.step, self.micro = 0, -1  # context: set by train.py's loop and the micro-batch loops
+        self._file = None
+        self._reset(size_from_env() if capacity is None else capacity, bytearray, rank=0, world=1)
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def _reset(self, capacity: int, make, rank: int, world: int) -> None:
+        self.capacity, self.count, self._used = capacity, 0, 0
+        self._buf = make(HEADER.size + capacity * RECORD.size + STRINGS) if capacity else bytearray(0)
+        self._strings: dict[str, int] = {}
+        self._groups: dict[Any, tuple[int, tuple[int, ...]]] = {}  # process group -> (string id, ranks)
+        self._sites: dict[Any, int] = {}  # code object -> string id
+        self._dtypes: dict[Any, int] = {}  # torch.dtype -> string id
+        self._seq: dict[tuple, int] = {}
+        self.rank, self.world = rank, world
+        if capacity:
+            HEADER.pack_into(self._buf, 0, MAGIC, 0, 0, rank, world, capacity, RECORD.size, os.getpid())
+            self._intern(_backend())  # string 0: the backend
+
+    def open(self, path: str | None, rank: int, world: int, capacity: int | None = None) -> None:
+        """Start a fresh ring for a run: in the file `path` (memory-mapped; made with its folder), or in memory
+        when path is None. Called on every rank at the start of train.py's run."""
+        self.close()
+        capacity = size_from_env() if capacity is None else capacity
+        if not capacity or path is None:
+            self._reset(capacity, bytearray, rank, world)
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        n = HEADER.size + capacity * RECORD.size + STRINGS
+        with open(path, "wb") as f:
+            f.truncate(n)
+        self._file = open(path, "r+b")
+        self._reset(capacity, lambda size: mmap.mmap(self._file.fileno(), size), rank, world)
+        self.path = path
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._buf.close()
+            self._file.close()
+            self._file = None
+            self._reset(size_from_env(), bytearray, self.rank, self.world)  # in memory from here on
+
+    # ------------------------------------------------------------------ the per-op path
+
+    def _intern(self, s: str) -> int:
+        i = self._strings.get(s)
+        if i is None:
+            data = s.encode()[:255]
+            at = HEADER.size + self.capacity * RECORD.size + self._used
+            if self._used + 1 + len(data) > STRINGS:
+                return 0
+            self._buf[at] = len(data)
+            self._buf[at + 1:at + 1 + len(data)] = data
+            self._used += 1 + len(data)
+            COUNT.pack_into(self._buf, 16, self._used)  # after the string is there
+            i = self._strings[s] = len(self._strings)
+        return i
+
+    def _group(self, group) -> tuple[int, tuple[int, ...]]:
+        g = self._groups.get(group)
+        if g is None:
+            import torch.distributed as dist  # here, not at the top: debug.hang reads rings without torch
+            pg = dist.group.WORLD if group is None else group
+            ranks = tuple(dist.get_process_group_ranks(pg))
+            name = getattr(pg, "group_name", "?")
+            g = self._groups[group] = (self._intern(f"{name}:{','.join(map(str, ranks))}"), ranks)
+        return g
+
+    def post(self, op: int, tensor, group, peer: int = -1) -> int:
+        """Record op (an index of OPS) on `tensor` as posted; returns its slot handle for `done` (-1: off)."""
+        if not self.capacity:
+            return -1
+        gid, _ = self._group(group)
+        key = (gid,) if peer < 0 else (gid, op, peer)
+        seq = self._seq.get(key, 0)
+        self._seq[key] = seq + 1
+        f = sys._getframe(2)  # the caller of the comm wrapper, above torch.compiler.disable's frame
+        while f.f_globals.get("__name__", "").startswith("torch."):
+            f = f.f_back
+        site = self._sites.get(f.f_code)
+        if site is None:
+            site = self._sites[f.f_code] = self._intern(f"{f.f_globals.get('__name__', '?')}.{f.f_code.co_name}")
+        shape = tuple(tensor.shape)
+        nd = len(shape)
+        dims = shape + PAD[nd] if nd <= 4 else (*shape[:3], -1)
+        dtype = self._dtypes.get(tensor.dtype)
+        if dtype is None:
+            dtype = self._dtypes[tensor.dtype] = self._intern(str(tensor.dtype).removeprefix("torch."))
+        n = self.count
+        RECORD.pack_into(self._buf, HEADER.size + (n % self.capacity) * RECORD.size, n, seq,
+                         tensor.numel() * tensor.element_size(), self.step, self.micro, peer, gid, site, dtype,
+                         op, POSTED, nd, *dims)
+        self.count = n + 1
+        COUNT.pack_into(self._buf, 8, n + 1)  # after the record: a reader never sees half of one
+        return n
+
+    def done(self, n: int) -> None:
+        """Mark op `n` (post's handle) completed, unless the ring has overwritten it since."""
+        if n >= 0 and self.count - n <= self.capacity:
+            self._buf[HEADER.size + (n % self.capacity) * RECORD.size + STATE_AT] = COMPLETED
+
+    # ------------------------------------------------------------------ reading
+
+    def read(self, reason: str = "") -> dict:
+        """The ring as the JSON-able dict `python -m debug hang` reads (oldest op first)."""
+        return decode(bytes(self._buf), reason) if self.capacity else {
+            "format": FORMAT, "rank": self.rank, "world_size": self.world, "capacity": 0, "recorded": 0, "ops": []}
+
+    def dump(self, path: str, reason: str) -> None:
+        """Write `read(reason)` as JSON to `path` (the watchdog: <out_dir>/hang/rank_N.json)."""
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(self.read(reason), f, indent=0)
+        os.replace(path + ".tmp", path)
+
+
+FORMAT = "gpt-flight-recorder/1"
+
+
+def _backend() -> str:
+    dist = sys.modules.get("torch.distributed")  # not imported here: reading a ring needs no torch
+    return dist.get_backend() if dist is not None and dist.is_available() and dist.is_initialized() else "none"
+
+
+def decode(buf: bytes, reason: str = "") -> dict:
+    """A ring's bytes (a live .bin file, or memory) -> {format, rank, world_size, backend, capacity, recorded,
+    reason, ops: [{n, seq, op, group, group_name, shape, dtype, bytes, peer, step, micro, site, state}]}.
+    ValueError on anything that is not a ring."""
+    if len(buf) < HEADER.size:
+        raise ValueError("too short for a flight-recorder ring")
+    magic, count, used, rank, world, capacity, rec_size, pid = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC or rec_size != RECORD.size or len(buf) < HEADER.size + capacity * RECORD.size + used:
+        raise ValueError("not a flight-recorder ring (bad magic, record size or length)")
+    at, strings = HEADER.size + capacity * RECORD.size, []
+    end = at + used
+    while at < end:
+        k = buf[at]
+        strings.append(buf[at + 1:at + 1 + k].decode(errors="replace"))
+        at += 1 + k
+    name = (lambda i: strings[i] if 0 <= i < len(strings) else "?")
+    ops = []
+    for n in range(max(0, count - capacity), count):
+        (m, seq, nbytes, step, micro, peer, gid, site, dtype, op, state, nd,
+         *dims) = RECORD.unpack_from(buf, HEADER.size + (n % capacity) * RECORD.size)
+        if m != n:
+            continue  # a slot being rewritten when the rank stopped
+        gname, _, ranks = name(gid).partition(":")
+        ops.append({"n": n, "seq": seq, "op": OPS[op] if op < len(OPS) else "?", "group_name": gname,
+                    "group": [int(r) for r in ranks.split(",") if r], "shape": list(dims[:nd]) if nd <= 4 else
+                    list(dims[:3]) + ["..."], "dtype": name(dtype), "bytes": nbytes, "peer": peer,
+                    "step": step, "micro": micro, "site": name(site), "state": STATES[state & 1]})
+    return {"format": FORMAT, "rank": rank, "world_size": world, "backend": name(0), "pid": pid,
+            "capacity": capacity, "recorded": count, "reason": reason, "ops": ops}
+
+
+RECORDER = FlightRecorder()  # one per process, as comm.COUNTER
