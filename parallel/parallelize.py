@@ -27,7 +27,6 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
