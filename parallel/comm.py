@@ -135,11 +135,12 @@ def rank(group: dist.ProcessGroup | None) -> int:
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: str = "sum",
-               async_op: bool = False, counted: bool = True):
+               async_op: bool = False, counted: bool = True, unit: str | None = None):
     """In-place all-reduce of `tensor` over `group`. op: "sum", "avg" (sum then divide), or "max".
 
     With async_op the division for "avg" is left to the caller, after wait(). counted=False: recorded but not
-    counted (the scalar reductions that are not wrapper traffic).
+    counted (the scalar reductions that are not wrapper traffic). `unit`: what is reduced, for the flight
+    recorder (as for every op below).
     """
     if world(group) == 1:
         return None
@@ -148,7 +149,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op:
     wire = tensor if FAULT is None else _fault("all_reduce", tensor)
     if wire is None:
         return Skipped() if async_op else None
-    n = RECORDER.post(0, wire, group)
+    n = RECORDER.post(0, wire, group, unit=unit)
     red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     work = _issued(n, dist.all_reduce(wire, op=red, group=group, async_op=async_op), async_op)
     if op == "avg" and not async_op:
@@ -158,25 +159,25 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op:
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None,
-                           async_op: bool = False):
+                           async_op: bool = False, unit: str | None = None):
     """Gather every rank's equal-sized `shard` into `output` (rank order, along dim 0)."""
     if world(group) == 1:
         output.copy_(shard.view_as(output))
         return None
     COUNTER.add("all_gather", _nbytes(output))
-    n = RECORDER.post(1, shard, group)
+    n = RECORDER.post(1, shard, group, unit=unit)
     return _issued(n, getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=async_op), async_op)
 
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
 def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
-                          async_op: bool = False):
+                          async_op: bool = False, unit: str | None = None):
     """Sum `full` over ranks and leave this rank's 1/N slice (along dim 0) in `output`."""
     if world(group) == 1:
         output.copy_(full.view_as(output))
         return None
     COUNTER.add("reduce_scatter", _nbytes(full))
-    n = RECORDER.post(2, full, group)
+    n = RECORDER.post(2, full, group, unit=unit)
     return _issued(n, getattr(dist, REDUCE_SCATTER)(output, full, op=dist.ReduceOp.SUM, group=group,
                                                     async_op=async_op), async_op)
 

@@ -295,7 +295,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         if self._wire is not None:  # bf16 on the wire, fp32 in the buffer
             wire = self._wire[k]
             wire.copy_(buf)
-        self._works.append(comm.all_reduce(wire, group=self.process_group, async_op=True))
+        self._works.append(comm.all_reduce(wire, group=self.process_group, async_op=True, unit=f"bucket {k}"))
 
     def _wait_all(self) -> None:
         works, self._works = self._works, []

@@ -120,7 +120,7 @@ class _FlatUnit:
         # `flat` from forward stay valid when backward re-gathers into the same storage.
         out = self.flat.data
         self._in_flight = (src, out)
-        self._work = comm.all_gather_into_tensor(out, src, group, async_op=True)
+        self._work = comm.all_gather_into_tensor(out, src, group, async_op=True, unit=self.name)
         self.state = "gathering"
 
     def wait(self) -> None:

@@ -59,7 +59,7 @@ class FlightRecorder:
         self._buf = make(HEADER.size + capacity * RECORD.size + STRINGS) if capacity else bytearray(0)
         self._strings: dict[str, int] = {}
         self._groups: dict[Any, tuple[int, tuple[int, ...]]] = {}  # process group -> (string id, ranks)
-        self._sites: dict[Any, int] = {}  # code object -> string id
+        self._sites: dict[Any, int] = {}  # (code object, unit) -> string id
         self._dtypes: dict[Any, int] = {}  # torch.dtype -> string id
         self._seq: dict[tuple, int] = {}
         self.rank, self.world = rank, world
@@ -116,8 +116,9 @@ class FlightRecorder:
             g = self._groups[group] = (self._intern(f"{name}:{','.join(map(str, ranks))}"), ranks)
         return g
 
-    def post(self, op: int, tensor, group, peer: int = -1) -> int:
-        """Record op (an index of OPS) on `tensor` as posted; returns its slot handle for `done` (-1: off)."""
+    def post(self, op: int, tensor, group, peer: int = -1, unit: str | None = None) -> int:
+        """Record op (an index of OPS) on `tensor` as posted; returns its slot handle for `done` (-1: off).
+        `unit`: what the wrapper is moving (an FSDP unit's name, a DDP bucket), appended to the call site."""
         if not self.capacity:
             return -1
         gid, _ = self._group(group)
@@ -127,9 +128,10 @@ class FlightRecorder:
         f = sys._getframe(2)  # the caller of the comm wrapper, above torch.compiler.disable's frame
         while f.f_globals.get("__name__", "").startswith("torch."):
             f = f.f_back
-        site = self._sites.get(f.f_code)
+        site = self._sites.get((f.f_code, unit))
         if site is None:
-            site = self._sites[f.f_code] = self._intern(f"{f.f_globals.get('__name__', '?')}.{f.f_code.co_name}")
+            where = f"{f.f_globals.get('__name__', '?')}.{f.f_code.co_name}"
+            site = self._sites[f.f_code, unit] = self._intern(where if unit is None else f"{where} [{unit}]")
         shape = tuple(tensor.shape)
         nd = len(shape)
         dims = shape + PAD[nd] if nd <= 4 else (*shape[:3], -1)

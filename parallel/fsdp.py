@@ -90,7 +90,7 @@ class GradReduction:
         out = grad[self.rank * S:(self.rank + 1) * S] if in_place else \
             torch.empty(S, dtype=self.reduce_dtype, device=grad.device)
         self.events.append(("reduce_scatter", unit.name, "backward"))
-        work = comm.reduce_scatter_tensor(out, grad, self.group, async_op=True)
+        work = comm.reduce_scatter_tensor(out, grad, self.group, async_op=True, unit=unit.name)
         self.pending.append((unit, work, out, grad))
 
     def finish(self, final: bool = True) -> None:
@@ -102,7 +102,8 @@ class GradReduction:
         for unit, work, out, _ in self.pending:
             if work is not None:
                 work.wait()
-            work = comm.all_reduce(out, group=self.replicate_group, async_op=True) if self.replicas > 1 else None
+            work = comm.all_reduce(out, group=self.replicate_group, async_op=True,
+                                   unit=unit.name) if self.replicas > 1 else None
             self.reducing.append((unit, work, out))  # HSDP: the replicas of this shard sum their pieces
         self.pending.clear()
         self._add_reduced(earlier)  # after the new all-reduces are started: they overlap the wait
