@@ -53,7 +53,7 @@ import gpu_measure
 from gpu_harness import (
     COMMON, CP_RTOL, DRY, GPU, RTOL, ROOT, SAME_RTOL, Context, Row, _ForcedOne, build_wrapped, by_step, child_env,
     deterministic_train, first_line, fmt_bytes, forced_collectives, last_line, make_plan, max_rel, one_rank_mesh,
-    read_jsonl, run_train, train_losses)
+    read_jsonl, row_on_error, run_train, train_losses)
 
 # ----------------------------------------------------------------------------- stages
 
@@ -113,7 +113,7 @@ def stage_wrappers(ctx: Context) -> None:
     for name, (dp_type, tp, param_dtype) in WRAPPERS.items():
         dtype = "bfloat16" if param_dtype == torch.bfloat16 else s.dtype
         plan = make_plan(ctx, name, s.small, s.device, dtype, s.steps)
-        try:
+        with row_on_error(ctx, f"{name}"):
             runs = {}
             for forced in (False, True):
                 with forced_collectives(forced):
@@ -134,9 +134,6 @@ def stage_wrappers(ctx: Context) -> None:
             ctx.add(f"{name} collectives issued", d <= SAME_RTOL and bytes_ok,
                     f"losses {same} to the short-circuited run; bytes/step {fmt_bytes(got[-1])}"
                     + ("" if bytes_ok else f" != formula {fmt_bytes(want)}"))
-        except Exception as e:  # noqa: BLE001 -- one row per wrapper, the others still run
-            ctx.add(f"{name}", False, f"{type(e).__name__}: {first_line(e)}")
-            traceback.print_exc()
 
 
 def stage_context_parallel(ctx: Context) -> None:

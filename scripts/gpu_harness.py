@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass, field, replace
 from unittest import mock
 
@@ -187,6 +188,17 @@ def one_rank_mesh(device: torch.device):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+@contextlib.contextmanager
+def row_on_error(ctx: Context, check: str):
+    """Run the block; if it raises, add a FAIL row `check` with the error's first line (and print the
+    traceback), so the stage's other checks still run."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 -- one row per check
+        ctx.add(check, False, f"{type(e).__name__}: {first_line(e)}")
+        traceback.print_exc()
+
 
 def child_env(**extra: str) -> dict[str, str]:
     from parallel.mesh import child_env as base

@@ -24,13 +24,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
-import traceback
 from contextlib import contextmanager
 from unittest import mock
 
 import torch
 
-from gpu_harness import DATA_DIMS, Context, build_on, first_line, forced_collectives, make_plan, one_rank_mesh
+from gpu_harness import DATA_DIMS, Context, build_on, forced_collectives, make_plan, one_rank_mesh, row_on_error
 
 # name -> (mesh dims enabled at size 1, ParallelConfig changes)
 PATHS: dict[str, tuple[frozenset, dict]] = {
@@ -78,7 +77,7 @@ def stage_sync_audit(ctx: Context) -> None:
         if name == "compile" and skip_compile:
             ctx.add("sync audit compile", None, "skipped in the dry run: a CPU compile costs ~30 s; runs on CUDA")
             continue
-        try:
+        with row_on_error(ctx, f"sync audit {name}"):
             t = build_path(ctx, name, s.small, s.dtype, s.steps)
             t.faults = faults.Faults(ctx.out_dir(f"sync-{len(ctx.rows)}"), 0, 600.0, t.plan.device)
             train.train_step(t, 1)
@@ -94,9 +93,6 @@ def stage_sync_audit(ctx: Context) -> None:
                     f"steps 2-{s.steps} under {how}the host-read recorder: "
                     + (f"{len(seen)} allowed reads" if not extra else "unallowed " + ", ".join(
                         f"{f}:{fn} {kind}" for f, fn, kind in extra[:3])))
-        except Exception as e:  # noqa: BLE001 -- one row per path (a sync under "error" raises here)
-            ctx.add(f"sync audit {name}", False, f"{type(e).__name__}: {first_line(e)}")
-            traceback.print_exc()
 
 
 @contextmanager
@@ -208,7 +204,7 @@ def stage_overlap(ctx: Context) -> None:
     delay = 2e-3 if device.type == "cuda" else 5e-3
     steps = s.steps + 2 if device.type == "cuda" else s.steps
     for name in ("ddp", "fsdp"):
-        try:
+        with row_on_error(ctx, f"overlap {name}"):
             with forced_collectives(True):
                 forced, t_forced = timed_losses(build_path(ctx, name, s.small, s.dtype, steps, forced=True), steps)
             delays = Delays(device, delay)
@@ -228,9 +224,6 @@ def stage_overlap(ctx: Context) -> None:
                     f"old data: {teeth}): losses "
                     f"{'bit-equal' if got == forced else 'DIFFER'}; step {t_forced * 1e3:.1f} -> "
                     f"{t_delayed * 1e3:.1f} ms, exposed {exposed:.2f} of the delay")
-        except Exception as e:  # noqa: BLE001
-            ctx.add(f"overlap {name}", False, f"{type(e).__name__}: {first_line(e)}")
-            traceback.print_exc()
 
 
 # ----------------------------------------------------------------------------- real size
@@ -257,7 +250,7 @@ def stage_real_size(ctx: Context) -> None:
     dtype, steps = ("bfloat16", 10) if cuda else ("float32", 3)
     results = ctx.measured.setdefault("real_size", {})
     for name in REAL_SIZE if cuda else DRY_REAL_SIZE:
-        try:
+        with row_on_error(ctx, f"real size {name}"):
             t = build_path(ctx, name, flags, dtype, steps, forced=name == "tp+sp")
             with forced_collectives(name == "tp+sp"):
                 records = [train.train_step(t, step) for step in range(1, 3)]  # warm-up: state, compile
@@ -282,9 +275,6 @@ def stage_real_size(ctx: Context) -> None:
                     f"{tok:,.0f} tok/s, MFU {100 * mfu:.1f}%; allocated {alloc / 2**30:.2f} GiB (state "
                     f"{state / 2**30:.2f} + activations ~{acts / 2**30:.2f}), reserved {reserved / 2**30:.2f}; "
                     f"attention {kernel}; fused AdamW {fused}; recompiles {recompiles}")
-        except Exception as e:  # noqa: BLE001
-            ctx.add(f"real size {name}", False, f"{type(e).__name__}: {first_line(e)}")
-            traceback.print_exc()
 
 
 def dynamo_frames() -> int:
