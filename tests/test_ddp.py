@@ -135,10 +135,10 @@ def _overlap_and_bf16_body(rank: int, world_size: int) -> dict:
 
     real_all_reduce = comm.all_reduce
 
-    def recording_all_reduce(tensor, group=None, op="sum", async_op=False):
+    def recording_all_reduce(tensor, group=None, op="sum", async_op=False, **kw):
         k = buffers.get(tensor.data_ptr())
         events.append(("launch", k))
-        return RecordedWork(real_all_reduce(tensor, group, op, async_op), k)
+        return RecordedWork(real_all_reduce(tensor, group, op, async_op, **kw), k)
 
     comm.all_reduce = recording_all_reduce
     try:
