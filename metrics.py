@@ -271,24 +271,30 @@ class SavedAndRecomputedBytes(SavedBytes):
 
 class SavedActivations:
     """While open, the peak bytes of distinct non-parameter storages saved for backward, a checkpointed Block's
-    recomputed tensors included (SavedAndRecomputedBytes over saved-tensor hooks). `params` returns
-    the tensors whose storages are parameters right now (a sharding engine regrows its gathered buffers, so
-    they are looked up again at every saved tensor). With params None it measures nothing and
+    recomputed tensors included (SavedAndRecomputedBytes over saved-tensor hooks). `params`: (fixed, moving),
+    what Parallelized.parameter_tensors returns: tensors whose storages hold parameters for the whole step
+    (read once), and a callable for those a sharding engine regrows between uses (read again at every saved
+    tensor: a freed buffer's address may be reused by an activation). With params None it measures nothing and
     costs nothing: `peak` stays None. A Python hook per saved tensor: train.py measures one step only."""
 
-    def __init__(self, params: Callable[[], list[torch.Tensor]] | None):
+    def __init__(self, params: tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]] | None] | None):
         self.params, self.peak, self._inner = params, None, None
 
     def __enter__(self) -> "SavedActivations":
         if self.params is not None:
-            params = self.params
+            fixed, moving = self.params
+            counter = SavedAndRecomputedBytes(exclude=[*fixed, *(moving() if moving else ())])
+            if moving is not None:
+                still = {storage_of(p).data_ptr() for p in fixed}
+                pack = counter._pack
 
-            class Counting(SavedAndRecomputedBytes):
-                def _pack(self, t: torch.Tensor):  # looked up afresh: a freed buffer's address may be reused
-                    self.skip = {storage_of(p).data_ptr() for p in params()}
-                    return super()._pack(t)
+                def fresh_pack(t: torch.Tensor):
+                    counter.skip = still | {storage_of(p).data_ptr() for p in moving()}
+                    return pack(t)
 
-            self._inner = Counting(exclude=params()).__enter__()
+                counter._pack = fresh_pack
+                counter._hooks = torch.autograd.graph.saved_tensors_hooks(fresh_pack, lambda h: h.t)
+            self._inner = counter.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -122,7 +122,7 @@ def train_step(t: Trainer, step: int) -> dict:
     batches = [t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
                           args.micro_batch_size) for m in range(plan.grad_accum)]
     t.tracer.before_step(t, step)
-    with metrics.SavedActivations(t.par.parameter_tensors if step == t.saved_step else None) as saved:
+    with metrics.SavedActivations(t.par.parameter_tensors() if step == t.saved_step else None) as saved:
         loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
     if t.faults is not None:
         t.faults.mid_step(step, t.model)  # the test hooks that signal a rank or perturb a gradient mid-step

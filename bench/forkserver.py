@@ -181,6 +181,10 @@ def serve() -> None:
     import torch.distributed.fsdp  # noqa: F401 - what the wrappers import lazily
     import torch.distributed.tensor.parallel  # noqa: F401
     import torch.distributed.pipelining  # noqa: F401
+    try:  # metrics.Logger's writer: tensorboard pulls ~350 modules (protobuf, fsspec, boto3) on first use
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        pass
     out = sys.stdout
     out.write("ready\n")
     out.flush()

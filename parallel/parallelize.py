@@ -181,13 +181,20 @@ class Parallelized:
             m["pp_peak_in_flight"] = self.pipeline.peak_in_flight
         return m
 
-    def parameter_tensors(self) -> list[torch.Tensor]:
-        """Every tensor holding parameter values right now: the parameters, and a sharding engine's flat
-        buffers (gathered or kept), which its original parameters are views of (metrics.SavedActivations
-        leaves them out of the activations)."""
-        fsdp = self.fsdp
-        return [*self.model.parameters(), *(u.flat for u in fsdp.units)] if fsdp is not None else \
-            list(self.model.parameters())
+    def parameter_tensors(self) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]] | None]:
+        """(fixed, moving): the tensors holding parameter values (metrics.SavedActivations leaves their storages
+        out of the activations). fixed: storages that stay put through a step (plain parameters, DTensor
+        shards, our engine's shards); moving: what regrows storage between uses, read afresh: our engine's flat
+        buffers (its original parameters are views of them), or under PyTorch's fully_shard every parameter
+        (swapped for its unsharded copy around each use). None when nothing moves."""
+        from torch.distributed.fsdp import FSDPModule
+        fixed = list(self.model.parameters())
+        if self.fsdp is not None:
+            units = self.fsdp.units
+            return fixed, lambda: [u.flat for u in units]
+        if any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            return [], lambda: list(self.model.parameters())
+        return fixed, None
 
     def make_grad_scaler(self) -> AgreeingGradScaler:
         """fp16's GradScaler whose ranks agree on found-inf (parallel/grads.py)."""
