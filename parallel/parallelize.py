@@ -192,8 +192,9 @@ class Parallelized:
         if self.fsdp is not None:
             units = self.fsdp.units
             return fixed, lambda: [u.flat for u in units]
-        if any(isinstance(m, FSDPModule) for m in self.model.modules()):
-            return [], lambda: list(self.model.parameters())
+        if any(isinstance(m, FSDPModule) for m in self.model.modules()):  # it swaps the entries of _parameters
+            slots = [(m._parameters, n) for m in self.model.modules() for n, p in m._parameters.items() if p is not None]
+            return [], lambda: [d[n] for d, n in slots]
         return fixed, None
 
     def make_grad_scaler(self) -> AgreeingGradScaler:
