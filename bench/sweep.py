@@ -5,7 +5,8 @@ trained a few steps and held against one process.
     python -m bench.sweep --sample 12        # + 12 layouts at 6 and 8 ranks (seeded, see `sample`)
     python -m bench.sweep --only 'pp=3*'     # the layouts whose name matches
 
-Each layout is `train.py` on the `tiny` GPT with 12 Blocks (so pp=4 with V=3 gives every chunk a Block), a
+Each layout is `train.py` on the `tiny` GPT with 4 Blocks, or 12 where its P·V chunks need more (pp=4 with V=3
+gives every chunk a Block; `Layout.n_layer`), against the one-process run of as many Blocks, a
 512-token vocabulary (the stand-in corpus of tests/harness.make_token_bins), 12 rows of 32 tokens per step
 (`Layout.micro_batches`: one micro-batch per dp rank without a pipeline, >= 2P with one), 3 steps, started
 by bench.forkserver (forked ranks: no interpreter start per rank). Every step's loss and grad norm and the val losses at steps 0 and 3 must be within the
@@ -28,13 +29,14 @@ import random
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from bench.forkserver import ForkServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ROWS, T, STEPS, N_LAYER, VOCAB = 12, 32, 3, 12, 512
-BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--vocab_size", str(VOCAB),
+ROWS, T, STEPS, VOCAB = 12, 32, 3, 512
+N_LAYERS = (4, 12)  # a layout's Blocks: the fewest of these giving each of its P·V chunks one (Layout.n_layer)
+BASE = ["--model", "tiny", "--vocab_size", str(VOCAB),
         "--seq_len", str(T), "--total_batch_size", str(ROWS * T), "--max_steps", str(STEPS),
         "--eval_interval", "1000", "--warmup_steps", "1", "--lr", "3e-3",
         "--gradient_clipping", "--no_checkpoint", "--device", "cpu", "--peak_flops", "1e12", "--timeout", "120"]
@@ -68,6 +70,11 @@ class Layout:
     dtype: str = "float32"
     deferred: bool = False  # --deferred_init
     impl: str = "custom"    # --implementation
+    blocks: int = 0         # --n_layer; 0: the fewest of N_LAYERS with a Block per chunk (a reference names it)
+
+    @property
+    def n_layer(self) -> int:
+        return self.blocks or next(n for n in N_LAYERS if n >= self.pp * self.virtual)
 
     @property
     def nproc(self) -> int:
@@ -86,7 +93,8 @@ class Layout:
         if self.tp > 1:
             parts.append(f"tp={self.tp}" + ("" if self.sp else "(plain)"))
         return " ".join(parts or ["single"]) + ("" if self.dtype == "float32" else f" {self.dtype}") + \
-            (" deferred" if self.deferred else "") + ("" if self.impl == "custom" else f" [{self.impl}]")
+            (" deferred" if self.deferred else "") + ("" if self.impl == "custom" else f" [{self.impl}]") + \
+            (f" L={self.blocks}" if self.blocks else "")
 
     @property
     def micro_batches(self) -> int:
@@ -103,7 +111,7 @@ class Layout:
         """train.py's flags for this layout (after BASE). The validation set is the same ROWS rows for every
         layout: --eval_iters x --micro_batch_size = ROWS."""
         mb = max(1, ROWS // self.dp // self.micro_batches)
-        f = ["--micro_batch_size", str(mb), "--eval_iters", str(max(1, ROWS // mb)), "--dtype", self.dtype,
+        f = ["--n_layer", str(self.n_layer), "--micro_batch_size", str(mb), "--eval_iters", str(max(1, ROWS // mb)), "--dtype", self.dtype,
              "--implementation", self.impl]
         if self.dtype != "float32":
             f += ["--param_dtype", self.dtype]
@@ -125,8 +133,13 @@ class Layout:
                                                              if self.sp else [])
         return f
 
+    @property
+    def is_reference(self) -> bool:
+        return replace(self, blocks=self.n_layer) == self.reference()
+
     def reference(self) -> "Layout":
-        return Layout(dtype=self.dtype)
+        """The one-process run it is held against: the same dtype and Blocks."""
+        return Layout(dtype=self.dtype, blocks=self.n_layer)
 
 
 def layouts(max_world: int = 4) -> list[Layout]:
@@ -168,7 +181,7 @@ def sample(n: int, seed: int = 0) -> list[Layout]:
             for (schedule, v), dp_type in itertools.product(SCHEDULES if pp > 1 else (("1f1b", 1),),
                                                             DP_TYPES if dp > 1 or cp > 1 else (None,)):
                 x = Layout(pp, dp, tp, cp, dp_type, 1, schedule, v)
-                if v * pp > N_LAYER or (schedule.startswith("interleaved") and x.micro_batches % pp):
+                if v * pp > max(N_LAYERS) or (schedule.startswith("interleaved") and x.micro_batches % pp):
                     continue  # refused by validation for certain: sampling them teaches nothing
                 pool.append(x)
     must = [Layout(pp=3, dp=2, dp_type="zero1", schedule="interleaved_1f1b", virtual=2),
@@ -278,21 +291,20 @@ def judge(layout: Layout, result, out: str, ref: dict | None) -> Row:
 
 
 def sweep(todo: list[Layout], data: str, out_root: str, server: ForkServer, log=print) -> list[Row]:
-    """Run the one-process reference of each dtype, then every layout of `todo`; one Row each (references
-    first)."""
-    refs: dict[str, dict] = {}
+    """Run the one-process reference of each dtype and Block count, then every other layout of `todo`; one Row
+    each (references first)."""
+    refs: dict[Layout, dict] = {}
     rows = []
-    for dtype in sorted({x.dtype for x in todo}, key=lambda d: d != "float32"):
-        ref = Layout(dtype=dtype)
+    for ref in sorted({x.reference() for x in todo}, key=lambda r: (r.dtype != "float32", r.n_layer)):
         row = judge(ref, *run_layout(server, ref, data, out_root), None)
         if row.status != "ok":
-            raise RuntimeError(f"the one-process {dtype} reference failed: {row.detail}")
-        refs[dtype] = row.values
+            raise RuntimeError(f"the one-process reference {ref.name} failed: {row.detail}")
+        refs[ref] = row.values
         rows.append(row)
         log(format_row(row))
     for layout in todo:
-        if layout != layout.reference():
-            rows.append(judge(layout, *run_layout(server, layout, data, out_root), refs[layout.dtype]))
+        if not layout.is_reference:
+            rows.append(judge(layout, *run_layout(server, layout, data, out_root), refs[layout.reference()]))
             log(format_row(rows[-1]))
     return rows
 

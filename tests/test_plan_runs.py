@@ -11,7 +11,7 @@ metrics.jsonl:
 - peak memory is not compared on the CPU: the measured number is the process's resident set (VmHWM), ~0.6 GB
   of Python and torch against the tiny model's ~50 MB of state, which no allocator model predicts within 15%.
 
-The layouts are bench.sweep's (the tiny GPT with 12 Blocks, 512-token vocabulary, 12 rows of 32 tokens), one
+The layouts are bench.sweep's (the tiny GPT with 4 Blocks, 512-token vocabulary, 12 rows of 32 tokens), one
 two steps each, every dim and dp type: one process, DDP, ZeRO-1/2/3, HSDP, TP with and without SP, CP, PP (each
 schedule), their compositions up to 8 ranks, and activation checkpointing. Each is one forked run
 (tests/harness.shared_run), trained once per session. `pytest -s` prints the table.

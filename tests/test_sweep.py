@@ -22,7 +22,7 @@ from bench.forkserver import ForkServer, RunResult
 from tests.harness import make_token_bins, rank0_only
 
 LARGE = os.environ.get("GPT_SWEEP_LARGE") == "1"
-SMALL = [x for x in S.layouts(4) if x != S.Layout()] + S.middle_stage_rows()
+SMALL = [x for x in S.layouts(4) if not x.is_reference] + S.middle_stage_rows()
 BF16 = S.bf16_rows()
 SAMPLE = S.sample(12)
 
@@ -34,18 +34,17 @@ REFUSED: dict[str, str] = {}
 def sweep_env():
     with tempfile.TemporaryDirectory() as tmp, ForkServer() as server:
         data = make_token_bins(os.path.join(tmp, "data"), vocab=S.VOCAB)
-        refs: dict[str, dict] = {}
+        refs: dict[S.Layout, dict] = {}
 
-        def reference(dtype: str) -> dict:
-            if dtype not in refs:
-                ref = S.Layout(dtype=dtype)
+        def reference(ref: S.Layout) -> dict:
+            if ref not in refs:
                 row = S.judge(ref, *S.run_layout(server, ref, data, tmp), None)
-                assert row.status == "ok", f"one-process {dtype} reference: {row.detail}"
-                refs[dtype] = row.values
-            return refs[dtype]
+                assert row.status == "ok", f"one-process reference {ref.name}: {row.detail}"
+                refs[ref] = row.values
+            return refs[ref]
 
         def run(layout: S.Layout) -> S.Row:
-            return S.judge(layout, *S.run_layout(server, layout, data, tmp), reference(layout.dtype))
+            return S.judge(layout, *S.run_layout(server, layout, data, tmp), reference(layout.reference()))
         yield run
 
 
