@@ -379,26 +379,28 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
 
 def _check_zero_bubble(args: argparse.Namespace, dims: ParallelDims, micro: int) -> None:
     """The zero-bubble schedules: enough micro-batches (zb_h1, zbv: M >= P; dualpipev: M >= 2P), and the layouts
-    their split backward is built and tested for (parallel/zero_bubble.py: DDP or no data parallelism, eager
-    Blocks; the PyTorch twin, torch's ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble / ScheduleDualPipeV,
-    without data parallelism)."""
+    their split backward is built and tested for (parallel/zero_bubble.py: no data parallelism, DDP, ZeRO-1/2/3
+    on one shard group, our TP with or without SP; eager Blocks; the PyTorch twin, torch's
+    ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble / ScheduleDualPipeV, without data parallelism)."""
     name, least = args.pp_schedule, 2 * dims.pp if args.pp_schedule == "dualpipev" else dims.pp
     if micro < least:
         raise UsageError(f"--pp_schedule {name} needs the step's micro-batches M = total_batch_size / (micro_batch_size "
                          f"x seq_len x data_parallel_size) = {micro} >= "
                          + (f"2 x --pipeline_parallel_size = {least}" if least > dims.pp
                             else f"--pipeline_parallel_size {dims.pp}"))
-    if args.implementation == "pytorch" and dims.dp_enabled:
-        raise UsageError(f"--implementation pytorch --pp_schedule {name} runs without data parallelism here: torch's "
-                         "split backward under its DDP / FSDP2 is not tested; use --implementation custom with ddp")
-    if dims.dp_enabled and args.data_parallel_type != "ddp":
-        raise UsageError(f"--pp_schedule {name} composes with --data_parallel_type ddp, not "
-                         f"{args.data_parallel_type}: our ZeRO/FSDP engine reduce-scatters a unit's gradients at its "
-                         "backward, before the deferred weight gradients (W) exist")
-    if dims.tp_enabled or dims.cp_enabled or args.compile:
-        raise UsageError(f"--pp_schedule {name} runs with pipeline and data parallelism (ddp) only: its split "
-                         "backward is not yet tested under --tensor_parallel_size, --context_parallel_size or "
-                         "--compile (torch refuses its own input/weight split under compile too)")
+    if args.implementation == "pytorch" and (dims.dp_enabled or dims.tp_enabled):
+        raise UsageError(f"--implementation pytorch --pp_schedule {name} runs without data or tensor parallelism "
+                         "here: torch's split backward under its DDP / FSDP2 / DTensor TP is not tested; use "
+                         "--implementation custom")
+    if dims.dp_enabled and args.data_parallel_type != "ddp" and (args.data_parallel_replicate_size > 1
+                                                                 or dims.tp_enabled):
+        raise UsageError(f"--pp_schedule {name} is not tested with HSDP (--data_parallel_replicate_size > 1) or "
+                         f"with --tensor_parallel_size under {args.data_parallel_type} (8-rank layouts): it runs with "
+                         "zero1, zero2 and fsdp on one shard group, and with TP under ddp or no data parallelism")
+    if dims.cp_enabled or args.compile:
+        raise UsageError(f"--pp_schedule {name} does not run under --context_parallel_size or --compile: its split "
+                         "backward is not tested with ring attention, and torch refuses its own input/weight split "
+                         "under compile")
 
 
 def _check_data(args: argparse.Namespace, config: GPTConfig, local_rank: int) -> str:

@@ -9,7 +9,8 @@ stay outside and run eagerly once per forward and once per backward.
   input in forward and recomputes its forward inside backward, when autograd first needs a tensor it would
   have saved. The recomputation replays the forward's RNG state (dropout is bit-identical) and re-runs the
   collectives inside the Block: our TP's all-gathers / all-reduces, counted again in `comm_bytes`. Under a
-  zero-bubble schedule it runs inside the split backward's routing (parallel/zero_bubble.recompute_context).
+  zero-bubble schedule it runs while B's `defer` is open, so the split backward routes it as it routed the
+  forward (parallel/zero_bubble.py).
   `AC_COUNTER` counts the checkpointed forwards and their recomputations (train.py logs them per step).
   - `full` checkpoints every Block.
   - `selective` checkpoints every k-th Block (`every`, by global Block index, so every layout checkpoints
@@ -23,13 +24,9 @@ stay outside and run eagerly once per forward and once per backward.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
-
-from parallel.zero_bubble import recompute_context
 
 AC_MODES = ("none", "full", "selective")
 
@@ -74,14 +71,8 @@ def _checkpointed(inner):
             return inner(x)
 
         AC_COUNTER.checkpointed += 1
-        return checkpoint(run, x, use_reentrant=False, preserve_rng_state=True, context_fn=_contexts)
+        return checkpoint(run, x, use_reentrant=False, preserve_rng_state=True)
     return forward
-
-
-def _contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-    """checkpoint's (forward, recompute) contexts: the recompute runs inside the split backward's routing of the
-    B that triggered it (parallel/zero_bubble.py), which autograd's backward does not carry by itself."""
-    return contextlib.nullcontext(), recompute_context()
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) -> list[int]:

@@ -17,6 +17,14 @@ so a micro-step moves 2 all-gathers and 1 reduce-scatter of the Block bytes, and
 Hooks: forward pre/post hooks on each Block; a tensor hook on each Block's output (runs before that
 Block's backward); a post-accumulate-grad hook on each unit's `flat` leaf (runs once all the unit's
 gradients are in); an autograd-engine callback at the end of backward.
+
+Under a zero-bubble pipeline schedule (parallel/zero_bubble.py) a chunk's B leaves its linears' weight
+gradients to a later W. A unit whose linears B deferred is then complete only after that W: its hook hands
+the gradient to the split backward (`hold_for_w`), and W reduces it (`_reduce_grad`), exactly as B would
+have. The collectives and their bytes are 1F1B's, per (unit, micro-batch), moved from B to W (ZeRO-2/3's
+last reduce-scatter of the step is waited for when the step exits: `finish_on_exit`); the memory cost is one
+full unit gradient (padded, compute dtype) held from B to W per (unit, micro-batch) in between, at most the
+schedule's deferred W's per chunk. ZeRO-3 still frees the gathered unit at B: W needs x and dy, not W.
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ from parallel.flat_param import FlatLayout, ShardPiece, _FlatUnit, flatten_unit
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import pick_device
 from parallel.state import MOMENTS  # AdamW's per-element state
+from parallel.zero_bubble import hold_for_w
 
 
 @dataclass(frozen=True)
@@ -202,8 +211,10 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         self._global = [None] + [i for i, _ in blocks]
         self._n_blocks = len(blocks)
         # A pipeline's first and last stages each hold the tied matrix (wte; lm_head's copy of it): it gets a
-        # unit of its own, last, so both stages shard it alike and can sum its shard gradients elementwise.
-        self._tied_unit = getattr(module, "pp", 1) > 1 and (module.first or module.last)
+        # unit of its own, last, so both stages shard it alike and can sum its shard gradients elementwise. A
+        # rank holding both ends (a V layout's rank 0) has one tied parameter, as a GPT: in its root, nothing to sum.
+        self._tied_unit = (getattr(module, "pp", 1) > 1 and (module.first or module.last)
+                           and not getattr(module, "both_ends", False))
         n_units = 1 + len(blocks) + self._tied_unit
         self.units = [self._build_unit(i, deferred_init_seed, device) for i in range(n_units)]
         self.layout = FlatLayout(self.units, process_group, self.rank, self.world, self._state_dict_names)
@@ -330,11 +341,19 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         unit.show_full()  # activation checkpointing recomputes the Block's forward from its attributes
 
     def _post_backward(self, unit: _FlatUnit, flat: torch.Tensor) -> None:
-        """All of the unit's gradients are in `flat.grad`: free the unit and reduce-scatter the gradient
-        (or keep it: under no_sync, and ZeRO-1 until the end of the step's backward)."""
+        """All of the unit's gradients from this backward are in `flat.grad`: free the unit and reduce its
+        gradient (`_reduce_grad`), or, when a zero-bubble B deferred the unit's linears, hand it to the split
+        backward, which reduces it after the W that completes it (parallel/zero_bubble.hold_for_w)."""
         self.events.append(("backward_end", unit.name, "backward"))
         unit.release()
-        grad, flat.grad = flat.grad.to(self.reduce_dtype), None
+        grad, flat.grad = flat.grad, None
+        if not hold_for_w(flat, grad, partial(self._reduce_grad, unit)):
+            self._reduce_grad(unit, grad)
+
+    def _reduce_grad(self, unit: _FlatUnit, grad: torch.Tensor) -> None:
+        """Reduce-scatter one backward's full gradient of `unit` (or keep it: under no_sync, and ZeRO-1 until
+        the end of the step's backward)."""
+        grad = grad.to(self.reduce_dtype)
         if unit.acc_grad is not None:
             grad = unit.acc_grad.copy_(grad) if unit.acc_stale else unit.acc_grad.add_(grad)
             unit.acc_grad, unit.acc_stale = None, False
@@ -370,6 +389,14 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
                 self.reduction.finish(final=False)
                 self.reduction.start(unit, unit.acc_grad)
                 unit.acc_grad = None
+        self.reduction.finish()
+
+    @contextlib.contextmanager
+    def finish_on_exit(self):
+        """For a pipeline step under a zero-bubble schedule (ZeRO-2/3): the reduce-scatters its W's start
+        (`_reduce_grad` from the split backward, outside autograd, so no end-of-backward callback waits for
+        them) are waited for, and added into the shard gradients, when the step exits."""
+        yield
         self.reduction.finish()
 
     @contextlib.contextmanager

@@ -174,7 +174,8 @@ class PipelineRunner:
     the host clock on the CPU: parallel.mesh.make_timer); `peak_in_flight` is the most (chunk, micro)
     whose forward ran and whose backward (W, when split) has not, at once; `peak_held_bytes` the most bytes of
     distinct tensor storages the runner held at once (stored inputs and outputs, received buffers, gradients and
-    activations waiting for or in a send, the (input, output gradient) pairs waiting for W).
+    activations waiting for or in a send, the (input, output gradient) pairs waiting for W, and under our
+    sharding engine the unit gradients held for W).
     """
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
@@ -204,7 +205,7 @@ class PipelineRunner:
         self._marks: list[tuple[object, object, object]] = []
         self.peak_in_flight = 0
         self.peak_held_bytes = 0
-        self.store = WeightGradStore(stage.parameters())  # a split schedule's deferred weight gradients
+        self.store = WeightGradStore(stage)  # a split schedule's deferred weight gradients
 
     @property
     def timeline(self) -> list[tuple[object, float, float]]:
@@ -295,7 +296,7 @@ class PipelineRunner:
             for done in [k for k, (work, _) in sends.items() if work.is_completed()]:
                 del sends[done]
             self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(stored, act_in, grad_out, to_send, sends,
-                                                                        self.store.held()))
+                                                                        self.store.held_tensors()))
         for work, _ in sends.values():
             work.wait()
         assert not stored and not act_in and not grad_out and not to_send and not self.store, \

@@ -137,7 +137,9 @@ class Sharded:
         return self.model.no_sync() if self._local and not last_micro_step else contextlib.nullcontext()
 
     def step_sync(self) -> ContextManager:
-        return self.model.reduce_on_exit() if self._local else contextlib.nullcontext()
+        """ZeRO-1: accumulate, reduce once on exit; ZeRO-2/3: reduce per micro-batch (at B, or after the last W
+        that completes it under a zero-bubble schedule), and wait for the last ones on exit."""
+        return self.model.reduce_on_exit() if self._local else self.model.finish_on_exit()
 
     def after_optimizer_step(self) -> None:
         self.model.after_optimizer_step()

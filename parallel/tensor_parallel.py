@@ -65,13 +65,15 @@ class ColumnParallelLinear(nn.Module):
     in backward, no communication).
     """
 
+    linear = staticmethod(F.linear)  # the product alone: a zero-bubble schedule swaps it (parallel/zero_bubble.py)
+
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group, gather_output: bool = False):
         super().__init__()
         self.weight, self.bias = weight, bias
         self.group, self.gather_output = group, gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # (B, T, out/p)
+        y = self.linear(x, self.weight, self.bias)  # (B, T, out/p)
         return gather_from_region(y, self.group) if self.gather_output else y
 
 
@@ -89,8 +91,10 @@ class RowParallelLinear(nn.Module):
         self.weight, self.bias = weight, bias
         self.group, self.sequence_parallel = group, sequence_parallel
 
+    linear = staticmethod(F.linear)  # the product alone: a zero-bubble schedule swaps it (parallel/zero_bubble.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)  # (B, T, out), this rank's partial sum
+        y = self.linear(x, self.weight)  # (B, T, out), this rank's partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)  # (B, T/p, out)
         else:

@@ -1,12 +1,15 @@
 """The split backward of the zero-bubble schedules: B computes a chunk's input gradient, W its weight gradients later.
 
-How (Megatron's / Qi et al.'s WeightGradStore). While a chunk runs under `WeightGradStore.defer(key)`, every
-`F.linear(x, weight, bias)` on a parameter of the stage is routed through `_InputGradLinear` (a torch function
-mode: the model does not know). Its backward computes only dx = dy W, and pushes (x, dy) to the store under
-`key`, the (chunk, micro) whose forward ran it; `WeightGradStore.flush(key)` (the schedule's W action) then
-computes dW = dy^T x and db = sum(dy) and accumulates them into `.grad`. Nothing runs twice: B never computes
-a linear's dW, and W runs only those two products. Everything else of the backward (LayerNorm, embeddings,
-the chunked lm_head + loss, whose dW needs the logits' gradient that only its backward has) stays in B.
+How (Megatron's / Qi et al.'s WeightGradStore). A store is built over a model's linears (`routable`: each
+nn.Linear and our TP's column/row-parallel linears, not lm_head, whose chunked head_loss computes its own
+backward). While a chunk runs under `WeightGradStore.defer(key)` (its F, and its B), and only then, those
+modules' linear product is swapped for `_InputGradLinear` (nn.Linear: its `forward`; our TP linears: their
+`linear` attribute, the F.linear inside their forward, so their communication stays where it is); no other op
+is touched, and outside `defer` the modules are their own. Its backward computes only dx = dy W, and pushes
+(x, dy) to the store under `key`, the (chunk, micro) whose forward ran it; `WeightGradStore.flush(key)` (the
+schedule's W action) then computes dW = dy^T x and db = sum(dy) and accumulates them. Nothing runs twice: B
+never computes a linear's dW, and W runs only those two products. Everything else of the backward (LayerNorm,
+embeddings, the chunked lm_head + loss) stays in B.
 
 Bit-identity with the whole backward. The products are those autograd computes for F.linear on a contiguous
 (B, T, in) input (aten addmm / mm backward, derivatives.yaml): dx = dy2 @ W, dW = dy2^T @ x2, db = dy2 summed
@@ -16,32 +19,42 @@ AccumulateGrad does. W actions run each chunk's micro-batches in the order its B
 the same terms in the same order as under 1F1B: ZB-H1's gradients are 1F1B's bit for bit
 (tests/test_zero_bubble.py). A linear on any other input (2D, non-contiguous) is left to autograd whole.
 
-Activation checkpointing. A torch function mode is not active inside autograd's backward, where a checkpointed
-Block recomputes its forward (under the mode in F, plain in the recompute: checkpoint then refuses the other
-saved tensors). So B, also run under `defer`, names its key in `_ACTIVE`, and parallel/blocks.py's checkpoint
-opens `recompute_context()`, which routes the recompute's linears under that key: the recomputation pushes
-(x, dy) for W, recomputed once for B and W together.
+Where W's gradients land. A weight that is a leaf parameter (no data parallelism, DDP, TP): its `.grad`. A
+weight that is a view of a flat buffer (our ZeRO/FSDP engine, parallel/flat_param.py: a unit's parameters are
+views of its `flat` leaf, new views at each gather): the unit's gradient of that B, which the engine's
+post-accumulate hook hands to `hold_for_w` instead of reducing it, when the B deferred linears on that flat
+(`defers`, recorded at forward). B has filled it except at the deferred slices (zeros there, from autograd's
+split backward); W adds each dW into its slice (0 + dW: exact) and then calls the engine back with the
+completed gradient, in the order the B's hooks ran, which reduces it exactly as it would have at B.
+
+Activation checkpointing. A checkpointed Block recomputes its forward inside B's backward, and B runs under
+`defer` of the same key as its F: the swapped modules route the recompute as they routed the forward (the
+swap is process state, not a thread-local mode, so it also holds where autograd runs on its own thread); the
+recomputation pushes (x, dy) for W, recomputed once for B and W together.
 
 Memory: per deferred linear, x and dy stay from B until W (what W needs; the rest of the chunk's graph is
-freed at B). Communication: none; the data-parallel reduction runs after the last W (DDP's reduce_on_exit
-wraps the whole schedule).
+freed at B); under TP with sequence parallelism, a column-parallel linear's x is the all-gathered (B, T, C)
+input (one storage shared by q, k, v; autograd saves the same from F to B under 1F1B), and a row-parallel
+one's dy is the all-gathered output gradient. Under the sharding engine, one full unit gradient (padded,
+compute dtype) per (unit, key) from B until W. Communication: none here; TP's stay in B (dx), W needs none
+(dW = dy^T x of local tensors); a data-parallel reduction runs after the last W that feeds it.
 """
 from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Hashable, Iterator
+from functools import partial
+from typing import Callable, Hashable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 
 class _InputGradLinear(torch.autograd.Function):
     """y = F.linear(x, weight, bias); backward: dx only, (x, dy) pushed to the store for W. The parameters come
     in a tuple, so autograd sees no edge to them: their AccumulateGrad (and the post-accumulate hooks of a
-    data-parallel wrapper) do not run in B; W accumulates."""
+    data-parallel wrapper) do not run in B for them; W accumulates."""
 
     @staticmethod
     def forward(ctx, x, params, store, key):
@@ -55,6 +68,9 @@ class _InputGradLinear(torch.autograd.Function):
         ctx.save_for_backward(xc, wc)
         ctx.store, ctx.key, ctx.x_dtype = store, key, x.dtype
         ctx.weight, ctx.bias = weight, bias
+        for p in params:
+            if p is not None and p._base is not None:
+                store.defers[key].add(id(p._base))  # a flat buffer's view: its unit's gradient waits for W
         return y
 
     @staticmethod
@@ -66,77 +82,112 @@ class _InputGradLinear(torch.autograd.Function):
         return dx, None, None, None
 
 
-class _RouteLinears(TorchFunctionMode):
-    """Sends F.linear on `params` (grad enabled, contiguous 3D input) through _InputGradLinear under `key`."""
-
-    def __init__(self, store: "WeightGradStore", key: Hashable):
-        super().__init__()
-        self.store, self.key = store, key
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and torch.is_grad_enabled():
-            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (id(weight) in self.store.params and weight.requires_grad and x.dim() == 3 and x.is_contiguous()
-                    and (bias is None or id(bias) in self.store.params)):
-                return _InputGradLinear.apply(x, (weight, bias), self.store, self.key)
-        return func(*args, **kwargs)
+def routable(name: str, module: nn.Module) -> bool:
+    """The linears a store defers: nn.Linear and our TP's linears (a `linear` attribute), lm_head excluded."""
+    from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    return name.rpartition(".")[2] != "lm_head" and (
+        type(module) is nn.Linear or isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
 
 
 _ACTIVE: list[tuple["WeightGradStore", Hashable]] = []  # the (store, key) of each open `defer`, innermost last
 
 
-def recompute_context() -> contextlib.AbstractContextManager:
-    """What a checkpointed Block's recomputation runs inside: the innermost open `defer`'s routing (the B that
-    triggered it), or nothing."""
-    return _RouteLinears(*_ACTIVE[-1]) if _ACTIVE else contextlib.nullcontext()
+def hold_for_w(base: torch.Tensor, grad: torch.Tensor, done: Callable[[torch.Tensor], None]) -> bool:
+    """For a sharding engine's post-accumulate hook on a flat leaf `base`: if the B running now deferred linears
+    on views of `base`, keep `grad` (its gradient from that B) for the W of the same key, which adds the
+    deferred weight gradients into it and then calls `done(grad)`; returns whether it was kept."""
+    if not _ACTIVE:
+        return False
+    store, key = _ACTIVE[-1]
+    if id(base) not in store.defers.get(key, ()):
+        return False
+    store.held[key].append((base, grad, done))
+    return True
 
 
 class WeightGradStore:
     """One rank's deferred weight gradients: per key (chunk, micro), the (weight, bias, x, dy) of each linear
-    its B ran, kept until `flush(key)`. `params`: the parameters whose linears may be deferred (a stage's own).
-    Stores tensors only; communicates nothing."""
+    its B ran, and the flat-buffer gradients held for them (`hold_for_w`), kept until `flush(key)`. `model`:
+    the module whose `routable` linears may be deferred (a pipeline stage). Stores tensors only; communicates
+    nothing."""
 
-    def __init__(self, params: Iterator[nn.Parameter]):
-        self.params = {id(p) for p in params}
+    def __init__(self, model: nn.Module):
+        self.modules = [m for name, m in model.named_modules() if routable(name, m)]
         self.pending: dict[Hashable, list[tuple]] = defaultdict(list)
+        self.defers: dict[Hashable, set[int]] = defaultdict(set)  # key -> id of each flat its F deferred on
+        self.held: dict[Hashable, list[tuple]] = defaultdict(list)  # key -> [(flat, its gradient, callback)]
 
     @contextlib.contextmanager
     def defer(self, key: Hashable):
-        """Inside, linears on the stage's parameters compute only their input gradient in backward."""
+        """Inside, the store's linears compute only their input gradient in backward (F and B of `key`)."""
         _ACTIVE.append((self, key))
+        swapped = [self._swap(m, key) for m in self.modules]
         try:
-            with _RouteLinears(self, key):
-                yield
+            yield
         finally:
+            for m, attr, before in swapped:
+                if before is None:
+                    del m.__dict__[attr]
+                else:
+                    m.__dict__[attr] = before
             _ACTIVE.pop()
 
-    def push(self, key: Hashable, weight: nn.Parameter, bias: nn.Parameter | None, x: torch.Tensor,
+    def _swap(self, m: nn.Module, key: Hashable) -> tuple[nn.Module, str, object]:
+        attr = "forward" if type(m) is nn.Linear else "linear"
+        before = m.__dict__.get(attr)
+        m.__dict__[attr] = partial(self._forward, m, key) if attr == "forward" else partial(self._linear, key)
+        return m, attr, before
+
+    def _forward(self, m: nn.Linear, key: Hashable, x: torch.Tensor) -> torch.Tensor:
+        return self._linear(key, x, m.weight, m.bias)
+
+    def _linear(self, key: Hashable, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.is_grad_enabled() and weight.requires_grad and x.dim() == 3 and x.is_contiguous():
+            return _InputGradLinear.apply(x, (weight, bias), self, key)
+        return F.linear(x, weight, bias)
+
+    def push(self, key: Hashable, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
              dy2: torch.Tensor) -> None:
         self.pending[key].append((weight, bias, x, dy2))
 
     @torch.no_grad()
     def flush(self, key: Hashable) -> None:
         """W: dW = dy^T x and db = sum of dy over rows for every linear `key`'s B ran, added to .grad in place
-        (set where it is None), in the order B met them."""
+        (set where it is None), or into the held gradient of the flat buffer they are views of, in the order B
+        met them; then each held gradient goes back to its engine, in the order B held them."""
+        held = {id(base): grad for base, grad, _ in self.held.get(key, [])}
         for weight, bias, x, dy2 in self.pending.pop(key, []):
             dw = dy2.t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)  # (out, in)
-            _accumulate(weight, dw)
+            _accumulate(weight, dw, held)
             if bias is not None:
-                _accumulate(bias, dy2.sum(0).to(bias.dtype))  # (out,)
+                _accumulate(bias, dy2.sum(0).to(bias.dtype), held)  # (out,)
+        self.defers.pop(key, None)
+        for _, grad, done in self.held.pop(key, []):
+            done(grad)
 
-    def held(self) -> dict[Hashable, tuple]:
+    def held_tensors(self) -> dict[Hashable, tuple]:
         """Every tensor the store keeps, by key (for parallel.pipeline.held_bytes)."""
-        return {(k, i): (x, dy) for k, items in self.pending.items() for i, (_, _, x, dy) in enumerate(items)}
+        out = {(k, i): (x, dy) for k, items in self.pending.items() for i, (_, _, x, dy) in enumerate(items)}
+        out.update({(k, "held", i): g for k, items in self.held.items() for i, (_, g, _) in enumerate(items)})
+        return out
 
     def __len__(self) -> int:
-        return len(self.pending)
+        return len(self.pending) + len(self.held)
 
 
-def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
-    """AccumulateGrad's rule outside autograd: .grad += g in place, or .grad = g when there is none."""
-    if p.grad is None:
-        p.grad = g
-    else:
-        p.grad += g
+def _accumulate(p: torch.Tensor, g: torch.Tensor, held: dict[int, torch.Tensor]) -> None:
+    """AccumulateGrad's rule outside autograd: .grad += g in place, or .grad = g when there is none; for a view
+    of a flat buffer, += into its slice of the buffer's held gradient."""
+    if p._base is None:
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad += g
+        return
+    grad = held.get(id(p._base))
+    if grad is None:
+        raise RuntimeError("a deferred linear's weight is a view of a flat buffer whose gradient no B held "
+                           "(parallel/zero_bubble.hold_for_w)")
+    offset = p.storage_offset() - p._base.storage_offset()
+    grad[offset:offset + p.numel()].view(p.shape).add_(g)

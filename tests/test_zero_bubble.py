@@ -27,10 +27,14 @@ import torch.distributed as dist
 
 from model import GPT, make_config
 from parallel.blocks import AC_COUNTER, apply_activation_checkpointing
+from parallel.fsdp import FullyShardedDataParallel
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
+from parallel.protocol import Placement, Sharded
+from parallel.tensor_parallel import apply_tensor_parallel
 from parallel.zero_bubble import WeightGradStore
-from tests.harness import (Measurements, WholeRuns, assert_close, expect_train_error_on_ranks, rank0_only,
-                           steps_of)
+from tests.harness import (Measurements, WholeRuns, assert_close, expect_train_error_in_process,
+                           expect_train_error_on_ranks, rank0_only, steps_of)
+from tests.rounding import rounding_rtol_of
 
 SEED, MB, T, N_LAYER = 0, 2, 16, 4
 
@@ -61,11 +65,13 @@ class TestSplitBackward(unittest.TestCase):
     """One 2-Block GPT, M = 2 micro-batches: backward whole (autograd) vs B under the store then W micro-batch by
     micro-batch; every gradient torch.equal."""
 
-    def grads(self, split: bool, autocast: bool = False, ac: bool = False) -> tuple[dict, dict]:
+    def grads(self, split: bool, autocast: bool = False, ac: bool = False, tp: bool = False) -> tuple[dict, dict]:
         model = gpt(FAST_LAYERS)
+        if tp:  # our TP's layers on one rank (their collectives return at once): what the store must route
+            apply_tensor_parallel(model, None, loss_parallel=False, sequence_parallel=True)
         if ac:
             apply_activation_checkpointing(model, "full", 2)
-        store = WeightGradStore(model.parameters())
+        store = WeightGradStore(model)
         batches = micro_batches(model.config, FAST_M)
         for m, (x, y) in enumerate(batches):
             with torch.autocast("cpu", torch.bfloat16, enabled=autocast), \
@@ -85,8 +91,10 @@ class TestSplitBackward(unittest.TestCase):
         for n in ref:
             self.assertTrue(torch.equal(got[n], ref[n]), n)
         # deferral is real: after every B, the linears of the Blocks have no gradient yet, everything else has
+        # (a row-parallel bias is added after TP's reduce, outside the product: its db stays in B)
         for n, has in after_b.items():
-            deferred = n.startswith("transformer.h.") and n.split(".")[-2] in LINEARS
+            row_bias = kw.get("tp") and n.endswith("c_proj.bias")
+            deferred = n.startswith("transformer.h.") and n.split(".")[-2] in LINEARS and not row_bias
             self.assertEqual(has, not deferred, n)
 
     def test_fp32(self):
@@ -100,10 +108,50 @@ class TestSplitBackward(unittest.TestCase):
         self.check_equal(ac=True)
         self.assertEqual(AC_COUNTER.recomputed, 2 * FAST_M * FAST_LAYERS)  # both runs, each micro-batch's Blocks once
 
+    def test_tensor_parallel_linears(self):
+        """Column- and row-parallel linears defer too: the store swaps the product inside their forward."""
+        self.check_equal(tp=True)
+
     def test_w_needs_b(self):
-        store = WeightGradStore(gpt(FAST_LAYERS).parameters())
+        store = WeightGradStore(gpt(FAST_LAYERS))
         store.flush((0, 0))  # nothing pushed: a W without its B adds nothing
         self.assertEqual(len(store), 0)
+
+
+class TestSplitBackwardSharded(unittest.TestCase):
+    """The store under our sharding engine (parallel/fsdp.py, one rank: the hooks, the held gradients and the
+    reduction path are those of N ranks, the collectives copies): a 2-Block GPT, M = 2, whole backward per
+    micro-batch vs B under the store then W micro-batch by micro-batch, inside the pipeline's step_sync. The
+    linears' weights are views of each unit's flat buffer, so B hands each Block unit's gradient to the store
+    (its linear slices still zero) instead of reducing it, and W completes and reduces it: every shard gradient
+    torch.equal. Without the hold, W finds no gradient to add into (RuntimeError); reduced at B, the shards
+    would miss the linears' dW."""
+
+    def shard_grads(self, stage: int, split: bool) -> tuple[list, int]:
+        fsdp = FullyShardedDataParallel(gpt(FAST_LAYERS), zero_stage=stage)
+        store = WeightGradStore(fsdp.module)
+        batches = micro_batches(fsdp.config, FAST_M)
+        held = 0
+        with Sharded(fsdp, Placement()).step_sync():
+            for m, (x, y) in enumerate(batches):
+                with store.defer(m) if split else contextlib.nullcontext():
+                    _, loss = fsdp(x, y)
+                    (loss / len(batches)).backward()
+            held = sum(len(v) for v in store.held.values())
+            for m in range(len(batches)):
+                store.flush(m)
+        self.assertEqual(len(store), 0)
+        return [p.grad for p in fsdp.flat_params], held
+
+    def test_zero_stages(self):
+        for stage in (1, 2, 3):
+            with self.subTest(zero_stage=stage):
+                ref, _ = self.shard_grads(stage, False)
+                got, held = self.shard_grads(stage, True)
+                self.assertEqual(held, FAST_M * FAST_LAYERS)  # every Block unit's gradient of every B waited for W
+                self.assertEqual(len(got), len(ref))
+                for i, (g, r) in enumerate(zip(got, ref)):
+                    self.assertTrue(torch.equal(g, r), i)
 
 
 # ----------------------------------------------------------------------------- the runner on spawned ranks
@@ -254,6 +302,11 @@ BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(
 PP2 = ["--pipeline_parallel_size", "2"]
 ZB = [*PP2, "--pp_schedule", "zb_h1"]
 DDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
+TP2_SP = ["--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"]  # test_pipeline_train's
+
+
+def dp(dp_type: str) -> list[str]:
+    return ["--data_parallel_size", "2", "--data_parallel_type", dp_type]
 RUNS = WholeRuns(BASE)
 setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
 
@@ -268,10 +321,10 @@ class TestZeroBubbleTrain(unittest.TestCase):
     """train.py --pp_schedule zb_h1: each step's loss and grad_norm are the 1F1B run's bits (the same runs as
     tests/test_pipeline_train.py, shared by name), and within 1e-5 of one process."""
 
-    def check(self, got: dict, same_as: dict, ref: dict, what: str) -> None:
+    def check(self, got: dict, same_as: dict, ref: dict, what: str, rtol: float = 1e-5) -> None:
         for key in ("loss", "grad_norm"):
             assert_close(self, got, same_as, key, 0, f"{what} vs 1f1b")
-            assert_close(self, got, ref, key, 1e-5, f"{what} vs one process")
+            assert_close(self, got, ref, key, rtol, f"{what} vs one process")
 
     def test_p2(self):
         self.check(run("zb_h1", ZB, 2), run("1f1b", PP2, 2), run("single", [], 1), "zb_h1")
@@ -281,6 +334,31 @@ class TestZeroBubbleTrain(unittest.TestCase):
         all-reduce would leave the two replicas' gradients apart and the losses off 1F1B's."""
         self.check(run("zb_h1_ddp", [*ZB, *DDP2], 4), run("pp_ddp", [*PP2, *DDP2], 4), run("single", [], 1),
                    "zb_h1 x ddp")
+
+    def test_sharded(self):
+        """zb_h1 and zbv under our ZeRO-2 and FSDP at P = 2 x dp = 2 (4 ranks): within 1e-5 of one process, and zb_h1
+        x fsdp the 1F1B x fsdp run's bits (tests/test_pipeline_train.py's pp_fsdp): each unit's gradient of
+        micro-batch m is reduce-scattered after the W that completes it, in the order 1F1B reduces it at its B,
+        so the shards sum the same terms in the same order. zbv's rank 0 holds both ends: the tied matrix in its
+        root unit, nothing to sum. A unit reduced at its B would miss its linears' weight gradients."""
+        ref = run("single", [], 1)
+        for dp_type in ("zero2", "fsdp"):
+            for name, flags in (("zb_h1", ZB), ("zbv", [*PP2, "--pp_schedule", "zbv", "--pp_virtual_stages", "2"])):
+                with self.subTest(dp_type=dp_type, schedule=name):
+                    got = run(f"{name}_{dp_type}", [*flags, *dp(dp_type)], 4)
+                    for key in ("loss", "grad_norm"):
+                        assert_close(self, got, ref, key, 1e-5, f"{name} x {dp_type} vs one process")
+        self.check(run("zb_h1_fsdp", [*ZB, *dp("fsdp")], 4), run("pp_fsdp", [*PP2, *dp("fsdp")], 4), ref,
+                   "zb_h1 x fsdp")
+
+    def test_tp_sequence_parallel(self):
+        """pp = 2 x tp = 2 with --sequence_parallel: W needs no communication (a column-parallel dW = dy_i^T x from
+        the all-gathered x the store keeps; a row-parallel one dy^T x_i from the all-gathered dy), so ZB-H1 is the
+        1F1B run's bits (tests/test_pipeline_train.py's pp_tp_sp) and within its tolerance of one process
+        (tests/rounding.py: 4x the one-process run's own distance from float64)."""
+        ref = run("single", [], 1)
+        self.check(run("zb_h1_tp_sp", [*ZB, *TP2_SP], 4), run("pp_tp_sp", [*PP2, *TP2_SP], 4), ref,
+                   "zb_h1 x tp sp", rtol=rounding_rtol_of(RUNS, "single"))
 
     def test_v_schedules(self):
         """zbv and dualpipev through train.py (P = 2, V = 2: rank 0 holds Blocks 0 and 3 and the tied embedding
@@ -321,6 +399,26 @@ class TestZeroBubbleTrain(unittest.TestCase):
                 got = run(f"torch_{name}", [*flags, "--implementation", "pytorch"], 2)
                 for key in ("loss", "grad_norm"):
                     assert_close(self, got, ref, key, 1e-5, f"torch {name} vs one process")
+
+
+class TestZeroBubbleRefusals(unittest.TestCase):
+    """What the split backward is not built or tested for is refused in one line, exit 2, before any work
+    (config._check_zero_bubble; train.main in this process as one rank of WORLD_SIZE, each well under a second)."""
+
+    def test_refused_layouts(self):
+        four = str(4 * MB * 32 * 2)  # M = 2 micro-batches per dp rank under dp = 4, as zb_h1 at P = 2 needs
+        untested = "--pp_schedule zb_h1 is not tested with HSDP (--data_parallel_replicate_size > 1) or with "
+        for flags, world, needle in (
+                ([*ZB, "--data_parallel_size", "4", "--data_parallel_replicate_size", "2", "--data_parallel_type",
+                  "fsdp", "--total_batch_size", four], 8, untested),
+                ([*ZB, "--tensor_parallel_size", "2", *dp("zero2")], 8, f"{untested}--tensor_parallel_size under zero2"),
+                ([*ZB, "--context_parallel_size", "2"], 4, "--pp_schedule zb_h1 does not run under --context_parallel_size"),
+                ([*ZB, "--compile"], 2, "--pp_schedule zb_h1 does not run under --context_parallel_size or --compile"),
+                ([*ZB, "--implementation", "pytorch", "--tensor_parallel_size", "2"], 4,
+                 "--implementation pytorch --pp_schedule zb_h1 runs without data or tensor parallelism")):
+            with self.subTest(flags):
+                expect_train_error_in_process(self, RUNS.args("--max_steps", "2", *flags), needle,
+                                              RUNS.path("bad_in_process"), env={"WORLD_SIZE": str(world)})
 
 
 if __name__ == "__main__":
