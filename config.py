@@ -374,7 +374,7 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
         reason = check_counts(counts, config.n_layer, dims.pp * virtual)
         if reason:
             raise UsageError(f"{flag} {reason}")
-    return tuple(len(r) for r in layers_for(config, dims.pp, virtual, args.seq_len, counts))
+    return tuple(len(r) for r in layers_for(config, dims.pp, virtual, args.seq_len, counts, v_shape=v_shape))
 
 
 def _check_zero_bubble(args: argparse.Namespace, dims: ParallelDims, micro: int) -> None:

@@ -27,6 +27,7 @@ from model import GPT
 from parallel import comm
 from parallel.mesh import Mesh, fused_optimizer, init_distributed
 from parallel.parallelize import Parallelized, parallelize
+from parallel.pipeline_schedule import V_SCHEDULES
 from parallel.pipeline_split import describe_split, layers_for, stage_costs
 from plan.predict import for_run, summary
 
@@ -201,7 +202,8 @@ def describe_pipeline_split(plan: Plan) -> str:
     """The pipeline's split in one line: each chunk's Blocks and its cost (parallel/pipeline_split.py)."""
     layers = layers_for(plan.config, plan.dims.pp, plan.par.pp_virtual, counts=plan.par.pp_layers)
     by = "--pp_layers_per_stage" if plan.args.pp_layers_per_stage else "cost"
-    return describe_split(layers, stage_costs(plan.config, plan.args.seq_len), by)
+    return describe_split(layers, stage_costs(plan.config, plan.args.seq_len), by,
+                          v_shape=plan.par.pp_schedule in V_SCHEDULES)
 
 
 # ----------------------------------------------------------------------------- checkpoints

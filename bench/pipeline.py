@@ -186,7 +186,8 @@ def worker(args: argparse.Namespace) -> None:
     for name in args.schedules.split(","):
         v = chunks_per_rank(name, args.virtual)
         counts = tuple(int(n) for n in args.layers_per_stage.split(",")) if args.layers_per_stage and v == 1 else None
-        counts = tuple(len(r) for r in layers_for(cfg, P, v, counts=counts, costs=costs[0]))
+        counts = tuple(len(r) for r in layers_for(cfg, P, v, counts=counts, costs=costs[0],
+                                                  v_shape=name in V_SCHEDULES))
         raw["split"][name] = list(counts)  # Blocks per chunk
         with torch.device("meta"):
             model = GPT(cfg)

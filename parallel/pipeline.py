@@ -61,7 +61,7 @@ class PipelineStage(nn.Module):
         if v_shape and virtual != 2:
             raise ValueError(f"a V layout has two chunks per rank; got virtual={virtual}")
         self.n_chunks = pp * virtual
-        self.layers = layers_for(model.config, pp, virtual, counts=layers)
+        self.layers = layers_for(model.config, pp, virtual, counts=layers, v_shape=v_shape)
         self.chunks = [chunk_of(rank, v, pp, v_shape) for v in range(virtual)]  # this rank's global chunk indices
         self.first, self.last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
         self.both_ends = self.first and self.last  # lm_head stays tied to wte here (P == 1; a V's rank 0)

@@ -24,6 +24,16 @@ more Blocks. With every Block alike and no extras that is `pipeline_schedule.spl
 torchtitan's `generate_llm_fqn_per_model_part` weighs the embedding and the head in whole Blocks
 (input_weight, output_weight) for the same reason; here they are weighed in FLOPs.
 
+V layouts (`v_shape`: zbv, dualpipev; `balanced_v_split`): rank r holds chunks r and 2P-1-r
+(pipeline_schedule.chunk_of), so rank 0 runs both the embedding and the head, and each rank runs both its
+chunks for every micro-batch. What a rank waits for is then the busiest RANK, the sum of its two chunks, not
+the busiest chunk: the split balances per rank (ranks' costs sorted largest first, smallest lexicographically),
+then, among those, per chunk (the same rule on the chunks' costs: the warm-up, when a rank runs one chunk
+only); remaining ties give the earlier rank more Blocks, and within a rank its first chunk (r). The per-chunk
+split leaves rank 0 both extras on top of its chunks' Blocks: for GPT-2 124M at T = 1024, P = 2, Blocks per
+chunk [3, 4, 4, 1] cost rank 0 4 Blocks + head (517M) and rank 1 8 Blocks (416M); per rank, [2, 5, 4, 1] costs
+3 Blocks + head (465M) and 9 Blocks (468M).
+
 Every rank computes the same split from the same numbers (integers, so no rounding can tell ranks apart);
 nothing is communicated. Checkpoints keep full tensors by name, so a run saved under one split resumes under
 any other.
@@ -119,11 +129,46 @@ def balanced_split(block_costs: Sequence[int], chunks: int, first: int = 0, last
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+def balanced_v_split(n_layer: int, pp: int, block: int, first: int = 0, last: int = 0) -> list[range]:
+    """Block indices of the 2P consecutive chunks of a V layout (rank r holds chunks r and 2P-1-r), every Block
+    costing `block`, chunk 0 `first` more and chunk 2P-1 `last` more (both on rank 0): the V split of the module
+    docstring (ranks' costs, then chunks' costs, sorted largest first, lexicographically smallest; ties: the
+    earlier rank takes more Blocks, then, within a rank, its first chunk r).
+
+    Exact in O(n_layer): only a rank's Block total s_r enters the ranks' costs (rank 0: s_0·block + first + last,
+    rank r > 0: s_r·block), and for a given s_0 the other ranks' costs are smallest as a sorted list when their
+    totals are as even as possible (the larger ones on the earlier ranks); each rank > 0 then halves its total
+    (the extra Block on its first chunk, r), and rank 0 cuts its own by balanced_split. So try every s_0."""
+    if pp < 1 or n_layer < 2 * pp:
+        raise ValueError(f"cannot split {n_layer} Blocks into 2 x {pp} non-empty chunks")
+    chunks, best = 2 * pp, None
+    for s0 in range(2 if pp > 1 else n_layer, n_layer - 2 * (pp - 1) + 1):  # P = 1: rank 0 holds every Block
+        q, e = divmod(n_layer - s0, pp - 1) if pp > 1 else (0, 0)
+        sizes = [0] * chunks
+        end = balanced_split([block] * s0, 2, first, last)
+        sizes[0], sizes[-1] = len(end[0]), len(end[1])
+        for r in range(1, pp):
+            s = q + (r - 1 < e)
+            sizes[r], sizes[chunks - 1 - r] = (s + 1) // 2, s // 2
+        chunk_costs = [n * block + first * (c == 0) + last * (c == chunks - 1) for c, n in enumerate(sizes)]
+        rank_costs = [chunk_costs[r] + chunk_costs[chunks - 1 - r] for r in range(pp)]
+        key = (sorted(rank_costs, reverse=True), sorted(chunk_costs, reverse=True),
+               [-sizes[r] - sizes[chunks - 1 - r] for r in range(pp)], [-n for n in sizes[:pp]])
+        if best is None or key < best[0]:
+            best = (key, sizes)
+    bounds = [0]
+    for n in best[1]:
+        bounds.append(bounds[-1] + n)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def layers_for(config: GPTConfig, pp: int, virtual: int = 1, seq_len: int | None = None,
-               counts: Sequence[int] | None = None, costs: StageCosts | None = None) -> list[range]:
+               counts: Sequence[int] | None = None, costs: StageCosts | None = None,
+               v_shape: bool = False) -> list[range]:
     """The split a pipeline of `pp` ranks x `virtual` chunks uses: `counts` Blocks per chunk if given (the
     --pp_layers_per_stage override; `check_counts` first), else `balanced_split` of `costs` (default:
-    `stage_costs` at `seq_len`, itself defaulting to config.block_size)."""
+    `stage_costs` at `seq_len`, itself defaulting to config.block_size), or, for a V layout (`v_shape`, virtual
+    2: zbv, dualpipev), `balanced_v_split`, balanced per rank."""
     chunks = pp * virtual
     if counts is not None:
         reason = check_counts(counts, config.n_layer, chunks)
@@ -134,6 +179,10 @@ def layers_for(config: GPTConfig, pp: int, virtual: int = 1, seq_len: int | None
             bounds.append(bounds[-1] + n)
         return [range(a, b) for a, b in zip(bounds, bounds[1:])]
     k = costs or stage_costs(config, seq_len or config.block_size)
+    if v_shape:
+        if virtual != 2:
+            raise ValueError(f"a V layout has two chunks per rank; got virtual={virtual}")
+        return balanced_v_split(config.n_layer, pp, k.block, k.embed, k.head)
     return balanced_split([k.block] * config.n_layer, chunks, k.embed, k.head)
 
 
@@ -149,11 +198,17 @@ def check_counts(counts: Sequence[int], n_layer: int, chunks: int) -> str | None
 
 
 def describe_split(layers: list[range], costs: StageCosts, by: str = "cost",
-                   unit: str = "training FLOPs per token") -> str:
-    """One line: each chunk's Blocks and its cost in `unit` (M = 1e6)."""
-    parts = []
+                   unit: str = "training FLOPs per token", v_shape: bool = False) -> str:
+    """One line: each chunk's Blocks and its cost in `unit` (M = 1e6); for a V layout (`v_shape`) also each
+    rank's cost, the sum of its chunks r and 2P-1-r, which its split balances."""
+    parts, chunk_costs = [], []
     for c, r in enumerate(layers):
-        extra = costs.embed * (c == 0) + costs.head * (c == len(layers) - 1)
+        chunk_costs.append(len(r) * costs.block + costs.embed * (c == 0) + costs.head * (c == len(layers) - 1))
         blocks = f"Block {r.start}" if len(r) == 1 else f"Blocks {r.start}-{r.stop - 1}"
-        parts.append(f"chunk {c} {blocks} ({(len(r) * costs.block + extra) / 1e6:.3g}M)")
-    return f"pipeline split by {by} ({unit}): " + ", ".join(parts)
+        parts.append(f"chunk {c} {blocks} ({chunk_costs[-1] / 1e6:.3g}M)")
+    line = f"pipeline split by {by} ({unit}): " + ", ".join(parts)
+    if v_shape:
+        n = len(layers)
+        line += "; per rank: " + ", ".join(f"rank {r} ({(chunk_costs[r] + chunk_costs[n - 1 - r]) / 1e6:.3g}M)"
+                                           for r in range(n // 2))
+    return line

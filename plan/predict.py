@@ -144,8 +144,9 @@ def stage_blocks(s: Setup, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
     if not s.dims.pp_enabled:
         return list(range(s.config.n_layer)), True, True
     V = s.args.pp_virtual_stages or 1
-    layers = layers_for(s.config, s.dims.pp, V, s.args.seq_len, s.pp_layers)
-    chunks = [chunk_of(pp_rank, v, s.dims.pp, s.args.pp_schedule in V_SCHEDULES) for v in range(V)]
+    v_shape = s.args.pp_schedule in V_SCHEDULES
+    layers = layers_for(s.config, s.dims.pp, V, s.args.seq_len, s.pp_layers, v_shape=v_shape)
+    chunks = [chunk_of(pp_rank, v, s.dims.pp, v_shape) for v in range(V)]
     return [i for c in chunks for i in layers[c]], 0 in chunks, s.dims.pp * V - 1 in chunks
 
 

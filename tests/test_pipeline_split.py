@@ -12,7 +12,8 @@ from metrics import flops_per_token
 from model import GPT, make_config
 from parallel.pipeline import PipelineStage, TorchChunk
 from parallel.pipeline_schedule import chunk_of, split_layers
-from parallel.pipeline_split import balanced_split, check_counts, describe_split, layers_for, stage_costs
+from parallel.pipeline_split import (balanced_split, balanced_v_split, check_counts, describe_split, layers_for,
+                                     stage_costs)
 
 
 def ranges(*sizes: int) -> list[range]:
@@ -74,6 +75,91 @@ class TestBalancedSplit(unittest.TestCase):
     def test_needs_a_block_per_chunk(self):
         with self.assertRaises(ValueError):
             balanced_split([1, 1, 1], 4)
+
+
+def exhaustive_v(n_layer: int, pp: int, block: int, first: int, last: int) -> list[range]:
+    """The V split's definition, by trying every split of n_layer Blocks into 2P chunks (rank r holds chunks r
+    and 2P-1-r): ranks' costs, then chunks' costs, sorted largest first, lexicographically smallest; then the
+    ranks' Block totals, the earlier rank larger; then each rank's first chunk r, the earlier larger."""
+    C, best = 2 * pp, None
+    for cuts in itertools.combinations(range(1, n_layer), C - 1):
+        bounds = (0, *cuts, n_layer)
+        n = [b - a for a, b in zip(bounds, bounds[1:])]
+        chunk = [k * block + first * (c == 0) + last * (c == C - 1) for c, k in enumerate(n)]
+        key = (sorted((chunk[r] + chunk[C - 1 - r] for r in range(pp)), reverse=True), sorted(chunk, reverse=True),
+               [-n[r] - n[C - 1 - r] for r in range(pp)], [-k for k in n[:pp]])
+        if best is None or key < best[0]:
+            best = (key, ranges(*n))
+    return best[1]
+
+
+class TestVSplit(unittest.TestCase):
+    """zbv / dualpipev: rank r holds chunks r and 2P-1-r, so the split balances each rank's two chunks together."""
+
+    def test_exact_against_the_definition(self):
+        rng = random.Random(0)
+        for _ in range(200):
+            pp = rng.randint(1, 3)
+            n_layer = rng.randint(2 * pp, 2 * pp + 5)
+            block, first, last = rng.randint(1, 6), rng.randint(0, 8), rng.randint(0, 30)
+            with self.subTest(n_layer=n_layer, pp=pp, block=block, first=first, last=last):
+                self.assertEqual(balanced_v_split(n_layer, pp, block, first, last),
+                                 exhaustive_v(n_layer, pp, block, first, last))
+
+    def test_gpt2_p2(self):
+        """GPT-2 124M at T = 1024 (TestCostModel.test_gpt2_at_1024: Block b = 51,964,416, head H = 309,076,992,
+        embedding 2,304; n_layer 12). Rank 0 runs s_0 Blocks + head + embedding, rank 1 the other 12 - s_0: s_0 = 2
+        gives 413.0M | 519.6M, s_0 = 3 464,972,544 | 467,679,744, s_0 = 4 516.9M | 415.7M; so 3. Rank 0's 3: chunk 3
+        carries H, so it takes 1 Block (2 would cost 413M > the 3 on chunk 0 + embedding's 156M); rank 1's 9: 5 on
+        its first chunk (1), 4 on chunk 2. The per-chunk split [3, 4, 4, 1] loads rank 0 with 516,936,960."""
+        config = make_config("gpt2")
+        self.assertEqual(layers_for(config, 2, 2, 1024, v_shape=True), ranges(2, 5, 4, 1))
+        self.assertEqual(layers_for(config, 2, 2, 1024), ranges(3, 4, 4, 1))
+        line = describe_split(ranges(2, 5, 4, 1), stage_costs(config, 1024), v_shape=True)
+        self.assertTrue(line.endswith("; per rank: rank 0 (465M), rank 1 (468M)"), line)
+
+    def test_small_p2_and_p4(self):
+        """small (C = 384, V = 50304) with 24 Blocks at T = 1024: a Block b = 6·(12C² + 13C) + 12·C·T = 15,365,376,
+        the head 8·V·C + 12C = 154,538,496 = 10.06 b. P = 2: rank 0 = (s_0 + 10.06) b against (24 - s_0) b, the
+        larger smallest at s_0 = 7 (17.06 b | 17 b; s_0 = 6: 16.06 b | 18 b); rank 0 puts 1 Block with the head and
+        6 on chunk 0, rank 1 halves 17 as 9 | 8. The per-chunk split [7, 8, 8, 1] (chunk 0 = 8 Blocks + the embedding
+        would top 8 b) gives rank 0 18.06 b.
+        P = 4: rank 0 is the most expensive with its fewest Blocks (s_0 = 2: 12.06 b), ranks 1-3 share 22 as 8, 7,
+        7 (chunks 1 | 6 = 4 | 4, 2 | 5 = 4 | 3, 3 | 4 = 4 | 3)."""
+        config = make_config("small", n_layer=24)
+        k = stage_costs(config, 1024)
+        self.assertEqual((k.block, k.head), (15_365_376, 154_538_496))
+        self.assertEqual(layers_for(config, 2, 2, 1024, v_shape=True), ranges(6, 9, 8, 1))
+        self.assertEqual(layers_for(config, 2, 2, 1024), ranges(7, 8, 8, 1))
+        self.assertEqual(layers_for(config, 4, 2, 1024, v_shape=True), ranges(1, 4, 4, 4, 3, 3, 4, 1))
+
+    def test_tiny_p2_and_p4(self):
+        """tiny (C = 64) at T = 128: b = 6·(12C² + 13C) + 12·C·T = 398,208, the head 25,756,416 = 64.7 b, so rank 0
+        keeps the fewest Blocks, one per chunk. P = 2, 8 Blocks: rank 1's 6 as 3 | 3. P = 4, 12 Blocks: ranks 1-3
+        share 10 as 4, 3, 3 (the earlier rank the extra): chunks 1 | 6 = 2 | 2, 2 | 5 = 2 | 1, 3 | 4 = 2 | 1."""
+        self.assertEqual(stage_costs(make_config("tiny"), 128).block, 398_208)
+        self.assertEqual(layers_for(make_config("tiny", n_layer=8), 2, 2, 128, v_shape=True), ranges(1, 3, 3, 1))
+        self.assertEqual(layers_for(make_config("tiny", n_layer=12), 4, 2, 128, v_shape=True),
+                         ranges(1, 2, 2, 2, 1, 1, 2, 1))
+
+    def test_stage_config_and_planner_use_it(self):
+        """PipelineStage without counts, config.check_layout (train.py's split) and the planner's stage_blocks
+        all cut the V layout per rank."""
+        import config as cfg
+        from plan.predict import Setup, stage_blocks
+        want = ranges(6, 9, 8, 1)
+        model = make_config("small", n_layer=24)
+        with torch.device("meta"):
+            stage = PipelineStage(GPT(model), 0, 2, 2, v_shape=True)
+        self.assertEqual(stage.layers, want)
+        args = cfg.parse_args(["--model", "small", "--n_layer", "24", "--seq_len", "1024", "--micro_batch_size", "1",
+                               "--total_batch_size", str(4 * 1024), "--pipeline_parallel_size", "2",
+                               "--pp_schedule", "zbv", "--pp_virtual_stages", "2", "--device", "cpu"])
+        dims, config, dtype, _, accum, layers = cfg.check_layout(args, 2, torch.device("cpu"))
+        self.assertEqual(layers, (6, 9, 8, 1))
+        setup = Setup(args, dims, config, dtype, accum, layers)
+        self.assertEqual([stage_blocks(setup, r) for r in range(2)],
+                         [([*range(0, 6), 23], True, True), ([*range(6, 23)], False, False)])
 
 
 class TestCostModel(unittest.TestCase):
