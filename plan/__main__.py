@@ -84,7 +84,7 @@ def check_batch(a: argparse.Namespace) -> list[int]:
 
 def row(c, memory: int) -> str:
     p = c.predicted
-    ms = "unranked" if c.seconds == float("inf") else f"{c.seconds * 1e3:.0f}"
+    ms = f"{c.seconds * 1e3:.0f}"
     return (f"| {c.name} | {ms} | {p['peak_memory_bytes'] / GiB:.1f} | "
             f"{p['state_bytes'] / GiB:.2f} | {p['saved_activation_bytes'] / GiB:.2f} | "
             f"{sum(p.get('comm_bytes', {}).values()) / GiB:.2f} | `{c.torchrun()}` |")
@@ -98,8 +98,8 @@ def explain(c) -> str:
              f"+ saved activations {p['saved_activation_bytes'] / MiB:.0f} MiB + largest transient "
              f"{(p['peak_memory_bytes'] - p['state_bytes'] - p['saved_activation_bytes']) / MiB:.0f} MiB",
              "  sent per step (rank 0): " + (", ".join(f"{k} {v / MiB:.1f} MiB" for k, v in p["comm_bytes"].items())
-                                              if "comm_bytes" in p else "no formula for this composition"),
-             f"  step time {c.seconds * 1e3:.1f} ms (inf: unranked): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()
+                                              if "comm_bytes" in p else "nothing (one rank)"),
+             f"  step time {c.seconds * 1e3:.1f} ms: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()
                                                                   if k != "total")]
     return "\n".join(lines)
 
@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
         return 0
     print(f"{a.model} on {a.gpus} x {cluster.name} ({cluster.memory / GiB:.0f} GiB), seq_len {a.seq_len}, "
-          f"{a.total_batch_size} tokens/step, {a.dtype}: {len(fits)} of {len(every)} accepted layouts fit" +
-          (f" ({unranked} unranked: a sharding engine under a pipeline, whose bytes sent have no formula yet)"
-           if (unranked := sum(c.seconds == float('inf') for c in fits)) else ""))
+          f"{a.total_batch_size} tokens/step, {a.dtype}: {len(fits)} of {len(every)} accepted layouts fit")
     print("| layout | step ms | peak GiB | state GiB | saved act. GiB | sent GiB/step | command |\n"
           "|---|---|---|---|---|---|---|")
     for c in fits[:a.top]:

@@ -20,6 +20,9 @@ class Cluster:
     intra_bw: float      # bytes/s per GPU per direction inside a node
     inter_bw: float      # bytes/s per GPU per direction between nodes
     name: str = "custom"
+    # communication runs behind compute (NCCL's kernels and the copy engines beside the SMs); False for gloo on
+    # CPU ranks, whose reductions take the cores that compute (bench/plan_rank.py's calibrated cluster)
+    overlap: bool = True
 
 
 PRESETS: dict[str, dict] = {

@@ -2,9 +2,9 @@
 
 Nothing here is measured and no formula is restated: the per-rank parameter shapes come from the model on meta
 cut by `PipelineStage` and `tensor_parallel.tp_local_shape`; ZeRO/FSDP state from `FlatLayout.unit_state_bytes`
-over `fsdp.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`, `zero_comm_bytes_per_step`,
-`tp_comm_bytes_per_micro_step`, `cp_p2p_bytes_per_micro_step` and `pipeline.p2p_bytes_per_step`; FLOPs from
-metrics.flops_per_token. What is new here is the saved-activation count (`block_saved_bytes`, derived in its
+over `fsdp.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`, `zero_comm_bytes_per_step` (under a
+pipeline `zero_comm_bytes_per_pipeline_step`), `tp_comm_bytes_per_micro_step`, `cp_p2p_bytes_per_micro_step`
+and `pipeline.p2p_bytes_per_step`; FLOPs from metrics.flops_per_token. What is new here is the saved-activation count (`block_saved_bytes`, derived in its
 docstring) and its composition with AC, SP, CP and the pipeline's in-flight bound.
 
 `predict` answers with the keys train.py measures each step (state_bytes, state_bytes_by_kind, comm_bytes,
@@ -23,7 +23,14 @@ from model import GPT, GPTConfig, loss_chunk_rows
 from parallel.context_parallel import cp_p2p_bytes_per_micro_step
 from parallel.ddp import ddp_comm_bytes_per_step
 from parallel.flat_param import FlatLayout, shard_numel
-from parallel.fsdp import ZERO_LADDER, ZERO_STAGES, unit_key, zero_comm_bytes_per_step
+from parallel.fsdp import (
+    ZERO_LADDER,
+    ZERO_STAGES,
+    pipelined_root_gathers,
+    unit_key,
+    zero_comm_bytes_per_pipeline_step,
+    zero_comm_bytes_per_step,
+)
 from parallel.mesh import ParallelDims
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import PipelineStage, p2p_bytes_per_step
@@ -86,7 +93,8 @@ def _size(dtype: torch.dtype) -> int:
 def local_params(s: Setup, pp_rank: int = 0) -> list[tuple[str, int, int]]:
     """(name, elements, dims) of each distinct parameter one rank of pipeline stage `pp_rank` holds (its tp
     shard; the tied matrix once, or on a pipeline's last stage the lm_head copy too)."""
-    return _local_params(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank)
+    return _local_params(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank, s.pp_layers,
+                         s.args.pp_schedule in V_SCHEDULES)
 
 
 @functools.lru_cache(maxsize=8)
@@ -97,10 +105,11 @@ def _meta_gpt(config: GPTConfig) -> GPT:
 
 
 @functools.lru_cache(maxsize=4096)
-def _local_params(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int) -> list[tuple[str, int, int]]:
+def _local_params(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int,
+                  layers: tuple[int, ...] | None = None, v_shape: bool = False) -> list[tuple[str, int, int]]:
     gpt = _meta_gpt(config)
     with torch.device("meta"):
-        module = PipelineStage(gpt, pp_rank, pp, virtual) if pp > 1 else gpt
+        module = PipelineStage(gpt, pp_rank, pp, virtual, layers, v_shape) if pp > 1 else gpt
     out = []
     for name, p in module.named_parameters():
         shape = tp_local_shape(name, tuple(p.shape), tp)
@@ -157,15 +166,13 @@ def recomputed_blocks(s: Setup, blocks: list[int]) -> int:
     return sum(ac == "full" or (ac == "selective" and i % s.args.ac_every == 0) for i in blocks)
 
 
-def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]] | None:
+def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
     """Payload bytes by group and kind that parallel/comm.COUNTER records on global rank 0 of stage `pp_rank`
     per step (our wrappers only): groups "tp", "cp", "pp" (the activations and the tied embedding's gradient),
     "dp" (DDP over dp x cp, or a ZeRO stage's gathers and scatters over dp_shard x cp) and "dp_replicate"
-    (HSDP's all-reduce). None where no formula covers the composition: a sharding engine under a pipeline
-    (it gathers per chunk and micro-batch)."""
+    (HSDP's all-reduce); a sharding engine under a pipeline by `zero_comm_bytes_per_pipeline_step`, its roots'
+    gathers counted on the rank's action list."""
     d, a, c, M = s.dims, s.args, s.config, s.grad_accum
-    if d.pp_enabled and s.dp_type in ZERO_STAGES:
-        return None
     blocks, first, last = stage_blocks(s, pp_rank)
     T, B = a.seq_len // d.cp, a.micro_batch_size
     redo = recomputed_blocks(s, blocks)
@@ -174,30 +181,40 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]] | Non
         len(blocks), first, last).items()},
            "cp": {"p2p": M * cp_p2p_bytes_per_micro_step(len(blocks), B, a.seq_len, c.n_embd, d.cp, d.tp, s.compute_bytes,
                                                          redo)}}
+    shard = d.dp_shard * d.cp
     if d.pp_enabled:
+        V, v_shape = a.pp_virtual_stages or 1, a.pp_schedule in V_SCHEDULES
         shape = (B, T // (d.tp if a.sequence_parallel else 1), c.n_embd)
-        out["pp"] = {"p2p": p2p_bytes_per_step(d.pp, a.pp_virtual_stages or 1, pp_rank, M, shape, s.residual_bytes),
-                     # the tied embedding's gradient, all-reduced over [first, last]: this rank's tp shard, fp32
-                     "all_reduce": 4 * c.vocab_size // d.tp * c.n_embd if first or last else 0}
+        # the tied embedding's gradient, all-reduced over [first, last] (no group when one rank holds both ends,
+        # the V layouts): this rank's tp shard in fp32, or under a sharding engine its 1/S of the tied unit
+        tied = c.vocab_size // d.tp * c.n_embd
+        tied = shard_numel(tied, shard) if s.dp_type in ZERO_STAGES else tied
+        out["pp"] = {"p2p": p2p_bytes_per_step(d.pp, V, pp_rank, M, shape, s.residual_bytes, v_shape=v_shape),
+                     "all_reduce": 4 * tied if (first or last) and not v_shape else 0}
     if s.dp_type == "ddp":
         n = sum(k for _, k, _ in local_params(s, pp_rank))
         out["dp"] = ddp_comm_bytes_per_step(n, d.dp * d.cp, 2 if a.grad_compression == "bf16" else 4)
     elif s.dp_type in ZERO_STAGES:
-        shard = d.dp_shard * d.cp
         padded = {u: shard_numel(n, shard) * shard for u, (n, _) in units(s, pp_rank).items()}
-        root = padded.pop("root")
-        zero = zero_comm_bytes_per_step(ZERO_STAGES[s.dp_type], root, sum(padded.values()), shard, d.dp_replicate, M,
-                                        s.param_bytes, s.reduce_bytes)
+        roots = padded.pop("root") + padded.pop("tied", 0)
+        blocks_padded, stage = sum(padded.values()), ZERO_STAGES[s.dp_type]
+        if d.pp_enabled:
+            V = a.pp_virtual_stages or 1
+            actions = ALL_SCHEDULES[a.pp_schedule](d.pp, M, V)[pp_rank]
+            gathers = pipelined_root_gathers([(x.kind, x.chunk) for x in actions], {d.pp * V - 1})
+            zero = zero_comm_bytes_per_pipeline_step(stage, roots, blocks_padded, shard, d.dp_replicate, M, gathers,
+                                                     s.param_bytes, s.reduce_bytes)
+        else:
+            zero = zero_comm_bytes_per_step(stage, roots, blocks_padded, shard, d.dp_replicate, M,
+                                            s.param_bytes, s.reduce_bytes)
         out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
         out["dp"] = zero
     return out
 
 
-def comm_bytes(s: Setup, pp_rank: int = 0) -> dict[str, int] | None:
+def comm_bytes(s: Setup, pp_rank: int = 0) -> dict[str, int]:
     """`comm_by_group` summed by kind, as train.py logs comm_bytes (p2p only when there is some)."""
     groups = comm_by_group(s, pp_rank)
-    if groups is None:
-        return None
     out = dict.fromkeys(KINDS, 0)
     for part in groups.values():
         for k, v in part.items():
@@ -243,7 +260,11 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     (parallel.pipeline_schedule.simulate) times a chunk's. AC keeps a checkpointed Block's input only, and
     re-runs one Block at a time in backward: `full` peaks there (all inputs + one Block's tensors, the head's
     freed by then), `selective` at the end of forward (its recomputations come after the Blocks above freed
-    theirs)."""
+    theirs). Zero-bubble schedules hold a (chunk, micro-batch) from F to W (the simulator releases at W): B frees
+    the chunk's graph but keeps, per Block, each deferred linear's input and output gradient (x, dy) for W
+    (parallel/zero_bubble.py): x 7NC and dy 9NC elements in the compute dtype, 16NCa bytes; the Block saves
+    16NCa + 4NC(r - a) + its LayerNorm statistics and log-sum-exp, so counting a micro-batch whole until its W is
+    an upper bound: within 1% in fp32 (r = a), 4NC(r - a) per Block over under autocast."""
     a = s.args
     B, T = a.micro_batch_size, a.seq_len // s.dims.cp
     blocks, first, last = stage_blocks(s, pp_rank)
@@ -300,9 +321,8 @@ def predict(s: Setup, pp_rank: int = 0) -> dict:
     out = {"state_bytes": sum(state.values()), "state_bytes_by_kind": state,
            "saved_activation_bytes": saved_activation_bytes(s, pp_rank),
            "peak_memory_bytes": peak_memory_bytes(s, pp_rank)}
-    comm = comm_bytes(s, pp_rank)
-    if comm is not None and s.dims.world_size > 1:
-        out["comm_bytes"] = comm
+    if s.dims.world_size > 1:
+        out["comm_bytes"] = comm_bytes(s, pp_rank)
     return out
 
 

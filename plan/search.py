@@ -12,7 +12,8 @@ The step-time model (simple on purpose; it ranks layouts, it does not promise se
 - overlap: DDP's and ZeRO-2/3's gradient traffic and ZeRO-3's gathers run behind compute (the wrappers issue
   them asynchronously, bucket by bucket / unit by unit), so they cost only what exceeds the compute; TP's
   collectives (on the critical path between matmuls), CP's ring (not overlapped with its own block's kernel
-  here), pipeline p2p and ZeRO-1's end-of-step reduce-scatter are added.
+  here), pipeline p2p and ZeRO-1's end-of-step reduce-scatter are added; on a cluster without overlap
+  (Cluster.overlap False: gloo on CPU ranks) everything is added.
 """
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ from plan.predict import Setup, comm_by_group, step_flops, worst_rank
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0}
 OVERLAPPED = ("dp", "dp_replicate")  # gradient (and ZeRO-3 gather) traffic the wrappers issue asynchronously
+# (schedule, chunks per rank) the search tries under a pipeline: every schedule train.py runs, V = 2 for
+# interleaving and the V schedules; config.check_layout refuses what a composition does not support (the
+# zero-bubble schedules with a sharding engine, TP or CP)
+PP_SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("dualpipev", 2)]
 
 
 @dataclass
@@ -105,8 +110,6 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
     bubble = bubble_fraction(s.args.pp_schedule, d.pp, s.grad_accum, s.args.pp_virtual_stages or 1) if d.pp > 1 else 0
     compute = step_flops(s) / (cluster.peak_flops * efficiency) / (1 - bubble)
     groups = comm_by_group(s)
-    if groups is None:  # no formula for its traffic: unranked (inf), never ahead of a layout whose cost is known
-        return {"compute": step_flops(s) / (cluster.peak_flops * efficiency) / (1 - bubble), "total": float("inf")}
     group_dims = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp_shard" if s.dp_type != "ddp" else "dp_replicate",
                   "dp_replicate": "dp_replicate"}
     group_size = {"tp": d.tp, "cp": d.cp, "pp": 2, "dp": d.dp_shard * d.cp if s.dp_type != "ddp" else d.dp * d.cp,
@@ -120,7 +123,8 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
                     (("dp_replicate", "dp_shard", "cp") if g == "dp" else (group_dims[g],)) if sizes[dim] > 1)
         bw = cluster.inter_bw if inter else cluster.intra_bw
         times[g] = sum(v * RING[k](n) for k, v in kinds.items()) / bw
-    hidden = sum(times.get(g, 0) for g in OVERLAPPED) if s.dp_type in ("ddp", "zero2", "fsdp") else 0
+    overlapped = cluster.overlap and s.dp_type in ("ddp", "zero2", "fsdp")
+    hidden = sum(times.get(g, 0) for g in OVERLAPPED) if overlapped else 0
     exposed = sum(v for g, v in times.items() if g != "compute") - hidden
     times["total"] = max(compute, hidden) + exposed
     return times
@@ -138,7 +142,7 @@ def candidates(model_flags: list[str], cluster: Cluster, micro_batches: list[int
         if N % (pp * cp * tp) or any(constraints.get(k) not in (None, v) for k, v in (("pp", pp), ("cp", cp), ("tp", tp))):
             continue
         dp = N // (pp * cp * tp)
-        schedules = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)] if pp > 1 else [("1f1b", 1)]
+        schedules = PP_SCHEDULES if pp > 1 else [("1f1b", 1)]
         dp_types = [("ddp", 1), ("zero1", 1), ("zero2", 1), ("fsdp", 1)] if dp * cp > 1 else [(None, 1)]
         shards_in_node = G // (cp * tp)
         if dp > shards_in_node > 1 and dp % shards_in_node == 0:

@@ -153,3 +153,50 @@ def test_every_candidate_is_accepted_by_the_trainer_and_every_accepted_layout_is
     assert "dp=4(fsdp) ac=none mb=2" in names and "tp=4 ac=full mb=2" in names
     assert not any(n.startswith("pp=4") for n in names), "tiny has 2 Blocks: pp=4 is refused by config.py"
     assert any(n.startswith("pp=2(interleaved_1f1b,V=2)") for n in names) is False  # 2 Blocks: V=2 x pp=2 > 2
+
+
+# ----------------------------------------------------------------------------- the zero-bubble schedules
+
+def test_zero_bubble_schedules_are_candidates_with_their_bubble():
+    """On 2 ranks (tiny with 4 Blocks, M = 4 micro-batches of 4 rows): zb_h1, zbv and dualpipev are offered
+    beside 1F1B, on the same FLOPs, and each one's compute term is 1F1B's stretched by its own bubble instead:
+    ZB-H1 (P-1)/(3M+P-1) = 1/13 against 1F1B's (P-1)/(M+P-1) = 1/5 (Qi et al. 2023, section 3.1)."""
+    from plan.cluster import Cluster
+    a = cli.parser().parse_args(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
+                                 "--gpus", "2", "--micro_batch_size", "4", "--pp", "2", "--ac", "none"])
+    got = {c.name: c for c in candidates(model_flags(a), Cluster(2, 2, 2 ** 40, 1e12, 1e10, 1e10), [4],
+                                         {"pp": 2, "ac": "none"})}
+    names = ["pp=2(1f1b) ac=none mb=4", "pp=2(zb_h1) ac=none mb=4", "pp=2(zbv,V=2) ac=none mb=4",
+             "pp=2(dualpipev,V=2) ac=none mb=4"]
+    assert all(n in got for n in names), sorted(got)
+    base = got[names[0]].times["compute"] * (1 - 1 / 5)
+    assert got[names[1]].times["compute"] == pytest.approx(base / (1 - 1 / 13), rel=1e-12)
+    assert got[names[2]].times["compute"] < got[names[1]].times["compute"] < got[names[0]].times["compute"]
+
+
+def test_zero_bubble_memory_bound_is_1f1bs_peak():
+    """Qi et al. 2023 (Zero Bubble Pipeline Parallelism): ZB-H1's peak memory is 1F1B's, and ZB-V runs "within the
+    same memory constraints as 1F1B". The planner's bound, a micro-batch held from its F to its W, counted on
+    the action lists: 1F1B's rank r holds P - r micro-batches, so its peak is P (rank 0); ZB-H1 holds P on every
+    rank (its W's come late, its bound never above 1F1B's peak); ZB-V 2P (chunk, micro-batch) pairs of half a
+    stage each, P stages' worth, on every rank."""
+    from plan.predict import _in_flight
+    for P, M in ((2, 4), (4, 8)):
+        assert _in_flight("1f1b", P, M, 1) == [P - r for r in range(P)]
+        assert _in_flight("zb_h1", P, M, 1) == [P] * P
+        assert _in_flight("zbv", P, M, 2) == [2 * P] * P
+
+
+def test_without_overlap_the_data_parallel_traffic_adds_to_compute():
+    """A cluster that overlaps (a GPU's) hides FSDP's gathers and scatters behind compute, max(compute, dp);
+    one that does not (gloo on CPU ranks, bench.plan_rank's calibrated cluster) pays compute + dp."""
+    from dataclasses import replace
+
+    from plan.cluster import Cluster
+    from plan.search import step_time
+    s = setup(["--model", "tiny", "--seq_len", "64", "--total_batch_size", "1024", "--micro_batch_size", "8",
+               "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 2)
+    gpu = Cluster(2, 2, 2 ** 40, 1e12, 1e9, 1e9)
+    t, t_cpu = step_time(s, gpu, 1.0), step_time(s, replace(gpu, overlap=False), 1.0)
+    assert t["dp"] > 0 and t["total"] == max(t["compute"], t["dp"])
+    assert t_cpu["total"] == pytest.approx(t_cpu["compute"] + t_cpu["dp"], rel=1e-12)

@@ -38,6 +38,12 @@ LAYOUTS: list[tuple[S.Layout, list[str]]] = [
     (L(pp=2, tp=2, schedule="interleaved_1f1b", virtual=2), []), (L(pp=2, dp=2, dp_type="fsdp"), []),
     (L(dp=2, tp=2, dp_type="fsdp"), []),
     (L(pp=2, cp=2, tp=2, dp_type="ddp"), []), (L(dp=2, cp=2, tp=2, dp_type="fsdp"), []),
+    # a sharding engine under a pipeline (fsdp.zero_comm_bytes_per_pipeline_step): ZeRO-3's roots re-gathered
+    # per chunk forward and after a backward (GPipe: 2M - 1 times), ZeRO-1 and ZeRO-2 over interleaved chunks
+    (L(pp=2, dp=2, dp_type="fsdp", schedule="gpipe"), []), (L(pp=2, dp=2, dp_type="zero1"), []),
+    (L(pp=2, dp=2, dp_type="zero2", schedule="interleaved_1f1b", virtual=2), []),
+    # the zero-bubble schedules: a micro-batch held from F to W; the V's no p2p and no embedding all-reduce
+    (L(pp=2, schedule="zb_h1"), []), (L(pp=2, dp=2, dp_type="ddp", schedule="zbv", virtual=2), []),
 ]
 SAVED_RTOL = 0.05
 # Measured, not yet explained: under TP with --activation_checkpointing full the measured peak is one
@@ -72,7 +78,7 @@ def table(runs: dict[str, tuple[dict, dict]]) -> str:
         got, want = m["saved_activation_bytes"], p["saved_activation_bytes"]
         comm = sum(m.get("comm_bytes", {}).values())
         same = "=" if p.get("comm_bytes") and nonzero(p["comm_bytes"]) == nonzero(m.get("comm_bytes", {})) else \
-            ("no formula" if "comm_bytes" in m else "")
+            (f"!= {sum(p['comm_bytes'].values())}" if "comm_bytes" in m else "")
         rows.append(f"| {n} | {m['state_bytes']} {'=' if p['state_bytes'] == m['state_bytes'] else '!='} | "
                     f"{comm} {same} | {got} | {want} | {100 * (want - got) / got:+.1f}% |")
     return "\n".join(rows)
@@ -100,17 +106,14 @@ class TestPredictedAgainstMeasured(unittest.TestCase):
                 self.assertEqual(p["state_bytes"], m["state_bytes"])
 
     def test_comm_bytes_equal(self):
-        """Every layout with a formula for its composition (all but a sharding engine under a pipeline)."""
+        """Every multi-rank layout, a sharding engine under a pipeline included."""
         covered = 0
         for n, (p, m) in self.runs.items():
             if "comm_bytes" not in m:
                 continue
             with self.subTest(n):
-                if "comm_bytes" in p:
-                    covered += 1
-                    self.assertEqual(nonzero(p["comm_bytes"]), nonzero(m["comm_bytes"]))
-                else:
-                    self.assertIn("fsdp", n, "only PP x a sharding engine has no comm formula")
+                covered += 1
+                self.assertEqual(nonzero(p["comm_bytes"]), nonzero(m["comm_bytes"]))
         self.assertGreaterEqual(covered, 15)
 
     def test_saved_activations_within_5_percent(self):

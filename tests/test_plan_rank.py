@@ -1,0 +1,47 @@
+"""bench.plan_rank's pure logic on synthetic numbers: what a run's time is, what noise is, and when a pair of
+layouts counts as ordered by the measurement (no run, no clock: the bench itself is `python -m bench.plan_rank`)."""
+from __future__ import annotations
+
+from bench.plan_rank import measured, pairwise, ranks, run_seconds, tally, verdict
+
+
+def test_a_run_is_the_median_of_its_steps_after_the_skipped_ones():
+    """Steps 1 and 2 (saved-activation hooks, warm-up) are left out however slow; the step-0 prediction record
+    and eval records are not steps."""
+    recs = [{"step": 0, "predicted": {}}, {"step": 1, "loss": 1, "step_time_ms": 900.0},
+            {"step": 2, "loss": 1, "step_time_ms": 800.0}, {"step": 2, "val_loss": 1},
+            {"step": 3, "loss": 1, "step_time_ms": 30.0}, {"step": 4, "loss": 1, "step_time_ms": 10.0},
+            {"step": 5, "loss": 1, "step_time_ms": 20.0}]
+    assert run_seconds(recs) == 0.02
+    assert run_seconds(recs[:3]) is None
+
+
+def test_noise_is_the_spread_of_the_repeats():
+    assert measured([0.30, 0.10, 0.25]) == (0.25, 0.30 - 0.10)
+
+
+def test_ranks_count_from_the_fastest_and_ties_share():
+    assert ranks([0.3, 0.1, 0.3, 0.2]) == [3, 1, 3, 2]
+
+
+def test_a_difference_within_the_two_noises_gets_no_verdict():
+    """0.10 and 0.12 s, each repeat spreading 0.01: 0.02 apart is not more than 0.01 + 0.01, whichever order
+    the planner predicts; 0.025 apart is."""
+    assert verdict((1, 2), (0.10, 0.12), (0.01, 0.01)) == "noise"
+    assert verdict((2, 1), (0.10, 0.12), (0.01, 0.01)) == "noise"
+    assert verdict((1, 2), (0.10, 0.125), (0.01, 0.01)) == "agree"
+    assert verdict((2, 1), (0.10, 0.125), (0.01, 0.01)) == "disagree"
+
+
+def test_an_equal_prediction_of_a_measured_order_is_a_tie():
+    assert verdict((1.0, 1.0), (0.10, 0.20), (0.0, 0.0)) == "tie"
+
+
+def test_pairwise_over_three_layouts():
+    """a < b < c measured, apart by more than the noise except b and c; predicted a < c < b."""
+    rows = [{"layout": "a", "predicted_s": 1.0, "measured_s": 0.10, "noise_s": 0.01},
+            {"layout": "b", "predicted_s": 3.0, "measured_s": 0.20, "noise_s": 0.02},
+            {"layout": "c", "predicted_s": 2.0, "measured_s": 0.21, "noise_s": 0.02}]
+    got = {(p["a"], p["b"]): p["verdict"] for p in pairwise(rows)}
+    assert got == {("a", "b"): "agree", ("a", "c"): "agree", ("b", "c"): "noise"}
+    assert tally(pairwise(rows)) == {"agree": 2, "disagree": 0, "tie": 0, "noise": 1}
