@@ -12,7 +12,7 @@ import unittest
 
 import pytest
 from metrics import read_jsonl as read_metrics
-from tests.harness import WholeRuns, launch_ranks, rank0_only, run_train, shared_data, train_losses
+from tests.harness import WholeRuns, forked_ranks, launch_ranks, rank0_only, run_train, shared_data, train_losses
 
 STEPS = 10
 TINY = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "512",
@@ -162,12 +162,18 @@ class TestBadInput(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def expect_error(self, flags: list[str], needle: str, nproc: int = 1, dataset: str | None = None):
-        """One rank: `python train.py`. More: the ranks started by hand as torchrun would start them, each with
-        its own stderr (torchrun's agent SIGTERMs the slower ranks as soon as one exits, so their own exit
-        codes and lines could not be checked): every rank exits 2 with exactly its one line."""
+    def expect_error(self, flags: list[str], needle: str, nproc: int = 1, dataset: str | None = None,
+                     launched: bool = False):
+        """Ranks forked from the session's fork server (tests/harness.forked: each rank's own exit code and stderr,
+        no agent stopping the others), or with `launched` as a user starts them: `python train.py` for one rank,
+        more started by hand as torchrun would start them (torchrun's agent SIGTERMs the slower ranks as soon as
+        one exits, so their own exit codes and lines could not be checked). Every rank exits 2 with exactly its
+        one line."""
         args = TINY + ["--dataset", dataset or self.data, "--out_dir", self.out] + flags
-        ranks = [run_train(args)] if nproc == 1 else launch_ranks(args, nproc)
+        if not launched:
+            ranks = forked_ranks(args, nproc)
+        else:
+            ranks = [run_train(args)] if nproc == 1 else launch_ranks(args, nproc)
         for rank, proc in enumerate(ranks):
             self.assertEqual(proc.returncode, 2, f"rank {rank}: {proc.stderr}")
             lines = proc.stderr.splitlines()
@@ -182,7 +188,7 @@ class TestBadInput(unittest.TestCase):
 
     def test_world_size_mismatch_on_every_rank(self):
         self.expect_error(["--tensor_parallel_size", "2", "--data_parallel_size", "2",
-                           "--data_parallel_type", "ddp"], "must equal the world size (2)", nproc=2)
+                           "--data_parallel_type", "ddp"], "must equal the world size (2)", nproc=2, launched=True)
 
     def test_heads_not_divisible_by_tp(self):
         self.expect_error(["--tensor_parallel_size", "2", "--n_head", "1", "--implementation", "pytorch"],
@@ -201,7 +207,7 @@ class TestBadInput(unittest.TestCase):
         self.expect_error(["--seq_len", "2048"], "exceeds the model's block_size")
 
     def test_unknown_preset(self):
-        self.expect_error(["--model", "gpt5"], "unknown model preset")
+        self.expect_error(["--model", "gpt5"], "unknown model preset", launched=True)
 
     def test_missing_data_names_the_command(self):
         empty = os.path.join(self.tmp.name, "no_bins")
@@ -229,7 +235,7 @@ class TestBadInput(unittest.TestCase):
         with open(path, "w") as f:
             f.write('{"step": 1, "loss": 1.0}\n')
         try:
-            proc = run_train(TINY + ["--dataset", self.data, "--out_dir", self.out])
+            proc = forked_ranks(TINY + ["--dataset", self.data, "--out_dir", self.out])[0]
             self.assertEqual(proc.returncode, 2)
             self.assertIn("already holds a run", proc.stderr)
             with open(path) as f:
