@@ -30,7 +30,7 @@ import torch
 import checkpoint
 from metrics import LargestTensor
 from metrics import read_jsonl as read_metrics
-from tests.harness import forked, free_port, launch, make_token_bins, rank0_only, spawn, train_losses, under_torchrun
+from tests.harness import forked, forked_ranks, free_port, launch, make_token_bins, rank0_only, spawn, train_losses, under_torchrun
 
 
 def _is_int64(t: torch.Tensor) -> bool:
@@ -219,10 +219,10 @@ class TestResharding(unittest.TestCase):
         shutil.copytree(kill_and_resume("ddp_custom")["first"], checkpoint.step_dir(out, EVERY))
         for layout, kill_at in (("fsdp_pytorch", EVERY + 1), ("tp_pytorch", EVERY + 2), ("single", None)):
             nproc, flags = LAYOUTS[layout]
-            proc = launch(BASE + flags + ["--dataset", data_dir(), "--out_dir", out, "--resume",
+            proc = forked(BASE + flags + ["--dataset", data_dir(), "--out_dir", out, "--resume",
                                           "--checkpoint_interval", "1"], nproc,
                           env={"GPT_KILL_AT_STEP": str(kill_at)} if kill_at else None)
-            self.assertIn("resuming from", proc.stdout, f"{layout}:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+            self.assertIn("resuming from", proc.stdout, f"{layout}:\n{proc.stdout[-2000:]}{proc.stderr[0][-3000:]}")
         losses = train_losses(out)
         self.assertEqual([r["step"] for r in read_metrics(out) if "loss" in r], list(range(EVERY + 1, STEPS + 1)))
         for step, loss in enumerate(losses, start=EVERY + 1):
@@ -235,7 +235,7 @@ class TestResharding(unittest.TestCase):
 class TestFailures(unittest.TestCase):
     def run_single(self, name: str, extra: list[str], env: dict | None = None):
         out = os.path.join(TMP.name, name)
-        return out, launch(BASE + ["--dataset", data_dir(), "--out_dir", out] + extra, env=env)
+        return out, forked_ranks(BASE + ["--dataset", data_dir(), "--out_dir", out] + extra, env=env)[0]
 
     def test_interrupted_save_leaves_previous_checkpoint(self):
         """The save of step 4 dies after its rank file (before the manifest and the rename): step 2 stays the
@@ -265,7 +265,7 @@ class TestFailures(unittest.TestCase):
     def test_other_model_config_is_refused_in_one_line(self):
         out = os.path.join(TMP.name, "mismatch")
         shutil.copytree(kill_and_resume("single")["aside"], checkpoint.step_dir(out, KILL))
-        proc = launch(BASE + ["--dataset", data_dir(), "--out_dir", out, "--resume", "--n_layer", "3"])
+        proc = forked_ranks(BASE + ["--dataset", data_dir(), "--out_dir", out, "--resume", "--n_layer", "3"])[0]
         self.assertEqual(proc.returncode, 2)
         self.assertEqual(len(proc.stderr.strip().splitlines()), 1, proc.stderr)
         self.assertIn("train.py: error: --resume: checkpoint", proc.stderr)

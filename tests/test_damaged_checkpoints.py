@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import checkpoint
-from tests.harness import ROOT, checkpoint_params, launch, make_token_bins, rank0_only, train_losses
+from tests.harness import ROOT, checkpoint_params, forked_ranks, make_token_bins, rank0_only, train_losses
 
 BASE = ["--model", "tiny", "--n_layer", "2", "--micro_batch_size", "2", "--seq_len", "32",
         "--total_batch_size", "128", "--eval_interval", "10", "--eval_iters", "1", "--warmup_steps", "1",
@@ -36,8 +36,8 @@ def setUpModule():
     TMP = tempfile.TemporaryDirectory()
     make_token_bins(os.path.join(TMP.name, "data"))
     ORIGINAL = os.path.join(TMP.name, "original")
-    proc = launch(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
-                          "--out_dir", ORIGINAL])
+    proc = forked_ranks(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
+                                "--out_dir", ORIGINAL])[0]
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -118,8 +118,8 @@ class TestDamagedCheckpoints(unittest.TestCase):
             with self.subTest(name):
                 out = copy_run(f"resume_{name}")
                 damage(ckpt(out, STEPS))
-                proc = launch(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
-                                      "--out_dir", out, "--resume"])
+                proc = forked_ranks(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
+                                            "--out_dir", out, "--resume"])[0]
                 self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
                 skipped = [ln for ln in proc.stdout.splitlines() if "skipping damaged checkpoint" in ln]
                 self.assertEqual(len(skipped), 1, proc.stdout)
@@ -132,8 +132,8 @@ class TestDamagedCheckpoints(unittest.TestCase):
         out = copy_run("all_damaged")
         for step in range(1, STEPS + 1):
             flip_byte(os.path.join(ckpt(out, step), "rank_00000.pt"))
-        proc = launch(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
-                              "--out_dir", out, "--resume"])
+        proc = forked_ranks(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
+                                    "--out_dir", out, "--resume"])[0]
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         self.assertEqual(sum("skipping damaged checkpoint" in ln for ln in proc.stdout.splitlines()), STEPS)
         self.assertIn("no intact checkpoint", proc.stdout)
