@@ -26,7 +26,7 @@ from tests.harness import (
     evals_of, expect_train_error_in_process, expect_train_error_on_ranks, forked, rank0_only, steps_of)
 from tests.rounding import rounding_rtol_of
 
-STEPS, SHORT = 10, 6  # SHORT: the checkpoint runs and the 8-rank 3D run
+STEPS, SHORT = 6, 6  # SHORT: the checkpoint runs, the 8-rank 3D run; STEPS: shared with AC and zero-bubble tests
 MB, T, C, N_LAYER, M = 2, 32, 64, 4, 4  # micro-batch, seq_len, n_embd of `tiny`, Blocks, micro-batches per step
 BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", str(T),
         "--total_batch_size", str(M * MB * T), "--eval_interval", "5", "--eval_iters", "2", "--warmup_steps", "2",

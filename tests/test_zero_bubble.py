@@ -295,7 +295,7 @@ class TestZeroBubbleRanks(unittest.TestCase):
 
 # ----------------------------------------------------------------------------- whole train.py runs
 
-STEPS, M = 10, 4
+STEPS, M = 6, 4  # test_pipeline_train's STEPS: its runs are shared by name
 BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", "32",
         "--total_batch_size", str(M * MB * 32), "--eval_interval", "5", "--eval_iters", "2", "--warmup_steps", "2",
         "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12"]  # tests/test_pipeline_train.py's
