@@ -44,9 +44,9 @@ GPU = Setup("cuda", "bfloat16",
             ["--model", "gpt2", "--micro_batch_size", "16", "--seq_len", "1024", "--total_batch_size", "32768"],
             ["--model", "small", "--n_layer", "4", "--micro_batch_size", "4", "--seq_len", "128",
              "--total_batch_size", "1024"], steps=6, throughput_steps=20)
-DRY = Setup("cpu", "float32",
-            ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256"],
-            ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "128"],
+DRY = Setup("cpu", "float32",  # the stand-in corpus's 512-token vocabulary: GPT-2's 50304-way head would be most of the work
+            ["--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256"],
+            ["--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "128"],
             steps=4, throughput_steps=3)
 COMMON = ["--lr", "3e-3", "--warmup_steps", "2", "--eval_interval", "1000", "--eval_iters", "1",
           "--gradient_clipping"]
