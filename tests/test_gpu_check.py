@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh --dry-run, as CI runs it: every stage runs on CPU and the table has every row and no FAIL
-(the overlap rows include their canary: a read before wait() must see the unwritten buffer). About 100 s on
+(the overlap rows include their canary: a read before wait() must see the unwritten buffer). About 60 s on
 this 2-core box, most of it starting Python processes and building one-rank trainers: hence `slow`."""
 import os
 import re
