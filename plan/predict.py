@@ -228,12 +228,21 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
     return out
 
 
-@functools.lru_cache(maxsize=1024)
 def _root_gathers(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
-    """fsdp.pipelined_root_gathers over each rank's actions of `schedule` (a function of these alone): the
-    list built once for all of a layout's stages, and not kept (P x M x V actions)."""
-    return tuple(pipelined_root_gathers([(x.kind, x.chunk) for x in actions], {pp * virtual - 1})
-                 for actions in ALL_SCHEDULES[schedule](pp, micro, virtual))
+    """fsdp.pipelined_root_gathers over each rank's actions of `schedule`."""
+    return schedule_facts(schedule, pp, micro, virtual)[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def schedule_facts(schedule: str, pp: int, micro: int, virtual: int) -> tuple[tuple[int, ...], tuple[int, ...], float]:
+    """What the planner reads off a schedule's action lists, from one build and one simulate (the runner's isend:
+    "async"; unit times): each rank's most (chunk, micro-batch) activations in flight, each rank's ZeRO-3 root
+    gathers (fsdp.pipelined_root_gathers), and the ideal timeline's bubble fraction (for the V schedules what
+    pipeline_schedule.bubble_fraction returns: the same simulate). The lists are not kept (P x M x V actions)."""
+    actions = ALL_SCHEDULES[schedule](pp, micro, virtual)
+    sim = simulate(actions, pp, virtual, micro, p2p="async", v_shape=schedule in V_SCHEDULES)
+    gathers = tuple(pipelined_root_gathers([(x.kind, x.chunk) for x in ops], {pp * virtual - 1}) for ops in actions)
+    return tuple(sim.max_in_flight), gathers, sim.bubble_fraction
 
 
 def comm_bytes(s: Setup, pp_rank: int = 0) -> dict[str, int]:
@@ -308,11 +317,9 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     return in_flight * micro // V  # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks
 
 
-@functools.lru_cache(maxsize=1024)
 def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
     """Most (chunk, micro-batch) activations each rank holds under `schedule` (the runner's isend: "async")."""
-    return simulate(ALL_SCHEDULES[schedule](pp, micro, virtual), pp, virtual, micro, p2p="async",
-                    v_shape=schedule in V_SCHEDULES).max_in_flight
+    return list(schedule_facts(schedule, pp, micro, virtual)[0])
 
 
 # ----------------------------------------------------------------------------- peak and time

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from config import UsageError, check_layout, train_parser
-from parallel.pipeline_schedule import bubble_fraction
+from parallel.pipeline_schedule import V_SCHEDULES, bubble_fraction
 from plan.cluster import Cluster, link_of
-from plan.predict import Setup, comm_by_group, state_bytes, step_flops, worst_rank
+from plan.predict import Setup, comm_by_group, schedule_facts, state_bytes, step_flops, worst_rank
 
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0}
@@ -162,7 +162,10 @@ def accepted(model_flags: list[str], layout: list[str], world: int, device: torc
 
 @functools.lru_cache(maxsize=1024)
 def _bubble(schedule: str, pp: int, micro: int, virtual: int) -> float:
-    """pipeline_schedule.bubble_fraction, once per (schedule, P, M, V) (the V schedules simulate their list)."""
+    """pipeline_schedule.bubble_fraction, once per (schedule, P, M, V); for the V schedules, which simulate their
+    list for it, the simulate predict.schedule_facts already ran for the activations in flight."""
+    if schedule in V_SCHEDULES and virtual == 2:
+        return schedule_facts(schedule, pp, micro, virtual)[2]
     return bubble_fraction(schedule, pp, micro, virtual)
 
 

@@ -234,3 +234,13 @@ def test_state_floor_is_a_lower_bound_of_the_predicted_peak(grid):
     assert any(c.setup.dims.pp > 1 for c in got)
     for c in got:
         assert c.state_floor <= c.predicted["peak_memory_bytes"], c.name
+
+
+def test_the_v_schedules_bubble_comes_from_the_shared_simulate():
+    """search._bubble takes the V schedules' bubble from predict.schedule_facts' simulate (the one the activations
+    in flight come from) and equals pipeline_schedule.bubble_fraction on each; the others are its closed forms."""
+    from parallel.pipeline_schedule import bubble_fraction
+    from plan.search import _bubble
+    for name, v in (("zbv", 2), ("dualpipev", 2), ("interleaved_1f1b", 2), ("1f1b", 1), ("zb_h1", 1)):
+        for P, M in ((2, 4), (4, 8), (4, 12)):
+            assert _bubble(name, P, M, v) == bubble_fraction(name, P, M, v), (name, P, M)
