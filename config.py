@@ -7,6 +7,7 @@ weights. After `validate` the trainer reads layout questions from `plan.par` and
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -374,7 +375,15 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
         reason = check_counts(counts, config.n_layer, dims.pp * virtual)
         if reason:
             raise UsageError(f"{flag} {reason}")
-    return tuple(len(r) for r in layers_for(config, dims.pp, virtual, args.seq_len, counts, v_shape=v_shape))
+    return _split(config, dims.pp, virtual, args.seq_len, counts, v_shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _split(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple[int, ...] | None,
+           v_shape: bool) -> tuple[int, ...]:
+    """layers_for's Blocks per chunk, once per argument set (the planner checks thousands of layouts that share
+    a few splits, and the cost model builds a Block on meta each time)."""
+    return tuple(len(r) for r in layers_for(config, pp, virtual, seq_len, counts, v_shape=v_shape))
 
 
 def _check_zero_bubble(args: argparse.Namespace, dims: ParallelDims, micro: int) -> None:

@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         budget = cluster.memory * a.headroom
         # ties (the time model has no per-micro-step cost, and hides overlapped traffic) go to bigger
         # micro-batches (fewer, larger kernels), then to fewer bytes sent
-        fits = sorted((c for c in every if c.predicted["peak_memory_bytes"] <= budget),
+        # state_floor first: a layout whose state alone exceeds the budget is never predicted in full
+        fits = sorted((c for c in every if c.state_floor <= budget and c.predicted["peak_memory_bytes"] <= budget),
                       key=lambda c: (round(c.seconds, 4), -c.setup.args.micro_batch_size,
                                      sum(c.predicted.get("comm_bytes", {}).values())))
         if a.explain:

@@ -57,8 +57,9 @@ class Setup:
     grad_accum: int  # M: micro-steps per step (a pipeline's micro-batches)
     pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (parallel/pipeline_split.py)
 
-    @property
+    @functools.cached_property
     def par(self):
+        """config.parallel_config's resolution, once per Setup (every prediction asks it many times)."""
         from config import parallel_config
         return parallel_config(self.args, self.dims, self.dtype, self.pp_layers)
 
@@ -86,6 +87,7 @@ class Setup:
         return _size(activation_dtype(self.par, "fsdp" if self.dp_type in ZERO_STAGES else None))
 
 
+@functools.cache
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -118,10 +120,19 @@ def _local_params(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: in
 
 
 def units(s: Setup, pp_rank: int = 0) -> dict[str, tuple[int, int]]:
-    """The sharding engine's units on this stage: {unit: (elements, elements in >= 2-D weights)}."""
-    tied = s.dims.pp_enabled and any(n.startswith(("transformer.wte", "lm_head")) for n, _, _ in local_params(s, pp_rank))
+    """The sharding engine's units on this stage: {unit: (elements, elements in >= 2-D weights)} (shared: read it,
+    do not change it)."""
+    return _units(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank, s.pp_layers,
+                  s.args.pp_schedule in V_SCHEDULES)
+
+
+@functools.lru_cache(maxsize=4096)
+def _units(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int, layers: tuple[int, ...] | None,
+           v_shape: bool) -> dict[str, tuple[int, int]]:
+    params = _local_params(config, pp, virtual, tp, pp_rank, layers, v_shape)
+    tied = pp > 1 and any(n.startswith(("transformer.wte", "lm_head")) for n, _, _ in params)
     out: dict[str, list[int]] = {"root": [0, 0]}
-    for name, n, ndim in local_params(s, pp_rank):
+    for name, n, ndim in params:
         u = out.setdefault(unit_key(name, tied), [0, 0])
         u[0] += n
         u[1] += n if ndim >= 2 else 0
@@ -154,9 +165,16 @@ def stage_blocks(s: Setup, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
         return list(range(s.config.n_layer)), True, True
     V = s.args.pp_virtual_stages or 1
     v_shape = s.args.pp_schedule in V_SCHEDULES
-    layers = layers_for(s.config, s.dims.pp, V, s.args.seq_len, s.pp_layers, v_shape=v_shape)
+    layers = _layers(s.config, s.dims.pp, V, s.args.seq_len, s.pp_layers, v_shape)
     chunks = [chunk_of(pp_rank, v, s.dims.pp, v_shape) for v in range(V)]
     return [i for c in chunks for i in layers[c]], 0 in chunks, s.dims.pp * V - 1 in chunks
+
+
+@functools.lru_cache(maxsize=1024)
+def _layers(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple[int, ...] | None,
+            v_shape: bool) -> tuple[range, ...]:
+    """pipeline_split.layers_for, once per (model, pp, V, seq_len, split): it depends on no other flag."""
+    return tuple(layers_for(config, pp, virtual, seq_len, counts, v_shape=v_shape))
 
 
 def recomputed_blocks(s: Setup, blocks: list[int]) -> int:
@@ -199,9 +217,7 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
         roots = padded.pop("root") + padded.pop("tied", 0)
         blocks_padded, stage = sum(padded.values()), ZERO_STAGES[s.dp_type]
         if d.pp_enabled:
-            V = a.pp_virtual_stages or 1
-            actions = ALL_SCHEDULES[a.pp_schedule](d.pp, M, V)[pp_rank]
-            gathers = pipelined_root_gathers([(x.kind, x.chunk) for x in actions], {d.pp * V - 1})
+            gathers = _root_gathers(a.pp_schedule, d.pp, M, a.pp_virtual_stages or 1)[pp_rank]
             zero = zero_comm_bytes_per_pipeline_step(stage, roots, blocks_padded, shard, d.dp_replicate, M, gathers,
                                                      s.param_bytes, s.reduce_bytes)
         else:
@@ -210,6 +226,23 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
         out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
         out["dp"] = zero
     return out
+
+
+def _root_gathers(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
+    """fsdp.pipelined_root_gathers over each rank's actions of `schedule`."""
+    return schedule_facts(schedule, pp, micro, virtual)[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def schedule_facts(schedule: str, pp: int, micro: int, virtual: int) -> tuple[tuple[int, ...], tuple[int, ...], float]:
+    """What the planner reads off a schedule's action lists, from one build and one simulate (the runner's isend:
+    "async"; unit times): each rank's most (chunk, micro-batch) activations in flight, each rank's ZeRO-3 root
+    gathers (fsdp.pipelined_root_gathers), and the ideal timeline's bubble fraction (for the V schedules what
+    pipeline_schedule.bubble_fraction returns: the same simulate). The lists are not kept (P x M x V actions)."""
+    actions = ALL_SCHEDULES[schedule](pp, micro, virtual)
+    sim = simulate(actions, pp, virtual, micro, p2p="async", v_shape=schedule in V_SCHEDULES)
+    gathers = tuple(pipelined_root_gathers([(x.kind, x.chunk) for x in ops], {pp * virtual - 1}) for ops in actions)
+    return tuple(sim.max_in_flight), gathers, sim.bubble_fraction
 
 
 def comm_bytes(s: Setup, pp_rank: int = 0) -> dict[str, int]:
@@ -284,11 +317,9 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     return in_flight * micro // V  # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks
 
 
-@functools.lru_cache(maxsize=1024)
 def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
     """Most (chunk, micro-batch) activations each rank holds under `schedule` (the runner's isend: "async")."""
-    return simulate(ALL_SCHEDULES[schedule](pp, micro, virtual), pp, virtual, micro, p2p="async",
-                    v_shape=schedule in V_SCHEDULES).max_in_flight
+    return list(schedule_facts(schedule, pp, micro, virtual)[0])
 
 
 # ----------------------------------------------------------------------------- peak and time
@@ -317,10 +348,9 @@ def peak_memory_bytes(s: Setup, pp_rank: int = 0) -> int:
 
 def predict(s: Setup, pp_rank: int = 0) -> dict:
     """The keys train.py measures, for global rank 0 of pipeline stage `pp_rank`."""
-    state = state_bytes(s, pp_rank)
-    out = {"state_bytes": sum(state.values()), "state_bytes_by_kind": state,
-           "saved_activation_bytes": saved_activation_bytes(s, pp_rank),
-           "peak_memory_bytes": peak_memory_bytes(s, pp_rank)}
+    state, saved = state_bytes(s, pp_rank), saved_activation_bytes(s, pp_rank)
+    out = {"state_bytes": sum(state.values()), "state_bytes_by_kind": state, "saved_activation_bytes": saved,
+           "peak_memory_bytes": sum(state.values()) + saved + largest_transient(s, pp_rank)}  # peak_memory_bytes
     if s.dims.world_size > 1:
         out["comm_bytes"] = comm_bytes(s, pp_rank)
     return out
@@ -328,7 +358,8 @@ def predict(s: Setup, pp_rank: int = 0) -> dict:
 
 def worst_rank(s: Setup) -> dict:
     """`predict` for the pipeline stage with the highest peak (the one that decides whether a layout fits)."""
-    return max((predict(s, r) for r in range(s.dims.pp)), key=lambda p: p["peak_memory_bytes"])
+    peaks = [peak_memory_bytes(s, r) for r in range(s.dims.pp)]
+    return predict(s, peaks.index(max(peaks)))  # the first highest, as max() picks it
 
 
 def step_flops(s: Setup) -> float:

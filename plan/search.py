@@ -18,15 +18,16 @@ The step-time model (simple on purpose; it ranks layouts, it does not promise se
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 from dataclasses import dataclass
 
 import torch
 
 from config import UsageError, check_layout, train_parser
-from parallel.pipeline_schedule import bubble_fraction
+from parallel.pipeline_schedule import V_SCHEDULES, bubble_fraction
 from plan.cluster import Cluster, link_of
-from plan.predict import Setup, comm_by_group, step_flops, worst_rank
+from plan.predict import Setup, comm_by_group, schedule_facts, state_bytes, step_flops, worst_rank
 
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0}
@@ -39,12 +40,33 @@ PP_SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)
 
 @dataclass
 class Candidate:
+    """One accepted layout. Its prediction and step time are computed when first asked (most layouts of a big
+    cluster are ruled out by `state_floor` alone and never need them); `cluster` and `efficiency` price it."""
     name: str
     flags: list[str]
     setup: Setup
-    predicted: dict
-    seconds: float
-    times: dict
+    cluster: Cluster
+    efficiency: float
+
+    @functools.cached_property
+    def predicted(self) -> dict:
+        """predict.worst_rank: the pipeline stage with the highest peak."""
+        return worst_rank(self.setup)
+
+    @functools.cached_property
+    def times(self) -> dict:
+        return step_time(self.setup, self.cluster, self.efficiency)
+
+    @property
+    def seconds(self) -> float:
+        return self.times["total"]
+
+    @functools.cached_property
+    def state_floor(self) -> int:
+        """The most state bytes any stage holds: a lower bound of predicted["peak_memory_bytes"] (the worst
+        stage's peak is at least any stage's peak, each its state plus non-negative terms), so a layout whose
+        floor exceeds the memory cannot fit, and nothing else of it need be computed."""
+        return max(sum(state_bytes(self.setup, r).values()) for r in range(self.setup.dims.pp))
 
     def torchrun(self, extra: str = "") -> str:
         n = self.setup.dims.world_size
@@ -93,21 +115,65 @@ def flags_for(model_flags: list[str], pp: int, schedule: str, virtual: int, dp: 
     return f
 
 
-def accepted(flags: list[str], world: int, device: torch.device) -> Setup | None:
+RUN_FLAGS = ("--implementation", "custom", "--out_dir", "-")  # what every candidate is checked with
+
+
+@functools.cache
+def _train_parser() -> argparse.ArgumentParser:
+    return train_parser()
+
+
+@functools.lru_cache(maxsize=8)
+def _model_args(model_flags: tuple[str, ...]) -> argparse.Namespace:
+    return _train_parser().parse_args([*model_flags, *RUN_FLAGS])
+
+
+def layout_args(model_flags: list[str], layout: list[str]) -> argparse.Namespace:
+    """train.py's parse of [*model_flags, *layout, *RUN_FLAGS] without parsing it again per layout: the model
+    flags parsed once, then each of `layout`'s flags (`--flag value` or a switch, as flags_for writes them) set
+    by its own argparse action's dest, type and choices. UsageError on a flag or value train.py refuses."""
+    args = argparse.Namespace(**vars(_model_args(tuple(model_flags))))
+    actions = _train_parser()._option_string_actions
+    tokens = iter(layout)
+    for flag in tokens:
+        act = actions.get(flag)
+        if act is None:
+            raise UsageError(f"unrecognized arguments: {flag}")
+        if act.nargs == 0:  # store_true
+            setattr(args, act.dest, act.const)
+            continue
+        value = next(tokens)
+        value = act.type(value) if act.type else value
+        if act.choices is not None and value not in act.choices:
+            raise UsageError(f"argument {flag}: invalid choice: {value!r}")
+        setattr(args, act.dest, value)
+    return args
+
+
+def accepted(model_flags: list[str], layout: list[str], world: int, device: torch.device) -> Setup | None:
     """The layout as train.py would validate it (config.check_layout), or None if train.py refuses it."""
     try:
-        args = train_parser().parse_args([*flags, "--implementation", "custom", "--out_dir", "-"])
+        args = layout_args(model_flags, layout)
         dims, config, dtype, _, accum, pp_layers = check_layout(args, world, device)
     except UsageError:
         return None
     return Setup(args, dims, config, dtype, accum, pp_layers)
 
 
+@functools.lru_cache(maxsize=1024)
+def _bubble(schedule: str, pp: int, micro: int, virtual: int) -> float:
+    """pipeline_schedule.bubble_fraction, once per (schedule, P, M, V); for the V schedules, which simulate their
+    list for it, the simulate predict.schedule_facts already ran for the activations in flight."""
+    if schedule in V_SCHEDULES and virtual == 2:
+        return schedule_facts(schedule, pp, micro, virtual)[2]
+    return bubble_fraction(schedule, pp, micro, virtual)
+
+
 def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
     """Seconds per step by part (the module docstring's model): compute, each group's communication, total."""
     d = s.dims
     sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp}
-    bubble = bubble_fraction(s.args.pp_schedule, d.pp, s.grad_accum, s.args.pp_virtual_stages or 1) if d.pp > 1 else 0
+    bubble = _bubble(s.args.pp_schedule, d.pp, s.grad_accum, s.args.pp_virtual_stages or 1) if d.pp > 1 else 0
     compute = step_flops(s) / (cluster.peak_flops * efficiency) / (1 - bubble)
     groups = comm_by_group(s)
     group_dims = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp_shard" if s.dp_type != "ddp" else "dp_replicate",
@@ -152,13 +218,11 @@ def candidates(model_flags: list[str], cluster: Cluster, micro_batches: list[int
             if constraints.get("dp_type") not in (None, dp_type) or constraints.get("ac") not in (None, ac):
                 continue
             flags = flags_for(model_flags, pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb)
-            s = accepted(flags, N, device)
+            s = accepted(model_flags, flags[len(model_flags):], N, device)
             if s is None:
                 continue
-            pred = worst_rank(s)
-            times = step_time(s, cluster, efficiency)
-            out.append(Candidate(layout_name(pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb), flags, s, pred,
-                                 times["total"], times))
+            out.append(Candidate(layout_name(pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb), flags, s, cluster,
+                                 efficiency))
     return out
 
 

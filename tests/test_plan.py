@@ -200,3 +200,47 @@ def test_without_overlap_the_data_parallel_traffic_adds_to_compute():
     t, t_cpu = step_time(s, gpu, 1.0), step_time(s, replace(gpu, overlap=False), 1.0)
     assert t["dp"] > 0 and t["total"] == max(t["compute"], t["dp"])
     assert t_cpu["total"] == pytest.approx(t_cpu["compute"] + t_cpu["dp"], rel=1e-12)
+
+
+# ----------------------------------------------------------------------------- the search's shortcuts
+
+@pytest.fixture(scope="module")
+def grid():
+    """Every candidate of tiny (4 Blocks, so V = 2 pipelines and zbv too) on 2 nodes of 2 ranks (HSDP) at two
+    micro-batches."""
+    from plan.cluster import Cluster
+    a = cli.parser().parse_args(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "2048",
+                                 "--gpus", "4"])
+    flags = model_flags(a)
+    return flags, candidates(flags, Cluster(4, 2, 2 ** 40, 1e15, 1e11, 1e10), [1, 2], {})
+
+
+def test_layout_args_is_train_parsers_parse_of_the_whole_line(grid):
+    """search.layout_args (the model flags parsed once, each layout flag set by its argparse action) gives the
+    Namespace train.py's parser gives for the candidate's whole command line, on every candidate: sizes,
+    schedules, dp types, HSDP, AC and the TP switches."""
+    from plan.search import RUN_FLAGS, layout_args
+    flags, got = grid
+    assert {"--sequence_parallel", "--pp_virtual_stages", "--data_parallel_replicate_size"} <= {
+        f for c in got for f in c.flags}, "the grid covers switches, V and HSDP"
+    for c in got:
+        assert vars(layout_args(flags, c.flags[len(flags):])) == vars(train_parser().parse_args([*c.flags, *RUN_FLAGS]))
+
+
+def test_state_floor_is_a_lower_bound_of_the_predicted_peak(grid):
+    """Candidate.state_floor (the most state any stage holds), which rules layouts out before their prediction,
+    never exceeds the worst stage's predicted peak, so ruling out by it drops no layout that fits."""
+    _, got = grid
+    assert any(c.setup.dims.pp > 1 for c in got)
+    for c in got:
+        assert c.state_floor <= c.predicted["peak_memory_bytes"], c.name
+
+
+def test_the_v_schedules_bubble_comes_from_the_shared_simulate():
+    """search._bubble takes the V schedules' bubble from predict.schedule_facts' simulate (the one the activations
+    in flight come from) and equals pipeline_schedule.bubble_fraction on each; the others are its closed forms."""
+    from parallel.pipeline_schedule import bubble_fraction
+    from plan.search import _bubble
+    for name, v in (("zbv", 2), ("dualpipev", 2), ("interleaved_1f1b", 2), ("1f1b", 1), ("zb_h1", 1)):
+        for P, M in ((2, 4), (4, 8), (4, 12)):
+            assert _bubble(name, P, M, v) == bubble_fraction(name, P, M, v), (name, P, M)
