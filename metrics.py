@@ -175,15 +175,21 @@ class SavedBytes:
     """Live and peak bytes of distinct non-parameter storages saved for backward while the context is open.
 
     Each saved tensor is wrapped in a holder whose __del__ runs when autograd drops it (after that node's
-    backward, or when its graph is freed); a storage leaves the count when its last holder goes."""
+    backward, or when its graph is freed); a storage leaves the count when its last holder goes. `moving`:
+    tensors excluded too, read again at every saved tensor (a regrown buffer's address may be reused)."""
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self.skip = {storage_of(t).data_ptr() for t in exclude}
+    def __init__(self, exclude: Iterable[torch.Tensor] = (),
+                 moving: Callable[[], list[torch.Tensor]] | None = None):
+        self.still = {storage_of(t).data_ptr() for t in exclude}
+        self.moving = moving
+        self.skip = self.still | ({storage_of(t).data_ptr() for t in moving()} if moving else set())
         self.live: dict[int, list[int]] = {}  # storage data_ptr -> [holders, nbytes]
         self.bytes = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t)
 
     def _pack(self, t: torch.Tensor) -> "_Held":
+        if self.moving is not None:
+            self.skip = self.still | {storage_of(p).data_ptr() for p in self.moving()}
         storage = storage_of(t)
         key = storage.data_ptr()
         if key in self.skip:
@@ -283,18 +289,7 @@ class SavedActivations:
     def __enter__(self) -> "SavedActivations":
         if self.params is not None:
             fixed, moving = self.params
-            counter = SavedAndRecomputedBytes(exclude=[*fixed, *(moving() if moving else ())])
-            if moving is not None:
-                still = {storage_of(p).data_ptr() for p in fixed}
-                pack = counter._pack
-
-                def fresh_pack(t: torch.Tensor):
-                    counter.skip = still | {storage_of(p).data_ptr() for p in moving()}
-                    return pack(t)
-
-                counter._pack = fresh_pack
-                counter._hooks = torch.autograd.graph.saved_tensors_hooks(fresh_pack, lambda h: h.t)
-            self._inner = counter.__enter__()
+            self._inner = SavedAndRecomputedBytes(exclude=fixed, moving=moving).__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
