@@ -197,7 +197,7 @@ def flatten_unit(gpt: nn.Module, name: str, aliases: list[list[str]], world: int
     for spec in specs:
         a, b, start = _held(spec, rank * S, S)
         shard[start:start + b - a].copy_(values[spec.names[0]].detach().reshape(-1)[a:b])
-    del values
+    values.clear()
     for spec in specs:
         for module, attr in spec.owners:
             module._parameters.pop(attr, None)

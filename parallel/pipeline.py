@@ -165,6 +165,8 @@ class PipelineRunner:
     (input, output gradient) of each of the chunk's linears (`self.store`). A sent tensor is held until its send
     has completed (checked after every action; a forward's send surely has by its backward, which waits on it), so
     a rank holds what the schedule bounds (1F1B: P - rank micro-batches), not every micro-batch sent.
+    A receive is posted at its place in the list and waited on just before the F or B that reads it, so a
+    rank computes what needs no input while the data is in flight (the wait is idle in `timeline`).
     Communicates point-to-point with the neighbouring chunks' ranks in `group` (the pp group; None: the whole
     world) and, in `reduce_tied_grads`, all-reduces the embedding gradient over `embed_group`: the result of
     `embedding_group(...)`, which every rank of the world builds together (None on a middle stage); by default
@@ -239,9 +241,17 @@ class PipelineRunner:
         sends: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}  # in flight: keep t alive
         loss = torch.zeros((), device=device)
         self._marks, self.peak_in_flight, self.peak_held_bytes = [], 0, 0
+        recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}  # posted, not yet waited on
         for a in actions:
-            t0 = self.timer.mark()
             key = (a.chunk, a.micro)
+            if a.kind in (F, B) and (pending := recvs.pop((RECV_F if a.kind == F else RECV_B, *key), None)):
+                pending[0].wait()  # before the clock starts: waiting for data is idle, not compute
+                if a.kind == F:
+                    act_in[key] = pending[1].requires_grad_()  # after the wait: a leaf the chunk's backward fills
+                else:
+                    grad_out[key] = pending[1]
+                del pending
+            t0 = self.timer.mark()
             comm.RECORDER.micro = a.micro  # the flight recorder's context
             if a.kind == F:
                 x, y = micro_batches[a.micro]
@@ -286,20 +296,16 @@ class PipelineRunner:
             elif a.kind in (RECV_F, RECV_B):
                 buf = torch.empty(shape, dtype=self.act_dtype, device=device)
                 peer = rank_of(a.chunk + (-1 if a.kind == RECV_F else 1), st.pp, st.v_shape)
-                comm.recv(buf, peer, self.group).wait()
-                if a.kind == RECV_F:
-                    act_in[key] = buf.requires_grad_()  # after the wait: a leaf the chunk's backward fills
-                else:
-                    grad_out[key] = buf
+                recvs[(a.kind, *key)] = (comm.recv(buf, peer, self.group), buf)  # waited on by its F or B
                 del buf
             self._marks.append((a, t0, self.timer.mark()))
             for done in [k for k, (work, _) in sends.items() if work.is_completed()]:
                 del sends[done]
             self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(stored, act_in, grad_out, to_send, sends,
-                                                                        self.store.held_tensors()))
+                                                                        recvs, self.store.held_tensors()))
         for work, _ in sends.values():
             work.wait()
-        assert not stored and not act_in and not grad_out and not to_send and not self.store, \
+        assert not stored and not act_in and not grad_out and not to_send and not recvs and not self.store, \
             "schedule left work undone"
         return loss
 

@@ -26,8 +26,9 @@ before any compute starting at its time, by one of three pairings:
   when the peer's matching receive is at the head of its side (simulate(..., p2p="nccl")); what gloo needs
   (the k-th send from a to b meets the k-th receive on b from a) follows. With the global order the lowest
   unfinished message always has both ranks posted on it, so no p2p model deadlocks, and with isends the
-  timeline is the ideal one: every schedule meets `bubble_fraction` exactly. A receiver waits from the
-  ready time on, which in the ideal timeline is when the data arrives.
+  timeline is the ideal one: every schedule meets `bubble_fraction` exactly. A receiver posts at the
+  ready time and waits on the data only at the compute that reads it, so with stage times other than the
+  units the rank runs on while the data is late (TestReceiveWaits).
 - "meet": both at the meeting time (the same global-order argument). The sender posts late, so a sender
   that would have run ahead waits for its receiver: GPipe and 1F1B lose nothing, interleaved 1F1B loses
   some of its gain (tests/test_pipeline_schedule.py measures it).
@@ -415,14 +416,15 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
     puts them (the V schedules). Three p2p models:
     - "rendezvous": a send blocks until its receive is posted; both complete at the later arrival
       (blocking send/recv).
-    - "async" (gloo, isend/irecv): a send is queued per (sender, receiver) and the rank goes on; a receive
-      takes the oldest queued send from its peer and waits while there is none.
+    - "async" (gloo, isend/irecv): posting never blocks the rank. The k-th send from a to b meets the k-th
+      receive on b from a, and the data is there at the send's post time.
     - "nccl" (torch's unbatched isend/irecv on NCCL): one FIFO per peer pair and side, shared by both
-      directions, in posting order. Posting never blocks the rank, but the rank waits on each receive it
-      posts before going on (the next compute needs it). The ops at the heads of a pair's two sides complete
-      together when one is a send and the other its receive; two sends (or two receives) at the heads wait
-      for each other forever.
-    Raises ScheduleError on deadlock, a send meeting the wrong receive, a compute before its input arrived,
+      directions, in posting order. Posting never blocks the rank. The ops at the heads of a pair's two sides
+      complete together, at the later post, when one is a send and the other its receive; two sends (or two
+      receives) at the heads wait for each other forever.
+    In both, a compute waits for the receive of its input, which must be posted before it in the rank's list
+    (PipelineRunner posts each receive at its place in the list and waits on it just before the compute).
+    Raises ScheduleError on deadlock, a send meeting the wrong receive, a compute before its input's receive,
     F/B/W out of order, work on another rank's chunk, or any (chunk, micro) without exactly one F and one B (and
     one W in a split schedule). A rank holds a micro-batch's activations from its F to its B, or to its W when
     split (what W needs stays until W): `max_in_flight`."""
@@ -448,8 +450,9 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
     timeline: list[list[tuple[int, int, Action]]] = [[] for _ in range(pp)]
     posted: dict[tuple[int, int], deque] = defaultdict(deque)  # async: (src, dst) -> sends in flight;
     # nccl: (me, peer) -> my ops on that pair not yet completed, oldest first
-    arrived: dict[Action, int] = {}  # nccl: a completed receive's time
-    waiting = [False] * pp  # nccl: the rank's head RECV is posted and it waits on it
+    listening: dict[tuple[int, int], deque] = defaultdict(deque)  # async: (src, dst) -> receives posted, unmatched
+    arrived: dict[Action, int] = {}  # async, nccl: when a completed receive's data is there
+    pending: set[Action] = set()  # async, nccl: receives posted and not yet completed
 
     def head(r: int) -> Action | None:
         return schedule[r][pos[r]] if pos[r] < len(schedule[r]) else None
@@ -468,7 +471,11 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
                 local = rank_of(src, pp, v_shape) == r
                 arrival = Action(a.kind, src, a.micro) if local else Action(RECV_F if a.kind == F else RECV_B, *a[1:])
                 if a.kind != W and 0 <= src < chunks and arrival not in done:
+                    if arrival in pending:
+                        break  # its receive is posted, the data not there yet: the rank waits
                     raise ScheduleError(f"rank {r} runs {a} before its input arrived")
+                if arrival in arrived:
+                    clock[r] = max(clock[r], arrived[arrival])
                 timeline[r].append((clock[r], clock[r] + cost[a.kind], a))
                 clock[r] += cost[a.kind]
                 busy[r] += cost[a.kind]
@@ -496,22 +503,22 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
                 clock[r] = clock[q] = max(clock[r], clock[q])
                 done.add(b)
                 pos[r], pos[q], moved = pos[r] + 1, pos[q] + 1, True
-            elif p2p == "nccl":
-                if not waiting[r]:
-                    posted[(r, q)].append((a, want, clock[r]))
-                    waiting[r], moved = True, True
-                elif a in done:
-                    clock[r] = max(clock[r], arrived[a])
-                    waiting[r], pos[r], moved = False, pos[r] + 1, True
-            elif p2p == "async" and posted[(q, r)]:  # a receive takes the oldest send from its peer
-                sent, meets, t = posted[(q, r)].popleft()
-                if meets != a:
-                    raise ScheduleError(f"order mismatch: rank {q} sends {sent} but rank {r} posts {a}")
-                clock[r] = max(clock[r], t)
-                done.add(a)
+            elif p2p in ("async", "nccl"):  # irecv: post it and go on; the compute that reads it waits
+                (posted[(r, q)] if p2p == "nccl" else listening[(q, r)]).append((a, want, clock[r]))
+                pending.add(a)
                 pos[r], moved = pos[r] + 1, True
         if p2p == "nccl":
             moved |= _match_pair_heads(posted, arrived, done)
+        if p2p == "async":  # the k-th send from q to r meets the k-th receive on r from q
+            for (q, r), recvs in listening.items():
+                while recvs and posted[(q, r)]:
+                    (sent, meets, t), (got, _, _) = posted[(q, r)].popleft(), recvs.popleft()
+                    if meets != got:
+                        raise ScheduleError(f"order mismatch: rank {q} sends {sent} but rank {r} posts {got}")
+                    arrived[got] = t
+                    done.add(got)
+                    moved = True
+        pending -= done
         if not moved:
             stuck = {r: head(r) for r in range(pp) if head(r) is not None}
             heads = {k: v[0][0] for k, v in posted.items() if v} if p2p == "nccl" else {}
@@ -522,8 +529,9 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
             for kind in COMPUTE if split else (F, B):
                 if Action(kind, c, m) not in done:
                     raise ScheduleError(f"{Action(kind, c, m)} never runs")
-    if any(posted.values()):
-        raise ScheduleError(f"sends never received: {[x[0] for x in posted.values() for x in x]}")
+    if any(posted.values()) or any(listening.values()):
+        raise ScheduleError(f"sends never received: {[x[0] for x in posted.values() for x in x]}; receives never "
+                            f"sent: {[x[0] for x in listening.values() for x in x]}")
     return SimResult(max(clock), timeline, peak, busy)
 
 

@@ -396,5 +396,31 @@ class TestBrokenSchedules(unittest.TestCase):
             simulate(sched, 2, 1, 2, p2p="async")
 
 
+class TestReceiveWaits(unittest.TestCase):
+    """A receive is posted at its place in the list and waited on by the compute that reads it (PipelineRunner,
+    and the async and nccl models), not where it is posted. So a compute that reads nothing from another rank
+    (a forward of chunk 0, a W, a chunk whose neighbour is local) starts the moment the rank's previous compute
+    ends, whatever the stage times. Fails if a receive blocks the rank where it is posted: ZB-H1's rank 0
+    lists RECV_B(0, m-1) before F(0, m+1), and with t_B = 2 its F would wait for rank 1's B."""
+
+    def test_independent_computes_never_wait(self):
+        from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, _needs
+        n = 0
+        for name, make in ALL_SCHEDULES.items():
+            v_shape = name in V_SCHEDULES
+            for p in (2, 3, 4):
+                m, v = 2 * p, 2 if name in ("interleaved_1f1b", *V_SCHEDULES) else 1
+                sched = make(p, m, v)
+                for times in ((1, 2, 1), (2, 3, 1), (1, 1, 3)):
+                    for mode in ("async", "nccl"):
+                        res = simulate(sched, p, v, m, *times, p2p=mode, v_shape=v_shape)
+                        for r, line in enumerate(res.timeline):
+                            for (_, prev_end, _), (start, _, a) in zip(line, line[1:]):
+                                if _needs(a, p, p * v, v_shape) is None:
+                                    self.assertEqual(start, prev_end, (name, p, times, mode, r, a))
+                                    n += 1
+        self.assertGreater(n, 1000)
+
+
 if __name__ == "__main__":
     unittest.main()
