@@ -192,6 +192,20 @@ def sample(n: int, seed: int = 0) -> list[Layout]:
     return must + rng.sample(rest, max(0, n - len(must)))
 
 
+def zero_bubble_rows() -> list[Layout]:
+    """The split-backward schedules (zb_h1; zbv and dualpipev on a V, V = 2) at P = 2, 3, 4 alone, and at P = 2
+    with DDP, ZeRO-2, FSDP and TP + SP (4 ranks); ZB-V and DualPipe-V x FSDP in bf16 (the GPU's defaults).
+    Kept out of `layouts`' product: the other dims they do not run with are refused in one line
+    (config._check_zero_bubble, tests/test_zero_bubble.py)."""
+    split = (("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
+    out = [Layout(pp=p, schedule=s, virtual=v) for p in (2, 3, 4) for s, v in split]
+    for s, v in split:
+        out += [Layout(pp=2, dp=2, dp_type=t, schedule=s, virtual=v) for t in ("ddp", "zero2", "fsdp")]
+        out.append(Layout(pp=2, tp=2, schedule=s, virtual=v))
+    return out + [Layout(pp=2, dp=2, dp_type="fsdp", schedule=s, virtual=2, dtype="bfloat16")
+                  for s in ("zbv", "dualpipev")]
+
+
 def bf16_rows() -> list[Layout]:
     """The GPU's default precision (bf16 autocast and bf16 compute copies) on the layouts where it matters:
     PP x FSDP, PP x ZeRO-2, TP, DDP; PP x DDP (fp32 activations under autocast alone); and the
@@ -343,8 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", default=None, help="a sweep.json: also require every layout's logged numbers to "
                                                      "equal its bit for bit (a refactor's proof)")
     args = p.parse_args(argv)
-    todo = layouts(args.max_world) + middle_stage_rows() + sample(args.sample, args.seed) * (args.sample > 0) + \
-        ([] if args.no_bf16 else bf16_rows())
+    todo = layouts(args.max_world) + middle_stage_rows() + zero_bubble_rows() + \
+        sample(args.sample, args.seed) * (args.sample > 0) + ([] if args.no_bf16 else bf16_rows())
     if args.only:
         todo = [x for x in todo if fnmatch.fnmatch(x.name, args.only)]
     sys.path.insert(0, ROOT)

@@ -7,7 +7,7 @@ layout that starts being refused (a regression hidden as a refusal) or stops bei
 match one process) fails.
 
 Marked `sweep` and `slow` (`pytest -m sweep`; the everyday `-m "not slow"` loop skips it). CI runs the 4-rank
-part, two 6-rank layouts with a middle stage (pp=3 x dp=2) and the bf16 rows; `GPT_SWEEP_LARGE=1 pytest -m sweep` adds the 6- and 8-rank sample. The same table, for
+part, two 6-rank layouts with a middle stage (pp=3 x dp=2), the zero-bubble rows and the bf16 rows; `GPT_SWEEP_LARGE=1 pytest -m sweep` adds the 6- and 8-rank sample. The same table, for
 reading: `python -m bench.sweep`.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from bench.forkserver import ForkServer, RunResult
 from tests.harness import make_token_bins, rank0_only
 
 LARGE = os.environ.get("GPT_SWEEP_LARGE") == "1"
-SMALL = [x for x in S.layouts(4) if not x.is_reference] + S.middle_stage_rows()
+SMALL = [x for x in S.layouts(4) if not x.is_reference] + S.middle_stage_rows() + S.zero_bubble_rows()
 BF16 = S.bf16_rows()
 SAMPLE = S.sample(12)
 
