@@ -16,6 +16,8 @@ The twin itself runs in scripts/gpu_check.py (stage "context parallel"), on a on
 """
 import unittest
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +55,7 @@ def shards(rank: int, world: int) -> list:
 SDPA = F.scaled_dot_product_attention
 
 
+@pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
 class TestTorchContextParallelTokens(unittest.TestCase):
     def test_same_tokens_and_positions_as_ours(self):
         for world in (2, 4):

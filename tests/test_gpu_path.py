@@ -12,6 +12,8 @@ import dataclasses
 import os
 import tempfile
 import unittest
+
+import pytest
 from unittest import mock
 
 import torch
@@ -101,6 +103,7 @@ def _skip_body(rank: int, world: int, agreeing: bool) -> dict:
     return {"stepped": stepped, "scale": scaler.get_scale()}
 
 
+@pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
 class TestFP16Agreement(unittest.TestCase):
     def test_every_rank_skips_and_keeps_the_same_scale(self):
         results = spawn(_skip_body, 2, True)
@@ -135,6 +138,7 @@ def _fp16_reduce_body(rank: int, world: int, scale: float) -> dict:
             "padded": sum(u.padded for u in fsdp.units)}
 
 
+@pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
 class TestFP16ReduceScatter(unittest.TestCase):
     def test_mean_that_fits_in_fp16_stays_finite(self):
         model = GPT(TINY)

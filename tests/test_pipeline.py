@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import unittest
 
+import pytest
+
 import torch
 import torch.distributed as dist
 
@@ -248,6 +250,7 @@ class PipelineMatchesOneProcess(unittest.TestCase):
             self.assertEqual([r["timeline"] for r in per_rank], [len(a) for a in lists])
 
 
+@pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
 class DeferredInit(unittest.TestCase):
     def test_stage_allocates_only_its_own_parameters_with_eager_values(self):
         for world, n_layer, v in ((4, 4, 1), (2, 4, 2)):
@@ -283,6 +286,7 @@ def held_cases(rank: int, world: int) -> dict:
     return mine[0]
 
 
+@pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
 class RunnerHoldsWhatTheScheduleBounds(unittest.TestCase):
     """Bytes of live tensor storages the runner keeps (stored inputs and outputs, received buffers, tensors in
     or waiting for a send), rank 0 of P = 2, fp32 activations of A = mb·T·n_embd·4 bytes. Under 1F1B rank 0 holds
@@ -334,6 +338,7 @@ def new_group_calls(rank: int, world: int) -> list:
     return {"calls": calls, "embed": par.pipeline.embed_group is not None}
 
 
+@pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
 class EveryRankCallsEveryNewGroup(unittest.TestCase):
     """On NCCL a new_group that some rank skips hangs the ranks that call it; gloo only misnames later groups.
     With pp = 3 spanning the world, the middle stage has no embedding group: it must still call new_group for

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import unittest
 
+import pytest
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -383,6 +385,7 @@ def _dtensor_body(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
 class TestTPMatchesDTensor(unittest.TestCase):
     """Ours against PyTorch's parallelize_module with pytorch_tp_plan, same weights and batch."""
 
