@@ -388,8 +388,8 @@ def _split(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple
 
 def _check_zero_bubble(args: argparse.Namespace, dims: ParallelDims, micro: int) -> None:
     """The zero-bubble schedules: enough micro-batches (zb_h1, zbv: M >= P; dualpipev: M >= 2P), and the layouts
-    their split backward is built and tested for (parallel/zero_bubble.py: no data parallelism, DDP, ZeRO-1/2/3
-    on one shard group, our TP with or without SP; eager Blocks; the PyTorch twin, torch's
+    their split backward is built and tested for (parallel/zero_bubble.py: no data parallelism, DDP, ZeRO-1/2/3 and
+    HSDP, our TP with or without SP and beside them; eager Blocks; the PyTorch twin, torch's
     ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble / ScheduleDualPipeV, without data parallelism)."""
     name, least = args.pp_schedule, 2 * dims.pp if args.pp_schedule == "dualpipev" else dims.pp
     if micro < least:
@@ -401,11 +401,6 @@ def _check_zero_bubble(args: argparse.Namespace, dims: ParallelDims, micro: int)
         raise UsageError(f"--implementation pytorch --pp_schedule {name} runs without data or tensor parallelism "
                          "here: torch's split backward under its DDP / FSDP2 / DTensor TP is not tested; use "
                          "--implementation custom")
-    if dims.dp_enabled and args.data_parallel_type != "ddp" and (args.data_parallel_replicate_size > 1
-                                                                 or dims.tp_enabled):
-        raise UsageError(f"--pp_schedule {name} is not tested with HSDP (--data_parallel_replicate_size > 1) or "
-                         f"with --tensor_parallel_size under {args.data_parallel_type} (8-rank layouts): it runs with "
-                         "zero1, zero2 and fsdp on one shard group, and with TP under ddp or no data parallelism")
     if dims.cp_enabled or args.compile:
         raise UsageError(f"--pp_schedule {name} does not run under --context_parallel_size or --compile: its split "
                          "backward is not tested with ring attention, and torch refuses its own input/weight split "

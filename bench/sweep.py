@@ -2,7 +2,8 @@
 trained a few steps and held against one process.
 
     python -m bench.sweep                    # every layout up to 4 ranks + the bf16 rows: the table
-    python -m bench.sweep --sample 12        # + 12 layouts at 6 and 8 ranks (seeded, see `sample`)
+    python -m bench.sweep --sample 12        # + 12 layouts at 6 and 8 ranks (seeded, see `sample`), and the
+                                             #   split schedules' 8-rank rows (zero_bubble_large_rows)
     python -m bench.sweep --only 'pp=3*'     # the layouts whose name matches
 
 Each layout is `train.py` on the `tiny` GPT with 4 Blocks, or 12 where its P·V chunks need more (pp=4 with V=3
@@ -206,6 +207,15 @@ def zero_bubble_rows() -> list[Layout]:
                   for s in ("zbv", "dualpipev")]
 
 
+def zero_bubble_large_rows() -> list[Layout]:
+    """The split schedules beside a sharding engine and TP (pp=2 x dp=2 x tp=2), and under HSDP (pp=2 x dp=4,
+    R=2): 8 ranks, run with the 6- and 8-rank sample."""
+    split = (("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
+    return ([Layout(pp=2, dp=2, tp=2, dp_type=t, schedule=s, virtual=v) for s, v in split for t in ("zero2", "fsdp")]
+            + [Layout(pp=2, dp=4, dp_type=t, replicate=2, schedule=s, virtual=v) for s, v in split[:2]
+               for t in ("zero2", "fsdp")])
+
+
 def bf16_rows() -> list[Layout]:
     """The GPU's default precision (bf16 autocast and bf16 compute copies) on the layouts where it matters:
     PP x FSDP, PP x ZeRO-2, TP, DDP; PP x DDP (fp32 activations under autocast alone); and the
@@ -358,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                                                      "equal its bit for bit (a refactor's proof)")
     args = p.parse_args(argv)
     todo = layouts(args.max_world) + middle_stage_rows() + zero_bubble_rows() + \
-        sample(args.sample, args.seed) * (args.sample > 0) + ([] if args.no_bf16 else bf16_rows())
+        (sample(args.sample, args.seed) + zero_bubble_large_rows()) * (args.sample > 0) + \
+        ([] if args.no_bf16 else bf16_rows())
     if args.only:
         todo = [x for x in todo if fnmatch.fnmatch(x.name, args.only)]
     sys.path.insert(0, ROOT)
