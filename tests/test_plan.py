@@ -250,7 +250,8 @@ def test_the_v_schedules_bubble_comes_from_the_shared_simulate():
 
 def _layouts_2_and_4() -> dict:
     """tiny with 4 Blocks: a TP, CP, pipeline and sharded layout on 2 ranks, a pipeline on 4."""
-    base = ["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024", "--micro_batch_size", "4"]
+    base = ["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
+            "--micro_batch_size", "4"]
     return {"tp": setup([*base, "--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"], 2),
             "cp": setup([*base, "--context_parallel_size", "2"], 2),
             "pp": setup([*base, "--pipeline_parallel_size", "2"], 2),
