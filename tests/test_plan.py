@@ -248,8 +248,8 @@ def test_the_v_schedules_bubble_comes_from_the_shared_simulate():
 
 # ----------------------------------------------------------------------------- latency and oversubscription
 
-def _layouts_2_and_4() -> dict:
-    """tiny with 4 Blocks: a TP, CP, pipeline and sharded layout on 2 ranks, a pipeline on 4."""
+def _two_rank_layouts() -> dict:
+    """tiny with 4 Blocks: a TP, CP, pipeline and sharded layout on 2 ranks, by the group each exercises."""
     base = ["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
             "--micro_batch_size", "4"]
     return {"tp": setup([*base, "--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"], 2),
@@ -268,7 +268,7 @@ def test_latency_is_charged_once_per_call_of_each_group():
     from plan.predict import comm_calls_by_group
     from plan.search import step_time
     base = Cluster(2, 2, 2 ** 40, 1e12, 1e9, 1e9, overlap=False, latency=0.0)
-    for group, s in _layouts_2_and_4().items():
+    for group, s in _two_rank_layouts().items():
         calls = sum(comm_calls_by_group(s)[group].values())
         t0, t1 = step_time(s, base, 1.0), step_time(s, replace(base, latency=1e-3), 1.0)
         assert calls > 0, group
@@ -313,3 +313,25 @@ def test_with_fewer_busy_ranks_than_cores_each_runs_at_peak():
     s = _pipeline4(2)
     t = step_time(s, Cluster(4, 4, 2 ** 40, 1e10, 1e9, 1e9, overlap=False, cores=2), 1.0)
     assert t["compute"] == pytest.approx(step_flops(s) / 1e10 / (1 - 3 / 5), rel=1e-12)
+
+
+def test_ddp_calls_are_build_buckets_count_at_every_cap():
+    """ddp_comm_calls_per_step on the planner's parameter list (predict.local_params, 4 bytes each) counts the
+    buckets DistributedDataParallel builds (ddp.build_buckets on the model's parameters, on meta) at caps from one
+    bucket per parameter to one for all, and at each cap that a run of the last (or the first) parameters fills
+    exactly, where "past the cap" decides: test_plan_runs holds the one-bucket case against runs."""
+    from model import GPT
+    from parallel.ddp import build_buckets, ddp_comm_calls_per_step
+    from plan.predict import local_params
+    s = setup(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
+               "--micro_batch_size", "4"])
+    with torch.device("meta"):
+        named = [(n, p) for n, p in GPT(s.config).named_parameters()]
+    sizes = [4 * n for _, n, _ in local_params(s)]
+    counts = set()
+    exact = [sum(part) for k in range(1, len(sizes) + 1) for part in (sizes[-k:], sizes[:k])]
+    for cap in (1, 2 ** 12, 2 ** 16, 2 ** 18, 2 ** 20, 25 * 2 ** 20, *exact):
+        want = len(build_buckets(named, cap))
+        counts.add(want)
+        assert ddp_comm_calls_per_step(sizes, 2, cap) == {"all_reduce": want}, cap
+    assert len(counts) >= 4 and 1 in counts and len(named) in counts
