@@ -33,7 +33,7 @@ The planner predicts each layout with a CPU "cluster" calibrated by measurement,
 
 Pairwise verdict (`pairwise`): two layouts are ordered by the measurement when their medians differ by more
 than the sum of their noises; then the planner agrees when it predicts the same order, a tie when it
-predicts the same time (its model has no per-micro-batch cost), and disagrees otherwise; pairs within the
+predicts the same time (its model has no per-micro-batch compute cost), and disagrees otherwise; pairs within the
 noise get no verdict.
 
 Writes plan_rank.json (calibration, runs, rows, verdicts) and plan_rank.md (the tables) in --out.
