@@ -140,16 +140,17 @@ def train_step(t: Trainer, step: int) -> dict:
     if t.faults is not None:
         t.faults.vote()  # read by run() after the step: its all-reduce finishes with the scalars below
     comm_bytes = comm.COUNTER.snapshot()  # before the scalar reductions below, which are not wrapper traffic
+    comm_calls = comm.COUNTER.snapshot_calls()
     loss_value, norm_value = t.par.mean_loss(loss).item(), float(norm)  # .item() syncs the device: dt is honest
     dt = time.perf_counter() - t0
     state = t.par.state_breakdown(t.optimizer)  # gradients still allocated: the step's true peak state
     t.optimizer.zero_grad(set_to_none=True)
-    m = step_metrics(t, step, lr, loss_value, norm_value, dt, state, comm_bytes)
+    m = step_metrics(t, step, lr, loss_value, norm_value, dt, state, comm_bytes, comm_calls)
     return m if saved.peak is None else {**m, "saved_activation_bytes": saved.peak}
 
 
 def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt: float, state: dict[str, int],
-                 comm_bytes: dict[str, int]) -> dict:
+                 comm_bytes: dict[str, int], comm_calls: dict[str, int] | None = None) -> dict:
     """The step's record: loss, speed (tokens/s, MFU), memory, bytes moved, and what AC, compile and the
     pipeline report (Parallelized.step_counters)."""
     plan, args = t.plan, t.plan.args
@@ -161,6 +162,8 @@ def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt:
          "state_bytes_by_kind": state}
     if plan.par.implementation == "custom" and plan.dims.world_size > 1:
         m["comm_bytes"] = comm_bytes
+        if comm_calls is not None:
+            m["comm_calls"] = comm_calls
     if t.scaler:
         m["loss_scale"] = t.scaler.get_scale()
     m.update(t.par.step_counters(plan.grad_accum))

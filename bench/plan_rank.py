@@ -22,12 +22,18 @@ The planner predicts each layout with a CPU "cluster" calibrated by measurement,
   hidden behind compute on a GPU, adds here;
 - links: every group inside one "node" (gpus_per_node = N); bandwidth the bus bandwidth of a gloo all-reduce
   of the model's gradient size among the N ranks, bytes x 2(N-1)/N over its median time: the ring factor
-  plan.search.step_time applies, so the planner's time for that all-reduce is the measured one. Latency is
-  not in the planner's model (nor here): small messages (TP's per-Block activations) cost more than this.
+  plan.search.step_time applies, so the planner's time for that all-reduce is the measured one;
+- latency (Cluster.latency, charged per collective call and p2p message): the median time of a one-element gloo
+  all-reduce among the N ranks (`--latency_reduces` of them, each after a barrier): what TP's many small
+  per-Block collectives cost beyond their bytes;
+- cores (Cluster.cores): this process's CPUs (os.sched_getaffinity). With fewer cores than ranks a rank idle in
+  the pipeline bubble frees its core, so the planner runs a busy rank at min(1, cores / busy) of `peak_flops`,
+  busy = N(1 - bubble); the contention was measured with all N ranks busy, so `peak_flops` = one process's
+  FLOP/s x contention / min(1, cores / N): one rank's rate on a core of its own.
 
 Pairwise verdict (`pairwise`): two layouts are ordered by the measurement when their medians differ by more
 than the sum of their noises; then the planner agrees when it predicts the same order, a tie when it
-predicts the same time (its model has no per-micro-batch cost), and disagrees otherwise; pairs within the
+predicts the same time (its model has no per-micro-batch compute cost), and disagrees otherwise; pairs within the
 noise get no verdict.
 
 Writes plan_rank.json (calibration, runs, rows, verdicts) and plan_rank.md (the tables) in --out.
@@ -113,8 +119,8 @@ def markdown(world: int, rows: list[dict], pairs: list[dict], cal: dict) -> str:
     """One world size's table, its verdict counts and every pair that is not "agree" or "noise"."""
     pr, mr = ranks([r["predicted_s"] for r in rows]), ranks([r["measured_s"] for r in rows])
     head = (f"### {world} ranks: compute {cal['compute_flops']:.3g} FLOP/s per rank (one process "
-            f"{cal['single_flops']:.3g} x contention {cal['contention']:.2f}), all-reduce bus bandwidth "
-            f"{cal['bus_bw']:.3g} B/s")
+            f"{cal['single_flops']:.3g} x contention {cal['contention']:.2f}; {cal['cores']} cores), all-reduce bus "
+            f"bandwidth {cal['bus_bw']:.3g} B/s, latency {cal['latency'] * 1e6:.0f} us per call")
     lines = [head, "",
              "| layout | predicted s | measured median s | noise s | rank predicted | rank measured |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -167,21 +173,53 @@ def worker(spec: dict) -> None:
             comm.all_reduce(x, counted=False)
             ts.append(time.perf_counter() - t0)
         bw = x.numel() * 4 * 2 * (n - 1) / n / statistics.median(ts)
+    lat = latency(spec["latency_reduces"]) if n > 1 else None
     got = [None] * n
-    dist.all_gather_object(got, (mm, bw))
+    dist.all_gather_object(got, (mm, bw, lat))
     if dist.get_rank() == 0:
         with open(spec["out"], "w") as f:
             json.dump({"matmul_flops": statistics.median(g[0] for g in got),
-                       "bus_bw": statistics.median(g[1] for g in got) if n > 1 else None}, f)
+                       "bus_bw": statistics.median(g[1] for g in got) if n > 1 else None,
+                       "latency": statistics.median(g[2] for g in got) if n > 1 else None}, f)
     dist.destroy_process_group()
 
 
-def calibrate(world: int, numel: int, seconds: float = 3.0, reduces: int = 10) -> dict:
-    """The calibration job on `world` ranks (one thread each): {matmul_flops (per rank), bus_bw}."""
+def latency(reduces: int) -> float:
+    """Seconds per call: the median time of `reduces` one-element all-reduces over the world (each after a barrier,
+    so every rank starts it together), after 5 untimed ones."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel import comm
+    x = torch.zeros(1)
+    for _ in range(5):
+        comm.all_reduce(x, counted=False)
+    ts = []
+    for _ in range(reduces):
+        dist.barrier()
+        t0 = time.perf_counter()
+        comm.all_reduce(x, counted=False)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def cpu_cluster(world: int, single_flops: float, cal: dict, cal_1: dict, cores: int):
+    """The calibrated CPU cluster on `world` ranks (the module docstring) and its figures."""
+    from plan.cluster import Cluster
+    contention = cal["matmul_flops"] / cal_1["matmul_flops"]
+    peak = single_flops * contention / min(1.0, cores / world)
+    c = {"single_flops": single_flops, "contention": contention, "compute_flops": single_flops * contention,
+         "peak_flops": peak, "cores": cores, **cal}
+    return Cluster(world, world, 2 ** 40, peak, cal["bus_bw"], cal["bus_bw"], "cpu-calibrated", overlap=False,
+                   latency=cal["latency"], cores=cores if cores < world else None), c
+
+
+def calibrate(world: int, numel: int, seconds: float = 3.0, reduces: int = 10, latency_reduces: int = 200) -> dict:
+    """The calibration job on `world` ranks (one thread each): {matmul_flops (per rank), bus_bw, latency}."""
     from parallel.mesh import child_env
     with tempfile.TemporaryDirectory() as d:
         spec = {"rows": ROWS * T, "n_embd": C, "numel": numel, "seconds": seconds, "reduces": reduces,
-                "out": os.path.join(d, "cal.json")}
+                "latency_reduces": latency_reduces, "out": os.path.join(d, "cal.json")}
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                "-m", "bench.plan_rank", f"--worker={json.dumps(spec)}"]
         subprocess.run(cmd, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), check=True, timeout=300,
@@ -205,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--latency_reduces", type=int, default=200, help="timed one-element all-reduces (latency)")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "plan"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -221,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     worlds = [int(w) for w in args.worlds.split(",")]
     probe = planned(1, Cluster(1, 1, 2 ** 40, 1e12, 1e9, 1e9))[SINGLE]
     grad_numel = sum(n for _, n, _ in local_params(probe.setup))
-    cal = {1: calibrate(1, grad_numel)} | {w: calibrate(w, grad_numel) for w in worlds}
+    cal = {1: calibrate(1, grad_numel)} | {w: calibrate(w, grad_numel, latency_reduces=args.latency_reduces)
+                                           for w in worlds}
+    cores = len(os.sched_getaffinity(0))
     print(f"[plan_rank] calibration: {json.dumps(cal)}", flush=True)
     todo = [(1, SINGLE)] + [(w, n) for w in worlds for n in LAYOUTS[w]]
     flags = {(1, SINGLE): probe.flags}
@@ -245,16 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     single_s = measured(runs[(1, SINGLE)])
     single_flops = step_flops(probe.setup) / single_s[0]
     report = {"config": {"plan": PLAN, "run": RUN, "steps": args.steps, "skip": SKIP, "repeats": args.repeats,
-                         "cpu_count": os.cpu_count(), "wall_s": time.perf_counter() - t0},
+                         "cpu_count": os.cpu_count(), "cores": cores, "wall_s": time.perf_counter() - t0},
               "single": {"layout": SINGLE, "measured_s": single_s[0], "noise_s": single_s[1],
                          "flops": single_flops, "repeats": runs[(1, SINGLE)]}, "worlds": {}}
     md = [(f"Single process ({SINGLE}): {single_s[0]:.4f} s/step (noise {single_s[1]:.4f}), "
            f"{single_flops:.3g} FLOP/s achieved; one-rank matmul {cal[1]['matmul_flops']:.3g} FLOP/s."), ""]
     for w in worlds:
-        contention = cal[w]["matmul_flops"] / cal[1]["matmul_flops"]
-        c = {"single_flops": single_flops, "contention": contention, "compute_flops": single_flops * contention,
-             "bus_bw": cal[w]["bus_bw"], **cal[w]}
-        cluster = Cluster(w, w, 2 ** 40, c["compute_flops"], c["bus_bw"], c["bus_bw"], "cpu-calibrated", overlap=False)
+        cluster, c = cpu_cluster(w, single_flops, cal[w], cal[1], cores)
         cands = planned(w, cluster)
         rows = []
         for n in LAYOUTS[w]:

@@ -1,6 +1,6 @@
 """Every collective our own wrappers issue goes through here, so the bytes they move can be counted.
 
-The counter records payload bytes per kind, per call:
+The counter records payload bytes per kind, per call (and the number of calls per kind: `snapshot_calls`):
 - all_reduce: the tensor's bytes;
 - all_gather: the bytes of the gathered (full) output;
 - reduce_scatter: the bytes of the (full) input;
@@ -36,16 +36,29 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 
 
 class CommCounter:
-    """Payload bytes per collective kind since the last `reset()`."""
+    """Payload bytes and calls (one per counted op: a collective, or a p2p message) per collective kind since the
+    last `reset()`. The calls are what a per-call latency charges (plan/search.py step_time); each wrapper's
+    calls formula sits beside its bytes formula."""
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
 
     def add(self, kind: str, nbytes: int) -> None:
         self.bytes[kind] += nbytes
+        self.calls[kind] += 1
 
     def reset(self) -> None:
         self.bytes = defaultdict(int)
+        self.calls = defaultdict(int)
+
+    def snapshot_calls(self) -> dict[str, int]:
+        """{kind: calls}, the kinds as `snapshot` lists them (broadcast, p2p only if any)."""
+        out = {k: int(self.calls.get(k, 0)) for k in KINDS[:3]}
+        for k in KINDS[3:]:
+            if self.calls.get(k):
+                out[k] = int(self.calls[k])
+        return out
 
     def snapshot(self) -> dict[str, int]:
         """{kind: bytes} for all_reduce, all_gather and reduce_scatter (and broadcast, p2p if any)."""

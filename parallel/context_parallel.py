@@ -332,3 +332,12 @@ def cp_p2p_bytes_per_micro_step(n_layer: int, B: int, T: int, n_embd: int, cp: i
     A = B * (T // cp) * (n_embd // tp) * element_size
     per_layer_fwd, per_layer_bwd = 2 * (cp - 1) * A, (4 * (cp - 1) + 2) * A
     return n_layer * (per_layer_fwd + per_layer_bwd) + recomputed_blocks * per_layer_fwd
+
+
+def cp_p2p_calls_per_micro_step(n_layer: int, cp: int, recomputed_blocks: int = 0) -> int:
+    """The messages behind `cp_p2p_bytes_per_micro_step`: `_exchange` sends each tensor (a k, v, dK or dV block
+    of A elements) on its own, so one call per A: 2(C-1) forward and 4(C-1) + 2 backward per attention, and
+    2(C-1) more per recomputed Block. Nothing with one cp rank."""
+    if cp == 1:
+        return 0
+    return n_layer * (6 * (cp - 1) + 2) + recomputed_blocks * 2 * (cp - 1)

@@ -564,6 +564,27 @@ def zero_comm_bytes_per_pipeline_step(stage: int, roots: int, blocks: int, shard
     return out
 
 
+def zero_comm_calls_per_step(stage: int, roots: int, blocks: int, shard: int, replicas: int = 1,
+                             micro_steps: int = 1, root_gathers: int | None = None) -> dict[str, int]:
+    """The calls behind `zero_comm_bytes_per_step` (and, given `root_gathers`, `zero_comm_bytes_per_pipeline_step`),
+    for `roots` root units (the root, and a pipeline stage's tied matrix; an empty root issues nothing) and
+    `blocks` Block units: every unit is one flat buffer, so each gather, reduce-scatter and HSDP all-reduce of
+    the bytes formula is one call per unit. ZeRO-1/2: a gather per unit per step, a reduce-scatter per unit per
+    step (ZeRO-1) or per micro-step; ZeRO-3: per micro-step each Block gathered twice and the roots once (under
+    a pipeline `root_gathers` times per step instead), a reduce-scatter per unit; HSDP: an all-reduce of each
+    reduced shard."""
+    units, M = roots + blocks, micro_steps
+    out = {"all_gather": 0, "reduce_scatter": 0}
+    if shard > 1:
+        if stage == 3:
+            out["all_gather"] = (M if root_gathers is None else root_gathers) * roots + 2 * M * blocks
+        else:
+            out["all_gather"] = units
+        out["reduce_scatter"] = units * (1 if stage == 1 else M)
+    out["all_reduce"] = units * (1 if stage == 1 else M) if replicas > 1 else 0
+    return out
+
+
 def fsdp_comm_bytes_per_micro_step(root: int, blocks: int, world: int, reshard_after_forward: bool = True,
                                    param_bytes: int = 4, reduce_bytes: int = 4) -> dict[str, int]:
     """Payload bytes of one rank's all-gathers and reduce-scatters in one synchronised forward + backward,

@@ -142,16 +142,22 @@ def p2p_bytes_per_step(pp: int, virtual: int, rank: int, micro: int, shape: tupl
     """Bytes rank `rank` sends per step (theory): every local chunk whose next chunk is on another rank sends
     each micro-batch's activation forward, every local chunk whose previous one is sends its input gradient
     backward (none between the V's chunks P-1 and P, both on rank P-1)."""
+    n = 1
+    for s in shape:
+        n *= s
+    return p2p_calls_per_step(pp, virtual, rank, micro, v_shape) * n * element_size
+
+
+def p2p_calls_per_step(pp: int, virtual: int, rank: int, micro: int, v_shape: bool = False) -> int:
+    """The messages (one `comm.send` each) rank `rank` sends per step, `p2p_bytes_per_step`'s: per micro-batch,
+    one per local chunk whose next chunk is on another rank and one per local chunk whose previous one is."""
     if pp == 1:
         return 0
     C = pp * virtual
     chunks = [chunk_of(rank, v, pp, v_shape) for v in range(virtual)]
     messages = (sum(c < C - 1 and rank_of(c + 1, pp, v_shape) != rank for c in chunks)
                 + sum(c > 0 and rank_of(c - 1, pp, v_shape) != rank for c in chunks))
-    n = 1
-    for s in shape:
-        n *= s
-    return messages * micro * n * element_size
+    return messages * micro
 
 
 WHOLE_WORLD = "whole world"  # PipelineRunner's embed_group default: the pipeline is the world, build it here

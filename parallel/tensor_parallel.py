@@ -483,6 +483,34 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
     return out
 
 
+def tp_comm_calls_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, loss_parallel: bool,
+                                 sequence_parallel: bool, recomputed_blocks: int = 0, blocks: int | None = None,
+                                 first: bool = True, last: bool = True) -> dict[str, int]:
+    """The calls behind `tp_comm_bytes_per_micro_step` (its arguments, less the element sizes): one per f or g
+    and per SP all-gather or reduce-scatter (each moves one activation), so the 2L + last entries and 2L + first
+    exits are a call each way; under SP the position embeddings' backward all-gather (first) and one all-reduce
+    per replicated parameter that saw T/p positions (each LayerNorm's weight and bias, each row-parallel bias);
+    a recomputed Block 2 all-gathers and 1 reduce-scatter (SP), else 1 all-reduce; the loss per chunk of rows
+    (model.loss_chunk_rows of the logits' width: V/p, or V gathered) 2 all-reduces (max; target logit and
+    sum-exp) with loss parallelism, else 1 all-gather of the chunk's logits."""
+    out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+    if tp == 1:
+        return out
+    L = config.n_layer if blocks is None else blocks
+    entries, exits = 2 * L + last, 2 * L + first
+    if sequence_parallel:
+        n_bias = 1 if config.bias else 0
+        out["all_gather"] += entries + exits + first + 2 * recomputed_blocks
+        out["reduce_scatter"] += entries + exits + recomputed_blocks
+        out["all_reduce"] += entries * (1 + n_bias) + 2 * L * n_bias
+    else:
+        out["all_reduce"] += entries + exits + recomputed_blocks
+    if last:
+        chunks = -(-B * T // loss_chunk_rows(config.vocab_size // tp if loss_parallel else config.vocab_size))
+        out["all_reduce" if loss_parallel else "all_gather"] += (2 if loss_parallel else 1) * chunks
+    return out
+
+
 # ----------------------------------------------------------------------------- PyTorch's DTensor reference
 
 def pytorch_tp_plan(model: GPT, loss_parallel: bool, sequence_parallel: bool) -> dict:

@@ -2,7 +2,13 @@
 
 Figures are per GPU. Memory in GiB as the device reports it; peak = dense bf16/fp16 tensor-core FLOP/s (no
 sparsity); intra = NVLink bandwidth per direction (the datasheets quote both directions together: halved here);
-inter = the node's network per GPU per direction, for the usual one NIC per GPU.
+inter = the node's network per GPU per direction, for the usual one NIC per GPU; latency = seconds per collective
+call or p2p message, whatever its size (plan/search.py charges it per call: each wrapper's calls formula).
+
+GPU latency: Hu et al. 2025, "Demystifying NCCL" (arXiv:2507.04786, from NCCL 2.19's source) give a per-hop latency
+of ~1 us for NCCL's LL protocol, ~2 us for LL128 and ~6 us for Simple; a small all-reduce over a ring of n GPUs
+takes 2(n - 1) hops, a kernel launch a few us more. We take 10 us per call on every preset: a documented small
+value (an 8-GPU LL128 ring's 14 hops would be ~28 us; NVLS and tree algorithms take fewer), not a measurement.
 """
 from __future__ import annotations
 
@@ -23,6 +29,10 @@ class Cluster:
     # communication runs behind compute (NCCL's kernels and the copy engines beside the SMs); False for gloo on
     # CPU ranks, whose reductions take the cores that compute (bench/plan_rank.py's calibrated cluster)
     overlap: bool = True
+    latency: float = 10e-6  # seconds per collective call / p2p message (module docstring)
+    # cores the ranks share, when fewer than the ranks (CPU ranks on one machine); None: a processor per rank (GPUs).
+    # A rank idle in the pipeline bubble then frees its core for the busy ones (plan/search.py step_time)
+    cores: int | None = None
 
 
 PRESETS: dict[str, dict] = {

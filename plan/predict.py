@@ -20,8 +20,8 @@ import torch
 
 from metrics import flops_per_token
 from model import GPT, GPTConfig, loss_chunk_rows
-from parallel.context_parallel import cp_p2p_bytes_per_micro_step
-from parallel.ddp import ddp_comm_bytes_per_step
+from parallel.context_parallel import cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step
+from parallel.ddp import ddp_comm_bytes_per_step, ddp_comm_calls_per_step
 from parallel.flat_param import FlatLayout, shard_numel
 from parallel.fsdp import (
     ZERO_LADDER,
@@ -30,10 +30,11 @@ from parallel.fsdp import (
     unit_key,
     zero_comm_bytes_per_pipeline_step,
     zero_comm_bytes_per_step,
+    zero_comm_calls_per_step,
 )
 from parallel.mesh import ParallelDims
 from parallel.parallelize import activation_dtype
-from parallel.pipeline import PipelineStage, p2p_bytes_per_step
+from parallel.pipeline import PipelineStage, p2p_bytes_per_step, p2p_calls_per_step
 from parallel.pipeline_schedule import (
     ALL_SCHEDULES,
     V_SCHEDULES,
@@ -41,7 +42,7 @@ from parallel.pipeline_schedule import (
     simulate,
 )
 from parallel.pipeline_split import layers_for
-from parallel.tensor_parallel import tp_comm_bytes_per_micro_step, tp_local_shape
+from parallel.tensor_parallel import tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step, tp_local_shape
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
@@ -228,6 +229,35 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
     return out
 
 
+def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
+    """`comm_by_group`'s calls (COUNTER.calls: one per collective or p2p message), group by group and kind, from
+    the calls formulas beside the wrappers' bytes formulas: what a per-call latency charges (search.step_time)."""
+    d, a, c, M = s.dims, s.args, s.config, s.grad_accum
+    blocks, first, last = stage_blocks(s, pp_rank)
+    redo = recomputed_blocks(s, blocks)
+    out = {"tp": {k: v * M for k, v in tp_comm_calls_per_micro_step(
+        c, a.micro_batch_size, a.seq_len // d.cp, d.tp, a.enable_loss_parallelism, a.sequence_parallel, redo,
+        len(blocks), first, last).items()},
+           "cp": {"p2p": M * cp_p2p_calls_per_micro_step(len(blocks), d.cp, redo)}}
+    if d.pp_enabled:
+        v_shape = a.pp_schedule in V_SCHEDULES
+        out["pp"] = {"p2p": p2p_calls_per_step(d.pp, a.pp_virtual_stages or 1, pp_rank, M, v_shape),
+                     "all_reduce": int((first or last) and not v_shape)}
+    if s.dp_type == "ddp":
+        params = local_params(s, pp_rank)
+        out["dp"] = ddp_comm_calls_per_step([4 * n for _, n, _ in params], d.dp * d.cp,
+                                            int(a.bucket_cap_mb * 1024 * 1024))
+    elif s.dp_type in ZERO_STAGES:
+        u = {k: n for k, (n, _) in units(s, pp_rank).items() if n}  # an empty root (a middle stage) issues nothing
+        roots = sum(k in ("root", "tied") for k in u)
+        gathers = _root_gathers(a.pp_schedule, d.pp, M, a.pp_virtual_stages or 1)[pp_rank] if d.pp_enabled else None
+        zero = zero_comm_calls_per_step(ZERO_STAGES[s.dp_type], roots, len(u) - roots, d.dp_shard * d.cp,
+                                        d.dp_replicate, M, gathers)
+        out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
+        out["dp"] = zero
+    return out
+
+
 def _root_gathers(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
     """fsdp.pipelined_root_gathers over each rank's actions of `schedule`."""
     return schedule_facts(schedule, pp, micro, virtual)[1]
@@ -245,9 +275,10 @@ def schedule_facts(schedule: str, pp: int, micro: int, virtual: int) -> tuple[tu
     return tuple(sim.max_in_flight), gathers, sim.bubble_fraction
 
 
-def comm_bytes(s: Setup, pp_rank: int = 0) -> dict[str, int]:
-    """`comm_by_group` summed by kind, as train.py logs comm_bytes (p2p only when there is some)."""
-    groups = comm_by_group(s, pp_rank)
+def comm_bytes(s: Setup, pp_rank: int = 0, by_group=None) -> dict[str, int]:
+    """`comm_by_group` summed by kind, as train.py logs comm_bytes (p2p only when there is some); with
+    `by_group=comm_calls_by_group` the calls, as train.py logs comm_calls."""
+    groups = (by_group or comm_by_group)(s, pp_rank)
     out = dict.fromkeys(KINDS, 0)
     for part in groups.values():
         for k, v in part.items():
@@ -353,6 +384,7 @@ def predict(s: Setup, pp_rank: int = 0) -> dict:
            "peak_memory_bytes": sum(state.values()) + saved + largest_transient(s, pp_rank)}  # peak_memory_bytes
     if s.dims.world_size > 1:
         out["comm_bytes"] = comm_bytes(s, pp_rank)
+        out["comm_calls"] = comm_bytes(s, pp_rank, comm_calls_by_group)
     return out
 
 

@@ -9,6 +9,13 @@ The step-time model (simple on purpose; it ranks layouts, it does not promise se
 - communication: each group's payload (predict.comm_by_group) over its link (cluster.link_of: NVLink inside a
   node, the network across), times the ring factor of its kind (all-reduce 2(n-1)/n, all-gather and
   reduce-scatter (n-1)/n, p2p 1);
+- latency: each group's calls per step (predict.comm_calls_by_group: the calls formulas beside the wrappers' bytes
+  formulas, held call for call against parallel/comm.COUNTER) x Cluster.latency, added to that group's time:
+  TP's many small collectives per Block cost this, not bandwidth;
+- oversubscription (Cluster.cores < ranks: CPU ranks sharing a machine): a rank runs at peak x min(1, cores /
+  busy), busy = N(1 - bubble) the mean number of ranks computing, since a rank idle in the pipeline bubble
+  frees its core for the others; `peak_flops` is then one rank's rate on a core of its own. With a processor
+  per rank (GPUs, cores None) the share is 1;
 - overlap: DDP's and ZeRO-2/3's gradient traffic and ZeRO-3's gathers run behind compute (the wrappers issue
   them asynchronously, bucket by bucket / unit by unit), so they cost only what exceeds the compute; TP's
   collectives (on the critical path between matmuls), CP's ring (not overlapped with its own block's kernel
@@ -27,7 +34,8 @@ import torch
 from config import UsageError, check_layout, train_parser
 from parallel.pipeline_schedule import V_SCHEDULES, bubble_fraction
 from plan.cluster import Cluster, link_of
-from plan.predict import Setup, comm_by_group, schedule_facts, state_bytes, step_flops, worst_rank
+from plan.predict import (Setup, comm_by_group, comm_calls_by_group, schedule_facts, state_bytes, step_flops,
+                          worst_rank)
 
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0}
@@ -169,13 +177,21 @@ def _bubble(schedule: str, pp: int, micro: int, virtual: int) -> float:
     return bubble_fraction(schedule, pp, micro, virtual)
 
 
+def core_share(cluster: Cluster, bubble: float) -> float:
+    """The share of a core a busy rank gets: min(1, cores / busy) with busy = N(1 - bubble) ranks computing on
+    average (the module docstring's oversubscription term); 1 with a processor per rank (cores None)."""
+    if cluster.cores is None:
+        return 1.0
+    return min(1.0, cluster.cores / (cluster.gpus * (1 - bubble)))
+
+
 def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
     """Seconds per step by part (the module docstring's model): compute, each group's communication, total."""
     d = s.dims
     sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp}
     bubble = _bubble(s.args.pp_schedule, d.pp, s.grad_accum, s.args.pp_virtual_stages or 1) if d.pp > 1 else 0
-    compute = step_flops(s) / (cluster.peak_flops * efficiency) / (1 - bubble)
-    groups = comm_by_group(s)
+    compute = step_flops(s) / (cluster.peak_flops * efficiency * core_share(cluster, bubble)) / (1 - bubble)
+    groups, calls = comm_by_group(s), comm_calls_by_group(s)
     group_dims = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp_shard" if s.dp_type != "ddp" else "dp_replicate",
                   "dp_replicate": "dp_replicate"}
     group_size = {"tp": d.tp, "cp": d.cp, "pp": 2, "dp": d.dp_shard * d.cp if s.dp_type != "ddp" else d.dp * d.cp,
@@ -188,7 +204,7 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
         inter = any(link_of(dim, sizes, cluster.gpus_per_node) == "inter" for dim in
                     (("dp_replicate", "dp_shard", "cp") if g == "dp" else (group_dims[g],)) if sizes[dim] > 1)
         bw = cluster.inter_bw if inter else cluster.intra_bw
-        times[g] = sum(v * RING[k](n) for k, v in kinds.items()) / bw
+        times[g] = sum(v * RING[k](n) for k, v in kinds.items()) / bw + cluster.latency * sum(calls[g].values())
     overlapped = cluster.overlap and s.dp_type in ("ddp", "zero2", "fsdp")
     hidden = sum(times.get(g, 0) for g in OVERLAPPED) if overlapped else 0
     exposed = sum(v for g, v in times.items() if g != "compute") - hidden

@@ -244,3 +244,94 @@ def test_the_v_schedules_bubble_comes_from_the_shared_simulate():
     for name, v in (("zbv", 2), ("dualpipev", 2), ("interleaved_1f1b", 2), ("1f1b", 1), ("zb_h1", 1)):
         for P, M in ((2, 4), (4, 8), (4, 12)):
             assert _bubble(name, P, M, v) == bubble_fraction(name, P, M, v), (name, P, M)
+
+
+# ----------------------------------------------------------------------------- latency and oversubscription
+
+def _two_rank_layouts() -> dict:
+    """tiny with 4 Blocks: a TP, CP, pipeline and sharded layout on 2 ranks, by the group each exercises."""
+    base = ["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
+            "--micro_batch_size", "4"]
+    return {"tp": setup([*base, "--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"], 2),
+            "cp": setup([*base, "--context_parallel_size", "2"], 2),
+            "pp": setup([*base, "--pipeline_parallel_size", "2"], 2),
+            "dp": setup([*base, "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 2)}
+
+
+def test_latency_is_charged_once_per_call_of_each_group():
+    """A group's time grows by Cluster.latency x its calls per step (predict.comm_calls_by_group, held call for call
+    against comm.COUNTER in test_plan_runs), and by nothing else: TP's 2L + 1 entries and exits each way, CP's ring
+    messages, the pipeline's p2p messages and tied all-reduce, FSDP's per-unit gathers and scatters."""
+    from dataclasses import replace
+
+    from plan.cluster import Cluster
+    from plan.predict import comm_calls_by_group
+    from plan.search import step_time
+    base = Cluster(2, 2, 2 ** 40, 1e12, 1e9, 1e9, overlap=False, latency=0.0)
+    for group, s in _two_rank_layouts().items():
+        calls = sum(comm_calls_by_group(s)[group].values())
+        t0, t1 = step_time(s, base, 1.0), step_time(s, replace(base, latency=1e-3), 1.0)
+        assert calls > 0, group
+        assert t1[group] - t0[group] == pytest.approx(1e-3 * calls, rel=1e-9), group
+        assert t1["compute"] == t0["compute"]
+
+
+def test_gpu_presets_have_a_small_latency_and_a_processor_per_rank():
+    """Every preset's Cluster (python -m plan) charges the documented 10 us per call and no core sharing."""
+    for gpu in ("a100-40gb", "h100-sxm"):
+        c = cli.cluster_of(cli.parser().parse_args(["--gpu", gpu]))
+        assert c.latency == 10e-6 and c.cores is None
+
+
+def _pipeline4(micro: int) -> Setup:
+    return setup(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", str(64 * 4 * micro),
+                  "--micro_batch_size", "4", "--pipeline_parallel_size", "4"], 4)
+
+
+def test_with_fewer_cores_than_busy_ranks_the_cores_bound_the_step():
+    """4 ranks on 2 cores, pp=4 1F1B with M = 8: bubble 3/11, so 4 x 8/11 = 2.9 ranks busy on average, more than
+    the 2 cores. The cores then do the step's whole work, N x the rank's FLOPs, at `peak` each: compute =
+    4F / (2 peak), the bubble costing nothing (an idle rank's core runs another rank). Without the term (a core per
+    rank) it would be F / peak / (1 - 3/11)."""
+    from plan.cluster import Cluster
+    from plan.predict import step_flops
+    from plan.search import step_time
+    s = _pipeline4(8)
+    peak = 1e10
+    t = step_time(s, Cluster(4, 4, 2 ** 40, peak, 1e9, 1e9, overlap=False, cores=2), 1.0)
+    assert t["compute"] == pytest.approx(4 * step_flops(s) / (2 * peak), rel=1e-12)
+    t_own = step_time(s, Cluster(4, 4, 2 ** 40, peak, 1e9, 1e9, overlap=False), 1.0)
+    assert t_own["compute"] == pytest.approx(step_flops(s) / peak / (1 - 3 / 11), rel=1e-12)
+
+
+def test_with_fewer_busy_ranks_than_cores_each_runs_at_peak():
+    """pp=4 1F1B with M = 2: bubble 3/5, 4 x 2/5 = 1.6 ranks busy on average, fewer than 2 cores: each busy rank has
+    a core, so the step is the bubble-stretched F / peak / (1 - 3/5), as with a core per rank."""
+    from plan.cluster import Cluster
+    from plan.predict import step_flops
+    from plan.search import step_time
+    s = _pipeline4(2)
+    t = step_time(s, Cluster(4, 4, 2 ** 40, 1e10, 1e9, 1e9, overlap=False, cores=2), 1.0)
+    assert t["compute"] == pytest.approx(step_flops(s) / 1e10 / (1 - 3 / 5), rel=1e-12)
+
+
+def test_ddp_calls_are_build_buckets_count_at_every_cap():
+    """ddp_comm_calls_per_step on the planner's parameter list (predict.local_params, 4 bytes each) counts the
+    buckets DistributedDataParallel builds (ddp.build_buckets on the model's parameters, on meta) at caps from one
+    bucket per parameter to one for all, and at each cap that a run of the last (or the first) parameters fills
+    exactly, where "past the cap" decides: test_plan_runs holds the one-bucket case against runs."""
+    from model import GPT
+    from parallel.ddp import build_buckets, ddp_comm_calls_per_step
+    from plan.predict import local_params
+    s = setup(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
+               "--micro_batch_size", "4"])
+    with torch.device("meta"):
+        named = [(n, p) for n, p in GPT(s.config).named_parameters()]
+    sizes = [4 * n for _, n, _ in local_params(s)]
+    counts = set()
+    exact = [sum(part) for k in range(1, len(sizes) + 1) for part in (sizes[-k:], sizes[:k])]
+    for cap in (1, 2 ** 12, 2 ** 16, 2 ** 18, 2 ** 20, 25 * 2 ** 20, *exact):
+        want = len(build_buckets(named, cap))
+        counts.add(want)
+        assert ddp_comm_calls_per_step(sizes, 2, cap) == {"all_reduce": want}, cap
+    assert len(counts) >= 4 and 1 in counts and len(named) in counts

@@ -2,6 +2,8 @@
 layouts counts as ordered by the measurement (no run, no clock: the bench itself is `python -m bench.plan_rank`)."""
 from __future__ import annotations
 
+import pytest
+
 from bench.plan_rank import measured, pairwise, ranks, run_seconds, tally, verdict
 
 
@@ -45,3 +47,18 @@ def test_pairwise_over_three_layouts():
     got = {(p["a"], p["b"]): p["verdict"] for p in pairwise(rows)}
     assert got == {("a", "b"): "agree", ("a", "c"): "agree", ("b", "c"): "noise"}
     assert tally(pairwise(rows)) == {"agree": 2, "disagree": 0, "tie": 0, "noise": 1}
+
+
+def test_the_calibrated_cluster_runs_all_busy_ranks_at_the_measured_contended_rate():
+    """bench.plan_rank.cpu_cluster: contention is measured with all N ranks busy, so a layout with no bubble
+    (dp=4, every rank busy) must be predicted at one process's FLOP/s x that contention, with 4 ranks on 2 cores
+    as with 2 on 2; the cores are passed only when fewer than the ranks. Latency and bandwidth are the job's."""
+    from bench.plan_rank import cpu_cluster
+    from plan.search import core_share
+    cal_1 = {"matmul_flops": 10e9, "bus_bw": None, "latency": None}
+    for world, rate in ((2, 8e9), (4, 4.5e9)):
+        cal = {"matmul_flops": rate, "bus_bw": 1e9, "latency": 2e-4}
+        cluster, figures = cpu_cluster(world, 3e9, cal, cal_1, cores=2)
+        assert cluster.peak_flops * core_share(cluster, 0.0) == pytest.approx(3e9 * rate / 10e9, rel=1e-12)
+        assert (cluster.cores, cluster.latency, cluster.intra_bw) == (2 if world > 2 else None, 2e-4, 1e9)
+        assert figures["compute_flops"] == pytest.approx(3e9 * rate / 10e9, rel=1e-12)

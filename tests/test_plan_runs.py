@@ -2,8 +2,9 @@
 (plan/predict.py, rank 0) against what rank 0 measured in step 2 (saved activations: step 1), in the same
 metrics.jsonl:
 
-- state_bytes_by_kind and comm_bytes: equal, byte for byte (both are counts: the storages the wrappers hold,
-  the payload parallel/comm.COUNTER recorded);
+- state_bytes_by_kind, comm_bytes and comm_calls: equal, byte for byte and call for call (all are counts: the
+  storages the wrappers hold, the payload and the collectives / p2p messages parallel/comm.COUNTER recorded;
+  the calls are what plan.search.step_time's per-call latency charges);
 - saved_activation_bytes (metrics.SavedActivations' saved-tensor hooks, on the first step only): within 5%. The
   prediction counts each saved tensor by its shape (plan.predict.block_saved_bytes); the hooks see storages,
   so what the prediction leaves out (small index and mask tensors of the vocab-parallel embedding and loss,
@@ -114,6 +115,17 @@ class TestPredictedAgainstMeasured(unittest.TestCase):
             with self.subTest(n):
                 covered += 1
                 self.assertEqual(nonzero(p["comm_bytes"]), nonzero(m["comm_bytes"]))
+        self.assertGreaterEqual(covered, 15)
+
+    def test_comm_calls_equal(self):
+        """The calls formulas beside the wrappers' bytes formulas (plan.predict.comm_calls_by_group), call for call."""
+        covered = 0
+        for n, (p, m) in self.runs.items():
+            if "comm_calls" not in m:
+                continue
+            with self.subTest(n):
+                covered += 1
+                self.assertEqual(nonzero(p["comm_calls"]), nonzero(m["comm_calls"]))
         self.assertGreaterEqual(covered, 15)
 
     def test_saved_activations_within_5_percent(self):
