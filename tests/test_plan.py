@@ -244,3 +244,40 @@ def test_the_v_schedules_bubble_comes_from_the_shared_simulate():
     for name, v in (("zbv", 2), ("dualpipev", 2), ("interleaved_1f1b", 2), ("1f1b", 1), ("zb_h1", 1)):
         for P, M in ((2, 4), (4, 8), (4, 12)):
             assert _bubble(name, P, M, v) == bubble_fraction(name, P, M, v), (name, P, M)
+
+
+# ----------------------------------------------------------------------------- the CPU's allocated peak
+
+class TestAllocatedPeak:
+    """metrics.AllocatedPeak, the CPU number the predicted peak is held against (test_plan_runs), on allocations
+    whose peak is known: counted from the CPU allocator's reports, exactly, with what was alive before."""
+
+    MB = 1 << 20
+
+    def window(self, body) -> int:
+        from metrics import AllocatedPeak
+        with AllocatedPeak(True) as peak:
+            body()
+        return peak.bytes
+
+    def test_peak_of_allocations_and_frees(self):
+        def body():
+            a = torch.empty(4 * self.MB, dtype=torch.uint8)
+            b = torch.empty(8 * self.MB, dtype=torch.uint8)  # peak: a + b
+            del a
+            c = torch.empty(2 * self.MB, dtype=torch.uint8)  # b + c, under the peak
+            del b, c
+        empty = self.window(lambda: None)
+        assert self.window(body) - empty == 12 * self.MB
+
+    def test_counts_what_was_alive_before(self):
+        empty = self.window(lambda: None)
+        kept = torch.empty(3 * self.MB, dtype=torch.uint8)
+        assert self.window(lambda: None) - empty == 3 * self.MB
+        del kept
+
+    def test_off_when_not_enabled(self):
+        from metrics import AllocatedPeak
+        with AllocatedPeak(False) as peak:
+            torch.empty(self.MB)
+        assert peak.bytes is None
