@@ -325,14 +325,10 @@ def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
 # ----------------------------------------------------------------------------- peak and time
 
 def largest_transient(s: Setup, pp_rank: int = 0) -> int:
-    """The buffers alive beside the end of forward's activations, when the loss's backward starts: the loss's
-    (model._LinearCrossEntropy: one chunk of fp32 logits, log-softmax and their gradient, 3 x rows x V/tp x 4,
-    model.loss_chunk_rows, docs/metrics.md; the head's weight-gradient accumulator, V/tp x C fp32; the input's
-    gradient, N x C in the residual dtype), or without loss parallelism the whole (rows, V) logits a TP chunk
-    all-gathers; and under ZeRO-3 the units gathered then: the root (or the tied unit: the head's weight) and the
-    next, prefetched for backward (the largest other unit). An allocator's view: fragmentation and the CUDA
-    context are not in it."""
-    a, c = s.args, s.config
+    """The buffers alive beside the end of forward's activations, when the loss runs (`loss_transient`), and
+    under ZeRO-3 the units gathered then: the root (or the tied unit: the head's weight) and the next,
+    prefetched for backward (the largest other unit). An allocator's view: fragmentation and the CUDA context
+    are not in it."""
     out = 0
     if s.dp_type == "fsdp":
         shard = s.dims.dp_shard * s.dims.cp
@@ -340,12 +336,32 @@ def largest_transient(s: Setup, pp_rank: int = 0) -> int:
         head = padded.pop("tied", 0) or padded.pop("root")
         out = (head + max(padded.values(), default=0)) * s.param_bytes
     if stage_blocks(s, pp_rank)[2]:
-        N = a.micro_batch_size * a.seq_len // s.dims.cp
-        rows = min(loss_chunk_rows(c.vocab_size), N)
-        vocab = c.vocab_size if s.dims.tp_enabled and not a.enable_loss_parallelism else c.vocab_size // s.dims.tp
-        grads = c.vocab_size // s.dims.tp * c.n_embd * 4 + N * c.n_embd * s.residual_bytes
-        out += 3 * rows * vocab * 4 + grads
+        out += loss_transient(s)
     return out
+
+
+def loss_transient(s: Setup) -> int:
+    """The most bytes the chunked loss (model._LinearCrossEntropy, model.loss_chunk_rows rows a chunk) holds at
+    once, a = compute bytes, r = residual bytes, n = chunk rows, N = rows:
+    - whole vocabulary (one process, DP, CP): the chunk's logits, log-softmax and its gradient, 3 x n x V x 4
+      in fp32 (the log_softmax kernels), beside the backward's dw (V x C fp32) and dx (N x C x r);
+    - vocab-parallel (tensor_parallel.VocabShard, TP): one (n, V/p) chunk, exponentiated and turned into its
+      gradient in place (in fp32; under autocast also the compute-dtype logits and the gradient's cast: + 2a),
+      plus g @ W's (n, C) product before it lands in dx, beside dw (V/p x C) and dx; and without loss
+      parallelism the forward's all-gather: the local (n, V/p), the gathered (p x n, V/p) and its (n, V)
+      reshaped copy, n x (V/p + 2V) x a (+ 4 x n x V for the fp32 cast under autocast)."""
+    a, c = s.args, s.config
+    N = a.micro_batch_size * a.seq_len // s.dims.cp
+    n, C, V, p = min(loss_chunk_rows(c.vocab_size), N), c.n_embd, c.vocab_size, s.dims.tp
+    cb, r = s.compute_bytes, s.residual_bytes
+    grads = V // p * C * 4 + N * C * r
+    if not s.dims.tp_enabled:
+        return 3 * n * V * 4 + grads
+    chunk = n * (V // p) * (4 + (2 * cb if cb != 4 else 0))
+    backward = chunk + n * C * r + grads
+    if a.enable_loss_parallelism:
+        return backward
+    return max(backward, n * (V // p + 2 * V) * cb + (4 * n * V if cb != 4 else 0))
 
 
 def held_grad_bytes(s: Setup, pp_rank: int = 0) -> int:
