@@ -14,10 +14,12 @@ metrics.jsonl + TensorBoard (`Logger`) and the per-step lines or progress bar (`
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import sys
+import tempfile
 import time
 import weakref
 from typing import Callable, Iterable
@@ -296,6 +298,113 @@ class SavedActivations:
         if self._inner is not None:
             self._inner.__exit__(*exc)
             self.peak = self._inner.peak
+
+
+# ----------------------------------------------------------------------------- the CPU's allocated peak
+
+class AllocatedPeak:
+    """While open on the CPU, the peak bytes of live tensor storages: what torch.cuda.max_memory_allocated is on
+    GPU, so plan.predict's peak_memory_bytes has a CPU number to be held against. `bytes` after exit; None when
+    not `enabled`, on GPU (there peak_memory_bytes is that number already) or under another profiler (--profile).
+
+    The CPU has no allocator statistics in torch (torch.cpu has no memory API; torch.accelerator's are for
+    accelerators), but its allocator reports each allocation and free, with its address and size, to the
+    profiler: torch.autograd.profiler.profile(profile_memory=True), the events torch.profiler._memory_profiler
+    reads. The live set starts as the distinct CPU storages alive at the start (gc's tensors: the state and
+    whatever else is held) and follows the events in time order; the peak is its largest total. Two frees are
+    not reported: of a block allocated before the window (the allocator no longer knows its size; it warns once
+    on stderr), and any free on a thread the profiler does not cover (gloo's, dropping a collective's tensors).
+    Such a block leaves the live set when its address is allocated again, so the number is an upper bound
+    (by the bytes of those frees between the true free and the reuse). The profiler records every op: a run
+    opens it on one step only. With `timeline`, `live_at_peak`: the window's allocations alive at the peak, by
+    the op that made them, to explain a difference."""
+
+    def __init__(self, enabled: bool, timeline: bool = False):
+        from torch.autograd import _profiler_enabled
+        self.on = enabled and not _profiler_enabled()
+        self.timeline, self.bytes, self.live_at_peak = timeline, None, None
+
+    def __enter__(self) -> "AllocatedPeak":
+        if self.on:
+            import gc
+            storages = {}
+            for t in gc.get_objects():
+                if issubclass(type(t), torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
+                    s = storage_of(t)
+                    if s.data_ptr():
+                        storages[s.data_ptr()] = ("(before the window)", s.nbytes())
+            self._start = storages
+            self._quiet = _stderr_without(PROFILER_CHATTER)
+            self._quiet.__enter__()
+            self._prof = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True).__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.on:
+            return
+        try:
+            self._prof.__exit__(*exc)
+        finally:
+            self._quiet.__exit__(None, None, None)
+        from torch._C._profiler import _EventType
+        allocs, stack = [], list(self._prof.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            stack.extend(e.children)
+            if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+                allocs.append(e)
+        allocs.sort(key=lambda e: e.start_time_ns)
+        live = dict(self._start)
+        total = peak = sum(n for _, n in live.values())
+        at_peak = dict(live) if self.timeline else None
+        for e in allocs:
+            f = e.extra_fields
+            total -= live.pop(f.ptr, (None, 0))[1]  # a free, or an allocation at an address whose free was unseen
+            if f.alloc_size > 0:
+                live[f.ptr] = (_op_of(e) if self.timeline else "", f.alloc_size)
+                total += f.alloc_size
+                if total > peak:
+                    peak = total
+                    at_peak = dict(live) if self.timeline else None
+        self.bytes = peak
+        if self.timeline:
+            out: dict[str, int] = {}
+            for op, n in at_peak.values():
+                out[op] = out.get(op, 0) + n
+            self.live_at_peak = dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+# what the profiler prints on every use (kineto's start/stop lines; the CPU allocator's one warning about a block
+# from before the window, which the docstring above accounts for): C++ logging, out of Python's reach
+PROFILER_CHATTER = (b"SyncActivityProfilerHandler.cpp", b"Memory block of unknown size")
+
+
+@contextlib.contextmanager
+def _stderr_without(needles: tuple[bytes, ...]):
+    """fd 2 into a temporary file while open, then replayed without the lines holding any of `needles`: every
+    other line (a warning, a traceback from another thread) still reaches stderr, after the window."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().splitlines(keepends=True) if not any(n in line for n in needles)]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
+def _op_of(e) -> str:
+    """The op an allocation event belongs to, above the empty/zeros factories it went through."""
+    parent = e.parent
+    while parent is not None and parent.name.startswith(("aten::empty", "aten::zeros", "aten::new_", "aten::resize")):
+        parent = parent.parent
+    return parent.name if parent is not None else "?"
 
 
 def read_jsonl(out_dir_or_file: str) -> list[dict]:

@@ -49,6 +49,7 @@ class Trainer:
     built: dict = field(default_factory=dict)  # what build() measured of the model it made (run() logs it)
     tracer: Tracer = field(default_factory=Tracer)  # --trace_step: step S's outputs and gradients (debug/trace.py)
     saved_step: int = 1  # the step whose saved activations are measured (metrics.SavedActivations: one step)
+    peak_step: int = 2  # the CPU's allocated peak's step: the first with optimizer state (metrics.AllocatedPeak)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -123,6 +124,7 @@ def train_step(t: Trainer, step: int) -> dict:
     batches = [t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
                           args.micro_batch_size) for m in range(plan.grad_accum)]
     t.tracer.before_step(t, step)
+    peak = metrics.AllocatedPeak(step == t.peak_step and plan.device.type == "cpu" and plan.rank == 0).__enter__()
     with metrics.SavedActivations(t.par.parameter_tensors() if step == t.saved_step else None) as saved:
         loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
     if t.faults is not None:
@@ -137,6 +139,7 @@ def train_step(t: Trainer, step: int) -> dict:
     else:
         t.optimizer.step()
     t.par.after_optimizer_step()
+    peak.__exit__(None, None, None)
     if t.faults is not None:
         t.faults.vote()  # read by run() after the step: its all-reduce finishes with the scalars below
     comm_bytes = comm.COUNTER.snapshot()  # before the scalar reductions below, which are not wrapper traffic
@@ -146,7 +149,8 @@ def train_step(t: Trainer, step: int) -> dict:
     state = t.par.state_breakdown(t.optimizer)  # gradients still allocated: the step's true peak state
     t.optimizer.zero_grad(set_to_none=True)
     m = step_metrics(t, step, lr, loss_value, norm_value, dt, state, comm_bytes, comm_calls)
-    return m if saved.peak is None else {**m, "saved_activation_bytes": saved.peak}
+    m = m if saved.peak is None else {**m, "saved_activation_bytes": saved.peak}
+    return m if peak.bytes is None else {**m, "peak_allocated_bytes": peak.bytes}
 
 
 def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt: float, state: dict[str, int],
@@ -283,6 +287,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
     progress = metrics.Progress(args.max_steps - start, is_main)
     logger.log({"step": start, **t.built})
     t.saved_step = start + 1
+    t.peak_step = start + 1 + (start == 0 and args.max_steps >= 2)  # a fresh run's step 1 has no AdamW moments
     predicted = for_run(plan) if is_main else None  # rank 0's prediction, which rank 0's records measure
     if predicted is not None:
         logger.log({"step": 0, "predicted": predicted})

@@ -356,32 +356,92 @@ def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
 # ----------------------------------------------------------------------------- peak and time
 
 def largest_transient(s: Setup, pp_rank: int = 0) -> int:
-    """The largest buffers that live only for part of a step: two ZeRO-3 units gathered at once (the one running
-    and the prefetched next), or the loss's one chunk of fp32 logits, log-softmax and their gradient (3 x rows
-    x V/tp x 4: model.loss_chunk_rows, docs/metrics.md), or, without loss parallelism, the whole (rows, V)
-    logits a TP chunk all-gathers. An allocator's view: fragmentation and the CUDA context are not in it."""
-    a, c = s.args, s.config
+    """The buffers alive beside the end of forward's activations, when the loss runs (`loss_transient`), and
+    under ZeRO-3 the units gathered then: the root (or the tied unit: the head's weight) and the next,
+    prefetched for backward (the largest other unit). An allocator's view: fragmentation and the CUDA context
+    are not in it."""
     out = 0
     if s.dp_type == "fsdp":
         shard = s.dims.dp_shard * s.dims.cp
-        out = 2 * max(shard_numel(n, shard) * shard for n, _ in units(s, pp_rank).values()) * s.param_bytes
+        padded = {u: shard_numel(n, shard) * shard for u, (n, _) in units(s, pp_rank).items()}
+        head = padded.pop("tied", 0) or padded.pop("root")
+        out = (head + max(padded.values(), default=0)) * s.param_bytes
     if stage_blocks(s, pp_rank)[2]:
-        rows = min(loss_chunk_rows(c.vocab_size), a.micro_batch_size * a.seq_len // s.dims.cp)
-        vocab = c.vocab_size if s.dims.tp_enabled and not a.enable_loss_parallelism else c.vocab_size // s.dims.tp
-        out = max(out, 3 * rows * vocab * 4)
+        out += loss_transient(s)
     return out
 
 
+def loss_transient(s: Setup) -> int:
+    """The most bytes the chunked loss (model._LinearCrossEntropy, model.loss_chunk_rows rows a chunk) holds at
+    once, a = compute bytes, r = residual bytes, n = chunk rows, N = rows:
+    - whole vocabulary (one process, DP, CP): the chunk's logits, log-softmax and its gradient, 3 x n x V x 4
+      in fp32 (the log_softmax kernels), beside the backward's dw (V x C fp32) and dx (N x C x r);
+    - vocab-parallel (tensor_parallel.VocabShard, TP): one (n, V/p) chunk, exponentiated and turned into its
+      gradient in place (in fp32; under autocast also the compute-dtype logits and the gradient's cast: + 2a),
+      plus g @ W's (n, C) product before it lands in dx, beside dw (V/p x C) and dx; and without loss
+      parallelism the forward's all-gather: the local (n, V/p), the gathered (p x n, V/p) and its (n, V)
+      reshaped copy, n x (V/p + 2V) x a (+ 4 x n x V for the fp32 cast under autocast)."""
+    a, c = s.args, s.config
+    N = a.micro_batch_size * a.seq_len // s.dims.cp
+    n, C, V, p = min(loss_chunk_rows(c.vocab_size), N), c.n_embd, c.vocab_size, s.dims.tp
+    cb, r = s.compute_bytes, s.residual_bytes
+    grads = V // p * C * 4 + N * C * r
+    if not s.dims.tp_enabled:
+        return 3 * n * V * 4 + grads
+    chunk = n * (V // p) * (4 + (2 * cb if cb != 4 else 0))
+    backward = chunk + n * C * r + grads
+    if a.enable_loss_parallelism:
+        return backward
+    return max(backward, n * (V // p + 2 * V) * cb + (4 * n * V if cb != 4 else 0))
+
+
+def held_grad_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """The gradient bytes alive while a forward runs: DDP's buckets and ZeRO-1's full-gradient buffers (both kept
+    across steps), and every gradient when a step runs more than one backward (M micro-steps, or a pipeline's
+    micro-batches: the first backward allocates them beside the next forward's activations). Otherwise none:
+    train.py's zero_grad(set_to_none) frees them after the optimizer step, and backward allocates them as it
+    frees the activations."""
+    grads = state_bytes(s, pp_rank)["grads"]
+    if s.dp_type == "ddp" or s.grad_accum > 1 or (s.dp_type in ZERO_STAGES and ZERO_STAGES[s.dp_type] == 1):
+        return grads
+    return 0
+
+
+def peak_parts(s: Setup, pp_rank: int = 0) -> dict[str, int]:
+    """The peak's phases, each over parameters + optimizer state (alive all step):
+    - "forward": the gradients a forward runs beside (held_grad_bytes) + the saved activations at the end of
+      forward + the largest transient (the loss's backward starts on them; under full AC without a pipeline the
+      saved bytes there are the checkpointed inputs and the head's, not a recomputed Block's);
+    - "recompute" (full AC only): every gradient + the inputs + one recomputed Block (saved_activation_bytes);
+    - "optimizer": every gradient (AdamW's temporaries: on CPU it runs per tensor, at most a few of the largest
+      parameter's size; on GPU foreach kernels allocate lists of them: not modelled)."""
+    state = state_bytes(s, pp_rank)
+    base, grads = state["params"] + state["optimizer"], state["grads"]
+    saved = saved_activation_bytes(s, pp_rank)
+    out = {"forward": saved, "recompute": 0, "optimizer": grads}
+    if s.args.activation_checkpointing == "full" and not s.dims.pp_enabled:
+        a = s.args
+        B, T = a.micro_batch_size, a.seq_len // s.dims.cp
+        blocks, first, last = stage_blocks(s, pp_rank)
+        X = B * T * s.config.n_embd * s.residual_bytes // (s.dims.tp if a.sequence_parallel else 1)
+        out["forward"] = len(blocks) * X + ends_saved_bytes(s, B, T, first, last)
+        out["recompute"] = grads + saved
+    out["forward"] += held_grad_bytes(s, pp_rank) + largest_transient(s, pp_rank)
+    return {"base": base, **out}
+
+
 def peak_memory_bytes(s: Setup, pp_rank: int = 0) -> int:
-    """state + saved activations + the largest transient (an allocator's peak, not a process's resident set)."""
-    return sum(state_bytes(s, pp_rank).values()) + saved_activation_bytes(s, pp_rank) + largest_transient(s, pp_rank)
+    """Parameters + optimizer state + the largest of peak_parts' phases (an allocator's peak, not a process's
+    resident set): what torch.cuda.max_memory_allocated and, on the CPU, metrics.AllocatedPeak measure."""
+    parts = peak_parts(s, pp_rank)
+    return parts.pop("base") + max(parts.values())
 
 
 def predict(s: Setup, pp_rank: int = 0) -> dict:
     """The keys train.py measures, for global rank 0 of pipeline stage `pp_rank`."""
     state, saved = state_bytes(s, pp_rank), saved_activation_bytes(s, pp_rank)
     out = {"state_bytes": sum(state.values()), "state_bytes_by_kind": state, "saved_activation_bytes": saved,
-           "peak_memory_bytes": sum(state.values()) + saved + largest_transient(s, pp_rank)}  # peak_memory_bytes
+           "peak_memory_bytes": peak_memory_bytes(s, pp_rank)}
     if s.dims.world_size > 1:
         out["comm_bytes"] = comm_bytes(s, pp_rank)
         out["comm_calls"] = comm_bytes(s, pp_rank, comm_calls_by_group)

@@ -335,3 +335,52 @@ def test_ddp_calls_are_build_buckets_count_at_every_cap():
         counts.add(want)
         assert ddp_comm_calls_per_step(sizes, 2, cap) == {"all_reduce": want}, cap
     assert len(counts) >= 4 and 1 in counts and len(named) in counts
+
+
+# ----------------------------------------------------------------------------- the CPU's allocated peak
+
+class TestAllocatedPeak:
+    """metrics.AllocatedPeak, the CPU number the predicted peak is held against (test_plan_runs), on allocations
+    whose peak is known: counted from the CPU allocator's reports, exactly, with what was alive before."""
+
+    MB = 1 << 20
+
+    def window(self, body) -> int:
+        from metrics import AllocatedPeak
+        with AllocatedPeak(True) as peak:
+            body()
+        return peak.bytes
+
+    def test_profiler_chatter_is_dropped_and_the_rest_kept(self, capfd):
+        """The window's stderr is replayed without the profiler's own lines (kineto's start/stop, the allocator's
+        warning about blocks from before the window): what every CPU run would otherwise print at its peak step."""
+        import os
+
+        from metrics import PROFILER_CHATTER, _stderr_without
+        with _stderr_without(PROFILER_CHATTER):
+            os.write(2, b"USDT:x SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+            os.write(2, b"a real warning\n")
+            os.write(2, b"[W CPUAllocator.cpp:245] Memory block of unknown size was allocated before\n")
+        assert capfd.readouterr().err == "a real warning\n"
+
+    def test_peak_of_allocations_and_frees(self):
+        def body():
+            a = torch.empty(4 * self.MB, dtype=torch.uint8)
+            b = torch.empty(8 * self.MB, dtype=torch.uint8)  # peak: a + b
+            del a
+            c = torch.empty(2 * self.MB, dtype=torch.uint8)  # b + c, under the peak
+            del b, c
+        empty = self.window(lambda: None)
+        assert self.window(body) - empty == 12 * self.MB
+
+    def test_counts_what_was_alive_before(self):
+        empty = self.window(lambda: None)
+        kept = torch.empty(3 * self.MB, dtype=torch.uint8)
+        assert self.window(lambda: None) - empty == 3 * self.MB
+        del kept
+
+    def test_off_when_not_enabled(self):
+        from metrics import AllocatedPeak
+        with AllocatedPeak(False) as peak:
+            torch.empty(self.MB)
+        assert peak.bytes is None

@@ -9,8 +9,9 @@ metrics.jsonl:
   prediction counts each saved tensor by its shape (plan.predict.block_saved_bytes); the hooks see storages,
   so what the prediction leaves out (small index and mask tensors of the vocab-parallel embedding and loss,
   int64 ids) is the whole difference;
-- peak memory is not compared on the CPU: the measured number is the process's resident set (VmHWM), ~0.6 GB
-  of Python and torch against the tiny model's ~50 MB of state, which no allocator model predicts within 15%.
+- peak memory (TestPeakAgainstMeasured): the predicted peak against step 2's `peak_allocated_bytes`
+  (metrics.AllocatedPeak, the CPU's allocated peak; `peak_memory_bytes` is the process's RSS on the CPU), within
+  15%, but for PEAK_OFF's layouts, whose difference is measured and stated there.
 
 The layouts are bench.sweep's (the tiny GPT with 4 Blocks, 512-token vocabulary, 12 rows of 32 tokens), one
 two steps each, every dim and dp type: one process, DDP, ZeRO-1/2/3, HSDP, TP with and without SP, CP, PP (each
@@ -143,3 +144,60 @@ class TestPredictedAgainstMeasured(unittest.TestCase):
             p, m = self.runs[n]
             got, want = m["saved_activation_bytes"], p["saved_activation_bytes"]
             self.assertLessEqual(abs(got - want), SAVED_RTOL * got, f"{n}: measured {got}, predicted {want}")
+
+
+# ----------------------------------------------------------------------------- peak memory
+
+PEAK_RTOL = 0.15  # the issue's bound
+# Layouts whose predicted peak is not within PEAK_RTOL, with the measured reason (strict xfail below). Under a
+# pipeline a ZeRO-2/3 stage 0 peaks at the end of its last backward, not at the end of a forward: metrics.
+# AllocatedPeak's live set there (pp=2 dp=2 fsdp, rank 0, of 3.39 MB measured, 2.51 MB predicted) holds, beside
+# the state (1.19 MB) and the in-flight micro-batches' activations (0.3 MB), the embeddings' full gradients from
+# embedding_dense_backward (393216 B), AccumulateGrad's full .grad (596480 B), the flat unit gradient its
+# reduce-scatter takes (aten::cat, 331008 B) and the previous unit's (aten::clone, 199936 B) in flight: full,
+# unsharded gradient copies that peak_parts has no phase for (the same for ZeRO-2 interleaved: 3.62 MB measured).
+# Next: a "reduce" phase (sharded gradients + the largest unit's full-gradient copies + one in flight).
+PEAK_OFF: dict[str, str] = {
+    "pp=2(1f1b) dp=2(fsdp)": "ZeRO-3 under a pipeline: stage 0's end of backward holds full gradient copies",
+    "pp=2(interleaved_1f1b,V=2) dp=2(zero2)": "ZeRO-2 under a pipeline: the same",
+}
+
+
+def peak_table(runs: dict[str, tuple[dict, dict]]) -> str:
+    """Predicted peak against rank 0's measured allocated peak (metrics.AllocatedPeak, step 2), one row a layout."""
+    rows = ["| layout | allocated peak measured | predicted | diff |", "|---|---|---|---|"]
+    for n, (p, m) in runs.items():
+        got, want = m["peak_allocated_bytes"], p["peak_memory_bytes"]
+        rows.append(f"| {n} | {got} | {want} | {100 * (want - got) / got:+.1f}% |")
+    return "\n".join(rows)
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestPeakAgainstMeasured(unittest.TestCase):
+    """plan.predict.peak_memory_bytes against the peak of live tensor bytes rank 0 allocated in step 2 (the first
+    with AdamW's moments; metrics.AllocatedPeak: the CPU allocator's own reports to the profiler, what
+    torch.cuda.max_memory_allocated is on GPU), within PEAK_RTOL, on the runs TestPredictedAgainstMeasured reads
+    (shared_run: trained once)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.runs = {name(x, e): records(x, e) for x, e in LAYOUTS}
+        print("\n" + peak_table(cls.runs))
+
+    def test_peak_within_15_percent(self):
+        for n, (p, m) in self.runs.items():
+            if n in PEAK_OFF:
+                continue
+            with self.subTest(n):
+                got, want = m["peak_allocated_bytes"], p["peak_memory_bytes"]
+                self.assertLessEqual(abs(got - want), PEAK_RTOL * got, f"measured {got}, predicted {want}")
+
+    @pytest.mark.xfail(strict=True, reason="see PEAK_OFF: fails while the gap is there")
+    def test_peak_off_layouts_within_15_percent(self):
+        if not PEAK_OFF:
+            raise AssertionError("no layout is off")  # keeps the strict xfail honest when PEAK_OFF is empty
+        for n in PEAK_OFF:
+            p, m = self.runs[n]
+            got, want = m["peak_allocated_bytes"], p["peak_memory_bytes"]
+            self.assertLessEqual(abs(got - want), PEAK_RTOL * got, f"{n}: measured {got}, predicted {want}")
