@@ -5,17 +5,24 @@
 
 For each world size N (2, 4) a set of the planner's own candidates (plan.search.candidates: its flags, its
 names) on one model (`tiny` widened to 4 Blocks of n_embd 128, 512-token vocabulary, 16 rows of 64 tokens per
-step, fp32), each trained `--steps` steps by bench.forkserver (forked ranks, one thread each). Every repeat runs
-the one-process reference and all layouts, in reverse order on odd repeats (ABBA: a slow drift of the shared
-machine's load hits early and late layouts alike). A run's time is the median of its steps' step_time_ms
-after the first two (step 1 also measures saved activations); a layout's measured time is the median over its repeats, its noise the spread (max - min) of
-those repeats. A step's time is train.py's (data, forward and
-backward, clipping, optimizer, the loss's all-reduce), the planner's has no optimizer or data term.
+step, fp32), each trained `--steps` steps by bench.forkserver (forked ranks, one thread each). Every repeat
+runs the one-process references (SINGLE, SMALL) and all layouts, in reverse order on odd repeats (ABBA: a slow
+drift of the shared machine's load hits early and late layouts alike). A run's time is the median of its steps'
+step_time_ms after the first two (step 1 also measures saved activations); a layout's measured time is the median
+over its repeats, its noise the spread (max - min) of those repeats. A step's time is train.py's (data, forward
+and backward, clipping, optimizer, the loss's all-reduce), the planner's has no optimizer or data term.
 
 The planner predicts each layout with a CPU "cluster" calibrated by measurement, not by guessing
 (`calibrate`, one torchrun job of N ranks per world size, plus the one-process reference):
-- compute: the one-process run's achieved FLOP/s (plan.predict.step_flops over its measured step time),
-  so the planner's `--efficiency` is 1: what a rank achieves alone, Python and non-matmul kernels included;
+- overhead (Cluster.overhead, seconds per compute action: one F or B of a chunk on a micro-batch) and compute
+  from the one-process reference at two micro-batches of the same 16 rows per step (`fit_overhead`): mb=16 in
+  one micro-step (2 actions) and mb=4 in four (8 actions, plan.search.compute_actions); overhead = (t_mb4 -
+  t_mb16) / (8 - 2), and the achieved FLOP/s = plan.predict.step_flops / (t_mb16 - 2 x overhead), so the planner
+  (`--efficiency` 1) reproduces both runs: what a rank achieves alone, Python and non-matmul kernels included,
+  split into a part per FLOP and a part per action (Python, autograd, dispatch: what makes many small
+  micro-batches and zero-bubble's split backwards slower than their FLOPs say; smaller matmuls' lower rate
+  lands in it too); the overhead runs on the same contended core as the FLOPs, so it is scaled like
+  `peak_flops` below (x one process's FLOP/s / peak_flops);
   times the contention factor of N ranks on this machine's cores: the rate (calls x FLOPs over a 3 s window)
   of a (B·T, C) x (C, 4C) matmul while N ranks run it at once, over the rate of one alone;
 - no overlap (Cluster.overlap False): gloo reduces on the cores that compute, so DDP's and ZeRO's traffic,
@@ -33,7 +40,7 @@ The planner predicts each layout with a CPU "cluster" calibrated by measurement,
 
 Pairwise verdict (`pairwise`): two layouts are ordered by the measurement when their medians differ by more
 than the sum of their noises; then the planner agrees when it predicts the same order, a tie when it
-predicts the same time (its model has no per-micro-batch compute cost), and disagrees otherwise; pairs within the
+predicts the same time, and disagrees otherwise; pairs within the
 noise get no verdict.
 
 Writes plan_rank.json (calibration, runs, rows, verdicts) and plan_rank.md (the tables) in --out.
@@ -59,6 +66,7 @@ RUN = ["--eval_interval", "1000", "--eval_iters", "1", "--warmup_steps", "1", "-
        "--peak_flops", "1e12", "--timeout", "120"]
 SKIP = 2  # steps left out of a run's median: step 1 also measures saved activations, step 2 warms up
 SINGLE = "ac=none mb=16"
+SMALL = "ac=none mb=4"  # the one-process reference in 4 micro-steps: the overhead's calibration (fit_overhead)
 # The planner's names (plan.search.layout_name); micro-batches: one per dp rank without a pipeline, 2P
 # per pipeline (4 at P = 2: the zero-bubble schedules' M >= P, dualpipev's 2P hold)
 LAYOUTS = {
@@ -120,7 +128,8 @@ def markdown(world: int, rows: list[dict], pairs: list[dict], cal: dict) -> str:
     pr, mr = ranks([r["predicted_s"] for r in rows]), ranks([r["measured_s"] for r in rows])
     head = (f"### {world} ranks: compute {cal['compute_flops']:.3g} FLOP/s per rank (one process "
             f"{cal['single_flops']:.3g} x contention {cal['contention']:.2f}; {cal['cores']} cores), all-reduce bus "
-            f"bandwidth {cal['bus_bw']:.3g} B/s, latency {cal['latency'] * 1e6:.0f} us per call")
+            f"bandwidth {cal['bus_bw']:.3g} B/s, latency {cal['latency'] * 1e6:.0f} us per call, overhead "
+            f"{cal.get('overhead', 0) * 1e6:.0f} us per compute action")
     lines = [head, "",
              "| layout | predicted s | measured median s | noise s | rank predicted | rank measured |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -203,15 +212,26 @@ def latency(reduces: int) -> float:
     return statistics.median(ts)
 
 
-def cpu_cluster(world: int, single_flops: float, cal: dict, cal_1: dict, cores: int):
-    """The calibrated CPU cluster on `world` ranks (the module docstring) and its figures."""
+def fit_overhead(flops: float, big: tuple[float, float], small: tuple[float, float]) -> tuple[float, float]:
+    """(seconds per compute action, FLOP/s) from two one-process runs of the same `flops` per step, each
+    (seconds, compute actions): the line t = flops / rate + overhead x actions through both. A negative slope
+    (the small micro-batches measured faster: noise) is taken as no overhead."""
+    (t_big, n_big), (t_small, n_small) = big, small
+    overhead = max(0.0, (t_small - t_big) / (n_small - n_big))
+    return overhead, flops / (t_big - overhead * n_big)
+
+
+def cpu_cluster(world: int, single_flops: float, cal: dict, cal_1: dict, cores: int, overhead: float = 0.0):
+    """The calibrated CPU cluster on `world` ranks (the module docstring) and its figures; `overhead` is one
+    process's seconds per compute action, scaled like the FLOP/s (x single_flops / peak_flops)."""
     from plan.cluster import Cluster
     contention = cal["matmul_flops"] / cal_1["matmul_flops"]
     peak = single_flops * contention / min(1.0, cores / world)
     c = {"single_flops": single_flops, "contention": contention, "compute_flops": single_flops * contention,
-         "peak_flops": peak, "cores": cores, **cal}
+         "peak_flops": peak, "cores": cores, "single_overhead": overhead, "overhead": overhead * single_flops / peak,
+         **cal}
     return Cluster(world, world, 2 ** 40, peak, cal["bus_bw"], cal["bus_bw"], "cpu-calibrated", overlap=False,
-                   latency=cal["latency"], cores=cores if cores < world else None), c
+                   latency=cal["latency"], cores=cores if cores < world else None, overhead=c["overhead"]), c
 
 
 def calibrate(world: int, numel: int, seconds: float = 3.0, reduces: int = 10, latency_reduces: int = 200) -> dict:
@@ -255,17 +275,19 @@ def main(argv: list[str] | None = None) -> int:
     from metrics import read_jsonl
     from plan.cluster import Cluster
     from plan.predict import local_params, step_flops
+    from plan.search import compute_actions
     from tests.harness import make_token_bins
 
     worlds = [int(w) for w in args.worlds.split(",")]
-    probe = planned(1, Cluster(1, 1, 2 ** 40, 1e12, 1e9, 1e9))[SINGLE]
+    ones = planned(1, Cluster(1, 1, 2 ** 40, 1e12, 1e9, 1e9))
+    probe, small = ones[SINGLE], ones[SMALL]
     grad_numel = sum(n for _, n, _ in local_params(probe.setup))
     cal = {1: calibrate(1, grad_numel)} | {w: calibrate(w, grad_numel, latency_reduces=args.latency_reduces)
                                            for w in worlds}
     cores = len(os.sched_getaffinity(0))
     print(f"[plan_rank] calibration: {json.dumps(cal)}", flush=True)
-    todo = [(1, SINGLE)] + [(w, n) for w in worlds for n in LAYOUTS[w]]
-    flags = {(1, SINGLE): probe.flags}
+    todo = [(1, SINGLE), (1, SMALL)] + [(w, n) for w in worlds for n in LAYOUTS[w]]
+    flags = {(1, SINGLE): probe.flags, (1, SMALL): small.flags}
     for w in worlds:  # the flags do not depend on the cluster's figures
         cands = planned(w, Cluster(w, w, 2 ** 40, 1e12, 1e9, 1e9))
         flags |= {(w, n): cands[n].flags for n in LAYOUTS[w]}
@@ -283,16 +305,20 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"{k}: exit codes {res.codes}: {res.stderr[0][-500:]}")
                 runs[k].append(s)
                 print(f"[plan_rank] repeat {r} {k[0]} ranks {k[1]}: {s * 1e3:.1f} ms/step", flush=True)
-    single_s = measured(runs[(1, SINGLE)])
-    single_flops = step_flops(probe.setup) / single_s[0]
+    single_s, small_s = measured(runs[(1, SINGLE)]), measured(runs[(1, SMALL)])
+    overhead, single_flops = fit_overhead(step_flops(probe.setup), (single_s[0], compute_actions(probe.setup)),
+                                          (small_s[0], compute_actions(small.setup)))
     report = {"config": {"plan": PLAN, "run": RUN, "steps": args.steps, "skip": SKIP, "repeats": args.repeats,
                          "cpu_count": os.cpu_count(), "cores": cores, "wall_s": time.perf_counter() - t0},
               "single": {"layout": SINGLE, "measured_s": single_s[0], "noise_s": single_s[1],
-                         "flops": single_flops, "repeats": runs[(1, SINGLE)]}, "worlds": {}}
-    md = [(f"Single process ({SINGLE}): {single_s[0]:.4f} s/step (noise {single_s[1]:.4f}), "
+                         "flops": single_flops, "repeats": runs[(1, SINGLE)], "overhead": overhead},
+              "small": {"layout": SMALL, "measured_s": small_s[0], "noise_s": small_s[1],
+                        "repeats": runs[(1, SMALL)]}, "worlds": {}}
+    md = [(f"Single process ({SINGLE}): {single_s[0]:.4f} s/step (noise {single_s[1]:.4f}); {SMALL}: "
+           f"{small_s[0]:.4f} s/step (noise {small_s[1]:.4f}): {overhead * 1e6:.0f} us per compute action, "
            f"{single_flops:.3g} FLOP/s achieved; one-rank matmul {cal[1]['matmul_flops']:.3g} FLOP/s."), ""]
     for w in worlds:
-        cluster, c = cpu_cluster(w, single_flops, cal[w], cal[1], cores)
+        cluster, c = cpu_cluster(w, single_flops, cal[w], cal[1], cores, overhead)
         cands = planned(w, cluster)
         rows = []
         for n in LAYOUTS[w]:

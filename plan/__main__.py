@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"no layout of {a.gpus} GPUs is accepted by train.py for these batch sizes and "
                              f"constraints (try another --micro_batch_size, --total_batch_size or --gpus)")
         budget = cluster.memory * a.headroom
-        # ties (the time model has no per-micro-step compute cost, only per-call latency, and hides overlapped
-        # traffic) go to bigger micro-batches (fewer, larger kernels), then to fewer bytes sent
+        # ties (rarer since the time model charges Cluster.overhead per compute action, but overlapped traffic is
+        # hidden and 4-digit rounding merges near-equal times) go to bigger micro-batches, then to fewer bytes sent
         # state_floor first: a layout whose state alone exceeds the budget is never predicted in full
         fits = sorted((c for c in every if c.state_floor <= budget and c.predicted["peak_memory_bytes"] <= budget),
                       key=lambda c: (round(c.seconds, 4), -c.setup.args.micro_batch_size,

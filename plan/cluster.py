@@ -9,6 +9,14 @@ GPU latency: Hu et al. 2025, "Demystifying NCCL" (arXiv:2507.04786, from NCCL 2.
 of ~1 us for NCCL's LL protocol, ~2 us for LL128 and ~6 us for Simple; a small all-reduce over a ring of n GPUs
 takes 2(n - 1) hops, a kernel launch a few us more. We take 10 us per call on every preset: a documented small
 value (an 8-GPU LL128 ring's 14 hops would be ~28 us; NVLS and tree algorithms take fewer), not a measurement.
+
+GPU overhead = seconds per compute action (one F, B or W of one chunk on one micro-batch), whatever its FLOPs:
+the host's Python, autograd and dispatch work that the GPU's queue does not hide. A chunk's kernels are queued
+asynchronously, so per-kernel launch costs (~5 us each) hide behind kernels longer than that; what an action
+exposes is its start: the runner's wait on the received activation, then the host's setup before the first
+kernel lands (the autograd engine's start of a backward, the first launch), a few tens of us. We take 20 us on
+every preset: a documented small value, not a measurement (bench/plan_rank.py measures it for CPU ranks, where
+nothing hides it: there it is the whole of Python's and autograd's per-call work).
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ class Cluster:
     # cores the ranks share, when fewer than the ranks (CPU ranks on one machine); None: a processor per rank (GPUs).
     # A rank idle in the pipeline bubble then frees its core for the busy ones (plan/search.py step_time)
     cores: int | None = None
+    overhead: float = 20e-6  # seconds per compute action (F, B or W of a chunk on a micro-batch): module docstring
 
 
 PRESETS: dict[str, dict] = {

@@ -264,15 +264,18 @@ def _root_gathers(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int
 
 
 @functools.lru_cache(maxsize=1024)
-def schedule_facts(schedule: str, pp: int, micro: int, virtual: int) -> tuple[tuple[int, ...], tuple[int, ...], float]:
+def schedule_facts(schedule: str, pp: int, micro: int, virtual: int
+                   ) -> tuple[tuple[int, ...], tuple[int, ...], float, tuple[tuple[int, int, int], ...]]:
     """What the planner reads off a schedule's action lists, from one build and one simulate (the runner's isend:
     "async"; unit times): each rank's most (chunk, micro-batch) activations in flight, each rank's ZeRO-3 root
-    gathers (fsdp.pipelined_root_gathers), and the ideal timeline's bubble fraction (for the V schedules what
-    pipeline_schedule.bubble_fraction returns: the same simulate). The lists are not kept (P x M x V actions)."""
+    gathers (fsdp.pipelined_root_gathers), the ideal timeline's bubble fraction (for the V schedules what
+    pipeline_schedule.bubble_fraction returns: the same simulate), and each rank's count of F, B and W actions
+    (plan.search.step_time charges Cluster.overhead per action). The lists are not kept (P x M x V actions)."""
     actions = ALL_SCHEDULES[schedule](pp, micro, virtual)
     sim = simulate(actions, pp, virtual, micro, p2p="async", v_shape=schedule in V_SCHEDULES)
     gathers = tuple(pipelined_root_gathers([(x.kind, x.chunk) for x in ops], {pp * virtual - 1}) for ops in actions)
-    return tuple(sim.max_in_flight), gathers, sim.bubble_fraction
+    counts = tuple(tuple(sum(x.kind == k for x in ops) for k in ("F", "B", "W")) for ops in actions)
+    return tuple(sim.max_in_flight), gathers, sim.bubble_fraction, counts
 
 
 def comm_bytes(s: Setup, pp_rank: int = 0, by_group=None) -> dict[str, int]:

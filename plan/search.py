@@ -6,6 +6,10 @@ group) decides whether it is accepted, so the planner never offers a layout trai
 The step-time model (simple on purpose; it ranks layouts, it does not promise seconds):
 - compute: the rank's FLOPs (predict.step_flops: 6N + 12LHT per token, plus AC's recomputed forwards) at
   `efficiency` x the GPU's peak, stretched by the pipeline's bubble: / (1 - bubble_fraction);
+- overhead: Cluster.overhead x the rank's compute actions per step (`compute_actions`: F and B per micro-step
+  without a pipeline, the schedule's F, B and W under one, plus a recomputed forward per B under AC), added to
+  the FLOPs' time before the bubble's stretch and the core share (it runs on the rank's core too): what makes
+  many small micro-batches and split backwards slower than their FLOPs say;
 - communication: each group's payload (predict.comm_by_group) over its link (cluster.link_of: NVLink inside a
   node, the network across), times the ring factor of its kind (all-reduce 2(n-1)/n, all-gather and
   reduce-scatter (n-1)/n, p2p 1);
@@ -34,8 +38,8 @@ import torch
 from config import UsageError, check_layout, train_parser
 from parallel.pipeline_schedule import V_SCHEDULES, bubble_fraction
 from plan.cluster import Cluster, link_of
-from plan.predict import (Setup, comm_by_group, comm_calls_by_group, schedule_facts, state_bytes, step_flops,
-                          worst_rank)
+from plan.predict import (Setup, comm_by_group, comm_calls_by_group, recomputed_blocks, schedule_facts, state_bytes,
+                          step_flops, worst_rank)
 
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0}
@@ -185,12 +189,29 @@ def core_share(cluster: Cluster, bubble: float) -> float:
     return min(1.0, cluster.cores / (cluster.gpus * (1 - bubble)))
 
 
+def compute_actions(s: Setup) -> float:
+    """Compute actions per step on the busiest rank, each charged Cluster.overhead: F and B per micro-step
+    without a pipeline (the whole model is one chunk), under one each rank's F, B and W actions from its schedule's
+    list (predict.schedule_facts), the most of any rank; AC adds a recomputed forward per B, times the share of
+    Blocks it re-runs (predict.recomputed_blocks over all n_layer, as predict.step_flops counts its FLOPs)."""
+    d = s.dims
+    if d.pp > 1:
+        counts = schedule_facts(s.args.pp_schedule, d.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[3]
+        f, b, w = max(counts, key=sum)
+    else:
+        f, b, w = s.grad_accum, s.grad_accum, 0
+    redo = recomputed_blocks(s, list(range(s.config.n_layer))) / s.config.n_layer
+    return f + b + w + redo * b
+
+
 def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
-    """Seconds per step by part (the module docstring's model): compute, each group's communication, total."""
+    """Seconds per step by part (the module docstring's model): compute (FLOPs and per-action overhead), each
+    group's communication, total."""
     d = s.dims
     sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp}
     bubble = _bubble(s.args.pp_schedule, d.pp, s.grad_accum, s.args.pp_virtual_stages or 1) if d.pp > 1 else 0
-    compute = step_flops(s) / (cluster.peak_flops * efficiency * core_share(cluster, bubble)) / (1 - bubble)
+    work = step_flops(s) / (cluster.peak_flops * efficiency) + cluster.overhead * compute_actions(s)
+    compute = work / core_share(cluster, bubble) / (1 - bubble)
     groups, calls = comm_by_group(s), comm_calls_by_group(s)
     group_dims = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp_shard" if s.dp_type != "ddp" else "dp_replicate",
                   "dp_replicate": "dp_replicate"}

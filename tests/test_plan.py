@@ -159,13 +159,14 @@ def test_every_candidate_is_accepted_by_the_trainer_and_every_accepted_layout_is
 
 def test_zero_bubble_schedules_are_candidates_with_their_bubble():
     """On 2 ranks (tiny with 4 Blocks, M = 4 micro-batches of 4 rows): zb_h1, zbv and dualpipev are offered
-    beside 1F1B, on the same FLOPs, and each one's compute term is 1F1B's stretched by its own bubble instead:
+    beside 1F1B, on the same FLOPs, and each one's compute term (no per-action overhead: the FLOPs' time alone)
+    is 1F1B's stretched by its own bubble instead:
     ZB-H1 (P-1)/(3M+P-1) = 1/13 against 1F1B's (P-1)/(M+P-1) = 1/5 (Qi et al. 2023, section 3.1)."""
     from plan.cluster import Cluster
     a = cli.parser().parse_args(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
                                  "--gpus", "2", "--micro_batch_size", "4", "--pp", "2", "--ac", "none"])
-    got = {c.name: c for c in candidates(model_flags(a), Cluster(2, 2, 2 ** 40, 1e12, 1e10, 1e10), [4],
-                                         {"pp": 2, "ac": "none"})}
+    got = {c.name: c for c in candidates(model_flags(a), Cluster(2, 2, 2 ** 40, 1e12, 1e10, 1e10, overhead=0.0),
+                                         [4], {"pp": 2, "ac": "none"})}
     names = ["pp=2(1f1b) ac=none mb=4", "pp=2(zb_h1) ac=none mb=4", "pp=2(zbv,V=2) ac=none mb=4",
              "pp=2(dualpipev,V=2) ac=none mb=4"]
     assert all(n in got for n in names), sorted(got)
@@ -277,10 +278,11 @@ def test_latency_is_charged_once_per_call_of_each_group():
 
 
 def test_gpu_presets_have_a_small_latency_and_a_processor_per_rank():
-    """Every preset's Cluster (python -m plan) charges the documented 10 us per call and no core sharing."""
+    """Every preset's Cluster (python -m plan) charges the documented 10 us per call, 20 us per compute action and
+    no core sharing."""
     for gpu in ("a100-40gb", "h100-sxm"):
         c = cli.cluster_of(cli.parser().parse_args(["--gpu", gpu]))
-        assert c.latency == 10e-6 and c.cores is None
+        assert c.latency == 10e-6 and c.cores is None and c.overhead == 20e-6
 
 
 def _pipeline4(micro: int) -> Setup:
@@ -298,9 +300,9 @@ def test_with_fewer_cores_than_busy_ranks_the_cores_bound_the_step():
     from plan.search import step_time
     s = _pipeline4(8)
     peak = 1e10
-    t = step_time(s, Cluster(4, 4, 2 ** 40, peak, 1e9, 1e9, overlap=False, cores=2), 1.0)
+    t = step_time(s, Cluster(4, 4, 2 ** 40, peak, 1e9, 1e9, overlap=False, cores=2, overhead=0.0), 1.0)
     assert t["compute"] == pytest.approx(4 * step_flops(s) / (2 * peak), rel=1e-12)
-    t_own = step_time(s, Cluster(4, 4, 2 ** 40, peak, 1e9, 1e9, overlap=False), 1.0)
+    t_own = step_time(s, Cluster(4, 4, 2 ** 40, peak, 1e9, 1e9, overlap=False, overhead=0.0), 1.0)
     assert t_own["compute"] == pytest.approx(step_flops(s) / peak / (1 - 3 / 11), rel=1e-12)
 
 
@@ -311,7 +313,7 @@ def test_with_fewer_busy_ranks_than_cores_each_runs_at_peak():
     from plan.predict import step_flops
     from plan.search import step_time
     s = _pipeline4(2)
-    t = step_time(s, Cluster(4, 4, 2 ** 40, 1e10, 1e9, 1e9, overlap=False, cores=2), 1.0)
+    t = step_time(s, Cluster(4, 4, 2 ** 40, 1e10, 1e9, 1e9, overlap=False, cores=2, overhead=0.0), 1.0)
     assert t["compute"] == pytest.approx(step_flops(s) / 1e10 / (1 - 3 / 5), rel=1e-12)
 
 
@@ -384,3 +386,46 @@ class TestAllocatedPeak:
         with AllocatedPeak(False) as peak:
             torch.empty(self.MB)
         assert peak.bytes is None
+
+
+# ----------------------------------------------------------------------------- per-action overhead
+
+def _overhead_delta(s: Setup, cluster) -> float:
+    """The compute term's growth from Cluster.overhead 0 to 1 ms on `cluster`."""
+    from dataclasses import replace
+
+    from plan.search import step_time
+    t0, t1 = step_time(s, replace(cluster, overhead=0.0), 1.0), step_time(s, replace(cluster, overhead=1e-3), 1.0)
+    assert t1["total"] - t0["total"] == pytest.approx(t1["compute"] - t0["compute"], rel=1e-9)
+    return t1["compute"] - t0["compute"]
+
+
+def test_overhead_is_charged_per_compute_action():
+    """Cluster.overhead per F, B and W of a chunk on a micro-batch. Without a pipeline, 16 rows in micro-batches of
+    4 are 4 micro-steps of one F and one B: 8 actions; full AC re-runs every Block's forward in each B: 4 more.
+    Under pp=2 with M = 4 each rank runs every micro-batch's F and B of its chunk (1F1B: 8) or F, B and W (ZB-H1,
+    the backward split: 12), stretched by the schedule's bubble, 1/5 and 1/13 (Qi et al. 2023, section 3.1)."""
+    from plan.cluster import Cluster
+    c = Cluster(2, 2, 2 ** 40, 1e12, 1e9, 1e9, overlap=False)
+    base = ["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
+            "--micro_batch_size", "4"]
+    assert _overhead_delta(setup(base, 1), replace_gpus(c, 1)) == pytest.approx(8e-3, rel=1e-12)
+    full = setup([*base, "--activation_checkpointing", "full"], 1)
+    assert _overhead_delta(full, replace_gpus(c, 1)) == pytest.approx(12e-3, rel=1e-12)
+    pp = [*base, "--pipeline_parallel_size", "2", "--pp_schedule"]
+    assert _overhead_delta(setup([*pp, "1f1b"], 2), c) == pytest.approx(8e-3 / (1 - 1 / 5), rel=1e-12)
+    assert _overhead_delta(setup([*pp, "zb_h1"], 2), c) == pytest.approx(12e-3 / (1 - 1 / 13), rel=1e-12)
+
+
+def test_overhead_runs_on_the_shared_cores_as_the_flops_do():
+    """4 ranks on 2 cores, pp=4 1F1B with M = 8 (16 actions a rank): 2.9 ranks busy on average bound by the 2
+    cores, so the cores run all 4 ranks' actions, 4 x 16 x overhead / 2, as they run the FLOPs
+    (test_with_fewer_cores_than_busy_ranks_the_cores_bound_the_step)."""
+    from plan.cluster import Cluster
+    c = Cluster(4, 4, 2 ** 40, 1e10, 1e9, 1e9, overlap=False, cores=2)
+    assert _overhead_delta(_pipeline4(8), c) == pytest.approx(4 * 16 * 1e-3 / 2, rel=1e-12)
+
+
+def replace_gpus(c, gpus: int):
+    from dataclasses import replace
+    return replace(c, gpus=gpus, gpus_per_node=gpus)

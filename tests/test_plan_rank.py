@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.plan_rank import measured, pairwise, ranks, run_seconds, tally, verdict
+from bench.plan_rank import fit_overhead, measured, pairwise, ranks, run_seconds, tally, verdict
 
 
 def test_a_run_is_the_median_of_its_steps_after_the_skipped_ones():
@@ -62,3 +62,31 @@ def test_the_calibrated_cluster_runs_all_busy_ranks_at_the_measured_contended_ra
         assert cluster.peak_flops * core_share(cluster, 0.0) == pytest.approx(3e9 * rate / 10e9, rel=1e-12)
         assert (cluster.cores, cluster.latency, cluster.intra_bw) == (2 if world > 2 else None, 2e-4, 1e9)
         assert figures["compute_flops"] == pytest.approx(3e9 * rate / 10e9, rel=1e-12)
+        # one process's 1 ms per action, slowed by the contention as its FLOPs are, on a busy rank
+        cluster, _ = cpu_cluster(world, 3e9, cal, cal_1, cores=2, overhead=1e-3)
+        assert cluster.overhead / core_share(cluster, 0.0) == pytest.approx(1e-3 * 10e9 / rate, rel=1e-12)
+
+
+def test_the_overhead_fit_recovers_a_line_through_two_runs():
+    """1e9 FLOPs per step at 1e10 FLOP/s plus 1 ms per action: 2 actions take 0.102 s, 8 take 0.108 s; a small
+    micro-batch measured faster than the big one (noise) fits no overhead."""
+    overhead, rate = fit_overhead(1e9, (0.102, 2), (0.108, 8))
+    assert (overhead, rate) == (pytest.approx(1e-3, rel=1e-9), pytest.approx(1e10, rel=1e-9))
+    assert fit_overhead(1e9, (0.1, 2), (0.09, 8)) == (0.0, pytest.approx(1e10, rel=1e-12))
+
+
+def test_the_calibrated_one_process_cluster_reproduces_both_reference_runs():
+    """The bench's fit on SINGLE (mb=16) and SMALL (mb=4) counts their actions as plan.search.step_time does, so
+    the calibrated one-rank cluster predicts both measured times back (here 0.10 s and 0.13 s)."""
+    from bench.plan_rank import SINGLE, SMALL, cpu_cluster, planned
+    from plan.cluster import Cluster
+    from plan.predict import step_flops
+    from plan.search import compute_actions
+    ones = planned(1, Cluster(1, 1, 2 ** 40, 1e12, 1e9, 1e9))
+    big, small = ones[SINGLE].setup, ones[SMALL].setup
+    overhead, rate = fit_overhead(step_flops(big), (0.10, compute_actions(big)), (0.13, compute_actions(small)))
+    cal = {"matmul_flops": 1e10, "bus_bw": None, "latency": None}
+    cluster, _ = cpu_cluster(1, rate, cal, cal, cores=2, overhead=overhead)
+    got = planned(1, cluster)
+    assert got[SINGLE].seconds == pytest.approx(0.10, rel=1e-9)
+    assert got[SMALL].seconds == pytest.approx(0.13, rel=1e-9)
