@@ -64,7 +64,7 @@ PLAN = ["--model", "tiny", "--n_layer", str(N_LAYER), "--n_embd", str(C), "--voc
         "--seq_len", str(T), "--total_batch_size", str(ROWS * T), "--dtype", "float32"]
 RUN = ["--eval_interval", "1000", "--eval_iters", "1", "--warmup_steps", "1", "--no_checkpoint", "--device", "cpu",
        "--peak_flops", "1e12", "--timeout", "120"]
-SKIP = 2  # steps left out of a run's median: step 1 also measures saved activations, step 2 warms up
+SKIP = 2  # steps left out of a run's median: step 1 also measures saved activations, step 2 the CPU's allocated peak (both profiled)
 SINGLE = "ac=none mb=16"
 SMALL = "ac=none mb=4"  # the one-process reference in 4 micro-steps: the overhead's calibration (fit_overhead)
 # The planner's names (plan.search.layout_name); micro-batches: one per dp rank without a pipeline, 2P

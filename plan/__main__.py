@@ -94,9 +94,10 @@ def explain(c) -> str:
     p, t = c.predicted, c.times
     lines = [f"{c.name}: {c.torchrun()}",
              f"  per rank (the pipeline stage with the highest peak): peak {p['peak_memory_bytes'] / MiB:.0f} MiB = "
-             f"state {p['state_bytes'] / MiB:.0f} MiB ({', '.join(f'{k} {v / MiB:.0f}' for k, v in p['state_bytes_by_kind'].items())}) "
-             f"+ saved activations {p['saved_activation_bytes'] / MiB:.0f} MiB + largest transient "
-             f"{(p['peak_memory_bytes'] - p['state_bytes'] - p['saved_activation_bytes']) / MiB:.0f} MiB",
+             f"parameters + optimizer state + the largest phase (plan.predict.peak_parts: end of forward, full AC's "
+             f"recompute, optimizer step); state {p['state_bytes'] / MiB:.0f} MiB "
+             f"({', '.join(f'{k} {v / MiB:.0f}' for k, v in p['state_bytes_by_kind'].items())}), "
+             f"saved activations {p['saved_activation_bytes'] / MiB:.0f} MiB",
              "  sent per step (rank 0): " + (", ".join(f"{k} {v / MiB:.1f} MiB" for k, v in p["comm_bytes"].items())
                                               if "comm_bytes" in p else "nothing (one rank)"),
              f"  step time {c.seconds * 1e3:.1f} ms: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in t.items()
