@@ -330,9 +330,13 @@ class AllocatedPeak:
             storages = {}
             for t in gc.get_objects():
                 if issubclass(type(t), torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
-                    s = storage_of(t)
-                    if s.data_ptr():
-                        storages[s.data_ptr()] = ("(before the window)", s.nbytes())
+                    try:
+                        s = storage_of(t)
+                        ptr = s.data_ptr()
+                    except RuntimeError:  # no real storage: --compile's fake tensors, which gc still holds
+                        continue
+                    if ptr:
+                        storages[ptr] = ("(before the window)", s.nbytes())
             self._start = storages
             self._quiet = _stderr_without(PROFILER_CHATTER)
             self._quiet.__enter__()
