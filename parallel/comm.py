@@ -54,19 +54,18 @@ class CommCounter:
 
     def snapshot_calls(self) -> dict[str, int]:
         """{kind: calls}, the kinds as `snapshot` lists them (broadcast, p2p only if any)."""
-        out = {k: int(self.calls.get(k, 0)) for k in KINDS[:3]}
-        for k in KINDS[3:]:
-            if self.calls.get(k):
-                out[k] = int(self.calls[k])
-        return out
+        return _listed(self.calls)
 
     def snapshot(self) -> dict[str, int]:
         """{kind: bytes} for all_reduce, all_gather and reduce_scatter (and broadcast, p2p if any)."""
-        out = {k: int(self.bytes.get(k, 0)) for k in KINDS[:3]}
-        for k in KINDS[3:]:
-            if self.bytes.get(k):
-                out[k] = int(self.bytes[k])
-        return out
+        return _listed(self.bytes)
+
+
+def _listed(counts: dict[str, int]) -> dict[str, int]:
+    """all_reduce, all_gather and reduce_scatter always; broadcast and p2p only where nonzero."""
+    out = {k: int(counts.get(k, 0)) for k in KINDS[:3]}
+    out.update({k: int(counts[k]) for k in KINDS[3:] if counts.get(k)})
+    return out
 
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns on the old names.
