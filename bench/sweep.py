@@ -8,7 +8,8 @@ trained a few steps and held against one process.
 
 Each layout is `train.py` on the `tiny` GPT with 4 Blocks, or 12 where its P·V chunks need more (pp=4 with V=3
 gives every chunk a Block; `Layout.n_layer`), against the one-process run of as many Blocks, a
-512-token vocabulary (the stand-in corpus of tests/harness.make_token_bins), 12 rows of 32 tokens per step
+512-token vocabulary (the stand-in corpus of tests/harness.make_token_bins), 12 rows of 32 tokens per step (16
+where a layout names `rows=16`, against one process of 16)
 (`Layout.micro_batches`: one micro-batch per dp rank without a pipeline, >= 2P with one), 3 steps, started
 by bench.forkserver (forked ranks: no interpreter start per rank). Every step's loss and grad norm and the val losses at steps 0 and 3 must be within the
 layout's tolerance (`tolerance`) of the one-process run in the same dtype; a layout validation refuses must
@@ -72,10 +73,15 @@ class Layout:
     deferred: bool = False  # --deferred_init
     impl: str = "custom"    # --implementation
     blocks: int = 0         # --n_layer; 0: the fewest of N_LAYERS with a Block per chunk (a reference names it)
+    rows: int = 0           # rows per step; 0: ROWS (more where a schedule needs more micro-batches per dp rank)
 
     @property
     def n_layer(self) -> int:
         return self.blocks or next(n for n in N_LAYERS if n >= self.pp * self.virtual)
+
+    @property
+    def n_rows(self) -> int:
+        return self.rows or ROWS
 
     @property
     def nproc(self) -> int:
@@ -95,25 +101,27 @@ class Layout:
             parts.append(f"tp={self.tp}" + ("" if self.sp else "(plain)"))
         return " ".join(parts or ["single"]) + ("" if self.dtype == "float32" else f" {self.dtype}") + \
             (" deferred" if self.deferred else "") + ("" if self.impl == "custom" else f" [{self.impl}]") + \
-            (f" L={self.blocks}" if self.blocks else "")
+            (f" L={self.blocks}" if self.blocks else "") + (f" rows={self.rows}" if self.rows else "")
 
     @property
     def micro_batches(self) -> int:
         """M, the step's micro-batches per dp rank: 1 without a pipeline (fewest collectives per step), else
         the smallest multiple of P of at least 2P that divides the rank's rows (so interleaving's M % P == 0
         holds), or the largest multiple of P, or one row each when no multiple of P divides them."""
-        rows = ROWS // self.dp if ROWS % self.dp == 0 else 1
+        rows = self.n_rows // self.dp if self.n_rows % self.dp == 0 else 1
         if self.pp == 1:
             return 1
         fits = [m for m in range(self.pp, rows + 1, self.pp) if rows % m == 0]
         return min([m for m in fits if m >= 2 * self.pp] or fits[-1:] or [rows])
 
     def flags(self) -> list[str]:
-        """train.py's flags for this layout (after BASE). The validation set is the same ROWS rows for every
-        layout: --eval_iters x --micro_batch_size = ROWS."""
-        mb = max(1, ROWS // self.dp // self.micro_batches)
-        f = ["--n_layer", str(self.n_layer), "--micro_batch_size", str(mb), "--eval_iters", str(max(1, ROWS // mb)), "--dtype", self.dtype,
-             "--implementation", self.impl]
+        """train.py's flags for this layout (after BASE). The validation set is the same n_rows rows for the layout
+        and its reference: --eval_iters x --micro_batch_size = n_rows."""
+        mb = max(1, self.n_rows // self.dp // self.micro_batches)
+        f = ["--n_layer", str(self.n_layer), "--micro_batch_size", str(mb), "--eval_iters", str(max(1, self.n_rows // mb)),
+             "--dtype", self.dtype, "--implementation", self.impl]
+        if self.rows:
+            f += ["--total_batch_size", str(self.rows * T)]
         if self.dtype != "float32":
             f += ["--param_dtype", self.dtype]
         if self.pp > 1:
@@ -140,7 +148,7 @@ class Layout:
 
     def reference(self) -> "Layout":
         """The one-process run it is held against: the same dtype and Blocks."""
-        return Layout(dtype=self.dtype, blocks=self.n_layer)
+        return Layout(dtype=self.dtype, blocks=self.n_layer, rows=self.rows)
 
 
 def layouts(max_world: int = 4) -> list[Layout]:
@@ -208,12 +216,16 @@ def zero_bubble_rows() -> list[Layout]:
 
 
 def zero_bubble_large_rows() -> list[Layout]:
-    """The split schedules beside a sharding engine and TP (pp=2 x dp=2 x tp=2), and under HSDP (pp=2 x dp=4,
-    R=2): 8 ranks, run with the 6- and 8-rank sample."""
+    """The split schedules beside a sharding engine and TP (pp=2 x dp=2 x tp=2), under HSDP (pp=2 x dp=4, R=2), and
+    at P = 4 with DDP, ZeRO-2, FSDP (dp=2) and TP + SP (tp=2): 8 ranks, run with the 6- and 8-rank sample. DualPipe-V
+    needs M >= 2P = 8 per dp rank, so its P = 4 x dp = 2 rows train 16 rows per step (against one process of 16)."""
     split = (("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
     return ([Layout(pp=2, dp=2, tp=2, dp_type=t, schedule=s, virtual=v) for s, v in split for t in ("zero2", "fsdp")]
             + [Layout(pp=2, dp=4, dp_type=t, replicate=2, schedule=s, virtual=v) for s, v in split[:2]
-               for t in ("zero2", "fsdp")])
+               for t in ("zero2", "fsdp")]
+            + [Layout(pp=4, dp=2, dp_type=t, schedule=s, virtual=v, rows=16 if s == "dualpipev" else 0)
+               for s, v in split for t in ("ddp", "zero2", "fsdp")]
+            + [Layout(pp=4, tp=2, schedule=s, virtual=v) for s, v in split])
 
 
 def bf16_rows() -> list[Layout]:

@@ -16,7 +16,9 @@ losses (tests/test_pipeline_train.py derives it).
   process at 1e-5: DDP's bucket all-reduce runs once, after the schedule's last W (reduce_on_exit); ZB-H1 x
   FSDP and x TP + SP against 1F1B's bits; the PyTorch twin's zb_h1, zbv and dualpipev against one process; and
   the bad-input refusals. Every split schedule at P = 2, 3, 4 alone and at P = 2 x ddp / zero2 / fsdp / tp + sp
-  (and x fsdp in bf16) against one process: bench/sweep.py's zero_bubble_rows, run by tests/test_sweep.py.
+  (and x fsdp in bf16) against one process: bench/sweep.py's zero_bubble_rows, run by tests/test_sweep.py; at
+  P = 4 x ddp / zero2 / fsdp / tp + sp and P = 2 x dp x tp, under HSDP (8 ranks): zero_bubble_large_rows, run by
+  GPT_SWEEP_LARGE=1 pytest -m sweep and python -m bench.sweep --sample 12.
 """
 from __future__ import annotations
 
