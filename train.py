@@ -25,7 +25,7 @@ from data.batches import BatchSource, micro_batch_chunk
 from debug.trace import Tracer
 from model import GPT
 from parallel import comm
-from parallel.mesh import Mesh, fused_optimizer, init_distributed
+from parallel.mesh import Mesh, exit_process, fused_optimizer, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 from parallel.pipeline_schedule import V_SCHEDULES
 from parallel.pipeline_split import describe_split, layers_for, stage_costs
@@ -384,11 +384,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Gloo worker threads outlive destroy_process_group() while anything still references their group (FSDP2's
-    # DeviceMesh, kept by DTensor's caches, holds it in _pg_registry). One that drops the last reference to a
-    # Python-owned tensor after interpreter finalization has begun is killed mid-destructor:
-    # "terminate called without an active exception" (SIGABRT). Everything is flushed and closed: skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_process(main())  # everything is flushed and closed: skip finalization (parallel.mesh.exit_process)

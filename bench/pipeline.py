@@ -36,6 +36,7 @@ import time
 import torch
 
 from metrics import SavedBytes  # noqa: F401 -- measured here; it lives in metrics (train.py uses it too)
+from parallel.mesh import exit_process
 from parallel.pipeline_schedule import ALL_SCHEDULES, B, COMPUTE, F, V_SCHEDULES, W, bubble_fraction, simulate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
-        return 0
+        exit_process(0)  # the group is destroyed: skip finalization (parallel.mesh.exit_process)
     opts = {k: v for k, v in vars(args).items() if k not in ("out", "pp", "micro", "virtual", "model", "timeout",
                                                               "worker")}
     run(args.out, args.pp, args.micro, args.virtual, args.model, args.timeout, **opts)

@@ -21,6 +21,7 @@ import mmap
 import os
 import struct
 import sys
+import weakref
 from typing import Any
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
@@ -58,7 +59,10 @@ class FlightRecorder:
         self.capacity, self.count, self._used = capacity, 0, 0
         self._buf = make(HEADER.size + capacity * RECORD.size + STRINGS) if capacity else bytearray(0)
         self._strings: dict[str, int] = {}
-        self._groups: dict[Any, tuple[int, tuple[int, ...]]] = {}  # process group -> (string id, ranks)
+        # process group -> (string id, ranks), held weakly: a group the recorder kept alive would outlive
+        # destroy_process_group() with its gloo threads, which can then abort the process at exit
+        self._groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._world: tuple[int, tuple[int, ...]] | None = None  # group=None: the default group
         self._sites: dict[Any, int] = {}  # (code object, unit) -> string id
         self._dtypes: dict[Any, int] = {}  # torch.dtype -> string id
         self._seq: dict[tuple, int] = {}
@@ -107,13 +111,17 @@ class FlightRecorder:
         return i
 
     def _group(self, group) -> tuple[int, tuple[int, ...]]:
-        g = self._groups.get(group)
+        g = self._world if group is None else self._groups.get(group)
         if g is None:
             import torch.distributed as dist  # here, not at the top: debug.hang reads rings without torch
             pg = dist.group.WORLD if group is None else group
             ranks = tuple(dist.get_process_group_ranks(pg))
             name = getattr(pg, "group_name", "?")
-            g = self._groups[group] = (self._intern(f"{name}:{','.join(map(str, ranks))}"), ranks)
+            g = (self._intern(f"{name}:{','.join(map(str, ranks))}"), ranks)
+            if group is None:
+                self._world = g
+            else:
+                self._groups[group] = g
         return g
 
     def post(self, op: int, tensor, group, peer: int = -1, unit: str | None = None) -> int:

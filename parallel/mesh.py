@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -270,3 +270,15 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
     env.update(extra)
     return env
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this rank's process now, with `code`, skipping the interpreter's finalization. Call it last, once
+    everything is flushed and closed and the group destroyed. Gloo's threads outlive destroy_process_group()
+    while anything still references their group (FSDP2's DeviceMesh, kept by DTensor's caches, holds it in
+    _pg_registry); one that drops the last reference to a Python-owned tensor after finalization has begun is
+    killed mid-destructor: "terminate called without an active exception", SIGABRT, though the work is done."""
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

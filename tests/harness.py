@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from metrics import read_jsonl
-from parallel.mesh import child_env
+from parallel.mesh import child_env, exit_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = timedelta(seconds=300)
@@ -77,6 +77,7 @@ def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, r
     # process has exited, so its error, not a peer's, is the one spawn reports.
     torch.save(fn(rank, world_size, *args), os.path.join(result_dir, f"{rank}.pt"))
     dist.destroy_process_group()
+    exit_process(0)  # not through finalization, where a gloo thread still alive can abort the rank (SIGABRT)
 
 
 def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:

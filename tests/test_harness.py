@@ -7,6 +7,9 @@ of a name gets the first caller's run. That is only right if the later caller as
 run_key (ranks, and what train.py's parser makes of the flags). Asked for with other flags, the name fails
 loudly instead of handing out a run of other flags.
 """
+import atexit
+import os
+import tempfile
 import unittest
 from datetime import timedelta
 from unittest import mock
@@ -152,6 +155,10 @@ class _Spawned:
         dist.all_reduce(t)
         return t.item()
 
+    @IN_STEP.register("registers_an_exit_handler")
+    def measure_registers_an_exit_handler(rank, world_size):
+        atexit.register(open, exit_marker(os.getppid(), rank), "w")  # runs only if the rank's interpreter finalizes
+
     @OUT_OF_STEP.register("raises_before_a_collective")
     def measure_raises_before_a_collective(rank, world_size):
         if rank == 0:
@@ -163,12 +170,25 @@ class _Spawned:
         dist.all_reduce(torch.zeros(1))
 
 
+def exit_marker(spawner: int, rank: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"harness-exit-{spawner}-{rank}")
+
+
 @pytest.mark.slow
 class MeasurementsOnSpawnedRanks(unittest.TestCase):
     def test_a_raise_on_every_rank_keeps_the_ranks_in_step(self):
         with self.assertRaisesRegex(MeasurementError, r"(?s)rank 0:.*rank 0 raised.*rank 1:.*rank 1 raised"):
             IN_STEP["raises_everywhere"]
         self.assertEqual(IN_STEP["sum_of_ranks"], [1.0, 1.0])
+
+    @unittest.skipIf(harness.under_torchrun(), "torchrun's ranks are not the harness's to end")
+    def test_a_spawned_rank_ends_without_finalization(self):
+        """A spawned rank ends by os._exit once its group is destroyed: gloo threads that outlive
+        destroy_process_group() (torch's caches can hold a group) would otherwise run into the interpreter's
+        finalization, where one that drops a Python-owned tensor aborts the rank (SIGABRT; seen in CI)."""
+        IN_STEP["registers_an_exit_handler"]
+        for rank in range(2):
+            self.assertFalse(os.path.exists(exit_marker(os.getpid(), rank)))
 
     @unittest.skipIf(harness.under_torchrun(), "a torchrun's rank 1 would wait in its all-reduce until the timeout")
     def test_a_raise_that_leaves_the_ranks_out_of_step_ends_the_run(self):
