@@ -12,7 +12,8 @@ Per rank: busy = sum of its F, B and W intervals; span = max end - min start of 
 idle = 1 - busy/span. The schedule's idle (mean over ranks, i.e. 1 - sum busy/(P·span)) sits next to
 `bubble_fraction`, which assumes equal stages and free messages. The Blocks are split as train.py splits
 them, by cost (parallel/pipeline_split.py: FLOPs, or with `--balance time` rank 0's timings of a Block,
-the embedding and the head, taken before the schedules run; `--layers_per_stage` sets the split of the
+the embedding and the head, or with `--balance step` the ranks' own times in 1F1B steps on the FLOP split,
+taken before the schedules run; `--layers_per_stage` sets the split of the
 one-chunk schedules by hand), but whole Blocks cannot balance chunk 0's embedding against the last chunk's
 lm_head and loss exactly, and P ranks share the cores, so expect a gap.
 
@@ -183,6 +184,8 @@ def worker(args: argparse.Namespace) -> None:
     if args.balance == "time":  # every rank cuts by rank 0's timings
         costs = [measure_costs(cfg, args.seq_len, args.micro_batch_size) if rank == 0 else None]
         dist.broadcast_object_list(costs, src=0)
+    elif args.balance == "step":  # every rank cuts by the same gathered times of 1F1B steps on the FLOP split
+        costs = [step_costs(cfg, rank, P, batches, costs[0], args.warmup)]
     raw["costs"] = dict(vars(costs[0]))  # FLOPs per token, or nanoseconds per micro-batch
     for name in args.schedules.split(","):
         v = chunks_per_rank(name, args.virtual)
@@ -221,6 +224,33 @@ def worker(args: argparse.Namespace) -> None:
         with open(os.path.join(args.out, "pipeline_timelines.json"), "w") as f:
             json.dump(raw, f)
     dist.destroy_process_group()
+
+
+def step_costs(cfg, rank: int, P: int, batches: list, flops, warmup: int, steps: int = 5):
+    """StageCosts from 1F1B steps on the FLOP split (pipeline_split.costs_from_step): each rank's median over
+    `steps` of its F + B time per micro-batch, gathered, so every rank computes the same split."""
+    import statistics
+
+    import torch.distributed as dist
+
+    from model import GPT
+    from parallel.pipeline import PipelineRunner, PipelineStage
+    from parallel.pipeline_split import costs_from_step, layers_for
+    counts = tuple(len(r) for r in layers_for(cfg, P, costs=flops))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    stage = PipelineStage(model, rank, P, 1, counts)
+    stage.materialize(seed=0)
+    runner, times = PipelineRunner(stage), []
+    for i in range(warmup + steps):
+        dist.barrier()
+        runner.step(batches, "1f1b")
+        stage.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(sum(e - s for a, s, e in runner.timeline if a.kind in (F, B)) / len(batches))
+    gathered = [None] * P
+    dist.all_gather_object(gathered, statistics.median(times))
+    return costs_from_step(counts, gathered, flops)
 
 
 # ---- the launcher ----------------------------------------------------------------------------------------
@@ -262,8 +292,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--model", default="tiny")
     a("--n_layer", type=int, default=None, help="default P·V: one Block per interleaved chunk")
     a("--vocab_size", type=int, default=512, help="small, so lm_head costs about one Block")
-    a("--balance", choices=["flops", "time"], default="flops",
-      help="split by the FLOP cost model (train.py's) or by rank 0's timings of a Block, the embedding, the head")
+    a("--balance", choices=["flops", "time", "step"], default="flops",
+      help="split by the FLOP cost model (train.py's), by rank 0's timings of a Block, the embedding, the head "
+           "(time), or by the ranks' times in 1F1B steps on the FLOP split (step)")
     a("--layers_per_stage", default=None, metavar="A,B,...",
       help="gpipe and 1f1b: Blocks per stage, P counts (default: train.py's split by cost)")
     a("--seq_len", type=int, default=128)

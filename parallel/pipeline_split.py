@@ -14,7 +14,9 @@ MFU (`TRAIN_FLOPS_PER_PARAM` per matmul weight, `attention_flops_per_token`):
   each token's gradient into a wte row and a wpe row (2C): 3C, next to nothing, but it keeps the model honest.
 Not counted: elementwise work (LayerNorm, GELU, softmax, the loss's exponentials), so on a device where that
 dominates (a tiny model on a CPU) the model overweights the matmul-heavy head. There `measure_costs` times
-the three parts instead (bench.pipeline --balance time), or `--pp_layers_per_stage` sets the split by hand.
+the three parts alone (bench.pipeline --balance time), `costs_from_step` reads them off one pipeline step's
+per-rank times, under the contention the split must balance (--balance step), or `--pp_layers_per_stage`
+sets the split by hand.
 Tensor and context parallelism divide every term alike and leave the split unchanged.
 
 The split (`balanced_split`, exact, by dynamic programming over (chunk, first Block)): the most expensive chunk
@@ -100,6 +102,26 @@ def measure_costs(config: GPTConfig, seq_len: int, micro_batch: int, device: tor
             start, end = timer.seconds([t0, t1])
             best[name] = min(best[name], end - start) if i else best[name]  # round 0 warms up
     return StageCosts(**{name: max(1, round(t * 1e9)) for name, t in best.items()})
+
+
+def costs_from_step(blocks: Sequence[int], seconds: Sequence[float], flops: StageCosts) -> StageCosts:
+    """StageCosts in nanoseconds per micro-batch from one pipeline step's own timings: `seconds[r]`, the mean F +
+    B time per micro-batch of rank r's one chunk holding `blocks[r]` Blocks (a one-chunk schedule; rank 0 runs
+    the embedding, rank P-1 the head), measured while every rank runs, so under the contention the split has to
+    balance (`measure_costs` times the parts alone). A Block costs what the ranks without the head spend per
+    Block (ranks 0..P-2; rank 0's embedding taken off at the FLOP model's embed/block ratio), the head what the
+    last rank spends beyond its Blocks. Nothing is communicated: one rank computes, the others take its numbers."""
+    P = len(blocks)
+    if P < 2 or len(seconds) != P:
+        raise ValueError(f"need one time per rank of a pipeline of >= 2 ranks; got {len(seconds)} for {P}")
+    embed_per_block = flops.embed / flops.block
+    block = sum(seconds[:-1]) / (sum(blocks[:-1]) + embed_per_block)  # the embedding's share is on rank 0
+    head = seconds[-1] - blocks[-1] * block
+    if head <= 0:
+        raise ValueError(f"the last rank's {seconds[-1] * 1e3:.1f} ms per micro-batch leave nothing for the head "
+                         f"beyond its {blocks[-1]} Blocks at {block * 1e3:.1f} ms each")
+    return StageCosts(block=max(1, round(block * 1e9)), embed=max(1, round(block * embed_per_block * 1e9)),
+                      head=max(1, round(head * 1e9)))
 
 
 def balanced_split(block_costs: Sequence[int], chunks: int, first: int = 0, last: int = 0) -> list[range]:

@@ -12,8 +12,8 @@ from metrics import flops_per_token
 from model import GPT, make_config
 from parallel.pipeline import PipelineStage, TorchChunk
 from parallel.pipeline_schedule import chunk_of, split_layers
-from parallel.pipeline_split import (balanced_split, balanced_v_split, check_counts, describe_split, layers_for,
-                                     stage_costs)
+from parallel.pipeline_split import (StageCosts, balanced_split, balanced_v_split, check_counts, costs_from_step,
+                                     describe_split, layers_for, stage_costs)
 
 
 def ranges(*sizes: int) -> list[range]:
@@ -190,6 +190,31 @@ class TestCostModel(unittest.TestCase):
         line = describe_split(ranges(9, 3), stage_costs(make_config("gpt2"), 1024))
         self.assertEqual(line, "pipeline split by cost (training FLOPs per token): chunk 0 Blocks 0-8 (468M), "
                                "chunk 1 Blocks 9-11 (465M)")
+
+
+class TestCostsFromStep(unittest.TestCase):
+    """costs_from_step: the per-rank times a step would give for known Block, embedding and head times come back
+    as those times (to the nanosecond rounding), and they re-split the model."""
+
+    FLOPS = StageCosts(block=1000, embed=10, head=5000)  # the embedding is 1/100 of a Block
+
+    def test_recovers_the_parts(self):
+        b, h = 0.012, 0.0588  # s per micro-batch: the head 4.9 Blocks, where the FLOP model says 5
+        for blocks in ((9, 3), (4, 4, 2), (3, 3, 3, 1)):
+            seconds = [n * b + 0.01 * b * (r == 0) + h * (r == len(blocks) - 1) for r, n in enumerate(blocks)]
+            with self.subTest(blocks=blocks):
+                got = costs_from_step(blocks, seconds, self.FLOPS)
+                self.assertEqual((got.block, got.embed, got.head), (12_000_000, 120_000, 58_800_000))
+
+    def test_the_measured_head_resplits(self):
+        """12 Blocks at 13.8 ms and a 67.4 ms head (4.88 Blocks; one bench.pipeline run's per-rank times on the
+        9 | 3 split): 8 | 4 costs max(8, 4 + 4.88) = 8.88 Blocks against 9 | 3's max(9, 7.88) = 9."""
+        got = costs_from_step((9, 3), (9 * 0.0138 + 0.000138, 3 * 0.0138 + 0.0674), self.FLOPS)
+        self.assertEqual(balanced_split([got.block] * 12, 2, got.embed, got.head), ranges(8, 4))
+
+    def test_a_step_that_leaves_no_head_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "nothing for the head"):
+            costs_from_step((6, 6), (0.06, 0.05), self.FLOPS)
 
 
 class TestOverride(unittest.TestCase):
