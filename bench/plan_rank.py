@@ -192,7 +192,7 @@ def probes(cal: dict, world: int) -> str:
 
 # ----------------------------------------------------------------------------- calibration
 
-HOP_NUMEL = 64  # elements per rank in the hop probe's all-reduce: every ring segment holds some (256 B), bytes negligible
+HOP_NUMEL = 64  # elements a rank in the hop probe's all-reduce: every ring segment holds some, 256 B: no bandwidth
 
 
 def _median_time(fn, times: int) -> float:

@@ -22,7 +22,8 @@ hop = seconds per hop of a collective, the sequential messages of its algorithm 
 all-reduce over n ranks 2(n - 1), an all-gather n - 1, a p2p message 1), charged on top of `latency` per call. 0 on
 every preset: NCCL's per-hop cost (~1 to 6 us, above) is inside the 10 us a call. On CPU ranks it is gloo's
 (bench/plan_rank.py measures it): a hop is a message whose receiver's threads must be woken and run before it
-forwards the next, ~0.6 ms with 2 ranks on 2 cores, ~1.2 ms with 4, whatever the bytes (docs/planner.md, "Hops").
+forwards the next, 0.5 to 0.6 ms with 2 ranks on 2 cores, 1.1 to 1.2 ms with 4, whatever the bytes up to 512 KB
+(docs/planner.md, "Hops").
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ The step-time model (simple on purpose; it ranks layouts, it does not promise se
   TP's many small collectives per Block cost this, not bandwidth;
 - hops: the same calls x their hops over the group's n ranks (`HOPS`: the sequential messages of the algorithm, 2(n-1)
   for a ring all-reduce) x Cluster.hop, added to that group's time. 0 on the GPU presets (a call's latency holds
-  NCCL's few-us hops); gloo on CPU ranks pays ~0.6 to 1.2 ms a hop (plan/cluster.py), so there an all-reduce
+  NCCL's few-us hops); gloo on CPU ranks pays ~0.5 to 1.2 ms a hop (plan/cluster.py), so there an all-reduce
   over 4 ranks costs 3x one over 2 at the same hop, and TP's per-Block collectives dominate its step;
 - oversubscription (Cluster.cores < ranks: CPU ranks sharing a machine): a rank runs at peak x min(1, cores /
   busy), busy = N(1 - bubble) the mean number of ranks computing, since a rank idle in the pipeline bubble
@@ -49,8 +49,8 @@ RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1)
         "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0}
 # Hops (sequential messages) of one call over n ranks, each charged Cluster.hop: gloo's ring all-reduce is a
 # reduce-scatter then an all-gather round the ring, 2(n - 1); its all-gather n - 1; its reduce-scatter takes about
-# as long as an all-reduce of the same input (bench/plan_rank.py's probes over 4 ranks on 2 cores: ~5.3 against
-# ~6.0 ms, the all-gather ~3.8), so 2(n - 1); a broadcast n - 1 (no calls formula issues one per step); p2p 1
+# as long as an all-reduce of the same input (bench/plan_rank.py's probes over 4 ranks on 2 cores: 5.55 against
+# 5.66 ms, the all-gather 3.58), so 2(n - 1); a broadcast n - 1 (no calls formula issues one per step); p2p 1
 HOPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: 2 * (n - 1),
         "broadcast": lambda n: n - 1, "p2p": lambda n: 1}
 OVERLAPPED = ("dp", "dp_replicate")  # gradient (and ZeRO-3 gather) traffic the wrappers issue asynchronously
