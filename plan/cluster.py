@@ -17,6 +17,13 @@ exposes is its start: the runner's wait on the received activation, then the hos
 kernel lands (the autograd engine's start of a backward, the first launch), a few tens of us. We take 20 us on
 every preset: a documented small value, not a measurement (bench/plan_rank.py measures it for CPU ranks, where
 nothing hides it: there it is the whole of Python's and autograd's per-call work).
+
+hop = seconds per hop of a collective, the sequential messages of its algorithm (plan/search.py HOPS: a ring
+all-reduce over n ranks 2(n - 1), an all-gather n - 1, a p2p message 1), charged on top of `latency` per call. 0 on
+every preset: NCCL's per-hop cost (~1 to 6 us, above) is inside the 10 us a call. On CPU ranks it is gloo's
+(bench/plan_rank.py measures it): a hop is a message whose receiver's threads must be woken and run before it
+forwards the next, 0.5 to 0.6 ms with 2 ranks on 2 cores, 1.1 to 1.2 ms with 4, whatever the bytes up to 512 KB
+(docs/planner.md, "Hops").
 """
 from __future__ import annotations
 
@@ -42,6 +49,7 @@ class Cluster:
     # A rank idle in the pipeline bubble then frees its core for the busy ones (plan/search.py step_time)
     cores: int | None = None
     overhead: float = 20e-6  # seconds per compute action (F, B or W of a chunk on a micro-batch): module docstring
+    hop: float = 0.0  # seconds per hop of a collective (plan/search.py HOPS), beyond `latency` per call: docstring
 
 
 PRESETS: dict[str, dict] = {

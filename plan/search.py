@@ -16,6 +16,10 @@ The step-time model (simple on purpose; it ranks layouts, it does not promise se
 - latency: each group's calls per step (predict.comm_calls_by_group: the calls formulas beside the wrappers' bytes
   formulas, held call for call against parallel/comm.COUNTER) x Cluster.latency, added to that group's time:
   TP's many small collectives per Block cost this, not bandwidth;
+- hops: the same calls x their hops over the group's n ranks (`HOPS`: the sequential messages of the algorithm, 2(n-1)
+  for a ring all-reduce) x Cluster.hop, added to that group's time. 0 on the GPU presets (a call's latency holds
+  NCCL's few-us hops); gloo on CPU ranks pays ~0.5 to 1.2 ms a hop (plan/cluster.py), so there an all-reduce
+  over 4 ranks costs 3x one over 2 at the same hop, and TP's per-Block collectives dominate its step;
 - oversubscription (Cluster.cores < ranks: CPU ranks sharing a machine): a rank runs at peak x min(1, cores /
   busy), busy = N(1 - bubble) the mean number of ranks computing, since a rank idle in the pipeline bubble
   frees its core for the others; `peak_flops` is then one rank's rate on a core of its own. With a processor
@@ -43,6 +47,12 @@ from plan.predict import (Setup, comm_by_group, comm_calls_by_group, recomputed_
 
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0}
+# Hops (sequential messages) of one call over n ranks, each charged Cluster.hop: gloo's ring all-reduce is a
+# reduce-scatter then an all-gather round the ring, 2(n - 1); its all-gather n - 1; its reduce-scatter takes about
+# as long as an all-reduce of the same input (bench/plan_rank.py's probes over 4 ranks on 2 cores: 5.55 against
+# 5.66 ms, the all-gather 3.58), so 2(n - 1); a broadcast n - 1 (no calls formula issues one per step); p2p 1
+HOPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: 2 * (n - 1),
+        "broadcast": lambda n: n - 1, "p2p": lambda n: 1}
 OVERLAPPED = ("dp", "dp_replicate")  # gradient (and ZeRO-3 gather) traffic the wrappers issue asynchronously
 # (schedule, chunks per rank) the search tries under a pipeline: every schedule train.py runs, V = 2 for
 # interleaving and the V schedules; config.check_layout refuses what a composition does not support (the
@@ -204,6 +214,12 @@ def compute_actions(s: Setup) -> float:
     return f + b + w + redo * b
 
 
+def hops(calls: dict[str, int], n: int) -> int:
+    """One group's hops per step: each kind's calls (predict.comm_calls_by_group) x `HOPS` of that kind over the
+    group's n ranks; Cluster.hop charges each."""
+    return sum(k * HOPS[kind](n) for kind, k in calls.items())
+
+
 def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
     """Seconds per step by part (the module docstring's model): compute (FLOPs and per-action overhead), each
     group's communication, total."""
@@ -225,7 +241,8 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
         inter = any(link_of(dim, sizes, cluster.gpus_per_node) == "inter" for dim in
                     (("dp_replicate", "dp_shard", "cp") if g == "dp" else (group_dims[g],)) if sizes[dim] > 1)
         bw = cluster.inter_bw if inter else cluster.intra_bw
-        times[g] = sum(v * RING[k](n) for k, v in kinds.items()) / bw + cluster.latency * sum(calls[g].values())
+        times[g] = (sum(v * RING[k](n) for k, v in kinds.items()) / bw + cluster.latency * sum(calls[g].values())
+                    + cluster.hop * hops(calls[g], n))
     overlapped = cluster.overlap and s.dp_type in ("ddp", "zero2", "fsdp")
     hidden = sum(times.get(g, 0) for g in OVERLAPPED) if overlapped else 0
     exposed = sum(v for g, v in times.items() if g != "compute") - hidden

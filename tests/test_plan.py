@@ -278,11 +278,51 @@ def test_latency_is_charged_once_per_call_of_each_group():
 
 
 def test_gpu_presets_have_a_small_latency_and_a_processor_per_rank():
-    """Every preset's Cluster (python -m plan) charges the documented 10 us per call, 20 us per compute action and
-    no core sharing."""
-    for gpu in ("a100-40gb", "h100-sxm"):
+    """Every preset's Cluster (python -m plan) charges the documented 10 us per call, 20 us per compute action, no
+    core sharing and nothing per hop (a call's 10 us holds NCCL's hops)."""
+    from plan.cluster import PRESETS
+    for gpu in PRESETS:
         c = cli.cluster_of(cli.parser().parse_args(["--gpu", gpu]))
-        assert c.latency == 10e-6 and c.cores is None and c.overhead == 20e-6
+        assert c.latency == 10e-6 and c.cores is None and c.overhead == 20e-6 and c.hop == 0.0
+
+
+def _hop_delta(s: Setup, group: str) -> float:
+    """`group`'s time growth from Cluster.hop 0 to 1 ms (latency 0), with nothing else moving."""
+    from dataclasses import replace
+
+    from plan.cluster import Cluster
+    from plan.search import step_time
+    n = s.dims.world_size
+    base = Cluster(n, n, 2 ** 40, 1e12, 1e9, 1e9, overlap=False, latency=0.0)
+    t0, t1 = step_time(s, base, 1.0), step_time(s, replace(base, hop=1e-3), 1.0)
+    assert t1["compute"] == t0["compute"]
+    assert t1["total"] - t0["total"] == pytest.approx(t1[group] - t0[group], rel=1e-9)
+    return t1[group] - t0[group]
+
+
+def test_hops_are_the_calls_formulas_calls_times_their_ring_steps():
+    """Cluster.hop per hop: tiny with 4 Blocks (bias), 4 micro-steps of 4 rows, SP and loss parallelism. Per
+    micro-step and Block, TP enters its region twice and leaves it twice each way: 2L + 1 entries (the head's too)
+    and 2L + 1 exits (the embedding's), an all-gather and a reduce-scatter each; the position embeddings' backward
+    all-gather; the LayerNorms' weight and bias gradients (2L + 1 norms x 2) and the row-parallel biases (2L)
+    all-reduced; the loss's one chunk of 256 rows 2 all-reduces: all-gathers 19, reduce-scatters 18, all-reduces 28.
+    Over 2 ranks an all-gather is 1 hop, an all-reduce or reduce-scatter 2 (gloo's reduce-scatter is an
+    all-reduce): 19 + 36 + 56 = 111 a micro-step, 444 a step; over 4 ranks 3, 6 and 6: 57 + 108 + 168 = 333, 1332.
+    The pipeline's p2p messages are a hop each and its tied all-reduce 2; FSDP's gathers 1 and scatters 2."""
+    from plan.predict import comm_calls_by_group
+    base = ["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
+            "--micro_batch_size", "4"]
+    tp = ["--sequence_parallel", "--enable_loss_parallelism", "--tensor_parallel_size"]
+    for n, hops in ((2, 444), (4, 1332)):
+        s = setup([*base, *tp, str(n)], n)
+        assert comm_calls_by_group(s)["tp"] == {"all_gather": 4 * 19, "reduce_scatter": 4 * 18, "all_reduce": 4 * 28}
+        assert _hop_delta(s, "tp") == pytest.approx(hops * 1e-3, rel=1e-9)
+    layouts = _two_rank_layouts()
+    pp = comm_calls_by_group(layouts["pp"])["pp"]
+    assert _hop_delta(layouts["pp"], "pp") == pytest.approx((pp["p2p"] + 2 * pp["all_reduce"]) * 1e-3, rel=1e-9)
+    dp = comm_calls_by_group(layouts["dp"])["dp"]
+    assert _hop_delta(layouts["dp"], "dp") == pytest.approx((dp["all_gather"] + 2 * dp["reduce_scatter"]) * 1e-3,
+                                                             rel=1e-9)
 
 
 def _pipeline4(micro: int) -> Setup:

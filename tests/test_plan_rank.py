@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.plan_rank import fit_overhead, measured, pairwise, ranks, run_seconds, tally, verdict
+from bench.plan_rank import fit_overhead, measured, pairwise, ranks, relative_noise, run_seconds, tally, verdict
 
 
 def test_a_run_is_the_median_of_its_steps_after_the_skipped_ones():
@@ -16,6 +16,23 @@ def test_a_run_is_the_median_of_its_steps_after_the_skipped_ones():
             {"step": 5, "loss": 1, "step_time_ms": 20.0}]
     assert run_seconds(recs) == 0.02
     assert run_seconds(recs[:3]) is None
+
+
+def test_a_run_can_be_the_min_of_its_steps():
+    """`--stat min`: the fastest step after the skipped ones (a step only gains time from the machine's other work)."""
+    recs = [{"step": 1, "loss": 1, "step_time_ms": 5.0}, {"step": 3, "loss": 1, "step_time_ms": 30.0},
+            {"step": 4, "loss": 1, "step_time_ms": 10.0}, {"step": 5, "loss": 1, "step_time_ms": 20.0}]
+    assert run_seconds(recs, stat="min") == 0.01
+    assert run_seconds(recs, stat="median") == 0.02
+
+
+def test_relative_noise_is_the_median_spread_over_time_by_statistic():
+    """Two layouts, two repeats each: a's medians 0.10 and 0.12 (spread 0.02 over the median 0.11), mins 0.10 and
+    0.10 (0); b's medians 0.20 and 0.20 (0), mins 0.15 and 0.20 (0.05 / 0.175): the median over the layouts of each."""
+    steps = {(2, "a"): [[0.10, 0.10, 0.11], [0.10, 0.12, 0.13]], (2, "b"): [[0.20, 0.20, 0.21], [0.15, 0.20, 0.30]]}
+    got = relative_noise(steps)
+    assert got["median"] == pytest.approx((0.02 / 0.11 + 0) / 2, rel=1e-9)
+    assert got["min"] == pytest.approx((0 + 0.05 / 0.175) / 2, rel=1e-9)
 
 
 def test_noise_is_the_spread_of_the_repeats():
@@ -52,15 +69,17 @@ def test_pairwise_over_three_layouts():
 def test_the_calibrated_cluster_runs_all_busy_ranks_at_the_measured_contended_rate():
     """bench.plan_rank.cpu_cluster: contention is measured with all N ranks busy, so a layout with no bubble
     (dp=4, every rank busy) must be predicted at one process's FLOP/s x that contention, with 4 ranks on 2 cores
-    as with 2 on 2; the cores are passed only when fewer than the ranks. Latency and bandwidth are the job's."""
+    as with 2 on 2; the cores are passed only when fewer than the ranks. The hop and bandwidth are the job's, and a
+    call has no latency beyond its hops."""
     from bench.plan_rank import cpu_cluster
     from plan.search import core_share
-    cal_1 = {"matmul_flops": 10e9, "bus_bw": None, "latency": None}
+    cal_1 = {"matmul_flops": 10e9}
     for world, rate in ((2, 8e9), (4, 4.5e9)):
-        cal = {"matmul_flops": rate, "bus_bw": 1e9, "latency": 2e-4}
+        cal = {"matmul_flops": rate, "bus_bw": 1e9, "hop": 2e-4}
         cluster, figures = cpu_cluster(world, 3e9, cal, cal_1, cores=2)
         assert cluster.peak_flops * core_share(cluster, 0.0) == pytest.approx(3e9 * rate / 10e9, rel=1e-12)
-        assert (cluster.cores, cluster.latency, cluster.intra_bw) == (2 if world > 2 else None, 2e-4, 1e9)
+        assert (cluster.cores, cluster.hop, cluster.latency, cluster.intra_bw) == (2 if world > 2 else None, 2e-4,
+                                                                                   0.0, 1e9)
         assert figures["compute_flops"] == pytest.approx(3e9 * rate / 10e9, rel=1e-12)
         # one process's 1 ms per action, slowed by the contention as its FLOPs are, on a busy rank
         cluster, _ = cpu_cluster(world, 3e9, cal, cal_1, cores=2, overhead=1e-3)
@@ -85,7 +104,7 @@ def test_the_calibrated_one_process_cluster_reproduces_both_reference_runs():
     ones = planned(1, Cluster(1, 1, 2 ** 40, 1e12, 1e9, 1e9))
     big, small = ones[SINGLE].setup, ones[SMALL].setup
     overhead, rate = fit_overhead(step_flops(big), (0.10, compute_actions(big)), (0.13, compute_actions(small)))
-    cal = {"matmul_flops": 1e10, "bus_bw": None, "latency": None}
+    cal = {"matmul_flops": 1e10, "bus_bw": None, "hop": None}
     cluster, _ = cpu_cluster(1, rate, cal, cal, cores=2, overhead=overhead)
     got = planned(1, cluster)
     assert got[SINGLE].seconds == pytest.approx(0.10, rel=1e-9)
