@@ -395,8 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
+        from parallel.mesh import exit_process
         worker(json.loads(args.worker))
-        return 0
+        exit_process(0)  # the group is destroyed: skip finalization (parallel.mesh.exit_process)
     sys.path.insert(0, ROOT)
     from bench.forkserver import ForkServer
     from metrics import read_jsonl
