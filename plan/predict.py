@@ -87,7 +87,8 @@ class Setup:
     @property
     def copies_reduce_input(self) -> bool:
         """Whether the ranks' reduce-scatter copies its input: gloo's does (CPU ranks, --device cpu), NCCL's does
-        not (--device cuda, or auto: the planner's GPUs); fsdp.reduce_held_bytes."""
+        not (--device cuda, or auto: the planner's GPUs; `for_run` passes a run's resolved device);
+        fsdp.reduce_held_bytes."""
         return backend_for(torch.device("cpu" if self.args.device == "cpu" else "cuda")) == "gloo"
 
     @property
@@ -583,7 +584,8 @@ def for_run(plan) -> dict | None:
     buffers and collectives are torch's, which these formulas do not describe)."""
     if plan.par.implementation != "custom":
         return None
-    return predict(Setup(plan.args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers))
+    args = argparse.Namespace(**{**vars(plan.args), "device": plan.device.type})  # --device auto, resolved
+    return predict(Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers))
 
 
 def summary(p: dict) -> str:
