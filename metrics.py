@@ -238,7 +238,10 @@ class SavedAndRecomputedBytes(SavedBytes):
     `_recomputation_hook` (the innermost hooks win) and holds the results in its frame until backward unpacks
     them. So while open, this wraps that hook's pack function to count each storage it keeps (distinct,
     parameters excluded, not already counted as saved) from the moment it is recomputed until it is freed (a
-    weakref finalizer on the storage)."""
+    weakref finalizer on the storage). Counted before the pack runs: with early stop (checkpoint's default)
+    the pack of the last tensor the forward saved keeps it, then raises to end the recomputation, so a count
+    after it would miss that tensor (a row-parallel c_proj's input, GELU's output: mm saves it after the
+    weight; nn.Linear's addmm saves the weight last, a parameter, which is not counted anyway)."""
 
     def __enter__(self) -> "SavedAndRecomputedBytes":
         counter, base = self, torch.utils.checkpoint._recomputation_hook
@@ -250,9 +253,8 @@ class SavedAndRecomputedBytes(SavedBytes):
                 inner = self.pack_hook
 
                 def pack(t: torch.Tensor):
-                    held = inner(t)
                     counter._recomputed(storage_of(t))
-                    return held
+                    return inner(t)  # the last one raises _StopRecomputationError, after keeping t
 
                 self.pack_hook = pack
 

@@ -596,3 +596,32 @@ def fsdp_comm_bytes_per_micro_step(root: int, blocks: int, world: int, reshard_a
         return {"all_gather": 0, "reduce_scatter": 0}
     passes = 2 if reshard_after_forward else 1
     return {"all_gather": (root + passes * blocks) * param_bytes, "reduce_scatter": (root + blocks) * reduce_bytes}
+
+
+def reduce_held_bytes(stage: int, grads: int, padded: int, prev: int, before: int, shard: int,
+                      param_bytes: int = 4, reduce_bytes: int = 4, copies_input: bool = False) -> int:
+    """Gradient bytes a backward holds beyond the state at the moment a unit's flat gradient is made, the last
+    allocation before `_post_backward` runs: autograd's SplitWithSizesBackward concatenates (aten::cat) the
+    unit's parameter gradients, `grads` elements it still holds, into one flat gradient of `padded` elements,
+    both in the compute dtype. ZeRO-2/3 (`GradReduction`, one reduce-scatter in flight: `finish(final=False)`
+    before each `start`) also hold the previous unit's reduction (`prev` padded elements, 0 for none): its full
+    gradient in `reduce_dtype`, the reduce-scatter's output (prev / S) and, where the backend copies its input
+    (`copies_input`: gloo's reduce_scatter_tensor clones it, all-reduces the clone, and copies this rank's chunk
+    out on wait; NCCL reduces in place), that copy; and the reduced output of the unit before it (`before`
+    padded elements), kept in `reducing` until the next `finish` adds it into `.grad`. ZeRO-1 adds the flat
+    gradient into the unit's kept full buffer (state) and frees it: nothing in flight."""
+    out = (grads + padded) * param_bytes
+    if not ZERO_LADDER[stage].reduces_at_end:
+        copy = prev if copies_input and shard > 1 else 0
+        out += (prev + copy + prev // shard + before // shard) * reduce_bytes
+    return out
+
+
+def reduce_accumulated_held_bytes(padded: list[int], shard: int, reduce_bytes: int = 4,
+                                  copies_input: bool = False) -> int:
+    """What ZeRO-1's end-of-step reduction (`reduce_accumulated`, `keep`) holds beyond its full gradient
+    buffers (state), for units of `padded` elements: every reduce-scatter is started before any is waited, so
+    the backend's copies of every input (`copies_input`, gloo: see `reduce_held_bytes`) and, unless the output
+    is the buffer's own slice (an fp32 reduction), every 1/S output."""
+    copy = copies_input and shard > 1
+    return sum(p * copy + (p // shard if reduce_bytes != 4 else 0) for p in padded) * reduce_bytes

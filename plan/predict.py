@@ -27,12 +27,14 @@ from parallel.fsdp import (
     ZERO_LADDER,
     ZERO_STAGES,
     pipelined_root_gathers,
+    reduce_accumulated_held_bytes,
+    reduce_held_bytes,
     unit_key,
     zero_comm_bytes_per_pipeline_step,
     zero_comm_bytes_per_step,
     zero_comm_calls_per_step,
 )
-from parallel.mesh import ParallelDims
+from parallel.mesh import ParallelDims, backend_for
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import PipelineStage, p2p_bytes_per_step, p2p_calls_per_step
 from parallel.pipeline_schedule import (
@@ -81,6 +83,13 @@ class Setup:
     @property
     def reduce_bytes(self) -> int:
         return _size(self.par.reduce_dtype)
+
+    @property
+    def copies_reduce_input(self) -> bool:
+        """Whether the ranks' reduce-scatter copies its input: gloo's does (CPU ranks, --device cpu), NCCL's does
+        not (--device cuda, or auto: the planner's GPUs; `for_run` passes a run's resolved device);
+        fsdp.reduce_held_bytes."""
+        return backend_for(torch.device("cpu" if self.args.device == "cpu" else "cuda")) == "gloo"
 
     @property
     def residual_bytes(self) -> int:
@@ -332,23 +341,34 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     (parallel/zero_bubble.py): x 7NC and dy 9NC elements in the compute dtype, 16NCa bytes; the Block saves
     16NCa + 4NC(r - a) + its LayerNorm statistics and log-sum-exp, so counting a micro-batch whole until its W is
     an upper bound: within 1% in fp32 (r = a), 4NC(r - a) per Block over under autocast."""
+    micro = micro_saved_bytes(s, pp_rank)
+    if not s.dims.pp_enabled:
+        return micro
+    V = s.args.pp_virtual_stages or 1
+    in_flight = _in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
+    return in_flight * micro // V  # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks
+
+
+def block_input_bytes(s: Setup) -> int:
+    """X, a Block's input (all a checkpointed Block keeps): (B, T, C) in the residual dtype, 1/p of it under SP."""
+    a = s.args
+    return a.micro_batch_size * a.seq_len // s.dims.cp * s.config.n_embd * s.residual_bytes // (
+        s.dims.tp if a.sequence_parallel else 1)
+
+
+def micro_saved_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """One micro-batch's saved bytes over all of the rank's Blocks and ends (`saved_activation_bytes` without a
+    pipeline; under one, a (chunk, micro-batch) pair holds 1/V of it)."""
     a = s.args
     B, T = a.micro_batch_size, a.seq_len // s.dims.cp
     blocks, first, last = stage_blocks(s, pp_rank)
-    S = block_saved_bytes(s, B, T)
-    X = B * T * s.config.n_embd * s.residual_bytes // (s.dims.tp if a.sequence_parallel else 1)  # a Block's input
+    S, X = block_saved_bytes(s, B, T), block_input_bytes(s)
     ckpt = recomputed_blocks(s, blocks)
     ends = ends_saved_bytes(s, B, T, first, last)
     held = (len(blocks) - ckpt) * S + ckpt * X
     if a.activation_checkpointing == "full":
-        micro = held + max(ends, (S - X) + ends_saved_bytes(s, B, T, first, False))
-    else:
-        micro = held + ends
-    if not s.dims.pp_enabled:
-        return micro
-    V = a.pp_virtual_stages or 1
-    in_flight = _in_flight(a.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
-    return in_flight * micro // V  # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks
+        return held + max(ends, (S - X) + ends_saved_bytes(s, B, T, first, False))
+    return held + ends
 
 
 def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
@@ -410,24 +430,115 @@ def held_grad_bytes(s: Setup, pp_rank: int = 0) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- the sharding engine's backward
+
+EMBEDDINGS = ("transformer.wte.weight", "transformer.wpe.weight")
+HEAD = ("lm_head.weight", "transformer.ln_f.weight", "transformer.ln_f.bias")  # lm_head: wte where tied to it
+
+
+def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
+    """The most bytes a sharding engine's chunk backward holds for its gradients beyond the parameters and
+    optimizer state, the other micro-batches' activations and ZeRO-3's gathered roots: over each of the rank's
+    chunks and the units its backward completes, in order, `fsdp.reduce_held_bytes` at the unit's flat gradient
+    (its parameter gradients and their concatenation; ZeRO-2/3 the previous unit's reduce-scatter in flight and
+    the one before's output), plus the shard gradients (every one once a step runs more than one backward, and
+    ZeRO-1's full buffers always; in a step's only backward those of the units reduced before), plus ZeRO-3's
+    gathered Block and the one `_pre_backward` prefetched below it, plus this micro-batch's activations still
+    saved then (the Blocks below; the head's units see all of them). The order, per chunk:
+    the head's units (a last stage's tied lm_head copy, then the root's ln_f), the Blocks top down, and the
+    embeddings' units: both embedding_dense_backward gradients (whole tables) exist before either unit is
+    concatenated, the tied unit (wte) first (`_run` shows it after the root: autograd runs the later node of
+    two ready ones first), then the root (wpe). One chunk with both ends (no pipeline) completes its root last,
+    so lm_head's and ln_f's gradients wait through the Blocks; a V's rank 0 holds the ends in two chunks.
+    0 without a sharding engine."""
+    if s.dp_type not in ZERO_STAGES:
+        return 0
+    a, d, stage = s.args, s.dims, ZERO_STAGES[s.dp_type]
+    shard, pb, rb, copies = d.dp_shard * d.cp, s.param_bytes, s.reduce_bytes, s.copies_reduce_input
+    sizes = units(s, pp_rank)
+    padded = {u: shard_numel(n, shard) * shard for u, (n, _) in sizes.items()}
+    params = {n: k for n, k, _ in local_params(s, pp_rank)}
+    numel = lambda names: sum(params.get(n, 0) for n in names)  # noqa: E731
+    lm_head = "lm_head.weight" if "lm_head.weight" in params else "transformer.wte.weight"
+    head = numel((lm_head, *HEAD[1:]))
+    B, T = a.micro_batch_size, a.seq_len // d.cp
+    S, X = block_saved_bytes(s, B, T), block_input_bytes(s)
+    tied = "tied" in padded
+    V, v_shape = a.pp_virtual_stages or 1, a.pp_schedule in V_SCHEDULES
+    if d.pp_enabled:
+        layers = _layers(s.config, d.pp, V, a.seq_len, s.pp_layers, v_shape)
+        chunks = [chunk_of(pp_rank, v, d.pp, v_shape) for v in range(V)]
+    else:
+        layers, chunks = (range(s.config.n_layer),), [0]
+    every, every_held = state_bytes(s, pp_rank)["grads"], stage == 1 or s.grad_accum > 1
+    most = 0
+    for c in chunks:
+        blocks, first, last = list(layers[c]), c == 0, c == len(layers) - 1
+        ends = ends_saved_bytes(s, B, T, first, False)
+        below = [ends + sum(X if recomputed_blocks(s, [i]) else S for i in blocks[:k]) for k in range(len(blocks) + 1)]
+        order: list[tuple[int, int, int, int]] = []  # (gradient elements, padded, gathered elements, activation bytes)
+        if last and not first:
+            all_saved = below[-1] + ends_saved_bytes(s, B, T, False, True)
+            order += [(params[lm_head], padded["tied"], 0, all_saved), (head - params[lm_head], padded["root"], 0, 0)] \
+                if tied else [(head, padded["root"], 0, 0)]
+        waiting = head if first and last else 0  # lm_head's and ln_f's gradients, until the root's concatenation
+        for k in reversed(range(len(blocks))):
+            u, lower = f"transformer.h.{blocks[k]}", f"transformer.h.{blocks[k - 1]}" if k else None
+            gathered = padded[u] + (padded[lower] if lower else 0) if stage == 3 else 0
+            order.append((sizes[u][0] + waiting, padded[u], gathered, below[k]))
+        if first:
+            wpe = numel(EMBEDDINGS[1:])
+            order += [(numel(EMBEDDINGS), padded["tied"], 0, 0), (wpe, padded["root"], 0, 0)] if tied and not last \
+                else [(numel(EMBEDDINGS) + waiting - (params[lm_head] if last else 0), padded["root"], 0, 0)]
+        for i, (grads, n, gathered, saved) in enumerate(order):
+            prev, before = (order[i - 1][1] if i >= 1 else 0), (order[i - 2][1] if i >= 2 else 0)
+            held = reduce_held_bytes(stage, grads, n, prev, before, shard, pb, rb, copies)
+            most = max(most, held + gathered * pb + saved + (
+                every if every_held else 4 * sum(u[1] // shard for u in order[:max(i - 2, 0)])))
+    return most
+
+
+def reduce_phase(s: Setup, pp_rank: int = 0) -> int:
+    """peak_parts' "reduce" (a sharding engine; 0 otherwise): the larger of a backward's moment, the other
+    (chunk, micro-batch) pairs the schedule holds (saved_activation_bytes less one pair) + ZeRO-3's roots
+    gathered (a forward ran since the last backward: a pipeline's steady state; without one the root is kept
+    from forward to backward) + `reduce_transient`, and ZeRO-1's end-of-step reduction, its full buffers +
+    `fsdp.reduce_accumulated_held_bytes` (no activations left then). Each term of the moment is what some
+    backward holds; together an upper bound where they do not coincide (GPipe's first backward holds the most
+    pairs, but its reduced outputs are the shard gradients, not beside them: +8% measured)."""
+    if s.dp_type not in ZERO_STAGES:
+        return 0
+    shard = s.dims.dp_shard * s.dims.cp
+    padded = {u: shard_numel(n, shard) * shard for u, (n, _) in units(s, pp_rank).items()}
+    others = saved_activation_bytes(s, pp_rank) - micro_saved_bytes(s, pp_rank) // (s.args.pp_virtual_stages or 1) \
+        if s.dims.pp_enabled else 0
+    roots = (padded["root"] + padded.get("tied", 0)) * s.param_bytes if s.dp_type == "fsdp" else 0
+    end_of_step = reduce_accumulated_held_bytes(list(padded.values()), shard, s.reduce_bytes,
+                                                s.copies_reduce_input) if s.dp_type == "zero1" else 0
+    moment = max(others, 0) + roots + reduce_transient(s, pp_rank)
+    return max(moment, state_bytes(s, pp_rank)["grads"] + end_of_step)
+
+
 def peak_parts(s: Setup, pp_rank: int = 0) -> dict[str, int]:
     """The peak's phases, each over parameters + optimizer state (alive all step):
     - "forward": the gradients a forward runs beside (held_grad_bytes) + the saved activations at the end of
       forward + the largest transient (the loss's backward starts on them; under full AC without a pipeline the
       saved bytes there are the checkpointed inputs and the head's, not a recomputed Block's);
     - "recompute" (full AC only): every gradient + the inputs + one recomputed Block (saved_activation_bytes);
+    - "reduce" (a sharding engine): the shard gradients and a backward's gradient copies as its units complete
+      (`reduce_phase`): under a pipeline the peak of a ZeRO-2/3 stage 0, at the embeddings' gradients, beside
+      the other micro-batches;
     - "optimizer": every gradient (AdamW's temporaries: on CPU it runs per tensor, at most a few of the largest
       parameter's size; on GPU foreach kernels allocate lists of them: not modelled)."""
     state = state_bytes(s, pp_rank)
     base, grads = state["params"] + state["optimizer"], state["grads"]
     saved = saved_activation_bytes(s, pp_rank)
-    out = {"forward": saved, "recompute": 0, "optimizer": grads}
+    out = {"forward": saved, "recompute": 0, "reduce": reduce_phase(s, pp_rank), "optimizer": grads}
     if s.args.activation_checkpointing == "full" and not s.dims.pp_enabled:
         a = s.args
         B, T = a.micro_batch_size, a.seq_len // s.dims.cp
         blocks, first, last = stage_blocks(s, pp_rank)
-        X = B * T * s.config.n_embd * s.residual_bytes // (s.dims.tp if a.sequence_parallel else 1)
-        out["forward"] = len(blocks) * X + ends_saved_bytes(s, B, T, first, last)
+        out["forward"] = len(blocks) * block_input_bytes(s) + ends_saved_bytes(s, B, T, first, last)
         out["recompute"] = grads + saved
     out["forward"] += held_grad_bytes(s, pp_rank) + largest_transient(s, pp_rank)
     return {"base": base, **out}
@@ -473,7 +584,8 @@ def for_run(plan) -> dict | None:
     buffers and collectives are torch's, which these formulas do not describe)."""
     if plan.par.implementation != "custom":
         return None
-    return predict(Setup(plan.args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers))
+    args = argparse.Namespace(**{**vars(plan.args), "device": plan.device.type})  # --device auto, resolved
+    return predict(Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers))
 
 
 def summary(p: dict) -> str:

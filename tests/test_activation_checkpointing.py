@@ -270,6 +270,19 @@ class TestSavedActivations(unittest.TestCase):
                 for name, g in ref.items():
                     self.assertTrue(torch.equal(got[name], g), f"{ac}: {name}")
 
+    def test_the_last_tensor_a_recomputation_keeps_is_counted(self):
+        """checkpoint's early stop ends a recomputation by raising from the pack of the last tensor the forward
+        saved, after keeping it. Here that tensor is a bias-free linear's input (mm saves its weight, then its
+        input), as the row-parallel c_proj's input, GELU's output, is under TP: the recomputation keeps x, GELU's
+        input and GELU's output (the weights are excluded), and all three are counted."""
+        import torch.nn.functional as F
+        from torch.utils.checkpoint import checkpoint
+        w1, w2 = torch.randn(32, 16, requires_grad=True), torch.randn(8, 32, requires_grad=True)
+        x = torch.randn(4, 16, requires_grad=True)
+        with SavedAndRecomputedBytes(exclude=[w1, w2]) as saved:
+            checkpoint(lambda x: F.linear(F.gelu(F.linear(x, w1)), w2), x, use_reentrant=False).sum().backward()
+        self.assertEqual(saved.peak, (4 * 16 + 4 * 32 + 4 * 32) * 4)
+
 
 # ----------------------------------------------------------------------------- bad input
 

@@ -428,6 +428,34 @@ class TestAllocatedPeak:
         assert peak.bytes is None
 
 
+# ----------------------------------------------------------------------------- the sharding engine's backward
+
+def test_reduce_phase_is_the_profiled_live_set_of_a_zero3_stage_0():
+    """pp=2 dp=2 fsdp (test_plan_runs' layout, bench.sweep's tiny GPT), rank 0: metrics.AllocatedPeak's live set at
+    step 2's peak, by the op that allocated each block (its `timeline`), is 1F1B's second backward at the
+    embeddings: beside parameters + AdamW state, every fp32 shard gradient (396544), the roots gathered by the
+    forward before (wpe 262144 + wte 131072, `_FlatUnit.gather`), the next micro-batch's chunk (264704 saved), and
+    the gradient copies `plan.predict.reduce_transient` counts: embedding_dense_backward's whole tables (262144 +
+    131072), the tied unit's flat gradient (aten::cat 131072), Block 0's reduction in flight (its flat gradient
+    199936, gloo's aten::clone of it 199936, the reduce-scatter's output 99968) and Block 1's output awaiting its
+    add (99968). NCCL, which reduces in place, holds no clone (there the first Block's moment, with Block 0
+    prefetched, is a little larger than the embeddings' without it)."""
+    from bench import sweep as S
+    from plan.predict import peak_parts, reduce_transient
+
+    def at(device: str) -> Setup:
+        x = S.Layout(pp=2, dp=2, dp_type="fsdp")
+        return setup([*S.BASE, "--dataset", "-", *x.flags(), "--device", device], x.nproc)
+
+    s = at("cpu")
+    shards, roots, others = 396544, 262144 + 131072, 264704
+    copies = 262144 + 131072 + 131072 + 199936 + 199936 + 99968 + 99968
+    assert reduce_transient(s) == shards + copies
+    parts = peak_parts(s)
+    assert parts["reduce"] == others + roots + shards + copies == max(v for k, v in parts.items() if k != "base")
+    assert shards + copies - 199936 <= reduce_transient(at("cuda")) < shards + copies
+
+
 # ----------------------------------------------------------------------------- per-action overhead
 
 def _overhead_delta(s: Setup, cluster) -> float:
