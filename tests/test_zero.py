@@ -17,6 +17,7 @@ import unittest
 import pytest
 import torch
 
+from bench.sweep import FP32_TP_RTOL as TP_RTOL  # TP layouts against one process, as the README states
 from metrics import read_jsonl
 from model import GPT, make_config
 from parallel.fsdp import fsdp_comm_bytes_per_micro_step
@@ -127,9 +128,16 @@ class TestZeroAgreesWithOneProcess(unittest.TestCase):
     elementwise, so the only differences are fp32 rounding of those sums (measured: <= 1.9e-7 on every
     loss, grad norm and val loss without TP).
     The norm is accumulated in fp64 (parallel/grads.py). With TP, which also splits matmul reductions across
-    ranks: tp_rtol(), 4x how far the one-process run itself is from the same run in float64 (tests/rounding.py;
-    measured: 3.3e-7, step 3's grad_norm, so 1.3e-6; the TP runs' worst is 2.7e-7). A missing sequence-parallel
-    LayerNorm-gradient all-reduce moves their grad_norm by 2e-2 and their loss by 1e-4.
+    ranks: tp_rtol(), 4x how far the one-process run itself is from the same run in float64 (tests/rounding.py),
+    on every loss and val_loss and on step 1's grad_norm (the first step's gradients, before any update). The
+    grad norms of later steps are held to TP_RTOL, the stated tolerance of TP layouts against one process (README;
+    bench.sweep's), not to the yardstick: that the TP run is about as far from float64 as the one process, which
+    the factor 4 assumes, depends on the machine's kernels. On one machine the one process was 3.3e-7 from float64
+    (step 3's grad_norm: tol 1.3e-6) and the TP runs' worst 2.7e-7; on another the one process was within 1.3e-7
+    of float64 on every number (tol 4.8e-7), while every TP run, ours and the DTensor twin alike, was 4.6e-7 to
+    6.0e-7 from float64 at step 3's grad_norm (5 ulps; 6.0e-7 to 7.3e-7 from the one process) and within 1 ulp
+    everywhere else. A missing sequence-parallel LayerNorm-gradient all-reduce moves their grad_norm by 2e-2 and
+    their loss by 1e-4: far outside both.
 
     PyTorch + TP: both twins run with --sequence_parallel --enable_loss_parallelism, like ours: torch DDP
     over DTensor TP (parallel/parallelize.localize_tp_params) under ZeroRedundancyOptimizer, and fully_shard
@@ -141,12 +149,15 @@ class TestZeroAgreesWithOneProcess(unittest.TestCase):
         cls.ref = steps_of(run("single"))
         cls.ref_evals = evals_of(RUNS["single"])
 
-    def check(self, name: str, rtol: float = 1e-6) -> dict[int, dict]:
+    def check(self, name: str, rtol: float = 1e-6, later_norms: float | None = None) -> dict[int, dict]:
+        """`name`'s run against one process: every loss and val_loss, and step 1's grad_norm, within rtol; the grad
+        norms of the later steps within `later_norms` (default rtol)."""
         out = run(name)
         got = steps_of(out)
         self.assertEqual(sorted(got), list(range(1, STEPS + 1)), name)
         assert_close(self, got, self.ref, "loss", rtol, name)
-        assert_close(self, got, self.ref, "grad_norm", rtol, name)
+        assert_close(self, got, self.ref, "grad_norm", rtol, name, steps=[1])
+        assert_close(self, got, self.ref, "grad_norm", later_norms or rtol, name, steps=range(2, STEPS + 1))
         self.assertEqual(sorted(evals_of(out)), [0, EVAL_EVERY, STEPS], name)
         assert_close(self, evals_of(out), self.ref_evals, None, rtol, name)
         return got
@@ -172,7 +183,7 @@ class TestZeroAgreesWithOneProcess(unittest.TestCase):
         for name in ("tp_zero1", "tp_zero2"):
             for impl in ("", "torch_"):
                 with self.subTest(impl + name):
-                    self.check(impl + name, rtol=tp_rtol())
+                    self.check(impl + name, rtol=tp_rtol(), later_norms=TP_RTOL)
 
     def test_custom_equals_its_twin(self):
         """Ours and its twin, for every layout: both sum the same per-rank gradients through the same
