@@ -13,8 +13,8 @@ metrics.jsonl:
   (metrics.AllocatedPeak, the CPU's allocated peak; `peak_memory_bytes` is the process's RSS on the CPU), within
   15% (the issue's bound), every layout: a sharding engine under a pipeline by peak_parts' "reduce" phase.
 
-The layouts are bench.sweep's (the tiny GPT with 4 Blocks, 512-token vocabulary, 12 rows of 32 tokens), one
-two steps each, every dim and dp type: one process, DDP, ZeRO-1/2/3, HSDP, TP with and without SP, CP, PP (each
+The layouts are bench.sweep's (the tiny GPT with 4 Blocks, 512-token vocabulary, 12 rows of 32 tokens; three at the
+small preset's width), two steps each, every dim and dp type: one process, DDP, ZeRO-1/2/3, HSDP, TP with and without SP, CP, PP (each
 schedule), their compositions up to 8 ranks, and activation checkpointing. Each is one forked run
 (tests/harness.shared_run), trained once per session. `pytest -s` prints the table.
 """
@@ -29,6 +29,7 @@ from metrics import read_jsonl
 from tests.harness import rank0_only, shared_data, shared_run
 
 L = S.Layout
+SMALL = ["--model", "small"]  # after bench.sweep.BASE's --model tiny: the last one counts
 LAYOUTS: list[tuple[S.Layout, list[str]]] = [
     (L(), []), (L(), ["--activation_checkpointing", "full"]),
     (L(dp=2, dp_type="ddp"), []), (L(dp=2, dp_type="zero1"), []), (L(dp=2, dp_type="zero2"), []),
@@ -46,12 +47,16 @@ LAYOUTS: list[tuple[S.Layout, list[str]]] = [
     (L(pp=2, dp=2, dp_type="zero2", schedule="interleaved_1f1b", virtual=2), []),
     # the zero-bubble schedules: a micro-batch held from F to W; the V's no p2p and no embedding all-reduce
     (L(pp=2, schedule="zb_h1"), []), (L(pp=2, dp=2, dp_type="ddp", schedule="zbv", virtual=2), []),
+    # the small preset's width (n_embd 384, 6 heads; 4 Blocks here): what scales with C and the heads
+    (L(), SMALL), (L(dp=2, dp_type="fsdp"), SMALL), (L(pp=2, tp=2), SMALL),
 ]
 SAVED_RTOL = 0.05
 
 
 def name(layout: S.Layout, extra: list[str]) -> str:
-    return layout.name + (f" ac={extra[1]}" if extra else "")
+    """The sweep's layout name, then each extra flag's value: `ac=full`, `small`."""
+    return layout.name + "".join(f" ac={v}" if f == "--activation_checkpointing" else f" {v}"
+                                 for f, v in zip(extra[::2], extra[1::2]))
 
 
 def records(layout: S.Layout, extra: list[str]) -> tuple[dict, dict]:
