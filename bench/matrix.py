@@ -14,7 +14,8 @@ import torch
 
 from model import GPT, GPTConfig
 from parallel.ddp import ddp_comm_bytes_per_step
-from parallel.fsdp import ZERO_STAGES, fsdp_comm_bytes_per_micro_step, zero_comm_bytes_per_step
+from parallel.fsdp import ZERO_STAGES
+from parallel.zero_formulas import fsdp_comm_bytes_per_micro_step, zero_comm_bytes_per_step
 from parallel.pipeline import p2p_bytes_per_step
 from parallel.pipeline_split import layers_for
 from parallel.tensor_parallel import tp_comm_bytes_per_micro_step

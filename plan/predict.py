@@ -23,17 +23,7 @@ from model import GPT, GPTConfig, loss_chunk_rows
 from parallel.context_parallel import cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step
 from parallel.ddp import ddp_comm_bytes_per_step, ddp_comm_calls_per_step
 from parallel.flat_param import FlatLayout, shard_numel
-from parallel.fsdp import (
-    ZERO_LADDER,
-    ZERO_STAGES,
-    pipelined_root_gathers,
-    reduce_accumulated_held_bytes,
-    reduce_held_bytes,
-    unit_key,
-    zero_comm_bytes_per_pipeline_step,
-    zero_comm_bytes_per_step,
-    zero_comm_calls_per_step,
-)
+from parallel.fsdp import ZERO_STAGES, unit_key
 from parallel.mesh import ParallelDims, backend_for
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import PipelineStage, p2p_bytes_per_step, p2p_calls_per_step
@@ -45,6 +35,15 @@ from parallel.pipeline_schedule import (
 )
 from parallel.pipeline_split import layers_for
 from parallel.tensor_parallel import tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step, tp_local_shape
+from parallel.zero_formulas import (
+    ZERO_LADDER,
+    pipelined_root_gathers,
+    reduce_accumulated_held_bytes,
+    reduce_held_bytes,
+    zero_comm_bytes_per_pipeline_step,
+    zero_comm_bytes_per_step,
+    zero_comm_calls_per_step,
+)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
@@ -88,7 +87,7 @@ class Setup:
     def copies_reduce_input(self) -> bool:
         """Whether the ranks' reduce-scatter copies its input: gloo's does (CPU ranks, --device cpu), NCCL's does
         not (--device cuda, or auto: the planner's GPUs; `for_run` passes a run's resolved device);
-        fsdp.reduce_held_bytes."""
+        zero_formulas.reduce_held_bytes."""
         return backend_for(torch.device("cpu" if self.args.device == "cpu" else "cuda")) == "gloo"
 
     @property
@@ -268,7 +267,7 @@ def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]
 
 
 def _root_gathers(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
-    """fsdp.pipelined_root_gathers over each rank's actions of `schedule`."""
+    """zero_formulas.pipelined_root_gathers over each rank's actions of `schedule`."""
     return schedule_facts(schedule, pp, micro, virtual)[1]
 
 
@@ -277,7 +276,7 @@ def schedule_facts(schedule: str, pp: int, micro: int, virtual: int
                    ) -> tuple[tuple[int, ...], tuple[int, ...], float, tuple[tuple[int, int, int], ...]]:
     """What the planner reads off a schedule's action lists, from one build and one simulate (the runner's isend:
     "async"; unit times): each rank's most (chunk, micro-batch) activations in flight, each rank's ZeRO-3 root
-    gathers (fsdp.pipelined_root_gathers), the ideal timeline's bubble fraction (for the V schedules what
+    gathers (zero_formulas.pipelined_root_gathers), the ideal timeline's bubble fraction (for the V schedules what
     pipeline_schedule.bubble_fraction returns: the same simulate), and each rank's count of F, B and W actions
     (plan.search.step_time charges Cluster.overhead per action). The lists are not kept (P x M x V actions)."""
     actions = ALL_SCHEDULES[schedule](pp, micro, virtual)
@@ -439,7 +438,7 @@ HEAD = ("lm_head.weight", "transformer.ln_f.weight", "transformer.ln_f.bias")  #
 def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
     """The most bytes a sharding engine's chunk backward holds for its gradients beyond the parameters and
     optimizer state, the other micro-batches' activations and ZeRO-3's gathered roots: over each of the rank's
-    chunks and the units its backward completes, in order, `fsdp.reduce_held_bytes` at the unit's flat gradient
+    chunks and the units its backward completes, in order, `zero_formulas.reduce_held_bytes` at the unit's flat gradient
     (its parameter gradients and their concatenation; ZeRO-2/3 the previous unit's reduce-scatter in flight and
     the one before's output), plus the shard gradients (every one once a step runs more than one backward, and
     ZeRO-1's full buffers always; in a step's only backward those of the units reduced before), plus ZeRO-3's
@@ -503,7 +502,7 @@ def reduce_phase(s: Setup, pp_rank: int = 0) -> int:
     (chunk, micro-batch) pairs the schedule holds (saved_activation_bytes less one pair) + ZeRO-3's roots
     gathered (a forward ran since the last backward: a pipeline's steady state; without one the root is kept
     from forward to backward) + `reduce_transient`, and ZeRO-1's end-of-step reduction, its full buffers +
-    `fsdp.reduce_accumulated_held_bytes` (no activations left then). Each term of the moment is what some
+    `zero_formulas.reduce_accumulated_held_bytes` (no activations left then). Each term of the moment is what some
     backward holds; together an upper bound where they do not coincide (GPipe's first backward holds the most
     pairs, but its reduced outputs are the shard gradients, not beside them: +8% measured)."""
     if s.dp_type not in ZERO_STAGES:
