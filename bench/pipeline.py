@@ -33,12 +33,17 @@ import os
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from metrics import SavedBytes  # noqa: F401 -- measured here; it lives in metrics (train.py uses it too)
 from parallel.mesh import exit_process
 from parallel.pipeline_schedule import ALL_SCHEDULES, B, COMPUTE, F, V_SCHEDULES, W, bubble_fraction, simulate
+
+if TYPE_CHECKING:  # the worker imports them itself, after torchrun has started it
+    from model import GPTConfig
+    from parallel.pipeline_split import StageCosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -226,7 +231,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def step_costs(cfg, rank: int, P: int, batches: list, flops, warmup: int, steps: int = 5):
+def step_costs(cfg: GPTConfig, rank: int, P: int, batches: list, flops: StageCosts, warmup: int,
+               steps: int = 5) -> StageCosts:
     """StageCosts from 1F1B steps on the FLOP split (pipeline_split.costs_from_step): each rank's median over
     `steps` of its F + B time per micro-batch, gathered, so every rank computes the same split."""
     import statistics
