@@ -88,7 +88,8 @@ class Setup:
         """Whether the ranks' reduce-scatter copies its input: gloo's does (CPU ranks, --device cpu), NCCL's does
         not (--device cuda, or auto: the planner's GPUs; `for_run` passes a run's resolved device);
         zero_formulas.reduce_held_bytes."""
-        return backend_for(torch.device("cpu" if self.args.device == "cpu" else "cuda")) == "gloo"
+        device = self.args.device
+        return device != "auto" and backend_for(torch.device(device)) == "gloo"
 
     @property
     def residual_bytes(self) -> int:
