@@ -38,7 +38,7 @@ from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import group_timeout, make_timer
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F,
-                                        SPLIT_SCHEDULES, V_SCHEDULES, W, chunk_of, rank_of)
+                                        SPLIT_SCHEDULES, V_SCHEDULES, W, Action, chunk_of, rank_of, send_waits)
 from parallel.pipeline_split import layers_for
 from parallel.zero_bubble import WeightGradStore
 
@@ -169,8 +169,9 @@ class PipelineRunner:
     Stores, per micro-batch whose forward ran and whose backward has not: each chunk's input (a leaf) and
     output (or scaled loss) with its graph; freed at that backward. Under a split schedule, from B to W: the
     (input, output gradient) of each of the chunk's linears (`self.store`). A sent tensor is held until its send
-    has completed (checked after every action; a forward's send surely has by its backward, which waits on it), so
-    a rank holds what the schedule bounds (1F1B: P - rank micro-batches), not every micro-batch sent.
+    is waited on, at a point the list names (`send_waits`: a forward's send at its B, an input gradient's at the
+    rank's next B), the same on every backend, so every rank holds what the schedule bounds (1F1B: P - rank
+    micro-batches, plus one gradient in flight), not every micro-batch sent.
     A receive is posted at its place in the list and waited on just before the F or B that reads it, so a
     rank computes what needs no input while the data is in flight (the wait is idle in `timeline`).
     Communicates point-to-point with the neighbouring chunks' ranks in `group` (the pp group; None: the whole
@@ -180,7 +181,9 @@ class PipelineRunner:
 
     After a step: `timeline` is [(action, start, end)] in seconds, one per action (device events on CUDA,
     the host clock on the CPU: parallel.mesh.make_timer); `peak_in_flight` is the most (chunk, micro)
-    whose forward ran and whose backward (W, when split) has not, at once; `peak_held_bytes` the most bytes of
+    whose forward ran and whose backward (W, when split) has not, at once; `events` the ("post", SEND/RECV),
+    ("wait", SEND/RECV) and ("run", F/B/W) in the order they happened; with `measure_held` set (host time per
+    action, so off unless asked), `peak_held_bytes` the most bytes of
     distinct tensor storages the runner held at once (stored inputs and outputs, received buffers, gradients and
     activations waiting for or in a send, the (input, output gradient) pairs waiting for W, and under our
     sharding engine the unit gradients held for W).
@@ -212,7 +215,9 @@ class PipelineRunner:
         self.timer = make_timer(self.device)
         self._marks: list[tuple[object, object, object]] = []
         self.peak_in_flight = 0
+        self.measure_held = False  # when set, `peak_held_bytes` is measured after every action (host time)
         self.peak_held_bytes = 0
+        self.events: list[tuple[str, object]] = []  # the last step's ("post" | "wait" | "run", action), in order
         self.store = WeightGradStore(stage)  # a split schedule's deferred weight gradients
 
     @property
@@ -234,6 +239,7 @@ class PipelineRunner:
             raise ValueError(f"schedule {schedule_name} needs a stage cut {'in' if not st.v_shape else 'without'} "
                              "a V (PipelineStage(..., v_shape=True) for zbv and dualpipev)")
         actions = ALL_SCHEDULES[schedule_name](st.pp, M, st.virtual)[st.rank]
+        waits = send_waits(actions)  # where each send is waited on and freed: a point the list names
         split = schedule_name in SPLIT_SCHEDULES
         defer = self.store.defer if split else (lambda key: contextlib.nullcontext())
         live: set[tuple[int, int]] = set()  # (c, m) whose F ran and whose B (W, when split) has not
@@ -244,14 +250,18 @@ class PipelineRunner:
         act_in: dict[tuple[int, int], torch.Tensor] = {}    # (c, m) -> input of F(c, m), received or local
         grad_out: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> grad of chunk c's output
         to_send: dict[tuple[str, int, int], torch.Tensor] = {}
-        sends: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}  # in flight: keep t alive
+        sends: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # in flight until waited: keep t alive
         loss = torch.zeros((), device=device)
-        self._marks, self.peak_in_flight, self.peak_held_bytes = [], 0, 0
-        recvs: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}  # posted, not yet waited on
+        self._marks, self.peak_in_flight, self.peak_held_bytes, self.events = [], 0, 0, []
+        recvs: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # posted, not yet waited on
         for a in actions:
             key = (a.chunk, a.micro)
-            if a.kind in (F, B) and (pending := recvs.pop((RECV_F if a.kind == F else RECV_B, *key), None)):
-                pending[0].wait()  # before the clock starts: waiting for data is idle, not compute
+            for s in waits.get(a, ()):  # before the clock starts: waiting is idle, not compute
+                sends.pop(s)[0].wait()
+                self.events.append(("wait", s))
+            if a.kind in (F, B) and (pending := recvs.pop(Action(RECV_F if a.kind == F else RECV_B, *key), None)):
+                pending[0].wait()
+                self.events.append(("wait", Action(RECV_F if a.kind == F else RECV_B, *key)))
                 if a.kind == F:
                     act_in[key] = pending[1].requires_grad_()  # after the wait: a leaf the chunk's backward fills
                 else:
@@ -259,6 +269,7 @@ class PipelineRunner:
                 del pending
             t0 = self.timer.mark()
             comm.RECORDER.micro = a.micro  # the flight recorder's context
+            self.events.append(("post" if a.kind in (SEND_F, SEND_B, RECV_F, RECV_B) else "run", a))
             if a.kind == F:
                 x, y = micro_batches[a.micro]
                 inp = x.to(device) if a.chunk == 0 else act_in.pop(key)
@@ -270,14 +281,12 @@ class PipelineRunner:
                 elif rank_of(a.chunk + 1, st.pp, st.v_shape) == st.rank:  # next chunk is local (P == 1; the V)
                     act_in[(a.chunk + 1, a.micro)] = out.detach().requires_grad_()
                 else:
-                    to_send[(SEND_F, *key)] = self._check(out.detach())
+                    to_send[Action(SEND_F, *key)] = self._check(out.detach())
                 stored[key] = (inp if a.chunk > 0 else None, out)
                 live.add(key)
                 self.peak_in_flight = max(self.peak_in_flight, len(live))
             elif a.kind == B:
                 inp, out = stored.pop(key)
-                if (SEND_F, *key) in sends:  # the peer's gradient came back, so its copy of out was received
-                    sends.pop((SEND_F, *key))[0].wait()
                 with defer(key):  # split: the input gradient only (and a checkpointed Block's recompute)
                     if a.chunk == st.n_chunks - 1:
                         torch.autograd.backward(scale(out) if scale is not None else out)
@@ -289,28 +298,28 @@ class PipelineRunner:
                     if rank_of(a.chunk - 1, st.pp, st.v_shape) == st.rank:
                         grad_out[(a.chunk - 1, a.micro)] = inp.grad
                     else:
-                        to_send[(SEND_B, *key)] = self._check(inp.grad.contiguous())
+                        to_send[Action(SEND_B, *key)] = self._check(inp.grad.contiguous())
                 del inp, out
             elif a.kind == W:  # the weight gradients B(c, m) left, in the order of the B's: 1F1B's sums
                 self.store.flush(key)
                 live.discard(key)
             elif a.kind in (SEND_F, SEND_B):
-                t = to_send.pop((a.kind, *key))
+                t = to_send.pop(a)
                 peer = rank_of(a.chunk + (1 if a.kind == SEND_F else -1), st.pp, st.v_shape)
-                sends[(a.kind, *key)] = (comm.send(t, peer, self.group), t)
+                sends[a] = (comm.send(t, peer, self.group), t)
                 del t
             elif a.kind in (RECV_F, RECV_B):
                 buf = torch.empty(shape, dtype=self.act_dtype, device=device)
                 peer = rank_of(a.chunk + (-1 if a.kind == RECV_F else 1), st.pp, st.v_shape)
-                recvs[(a.kind, *key)] = (comm.recv(buf, peer, self.group), buf)  # waited on by its F or B
+                recvs[a] = (comm.recv(buf, peer, self.group), buf)  # waited on by its F or B
                 del buf
             self._marks.append((a, t0, self.timer.mark()))
-            for done in [k for k, (work, _) in sends.items() if work.is_completed()]:
-                del sends[done]
-            self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(stored, act_in, grad_out, to_send, sends,
-                                                                        recvs, self.store.held_tensors()))
-        for work, _ in sends.values():
+            if self.measure_held:
+                self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(
+                    stored, act_in, grad_out, to_send, sends, recvs, self.store.held_tensors()))
+        for s, (work, _) in sends.items():  # SEND_B's that no later B waited on
             work.wait()
+            self.events.append(("wait", s))
         assert not stored and not act_in and not grad_out and not to_send and not recvs and not self.store, \
             "schedule left work undone"
         return loss

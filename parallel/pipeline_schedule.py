@@ -332,6 +332,28 @@ def _needs(a: Action, pp: int, chunks: int, v: bool = False) -> Action | None:
     return None
 
 
+def send_waits(actions: list[Action]) -> dict[Action, list[Action]]:
+    """Where a rank waits on each of its sends, and so frees what it sent, at a point its own list names (the
+    same on every backend; no completion polling): SEND_F(c, m) just before B(c, m), whose input, the peer's
+    gradient, is proof the activation arrived; SEND_B(c, m) just before the rank's next B (a later one than
+    the one that computed it), or at the step's end when none follows. Every wait stands after its send in the
+    list, at a compute that starts later than the message is ready, so it adds no deadlock under any p2p
+    model (`simulate` runs them). A rank then holds, beyond its stored activations, at most one input gradient
+    in flight: the bound does not grow with M."""
+    sent_forward = {a for a in actions if a.kind == SEND_F}
+    waits: dict[Action, list[Action]] = {}
+    pending_b: list[Action] = []  # SEND_B's waiting for the rank's next B
+    for a in actions:
+        if a.kind == B:
+            mine = [s for s in [Action(SEND_F, a.chunk, a.micro)] if s in sent_forward] + pending_b
+            if mine:
+                waits[a] = mine
+            pending_b = []
+        elif a.kind == SEND_B:
+            pending_b.append(a)
+    return waits
+
+
 PAIRINGS = ("ready", "meet", "split")
 
 
@@ -423,7 +445,9 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
       complete together, at the later post, when one is a send and the other its receive; two sends (or two
       receives) at the heads wait for each other forever.
     In both, a compute waits for the receive of its input, which must be posted before it in the rank's list
-    (PipelineRunner posts each receive at its place in the list and waits on it just before the compute).
+    (PipelineRunner posts each receive at its place in the list and waits on it just before the compute), and
+    for the sends `send_waits` names before it to be matched with their receives (the runner waits on them
+    there, and frees what they sent).
     Raises ScheduleError on deadlock, a send meeting the wrong receive, a compute before its input's receive,
     F/B/W out of order, work on another rank's chunk, or any (chunk, micro) without exactly one F and one B (and
     one W in a split schedule). A rank holds a micro-batch's activations from its F to its B, or to its W when
@@ -453,6 +477,8 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
     listening: dict[tuple[int, int], deque] = defaultdict(deque)  # async: (src, dst) -> receives posted, unmatched
     arrived: dict[Action, int] = {}  # async, nccl: when a completed receive's data is there
     pending: set[Action] = set()  # async, nccl: receives posted and not yet completed
+    sent: dict[Action, int] = {}  # sends matched with their receive, and when: what a send wait waits for
+    waits = [send_waits(ops) for ops in schedule]  # where each rank waits on its sends (PipelineRunner's rule)
 
     def head(r: int) -> Action | None:
         return schedule[r][pos[r]] if pos[r] < len(schedule[r]) else None
@@ -474,8 +500,11 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
                     if arrival in pending:
                         break  # its receive is posted, the data not there yet: the rank waits
                     raise ScheduleError(f"rank {r} runs {a} before its input arrived")
+                if any(s not in sent for s in waits[r].get(a, ())):
+                    break  # a send it must wait on is not matched yet: the rank waits
                 if arrival in arrived:
                     clock[r] = max(clock[r], arrived[arrival])
+                clock[r] = max([clock[r]] + [sent[s] for s in waits[r].get(a, ())])
                 timeline[r].append((clock[r], clock[r] + cost[a.kind], a))
                 clock[r] += cost[a.kind]
                 busy[r] += cost[a.kind]
@@ -500,7 +529,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
                     continue  # the peer is busy with someone else: wait (a deadlock shows as no progress)
                 if b != want:
                     raise ScheduleError(f"order mismatch: rank {r} sends {a} but rank {q} posts {b} (wants {want})")
-                clock[r] = clock[q] = max(clock[r], clock[q])
+                clock[r] = clock[q] = sent[a] = max(clock[r], clock[q])
                 done.add(b)
                 pos[r], pos[q], moved = pos[r] + 1, pos[q] + 1, True
             elif p2p in ("async", "nccl"):  # irecv: post it and go on; the compute that reads it waits
@@ -508,14 +537,15 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
                 pending.add(a)
                 pos[r], moved = pos[r] + 1, True
         if p2p == "nccl":
-            moved |= _match_pair_heads(posted, arrived, done)
+            moved |= _match_pair_heads(posted, arrived, done, sent)
         if p2p == "async":  # the k-th send from q to r meets the k-th receive on r from q
             for (q, r), recvs in listening.items():
                 while recvs and posted[(q, r)]:
-                    (sent, meets, t), (got, _, _) = posted[(q, r)].popleft(), recvs.popleft()
+                    (send, meets, t), (got, _, t_recv) = posted[(q, r)].popleft(), recvs.popleft()
                     if meets != got:
-                        raise ScheduleError(f"order mismatch: rank {q} sends {sent} but rank {r} posts {got}")
+                        raise ScheduleError(f"order mismatch: rank {q} sends {send} but rank {r} posts {got}")
                     arrived[got] = t
+                    sent[send] = max(t, t_recv)
                     done.add(got)
                     moved = True
         pending -= done
@@ -535,9 +565,11 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
     return SimResult(max(clock), timeline, peak, busy)
 
 
-def _match_pair_heads(posted: dict[tuple[int, int], deque], arrived: dict[Action, int], done: set) -> bool:
-    """NCCL pair FIFOs: complete every send/receive pair standing at the heads of both sides of a pair.
-    Returns whether anything completed; raises on a send meeting the wrong receive."""
+def _match_pair_heads(posted: dict[tuple[int, int], deque], arrived: dict[Action, int], done: set,
+                      sent: dict[Action, int]) -> bool:
+    """NCCL pair FIFOs: complete every send/receive pair standing at the heads of both sides of a pair (the
+    receive's data `arrived`, the send `sent`, at the later post). Returns whether anything completed; raises on
+    a send meeting the wrong receive."""
     moved = False
     for (r, q) in list(posted):
         if r > q:
@@ -549,8 +581,8 @@ def _match_pair_heads(posted: dict[tuple[int, int], deque], arrived: dict[Action
                 break  # both sending (or both receiving): neither completes, ever
             if b != want:
                 raise ScheduleError(f"order mismatch on pair ({r}, {q}): rank {r}'s {a} meets rank {q}'s {b}")
-            recv = b if b.kind.startswith("RECV") else a
-            arrived[recv] = max(ta, tb)
+            recv, send = (b, a) if b.kind.startswith("RECV") else (a, b)
+            arrived[recv] = sent[send] = max(ta, tb)
             done.add(recv)
             mine.popleft(), theirs.popleft()
             moved = True

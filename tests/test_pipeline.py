@@ -33,7 +33,8 @@ import torch.distributed as dist
 from model import GPT, make_config
 from parallel import comm
 from parallel.pipeline import PipelineRunner, PipelineStage, p2p_bytes_per_step
-from parallel.pipeline_schedule import SCHEDULES, chunk_of, split_layers
+from parallel.pipeline_schedule import (B, F, P2P_MODELS, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action,
+                                        chunk_of, send_waits, simulate, split_layers)
 from tests.harness import run_distributed
 
 SEED, MB, T = 0, 2, 16
@@ -92,8 +93,10 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
 
     hooks = [w.register_hook(record) for w in tied]
     comm.COUNTER.reset()
+    comm.RECORDER.open(None, rank, world)  # a fresh in-memory ring: this step's ops only
     loss = runner.step(batches, name)
     p2p = comm.COUNTER.snapshot().get("p2p", 0)
+    ops = comm.RECORDER.read()["ops"]
     for h in hooks:
         h.remove()
     dist.all_reduce(magnitude)  # sum|t_i| over both ends' terms
@@ -127,7 +130,8 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
     return {"loss": loss.item(), "grads": grads, "p2p": p2p, "peak": runner.peak_in_flight,
             "norm": (norm, ref_norm, norm_bound), "clipped": clipped, "coef": coef,
             "p2p_theory": p2p_bytes_per_step(world, virtual, rank, m, (MB, T, cfg.n_embd)),
-            "timeline": len(runner.timeline)}
+            "timeline": len(runner.timeline), "executed": [a for a, _, _ in runner.timeline],
+            "events": list(runner.events), "ops": [(o["op"], o["state"]) for o in ops]}
 
 
 def check_cases(rank: int, world: int, cases) -> dict:
@@ -249,6 +253,79 @@ class PipelineMatchesOneProcess(unittest.TestCase):
             lists = SCHEDULES[name](world, m, v)
             self.assertEqual([r["timeline"] for r in per_rank], [len(a) for a in lists])
 
+    def test_executed_actions_are_the_schedules_and_nccl_safe(self):
+        """Every rank ran its schedule's list, in its order (the NCCL-safe "ready" pairing), and those executed
+        lists run under every p2p model of the simulator: a runner on another pairing ("split" deadlocks
+        interleaved 1F1B at P = 2, V = 2, M = 4 under NCCL's pair FIFOs) or order fails here."""
+        for world, (name, n_layer, v, m), per_rank in self.each():
+            with self.subTest(pp=world, case=(name, n_layer, v, m)):
+                executed = [r["executed"] for r in per_rank]
+                self.assertEqual(executed, SCHEDULES[name](world, m, v))
+                for p2p in P2P_MODELS:
+                    simulate(executed, world, v, m, p2p=p2p)  # raises ScheduleError on a deadlock or mismatch
+
+    def test_receives_and_sends_are_waited_where_the_list_says(self):
+        """A receive is posted at its place in the list and waited on just before the F or B that reads it (so a
+        rank computes what needs no input while the data is in flight); each send is waited on, and freed, just
+        before the compute `send_waits` names (SEND_F(c, m) at B(c, m), SEND_B at the rank's next B), or at the
+        step's end, once."""
+        early = 0  # receives posted at least one action before their compute: the case where waiting matters
+        for world, (name, n_layer, v, m), per_rank in self.each():
+            for rank, r in enumerate(per_rank):
+                with self.subTest(pp=world, case=(name, n_layer, v, m), rank=rank):
+                    events, acts = r["events"], SCHEDULES[name](world, m, v)[rank]
+                    self.assertEqual([a for kind, a in events if kind != "wait"], acts)  # posts in list order
+                    waits = send_waits(acts)
+                    for i, (kind, a) in enumerate(events):
+                        if kind == "wait" and a.kind in (RECV_F, RECV_B):
+                            consumer = Action(F if a.kind == RECV_F else B, a.chunk, a.micro)
+                            self.assertEqual(events[i + 1], ("run", consumer))
+                            early += acts.index(consumer) - acts.index(a) > 1
+                        if kind == "wait" and a.kind in (SEND_F, SEND_B):
+                            at = next((e for e in events[i + 1:] if e[0] != "wait"), None)
+                            named = next((c for c, ws in waits.items() if a in ws), None)
+                            self.assertEqual(at, ("run", named) if named else None)
+                    posted = sorted(a for kind, a in events if kind == "post" and a.kind in (SEND_F, SEND_B, RECV_F, RECV_B))
+                    waited = sorted(a for kind, a in events if kind == "wait")
+                    self.assertEqual(waited, posted)  # every message waited on exactly once
+        self.assertGreater(early, 0)
+
+    def test_every_recorded_op_completed(self):
+        """After a step every op the flight recorder saw is marked completed: the hang doctor names an op a rank
+        is stuck in by its posted-not-completed records, so a send left unmarked would be named falsely."""
+        for world, case, per_rank in self.each():
+            with self.subTest(pp=world, case=case):
+                ops = [o for r in per_rank for o in r["ops"]]
+                self.assertEqual([o for o in ops if o[1] != "completed"], [])
+                if world > 1:
+                    self.assertTrue(any(op == "send" for op, _ in ops) and any(op == "recv" for op, _ in ops))
+
+
+class RecordedCompletion(unittest.TestCase):
+    """comm.Recorded marks its flight-recorder record completed on wait() and on an is_completed() that says True
+    (and only then): the hang doctor reads posted-not-completed records as the op a rank is stuck in."""
+
+    def test_wait_and_a_true_is_completed_mark_the_record(self):
+        from unittest import mock
+
+        class Work:
+            def __init__(self, finished: bool):
+                self.finished = finished
+
+            def wait(self) -> bool:
+                return True
+
+            def is_completed(self) -> bool:
+                return self.finished
+
+        with mock.patch.object(comm.RECORDER, "done") as done:
+            self.assertFalse(comm.Recorded(Work(False), 7).is_completed())
+            done.assert_not_called()
+            self.assertTrue(comm.Recorded(Work(True), 7).is_completed())
+            done.assert_called_once_with(7)
+            comm.Recorded(Work(False), 8).wait()
+            done.assert_called_with(8)
+
 
 @pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
 class DeferredInit(unittest.TestCase):
@@ -267,9 +344,9 @@ if __name__ == "__main__":
     unittest.main()
 
 
-def held_cases(rank: int, world: int) -> dict:
-    """One step of each (schedule, M): rank 0's peak held bytes and peak in-flight count, on every rank (so the
-    result reads the same under spawn and under a same-size torchrun)."""
+def held_cases(rank: int, world: int) -> list[dict]:
+    """One step of each (schedule, M): every rank's peak held bytes and peak in-flight count, by rank, gathered
+    on every rank (so the result reads the same under spawn and under a same-size torchrun)."""
     cfg = config(2)
     out = {}
     for name in ("1f1b", "gpipe"):
@@ -279,39 +356,45 @@ def held_cases(rank: int, world: int) -> dict:
             stage = PipelineStage(model, rank, world)
             stage.materialize(SEED)
             runner = PipelineRunner(stage)
+            runner.measure_held = True
             runner.step(micro_batches(cfg, m), name)
             out[name, m] = {"held": runner.peak_held_bytes, "in_flight": runner.peak_in_flight}
-    mine = [out]
-    torch.distributed.broadcast_object_list(mine, src=0)
-    return mine[0]
+    every = [None] * world
+    torch.distributed.all_gather_object(every, out)
+    return every
 
 
 @pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
 class RunnerHoldsWhatTheScheduleBounds(unittest.TestCase):
     """Bytes of live tensor storages the runner keeps (stored inputs and outputs, received buffers, tensors in
-    or waiting for a send), rank 0 of P = 2, fp32 activations of A = mb·T·n_embd·4 bytes. Under 1F1B rank 0 holds
-    at most P - 0 = 2 micro-batches' outputs plus one received gradient: 3A, whatever M. A sent activation shares
-    its output's storage, so a runner that kept its sends until the step's end would hold M outputs (16A at
-    M = 16), as GPipe does by design (M outputs + one gradient)."""
+    or waiting for a send) on every rank of P = 2, fp32 activations of A = mb·T·n_embd·4 bytes. Under 1F1B rank 0
+    holds at most P - 0 = 2 micro-batches' outputs plus one received gradient: 3A, whatever M; the last rank one
+    micro-batch's received input, the next one's posted receive and one input gradient in flight until its next
+    B (`send_waits`): 3A. A sent tensor shares its output's (or gradient's) storage, so a runner that kept its
+    sends until the step's end would grow with M: the last rank's gradients, when sends were freed by polling
+    `is_completed()` (which gloo's isend answers False until waited), held 4A at M = 4 and 16A at M = 16. GPipe
+    holds M outputs by design (+ one gradient)."""
 
     @classmethod
     def setUpClass(cls):
         cls.res = run_distributed(held_cases, 2)[0]
 
-    def test_1f1b_stays_within_its_bound_at_any_m(self):
+    def test_1f1b_stays_within_its_bound_at_any_m_on_every_rank(self):
         A = MB * T * config(2).n_embd * 4
-        for m in (4, 16):
-            with self.subTest(m=m):
-                self.assertEqual(self.res["1f1b", m]["in_flight"], 2)
-                self.assertLessEqual(self.res["1f1b", m]["held"], 3 * A)
-        self.assertEqual(self.res["1f1b", 16]["held"], self.res["1f1b", 4]["held"])
+        for rank, res in enumerate(self.res):
+            for m in (4, 16):
+                with self.subTest(rank=rank, m=m):
+                    self.assertEqual(res["1f1b", m]["in_flight"], 2 - rank)
+                    self.assertLessEqual(res["1f1b", m]["held"], 3 * A)
+            with self.subTest(rank=rank):
+                self.assertEqual(res["1f1b", 16]["held"], res["1f1b", 4]["held"])
 
     def test_gpipe_holds_every_micro_batch(self):
-        """The measurement sees growth where there is some: GPipe's M outputs."""
+        """The measurement sees growth where there is some: GPipe's M outputs on rank 0."""
         A = MB * T * config(2).n_embd * 4
         for m in (4, 16):
             with self.subTest(m=m):
-                self.assertEqual(self.res["gpipe", m]["held"], (m + 1) * A)
+                self.assertEqual(self.res[0]["gpipe", m]["held"], (m + 1) * A)
 
 
 def new_group_calls(rank: int, world: int) -> list:

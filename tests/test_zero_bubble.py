@@ -168,17 +168,30 @@ def runner_case(rank: int, pp: int, group, embed_group, m: int) -> dict:
     batches = micro_batches(cfg, m)
     stage = PipelineStage(gpt(), rank, pp)
     runner = PipelineRunner(stage, group, embed_group=embed_group)
+    flushed, real_flush = [], runner.store.flush
+
+    def flush(key) -> None:  # each W: how many deferred linears it found, and whether it changed a gradient
+        before = [p.grad.clone() if p.grad is not None else None for p in stage.parameters()]
+        pending = len(runner.store.pending.get(key, ()))
+        real_flush(key)
+        changed = sum(b is None and p.grad is not None or b is not None and not torch.equal(b, p.grad)
+                      for b, p in zip(before, stage.parameters()))
+        flushed.append((key, pending, changed))
+    runner.store.flush = flush
     out = {}
     for name in ("1f1b", "zb_h1"):
         for p in stage.parameters():
             p.grad = None
+        flushed.clear()
         loss = runner.step(batches, name)
         runner.reduce_tied_grads()
         dist.all_reduce(loss, group=group)
         out[name] = (loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, runner.peak_in_flight)
     (l1, g1, f1), (l2, g2, f2) = out["1f1b"], out["zb_h1"]
+    linears = {c: sum(type(m) is torch.nn.Linear for i in stage.layers[c] for m in stage.transformer.h[str(i)].modules())
+               for c in stage.chunks}  # what each W(c, m) must find: every linear of chunk c's Blocks
     return {"loss_equal": torch.equal(l1, l2), "grads_equal": {n: torch.equal(g1[n], g2[n]) for n in g1},
-            "loss": float(l2), "in_flight": (f1, f2), "grads": g1}
+            "loss": float(l2), "in_flight": (f1, f2), "grads": g1, "flushed": list(flushed), "linears": linears}
 
 
 U32 = 2.0 ** -24
@@ -269,6 +282,13 @@ class TestZeroBubbleRanks(unittest.TestCase):
                 self.assertLessEqual(abs(got["loss"] - ref), 1e-5 * ref)
                 # 1F1B holds P - rank micro-batches; ZB-H1 holds what W needs until W: P on every rank
                 self.assertEqual(got["in_flight"], (pp - rank % pp, pp))
+                # each W(c, m) computes the weight gradients its B deferred: every linear of chunk c, 2 Blocks x
+                # 6 here, each changing that linear's .grad (plus biases): a W that found nothing to do (its B
+                # computed them, as a whole backward would) leaves ZB-H1 1F1B's bits, so only this tells
+                c = rank % pp
+                self.assertEqual([k for k, _, _ in got["flushed"]], [(c, m) for m in range(M_RANKS)])
+                self.assertEqual({p for _, p, _ in got["flushed"]}, {got["linears"][c]})
+                self.assertEqual({ch for _, _, ch in got["flushed"]}, {2 * got["linears"][c]})  # weight and bias
 
     def test_p4_bit_equal_to_1f1b(self):
         self.check("p4", 4)
