@@ -20,7 +20,7 @@ from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_d
 from model import GPT, PRESETS, GPTConfig, make_config
 from parallel.mesh import ParallelDims, env_world, pick_device
 from parallel.parallelize import ParallelConfig
-from parallel.pipeline_split import check_counts, layers_for
+from plan.split import check_counts, layers_for
 from parallel.tensor_parallel import check_tp_divisibility
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -86,7 +86,7 @@ def train_parser() -> Parser:
       help="interleaved_1f1b: model chunks per pipeline rank (V > 1); zbv, dualpipev: 2")
     a("--pp_layers_per_stage", default=None, metavar="A,B,...",
       help="Blocks per pipeline chunk, P x V counts in chunk order (default: split by the cost model, "
-           "parallel/pipeline_split.py)")
+           "plan/split.py)")
     a("--context_parallel_size", type=int, default=1, metavar="C",
       help="split every sequence over C ranks (ring attention); gradients reduced over dp x C")
     a("--implementation", choices=["custom", "pytorch"], default="custom")
@@ -333,7 +333,7 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
                     micro: int) -> tuple[int, ...] | None:
     """The schedule, its virtual stages and the micro-batch count M against the split of n_layer Blocks.
     Returns the split, Blocks per chunk: --pp_layers_per_stage's, else the cost model's at --seq_len
-    (parallel/pipeline_split.py); None without a pipeline."""
+    (plan/split.py); None without a pipeline."""
     interleaved, v_shape = args.pp_schedule == "interleaved_1f1b", args.pp_schedule in ("zbv", "dualpipev")
     if args.pp_virtual_stages is not None and not (interleaved or v_shape):
         raise UsageError(f"--pp_virtual_stages is for --pp_schedule interleaved_1f1b; {args.pp_schedule} runs "

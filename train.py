@@ -28,8 +28,9 @@ from parallel import comm
 from parallel.mesh import Mesh, exit_process, fused_optimizer, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 from parallel.pipeline_schedule import V_SCHEDULES
-from parallel.pipeline_split import describe_split, layers_for, stage_costs
+from plan.split import describe_split, layers_for, stage_costs
 from plan.predict import for_run, summary
+from plan.theory import bubble_fraction
 
 
 @dataclass
@@ -170,7 +171,10 @@ def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt:
             m["comm_calls"] = comm_calls
     if t.scaler:
         m["loss_scale"] = t.scaler.get_scale()
-    m.update(t.par.step_counters(plan.grad_accum))
+    m.update(t.par.step_counters())
+    if "pp_idle_fraction" in m:  # beside what the runner measured, what the schedule's theory says (plan/theory.py)
+        m["pp_bubble_theory"] = bubble_fraction(plan.par.pp_schedule, plan.dims.pp, plan.grad_accum,
+                                                plan.par.pp_virtual)
     return m
 
 
@@ -206,7 +210,7 @@ def describe(t: Trainer) -> str:
 
 
 def describe_pipeline_split(plan: Plan) -> str:
-    """The pipeline's split in one line: each chunk's Blocks and its cost (parallel/pipeline_split.py)."""
+    """The pipeline's split in one line: each chunk's Blocks and its cost (plan/split.py)."""
     layers = layers_for(plan.config, plan.dims.pp, plan.par.pp_virtual, counts=plan.par.pp_layers)
     by = "--pp_layers_per_stage" if plan.args.pp_layers_per_stage else "cost"
     return describe_split(layers, stage_costs(plan.config, plan.args.seq_len), by,

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{setup.model} {params / 1e6:.1f}M params, {setup.rows} x {setup.seq_len} tokens/step, "
           f"{setup.warmup}+{setup.steps} steps", flush=True)
     if any(lay.name in ZERO_LAYOUTS for lay in layouts):
-        notes.append("ZeRO theory per optimizer step (parallel.zero_formulas.zero_comm_bytes_per_step): zero1 reduce-scatter "
+        notes.append("ZeRO theory per optimizer step (plan.theory.zero_comm_bytes_per_step): zero1 reduce-scatter "
                      "Ψ + all-gather Ψ once; zero2 reduce-scatter Ψ per micro-step + all-gather Ψ once; hsdp: fsdp "
                      "within the shard group plus all-reduce Ψ/S per micro-step across replicas. torch's zero2 twin "
                      "(fully_shard(reshard_after_forward=False)) frees parameters after backward, so its state is "

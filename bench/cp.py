@@ -98,8 +98,8 @@ def comm_theory(cfg, rows: int, T: int, cp: int, tp: int, param_bytes: int) -> i
     (cp_p2p_bytes_per_micro_step) plus our DDP's all-reduce of every gradient over the cp ranks
     (param_bytes, fp32, the tied matrix once); TP > 1: tp_comm_bytes_per_micro_step with SP and loss
     parallelism (no data parallelism there); one rank: nothing."""
-    from parallel.context_parallel import cp_p2p_bytes_per_micro_step
-    from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
+    from plan.theory import cp_p2p_bytes_per_micro_step
+    from plan.theory import tp_comm_bytes_per_micro_step
     if tp > 1:
         return sum(tp_comm_bytes_per_micro_step(cfg, rows, T, tp, True, True).values())
     return cp_p2p_bytes_per_micro_step(cfg.n_layer, rows, T, cfg.n_embd, cp) + (param_bytes if cp > 1 else 0)

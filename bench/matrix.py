@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from model import GPT, GPTConfig
-from parallel.ddp import ddp_comm_bytes_per_step
+from plan.theory import ddp_comm_bytes_per_step
 from parallel.fsdp import ZERO_STAGES
-from parallel.zero_formulas import fsdp_comm_bytes_per_micro_step, zero_comm_bytes_per_step
-from parallel.pipeline import p2p_bytes_per_step
-from parallel.pipeline_split import layers_for
-from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
+from plan.theory import fsdp_comm_bytes_per_micro_step, zero_comm_bytes_per_step
+from plan.theory import p2p_bytes_per_step
+from plan.split import layers_for
+from plan.theory import tp_comm_bytes_per_micro_step
 
 PP_LAYOUTS = ("pp", "pp-dp", "pp-tp", "3d")  # pp=2 alone, x dp=2 (DDP), x tp=2, x dp=2 x tp=2
 ZERO_LAYOUTS = ("zero1", "zero2", "hsdp")  # the ZeRO ladder beside ddp and fsdp (= ZeRO-3); hsdp: fsdp, R=2
@@ -165,7 +165,7 @@ def param_count(config: GPTConfig, tp: int = 1, root_only: bool = False, first_s
     mlp.c_fc) and row-parallel weights (attn.c_proj, mlp.c_proj). Replicated: LayerNorms, the position
     embedding and the row-parallel biases. root_only: just the parameters outside the Blocks (FSDP's root
     unit: wte = lm_head, wpe, ln_f). first_stage_of=P > 1: just pipeline stage 0's of a P-stage cut
-    (wte, wpe and the Blocks of the first chunk of train.py's split at `seq_len`, parallel/pipeline_split.py;
+    (wte, wpe and the Blocks of the first chunk of train.py's split at `seq_len`, plan/split.py;
     ln_f and lm_head's copy live on the last)."""
     with torch.device("meta"):
         model = GPT(config)

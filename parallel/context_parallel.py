@@ -29,7 +29,6 @@ backward, each tensor of shape (B, heads, T/C, head_dim): `cp_p2p_bytes_per_micr
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import NamedTuple
 
@@ -296,48 +295,3 @@ def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -> 
     for module in list(model.modules()):
         if hasattr(module, "core"):
             module.core = RingAttentionCore(group)
-
-
-# ---- the PyTorch twin (CUDA only) ---------------------------------------------------------------------------
-
-# torch 2.13's context_parallel rings these SDPA kernels and no others (_context_parallel/_attention.py,
-# `_sdpa_handler`); on CPU, SDPA runs aten._scaled_dot_product_flash_attention_for_cpu, for which it raises
-# "NotImplementedError: ... does not have a sharding strategy registered" (tried on gloo ranks)
-TORCH_CP_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
-
-
-@contextlib.contextmanager
-def torch_context_parallel(cp_mesh, x: torch.Tensor, y: torch.Tensor):
-    """PyTorch's context parallelism around one micro-step's forward + backward, as torchtitan uses it:
-    `context_parallel` shards copies of the full rows x and y along time in place (head-tail), and while it
-    is open every F.scaled_dot_product_attention is a ring over cp_mesh (k/v all-gathered by default:
-    torch's "allgather" rotater). Yields this rank's (x, y)."""
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    x, y = x.clone(), y.clone()  # sharded in place: x and y may be views of one token buffer
-    with sdpa_kernel([getattr(SDPBackend, k) for k in TORCH_CP_KERNELS]), \
-            context_parallel(cp_mesh, buffers=[x, y], buffer_seq_dims=[1, 1], no_restore_buffers={x, y}):
-        yield x, y
-
-
-def cp_p2p_bytes_per_micro_step(n_layer: int, B: int, T: int, n_embd: int, cp: int, tp: int = 1,
-                                element_size: int = 4, recomputed_blocks: int = 0) -> int:
-    """What parallel/comm.COUNTER records as "p2p" on one rank for one forward + backward: per attention, with
-    A = B·(T/C)·(n_embd/tp) elements (one k or v block: all of this rank's heads), forward sends 2(C-1)·A
-    (k and v, C-1 moves; fully masked blocks still travel, only their compute is skipped) and backward
-    4(C-1)·A (k, v, dK, dV, C-1 moves) + 2·A (dK, dV home). Activation checkpointing re-runs the forward of
-    each recomputed Block. Nothing with one cp rank."""
-    if cp == 1:
-        return 0
-    A = B * (T // cp) * (n_embd // tp) * element_size
-    per_layer_fwd, per_layer_bwd = 2 * (cp - 1) * A, (4 * (cp - 1) + 2) * A
-    return n_layer * (per_layer_fwd + per_layer_bwd) + recomputed_blocks * per_layer_fwd
-
-
-def cp_p2p_calls_per_micro_step(n_layer: int, cp: int, recomputed_blocks: int = 0) -> int:
-    """The messages behind `cp_p2p_bytes_per_micro_step`: `_exchange` sends each tensor (a k, v, dK or dV block
-    of A elements) on its own, so one call per A: 2(C-1) forward and 4(C-1) + 2 backward per attention, and
-    2(C-1) more per recomputed Block. Nothing with one cp rank."""
-    if cp == 1:
-        return 0
-    return n_layer * (6 * (cp - 1) + 2) + recomputed_blocks * 2 * (cp - 1)

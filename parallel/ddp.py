@@ -348,25 +348,3 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
             self._used[:] = bytes(n)
             self._was_none[:] = bytes(n)
 
-
-def ddp_comm_bytes_per_step(n_params: int, world: int, grad_bytes: int = 4) -> dict[str, int]:
-    """What parallel/comm.COUNTER records on one rank per optimizer step: one all-reduce of the gradients
-    of the `n_params` unique trainable parameters (Ψ), `grad_bytes` each (4; 2 with grad_compression="bf16"),
-    however many micro-steps accumulated under `no_sync()` before it. Nothing with one rank. Not included:
-    the int32 per parameter that find_unused_parameters=True adds."""
-    return {"all_reduce": n_params * grad_bytes if world > 1 else 0}
-
-
-def ddp_comm_calls_per_step(param_bytes: list[int], world: int, cap_bytes: int) -> dict[str, int]:
-    """The all-reduces behind `ddp_comm_bytes_per_step`: one per bucket per optimizer step (a pipeline's
-    `reduce_on_exit` launches each bucket once too). `param_bytes`: each unique trainable parameter's bytes in
-    registration order (one dtype and device, as our models are); the buckets are `build_buckets`' greedy rule
-    (reverse order, a bucket closed when the next parameter would push it past `cap_bytes`), counted on sizes."""
-    if world == 1 or not param_bytes:
-        return {"all_reduce": 0}
-    buckets, size = 0, 0
-    for nbytes in reversed(param_bytes):
-        if buckets == 0 or size + nbytes > cap_bytes:
-            buckets, size = buckets + 1, 0
-        size += nbytes
-    return {"all_reduce": buckets}

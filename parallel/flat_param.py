@@ -248,28 +248,6 @@ class FlatLayout:
                 moments += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
         return storage_bytes_by_kind({"params": params, "grads": grads, "optimizer": moments})
 
-    @staticmethod
-    def unit_state_bytes(numel: int, n_decay: int, world: int, rank: int, keeps_params: bool, reduces_at_end: bool,
-                         param_bytes: int = 4, reduce_bytes: int = 4) -> dict[str, int]:
-        """What `state_breakdown` counts for one unit after an optimizer step (the theory, for the planner):
-        of `numel` elements (`n_decay` of them in >= 2-D weights, first), rank `rank` of `world` holds
-        [lo, lo + S) of the padded buffer, S = `shard_numel`, as up to two pieces (decay, no-decay):
-        - params: the fp32 shard, and with `keeps_params` the full padded copy in the compute dtype (in fp32 the
-          shard is a view of it, so only the copy counts);
-        - grads: the fp32 shard gradient (S, one reduced buffer the pieces' .grad view) if it holds a piece;
-          with `reduces_at_end` (ZeRO-1) the full padded buffer in `reduce_bytes`, which in fp32 is itself
-          the shard gradient's storage;
-        - optimizer: AdamW's two fp32 moments per held element and one fp32 step tensor per piece."""
-        S = shard_numel(numel, world)
-        lo = rank * S
-        held = max(0, min(numel, lo + S) - lo)
-        pieces = (min(n_decay, lo + S) > lo) + (min(numel, lo + S) > max(n_decay, lo))
-        params = S * 4 if not keeps_params else S * world * param_bytes + (0 if param_bytes == 4 else S * 4)
-        grads = S * 4 if pieces else 0
-        if reduces_at_end:
-            grads = S * world * reduce_bytes + (grads if reduce_bytes != 4 else 0)
-        return {"params": params, "grads": grads, "optimizer": 8 * held + 4 * pieces}
-
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The unsharded fp32 state dict, keyed like GPT.state_dict() (tied weight under both names), on
         group rank 0; None elsewhere. Every rank must call it: one all-gather per unit."""

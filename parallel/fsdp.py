@@ -12,7 +12,7 @@ data-parallel group of N ranks:
 
 so a micro-step moves 2 all-gathers and 1 reduce-scatter of the Block bytes, and 1 of each for the root
 (FSDP2 also keeps the root gathered from forward to backward: freeing it would be undone at once).
-`ZeroStage` (parallel/zero_formulas.py, with the formulas of what each stage sends and holds) says what stages
+`ZeroStage` (below; what each stage sends and holds is in the formula sheet, plan/theory.py) says what stages
 1 and 2 keep instead, `GradReduction` what HSDP adds to the reduction.
 
 Hooks: forward pre/post hooks on each Block; a tensor hook on each Block's output (runs before that
@@ -30,6 +30,7 @@ schedule's deferred W's per chunk. ZeRO-3 still frees the gathered unit at B: W 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -44,8 +45,31 @@ from parallel.flat_param import FlatLayout, ShardPiece, _FlatUnit, flatten_unit
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import pick_device
 from parallel.state import MOMENTS  # AdamW's per-element state
-from parallel.zero_formulas import ZERO_LADDER, fsdp_comm_bytes_per_micro_step
 from parallel.zero_bubble import hold_for_w
+
+
+@dataclass(frozen=True)
+class ZeroStage:
+    """One rung of the ZeRO ladder, on the same units and 1/N shards: AdamW always steps on the shards, so
+    its state is 1/N at every stage. What a stage decides is which full-size copies a rank keeps:
+
+    - `keeps_params`: each unit's full parameters stay allocated for the whole run (in fp32 the shard is a
+      view of them); an optimizer step marks them stale and the next forward all-gathers the updated
+      shards into them in place: one all-gather of Ψ per step, and no resharding after forward. Otherwise
+      (ZeRO-3) they are gathered before each use and freed after it.
+    - `reduces_at_end`: each unit's full gradient is a buffer kept across the step's micro-steps and
+      reduce-scattered once, when the last micro-step's backward ends (not overlapped), into the buffer's
+      own slice. Otherwise each unit is reduce-scattered as soon as its gradient is complete (overlapped
+      with backward) and the full gradient freed: one reduce-scatter of Ψ per micro-step.
+    """
+    stage: int
+    keeps_params: bool
+    reduces_at_end: bool
+
+
+ZERO_LADDER = {1: ZeroStage(1, keeps_params=True, reduces_at_end=True),    # shards the optimizer state
+               2: ZeroStage(2, keeps_params=True, reduces_at_end=False),   # + the gradients
+               3: ZeroStage(3, keeps_params=False, reduces_at_end=False)}  # + the parameters (FSDP)
 
 
 class GradReduction:
@@ -458,16 +482,6 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """The sum of `state_breakdown`."""
         return sum(self.state_breakdown(optimizer).values())
-
-    def comm_bytes_per_micro_step(self) -> dict[str, int]:
-        """What parallel/comm.COUNTER records for one synchronised forward + backward: the padded flat
-        buffers, i.e. at most N - 1 elements per unit more than the parameters themselves."""
-        roots = sum(u.padded for u in self.roots)
-        blocks = sum(u.padded for u in self.units[1:self._n_blocks + 1])
-        p_size = torch.empty((), dtype=self.param_dtype).element_size()
-        r_size = torch.empty((), dtype=self.reduce_dtype).element_size()
-        return fsdp_comm_bytes_per_micro_step(roots, blocks, self.world, self.reshard_after_forward,
-                                              p_size, r_size)
 
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "fsdp": 3}

@@ -12,7 +12,7 @@
     5. the pipeline runner over mesh["pp"]          (runs the schedule through whatever 1-4 made)
 
 Each step is an `apply_*` function looked up in `APPLY` by (implementation, what): "custom" are ours, below;
-"pytorch" are PyTorch's own (parallel/twins.py), on the same mesh. A step takes (model, mesh, cfg, par) and
+"pytorch" are PyTorch's own (parallel/twins/), on the same mesh. A step takes (model, mesh, cfg, par) and
 returns the model it made; what else it sets up it puts in `par`'s typed fields (the data-parallel wrapper's
 protocol adapter, parallel/protocol.py; a token split; a context per micro-step). A new dimension or ZeRO
 stage is one more entry.
@@ -31,14 +31,16 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model import GPT, init_parameter
-from parallel import comm, twins
+from parallel import comm
+from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
+from parallel.twins import tensor_parallel as tp_twin
 from parallel.blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
 from parallel.context_parallel import apply_context_parallel, shard_sequence
 from parallel.fsdp import ZERO_STAGES, FullyShardedDataParallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_
 from parallel.mesh import Mesh, to_device
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
-from parallel.pipeline_schedule import V_SCHEDULES, bubble_fraction
+from parallel.pipeline_schedule import V_SCHEDULES
 from parallel.protocol import Accumulating, DataParallel, Placement, Replicated, Sharded
 
 
@@ -166,10 +168,10 @@ class Parallelized:
         comm.COUNTER.reset()
         AC_COUNTER.reset()
 
-    def step_counters(self, grad_accum: int) -> dict:
+    def step_counters(self) -> dict:
         """What the step's AC, compile and pipeline report: Blocks x micro-batches this rank checkpointed and
         recomputed (not when compiled: recomputed unseen), graphs compiled so far, and ours pipeline's idle
-        fraction against theory and the most (chunk, micro-batch) activations it held."""
+        fraction (train.py logs its theory beside it) and the most (chunk, micro-batch) activations it held."""
         cfg, m = self.cfg, {}
         if cfg.activation_checkpointing != "none" and not cfg.compile:
             m["ac_checkpointed_blocks"], m["ac_recomputed_blocks"] = AC_COUNTER.checkpointed, AC_COUNTER.recomputed
@@ -177,7 +179,6 @@ class Parallelized:
             m["compiled_graphs"] = compiled_graphs()
         if self.pipeline is not None and self.pipeline.timeline:  # ours records one (torch's schedules don't)
             m["pp_idle_fraction"] = self.pipeline.idle_fraction()
-            m["pp_bubble_theory"] = bubble_fraction(cfg.pp_schedule, self.mesh["pp"].size, grad_accum, cfg.pp_virtual)
             m["pp_peak_in_flight"] = self.pipeline.peak_in_flight
         return m
 
@@ -295,12 +296,12 @@ def apply_runner(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, par: Paralle
 
 
 APPLY: dict[tuple[str, str], Callable] = {
-    ("custom", "pp"): apply_pp, ("pytorch", "pp"): twins.apply_pp,
-    ("custom", "cp"): apply_cp, ("pytorch", "cp"): twins.apply_cp,
-    ("custom", "tp"): apply_tp, ("pytorch", "tp"): twins.apply_tp,
-    ("custom", "fsdp"): apply_fsdp, ("pytorch", "fsdp"): twins.apply_fsdp,
-    ("custom", "ddp"): apply_ddp, ("pytorch", "ddp"): twins.apply_ddp,
-    ("custom", "runner"): apply_runner, ("pytorch", "runner"): twins.apply_runner,
+    ("custom", "pp"): apply_pp, ("pytorch", "pp"): pp_twin.apply_pp,
+    ("custom", "cp"): apply_cp, ("pytorch", "cp"): cp_twin.apply_cp,
+    ("custom", "tp"): apply_tp, ("pytorch", "tp"): tp_twin.apply_tp,
+    ("custom", "fsdp"): apply_fsdp, ("pytorch", "fsdp"): dp_twin.apply_fsdp,
+    ("custom", "ddp"): apply_ddp, ("pytorch", "ddp"): dp_twin.apply_ddp,
+    ("custom", "runner"): apply_runner, ("pytorch", "runner"): pp_twin.apply_runner,
 }
 # which engine a dp_type runs on: ours shard on one engine; torch's ZeRO-1 is DDP + ZeroRedundancyOptimizer
 ENGINE = {"ddp": "ddp", "zero1": "fsdp", "zero2": "fsdp", "fsdp": "fsdp"}

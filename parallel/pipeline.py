@@ -4,8 +4,8 @@ Schedules (which compute runs when, and every SEND/RECV) come from parallel/pipe
 action lists; this module only executes them.
 
 - `PipelineStage`: the part of a GPT that pp rank r of P keeps, for V virtual chunks per rank: the Blocks of
-  chunks r, r+P, ... (`chunk_of`; the V schedules: r and 2P-1-r; which Blocks a chunk holds:
-  parallel/pipeline_split.py, by cost or given), plus wte/wpe on chunk 0's rank and ln_f/lm_head on the last
+  chunks r, r+P, ... (`chunk_of`; the V schedules: r and 2P-1-r; how many Blocks each chunk holds is given:
+  train.py's config balances them by cost, plan/split.py), plus wte/wpe on chunk 0's rank and ln_f/lm_head on the last
   chunk's rank. Parameter names stay the GPT's (transformer.h.3.attn.c_q.weight), so optimizer groups and
   checkpoints map by name.
 - Tied embedding (Megatron's rule): when the last chunk sits on another rank than chunk 0, the last stage holds
@@ -38,9 +38,22 @@ from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import group_timeout, make_timer
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F,
-                                        SPLIT_SCHEDULES, V_SCHEDULES, W, Action, chunk_of, rank_of, send_waits)
-from parallel.pipeline_split import layers_for
+                                        SPLIT_SCHEDULES, V_SCHEDULES, W, Action, chunk_of, rank_of, send_waits,
+                                        split_layers)
 from parallel.zero_bubble import WeightGradStore
+
+
+def chunk_ranges(n_layer: int, chunks: int, counts: Sequence[int] | None = None) -> list[range]:
+    """Block indices of each chunk: `counts` Blocks per chunk in order, or (None) `split_layers`' even split."""
+    if counts is None:
+        return split_layers(n_layer, chunks)
+    if len(counts) != chunks or min(counts) < 1 or sum(counts) != n_layer:
+        raise ValueError(f"Blocks per chunk {list(counts)} is not a split of {n_layer} Blocks into {chunks} "
+                         "non-empty chunks")
+    bounds = [0]
+    for n in counts:
+        bounds.append(bounds[-1] + n)
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 class PipelineStage(nn.Module):
@@ -50,8 +63,8 @@ class PipelineStage(nn.Module):
     by name, as GPT.init_weights would) or from an initialised GPT (the stage shares its modules; the
     lm_head copy is a clone of wte). Holds no reference to the GPT: other stages' modules are not kept.
     `layers`: Blocks per chunk, P·V counts (every rank passes the same: config.py resolves them from
-    --pp_layers_per_stage or the cost model); None: the cost model's split at T = block_size
-    (parallel/pipeline_split.layers_for). `self.layers[c]` is chunk c's range of Block indices.
+    --pp_layers_per_stage or the cost model, plan/split.py); None: as even as possible, the extra Blocks to the
+    front (`split_layers`). `self.layers[c]` is chunk c's range of Block indices.
     """
 
     def __init__(self, model: GPT, rank: int, pp: int, virtual: int = 1, layers: Sequence[int] | None = None,
@@ -61,7 +74,7 @@ class PipelineStage(nn.Module):
         if v_shape and virtual != 2:
             raise ValueError(f"a V layout has two chunks per rank; got virtual={virtual}")
         self.n_chunks = pp * virtual
-        self.layers = layers_for(model.config, pp, virtual, counts=layers, v_shape=v_shape)
+        self.layers = chunk_ranges(model.config.n_layer, self.n_chunks, layers)
         self.chunks = [chunk_of(rank, v, pp, v_shape) for v in range(virtual)]  # this rank's global chunk indices
         self.first, self.last = 0 in self.chunks, self.n_chunks - 1 in self.chunks
         self.both_ends = self.first and self.last  # lm_head stays tied to wte here (P == 1; a V's rank 0)
@@ -135,29 +148,6 @@ def embedding_group(pipelines: list[list[int]], v_shape: bool = False) -> dist.P
         if dist.get_rank() in (ranks[0], ranks[-1]):
             mine = g
     return mine
-
-
-def p2p_bytes_per_step(pp: int, virtual: int, rank: int, micro: int, shape: tuple[int, ...],
-                       element_size: int = 4, v_shape: bool = False) -> int:
-    """Bytes rank `rank` sends per step (theory): every local chunk whose next chunk is on another rank sends
-    each micro-batch's activation forward, every local chunk whose previous one is sends its input gradient
-    backward (none between the V's chunks P-1 and P, both on rank P-1)."""
-    n = 1
-    for s in shape:
-        n *= s
-    return p2p_calls_per_step(pp, virtual, rank, micro, v_shape) * n * element_size
-
-
-def p2p_calls_per_step(pp: int, virtual: int, rank: int, micro: int, v_shape: bool = False) -> int:
-    """The messages (one `comm.send` each) rank `rank` sends per step, `p2p_bytes_per_step`'s: per micro-batch,
-    one per local chunk whose next chunk is on another rank and one per local chunk whose previous one is."""
-    if pp == 1:
-        return 0
-    C = pp * virtual
-    chunks = [chunk_of(rank, v, pp, v_shape) for v in range(virtual)]
-    messages = (sum(c < C - 1 and rank_of(c + 1, pp, v_shape) != rank for c in chunks)
-                + sum(c > 0 and rank_of(c - 1, pp, v_shape) != rank for c in chunks))
-    return messages * micro
 
 
 WHOLE_WORLD = "whole world"  # PipelineRunner's embed_group default: the pipeline is the world, build it here
@@ -418,92 +408,3 @@ def held_bytes(*containers: dict) -> int:
                     st = t.untyped_storage()
                     seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
-
-
-# ----------------------------------------------------------------------------- the PyTorch twin
-
-class TorchChunk(nn.Module):
-    """Global chunk `c` of a PipelineStage as the module torch.distributed.pipelining runs: it registers
-    only chunk c's modules (the stage's own objects, so gradients land in the stage) and computes
-    `stage.forward_chunk(c, x)`: the activation, or the logits on the last chunk (the schedule's loss_fn
-    takes them)."""
-
-    def __init__(self, stage: PipelineStage, c: int):
-        super().__init__()
-        t = stage.transformer
-        self.stage_ref, self.c = [stage], c  # in a list: not registered, the stage holds other chunks too
-        self.h = nn.ModuleList([t.h[str(i)] for i in stage.layers[c]])
-        if c == 0:
-            self.wte, self.wpe = t.wte, t.wpe
-        if c == stage.n_chunks - 1:
-            self.ln_f, self.lm_head = t.ln_f, stage.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.stage_ref[0].forward_chunk(self.c, x)
-
-
-class TorchPipelineRunner(PipelineRunner):
-    """PipelineRunner's contract on torch.distributed.pipelining: PipelineStage per local chunk (the same
-    split), ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, and for the zero-bubble schedules
-    ScheduleInterleavedZeroBubble (zb_h1: one stage per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV (our
-    V cut: torch maps stages to ranks in a V itself); they run on gloo in torch 2.13. Shapes are given to torch (no shape
-    inference pass); the example tensors must require grad, or torch sends no gradient back
-    (pipelining/_utils.py derives the grad metadata from them). loss_fn is CE / M with scale_grads=False:
-    torch's default scale_grads=True divides every .grad by M after the step, which would also divide
-    gradient accumulated before it. The tied embedding is summed outside the schedule, as ours.
-    Evaluation (`forward_only`) is ours: torch's schedules run training steps."""
-
-    SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
-    MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zb_h1": "ScheduleInterleavedZeroBubble",
-             "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}  # take a list of stages
-
-    def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None, *args, **kw):
-        super().__init__(stage, group, *args, **kw)
-        # the chunk modules torch runs: the stage's own when torch's DDP / FSDP2 wrapped them (parallelize)
-        self.chunk_modules = getattr(stage, "chunk_modules", None) or {c: TorchChunk(stage, c) for c in stage.chunks}
-        self.forward = self._forward_chunk
-        self._built: dict[tuple, object] = {}
-
-    def _forward_chunk(self, c: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Through the chunk module, so its wrappers' hooks run (evaluation)."""
-        out = self.chunk_modules[c](x)
-        return out if targets is None or c != self.stage.n_chunks - 1 else self.stage.loss_fn(out, targets)
-
-    def _schedule(self, name: str, M: int, mb: int, T: int):
-        key = (name, M, mb, T, torch.is_autocast_enabled(self.device.type))
-        if key not in self._built:
-            from torch.distributed.pipelining import (PipelineStage as TorchStage, Schedule1F1B, ScheduleGPipe)
-            st, meta = self.stage, torch.device("meta")
-            act = (mb, T // self.seq_shard, st.config.n_embd)
-            kind = self.device.type
-            logits_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.act_dtype
-            stages = []
-            for c in st.chunks:
-                x = torch.empty((mb, T), dtype=torch.long, device=meta) if c == 0 else \
-                    torch.empty(act, dtype=self.act_dtype, device=meta, requires_grad=True)
-                last = c == st.n_chunks - 1  # logits: autocast's dtype where it is on (built inside step)
-                out = torch.empty((mb, T, st.config.vocab_size) if last else act,
-                                  dtype=logits_dtype if last else self.act_dtype, device=meta, requires_grad=True)
-                stages.append(TorchStage(self.chunk_modules[c], c, st.n_chunks, self.device, input_args=x,
-                                         output_args=out, group=self.group))
-            loss_fn = lambda logits, y: st.loss_fn(logits, y) / M  # noqa: E731
-            import torch.distributed.pipelining as pipelining
-            cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(name) or getattr(pipelining, self.MULTI[name])
-            self._built[key] = cls(stages if name in self.MULTI else stages[0], n_microbatches=M,
-                                   loss_fn=loss_fn, scale_grads=False)
-        return self._built[key]
-
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], schedule_name: str = "1f1b",
-             scale: Callable | None = None) -> torch.Tensor:
-        """As PipelineRunner.step, by torch's schedule: torch splits the concatenated batch along dim 0 into
-        M equal parts, which gives back exactly these micro-batches."""
-        if scale is not None:
-            raise ValueError("the torch pipelining twin has no loss-scaling hook (fp16 GradScaler); use bf16")
-        st, M = self.stage, len(micro_batches)
-        mb, T = micro_batches[0][0].shape
-        schedule = self._schedule(schedule_name, M, mb, T)
-        args = (torch.cat([x for x, _ in micro_batches]).to(self.device),) if st.first else ()
-        target = torch.cat([y for _, y in micro_batches]).to(self.device) if st.last else None
-        losses: list[torch.Tensor] = []
-        schedule.step(*args, target=target, losses=losses if st.last else None)
-        return torch.stack([x.detach() for x in losses]).sum() if st.last else torch.zeros((), device=self.device)

@@ -1,4 +1,4 @@
-"""What every data-parallel wrapper answers, ours and (through a thin adapter, parallel/twins.py) PyTorch's, so
+"""What every data-parallel wrapper answers, ours and (through a thin adapter, parallel/twins/) PyTorch's, so
 that `Parallelized` (parallel/parallelize.py) only delegates and never asks which wrapper it holds.
 
     param_groups(weight_decay)      AdamW groups over what this rank steps (whole parameters, or FSDP shards)

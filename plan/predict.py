@@ -1,7 +1,7 @@
 """What one rank of a layout holds and sends, predicted from the formulas that sit beside the wrappers.
 
 Nothing here is measured and no formula is restated: the per-rank parameter shapes come from the model on meta
-cut by `PipelineStage` and `tensor_parallel.tp_local_shape`; ZeRO/FSDP state from `FlatLayout.unit_state_bytes`
+cut by `PipelineStage` and `tensor_parallel.tp_local_shape`; ZeRO/FSDP state from `theory.fsdp_unit_state_bytes`
 over `fsdp.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`, `zero_comm_bytes_per_step` (under a
 pipeline `zero_comm_bytes_per_pipeline_step`), `tp_comm_bytes_per_micro_step`, `cp_p2p_bytes_per_micro_step`
 and `pipeline.p2p_bytes_per_step`; FLOPs from metrics.flops_per_token. What is new here is the saved-activation count (`block_saved_bytes`, derived in its
@@ -20,30 +20,21 @@ import torch
 
 from metrics import flops_per_token
 from model import GPT, GPTConfig, loss_chunk_rows
-from parallel.context_parallel import cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step
-from parallel.ddp import ddp_comm_bytes_per_step, ddp_comm_calls_per_step
-from parallel.flat_param import FlatLayout, shard_numel
-from parallel.fsdp import ZERO_STAGES, unit_key
+from parallel.flat_param import shard_numel
+from parallel.fsdp import ZERO_LADDER, ZERO_STAGES, unit_key
 from parallel.mesh import ParallelDims, backend_for
 from parallel.parallelize import activation_dtype
-from parallel.pipeline import PipelineStage, p2p_bytes_per_step, p2p_calls_per_step
-from parallel.pipeline_schedule import (
-    ALL_SCHEDULES,
-    V_SCHEDULES,
-    chunk_of,
-    simulate,
-)
-from parallel.pipeline_split import layers_for
-from parallel.tensor_parallel import tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step, tp_local_shape
-from parallel.zero_formulas import (
-    ZERO_LADDER,
-    pipelined_root_gathers,
-    reduce_accumulated_held_bytes,
-    reduce_held_bytes,
-    zero_comm_bytes_per_pipeline_step,
-    zero_comm_bytes_per_step,
-    zero_comm_calls_per_step,
-)
+from parallel.pipeline import PipelineStage
+from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
+from parallel.tensor_parallel import tp_local_shape
+from plan import theory
+from plan.simulate import simulate
+from plan.split import layers_for
+from plan.theory import (cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step, ddp_comm_bytes_per_step,
+                         ddp_comm_calls_per_step, p2p_bytes_per_step, p2p_calls_per_step, pipelined_root_gathers,
+                         reduce_accumulated_held_bytes, reduce_held_bytes, tp_comm_bytes_per_micro_step,
+                         tp_comm_calls_per_micro_step, zero_comm_bytes_per_pipeline_step, zero_comm_bytes_per_step,
+                         zero_comm_calls_per_step)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
@@ -57,7 +48,7 @@ class Setup:
     config: GPTConfig
     dtype: torch.dtype
     grad_accum: int  # M: micro-steps per step (a pipeline's micro-batches)
-    pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (parallel/pipeline_split.py)
+    pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (plan/split.py)
 
     @functools.cached_property
     def par(self):
@@ -87,7 +78,7 @@ class Setup:
     def copies_reduce_input(self) -> bool:
         """Whether the ranks' reduce-scatter copies its input: gloo's does (CPU ranks, --device cpu), NCCL's does
         not (--device cuda, or auto: the planner's GPUs; `for_run` passes a run's resolved device);
-        zero_formulas.reduce_held_bytes."""
+        theory.reduce_held_bytes."""
         device = self.args.device
         return device != "auto" and backend_for(torch.device(device)) == "gloo"
 
@@ -158,7 +149,7 @@ def state_bytes(s: Setup, pp_rank: int = 0) -> dict[str, int]:
         shard = s.dims.dp_shard * s.dims.cp
         out = dict.fromkeys(("params", "grads", "optimizer"), 0)
         for numel, n_decay in units(s, pp_rank).values():
-            got = FlatLayout.unit_state_bytes(numel, n_decay, shard, 0, policy.keeps_params, policy.reduces_at_end,
+            got = theory.fsdp_unit_state_bytes(numel, n_decay, shard, 0, policy.keeps_params, policy.reduces_at_end,
                                               s.param_bytes, s.reduce_bytes)
             for k in out:
                 out[k] += got[k]
@@ -268,7 +259,7 @@ def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]
 
 
 def _root_gathers(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
-    """zero_formulas.pipelined_root_gathers over each rank's actions of `schedule`."""
+    """theory.pipelined_root_gathers over each rank's actions of `schedule`."""
     return schedule_facts(schedule, pp, micro, virtual)[1]
 
 
@@ -277,8 +268,8 @@ def schedule_facts(schedule: str, pp: int, micro: int, virtual: int
                    ) -> tuple[tuple[int, ...], tuple[int, ...], float, tuple[tuple[int, int, int], ...]]:
     """What the planner reads off a schedule's action lists, from one build and one simulate (the runner's isend:
     "async"; unit times): each rank's most (chunk, micro-batch) activations in flight, each rank's ZeRO-3 root
-    gathers (zero_formulas.pipelined_root_gathers), the ideal timeline's bubble fraction (for the V schedules what
-    pipeline_schedule.bubble_fraction returns: the same simulate), and each rank's count of F, B and W actions
+    gathers (theory.pipelined_root_gathers), the ideal timeline's bubble fraction (for the V schedules what
+    theory.bubble_fraction returns: the same simulate), and each rank's count of F, B and W actions
     (plan.search.step_time charges Cluster.overhead per action). The lists are not kept (P x M x V actions)."""
     actions = ALL_SCHEDULES[schedule](pp, micro, virtual)
     sim = simulate(actions, pp, virtual, micro, p2p="async", v_shape=schedule in V_SCHEDULES)
@@ -333,7 +324,7 @@ def ends_saved_bytes(s: Setup, B: int, T: int, first: bool, last: bool) -> int:
 def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     """Peak bytes saved for backward on one rank over a step (what metrics' SavedBytes hooks measure):
     one micro-batch's, or under a pipeline the schedule's most in-flight (chunk, micro-batch) activations
-    (parallel.pipeline_schedule.simulate) times a chunk's. AC keeps a checkpointed Block's input only, and
+    (plan.simulate.simulate) times a chunk's. AC keeps a checkpointed Block's input only, and
     re-runs one Block at a time in backward: `full` peaks there (all inputs + one Block's tensors, the head's
     freed by then), `selective` at the end of forward (its recomputations come after the Blocks above freed
     theirs). Zero-bubble schedules hold a (chunk, micro-batch) from F to W (the simulator releases at W): B frees
@@ -439,7 +430,7 @@ HEAD = ("lm_head.weight", "transformer.ln_f.weight", "transformer.ln_f.bias")  #
 def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
     """The most bytes a sharding engine's chunk backward holds for its gradients beyond the parameters and
     optimizer state, the other micro-batches' activations and ZeRO-3's gathered roots: over each of the rank's
-    chunks and the units its backward completes, in order, `zero_formulas.reduce_held_bytes` at the unit's flat gradient
+    chunks and the units its backward completes, in order, `theory.reduce_held_bytes` at the unit's flat gradient
     (its parameter gradients and their concatenation; ZeRO-2/3 the previous unit's reduce-scatter in flight and
     the one before's output), plus the shard gradients (every one once a step runs more than one backward, and
     ZeRO-1's full buffers always; in a step's only backward those of the units reduced before), plus ZeRO-3's
@@ -503,7 +494,7 @@ def reduce_phase(s: Setup, pp_rank: int = 0) -> int:
     (chunk, micro-batch) pairs the schedule holds (saved_activation_bytes less one pair) + ZeRO-3's roots
     gathered (a forward ran since the last backward: a pipeline's steady state; without one the root is kept
     from forward to backward) + `reduce_transient`, and ZeRO-1's end-of-step reduction, its full buffers +
-    `zero_formulas.reduce_accumulated_held_bytes` (no activations left then). Each term of the moment is what some
+    `theory.reduce_accumulated_held_bytes` (no activations left then). Each term of the moment is what some
     backward holds; together an upper bound where they do not coincide (GPipe's first backward holds the most
     pairs, but its reduced outputs are the shard gradients, not beside them: +8% measured)."""
     if s.dp_type not in ZERO_STAGES:

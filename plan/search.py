@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from config import UsageError, check_layout, train_parser
-from parallel.pipeline_schedule import V_SCHEDULES, bubble_fraction
+from parallel.pipeline_schedule import V_SCHEDULES
+from plan.theory import bubble_fraction
 from plan.cluster import Cluster, link_of
 from plan.predict import (Setup, comm_by_group, comm_calls_by_group, recomputed_blocks, schedule_facts, state_bytes,
                           step_flops, worst_rank)
@@ -184,7 +185,7 @@ def accepted(model_flags: list[str], layout: list[str], world: int, device: torc
 
 @functools.lru_cache(maxsize=1024)
 def _bubble(schedule: str, pp: int, micro: int, virtual: int) -> float:
-    """pipeline_schedule.bubble_fraction, once per (schedule, P, M, V); for the V schedules, which simulate their
+    """theory.bubble_fraction, once per (schedule, P, M, V); for the V schedules, which simulate their
     list for it, the simulate predict.schedule_facts already ran for the activations in flight."""
     if schedule in V_SCHEDULES and virtual == 2:
         return schedule_facts(schedule, pp, micro, virtual)[2]

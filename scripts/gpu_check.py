@@ -90,13 +90,14 @@ WRAPPERS = {  # name: (dp_type, tp, param_dtype)
 
 
 def comm_theory(name: str, t, plan) -> dict[str, int]:
-    """Bytes per step the wrapper's own formula gives (parallel/comm.py names where each lives)."""
+    """Bytes per step the wrapper's own formula gives (plan/theory.py)."""
     a = plan.args
     if name == "ddp":  # every trainable parameter's fp32 gradient, once per step (no_sync before the last micro-step)
         return {"all_reduce": sum(b.nbytes for b in t.model.buckets)}
     if name == "fsdp":
-        return {k: v * plan.grad_accum for k, v in t.model.comm_bytes_per_micro_step().items()}
-    from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
+        from plan.theory import engine_comm_bytes_per_micro_step
+        return {k: v * plan.grad_accum for k, v in engine_comm_bytes_per_micro_step(t.model).items()}
+    from plan.theory import tp_comm_bytes_per_micro_step
     lowp = plan.dtype != torch.float32  # under autocast the matmul outputs are low precision, the residual fp32
     per = tp_comm_bytes_per_micro_step(plan.config, a.micro_batch_size, a.seq_len, _ForcedOne(1), False, False,
                                        dtype_bytes=2 if lowp else 4, residual_bytes=4)
@@ -142,7 +143,8 @@ def stage_context_parallel(ctx: Context) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from model import GPT
-    from parallel.context_parallel import positions_for, ring_attention, torch_context_parallel
+    from parallel.context_parallel import positions_for, ring_attention
+    from parallel.twins.context_parallel import torch_context_parallel
     s = ctx.setup
     device = torch.device(s.device, 0) if s.device == "cuda" else torch.device("cpu")
     one_rank_mesh(device)
@@ -168,7 +170,7 @@ def stage_context_parallel(ctx: Context) -> None:
         plan = make_plan(ctx, "cp-twin", s.small, s.device, "float32", 1)
         model = GPT(plan.config).to(device)
         twin = copy.deepcopy(model)
-        twin.positions = positions_for(0, 1)  # the twin's zigzag positions (parallel/twins.apply_cp)
+        twin.positions = positions_for(0, 1)  # the twin's zigzag positions (parallel/twins/context_parallel.apply_cp)
         x = torch.randint(plan.config.vocab_size, (4, plan.args.seq_len), generator=g).to(device)
         y = torch.roll(x, -1, 1)
         ref = model(x, y)[1]

@@ -19,7 +19,7 @@ from bench.ac import SavedAndRecomputedBytes
 from bench.pipeline import SavedBytes
 from model import GPT, make_config
 from parallel.blocks import apply_activation_checkpointing
-from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
+from plan.theory import tp_comm_bytes_per_micro_step
 from tests.harness import WholeRuns, evals_of, expect_train_error_in_process, rank0_only, steps_of
 
 STEPS = 6  # as test_pipeline_train's, whose eager references the AC and compiled runs share

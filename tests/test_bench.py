@@ -85,7 +85,7 @@ class TestTheory(unittest.TestCase):
                                   "p2p": 0})
 
     def test_fsdp_formula_without_reshard_and_in_bf16(self):
-        from parallel.zero_formulas import fsdp_comm_bytes_per_micro_step as fsdp
+        from plan.theory import fsdp_comm_bytes_per_micro_step as fsdp
         # root 3 + blocks 10 elements, each gathered once, in 2-byte params; gradients reduced in fp32
         self.assertEqual(fsdp(3, 10, 2, reshard_after_forward=False, param_bytes=2),
                          {"all_gather": 13 * 2, "reduce_scatter": 13 * 4})

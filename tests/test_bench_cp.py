@@ -61,7 +61,7 @@ def test_comm_theory_by_layout():
     Hand count for the ring, tiny (n_layer 2, n_embd 64), 4 rows, T = 128, C = 2: A = 4 * 64 * 64 * 4 bytes
     = 65536; per layer 2A forward + 6A backward = 8A; 2 layers: 16A = 1,048,576."""
     from model import make_config
-    from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
+    from plan.theory import tp_comm_bytes_per_micro_step
     cfg = make_config("tiny")
     assert comm_theory(cfg, 4, 128, 1, 1, 999) == 0
     assert comm_theory(cfg, 4, 128, 2, 1, 1000) == 1_048_576 + 1000

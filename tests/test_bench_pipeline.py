@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from bench.pipeline import SavedBytes, idle_stats, pipeline_rows, run
-from parallel.pipeline_schedule import SCHEDULES, bubble_fraction, simulate
+from parallel.pipeline_schedule import SCHEDULES
+from plan.theory import bubble_fraction
+from plan.simulate import simulate
 
 
 def test_idle_of_hand_built_gpipe_timeline():

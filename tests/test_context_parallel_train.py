@@ -14,9 +14,9 @@ import torch
 
 import checkpoint
 from model import GPT, make_config
-from parallel.context_parallel import cp_p2p_bytes_per_micro_step
-from parallel.pipeline import p2p_bytes_per_step
-from parallel.tensor_parallel import tp_comm_bytes_per_micro_step
+from plan.theory import cp_p2p_bytes_per_micro_step
+from plan.theory import p2p_bytes_per_step
+from plan.theory import tp_comm_bytes_per_micro_step
 from tests.harness import (
     WholeRuns, assert_close, check_against, check_kill_and_resume, check_resume_from, checkpoint_params as state,
     evals_of, expect_train_error_in_process, expect_train_error_on_ranks, rank0_only, steps_of)

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from config import UsageError, _check_context, _check_layout, train_parser
 from model import GPTConfig
-from parallel.context_parallel import local_positions, shard_sequence, torch_context_parallel
+from parallel.context_parallel import local_positions, shard_sequence
+from parallel.twins.context_parallel import torch_context_parallel
 from parallel.mesh import ParallelDims
 from tests.harness import run_distributed
 

@@ -23,6 +23,7 @@ import parallel.fsdp as fsdp_module
 from model import GPT, GPTConfig, param_groups
 from parallel import comm
 from parallel.fsdp import FullyShardedDataParallel as FSDP
+from plan.theory import engine_comm_bytes_per_micro_step
 from tests.harness import Measurements
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -411,7 +412,7 @@ def _two_micro_steps(rank: int, reshard: bool) -> dict:
     local = _record_local_grads(model)
     comm.COUNTER.reset()
     losses = torch.stack([_micro_step(model, rank, micro=m) for m in range(ACCUM)])
-    return {"losses": losses, "comm": (comm.COUNTER.snapshot(), model.comm_bytes_per_micro_step()),
+    return {"losses": losses, "comm": (comm.COUNTER.snapshot(), engine_comm_bytes_per_micro_step(model)),
             "grads": [p.grad.clone() for p in model.parameters()], "reference": _reduced_reference(model, local),
             "padded": [(u.numel, u.padded) for u in model.units]}
 
@@ -518,7 +519,7 @@ class TestFSDPMechanics(unittest.TestCase):
         model = FSDP(_eager_gpt())
         comm.COUNTER.reset()
         _micro_step(model, rank)
-        return {"comm": comm.COUNTER.snapshot(), "comm_expected": model.comm_bytes_per_micro_step(),
+        return {"comm": comm.COUNTER.snapshot(), "comm_expected": engine_comm_bytes_per_micro_step(model),
                 "padded": [(u.numel, u.padded) for u in model.units]}
 
     def test_comm_bytes_per_micro_step(self):

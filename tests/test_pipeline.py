@@ -32,9 +32,10 @@ import torch.distributed as dist
 
 from model import GPT, make_config
 from parallel import comm
-from parallel.pipeline import PipelineRunner, PipelineStage, p2p_bytes_per_step
-from parallel.pipeline_schedule import (B, F, P2P_MODELS, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action,
-                                        chunk_of, send_waits, simulate, split_layers)
+from parallel.pipeline import PipelineRunner, PipelineStage
+from plan.theory import p2p_bytes_per_step
+from parallel.pipeline_schedule import B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action, chunk_of, send_waits, split_layers
+from plan.simulate import P2P_MODELS, simulate
 from tests.harness import run_distributed
 
 SEED, MB, T = 0, 2, 16

@@ -20,9 +20,9 @@ from __future__ import annotations
 import unittest
 from fractions import Fraction
 
-from parallel.pipeline_schedule import (B, F, P2P_MODELS, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, W, Action,
-                                        ScheduleError, bubble_fraction, chunk_of, gpipe, interleaved_one_f_one_b,
-                                        one_f_one_b, simulate, split_layers, zb_h1, zbv, dualpipev)
+from parallel.pipeline_schedule import B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, W, Action, ScheduleError, chunk_of, gpipe, interleaved_one_f_one_b, one_f_one_b, split_layers, zb_h1, zbv, dualpipev
+from plan.simulate import P2P_MODELS, simulate
+from plan.theory import bubble_fraction
 
 PPS = (2, 3, 4, 8)
 

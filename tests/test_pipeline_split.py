@@ -1,4 +1,4 @@
-"""parallel/pipeline_split.py: the cost model, the exact split by cost, the override, and a stage that holds
+"""plan/split.py: the cost model, the exact split by cost, the override, and a stage that holds
 exactly the Blocks of its split. No processes; every expected split below is derived by hand in its test."""
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch
 
 from metrics import flops_per_token
 from model import GPT, make_config
-from parallel.pipeline import PipelineStage, TorchChunk
+from parallel.pipeline import PipelineStage
+from parallel.twins.pipeline import TorchChunk
 from parallel.pipeline_schedule import chunk_of, split_layers
-from parallel.pipeline_split import (StageCosts, balanced_split, balanced_v_split, check_counts, costs_from_step,
+from plan.split import (StageCosts, balanced_split, balanced_v_split, check_counts, costs_from_step,
                                      describe_split, layers_for, stage_costs)
 
 
@@ -143,20 +144,20 @@ class TestVSplit(unittest.TestCase):
                          ranges(1, 2, 2, 2, 1, 1, 2, 1))
 
     def test_stage_config_and_planner_use_it(self):
-        """PipelineStage without counts, config.check_layout (train.py's split) and the planner's stage_blocks
+        """config.check_layout (train.py's split), the PipelineStage it is given and the planner's stage_blocks
         all cut the V layout per rank."""
         import config as cfg
         from plan.predict import Setup, stage_blocks
         want = ranges(6, 9, 8, 1)
         model = make_config("small", n_layer=24)
-        with torch.device("meta"):
-            stage = PipelineStage(GPT(model), 0, 2, 2, v_shape=True)
-        self.assertEqual(stage.layers, want)
         args = cfg.parse_args(["--model", "small", "--n_layer", "24", "--seq_len", "1024", "--micro_batch_size", "1",
                                "--total_batch_size", str(4 * 1024), "--pipeline_parallel_size", "2",
                                "--pp_schedule", "zbv", "--pp_virtual_stages", "2", "--device", "cpu"])
         dims, config, dtype, _, accum, layers = cfg.check_layout(args, 2, torch.device("cpu"))
         self.assertEqual(layers, (6, 9, 8, 1))
+        with torch.device("meta"):
+            stage = PipelineStage(GPT(model), 0, 2, 2, layers=layers, v_shape=True)
+        self.assertEqual(stage.layers, want)
         setup = Setup(args, dims, config, dtype, accum, layers)
         self.assertEqual([stage_blocks(setup, r) for r in range(2)],
                          [([*range(0, 6), 23], True, True), ([*range(6, 23)], False, False)])
@@ -244,13 +245,19 @@ class TestOverride(unittest.TestCase):
                         self.assertEqual(len(chunk.h), counts[c])
 
     def test_default_is_the_cost_split(self):
-        """No override: the cost model at T = block_size. tiny with 6 Blocks, V = 50304, T = 1024: the head
-        (8·V·C + 12C = 25.76M) outweighs all 6 Blocks (6·(12C² + 13C) + 12·C·T = 1.09M each), so the last chunk
-        keeps one Block."""
-        config = make_config("tiny", n_layer=6)
+        """No override: train.py's config cuts by the cost model at --seq_len. tiny with 6 Blocks, V = 50304,
+        T = 1024: the head (8·V·C + 12C = 25.76M) outweighs all 6 Blocks (6·(12C² + 13C) + 12·C·T = 1.09M each),
+        so the last chunk keeps one Block. A PipelineStage given no counts (the runtime alone, as tests build it)
+        cuts evenly."""
+        import config as cfg
+        args = cfg.parse_args(["--model", "tiny", "--n_layer", "6", "--seq_len", "1024", "--micro_batch_size", "1",
+                               "--total_batch_size", str(2 * 1024), "--pipeline_parallel_size", "2", "--device", "cpu"])
+        layers = cfg.check_layout(args, 2, torch.device("cpu"))[-1]
+        self.assertEqual(layers, (5, 1))
         with torch.device("meta"):
-            stage = PipelineStage(GPT(config), 0, 2)
-        self.assertEqual(stage.layers, ranges(5, 1))
+            self.assertEqual(PipelineStage(GPT(make_config("tiny", n_layer=6)), 0, 2, layers=layers).layers,
+                             ranges(5, 1))
+            self.assertEqual(PipelineStage(GPT(make_config("tiny", n_layer=6)), 0, 2).layers, ranges(3, 3))
 
 
 if __name__ == "__main__":

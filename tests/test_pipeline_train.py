@@ -20,7 +20,7 @@ import torch
 import checkpoint
 from metrics import read_jsonl
 from model import GPT, make_config
-from parallel.pipeline import p2p_bytes_per_step
+from plan.theory import p2p_bytes_per_step
 from tests.harness import (
     WholeRuns, assert_close, check_against, check_kill_and_resume, check_resume_from, checkpoint_params as state,
     evals_of, expect_train_error_in_process, expect_train_error_on_ranks, forked, rank0_only, steps_of)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from config import check_layout, train_parser
-from parallel.flat_param import FlatLayout
 from plan import __main__ as cli
+from plan import theory
 from plan.predict import Setup, block_saved_bytes, state_bytes
 from plan.search import candidates, model_flags
 
@@ -34,7 +34,7 @@ def zero_unit(stage: int, param_bytes: int, reduce_bytes: int) -> int:
     """Our per-rank model state for one unit of Ψ elements sharded over N_d ranks (rank 0), minus AdamW's fp32
     step tensor (4 bytes a piece: no counterpart in the paper)."""
     keeps, at_end = {1: (True, True), 2: (True, False), 3: (False, False)}[stage]
-    got = FlatLayout.unit_state_bytes(PSI, PSI, ND, 0, keeps, at_end, param_bytes, reduce_bytes)
+    got = theory.fsdp_unit_state_bytes(PSI, PSI, ND, 0, keeps, at_end, param_bytes, reduce_bytes)
     return sum(got.values()) - 4
 
 
@@ -239,8 +239,8 @@ def test_state_floor_is_a_lower_bound_of_the_predicted_peak(grid):
 
 def test_the_v_schedules_bubble_comes_from_the_shared_simulate():
     """search._bubble takes the V schedules' bubble from predict.schedule_facts' simulate (the one the activations
-    in flight come from) and equals pipeline_schedule.bubble_fraction on each; the others are its closed forms."""
-    from parallel.pipeline_schedule import bubble_fraction
+    in flight come from) and equals theory.bubble_fraction on each; the others are its closed forms."""
+    from plan.theory import bubble_fraction
     from plan.search import _bubble
     for name, v in (("zbv", 2), ("dualpipev", 2), ("interleaved_1f1b", 2), ("1f1b", 1), ("zb_h1", 1)):
         for P, M in ((2, 4), (4, 8), (4, 12)):
@@ -363,7 +363,8 @@ def test_ddp_calls_are_build_buckets_count_at_every_cap():
     bucket per parameter to one for all, and at each cap that a run of the last (or the first) parameters fills
     exactly, where "past the cap" decides: test_plan_runs holds the one-bucket case against runs."""
     from model import GPT
-    from parallel.ddp import build_buckets, ddp_comm_calls_per_step
+    from parallel.ddp import build_buckets
+    from plan.theory import ddp_comm_calls_per_step
     from plan.predict import local_params
     s = setup(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
                "--micro_batch_size", "4"])

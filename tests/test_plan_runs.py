@@ -41,7 +41,7 @@ LAYOUTS: list[tuple[S.Layout, list[str]]] = [
     (L(pp=2, tp=2, schedule="interleaved_1f1b", virtual=2), []), (L(pp=2, dp=2, dp_type="fsdp"), []),
     (L(dp=2, tp=2, dp_type="fsdp"), []),
     (L(pp=2, cp=2, tp=2, dp_type="ddp"), []), (L(dp=2, cp=2, tp=2, dp_type="fsdp"), []),
-    # a sharding engine under a pipeline (zero_formulas.zero_comm_bytes_per_pipeline_step): ZeRO-3's roots re-gathered
+    # a sharding engine under a pipeline (theory.zero_comm_bytes_per_pipeline_step): ZeRO-3's roots re-gathered
     # per chunk forward and after a backward (GPipe: 2M - 1 times), ZeRO-1 and ZeRO-2 over interleaved chunks
     (L(pp=2, dp=2, dp_type="fsdp", schedule="gpipe"), []), (L(pp=2, dp=2, dp_type="zero1"), []),
     (L(pp=2, dp=2, dp_type="zero2", schedule="interleaved_1f1b", virtual=2), []),

@@ -25,9 +25,9 @@ from metrics import LargestTensor
 from model import GPT, GPTConfig, init_parameter, param_groups
 from parallel import comm
 from parallel.grads import clip_grad_norm_
-from parallel.tensor_parallel import (TP_PLAN, apply_tensor_parallel, check_tp_divisibility, full_tensor,
-                                      plan_style, pytorch_tp_plan, tp_comm_bytes_per_micro_step, tp_norm_groups,
-                                      vocab_parallel_cross_entropy)
+from parallel.tensor_parallel import TP_PLAN, apply_tensor_parallel, check_tp_divisibility, full_tensor, plan_style, tp_norm_groups, vocab_parallel_cross_entropy
+from parallel.twins.tensor_parallel import pytorch_tp_plan
+from plan.theory import tp_comm_bytes_per_micro_step
 from tests.harness import run_distributed
 
 CFG = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64)

@@ -20,7 +20,7 @@ import torch
 from bench.sweep import FP32_TP_RTOL as TP_RTOL  # TP layouts against one process, as the README states
 from metrics import read_jsonl
 from model import GPT, make_config
-from parallel.zero_formulas import fsdp_comm_bytes_per_micro_step
+from plan.theory import fsdp_comm_bytes_per_micro_step
 from tests.harness import (
     WholeRuns, assert_close, check_kill_and_resume, check_resume_from, evals_of, expect_train_error_in_process,
     expect_train_error_on_ranks, rank0_only, steps_of)
@@ -402,7 +402,7 @@ class TestZeroCommBytes(unittest.TestCase):
         self.check("zero2", {"reduce_scatter": k * P}, once=P)
 
     def test_fsdp(self):
-        """Also the engine's own formula (parallel/zero_formulas.fsdp_comm_bytes_per_micro_step), which says the same."""
+        """Also the engine's own formula (plan/theory.fsdp_comm_bytes_per_micro_step), which says the same."""
         k, root, blocks = M // 2, padded_bytes(2, "root"), padded_bytes(2, "blocks")
         want = {"all_gather": k * (root + 2 * blocks), "reduce_scatter": k * (root + blocks)}
         engine = fsdp_comm_bytes_per_micro_step(root // 4, blocks // 4, 2)

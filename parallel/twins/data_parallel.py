@@ -1,13 +1,6 @@
-"""PyTorch's own wrappers on the same mesh as ours (`--implementation pytorch`), each a step of
-parallel/parallelize.py's composition, with the thin adapter that makes it answer parallel/protocol.py.
-
-    pp    torch.distributed.pipelining's PipelineStage per local chunk (TorchChunk) and its schedules
-    cp    torch's context_parallel (CUDA only): the SDPA ring opened around each micro-step
-    tp    DTensor `parallelize_module` with our sharding (`pytorch_tp_plan`); loss parallel as a context
-    fsdp  FSDP2 `fully_shard`: each Block one unit, the root (or each pipeline chunk) another
-    ddp   `DistributedDataParallel` (DTensor TP parameters localised for it: `localize_tp_params`); zero1 is
-          the same plus `ZeroRedundancyOptimizer`
-"""
+"""PyTorch's data-parallel wrappers as our DDP's and sharding engine's twins: `DistributedDataParallel`
+(+ `ZeroRedundancyOptimizer` for zero1) and FSDP2's `fully_shard` (HSDP on a 2D mesh), with the adapters that
+make them answer parallel/protocol.py (ours: parallel/ddp.py, parallel/fsdp.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,14 +12,10 @@ from torch.distributed.tensor import DTensor
 
 from parallel.blocks import blocks_by_index
 from parallel.comm import local
-from parallel.context_parallel import positions_for, torch_context_parallel
 from parallel.mesh import Mesh
-from parallel.pipeline import PipelineStage, TorchChunk, TorchPipelineRunner
-from parallel.pipeline_schedule import V_SCHEDULES
+from parallel.pipeline import PipelineStage
 from parallel.protocol import Accumulating, Placement, Replicated
 
-
-# ----------------------------------------------------------------------------- adapters
 
 class TorchFSDP2(Replicated):
     """FSDP2's parameters are DTensors sharded over the fsdp dims: norms and entries read their placements.
@@ -71,40 +60,6 @@ class TorchZeRO1(Replicated):
                            a.tp_size, owns=lambda p: owner[p] == a.replica_rank)
 
 
-# ----------------------------------------------------------------------------- the steps
-
-def apply_pp(model, mesh: Mesh, cfg, par):
-    """Our cut (parallel/pipeline.PipelineStage), plus one module per local chunk (`TorchChunk`) for torch's
-    PipelineStage: torch's DDP and FSDP2 then wrap those chunk modules, as torchtitan wraps its model chunks."""
-    stage = PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers,
-                          v_shape=cfg.pp_schedule in V_SCHEDULES)
-    stage.chunk_modules = {c: TorchChunk(stage, c) for c in stage.chunks}
-    return stage
-
-
-def apply_cp(model, mesh: Mesh, cfg, par):
-    """torch's context_parallel (CUDA only): zigzag positions now (torch's head-tail load balancer gives rank r
-    chunks r and 2C-1-r, our split), the SDPA ring per micro-step; it takes the full rows and shards them."""
-    cp = mesh["cp"]
-    model.positions = positions_for(cp.rank, cp.size)
-    par.micro_contexts.append(lambda x, y: torch_context_parallel(cp.device_mesh, x, y))
-    return model
-
-
-def apply_tp(model, mesh: Mesh, cfg, par):
-    """DTensor TP with the same sharding as ours (`pytorch_tp_plan`, torchtitan-style). DTensor loss parallel
-    needs its context around each micro-step's forward and backward."""
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-
-    from parallel.tensor_parallel import pytorch_tp_plan
-    parallelize_module(model, mesh["tp"].device_mesh, pytorch_tp_plan(model, cfg.loss_parallel, cfg.sequence_parallel))
-    if not isinstance(model, PipelineStage):  # a stage's lm_head is a copy of wte, not tied to it
-        model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) over vocab: re-tie after the swap
-    if cfg.loss_parallel:
-        par.micro_contexts.append(lambda x, y: _around(loss_parallel(), x, y))
-    return model
-
-
 def apply_fsdp(model, mesh: Mesh, cfg, par):
     """FSDP2: each Block one unit, the root (embeddings, ln_f) another, as ours. zero2: the same with
     reshard_after_forward=False (parameters stay gathered from forward to backward). HSDP: on the 2D
@@ -147,20 +102,6 @@ def apply_ddp(model: nn.Module, mesh: Mesh, cfg, par):
     else:
         par.dp_wrapper = lambda at, groups: Accumulating(wrapped, at_rank(at), groups, sharded_as)
     return wrapped
-
-
-def apply_runner(model, mesh: Mesh, cfg, par):
-    """torch.distributed.pipelining's schedules through whatever the steps before made (TorchPipelineRunner)."""
-    par.pipeline = TorchPipelineRunner(model, **par.runner_args(cfg))
-    return model
-
-
-# ----------------------------------------------------------------------------- helpers
-
-@contextlib.contextmanager
-def _around(context, x: torch.Tensor, y: torch.Tensor):
-    with context:
-        yield x, y
 
 
 def localize_tp_params(model: nn.Module, run_by: list[nn.Module] | None = None) -> dict[str, DTensor]:

@@ -1,0 +1,13 @@
+"""PyTorch's own wrappers on the same mesh as ours (`--implementation pytorch`), one file per dimension, each a
+step of parallel/parallelize.py's composition with the thin adapter that makes it answer parallel/protocol.py.
+They sit beside our mechanisms, not inside them, so a reader can diff the two:
+
+    pipeline.py          torch.distributed.pipelining's PipelineStage per local chunk and its schedules
+                         (ours: parallel/pipeline.py, parallel/pipeline_schedule.py)
+    context_parallel.py  torch's context_parallel (CUDA only): the SDPA ring opened around each micro-step
+                         (ours: parallel/context_parallel.py)
+    tensor_parallel.py   DTensor `parallelize_module` with our sharding; loss parallel as a context
+                         (ours: parallel/tensor_parallel.py)
+    data_parallel.py     FSDP2 `fully_shard`, `DistributedDataParallel` (+ `ZeroRedundancyOptimizer` for zero1)
+                         (ours: parallel/fsdp.py, parallel/ddp.py)
+"""
