@@ -76,7 +76,7 @@ def maybe_kill(step: int, rank: int) -> None:
 
 
 class CommFault:
-    """GPT_COMM_FAULT's hook, parallel.comm.FAULT on the faulty rank: "skip" or "shape" for the nth `op` of
+    """GPT_COMM_FAULT's hook, parallel.comm.HOOKS.op on the faulty rank: "skip" or "shape" for the nth `op` of
     `step` this rank issues, None for every other op."""
 
     def __init__(self, kind: str, op: str, step: int, nth: int, rank: int):
@@ -102,6 +102,28 @@ def comm_fault(rank: int) -> CommFault | None:
         return None
     return CommFault(kind, os.environ.get("GPT_COMM_FAULT_OP", "all_reduce"), _env_int("GPT_COMM_FAULT_STEP") or 1,
                      _env_int("GPT_COMM_FAULT_NTH") or 0, rank)
+
+
+class FaultHooks(comm.Hooks):
+    """The runtime's test seam (parallel/comm.HOOKS) as these hooks fill it: GPT_COMM_FAULT's op fault and
+    GPT_FAULT_DDP_DROP_BUCKET's dropped bucket."""
+
+    def __init__(self, op_fault: CommFault | None):
+        self.op_fault = op_fault
+
+    def op(self, name: str, tensor: torch.Tensor) -> str | None:
+        return self.op_fault(name, tensor) if self.op_fault is not None else None
+
+    def local_gradients(self, buffers: list[torch.Tensor]) -> None:
+        maybe_drop_bucket(buffers)
+
+
+def runtime_hooks(rank: int) -> FaultHooks | None:
+    """What this rank sets parallel/comm.HOOKS to: None (no hook asked at all) unless a hook's variable is set."""
+    op_fault = comm_fault(rank)
+    if op_fault is None and _env_int("GPT_FAULT_DDP_DROP_BUCKET") is None:
+        return None
+    return FaultHooks(op_fault)
 
 
 def checkpoint_file_written() -> None:
@@ -292,7 +314,7 @@ class Faults:
         self.rank = rank
         self.watchdog = StepWatchdog(out_dir, rank, timeout)
         self.preemption = Preemption(device) if device is not None else None
-        comm.FAULT = comm_fault(rank)
+        comm.HOOKS = runtime_hooks(rank)
 
     def before_step(self, step: int, model: torch.nn.Module) -> None:
         global _bucket_dropped
@@ -325,4 +347,4 @@ class Faults:
 
     def close(self) -> None:
         self.watchdog.stop()
-        comm.FAULT = None
+        comm.HOOKS = None

@@ -91,7 +91,10 @@ def load(path: str) -> dict[int, dict]:
 # ----------------------------------------------------------------------------- analysis
 
 def _sig(o: dict) -> tuple:
-    return o["op"], tuple(o["shape"]), o["dtype"]
+    """What every rank of a group issues alike at one seq: op, shape and dtype (an all_to_all's first dim is each
+    rank's own sum of splits, so only its other dims must agree)."""
+    shape = tuple(o["shape"][1:] if o["op"] == "all_to_all" else o["shape"])
+    return o["op"], shape, o["dtype"]
 
 
 def _gkey(o: dict) -> tuple:

@@ -6,7 +6,9 @@ The counter records payload bytes per kind, per call (and the number of calls pe
 - reduce_scatter: the bytes of the (full) input;
 - broadcast: the tensor's bytes;
 - p2p: the bytes of each tensor sent point-to-point (`send`; `recv` adds nothing, so summed over ranks
-  every message counts once).
+  every message counts once);
+- all_to_all: the bytes of this rank's input, every split (its own included: it is copied, not sent, but a
+  layout-independent count is what the formulas are written in).
 Each wrapper's theory is written in these sizes, beside its code: `ddp_comm_bytes_per_step` (parallel/ddp.py),
 the FSDP formula in parallel/fsdp.py (2 all-gathers of each Block and 1 of the root, and 1 reduce-scatter
 of everything, per micro-step), `tp_comm_bytes_per_micro_step` (parallel/tensor_parallel.py). Backend
@@ -16,7 +18,7 @@ counted: they are properties of the transport, not of the algorithm.
 Every op is also recorded, posted and then completed, in this rank's flight recorder
 (parallel/flight_recorder.py; `python -m debug hang` reads it after a hang), counted or not: the scalar
 reductions (grad norm, mean loss, found-inf, the preemption vote) pass `counted=False`. An async op returns
-its work wrapped, so that its wait() marks the record completed. `FAULT` is faults.py's test hook.
+its work wrapped, so that its wait() marks the record completed. `HOOKS` is the one seam for test hooks.
 
 Averages are computed as SUM followed by a division by the group size, which every backend supports
 (gloo has no ReduceOp.AVG in older torch versions, and some backends none for integer tensors).
@@ -24,15 +26,13 @@ Averages are computed as SUM followed by a division by the group size, which eve
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from parallel.flight_recorder import RECORDER
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all")
 
 
 class CommCounter:
@@ -57,12 +57,12 @@ class CommCounter:
         return _listed(self.calls)
 
     def snapshot(self) -> dict[str, int]:
-        """{kind: bytes} for all_reduce, all_gather and reduce_scatter (and broadcast, p2p if any)."""
+        """{kind: bytes} for all_reduce, all_gather and reduce_scatter (and broadcast, p2p, all_to_all if any)."""
         return _listed(self.bytes)
 
 
 def _listed(counts: dict[str, int]) -> dict[str, int]:
-    """all_reduce, all_gather and reduce_scatter always; broadcast and p2p only where nonzero."""
+    """all_reduce, all_gather and reduce_scatter always; broadcast, p2p and all_to_all only where nonzero."""
     out = {k: int(counts.get(k, 0)) for k in KINDS[:3]}
     out.update({k: int(counts[k]) for k in KINDS[3:] if counts.get(k)})
     return out
@@ -76,9 +76,22 @@ REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single
 COUNTER = CommCounter()  # one per process: every wrapper's traffic adds up in the same place
 
 
-# faults.py's test hook (None in a normal run): FAULT(op, tensor) -> None, "skip" (the op is not issued) or
-# "shape" (it is issued on all but the last element of the tensor), as a buggy rank would.
-FAULT: Callable[[str, torch.Tensor], str | None] | None = None
+class Hooks:
+    """The one seam through which tests and faults.py reach the runtime: `HOOKS`, None in a normal run (then no
+    hook is even asked). The runtime asks it at two named places, and nothing in parallel/ imports the code
+    that sets it:
+        op(name, tensor)           before every all_reduce and recv: None, "skip" (the op is not issued) or
+                                   "shape" (it is issued on all but the last element), as a buggy rank would
+        local_gradients(buffers)   our DDP, after a backward inside no_sync, with its bucket buffers"""
+
+    def op(self, name: str, tensor: torch.Tensor) -> str | None:
+        return None
+
+    def local_gradients(self, buffers: list[torch.Tensor]) -> None:
+        pass
+
+
+HOOKS: Hooks | None = None
 
 
 class Recorded:
@@ -104,7 +117,7 @@ class Recorded:
 
 
 class Skipped:
-    """The work handle of an op FAULT skipped: already complete."""
+    """The work handle of an op a hook skipped: already complete."""
 
     def wait(self, *args) -> bool:
         return True
@@ -123,7 +136,7 @@ def _issued(n: int, work, async_op: bool):
 
 def _fault(op: str, tensor: torch.Tensor) -> torch.Tensor | None:
     """tensor, narrowed by a "shape" fault; None for a "skip" fault."""
-    action = FAULT(op, tensor)
+    action = HOOKS.op(op, tensor)
     if action == "skip":
         return None
     if action == "shape":
@@ -158,10 +171,10 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op:
         return None
     if counted:
         COUNTER.add("all_reduce", _nbytes(tensor))
-    wire = tensor if FAULT is None else _fault("all_reduce", tensor)
+    wire = tensor if HOOKS is None else _fault("all_reduce", tensor)
     if wire is None:
         return Skipped() if async_op else None
-    n = RECORDER.post(0, wire, group, unit=unit)
+    n = RECORDER.post("all_reduce", wire, group, unit=unit)
     red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     work = _issued(n, dist.all_reduce(wire, op=red, group=group, async_op=async_op), async_op)
     if op == "avg" and not async_op:
@@ -177,7 +190,7 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: dis
         output.copy_(shard.view_as(output))
         return None
     COUNTER.add("all_gather", _nbytes(output))
-    n = RECORDER.post(1, shard, group, unit=unit)
+    n = RECORDER.post("all_gather", shard, group, unit=unit)
     return _issued(n, getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=async_op), async_op)
 
 
@@ -189,9 +202,25 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.
         output.copy_(full.view_as(output))
         return None
     COUNTER.add("reduce_scatter", _nbytes(full))
-    n = RECORDER.post(2, full, group, unit=unit)
+    n = RECORDER.post("reduce_scatter", full, group, unit=unit)
     return _issued(n, getattr(dist, REDUCE_SCATTER)(output, full, op=dist.ReduceOp.SUM, group=group,
                                                     async_op=async_op), async_op)
+
+
+@torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group: dist.ProcessGroup | None = None,
+                      async_op: bool = False, unit: str | None = None):
+    """Rank r sends rows [sum(input_split_sizes[:j]), ...) of `input` (dim 0) to rank j and receives rank j's
+    rows for it into `output` in rank order (`output_split_sizes[j]` rows from rank j); None: equal splits. The
+    split sizes are host ints: both sides must know them before the op (their all_to_all first, if they vary)."""
+    if world(group) == 1:
+        output.copy_(input)
+        return None
+    COUNTER.add("all_to_all", _nbytes(input))
+    n = RECORDER.post("all_to_all", input, group, unit=unit)
+    return _issued(n, dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                             async_op=async_op), async_op)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -210,7 +239,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     if world(group) == 1:
         return
     COUNTER.add("broadcast", _nbytes(tensor))
-    n = RECORDER.post(3, tensor, group, -1)
+    n = RECORDER.post("broadcast", tensor, group, -1)
     dist.broadcast(tensor, src=src, group=group)
     RECORDER.done(n)
 
@@ -223,7 +252,7 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
     with the k-th receive on b from a, so both sides must post a pair's messages in the same order."""
     COUNTER.add("p2p", _nbytes(tensor))
     peer = _global(dst, group)
-    n = RECORDER.post(4, tensor, group, peer)
+    n = RECORDER.post("send", tensor, group, peer)
     return _issued(n, dist.isend(tensor, dst=peer, group=group), True)
 
 
@@ -231,10 +260,10 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> dist.Work:
     """Post a non-blocking receive into `tensor` from `src` (a rank of `group`); returns the work handle.
     Not counted: the sender counts the message."""
-    if FAULT is not None and _fault("recv", tensor) is None:
+    if HOOKS is not None and _fault("recv", tensor) is None:
         return Skipped()
     peer = _global(src, group)
-    n = RECORDER.post(5, tensor, group, peer)
+    n = RECORDER.post("recv", tensor, group, peer)
     return _issued(n, dist.irecv(tensor, src=peer, group=group), True)
 
 

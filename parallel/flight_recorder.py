@@ -24,7 +24,8 @@ import sys
 import weakref
 from typing import Any
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "all_to_all")
+OP_INDEX = {name: i for i, name in enumerate(OPS)}  # a record stores its op as this index
 POSTED, COMPLETED = 0, 1
 STATES = ("posted", "completed")
 MAGIC = b"GPTFR001"
@@ -124,12 +125,13 @@ class FlightRecorder:
                 self._groups[group] = g
         return g
 
-    def post(self, op: int, tensor, group, peer: int = -1, unit: str | None = None) -> int:
-        """Record op (an index of OPS) on `tensor` as posted; returns its slot handle for `done` (-1: off).
+    def post(self, op: str, tensor, group, peer: int = -1, unit: str | None = None) -> int:
+        """Record op (a name of OPS) on `tensor` as posted; returns its slot handle for `done` (-1: off).
         `unit`: what the wrapper is moving (an FSDP unit's name, a DDP bucket), appended to the call site."""
         if not self.capacity:
             return -1
         gid, _ = self._group(group)
+        op = OP_INDEX[op]
         key = (gid,) if peer < 0 else (gid, op, peer)
         seq = self._seq.get(key, 0)
         self._seq[key] = seq + 1

@@ -9,7 +9,13 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOP = ("train", "config", "checkpoint", "sample", "export", "bench", "scripts", "tests")  # above parallel/
+BELOW = ("model", "metrics")  # the only repository modules parallel/ may import, besides itself
+# every other top-level module and package of the repository sits above parallel/ (train, config, faults, plan, ...)
+OURS = sorted({f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+              | {f for f in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, f, "__init__.py"))})
+TOP = tuple(m for m in OURS if m not in BELOW + ("parallel",))
+PARALLEL = sorted(os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(os.path.join(ROOT, "parallel"))
+                  for f in fs if f.endswith(".py"))
 
 
 def imports(path: str, root: str = ROOT) -> set[str]:
@@ -31,10 +37,30 @@ def test_model_and_metrics_know_no_parallelism(path):
     assert not {m for m in imports(path) if m == "parallel" or m.startswith("parallel.")}
 
 
-@pytest.mark.parametrize("path", sorted(f"parallel/{f}" for f in os.listdir(os.path.join(ROOT, "parallel"))
-                                        if f.endswith(".py")))
+def test_the_layers_above_are_found():
+    """The list is read off the repository, so a new top-level module is above parallel/ by default."""
+    assert {"train", "config", "faults", "plan", "debug", "bench", "checkpoint", "tests"} <= set(TOP)
+
+
+@pytest.mark.parametrize("path", PARALLEL)
 def test_parallel_does_not_import_the_layers_above_it(path):
+    """faults.py (the test hooks) included: they reach the runtime through parallel/comm.HOOKS, set from above;
+    plan/ (the formula sheet, the simulator) included: theory sits beside the runtime, not inside it."""
     up = {m for m in imports(path) if m.split(".")[0] in TOP}
+    assert not up, f"{path} imports {sorted(up)}"
+
+
+@pytest.mark.parametrize("path", [p for p in PARALLEL if not p.startswith(os.path.join("parallel", "twins"))
+                                  and p != os.path.join("parallel", "parallelize.py")])
+def test_the_mechanisms_do_not_reach_into_the_twins(path):
+    """PyTorch's wrappers sit beside ours: only the composition (parallelize.py) picks between them."""
+    twins = {m for m in imports(path) if m == "parallel.twins" or m.startswith("parallel.twins.")}
+    assert not twins, f"{path} imports {sorted(twins)}"
+
+
+@pytest.mark.parametrize("path", ["model.py", "metrics.py"])
+def test_model_and_metrics_import_nothing_above_them(path):
+    up = {m for m in imports(path) if m.split(".")[0] in TOP + ("parallel",)}
     assert not up, f"{path} imports {sorted(up)}"
 
 
