@@ -60,6 +60,11 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int, zigzag: bool = True, dim
     return x.index_select(dim, local_positions(x.shape[dim], rank, cp, zigzag).to(x.device))
 
 
+def zigzag_share(x: torch.Tensor, y: torch.Tensor, rank: int, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens of a micro-batch's rows (B, T): its zigzag share of both the inputs and the targets."""
+    return shard_sequence(x, rank, cp), shard_sequence(y, rank, cp)
+
+
 def exchange_order(rank: int, cp: int) -> tuple[str, str]:
     """The order a rank posts its ring step's two halves in: even ranks send first, odd ranks receive first.
     gloo's isend/irecv never block, so any order works there; NCCL runs a rank's p2p operations in posting

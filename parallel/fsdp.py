@@ -19,19 +19,16 @@ Hooks: forward pre/post hooks on each Block; a tensor hook on each Block's outpu
 Block's backward); a post-accumulate-grad hook on each unit's `flat` leaf (runs once all the unit's
 gradients are in); an autograd-engine callback at the end of backward.
 
-Under a zero-bubble pipeline schedule (parallel/zero_bubble.py) a chunk's B leaves its linears' weight
-gradients to a later W. A unit whose linears B deferred is then complete only after that W: its hook hands
-the gradient to the split backward (`hold_for_w`), and W reduces it (`_reduce_grad`), exactly as B would
-have. The collectives and their bytes are 1F1B's, per (unit, micro-batch), moved from B to W (ZeRO-2/3's
-last reduce-scatter of the step is waited for when the step exits: `finish_on_exit`); the memory cost is one
-full unit gradient (padded, compute dtype) held from B to W per (unit, micro-batch) in between, at most the
-schedule's deferred W's per chunk. ZeRO-3 still frees the gathered unit at B: W needs x and dy, not W.
+The engine runs any function of the module it wraps (`run`: a pipeline chunk's forward, say), can keep units
+of its own beside the root and the Blocks (`separate`), and lets a caller hold a unit's gradient and reduce it
+later (`defer_reduction`): where the pipeline meets sharding, parallel/pipeline.py uses all three.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,7 +42,6 @@ from parallel.flat_param import FlatLayout, ShardPiece, _FlatUnit, flatten_unit
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import pick_device
 from parallel.state import MOMENTS  # AdamW's per-element state
-from parallel.zero_bubble import hold_for_w
 
 
 @dataclass(frozen=True)
@@ -177,7 +173,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
                  reshard_after_forward: bool = True, prefetch: bool = True,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
                  deferred_init_seed: int | None = None, device: torch.device | str | None = None,
-                 zero_stage: int = 3, replicate_group: dist.ProcessGroup | None = None):
+                 zero_stage: int = 3, replicate_group: dist.ProcessGroup | None = None,
+                 separate: dict[str, tuple[str, ...]] | None = None):
         super().__init__()
         if zero_stage not in ZERO_LADDER:
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
@@ -211,17 +208,15 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         self._position = {i: pos for pos, (i, _) in enumerate(blocks, start=1)}  # global Block -> unit
         self._global = [None] + [i for i, _ in blocks]
         self._n_blocks = len(blocks)
-        # A pipeline's first and last stages each hold the tied matrix (wte; lm_head's copy of it): it gets a
-        # unit of its own, last, so both stages shard it alike and can sum its shard gradients elementwise. A
-        # rank holding both ends (a V layout's rank 0) has one tied parameter, as a GPT: in its root, nothing to sum.
-        self._tied_unit = (getattr(module, "pp", 1) > 1 and (module.first or module.last)
-                           and not getattr(module, "both_ends", False))
-        n_units = 1 + len(blocks) + self._tied_unit
+        self.separate = dict(separate or {})  # unit name -> the module prefixes it holds (units after the Blocks)
+        n_units = 1 + len(blocks) + len(self.separate)
         self.units = [self._build_unit(i, deferred_init_seed, device) for i in range(n_units)]
         self.layout = FlatLayout(self.units, process_group, self.rank, self.world, self._state_dict_names)
-        self.roots = [self.units[0]] + ([self.units[-1]] if self._tied_unit else [])  # gathered per forward
+        self.roots = [self.units[0]] + self.units[1 + len(blocks):]  # gathered around every forward
         self.flat_params = nn.ParameterList([p for u in self.units for p, _, _ in u.pieces])
-        self._pipelined = False  # run_chunk: chunks of a pipeline stage, not one GPT forward
+        self._whole = True  # forward() runs the whole module; False once `run` ran a part of it
+        # (flat leaf, its gradient, a callback that reduces it) -> True if the caller keeps it to reduce later
+        self.defer_reduction: Callable[[torch.Tensor, torch.Tensor, Callable], bool] | None = None
 
         for i, (_, block) in enumerate(blocks, start=1):
             block.register_forward_pre_hook(partial(self._pre_forward, i))
@@ -232,19 +227,22 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     # ------------------------------------------------------------------------------------------ setup
 
     def _unit_index(self, name: str) -> int:
-        """0 for the root, the unit of Block i for transformer.h.i (i + 1 in a whole GPT), the last for a
-        pipeline stage's tied matrix (`unit_key`)."""
-        key = unit_key(name, self._tied_unit)
-        return 0 if key == "root" else self._n_blocks + 1 if key == "tied" else self._position[int(key.split(".")[2])]
+        """0 for the root, the unit of Block i for transformer.h.i (i + 1 in a whole GPT), then the `separate`
+        units in their order (`unit_key`)."""
+        key = unit_key(name, self.separate)
+        if key == "root":
+            return 0
+        if key in self.separate:
+            return self._n_blocks + 1 + list(self.separate).index(key)
+        return self._position[int(key.split(".")[2])]
 
-    def tied_pieces(self) -> list[nn.Parameter]:
-        """This rank's shard pieces of a pipeline stage's tied matrix (empty without one). The first and the
-        last stage shard it alike, so the dp rank d of each holds the same elements."""
-        return [p for p, _, _ in self.units[-1].pieces] if self._tied_unit else []
+    def unit_pieces(self, name: str) -> list[nn.Parameter]:
+        """This rank's shard pieces of the `separate` unit `name` (empty when there is none)."""
+        return [p for u in self.units if u.name == name for p, _, _ in u.pieces]
 
     def _adjacent(self, i: int, j: int) -> bool:
-        """Units i and j are neighbouring Blocks of the model (worth a prefetch): not across a pipeline
-        stage's chunks, whose Blocks run at other times."""
+        """Units i and j are neighbouring Blocks of the model (worth a prefetch): not across a gap in the Blocks'
+        global indices (a module holding parts of the model runs them at other times)."""
         return 1 <= j <= self._n_blocks and abs(self._global[i] - self._global[j]) == 1
 
     def _build_unit(self, index: int, seed: int | None, device: torch.device) -> _FlatUnit:
@@ -255,7 +253,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
                 if self._unit_index(prefix + ".") == index:
                     materialize_module(sub, prefix, gpt.config, seed, device)
         mine = [names for names in self._aliases if self._unit_index(names[0]) == index]
-        name = "root" if index == 0 else "tied" if index > self._n_blocks else f"transformer.h.{self._global[index]}"
+        name = ("root" if index == 0 else list(self.separate)[index - self._n_blocks - 1] if index > self._n_blocks
+                else f"transformer.h.{self._global[index]}")
         return flatten_unit(gpt, name, mine, self.world, self.rank, self.param_dtype, device,
                             self.policy.keeps_params)
 
@@ -270,13 +269,13 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         """GPT's forward: (logits, loss). Gathers the root (and prefetches the first Block) first."""
         return self._run(self.module, (idx, targets), prefetch_first=True)
 
-    def run_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """A pipeline stage's `forward_chunk` under this FSDP: the root gathered around it, each Block by
-        its hooks. Per micro-batch and chunk, as GPT's forward is per micro-step: units are re-gathered for
-        every chunk forward and backward, and reduce-scattered after every backward, so between steps (and
-        between micro-batches) each rank holds 1/N. Prefetch stays inside a chunk."""
-        self._pipelined = True
-        return self._run(self.module.forward_chunk, (chunk, x, targets), prefetch_first=False)
+    def run(self, fn: Callable, *args):
+        """`fn(*args)`, a function over part of the wrapped module (a pipeline chunk's forward), under this
+        engine as `forward` is: the roots gathered around it, each Block by its hooks; its backward re-gathers and
+        reduces as a whole forward's does, so between calls each rank holds 1/N. Prefetch stays inside `fn`'s
+        Blocks (no first Block prefetched in forward, no last one in backward: `fn` may not run them)."""
+        self._whole = False
+        return self._run(fn, args, prefetch_first=False)
 
     def _run(self, fn, args: tuple, prefetch_first: bool):
         self.events.clear()
@@ -326,7 +325,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         self._start_backward()
         for root in self.roots:
             self._gather(root, "backward")  # only if a later forward freed it
-        if self.prefetch and self._n_blocks and not self._pipelined:
+        if self.prefetch and self._n_blocks and self._whole:
             self._gather(self.units[self._n_blocks], "backward")
         for root in self.roots:
             root.wait()
@@ -343,13 +342,14 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 
     def _post_backward(self, unit: _FlatUnit, flat: torch.Tensor) -> None:
         """All of the unit's gradients from this backward are in `flat.grad`: free the unit and reduce its
-        gradient (`_reduce_grad`), or, when a zero-bubble B deferred the unit's linears, hand it to the split
-        backward, which reduces it after the W that completes it (parallel/zero_bubble.hold_for_w)."""
+        gradient (`_reduce_grad`), unless `defer_reduction` keeps it, to complete it and reduce it later (a
+        zero-bubble pipeline's W: parallel/pipeline.py)."""
         self.events.append(("backward_end", unit.name, "backward"))
         unit.release()
         grad, flat.grad = flat.grad, None
-        if not hold_for_w(flat, grad, partial(self._reduce_grad, unit)):
-            self._reduce_grad(unit, grad)
+        reduce = partial(self._reduce_grad, unit)
+        if self.defer_reduction is None or not self.defer_reduction(flat, grad, reduce):
+            reduce(grad)
 
     def _reduce_grad(self, unit: _FlatUnit, grad: torch.Tensor) -> None:
         """Reduce-scatter one backward's full gradient of `unit` (or keep it: under no_sync, and ZeRO-1 until
@@ -394,9 +394,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 
     @contextlib.contextmanager
     def finish_on_exit(self):
-        """For a pipeline step under a zero-bubble schedule (ZeRO-2/3): the reduce-scatters its W's start
-        (`_reduce_grad` from the split backward, outside autograd, so no end-of-backward callback waits for
-        them) are waited for, and added into the shard gradients, when the step exits."""
+        """For gradients reduced outside a backward (ZeRO-2/3, those `defer_reduction` kept: no end-of-backward
+        callback waits for their reduce-scatters): waited for, and added into the shard gradients, on exit."""
         yield
         self.reduction.finish()
 
@@ -487,11 +486,10 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "fsdp": 3}
 
 
-def unit_key(name: str, tied_unit: bool) -> str:
-    """The sharding unit parameter `name` belongs to: "transformer.h.<i>" (its Block), "tied" (a pipeline
-    stage's tied matrix, wte or lm_head's copy, when `tied_unit`), or "root" (the rest: wte = lm_head, wpe, ln_f)."""
+def unit_key(name: str, separate: dict[str, tuple[str, ...]] | None = None) -> str:
+    """The sharding unit parameter `name` belongs to: "transformer.h.<i>" (its Block), the `separate` unit whose
+    module prefixes hold it, or "root" (the rest: wte = lm_head, wpe, ln_f)."""
     if name.startswith("transformer.h."):
         return ".".join(name.split(".")[:3])
-    if tied_unit and name.rpartition(".")[0] in ("transformer.wte", "lm_head"):
-        return "tied"
-    return "root"
+    module = name.rpartition(".")[0]
+    return next((unit for unit, prefixes in (separate or {}).items() if module in prefixes), "root")

@@ -12,10 +12,11 @@
     5. the pipeline runner over mesh["pp"]          (runs the schedule through whatever 1-4 made)
 
 Each step is an `apply_*` function looked up in `APPLY` by (implementation, what): "custom" are ours, below;
-"pytorch" are PyTorch's own (parallel/twins/), on the same mesh. A step takes (model, mesh, cfg, par) and
-returns the model it made; what else it sets up it puts in `par`'s typed fields (the data-parallel wrapper's
-protocol adapter, parallel/protocol.py; a token split; a context per micro-step). A new dimension or ZeRO
-stage is one more entry.
+"pytorch" are PyTorch's own (parallel/twins/), on the same mesh. A step takes (model, mesh, cfg, device) and
+returns what it made: the model, or a `Cut` (the model, and how each micro-batch is cut to this rank's tokens
+or wrapped in a context); `protocol` then adapts the data-parallel wrapper to what the trainer asks
+(parallel/protocol.py) and `apply_runner` builds the pipeline runner. `parallelize` alone assigns what the
+steps return. A new dimension is one more entry (docs/adding-a-dimension.md).
 
 `Parallelized` is what the trainer sees: `forward_backward`, `forward_only`, `mean_loss`, `clip_grad_norm_`
 and what the wrapper answers (optimizer groups, checkpoint entries, state bytes), the same for every layout.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable
 
 import torch
@@ -35,13 +37,13 @@ from parallel import comm
 from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
 from parallel.twins import tensor_parallel as tp_twin
 from parallel.blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
-from parallel.context_parallel import apply_context_parallel, shard_sequence
+from parallel.context_parallel import apply_context_parallel, zigzag_share
 from parallel.fsdp import ZERO_STAGES, FullyShardedDataParallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_
 from parallel.mesh import Mesh, to_device
-from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
+from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group, sharded_units
 from parallel.pipeline_schedule import V_SCHEDULES
-from parallel.protocol import Accumulating, DataParallel, Placement, Replicated, Sharded
+from parallel.protocol import Accumulating, Cut, DataParallel, Placement, Replicated, Sharded
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,6 @@ class Parallelized:
     schedule: str = "1f1b"
     shard_tokens: Callable = _whole      # (x, y) -> this rank's tokens of the rows (our CP: its zigzag share)
     micro_contexts: list[Callable] = field(default_factory=list)  # (x, y) -> context yielding (x, y): the twins'
-    dp_wrapper: Callable | None = None   # (Placement, grad groups) -> dp, once the parameters are final
     stage: nn.Module | None = None       # what the pp step made (a PipelineStage), or the model without pp
     engine: str | None = None            # "ddp" | "fsdp" | None: what the data-parallel step runs on
 
@@ -237,62 +238,70 @@ class Parallelized:
         return {"group": self.mesh["pp"].group, "embed_group": embedding_group(self.mesh.pipelines(), v_shape),
                 "act_dtype": activation_dtype(cfg, self.engine),
                 "seq_shard": self.mesh["tp"].size if cfg.sequence_parallel else 1, "device": self.device,
-                **({"forward": fsdp.run_chunk, "tied": fsdp.tied_pieces()} if fsdp is not None else {})}
+                **({"engine": fsdp} if fsdp is not None else {})}
 
 
 # ----------------------------------------------------------------------------- our steps
-# Each step takes (model, mesh, cfg, par), returns the model it made, and fills par's typed fields.
+# Each step takes (model, mesh, cfg, device) and returns what it made: the wrapped model, a `Cut` (a dimension
+# that also cuts each micro-batch), a protocol adapter, a runner. `parallelize` alone puts them together.
 
-def apply_pp(model: GPT, mesh: Mesh, cfg: ParallelConfig, par: Parallelized) -> PipelineStage:
+def apply_pp(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> PipelineStage:
     """Our pipeline stage (parallel/pipeline.py): this pp rank's chunks of the GPT, nothing of the others'."""
     return PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers,
                          v_shape=cfg.pp_schedule in V_SCHEDULES)
 
 
-def apply_cp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, par: Parallelized) -> nn.Module:
+def apply_cp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> Cut:
     """Our ring attention over mesh["cp"] in every attention core, zigzag positions, and each micro-batch cut
     to this rank's zigzag share of its rows (parallel/context_parallel.py)."""
     cp = mesh["cp"]
     apply_context_parallel(model, cp.group)
-    par.shard_tokens = lambda x, y: (shard_sequence(x, cp.rank, cp.size), shard_sequence(y, cp.rank, cp.size))
-    return model
+    return Cut(model, tokens=partial(zigzag_share, rank=cp.rank, cp=cp.size))
 
 
-def apply_tp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, par: Parallelized) -> nn.Module:
+def apply_tp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> nn.Module:
     """Our Megatron TP (parallel/tensor_parallel.py); on meta it materialises only this rank's shards."""
     from parallel.tensor_parallel import apply_tensor_parallel
     apply_tensor_parallel(model, mesh["tp"].group, cfg.loss_parallel, cfg.sequence_parallel,
-                          seed=cfg.seed if cfg.deferred_init else None, device=par.device)
+                          seed=cfg.seed if cfg.deferred_init else None, device=device)
     return model
 
 
-def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, par: Parallelized) -> FullyShardedDataParallel:
+def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> FullyShardedDataParallel:
     """Our sharding engine at the ZeRO stage of cfg.dp_type, sharded over mesh["fsdp"] (dp_shard x cp), with
-    HSDP replicated over mesh["dp_replicate"]."""
+    HSDP replicated over mesh["dp_replicate"]; a pipeline stage's tied matrix a unit of its own."""
     meta = any(p.is_meta for p in model.parameters())
     rep = mesh["dp_replicate"]
-    fsdp = FullyShardedDataParallel(model, process_group=mesh["fsdp"].group, param_dtype=cfg.param_dtype,
-                                    reduce_dtype=cfg.reduce_dtype, device=par.device,
+    return FullyShardedDataParallel(model, process_group=mesh["fsdp"].group, param_dtype=cfg.param_dtype,
+                                    reduce_dtype=cfg.reduce_dtype, device=device,
                                     deferred_init_seed=cfg.seed if meta else None,
                                     zero_stage=ZERO_STAGES[cfg.dp_type],
-                                    replicate_group=rep.group if rep.enabled else None)
-    par.dp_wrapper = lambda at, groups: Sharded(fsdp, replace(at, replica_rank=rep.rank))  # writers: replica 0
-    return fsdp
+                                    replicate_group=rep.group if rep.enabled else None,
+                                    separate=sharded_units(model) if isinstance(model, PipelineStage) else None)
 
 
-def apply_ddp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, par: Parallelized) -> nn.Module:
+def apply_ddp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> nn.Module:
     """Our bucketed DDP over mesh["loss"] (dp x cp: every rank with the same parameters)."""
     from parallel.ddp import DistributedDataParallel
-    ddp = DistributedDataParallel(model, process_group=mesh["loss"].group, bucket_cap_mb=cfg.bucket_cap_mb,
-                                  grad_compression=cfg.grad_compression)
-    par.dp_wrapper = lambda at, groups: Accumulating(ddp, replace(at, replica_rank=mesh["loss"].rank), groups)
-    return ddp
+    return DistributedDataParallel(model, process_group=mesh["loss"].group, bucket_cap_mb=cfg.bucket_cap_mb,
+                                   grad_compression=cfg.grad_compression)
 
 
-def apply_runner(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, par: Parallelized) -> nn.Module:
+def protocol(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, at: Placement, groups: dict) -> DataParallel:
+    """What the trainer asks of our data-parallel wrapper (parallel/protocol.py), once its parameters are final:
+    `Sharded` for the sharding engine (checkpoint writers: replica 0 of HSDP), `Accumulating` for DDP (writers:
+    loss rank 0), `Replicated` without one."""
+    if isinstance(model, FullyShardedDataParallel):
+        return Sharded(model, replace(at, replica_rank=mesh["dp_replicate"].rank))
+    if hasattr(model, "reduce_on_exit"):  # our DDP
+        return Accumulating(model, replace(at, replica_rank=mesh["loss"].rank), groups)
+    return Replicated(model, at, groups)
+
+
+def apply_runner(stage: PipelineStage, mesh: Mesh, cfg: ParallelConfig, device: torch.device,
+                 **runner_args) -> PipelineRunner:
     """Our pipeline runner (parallel/pipeline.py) through whatever the steps before made."""
-    par.pipeline = PipelineRunner(par.stage, **par.runner_args(cfg))
-    return model
+    return PipelineRunner(stage, **runner_args)
 
 
 APPLY: dict[tuple[str, str], Callable] = {
@@ -301,10 +310,12 @@ APPLY: dict[tuple[str, str], Callable] = {
     ("custom", "tp"): apply_tp, ("pytorch", "tp"): tp_twin.apply_tp,
     ("custom", "fsdp"): apply_fsdp, ("pytorch", "fsdp"): dp_twin.apply_fsdp,
     ("custom", "ddp"): apply_ddp, ("pytorch", "ddp"): dp_twin.apply_ddp,
+    ("custom", "protocol"): protocol, ("pytorch", "protocol"): dp_twin.protocol,
     ("custom", "runner"): apply_runner, ("pytorch", "runner"): pp_twin.apply_runner,
 }
 # which engine a dp_type runs on: ours shard on one engine; torch's ZeRO-1 is DDP + ZeroRedundancyOptimizer
 ENGINE = {"ddp": "ddp", "zero1": "fsdp", "zero2": "fsdp", "fsdp": "fsdp"}
+CUTS = ("cp", "tp")  # the dimensions that cut each layer, in order (each returns a model or a Cut)
 
 
 def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> Parallelized:
@@ -312,17 +323,16 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
     module docstring). `model` may be on meta when cfg.deferred_init; `mesh` has size-1 dims on one process."""
     impl = cfg.implementation
     par = Parallelized(model=model, mesh=mesh, cfg=cfg, device=device, schedule=cfg.pp_schedule)
-
-    def step(what: str) -> None:
-        par.model = APPLY[impl, what](par.model, mesh, cfg, par)
-
     if mesh["pp"].enabled:
-        step("pp")
+        par.model = APPLY[impl, "pp"](par.model, mesh, cfg, device)
     par.stage = par.model
-    if mesh["cp"].enabled:  # a ring over mesh["cp"]; the dp wrappers below then reduce over dp x cp
-        step("cp")
-    if mesh["tp"].enabled:
-        step("tp")
+    for what in CUTS:  # CP: a ring over mesh["cp"] (the dp wrappers below then reduce over dp x cp); TP
+        if mesh[what].enabled:
+            made = APPLY[impl, what](par.model, mesh, cfg, device)
+            made = made if isinstance(made, Cut) else Cut(made)
+            par.model = made.model
+            par.shard_tokens = made.tokens or par.shard_tokens
+            par.micro_contexts += [made.context] if made.context else []
     if cfg.activation_checkpointing != "none":
         apply_activation_checkpointing(par.model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
@@ -330,17 +340,17 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
     dp_type = cfg.dp_type if mesh["loss"].enabled else None
     engine = par.engine = "ddp" if impl == "pytorch" and dp_type == "zero1" else ENGINE.get(dp_type)
     if engine == "fsdp":
-        step("fsdp")
+        par.model = APPLY[impl, "fsdp"](par.model, mesh, cfg, device)
     materialize(par.model, cfg.seed, device)
     tp = mesh["tp"]
     groups = grad_groups(par.model, tp.group)  # by name, before DDP renames the parameters "module.*"
     if engine == "ddp":
-        step("ddp")
+        par.model = APPLY[impl, "ddp"](par.model, mesh, cfg, device)
     at = Placement(tp_group=tp.group, tp_rank=tp.rank, tp_size=tp.size,  # the wrapper sets its replica_rank
                    lm_head_copy=mesh["pp"].enabled and par.stage.last and not par.stage.both_ends)
-    par.dp = par.dp_wrapper(at, groups) if par.dp_wrapper else Replicated(par.model, at, groups)
+    par.dp = APPLY[impl, "protocol"](par.model, mesh, cfg, at, groups)
     if mesh["pp"].enabled:
-        step("runner")
+        par.pipeline = APPLY[impl, "runner"](par.model, mesh, cfg, device, **par.runner_args(cfg))
     return par
 
 

@@ -26,6 +26,7 @@ Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` -> optimizer 
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -40,7 +41,7 @@ from parallel.mesh import group_timeout, make_timer
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F,
                                         SPLIT_SCHEDULES, V_SCHEDULES, W, Action, chunk_of, rank_of, send_waits,
                                         split_layers)
-from parallel.zero_bubble import WeightGradStore
+from parallel.zero_bubble import WeightGradStore, hold_for_w
 
 
 def chunk_ranges(n_layer: int, chunks: int, counts: Sequence[int] | None = None) -> list[range]:
@@ -150,6 +151,19 @@ def embedding_group(pipelines: list[list[int]], v_shape: bool = False) -> dist.P
     return mine
 
 
+TIED = "tied"  # the sharding engine's unit for a stage's end of the tied embedding
+
+
+def sharded_units(stage: PipelineStage) -> dict[str, tuple[str, ...]]:
+    """Where the pipeline meets sharding: the units our sharding engine (parallel/fsdp.py, `separate`) cuts a
+    stage into beyond its root and Blocks. A stage holding one end of the tied embedding (the first stage wte,
+    the last its lm_head copy) keeps it as a unit of its own, so both ends shard it alike and
+    `reduce_tied_grads` sums their shard gradients elementwise (dp rank d of each holds the same elements); a
+    rank holding both ends (P == 1, a V layout's rank 0) has one tied parameter, as a GPT, in its root."""
+    one_end = stage.pp > 1 and (stage.first or stage.last) and not stage.both_ends
+    return {TIED: ("transformer.wte", "lm_head")} if one_end else {}
+
+
 WHOLE_WORLD = "whole world"  # PipelineRunner's embed_group default: the pipeline is the world, build it here
 
 
@@ -181,19 +195,19 @@ class PipelineRunner:
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
                  embed_group: dist.ProcessGroup | None | str = WHOLE_WORLD, act_dtype: torch.dtype = torch.float32,
-                 seq_shard: int = 1, forward: Callable | None = None, tied: list[nn.Parameter] | None = None,
-                 device: torch.device | None = None):
+                 seq_shard: int = 1, engine: nn.Module | None = None, device: torch.device | None = None):
         """`act_dtype`: the dtype of the activations between chunks, what the stages really produce (the
         residual stream's: fp32, or the compute copies' dtype when FSDP gathers bf16 ones); both sides of a
         send must agree, since the receiver allocates it. `seq_shard`: activations between chunks are (mb, T /
-        seq_shard, C) (tp under sequence parallelism). `forward(chunk, x, targets)` runs a chunk (default
-        `stage.forward_chunk`; a wrapper that must see every forward, like FSDP, passes its own). `tied`: the
-        parameters whose gradients `reduce_tied_grads` sums (default: the tied weight; under FSDP its shard
-        pieces)."""
+        seq_shard, C) (tp under sequence parallelism). `engine`: our sharding engine wrapping the stage
+        (parallel/fsdp.py), which then runs every chunk (`engine.run`, so its hooks see each one) and holds the
+        tied matrix's shard pieces (`sharded_units`) that `reduce_tied_grads` sums."""
         self.stage, self.group, self.act_dtype, self.seq_shard = stage, group, act_dtype, seq_shard
-        self.forward = forward or stage.forward_chunk
+        self.engine = engine
+        self.forward = stage.forward_chunk if engine is None else partial(engine.run, stage.forward_chunk)
         self.device = device if device is not None else next(stage.parameters()).device
-        self.tied = tied if tied is not None else [w for w in [self.tied_weight()] if w is not None]
+        self.tied = (engine.unit_pieces(TIED) if engine is not None
+                     else [w for w in [self.tied_weight()] if w is not None])
         if comm.world(group) != stage.pp:
             raise ValueError(f"pp group has {comm.world(group)} ranks, the stage was cut for pp={stage.pp}")
         if isinstance(embed_group, str):
@@ -208,7 +222,7 @@ class PipelineRunner:
         self.measure_held = False  # when set, `peak_held_bytes` is measured after every action (host time)
         self.peak_held_bytes = 0
         self.events: list[tuple[str, object]] = []  # the last step's ("post" | "wait" | "run", action), in order
-        self.store = WeightGradStore(stage)  # a split schedule's deferred weight gradients
+        self.store: WeightGradStore | None = None  # a split schedule's deferred weight gradients (built by one)
 
     @property
     def timeline(self) -> list[tuple[object, float, float]]:
@@ -231,6 +245,8 @@ class PipelineRunner:
         actions = ALL_SCHEDULES[schedule_name](st.pp, M, st.virtual)[st.rank]
         waits = send_waits(actions)  # where each send is waited on and freed: a point the list names
         split = schedule_name in SPLIT_SCHEDULES
+        if split and self.store is None:
+            self.store = self._split_backward()
         defer = self.store.defer if split else (lambda key: contextlib.nullcontext())
         live: set[tuple[int, int]] = set()  # (c, m) whose F ran and whose B (W, when split) has not
         mb, T = micro_batches[0][0].shape
@@ -306,13 +322,24 @@ class PipelineRunner:
             self._marks.append((a, t0, self.timer.mark()))
             if self.measure_held:
                 self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(
-                    stored, act_in, grad_out, to_send, sends, recvs, self.store.held_tensors()))
+                    stored, act_in, grad_out, to_send, sends, recvs, self.store.held_tensors() if split else {}))
         for s, (work, _) in sends.items():  # SEND_B's that no later B waited on
             work.wait()
             self.events.append(("wait", s))
-        assert not stored and not act_in and not grad_out and not to_send and not recvs and not self.store, \
+        assert not stored and not act_in and not grad_out and not to_send and not recvs and not (split and self.store), \
             "schedule left work undone"
         return loss
+
+    def _split_backward(self) -> WeightGradStore:
+        """The store of a split schedule's deferred weight gradients, built on its first step. Under our sharding
+        engine a unit whose linears B deferred is complete only after the W that computes them: the engine then
+        hands that B's unit gradient to the store (`hold_for_w`), and the W reduces it exactly as B would have:
+        1F1B's collectives and bytes per (unit, micro-batch), moved from B to W (ZeRO-2/3's last reduce-scatter
+        waited for when the step exits), at the cost of one full unit gradient (padded, compute dtype) held from
+        B to W per deferred (unit, micro-batch). ZeRO-3 still frees the gathered unit at B: W needs x and dy."""
+        if self.engine is not None:
+            self.engine.defer_reduction = hold_for_w
+        return WeightGradStore(self.stage)
 
     def idle_fraction(self) -> float | None:
         """This rank's share of the last step's span not spent in F, B or W (its bubble, plus waiting on

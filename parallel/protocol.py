@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ContextManager, Protocol
+from typing import Callable, ContextManager, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,16 @@ import torch.nn as nn
 
 from parallel.grads import norm_items
 from parallel.state import Entry, entries_for, entries_for_fsdp
+
+
+class Cut(NamedTuple):
+    """What a step that changes a micro-batch's tokens or context returns: the model, and (either or both) how
+    each micro-batch's rows are cut to this rank's tokens on the host (`tokens`: our CP's zigzag share) and a
+    context opened around each micro-step's forward and backward that yields its (x, y) (`context`: the twins'
+    DTensor loss parallel, torch's context_parallel)."""
+    model: nn.Module
+    tokens: Callable | None = None
+    context: Callable | None = None
 
 
 class DataParallel(Protocol):

@@ -24,7 +24,7 @@ from parallel.flat_param import shard_numel
 from parallel.fsdp import ZERO_LADDER, ZERO_STAGES, unit_key
 from parallel.mesh import ParallelDims, backend_for
 from parallel.parallelize import activation_dtype
-from parallel.pipeline import PipelineStage
+from parallel.pipeline import TIED, PipelineStage
 from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
 from parallel.tensor_parallel import tp_local_shape
 from plan import theory
@@ -37,6 +37,7 @@ from plan.theory import (cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_ste
                          zero_comm_calls_per_step)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+TIED_UNIT = {TIED: ("transformer.wte", "lm_head")}  # parallel.pipeline.sharded_units of a stage with one end
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def _units(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int, laye
     tied = pp > 1 and any(n.startswith(("transformer.wte", "lm_head")) for n, _, _ in params)
     out: dict[str, list[int]] = {"root": [0, 0]}
     for name, n, ndim in params:
-        u = out.setdefault(unit_key(name, tied), [0, 0])
+        u = out.setdefault(unit_key(name, TIED_UNIT if tied else None), [0, 0])
         u[0] += n
         u[1] += n if ndim >= 2 else 0
     return {k: (v[0], v[1]) for k, v in out.items()}

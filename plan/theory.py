@@ -80,7 +80,7 @@ def zero_comm_bytes_per_step(stage: int, root: int, blocks: int, shard: int, rep
 def pipelined_root_gathers(actions: list[tuple[str, int]], rooted: set[int]) -> int:
     """How often ZeRO-3 all-gathers a pipeline stage's roots (its root unit and tied matrix) in one step, from the
     rank's compute actions in order, (kind, chunk) with kind "F" or "B" (a split schedule's "W" touches no unit):
-    `run_chunk` releases and re-gathers them for every chunk forward; a chunk backward gathers them again only
+    `run` releases and re-gathers them for every chunk forward; a chunk backward gathers them again only
     when the previous backward's end released them (no forward since) and its backward starts at the roots' hook
     on the chunk's output: the chunks in `rooted`, the last (its output is the loss). Any other chunk's output is
     its last Block's, whose pre-backward hook runs first and starts the backward, and `_root_pre_backward` then
@@ -100,7 +100,7 @@ def zero_comm_bytes_per_pipeline_step(stage: int, roots: int, blocks: int, shard
                                       micro_steps: int, root_gathers: int, param_bytes: int = 4,
                                       reduce_bytes: int = 4) -> dict[str, int]:
     """`zero_comm_bytes_per_step` for a pipeline stage's units (`roots`: the root and tied-matrix elements, padded)
-    over a step of `micro_steps` micro-batches, each chunk run by `run_chunk`. ZeRO-1/2 keep full copies, so
+    over a step of `micro_steps` micro-batches, each chunk run by the engine's `run`. ZeRO-1/2 keep full copies, so
     they gather once per step and reduce as without a pipeline (each unit's gradient is complete once per
     micro-batch: its Blocks sit in one chunk, the roots' users in the first or the last). ZeRO-3 gathers the
     Blocks twice per micro-batch as without one, but the roots `root_gathers` times (`pipelined_root_gathers`)

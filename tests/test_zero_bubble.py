@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import unittest
+from unittest import mock
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ from parallel.fsdp import FullyShardedDataParallel
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
 from parallel.protocol import Placement, Sharded
 from parallel.tensor_parallel import apply_tensor_parallel
-from parallel.zero_bubble import WeightGradStore
+from parallel.zero_bubble import WeightGradStore, hold_for_w
 from tests.harness import (Measurements, WholeRuns, assert_close, expect_train_error_in_process,
                            expect_train_error_on_ranks, rank0_only, steps_of)
 from tests.rounding import rounding_rtol_of
@@ -133,6 +134,7 @@ class TestSplitBackwardSharded(unittest.TestCase):
 
     def shard_grads(self, stage: int, split: bool) -> tuple[list, int]:
         fsdp = FullyShardedDataParallel(gpt(FAST_LAYERS), zero_stage=stage)
+        fsdp.defer_reduction = hold_for_w  # what a split schedule's runner sets (PipelineRunner._split_backward)
         store = WeightGradStore(fsdp.module)
         batches = micro_batches(fsdp.config, FAST_M)
         held = 0
@@ -168,22 +170,22 @@ def runner_case(rank: int, pp: int, group, embed_group, m: int) -> dict:
     batches = micro_batches(cfg, m)
     stage = PipelineStage(gpt(), rank, pp)
     runner = PipelineRunner(stage, group, embed_group=embed_group)
-    flushed, real_flush = [], runner.store.flush
+    flushed, real_flush = [], WeightGradStore.flush
 
-    def flush(key) -> None:  # each W: how many deferred linears it found, and whether it changed a gradient
+    def flush(store: WeightGradStore, key) -> None:  # each W: how many deferred linears it found, what it changed
         before = [p.grad.clone() if p.grad is not None else None for p in stage.parameters()]
-        pending = len(runner.store.pending.get(key, ()))
-        real_flush(key)
+        pending = len(store.pending.get(key, ()))
+        real_flush(store, key)
         changed = sum(b is None and p.grad is not None or b is not None and not torch.equal(b, p.grad)
                       for b, p in zip(before, stage.parameters()))
         flushed.append((key, pending, changed))
-    runner.store.flush = flush
     out = {}
     for name in ("1f1b", "zb_h1"):
         for p in stage.parameters():
             p.grad = None
         flushed.clear()
-        loss = runner.step(batches, name)
+        with mock.patch.object(WeightGradStore, "flush", flush):
+            loss = runner.step(batches, name)
         runner.reduce_tied_grads()
         dist.all_reduce(loss, group=group)
         out[name] = (loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, runner.peak_in_flight)

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import torch
 
 from parallel.context_parallel import positions_for
 from parallel.mesh import Mesh
+from parallel.protocol import Cut
 
 
 # torch 2.13's context_parallel rings these SDPA kernels and no others (_context_parallel/_attention.py,
@@ -29,10 +31,9 @@ def torch_context_parallel(cp_mesh, x: torch.Tensor, y: torch.Tensor):
         yield x, y
 
 
-def apply_cp(model, mesh: Mesh, cfg, par):
+def apply_cp(model, mesh: Mesh, cfg, device: torch.device) -> Cut:
     """torch's context_parallel (CUDA only): zigzag positions now (torch's head-tail load balancer gives rank r
     chunks r and 2C-1-r, our split), the SDPA ring per micro-step; it takes the full rows and shards them."""
     cp = mesh["cp"]
     model.positions = positions_for(cp.rank, cp.size)
-    par.micro_contexts.append(lambda x, y: torch_context_parallel(cp.device_mesh, x, y))
-    return model
+    return Cut(model, context=partial(torch_context_parallel, cp.device_mesh))

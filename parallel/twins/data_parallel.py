@@ -60,7 +60,7 @@ class TorchZeRO1(Replicated):
                            a.tp_size, owns=lambda p: owner[p] == a.replica_rank)
 
 
-def apply_fsdp(model, mesh: Mesh, cfg, par):
+def apply_fsdp(model, mesh: Mesh, cfg, device: torch.device) -> nn.Module:
     """FSDP2: each Block one unit, the root (embeddings, ln_f) another, as ours. zero2: the same with
     reshard_after_forward=False (parameters stay gathered from forward to backward). HSDP: on the 2D
     (dp_replicate, fsdp) mesh."""
@@ -75,33 +75,45 @@ def apply_fsdp(model, mesh: Mesh, cfg, par):
         fully_shard(block, **kw)
     for root in getattr(model, "chunk_modules", {}).values() or [model]:  # a pipeline stage: each chunk
         fully_shard(root, **kw)
-    par.dp_wrapper = lambda at, groups: TorchFSDP2(model, at, groups)
     return model
 
 
-def apply_ddp(model: nn.Module, mesh: Mesh, cfg, par):
+def apply_ddp(model: nn.Module, mesh: Mesh, cfg, device: torch.device) -> nn.Module:
     """torch DDP over the loss group (dp x cp). Under a pipeline each chunk module is its own DDP, which
     torch's PipelineStage syncs on the last backward; otherwise micro-steps before the last run in no_sync.
-    zero1: DDP plus ZeroRedundancyOptimizer (TorchZeRO1)."""
+    zero1: DDP plus ZeroRedundancyOptimizer (TorchZeRO1, `protocol`). The TP parameters torch DDP sees as
+    plain local shards stay known as DTensors, for checkpoints: `wrapped.tp_dtensors`."""
     from torch.nn.parallel import DistributedDataParallel
-    loss = mesh["loss"]
     stage = isinstance(model, PipelineStage)  # the chunk modules run, not the stage: they carry the hooks
     sharded_as = localize_tp_params(model, list(model.chunk_modules.values()) if stage else None)
-    kw = {"process_group": loss.group, "device_ids": [par.device.index] if par.device.type == "cuda" else None}
-    at_rank = lambda at: dataclasses.replace(at, replica_rank=loss.rank)  # noqa: E731
+    kw = {"process_group": mesh["loss"].group, "device_ids": [device.index] if device.type == "cuda" else None}
     if stage:
         model.chunk_modules = {c: DistributedDataParallel(m, **kw) for c, m in model.chunk_modules.items()}
         wrapped = model
     else:
         wrapped = DistributedDataParallel(model, **kw)
-    if cfg.dp_type == "zero1":
-        par.dp_wrapper = lambda at, groups: TorchZeRO1(wrapped, at_rank(at), groups, loss.group, sharded_as,
-                                                       accumulate=not stage)
-    elif stage:
-        par.dp_wrapper = lambda at, groups: Replicated(wrapped, at_rank(at), groups, sharded_as)
-    else:
-        par.dp_wrapper = lambda at, groups: Accumulating(wrapped, at_rank(at), groups, sharded_as)
+    wrapped.tp_dtensors = sharded_as
     return wrapped
+
+
+def protocol(model: nn.Module, mesh: Mesh, cfg, at: Placement, groups: dict):
+    """The protocol adapter (parallel/protocol.py) of what the steps above made, once its parameters are final:
+    FSDP2's `TorchFSDP2`; torch DDP's `TorchZeRO1` (zero1), `Replicated` (under a pipeline: torch's PipelineStage
+    syncs it) or `Accumulating` (no_sync before the last micro-step), checkpoint writers loss rank 0; none:
+    `Replicated`."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return TorchFSDP2(model, at, groups)
+    stage = isinstance(model, PipelineStage)
+    if not (isinstance(model, DistributedDataParallel) or stage and any(
+            isinstance(m, DistributedDataParallel) for m in model.chunk_modules.values())):
+        return Replicated(model, at, groups)
+    loss = mesh["loss"]
+    at, sharded_as = dataclasses.replace(at, replica_rank=loss.rank), model.tp_dtensors
+    if cfg.dp_type == "zero1":
+        return TorchZeRO1(model, at, groups, loss.group, sharded_as, accumulate=not stage)
+    return (Replicated if stage else Accumulating)(model, at, groups, sharded_as)
 
 
 def localize_tp_params(model: nn.Module, run_by: list[nn.Module] | None = None) -> dict[str, DTensor]:

@@ -100,7 +100,7 @@ class TorchPipelineRunner(PipelineRunner):
         return torch.stack([x.detach() for x in losses]).sum() if st.last else torch.zeros((), device=self.device)
 
 
-def apply_pp(model, mesh: Mesh, cfg, par):
+def apply_pp(model, mesh: Mesh, cfg, device: torch.device) -> PipelineStage:
     """Our cut (parallel/pipeline.PipelineStage), plus one module per local chunk (`TorchChunk`) for torch's
     PipelineStage: torch's DDP and FSDP2 then wrap those chunk modules, as torchtitan wraps its model chunks."""
     stage = PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers,
@@ -109,7 +109,6 @@ def apply_pp(model, mesh: Mesh, cfg, par):
     return stage
 
 
-def apply_runner(model, mesh: Mesh, cfg, par):
+def apply_runner(stage: PipelineStage, mesh: Mesh, cfg, device: torch.device, **runner_args) -> PipelineRunner:
     """torch.distributed.pipelining's schedules through whatever the steps before made (TorchPipelineRunner)."""
-    par.pipeline = TorchPipelineRunner(model, **par.runner_args(cfg))
-    return model
+    return TorchPipelineRunner(stage, **runner_args)

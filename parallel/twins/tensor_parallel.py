@@ -10,6 +10,7 @@ from model import GPT
 from parallel.blocks import blocks_by_index
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineStage
+from parallel.protocol import Cut
 
 
 def pytorch_tp_plan(model: GPT, loss_parallel: bool, sequence_parallel: bool) -> dict:
@@ -48,20 +49,20 @@ def pytorch_tp_plan(model: GPT, loss_parallel: bool, sequence_parallel: bool) ->
     return {name: style for name, style in plan.items() if name in present}
 
 
-def apply_tp(model, mesh: Mesh, cfg, par):
+def apply_tp(model, mesh: Mesh, cfg, device: torch.device) -> Cut:
     """DTensor TP with the same sharding as ours (`pytorch_tp_plan`, torchtitan-style). DTensor loss parallel
     needs its context around each micro-step's forward and backward."""
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, mesh["tp"].device_mesh, pytorch_tp_plan(model, cfg.loss_parallel, cfg.sequence_parallel))
     if not isinstance(model, PipelineStage):  # a stage's lm_head is a copy of wte, not tied to it
         model.lm_head.weight = model.transformer.wte.weight  # both Shard(0) over vocab: re-tie after the swap
-    if cfg.loss_parallel:
-        par.micro_contexts.append(lambda x, y: _around(loss_parallel(), x, y))
-    return model
+    return Cut(model, context=loss_parallel_around if cfg.loss_parallel else None)
 
 
 @contextlib.contextmanager
-def _around(context, x: torch.Tensor, y: torch.Tensor):
-    with context:
+def loss_parallel_around(x: torch.Tensor, y: torch.Tensor):
+    """DTensor's loss_parallel context around one micro-step, yielding its (x, y) as they are."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    with loss_parallel():
         yield x, y
