@@ -113,51 +113,82 @@ def _autocast(plan: Plan):
     return torch.autocast(plan.device.type, dtype=plan.dtype, enabled=plan.dtype != torch.float32)
 
 
+class StepWatch:
+    """Everything a training step measures and every hook it runs, around the step's work, so train_step reads
+    as the loop itself. Entering: zero the comm and AC counters, start the peak-memory window and the clock,
+    the tracer's forward hooks, the saved-activations window (step `saved_step`) and the CPU's allocated peak
+    (step `peak_step`). `after_backward()`: the tracer's gradients and the test hooks that act mid-step. Exiting:
+    close the windows, start the preemption vote, read the bytes and calls our collectives counted (before the
+    end-of-step scalar reductions, which are not wrapper traffic). `seconds()` after the loss was read (a sync)."""
+
+    def __init__(self, t: Trainer, step: int):
+        self.t, self.step, self.record = t, step, {}
+
+    def __enter__(self) -> "StepWatch":
+        t, plan = self.t, self.t.plan
+        t.par.reset_counters()
+        metrics.reset_peak_memory(plan.device)
+        self.t0 = time.perf_counter()
+        t.tracer.before_step(t, self.step)
+        self.saved = metrics.SavedActivations(t.par.parameter_tensors() if self.step == t.saved_step else None)
+        self.peak = metrics.AllocatedPeak(self.step == t.peak_step and plan.device.type == "cpu" and plan.rank == 0)
+        self.peak.__enter__()
+        self.saved.__enter__()
+        return self
+
+    def after_backward(self) -> None:
+        self.saved.__exit__(None, None, None)  # what backward needed is freed: the window closes here
+        if self.t.faults is not None:
+            self.t.faults.mid_step(self.step, self.t.model)  # the test hooks that signal a rank or perturb a gradient
+        self.t.tracer.after_backward(self.t, self.step)
+
+    def __exit__(self, *exc) -> None:
+        self.peak.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        if self.t.faults is not None:
+            self.t.faults.vote()  # read by run() after the step: its all-reduce finishes with the scalars
+        self.record = {"comm_bytes": comm.COUNTER.snapshot(), "comm_calls": comm.COUNTER.snapshot_calls()}
+        if self.saved.peak is not None:
+            self.record["saved_activation_bytes"] = self.saved.peak
+        if self.peak.bytes is not None:
+            self.record["peak_allocated_bytes"] = self.peak.bytes
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0
+
+
 def train_step(t: Trainer, step: int) -> dict:
     """One optimizer step over the global batch of `step`; returns this step's metrics."""
     plan, args = t.plan, t.plan.args
     lr = lr_at(step, args.lr, args.warmup_steps, args.max_steps)
     for group in t.optimizer.param_groups:
         group["lr"] = lr
-    t.par.reset_counters()
-    metrics.reset_peak_memory(plan.device)
-    t0 = time.perf_counter()
     batches = [t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
                           args.micro_batch_size) for m in range(plan.grad_accum)]
-    t.tracer.before_step(t, step)
-    peak = metrics.AllocatedPeak(step == t.peak_step and plan.device.type == "cpu" and plan.rank == 0).__enter__()
-    with metrics.SavedActivations(t.par.parameter_tensors() if step == t.saved_step else None) as saved:
+    with StepWatch(t, step) as watch:  # counters, clock, memory windows, tracer and fault hooks
         loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
-    if t.faults is not None:
-        t.faults.mid_step(step, t.model)  # the test hooks that signal a rank or perturb a gradient mid-step
-    t.tracer.after_backward(t, step)
-    if t.scaler:
-        t.scaler.unscale_(t.optimizer)  # ranks agree on found-inf here (AgreeingGradScaler)
-    norm = t.par.clip_grad_norm_(1.0 if args.gradient_clipping else None)
-    if t.scaler:
-        t.scaler.step(t.optimizer)
-        t.scaler.update()
-    else:
-        t.optimizer.step()
-    t.par.after_optimizer_step()
-    peak.__exit__(None, None, None)
-    if t.faults is not None:
-        t.faults.vote()  # read by run() after the step: its all-reduce finishes with the scalars below
-    comm_bytes = comm.COUNTER.snapshot()  # before the scalar reductions below, which are not wrapper traffic
-    comm_calls = comm.COUNTER.snapshot_calls()
+        watch.after_backward()
+        if t.scaler:
+            t.scaler.unscale_(t.optimizer)  # ranks agree on found-inf here (AgreeingGradScaler)
+        norm = t.par.clip_grad_norm_(1.0 if args.gradient_clipping else None)
+        if t.scaler:
+            t.scaler.step(t.optimizer)
+            t.scaler.update()
+        else:
+            t.optimizer.step()
+        t.par.after_optimizer_step()
     loss_value, norm_value = t.par.mean_loss(loss).item(), float(norm)  # .item() syncs the device: dt is honest
-    dt = time.perf_counter() - t0
+    dt = watch.seconds()
     state = t.par.state_breakdown(t.optimizer)  # gradients still allocated: the step's true peak state
     t.optimizer.zero_grad(set_to_none=True)
-    m = step_metrics(t, step, lr, loss_value, norm_value, dt, state, comm_bytes, comm_calls)
-    m = m if saved.peak is None else {**m, "saved_activation_bytes": saved.peak}
-    return m if peak.bytes is None else {**m, "peak_allocated_bytes": peak.bytes}
+    return step_metrics(t, step, lr, loss_value, norm_value, dt, state, watch.record)
 
 
 def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt: float, state: dict[str, int],
-                 comm_bytes: dict[str, int], comm_calls: dict[str, int] | None = None) -> dict:
+                 watched: dict) -> dict:
     """The step's record: loss, speed (tokens/s, MFU), memory, bytes moved, and what AC, compile and the
-    pipeline report (Parallelized.step_counters)."""
+    pipeline report (Parallelized.step_counters); `watched`: what the step's StepWatch measured."""
     plan, args = t.plan, t.plan.args
     tokens_per_sec = args.total_batch_size / dt
     m = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "step_time_ms": dt * 1000,
@@ -166,15 +197,14 @@ def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt:
          "peak_memory_bytes": metrics.peak_memory_bytes(plan.device), "state_bytes": sum(state.values()),
          "state_bytes_by_kind": state}
     if plan.par.implementation == "custom" and plan.dims.world_size > 1:
-        m["comm_bytes"] = comm_bytes
-        if comm_calls is not None:
-            m["comm_calls"] = comm_calls
+        m["comm_bytes"], m["comm_calls"] = watched["comm_bytes"], watched["comm_calls"]
     if t.scaler:
         m["loss_scale"] = t.scaler.get_scale()
     m.update(t.par.step_counters())
     if "pp_idle_fraction" in m:  # beside what the runner measured, what the schedule's theory says (plan/theory.py)
         m["pp_bubble_theory"] = bubble_fraction(plan.par.pp_schedule, plan.dims.pp, plan.grad_accum,
                                                 plan.par.pp_virtual)
+    m.update({k: v for k, v in watched.items() if k not in ("comm_bytes", "comm_calls")})
     return m
 
 
