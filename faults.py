@@ -234,8 +234,10 @@ class Preemption:
 
     def vote(self) -> None:
         """Start this step's agreement (a MAX over all ranks of one int, asynchronous): called before the step's
-        end-of-step scalars, so that reading it in `agreed` waits for nothing more than they did."""
-        self._flag = torch.tensor([1 if self.signal else 0], dtype=torch.int32, device=self.device)
+        end-of-step scalars, so that reading it in `agreed` waits for nothing more than they did.
+        The flag is filled on the device (a fill kernel with the value as its argument): `torch.tensor([v],
+        device=...)` would copy a pageable host buffer, a copy that blocks the host on CUDA."""
+        self._flag = torch.full((1,), 1 if self.signal else 0, dtype=torch.int32, device=self.device)
         self._work = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             self._work = comm.all_reduce(self._flag, op="max", async_op=True, counted=False)  # not wrapper traffic

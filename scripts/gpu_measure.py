@@ -2,9 +2,10 @@
 
 - sync audit: steps 2..N of every one-rank path (plain, DDP, ZeRO-1, ZeRO-2 with bf16 compute copies, FSDP,
   TP with SP and loss parallelism, the CP ring at C = 1, the pipeline runner at pp = 1 with V = 2, AC,
-  compile) under `torch.cuda.set_sync_debug_mode("error")` on CUDA, with the host reads from our code
-  recorded (debug/host_sync.py) on every device: only its ALLOWED end-of-step reads may happen, and on CUDA
-  they alone run with the sync debugger off. Step 1 is warm-up (AdamW's lazy state, compile).
+  compile) under `torch.cuda.set_sync_debug_mode("error")` on CUDA, with the host syncs from our code
+  recorded (debug/host_sync.py: scalar reads, blocking host <-> device copies, tensors made from Python data,
+  data-dependent shapes) on every device: only its ALLOWED end-of-step reads may happen, and on CUDA they
+  alone run with the sync debugger off. Step 1 is warm-up (AdamW's lazy state, compile).
 - overlap: every collective DDP and FSDP post completes only `delay` after it was posted. On CUDA a
   device-side sleep (`torch.cuda._sleep`, cycles calibrated by events) on a side stream that waited for the
   posting stream, and `wait()` makes the waiting stream wait for the sleep too; on the CPU a host sleep until
@@ -83,15 +84,15 @@ def stage_sync_audit(ctx: Context) -> None:
             train.train_step(t, 1)
             t.faults.preempted()
             seen: list = []
-            with recording(seen, audit=cuda), sync_debugger(cuda):
+            with recording(seen, audit=cuda, device=t.plan.device), sync_debugger(cuda):
                 for step in range(2, s.steps + 1):
                     train.train_step(t, step)
                     t.faults.preempted()
             extra = unallowed(seen)
             how = "set_sync_debug_mode('error') and " if cuda else ""
             ctx.add(f"sync audit {name}", not extra,
-                    f"steps 2-{s.steps} under {how}the host-read recorder: "
-                    + (f"{len(seen)} allowed reads" if not extra else "unallowed " + ", ".join(
+                    f"steps 2-{s.steps} under {how}the sync recorder: "
+                    + (f"{len(seen)} allowed syncs" if not extra else "unallowed " + ", ".join(
                         f"{f}:{fn} {kind}" for f, fn, kind in extra[:3])))
 
 

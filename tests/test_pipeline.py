@@ -437,6 +437,43 @@ class EveryRankCallsEveryNewGroup(unittest.TestCase):
         self.assertEqual([r["embed"] for r in per_rank], [True, False, True])
 
 
+class ActivationDtypeIsWhatTheChunksProduce(unittest.TestCase):
+    """parallelize.activation_dtype(cfg, engine), the dtype every pipeline rank allocates its received activations
+    in (and PipelineRunner._check holds each sent one to), against what the chunks really produce: on one process,
+    a 3-chunk stage wrapped by the same apply steps parallelize uses (our DDP, or our sharding engine at each
+    ZeRO stage, with param_dtype None or bf16 compute copies), its runner's chunk forward run with and without
+    bf16 autocast; chunk 0's output (from token ids) and chunk 1's (from chunk 0's, as a middle chunk receives
+    it) must both be in the runner's act_dtype. Without it only the slow sweep's bf16 pipeline rows show a
+    mismatch, as a crash on the first send."""
+
+    def test_every_engine_and_param_dtype(self):
+        from parallel.mesh import Mesh, ParallelDims
+        from parallel.parallelize import APPLY, ENGINE, ParallelConfig, Parallelized
+        cpu, cfg_m = torch.device("cpu"), config(3)
+        x = micro_batches(cfg_m, 1)[0][0]
+        seen = set()
+        for dp_type in (None, "ddp", "zero1", "zero2", "fsdp"):
+            for param_dtype in (None, torch.bfloat16):
+                model = GPT(cfg_m)
+                model.init_weights(SEED)
+                cfg = ParallelConfig(dp_type=dp_type, implementation="custom", param_dtype=param_dtype, pp_virtual=3)
+                mesh = Mesh(ParallelDims(dp=1, tp=1, world_size=1))
+                par = Parallelized(model=model, mesh=mesh, cfg=cfg, device=cpu)
+                par.model = par.stage = PipelineStage(model, 0, 1, 3)
+                par.engine = ENGINE.get(dp_type)
+                if par.engine is not None:
+                    par.model = APPLY["custom", par.engine](par.model, mesh, cfg, par)
+                runner = PipelineRunner(par.stage, **par.runner_args(cfg))
+                for autocast in (False, True):
+                    with self.subTest(dp_type=dp_type, param_dtype=param_dtype, autocast=autocast), \
+                            torch.autocast(cpu.type, dtype=torch.bfloat16, enabled=autocast):
+                        first = runner.forward(0, x)
+                        middle = runner.forward(1, first)
+                        self.assertEqual((first.dtype, middle.dtype), (runner.act_dtype,) * 2)
+                        seen.add(first.dtype)
+        self.assertEqual(seen, {torch.float32, torch.bfloat16})  # both answers occur: the table has teeth
+
+
 class TimerIsChosenWithTheDevice(unittest.TestCase):
     """pp_idle_fraction and the timeline time the work: device events where the device queues it (CUDA: a
     wait() returns at once there), the host clock on the CPU (parallel.mesh.make_timer, the one place)."""
