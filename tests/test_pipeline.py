@@ -462,7 +462,7 @@ class ActivationDtypeIsWhatTheChunksProduce(unittest.TestCase):
                 par.model = par.stage = PipelineStage(model, 0, 1, 3)
                 par.engine = ENGINE.get(dp_type)
                 if par.engine is not None:
-                    par.model = APPLY["custom", par.engine](par.model, mesh, cfg, par)
+                    par.model = APPLY["custom", par.engine](par.model, mesh, cfg, cpu)
                 runner = PipelineRunner(par.stage, **par.runner_args(cfg))
                 for autocast in (False, True):
                     with self.subTest(dp_type=dp_type, param_dtype=param_dtype, autocast=autocast), \
