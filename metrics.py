@@ -55,6 +55,20 @@ def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
     return TRAIN_FLOPS_PER_PARAM * n_params + attention_flops_per_token(config, seq_len)
 
 
+def expert_record(layers: list[int], tokens: list[list[int]], aux: list[float], with_aux: bool) -> dict:
+    """A step's MoE numbers for metrics.jsonl, per MoE layer (its Block index): tokens per expert over the whole
+    batch (integers, every layout's the same at step 1), their max over mean, the tokens whose top-k choice beat
+    the next by less than model.near_tie_margin (a routing rounding could flip between layouts), and, when the
+    balancing loss is on, its value per micro-batch summed over the layers (the part of `loss` it is)."""
+    out = {"expert_tokens": {str(i): row[:-1] for i, row in zip(layers, tokens)},
+           "expert_near_ties": {str(i): row[-1] for i, row in zip(layers, tokens)},
+           "expert_load_max_over_mean": {str(i): max(row[:-1]) * len(row[:-1]) / max(1, sum(row[:-1]))
+                                         for i, row in zip(layers, tokens)}}
+    if with_aux:
+        out["moe_aux_loss"] = sum(aux)
+    return out
+
+
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
                          seconds: float = 0.5) -> float:
     """Achieved FLOP/s of an n×n×n matmul, the best of repeated timings (a stand-in for peak)."""

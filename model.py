@@ -28,10 +28,25 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+    # mixture of experts (`MoE`): 0 experts is GPT-2's dense MLP in every Block
+    moe_num_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1             # Block i is an MoE Block when i % moe_every == moe_every - 1
+    moe_ffn_hidden: int = 0        # each expert's hidden width (0: 4 * n_embd, GPT-2's MLP)
+    moe_aux_loss_coeff: float = 0.0    # Switch / GShard load-balancing loss, added to the objective
+    moe_bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing: the expert bias's step
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether Block `layer` has an MoE feed-forward."""
+        return self.moe_num_experts > 0 and layer % self.moe_every == self.moe_every - 1
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_ffn_hidden or 4 * self.n_embd
 
 
 # Parameter counts are for the padded vocab, tied embedding counted once (see `GPT.num_params`).
@@ -98,13 +113,229 @@ class MLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
-class Block(nn.Module):
+# ----------------------------------------------------------------------------- mixture of experts
+
+def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm multiplies rows of x (n, K) by w (E, K, N) here: torch 2.13 runs it on CPU and
+    on recent GPUs for matching fp32/bf16/fp16 dtypes with rows and columns 16-byte aligned, outside autocast (it
+    has no autocast rule: the loop's matmuls get autocast's casts instead)."""
+    es = x.element_size()
+    return (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype and x.device.type in ("cpu", "cuda")
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and not torch.is_autocast_enabled(x.device.type)
+            and (x.shape[1] * es) % 16 == 0 and (w.shape[2] * es) % 16 == 0)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None = None
+                   ) -> torch.Tensor:
+    """Rows of x (n, K) grouped by expert times each group's w[e] (K, N): (n, N). `ends` (E,) int32: each group's
+    end row (a cumulative sum of the group sizes, on x's device); `sizes`: the same on the host, for the loop
+    where torch._grouped_mm does not run (the grouped kernel and the loop give the same numbers: tests)."""
+    if grouped_mm_runs(x, w):
+        return torch._grouped_mm(x, w, offs=ends)
+    sizes = sizes if sizes is not None else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    return torch.cat([xe @ w[e] for e, xe in enumerate(x.split(sizes))]) if x.shape[0] else x @ w[0]
+
+
+class ExpertLinear(nn.Module):
+    """E linears stacked, weight (E, in, out) and bias (E, out), applied to rows grouped by expert."""
+
+    linear = staticmethod(grouped_linear)  # the product alone: a zero-bubble schedule swaps it
+
+    def __init__(self, experts: int, n_in: int, n_out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, n_in, n_out))
+        self.bias = nn.Parameter(torch.empty(experts, n_out)) if bias else None
+
+    def forward(self, x: torch.Tensor, ends: torch.Tensor, expert: torch.Tensor, sizes: list[int] | None = None):
+        y = self.linear(x, self.weight, ends, sizes)  # (n, out)
+        return y if self.bias is None else y + self.bias[expert].to(y.dtype)  # expert: (n,) each row's
+
+
+class Experts(nn.Module):
+    """E GPT-2 MLPs (C -> H -> C, GELU): `forward(x, counts)` runs rows grouped by expert, counts[e] rows each.
+    Expert parallelism keeps only this rank's experts here (experts [first, first + E_local) of the layer)."""
+
     def __init__(self, config: GPTConfig):
+        super().__init__()
+        E, C, H = config.moe_num_experts, config.n_embd, config.expert_hidden
+        self.c_fc = ExpertLinear(E, C, H, config.bias)
+        self.c_proj = ExpertLinear(E, H, C, config.bias)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        ends = counts.cumsum(0).to(torch.int32)  # (E_local,)
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
+                                         output_size=x.shape[0])  # (n,): each row's local expert
+        h = F.gelu(self.c_fc(x, ends, expert, sizes), approximate="tanh")  # (n, H)
+        return self.c_proj(h, ends, expert, sizes)  # (n, C)
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts of each row of `scores` (N, E) by scores + bias, ties broken stably (the lower expert index
+    first: a stable sort), so equal scores route alike on every layout. Returns (chosen (N, k), the margin
+    between each row's k-th and (k+1)-th biased score (N,): how near it came to another choice)."""
+    biased = scores + bias
+    values, order = torch.sort(biased, dim=-1, descending=True, stable=True)
+    margin = values[:, k - 1] - values[:, k] if biased.shape[1] > k else torch.full_like(values[:, 0], float("inf"))
+    return order[:, :k], margin
+
+
+class LocalDispatch:
+    """How an MoE layer's assignments reach its experts on one rank: rows sorted by expert (stably: token order
+    within an expert), each expert's rows through it, back to (token, slot) order. Expert parallelism swaps in
+    a dispatcher that sends each row to the rank holding its expert (parallel/expert_parallel.py)."""
+
+    def __call__(self, experts: Experts, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """x (N, C) and chosen (N, k) -> each assignment's expert output (N, k, C)."""
+        N, k = chosen.shape
+        flat = chosen.reshape(-1)  # (N*k,): assignment a = (token a // k, slot a % k)
+        order = torch.sort(flat, stable=True).indices  # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=experts.c_fc.weight.shape[0])
+        y = experts(x[order // k], counts)  # (N*k, C), in `order`
+        return torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
+
+
+_SIDE: list["SideLosses"] = []  # the open collections, innermost last
+
+
+class SideLosses:
+    """Loss terms that layers add during a forward besides the head's (the MoE balancing loss): open one with
+    `with SideLosses() as side:` around a forward; `side.total` is their sum (None when none was added).
+    A recomputed forward (activation checkpointing, inside backward) adds nothing: it is not the forward."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+
+    def __enter__(self) -> "SideLosses":
+        _SIDE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _SIDE.remove(self)
+
+    @staticmethod
+    def add(term: torch.Tensor) -> None:
+        if _SIDE and first_forward():
+            side = _SIDE[-1]
+            side.total = term if side.total is None else side.total + term
+
+
+def first_forward() -> bool:
+    """Not inside a backward pass: a forward, not activation checkpointing's recomputation of one."""
+    return torch._C._current_graph_task_id() == -1
+
+
+class MoE(nn.Module):
+    """A mixture of E experts in place of a Block's MLP (Switch / GShard, dropless).
+
+    Router: scores = softmax(x W_r^T) in fp32 or wider (N, E); each token picks its top k by scores + `expert_bias`
+    (stably: `route`), and its gates are its chosen scores renormalised over the k. Output: the sum over its k
+    experts of gate * expert(x), summed in slot order. Every token reaches its k experts (no capacity).
+    Balancing, both as the field does it, off by default:
+    - the auxiliary loss (`moe_aux_loss_coeff` a): a * E * sum_e f_e * P_e, f_e the share of the micro-batch's
+      assignments that chose e, P_e its mean score, added to the objective through `SideLosses`;
+    - the auxiliary-loss-free bias (`moe_bias_update_rate` u, DeepSeek-V3): after each optimizer step
+      bias_e += u * sign(mean load - load_e) (`balance_experts`), the loads counted over the whole step's batch.
+    Statistics over a micro-batch's tokens are whole-batch numbers on every layout: `reduce_counts` (set by
+    context parallelism) sums them over the ranks holding other tokens of the same rows.
+    Knows no parallelism: `dispatch` (LocalDispatch) is what expert parallelism swaps. `load` counts this
+    step's assignments per expert, `near_ties` the tokens whose k-th choice beat the next by less than
+    `near_tie_margin` (a routing that rounding could flip between layouts), for the step's record."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        E = config.moe_num_experts
+        self.k, self.aux_coeff, self.bias_rate = config.moe_top_k, config.moe_aux_loss_coeff, config.moe_bias_update_rate
+        self.router = nn.Linear(config.n_embd, E, bias=False)
+        self.experts = Experts(config)
+        self.register_buffer("expert_bias", torch.zeros(E))  # state: checkpointed, equal on every layout
+        self.register_buffer("load", torch.zeros(E, dtype=torch.int64), persistent=False)
+        self.register_buffer("near_ties", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("aux_sum", torch.zeros(()), persistent=False)  # this step's balancing loss, summed
+        self.forwards = 0  # micro-batches this step (first forwards: not recomputations)
+        self.dispatch = LocalDispatch()
+        self.reduce_counts = None  # (counts (E + 1,) int64) -> summed over the micro-batch's ranks; None: local
+        self.share = 1  # this rank's share of its micro-batch's aux loss is 1/share of it (context parallelism)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        xf = x.reshape(-1, C)  # (N, C)
+        dtype = torch.promote_types(x.dtype, torch.float32)  # routing in fp32 (or float64) on every layout
+        with torch.autocast(x.device.type, enabled=False):
+            scores = F.linear(xf.to(dtype), self.router.weight.to(dtype)).softmax(-1)  # (N, E)
+        chosen, margin = route(scores.detach(), self.expert_bias, self.k)  # (N, k)
+        gates = scores.gather(1, chosen)
+        gates = gates / gates.sum(-1, keepdim=True)  # (N, k), renormalised over the chosen
+        y = self.dispatch(self.experts, xf, chosen)  # (N, k, C)
+        y = (y * gates.unsqueeze(-1).to(y.dtype)).sum(1)  # (N, C): slot 0 + slot 1 + ..., the same order everywhere
+        if torch.is_grad_enabled() and first_forward():
+            counts = torch.bincount(chosen.reshape(-1), minlength=scores.shape[1])
+            self.load += counts
+            self.near_ties += (margin < near_tie_margin(x)).sum()
+            self.forwards += 1
+            if self.aux_coeff:
+                aux = self.aux_loss(scores, counts)
+                self.aux_sum += aux.detach()
+                SideLosses.add(aux)
+        return y.view(B, T, C)
+
+    def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a * E * sum_e f_e P_e over its micro-batch: f_e and the token count from every
+        rank holding the micro-batch's tokens (`reduce_counts`), P_e's sum over this rank's tokens; the shares
+        of those ranks add up to the micro-batch's loss."""
+        E = scores.shape[1]
+        stats = torch.cat([counts, counts.new_tensor([scores.shape[0]])])  # (E + 1,): per expert, and tokens
+        if self.reduce_counts is not None:
+            stats = self.reduce_counts(stats)
+        f = stats[:E].float() / (stats[E].float() * self.k)  # (E,) share of assignments (no gradient)
+        P = scores.sum(0) / stats[E].float()  # (E,) this rank's part of the mean score
+        return self.aux_coeff * E * self.share * (f * P).sum()
+
+
+def near_tie_margin(x: torch.Tensor) -> float:
+    """Below this margin a routing may differ between layouts by rounding: 2^-8 under autocast (bf16 inputs),
+    1e-4 in fp32 (the sweep's fp32 tolerances are 1e-5 to 1e-4 relative)."""
+    return 2.0 ** -8 if torch.is_autocast_enabled(x.device.type) else 1e-4
+
+
+def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
+    """(global Block index, MoE) of every MoE layer this module holds, in index order."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            out.append((int(name.split("transformer.h.")[1].split(".")[0]), m))
+    return sorted(out, key=lambda x: x[0])
+
+
+@torch.no_grad()
+def balance_experts(layers: list[tuple[int, MoE]], reduce=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """After an optimizer step, for `layers` (`moe_layers`): each layer's tokens per expert over the step and its
+    near ties, (layers, E + 1) int64, and its balancing loss per micro-batch, (layers,) fp32 (`reduce`: summed
+    over the ranks that saw other rows of the batch; it takes and returns a tensor, so a layout reduces all
+    layers at once); the auxiliary-loss-free bias step where it is on; every count zeroed for the next step.
+    Returns both on the device (no host read)."""
+    stats = torch.stack([torch.cat([m.load, m.near_ties.view(1)]) for _, m in layers])  # (L, E + 1)
+    aux = torch.stack([m.aux_sum / max(m.forwards, 1) for _, m in layers])  # (L,)
+    if reduce is not None:
+        stats, aux = reduce(stats), reduce(aux)
+    for (_, m), row in zip(layers, stats):
+        if m.bias_rate:
+            load = row[:-1].float()
+            m.expert_bias += m.bias_rate * torch.sign(load.mean() - load)
+        m.load.zero_()
+        m.near_ties.zero_()
+        m.aux_sum.zero_()
+        m.forwards = 0
+    return stats, aux
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.is_moe(layer) else MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,7 +492,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -272,17 +503,20 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Returns (logits (B, T, V), None) without targets; with them (None, loss), loss the mean cross-entropy
-        over the B*T targets, computed with lm_head chunk by chunk over the rows (`head_output`)."""
+        over the B*T targets, computed with lm_head chunk by chunk over the rows (`head_output`), plus the MoE
+        layers' balancing loss where it is on (`SideLosses`)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = self.positions(T, idx.device)
         # (B, T, C); under sequence parallelism both embeddings give only this rank's T/tp positions
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
+        with SideLosses() as side:  # the MoE balancing loss, when on
+            x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+            for block in self.transformer.h:
+                x = block(x)
         x = self.transformer.ln_f(x)  # (B, T, C)
-        return head_output(self, x, targets)  # logits (B, T, V) or this rank's vocab slice under loss parallelism
+        logits, loss = head_output(self, x, targets)  # logits (B, T, V) or this rank's vocab slice (loss parallel)
+        return logits, loss if loss is None or side.total is None else loss + side.total
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Unique parameters (the tied embedding counted once); optionally without position embeddings."""
@@ -393,7 +627,8 @@ def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: GPTCo
     [rows, cols] slice.
 
     Weights of Linear/Embedding: N(0, 0.02); residual projections (`*.c_proj.weight`): N(0, 0.02/sqrt(2L));
-    biases: 0; LayerNorm: weight 1, bias 0. Random weights are drawn in blocks of INIT_ROW_BLOCK rows,
+    biases: 0; LayerNorm: weight 1, bias 0; MoE experts' stacked (E, in, out) weights: each expert e drawn as the
+    matrix `name[e]` (`rows` then slices experts: an expert-parallel rank draws only its own). Random weights are drawn in blocks of INIT_ROW_BLOCK rows,
     block b from a CPU generator seeded by (seed, name, b). The value depends on nothing else (not the
     device, the rank, or the order modules are built in), and a tensor-parallel rank can make just its
     shard: rows it owns cost only their blocks, a column slice is taken block by block.
@@ -408,6 +643,17 @@ def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: GPTCo
     if name.endswith("bias"):
         return torch.zeros(shape)[rows]
     std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+    if len(shape) == 3:  # MoE experts stacked (E, in, out): each expert its own matrix, drawn under its own name
+        E = range(*rows.indices(shape[0]))
+        out = torch.empty(len(E), shape[1], shape[2])
+        for i, e in enumerate(E):
+            out[i] = _normal(f"{name}[{e}]", shape[1:], std, seed, slice(None), cols)
+        return out
+    return _normal(name, shape, std, seed, rows, cols)
+
+
+def _normal(name: str, shape: tuple[int, ...], std: float, seed: int, rows: slice, cols: slice) -> torch.Tensor:
+    """N(0, std) of the 2-D parameter `name`, its [rows, cols] slice, drawn INIT_ROW_BLOCK rows per generator."""
     n_rows, n_cols = shape
     r0, r1, _ = rows.indices(n_rows)
     full_width = cols == slice(None)
@@ -444,8 +690,14 @@ def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: 
             p.copy_(init_parameter(full, p.shape, config, seed))
 
 
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Weight decay on matmul weights and embeddings (at least 2 dims), not on biases (the experts' stacked
+    biases are 2-D) or LayerNorms."""
+    return p.dim() >= 2 and not name.endswith("bias")
+
+
 def param_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on parameters of at least 2 dims (matmul weights, embeddings), none on the rest."""
-    decay = [p for _, p in named_params if p.dim() >= 2]
-    no_decay = [p for _, p in named_params if p.dim() < 2]
+    """AdamW groups: decay on matmul weights and embeddings (`decays`), none on the rest."""
+    decay = [p for n, p in named_params if decays(n, p)]
+    no_decay = [p for n, p in named_params if not decays(n, p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

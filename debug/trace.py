@@ -192,7 +192,7 @@ class Tracer:
             coords = out.device_mesh.get_coordinate()
             if any(c != 0 for c, pl in zip(coords, out.placements) if pl.is_replicate()):
                 return None
-            return tuple(out.shape), list(_axes(out, 0, 1)), out.to_local()
+            return tuple(out.shape), list(_axes(out)), out.to_local()
         cfg = self.t.plan.config
         full = list(out.shape)
         axes: list = [range(n) for n in full]

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from model import decays
 from parallel import comm
 from parallel.state import MOMENTS  # AdamW's per-element state
 
@@ -183,8 +184,8 @@ def flatten_unit(gpt: nn.Module, name: str, aliases: list[list[str]], world: int
     each: copy only this rank's slice into a new fp32 shard (no full flat copy of the unit is ever made), then
     replace the parameters in their modules by meta placeholders."""
     values = {names[0]: gpt.get_parameter(names[0]) for names in aliases}
-    mine = sorted(aliases, key=lambda names: values[names[0]].dim() < 2)  # stable: weight-decay matrices first
-    n_decay = sum(values[names[0]].numel() for names in mine if values[names[0]].dim() >= 2)
+    mine = sorted(aliases, key=lambda names: not decays(names[0], values[names[0]]))  # stable: decayed ones first
+    n_decay = sum(values[names[0]].numel() for names in mine if decays(names[0], values[names[0]]))
 
     specs, offset = [], 0
     for names in mine:

@@ -41,7 +41,7 @@ from parallel.ddp import GradSyncSwitch
 from parallel.flat_param import FlatLayout, ShardPiece, _FlatUnit, flatten_unit
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import pick_device
-from parallel.state import MOMENTS  # AdamW's per-element state
+from parallel.state import MOMENTS, shards_of  # MOMENTS: AdamW's per-element state
 
 
 @dataclass(frozen=True)
@@ -198,8 +198,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         device = torch.device(device) if device is not None else (
             pick_device("auto") if is_meta else next(module.parameters()).device)
         self._state_dict_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
-        # our TP shards (FSDP over TP): name -> the dim TP split, for the norm groups and checkpoints
-        self.tp_shard_dims = {n: p._tp_shard_dim for n, p in module.named_parameters() if hasattr(p, "_tp_shard_dim")}
+        # other dimensions' slices (FSDP over TP, EP): name -> their marks, for the norm groups and checkpoints
+        self.shard_marks = {n: shards_of(p) for n, p in module.named_parameters() if shards_of(p)}
         aliases: dict[int, list[str]] = {}  # one entry per parameter object: [init name, *tied names]
         for name, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
@@ -235,6 +235,10 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         if key in self.separate:
             return self._n_blocks + 1 + list(self.separate).index(key)
         return self._position[int(key.split(".")[2])]
+
+    def replica_of(self, name: str, replica_rank: int) -> int:
+        """Parameter `name`'s index among its data-parallel copies (checkpoint writers are copy 0)."""
+        return replica_rank
 
     def unit_pieces(self, name: str) -> list[nn.Parameter]:
         """This rank's shard pieces of the `separate` unit `name` (empty when there is none)."""

@@ -115,11 +115,16 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard
     cp: int = 1            # context parallelism: each sequence split over cp ranks
+    ep: int = 1            # expert parallelism: borrows its ranks from dp x cp (it must divide them)
 
     def __post_init__(self) -> None:
-        if self.dp < 1 or self.tp < 1 or self.pp < 1:
+        if self.dp < 1 or self.tp < 1 or self.pp < 1 or self.ep < 1:
             raise ValueError(f"parallel sizes must be >= 1, got pipeline_parallel_size={self.pp}, "
-                             f"data_parallel_size={self.dp}, tensor_parallel_size={self.tp}")
+                             f"data_parallel_size={self.dp}, tensor_parallel_size={self.tp}, "
+                             f"expert_parallel_size={self.ep}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"expert_parallel_size ({self.ep}) must divide data_parallel_size x "
+                             f"context_parallel_size = {self.dp * self.cp}: expert parallelism borrows those ranks")
         n = self.pp * self.dp * self.cp * self.tp
         if n != self.world_size:
             cp = f"context_parallel_size ({self.cp}) x " if self.cp > 1 else ""
@@ -151,6 +156,10 @@ class ParallelDims:
     @property
     def dp_shard(self) -> int:
         return self.dp // self.dp_replicate
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
 
 def env_world() -> tuple[int, int, int]:
@@ -227,6 +236,7 @@ class Mesh:
                 continue
             dm = root[spans]._flatten("_".join(spans))
             self._dims[name] = MeshDim(name, dm.size(), dm.get_local_rank(), dm.get_group(), dm)
+        self._dims["ep"], self._dims["edp"] = expert_dims(dims, self._dims["loss"])
 
     def __getitem__(self, name: str) -> MeshDim:
         return self._dims[name]
@@ -240,6 +250,31 @@ class Mesh:
         """Every pipeline's global ranks in pp order (pp is outermost: the ranks j, j + W/P, j + 2W/P, ...)."""
         rest = self.dims.world_size // self.dims.pp
         return [[s * rest + j for s in range(self.dims.pp)] for j in range(rest)]
+
+
+def expert_dims(dims: ParallelDims, loss: MeshDim) -> tuple[MeshDim, MeshDim]:
+    """The expert-parallel dims, borrowed from `loss` (dp x cp, the ranks holding the same dense parameters):
+    `ep`, E/ep experts per rank, EP rank r of group g being loss rank g·ep + r; and `edp`, the ranks holding the
+    same experts (loss ranks ≡ r mod ep), which reduce their gradients. Every rank of the world calls every
+    new_group, in the same order (ep groups, then edp groups, by (pp, tp) then index), member or not. Without EP:
+    ep has size 1 and edp is `loss` itself."""
+    ep = dims.ep
+    if ep == 1 or loss.group is None:
+        return MeshDim("ep", 1, 0, None, None), dataclasses.replace(loss, name="edp")
+    n, T = dims.dp * dims.cp, dims.tp  # global rank = (pp·n + l)·T + tp, l the loss rank
+    rank = dist.get_rank()
+    mine: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
+    for name, members in (("ep", lambda g: range(g * ep, (g + 1) * ep)), ("edp", lambda g: range(g, n, ep))):
+        count = n // ep if name == "ep" else ep
+        for pp in range(dims.pp):
+            for tp in range(T):
+                for g in range(count):
+                    ranks = [(pp * n + l) * T + tp for l in members(g)]
+                    group = dist.new_group(ranks, timeout=group_timeout())
+                    if rank in ranks:
+                        mine[name] = (group, ranks)
+    return tuple(MeshDim(name, len(mine[name][1]), mine[name][1].index(rank), mine[name][0], None)
+                 for name in ("ep", "edp"))
 
 
 def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float = 600.0) -> Mesh:

@@ -32,11 +32,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import GPT, init_parameter
+from model import GPT, init_parameter, moe_layers
 from parallel import comm
 from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
 from parallel.twins import tensor_parallel as tp_twin
 from parallel.blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
+from parallel.expert_parallel import ExpertBalance, apply_expert_parallel
 from parallel.context_parallel import apply_context_parallel, zigzag_share
 from parallel.fsdp import ZERO_STAGES, FullyShardedDataParallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_
@@ -44,6 +45,7 @@ from parallel.mesh import Mesh, to_device
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group, sharded_units
 from parallel.pipeline_schedule import V_SCHEDULES
 from parallel.protocol import Accumulating, Cut, DataParallel, Placement, Replicated, Sharded
+from parallel.state import shards_of
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class Parallelized:
     micro_contexts: list[Callable] = field(default_factory=list)  # (x, y) -> context yielding (x, y): the twins'
     stage: nn.Module | None = None       # what the pp step made (a PipelineStage), or the model without pp
     engine: str | None = None            # "ddp" | "fsdp" | None: what the data-parallel step runs on
+    experts: ExpertBalance | None = None  # the MoE layers' per-step statistics and bias (a model with experts)
+    expert_stats: dict | None = None  # after a step: ExpertBalance.step's tokens per expert and balancing loss
 
     # ---- one step
 
@@ -212,7 +216,11 @@ class Parallelized:
         return self.dp.param_groups(weight_decay)
 
     def after_optimizer_step(self) -> None:
+        """The wrapper's (ZeRO-1/2: full copies stale), then the MoE layers' step: their tokens per expert over
+        the whole batch, and the expert bias where it is on (`expert_parallel.balance`)."""
         self.dp.after_optimizer_step()
+        if self.experts is not None:
+            self.expert_stats = self.experts.step()
 
     def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return self.dp.state_breakdown(optimizer)
@@ -298,6 +306,14 @@ def protocol(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, at: Placement, g
     return Replicated(model, at, groups)
 
 
+def apply_ep(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> nn.Module:
+    """Our expert parallelism (parallel/expert_parallel.py): every MoE layer keeps this EP rank's experts and
+    sends each token to the rank holding its expert, over mesh["ep"]; the experts' copies are mesh["edp"]."""
+    apply_expert_parallel(model, mesh["ep"], mesh["edp"], seed=cfg.seed if cfg.deferred_init else None,
+                          device=device)
+    return model
+
+
 def apply_runner(stage: PipelineStage, mesh: Mesh, cfg: ParallelConfig, **runner_args) -> PipelineRunner:
     """Our pipeline runner (parallel/pipeline.py) through whatever the steps before made (`runner_args`:
     Parallelized.runner_args, the device among them)."""
@@ -308,6 +324,7 @@ APPLY: dict[tuple[str, str], Callable] = {
     ("custom", "pp"): apply_pp, ("pytorch", "pp"): pp_twin.apply_pp,
     ("custom", "cp"): apply_cp, ("pytorch", "cp"): cp_twin.apply_cp,
     ("custom", "tp"): apply_tp, ("pytorch", "tp"): tp_twin.apply_tp,
+    ("custom", "ep"): apply_ep,  # PyTorch 2.13 has no expert-parallel wrapper: config refuses the twin
     ("custom", "fsdp"): apply_fsdp, ("pytorch", "fsdp"): dp_twin.apply_fsdp,
     ("custom", "ddp"): apply_ddp, ("pytorch", "ddp"): dp_twin.apply_ddp,
     ("custom", "protocol"): protocol, ("pytorch", "protocol"): dp_twin.protocol,
@@ -315,7 +332,7 @@ APPLY: dict[tuple[str, str], Callable] = {
 }
 # which engine a dp_type runs on: ours shard on one engine; torch's ZeRO-1 is DDP + ZeroRedundancyOptimizer
 ENGINE = {"ddp": "ddp", "zero1": "fsdp", "zero2": "fsdp", "fsdp": "fsdp"}
-CUTS = ("cp", "tp")  # the dimensions that cut each layer, in order (each returns a model or a Cut)
+CUTS = ("cp", "tp", "ep")  # the dimensions that cut each layer, in order (each returns a model or a Cut)
 
 
 def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> Parallelized:
@@ -333,6 +350,8 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
             par.model = made.model
             par.shard_tokens = made.tokens or par.shard_tokens
             par.micro_contexts += [made.context] if made.context else []
+    if moe_layers(par.model):  # statistics over the whole batch, wherever its rows and tokens are
+        par.experts = ExpertBalance(par.model, mesh)
     if cfg.activation_checkpointing != "none":
         apply_activation_checkpointing(par.model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
@@ -366,14 +385,15 @@ def activation_dtype(cfg: ParallelConfig, engine: str | None) -> torch.dtype:
 
 def grad_groups(model: nn.Module, tp_group) -> dict[str, tuple]:
     """For each parameter name, the process groups its gradient is sharded over: a DTensor's non-replicated
-    mesh dims (Shard, or _StridedShard under FSDP2 over TP); tp_group for our TP shards (parallel/
-    tensor_parallel.py marks them); none for replicated parameters."""
-    from parallel.tensor_parallel import tp_grad_groups
-    out = tp_grad_groups(model, tp_group)
+    mesh dims (Shard, or _StridedShard under FSDP2 over TP); the groups of our layers' shard marks (TP's, EP's:
+    parallel/state.mark_shard); none for replicated parameters."""
+    out = {}
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
             out[name] = tuple(p.device_mesh.get_group(i) for i, pl in enumerate(p.placements)
                               if not pl.is_replicate())
+        else:
+            out[name] = tuple(m.group for m in shards_of(p))
     return out
 
 

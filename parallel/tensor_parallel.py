@@ -10,8 +10,9 @@ of the same payload, while those activations take 1/p of the memory.
 
 The sharding is `TP_PLAN`; `apply_tensor_parallel` swaps modules in place and keeps every parameter's
 name, so optimizer groups and checkpoints map by name (`transformer.h.0.attn.c_q.weight` is now this
-rank's rows). Sharded parameters carry `_tp_shard_dim` (0 or 1); replicated ones do not: a global grad
-norm sums the squares of the former over the group and counts the latter once (`tp_grad_groups`).
+rank's rows). Sharded parameters carry a shard mark (`parallel.state.mark_shard`, over "tp"), replicated
+ones none: a global grad norm sums the squares of the former over the group and counts the latter once
+(`tp_grad_groups`).
 Under SP the replicated parameters that see only T/p positions (LayerNorms, row-parallel biases, wpe)
 get their gradients made whole over the group inside backward, so they too count once.
 
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from model import GPT, GPTConfig, init_parameter, linear_cross_entropy, loss_chunk_rows, materialize_module
 from parallel import comm
 from parallel.grads import norm_items
+from parallel.state import mark_shard, shard_dim
 from parallel.tp_comm import (all_gather_along, copy_to_region, gather_from_region, gather_from_sequence,
                               reduce_from_region, reduce_scatter_to_sequence, scatter_to_sequence)
 
@@ -262,13 +264,13 @@ class _Builder:
     shards: dict  # id(original Parameter) -> (original, shard): tied parameters stay tied
 
     def shard(self, name: str, p: nn.Parameter | None, dim: int) -> nn.Parameter | None:
-        """This rank's 1/p slice of `p` along dim as a new Parameter, marked `_tp_shard_dim`. Sliced from
+        """This rank's 1/p slice of `p` along dim as a new Parameter, marked (`mark_shard`, over "tp"). Sliced from
         p's values, or (p on meta) drawn by init_parameter for just that slice: no full-size tensor."""
         if p is None:
             return None
         if id(p) in self.shards:
             _, out = self.shards[id(p)]
-            assert out._tp_shard_dim == dim, f"{name} is tied to a parameter sharded along another dim"
+            assert shard_dim(out, "tp") == dim, f"{name} is tied to a parameter sharded along another dim"
             return out
         n = p.shape[dim] // comm.world(self.group)
         idx = slice(comm.rank(self.group) * n, (comm.rank(self.group) + 1) * n)
@@ -281,7 +283,7 @@ class _Builder:
             if local._base is not None:  # a view (biases come as slices of zeros): keep only the slice
                 local = local.clone()
         out = nn.Parameter(local, requires_grad=p.requires_grad)
-        out._tp_shard_dim = dim
+        mark_shard(out, dim, comm.rank(self.group), comm.world(self.group), self.group, "tp")
         self.shards[id(p)] = (p, out)
         return out
 
@@ -412,7 +414,7 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
 def tp_grad_groups(model: nn.Module, tp_group) -> dict[str, tuple]:
     """{name: groups its gradient is sharded over}: (tp_group,) for sharded parameters (their squares are
     summed over the group), () for replicated ones (counted once: their gradients agree on all ranks)."""
-    return {n: (tp_group,) if hasattr(p, "_tp_shard_dim") else () for n, p in model.named_parameters()}
+    return {n: (tp_group,) if shard_dim(p, "tp") is not None else () for n, p in model.named_parameters()}
 
 
 def tp_norm_groups(model: nn.Module, tp_group) -> list[tuple[nn.Parameter, tuple]]:

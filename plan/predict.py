@@ -137,7 +137,7 @@ def _units(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int, laye
     for name, n, ndim in params:
         u = out.setdefault(unit_key(name, TIED_UNIT if tied else None), [0, 0])
         u[0] += n
-        u[1] += n if ndim >= 2 else 0
+        u[1] += n if ndim >= 2 and not name.endswith("bias") else 0  # model.decays
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 

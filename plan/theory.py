@@ -15,6 +15,7 @@ an all-reduce) are properties of the transport, not of the algorithm, and are le
                         reduce_held_bytes, reduce_accumulated_held_bytes
     tensor parallel     tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step
     context parallel    cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step
+    expert parallel     ep_all_to_all_bytes_per_micro_step, ep_all_to_all_calls_per_micro_step
     pipeline            p2p_bytes_per_step, p2p_calls_per_step, bubble_fraction (the simulator behind the V
                         schedules' and the p2p models' proofs: plan/simulate.py)
 """
@@ -315,6 +316,34 @@ def cp_p2p_calls_per_micro_step(n_layer: int, cp: int, recomputed_blocks: int = 
     if cp == 1:
         return 0
     return n_layer * (6 * (cp - 1) + 2) + recomputed_blocks * 2 * (cp - 1)
+
+
+# ----------------------------------------------------------------------------- expert parallel
+
+def ep_all_to_all_bytes_per_micro_step(tokens: int, k: int, n_embd: int, experts: int, moe_layers: int,
+                                       ep: int = 2, dtype_bytes: int = 4, received: int | None = None,
+                                       recomputed_layers: int = 0) -> int:
+    """What parallel/comm.COUNTER records as "all_to_all" on one EP rank for one forward + backward of `tokens`
+    tokens (its micro-batch's, B·T, or B·T/cp) through `moe_layers` MoE layers, k experts a token (each
+    all_to_all counts this rank's input, parallel/comm.py):
+    - the counts, E int64 (8E bytes), once per layer forward;
+    - forward: its N·k assignment rows out (N·k·C), then the rows its experts received back (R·C);
+    - backward: the gradients of those two the other way round (R·C, then N·k·C);
+    R = `received`, the rows that reached this rank's experts. Summed over an EP group, Σ R = Σ N·k, so the
+    group sends ep·(8E + 4·N·k·C·s) per layer; R = N·k exactly when the routing is balanced (the default).
+    Activation checkpointing re-runs the forward of `recomputed_layers` layers (counts and both moves again).
+    Nothing without EP."""
+    if ep == 1:
+        return 0
+    R = tokens * k if received is None else received
+    forward = 8 * experts + (tokens * k + R) * n_embd * dtype_bytes
+    return moe_layers * (forward + (tokens * k + R) * n_embd * dtype_bytes) + recomputed_layers * forward
+
+
+def ep_all_to_all_calls_per_micro_step(moe_layers: int, ep: int = 2, recomputed_layers: int = 0) -> int:
+    """The all_to_alls behind `ep_all_to_all_bytes_per_micro_step`: per MoE layer the counts and two moves
+    forward, two moves backward; three more per recomputed layer. Nothing without EP."""
+    return 0 if ep == 1 else 5 * moe_layers + 3 * recomputed_layers
 
 
 # ----------------------------------------------------------------------------- pipeline

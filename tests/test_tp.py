@@ -26,6 +26,7 @@ from model import GPT, GPTConfig, init_parameter, param_groups
 from parallel import comm
 from parallel.grads import clip_grad_norm_
 from parallel.tensor_parallel import TP_PLAN, apply_tensor_parallel, check_tp_divisibility, full_tensor, plan_style, tp_norm_groups, vocab_parallel_cross_entropy
+from parallel.state import shard_dim
 from parallel.twins.tensor_parallel import pytorch_tp_plan
 from plan.theory import tp_comm_bytes_per_micro_step
 from tests.harness import run_distributed
@@ -67,7 +68,7 @@ def _full_params(model: GPT, grads: bool = False) -> dict[str, torch.Tensor]:
         if hasattr(t, "full_tensor"):  # DTensor (grads of SP LayerNorms are Partial: this sums them)
             out[name] = t.full_tensor()
         else:
-            out[name] = full_tensor(t, getattr(p, "_tp_shard_dim", None), dist.group.WORLD)
+            out[name] = full_tensor(t, shard_dim(p, "tp"), dist.group.WORLD)
     return out
 
 
@@ -162,7 +163,7 @@ def _one_process_body(rank: int, world_size: int) -> dict:
         r = {"loss_rel": _rel(loss, ref_loss), "comm": comm.COUNTER.snapshot(),
              "comm_formula": tp_comm_bytes_per_micro_step(CFG, B, T, world_size, lp, sp),
              "grad_rel": _rel_errors(_full_params(model, grads=True), ref_grads),
-             "shard_dims": {n: getattr(p, "_tp_shard_dim", None) for n, p in model.named_parameters()}}
+             "shard_dims": {n: shard_dim(p, "tp") for n, p in model.named_parameters()}}
         model = _tp(lp, sp)
         r["train"] = _train(model, lambda m: clip_grad_norm_(tp_norm_groups(m, group), MAX_NORM))
         r["param_rel"] = _norm_errors(_full_params(model), ref_params)
@@ -196,7 +197,7 @@ def _one_process_body(rank: int, world_size: int) -> dict:
         "storage_is_shard": all(p.untyped_storage().nbytes() == p.numel() * p.element_size()
                                 for p in lazy.parameters()),
         "equal_eager_shards": all(torch.equal(p, q) for p, q in zip(lazy.parameters(), eager_sharded.parameters())),
-        "equal_slices": all(torch.equal(p, _slice(eager_full[n], getattr(p, "_tp_shard_dim", None), rank, world_size))
+        "equal_slices": all(torch.equal(p, _slice(eager_full[n], shard_dim(p, "tp"), rank, world_size))
                             for n, p in lazy.named_parameters()),
         "shapes": {n: tuple(p.shape) for n, p in lazy.named_parameters()},
         "init_slice_equal": torch.equal(lazy.transformer.h[0].mlp.c_proj.weight, init_parameter(
