@@ -14,13 +14,12 @@
 """
 from __future__ import annotations
 
-import math
 import unittest
 
 import torch
 import torch.nn.functional as F
 
-from model import GPT, MoE, balance_experts, grouped_linear, init_parameter, make_config, moe_layers, route
+from model import GPT, MoE, balance_experts, grouped_linear, init_parameter, make_config, route
 from tests.harness import run_distributed
 
 SEED = 0
