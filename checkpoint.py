@@ -560,4 +560,8 @@ def load_model(path: str, device: torch.device | str = "cpu"):
             if shards.shape(name) != tuple(p.shape):
                 raise CheckpointError(f"{path}: {name} has shape {shards.shape(name)}, the model {tuple(p.shape)}")
             p.copy_(shards.full(name, ["param"])["param"].view(p.shape))
+        for name, b in model.named_buffers():  # to_empty left them unset; the state ones (the MoE expert bias)
+            b.zero_()                          # are in the checkpoint, the counters start at zero
+            if name in shards.manifest["tensors"]:
+                b.copy_(shards.full(name, ["param"])["param"].view(b.shape))
     return model

@@ -296,6 +296,8 @@ def _check_layout(args: argparse.Namespace, dims: ParallelDims, dtype: torch.dty
 
 def _check_model(args: argparse.Namespace, dims: ParallelDims) -> tuple[GPTConfig, dict | None]:
     hf_state = None
+    if args.init_from != "scratch" and args.moe_num_experts:  # before fetching anything
+        raise UsageError(f"--init_from {args.init_from} with --moe_num_experts: OpenAI's GPT-2 has no experts")
     if args.init_from != "scratch":
         hf_state = fetch_hf_weights(args.init_from)
         config = GPT.from_hf_state_dict(hf_state).config
@@ -430,8 +432,6 @@ def _check_experts(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
         if N > 1:
             raise UsageError(f"--expert_parallel_size {N} needs an MoE model: pass --moe_num_experts")
         return
-    if args.init_from != "scratch":
-        raise UsageError(f"--init_from {args.init_from} with --moe_num_experts: OpenAI's GPT-2 has no experts")
     if K > E:
         raise UsageError(f"--moe_top_k {K} > --moe_num_experts {E}: a token cannot pick more experts than exist")
     if E % N:

@@ -163,7 +163,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         self._views = [v for b in self.buckets for v in b.views]
         self._bucket_of = [k for k, b in enumerate(self.buckets) for _ in b.params]
         self._bucket_len = [len(b.params) for b in self.buckets]
-        self._buffers = [b.buffer for b in self.buckets]
+        self._grad_buffers = [b.buffer for b in self.buckets]  # not `_buffers`: nn.Module's own registry
         self._wire = ([torch.empty_like(b.buffer, dtype=torch.bfloat16) for b in self.buckets]
                       if grad_compression == "bf16" else None)
 
@@ -205,7 +205,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         self._wait_all()
         if self._wire is not None and self.world_size > 1:
             for k in range(len(self.buckets)):
-                self._buffers[k].copy_(self._wire[k])
+                self._grad_buffers[k].copy_(self._wire[k])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero every bucket buffer in place (gradients stay attached). `set_to_none` is accepted and
@@ -301,7 +301,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         fewer copies, already holds every rank's tokens that reached it (parallel/expert_parallel.py)."""
         if self.world_size == 1:
             return
-        buf = self._buffers[k]
+        buf = self._grad_buffers[k]
         buf.mul_(1.0 / self.world_size)
         wire = buf
         if self._wire is not None:  # bf16 on the wire, fp32 in the buffer
@@ -326,7 +326,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         if not self._sync_backward:
             self._fired[:] = bytes(n)
             if comm.HOOKS is not None:  # the test seam (faults.py: GPT_FAULT_DDP_DROP_BUCKET)
-                comm.HOOKS.local_gradients(self._buffers)
+                comm.HOOKS.local_gradients(self._grad_buffers)
             return
         try:
             if self._next_bucket < len(self.buckets):
@@ -344,12 +344,12 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
                 self._next_bucket = len(self.buckets)
             used = None
             if self.find_unused_parameters and self.world_size > 1:
-                used = torch.tensor(list(self._used), dtype=torch.int32, device=self._buffers[0].device)
+                used = torch.tensor(list(self._used), dtype=torch.int32, device=self._grad_buffers[0].device)
                 self._works.append(comm.all_reduce(used, group=self.process_group, async_op=True))
             self._wait_all()
             if self._wire is not None and self.world_size > 1:
                 for k in range(self._next_bucket):
-                    self._buffers[k].copy_(self._wire[k])
+                    self._grad_buffers[k].copy_(self._wire[k])
             if self.find_unused_parameters:
                 used_anywhere = used.tolist() if used is not None else list(self._used)
                 for i in range(n):
