@@ -369,7 +369,7 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
                    lm_head_copy=mesh["pp"].enabled and par.stage.last and not par.stage.both_ends)
     par.dp = APPLY[impl, "protocol"](par.model, mesh, cfg, at, groups)
     if mesh["pp"].enabled:
-        par.pipeline = APPLY[impl, "runner"](par.model, mesh, cfg, **par.runner_args(cfg))
+        par.pipeline = APPLY[impl, "runner"](par.stage, mesh, cfg, **par.runner_args(cfg))
     return par
 
 
