@@ -268,15 +268,17 @@ class MoE(nn.Module):
         gates = gates / gates.sum(-1, keepdim=True)  # (N, k), renormalised over the chosen
         y = self.dispatch(self.experts, xf, chosen)  # (N, k, C)
         y = (y * gates.unsqueeze(-1).to(y.dtype)).sum(1)  # (N, C): slot 0 + slot 1 + ..., the same order everywhere
-        if torch.is_grad_enabled() and first_forward():
+        if torch.is_grad_enabled():
             counts = torch.bincount(chosen.reshape(-1), minlength=scores.shape[1])
-            self.load += counts
-            self.near_ties += (margin < near_tie_margin(x)).sum()
-            self.forwards += 1
-            if self.aux_coeff:
-                aux = self.aux_loss(scores, counts)
-                self.aux_sum += aux.detach()
-                SideLosses.add(aux)
+            # recomputed under activation checkpointing too: the recomputation must save what the forward saved
+            aux = self.aux_loss(scores, counts) if self.aux_coeff else None
+            if first_forward():
+                self.load += counts
+                self.near_ties += (margin < near_tie_margin(x)).sum()
+                self.forwards += 1
+                if aux is not None:
+                    self.aux_sum += aux.detach()
+                    SideLosses.add(aux)
         return y.view(B, T, C)
 
     def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from model import GPT, head_output, materialize_module
+from model import GPT, SideLosses, head_output, materialize_module
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import group_timeout, make_timer
@@ -98,6 +98,7 @@ class PipelineStage(nn.Module):
                         self.lm_head.weight.copy_(w)
         self.head_loss, self.loss_fn = model.head_loss, model.loss_fn  # lm_head + loss chunked; on whole logits
         self.positions = model.positions  # (T, device) -> positions; context parallelism may have swapped them
+        self.side_loss: torch.Tensor | None = None  # the last forward_chunk's side losses (a chunk before the last)
 
     def init_units(self) -> list[tuple[str, nn.Module]]:
         """(GPT name, module) pairs that together own each of this stage's parameters once."""
@@ -120,17 +121,21 @@ class PipelineStage(nn.Module):
     def forward_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk `chunk` on its input: token ids (B, T) for chunk 0, else the activation (B, T, C).
         Returns the activation (B, T, C), or on the last chunk the mean cross-entropy against `targets`, lm_head
-        and loss computed together chunk by chunk over rows as GPT's (model.head_output), or the logits (B, T, V)
-        without targets."""
+        and loss computed together chunk by chunk over rows as GPT's (model.head_output), plus the chunk's side
+        losses (the MoE balancing loss), or the logits (B, T, V) without targets. A chunk before the last leaves
+        its side losses in `side_loss` (None without), for the runner to add to its backward."""
         t = self.transformer
-        if chunk == 0:
-            pos = self.positions(x.shape[1], x.device)
-            x = t.drop(t.wte(x) + t.wpe(pos))  # (B, T, C)
-        for i in self.layers[chunk]:
-            x = t.h[str(i)](x)  # (B, T, C)
+        with SideLosses() as side:
+            if chunk == 0:
+                pos = self.positions(x.shape[1], x.device)
+                x = t.drop(t.wte(x) + t.wpe(pos))  # (B, T, C)
+            for i in self.layers[chunk]:
+                x = t.h[str(i)](x)  # (B, T, C)
         if chunk == self.n_chunks - 1:
             logits, loss = head_output(self, t.ln_f(x), targets)  # (B, T, V) logits, or the loss
-            return logits if targets is None else loss
+            self.side_loss = None
+            return logits if targets is None else loss if side.total is None else loss + side.total
+        self.side_loss = side.total
         return x
 
 
@@ -255,6 +260,7 @@ class PipelineRunner:
         stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (c, m) -> (input, output)
         act_in: dict[tuple[int, int], torch.Tensor] = {}    # (c, m) -> input of F(c, m), received or local
         grad_out: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> grad of chunk c's output
+        sides: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> chunk c's side losses / M (MoE), until B
         to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         sends: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # in flight until waited: keep t alive
         loss = torch.zeros((), device=device)
@@ -281,6 +287,9 @@ class PipelineRunner:
                 inp = x.to(device) if a.chunk == 0 else act_in.pop(key)
                 with defer(key):
                     out = self.forward(a.chunk, inp, y.to(device) if a.chunk == st.n_chunks - 1 else None)
+                if a.chunk != st.n_chunks - 1 and st.side_loss is not None:  # a chunk's own loss terms (MoE)
+                    sides[key] = st.side_loss / M
+                    loss += sides[key].detach()
                 if a.chunk == st.n_chunks - 1:
                     out = out / M
                     loss += out.detach()
@@ -296,6 +305,9 @@ class PipelineRunner:
                 with defer(key):  # split: the input gradient only (and a checkpointed Block's recompute)
                     if a.chunk == st.n_chunks - 1:
                         torch.autograd.backward(scale(out) if scale is not None else out)
+                    elif (side := sides.pop(key, None)) is not None:  # its side loss, seeded as the loss is
+                        torch.autograd.backward([out, scale(side) if scale is not None else side],
+                                                [grad_out.pop(key), None])
                     else:
                         torch.autograd.backward(out, grad_out.pop(key))
                 if not split:
