@@ -32,7 +32,17 @@ BASE = ["--model", "tiny", "--n_layer", "2", "--micro_batch_size", str(MB), "--s
         "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12", *MOE]
 LAYOUTS = {"ep2": (["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2"], 2),
            "ep2_dp4": (["--data_parallel_size", "4", "--data_parallel_type", "ddp", "--expert_parallel_size", "2"], 4),
-           "ep4": (["--data_parallel_size", "4", "--data_parallel_type", "ddp", "--expert_parallel_size", "4"], 4)}
+           "ep4": (["--data_parallel_size", "4", "--data_parallel_type", "ddp", "--expert_parallel_size", "4"], 4),
+           "ep2_cp2": (["--context_parallel_size", "2", "--expert_parallel_size", "2"], 2),
+           "ep2_ac": (["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2",
+                       "--activation_checkpointing", "full"], 2)}
+FOUR = ["--n_layer", "4"]  # the pipeline rows: 4 MoE Blocks, against one process of 4
+PIPELINES = {"pp2_interleaved": (["--pipeline_parallel_size", "2", "--pp_schedule", "interleaved_1f1b",
+                                  "--pp_virtual_stages", "2"], 2),
+             "pp2_ep2": (["--pipeline_parallel_size", "2", "--data_parallel_size", "2", "--data_parallel_type", "ddp",
+                          "--expert_parallel_size", "2"], 4),
+             "pp2_zbv_ep2": (["--pipeline_parallel_size", "2", "--pp_schedule", "zbv", "--pp_virtual_stages", "2",
+                              "--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2"], 4)}
 
 RUNS = WholeRuns(BASE)
 setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
@@ -67,21 +77,23 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
         self.assertTrue(all(sum(c) == M * MB * T * K for c in tokens.values()))  # every token reaches k experts
         self.assertGreater(self.ref[1]["moe_aux_loss"], 0.0)
 
-    def check_layout(self, name: str) -> None:
-        flags, nproc = LAYOUTS[name]
-        out = run(name, flags, nproc)
-        got = check_against(self, out, self.single, STEPS, [0, 3, STEPS], 1e-5)
-        self.assertEqual(got[1]["expert_tokens"], self.ref[1]["expert_tokens"])  # step 1: exactly
+    def check_layout(self, name: str, four: bool = False) -> None:
+        flags, nproc = (PIPELINES if four else LAYOUTS)[name]
+        single = run("single4", FOUR, 1) if four else self.single
+        ref = steps_of(single)
+        out = run(name, [*FOUR, *flags] if four else flags, nproc)
+        got = check_against(self, out, single, STEPS, [0, 3, STEPS], 1e-5)
+        self.assertEqual(got[1]["expert_tokens"], ref[1]["expert_tokens"])  # step 1: exactly
         flipped = 0
         for s in range(2, STEPS + 1):
             for layer, counts in got[s]["expert_tokens"].items():
-                diff = sum(abs(a - b) for a, b in zip(counts, self.ref[s]["expert_tokens"][layer]))
-                ties = got[s]["expert_near_ties"][layer] + self.ref[s]["expert_near_ties"][layer]
+                diff = sum(abs(a - b) for a, b in zip(counts, ref[s]["expert_tokens"][layer]))
+                ties = got[s]["expert_near_ties"][layer] + ref[s]["expert_near_ties"][layer]
                 self.assertLessEqual(diff, 2 * ties, f"{name}: step {s} layer {layer}")
                 flipped += diff // 2
-        if all(got[s]["expert_tokens"] == self.ref[s]["expert_tokens"] for s in got):
+        if all(got[s]["expert_tokens"] == ref[s]["expert_tokens"] for s in got):
             for layer, bias in final_bias(out).items():  # the same loads every step: the same bias steps
-                self.assertTrue(torch.equal(bias, final_bias(self.single)[layer]), f"{name}: {layer}")
+                self.assertTrue(torch.equal(bias, final_bias(single)[layer]), f"{name}: {layer}")
         print(f"{name}: {flipped} token(s) routed otherwise than one process in steps 2-{STEPS}")
 
     def test_ep2_dp2(self):
@@ -93,6 +105,22 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
 
     def test_ep4_dp4(self):
         self.check_layout("ep4")
+
+    def test_ep2_cp2(self):
+        """EP borrows the context-parallel ranks: each routes its share of every row's tokens; the balancing
+        loss counts the micro-batch's tokens over cp."""
+        self.check_layout("ep2_cp2")
+
+    def test_ep2_activation_checkpointing(self):
+        """A checkpointed Block recomputes its MoE layer, all_to_alls included, inside backward."""
+        self.check_layout("ep2_ac")
+
+    def test_pipelines(self):
+        """Each chunk's balancing loss goes into its own backward: interleaved 1F1B alone, and pp=2 x EP=2 under
+        1F1B and ZB-V (the split backward)."""
+        for name in PIPELINES:
+            with self.subTest(name=name):
+                self.check_layout(name, four=True)
 
     def test_all_to_all_bytes_equal_the_formula(self):
         """Rank 0 of EP = dp = 2 holds experts 0 and 1; each of its 2 micro-steps moves its own N·k rows and the
