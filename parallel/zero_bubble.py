@@ -50,6 +50,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import ExpertLinear, grouped_linear, grouped_mm_runs
+
 
 class _InputGradLinear(torch.autograd.Function):
     """y = F.linear(x, weight, bias); backward: dx only, (x, dy) pushed to the store for W. The parameters come
@@ -82,11 +84,51 @@ class _InputGradLinear(torch.autograd.Function):
         return dx, None, None, None
 
 
+class _InputGradGrouped(torch.autograd.Function):
+    """The MoE experts' product (model.grouped_linear: rows grouped by expert times each expert's (in, out)
+    weight); backward: dx only, as autograd computes it, and (x, dy, the groups) pushed to the store for W, which
+    computes each expert's dW = x_e^T dy_e as autograd would (the grouped kernel where the forward ran it, else
+    per expert). Under autocast, x and the weight are cast once, as autograd's casts of each expert's matmul
+    give the same values."""
+
+    @staticmethod
+    def forward(ctx, x, params, store, key, ends, sizes):
+        (weight,) = params
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        with torch.autocast(kind, enabled=False):
+            xc, wc = (x.to(dtype), weight.to(dtype)) if dtype is not None else (x, weight)
+            y = grouped_linear(xc, wc, ends, sizes)
+        ctx.save_for_backward(xc, wc, ends)
+        ctx.store, ctx.key, ctx.x_dtype, ctx.weight, ctx.sizes = store, key, x.dtype, weight, sizes
+        if weight._base is not None:
+            store.defers[key].add(id(weight._base))  # a flat buffer's view: its unit's gradient waits for W
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, wc, ends = ctx.saved_tensors
+        dx = grouped_linear(dy, wc.transpose(1, 2), ends, ctx.sizes).to(ctx.x_dtype) if ctx.needs_input_grad[0] \
+            else None
+        ctx.store.push(ctx.key, ctx.weight, None, xc, dy, (ends, ctx.sizes))
+        return dx, None, None, None, None, None
+
+
+def _grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None,
+                         experts: int) -> torch.Tensor:
+    """(E, in, out): each expert's x_e^T dy_e, by the path its forward took (autograd's products on either)."""
+    if grouped_mm_runs(x, dy.new_empty(experts, x.shape[1], dy.shape[1])):
+        return torch._grouped_mm(x.t(), dy, offs=ends)
+    sizes = sizes if sizes is not None else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    return torch.stack([xe.t() @ ge for xe, ge in zip(x.split(sizes), dy.split(sizes))])
+
+
 def routable(name: str, module: nn.Module) -> bool:
-    """The linears a store defers: nn.Linear and our TP's linears (a `linear` attribute), lm_head excluded."""
+    """The linears a store defers: nn.Linear, our TP's linears and the MoE experts' stacked linears (a `linear`
+    attribute), lm_head excluded."""
     from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     return name.rpartition(".")[2] != "lm_head" and (
-        type(module) is nn.Linear or isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
+        type(module) is nn.Linear or isinstance(module, (ColumnParallelLinear, RowParallelLinear, ExpertLinear)))
 
 
 _ACTIVE: list[tuple["WeightGradStore", Hashable]] = []  # the (store, key) of each open `defer`, innermost last
@@ -135,8 +177,15 @@ class WeightGradStore:
     def _swap(self, m: nn.Module, key: Hashable) -> tuple[nn.Module, str, object]:
         attr = "forward" if type(m) is nn.Linear else "linear"
         before = m.__dict__.get(attr)
-        m.__dict__[attr] = partial(self._forward, m, key) if attr == "forward" else partial(self._linear, key)
+        m.__dict__[attr] = (partial(self._forward, m, key) if attr == "forward" else
+                            partial(self._grouped, key) if isinstance(m, ExpertLinear) else partial(self._linear, key))
         return m, attr, before
+
+    def _grouped(self, key: Hashable, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
+                 sizes: list[int] | None = None) -> torch.Tensor:
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return _InputGradGrouped.apply(x, (weight,), self, key, ends, sizes)
+        return grouped_linear(x, weight, ends, sizes)
 
     def _forward(self, m: nn.Linear, key: Hashable, x: torch.Tensor) -> torch.Tensor:
         return self._linear(key, x, m.weight, m.bias)
@@ -148,8 +197,9 @@ class WeightGradStore:
         return F.linear(x, weight, bias)
 
     def push(self, key: Hashable, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-             dy2: torch.Tensor) -> None:
-        self.pending[key].append((weight, bias, x, dy2))
+             dy2: torch.Tensor, groups: tuple | None = None) -> None:
+        """What W needs of one product: (x, dy), and for the experts' grouped one its groups (ends, sizes)."""
+        self.pending[key].append((weight, bias, x, dy2, groups))
 
     @torch.no_grad()
     def flush(self, key: Hashable) -> None:
@@ -157,8 +207,11 @@ class WeightGradStore:
         (set where it is None), or into the held gradient of the flat buffer they are views of, in the order B
         met them; then each held gradient goes back to its engine, in the order B held them."""
         held = {id(base): grad for base, grad, _ in self.held.get(key, [])}
-        for weight, bias, x, dy2 in self.pending.pop(key, []):
-            dw = dy2.t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)  # (out, in)
+        for weight, bias, x, dy2, groups in self.pending.pop(key, []):
+            if groups is not None:  # the experts': (E, in, out)
+                dw = _grouped_weight_grad(x, dy2, *groups, weight.shape[0]).to(weight.dtype)
+            else:
+                dw = dy2.t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)  # (out, in)
             _accumulate(weight, dw, held)
             if bias is not None:
                 _accumulate(bias, dy2.sum(0).to(bias.dtype), held)  # (out,)
@@ -168,7 +221,7 @@ class WeightGradStore:
 
     def held_tensors(self) -> dict[Hashable, tuple]:
         """Every tensor the store keeps, by key (for parallel.pipeline.held_bytes)."""
-        out = {(k, i): (x, dy) for k, items in self.pending.items() for i, (_, _, x, dy) in enumerate(items)}
+        out = {(k, i): (x, dy) for k, items in self.pending.items() for i, (_, _, x, dy, _) in enumerate(items)}
         out.update({(k, "held", i): g for k, items in self.held.items() for i, (_, g, _) in enumerate(items)})
         return out
 

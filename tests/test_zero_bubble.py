@@ -54,8 +54,8 @@ def micro_batches(cfg, m: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def gpt(n_layer: int = N_LAYER) -> GPT:
-    model = GPT(make_config("tiny", n_layer=n_layer, vocab_size=256, block_size=32))
+def gpt(n_layer: int = N_LAYER, **moe) -> GPT:
+    model = GPT(make_config("tiny", n_layer=n_layer, vocab_size=256, block_size=32, **moe))
     model.init_weights(SEED)
     return model
 
@@ -64,14 +64,16 @@ LINEARS = ("c_q", "c_k", "c_v", "c_proj", "c_fc")
 
 
 FAST_LAYERS, FAST_M = 2, 2
+MOE = {"moe_num_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01}
 
 
 class TestSplitBackward(unittest.TestCase):
     """One 2-Block GPT, M = 2 micro-batches: backward whole (autograd) vs B under the store then W micro-batch by
     micro-batch; every gradient torch.equal."""
 
-    def grads(self, split: bool, autocast: bool = False, ac: bool = False, tp: bool = False) -> tuple[dict, dict]:
-        model = gpt(FAST_LAYERS)
+    def grads(self, split: bool, autocast: bool = False, ac: bool = False, tp: bool = False,
+              moe: bool = False) -> tuple[dict, dict]:
+        model = gpt(FAST_LAYERS, **(MOE if moe else {}))
         if tp:  # our TP's layers on one rank (their collectives return at once): what the store must route
             apply_tensor_parallel(model, None, loss_parallel=False, sequence_parallel=True)
         if ac:
@@ -99,7 +101,9 @@ class TestSplitBackward(unittest.TestCase):
         # (a row-parallel bias is added after TP's reduce, outside the product: its db stays in B)
         for n, has in after_b.items():
             row_bias = kw.get("tp") and n.endswith("c_proj.bias")
-            deferred = n.startswith("transformer.h.") and n.split(".")[-2] in LINEARS and not row_bias
+            expert_bias = ".experts." in n and n.endswith(".bias")  # added after the grouped product: in B
+            deferred = (n.startswith("transformer.h.") and n.split(".")[-2] in LINEARS and not row_bias
+                        and not expert_bias)
             self.assertEqual(has, not deferred, n)
 
     def test_fp32(self):
@@ -116,6 +120,13 @@ class TestSplitBackward(unittest.TestCase):
     def test_tensor_parallel_linears(self):
         """Column- and row-parallel linears defer too: the store swaps the product inside their forward."""
         self.check_equal(tp=True)
+
+    def test_moe_experts(self):
+        """The MoE experts' stacked weights defer too (their grouped product: torch._grouped_mm in fp32, the
+        per-expert loop under bf16 autocast); the router's product stays whole, in B."""
+        self.check_equal(moe=True)
+        self.check_equal(moe=True, autocast=True)
+        self.check_equal(moe=True, ac=True)
 
     def test_w_needs_b(self):
         store = WeightGradStore(gpt(FAST_LAYERS))
