@@ -445,7 +445,7 @@ def _check_experts(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
                          "pipelining takes no balancing loss from a chunk; use --implementation custom")
     unsupported = [flag for flag, on in (
         ("--data_parallel_type zero1/zero2/fsdp", N > 1 and args.data_parallel_type in ("zero1", "zero2", "fsdp")),
-        ("--tensor_parallel_size", N > 1 and dims.tp_enabled),
+
         ("--compile", args.compile and N > 1)) if on]
     if unsupported:
         raise UsageError(f"--expert_parallel_size {N} does not compose with {', '.join(unsupported)} yet")

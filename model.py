@@ -686,6 +686,8 @@ def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: 
     device = torch.device(device)
     if any(p.is_meta or p.device != device for p in module.parameters(recurse=True)):
         module.to_empty(device=device, recurse=True)  # meta, or built elsewhere: every value is written below
+        for b in module.buffers():  # the model's buffers (the MoE bias and counters) all start at zero
+            b.zero_()
     for name, p in module.named_parameters():
         full = f"{prefix}.{name}" if prefix else name
         with torch.no_grad():

@@ -3,6 +3,7 @@
     0. pipeline stage over mesh["pp"]               (keeps this pp rank's chunks; the rest is dropped)
        then context parallelism over mesh["cp"]     (ring attention, or torch's context_parallel around each
                                                      micro-step for "pytorch"; parameters stay replicated over cp)
+       then expert parallelism over mesh["ep"]      (each MoE layer keeps its experts; tokens go by all_to_all)
     1. tensor parallelism over mesh["tp"]           (shards matmul weights; materialises its own shards)
        then activation checkpointing and torch.compile of each Block (parallel/blocks.py)
     2. FSDP / ZeRO-1/2 over mesh["fsdp"]            (shards what is left; materialises one unit at a time;
@@ -332,7 +333,7 @@ APPLY: dict[tuple[str, str], Callable] = {
 }
 # which engine a dp_type runs on: ours shard on one engine; torch's ZeRO-1 is DDP + ZeroRedundancyOptimizer
 ENGINE = {"ddp": "ddp", "zero1": "fsdp", "zero2": "fsdp", "fsdp": "fsdp"}
-CUTS = ("cp", "tp", "ep")  # the dimensions that cut each layer, in order (each returns a model or a Cut)
+CUTS = ("cp", "ep", "tp")  # the dimensions that cut each layer, in order (each returns a model or a Cut)
 
 
 def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> Parallelized:
@@ -398,15 +399,22 @@ def grad_groups(model: nn.Module, tp_group) -> dict[str, tuple]:
 
 
 def materialize(model: nn.Module, seed: int, device: torch.device) -> None:
-    """Give the parameters still on meta real storage and the init rule's values, rank-locally.
-
-    A DTensor parameter gets only its local slice of the full init value (`src_data_rank=None`: no
+    """Give the parameters and buffers still on meta real storage and the init rule's values, rank-locally
+    (buffers: zero, the MoE bias and counters). What a step before made real (TP's shards, EP's experts) keeps
+    its values. A DTensor parameter gets only its local slice of the full init value (`src_data_rank=None`: no
     communication). Tied weights keep a single storage. A model with nothing on meta is left alone."""
-    if not any(p.is_meta for p in model.parameters()):
+    named = [*model.named_parameters(), *model.named_buffers()]
+    if not any(t.is_meta for _, t in named):
         return
+    kept = {name: t.detach().clone() for name, t in named if not t.is_meta}  # by name: to_empty makes new tensors
     model.to_empty(device=device)
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(kept[name]) if name in kept else b.zero_()
         for name, p in model.named_parameters():
+            if name in kept:
+                p.copy_(kept[name])
+                continue
             full = init_parameter(name, p.shape, model.config, seed).to(device)
             if isinstance(p, DTensor):
                 full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)

@@ -29,12 +29,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, init_parameter, linear_cross_entropy, loss_chunk_rows, materialize_module
+from model import GPT, GPTConfig, MoE, init_parameter, linear_cross_entropy, loss_chunk_rows, materialize_module, moe_layers
 from parallel import comm
 from parallel.grads import norm_items
 from parallel.state import mark_shard, shard_dim
 from parallel.tp_comm import (all_gather_along, copy_to_region, gather_from_region, gather_from_sequence,
-                              reduce_from_region, reduce_scatter_to_sequence, scatter_to_sequence)
+                              gather_sequence_replicated, reduce_from_region, reduce_scatter_to_sequence,
+                              scatter_to_sequence)
 
 # Module name (fnmatch pattern) -> style. Read top to bottom, this is the whole sharding.
 TP_PLAN: dict[str, str] = {
@@ -46,6 +47,7 @@ TP_PLAN: dict[str, str] = {
     "transformer.h.*.attn.c_v": "colwise",
     "transformer.h.*.attn.c_proj": "rowwise",  # g: all-reduce (reduce-scatter over T under SP), then + bias
     "transformer.h.*.ln_2": "norm",
+    "transformer.h.*.mlp": "moe",           # an MoE layer: replicated, run whole by every rank (else left as it is)
     "transformer.h.*.mlp.c_fc": "colwise",
     "transformer.h.*.mlp.c_proj": "rowwise",
     "transformer.ln_f": "norm",
@@ -139,21 +141,23 @@ class ParallelLayerNorm(nn.LayerNorm):
     Stores weight and bias in full (replicated). Without SP, x is the full (B, T, C) on every rank and y
     goes through f: nothing forward, all-reduce of dL/dy backward. Under SP, x is this rank's (B, T/p, C)
     and y is all-gathered to (B, T, C) (dL/dy reduce-scattered backward); weight and bias then see only
-    T/p positions, so they enter through f as well: their gradients are all-reduced over the group.
+    T/p positions, so they enter through f as well: their gradients are all-reduced over the group. Without
+    `gather` (under SP, before an MoE layer, which gathers its own input: `_moe`) y stays (B, T/p, C).
     """
 
-    def __init__(self, like: nn.LayerNorm, group, sequence_parallel: bool):
+    def __init__(self, like: nn.LayerNorm, group, sequence_parallel: bool, gather: bool = True):
         super().__init__(like.normalized_shape, like.eps, like.elementwise_affine, bias=like.bias is not None,
                          device="meta")
         self.weight, self.bias = like.weight, like.bias  # the same Parameters: nothing copied
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.gather = group, sequence_parallel, gather
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         if self.sequence_parallel:
             w = copy_to_region(w, self.group) if w is not None else None
             b = copy_to_region(b, self.group) if b is not None else None
-            return gather_from_sequence(F.layer_norm(x, self.normalized_shape, w, b, self.eps), self.group)
+            y = F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+            return gather_from_sequence(y, self.group) if self.gather else y  # not: an MoE layer gathers its own
         return copy_to_region(F.layer_norm(x, self.normalized_shape, w, b, self.eps), self.group)
 
 
@@ -262,6 +266,7 @@ class _Builder:
     seed: int | None
     device: torch.device
     shards: dict  # id(original Parameter) -> (original, shard): tied parameters stay tied
+    model: nn.Module  # what is being split (a style may ask about a module's neighbours)
 
     def shard(self, name: str, p: nn.Parameter | None, dim: int) -> nn.Parameter | None:
         """This rank's 1/p slice of `p` along dim as a new Parameter, marked (`mark_shard`, over "tp"). Sliced from
@@ -326,7 +331,27 @@ def _position(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:
 
 def _norm(b: _Builder, name: str, m: nn.LayerNorm) -> nn.Module:
     b.materialize(m, name)
+    block, _, attr = name.rpartition(".")
+    if attr == "ln_2" and isinstance(b.model.get_submodule(block).mlp, MoE):  # feeds a replicated MoE layer
+        return ParallelLayerNorm(m, b.group, b.sequence_parallel, gather=False) if b.sequence_parallel else m
     return ParallelLayerNorm(m, b.group, b.sequence_parallel)
+
+
+def _moe(b: _Builder, name: str, m: nn.Module) -> nn.Module:
+    """An MoE layer under TP: its router and experts replicated over the tp ranks, each rank running it whole on
+    the whole sequence (its own expert-parallel all_to_alls, over the ranks of its tp coordinate): no partial
+    sums, so no reduction. Under SP its input is all-gathered along T (backward: this rank's slice of the same,
+    complete gradient) and its output cut back to this rank's T/p (backward: all-gathered). Experts are not split
+    by TP: compute and expert parallelism then need no TP collective, at tp x the experts' compute."""
+    if not isinstance(m, MoE):
+        return m  # the dense MLP: its c_fc and c_proj are split by their own entries
+    b.materialize(m.router, f"{name}.router")
+    if any(p.is_meta for p in m.experts.parameters()):  # not already this rank's experts (expert parallelism)
+        b.materialize(m.experts, f"{name}.experts")
+    if b.sequence_parallel:
+        m.register_forward_pre_hook(lambda _, args: (gather_sequence_replicated(args[0], b.group),))
+        m.register_forward_hook(lambda _, args, y: scatter_to_sequence(y, b.group))
+    return m
 
 
 def _colwise(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
@@ -348,7 +373,7 @@ def _vocab_head(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
 
 
 STYLES = {"vocab": _vocab, "position": _position, "norm": _norm, "colwise": _colwise, "rowwise": _rowwise,
-          "vocab_head": _vocab_head}
+          "vocab_head": _vocab_head, "moe": _moe}
 
 
 def plan_entry(name: str, plan: dict[str, str] = TP_PLAN) -> str | None:
@@ -385,7 +410,7 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
         raise ValueError("the model is on meta: pass seed= so apply_tensor_parallel can materialise its shards")
     if device is None:
         device = torch.device("cpu") if meta else next(model.parameters()).device
-    b = _Builder(tp_group, loss_parallel, sequence_parallel, model.config, seed, torch.device(device), {})
+    b = _Builder(tp_group, loss_parallel, sequence_parallel, model.config, seed, torch.device(device), {}, model)
     matched = set()
     for name, module in list(model.named_modules()):
         pattern = plan_entry(name)
@@ -397,6 +422,8 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, new)
     unmatched = set(TP_PLAN) - matched
+    if moe_layers(model):  # the dense MLP's entries may have nothing left to match
+        unmatched -= {p for p in unmatched if ".mlp." in p}
     if unmatched and isinstance(model, GPT):  # a pipeline stage holds only some of them
         raise ValueError(f"TP_PLAN entries match no module of the model: {sorted(unmatched)}")
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
