@@ -190,9 +190,19 @@ class LocalDispatch:
         N, k = chosen.shape
         flat = chosen.reshape(-1)  # (N*k,): assignment a = (token a // k, slot a % k)
         order = torch.sort(flat, stable=True).indices  # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=experts.c_fc.weight.shape[0])
-        y = experts(x[order // k], counts)  # (N*k, C), in `order`
+        counts = expert_counts(flat, experts.c_fc.weight.shape[0])
+        rows = x[order // k]
+        # the per-expert loop needs the group sizes on the host (one read); torch._grouped_mm takes them on the device
+        sizes = None if grouped_mm_runs(rows, experts.c_fc.weight) else counts.tolist()
+        y = experts(rows, counts, sizes)  # (N*k, C), in `order`
         return torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
+
+
+def expert_counts(chosen: torch.Tensor, experts: int) -> torch.Tensor:
+    """(E,) int64: how many of `chosen` (expert indices) each expert got. A scatter-add, not bincount: bincount's
+    output size depends on the data, which a GPU would read back."""
+    return torch.zeros(experts, dtype=torch.int64, device=chosen.device).scatter_add_(
+        0, chosen, torch.ones_like(chosen, dtype=torch.int64))
 
 
 _SIDE: list["SideLosses"] = []  # the open collections, innermost last
@@ -269,7 +279,7 @@ class MoE(nn.Module):
         y = self.dispatch(self.experts, xf, chosen)  # (N, k, C)
         y = (y * gates.unsqueeze(-1).to(y.dtype)).sum(1)  # (N, C): slot 0 + slot 1 + ..., the same order everywhere
         if torch.is_grad_enabled():
-            counts = torch.bincount(chosen.reshape(-1), minlength=scores.shape[1])
+            counts = expert_counts(chosen.reshape(-1), scores.shape[1])
             # recomputed under activation checkpointing too: the recomputation must save what the forward saved
             aux = self.aux_loss(scores, counts) if self.aux_coeff else None
             if first_forward():
@@ -286,7 +296,7 @@ class MoE(nn.Module):
         rank holding the micro-batch's tokens (`reduce_counts`), P_e's sum over this rank's tokens; the shares
         of those ranks add up to the micro-batch's loss."""
         E = scores.shape[1]
-        stats = torch.cat([counts, counts.new_tensor([scores.shape[0]])])  # (E + 1,): per expert, and tokens
+        stats = torch.cat([counts, counts.sum(0, keepdim=True) // self.k])  # (E + 1,): per expert, and tokens
         if self.reduce_counts is not None:
             stats = self.reduce_counts(stats)
         f = stats[:E].float() / (stats[E].float() * self.k)  # (E,) share of assignments (no gradient)

@@ -179,12 +179,12 @@ def train_step(t: Trainer, step: int) -> dict:
             t.optimizer.step()
         t.par.after_optimizer_step()
     loss_value, norm_value = t.par.mean_loss(loss).item(), float(norm)  # .item() syncs the device: dt is honest
-    experts = {k: v.tolist() for k, v in t.par.expert_stats.items()} if t.par.expert_stats else None
+    experts = t.par.expert_stats and (t.par.expert_stats["tokens"].tolist(), t.par.expert_stats["aux"].tolist())
     dt = watch.seconds()
     state = t.par.state_breakdown(t.optimizer)  # gradients still allocated: the step's true peak state
     t.optimizer.zero_grad(set_to_none=True)
-    watched = watch.record if experts is None else {**watch.record, **metrics.expert_record(
-        t.par.experts.all, experts["tokens"], experts["aux"], t.plan.config.moe_aux_loss_coeff > 0)}
+    watched = watch.record if not experts else {**watch.record, **metrics.expert_record(
+        t.par.experts.all, *experts, t.plan.config.moe_aux_loss_coeff > 0)}
     return step_metrics(t, step, lr, loss_value, norm_value, dt, state, watched)
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from model import Experts, balance_experts, init_parameter, moe_layers
+from model import Experts, balance_experts, expert_counts, init_parameter, moe_layers
 from parallel import comm
 from parallel.state import mark_replicas, mark_shard
 
@@ -78,7 +78,7 @@ class ExpertParallelDispatch:
         P, L = self.size, self.E // self.size
         flat = chosen.reshape(-1)  # (N*k,)
         order = torch.sort(flat, stable=True).indices  # by expert: so also by the rank that holds it
-        counts = torch.bincount(flat, minlength=self.E)  # (E,) this rank's rows per expert
+        counts = expert_counts(flat, self.E)  # (E,) this rank's rows per expert
         recv = torch.empty_like(counts)  # (P*L,): [source j][my expert e]
         comm.all_to_all_single(recv, counts, group=self.group, unit="expert counts")
         per = recv.view(P, L)
@@ -129,11 +129,12 @@ class ExpertBalance:
     pipeline stage are summed over mesh["pp"] into one (MoE layers, E + 1) tensor. Scalars of bookkeeping:
     recorded, not counted as wrapper traffic."""
 
-    def __init__(self, model: nn.Module, mesh):
+    def __init__(self, model: nn.Module, mesh, device: torch.device):
         self.layers, self.mesh = moe_layers(model), mesh
         config = next(m.config for m in model.modules() if hasattr(m, "config") and not callable(m.config))
         self.all = [i for i in range(config.n_layer) if config.is_moe(i)]
         self.E = config.moe_num_experts
+        self.rows = torch.tensor([self.all.index(i) for i, _ in self.layers], device=device)  # mine among all
         cp = mesh["cp"]
         for _, moe in self.layers:
             if cp.enabled:
@@ -145,10 +146,9 @@ class ExpertBalance:
         layers, on the device."""
         loss, pp = self.mesh["loss"], self.mesh["pp"]
         stats, aux = balance_experts(self.layers, partial(_summed, group=loss.group) if loss.enabled else None)
-        rows = [self.all.index(i) for i, _ in self.layers]
         tokens = torch.zeros(len(self.all), self.E + 1, dtype=torch.int64, device=stats.device)
         per = torch.zeros(len(self.all), device=aux.device)
-        tokens[rows], per[rows] = stats, aux / loss.size
+        tokens[self.rows], per[self.rows] = stats, aux / loss.size
         return {"tokens": _summed(tokens, pp.group), "aux": _summed(per, pp.group)} if pp.enabled else \
             {"tokens": tokens, "aux": per}
 

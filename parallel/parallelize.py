@@ -352,7 +352,7 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
             par.shard_tokens = made.tokens or par.shard_tokens
             par.micro_contexts += [made.context] if made.context else []
     if moe_layers(par.model):  # statistics over the whole batch, wherever its rows and tokens are
-        par.experts = ExpertBalance(par.model, mesh)
+        par.experts = ExpertBalance(par.model, mesh, device)
     if cfg.activation_checkpointing != "none":
         apply_activation_checkpointing(par.model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
