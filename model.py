@@ -242,12 +242,13 @@ class MoE(nn.Module):
     (stably: `route`), and its gates are its chosen scores renormalised over the k. Output: the sum over its k
     experts of gate * expert(x), summed in slot order. Every token reaches its k experts (no capacity).
     Balancing, both as the field does it, off by default:
-    - the auxiliary loss (`moe_aux_loss_coeff` a): a * E * sum_e f_e * P_e, f_e the share of the micro-batch's
-      assignments that chose e, P_e its mean score, added to the objective through `SideLosses`;
+    - the auxiliary loss (`moe_aux_loss_coeff` a): per sequence, a * E * sum_e f_e * P_e, f_e the share of the
+      row's assignments that chose e, P_e its tokens' mean score, averaged over the rows and added to the
+      objective through `SideLosses` (`aux_loss`);
     - the auxiliary-loss-free bias (`moe_bias_update_rate` u, DeepSeek-V3): after each optimizer step
       bias_e += u * sign(mean load - load_e) (`balance_experts`), the loads counted over the whole step's batch.
-    Statistics over a micro-batch's tokens are whole-batch numbers on every layout: `reduce_counts` (set by
-    context parallelism) sums them over the ranks holding other tokens of the same rows.
+    Statistics over a row's tokens are whole-row numbers on every layout: `reduce_counts` (set by context
+    parallelism) sums them over the ranks holding other tokens of the same rows.
     Knows no parallelism: `dispatch` (LocalDispatch) is what expert parallelism swaps. `load` counts this
     step's assignments per expert, `near_ties` the tokens whose k-th choice beat the next by less than
     `near_tie_margin` (a routing that rounding could flip between layouts), for the step's record."""
@@ -264,7 +265,7 @@ class MoE(nn.Module):
         self.register_buffer("aux_sum", torch.zeros(()), persistent=False)  # this step's balancing loss, summed
         self.forwards = 0  # micro-batches this step (first forwards: not recomputations)
         self.dispatch = LocalDispatch()
-        self.reduce_counts = None  # (counts (E + 1,) int64) -> summed over the micro-batch's ranks; None: local
+        self.reduce_counts = None  # counts (B, E + 1) int64 -> summed over the ranks holding the rows; None: local
         self.share = 1  # this rank's share of its micro-batch's aux loss is 1/share of it (context parallelism)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -281,7 +282,7 @@ class MoE(nn.Module):
         if torch.is_grad_enabled():
             counts = expert_counts(chosen.reshape(-1), scores.shape[1])
             # recomputed under activation checkpointing too: the recomputation must save what the forward saved
-            aux = self.aux_loss(scores, counts) if self.aux_coeff else None
+            aux = self.aux_loss(scores, chosen, B) if self.aux_coeff else None
             if first_forward():
                 self.load += counts
                 self.near_ties += (margin < near_tie_margin(x)).sum()
@@ -291,17 +292,26 @@ class MoE(nn.Module):
                     SideLosses.add(aux)
         return y.view(B, T, C)
 
-    def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """This rank's share of a * E * sum_e f_e P_e over its micro-batch: f_e and the token count from every
-        rank holding the micro-batch's tokens (`reduce_counts`), P_e's sum over this rank's tokens; the shares
-        of those ranks add up to the micro-batch's loss."""
-        E = scores.shape[1]
-        stats = torch.cat([counts, counts.sum(0, keepdim=True) // self.k])  # (E + 1,): per expert, and tokens
+    def aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, B: int) -> torch.Tensor:
+        """This rank's share of the balancing loss of its B rows, per row (sequence) and then their mean:
+        a * E * sum_e f_{b,e} P_{b,e}, f the share of row b's assignments that chose e, P its tokens' mean score
+        for e. Per row, not per micro-batch: a row's loss does not depend on which rows share its micro-batch,
+        so every layout's micro-batches give the same objective (DeepSeek-V3's sequence-wise form; a batch-wise
+        one would change with the micro-batch size under gradient accumulation). Under context parallelism a
+        row's tokens sit on several ranks: f and the row's token count from all of them (`reduce_counts`), P's
+        sum from this rank's tokens; the ranks' shares (x `share` = cp, each loss averaged over them) add up."""
+        E, k = scores.shape[1], self.k
+        rows = torch.arange(B, device=chosen.device).repeat_interleave(chosen.numel() // B)  # each assignment's row
+        counts = torch.zeros(B * (E + 1), dtype=torch.int64, device=chosen.device)
+        counts.scatter_add_(0, rows * (E + 1) + chosen.reshape(-1), torch.ones_like(rows))  # (B, E) assignments
+        counts = counts.view(B, E + 1)
+        counts[:, E] = counts[:, :E].sum(1) // k  # the row's tokens
         if self.reduce_counts is not None:
-            stats = self.reduce_counts(stats)
-        f = stats[:E].float() / (stats[E].float() * self.k)  # (E,) share of assignments (no gradient)
-        P = scores.sum(0) / stats[E].float()  # (E,) this rank's part of the mean score
-        return self.aux_coeff * E * self.share * (f * P).sum()
+            counts = self.reduce_counts(counts)
+        tokens = counts[:, E:].float()  # (B, 1)
+        f = counts[:, :E].float() / (tokens * k)  # (B, E), no gradient
+        P = scores.view(B, -1, E).sum(1) / tokens  # (B, E): this rank's part of each row's mean score
+        return self.aux_coeff * E * self.share * (f * P).sum(1).mean()
 
 
 def near_tie_margin(x: torch.Tensor) -> float:

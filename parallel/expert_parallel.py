@@ -121,9 +121,9 @@ def apply_expert_parallel(model: nn.Module, ep, edp, seed: int | None = None,
 
 
 class ExpertBalance:
-    """The MoE layers' per-step statistics over the whole batch, on every layout alike. Each micro-batch's
-    balancing loss counts the micro-batch's tokens wherever context parallelism put them (`reduce_counts`: a sum
-    over mesh["cp"], and each cp rank's share 1/cp of the loss). After each optimizer step (`step`) every layer's
+    """The MoE layers' per-step statistics over the whole batch, on every layout alike. Each row's balancing loss
+    counts the row's tokens wherever context parallelism put them (`reduce_counts`: a sum over mesh["cp"], and
+    each cp rank's share 1/cp of the loss). After each optimizer step (`step`) every layer's
     tokens per expert and near ties are summed over mesh["loss"] (dp x cp: every row and token of the batch),
     the expert bias takes its step from those (model.balance_experts), and for the record the layers of every
     pipeline stage are summed over mesh["pp"] into one (MoE layers, E + 1) tensor. Scalars of bookkeeping:

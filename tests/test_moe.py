@@ -105,8 +105,8 @@ class TheLayer(unittest.TestCase):
                                                               torch.autograd.grad(loop, [x, w], dy))))
 
     def test_balancing_loss_and_bias_step(self):
-        """aux = a * E * sum_e f_e P_e on one micro-batch; after balance_experts the bias moved by u * sign(mean -
-        load), the loads were the micro-batch's assignments, and every count is zero again."""
+        """aux = the mean over rows of a * E * sum_e f_e P_e on each row (sequence); after balance_experts the bias
+        moved by u * sign(mean - load), the loads were the micro-batch's assignments, and every count is zero."""
         a, u = 0.01, 0.001
         model = GPT(config(4, 2, moe_aux_loss_coeff=a, moe_bias_update_rate=u))
         model.init_weights(SEED)
@@ -118,8 +118,11 @@ class TheLayer(unittest.TestCase):
         scores = torch.softmax(x.reshape(-1, 64) @ layer.router.weight.t(), -1)
         chosen, _ = route(scores, layer.expert_bias, 2)
         counts = torch.bincount(chosen.reshape(-1), minlength=4)
-        f, P = counts.float() / (16 * 2), scores.mean(0)
-        torch.testing.assert_close(side.total, a * 4 * (f * P).sum(), rtol=1e-6, atol=0)
+        per_row = []  # the loss of each sequence (row): its own assignments' shares and mean scores
+        for b in range(2):
+            f = torch.bincount(chosen[8 * b:8 * (b + 1)].reshape(-1), minlength=4).float() / (8 * 2)
+            per_row.append(4 * (f * scores[8 * b:8 * (b + 1)].mean(0)).sum())
+        torch.testing.assert_close(side.total, a * torch.stack(per_row).mean(), rtol=1e-6, atol=0)
         stats, aux = balance_experts([(0, layer)])
         self.assertEqual(stats[0, :4].tolist(), counts.tolist())
         load = counts.float()
