@@ -25,7 +25,7 @@ from data.batches import BatchSource, micro_batch_chunk
 from debug.trace import Tracer
 from model import GPT
 from parallel import comm
-from parallel.mesh import Mesh, exit_process, fused_optimizer, init_distributed
+from parallel.mesh import OPTIONAL_DIMS, Mesh, exit_process, fused_optimizer, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 from parallel.pipeline_schedule import V_SCHEDULES
 from plan.split import describe_split, layers_for, stage_costs
@@ -229,7 +229,8 @@ def evaluate(t: Trainer) -> float:
 
 def describe(t: Trainer) -> str:
     d, par, a = t.plan.dims, t.plan.par, t.plan.args
-    layout = (f"cp={d.cp} " if d.cp_enabled else "") + f"dp={d.dp}" + (f" ({par.dp_type})" if par.dp_type else "") + \
+    optional = "".join(f"{k}={v} " for k, v in d.sizes().items() if k in OPTIONAL_DIMS and v > 1)
+    layout = optional + f"dp={d.dp}" + (f" ({par.dp_type})" if par.dp_type else "") + \
         (f" = {d.dp_replicate} replicas x {d.dp_shard} shards" if d.dp_replicate > 1 else "") + \
         (" (sharded over dp_shard x cp)" if d.dp_replicate > 1 and d.cp_enabled else "") + f" tp={d.tp}"
     if d.pp_enabled:
@@ -265,8 +266,7 @@ def save_checkpoint(t: Trainer, step: int, wait: bool = False) -> tuple[str, flo
     extra = {"config": {"model": asdict(plan.config),
                         "train": {**{k: getattr(a, k, None) for k in MATH_ARGS},
                                   "dtype": str(plan.dtype).removeprefix("torch.")}},
-             "layout": {"world_size": d.world_size, "pp": d.pp, "dp": d.dp, "dp_replicate": d.dp_replicate,
-                        "cp": d.cp, "tp": d.tp,
+             "layout": {"world_size": d.world_size, **d.sizes(),
                         "implementation": plan.par.implementation, "dp_type": plan.par.dp_type}}
     if t.scaler is not None:
         extra["scaler"] = t.scaler.state_dict()
@@ -296,7 +296,7 @@ def restore_checkpoint(t: Trainer) -> int:
         t.scaler.load_state_dict(m["scaler"])
     if plan.rank == 0:
         lay = m["layout"]
-        cp = f" cp={lay['cp']}" if lay.get("cp", 1) > 1 else ""
+        cp = "".join(f" {k}={lay[k]}" for k in OPTIONAL_DIMS if lay.get(k, 1) > 1)
         print(f"resuming from {plan.resume_from} (saved by {lay['implementation']} pp={lay.get('pp', 1)}{cp} dp={lay['dp']}"
               f"{' (' + lay['dp_type'] + ')' if lay['dp_type'] else ''} tp={lay['tp']}): continuing at step "
               f"{m['step'] + 1}" + (f" (nothing left: --max_steps {args.max_steps})"

@@ -161,6 +161,15 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
+    def sizes(self) -> dict[str, int]:
+        """Every dimension's size by name, the checkpoint manifest's record of the layout."""
+        return {"pp": self.pp, "dp": self.dp, "dp_replicate": self.dp_replicate, "cp": self.cp, "tp": self.tp,
+                "ep": self.ep}
+
+
+# dims a run names only where they are on (train.py's description, a resume's note), beside pp, dp and tp
+OPTIONAL_DIMS = ("cp", "ep")
+
 
 def env_world() -> tuple[int, int, int]:
     """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) for a plain `python`."""
