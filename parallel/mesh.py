@@ -58,6 +58,38 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def serial_p2p(device: torch.device) -> bool:
+    """Whether a rank's unbatched p2p ops on one group run one after another, across all its peers: on NCCL
+    (`backend_for`), whose groups are all eagerly initialised here (init_distributed passes device_id), so
+    ProcessGroupNCCL::pointToPoint puts every unbatched send and receive of a group on the group's one
+    communicator and stream ("serialized with all other ops on this ProcessGroup, including other P2P ops",
+    torch's warning). A ring's p2p (the pipeline's, context parallelism's) then goes over link groups
+    (`p2p_link`; Mesh.build_links), so a send to one neighbour never queues behind a receive from the other
+    (plan/simulate.py's "nccl_eager" model: up to +9% makespan for ZB-V and DualPipe-V without them, and half
+    duplex on CP's ring). Off on gloo: it matches each (sender, receiver) pair's k-th send with its k-th
+    receive and never blocks a rank's other peers, so link groups would only cost groups there (and
+    batch_isend_irecv, the other way round a single stream, can hang on gloo: parallel/comm.py `send`)."""
+    return backend_for(device) == "nccl"
+
+
+def p2p_link(lower: int, upper: int, n: int) -> int:
+    """Which of a ring's link groups (`link_groups`) carries the messages between ranks `lower` and `upper` of
+    a group of n, neighbours on the ring (upper = lower + 1 mod n, or lower - 1 for the way back up a V: the
+    rank of the chunk before the boundary and the rank of the one after). Link i joins ranks i and i+1 (mod n);
+    it goes on group i mod 2, and the ring's closing link n-1 on group 2 when n is odd, so no rank has two of
+    its links on one group: each rank's FIFO on a group carries one peer's messages (see `serial_p2p`). Both
+    ends compute it from the same (lower, upper), so both post the message on the same group. At n = 2 the two
+    ranks have two links: 0 when lower is rank 0, the closing link 1 when lower is rank 1 (a V's way back)."""
+    link = lower if upper == (lower + 1) % n else upper
+    return 2 if n % 2 and link == n - 1 else link % 2
+
+
+def link_groups(n: int) -> int:
+    """How many link groups a ring of n ranks needs (`p2p_link`): none for one rank, 2 for an even ring, 3 for
+    an odd one (its closing link would share a group with link 0)."""
+    return 0 if n < 2 else 2 + n % 2
+
+
 class HostTimer:
     """Marks by the host clock. On the CPU the host runs the work, so its clock times the work."""
 
@@ -201,12 +233,15 @@ FLATTENED = {
 class MeshDim:
     """One named dim of the mesh as this rank sees it: its size, this rank's coordinate on it, and the process
     group over it (None on one process, where every dim has size 1 and nothing is communicated). `device_mesh`:
-    the same dim as a torch DeviceMesh, for the PyTorch twins (None on one process)."""
+    the same dim as a torch DeviceMesh, for the PyTorch twins (None on one process). `links`: the dim's link
+    groups (`p2p_link`: the same ranks as `group`, in the same order, one per link colour), which its ring's
+    p2p goes over where `serial_p2p` (Mesh.build_links); empty: every p2p message on `group`."""
     name: str
     size: int
     rank: int
     group: dist.ProcessGroup | None
     device_mesh: DeviceMesh | None
+    links: tuple[dist.ProcessGroup, ...] = ()
 
     @property
     def enabled(self) -> bool:
@@ -248,8 +283,48 @@ class Mesh:
 
     def pipelines(self) -> list[list[int]]:
         """Every pipeline's global ranks in pp order (pp is outermost: the ranks j, j + W/P, j + 2W/P, ...)."""
-        rest = self.dims.world_size // self.dims.pp
-        return [[s * rest + j for s in range(self.dims.pp)] for j in range(rest)]
+        return dim_ranks(self.dims, "pp")
+
+    def build_links(self) -> None:
+        """Give the pp and cp dims (where larger than one rank) their link groups (`p2p_link`, `link_groups`):
+        for each dim, each link colour, one group per instance of the dim with the dim's ranks (`new_groups`).
+        Collective over the whole world: every rank calls it, in the same order."""
+        for name in ("pp", "cp"):
+            d = self._dims[name]
+            if d.enabled:
+                lists = dim_ranks(self.dims, name)
+                links = tuple(new_groups(lists, group_timeout()) for _ in range(link_groups(d.size)))
+                self._dims[name] = dataclasses.replace(d, links=links)
+
+
+def dim_ranks(dims: ParallelDims, name: str) -> list[list[int]]:
+    """Every group of mesh dim `name` (one of DIMS) over the world: the global ranks of each, in the dim's order
+    (a group's rank i is its i-th), ordered by their first rank. Rank layout as Mesh's."""
+    sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+             "tp": dims.tp}
+    stride = 1
+    for d in reversed(DIMS[DIMS.index(name) + 1:]):
+        stride *= sizes[d]
+    span = stride * sizes[name]  # ranks from one group's first to the next block's
+    return [[base + k * stride for k in range(sizes[name])]
+            for base in range(dims.world_size) if base % span < stride]
+
+
+def new_groups(rank_lists: list[list[int]], timeout: timedelta | None = None) -> dist.ProcessGroup | None:
+    """One process group per list of `rank_lists` (disjoint, each sorted), built by every rank of the world,
+    member or not, with the same lists; returns this rank's (None where it is in none). Where the world group is
+    bound to a device (NCCL, eager: init_distributed) that is one split_group: one world-wide ncclCommSplit for
+    all the groups. Elsewhere (gloo) one dist.new_group per list, each a call every rank of the world makes (and on eager NCCL each a world-wide split too, the
+    non-members' a no-colour one: c10d _new_process_group_helper)."""
+    me = dist.get_rank()
+    if c10d._get_default_group().bound_device_id is not None:
+        return dist.split_group(split_ranks=rank_lists, timeout=timeout)
+    mine = None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks, timeout=timeout)
+        if me in ranks:
+            mine = g
+    return mine
 
 
 def expert_dims(dims: ParallelDims, loss: MeshDim) -> tuple[MeshDim, MeshDim]:
@@ -279,7 +354,8 @@ def expert_dims(dims: ParallelDims, loss: MeshDim) -> tuple[MeshDim, MeshDim]:
 
 def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float = 600.0) -> Mesh:
     """Join the process group (when there is more than one rank) and return the run's Mesh (on one process: every
-    dim of size 1, no groups). Every group then has the run's timeout (`honour_timeout`)."""
+    dim of size 1, no groups), with link groups for the pp and cp rings where `serial_p2p`. Every group then has
+    the run's timeout (`honour_timeout`)."""
     if dims.world_size == 1:
         return Mesh(dims)
     if device.type == "cuda":
@@ -291,6 +367,8 @@ def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float 
     root = init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
                             mesh_dim_names=DIMS)
     mesh = Mesh(dims, root)
+    if serial_p2p(device):
+        mesh.build_links()
     honour_timeout(timeout)
     return mesh
 
