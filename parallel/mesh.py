@@ -314,7 +314,8 @@ def new_groups(rank_lists: list[list[int]], timeout: timedelta | None = None) ->
     """One process group per list of `rank_lists` (disjoint, each sorted), built by every rank of the world,
     member or not, with the same lists; returns this rank's (None where it is in none). Where the world group is
     bound to a device (NCCL, eager: init_distributed) that is one split_group: one world-wide ncclCommSplit for
-    all the groups. Elsewhere (gloo) one dist.new_group per list, each a call every rank of the world makes (and on eager NCCL each a world-wide split too, the
+    all the groups. Elsewhere (gloo, and the fake backend `init_group_calls` counts with) one dist.new_group
+    per list, each a call every rank of the world makes (and on eager NCCL each a world-wide split too, the
     non-members' a no-colour one: c10d _new_process_group_helper)."""
     me = dist.get_rank()
     if c10d._get_default_group().bound_device_id is not None:
@@ -330,9 +331,9 @@ def new_groups(rank_lists: list[list[int]], timeout: timedelta | None = None) ->
 def expert_dims(dims: ParallelDims, loss: MeshDim) -> tuple[MeshDim, MeshDim]:
     """The expert-parallel dims, borrowed from `loss` (dp x cp, the ranks holding the same dense parameters):
     `ep`, E/ep experts per rank, EP rank r of group g being loss rank g·ep + r; and `edp`, the ranks holding the
-    same experts (loss ranks ≡ r mod ep), which reduce their gradients. Every rank of the world calls every
-    new_group, in the same order (ep groups, then edp groups, by (pp, tp) then index), member or not. Without EP:
-    ep has size 1 and edp is `loss` itself."""
+    same experts (loss ranks ≡ r mod ep), which reduce their gradients. Every rank of the world builds every
+    group, in the same order (ep groups, then edp groups, by (pp, tp) then index), member or not: `new_groups`,
+    one split_group per kind on eager NCCL. Without EP: ep has size 1 and edp is `loss` itself."""
     ep = dims.ep
     if ep == 1 or loss.group is None:
         return MeshDim("ep", 1, 0, None, None), dataclasses.replace(loss, name="edp")
@@ -341,13 +342,9 @@ def expert_dims(dims: ParallelDims, loss: MeshDim) -> tuple[MeshDim, MeshDim]:
     mine: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
     for name, members in (("ep", lambda g: range(g * ep, (g + 1) * ep)), ("edp", lambda g: range(g, n, ep))):
         count = n // ep if name == "ep" else ep
-        for pp in range(dims.pp):
-            for tp in range(T):
-                for g in range(count):
-                    ranks = [(pp * n + l) * T + tp for l in members(g)]
-                    group = dist.new_group(ranks, timeout=group_timeout())
-                    if rank in ranks:
-                        mine[name] = (group, ranks)
+        lists = [[(pp * n + l) * T + tp for l in members(g)]
+                 for pp in range(dims.pp) for tp in range(T) for g in range(count)]
+        mine[name] = (new_groups(lists, group_timeout()), next(ranks for ranks in lists if rank in ranks))
     return tuple(MeshDim(name, len(mine[name][1]), mine[name][1].index(rank), mine[name][0], None)
                  for name in ("ep", "edp"))
 

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from model import GPT, head_output, materialize_module
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
-from parallel.mesh import group_timeout, make_timer, p2p_link
+from parallel.mesh import group_timeout, make_timer, new_groups, p2p_link
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F,
                                         SPLIT_SCHEDULES, V_SCHEDULES, W, Action, boundary, chunk_of, rank_of,
                                         send_waits, split_layers)
@@ -140,15 +140,10 @@ def embedding_group(pipelines: list[list[int]], v_shape: bool = False) -> dist.P
 
     `pipelines` lists every pipeline's global ranks in pp order; every rank of the world must call this with
     the same list, member or not (a middle stage too), because dist.new_group is collective over the whole
-    world: on NCCL a new_group that some rank skips hangs the ranks that call it."""
-    mine = None
-    for ranks in pipelines:
-        if len(ranks) < 2 or v_shape:
-            continue
-        g = dist.new_group([ranks[0], ranks[-1]], timeout=group_timeout())
-        if dist.get_rank() in (ranks[0], ranks[-1]):
-            mine = g
-    return mine
+    world: on NCCL a new_group that some rank skips hangs the ranks that call it. All W/P groups are built by
+    `new_groups`: on eager NCCL one split_group, one world-wide call instead of W/P."""
+    pairs = [[ranks[0], ranks[-1]] for ranks in pipelines if len(ranks) >= 2 and not v_shape]
+    return new_groups(pairs, group_timeout()) if pairs else None
 
 
 TIED = "tied"  # the sharding engine's unit for a stage's end of the tied embedding
