@@ -240,11 +240,13 @@ class Parallelized:
         return self.model if isinstance(self.model, FullyShardedDataParallel) else None
 
     def runner_args(self, cfg: ParallelConfig) -> dict:
-        """What a pipeline runner takes, from the mesh: the pp group, the tied-embedding group (every rank of the
-        world builds every pipeline's, member or not), the activations' dtype and shape between chunks."""
+        """What a pipeline runner takes, from the mesh: the pp group and its link groups (NCCL), the tied-embedding
+        group (every rank of the world builds every pipeline's, member or not), the activations' dtype and shape
+        between chunks."""
         fsdp = self.fsdp
         v_shape = cfg.pp_schedule in V_SCHEDULES  # one rank holds both ends: no embedding group
-        return {"group": self.mesh["pp"].group, "embed_group": embedding_group(self.mesh.pipelines(), v_shape),
+        return {"group": self.mesh["pp"].group, "links": self.mesh["pp"].links,
+                "embed_group": embedding_group(self.mesh.pipelines(), v_shape),
                 "act_dtype": activation_dtype(cfg, self.engine),
                 "seq_shard": self.mesh["tp"].size if cfg.sequence_parallel else 1, "device": self.device,
                 **({"engine": fsdp} if fsdp is not None else {})}
@@ -264,7 +266,7 @@ def apply_cp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.de
     """Our ring attention over mesh["cp"] in every attention core, zigzag positions, and each micro-batch cut
     to this rank's zigzag share of its rows (parallel/context_parallel.py)."""
     cp = mesh["cp"]
-    apply_context_parallel(model, cp.group)
+    apply_context_parallel(model, cp.group, cp.links)
     return Cut(model, tokens=partial(zigzag_share, rank=cp.rank, cp=cp.size))
 
 
