@@ -444,7 +444,6 @@ def _check_experts(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
         raise UsageError("--implementation pytorch --pipeline_parallel_size with --moe_num_experts: torch's "
                          "pipelining takes no balancing loss from a chunk; use --implementation custom")
     unsupported = [flag for flag, on in (
-        ("--data_parallel_type zero1/zero2/fsdp", N > 1 and args.data_parallel_type in ("zero1", "zero2", "fsdp")),
         ("--tensor_parallel_size", N > 1 and dims.tp_enabled), ("--pipeline_parallel_size", N > 1 and dims.pp_enabled),
         ("--context_parallel_size", N > 1 and dims.cp_enabled), ("--compile", args.compile and N > 1),
         ("--activation_checkpointing", N > 1 and args.activation_checkpointing != "none")) if on]
