@@ -444,9 +444,7 @@ def _check_experts(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
         raise UsageError("--implementation pytorch --pipeline_parallel_size with --moe_num_experts: torch's "
                          "pipelining takes no balancing loss from a chunk; use --implementation custom")
     unsupported = [flag for flag, on in (
-        ("--data_parallel_type zero1/zero2/fsdp", N > 1 and args.data_parallel_type in ("zero1", "zero2", "fsdp")),
-
-        ("--compile", args.compile and N > 1)) if on]
+        ("--compile", args.compile and N > 1),) if on]
     if unsupported:
         raise UsageError(f"--expert_parallel_size {N} does not compose with {', '.join(unsupported)} yet")
 

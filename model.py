@@ -698,17 +698,34 @@ def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: 
     init it.
 
     Only this module's own parameters are allocated, so a meta model can be materialised one Block at a
-    time. lm_head.weight takes wte's values (init_parameter's rule for the tied matrix).
+    time. lm_head.weight takes wte's values (init_parameter's rule for the tied matrix). A module partly on
+    meta and partly on `device` (a dimension that cut some of its parameters drew its own slices of them
+    already: expert parallelism's experts) keeps those: only the ones on meta are allocated and drawn. Buffers
+    it allocates (the MoE layers' expert bias and step statistics) start at zero, as GPT's constructor makes
+    them.
     """
     if device is None:
         device = next(module.parameters()).device
         device = torch.device("cpu") if device.type == "meta" else device
     device = torch.device(device)
-    if any(p.is_meta or p.device != device for p in module.parameters(recurse=True)):
+    params = list(module.named_parameters())
+    if any(p.is_meta for _, p in params) and any(p.device == device for _, p in params):
+        params = [(name, p) for name, p in params if p.is_meta]
+        for name, p in params:  # a new Parameter for each, as to_empty makes for one on meta
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr,
+                    nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad))
+        params = [(name, module.get_parameter(name)) for name, _ in params]
+        for sub in module.modules():
+            for name, b in sub._buffers.items():
+                if b is not None and b.is_meta:
+                    sub._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+    elif any(p.is_meta or p.device != device for _, p in params):
         module.to_empty(device=device, recurse=True)  # meta, or built elsewhere: every value is written below
-        for b in module.buffers():  # the model's buffers (the MoE bias and counters) all start at zero
+        params = list(module.named_parameters())
+        for b in module.buffers():
             b.zero_()
-    for name, p in module.named_parameters():
+    for name, p in params:
         full = f"{prefix}.{name}" if prefix else name
         with torch.no_grad():
             p.copy_(init_parameter(full, p.shape, config, seed))

@@ -161,9 +161,12 @@ class Sharded:
         return optimizer
 
     def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list[Entry]:
+        """The shards' entries (HSDP: replica 0 writes; experts: every rank its own shard), and the buffers
+        (whole on every rank: written by the first rank of the shard group's replica 0)."""
         a = self.at
+        first = a.replica_rank == 0 and self.model.rank == 0
         return _tied_copy_read_only(entries_for_fsdp(self.model, optimizer, a.tp_rank, a.replica_rank)
-                                    + buffer_entries(self.model, a.replica_rank, a.tp_rank))
+                                    + buffer_entries(self.model, 0 if first else 1, a.tp_rank))
 
 
 def _tied_copy_read_only(entries: list[Entry]) -> list[Entry]:

@@ -1,6 +1,8 @@
-"""train.py with mixture-of-experts layers under expert parallelism: every EP layout logs one process's losses,
-gradient norms, val losses and tokens per expert, takes the same expert-bias steps, sends the all_to_all bytes
-the formula says, checkpoints into any layout, and refuses bad expert flags in one line.
+"""train.py with mixture-of-experts layers under expert parallelism: every EP layout (over DDP, ZeRO-1/2/3 and
+HSDP) logs one process's losses, gradient norms, val losses and tokens per expert, takes the same expert-bias
+steps, sends the all_to_all bytes the formula says, holds and sends the sharding engine's bytes with the experts
+sharded over their expert-data-parallel group, checkpoints into any layout, and refuses bad expert flags in one
+line.
 
 Each run is a real train.py on the stand-in corpus, a 2-Block tiny GPT whose both Blocks are MoE layers of 4
 experts, top-2, with the balancing loss (0.01) and the bias rule (1e-3) both on, 4 micro-batches of 2 rows of
@@ -19,7 +21,8 @@ import unittest
 import pytest
 import torch
 
-from plan.theory import ep_all_to_all_bytes_per_micro_step
+from model import GPT, decays, make_config
+from plan.theory import ep_all_to_all_bytes_per_micro_step, fsdp_unit_state_bytes, zero_comm_bytes_per_step
 from tests.harness import (WholeRuns, check_against, check_resume_from, checkpoint_params, expect_train_error_in_process,
                            expect_train_error_on_ranks, rank0_only, steps_of)
 
@@ -50,6 +53,14 @@ PIPELINES = {"pp2_interleaved": (["--pipeline_parallel_size", "2", "--pp_schedul
                           "--expert_parallel_size", "2"], 4),
              "pp2_zbv_ep2": (["--pipeline_parallel_size", "2", "--pp_schedule", "zbv", "--pp_virtual_stages", "2",
                               "--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2"], 4)}
+# over the sharding engine: (flags, ranks); SHARDED[name] = (ZeRO stage, dp, HSDP replicas)
+SHARDED = {"ep2_fsdp": (3, 2, 1), "ep2_zero1": (1, 2, 1), "ep2_zero2": (2, 2, 1), "ep2_dp4_fsdp": (3, 4, 1),
+           "ep2_hsdp_zero1": (1, 4, 2)}
+for _name, (_stage, _dp, _rep) in SHARDED.items():
+    LAYOUTS[_name] = (["--data_parallel_size", str(_dp), "--data_parallel_replicate_size", str(_rep),
+                       "--data_parallel_type", {1: "zero1", 2: "zero2", 3: "fsdp"}[_stage],
+                       "--expert_parallel_size", "2"], _dp)
+LAYOUTS["ep2_dp4_fsdp"][0].append("--deferred_init")  # built on meta: EP draws its experts, FSDP the rest
 
 RUNS = WholeRuns(BASE)
 setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
@@ -143,6 +154,29 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
             with self.subTest(name=name):
                 self.check_layout(name, four=True)
 
+    def test_ep2_fsdp(self):
+        """EP = dp = 2 over ZeRO-3: the dense units sharded over dp, each rank's experts a unit of their own over
+        their expert-data-parallel group (one rank here: kept whole)."""
+        self.check_layout("ep2_fsdp")
+
+    def test_ep2_zero1(self):
+        self.check_layout("ep2_zero1")
+
+    def test_ep2_zero2(self):
+        self.check_layout("ep2_zero2")
+
+    def test_ep2_dp4_fsdp(self):
+        """dp = 4, EP = 2: each expert unit sharded 1/2 over its edp group (loss ranks r, r + 2). Built on meta
+        (--deferred_init): EP draws its ranks' experts, then the engine materialises each unit around them."""
+        self.check_layout("ep2_dp4_fsdp")
+
+    def test_ep2_hsdp_zero1(self):
+        """HSDP (2 replicas of 2 shards) x EP = 2 on ZeRO-1: the dense units sharded within a replica and all-reduced
+        over the replicas; the expert units sharded over their edp group (which spans the replicas: loss rank 2 is
+        shard 0 of its replica but edp rank 1), never all-reduced; ZeRO-1's full gradients kept over the step's
+        micro-steps and reduce-scattered once, for both kinds of unit."""
+        self.check_layout("ep2_hsdp_zero1")
+
     def test_all_to_all_bytes_equal_the_formula(self):
         """Rank 0 of EP = dp = 2 holds experts 0 and 1; each of its 2 micro-steps moves its own N·k rows and the
         rows that reached experts 0 and 1 (of both ranks' tokens: the step's tokens for them, logged), so per step
@@ -155,6 +189,94 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
             want = (M // 2) * ep_all_to_all_bytes_per_micro_step(N, K, C, E, 2, received=0) + 2 * received * C * 4
             self.assertEqual(r["comm_bytes"]["all_to_all"], want, f"step {s}")
             self.assertEqual(r["comm_calls"]["all_to_all"], (M // 2) * 5 * 2)
+
+
+def engine_units(ep: int) -> dict[str, tuple[int, int, bool]]:
+    """The sharding engine's units on one EP rank, from first principles: {unit: (elements, elements that get weight
+    decay, expert unit)}; the root (wte = lm_head, wpe, ln_f), each Block's dense parameters (the router among them)
+    and, in a unit of its own, each Block's E/ep experts (their stacked weights and biases)."""
+    with torch.device("meta"):
+        gpt = GPT(make_config("tiny", n_layer=2, moe_num_experts=E, moe_top_k=K))
+    units: dict[str, list] = {}
+    for name, p in gpt.named_parameters():
+        expert = ".experts." in name
+        unit = ".".join(name.split(".")[:3]) if name.startswith("transformer.h.") else "root"
+        n = p.numel() // ep if expert else p.numel()
+        u = units.setdefault(unit + (".experts" if expert else ""), [0, 0, expert])
+        u[0] += n
+        u[1] += n if decays(name, p) else 0
+    return {k: tuple(v) for k, v in units.items()}
+
+
+def padded(group: int, kind: str) -> int:
+    """Elements of the root's, the Blocks' dense or the expert units' ("root", "blocks", "experts") flat buffers at
+    EP = 2, each padded to a multiple of its group's size."""
+    units = engine_units(2)
+    of = {name: "experts" if e else "root" if name == "root" else "blocks" for name, (_, _, e) in units.items()}
+    return sum(-(-n // group) * group for name, (n, _, _) in units.items() if of[name] == kind)
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestShardedBytes(unittest.TestCase):
+    """Rank 0's state and sharding traffic under EP over the sharding engine (dp ranks, R HSDP replicas, S = dp / R
+    ranks per dense shard group, D = dp / EP ranks per expert-data-parallel group, k = M / dp micro-steps per rank).
+
+    State: every dense unit is 1/S per rank and every expert unit (E/EP experts of one Block) 1/D:
+    `plan.theory.fsdp_unit_state_bytes` per unit, with world S for the dense units and D for the expert units.
+    Sent: the ZeRO formulas (`plan.theory.zero_comm_bytes_per_step`) of the dense units over S with R replicas,
+    plus the same formula of the expert units as Blocks sharded over D with no replicas (the planner's own unit
+    model, plan/predict.py, does not know expert units yet: this is the hand count). The experts' units are
+    never all-reduced over HSDP's replicas: their edp group already spans them."""
+
+    def records(self, name: str) -> dict[int, dict]:
+        run(name, *LAYOUTS[name])
+        return steps_of(RUNS[name])
+
+    def test_state_bytes(self):
+        for name, (stage, dp, rep) in SHARDED.items():
+            S, D = dp // rep, dp // 2
+            policy = {1: (True, True), 2: (True, False), 3: (False, False)}[stage]
+            want = dict.fromkeys(("params", "grads", "optimizer"), 0)
+            for n, n_decay, expert in engine_units(2).values():
+                for k, v in fsdp_unit_state_bytes(n, n_decay, D if expert else S, 0, *policy).items():
+                    want[k] += v
+            for s, r in self.records(name).items():
+                self.assertEqual(r["state_bytes_by_kind"], want, f"{name}: step {s}")
+
+    def test_fsdp_state_by_hand(self):
+        """EP = dp = 2, ZeRO-3: the dense Ψ_d halved, the experts whole (D = 1): params = grads = 4·(Ψ_d/2 + X/2),
+        X the elements of all experts; AdamW twice that and a step counter per shard piece (rank 0: the root's
+        and each Block's decayed part, each expert unit's two). EP = 2 over DDP holds 4·(Ψ_d + X/2) of each: the
+        difference is the dense half alone. dp = 4: the dense part 1/4 and each expert unit 1/2."""
+        units = engine_units(1)
+        dense = sum(n for n, _, e in units.values() if not e)
+        experts = sum(n for n, _, e in units.values() if e)
+        root = 50304 * C + 1024 * C + 2 * C  # wte (= lm_head), wpe, ln_f
+        block = 2 * 2 * C + 4 * (C * C + C) + E * C  # ln_1, ln_2, q k v proj, the router
+        self.assertEqual((dense, experts), (root + 2 * block, 2 * E * (2 * C * 4 * C + 4 * C + C)))
+        got = self.records("ep2_fsdp")[1]["state_bytes_by_kind"]
+        self.assertEqual(got, {"params": 4 * (dense // 2 + experts // 2), "grads": 4 * (dense // 2 + experts // 2),
+                               "optimizer": 8 * (dense // 2 + experts // 2) + 4 * (1 + 2 + 2 * 2)})
+        ddp = steps_of(run("ep2", *LAYOUTS["ep2"]))[1]["state_bytes_by_kind"]
+        self.assertEqual(ddp["params"] - got["params"], 4 * dense // 2)
+        got4 = self.records("ep2_dp4_fsdp")[1]["state_bytes_by_kind"]
+        self.assertEqual(got4["params"], 4 * (dense // 4 + experts // 4))
+
+    def test_sharding_bytes(self):
+        """all_reduce, all_gather and reduce_scatter of rank 0 each step (the all_to_alls are EP's own: above). ZeRO-1/2
+        all-gather the updated shards at the step's first forward after the optimizer step, which is the evaluation
+        when one follows a step (steps 0 and 3): steps 1 and 4 count none (tests/test_zero.py)."""
+        for name, (stage, dp, rep) in SHARDED.items():
+            S, D, k = dp // rep, dp // 2, M // dp
+            dense = zero_comm_bytes_per_step(stage, padded(S, "root"), padded(S, "blocks"), S, rep, k)
+            expert = zero_comm_bytes_per_step(stage, 0, padded(D, "experts"), D, 1, k)
+            for s, r in self.records(name).items():
+                want = {kind: dense[kind] + expert[kind] for kind in dense}
+                if stage < 3 and (s - 1) % 3 == 0:
+                    want["all_gather"] = 0
+                got = {kind: r["comm_bytes"][kind] for kind in want}
+                self.assertEqual(got, want, f"{name}: step {s}")
 
 
 @pytest.mark.slow
@@ -179,6 +301,21 @@ class TestCheckpointsAcrossLayouts(unittest.TestCase):
     def test_one_process_to_ep4(self):
         run("single", [], 1)
         self.resumed("single", LAYOUTS["ep4"][0], 4, "single_to_ep4")
+
+    def test_ep2_fsdp_to_one_process(self):
+        """Saved by EP = 2 over ZeRO-3 on dp = 4: each rank writes its shard of its edp group's experts, at their
+        positions in the full tensors; the buffers (expert bias) once."""
+        run("ep2_dp4_fsdp", *LAYOUTS["ep2_dp4_fsdp"])
+        self.resumed("ep2_dp4_fsdp", [], 1, "ep2_dp4_fsdp_to_single")
+
+    def test_ep2_hsdp_to_one_process(self):
+        """Saved by HSDP x EP = 2: the dense shards by replica 0, the experts by every rank (no replica of them)."""
+        run("ep2_hsdp_zero1", *LAYOUTS["ep2_hsdp_zero1"])
+        self.resumed("ep2_hsdp_zero1", [], 1, "ep2_hsdp_zero1_to_single")
+
+    def test_one_process_to_ep2_zero2(self):
+        run("single", [], 1)
+        self.resumed("single", LAYOUTS["ep2_zero2"][0], 2, "single_to_ep2_zero2")
 
 
 class TestRefusals(unittest.TestCase):
