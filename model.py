@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass, fields, replace
@@ -133,6 +134,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, sizes: 
     where torch._grouped_mm does not run (the grouped kernel and the loop give the same numbers: tests)."""
     if grouped_mm_runs(x, w):
         return torch._grouped_mm(x, w, offs=ends)
+    if x.is_meta:  # shapes only (debug.diff's module order): no sizes to read
+        return x.new_empty(x.shape[0], w.shape[2])
     sizes = sizes if sizes is not None else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     return torch.cat([xe @ w[e] for e, xe in enumerate(x.split(sizes))]) if x.shape[0] else x @ w[0]
 
@@ -193,7 +196,7 @@ class LocalDispatch:
         counts = expert_counts(flat, experts.c_fc.weight.shape[0])
         rows = x[order // k]
         # the per-expert loop needs the group sizes on the host (one read); torch._grouped_mm takes them on the device
-        sizes = None if grouped_mm_runs(rows, experts.c_fc.weight) else counts.tolist()
+        sizes = None if grouped_mm_runs(rows, experts.c_fc.weight) or rows.is_meta else counts.tolist()
         y = experts(rows, counts, sizes)  # (N*k, C), in `order`
         return torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
 
@@ -272,7 +275,7 @@ class MoE(nn.Module):
         B, T, C = x.shape
         xf = x.reshape(-1, C)  # (N, C)
         dtype = torch.promote_types(x.dtype, torch.float32)  # routing in fp32 (or float64) on every layout
-        with torch.autocast(x.device.type, enabled=False):
+        with no_autocast(x.device.type):
             scores = F.linear(xf.to(dtype), self.router.weight.to(dtype)).softmax(-1)  # (N, E)
         chosen, margin = route(scores.detach(), self.expert_bias, self.k)  # (N, k)
         gates = scores.gather(1, chosen)
@@ -312,6 +315,12 @@ class MoE(nn.Module):
         f = counts[:, :E].float() / (tokens * k)  # (B, E), no gradient
         P = scores.view(B, -1, E).sum(1) / tokens  # (B, E): this rank's part of each row's mean score
         return self.aux_coeff * E * self.share * (f * P).sum(1).mean()
+
+
+def no_autocast(device_type: str):
+    """Autocast off on `device_type` (nothing to turn off where it has none: meta, a fake rank's tensors)."""
+    return torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else \
+        contextlib.nullcontext()
 
 
 def near_tie_margin(x: torch.Tensor) -> float:

@@ -177,6 +177,23 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
         micro-steps and reduce-scattered once, for both kinds of unit."""
         self.check_layout("ep2_hsdp_zero1")
 
+    def test_debug_diff_reads_expert_runs(self):
+        """`python -m debug diff` over --trace_step runs of one process and EP = 2: every module output (the MoE
+        layer's, by token; not its expert-grouped insides) and gradient (each EP rank's experts at their places in
+        the full tensors) within the EP tolerance; the expert bias, a buffer, has no gradient to trace."""
+        import contextlib
+        import io
+
+        from debug import diff
+        a = run("traced_single", ["--trace_step", "2"], 1)
+        b = run("traced_ep2", ["--trace_step", "2", *LAYOUTS["ep2"][0]], 2)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = diff.diff(a, b)
+        self.assertEqual(code, 0, out.getvalue())
+        self.assertIn("agree:", out.getvalue())
+        self.assertIn("dp=2 ep=2", out.getvalue())
+
     def test_all_to_all_bytes_equal_the_formula(self):
         """Rank 0 of EP = dp = 2 holds experts 0 and 1; each of its 2 micro-steps moves its own N·k rows and the
         rows that reached experts 0 and 1 (of both ranks' tokens: the step's tokens for them, logged), so per step
