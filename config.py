@@ -443,10 +443,6 @@ def _check_experts(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
     if args.implementation == "pytorch" and dims.pp_enabled:
         raise UsageError("--implementation pytorch --pipeline_parallel_size with --moe_num_experts: torch's "
                          "pipelining takes no balancing loss from a chunk; use --implementation custom")
-    unsupported = [flag for flag, on in (
-        ("--compile", args.compile and N > 1),) if on]
-    if unsupported:
-        raise UsageError(f"--expert_parallel_size {N} does not compose with {', '.join(unsupported)} yet")
 
 
 def _check_data(args: argparse.Namespace, config: GPTConfig, local_rank: int) -> str:

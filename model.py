@@ -119,11 +119,12 @@ class MLP(nn.Module):
 def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch._grouped_mm multiplies rows of x (n, K) by w (E, K, N) here: torch 2.13 runs it on CPU and
     on recent GPUs for matching fp32/bf16/fp16 dtypes with rows and columns 16-byte aligned, outside autocast (it
-    has no autocast rule: the loop's matmuls get autocast's casts instead)."""
+    has no autocast rule: the loop's matmuls get autocast's casts instead) and outside torch.compile."""
     es = x.element_size()
     return (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype and x.device.type in ("cpu", "cuda")
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and not torch.is_autocast_enabled(x.device.type)
+            and not torch.compiler.is_compiling()  # torch 2.13's traced kernel takes bf16 only (fake tensors)
             and (x.shape[1] * es) % 16 == 0 and (w.shape[2] * es) % 16 == 0)
 
 
