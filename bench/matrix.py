@@ -14,7 +14,7 @@ import torch
 
 from model import GPT, GPTConfig
 from plan.theory import ddp_comm_bytes_per_step
-from parallel.fsdp import ZERO_STAGES
+from parallel.flat_param import ZERO_STAGES
 from plan.theory import fsdp_comm_bytes_per_micro_step, zero_comm_bytes_per_step
 from plan.theory import p2p_bytes_per_step
 from plan.split import layers_for

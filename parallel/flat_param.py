@@ -1,4 +1,6 @@
-"""The flat-parameter layout of our sharding engine (parallel/fsdp.py), and the state-dict views over it.
+"""The flat-parameter unit of our sharding engine (parallel/fsdp.py): its layout and state-dict views, the ZeRO
+ladder (what each stage keeps: `ZeroStage`) and the reduction of a unit's gradient into its shard
+(`GradReduction`: reduce-scatter, and HSDP's all-reduce over the replicas).
 
 What is sharded: a unit's parameters (one Block's, or the root's: wte = lm_head, wpe, ln_f) are concatenated
 into one flat fp32 buffer, the matrices that get weight decay first, then biases and LayerNorm, then zero
@@ -334,3 +336,95 @@ class FlatLayout:
             for spec in unit.specs:
                 a, b, start = self.held(unit, spec)
                 unit.shard[start:start + b - a].copy_(sd[spec.names[0]].reshape(-1)[a:b])
+
+
+# ----------------------------------------------------------------------------- ZeRO stages and the reduction
+
+@dataclass(frozen=True)
+class ZeroStage:
+    """One rung of the ZeRO ladder, on the same units and 1/N shards: AdamW always steps on the shards, so
+    its state is 1/N at every stage. What a stage decides is which full-size copies a rank keeps:
+
+    - `keeps_params`: each unit's full parameters stay allocated for the whole run (in fp32 the shard is a
+      view of them); an optimizer step marks them stale and the next forward all-gathers the updated
+      shards into them in place: one all-gather of Ψ per step, and no resharding after forward. Otherwise
+      (ZeRO-3) they are gathered before each use and freed after it.
+    - `reduces_at_end`: each unit's full gradient is a buffer kept across the step's micro-steps and
+      reduce-scattered once, when the last micro-step's backward ends (not overlapped), into the buffer's
+      own slice. Otherwise each unit is reduce-scattered as soon as its gradient is complete (overlapped
+      with backward) and the full gradient freed: one reduce-scatter of Ψ per micro-step.
+    """
+    stage: int
+    keeps_params: bool
+    reduces_at_end: bool
+
+
+ZERO_LADDER = {1: ZeroStage(1, keeps_params=True, reduces_at_end=True),    # shards the optimizer state
+               2: ZeroStage(2, keeps_params=True, reduces_at_end=False),   # + the gradients
+               3: ZeroStage(3, keeps_params=False, reduces_at_end=False)}  # + the parameters (FSDP)
+
+
+class GradReduction:
+    """A unit's full gradient (in `reduce_dtype`) -> this rank's fp32 shard gradient, async.
+
+    Over the unit's shard group (`group`, S ranks, for the units on it; a unit of another dimension's copies,
+    EP's experts, its own): a reduce-scatter (SUM) started by `start`; `finish` waits for every started one,
+    then HSDP (`replicate_group`, R replicas of each shard) all-reduces (SUM) each reduced 1/S piece of a unit
+    on `group` over the replicas, divides by S·R and adds it into the unit's shard `.grad`. Every unit is
+    divided by that one total, S·R (the whole data-parallel group: an expert's gradient, summed over its
+    copies, holds every rank's tokens that reached it). fp16 divides before the reduce-scatter instead (as DDP
+    does), so the sum can't overflow where the mean would not; other dtypes divide after it, as FSDP2 does,
+    which keeps fp32 runs bit-equal to it."""
+
+    def __init__(self, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None,
+                 reduce_dtype: torch.dtype, events: list):
+        self.group, self.replicate_group, self.reduce_dtype, self.events = group, replicate_group, reduce_dtype, events
+        self.rank = comm.rank(group)
+        self.replicas = comm.world(replicate_group) if replicate_group is not None else 1
+        self.n = comm.world(group) * self.replicas
+        self.predivide = reduce_dtype == torch.float16 and self.n > 1
+        self.pending: list[tuple[_FlatUnit, object, torch.Tensor, torch.Tensor]] = []  # reduce-scatters
+        self.reducing: list[tuple[_FlatUnit, object, torch.Tensor]] = []  # HSDP's replica all-reduces
+
+    def start(self, unit: _FlatUnit, grad: torch.Tensor, in_place: bool = False) -> None:
+        """Start the reduce-scatter of `grad` over the unit's shard group; `in_place`: into grad's own slice of
+        this rank (ZeRO-1: the shard gradient lives in the full buffer)."""
+        if self.predivide:
+            grad.div_(self.n)
+        S = unit.shard.numel()
+        out = grad[unit.rank * S:(unit.rank + 1) * S] if in_place else \
+            torch.empty(S, dtype=self.reduce_dtype, device=grad.device)
+        self.events.append(("reduce_scatter", unit.name, "backward"))
+        work = comm.reduce_scatter_tensor(out, grad, unit.group, async_op=True, unit=unit.name)
+        self.pending.append((unit, work, out, grad))
+
+    def finish(self, final: bool = True) -> None:
+        """Wait for the started reduce-scatters. HSDP then starts each piece's all-reduce over the replicas,
+        asynchronous as the reduce-scatter was: waited (and the piece added into `.grad`) at the next `finish`,
+        when the next unit's reduce-scatter is started (`final=False`: one unit's all-reduce stays in flight
+        behind the next unit's backward), or here when `final` (the end of backward)."""
+        earlier, self.reducing = self.reducing, []
+        for unit, work, out, _ in self.pending:
+            if work is not None:
+                work.wait()
+            replicated = self.replicas > 1 and unit.group is self.group  # not a unit on its own group
+            work = comm.all_reduce(out, group=self.replicate_group, async_op=True,
+                                   unit=unit.name) if replicated else None
+            self.reducing.append((unit, work, out))  # HSDP: the replicas of this shard sum their pieces
+        self.pending.clear()
+        self._add_reduced(earlier)  # after the new all-reduces are started: they overlap the wait
+        if final:
+            self._add_reduced(self.reducing)
+            self.reducing = []
+
+    def _add_reduced(self, reduced: list) -> None:
+        for unit, work, out in reduced:
+            if work is not None:
+                work.wait()
+            out = out.float()
+            if self.n > 1 and not self.predivide:
+                out.div_(self.n)
+            unit.add_grad(out)
+
+
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "fsdp": 3}

@@ -12,8 +12,8 @@ data-parallel group of N ranks:
 
 so a micro-step moves 2 all-gathers and 1 reduce-scatter of the Block bytes, and 1 of each for the root
 (FSDP2 also keeps the root gathered from forward to backward: freeing it would be undone at once).
-`ZeroStage` (below; what each stage sends and holds is in the formula sheet, plan/theory.py) says what stages
-1 and 2 keep instead, `GradReduction` what HSDP adds to the reduction.
+`ZeroStage` (parallel/flat_param.py; what each stage sends and holds is in the formula sheet, plan/theory.py)
+says what stages 1 and 2 keep instead, `GradReduction` (there too) what HSDP adds to the reduction.
 
 Hooks: forward pre/post hooks on each Block; a tensor hook on each Block's output (runs before that
 Block's backward); a post-accumulate-grad hook on each unit's `flat` leaf (runs once all the unit's
@@ -32,7 +32,6 @@ all-reduced over HSDP's replicas: the group already spans them), and divided by 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -44,97 +43,10 @@ from model import GPT, materialize_module
 from parallel import comm
 from parallel.blocks import blocks_by_index
 from parallel.ddp import GradSyncSwitch, replica_group
-from parallel.flat_param import FlatLayout, ShardPiece, _FlatUnit, flatten_unit
+from parallel.flat_param import ZERO_LADDER, FlatLayout, GradReduction, ShardPiece, _FlatUnit, flatten_unit
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import pick_device
 from parallel.state import MOMENTS, shards_of  # MOMENTS: AdamW's per-element state
-
-
-@dataclass(frozen=True)
-class ZeroStage:
-    """One rung of the ZeRO ladder, on the same units and 1/N shards: AdamW always steps on the shards, so
-    its state is 1/N at every stage. What a stage decides is which full-size copies a rank keeps:
-
-    - `keeps_params`: each unit's full parameters stay allocated for the whole run (in fp32 the shard is a
-      view of them); an optimizer step marks them stale and the next forward all-gathers the updated
-      shards into them in place: one all-gather of Ψ per step, and no resharding after forward. Otherwise
-      (ZeRO-3) they are gathered before each use and freed after it.
-    - `reduces_at_end`: each unit's full gradient is a buffer kept across the step's micro-steps and
-      reduce-scattered once, when the last micro-step's backward ends (not overlapped), into the buffer's
-      own slice. Otherwise each unit is reduce-scattered as soon as its gradient is complete (overlapped
-      with backward) and the full gradient freed: one reduce-scatter of Ψ per micro-step.
-    """
-    stage: int
-    keeps_params: bool
-    reduces_at_end: bool
-
-
-ZERO_LADDER = {1: ZeroStage(1, keeps_params=True, reduces_at_end=True),    # shards the optimizer state
-               2: ZeroStage(2, keeps_params=True, reduces_at_end=False),   # + the gradients
-               3: ZeroStage(3, keeps_params=False, reduces_at_end=False)}  # + the parameters (FSDP)
-
-
-class GradReduction:
-    """A unit's full gradient (in `reduce_dtype`) -> this rank's fp32 shard gradient, async.
-
-    Over the unit's shard group (`group`, S ranks, for the units on it; a unit of another dimension's copies,
-    EP's experts, its own): a reduce-scatter (SUM) started by `start`; `finish` waits for every started one,
-    then HSDP (`replicate_group`, R replicas of each shard) all-reduces (SUM) each reduced 1/S piece of a unit
-    on `group` over the replicas, divides by S·R and adds it into the unit's shard `.grad`. Every unit is
-    divided by that one total, S·R (the whole data-parallel group: an expert's gradient, summed over its
-    copies, holds every rank's tokens that reached it). fp16 divides before the reduce-scatter instead (as DDP
-    does), so the sum can't overflow where the mean would not; other dtypes divide after it, as FSDP2 does,
-    which keeps fp32 runs bit-equal to it."""
-
-    def __init__(self, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None,
-                 reduce_dtype: torch.dtype, events: list):
-        self.group, self.replicate_group, self.reduce_dtype, self.events = group, replicate_group, reduce_dtype, events
-        self.rank = comm.rank(group)
-        self.replicas = comm.world(replicate_group) if replicate_group is not None else 1
-        self.n = comm.world(group) * self.replicas
-        self.predivide = reduce_dtype == torch.float16 and self.n > 1
-        self.pending: list[tuple[_FlatUnit, object, torch.Tensor, torch.Tensor]] = []  # reduce-scatters
-        self.reducing: list[tuple[_FlatUnit, object, torch.Tensor]] = []  # HSDP's replica all-reduces
-
-    def start(self, unit: _FlatUnit, grad: torch.Tensor, in_place: bool = False) -> None:
-        """Start the reduce-scatter of `grad` over the unit's shard group; `in_place`: into grad's own slice of
-        this rank (ZeRO-1: the shard gradient lives in the full buffer)."""
-        if self.predivide:
-            grad.div_(self.n)
-        S = unit.shard.numel()
-        out = grad[unit.rank * S:(unit.rank + 1) * S] if in_place else \
-            torch.empty(S, dtype=self.reduce_dtype, device=grad.device)
-        self.events.append(("reduce_scatter", unit.name, "backward"))
-        work = comm.reduce_scatter_tensor(out, grad, unit.group, async_op=True, unit=unit.name)
-        self.pending.append((unit, work, out, grad))
-
-    def finish(self, final: bool = True) -> None:
-        """Wait for the started reduce-scatters. HSDP then starts each piece's all-reduce over the replicas,
-        asynchronous as the reduce-scatter was: waited (and the piece added into `.grad`) at the next `finish`,
-        when the next unit's reduce-scatter is started (`final=False`: one unit's all-reduce stays in flight
-        behind the next unit's backward), or here when `final` (the end of backward)."""
-        earlier, self.reducing = self.reducing, []
-        for unit, work, out, _ in self.pending:
-            if work is not None:
-                work.wait()
-            replicated = self.replicas > 1 and unit.group is self.group  # not a unit on its own group
-            work = comm.all_reduce(out, group=self.replicate_group, async_op=True,
-                                   unit=unit.name) if replicated else None
-            self.reducing.append((unit, work, out))  # HSDP: the replicas of this shard sum their pieces
-        self.pending.clear()
-        self._add_reduced(earlier)  # after the new all-reduces are started: they overlap the wait
-        if final:
-            self._add_reduced(self.reducing)
-            self.reducing = []
-
-    def _add_reduced(self, reduced: list) -> None:
-        for unit, work, out in reduced:
-            if work is not None:
-                work.wait()
-            out = out.float()
-            if self.n > 1 and not self.predivide:
-                out.div_(self.n)
-            unit.add_grad(out)
 
 
 class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
@@ -557,9 +469,6 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """The sum of `state_breakdown`."""
         return sum(self.state_breakdown(optimizer).values())
-
-
-ZERO_STAGES = {"zero1": 1, "zero2": 2, "fsdp": 3}
 
 
 def unit_key(name: str, separate: dict[str, tuple[str, ...]] | None = None) -> str:

@@ -40,7 +40,8 @@ from parallel.twins import tensor_parallel as tp_twin
 from parallel.blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
 from parallel.expert_parallel import ExpertBalance, apply_expert_parallel
 from parallel.context_parallel import apply_context_parallel, zigzag_share
-from parallel.fsdp import ZERO_STAGES, FullyShardedDataParallel
+from parallel.flat_param import ZERO_STAGES
+from parallel.fsdp import FullyShardedDataParallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_
 from parallel.mesh import Mesh, to_device
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group, sharded_units

@@ -21,7 +21,8 @@ import torch
 from metrics import flops_per_token
 from model import GPT, GPTConfig, loss_chunk_rows
 from parallel.flat_param import shard_numel
-from parallel.fsdp import ZERO_LADDER, ZERO_STAGES, unit_key
+from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
+from parallel.fsdp import unit_key
 from parallel.mesh import ParallelDims, backend_for
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import TIED, PipelineStage

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from model import GPTConfig, loss_chunk_rows
 from parallel.flat_param import shard_numel
-from parallel.fsdp import ZERO_LADDER
+from parallel.flat_param import ZERO_LADDER
 from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of, rank_of
 
 
