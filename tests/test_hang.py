@@ -254,7 +254,10 @@ class TestCommandLine(unittest.TestCase):
 
 # ----------------------------------------------------------------------------- real hangs
 
-STEPS, FAULT_AT, TIMEOUT = 4, 2, 3
+# TIMEOUT: what a step may take before the watchdog calls it a hang. 3 s fired on healthy steps of the stopped
+# case when the machine ran 10 processes on 2 cores (a step of rank 0 took longer, rank 1 dumped first): the
+# finding was then rank 0 "behind" instead of rank 1 stopped. 8 s is ~30x a healthy step at that load.
+STEPS, FAULT_AT, TIMEOUT = 4, 2, 8
 BASE = ["--model", "tiny", "--n_layer", "2", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "256",
         "--max_steps", str(STEPS), "--eval_interval", "100", "--eval_iters", "1", "--warmup_steps", "1",
         "--peak_flops", "1e12", "--no_checkpoint", "--timeout", str(TIMEOUT)]
