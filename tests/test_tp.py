@@ -426,7 +426,9 @@ class TestValidation(unittest.TestCase):
         self.assertEqual(plan_style("transformer.h.1.mlp.c_proj"), "rowwise")
         self.assertEqual(plan_style("lm_head"), "vocab_head")
         self.assertIsNone(plan_style("transformer.h.1.attn"))
-        self.assertEqual(len(set(TP_PLAN.values())), 6)
+        self.assertEqual(plan_style("transformer.h.1.mlp"), "moe")
+        self.assertEqual(set(TP_PLAN.values()),
+                         {"vocab", "position", "norm", "colwise", "rowwise", "moe", "vocab_head"})
 
     def test_formula_scales_as_theory(self):
         f = tp_comm_bytes_per_micro_step
