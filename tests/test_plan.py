@@ -1,5 +1,6 @@
-"""The layout planner's pure predictions (plan/predict.py) against published points, and `python -m plan`'s
-bad input. No process group, no run: the whole-run comparison with measured bytes is test_plan_runs.py."""
+"""The layout planner's pure predictions (plan/predict.py) against published points and hand counts (the pipeline's
+p2p bytes), and `python -m plan`'s bad input. No process group, no run: the whole-run comparison with measured bytes
+is test_plan_runs.py."""
 from __future__ import annotations
 
 import contextlib
@@ -245,6 +246,74 @@ def test_the_v_schedules_bubble_comes_from_the_shared_simulate():
     for name, v in (("zbv", 2), ("dualpipev", 2), ("interleaved_1f1b", 2), ("1f1b", 1), ("zb_h1", 1)):
         for P, M in ((2, 4), (4, 8), (4, 12)):
             assert _bubble(name, P, M, v) == bubble_fraction(name, P, M, v), (name, P, M)
+
+
+# ----------------------------------------------------------------------------- the pipeline's p2p bytes
+
+# The p2p bytes comm_by_group predicts per step for each pipeline rank, counted by hand (test_plan_runs holds the
+# same predictions against measured runs, slowly). One activation between chunks is (mb, T, C) = (2, 32, 64) =
+# 4096 elements, 16384 bytes in fp32; M = 4 micro-batches; a rank sends each micro-batch's activation forward
+# from every chunk whose next chunk is elsewhere, and its input gradient backward from every chunk whose previous
+# chunk is elsewhere.
+P2P_BASE = ["--model", "tiny", "--n_layer", "6", "--n_head", "4", "--n_embd", "64", "--seq_len", "32",
+            "--micro_batch_size", "2"]
+
+
+def _pipeline_p2p(flags: list[str], world: int, pp: int) -> list[int]:
+    """comm_by_group's predicted p2p bytes per step of every pipeline rank (global rank 0 of each stage)."""
+    from plan.predict import comm_by_group
+    s = setup([*P2P_BASE, "--pipeline_parallel_size", str(pp), *flags], world)
+    return [comm_by_group(s, r)["pp"]["p2p"] for r in range(pp)]
+
+
+def test_1f1b_stage_0_sends_m_activations_and_the_last_stage_m_gradients():
+    """pp = 2, 1F1B, M = 4: rank 0 sends 4 activations forward, rank 1 the 4 gradients of them back;
+    4 x 2 x 32 x 64 x 4 = 65536 bytes each. GPipe sends the same messages in another order."""
+    for schedule in ("1f1b", "gpipe"):
+        assert _pipeline_p2p(["--total_batch_size", "256", "--pp_schedule", schedule], 2, 2) == [65536, 65536]
+
+
+def test_1f1b_middle_stages_send_both_ways():
+    """pp = 3, M = 3: the middle rank sends activations forward and gradients back, 2 x 3 x 16384 = 98304;
+    the end ranks 3 x 16384 = 49152 each."""
+    assert _pipeline_p2p(["--total_batch_size", "192"], 3, 3) == [49152, 98304, 49152]
+
+
+def test_interleaved_v2_sends_from_three_of_four_chunk_ends():
+    """pp = 2, V = 2: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3, every neighbour on the other rank.
+    Rank 0: 0 -> 1, 2 -> 3 forward and 2 -> 1 back; rank 1: 1 -> 2 forward, 1 -> 0 and 3 -> 2 back: 3 messages
+    per micro-batch each, 3 x 4 x 16384 = 196608."""
+    got = _pipeline_p2p(["--total_batch_size", "256", "--pp_schedule", "interleaved_1f1b",
+                         "--pp_virtual_stages", "2"], 2, 2)
+    assert got == [196608, 196608]
+
+
+def test_v_schedule_sends_nothing_between_the_chunks_that_share_a_rank():
+    """zbv, pp = 3, V = 2: rank r holds chunks r and 5 - r, so chunks 2 and 3 (P - 1 and P) are both on rank 2
+    and pass their activation and gradient in memory. Rank 0: 0 -> 1 forward, 5 -> 4 back (2 per micro-batch);
+    rank 1: 1 -> 2 and 4 -> 5 forward, 1 -> 0 and 4 -> 3 back (4); rank 2: 3 -> 4 forward and 2 -> 1 back (2).
+    M = 3: 2 x 3 x 16384 = 98304, 196608, 98304. pp = 2 (rank 1 holds chunks 1 and 2): 2 messages each."""
+    assert _pipeline_p2p(["--total_batch_size", "192", "--pp_schedule", "zbv", "--pp_virtual_stages", "2"],
+                         3, 3) == [98304, 196608, 98304]
+    assert _pipeline_p2p(["--total_batch_size", "256", "--pp_schedule", "zbv", "--pp_virtual_stages", "2"],
+                         2, 2) == [131072, 131072]
+
+
+def test_sequence_parallel_sends_each_tp_rank_its_share_of_the_tokens():
+    """pp = 2 x tp = 2 with sequence parallelism: the residual between chunks is sequence-sharded, (2, 32/2, 64)
+    per rank, 8192 bytes; M = 4: 32768 each way. Without SP every tp rank sends the whole (2, 32, 64)."""
+    base = ["--total_batch_size", "256", "--tensor_parallel_size", "2"]
+    assert _pipeline_p2p([*base, "--sequence_parallel"], 4, 2) == [32768, 32768]
+    assert _pipeline_p2p(base, 4, 2) == [65536, 65536]
+
+
+def test_bf16_compute_copies_under_fsdp_halve_the_activation_bytes():
+    """pp = 2 x dp = 2 fsdp, --dtype bfloat16 (param_dtype auto: bf16 compute copies): the embedding's output and so
+    the residual stream are bf16, 2 bytes: (2, 32, 64) x 2 = 8192 per message, M = 4 (256 x 2 tokens over dp 2):
+    32768. Under DDP the parameters stay fp32 and autocast leaves the residual fp32: 65536."""
+    base = ["--total_batch_size", "512", "--data_parallel_size", "2", "--dtype", "bfloat16"]
+    assert _pipeline_p2p([*base, "--data_parallel_type", "fsdp"], 4, 2) == [32768, 32768]
+    assert _pipeline_p2p([*base, "--data_parallel_type", "ddp"], 4, 2) == [65536, 65536]
 
 
 # ----------------------------------------------------------------------------- latency and oversubscription
