@@ -1,8 +1,8 @@
 """The split backward of the zero-bubble schedules: B computes a chunk's input gradient, W its weight gradients later.
 
 How (Megatron's / Qi et al.'s WeightGradStore). A store is built over a model's linears (`routable`: each
-nn.Linear and our TP's column/row-parallel linears, not lm_head, whose chunked head_loss computes its own
-backward). While a chunk runs under `WeightGradStore.defer(key)` (its F, and its B), and only then, those
+nn.Linear and our TP's column/row-parallel linears, not lm_head, whose chunked head_loss makes its
+gradients in forward). While a chunk runs under `WeightGradStore.defer(key)` (its F, and its B), and only then, those
 modules' linear product is swapped for `_InputGradLinear` (nn.Linear: its `forward`; our TP linears: their
 `linear` attribute, the F.linear inside their forward, so their communication stays where it is); no other op
 is touched, and outside `defer` the modules are their own. Its backward computes only dx = dy W, and pushes

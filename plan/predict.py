@@ -324,11 +324,17 @@ def ends_saved_bytes(s: Setup, B: int, T: int, first: bool, last: bool) -> int:
     """The embeddings (token ids and positions, int64) and the head: ln_f's input and stats, and the chunked
     loss's gradients, which it makes in forward and holds until backward (model.HeadGradients: dx (B*T, C) and
     dW (V/p, C), fp32; it keeps no logits, and neither x, the targets nor the weight)."""
-    C, r, p = s.config.n_embd, s.residual_bytes, s.dims.tp
+    C, r = s.config.n_embd, s.residual_bytes
     out = (B * T * 8 + T * 8) if first else 0
     if last:
-        out += B * T * C * r + 2 * B * T * 4 + (B * T * C + s.config.vocab_size // p * C) * 4
+        out += B * T * C * r + 2 * B * T * 4 + head_grad_bytes(s, B, T)
     return out
+
+
+def head_grad_bytes(s: Setup, B: int, T: int) -> int:
+    """The chunked loss's gradients, held from its forward to its backward (model.HeadGradients): dx (B*T, C) and
+    this rank's dW (V/p, C), fp32."""
+    return (B * T + s.config.vocab_size // s.dims.tp) * s.config.n_embd * 4
 
 
 def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
@@ -341,13 +347,20 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     the chunk's graph but keeps, per Block, each deferred linear's input and output gradient (x, dy) for W
     (parallel/zero_bubble.py): x 7NC and dy 9NC elements in the compute dtype, 16NCa bytes; the Block saves
     16NCa + 4NC(r - a) + its LayerNorm statistics and log-sum-exp, so counting a micro-batch whole until its W is
-    an upper bound: within 1% in fp32 (r = a), 4NC(r - a) per Block over under autocast."""
+    an upper bound: within 1% in fp32 (r = a), 4NC(r - a) per Block over under autocast. The loss's gradients
+    (`head_grad_bytes`, dW alone V/p x C x 4) belong to the last chunk only: they count once per head micro-batch
+    between its F and its B (`_head_in_flight`), not spread over the rank's chunks."""
     micro = micro_saved_bytes(s, pp_rank)
     if not s.dims.pp_enabled:
         return micro
     V = s.args.pp_virtual_stages or 1
     in_flight = _in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
-    return in_flight * micro // V  # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks
+    heads = _head_in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
+    head = head_grad_bytes(s, s.args.micro_batch_size, s.args.seq_len // s.dims.cp) if stage_blocks(s, pp_rank)[2] \
+        else 0
+    # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks; the head's gradients count per
+    # head micro-batch in flight (GPipe: M; 1F1B and the V's turn: its B follows its F, 1)
+    return in_flight * (micro - head) // V + heads * head
 
 
 def block_input_bytes(s: Setup) -> int:
@@ -370,6 +383,21 @@ def micro_saved_bytes(s: Setup, pp_rank: int = 0) -> int:
     if a.activation_checkpointing == "full":
         return held + max(ends, (S - X) + ends_saved_bytes(s, B, T, first, False))
     return held + ends
+
+
+@functools.lru_cache(maxsize=1024)
+def _head_in_flight(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
+    """Each rank's most micro-batches of the last chunk (the head) between their F and their B, from its action list:
+    how many copies of the loss's gradients it holds at once (freed at B: a split schedule's W needs none)."""
+    last, out = pp * virtual - 1, []
+    for ops in ALL_SCHEDULES[schedule](pp, micro, virtual):
+        held = most = 0
+        for x in ops:
+            if x.chunk == last and x.kind in ("F", "B"):
+                held += 1 if x.kind == "F" else -1
+                most = max(most, held)
+        out.append(most)
+    return tuple(out)
 
 
 def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
