@@ -1,8 +1,8 @@
 """The split backward of the zero-bubble schedules: B computes a chunk's input gradient, W its weight gradients later.
 
 How (Megatron's / Qi et al.'s WeightGradStore). A store is built over a model's linears (`routable`: each
-nn.Linear and our TP's column/row-parallel linears, not lm_head, whose chunked head_loss computes its own
-backward). While a chunk runs under `WeightGradStore.defer(key)` (its F, and its B), and only then, those
+nn.Linear and our TP's column/row-parallel linears, not lm_head, whose chunked head_loss makes its
+gradients in forward). While a chunk runs under `WeightGradStore.defer(key)` (its F, and its B), and only then, those
 modules' linear product is swapped for `_InputGradLinear` (nn.Linear: its `forward`; our TP linears: their
 `linear` attribute, the F.linear inside their forward, so their communication stays where it is); no other op
 is touched, and outside `defer` the modules are their own. Its backward computes only dx = dy W, and pushes
@@ -33,7 +33,8 @@ swap is process state, not a thread-local mode, so it also holds where autograd 
 recomputation pushes (x, dy) for W, recomputed once for B and W together.
 
 Memory: per deferred linear, x and dy stay from B until W (what W needs; the rest of the chunk's graph is
-freed at B); under TP with sequence parallelism, a column-parallel linear's x is the all-gathered (B, T, C)
+freed at B); under autocast its weight's compute-dtype copy from F until B, one per weight shared by every
+micro-batch in flight (`cast_once`, as autocast's cache shares it for autograd's linears); under TP with sequence parallelism, a column-parallel linear's x is the all-gathered (B, T, C)
 input (one storage shared by q, k, v; autograd saves the same from F to B under 1F1B), and a row-parallel
 one's dy is the all-gathered output gradient. Under the sharding engine, one full unit gradient (padded,
 compute dtype) per (unit, key) from B until W. Communication: none here; TP's stay in B (dx), W needs none
@@ -42,6 +43,7 @@ compute dtype) per (unit, key) from B until W. Communication: none here; TP's st
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import defaultdict
 from functools import partial
 from typing import Callable, Hashable
@@ -64,7 +66,7 @@ class _InputGradLinear(torch.autograd.Function):
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
         with torch.autocast(kind, enabled=False):
-            xc, wc = (x.to(dtype), weight.to(dtype)) if dtype is not None else (x, weight)  # autocast's casts
+            xc, wc = (x.to(dtype), cast_once(weight, dtype)) if dtype is not None else (x, weight)  # autocast's casts
             bc = bias.to(dtype) if bias is not None and dtype is not None else bias
             y = F.linear(xc, wc, bc)
         ctx.save_for_backward(xc, wc)
@@ -84,6 +86,35 @@ class _InputGradLinear(torch.autograd.Function):
         return dx, None, None, None
 
 
+_CASTS: dict[tuple[int, torch.dtype], tuple] = {}  # (id(weight), dtype) -> (weakref(weight), version, weakref(cast))
+
+
+def cast_once(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight.to(dtype), made once and shared by every micro-batch in flight: what autocast's own cast cache does for
+    autograd's F.linear (one copy of a leaf weight per autocast region), which a cast made with autocast off, as
+    _InputGradLinear's must be, bypasses, so each (chunk, micro-batch) would save its own copy from F until B.
+
+    The copy is looked up by the weight's identity and version (a view of a flat buffer re-gathered, or a weight
+    stepped, is another weight: a new copy) and held only weakly: it lives while some micro-batch's B still needs it
+    (autograd holds it as a saved tensor) and is freed after the last one's, so a step holds at most one copy per
+    weight, never one per micro-batch, and none between steps. The same bits as a fresh cast."""
+    key = (id(weight), dtype)
+    hit = _CASTS.get(key)
+    if hit is not None:
+        owner, version, ref = hit
+        cast = ref()
+        if cast is not None and owner() is weight and version == weight._version:
+            return cast
+    cast = weight.to(dtype)
+
+    def forget(dead, key=key):
+        if _CASTS.get(key, (None, None, None))[2] is dead:
+            del _CASTS[key]
+
+    _CASTS[key] = (weakref.ref(weight), weight._version, weakref.ref(cast, forget))
+    return cast
+
+
 class _InputGradGrouped(torch.autograd.Function):
     """The MoE experts' product (model.grouped_linear: rows grouped by expert times each expert's (in, out)
     weight); backward: dx only, as autograd computes it, and (x, dy, the groups) pushed to the store for W, which
@@ -97,7 +128,7 @@ class _InputGradGrouped(torch.autograd.Function):
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
         with torch.autocast(kind, enabled=False):
-            xc, wc = (x.to(dtype), weight.to(dtype)) if dtype is not None else (x, weight)
+            xc, wc = (x.to(dtype), cast_once(weight, dtype)) if dtype is not None else (x, weight)
             y = grouped_linear(xc, wc, ends, sizes)
         ctx.save_for_backward(xc, wc, ends)
         ctx.store, ctx.key, ctx.x_dtype, ctx.weight, ctx.sizes = store, key, x.dtype, weight, sizes

@@ -314,13 +314,20 @@ def block_saved_bytes(s: Setup, B: int, T: int) -> int:
 
 
 def ends_saved_bytes(s: Setup, B: int, T: int, first: bool, last: bool) -> int:
-    """The embeddings (token ids and positions, int64) and the head: ln_f's input, stats and output
-    (lm_head's input: the chunked loss keeps no logits) and the targets (int64)."""
+    """The embeddings (token ids and positions, int64) and the head: ln_f's input and stats, and the chunked
+    loss's gradients, which it makes in forward and holds until backward (model.HeadGradients: dx (B*T, C) and
+    dW (V/p, C), fp32; it keeps no logits, and neither x, the targets nor the weight)."""
     C, r = s.config.n_embd, s.residual_bytes
     out = (B * T * 8 + T * 8) if first else 0
     if last:
-        out += 2 * B * T * C * r + 2 * B * T * 4 + B * T * 8
+        out += B * T * C * r + 2 * B * T * 4 + head_grad_bytes(s, B, T)
     return out
+
+
+def head_grad_bytes(s: Setup, B: int, T: int) -> int:
+    """The chunked loss's gradients, held from its forward to its backward (model.HeadGradients): dx (B*T, C) and
+    this rank's dW (V/p, C), fp32."""
+    return (B * T + s.config.vocab_size // s.dims.tp) * s.config.n_embd * 4
 
 
 def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
@@ -333,13 +340,20 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     the chunk's graph but keeps, per Block, each deferred linear's input and output gradient (x, dy) for W
     (parallel/zero_bubble.py): x 7NC and dy 9NC elements in the compute dtype, 16NCa bytes; the Block saves
     16NCa + 4NC(r - a) + its LayerNorm statistics and log-sum-exp, so counting a micro-batch whole until its W is
-    an upper bound: within 1% in fp32 (r = a), 4NC(r - a) per Block over under autocast."""
+    an upper bound: within 1% in fp32 (r = a), 4NC(r - a) per Block over under autocast. The loss's gradients
+    (`head_grad_bytes`, dW alone V/p x C x 4) belong to the last chunk only: they count once per head micro-batch
+    between its F and its B (`_head_in_flight`), not spread over the rank's chunks."""
     micro = micro_saved_bytes(s, pp_rank)
     if not s.dims.pp_enabled:
         return micro
     V = s.args.pp_virtual_stages or 1
     in_flight = _in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
-    return in_flight * micro // V  # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks
+    heads = _head_in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
+    head = head_grad_bytes(s, s.args.micro_batch_size, s.args.seq_len // s.dims.cp) if stage_blocks(s, pp_rank)[2] \
+        else 0
+    # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks; the head's gradients count per
+    # head micro-batch in flight (GPipe: M; 1F1B and the V's turn: its B follows its F, 1)
+    return in_flight * (micro - head) // V + heads * head
 
 
 def block_input_bytes(s: Setup) -> int:
@@ -362,6 +376,21 @@ def micro_saved_bytes(s: Setup, pp_rank: int = 0) -> int:
     if a.activation_checkpointing == "full":
         return held + max(ends, (S - X) + ends_saved_bytes(s, B, T, first, False))
     return held + ends
+
+
+@functools.lru_cache(maxsize=1024)
+def _head_in_flight(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
+    """Each rank's most micro-batches of the last chunk (the head) between their F and their B, from its action list:
+    how many copies of the loss's gradients it holds at once (freed at B: a split schedule's W needs none)."""
+    last, out = pp * virtual - 1, []
+    for ops in ALL_SCHEDULES[schedule](pp, micro, virtual):
+        held = most = 0
+        for x in ops:
+            if x.chunk == last and x.kind in ("F", "B"):
+                held += 1 if x.kind == "F" else -1
+                most = max(most, held)
+        out.append(most)
+    return tuple(out)
 
 
 def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
@@ -388,27 +417,30 @@ def largest_transient(s: Setup, pp_rank: int = 0) -> int:
 
 
 def loss_transient(s: Setup) -> int:
-    """The most bytes the chunked loss (model._LinearCrossEntropy, model.loss_chunk_rows rows a chunk) holds at
-    once, a = compute bytes, r = residual bytes, n = chunk rows, N = rows:
-    - whole vocabulary (one process, DP, CP): the chunk's logits, log-softmax and its gradient, 3 x n x V x 4
-      in fp32 (the log_softmax kernels), beside the backward's dw (V x C fp32) and dx (N x C x r);
-    - vocab-parallel (tensor_parallel.VocabShard, TP): one (n, V/p) chunk, exponentiated and turned into its
-      gradient in place (in fp32; under autocast also the compute-dtype logits and the gradient's cast: + 2a),
-      plus g @ W's (n, C) product before it lands in dx, beside dw (V/p x C) and dx; and without loss
-      parallelism the forward's all-gather: the local (n, V/p), the gathered (p x n, V/p) and its (n, V)
-      reshaped copy, n x (V/p + 2V) x a (+ 4 x n x V for the fp32 cast under autocast)."""
+    """The most bytes the chunked loss (model._LinearCrossEntropy, model.loss_chunk_rows rows a chunk for the run's
+    device) holds at once in its forward, beside its gradients' buffers (saved: `ends_saved_bytes`), a = compute
+    bytes, n = chunk rows, N = rows, V' = V/p (this rank's columns):
+    - under autocast (a != 4) the compute-dtype casts of x and the weight, (N + V') x C x a;
+    - whole vocabulary (one process, DP, CP): a chunk's logits, log-softmax and gradient, 3 x n x V x 4 in fp32 (the
+      log_softmax kernels); under autocast then the gradient's cast, n x V x a, and one chunk's bf16 g^T x (V x C x a)
+      beside the fp32 gradient, n x V x 4;
+    - vocab-parallel (tensor_parallel.VocabShard, TP) with loss parallelism: the first pass's last chunk keeps its
+      (n, V') logits beside their exponentials, 2 x n x V' x 4; the second pass's chunk (in fp32, turned into its
+      gradient in place) with, under autocast, the gradient's cast and g^T x and g W's (n, C): n x V' x (4 + a) +
+      (V' + n) x C x a;
+    - without loss parallelism: lm_head's weight all-gathered, V x C x a, beside the whole vocabulary's chunk, of
+      which the gradient's cast and g^T x are this rank's columns."""
     a, c = s.args, s.config
     N = a.micro_batch_size * a.seq_len // s.dims.cp
-    n, C, V, p = min(loss_chunk_rows(c.vocab_size), N), c.n_embd, c.vocab_size, s.dims.tp
-    cb, r = s.compute_bytes, s.residual_bytes
-    grads = V // p * C * 4 + N * C * r
+    n, C, V, p = min(loss_chunk_rows(c.vocab_size, a.device.split(":")[0]), N), c.n_embd, c.vocab_size, s.dims.tp
+    cb, Vp = s.compute_bytes, c.vocab_size // s.dims.tp
+    mixed = cb != 4
+    casts = (N + Vp) * C * cb if mixed else 0
     if not s.dims.tp_enabled:
-        return 3 * n * V * 4 + grads
-    chunk = n * (V // p) * (4 + (2 * cb if cb != 4 else 0))
-    backward = chunk + n * C * r + grads
+        return casts + max(3 * n * V * 4, n * V * (4 + cb) + V * C * cb if mixed else 0)
     if a.enable_loss_parallelism:
-        return backward
-    return max(backward, n * (V // p + 2 * V) * cb + (4 * n * V if cb != 4 else 0))
+        return casts + max(2 * n * Vp * 4, n * Vp * (4 + cb) + (Vp + n) * C * cb if mixed else 0)
+    return casts + V * C * cb + max(3 * n * V * 4, n * V * 4 + n * Vp * cb + (Vp + n) * C * cb if mixed else 0)
 
 
 def held_grad_bytes(s: Setup, pp_rank: int = 0) -> int:

@@ -21,7 +21,7 @@ an all-reduce) are properties of the transport, not of the algorithm, and are le
 """
 from __future__ import annotations
 
-from model import GPTConfig, loss_chunk_rows
+from model import GPTConfig
 from parallel.flat_param import shard_numel
 from parallel.flat_param import ZERO_LADDER
 from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of, rank_of
@@ -226,7 +226,7 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
     - under SP also the position embeddings' backward all-gather (T*C) and the fp32 all-reduce of the
       gradients of the replicated parameters that saw only T/p positions (LayerNorms, row-parallel biases);
     - the loss: with loss parallelism 3 fp32 numbers per token (max; target logit and sum-exp), else the
-      all-gather of the full (B, T, V) logits;
+      all-gather of lm_head's whole (V, C) weight, in the compute dtype (VocabShard);
     - activation checkpointing of `recomputed_blocks` Blocks: backward re-runs each one's forward up to the
       last tensor it saves (mlp.c_proj's input; non-reentrant checkpointing stops there), so its forward
       collectives run again except mlp.c_proj's exit: under SP 2 all-gathers of A(residual) (ln_1, ln_2
@@ -261,7 +261,7 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
     if loss_parallel:
         out["all_reduce"] += 3 * N * 4
     else:
-        out["all_gather"] += N * config.vocab_size * dtype_bytes
+        out["all_gather"] += config.vocab_size * C * dtype_bytes
     return out
 
 
@@ -272,9 +272,9 @@ def tp_comm_calls_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
     and per SP all-gather or reduce-scatter (each moves one activation), so the 2L + last entries and 2L + first
     exits are a call each way; under SP the position embeddings' backward all-gather (first) and one all-reduce
     per replicated parameter that saw T/p positions (each LayerNorm's weight and bias, each row-parallel bias);
-    a recomputed Block 2 all-gathers and 1 reduce-scatter (SP), else 1 all-reduce; the loss per chunk of rows
-    (model.loss_chunk_rows of the logits' width: V/p, or V gathered) 2 all-reduces (max; target logit and
-    sum-exp) with loss parallelism, else 1 all-gather of the chunk's logits."""
+    a recomputed Block 2 all-gathers and 1 reduce-scatter (SP), else 1 all-reduce; the loss, whatever its number
+    of row chunks, 2 all-reduces (max; target logit and sum-exp, each for all rows at once) with loss parallelism,
+    else 1 all-gather of lm_head's weight."""
     out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     if tp == 1:
         return out
@@ -288,8 +288,7 @@ def tp_comm_calls_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
     else:
         out["all_reduce"] += entries + exits + recomputed_blocks
     if last:
-        chunks = -(-B * T // loss_chunk_rows(config.vocab_size // tp if loss_parallel else config.vocab_size))
-        out["all_reduce" if loss_parallel else "all_gather"] += (2 if loss_parallel else 1) * chunks
+        out["all_reduce" if loss_parallel else "all_gather"] += 2 if loss_parallel else 1
     return out
 
 
