@@ -163,7 +163,8 @@ def moe_note(setup: Setup, experts: int, nproc: int) -> str:
     active = active_params(moe)
     missing = "" if experts % nproc == 0 and nproc >= 2 else f"; no moe-ep: E = {experts} over {nproc} ranks"
     return (f"MoE layouts: every Block's MLP replaced by E = {moe.moe_num_experts} experts, top K = {moe.moe_top_k}, "
-            f"each C -> {moe.expert_hidden} -> C (C = {moe.n_embd}), dropless, no balancing loss or bias rule; "
+            f"each C -> {moe.expert_hidden} -> C (C = {moe.n_embd}), dropless, balanced by the auxiliary loss "
+            f"({moe.moe_aux_loss_coeff}) and the bias rule ({moe.moe_bias_update_rate}); "
             f"{total:,} parameters, {active:,} active per token (the experts' K/E share; MFU counts these, "
             f"metrics.active_params); dense-active is the dense model of equal active parameters, {dense_total:,} "
             f"(the MoE adds each layer's router, C·E, and K-1 c_proj biases). moe-ep: EP = dp = {nproc}, DDP; "

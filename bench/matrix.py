@@ -8,7 +8,8 @@ a cut of the TP formula that only the bench needs.
 With --include_moe: `moe` (the model with an MoE layer of E experts, top-K, each expert's hidden width 4C/K, in
 every Block, on one process), `moe-ep` (it under expert parallelism over all ranks: dp = EP = nproc, DDP) and
 `dense-active` (the dense preset on one process: a token's MLP multiplies by 2·C·4C weights, its K experts by
-K·2·C·(4C/K), the same; the MoE layer adds only its router, C·E, and K-1 more c_proj biases).
+K·2·C·(4C/K), the same; the MoE layer adds only its router, C·E, and K-1 more c_proj biases). The MoE layouts
+balance their experts with the auxiliary loss (0.01) and the bias rule (1e-3).
 """
 from __future__ import annotations
 
@@ -144,15 +145,21 @@ class Setup:
     dtype_bytes: int = 4    # matmul outputs: 2 under bf16/fp16 autocast
     residual_bytes: int = 4  # residual stream, embeddings, LayerNorm outputs: fp32 also under autocast
     moe_top_k: int = 2      # K of the MoE layouts; each expert's hidden width is 4C/K (equal active parameters)
+    # balancing, as a training run has it (without, the tiny-batch runs' routers collapse onto K experts in a few
+    # steps): Switch's loss coefficient, DeepSeek-V3's bias rate
+    moe_aux_loss_coeff: float = 0.01
+    moe_bias_update_rate: float = 1e-3
 
     def moe_config(self, experts: int) -> GPTConfig:
         """The config of a layout with `experts` (Layout.experts): every Block's MLP replaced by that many experts,
-        top moe_top_k, each C -> 4C/K -> C, so a token's experts hold as many weights as the dense MLP; no
-        balancing loss or bias rule (train.py's defaults). experts == 0: the dense config."""
+        top moe_top_k, each C -> 4C/K -> C, so a token's experts hold as many weights as the dense MLP; the
+        balancing loss and the bias rule at moe_aux_loss_coeff and moe_bias_update_rate. experts == 0: the dense
+        config."""
         if not experts:
             return self.config
         return replace(self.config, moe_num_experts=experts, moe_top_k=self.moe_top_k,
-                       moe_ffn_hidden=4 * self.config.n_embd // self.moe_top_k)
+                       moe_ffn_hidden=4 * self.config.n_embd // self.moe_top_k,
+                       moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_bias_update_rate=self.moe_bias_update_rate)
 
     @property
     def global_batch_tokens(self) -> int:
@@ -188,7 +195,8 @@ class Setup:
             return []
         c = self.moe_config(lay.experts)
         return ["--moe_num_experts", str(c.moe_num_experts), "--moe_top_k", str(c.moe_top_k),
-                "--moe_ffn_hidden", str(c.moe_ffn_hidden)]
+                "--moe_ffn_hidden", str(c.moe_ffn_hidden), "--moe_aux_loss_coeff", repr(c.moe_aux_loss_coeff),
+                "--moe_bias_update_rate", repr(c.moe_bias_update_rate)]
 
 
 def fit_heads(config: GPTConfig, tp: int) -> GPTConfig:

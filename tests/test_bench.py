@@ -540,7 +540,8 @@ class TestMoETheory(unittest.TestCase):
     def test_train_flags(self):
         s = make_setup()
         moe, ep, dense = moe_rows()
-        moe_flags = "--moe_num_experts 8 --moe_top_k 2 --moe_ffn_hidden 32"
+        moe_flags = ("--moe_num_experts 8 --moe_top_k 2 --moe_ffn_hidden 32 --moe_aux_loss_coeff 0.01 "
+                     "--moe_bias_update_rate 0.001")
         self.assertIn(moe_flags, " ".join(s.train_args(moe, "/x")))
         self.assertNotIn("--implementation", s.train_args(moe, "/x"))
         joined = " ".join(s.train_args(ep, "/x"))
