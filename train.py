@@ -80,8 +80,7 @@ def build(plan: Plan) -> Trainer:
                                    fused=fused_optimizer(plan.device, list(par.model.parameters())) or None)
     scaler = par.make_grad_scaler() if plan.dtype == torch.float16 else None
     data = BatchSource(plan.data_dir, args.seq_len, plan.config.vocab_size, args.seed)
-    with torch.device("meta"):
-        n_params = GPT(plan.config).num_params(non_embedding=True)
+    n_params = metrics.active_params(plan.config, non_embedding=True)  # MoE: top_k of each layer's experts
     saver = checkpoint.AsyncSaver(plan.device) if args.async_checkpoint else None  # collective: its own gloo group
     built = {"params_on_meta": on_meta, "distributed_classes": distributed_classes(par, optimizer)}
     return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver, built=built, tracer=Tracer(args.trace_step),

@@ -432,7 +432,7 @@ def loss_transient(s: Setup) -> int:
       which the gradient's cast and g^T x are this rank's columns."""
     a, c = s.args, s.config
     N = a.micro_batch_size * a.seq_len // s.dims.cp
-    n, C, V, p = min(loss_chunk_rows(c.vocab_size, a.device.split(":")[0]), N), c.n_embd, c.vocab_size, s.dims.tp
+    n, C, V = min(loss_chunk_rows(c.vocab_size, a.device.split(":")[0]), N), c.n_embd, c.vocab_size
     cb, Vp = s.compute_bytes, c.vocab_size // s.dims.tp
     mixed = cb != 4
     casts = (N + Vp) * C * cb if mixed else 0

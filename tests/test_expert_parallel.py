@@ -95,6 +95,20 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
         self.assertTrue(all(sum(c) == M * MB * T * K for c in tokens.values()))  # every token reaches k experts
         self.assertGreater(self.ref[1]["moe_aux_loss"], 0.0)
 
+    def test_mfu_counts_the_active_parameters(self):
+        """MFU's 6N counts K of each layer's E experts (metrics.active_params), not all of them: one process and
+        EP = 2 (each rank holding half the experts) alike. The logged MFU against tokens/s and --peak_flops 1e12:
+        equal within float64 rounding of the one product."""
+        import checkpoint
+        from metrics import active_params, flops_per_token
+        config = checkpoint.model_config(checkpoint.read_manifest(checkpoint.newest(self.single)))
+        self.assertEqual((config.moe_num_experts, config.moe_top_k), (E, K))
+        per_token = flops_per_token(config, active_params(config, non_embedding=True), T)
+        for out, world in ((self.single, 1), (run("ep2", *LAYOUTS["ep2"]), 2)):
+            for s, r in steps_of(out).items():
+                self.assertAlmostEqual(r["mfu"], per_token * r["tokens_per_sec"] / (1e12 * world),
+                                       delta=1e-12 * r["mfu"], msg=f"world {world} step {s}")
+
     def check_layout(self, name: str, four: bool = False) -> None:
         flags, nproc = (PIPELINES if four else LAYOUTS)[name]
         single = run("single4", FOUR, 1) if four else self.single
