@@ -546,7 +546,7 @@ class TestFSDPMechanics(unittest.TestCase):
             self.assertEqual(r["units"], ["root", "transformer.h.0", "transformer.h.1"])
             gathers = [site for op, site in r["ring"] if op == "all_gather"]
             scatters = [site for op, site in r["ring"] if op == "reduce_scatter"]
-            g, s = "parallel.flat_param.gather", "parallel.fsdp.start"
+            g, s = "parallel.flat_param.gather", "parallel.flat_param.start"
             self.assertEqual(gathers, [f"{g} [root]", f"{g} [transformer.h.0]", f"{g} [transformer.h.1]",
                                        f"{g} [transformer.h.1]", f"{g} [transformer.h.0]"])
             self.assertEqual(scatters, [f"{s} [transformer.h.1]", f"{s} [transformer.h.0]", f"{s} [root]"])
