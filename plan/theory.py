@@ -37,19 +37,24 @@ def ddp_comm_bytes_per_step(n_params: int, world: int, grad_bytes: int = 4) -> d
     return {"all_reduce": n_params * grad_bytes if world > 1 else 0}
 
 
-def ddp_comm_calls_per_step(param_bytes: list[int], world: int, cap_bytes: int) -> dict[str, int]:
+def ddp_comm_calls_per_step(param_bytes: list[int], world: int, cap_bytes: int,
+                            groups: list[int] | None = None) -> dict[str, int]:
     """The all-reduces behind `ddp_comm_bytes_per_step`: one per bucket per optimizer step (a pipeline's
     `reduce_on_exit` launches each bucket once too). `param_bytes`: each unique trainable parameter's bytes in
     registration order (one dtype and device, as our models are); the buckets are `build_buckets`' greedy rule
-    (reverse order, a bucket closed when the next parameter would push it past `cap_bytes`), counted on sizes."""
+    (reverse order, a bucket closed when the next parameter would push it past `cap_bytes`, or is reduced over
+    another group), counted on sizes. `groups`: each parameter's reduce group by its size (default: all
+    `world`; expert parallelism's experts: their expert-data-parallel group, dp·cp/ep ranks, never the same size
+    as dp·cp); the calls counted are the buckets over `world` ranks (a bucket over one rank issues none)."""
+    groups = groups or [world] * len(param_bytes)
     if world == 1 or not param_bytes:
         return {"all_reduce": 0}
-    buckets, size = 0, 0
-    for nbytes in reversed(param_bytes):
-        if buckets == 0 or size + nbytes > cap_bytes:
-            buckets, size = buckets + 1, 0
+    buckets, size, last = [], 0, None
+    for nbytes, g in zip(reversed(param_bytes), reversed(groups)):
+        if not buckets or size + nbytes > cap_bytes or g != last:
+            buckets, size, last = buckets + [g], 0, g
         size += nbytes
-    return {"all_reduce": buckets}
+    return {"all_reduce": buckets.count(world)}
 
 
 # ----------------------------------------------------------------------------- ZeRO 1-3, FSDP, HSDP
