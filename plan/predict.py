@@ -274,12 +274,14 @@ def ep_all_to_all_bytes(s: Setup, pp_rank: int = 0) -> int:
     rank's B·T/cp tokens (under TP every rank runs the layer whole, on the whole sequence), under balanced routing
     (the rows this rank's experts receive, R, = the N·k it sends: the formula's default; a skewed router moves
     R·C·2 element bytes per layer away from it, the one thing here that depends on the data), its recomputed
-    layers again under AC."""
+    layers again under AC. The rows go in the residual stream's dtype (ln_2's output), the experts' outputs come
+    back in the compute dtype."""
     d, a, c = s.dims, s.args, s.config
     moe = moe_blocks(s, pp_rank)
     N = a.micro_batch_size * a.seq_len // d.cp
     return ep_all_to_all_bytes_per_micro_step(N, c.moe_top_k, c.n_embd, c.moe_num_experts, len(moe), d.ep,
-                                              s.compute_bytes, recomputed_layers=recomputed_blocks(s, moe))
+                                              s.residual_bytes, recomputed_layers=recomputed_blocks(s, moe),
+                                              output_bytes=s.compute_bytes)
 
 
 def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
@@ -386,7 +388,10 @@ def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
     - the dispatch: the rows' token index (N*k*8) and the combine's order (index_copy's index, N*k*8) and source
       (the experts' outputs, N*k*C*a);
     - the experts on their R rows: c_fc's input (R*C*a), each row's expert (the biases' index, R*8), GELU's input
-      and output (2*R*H*a), and each group's end (E/ep int32);
+      and output (2*R*H*a), and torch._grouped_mm's group ends (E/ep int32); under autocast the per-expert loop
+      runs instead (model.grouped_linear), which keeps no ends but, where the weights are not already in the
+      compute dtype (fp32 parameters: DDP, or a sharding engine's fp32 compute copies), each expert's two weights
+      cast to it (2*(E/ep)*C*H*a);
     - the combine: the outputs (N*k*C*a) and the gates they are weighted by (N*k*a);
     - under EP also the expert-major order of the received rows (R*8) and a second index_copy's source (R*C*a:
       the outputs before the all_to_all back); with the balancing loss its per-row counts and shares (B*(E+1)*4).
@@ -397,7 +402,10 @@ def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
     R = N * k
     router = N * E * 4 + N * E * 8 + N * k * 4 + N * 4
     dispatch = 2 * N * k * 8 + N * k * C * a
-    experts = R * C * a + R * 8 + 2 * R * H * a + E // ep * 4
+    autocast = s.dtype != torch.float32  # train.py's: the loop, not the grouped kernel (model.grouped_mm_runs)
+    weights = s.param_bytes if s.dp_type in ZERO_STAGES else 4
+    experts = R * C * a + R * 8 + 2 * R * H * a + (
+        (2 * E // ep * C * H * a if weights != a else 0) if autocast else E // ep * 4)
     combine = N * k * C * a + N * k * a
     ep_more = R * 8 + R * C * a if ep > 1 else 0
     aux = B * (E + 1) * 4 if c.moe_aux_loss_coeff else 0
