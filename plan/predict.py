@@ -226,7 +226,7 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
     redo = recomputed_blocks(s, blocks)
     out = {"tp": {k: v * M for k, v in tp_comm_bytes_per_micro_step(
         c, B, T, d.tp, a.enable_loss_parallelism, a.sequence_parallel, s.compute_bytes, s.residual_bytes, redo,
-        len(blocks), first, last).items()},
+        len(blocks), first, last, len(moe_blocks(s, pp_rank))).items()},
            "cp": {"p2p": M * cp_p2p_bytes_per_micro_step(len(blocks), B, a.seq_len, c.n_embd, d.cp, d.tp, s.compute_bytes,
                                                          redo)}}
     shard, edp = d.dp_shard * d.cp, d.dp * d.cp // d.ep
@@ -292,7 +292,7 @@ def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]
     redo = recomputed_blocks(s, blocks)
     out = {"tp": {k: v * M for k, v in tp_comm_calls_per_micro_step(
         c, a.micro_batch_size, a.seq_len // d.cp, d.tp, a.enable_loss_parallelism, a.sequence_parallel, redo,
-        len(blocks), first, last).items()},
+        len(blocks), first, last, len(moe_blocks(s, pp_rank))).items()},
            "cp": {"p2p": M * cp_p2p_calls_per_micro_step(len(blocks), d.cp, redo)}}
     edp = d.dp * d.cp // d.ep
     if d.ep > 1:

@@ -218,7 +218,8 @@ def engine_comm_bytes_per_micro_step(fsdp) -> dict[str, int]:
 def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, loss_parallel: bool,
                                  sequence_parallel: bool, dtype_bytes: int = 4,
                                  residual_bytes: int | None = None, recomputed_blocks: int = 0,
-                                 blocks: int | None = None, first: bool = True, last: bool = True) -> dict[str, int]:
+                                 blocks: int | None = None, first: bool = True, last: bool = True,
+                                 moe_blocks: int = 0) -> dict[str, int]:
     """Bytes parallel/comm.COUNTER records on one rank for one forward + backward, by kind.
 
     dtype_bytes: element size of matmul outputs (the compute dtype). residual_bytes: that of the residual
@@ -239,21 +240,27 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
     - a pipeline stage (`blocks` of the Blocks; `first`: it holds the embeddings, `last`: ln_f and the loss):
       each module it runs costs what it costs in the whole model, and the others nothing (default: the whole
       model, L Blocks, first and last).
+    - `moe_blocks` of those Blocks MoE layers (tensor_parallel._moe: replicated, run whole): their ln_2 is no
+      entry and the layer no exit, so without SP neither all-reduce; under SP the layer all-gathers its input
+      forward (A(residual)) and its output's gradient backward (A(dtype)), the entry's and exit's all-gathers, but
+      reduce-scatters neither, and has no row-parallel c_proj bias to all-reduce (ln_2's weight and bias, which
+      still see T/p positions, are).
     """
     out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     if tp == 1:
         return out
     residual_bytes = dtype_bytes if residual_bytes is None else residual_bytes
-    C, N = config.n_embd, B * T
+    C, N, E = config.n_embd, B * T, moe_blocks
     L = config.n_layer if blocks is None else blocks
     norms = 2 * L + last  # ln_1, ln_2 of each Block, and ln_f
-    entries = norms * N * C * residual_bytes
-    exits = 2 * L * N * C * dtype_bytes + first * N * C * residual_bytes
+    entries = (norms - E) * N * C * residual_bytes
+    exits = (2 * L - E) * N * C * dtype_bytes + first * N * C * residual_bytes
     if sequence_parallel:
-        out["all_gather"] += entries + exits + first * T * C * residual_bytes
+        moe = E * N * C * (residual_bytes + dtype_bytes)  # the MoE layers' own all-gathers, forward and backward
+        out["all_gather"] += entries + exits + moe + first * T * C * residual_bytes
         out["reduce_scatter"] += entries + exits
         n_bias = 1 if config.bias else 0
-        out["all_reduce"] += (norms * (1 + n_bias) * C + 2 * L * n_bias * C) * 4
+        out["all_reduce"] += (norms * (1 + n_bias) * C + (2 * L - E) * n_bias * C) * 4
     else:
         out["all_reduce"] += entries + exits
     if sequence_parallel:
@@ -272,24 +279,26 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
 
 def tp_comm_calls_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, loss_parallel: bool,
                                  sequence_parallel: bool, recomputed_blocks: int = 0, blocks: int | None = None,
-                                 first: bool = True, last: bool = True) -> dict[str, int]:
+                                 first: bool = True, last: bool = True, moe_blocks: int = 0) -> dict[str, int]:
     """The calls behind `tp_comm_bytes_per_micro_step` (its arguments, less the element sizes): one per f or g
     and per SP all-gather or reduce-scatter (each moves one activation), so the 2L + last entries and 2L + first
     exits are a call each way; under SP the position embeddings' backward all-gather (first) and one all-reduce
     per replicated parameter that saw T/p positions (each LayerNorm's weight and bias, each row-parallel bias);
     a recomputed Block 2 all-gathers and 1 reduce-scatter (SP), else 1 all-reduce; the loss per chunk of rows
     (model.loss_chunk_rows of the logits' width: V/p, or V gathered) 2 all-reduces (max; target logit and
-    sum-exp) with loss parallelism, else 1 all-gather of the chunk's logits."""
+    sum-exp) with loss parallelism, else 1 all-gather of the chunk's logits. An MoE Block (`moe_blocks` of them)
+    has one entry and one exit fewer, and under SP gathers its input and its output's gradient itself (2
+    all-gathers) and has no c_proj bias to all-reduce."""
     out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     if tp == 1:
         return out
-    L = config.n_layer if blocks is None else blocks
-    entries, exits = 2 * L + last, 2 * L + first
+    L, E = (config.n_layer if blocks is None else blocks), moe_blocks
+    entries, exits = 2 * L + last - E, 2 * L + first - E
     if sequence_parallel:
         n_bias = 1 if config.bias else 0
-        out["all_gather"] += entries + exits + first + 2 * recomputed_blocks
+        out["all_gather"] += entries + exits + 2 * E + first + 2 * recomputed_blocks
         out["reduce_scatter"] += entries + exits + recomputed_blocks
-        out["all_reduce"] += entries * (1 + n_bias) + 2 * L * n_bias
+        out["all_reduce"] += (entries + E) * (1 + n_bias) + (2 * L - E) * n_bias
     else:
         out["all_reduce"] += entries + exits + recomputed_blocks
     if last:
