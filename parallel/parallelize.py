@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import GPT, init_parameter, moe_layers
+from model import GPT, init_parameter, loss_share, moe_layers
 from parallel import comm
 from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
 from parallel.twins import tensor_parallel as tp_twin
@@ -114,7 +114,7 @@ class Parallelized:
         for i, (x, y) in enumerate(batches):
             comm.RECORDER.micro = i  # the flight recorder's context
             with self.dp.grad_sync(i == len(batches) - 1), self.micro_step(x, y) as (x, y):
-                with autocast():
+                with autocast(), loss_share(len(batches)):
                     _, loss = self.model(x, y)
                 loss = loss / len(batches)
                 (scale(loss) if scale else loss).backward()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from model import GPT, SideLosses, head_output, materialize_module
+from model import GPT, SideLosses, head_output, loss_share, materialize_module
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import group_timeout, make_timer, new_groups, p2p_link
@@ -287,7 +287,7 @@ class PipelineRunner:
             if a.kind == F:
                 x, y = micro_batches[a.micro]
                 inp = x.to(device) if a.chunk == 0 else act_in.pop(key)
-                with defer(key):
+                with defer(key), loss_share(M):
                     out = self.forward(a.chunk, inp, y.to(device) if a.chunk == st.n_chunks - 1 else None)
                 if a.chunk != st.n_chunks - 1 and st.side_loss is not None:  # a chunk's own loss terms (MoE)
                     sides[key] = st.side_loss / M

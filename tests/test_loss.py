@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from bench.pipeline import SavedBytes
 from metrics import LargestTensor
-from model import GPT, LOSS_CHUNK_ALIGN, GPTConfig, linear_cross_entropy, loss_chunk_rows
+from model import GPT, LOSS_CHUNK_ALIGN, GPTConfig, linear_cross_entropy, loss_chunk_rows, loss_share
 from parallel.tensor_parallel import VocabShard
 from tests.rounding import EPS32, ROUNDING_FACTOR
 
@@ -175,6 +175,30 @@ class TestAgainstWholeLogits(unittest.TestCase):
         _, dx, _ = _chunked(x, w, t, 5)
         self.assertTrue(bool((dx[t == -1] == 0).all()))
         self.assertTrue(bool((dx[t != -1] != 0).any(dim=-1).all()))
+
+
+class TestGradientAccumulation(unittest.TestCase):
+    def test_micro_batches_round_as_the_whole_batch(self):
+        """Under bf16 autocast, 3 micro-batches of 64 rows, each loss / 3 (gradient accumulation), give each row the
+        same input gradient as the whole 192 rows at once, bit for bit, when forward is told the 1/3
+        (`loss_share`): each row's softmax - one-hot is scaled by fl(1/3)/64 = fl(1/192) before its bf16 rounding
+        either way. Told nothing, the head scales by 1/3 after its bf16 products, and rows part by an ulp."""
+        g = torch.Generator().manual_seed(0)
+        N, C, V, M = 192, 64, 512, 3
+        x0, w = torch.randn(N, C, generator=g), torch.randn(V, C, generator=g) * 0.05
+        t = torch.randint(0, V, (N,), generator=g)
+
+        def dx(split: int, told: bool) -> torch.Tensor:
+            x = x0.clone().requires_grad_()
+            for rows in torch.arange(N).chunk(split):
+                with torch.autocast("cpu", torch.bfloat16), loss_share(split if told else 1):
+                    loss = linear_cross_entropy(x[rows], w, t[rows])
+                (loss / split).backward()
+            return x.grad
+
+        whole = dx(1, True)
+        self.assertTrue(torch.equal(dx(M, True), whole))
+        self.assertFalse(torch.equal(dx(M, False), whole))
 
 
 class TestMemory(unittest.TestCase):
