@@ -140,11 +140,14 @@ class _FlatUnit:
             self._work, self._in_flight, self.state = None, (), "gathered"
 
     def show_full(self) -> None:
-        """Point every original parameter attribute at its view of the gathered `flat` (autograd-tracked)."""
-        for spec, view in zip(self.specs, self.flat.split(self.split_sizes)):
-            view = view.view(spec.shape)
-            for module, attr in spec.owners:
-                module.__dict__[attr] = view
+        """Point every original parameter attribute at its view of the gathered `flat` (autograd-tracked, also
+        when shown from a backward hook, where grad mode is off: activation checkpointing's recomputation then
+        runs on these views, and a view made without grad mode would take its gradient as a leaf of its own)."""
+        with torch.enable_grad():
+            for spec, view in zip(self.specs, self.flat.split(self.split_sizes)):
+                view = view.view(spec.shape)
+                for module, attr in spec.owners:
+                    module.__dict__[attr] = view
 
     def reshard(self) -> None:
         """Attributes show meta placeholders again; `flat`'s storage shrinks to 0 (kept: stays, marked stale,

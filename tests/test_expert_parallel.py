@@ -39,6 +39,8 @@ LAYOUTS = {"ep2": (["--data_parallel_size", "2", "--data_parallel_type", "ddp", 
            "ep2_cp2": (["--context_parallel_size", "2", "--expert_parallel_size", "2"], 2),
            "ep2_ac": (["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2",
                        "--activation_checkpointing", "full"], 2),
+           "ep2_fsdp_ac": (["--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--expert_parallel_size", "2",
+                            "--activation_checkpointing", "selective"], 2),
            "ep2_deferred": (["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2",
                              "--deferred_init"], 2),
            "tp2": (["--tensor_parallel_size", "2"], 2),
@@ -146,6 +148,12 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
     def test_ep2_activation_checkpointing(self):
         """A checkpointed Block recomputes its MoE layer, all_to_alls included, inside backward."""
         self.check_layout("ep2_ac")
+
+    def test_ep2_fsdp_activation_checkpointing(self):
+        """Over the sharding engine, the recomputation runs on the views a backward hook showed (grad mode off
+        there): they must lead to the unit's flat gradient as the forward's did (before, the experts' views were
+        leaves of their own and checkpoint refused: fewer tensors saved in recomputation)."""
+        self.check_layout("ep2_fsdp_ac")
 
     def test_deferred_init_is_bit_equal(self):
         """Built on meta, each EP rank draws only its own experts, by name: step 1's loss and grad norm are the eager
