@@ -256,7 +256,7 @@ def moe_large_rows() -> list[Layout]:
     ranks) over ZeRO-2, and pp = 2 x dp = 4 x EP = 4 over FSDP."""
     E = 4
     return [Layout(pp=2, dp=2, tp=2, dp_type="ddp", schedule="zb_h1", experts=E, ep=2),
-            Layout(dp=8, dp_type="zero2", experts=E, ep=4), Layout(pp=2, dp=4, dp_type="fsdp", experts=E, ep=4)]
+            Layout(dp=8, dp_type="zero2", experts=E, ep=4, rows=16), Layout(pp=2, dp=4, dp_type="fsdp", experts=E, ep=4)]
 
 
 def bf16_rows() -> list[Layout]:
