@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrics import flops_per_token
+from metrics import active_params, flops_per_token
 from model import GPT, GPTConfig, loss_chunk_rows
 from parallel.flat_param import shard_numel
 from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
@@ -647,7 +647,6 @@ def reduce_phase(s: Setup, pp_rank: int = 0) -> int:
     pairs, but its reduced outputs are the shard gradients, not beside them: +8% measured)."""
     if s.dp_type not in ZERO_STAGES:
         return 0
-    shard = s.dims.dp_shard * s.dims.cp
     padded = _padded(s, pp_rank)
     others = saved_activation_bytes(s, pp_rank) - micro_saved_bytes(s, pp_rank) // (s.args.pp_virtual_stages or 1) \
         if s.dims.pp_enabled else 0
@@ -710,9 +709,10 @@ def worst_rank(s: Setup) -> dict:
 
 
 def step_flops(s: Setup) -> float:
-    """Training FLOPs of one step on one rank: metrics.flops_per_token x the step's tokens / ranks, with a
-    recomputed Block's forward (a third of its 6N) added under activation checkpointing."""
-    n = sum(k for _, k, _ in _local_params(s.config, 1, 1, 1, 0)) - s.config.block_size * s.config.n_embd
+    """Training FLOPs of one step on one rank: metrics.flops_per_token x the step's tokens / ranks (N the active
+    parameters: of an MoE layer's E experts the K a token reaches), with a recomputed Block's forward (a third of
+    its 6N) added under activation checkpointing."""
+    n = active_params(s.config, non_embedding=True)
     per_token = flops_per_token(s.config, n, s.args.seq_len)
     redo = recomputed_blocks(s, list(range(s.config.n_layer))) / s.config.n_layer
     block_share = 12 * s.config.n_layer * s.config.n_embd ** 2 / max(n, 1)  # the Blocks' part of 6N's N
