@@ -301,7 +301,7 @@ def protocol(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, at: Placement, g
 def apply_runner(stage: PipelineStage, mesh: Mesh, cfg: ParallelConfig, device: torch.device,
                  **runner_args) -> PipelineRunner:
     """Our pipeline runner (parallel/pipeline.py) through whatever the steps before made."""
-    return PipelineRunner(stage, **runner_args)
+    return PipelineRunner(stage, device=device, **runner_args)
 
 
 APPLY: dict[tuple[str, str], Callable] = {
@@ -350,7 +350,7 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
                    lm_head_copy=mesh["pp"].enabled and par.stage.last and not par.stage.both_ends)
     par.dp = APPLY[impl, "protocol"](par.model, mesh, cfg, at, groups)
     if mesh["pp"].enabled:
-        par.pipeline = APPLY[impl, "runner"](par.model, mesh, cfg, device, **par.runner_args(cfg))
+        par.pipeline = APPLY[impl, "runner"](par.stage, mesh, cfg, **par.runner_args(cfg))  # the device among them
     return par
 
 
