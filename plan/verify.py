@@ -391,13 +391,18 @@ def check_p2p(w: World) -> tuple[list[str], int]:
     return out, sum(1 for t in traces.values() for e in t if e[0] == "send")
 
 
-def predicted(plan, pp_rank: int) -> dict:
-    """plan.predict for this rank's stage, on the planner's GPUs (no gloo copy of a reduce-scatter's input: the fake
-    backend copies nothing either)."""
+def predicted(plan, coords: tuple[int, ...]) -> dict:
+    """plan.predict for the rank at mesh `coords`: its stage's, on the planner's GPUs (no gloo copy of a
+    reduce-scatter's input: the fake backend copies nothing either), with the state of its own shard."""
     import argparse
-    from plan.predict import Setup, predict
+    from plan.predict import Setup, predict, state_bytes
     args = argparse.Namespace(**{**vars(plan.args), "device": "auto"})
-    return predict(Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers), pp_rank)
+    setup = Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
+    pp, _, shard, cp, _ = coords
+    out = predict(setup, pp)
+    out["state_bytes_by_kind"] = state_bytes(setup, pp, shard * plan.dims.cp + cp)
+    out["state_bytes"] = sum(out["state_bytes_by_kind"].values())
+    return out
 
 
 def check_planner(w: World, plans: dict[int, object]) -> tuple[list[str], dict[int, dict]]:
@@ -408,7 +413,7 @@ def check_planner(w: World, plans: dict[int, object]) -> tuple[list[str], dict[i
         if not run.steps:
             continue
         plan = plans[r]
-        p = predicted(plan, w.layout.coords(r)[0])
+        p = predicted(plan, w.layout.coords(r))
         m = run.steps[max(run.steps)]
         rows[r] = {"state": m["state_bytes"], "state_predicted": p["state_bytes"],
                    "peak": m.get("peak_allocated_bytes"), "peak_predicted": p["peak_memory_bytes"]}
@@ -463,33 +468,39 @@ class Verdict:
 
 
 def verify(flags: list[str], world: int, all_ranks: bool = False, progress=None) -> Verdict:
-    """Simulate the layout's ranks (all, or one per class) and run the five checks. Raises config.UsageError on bad
-    flags (before any rank runs)."""
+    """Simulate the layout's ranks (all, or one per class) and `judge` them. Raises config.UsageError on bad flags
+    (before any rank runs)."""
     t0 = time.perf_counter()
-    plan0 = plan_for(flags, world, 0)
-    layout = Layout(plan0.dims, fault_ranks(world))
-    classes = layout.classes()
-    ranks = list(range(world)) if all_ranks else sorted(classes)
+    layout = Layout(plan_for(flags, world, 0).dims, fault_ranks(world))
+    ranks = list(range(world)) if all_ranks else sorted(layout.classes())
     runs = simulate_ranks(flags, world, ranks, progress)
-    plans = {r: plan_for(flags, world, r) for r in ranks}
+    verdict = judge(layout, runs, {r: plan_for(flags, world, r) for r in ranks})
+    verdict.table["seconds"] = time.perf_counter() - t0
+    return verdict
+
+
+def judge(layout: Layout, runs: dict[int, RankRun], plans: dict[int, object]) -> Verdict:
+    """The five checks over `runs`: one per class at least (every rank is its class representative's recording
+    shifted), or every rank (then `symmetry` too). `plans`: each simulated rank's, for the planner's prediction."""
     w = World(layout, runs, layout.representative())
     findings = [f"rank {r}: the simulated run " + (f"raised {run.error}" if run.error else f"exited {run.code}")
-                for r, run in runs.items() if run.code or run.error]
+                for r, run in sorted(runs.items()) if run.code or run.error]
     findings += check_groups(w)
     findings += check_collectives(w)
     p2p_findings, messages = check_p2p(w)
     findings += p2p_findings
     planner, rows = check_planner(w, plans)
     findings += planner
-    if all_ranks:
+    if len(runs) == layout.world and layout.world > 1:
         findings += symmetry(w)
-    last = max(runs[0].steps) if runs[0].steps else 0
-    step_ops = [o for o in runs[0].ops("step") if o.step == last]
-    table = {"ranks": world, "classes": len(classes), "simulated": len(ranks), **startup(w),
+    r0 = runs[min(runs)]
+    last = max(r0.steps) if r0.steps else 0
+    step_ops = [o for o in r0.ops("step") if o.step == last]
+    table = {"ranks": layout.world, "classes": len(layout.classes()), "simulated": len(runs), **startup(w),
              "collectives": sum(o.op not in ("send", "recv") for o in step_ops),
              "p2p": sum(o.op in ("send", "recv") for o in step_ops), "messages": messages,
              "planner": rows, "verdict": "consistent" if not findings else f"{len(findings)} finding(s)",
-             "seconds": time.perf_counter() - t0}
+             "seconds": sum(run.seconds for run in runs.values())}
     return Verdict(findings, table, runs)
 
 
