@@ -214,6 +214,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     dw.addmm_(g.t(), xc[rows])  # (V, C)
                 elif dw is not None:
                     dw += g.t() @ xc[rows]  # each chunk's product in the compute dtype, their sum in fp32
+                del g  # else it lives on beside the next chunk's logits, log-softmax and gradient: a 4th (n, V)
         return dx, None if dw is None else dw.to(w_dtype), None, None, None
 
 

@@ -142,6 +142,24 @@ class TestMemory(unittest.TestCase):
         self.assertLessEqual(spy.numel, max(16 * V, V * C))
         self.assertEqual(saved.peak, x.numel() * 4 + t.numel() * 8)
 
+    def test_backward_holds_three_chunks_of_logits_at_once(self):
+        """Backward's live bytes beyond its inputs: the chunk's logits z (reused as the nll gradient), its
+        log-softmax and its gradient, 3 x (rows, V) fp32 (plan.predict.loss_transient), beside dx and dW. The
+        previous chunk's gradient is freed before the next chunk's logits are made: kept, it was a 4th, 25.8 MB at
+        GPT-2's vocabulary (docs/planner.md, "GPT-2's vocabulary"), found by a row of tests/test_plan_runs.py."""
+        from metrics import LiveStorages
+        x, w, t = _inputs()
+        x.requires_grad_()
+        w = torch.nn.Parameter(w)
+        rows = 16
+        loss = linear_cross_entropy(x, w, t, chunk_rows=rows)
+        self.assertGreaterEqual(x.shape[0], 3 * rows)  # several chunks: one's gradient could outlive it
+        with LiveStorages() as live:
+            before = live.bytes
+            loss.backward()
+        chunk, dw, dx = rows * V * 4, V * C * 4, x.numel() * 4
+        self.assertLessEqual(live.peak - before, 3 * chunk + dw + dx + x.shape[0] * 8)  # + (N,) scale and mask
+
     def test_default_chunk_rows(self):
         """The most multiple of 64 rows whose fp32 logits fit 32 MiB: 128 rows of GPT-2's 50304 (24.6 MiB), 320 of
         a TP=2 slice; at least 64."""
