@@ -238,7 +238,7 @@ def check_groups(w: World) -> list[str]:
         by_calls[tuple(c)].append(r)
     if len(by_calls) == 1:
         return out
-    members = {r: [m for m, rep in w.rep.items() if rep == r] or [r] for r in runs}
+    members = {r: [r] + [m for m, rep in w.rep.items() if rep == r and m not in runs] for r in runs}  # + shifted
     for c, ranks in by_calls.items():
         if list(c) == ref:
             continue
