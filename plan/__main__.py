@@ -67,7 +67,9 @@ def verify_top(fits: list, k: int) -> dict[str, object]:
     out = {}
     for c in fits[:k]:
         print(f"verifying {c.name} ({c.setup.dims.world_size} ranks) ...", file=sys.stderr, flush=True)
-        out[c.name] = verify([*c.flags, *VERIFY_FLAGS], c.setup.dims.world_size)
+        out[c.name] = verify([*c.flags, *VERIFY_FLAGS], c.setup.dims.world_size,
+                             progress=lambda r, run: print(f"  rank {r}: {run.seconds:.1f} s", file=sys.stderr,
+                                                           flush=True))
     return out
 
 
