@@ -416,6 +416,10 @@ class LiveStorages(TorchDispatchMode):
         self.live: dict[int, int] = {}  # storage_key -> bytes
         self.bytes = self.peak = 0
 
+    def _set(self, key: int, n: int) -> None:
+        self.bytes += n - self.live.get(key, 0)
+        self.live[key] = n
+
     def _see(self, storage: torch.UntypedStorage) -> None:
         key = storage_key(storage)
         if not key:
@@ -442,8 +446,12 @@ class LiveStorages(TorchDispatchMode):
         resize, tracker = torch.UntypedStorage.resize_, self
 
         def resize_(storage, size):
+            key = storage_key(storage)  # before: a storage shrunk to nothing has key 0 after
             out = resize(storage, size)
-            tracker._see(storage)
+            if key and not storage.nbytes():
+                tracker._set(key, 0)  # freed, still known (its finalizer is registered)
+            else:
+                tracker._see(storage)
             return out
 
         self._patch = mock.patch.object(torch.UntypedStorage, "resize_", resize_)

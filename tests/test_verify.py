@@ -264,3 +264,24 @@ class TestFlags(unittest.TestCase):
     def test_accepted_as_rank_r_of_n(self):
         plan = V.plan_for(flags(GRID16), 16, 9)
         self.assertEqual((plan.rank, plan.dims.world_size, plan.fake, plan.device.type), (9, 16, True, "cpu"))
+
+
+class TestLiveStorages(unittest.TestCase):
+    """A simulated rank's peak (metrics.LiveStorages under fake tensors): a storage counts from the op that makes it
+    to its death, at its size after each resize_; a flat buffer shrunk to nothing (ZeRO-3's reshard) is freed."""
+
+    def test_follows_resize_under_fake_tensors(self):
+        import torch
+        from metrics import LiveStorages
+        from plan.fake_rank import fake_mode
+        with fake_mode(), LiveStorages() as live:
+            start = live.bytes
+            flat = torch.empty(1000)  # 4000 B
+            flat.untyped_storage().resize_(0)  # freed (the sharding engine's reshard)
+            self.assertEqual(live.bytes - start, 0)
+            x = torch.empty(500)  # 2000 B
+            flat.untyped_storage().resize_(4000)  # regrown
+            self.assertEqual(live.bytes - start, 6000)
+            del x
+            self.assertEqual(live.bytes - start, 4000)
+        self.assertEqual(live.peak - start, 6000)
