@@ -285,3 +285,15 @@ class TestLiveStorages(unittest.TestCase):
             del x
             self.assertEqual(live.bytes - start, 4000)
         self.assertEqual(live.peak - start, 6000)
+
+
+class TestFoundBySimulation(unittest.TestCase):
+    """What the first bf16 simulations found in the planner's formulas, held against a simulated rank (one each,
+    ~2 s): the CP ring's dK and dV travel in fp32 whatever the compute dtype."""
+
+    def test_cp_p2p_bytes_in_bf16(self):
+        from plan.fake_rank import simulate
+        f = [*flags(["--context_parallel_size", "2", "--dtype", "bfloat16"]), "--total_batch_size", "32"]
+        plan = V.plan_for(f, 2, 0)
+        run = simulate(plan)
+        self.assertEqual(run.steps[2]["comm_bytes"]["p2p"], V.predicted(plan, (0, 0, 0, 0, 0))["comm_bytes"]["p2p"])
