@@ -158,7 +158,9 @@ def read_manifest(path: str) -> dict:
 def config_mismatch(manifest: dict, model_config) -> str | None:
     """A one-line description of how the checkpoint's model config differs from `model_config`, or None."""
     saved, ours = manifest["config"]["model"], asdict(model_config)
-    diff = [f"{k} {saved.get(k)!r} (checkpoint) vs {ours[k]!r}" for k in ours if saved.get(k) != ours[k]]
+    default = {f.name: f.default for f in fields(type(model_config))}  # fields newer than the checkpoint
+    diff = [f"{k} {saved.get(k, default[k])!r} (checkpoint) vs {ours[k]!r}" for k in ours
+            if saved.get(k, default[k]) != ours[k]]
     return ", ".join(diff) or None
 
 
@@ -558,4 +560,8 @@ def load_model(path: str, device: torch.device | str = "cpu"):
             if shards.shape(name) != tuple(p.shape):
                 raise CheckpointError(f"{path}: {name} has shape {shards.shape(name)}, the model {tuple(p.shape)}")
             p.copy_(shards.full(name, ["param"])["param"].view(p.shape))
+        for name, b in model.named_buffers():  # to_empty left them unset; the state ones (the MoE expert bias)
+            b.zero_()                          # are in the checkpoint, the counters start at zero
+            if name in shards.manifest["tensors"]:
+                b.copy_(shards.full(name, ["param"])["param"].view(b.shape))
     return model

@@ -89,6 +89,8 @@ def train_parser() -> Parser:
            "plan/split.py)")
     a("--context_parallel_size", type=int, default=1, metavar="C",
       help="split every sequence over C ranks (ring attention); gradients reduced over dp x C")
+    a("--expert_parallel_size", type=int, default=1, metavar="N",
+      help="split each MoE layer's experts over N of the dp x cp ranks; tokens reach them by all_to_all")
     a("--implementation", choices=["custom", "pytorch"], default="custom")
     a("--deferred_init", action="store_true", help="build on meta, materialise after sharding")
     a("--activation_checkpointing", choices=["none", "full", "selective"], default="none",
@@ -111,6 +113,14 @@ def train_parser() -> Parser:
     a("--n_embd", type=int)
     a("--block_size", type=int)
     a("--vocab_size", type=int, help="override the preset's vocabulary (50304), e.g. for a small test corpus")
+    a("--moe_num_experts", type=int, default=0, metavar="E", help="mixture of experts: E experts per MoE layer "
+      "(0: the dense GPT-2 MLP)")
+    a("--moe_top_k", type=int, default=2, metavar="K", help="experts each token is routed to")
+    a("--moe_every", type=int, default=1, metavar="N", help="an MoE layer in every N-th Block (Blocks N-1, 2N-1, ...)")
+    a("--moe_ffn_hidden", type=int, default=0, metavar="H", help="each expert's hidden width (0: 4 x n_embd)")
+    a("--moe_aux_loss_coeff", type=float, default=0.0, help="Switch/GShard load-balancing loss coefficient")
+    a("--moe_bias_update_rate", type=float, default=0.0,
+      help="DeepSeek-V3 auxiliary-loss-free balancing: the expert bias's step per optimizer step")
     a("--dataset", default="shakespeare", help="shakespeare, openwebtext, or a dir with train.bin/val.bin")
     # batch and optimisation
     a("--micro_batch_size", type=int, default=8)
@@ -228,13 +238,13 @@ def parallel_config(args: argparse.Namespace, dims: ParallelDims, dtype: torch.d
 
 # every numeric flag's range, checked before any work: (flag, lowest allowed value, None: optional)
 AT_LEAST_ONE = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size", "data_parallel_replicate_size",
-                "context_parallel_size",
+                "context_parallel_size", "expert_parallel_size", "moe_top_k", "moe_every",
                 "pp_virtual_stages", "ac_every", "micro_batch_size", "seq_len", "total_batch_size", "max_steps",
                 "eval_interval", "eval_iters", "keep_checkpoints", "n_layer", "n_head", "n_embd", "block_size",
                 "vocab_size", "trace_step")
-AT_LEAST_ZERO = ("warmup_steps", "checkpoint_interval", "profile")
+AT_LEAST_ZERO = ("warmup_steps", "checkpoint_interval", "profile", "moe_num_experts", "moe_ffn_hidden")
 POSITIVE_FLOATS = ("lr", "timeout", "bucket_cap_mb", "peak_flops")  # finite and > 0
-NON_NEGATIVE_FLOATS = ("weight_decay",)                                # finite and >= 0
+NON_NEGATIVE_FLOATS = ("weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate")  # finite and >= 0
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -312,13 +322,15 @@ def _check_layout(args: argparse.Namespace, dims: ParallelDims, dtype: torch.dty
 
 def _check_model(args: argparse.Namespace, dims: ParallelDims) -> tuple[GPTConfig, dict | None]:
     hf_state = None
+    if args.init_from != "scratch" and args.moe_num_experts:  # before fetching anything
+        raise UsageError(f"--init_from {args.init_from} with --moe_num_experts: OpenAI's GPT-2 has no experts")
     if args.init_from != "scratch":
         hf_state = fetch_hf_weights(args.init_from)
         config = GPT.from_hf_state_dict(hf_state).config
     else:
         try:
             config = make_config(args.model, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                                 block_size=args.block_size, vocab_size=args.vocab_size)
+                                 block_size=args.block_size, vocab_size=args.vocab_size, **moe_fields(args))
         except ValueError as e:
             raise UsageError(str(e)) from None
     if config.n_embd % config.n_head:
@@ -433,6 +445,32 @@ def _check_zero_bubble(args: argparse.Namespace, dims: ParallelDims, micro: int)
                          "under compile")
 
 
+def moe_fields(args: argparse.Namespace) -> dict:
+    """The model config's mixture-of-experts fields from the flags (model.GPTConfig)."""
+    return {k: getattr(args, k) for k in ("moe_num_experts", "moe_top_k", "moe_every", "moe_ffn_hidden",
+                                          "moe_aux_loss_coeff", "moe_bias_update_rate")}
+
+
+def _check_experts(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig) -> None:
+    """Mixture of experts and expert parallelism: what they need of each other and of the layout."""
+    E, K, N = config.moe_num_experts, config.moe_top_k, dims.ep
+    if E == 0:
+        if N > 1:
+            raise UsageError(f"--expert_parallel_size {N} needs an MoE model: pass --moe_num_experts")
+        return
+    if K > E:
+        raise UsageError(f"--moe_top_k {K} > --moe_num_experts {E}: a token cannot pick more experts than exist")
+    if E % N:
+        raise UsageError(f"--moe_num_experts {E} is not divisible by --expert_parallel_size {N}: every EP rank "
+                         f"holds the same number of experts")
+    if N > 1 and args.implementation == "pytorch":
+        raise UsageError("--implementation pytorch has no expert-parallel wrapper in torch 2.13: use "
+                         "--implementation custom with --expert_parallel_size")
+    if args.implementation == "pytorch" and dims.pp_enabled:
+        raise UsageError("--implementation pytorch --pipeline_parallel_size with --moe_num_experts: torch's "
+                         "pipelining takes no balancing loss from a chunk; use --implementation custom")
+
+
 def _check_data(args: argparse.Namespace, config: GPTConfig, local_rank: int) -> str:
     data_dir = resolve_dataset_dir(args.dataset)
     if args.dataset == "shakespeare":
@@ -494,7 +532,7 @@ def check_layout(args: argparse.Namespace, world_size: int, device: torch.device
     try:
         dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world_size,
                             args.pipeline_parallel_size, args.data_parallel_replicate_size,
-                            args.context_parallel_size)
+                            args.context_parallel_size, args.expert_parallel_size)
     except ValueError as e:
         raise UsageError(str(e)) from None
     dtype = resolve_dtype(args.dtype, device)
@@ -510,6 +548,7 @@ def check_layout(args: argparse.Namespace, world_size: int, device: torch.device
                          f"= {tokens_per_micro}")
     pp_layers = _check_pipeline(args, dims, config, args.total_batch_size // tokens_per_micro)
     _check_context(args, dims, config, device)
+    _check_experts(args, dims, config)
     return dims, config, dtype, hf_state, args.total_batch_size // tokens_per_micro, pp_layers
 
 

@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         if path is None:
             raise UsageError(f"no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}")
         checkpoint.verify(path)
+        experts = checkpoint.model_config(checkpoint.read_manifest(path)).moe_num_experts
+        if experts:
+            raise UsageError(f"{path} holds a mixture-of-experts model ({experts} experts per MoE layer): GPT-2's "
+                             f"Hugging Face class (GPT2LMHeadModel) has no experts to load them into")
         output = args.output or os.path.join(args.out_dir, "hf", "model.safetensors")
         export(path, output)
     except (UsageError, checkpoint.CheckpointError, ValueError) as e:

@@ -2,8 +2,9 @@
 metrics.jsonl + TensorBoard (`Logger`) and the per-step lines or progress bar (`Progress`).
 
 - MFU = (training FLOPs per token × tokens/s) ÷ (peak FLOP/s per device × devices). FLOPs per token
-  are 6N for the matmuls (N = parameters, less the position embedding, which does no matmul) plus
-  12·L·H·T for attention (PaLM, appendix B).
+  are 6N for the matmuls (N = parameters, less the position embedding, which does no matmul; with mixture of
+  experts the active ones, K of each layer's E experts: `active_params`) plus 12·L·H·T for attention (PaLM,
+  appendix B).
 - Peak FLOP/s: the datasheet dense bf16 number for known GPUs training in bf16/fp16, otherwise measured
   here with a large matmul in the training dtype (on CPU: with this process's thread count).
 - Peak memory, per step (`reset_peak_memory` at its start): on GPU the CUDA caching allocator's peak of
@@ -30,7 +31,7 @@ import torch.utils.checkpoint
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import GPTConfig
+from model import GPT, Experts, GPTConfig
 
 # Dense (non-sparse) bf16/fp16 peak FLOP/s per device, from the vendors' datasheets. Matched against
 # torch.cuda.get_device_name in order, so the specific variants come before the family name.
@@ -51,8 +52,36 @@ def attention_flops_per_token(config: GPTConfig, seq_len: int, n_layer: int | No
 
 
 def flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
-    """Training (forward + backward) FLOPs per token: 6N + 12·L·H·T."""
+    """Training (forward + backward) FLOPs per token: 6N + 12·L·H·T (N: `active_params`)."""
     return TRAIN_FLOPS_PER_PARAM * n_params + attention_flops_per_token(config, seq_len)
+
+
+def active_params(config: GPTConfig, non_embedding: bool = False) -> int:
+    """The parameters one token's forward multiplies by, 6N's N: every parameter (the tied embedding once), but of
+    each MoE layer's E experts only the top_k it is routed to, so K/E of the experts' weights and biases (the
+    router, which scores every expert, counts whole). A dense model's is `GPT.num_params`. non_embedding: without
+    the position embedding (a lookup, no matmul), as GPT.num_params."""
+    with torch.device("meta"):
+        model = GPT(config)
+    n = model.num_params(non_embedding=non_embedding)
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    if not experts:
+        return n
+    return n - experts + experts // config.moe_num_experts * config.moe_top_k  # every expert the same size
+
+
+def expert_record(layers: list[int], tokens: list[list[int]], aux: list[float], with_aux: bool) -> dict:
+    """A step's MoE numbers for metrics.jsonl, per MoE layer (its Block index): tokens per expert over the whole
+    batch (integers, every layout's the same at step 1), their max over mean, the tokens whose top-k choice beat
+    the next by less than model.near_tie_margin (a routing rounding could flip between layouts), and, when the
+    balancing loss is on, its value per micro-batch summed over the layers (the part of `loss` it is)."""
+    out = {"expert_tokens": {str(i): row[:-1] for i, row in zip(layers, tokens)},
+           "expert_near_ties": {str(i): row[-1] for i, row in zip(layers, tokens)},
+           "expert_load_max_over_mean": {str(i): max(row[:-1]) * len(row[:-1]) / max(1, sum(row[:-1]))
+                                         for i, row in zip(layers, tokens)}}
+    if with_aux:
+        out["moe_aux_loss"] = sum(aux)
+    return out
 
 
 def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass, fields, replace
@@ -28,10 +29,25 @@ class GPTConfig:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True
+    # mixture of experts (`MoE`): 0 experts is GPT-2's dense MLP in every Block
+    moe_num_experts: int = 0
+    moe_top_k: int = 2
+    moe_every: int = 1             # Block i is an MoE Block when i % moe_every == moe_every - 1
+    moe_ffn_hidden: int = 0        # each expert's hidden width (0: 4 * n_embd, GPT-2's MLP)
+    moe_aux_loss_coeff: float = 0.0    # Switch / GShard load-balancing loss, added to the objective
+    moe_bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing: the expert bias's step
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether Block `layer` has an MoE feed-forward."""
+        return self.moe_num_experts > 0 and layer % self.moe_every == self.moe_every - 1
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_ffn_hidden or 4 * self.n_embd
 
 
 # Parameter counts are for the padded vocab, tied embedding counted once (see `GPT.num_params`).
@@ -98,13 +114,260 @@ class MLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
-class Block(nn.Module):
+# ----------------------------------------------------------------------------- mixture of experts
+
+def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm multiplies rows of x (n, K) by w (E, K, N) here: torch 2.13 runs it on CPU and
+    on recent GPUs for matching fp32/bf16/fp16 dtypes with rows and columns 16-byte aligned, outside autocast (it
+    has no autocast rule: the loop's matmuls get autocast's casts instead) and outside torch.compile."""
+    es = x.element_size()
+    return (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype and x.device.type in ("cpu", "cuda")
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and not torch.is_autocast_enabled(x.device.type)
+            and not torch.compiler.is_compiling()  # torch 2.13's traced kernel takes bf16 only (fake tensors)
+            and (x.shape[1] * es) % 16 == 0 and (w.shape[2] * es) % 16 == 0)
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None = None
+                   ) -> torch.Tensor:
+    """Rows of x (n, K) grouped by expert times each group's w[e] (K, N): (n, N). `ends` (E,) int32: each group's
+    end row (a cumulative sum of the group sizes, on x's device); `sizes`: the same on the host, for the loop
+    where torch._grouped_mm does not run (the grouped kernel and the loop give the same numbers: tests)."""
+    if grouped_mm_runs(x, w):
+        return torch._grouped_mm(x, w, offs=ends)
+    if x.is_meta:  # shapes only (debug.diff's module order): no sizes to read
+        return x.new_empty(x.shape[0], w.shape[2])
+    sizes = sizes if sizes is not None else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    return torch.cat([xe @ w[e] for e, xe in enumerate(x.split(sizes))]) if x.shape[0] else x @ w[0]
+
+
+class ExpertLinear(nn.Module):
+    """E linears stacked, weight (E, in, out) and bias (E, out), applied to rows grouped by expert."""
+
+    linear = staticmethod(grouped_linear)  # the product alone: a zero-bubble schedule swaps it
+
+    def __init__(self, experts: int, n_in: int, n_out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, n_in, n_out))
+        self.bias = nn.Parameter(torch.empty(experts, n_out)) if bias else None
+
+    def forward(self, x: torch.Tensor, ends: torch.Tensor, expert: torch.Tensor, sizes: list[int] | None = None):
+        y = self.linear(x, self.weight, ends, sizes)  # (n, out)
+        return y if self.bias is None else y + self.bias[expert].to(y.dtype)  # expert: (n,) each row's
+
+
+class Experts(nn.Module):
+    """E GPT-2 MLPs (C -> H -> C, GELU): `forward(x, counts)` runs rows grouped by expert, counts[e] rows each.
+    Expert parallelism keeps only this rank's experts here (experts [first, first + E_local) of the layer)."""
+
     def __init__(self, config: GPTConfig):
+        super().__init__()
+        E, C, H = config.moe_num_experts, config.n_embd, config.expert_hidden
+        self.c_fc = ExpertLinear(E, C, H, config.bias)
+        self.c_proj = ExpertLinear(E, H, C, config.bias)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        ends = counts.cumsum(0).to(torch.int32)  # (E_local,)
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
+                                         output_size=x.shape[0])  # (n,): each row's local expert
+        h = F.gelu(self.c_fc(x, ends, expert, sizes), approximate="tanh")  # (n, H)
+        return self.c_proj(h, ends, expert, sizes)  # (n, C)
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k experts of each row of `scores` (N, E) by scores + bias, ties broken stably (the lower expert index
+    first: a stable sort), so equal scores route alike on every layout. Returns (chosen (N, k), the margin
+    between each row's k-th and (k+1)-th biased score (N,): how near it came to another choice)."""
+    biased = scores + bias
+    values, order = torch.sort(biased, dim=-1, descending=True, stable=True)
+    margin = values[:, k - 1] - values[:, k] if biased.shape[1] > k else torch.full_like(values[:, 0], float("inf"))
+    return order[:, :k], margin
+
+
+class LocalDispatch:
+    """How an MoE layer's assignments reach its experts on one rank: rows sorted by expert (stably: token order
+    within an expert), each expert's rows through it, back to (token, slot) order. Expert parallelism swaps in
+    a dispatcher that sends each row to the rank holding its expert (parallel/expert_parallel.py)."""
+
+    def __call__(self, experts: Experts, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """x (N, C) and chosen (N, k) -> each assignment's expert output (N, k, C)."""
+        N, k = chosen.shape
+        flat = chosen.reshape(-1)  # (N*k,): assignment a = (token a // k, slot a % k)
+        order = torch.sort(flat, stable=True).indices  # assignments grouped by expert
+        counts = expert_counts(flat, experts.c_fc.weight.shape[0])
+        rows = x[order // k]
+        # the per-expert loop needs the group sizes on the host (one read); torch._grouped_mm takes them on the device
+        sizes = None if grouped_mm_runs(rows, experts.c_fc.weight) or rows.is_meta else counts.tolist()
+        y = experts(rows, counts, sizes)  # (N*k, C), in `order`
+        return torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
+
+
+def expert_counts(chosen: torch.Tensor, experts: int) -> torch.Tensor:
+    """(E,) int64: how many of `chosen` (expert indices) each expert got. A scatter-add, not bincount: bincount's
+    output size depends on the data, which a GPU would read back."""
+    return torch.zeros(experts, dtype=torch.int64, device=chosen.device).scatter_add_(
+        0, chosen, torch.ones_like(chosen, dtype=torch.int64))
+
+
+_SIDE: list["SideLosses"] = []  # the open collections, innermost last
+
+
+class SideLosses:
+    """Loss terms that layers add during a forward besides the head's (the MoE balancing loss): open one with
+    `with SideLosses() as side:` around a forward; `side.total` is their sum (None when none was added).
+    A recomputed forward (activation checkpointing, inside backward) adds nothing: it is not the forward."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+
+    def __enter__(self) -> "SideLosses":
+        _SIDE.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _SIDE.remove(self)
+
+    @staticmethod
+    def add(term: torch.Tensor) -> None:
+        if _SIDE and first_forward():
+            side = _SIDE[-1]
+            side.total = term if side.total is None else side.total + term
+
+
+def first_forward() -> bool:
+    """Not inside a backward pass: a forward, not activation checkpointing's recomputation of one."""
+    return torch._C._current_graph_task_id() == -1
+
+
+class MoE(nn.Module):
+    """A mixture of E experts in place of a Block's MLP (Switch / GShard, dropless).
+
+    Router: scores = softmax(x W_r^T) in fp32 or wider (N, E); each token picks its top k by scores + `expert_bias`
+    (stably: `route`), and its gates are its chosen scores renormalised over the k. Output: the sum over its k
+    experts of gate * expert(x), summed in slot order. Every token reaches its k experts (no capacity).
+    Balancing, both as the field does it, off by default:
+    - the auxiliary loss (`moe_aux_loss_coeff` a): per sequence, a * E * sum_e f_e * P_e, f_e the share of the
+      row's assignments that chose e, P_e its tokens' mean score, averaged over the rows and added to the
+      objective through `SideLosses` (`aux_loss`);
+    - the auxiliary-loss-free bias (`moe_bias_update_rate` u, DeepSeek-V3): after each optimizer step
+      bias_e += u * sign(mean load - load_e) (`balance_experts`), the loads counted over the whole step's batch.
+    Statistics over a row's tokens are whole-row numbers on every layout: `reduce_counts` (set by context
+    parallelism) sums them over the ranks holding other tokens of the same rows.
+    Knows no parallelism: `dispatch` (LocalDispatch) is what expert parallelism swaps. `load` counts this
+    step's assignments per expert, `near_ties` the tokens whose k-th choice beat the next by less than
+    `near_tie_margin` (a routing that rounding could flip between layouts), for the step's record."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        E = config.moe_num_experts
+        self.k, self.aux_coeff, self.bias_rate = config.moe_top_k, config.moe_aux_loss_coeff, config.moe_bias_update_rate
+        self.router = nn.Linear(config.n_embd, E, bias=False)
+        self.experts = Experts(config)
+        self.register_buffer("expert_bias", torch.zeros(E))  # state: checkpointed, equal on every layout
+        self.register_buffer("load", torch.zeros(E, dtype=torch.int64), persistent=False)
+        self.register_buffer("near_ties", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("aux_sum", torch.zeros(()), persistent=False)  # this step's balancing loss, summed
+        self.forwards = 0  # micro-batches this step (first forwards: not recomputations)
+        self.dispatch = LocalDispatch()
+        self.reduce_counts = None  # counts (B, E + 1) int64 -> summed over the ranks holding the rows; None: local
+        self.share = 1  # this rank's share of its micro-batch's aux loss is 1/share of it (context parallelism)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        xf = x.reshape(-1, C)  # (N, C)
+        dtype = torch.promote_types(x.dtype, torch.float32)  # routing in fp32 (or float64) on every layout
+        with no_autocast(x.device.type):
+            scores = F.linear(xf.to(dtype), self.router.weight.to(dtype)).softmax(-1)  # (N, E)
+        chosen, margin = route(scores.detach(), self.expert_bias, self.k)  # (N, k)
+        gates = scores.gather(1, chosen)
+        gates = gates / gates.sum(-1, keepdim=True)  # (N, k), renormalised over the chosen
+        y = self.dispatch(self.experts, xf, chosen)  # (N, k, C)
+        y = (y * gates.unsqueeze(-1).to(y.dtype)).sum(1)  # (N, C): slot 0 + slot 1 + ..., the same order everywhere
+        if torch.is_grad_enabled():
+            counts = expert_counts(chosen.reshape(-1), scores.shape[1])
+            # recomputed under activation checkpointing too: the recomputation must save what the forward saved
+            aux = self.aux_loss(scores, chosen, B) if self.aux_coeff else None
+            if first_forward():
+                self.load += counts
+                self.near_ties += (margin < near_tie_margin(x)).sum()
+                self.forwards += 1
+                if aux is not None:
+                    self.aux_sum += aux.detach()
+                    SideLosses.add(aux)
+        return y.view(B, T, C)
+
+    def aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, B: int) -> torch.Tensor:
+        """This rank's share of the balancing loss of its B rows, per row (sequence) and then their mean:
+        a * E * sum_e f_{b,e} P_{b,e}, f the share of row b's assignments that chose e, P its tokens' mean score
+        for e. Per row, not per micro-batch: a row's loss does not depend on which rows share its micro-batch,
+        so every layout's micro-batches give the same objective (DeepSeek-V3's sequence-wise form; a batch-wise
+        one would change with the micro-batch size under gradient accumulation). Under context parallelism a
+        row's tokens sit on several ranks: f and the row's token count from all of them (`reduce_counts`), P's
+        sum from this rank's tokens; the ranks' shares (x `share` = cp, each loss averaged over them) add up."""
+        E, k = scores.shape[1], self.k
+        rows = torch.arange(B, device=chosen.device).repeat_interleave(chosen.numel() // B)  # each assignment's row
+        counts = torch.zeros(B * (E + 1), dtype=torch.int64, device=chosen.device)
+        counts.scatter_add_(0, rows * (E + 1) + chosen.reshape(-1), torch.ones_like(rows))  # (B, E) assignments
+        counts = counts.view(B, E + 1)
+        counts[:, E] = counts[:, :E].sum(1) // k  # the row's tokens
+        if self.reduce_counts is not None:
+            counts = self.reduce_counts(counts)
+        tokens = counts[:, E:].float()  # (B, 1)
+        f = counts[:, :E].float() / (tokens * k)  # (B, E), no gradient
+        P = scores.view(B, -1, E).sum(1) / tokens  # (B, E): this rank's part of each row's mean score
+        return self.aux_coeff * E * self.share * (f * P).sum(1).mean()
+
+
+def no_autocast(device_type: str):
+    """Autocast off on `device_type` (nothing to turn off where it has none: meta, a fake rank's tensors)."""
+    return torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else \
+        contextlib.nullcontext()
+
+
+def near_tie_margin(x: torch.Tensor) -> float:
+    """Below this margin a routing may differ between layouts by rounding: 2^-8 under autocast (bf16 inputs),
+    1e-4 in fp32 (the sweep's fp32 tolerances are 1e-5 to 1e-4 relative)."""
+    return 2.0 ** -8 if torch.is_autocast_enabled(x.device.type) else 1e-4
+
+
+def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:
+    """(global Block index, MoE) of every MoE layer this module holds, in index order."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            out.append((int(name.split("transformer.h.")[1].split(".")[0]), m))
+    return sorted(out, key=lambda x: x[0])
+
+
+@torch.no_grad()
+def balance_experts(layers: list[tuple[int, MoE]], reduce=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """After an optimizer step, for `layers` (`moe_layers`): each layer's tokens per expert over the step and its
+    near ties, (layers, E + 1) int64, and its balancing loss per micro-batch, (layers,) fp32 (`reduce`: summed
+    over the ranks that saw other rows of the batch; it takes and returns a tensor, so a layout reduces all
+    layers at once); the auxiliary-loss-free bias step where it is on; every count zeroed for the next step.
+    Returns both on the device (no host read)."""
+    stats = torch.stack([torch.cat([m.load, m.near_ties.view(1)]) for _, m in layers])  # (L, E + 1)
+    aux = torch.stack([m.aux_sum / max(m.forwards, 1) for _, m in layers])  # (L,)
+    if reduce is not None:
+        stats, aux = reduce(stats), reduce(aux)
+    for (_, m), row in zip(layers, stats):
+        if m.bias_rate:
+            load = row[:-1].float()
+            m.expert_bias += m.bias_rate * torch.sign(load.mean() - load)
+        m.load.zero_()
+        m.near_ties.zero_()
+        m.aux_sum.zero_()
+        m.forwards = 0
+    return stats, aux
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.is_moe(layer) else MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,14 +383,21 @@ def token_positions(T: int, device) -> torch.Tensor:
 
 
 IGNORE_INDEX = -1  # a target that counts for nothing: the loss is the mean over the others
-LOSS_CHUNK_BYTES = 32 * 2 ** 20  # fp32 logits of one row chunk of `linear_cross_entropy`, at most (for V <= 2^17)
+# The most bytes of fp32 logits one row chunk of `linear_cross_entropy` makes, by device type (x.device.type): on
+# the CPU 32 MiB, where 128 rows of GPT-2's vocab already run its GEMMs at full speed and a chunk's few (n, V) fp32
+# tensors stay under 100 MiB beside the activations; any other device (an accelerator: bigger GEMMs are faster
+# there, and memory is not the CPU's) LOSS_CHUNK_BYTES_ACCELERATOR.
+LOSS_CHUNK_BYTES: dict[str, int] = {"cpu": 32 * 2 ** 20}
+LOSS_CHUNK_BYTES_ACCELERATOR = 256 * 2 ** 20
 LOSS_CHUNK_ALIGN = 64  # chunk rows are a multiple of it: each chunk starts where a GEMM's row blocks start
 
 
-def loss_chunk_rows(vocab: int) -> int:
-    """Rows per chunk of `linear_cross_entropy` for logits `vocab` wide: the most multiple of LOSS_CHUNK_ALIGN whose
-    fp32 logits fit LOSS_CHUNK_BYTES (at least LOSS_CHUNK_ALIGN): 128 rows (24.6 MiB) at V = 50304."""
-    return max(1, LOSS_CHUNK_BYTES // (4 * vocab) // LOSS_CHUNK_ALIGN) * LOSS_CHUNK_ALIGN
+def loss_chunk_rows(vocab: int, device_type: str = "cpu") -> int:
+    """Rows per chunk of `linear_cross_entropy` for logits `vocab` wide on a `device_type` device: the most multiple of
+    LOSS_CHUNK_ALIGN whose fp32 logits fit its LOSS_CHUNK_BYTES (at least LOSS_CHUNK_ALIGN): 128 rows (24.6 MiB)
+    at V = 50304 on the CPU, 1280 (245.6 MiB) on an accelerator."""
+    budget = LOSS_CHUNK_BYTES.get(device_type, LOSS_CHUNK_BYTES_ACCELERATOR)
+    return max(1, budget // (4 * vocab) // LOSS_CHUNK_ALIGN) * LOSS_CHUNK_ALIGN
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -136,86 +406,114 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX)
 
 
+class HeadGradients:
+    """d(loss)/dx (N, C) and d(loss)/dW (V, C) of `linear_cross_entropy` for an incoming gradient of 1, filled in
+    its forward chunk by chunk (`add`), each None where it is not needed: dx's rows are each chunk's g W (n, C),
+    dW the sum over chunks of g^T x_c, addmm'd into one buffer. Both buffers are fp32 (float64 for float64
+    inputs); the products are in the compute dtype, as autocast's F.linear backward makes them (the CPU has no
+    bf16 x bf16 -> fp32 addmm: under autocast each chunk's dW product is rounded to bf16, then summed in fp32)."""
+
+    def __init__(self, xc: torch.Tensor, wc: torch.Tensor, need_dx: bool, need_dw: bool):
+        acc = torch.promote_types(xc.dtype, torch.float32)
+        self.dx = torch.empty(xc.shape, dtype=acc, device=xc.device) if need_dx else None
+        self.dw = torch.zeros(wc.shape, dtype=acc, device=wc.device) if need_dw else None
+
+    @property
+    def needed(self) -> bool:
+        return self.dx is not None or self.dw is not None
+
+    def add(self, rows: slice, g: torch.Tensor, xc: torch.Tensor, wc: torch.Tensor) -> None:
+        """Chunk `rows`' d(loss)/d(logits) g (n, V) against its inputs x_c = xc[rows] (n, C) and the weight wc
+        (V, C): dx[rows] = g wc, dW += g^T x_c."""
+        g = g.to(xc.dtype)  # autocast's F.linear backward gets the logits' gradient in the compute dtype
+        if self.dx is not None:
+            if self.dx.dtype == g.dtype:
+                torch.mm(g, wc, out=self.dx[rows])  # (n, C)
+            else:
+                self.dx[rows] = g @ wc
+        if self.dw is not None and self.dw.dtype == g.dtype:
+            self.dw.addmm_(g.t(), xc[rows])  # (V, C)
+        elif self.dw is not None:
+            self.dw += g.t() @ xc[rows]
+
+
 class WholeVocab:
     """The rows of `linear_cross_entropy` when its weight holds the whole vocab: torch's log-softmax, so each
     row's log-probabilities, and their gradient, are F.cross_entropy's.
 
     What `linear_cross_entropy` asks of its `vocab` (tensor parallelism has its own, VocabShard in
-    parallel/tensor_parallel.py), for one chunk's logits z (n, V) in the compute dtype (z may be overwritten):
-    - `log_prob(z, targets)` -> (each row's fp32 log-probability of its target (n,), any value where the target
-      is IGNORE_INDEX; per-row statistics (n, k) that backward needs, or None);
-    - `grad(z, targets, stats, scale)` -> d/dz of sum_r scale_r * -log p_r(target_r), (n, V) fp32:
-      (softmax - one-hot) * scale.
+    parallel/tensor_parallel.py): `log_probs(xc, wc, targets, chunk, scale, grads)`, from x (N, C) and the weight
+    (V, C) in the compute dtype, -> each row's fp32 log-probability of its target (N,) (any value where the target
+    is IGNORE_INDEX), walking the rows `chunk` at a time; where `grads.needed`, it also hands `grads.add` each
+    chunk's d/dz of sum_r scale_r * -log p_r(target_r), (n, V) fp32: (softmax - one-hot) * scale.
     """
 
-    def log_prob(self, z: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, None]:
-        logp = torch.log_softmax(z.float(), dim=-1)  # (n, V)
-        return logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), None
+    def log_probs(self, xc: torch.Tensor, wc: torch.Tensor, targets: torch.Tensor, chunk: int, scale: torch.Tensor,
+                  grads: HeadGradients) -> torch.Tensor:
+        N = xc.shape[0]
+        picked = torch.empty(N, dtype=torch.float32, device=xc.device)
+        for lo in range(0, N, chunk):
+            rows = slice(lo, lo + chunk)
+            picked[rows], g = self.rows(F.linear(xc[rows], wc), targets[rows], scale[rows] if grads.needed else None)
+            if g is not None:
+                grads.add(rows, g, xc, wc)
+            del g  # else it lives on beside the next chunk's logits, log-softmax and gradient: a 4th (n, V)
+        return picked
 
-    def grad(self, z: torch.Tensor, targets: torch.Tensor, stats: None, scale: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def rows(z: torch.Tensor, targets: torch.Tensor,
+             scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One chunk's whole logits z (n, V) (overwritten) -> (each row's log p(target) (n,), and with `scale` the
+        logits' gradient (n, V) fp32, else None), by F.cross_entropy's own kernels."""
         z = z.float()
         logp = torch.log_softmax(z, dim=-1)  # (n, V)
-        grad_logp = z.zero_().scatter_(-1, targets.clamp(min=0).unsqueeze(-1), -scale.unsqueeze(-1))  # nll_loss's
+        t = targets.clamp(min=0).unsqueeze(-1)
+        picked = logp.gather(-1, t).squeeze(-1)
+        if scale is None:
+            return picked, None
+        grad_logp = z.zero_().scatter_(-1, t, -scale.unsqueeze(-1))  # nll_loss's gradient
         # log_softmax's own backward kernel (its exp is not torch.exp's): F.cross_entropy's gradient bit for bit
-        return torch._log_softmax_backward_data(grad_logp, logp, -1, torch.float32)
+        return picked, torch._log_softmax_backward_data(grad_logp, logp, -1, torch.float32)
 
 
 WHOLE_VOCAB = WholeVocab()
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """cross_entropy(x W^T, targets), `chunk` rows at a time, so that no (N, V) tensor is ever made.
+    """cross_entropy(x W^T, targets), `chunk` rows at a time, so that no (N, V) tensor is ever made; its
+    gradients are made in forward, so nothing is recomputed (as fused-linear-cross-entropy kernels do, Liger's).
 
     forward: per chunk of rows, the logits z = x_c W^T (in autocast's dtype where it is on, as F.linear), their
-    rows' log-probabilities of the targets (`vocab.log_prob`); the loss is nll_loss of those (mean over targets
-    != -1). Saves x, W (their compute-dtype casts under autocast), targets and the vocab's per-row statistics.
-    backward: per chunk again, z (recomputed: one more x_c W^T), g = d(loss)/dz (`vocab.grad`, in the compute
-    dtype as autocast's F.linear backward gets it), dx_c = g W, dW += g^T x_c (summed in fp32, or float64).
+    rows' log-probabilities of the targets (`vocab.log_probs`); the loss is nll_loss of those (mean over targets
+    != -1). Where a gradient is needed (`need`: grad mode on and x or W requiring it), the same pass turns each
+    chunk's logits into d(loss)/dz = (softmax - one-hot) / (targets != -1) at once, and that into its rows of dx and
+    its part of dW (HeadGradients, fp32): the only tensors saved for backward.
+    backward: grad_loss is a scalar: dx * grad_loss and dW * grad_loss, in place, cast to x's and W's dtypes.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, targets, vocab, chunk):  # x (N, C), weight (V, C), targets (N,)
-        kind, N = x.device.type, x.shape[0]
+    def forward(ctx, x, weight, targets, vocab, chunk, need):  # x (N, C), weight (V, C), targets (N,)
+        kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
         with torch.autocast(kind, enabled=False):
-            xc, wc = x.to(dtype), weight.to(dtype)  # the casts autocast's F.linear makes (and saves)
-            picked = torch.empty(N, 1, dtype=torch.float32, device=x.device)
-            stats = []
-            for lo in range(0, N, chunk):
-                logp, s = vocab.log_prob(F.linear(xc[lo:lo + chunk], wc), targets[lo:lo + chunk])  # (n,)
-                picked[lo:lo + chunk, 0] = logp
-                stats.append(s)
+            xc, wc = x.to(dtype), weight.to(dtype)  # the casts autocast's F.linear makes (backward needs neither)
+            grads = HeadGradients(xc, wc, *need)
+            valid = targets != IGNORE_INDEX
+            scale = torch.where(valid, 1.0 / valid.sum(), 0.0)  # (N,) nll_loss's gradient: d(loss)/d(-log p)
+            picked = vocab.log_probs(xc, wc, targets, chunk, scale, grads)  # (N,)
             # nll_loss of the (N, 1) picked log-probabilities: F.cross_entropy's own sum over rows
-            loss = F.nll_loss(picked, targets.clamp(max=0), ignore_index=IGNORE_INDEX)
-        stats = torch.cat(stats) if stats[0] is not None else None
-        ctx.save_for_backward(xc, wc, targets, stats)
-        ctx.vocab, ctx.chunk, ctx.dtypes = vocab, chunk, (x.dtype, weight.dtype)
+            loss = F.nll_loss(picked.unsqueeze(-1), targets.clamp(max=0), ignore_index=IGNORE_INDEX)
+        ctx.save_for_backward(grads.dx, grads.dw)
+        ctx.dtypes = (x.dtype, weight.dtype)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        xc, wc, targets, stats = ctx.saved_tensors
+        dx, dw = ctx.saved_tensors  # a second backward through this graph finds them modified: autograd refuses
         x_dtype, w_dtype = ctx.dtypes
-        kind, N = xc.device.type, xc.shape[0]
-        valid = targets != IGNORE_INDEX
-        scale = torch.where(valid, grad_loss / valid.sum(), 0.0)  # (N,) nll_loss's gradient: d(loss)/d(-log p)
-        dx = torch.empty(xc.shape, dtype=x_dtype, device=xc.device) if ctx.needs_input_grad[0] else None
-        dw = (torch.zeros(wc.shape, dtype=torch.promote_types(wc.dtype, torch.float32), device=wc.device)
-              if ctx.needs_input_grad[1] else None)
-        with torch.autocast(kind, enabled=False):
-            for lo in range(0, N, ctx.chunk):
-                rows = slice(lo, lo + ctx.chunk)
-                z = F.linear(xc[rows], wc)  # (n, V), as in forward
-                g = ctx.vocab.grad(z, targets[rows], None if stats is None else stats[rows], scale[rows]).to(xc.dtype)
-                del z
-                if dx is not None:
-                    dx[rows] = g @ wc  # (n, C)
-                if dw is not None and dw.dtype == g.dtype:
-                    dw.addmm_(g.t(), xc[rows])  # (V, C)
-                elif dw is not None:
-                    dw += g.t() @ xc[rows]  # each chunk's product in the compute dtype, their sum in fp32
-                del g  # else it lives on beside the next chunk's logits, log-softmax and gradient: a 4th (n, V)
-        return dx, None if dw is None else dw.to(w_dtype), None, None, None
+        dx = None if dx is None else dx.mul_(grad_loss).to(x_dtype)
+        dw = None if dw is None else dw.mul_(grad_loss).to(w_dtype)
+        return dx, dw, None, None, None, None
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab=WHOLE_VOCAB,
@@ -224,14 +522,19 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     without the (..., V) logits or their log-softmax: GPT's default `head_loss`.
 
     x (..., C), weight (V, C) (under tensor parallelism this rank's vocab rows, with `vocab` saying how rows
-    reduce over the vocab), targets (...). The rows are taken `chunk_rows` at a time (default `loss_chunk_rows`:
-    128 for V = 50304); only one chunk's logits are alive at a time, in forward and again in backward, which
-    recomputes them (2*C*V more FLOPs per row). Held for backward: x, targets, and the vocab's per-row
-    statistics (none for the whole vocab). Each row goes through F.cross_entropy's own kernels, so the loss and
-    d(x) are its bits where each chunk's logits are the whole matmul's (chunks of LOSS_CHUNK_ALIGN rows); dW is
-    summed over the rows chunk by chunk: within 2*gamma_N*(|G|^T |X|) of one matmul (tests/test_loss.py)."""
-    chunk_rows = chunk_rows or loss_chunk_rows(weight.shape[0])
-    return _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, targets.reshape(-1), vocab, chunk_rows)
+    reduce over the vocab), targets (...). The rows are taken `chunk_rows` at a time (default `loss_chunk_rows` for
+    x's device: 128 for V = 50304 on the CPU); only one chunk's logits are alive at a time. Where a gradient is
+    needed, forward computes it too (x W^T, then g W and g^T x per chunk: nothing recomputed) and holds dx (N, C)
+    and dW (V, C) in fp32 until backward, which only scales them by the incoming gradient; with no gradient
+    needed (torch.no_grad, evaluation) only the loss. Each row goes through F.cross_entropy's own kernels, so the
+    loss is its bits where each chunk's logits are the whole matmul's (chunks of LOSS_CHUNK_ALIGN rows), and so is
+    d(x) under an incoming gradient of 1 (or any power of 2: scaling by it is exact); dW is summed over the rows
+    chunk by chunk: within 2*gamma_N*(|G|^T |X|) of one matmul; other incoming gradients scale after the
+    products: a few more roundings (tests/test_loss.py derives the bound)."""
+    chunk_rows = chunk_rows or loss_chunk_rows(weight.shape[0], x.device.type)
+    grad = torch.is_grad_enabled()
+    need = (grad and x.requires_grad, grad and weight.requires_grad)
+    return _LinearCrossEntropy.apply(x.reshape(-1, x.shape[-1]), weight, targets.reshape(-1), vocab, chunk_rows, need)
 
 
 def head_output(owner: nn.Module, x: torch.Tensor, targets: torch.Tensor | None):
@@ -262,7 +565,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -273,17 +576,20 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Returns (logits (B, T, V), None) without targets; with them (None, loss), loss the mean cross-entropy
-        over the B*T targets, computed with lm_head chunk by chunk over the rows (`head_output`)."""
+        over the B*T targets, computed with lm_head chunk by chunk over the rows (`head_output`), plus the MoE
+        layers' balancing loss where it is on (`SideLosses`)."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         pos = self.positions(T, idx.device)
         # (B, T, C); under sequence parallelism both embeddings give only this rank's T/tp positions
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
+        with SideLosses() as side:  # the MoE balancing loss, when on
+            x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+            for block in self.transformer.h:
+                x = block(x)
         x = self.transformer.ln_f(x)  # (B, T, C)
-        return head_output(self, x, targets)  # logits (B, T, V) or this rank's vocab slice under loss parallelism
+        logits, loss = head_output(self, x, targets)  # logits (B, T, V) or this rank's vocab slice (loss parallel)
+        return logits, loss if loss is None or side.total is None else loss + side.total
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Unique parameters (the tied embedding counted once); optionally without position embeddings."""
@@ -394,7 +700,8 @@ def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: GPTCo
     [rows, cols] slice.
 
     Weights of Linear/Embedding: N(0, 0.02); residual projections (`*.c_proj.weight`): N(0, 0.02/sqrt(2L));
-    biases: 0; LayerNorm: weight 1, bias 0. Random weights are drawn in blocks of INIT_ROW_BLOCK rows,
+    biases: 0; LayerNorm: weight 1, bias 0; MoE experts' stacked (E, in, out) weights: each expert e drawn as the
+    matrix `name[e]` (`rows` then slices experts: an expert-parallel rank draws only its own). Random weights are drawn in blocks of INIT_ROW_BLOCK rows,
     block b from a CPU generator seeded by (seed, name, b). The value depends on nothing else (not the
     device, the rank, or the order modules are built in), and a tensor-parallel rank can make just its
     shard: rows it owns cost only their blocks, a column slice is taken block by block.
@@ -409,6 +716,17 @@ def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: GPTCo
     if name.endswith("bias"):
         return torch.zeros(shape)[rows]
     std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
+    if len(shape) == 3:  # MoE experts stacked (E, in, out): each expert its own matrix, drawn under its own name
+        E = range(*rows.indices(shape[0]))
+        out = torch.empty(len(E), shape[1], shape[2])
+        for i, e in enumerate(E):
+            out[i] = _normal(f"{name}[{e}]", shape[1:], std, seed, slice(None), cols)
+        return out
+    return _normal(name, shape, std, seed, rows, cols)
+
+
+def _normal(name: str, shape: tuple[int, ...], std: float, seed: int, rows: slice, cols: slice) -> torch.Tensor:
+    """N(0, std) of the 2-D parameter `name`, its [rows, cols] slice, drawn INIT_ROW_BLOCK rows per generator."""
     n_rows, n_cols = shape
     r0, r1, _ = rows.indices(n_rows)
     full_width = cols == slice(None)
@@ -431,22 +749,47 @@ def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: 
     init it.
 
     Only this module's own parameters are allocated, so a meta model can be materialised one Block at a
-    time. lm_head.weight takes wte's values (init_parameter's rule for the tied matrix).
+    time. lm_head.weight takes wte's values (init_parameter's rule for the tied matrix). A module partly on
+    meta and partly on `device` (a dimension that cut some of its parameters drew its own slices of them
+    already: expert parallelism's experts) keeps those: only the ones on meta are allocated and drawn. Buffers
+    it allocates (the MoE layers' expert bias and step statistics) start at zero, as GPT's constructor makes
+    them.
     """
     if device is None:
         device = next(module.parameters()).device
         device = torch.device("cpu") if device.type == "meta" else device
     device = torch.device(device)
-    if any(p.is_meta or p.device != device for p in module.parameters(recurse=True)):
+    params = list(module.named_parameters())
+    if any(p.is_meta for _, p in params) and any(p.device == device for _, p in params):
+        params = [(name, p) for name, p in params if p.is_meta]
+        for name, p in params:  # a new Parameter for each, as to_empty makes for one on meta
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr,
+                    nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad))
+        params = [(name, module.get_parameter(name)) for name, _ in params]
+        for sub in module.modules():
+            for name, b in sub._buffers.items():
+                if b is not None and b.is_meta:
+                    sub._buffers[name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+    elif any(p.is_meta or p.device != device for _, p in params):
         module.to_empty(device=device, recurse=True)  # meta, or built elsewhere: every value is written below
-    for name, p in module.named_parameters():
+        params = list(module.named_parameters())
+        for b in module.buffers():
+            b.zero_()
+    for name, p in params:
         full = f"{prefix}.{name}" if prefix else name
         with torch.no_grad():
             p.copy_(init_parameter(full, p.shape, config, seed))
 
 
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Weight decay on matmul weights and embeddings (at least 2 dims), not on biases (the experts' stacked
+    biases are 2-D) or LayerNorms."""
+    return p.dim() >= 2 and not name.endswith("bias")
+
+
 def param_groups(named_params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on parameters of at least 2 dims (matmul weights, embeddings), none on the rest."""
-    decay = [p for _, p in named_params if p.dim() >= 2]
-    no_decay = [p for _, p in named_params if p.dim() < 2]
+    """AdamW groups: decay on matmul weights and embeddings (`decays`), none on the rest."""
+    decay = [p for n, p in named_params if decays(n, p)]
+    no_decay = [p for n, p in named_params if not decays(n, p)]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

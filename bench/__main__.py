@@ -3,6 +3,7 @@
     python -m bench --quick --out out/bench            # tiny model, a few steps: minutes on 2 CPU cores
     python -m bench --out out/bench                    # `small` for longer: the numbers to publish
     python -m bench --quick --include_pp --out out/bench  # also the pipeline layouts and schedules
+    python -m bench --quick --include_moe --layouts single,ddp --out out/bench  # and MoE: 1 process, EP, dense
     python -m bench --section out/bench                # the README "Results" snippet from bench.json
 
 Run it from the repository root. The matrix (bench/matrix.py) is single; ddp, fsdp and tp (tp with loss
@@ -12,7 +13,12 @@ parallelism), each with `--implementation custom` and `pytorch`; and with >= 4 r
 (pp=2 alone, x dp=2, x tp=2, x dp=2 x tp=2: 2, 4, 4, 8 ranks; on GPU those that fit), 1F1B schedule, no
 loss parallelism (the pytorch twin refuses it under PP), and runs bench.pipeline once into <out>/pipeline/
 (P=2 on CPU, min(4, GPUs) on GPU; M=8, V=2): per-stage timelines, pipeline_timeline.png and the
-schedules' idle fraction measured against theory. Every layout trains the same model on the same global
+schedules' idle fraction measured against theory. `--include_moe` adds moe (the preset with every Block's MLP
+replaced by E = 8 experts, top-2, each of hidden width 2C: a token's experts hold the dense MLP's weights), moe-ep
+(it under expert parallelism, dp = EP = nproc, DDP) and dense-active (the dense preset on one process: the model
+of equal active parameters), run back to back; bench.md gets their tokens/s and MFU ratios, rank 0's all_to_all
+bytes against the formula at balanced and at measured load, the experts' max/mean load per step, and
+moe_load.png. Every layout trains the same model on the same global
 batch, each as its own job (bench/runner.py) under <out>/runs/. The micro-batch is rows/dp, capped at
 --micro_batch_size on GPU (then gradient accumulation makes up the rest); under PP it is also small
 enough that the step has M >= 2P micro-batches.
@@ -24,7 +30,8 @@ step (custom layouts only), next to theory from the formulas beside each paralle
 
 Outputs in --out (bench/report.py): bench.json (one row per layout x implementation), bench_meta.json
 (command, machine), bench.md, results_section.md, and throughput.png, memory.png, comm_vs_world.png;
-with --include_pp also pipeline/ (pipeline.json, pipeline.md, pipeline_timeline.png).
+with --include_pp also pipeline/ (pipeline.json, pipeline.md, pipeline_timeline.png); with --include_moe
+moe_load.png.
 """
 from __future__ import annotations
 
@@ -40,9 +47,10 @@ from dataclasses import asdict, replace
 
 import torch
 
-from bench.matrix import LAYOUTS, PP_LAYOUTS, ZERO_LAYOUTS, Layout, Setup, fit_heads, matrix
+from bench.matrix import LAYOUTS, MOE_EXPERTS, MOE_LAYOUTS, PP_LAYOUTS, ZERO_LAYOUTS, Layout, Setup, fit_heads, matrix
 from bench import report, runner
 from config import Parser, UsageError, error_line
+from metrics import active_params
 from model import GPT, make_config
 
 
@@ -57,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
       help="also the pipeline layouts (pp, pp-dp, pp-tp, 3d: 2/4/4/8 ranks) and bench.pipeline into <out>/pipeline")
     a("--include_zero", action="store_true",
       help="also the ZeRO ladder (zero1, zero2 over all ranks; hsdp: 2 replicas, 4 ranks on CPU) and memory_ladder.png")
+    a("--include_moe", action="store_true",
+      help=f"also moe (E={MOE_EXPERTS} experts, top-2, 1 process), moe-ep (EP = dp = all ranks) and dense-active "
+           "(the dense model of equal active parameters), and moe_load.png")
     a("--peak_flops", type=float, default=None, help="per device (default: measured / datasheet once)")
     a("--layouts", default=None, help=f"comma list out of {','.join(LAYOUTS)}")
     a("--repeats", type=int, default=1)
@@ -80,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         zero = [name for name in args.layouts.split(",") if name in ZERO_LAYOUTS]
         if zero and not args.include_zero:
             p.error(f"layouts {','.join(zero)} run only with --include_zero")
+        moe = [name for name in args.layouts.split(",") if name in MOE_LAYOUTS]
+        if moe and not args.include_moe:
+            p.error(f"layouts {','.join(moe)} run only with --include_moe")
     if args.repeats < 1 or (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
         p.error("--repeats and --steps must be >= 1, --warmup >= 0")
     return args
@@ -141,6 +155,23 @@ def run_pipeline(out: str, pp: int, timeout: float, micro: int = 8, virtual: int
     return {**info, "summary": pipeline.summary(rows), "rows": rows}
 
 
+def moe_note(setup: Setup, experts: int, nproc: int) -> str:
+    """bench.md's note on the MoE layouts: the model, its parameters in all and active, and the dense model's."""
+    moe, dense = setup.moe_config(experts), setup.config
+    with torch.device("meta"):
+        total, dense_total = GPT(moe).num_params(), GPT(dense).num_params()
+    active = active_params(moe)
+    missing = "" if experts % nproc == 0 and nproc >= 2 else f"; no moe-ep: E = {experts} over {nproc} ranks"
+    return (f"MoE layouts: every Block's MLP replaced by E = {moe.moe_num_experts} experts, top K = {moe.moe_top_k}, "
+            f"each C -> {moe.expert_hidden} -> C (C = {moe.n_embd}), dropless, balanced by the auxiliary loss "
+            f"({moe.moe_aux_loss_coeff}) and the bias rule ({moe.moe_bias_update_rate}); "
+            f"{total:,} parameters, {active:,} active per token (the experts' K/E share; MFU counts these, "
+            f"metrics.active_params); dense-active is the dense model of equal active parameters, {dense_total:,} "
+            f"(the MoE adds each layer's router, C·E, and K-1 c_proj biases). moe-ep: EP = dp = {nproc}, DDP; "
+            "its all_to_all theory at balanced routing (plan.theory.ep_all_to_all_bytes_per_micro_step, R = N·k) "
+            "and at each step's measured load (bench.matrix.ep_all_to_all_at_load)" + missing)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
@@ -161,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = machine["device"] == "cuda"
     nproc = args.nproc or (machine["count"] if gpu else 2)
     layouts = matrix(nproc, gpu, args.include_2d, args.layouts.split(",") if args.layouts else None,
-                     include_pp=args.include_pp, include_zero=args.include_zero)
+                     include_pp=args.include_pp, include_zero=args.include_zero, include_moe=args.include_moe)
     if not layouts:
         error_line("bench", "no layout left to run")
         return 2
@@ -196,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("PP layouts: 1F1B, M micro-batches per step (grad_accum column) with M >= 2P where the batch "
                      "allows; theory for rank 0 = pipeline stage 0 (parallel.pipeline.p2p_bytes_per_step, the "
                      "tied-embedding all-reduce, DDP and TP on stage 0's parameters and Blocks only)")
+    moe = next((lay for lay in layouts if lay.experts), None)
+    if args.include_moe:
+        notes.append(moe_note(setup, moe.experts if moe else MOE_EXPERTS, nproc))
     rows = runner.run_matrix(layouts, setup, args.out, args.repeats, log=lambda s: print(s, flush=True))
     meta = {"command": shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
             "machine": machine_desc, "torch": torch.__version__,

@@ -4,6 +4,12 @@ The communication formulas live beside the code they describe (parallel/ddp.py, 
 parallel/tensor_parallel.py, parallel/pipeline.py); here they are only applied to a layout's parameter
 shard and batch. The one exception is TP on a pipeline's first stage (`tp_first_stage_bytes_per_micro_step`),
 a cut of the TP formula that only the bench needs.
+
+With --include_moe: `moe` (the model with an MoE layer of E experts, top-K, each expert's hidden width 4C/K, in
+every Block, on one process), `moe-ep` (it under expert parallelism over all ranks: dp = EP = nproc, DDP) and
+`dense-active` (the dense preset on one process: a token's MLP multiplies by 2·C·4C weights, its K experts by
+K·2·C·(4C/K), the same; the MoE layer adds only its router, C·E, and K-1 more c_proj biases). The MoE layouts
+balance their experts with the auxiliary loss (0.01) and the bias rule (1e-3).
 """
 from __future__ import annotations
 
@@ -12,9 +18,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from model import GPT, GPTConfig
-from plan.theory import ddp_comm_bytes_per_step
-from parallel.fsdp import ZERO_STAGES
+from model import GPT, Experts, GPTConfig
+from plan.theory import ddp_comm_bytes_per_step, ep_all_to_all_bytes_per_micro_step
+from parallel.flat_param import ZERO_STAGES
 from plan.theory import fsdp_comm_bytes_per_micro_step, zero_comm_bytes_per_step
 from plan.theory import p2p_bytes_per_step
 from plan.split import layers_for
@@ -22,7 +28,9 @@ from plan.theory import tp_comm_bytes_per_micro_step
 
 PP_LAYOUTS = ("pp", "pp-dp", "pp-tp", "3d")  # pp=2 alone, x dp=2 (DDP), x tp=2, x dp=2 x tp=2
 ZERO_LAYOUTS = ("zero1", "zero2", "hsdp")  # the ZeRO ladder beside ddp and fsdp (= ZeRO-3); hsdp: fsdp, R=2
-LAYOUTS = ("single", "ddp", "fsdp", "tp", "2d-ddp", "2d-fsdp", *PP_LAYOUTS, *ZERO_LAYOUTS)
+MOE_LAYOUTS = ("moe", "moe-ep", "dense-active")  # the MoE model on 1 process, under EP = dp = nproc; the dense one
+MOE_EXPERTS = 8  # E of the MoE layouts: with top-2, a quarter of each layer's expert parameters active per token
+LAYOUTS = ("single", "ddp", "fsdp", "tp", "2d-ddp", "2d-fsdp", *PP_LAYOUTS, *ZERO_LAYOUTS, *MOE_LAYOUTS)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
@@ -35,6 +43,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     replicate: int = 1   # HSDP: dp = replicate x shard
+    experts: int = 0     # E of every Block's MoE layer (Setup.moe_config); 0: the dense preset
+    ep: int = 1          # expert-parallel size (out of dp)
 
     @property
     def nproc(self) -> int:
@@ -52,8 +62,14 @@ class Layout:
     def key(self) -> str:
         return self.name if self.implementation == "none" else f"{self.name}-{self.implementation}"
 
+    @property
+    def group(self) -> str:
+        """The layouts that run back to back, their order alternating over repeats: a custom/pytorch pair, or the
+        MoE layouts (so the MoE / dense ratios compare runs made side by side)."""
+        return "moe" if self.name in MOE_LAYOUTS else self.name
+
     def flags(self) -> list[str]:
-        if self.name == "single":
+        if self.implementation == "none":  # one process: single, moe, dense-active
             return []
         out = ["--implementation", self.implementation]
         if self.dp > 1:
@@ -68,14 +84,19 @@ class Layout:
                 out.append("--enable_loss_parallelism")
         if self.dp_type in ("zero1", "zero2", "fsdp"):
             out.append("--deferred_init")  # materialise only this rank's shard, as one would at scale
+        if self.ep > 1:
+            out += ["--expert_parallel_size", str(self.ep)]
         return out
 
 
 def matrix(nproc: int, on_gpu: bool, include_2d: bool, wanted: list[str] | None = None,
-           include_pp: bool = False, include_zero: bool = False) -> list[Layout]:
+           include_pp: bool = False, include_zero: bool = False, include_moe: bool = False,
+           moe_experts: int = MOE_EXPERTS) -> list[Layout]:
     """The layouts to run, in order; 2D (tp=2 x dp=N/2) needs >= 4 ranks (on CPU: 4 with --include_2d).
     include_pp: also pp, pp-dp, pp-tp and 3d (pp=2; 2, 4, 4 and 8 ranks), on GPU only those that fit in
-    the nproc GPUs present."""
+    the nproc GPUs present. include_moe: also moe, moe-ep (nproc >= 2 dividing moe_experts) and dense-active,
+    last; `wanted` picks among them only if it names one of them (`--layouts single,ddp --include_moe` runs
+    single, ddp and the three)."""
     lays = [Layout("single", "none")]
     if nproc >= 2:
         for name, dp, tp in (("ddp", nproc, 1), ("fsdp", nproc, 1), ("tp", 1, nproc)):
@@ -96,6 +117,14 @@ def matrix(nproc: int, on_gpu: bool, include_2d: bool, wanted: list[str] | None 
             lays += [Layout("hsdp", impl, dp=n, replicate=2) for impl in ("custom", "pytorch")]
     if wanted:
         lays = [lay for lay in lays if lay.name in wanted]
+    if include_moe:
+        moe = [Layout("moe", "none", experts=moe_experts)]
+        if nproc >= 2 and moe_experts % nproc == 0:
+            moe.append(Layout("moe-ep", "custom", dp=nproc, experts=moe_experts, ep=nproc))
+        moe.append(Layout("dense-active", "none"))
+        if wanted and set(wanted) & set(MOE_LAYOUTS):
+            moe = [lay for lay in moe if lay.name in wanted]
+        lays += moe
     return lays
 
 
@@ -115,6 +144,22 @@ class Setup:
     timeout: float          # seconds per job
     dtype_bytes: int = 4    # matmul outputs: 2 under bf16/fp16 autocast
     residual_bytes: int = 4  # residual stream, embeddings, LayerNorm outputs: fp32 also under autocast
+    moe_top_k: int = 2      # K of the MoE layouts; each expert's hidden width is 4C/K (equal active parameters)
+    # balancing, as a training run has it (without, the tiny-batch runs' routers collapse onto K experts in a few
+    # steps): Switch's loss coefficient, DeepSeek-V3's bias rate
+    moe_aux_loss_coeff: float = 0.01
+    moe_bias_update_rate: float = 1e-3
+
+    def moe_config(self, experts: int) -> GPTConfig:
+        """The config of a layout with `experts` (Layout.experts): every Block's MLP replaced by that many experts,
+        top moe_top_k, each C -> 4C/K -> C, so a token's experts hold as many weights as the dense MLP; the
+        balancing loss and the bias rule at moe_aux_loss_coeff and moe_bias_update_rate. experts == 0: the dense
+        config."""
+        if not experts:
+            return self.config
+        return replace(self.config, moe_num_experts=experts, moe_top_k=self.moe_top_k,
+                       moe_ffn_hidden=4 * self.config.n_embd // self.moe_top_k,
+                       moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_bias_update_rate=self.moe_bias_update_rate)
 
     @property
     def global_batch_tokens(self) -> int:
@@ -142,7 +187,16 @@ class Setup:
                 "--max_steps", str(self.warmup + self.steps), "--warmup_steps", "1",
                 "--eval_interval", str(self.warmup + self.steps + 1), "--eval_iters", "1",
                 "--peak_flops", repr(float(self.peak_flops)), "--timeout", str(int(self.timeout)),
-                "--out_dir", out_dir, "--overwrite", *lay.flags()]
+                "--out_dir", out_dir, "--overwrite", *lay.flags(), *self.moe_flags(lay)]
+
+    def moe_flags(self, lay: Layout) -> list[str]:
+        """train.py's flags for `moe_config(lay.experts)`; none for a dense layout."""
+        if not lay.experts:
+            return []
+        c = self.moe_config(lay.experts)
+        return ["--moe_num_experts", str(c.moe_num_experts), "--moe_top_k", str(c.moe_top_k),
+                "--moe_ffn_hidden", str(c.moe_ffn_hidden), "--moe_aux_loss_coeff", repr(c.moe_aux_loss_coeff),
+                "--moe_bias_update_rate", repr(c.moe_bias_update_rate)]
 
 
 def fit_heads(config: GPTConfig, tp: int) -> GPTConfig:
@@ -194,6 +248,8 @@ def comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
     times grad_accum. Under PP rank 0 is pipeline stage 0: see `pp_comm_theory`."""
     if lay.pp > 1:
         return pp_comm_theory(lay, setup)
+    if lay.experts:
+        return moe_comm_theory(lay, setup)
     out = dict.fromkeys(KINDS, 0)
     A = setup.grad_accum(lay.dp)
     psi = param_count(setup.config, lay.tp)
@@ -212,6 +268,55 @@ def comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
                                                dtype_bytes=setup.dtype_bytes, residual_bytes=setup.residual_bytes),
              A)
     return out
+
+
+def expert_param_count(config: GPTConfig) -> int:
+    """Parameters of the experts of every MoE layer (all E of each: weights and biases), 0 for a dense config."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+
+
+def moe_comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
+    """Payload bytes global rank 0 sends per optimizer step for an MoE layout (dp ranks, DDP, experts split over
+    ep of them; one process: nothing), A = grad_accum micro-steps of mb rows of T tokens:
+    - all_reduce: DDP's Ψ on the dense parameters (all but the experts; the routers included) over dp, plus
+      this rank's experts (E/ep of each layer) over their copies, the dp/ep ranks of its edp group (with
+      ep = dp none: an expert on one rank already holds every rank's tokens' gradient, parallel/ddp.py);
+    - all_to_all: A x plan.theory.ep_all_to_all_bytes_per_micro_step at balanced routing (R = N·k rows in,
+      N = mb·T tokens), matmul-output bytes (setup.dtype_bytes) a row element. `ep_all_to_all_at_load` is the
+      same at the load a step measured."""
+    out = {**dict.fromkeys(KINDS, 0), "all_to_all": 0}
+    if lay.nproc == 1:
+        return out
+    if lay.dp_type != "ddp" or lay.tp > 1 or lay.pp > 1:
+        raise ValueError(f"no MoE theory for {lay}")
+    config = setup.moe_config(lay.experts)
+    experts = expert_param_count(config)
+    _add(out, ddp_comm_bytes_per_step(param_count(config) - experts, lay.dp))
+    _add(out, ddp_comm_bytes_per_step(experts // lay.ep, lay.dp // lay.ep))
+    A, mb = setup.grad_accum(lay.dp), setup.micro_batch(lay.dp)
+    moe_layers = sum(config.is_moe(i) for i in range(config.n_layer))
+    out["all_to_all"] = A * ep_all_to_all_bytes_per_micro_step(mb * setup.seq_len, config.moe_top_k, config.n_embd,
+                                                               lay.experts, moe_layers, lay.ep, setup.dtype_bytes)
+    return out
+
+
+def ep_all_to_all_at_load(lay: Layout, setup: Setup, expert_tokens: dict[str, list[int]]) -> int | None:
+    """The all_to_all bytes global rank 0 sends in a step whose tokens per expert over the whole batch were
+    `expert_tokens` ({MoE layer: [tokens of expert e]}, metrics.jsonl's), or None unless ep == dp > 1 (then the
+    one EP group holds every rank's tokens, and rank 0's experts [0, E/ep) received all the step's rows for them).
+    The formula is linear in R: A micro-steps of it at R = 0, plus 2·R·C·b for the R rows that reached rank 0's
+    experts over the step (each arrives forward, its gradient leaves backward)."""
+    if lay.ep < 2 or lay.ep != lay.dp or lay.nproc != lay.dp:
+        return None
+    config = setup.moe_config(lay.experts)
+    A, mb = setup.grad_accum(lay.dp), setup.micro_batch(lay.dp)
+    mine = lay.experts // lay.ep
+    received = sum(sum(tokens[:mine]) for tokens in expert_tokens.values())
+    zero = ep_all_to_all_bytes_per_micro_step(mb * setup.seq_len, config.moe_top_k, config.n_embd, lay.experts,
+                                              len(expert_tokens), lay.ep, setup.dtype_bytes, received=0)
+    return A * zero + 2 * received * config.n_embd * setup.dtype_bytes
 
 
 def pp_comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:

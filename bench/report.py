@@ -1,7 +1,8 @@
 """What a bench run writes: bench.json and bench_meta.json, bench.md (tables and notes), the README
 results snippet, and the plots (throughput, memory, communication vs world size). With --include_pp,
 bench.md and the snippet also carry bench.pipeline's idle fraction measured vs theory and link its
-pipeline/pipeline_timeline.png."""
+pipeline/pipeline_timeline.png. With --include_moe, bench.md gets a mixture-of-experts section (tokens/s and MFU
+ratios, all_to_all bytes against the formula, the experts' load per step) and moe_load.png."""
 from __future__ import annotations
 
 import json
@@ -26,6 +27,8 @@ def _impl(row: dict) -> str:
 
 
 def _ranks(row: dict) -> str:
+    if (row.get("moe") or {}).get("ep", 1) > 1:
+        return f"{row['nproc']} ({row['dp']}×{row['tp']}, EP {row['moe']['ep']})"
     if row.get("pp", 1) > 1:
         return f"{row['nproc']} (pp{row['pp']}×dp{row['dp']}×tp{row['tp']})"
     if row.get("replicate", 1) > 1:
@@ -36,7 +39,8 @@ def _ranks(row: dict) -> str:
 def _kinds(d: dict | None) -> str:
     if not d:
         return "—"
-    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC", "p2p": "P2P"}
+    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC", "p2p": "P2P",
+             "all_to_all": "A2A"}
     parts = [f"{short.get(k, k)} {v / MiB:,.2f}" for k, v in d.items() if v]
     return " / ".join(parts) or "0"
 
@@ -106,6 +110,8 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
     plots = "".join(f"![{p}]({p}.png)\n" for p in ("throughput", "memory", "comm_vs_world", "memory_ladder")
                     if p in meta.get("plots", []))
     pipeline = pipeline_markdown(meta["pipeline"]) if meta.get("pipeline") else ""
+    if any("moe" in r for r in rows):
+        pipeline += moe_markdown(rows, "moe_load" in meta.get("plots", []))
     return "\n".join([
         "# Parallel layouts benchmark", "",
         setup_line(rows, meta) + ".", "",
@@ -142,6 +148,99 @@ def pipeline_markdown(info: dict) -> str:
     return "\n".join(lines)
 
 
+MOE_REFS = (("moe", "moe", "none"), ("dense-active", "dense-active", "none"), ("ddp custom", "ddp", "custom"))
+
+
+def moe_ratios(rows: list[dict]) -> list[dict]:
+    """For each MoE-section row (moe, moe-ep, dense-active): its tokens/s ÷ that of moe (the MoE model on one
+    process), of dense-active (the dense model of equal active parameters, one process) and of ddp custom (the
+    dense model on the same ranks, when it ran and has as many ranks); None where either is missing."""
+    by = {(r["layout"], r["implementation"]): r for r in rows}
+    out = []
+    for r in rows:
+        if "moe" not in r:
+            continue
+        ratios = {}
+        for label, layout, impl in MOE_REFS:
+            ref = by.get((layout, impl))
+            ok = ref is not None and r["tokens_per_sec"] and ref["tokens_per_sec"] and \
+                (layout != "ddp" or ref["nproc"] == r["nproc"] > 1)
+            ratios[label] = r["tokens_per_sec"] / ref["tokens_per_sec"] if ok else None
+        out.append({"row": r, "ratios": ratios})
+    return out
+
+
+def _loads(d: dict | None, fmt: str = "{:.2f}") -> str:
+    return "—" if not d else " / ".join(fmt.format(v) for v in d.values())
+
+
+def moe_markdown(rows: list[dict], heatmap: bool) -> str:
+    """bench.md's mixture-of-experts section: per MoE layout tokens/s, MFU (active parameters) and their ratios;
+    rank 0's all_to_all bytes per step against the formula at balanced routing and at the step's measured load;
+    each MoE layer's max/mean tokens per expert per step; the heatmap."""
+    ratios = moe_ratios(rows)
+    lines = ["## Mixture of experts (`--include_moe`)", "",
+             "| layout | ranks | experts (E, top-K, hidden) | params (active) | tokens/s | MFU (active) "
+             "| max/mean load per layer (median) | ÷ moe | ÷ dense-active | ÷ ddp custom (dense, same ranks) | status |",
+             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    for x in ratios:
+        r, m = x["row"], x["row"]["moe"]
+        model = f"{m['experts']}, {m['top_k']}, {m['expert_hidden']}" if m["experts"] else "dense"
+        lines.append(" | ".join([
+            f"| {r['layout']}", _ranks(r), model, f"{m['params']:,} ({m['params_active']:,})",
+            _num(r["tokens_per_sec"]), _num(None if r["mfu"] is None else 100 * r["mfu"], "{:.1f}%"),
+            _loads(m["max_over_mean"]), *(_num(x["ratios"][label], "{:.2f}") for label, _, _ in MOE_REFS),
+            r["status"] + " |"]))
+    lines += ["", "Ratios: this row's tokens/s ÷ the named row's (medians). MFU counts 6 × the active parameters "
+              "(the experts' K/E share, metrics.active_params) + attention, so the MoE and dense-active rows "
+              "count nearly the same FLOPs per token.", ""]
+    ep = [x["row"] for x in ratios if x["row"]["moe"]["ep"] > 1]
+    if ep:
+        lines += ["Rank 0's all_to_all bytes per optimizer step (median over the measured steps of every repeat) "
+                  "against plan.theory.ep_all_to_all_bytes_per_micro_step, at balanced routing (R = N·k rows "
+                  "received per rank) and at each step's measured load (the rows that reached rank 0's experts, "
+                  "from expert_tokens: bench.matrix.ep_all_to_all_at_load); all_reduce against DDP on the dense "
+                  "parameters:", "",
+                  "| layout | all_to_all measured | theory, balanced | measured / balanced | theory, measured load "
+                  "| measured / at load | steps exactly at load | all_reduce measured | all_reduce theory |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in ep:
+            m, by, th = r["moe"], r["comm_bytes_by_kind"] or {}, r["comm_theory_by_kind"]
+            a2a, bal, load = m["all_to_all"], th.get("all_to_all"), m["all_to_all_at_load"]
+            exact = "—" if not m["all_to_all_exact_steps"] else "{} of {}".format(*m["all_to_all_exact_steps"])
+            lines.append(" | ".join([
+                f"| {r['layout']}", _num(a2a), _num(bal), _num(a2a / bal if a2a is not None and bal else None, "{:.4f}"),
+                _num(load), _num(a2a / load if a2a is not None and load else None, "{:.4f}"), exact,
+                _num(by.get("all_reduce")), _num(th.get("all_reduce")) + " |"]))
+        lines += ["", "Bytes are payload bytes (parallel/comm.py counts each all_to_all's input on the sending rank).",
+                  ""]
+    per = [x["row"] for x in ratios if x["row"]["moe"].get("per_step")]
+    if per:
+        head, sep = ["| step"], ["|---:"]
+        for r in per:
+            for layer in r["moe"]["per_step"]["max_over_mean"][0]:
+                head.append(f"{r['layout']} layer {layer}")
+                sep.append("---:")
+        lines += ["Each MoE layer's max/mean tokens per expert, per step (the first ok repeat; steps up to the "
+                  "warm-up marked w; 1.00 is perfectly balanced, E/K = "
+                  f"{per[0]['moe']['experts'] / per[0]['moe']['top_k']:.0f} the most possible):", "",
+                  " | ".join(head) + " |", "|".join(sep) + "|"]
+        steps = sorted({s for r in per for s in r["moe"]["per_step"]["steps"]})
+        warm = per[0]["moe"].get("warmup")
+        for step in steps:
+            cells = [f"| {step}" + (" w" if warm is not None and step <= warm else "")]
+            for r in per:
+                ps = r["moe"]["per_step"]
+                values = ps["max_over_mean"][ps["steps"].index(step)] if step in ps["steps"] else None
+                cells += ([f"{v:.2f}" for v in values.values()] if values else
+                          ["—"] * len(ps["max_over_mean"][0]))
+            lines.append(" | ".join(cells) + " |")
+        lines.append("")
+    if heatmap:
+        lines += ["![moe_load](moe_load.png)", ""]
+    return "\n".join(lines)
+
+
 def render_section(rows: list[dict], meta: dict | None = None) -> str:
     """The README "Results" snippet: setup, the table (tokens/s, MFU, memory, comm vs theory), the ratios."""
     lines = ["### Parallel layouts (`python -m bench`)", "", setup_line(rows, meta) + ".", "",
@@ -164,6 +263,12 @@ def render_section(rows: list[dict], meta: dict | None = None) -> str:
               "theory (DDP Ψ, FSDP 2Ψ_blocks + Ψ_root all-gather and Ψ reduce-scatter per micro-step, TP per the "
               "Megatron formula, PP: stage 0's activations sent, tied-embedding all-reduce, and DDP/TP on stage 0 "
               "alone); PyTorch's collectives are not counted."]
+    moe = [x for x in moe_ratios(rows) if x["row"]["moe"]["ep"] > 1 and x["row"]["tokens_per_sec"]]
+    for x in moe:
+        r = x["row"]
+        named = ", ".join(f"{v:.2f}× {label}" for label, v in x["ratios"].items() if v is not None)
+        lines += ["", f"Mixture of experts (E = {r['moe']['experts']}, top-{r['moe']['top_k']}): {r['layout']} on "
+                  f"{r['nproc']} ranks runs {named} (tokens/s)."]
     info = (meta or {}).get("pipeline")
     if info and "summary" in info:
         idle = ", ".join(f"{name} {s['idle_fraction']:.2f} ({s['idle_theory']:.2f})"
@@ -248,6 +353,8 @@ def write_plots(rows: list[dict], setup: Setup, out: str) -> list[str]:
     names = ["throughput", "memory", "comm_vs_world"]
     if write_memory_ladder(rows, setup, out, plt):
         names.append("memory_ladder")
+    if write_moe_load(rows, out, plt):
+        names.append("moe_load")
     return names
 
 
@@ -292,6 +399,55 @@ def write_memory_ladder(rows: list[dict], setup: Setup, out: str, plt) -> bool:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "memory_ladder.png"), dpi=120)
+    plt.close(fig)
+    return True
+
+
+def load_matrix(per_step: dict, ep: int = 1) -> tuple[list[str], list[int], list[list[float]]]:
+    """A run's tokens per expert as (row labels "layer i, expert e" (+ ", rank r" that holds it under EP), steps,
+    [row][step] tokens ÷ that layer's mean over its experts that step)."""
+    layers = list(per_step["expert_tokens"][0])
+    labels, grid = [], []
+    for layer in layers:
+        E = len(per_step["expert_tokens"][0][layer])
+        for e in range(E):
+            labels.append(f"layer {layer}, expert {e}" + (f", rank {e // (E // ep)}" if ep > 1 else ""))
+            grid.append([tokens[layer][e] * E / max(1, sum(tokens[layer])) for tokens in per_step["expert_tokens"]])
+    return labels, list(per_step["steps"]), grid
+
+
+def write_moe_load(rows: list[dict], out: str, plt) -> bool:
+    """moe_load.png: x = step, y = (MoE layer, expert), colour = the expert's tokens ÷ the layer's mean that step,
+    for the moe-ep run (the first ok repeat; the one-process moe run if there is none). False if no row has it."""
+    pick = [r for name in ("moe-ep", "moe") for r in rows if r["layout"] == name and r.get("moe")
+            and r["moe"].get("per_step")]
+    if not pick:
+        return False
+    from matplotlib.colors import TwoSlopeNorm
+    r = pick[0]
+    labels, steps, grid = load_matrix(r["moe"]["per_step"], r["moe"]["ep"])
+    flat = [v for row in grid for v in row]
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=min(min(flat), 0.9), vmax=max(max(flat), 1.1))
+    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(steps) + 3), max(3, 0.28 * len(labels) + 1.5)))
+    im = ax.imshow(grid, aspect="auto", cmap="coolwarm", norm=norm, interpolation="nearest")
+    if len(steps) * len(labels) <= 600:
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6)
+    warm = r["moe"].get("warmup")
+    if warm and any(s > warm for s in steps):
+        ax.axvline(sum(s <= warm for s in steps) - 0.5, color="black", ls="--", lw=1)
+    E = r["moe"]["experts"]
+    for b in range(E, len(labels), E):
+        ax.axhline(b - 0.5, color="black", lw=1)
+    ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7)
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.set_xlabel("step (dashed: end of warm-up)")
+    fig.colorbar(im, ax=ax, label="tokens / mean tokens per expert")
+    ax.set_title(f"Tokens per expert ÷ mean, {r['layout']} ({r['nproc']} rank{'s' * (r['nproc'] > 1)}, E = {E}, "
+                 f"top-{r['moe']['top_k']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "moe_load.png"), dpi=120)
     plt.close(fig)
     return True
 

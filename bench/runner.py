@@ -15,8 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from bench.matrix import KINDS, Layout, Setup, comm_theory
-from metrics import read_jsonl
+import torch
+
+from bench.matrix import KINDS, MOE_LAYOUTS, Layout, Setup, comm_theory, ep_all_to_all_at_load, expert_param_count
+from metrics import active_params, read_jsonl
+from model import GPT
 from parallel.mesh import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py's directory
@@ -77,6 +80,22 @@ def summarize(records: list[dict], warmup: int) -> dict | None:
     return out
 
 
+def moe_steps(records: list[dict], lay: Layout, setup: Setup) -> dict | None:
+    """A run's MoE numbers per training step, warm-up included (the heatmap shows it): `steps`, each MoE layer's
+    tokens per expert over the whole batch (`expert_tokens`) and their max over mean; under EP also rank 0's
+    all_to_all bytes measured and `ep_all_to_all_at_load` (the formula at that step's load; None where it has
+    none). None for a run without MoE layers."""
+    steps = [r for r in records if "loss" in r and "expert_tokens" in r]
+    if not steps:
+        return None
+    out = {"steps": [r["step"] for r in steps], "expert_tokens": [r["expert_tokens"] for r in steps],
+           "max_over_mean": [r["expert_load_max_over_mean"] for r in steps]}
+    if lay.ep > 1 and all("all_to_all" in r.get("comm_bytes", {}) for r in steps):
+        out["all_to_all"] = [r["comm_bytes"]["all_to_all"] for r in steps]
+        out["all_to_all_at_load"] = [ep_all_to_all_at_load(lay, setup, r["expert_tokens"]) for r in steps]
+    return out
+
+
 _EXC = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)(:|$)")
 
 
@@ -117,8 +136,11 @@ def run_layout(lay: Layout, setup: Setup, out: str, repeat: int, runner: Runner 
     try:
         result = runner(cmd, os.path.join(out_dir, "bench.log"), setup.timeout)
         wrote = os.path.exists(os.path.join(out_dir, "metrics.jsonl"))
-        summary = summarize(read_jsonl(out_dir), setup.warmup) if result.returncode == 0 and wrote else None
+        records = read_jsonl(out_dir) if result.returncode == 0 and wrote else []
+        summary = summarize(records, setup.warmup) if records else None
         status = classify(result, summary, setup.timeout)
+        if summary is not None and lay.name in MOE_LAYOUTS:
+            summary["moe"] = moe_steps(records, lay, setup)
     except Exception as e:  # noqa: BLE001 -- the bench goes on whatever one job does
         result, summary, status = JobResult(None, "", 0.0), None, f"failed: {type(e).__name__}: {e}"[:300]
     return {"status": status, "summary": summary, "seconds": round(result.seconds, 1), "out_dir": out_dir,
@@ -127,10 +149,11 @@ def run_layout(lay: Layout, setup: Setup, out: str, repeat: int, runner: Runner 
 
 def run_matrix(layouts: list[Layout], setup: Setup, out: str, repeats: int = 1, runner: Runner | None = None,
                log: Callable[[str], None] = print) -> list[dict]:
-    """Run every layout `repeats` times (pairs back to back, order alternating) and return the rows."""
+    """Run every layout `repeats` times (pairs, and the MoE layouts, back to back, order alternating) and return
+    the rows."""
     groups: dict[str, list[Layout]] = {}
     for lay in layouts:
-        groups.setdefault(lay.name, []).append(lay)
+        groups.setdefault(lay.group, []).append(lay)
     runs: dict[Layout, list[dict]] = {lay: [] for lay in layouts}
     for r in range(repeats):
         for members in groups.values():
@@ -181,7 +204,40 @@ def make_row(lay: Layout, runs: list[dict], setup: Setup) -> dict:
         "model": setup.model, "seq_len": setup.seq_len, "global_batch_tokens": setup.global_batch_tokens,
         "device": setup.device, "peak_flops": setup.peak_flops,
         "out_dirs": [r["out_dir"] for r in runs], "seconds": sum(r["seconds"] for r in runs),
+        **({"moe": moe_row(lay, ok, setup)} if lay.name in MOE_LAYOUTS else {}),
     }
+
+
+def moe_row(lay: Layout, ok: list[dict], setup: Setup) -> dict:
+    """An MoE layout's row's "moe": the model (E, K, expert hidden width, parameters in all and active per token,
+    the number MFU counts: metrics.active_params), and from its ok runs: each MoE layer's max/mean load, the
+    median over measured steps; rank 0's all_to_all per step measured and at the measured load (medians over the
+    measured steps of every ok run, and how many of those steps the two agree exactly); `per_step`: the first
+    ok run's numbers of every step, for the heatmap and the per-step table."""
+    config = setup.moe_config(lay.experts)
+    with torch.device("meta"):
+        total = GPT(config).num_params()
+    out = {"experts": lay.experts, "top_k": config.moe_top_k if lay.experts else None,
+           "expert_hidden": config.expert_hidden if lay.experts else None, "ep": lay.ep, "params": total,
+           "params_active": active_params(config), "expert_params": expert_param_count(config),
+           "warmup": setup.warmup, "max_over_mean": None, "all_to_all": None, "all_to_all_at_load": None, "all_to_all_exact_steps": None,
+           "per_step": None}
+    runs = [s["moe"] for s in ok if s.get("moe")]
+    if not runs:
+        return out
+    out["per_step"] = runs[0]
+    measured = [[i for i, step in enumerate(m["steps"]) if step > setup.warmup] for m in runs]
+    layers = list(runs[0]["max_over_mean"][0])
+    out["max_over_mean"] = {layer: statistics.median(m["max_over_mean"][i][layer] for m, idx in zip(runs, measured)
+                                                     for i in idx) for layer in layers}
+    pairs = [(m["all_to_all"][i], m["all_to_all_at_load"][i]) for m, idx in zip(runs, measured)
+             if "all_to_all" in m for i in idx]
+    if pairs:
+        out["all_to_all"] = int(statistics.median(a for a, _ in pairs))
+        if all(b is not None for _, b in pairs):
+            out["all_to_all_at_load"] = int(statistics.median(b for _, b in pairs))
+            out["all_to_all_exact_steps"] = [sum(a == b for a, b in pairs), len(pairs)]
+    return out
 
 
 # ----------------------------------------------------------------------------- the machine

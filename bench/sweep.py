@@ -74,6 +74,8 @@ class Layout:
     impl: str = "custom"    # --implementation
     blocks: int = 0         # --n_layer; 0: the fewest of N_LAYERS with a Block per chunk (a reference names it)
     rows: int = 0           # rows per step; 0: ROWS (more where a schedule needs more micro-batches per dp rank)
+    experts: int = 0        # --moe_num_experts (top-2, the balancing loss and the bias rule on; MOE)
+    ep: int = 1             # --expert_parallel_size
 
     @property
     def n_layer(self) -> int:
@@ -101,7 +103,8 @@ class Layout:
             parts.append(f"tp={self.tp}" + ("" if self.sp else "(plain)"))
         return " ".join(parts or ["single"]) + ("" if self.dtype == "float32" else f" {self.dtype}") + \
             (" deferred" if self.deferred else "") + ("" if self.impl == "custom" else f" [{self.impl}]") + \
-            (f" L={self.blocks}" if self.blocks else "") + (f" rows={self.rows}" if self.rows else "")
+            (f" L={self.blocks}" if self.blocks else "") + (f" rows={self.rows}" if self.rows else "") + \
+            (f" moe={self.experts}" + (f" ep={self.ep}" if self.ep > 1 else "") if self.experts else "")
 
     @property
     def micro_batches(self) -> int:
@@ -140,6 +143,8 @@ class Layout:
         if self.tp > 1:
             f += ["--tensor_parallel_size", str(self.tp)] + (["--sequence_parallel", "--enable_loss_parallelism"]
                                                              if self.sp else [])
+        if self.experts:
+            f += ["--moe_num_experts", str(self.experts), *MOE, "--expert_parallel_size", str(self.ep)]
         return f
 
     @property
@@ -148,7 +153,7 @@ class Layout:
 
     def reference(self) -> "Layout":
         """The one-process run it is held against: the same dtype and Blocks."""
-        return Layout(dtype=self.dtype, blocks=self.n_layer, rows=self.rows)
+        return Layout(dtype=self.dtype, blocks=self.n_layer, rows=self.rows, experts=self.experts)
 
 
 def layouts(max_world: int = 4) -> list[Layout]:
@@ -226,6 +231,32 @@ def zero_bubble_large_rows() -> list[Layout]:
             + [Layout(pp=4, dp=2, dp_type=t, schedule=s, virtual=v, rows=16 if s == "dualpipev" else 0)
                for s, v in split for t in ("ddp", "zero2", "fsdp")]
             + [Layout(pp=4, tp=2, schedule=s, virtual=v) for s, v in split])
+
+
+MOE = ["--moe_top_k", "2", "--moe_aux_loss_coeff", "0.01", "--moe_bias_update_rate", "1e-3"]
+
+
+def moe_rows() -> list[Layout]:
+    """Mixture of experts (4 experts per Block, top-2, both balancing rules on) on one process's MoE model, and
+    expert parallelism at 2 and 4 ranks: EP alone (dp = EP), dp > EP, with CP, TP + SP, pipelines (1F1B, and
+    ZB-V's split backward), and the sharding engine; in bf16 too."""
+    E = 4
+    return [Layout(dp=2, dp_type="ddp", experts=E, ep=2), Layout(cp=2, experts=E, ep=2),
+            Layout(dp=4, dp_type="ddp", experts=E, ep=2), Layout(dp=4, dp_type="ddp", experts=E, ep=4),
+            Layout(dp=2, dp_type="ddp", tp=2, experts=E, ep=2), Layout(tp=2, experts=E),
+            Layout(pp=2, dp=2, dp_type="ddp", experts=E, ep=2),
+            Layout(pp=2, dp=2, dp_type="ddp", schedule="zbv", virtual=2, experts=E, ep=2),
+            Layout(pp=2, schedule="interleaved_1f1b", virtual=2, experts=E),
+            Layout(dp=2, dp_type="fsdp", experts=E, ep=2), Layout(dp=2, dp_type="zero1", experts=E, ep=2),
+            Layout(dp=2, dp_type="ddp", experts=E, ep=2, dtype="bfloat16")]
+
+
+def moe_large_rows() -> list[Layout]:
+    """EP at 8 ranks: pp = 2 x dp = 2 x tp = 2 with EP = 2 under ZB-H1, dp = 8 with EP = 4 (each expert on 2
+    ranks) over ZeRO-2, and pp = 2 x dp = 4 x EP = 4 over FSDP."""
+    E = 4
+    return [Layout(pp=2, dp=2, tp=2, dp_type="ddp", schedule="zb_h1", experts=E, ep=2),
+            Layout(dp=8, dp_type="zero2", experts=E, ep=4), Layout(pp=2, dp=4, dp_type="fsdp", experts=E, ep=4)]
 
 
 def bf16_rows() -> list[Layout]:
@@ -379,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--against", default=None, help="a sweep.json: also require every layout's logged numbers to "
                                                      "equal its bit for bit (a refactor's proof)")
     args = p.parse_args(argv)
-    todo = layouts(args.max_world) + middle_stage_rows() + zero_bubble_rows() + \
-        (sample(args.sample, args.seed) + zero_bubble_large_rows()) * (args.sample > 0) + \
+    todo = layouts(args.max_world) + middle_stage_rows() + zero_bubble_rows() + moe_rows() + \
+        (sample(args.sample, args.seed) + zero_bubble_large_rows() + moe_large_rows()) * (args.sample > 0) + \
         ([] if args.no_bf16 else bf16_rows())
     if args.only:
         todo = [x for x in todo if fnmatch.fnmatch(x.name, args.only)]

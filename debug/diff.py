@@ -138,7 +138,8 @@ def execution_order(keys, model_config: dict) -> list[tuple]:
 
 def layout_rtol(meta: dict) -> float:
     lay = meta["layout"]
-    rtol = 1e-4 if lay["tp"] > 1 else 1e-5 if max(lay["dp"], lay["pp"], lay["cp"]) > 1 else 0.0
+    # TP splits matmul reductions across ranks; EP sums an expert's weight gradient over other row groupings
+    rtol = 1e-4 if max(lay["tp"], lay.get("ep", 1)) > 1 else 1e-5 if max(lay["dp"], lay["pp"], lay["cp"]) > 1 else 0.0
     return max(rtol, 2.0 ** -8) if meta["dtype"] in ("bfloat16", "float16") else rtol
 
 
@@ -152,7 +153,7 @@ def tolerance(a: dict, b: dict) -> float:
 
 def layout_name(meta: dict) -> str:
     lay = meta["layout"]
-    dims = " ".join(f"{k}={lay[k]}" for k in ("pp", "dp", "cp", "tp") if lay[k] > 1) or "one process"
+    dims = " ".join(f"{k}={lay.get(k, 1)}" for k in ("pp", "dp", "cp", "tp", "ep") if lay.get(k, 1) > 1) or "one process"
     extra = [lay["dp_type"]] if lay["dp_type"] else []
     extra += [f for f in ("sequence_parallel", "loss_parallel") if lay[f]]
     return f"{dims}{' (' + ', '.join(extra) + ')' if extra else ''}, {lay['implementation']}, {meta['dtype']}"

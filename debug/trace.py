@@ -129,6 +129,8 @@ class Tracer:
                 name = canonical(name)
                 if id(module) in seen or name == "lm_head":  # a hooked head would run whole (model.head_output)
                     continue
+                if ".mlp." in (name or "") and (".experts" in name or name.endswith(".router")):
+                    continue  # inside an MoE layer rows are grouped by expert, not by token: its output is traced
                 seen.add(id(module))
                 if name is None:
                     if hasattr(module, "head_loss"):  # the GPT, or a pipeline stage: the head's loss
@@ -192,7 +194,7 @@ class Tracer:
             coords = out.device_mesh.get_coordinate()
             if any(c != 0 for c, pl in zip(coords, out.placements) if pl.is_replicate()):
                 return None
-            return tuple(out.shape), list(_axes(out, 0, 1)), out.to_local()
+            return tuple(out.shape), list(_axes(out)), out.to_local()
         cfg = self.t.plan.config
         full = list(out.shape)
         axes: list = [range(n) for n in full]
@@ -245,7 +247,7 @@ class Tracer:
                 "world_size": d.world_size, "model": asdict(plan.config),
                 "batch": {"micro_batch_size": self.mb, "seq_len": self.T, "rows": plan.rows, "seed": plan.args.seed},
                 "dtype": str(plan.dtype).removeprefix("torch."), "device": plan.device.type,
-                "layout": {"pp": d.pp, "dp": d.dp, "dp_replicate": d.dp_replicate, "cp": d.cp, "tp": d.tp,
+                "layout": {**d.sizes(),
                            "implementation": p.implementation, "dp_type": p.dp_type,
                            "sequence_parallel": p.sequence_parallel, "loss_parallel": p.loss_parallel}}
         folder = os.path.join(plan.args.out_dir, SUBDIR)
@@ -276,9 +278,11 @@ def gradient_pieces(par, optimizer: torch.optim.Optimizer) -> list[dict]:
         if lp.numel():
             by_storage.setdefault(lp.untyped_storage().data_ptr(), []).append(p)
     out = []
+    buffers = {id(b) for b in par.model.buffers()}
     for e in par.checkpoint_entries(optimizer):
-        if not (e.write and e.numel):
-            continue
+        if not (e.write and e.numel) or any(e.tensors["param"]._base is b or e.tensors["param"] is b
+                                             for b in par.model.buffers() if id(b) in buffers):
+            continue  # a state buffer (the MoE expert bias) has no gradient
         view = e.tensors["param"]
         grad = None
         for p in by_storage.get(view.untyped_storage().data_ptr(), []):

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
+from parallel.mesh import p2p_link
 
 aten = torch.ops.aten
 
@@ -67,21 +68,28 @@ def zigzag_share(x: torch.Tensor, y: torch.Tensor, rank: int, cp: int) -> tuple[
 
 def exchange_order(rank: int, cp: int) -> tuple[str, str]:
     """The order a rank posts its ring step's two halves in: even ranks send first, odd ranks receive first.
-    gloo's isend/irecv never block, so any order works there; NCCL runs a rank's p2p operations in posting
-    order, and with C = 2 both ranks' sends and receives share one pair, so "receive first" on both would
-    wait forever. The alternation gives every blocking send a posted receive (tests/test_context_parallel.py
-    simulates it for C = 1..8, for the forward's exchanges and for the backward's interleaved k/v and dK/dV
-    ones)."""
+    gloo's isend/irecv never block, so any order works there; NCCL runs a rank's p2p operations on one group in
+    posting order, across both its neighbours (the group is eagerly initialised: plan/simulate.py "nccl_eager"),
+    so "receive first" on every rank would wait forever. The alternation gives every blocking send a posted
+    receive (tests/test_context_parallel.py simulates it for C = 1..8, for the forward's exchanges and for the
+    backward's interleaved k/v and dK/dV ones). It still runs half duplex on one group: a rank's two sends and
+    two receives one after the other, 4 transfer times per exchange for an even ring against 2 (more for an odd
+    one); hence `_exchange`'s link groups on NCCL, where the order no longer matters."""
     return ("send", "recv") if rank % 2 == 0 else ("recv", "send")
 
 
-def _exchange(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], list]:
+def _exchange(tensors: list[torch.Tensor], group, links: tuple = ()) -> tuple[list[torch.Tensor], list]:
     """Post the send of `tensors` to the next rank and the receive of the same shapes from the previous one,
-    in `exchange_order`; returns (receive buffers, works to wait for)."""
+    in `exchange_order`; returns (receive buffers, works to wait for). With `links` (the cp dim's link groups,
+    parallel.mesh.serial_p2p: NCCL) the sends go on link r's group and the receives on link r-1's
+    (`p2p_link`), which differ: on NCCL, where a group's unbatched p2p ops run one after another on its one
+    stream, the two directions then run at once (full duplex) instead of four transfers in a row."""
     C, r = comm.world(group), comm.rank(group)
+    to_next, from_prev = (links[p2p_link(r, (r + 1) % C, C)], links[p2p_link((r - 1) % C, r, C)]) if links \
+        else (group, group)
     bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous, unlike empty_like
-    post = {"recv": lambda: [comm.recv(b, (r - 1) % C, group) for b in bufs],
-            "send": lambda: [comm.send(t.contiguous(), (r + 1) % C, group) for t in tensors]}
+    post = {"recv": lambda: [comm.recv(b, (r - 1) % C, from_prev) for b in bufs],
+            "send": lambda: [comm.send(t.contiguous(), (r + 1) % C, to_next) for t in tensors]}
     first, second = exchange_order(r, C)
     return bufs, post[first]() + post[second]()
 
@@ -184,19 +192,19 @@ def _merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.T
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, zigzag: bool):
+    def forward(ctx, q, k, v, group, zigzag: bool, links: tuple = ()):
         # autocast off inside: the kernels run in _kernel_of's dtype, and the backward (which autocast never
         # reaches) must recompute the forward's softmax from the same inputs
         with torch.autocast(q.device.type, enabled=False):
-            return _RingAttention._forward(ctx, q, k, v, group, zigzag)
+            return _RingAttention._forward(ctx, q, k, v, group, zigzag, links)
 
     @staticmethod
-    def _forward(ctx, q, k, v, group, zigzag: bool):
+    def _forward(ctx, q, k, v, group, zigzag: bool, links: tuple):
         C, r = comm.world(group), comm.rank(group)
         calls = _ring_layout(q.shape[2] * C, C, zigzag)[r]
         kernel, kd = _kernel_of(q)
         qc = q.to(kd)
-        pending = _exchange([k, v], group) if C > 1 else None
+        pending = _exchange([k, v], group, links) if C > 1 else None
         # step 0, this rank's own block: causal, and every query sees itself, so it starts every row's merge.
         # The kernel lays its output out (B, Tq, H, D) like SDPA's, so the caller's transpose + reshape to
         # (B, Tq, H*D) is a view: the output is then saved once, here and as c_proj's input
@@ -205,14 +213,14 @@ class _RingAttention(torch.autograd.Function):
             o = o.float()
             for step in range(1, C):
                 kv, src = _received(pending), (r - step) % C
-                pending = _exchange(kv, group) if step < C - 1 else None
+                pending = _exchange(kv, group, links) if step < C - 1 else None
                 kb, vb = kv[0].to(kd), kv[1].to(kd)
                 for c in calls[src]:
                     o_b, lse_b, _ = _kernel_forward(kernel, qc[:, :, c.q], kb[:, :, c.k], vb[:, :, c.k], c.causal)
                     _merge(o[:, :, c.q], lse[:, :, c.q], o_b, lse_b)
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.calls, ctx.kernel, ctx.state = group, calls, kernel, state
+        ctx.group, ctx.links, ctx.calls, ctx.kernel, ctx.state = group, links, calls, kernel, state
         return out
 
     @staticmethod
@@ -223,19 +231,19 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_o):
         q, k, v, out, lse = ctx.saved_tensors
-        group, calls, kernel, state = ctx.group, ctx.calls, ctx.kernel, ctx.state
+        group, links, calls, kernel, state = ctx.group, ctx.links, ctx.calls, ctx.kernel, ctx.state
         C, r = comm.world(group), comm.rank(group)
         kd = _kernel_of(q)[1]
         g, o, qc = grad_o.to(kd), out.to(kd), q.to(kd)
-        pending_kv = _exchange([k, v], group) if C > 1 else None
+        pending_kv = _exchange([k, v], group, links) if C > 1 else None
         dq, dk, dv = _kernel_backward(kernel, g, qc, k.to(kd), v.to(kd), o, lse, True, state)
         if C == 1:
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
         dq = dq.float()
-        pending_dkv = _exchange([dk.float(), dv.float()], group)  # this block's dK, dV so far, on to rank r+1
+        pending_dkv = _exchange([dk.float(), dv.float()], group, links)  # this block's dK, dV so far, on to rank r+1
         for step in range(1, C):
             kv, src = _received(pending_kv), (r - step) % C
-            pending_kv = _exchange(kv, group) if step < C - 1 else None
+            pending_kv = _exchange(kv, group, links) if step < C - 1 else None
             kb, vb = kv[0].to(kd), kv[1].to(kd)
             shares = []
             for c in calls[src]:
@@ -247,29 +255,30 @@ class _RingAttention(torch.autograd.Function):
             for ks, dk_c, dv_c in shares:
                 dk[:, :, ks] += dk_c
                 dv[:, :, ks] += dv_c
-            pending_dkv = _exchange([dk, dv], group)  # after the last step: home, to the block's owner r+1
+            pending_dkv = _exchange([dk, dv], group, links)  # after the last step: home, to the block's owner r+1
         dk, dv = _received(pending_dkv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                   zigzag: bool = True) -> torch.Tensor:
+                   zigzag: bool = True, links: tuple = ()) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, spread over `group` (see the module
     docstring). q, k, v: (B, heads, T/C, head_dim), this rank's tokens in `local_positions` order; returns
-    this rank's output, same shape and dtype. With one rank it is plain causal attention."""
-    return _RingAttention.apply(q, k, v, group, zigzag)
+    this rank's output, same shape and dtype. With one rank it is plain causal attention. `links`: the cp dim's
+    link groups (`_exchange`), or () for every transfer on `group`."""
+    return _RingAttention.apply(q, k, v, group, zigzag, tuple(links))
 
 
 class RingAttentionCore(torch.nn.Module):
     """model.AttentionCore's causal attention with the keys and values of the whole sequence, which `group`'s
     ranks hold in zigzag shares: `ring_attention`. No dropout (config refuses it under CP)."""
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    def __init__(self, group: dist.ProcessGroup | None, links: tuple = ()):
         super().__init__()
-        self.group = group
+        self.group, self.links = group, tuple(links)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return ring_attention(q, k, v, self.group)
+        return ring_attention(q, k, v, self.group, links=self.links)
 
 
 class ZigzagPositions:
@@ -291,12 +300,12 @@ def positions_for(rank: int, cp: int) -> ZigzagPositions:
     return ZigzagPositions(rank, cp)
 
 
-def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+def apply_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, links: tuple = ()) -> None:
     """Make `model` (a GPT or a pipeline stage) run on this rank's zigzag share of every sequence: its positions
     from `local_positions`, and every attention core a ring over `group` (the tokens themselves are cut by
     `shard_sequence` before the forward). Parameters are untouched (replicated over cp; their gradients are
-    reduced over dp x cp by the data-parallel wrapper)."""
+    reduced over dp x cp by the data-parallel wrapper). `links`: the cp dim's link groups (MeshDim.links)."""
     model.positions = positions_for(comm.rank(group), comm.world(group))
     for module in list(model.modules()):
         if hasattr(module, "core"):
-            module.core = RingAttentionCore(group)
+            module.core = RingAttentionCore(group, links)

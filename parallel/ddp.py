@@ -65,35 +65,44 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor        # (sum of numels,) in the parameters' dtype: the gradients themselves
     views: list[torch.Tensor]   # views[j] = buffer[offset_j : offset_j + numel_j].view_as(params[j])
+    group: dist.ProcessGroup | None = None  # reduced over: the wrapper's group, or the parameters' own
 
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def build_buckets(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int) -> list[Bucket]:
+def replica_group(p: nn.Parameter, default: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The ranks p's gradient is reduced over: `default` (the data-parallel group), or the smaller group a
+    dimension keeps p's copies on (expert parallelism: an expert's copies, `parallel.state.mark_replicas`)."""
+    return getattr(p, "_replica_group", default)
+
+
+def build_buckets(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int,
+                  group: dist.ProcessGroup | None = None) -> list[Bucket]:
     """Greedy buckets over `named_params` taken in reverse order: a bucket is closed when the next
-    parameter would push it past `cap_bytes` (or has another dtype/device). A parameter larger than the
-    cap gets a bucket of its own."""
+    parameter would push it past `cap_bytes` (or has another dtype, device or `replica_group`). A parameter
+    larger than the cap gets a bucket of its own."""
     groups: list[list[tuple[str, nn.Parameter]]] = []
     size = 0
+    key = (lambda p: (p.dtype, p.device, id(replica_group(p, group))))
     for name, p in reversed(named_params):
         nbytes = p.numel() * p.element_size()
         cur = groups[-1] if groups else None
-        if cur is None or size + nbytes > cap_bytes or (cur[0][1].dtype, cur[0][1].device) != (p.dtype, p.device):
+        if cur is None or size + nbytes > cap_bytes or key(cur[0][1]) != key(p):
             groups.append([])
             size = 0
         groups[-1].append((name, p))
         size += nbytes
     buckets = []
-    for group in groups:
-        params = [p for _, p in group]
+    for members in groups:
+        params = [p for _, p in members]
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         views, offset = [], 0
         for p in params:
             views.append(buffer[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        buckets.append(Bucket([n for n, _ in group], params, buffer, views))
+        buckets.append(Bucket([n for n, _ in members], params, buffer, views, replica_group(params[0], group)))
     return buckets
 
 
@@ -146,7 +155,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         self._broadcast_from_rank0()
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]  # tied weights once
-        self.buckets = build_buckets(named, int(bucket_cap_mb * 1024 * 1024))
+        self.buckets = build_buckets(named, int(bucket_cap_mb * 1024 * 1024), process_group)
 
         # Flat per-parameter tables (index i = position in bucket order) so the hooks do O(1) int work.
         self._params = [p for b in self.buckets for p in b.params]
@@ -154,7 +163,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         self._views = [v for b in self.buckets for v in b.views]
         self._bucket_of = [k for k, b in enumerate(self.buckets) for _ in b.params]
         self._bucket_len = [len(b.params) for b in self.buckets]
-        self._buffers = [b.buffer for b in self.buckets]
+        self._grad_buffers = [b.buffer for b in self.buckets]  # not `_buffers`: nn.Module's own registry
         self._wire = ([torch.empty_like(b.buffer, dtype=torch.bfloat16) for b in self.buckets]
                       if grad_compression == "bf16" else None)
 
@@ -196,7 +205,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         self._wait_all()
         if self._wire is not None and self.world_size > 1:
             for k in range(len(self.buckets)):
-                self._buffers[k].copy_(self._wire[k])
+                self._grad_buffers[k].copy_(self._wire[k])
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero every bucket buffer in place (gradients stay attached). `set_to_none` is accepted and
@@ -209,14 +218,16 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
     # ------------------------------------------------------------------ construction helpers
 
     def _broadcast_from_rank0(self) -> None:
-        """Overwrite every parameter and buffer with the group's rank 0 copy (rank 0 -> all)."""
+        """Overwrite every parameter and buffer with its group's rank 0 copy (rank 0 -> all): the wrapper's
+        group, or the parameter's own `replica_group` (an expert's copies)."""
         if self.world_size == 1:
             return
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
-        src = dist.get_global_rank(group, 0)
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                comm.broadcast(t.data, src=src, group=self.process_group)
+                group = replica_group(t, self.process_group)
+                if comm.world(group) > 1:
+                    src = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
+                    comm.broadcast(t.data, src=src, group=group)
 
     def _make_hook(self, i: int):
         view, k = self._views[i], self._bucket_of[i]
@@ -285,16 +296,20 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         self._next_bucket = k
 
     def _launch(self, k: int) -> None:
-        """Scale bucket k by 1/N (torch's reducer does grad * (1/N) too) and start its async SUM."""
+        """Scale bucket k by 1/N (torch's reducer does grad * (1/N) too) and start its async SUM over the
+        bucket's group. N is the wrapper's group size for every bucket: an expert's gradient, summed over its
+        fewer copies, already holds every rank's tokens that reached it (parallel/expert_parallel.py)."""
         if self.world_size == 1:
             return
-        buf = self._buffers[k]
+        buf = self._grad_buffers[k]
         buf.mul_(1.0 / self.world_size)
         wire = buf
         if self._wire is not None:  # bf16 on the wire, fp32 in the buffer
             wire = self._wire[k]
             wire.copy_(buf)
-        self._works.append(comm.all_reduce(wire, group=self.process_group, async_op=True, unit=f"bucket {k}"))
+        work = comm.all_reduce(wire, group=self.buckets[k].group, async_op=True, unit=f"bucket {k}")
+        if work is not None:  # None: the bucket's own group has one rank (each expert on one copy)
+            self._works.append(work)
 
     def _wait_all(self) -> None:
         works, self._works = self._works, []
@@ -311,7 +326,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         if not self._sync_backward:
             self._fired[:] = bytes(n)
             if comm.HOOKS is not None:  # the test seam (faults.py: GPT_FAULT_DDP_DROP_BUCKET)
-                comm.HOOKS.local_gradients(self._buffers)
+                comm.HOOKS.local_gradients(self._grad_buffers)
             return
         try:
             if self._next_bucket < len(self.buckets):
@@ -329,12 +344,12 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
                 self._next_bucket = len(self.buckets)
             used = None
             if self.find_unused_parameters and self.world_size > 1:
-                used = torch.tensor(list(self._used), dtype=torch.int32, device=self._buffers[0].device)
+                used = torch.tensor(list(self._used), dtype=torch.int32, device=self._grad_buffers[0].device)
                 self._works.append(comm.all_reduce(used, group=self.process_group, async_op=True))
             self._wait_all()
             if self._wire is not None and self.world_size > 1:
                 for k in range(self._next_bucket):
-                    self._buffers[k].copy_(self._wire[k])
+                    self._grad_buffers[k].copy_(self._wire[k])
             if self.find_unused_parameters:
                 used_anywhere = used.tolist() if used is not None else list(self._used)
                 for i in range(n):

@@ -1,15 +1,21 @@
-"""The flat-parameter layout of our sharding engine (parallel/fsdp.py), and the state-dict views over it.
+"""The flat-parameter unit of our sharding engine (parallel/fsdp.py): its layout and state-dict views, the ZeRO
+ladder (what each stage keeps: `ZeroStage`) and the reduction of a unit's gradient into its shard
+(`GradReduction`: reduce-scatter, and HSDP's all-reduce over the replicas).
 
 What is sharded: a unit's parameters (one Block's, or the root's: wte = lm_head, wpe, ln_f) are concatenated
 into one flat fp32 buffer, the matrices that get weight decay first, then biases and LayerNorm, then zero
-padding up to a multiple of N. Each of the N ranks of the shard group keeps only its slice
+padding up to a multiple of N. Each of the N ranks of the unit's shard group keeps only its slice
 [rank*S, (rank+1)*S), S = padded / N: the master copy, which the optimizer steps on through plain views.
+Each unit carries its shard group (its `group`, `rank`, `world`): the engine's data-parallel group, or for
+parameters another dimension keeps on fewer ranks (EP's experts) those ranks' group (expert-data-parallel).
 
 What is communicated here, and which way:
-- `_FlatUnit.gather`: all-gather of every rank's slice into the unit's full `flat` buffer (compute dtype),
-  which parallel/fsdp.py's hooks issue before each use (ZeRO-3) or once per step (ZeRO-1/2);
+- `_FlatUnit.gather`: all-gather, over the unit's group, of every rank's slice into the unit's full `flat`
+  buffer (compute dtype), which parallel/fsdp.py's hooks issue before each use (ZeRO-3) or once per step
+  (ZeRO-1/2);
 - `FlatLayout`: the sharded state dict and optimizer state are views of the slices (none); the full state
-  dict all-gathers each unit once (kept on group rank 0); loading from rank 0 broadcasts each unit once.
+  dict all-gathers each unit once over its group (kept on rank 0 of the layout's group); loading from rank 0
+  broadcasts each unit once.
 
 How parameters come and go. The GPT's nn.Parameters are removed from its modules; each name becomes a
 plain attribute that is, while its unit is gathered, a view of the unit's `flat` leaf tensor (made by
@@ -29,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from model import decays
 from parallel import comm
 from parallel.state import MOMENTS  # AdamW's per-element state
 
@@ -62,7 +69,8 @@ def _held(spec: _ParamSpec, lo: int, S: int) -> tuple[int, int, int]:
 
 
 class _FlatUnit:
-    """One unit's parameters as a flat buffer of `padded` elements, 1/N of it stored per rank.
+    """One unit's parameters as a flat buffer of `padded` elements, 1/N of it stored per rank of `group`
+    (N = `world`, this rank the `rank`-th; None: the default group, or one process).
 
     Each rank stores:
     - `shard`: its fp32 slice [rank*S, (rank+1)*S) of the flat buffer (S = padded / N), the master copy;
@@ -75,8 +83,10 @@ class _FlatUnit:
     """
 
     def __init__(self, name: str, specs: list[_ParamSpec], shard: torch.Tensor, world: int, rank: int,
-                 n_decay: int, compute_dtype: torch.dtype, keeps_full: bool = False):
+                 n_decay: int, compute_dtype: torch.dtype, keeps_full: bool = False,
+                 group: dist.ProcessGroup | None = None):
         self.name, self.specs = name, specs
+        self.group, self.world, self.rank = group, world, rank
         self.numel = sum(s.numel for s in specs)
         self.padded = shard.numel() * world
         S, lo = shard.numel(), rank * shard.numel()
@@ -105,9 +115,9 @@ class _FlatUnit:
         self.acc_grad: torch.Tensor | None = None  # full gradient kept across micro-steps (ZeRO-1, no_sync)
         self.acc_stale = False  # ZeRO-1: acc_grad was reduced (its own slice is the shard gradient): overwrite
 
-    def gather(self, group: dist.ProcessGroup | None) -> None:
-        """Allocate `flat` (unless kept) and start the all-gather of every rank's shard into it (async, in
-        compute dtype; in place when the shard is a view of it)."""
+    def gather(self) -> None:
+        """Allocate `flat` (unless kept) and start the all-gather of every rank's shard into it over the unit's
+        group (async, in compute dtype; in place when the shard is a view of it)."""
         if self.state not in ("sharded", "stale"):
             return
         if not self.keeps_full:
@@ -120,7 +130,7 @@ class _FlatUnit:
         # `flat` from forward stay valid when backward re-gathers into the same storage.
         out = self.flat.data
         self._in_flight = (src, out)
-        self._work = comm.all_gather_into_tensor(out, src, group, async_op=True, unit=self.name)
+        self._work = comm.all_gather_into_tensor(out, src, self.group, async_op=True, unit=self.name)
         self.state = "gathering"
 
     def wait(self) -> None:
@@ -178,13 +188,15 @@ def shard_numel(numel: int, world: int) -> int:
 
 
 def flatten_unit(gpt: nn.Module, name: str, aliases: list[list[str]], world: int, rank: int,
-                 compute_dtype: torch.dtype, device: torch.device, keeps_full: bool) -> _FlatUnit:
+                 compute_dtype: torch.dtype, device: torch.device, keeps_full: bool,
+                 group: dist.ProcessGroup | None = None) -> _FlatUnit:
     """Flatten and shard the (materialised) parameters named by `aliases`, one [init name, *tied names] list
-    each: copy only this rank's slice into a new fp32 shard (no full flat copy of the unit is ever made), then
-    replace the parameters in their modules by meta placeholders."""
+    each, over `group` (`world` ranks, this one the `rank`-th): copy only this rank's slice into a new fp32
+    shard (no full flat copy of the unit is ever made), then replace the parameters in their modules by meta
+    placeholders."""
     values = {names[0]: gpt.get_parameter(names[0]) for names in aliases}
-    mine = sorted(aliases, key=lambda names: values[names[0]].dim() < 2)  # stable: weight-decay matrices first
-    n_decay = sum(values[names[0]].numel() for names in mine if values[names[0]].dim() >= 2)
+    mine = sorted(aliases, key=lambda names: not decays(names[0], values[names[0]]))  # stable: decayed ones first
+    n_decay = sum(values[names[0]].numel() for names in mine if decays(names[0], values[names[0]]))
 
     specs, offset = [], 0
     for names in mine:
@@ -202,15 +214,17 @@ def flatten_unit(gpt: nn.Module, name: str, aliases: list[list[str]], world: int
         for module, attr in spec.owners:
             module._parameters.pop(attr, None)
             module.__dict__[attr] = spec.placeholder
-    return _FlatUnit(name, specs, shard, world, rank, n_decay, compute_dtype, keeps_full)
+    return _FlatUnit(name, specs, shard, world, rank, n_decay, compute_dtype, keeps_full, group)
 
 
 class FlatLayout:
     """Every unit of one model as this rank's shards, and the views that map them back to parameter names.
 
     `names` lists GPT.state_dict()'s names in order (the tied weight under both); every view is keyed by
-    them. Sharded views are views of the live fp32 shards, with no communication: together the ranks'
-    pieces tile each parameter exactly once. Full views cost one collective per unit over `group`."""
+    them. Sharded views are views of the live fp32 shards, with no communication: together the ranks of a
+    unit's group tile each of its parameters exactly once. Full views cost one collective per unit over the
+    unit's group; `group` (this rank its `rank`-th of `world`) is the layout's: its rank 0 keeps the full
+    state dict."""
 
     def __init__(self, units: list[_FlatUnit], group: dist.ProcessGroup | None, rank: int, world: int,
                  names: list[str]):
@@ -218,7 +232,7 @@ class FlatLayout:
 
     def held(self, unit: _FlatUnit, spec: _ParamSpec) -> tuple[int, int, int]:
         """(a, b, start): this rank's shard of `unit` holds elements [a, b) of `spec`, at shard[start:]."""
-        return _held(spec, self.rank * unit.shard.numel(), unit.shard.numel())
+        return _held(spec, unit.rank * unit.shard.numel(), unit.shard.numel())
 
     def slices(self) -> Iterator[tuple[_FlatUnit, _ParamSpec, nn.Parameter | None, int, int]]:
         """(unit, spec, piece, lo, hi) for every original parameter: this rank holds its part as elements
@@ -250,11 +264,12 @@ class FlatLayout:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The unsharded fp32 state dict, keyed like GPT.state_dict() (tied weight under both names), on
-        group rank 0; None elsewhere. Every rank must call it: one all-gather per unit."""
+        group rank 0; None elsewhere. Every rank must call it: one all-gather per unit, over its group.
+        Parameters another dimension sliced stay that rank's slices (TP's; EP's: rank 0's experts)."""
         out: dict[str, torch.Tensor] = {}
         for unit in self.units:
             full = torch.empty(unit.padded, dtype=torch.float32, device=unit.shard.device)
-            comm.all_gather_into_tensor(full, unit.shard, self.group)
+            comm.all_gather_into_tensor(full, unit.shard, unit.group)
             if self.rank == 0:
                 for spec in unit.specs:
                     value = full[spec.offset:spec.offset + spec.numel].view(spec.shape).clone()
@@ -300,8 +315,12 @@ class FlatLayout:
                 unit.shard[start:start + b - a].copy_(piece.flat)
 
     def load_full_state_dict(self, sd: dict[str, torch.Tensor] | None, from_rank0: bool = False) -> None:
-        """Load an unsharded state dict. Every rank passes it, or with `from_rank0` only group rank 0 does
-        (others pass None) and each unit's flat buffer is broadcast from it."""
+        """Load an unsharded state dict. Every rank passes it (with its own slices of what another dimension
+        sliced), or with `from_rank0` only group rank 0 does (others pass None) and each unit's flat buffer is
+        broadcast from it: not for units on another group (rank 0 holds none of the other ranks' experts)."""
+        if from_rank0 and any(unit.group is not self.group for unit in self.units):
+            raise ValueError("load_full_state_dict(from_rank0=True): units sharded over their own group (EP's "
+                             "experts) hold other values on other ranks; pass each rank its state dict")
         for unit in self.units:
             unit.reshard()
             if from_rank0:
@@ -317,3 +336,95 @@ class FlatLayout:
             for spec in unit.specs:
                 a, b, start = self.held(unit, spec)
                 unit.shard[start:start + b - a].copy_(sd[spec.names[0]].reshape(-1)[a:b])
+
+
+# ----------------------------------------------------------------------------- ZeRO stages and the reduction
+
+@dataclass(frozen=True)
+class ZeroStage:
+    """One rung of the ZeRO ladder, on the same units and 1/N shards: AdamW always steps on the shards, so
+    its state is 1/N at every stage. What a stage decides is which full-size copies a rank keeps:
+
+    - `keeps_params`: each unit's full parameters stay allocated for the whole run (in fp32 the shard is a
+      view of them); an optimizer step marks them stale and the next forward all-gathers the updated
+      shards into them in place: one all-gather of Ψ per step, and no resharding after forward. Otherwise
+      (ZeRO-3) they are gathered before each use and freed after it.
+    - `reduces_at_end`: each unit's full gradient is a buffer kept across the step's micro-steps and
+      reduce-scattered once, when the last micro-step's backward ends (not overlapped), into the buffer's
+      own slice. Otherwise each unit is reduce-scattered as soon as its gradient is complete (overlapped
+      with backward) and the full gradient freed: one reduce-scatter of Ψ per micro-step.
+    """
+    stage: int
+    keeps_params: bool
+    reduces_at_end: bool
+
+
+ZERO_LADDER = {1: ZeroStage(1, keeps_params=True, reduces_at_end=True),    # shards the optimizer state
+               2: ZeroStage(2, keeps_params=True, reduces_at_end=False),   # + the gradients
+               3: ZeroStage(3, keeps_params=False, reduces_at_end=False)}  # + the parameters (FSDP)
+
+
+class GradReduction:
+    """A unit's full gradient (in `reduce_dtype`) -> this rank's fp32 shard gradient, async.
+
+    Over the unit's shard group (`group`, S ranks, for the units on it; a unit of another dimension's copies,
+    EP's experts, its own): a reduce-scatter (SUM) started by `start`; `finish` waits for every started one,
+    then HSDP (`replicate_group`, R replicas of each shard) all-reduces (SUM) each reduced 1/S piece of a unit
+    on `group` over the replicas, divides by S·R and adds it into the unit's shard `.grad`. Every unit is
+    divided by that one total, S·R (the whole data-parallel group: an expert's gradient, summed over its
+    copies, holds every rank's tokens that reached it). fp16 divides before the reduce-scatter instead (as DDP
+    does), so the sum can't overflow where the mean would not; other dtypes divide after it, as FSDP2 does,
+    which keeps fp32 runs bit-equal to it."""
+
+    def __init__(self, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None,
+                 reduce_dtype: torch.dtype, events: list):
+        self.group, self.replicate_group, self.reduce_dtype, self.events = group, replicate_group, reduce_dtype, events
+        self.rank = comm.rank(group)
+        self.replicas = comm.world(replicate_group) if replicate_group is not None else 1
+        self.n = comm.world(group) * self.replicas
+        self.predivide = reduce_dtype == torch.float16 and self.n > 1
+        self.pending: list[tuple[_FlatUnit, object, torch.Tensor, torch.Tensor]] = []  # reduce-scatters
+        self.reducing: list[tuple[_FlatUnit, object, torch.Tensor]] = []  # HSDP's replica all-reduces
+
+    def start(self, unit: _FlatUnit, grad: torch.Tensor, in_place: bool = False) -> None:
+        """Start the reduce-scatter of `grad` over the unit's shard group; `in_place`: into grad's own slice of
+        this rank (ZeRO-1: the shard gradient lives in the full buffer)."""
+        if self.predivide:
+            grad.div_(self.n)
+        S = unit.shard.numel()
+        out = grad[unit.rank * S:(unit.rank + 1) * S] if in_place else \
+            torch.empty(S, dtype=self.reduce_dtype, device=grad.device)
+        self.events.append(("reduce_scatter", unit.name, "backward"))
+        work = comm.reduce_scatter_tensor(out, grad, unit.group, async_op=True, unit=unit.name)
+        self.pending.append((unit, work, out, grad))
+
+    def finish(self, final: bool = True) -> None:
+        """Wait for the started reduce-scatters. HSDP then starts each piece's all-reduce over the replicas,
+        asynchronous as the reduce-scatter was: waited (and the piece added into `.grad`) at the next `finish`,
+        when the next unit's reduce-scatter is started (`final=False`: one unit's all-reduce stays in flight
+        behind the next unit's backward), or here when `final` (the end of backward)."""
+        earlier, self.reducing = self.reducing, []
+        for unit, work, out, _ in self.pending:
+            if work is not None:
+                work.wait()
+            replicated = self.replicas > 1 and unit.group is self.group  # not a unit on its own group
+            work = comm.all_reduce(out, group=self.replicate_group, async_op=True,
+                                   unit=unit.name) if replicated else None
+            self.reducing.append((unit, work, out))  # HSDP: the replicas of this shard sum their pieces
+        self.pending.clear()
+        self._add_reduced(earlier)  # after the new all-reduces are started: they overlap the wait
+        if final:
+            self._add_reduced(self.reducing)
+            self.reducing = []
+
+    def _add_reduced(self, reduced: list) -> None:
+        for unit, work, out in reduced:
+            if work is not None:
+                work.wait()
+            out = out.float()
+            if self.n > 1 and not self.predivide:
+                out.div_(self.n)
+            unit.add_grad(out)
+
+
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "fsdp": 3}

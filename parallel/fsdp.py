@@ -12,8 +12,8 @@ data-parallel group of N ranks:
 
 so a micro-step moves 2 all-gathers and 1 reduce-scatter of the Block bytes, and 1 of each for the root
 (FSDP2 also keeps the root gathered from forward to backward: freeing it would be undone at once).
-`ZeroStage` (below; what each stage sends and holds is in the formula sheet, plan/theory.py) says what stages
-1 and 2 keep instead, `GradReduction` what HSDP adds to the reduction.
+`ZeroStage` (parallel/flat_param.py; what each stage sends and holds is in the formula sheet, plan/theory.py)
+says what stages 1 and 2 keep instead, `GradReduction` (there too) what HSDP adds to the reduction.
 
 Hooks: forward pre/post hooks on each Block; a tensor hook on each Block's output (runs before that
 Block's backward); a post-accumulate-grad hook on each unit's `flat` leaf (runs once all the unit's
@@ -22,11 +22,16 @@ gradients are in); an autograd-engine callback at the end of backward.
 The engine runs any function of the module it wraps (`run`: a pipeline chunk's forward, say), can keep units
 of its own beside the root and the Blocks (`separate`), and lets a caller hold a unit's gradient and reduce it
 later (`defer_reduction`): where the pipeline meets sharding, parallel/pipeline.py uses all three.
+
+Parameters that another dimension keeps on fewer ranks than the data-parallel group (expert parallelism: an
+expert's copies are its expert-data-parallel group, `parallel.state.mark_replicas`) go into units of their own,
+one per Block that has them ("transformer.h.<i>.experts", after every other unit), sharded over that group
+instead: gathered, released and prefetched with their Block, reduce-scattered over that group (never
+all-reduced over HSDP's replicas: the group already spans them), and divided by the same total as every unit.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -37,94 +42,11 @@ import torch.nn as nn
 from model import GPT, materialize_module
 from parallel import comm
 from parallel.blocks import blocks_by_index
-from parallel.ddp import GradSyncSwitch
-from parallel.flat_param import FlatLayout, ShardPiece, _FlatUnit, flatten_unit
+from parallel.ddp import GradSyncSwitch, replica_group
+from parallel.flat_param import ZERO_LADDER, FlatLayout, GradReduction, ShardPiece, _FlatUnit, flatten_unit
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import pick_device
-from parallel.state import MOMENTS  # AdamW's per-element state
-
-
-@dataclass(frozen=True)
-class ZeroStage:
-    """One rung of the ZeRO ladder, on the same units and 1/N shards: AdamW always steps on the shards, so
-    its state is 1/N at every stage. What a stage decides is which full-size copies a rank keeps:
-
-    - `keeps_params`: each unit's full parameters stay allocated for the whole run (in fp32 the shard is a
-      view of them); an optimizer step marks them stale and the next forward all-gathers the updated
-      shards into them in place: one all-gather of Ψ per step, and no resharding after forward. Otherwise
-      (ZeRO-3) they are gathered before each use and freed after it.
-    - `reduces_at_end`: each unit's full gradient is a buffer kept across the step's micro-steps and
-      reduce-scattered once, when the last micro-step's backward ends (not overlapped), into the buffer's
-      own slice. Otherwise each unit is reduce-scattered as soon as its gradient is complete (overlapped
-      with backward) and the full gradient freed: one reduce-scatter of Ψ per micro-step.
-    """
-    stage: int
-    keeps_params: bool
-    reduces_at_end: bool
-
-
-ZERO_LADDER = {1: ZeroStage(1, keeps_params=True, reduces_at_end=True),    # shards the optimizer state
-               2: ZeroStage(2, keeps_params=True, reduces_at_end=False),   # + the gradients
-               3: ZeroStage(3, keeps_params=False, reduces_at_end=False)}  # + the parameters (FSDP)
-
-
-class GradReduction:
-    """A unit's full gradient (in `reduce_dtype`) -> this rank's fp32 shard gradient, async.
-
-    Over the shard group of S ranks: a reduce-scatter (SUM) started by `start`; `finish` waits for every
-    started one, then HSDP (`replicate_group`, R replicas of each shard) all-reduces (SUM) each reduced
-    1/S piece over the replicas, divides by S·R and adds it into the unit's shard `.grad`. fp16 divides
-    before the reduce-scatter instead (as DDP does), so the sum can't overflow where the mean would not;
-    other dtypes divide after it, as FSDP2 does, which keeps fp32 runs bit-equal to it."""
-
-    def __init__(self, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None,
-                 reduce_dtype: torch.dtype, events: list):
-        self.group, self.replicate_group, self.reduce_dtype, self.events = group, replicate_group, reduce_dtype, events
-        self.rank = comm.rank(group)
-        self.replicas = comm.world(replicate_group) if replicate_group is not None else 1
-        self.n = comm.world(group) * self.replicas
-        self.predivide = reduce_dtype == torch.float16 and self.n > 1
-        self.pending: list[tuple[_FlatUnit, object, torch.Tensor, torch.Tensor]] = []  # reduce-scatters
-        self.reducing: list[tuple[_FlatUnit, object, torch.Tensor]] = []  # HSDP's replica all-reduces
-
-    def start(self, unit: _FlatUnit, grad: torch.Tensor, in_place: bool = False) -> None:
-        """Start the reduce-scatter of `grad` over the shard group; `in_place`: into grad's own slice of this
-        rank (ZeRO-1: the shard gradient lives in the full buffer)."""
-        if self.predivide:
-            grad.div_(self.n)
-        S = unit.shard.numel()
-        out = grad[self.rank * S:(self.rank + 1) * S] if in_place else \
-            torch.empty(S, dtype=self.reduce_dtype, device=grad.device)
-        self.events.append(("reduce_scatter", unit.name, "backward"))
-        work = comm.reduce_scatter_tensor(out, grad, self.group, async_op=True, unit=unit.name)
-        self.pending.append((unit, work, out, grad))
-
-    def finish(self, final: bool = True) -> None:
-        """Wait for the started reduce-scatters. HSDP then starts each piece's all-reduce over the replicas,
-        asynchronous as the reduce-scatter was: waited (and the piece added into `.grad`) at the next `finish`,
-        when the next unit's reduce-scatter is started (`final=False`: one unit's all-reduce stays in flight
-        behind the next unit's backward), or here when `final` (the end of backward)."""
-        earlier, self.reducing = self.reducing, []
-        for unit, work, out, _ in self.pending:
-            if work is not None:
-                work.wait()
-            work = comm.all_reduce(out, group=self.replicate_group, async_op=True,
-                                   unit=unit.name) if self.replicas > 1 else None
-            self.reducing.append((unit, work, out))  # HSDP: the replicas of this shard sum their pieces
-        self.pending.clear()
-        self._add_reduced(earlier)  # after the new all-reduces are started: they overlap the wait
-        if final:
-            self._add_reduced(self.reducing)
-            self.reducing = []
-
-    def _add_reduced(self, reduced: list) -> None:
-        for unit, work, out in reduced:
-            if work is not None:
-                work.wait()
-            out = out.float()
-            if self.n > 1 and not self.predivide:
-                out.div_(self.n)
-            unit.add_grad(out)
+from parallel.state import MOMENTS, shards_of  # MOMENTS: AdamW's per-element state
 
 
 class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
@@ -167,6 +89,12 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     full parameters (gathered once per step), stage 1 also the full gradients (reduced once per step).
     HSDP (`replicate_group`): the sharding above within `process_group` (S ranks), and the R replicas of
     each shard kept equal by `GradReduction`. Parameters are gathered within the shard group only.
+
+    Parameters with copies on a group of their own (`p._replica_group`, `parallel.state.mark_replicas`: EP's
+    experts, copied over the expert-data-parallel group of D ranks) form one unit per Block that has them
+    (`own_units`), after every other unit, sharded 1/D over that group: all-gathered and released with their
+    Block (its hooks, and its prefetch), reduce-scattered over that group, not all-reduced over HSDP's
+    replicas (the group spans them), and divided by S·R as every unit.
     """
 
     def __init__(self, module: GPT, process_group: dist.ProcessGroup | None = None,
@@ -198,8 +126,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         device = torch.device(device) if device is not None else (
             pick_device("auto") if is_meta else next(module.parameters()).device)
         self._state_dict_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
-        # our TP shards (FSDP over TP): name -> the dim TP split, for the norm groups and checkpoints
-        self.tp_shard_dims = {n: p._tp_shard_dim for n, p in module.named_parameters() if hasattr(p, "_tp_shard_dim")}
+        # other dimensions' slices (FSDP over TP, EP): name -> their marks, for the norm groups and checkpoints
+        self.shard_marks = {n: shards_of(p) for n, p in module.named_parameters() if shards_of(p)}
         aliases: dict[int, list[str]] = {}  # one entry per parameter object: [init name, *tied names]
         for name, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
@@ -209,10 +137,21 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         self._global = [None] + [i for i, _ in blocks]
         self._n_blocks = len(blocks)
         self.separate = dict(separate or {})  # unit name -> the module prefixes it holds (units after the Blocks)
-        n_units = 1 + len(blocks) + len(self.separate)
+        # parameters copied over a group of their own (EP's experts): unit name -> (its Block's unit, the group)
+        self.own_units: dict[str, tuple[int, dist.ProcessGroup | None]] = {}
+        self._own_unit_of: dict[str, str] = {}  # parameter name -> its own-group unit
+        for name, p in module.named_parameters():
+            group = replica_group(p, process_group)
+            if group is not process_group:
+                self._add_own(name, group)
+        n_dense = 1 + len(blocks) + len(self.separate)
+        self._with = [[i] for i in range(n_dense)]  # unit i and the own-group units gathered with it
+        for k, (_, (block, _)) in enumerate(self.own_units.items()):
+            self._with[block].append(n_dense + k)
+        n_units = n_dense + len(self.own_units)
         self.units = [self._build_unit(i, deferred_init_seed, device) for i in range(n_units)]
         self.layout = FlatLayout(self.units, process_group, self.rank, self.world, self._state_dict_names)
-        self.roots = [self.units[0]] + self.units[1 + len(blocks):]  # gathered around every forward
+        self.roots = [self.units[0]] + self.units[1 + len(blocks):n_dense]  # gathered around every forward
         self.flat_params = nn.ParameterList([p for u in self.units for p, _, _ in u.pieces])
         self._whole = True  # forward() runs the whole module; False once `run` ran a part of it
         # (flat leaf, its gradient, a callback that reduces it) -> True if the caller keeps it to reduce later
@@ -226,15 +165,34 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 
     # ------------------------------------------------------------------------------------------ setup
 
+    def _add_own(self, name: str, group: dist.ProcessGroup | None) -> None:
+        """Parameter `name`, copied over `group` (not the engine's group), into its Block's own-group unit."""
+        key = unit_key(name, self.separate)
+        if key == "root" or key in self.separate:
+            raise ValueError(f"{name}: parameters with a replica group of their own are sharded in a unit per "
+                             f"Block; this one is in no Block ({key})")
+        unit = f"{key}.experts"
+        block, other = self.own_units.setdefault(unit, (self._position[int(key.split(".")[2])], group))
+        if other is not group:
+            raise ValueError(f"{name}: Block {key} has parameters copied over two different groups")
+        self._own_unit_of[name] = unit
+
     def _unit_index(self, name: str) -> int:
         """0 for the root, the unit of Block i for transformer.h.i (i + 1 in a whole GPT), then the `separate`
-        units in their order (`unit_key`)."""
+        units in their order (`unit_key`), then the own-group units."""
+        if name in self._own_unit_of:
+            return 1 + self._n_blocks + len(self.separate) + list(self.own_units).index(self._own_unit_of[name])
         key = unit_key(name, self.separate)
         if key == "root":
             return 0
         if key in self.separate:
             return self._n_blocks + 1 + list(self.separate).index(key)
         return self._position[int(key.split(".")[2])]
+
+    def replica_of(self, name: str, replica_rank: int) -> int:
+        """Parameter `name`'s index among its data-parallel copies (checkpoint writers are copy 0): HSDP's
+        `replica_rank`, or 0 in an own-group unit (sharded over every rank holding it: one copy)."""
+        return 0 if name in self._own_unit_of else replica_rank
 
     def unit_pieces(self, name: str) -> list[nn.Parameter]:
         """This rank's shard pieces of the `separate` unit `name` (empty when there is none)."""
@@ -253,17 +211,33 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
                 if self._unit_index(prefix + ".") == index:
                     materialize_module(sub, prefix, gpt.config, seed, device)
         mine = [names for names in self._aliases if self._unit_index(names[0]) == index]
-        name = ("root" if index == 0 else list(self.separate)[index - self._n_blocks - 1] if index > self._n_blocks
-                else f"transformer.h.{self._global[index]}")
-        return flatten_unit(gpt, name, mine, self.world, self.rank, self.param_dtype, device,
-                            self.policy.keeps_params)
+        n_dense, group = 1 + self._n_blocks + len(self.separate), self.group
+        if index >= n_dense:
+            name = list(self.own_units)[index - n_dense]
+            group = self.own_units[name][1]
+        else:
+            name = ("root" if index == 0 else list(self.separate)[index - self._n_blocks - 1]
+                    if index > self._n_blocks else f"transformer.h.{self._global[index]}")
+        return flatten_unit(gpt, name, mine, comm.world(group), comm.rank(group), self.param_dtype, device,
+                            self.policy.keeps_params, group)
 
     # ------------------------------------------------------------------------------ forward / backward
 
     def _gather(self, unit: _FlatUnit, phase: str) -> None:
         if unit.state in ("sharded", "stale"):
             self.events.append(("all_gather", unit.name, phase))
-            unit.gather(self.group)
+            unit.gather()
+
+    def _gather_block(self, i: int, phase: str) -> None:
+        """Start the all-gathers of unit i and of the own-group units that go with it (its experts)."""
+        for j in self._with[i]:
+            self._gather(self.units[j], phase)
+
+    def _show_block(self, i: int) -> None:
+        """Wait for unit i and the units that go with it, and show their full parameters."""
+        for j in self._with[i]:
+            self.units[j].wait()
+            self.units[j].show_full()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """GPT's forward: (logits, loss). Gathers the root (and prefetches the first Block) first."""
@@ -283,7 +257,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
             root.release()  # ZeRO-3: a copy left by a forward without backward may predate an optimizer step
             self._gather(root, "forward")
         if prefetch_first and self.prefetch and self._n_blocks:
-            self._gather(self.units[1], "forward")
+            self._gather_block(1, "forward")
         for root in self.roots:
             root.wait()
             root.show_full()
@@ -299,18 +273,18 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def _pre_forward(self, i: int, module: nn.Module, args) -> None:
         unit = self.units[i]
         self.events.append(("forward_start", unit.name, "forward"))
-        self._gather(unit, "forward")
+        self._gather_block(i, "forward")
         if self.prefetch and self._adjacent(i, i + 1):
-            self._gather(self.units[i + 1], "forward")
-        unit.wait()
-        unit.show_full()
+            self._gather_block(i + 1, "forward")
+        self._show_block(i)
 
     def _post_forward(self, i: int, module: nn.Module, args, output: torch.Tensor) -> None:
         unit = self.units[i]
         self.events.append(("forward_end", unit.name, "forward"))
         needs_backward = torch.is_grad_enabled() and output.requires_grad
         if self.reshard_after_forward or not needs_backward:
-            unit.release()
+            for j in self._with[i]:
+                self.units[j].release()
         if needs_backward:
             output.register_hook(partial(self._pre_backward, i))
 
@@ -326,7 +300,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         for root in self.roots:
             self._gather(root, "backward")  # only if a later forward freed it
         if self.prefetch and self._n_blocks and self._whole:
-            self._gather(self.units[self._n_blocks], "backward")
+            self._gather_block(self._n_blocks, "backward")
         for root in self.roots:
             root.wait()
 
@@ -334,11 +308,10 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         unit = self.units[i]
         self._start_backward()
         self.events.append(("backward_start", unit.name, "backward"))
-        self._gather(unit, "backward")
+        self._gather_block(i, "backward")
         if self.prefetch and self._adjacent(i, i - 1):
-            self._gather(self.units[i - 1], "backward")
-        unit.wait()
-        unit.show_full()  # activation checkpointing recomputes the Block's forward from its attributes
+            self._gather_block(i - 1, "backward")
+        self._show_block(i)  # activation checkpointing recomputes the Block's forward from its attributes
 
     def _post_backward(self, unit: _FlatUnit, flat: torch.Tensor) -> None:
         """All of the unit's gradients from this backward are in `flat.grad`: free the unit and reduce its
@@ -424,16 +397,31 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def grad_norm_items(self, groups: dict[str, tuple] | None = None) -> list[tuple]:
         """This rank's shard gradients as items for parallel.grads.clip_grad_norm_.
 
-        Every element is sharded over this FSDP's group; `groups` ({original name: more groups}, e.g. TP's;
-        names not in it have none) adds the groups a parameter is also sharded over; None marks a copy
-        counted elsewhere (a pipeline's lm_head copy of wte: scaled, not measured). Without extra groups
-        each flat piece is one item (param, (group,)); with them, each original parameter's slice is
-        (piece, groups, lo, hi), after one empty item per pattern, the same on every rank (`norm_items`)."""
+        Every element is sharded over its unit's group (this FSDP's, or an own-group unit's: EP's experts over
+        their expert-data-parallel group); `groups` ({original name: more groups}, e.g. TP's, EP's; names not in
+        it have none) adds the groups a parameter is also sharded over; None marks a copy counted elsewhere (a
+        pipeline's lm_head copy of wte: scaled, not measured). Without extra groups each flat piece is one item
+        (param, (group,)); with them, each original parameter's slice is (piece, groups, lo, hi), after one
+        empty item per pattern, the same on every rank (`norm_items`). Own-group units' items come after the
+        others', their patterns (unit group, *its groups) likewise listed first, so every rank issues the same
+        all-reduces in the same order."""
         groups = {n: g for n, g in (groups or {}).items() if g != ()}
-        if not groups:
-            return norm_items(((u.name, p) for u in self.units for p, _, _ in u.pieces), within=(self.group,))
-        held = ((spec.names[0], p, lo, hi) for _, spec, p, lo, hi in self.layout.slices() if p is not None)
-        return norm_items(held, groups, within=(self.group,), every_pattern=True)
+        own = {n for names in self._aliases for n in names if names[0] in self._own_unit_of}
+        dense = {n: g for n, g in groups.items() if n not in own}
+        if not dense:
+            items = norm_items(((u.name, p) for u in self.units if u.group is self.group for p, _, _ in u.pieces),
+                               within=(self.group,))
+        else:
+            held = ((spec.names[0], p, lo, hi) for u, spec, p, lo, hi in self.layout.slices()
+                    if p is not None and u.group is self.group)
+            items = norm_items(held, dense, within=(self.group,), every_pattern=True)
+        if not self.own_units:
+            return items
+        within = {n: (self.units[self._unit_index(n)].group,) for n in own}
+        extra = {n: None if groups.get(n, ()) is None else within[n] + groups.get(n, ()) for n in sorted(own)}
+        held = ((spec.names[0], p, lo, hi) for u, spec, p, lo, hi in self.layout.slices()
+                if p is not None and u.group is not self.group)
+        return items + norm_items(held, extra, every_pattern=True)
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Scale the shard gradients so the global L2 norm is at most max_norm; return the norm before.
@@ -481,9 +469,6 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """The sum of `state_breakdown`."""
         return sum(self.state_breakdown(optimizer).values())
-
-
-ZERO_STAGES = {"zero1": 1, "zero2": 2, "fsdp": 3}
 
 
 def unit_key(name: str, separate: dict[str, tuple[str, ...]] | None = None) -> str:

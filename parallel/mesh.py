@@ -58,6 +58,39 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def serial_p2p(device: torch.device) -> bool:
+    """Whether a rank's unbatched p2p ops on one group run one after another, across all its peers: on NCCL
+    (`backend_for`), whose groups are all eagerly initialised here (init_distributed passes device_id), so
+    ProcessGroupNCCL::pointToPoint puts every unbatched send and receive of a group on the group's one
+    communicator and stream ("serialized with all other ops on this ProcessGroup, including other P2P ops",
+    torch's warning). A ring's p2p (the pipeline's, context parallelism's) then goes over link groups
+    (`p2p_link`; Mesh.build_links), so a send to one neighbour never queues behind a receive from the other
+    (plan/simulate.py's "nccl_eager" model: without them up to +7.6% makespan for ZB-V and +9.3% for DualPipe-V
+    when B is slower than F, +10.9% for 1F1B and +12.5% for ZB-H1 with a slow first stage; and CP's ring runs
+    half duplex). Off on gloo: it matches each (sender, receiver) pair's k-th send with its k-th
+    receive and never blocks a rank's other peers, so link groups would only cost groups there (and
+    batch_isend_irecv, the other way round a single stream, can hang on gloo: parallel/comm.py `send`)."""
+    return backend_for(device) == "nccl"
+
+
+def p2p_link(lower: int, upper: int, n: int) -> int:
+    """Which of a ring's link groups (`link_groups`) carries the messages between ranks `lower` and `upper` of
+    a group of n, neighbours on the ring (upper = lower + 1 mod n, or lower - 1 for the way back up a V: the
+    rank of the chunk before the boundary and the rank of the one after). Link i joins ranks i and i+1 (mod n);
+    it goes on group i mod 2, and the ring's closing link n-1 on group 2 when n is odd, so no rank has two of
+    its links on one group: each rank's FIFO on a group carries one peer's messages (see `serial_p2p`). Both
+    ends compute it from the same (lower, upper), so both post the message on the same group. At n = 2 the two
+    ranks have two links: 0 when lower is rank 0, the closing link 1 when lower is rank 1 (a V's way back)."""
+    link = lower if upper == (lower + 1) % n else upper
+    return 2 if n % 2 and link == n - 1 else link % 2
+
+
+def link_groups(n: int) -> int:
+    """How many link groups a ring of n ranks needs (`p2p_link`): none for one rank, 2 for an even ring, 3 for
+    an odd one (its closing link would share a group with link 0)."""
+    return 0 if n < 2 else 2 + n % 2
+
+
 class HostTimer:
     """Marks by the host clock. On the CPU the host runs the work, so its clock times the work."""
 
@@ -115,11 +148,16 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard
     cp: int = 1            # context parallelism: each sequence split over cp ranks
+    ep: int = 1            # expert parallelism: borrows its ranks from dp x cp (it must divide them)
 
     def __post_init__(self) -> None:
-        if self.dp < 1 or self.tp < 1 or self.pp < 1:
+        if self.dp < 1 or self.tp < 1 or self.pp < 1 or self.ep < 1:
             raise ValueError(f"parallel sizes must be >= 1, got pipeline_parallel_size={self.pp}, "
-                             f"data_parallel_size={self.dp}, tensor_parallel_size={self.tp}")
+                             f"data_parallel_size={self.dp}, tensor_parallel_size={self.tp}, "
+                             f"expert_parallel_size={self.ep}")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"expert_parallel_size ({self.ep}) must divide data_parallel_size x "
+                             f"context_parallel_size = {self.dp * self.cp}: expert parallelism borrows those ranks")
         n = self.pp * self.dp * self.cp * self.tp
         if n != self.world_size:
             cp = f"context_parallel_size ({self.cp}) x " if self.cp > 1 else ""
@@ -151,6 +189,19 @@ class ParallelDims:
     @property
     def dp_shard(self) -> int:
         return self.dp // self.dp_replicate
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    def sizes(self) -> dict[str, int]:
+        """Every dimension's size by name, the checkpoint manifest's record of the layout."""
+        return {"pp": self.pp, "dp": self.dp, "dp_replicate": self.dp_replicate, "cp": self.cp, "tp": self.tp,
+                "ep": self.ep}
+
+
+# dims a run names only where they are on (train.py's description, a resume's note), beside pp, dp and tp
+OPTIONAL_DIMS = ("cp", "ep")
 
 
 def env_world() -> tuple[int, int, int]:
@@ -192,12 +243,15 @@ FLATTENED = {
 class MeshDim:
     """One named dim of the mesh as this rank sees it: its size, this rank's coordinate on it, and the process
     group over it (None on one process, where every dim has size 1 and nothing is communicated). `device_mesh`:
-    the same dim as a torch DeviceMesh, for the PyTorch twins (None on one process)."""
+    the same dim as a torch DeviceMesh, for the PyTorch twins (None on one process). `links`: the dim's link
+    groups (`p2p_link`: the same ranks as `group`, in the same order, one per link colour), which its ring's
+    p2p goes over where `serial_p2p` (Mesh.build_links); empty: every p2p message on `group`."""
     name: str
     size: int
     rank: int
     group: dist.ProcessGroup | None
     device_mesh: DeviceMesh | None
+    links: tuple[dist.ProcessGroup, ...] = ()
 
     @property
     def enabled(self) -> bool:
@@ -227,6 +281,7 @@ class Mesh:
                 continue
             dm = root[spans]._flatten("_".join(spans))
             self._dims[name] = MeshDim(name, dm.size(), dm.get_local_rank(), dm.get_group(), dm)
+        self._dims["ep"], self._dims["edp"] = expert_dims(dims, self._dims["loss"])
 
     def __getitem__(self, name: str) -> MeshDim:
         return self._dims[name]
@@ -238,8 +293,70 @@ class Mesh:
 
     def pipelines(self) -> list[list[int]]:
         """Every pipeline's global ranks in pp order (pp is outermost: the ranks j, j + W/P, j + 2W/P, ...)."""
-        rest = self.dims.world_size // self.dims.pp
-        return [[s * rest + j for s in range(self.dims.pp)] for j in range(rest)]
+        return dim_ranks(self.dims, "pp")
+
+    def build_links(self) -> None:
+        """Give the pp and cp dims (where larger than one rank) their link groups (`p2p_link`, `link_groups`):
+        for each dim, each link colour, one group per instance of the dim with the dim's ranks (`new_groups`).
+        Collective over the whole world: every rank calls it, in the same order."""
+        for name in ("pp", "cp"):
+            d = self._dims[name]
+            if d.enabled:
+                lists = dim_ranks(self.dims, name)
+                links = tuple(new_groups(lists, group_timeout()) for _ in range(link_groups(d.size)))
+                self._dims[name] = dataclasses.replace(d, links=links)
+
+
+def dim_ranks(dims: ParallelDims, name: str) -> list[list[int]]:
+    """Every group of mesh dim `name` (one of DIMS) over the world: the global ranks of each, in the dim's order
+    (a group's rank i is its i-th), ordered by their first rank. Rank layout as Mesh's."""
+    sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+             "tp": dims.tp}
+    stride = 1
+    for d in reversed(DIMS[DIMS.index(name) + 1:]):
+        stride *= sizes[d]
+    span = stride * sizes[name]  # ranks from one group's first to the next block's
+    return [[base + k * stride for k in range(sizes[name])]
+            for base in range(dims.world_size) if base % span < stride]
+
+
+def new_groups(rank_lists: list[list[int]], timeout: timedelta | None = None) -> dist.ProcessGroup | None:
+    """One process group per list of `rank_lists` (disjoint, each sorted), built by every rank of the world,
+    member or not, with the same lists; returns this rank's (None where it is in none). Where the world group is
+    bound to a device (NCCL, eager: init_distributed) that is one split_group: one world-wide ncclCommSplit for
+    all the groups. Elsewhere (gloo, and the fake backend `init_group_calls` counts with) one dist.new_group
+    per list, each a call every rank of the world makes (and on eager NCCL each a world-wide split too, the
+    non-members' a no-colour one: c10d _new_process_group_helper)."""
+    me = dist.get_rank()
+    if c10d._get_default_group().bound_device_id is not None:
+        return dist.split_group(split_ranks=rank_lists, timeout=timeout)
+    mine = None
+    for ranks in rank_lists:
+        g = dist.new_group(ranks, timeout=timeout)
+        if me in ranks:
+            mine = g
+    return mine
+
+
+def expert_dims(dims: ParallelDims, loss: MeshDim) -> tuple[MeshDim, MeshDim]:
+    """The expert-parallel dims, borrowed from `loss` (dp x cp, the ranks holding the same dense parameters):
+    `ep`, E/ep experts per rank, EP rank r of group g being loss rank g·ep + r; and `edp`, the ranks holding the
+    same experts (loss ranks ≡ r mod ep), which reduce their gradients. Every rank of the world builds every
+    group, in the same order (ep groups, then edp groups, by (pp, tp) then index), member or not: `new_groups`,
+    one split_group per kind on eager NCCL. Without EP: ep has size 1 and edp is `loss` itself."""
+    ep = dims.ep
+    if ep == 1 or loss.group is None:
+        return MeshDim("ep", 1, 0, None, None), dataclasses.replace(loss, name="edp")
+    n, T = dims.dp * dims.cp, dims.tp  # global rank = (pp·n + l)·T + tp, l the loss rank
+    rank = dist.get_rank()
+    mine: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
+    for name, members in (("ep", lambda g: range(g * ep, (g + 1) * ep)), ("edp", lambda g: range(g, n, ep))):
+        count = n // ep if name == "ep" else ep
+        lists = [[(pp * n + l) * T + tp for l in members(g)]
+                 for pp in range(dims.pp) for tp in range(T) for g in range(count)]
+        mine[name] = (new_groups(lists, group_timeout()), next(ranks for ranks in lists if rank in ranks))
+    return tuple(MeshDim(name, len(mine[name][1]), mine[name][1].index(rank), mine[name][0], None)
+                 for name in ("ep", "edp"))
 
 
 FAKE = "fake"  # torch's fake backend: every collective is accepted and moves no data (a simulated rank)
@@ -248,7 +365,8 @@ FAKE = "fake"  # torch's fake backend: every collective is accepted and moves no
 def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float = 600.0,
                      fake_rank: int | None = None) -> Mesh:
     """Join the process group (when there is more than one rank) and return the run's Mesh (on one process: every
-    dim of size 1, no groups). Every group then has the run's timeout (`honour_timeout`).
+    dim of size 1, no groups), with link groups for the pp and cp rings where `serial_p2p`. Every group then has
+    the run's timeout (`honour_timeout`).
 
     `fake_rank`: play that rank of a dims.world_size job on the fake backend instead (plan/fake_rank.py): no
     store, no peers, collectives that return at once; the mesh's groups are made by the same calls. Its rank
@@ -263,7 +381,10 @@ def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float 
         with _disable_current_modes():
             root = init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
                                     mesh_dim_names=DIMS)
-            return Mesh(dims, root)  # no timeouts: the fake backend waits for nothing
+            mesh = Mesh(dims, root)
+            if serial_p2p(device):
+                mesh.build_links()
+            return mesh  # no timeouts: the fake backend waits for nothing
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
@@ -273,6 +394,8 @@ def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float 
     root = init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
                             mesh_dim_names=DIMS)
     mesh = Mesh(dims, root)
+    if serial_p2p(device):
+        mesh.build_links()
     honour_timeout(timeout)
     return mesh
 

@@ -3,6 +3,7 @@
     0. pipeline stage over mesh["pp"]               (keeps this pp rank's chunks; the rest is dropped)
        then context parallelism over mesh["cp"]     (ring attention, or torch's context_parallel around each
                                                      micro-step for "pytorch"; parameters stay replicated over cp)
+       then expert parallelism over mesh["ep"]      (each MoE layer keeps its experts; tokens go by all_to_all)
     1. tensor parallelism over mesh["tp"]           (shards matmul weights; materialises its own shards)
        then activation checkpointing and torch.compile of each Block (parallel/blocks.py)
     2. FSDP / ZeRO-1/2 over mesh["fsdp"]            (shards what is left; materialises one unit at a time;
@@ -32,18 +33,21 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import GPT, init_parameter
+from model import GPT, init_parameter, moe_layers
 from parallel import comm
 from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
 from parallel.twins import tensor_parallel as tp_twin
 from parallel.blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
+from parallel.expert_parallel import ExpertBalance, apply_expert_parallel
 from parallel.context_parallel import apply_context_parallel, zigzag_share
-from parallel.fsdp import ZERO_STAGES, FullyShardedDataParallel
+from parallel.flat_param import ZERO_STAGES
+from parallel.fsdp import FullyShardedDataParallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_
 from parallel.mesh import Mesh, to_device
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group, sharded_units
 from parallel.pipeline_schedule import V_SCHEDULES
 from parallel.protocol import Accumulating, Cut, DataParallel, Placement, Replicated, Sharded
+from parallel.state import shards_of
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,8 @@ class Parallelized:
     micro_contexts: list[Callable] = field(default_factory=list)  # (x, y) -> context yielding (x, y): the twins'
     stage: nn.Module | None = None       # what the pp step made (a PipelineStage), or the model without pp
     engine: str | None = None            # "ddp" | "fsdp" | None: what the data-parallel step runs on
+    experts: ExpertBalance | None = None  # the MoE layers' per-step statistics and bias (a model with experts)
+    expert_stats: dict | None = None  # after a step: ExpertBalance.step's tokens per expert and balancing loss
 
     # ---- one step
 
@@ -212,7 +218,11 @@ class Parallelized:
         return self.dp.param_groups(weight_decay)
 
     def after_optimizer_step(self) -> None:
+        """The wrapper's (ZeRO-1/2: full copies stale), then the MoE layers' step: their tokens per expert over
+        the whole batch, and the expert bias where it is on (`expert_parallel.balance`)."""
         self.dp.after_optimizer_step()
+        if self.experts is not None:
+            self.expert_stats = self.experts.step()
 
     def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         return self.dp.state_breakdown(optimizer)
@@ -231,11 +241,13 @@ class Parallelized:
         return self.model if isinstance(self.model, FullyShardedDataParallel) else None
 
     def runner_args(self, cfg: ParallelConfig) -> dict:
-        """What a pipeline runner takes, from the mesh: the pp group, the tied-embedding group (every rank of the
-        world builds every pipeline's, member or not), the activations' dtype and shape between chunks."""
+        """What a pipeline runner takes, from the mesh: the pp group and its link groups (NCCL), the tied-embedding
+        group (every rank of the world builds every pipeline's, member or not), the activations' dtype and shape
+        between chunks."""
         fsdp = self.fsdp
         v_shape = cfg.pp_schedule in V_SCHEDULES  # one rank holds both ends: no embedding group
-        return {"group": self.mesh["pp"].group, "embed_group": embedding_group(self.mesh.pipelines(), v_shape),
+        return {"group": self.mesh["pp"].group, "links": self.mesh["pp"].links,
+                "embed_group": embedding_group(self.mesh.pipelines(), v_shape),
                 "act_dtype": activation_dtype(cfg, self.engine),
                 "seq_shard": self.mesh["tp"].size if cfg.sequence_parallel else 1, "device": self.device,
                 **({"engine": fsdp} if fsdp is not None else {})}
@@ -255,7 +267,7 @@ def apply_cp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.de
     """Our ring attention over mesh["cp"] in every attention core, zigzag positions, and each micro-batch cut
     to this rank's zigzag share of its rows (parallel/context_parallel.py)."""
     cp = mesh["cp"]
-    apply_context_parallel(model, cp.group)
+    apply_context_parallel(model, cp.group, cp.links)
     return Cut(model, tokens=partial(zigzag_share, rank=cp.rank, cp=cp.size))
 
 
@@ -298,16 +310,25 @@ def protocol(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, at: Placement, g
     return Replicated(model, at, groups)
 
 
-def apply_runner(stage: PipelineStage, mesh: Mesh, cfg: ParallelConfig, device: torch.device,
-                 **runner_args) -> PipelineRunner:
-    """Our pipeline runner (parallel/pipeline.py) through whatever the steps before made."""
-    return PipelineRunner(stage, device=device, **runner_args)
+def apply_ep(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> nn.Module:
+    """Our expert parallelism (parallel/expert_parallel.py): every MoE layer keeps this EP rank's experts and
+    sends each token to the rank holding its expert, over mesh["ep"]; the experts' copies are mesh["edp"]."""
+    apply_expert_parallel(model, mesh["ep"], mesh["edp"], seed=cfg.seed if cfg.deferred_init else None,
+                          device=device)
+    return model
+
+
+def apply_runner(stage: PipelineStage, mesh: Mesh, cfg: ParallelConfig, **runner_args) -> PipelineRunner:
+    """Our pipeline runner (parallel/pipeline.py) through whatever the steps before made (`runner_args`:
+    Parallelized.runner_args, the device among them)."""
+    return PipelineRunner(stage, **runner_args)
 
 
 APPLY: dict[tuple[str, str], Callable] = {
     ("custom", "pp"): apply_pp, ("pytorch", "pp"): pp_twin.apply_pp,
     ("custom", "cp"): apply_cp, ("pytorch", "cp"): cp_twin.apply_cp,
     ("custom", "tp"): apply_tp, ("pytorch", "tp"): tp_twin.apply_tp,
+    ("custom", "ep"): apply_ep,  # PyTorch 2.13 has no expert-parallel wrapper: config refuses the twin
     ("custom", "fsdp"): apply_fsdp, ("pytorch", "fsdp"): dp_twin.apply_fsdp,
     ("custom", "ddp"): apply_ddp, ("pytorch", "ddp"): dp_twin.apply_ddp,
     ("custom", "protocol"): protocol, ("pytorch", "protocol"): dp_twin.protocol,
@@ -315,7 +336,7 @@ APPLY: dict[tuple[str, str], Callable] = {
 }
 # which engine a dp_type runs on: ours shard on one engine; torch's ZeRO-1 is DDP + ZeroRedundancyOptimizer
 ENGINE = {"ddp": "ddp", "zero1": "fsdp", "zero2": "fsdp", "fsdp": "fsdp"}
-CUTS = ("cp", "tp")  # the dimensions that cut each layer, in order (each returns a model or a Cut)
+CUTS = ("cp", "ep", "tp")  # the dimensions that cut each layer, in order (each returns a model or a Cut)
 
 
 def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> Parallelized:
@@ -333,6 +354,8 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
             par.model = made.model
             par.shard_tokens = made.tokens or par.shard_tokens
             par.micro_contexts += [made.context] if made.context else []
+    if moe_layers(par.model):  # statistics over the whole batch, wherever its rows and tokens are
+        par.experts = ExpertBalance(par.model, mesh, device)
     if cfg.activation_checkpointing != "none":
         apply_activation_checkpointing(par.model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
@@ -350,7 +373,7 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
                    lm_head_copy=mesh["pp"].enabled and par.stage.last and not par.stage.both_ends)
     par.dp = APPLY[impl, "protocol"](par.model, mesh, cfg, at, groups)
     if mesh["pp"].enabled:
-        par.pipeline = APPLY[impl, "runner"](par.stage, mesh, cfg, **par.runner_args(cfg))  # the device among them
+        par.pipeline = APPLY[impl, "runner"](par.stage, mesh, cfg, **par.runner_args(cfg))
     return par
 
 
@@ -366,27 +389,35 @@ def activation_dtype(cfg: ParallelConfig, engine: str | None) -> torch.dtype:
 
 def grad_groups(model: nn.Module, tp_group) -> dict[str, tuple]:
     """For each parameter name, the process groups its gradient is sharded over: a DTensor's non-replicated
-    mesh dims (Shard, or _StridedShard under FSDP2 over TP); tp_group for our TP shards (parallel/
-    tensor_parallel.py marks them); none for replicated parameters."""
-    from parallel.tensor_parallel import tp_grad_groups
-    out = tp_grad_groups(model, tp_group)
+    mesh dims (Shard, or _StridedShard under FSDP2 over TP); the groups of our layers' shard marks (TP's, EP's:
+    parallel/state.mark_shard); none for replicated parameters."""
+    out = {}
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
             out[name] = tuple(p.device_mesh.get_group(i) for i, pl in enumerate(p.placements)
                               if not pl.is_replicate())
+        else:
+            out[name] = tuple(m.group for m in shards_of(p))
     return out
 
 
 def materialize(model: nn.Module, seed: int, device: torch.device) -> None:
-    """Give the parameters still on meta real storage and the init rule's values, rank-locally.
-
-    A DTensor parameter gets only its local slice of the full init value (`src_data_rank=None`: no
+    """Give the parameters and buffers still on meta real storage and the init rule's values, rank-locally
+    (buffers: zero, the MoE bias and counters). What a step before made real (TP's shards, EP's experts) keeps
+    its values. A DTensor parameter gets only its local slice of the full init value (`src_data_rank=None`: no
     communication). Tied weights keep a single storage. A model with nothing on meta is left alone."""
-    if not any(p.is_meta for p in model.parameters()):
+    named = [*model.named_parameters(), *model.named_buffers()]
+    if not any(t.is_meta for _, t in named):
         return
+    kept = {name: t.detach().clone() for name, t in named if not t.is_meta}  # by name: to_empty makes new tensors
     model.to_empty(device=device)
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(kept[name]) if name in kept else b.zero_()
         for name, p in model.named_parameters():
+            if name in kept:
+                p.copy_(kept[name])
+                continue
             full = init_parameter(name, p.shape, model.config, seed).to(device)
             if isinstance(p, DTensor):
                 full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)

@@ -34,13 +34,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from model import GPT, head_output, materialize_module
+from model import GPT, SideLosses, head_output, materialize_module
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
-from parallel.mesh import group_timeout, make_timer
+from parallel.mesh import group_timeout, make_timer, new_groups, p2p_link
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F,
-                                        SPLIT_SCHEDULES, V_SCHEDULES, W, Action, chunk_of, rank_of, send_waits,
-                                        split_layers)
+                                        SPLIT_SCHEDULES, V_SCHEDULES, W, Action, boundary, chunk_of, rank_of,
+                                        send_waits, split_layers)
 from parallel.zero_bubble import WeightGradStore, hold_for_w
 
 
@@ -98,6 +98,7 @@ class PipelineStage(nn.Module):
                         self.lm_head.weight.copy_(w)
         self.head_loss, self.loss_fn = model.head_loss, model.loss_fn  # lm_head + loss chunked; on whole logits
         self.positions = model.positions  # (T, device) -> positions; context parallelism may have swapped them
+        self.side_loss: torch.Tensor | None = None  # the last forward_chunk's side losses (a chunk before the last)
 
     def init_units(self) -> list[tuple[str, nn.Module]]:
         """(GPT name, module) pairs that together own each of this stage's parameters once."""
@@ -120,17 +121,21 @@ class PipelineStage(nn.Module):
     def forward_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk `chunk` on its input: token ids (B, T) for chunk 0, else the activation (B, T, C).
         Returns the activation (B, T, C), or on the last chunk the mean cross-entropy against `targets`, lm_head
-        and loss computed together chunk by chunk over rows as GPT's (model.head_output), or the logits (B, T, V)
-        without targets."""
+        and loss computed together chunk by chunk over rows as GPT's (model.head_output), plus the chunk's side
+        losses (the MoE balancing loss), or the logits (B, T, V) without targets. A chunk before the last leaves
+        its side losses in `side_loss` (None without), for the runner to add to its backward."""
         t = self.transformer
-        if chunk == 0:
-            pos = self.positions(x.shape[1], x.device)
-            x = t.drop(t.wte(x) + t.wpe(pos))  # (B, T, C)
-        for i in self.layers[chunk]:
-            x = t.h[str(i)](x)  # (B, T, C)
+        with SideLosses() as side:
+            if chunk == 0:
+                pos = self.positions(x.shape[1], x.device)
+                x = t.drop(t.wte(x) + t.wpe(pos))  # (B, T, C)
+            for i in self.layers[chunk]:
+                x = t.h[str(i)](x)  # (B, T, C)
         if chunk == self.n_chunks - 1:
             logits, loss = head_output(self, t.ln_f(x), targets)  # (B, T, V) logits, or the loss
-            return logits if targets is None else loss
+            self.side_loss = None
+            return logits if targets is None else loss if side.total is None else loss + side.total
+        self.side_loss = side.total
         return x
 
 
@@ -140,15 +145,10 @@ def embedding_group(pipelines: list[list[int]], v_shape: bool = False) -> dist.P
 
     `pipelines` lists every pipeline's global ranks in pp order; every rank of the world must call this with
     the same list, member or not (a middle stage too), because dist.new_group is collective over the whole
-    world: on NCCL a new_group that some rank skips hangs the ranks that call it."""
-    mine = None
-    for ranks in pipelines:
-        if len(ranks) < 2 or v_shape:
-            continue
-        g = dist.new_group([ranks[0], ranks[-1]], timeout=group_timeout())
-        if dist.get_rank() in (ranks[0], ranks[-1]):
-            mine = g
-    return mine
+    world: on NCCL a new_group that some rank skips hangs the ranks that call it. All W/P groups are built by
+    `new_groups`: on eager NCCL one split_group, one world-wide call instead of W/P."""
+    pairs = [[ranks[0], ranks[-1]] for ranks in pipelines if len(ranks) >= 2 and not v_shape]
+    return new_groups(pairs, group_timeout()) if pairs else None
 
 
 TIED = "tied"  # the sharding engine's unit for a stage's end of the tied embedding
@@ -179,9 +179,12 @@ class PipelineRunner:
     A receive is posted at its place in the list and waited on just before the F or B that reads it, so a
     rank computes what needs no input while the data is in flight (the wait is idle in `timeline`).
     Communicates point-to-point with the neighbouring chunks' ranks in `group` (the pp group; None: the whole
-    world) and, in `reduce_tied_grads`, all-reduces the embedding gradient over `embed_group`: the result of
-    `embedding_group(...)`, which every rank of the world builds together (None on a middle stage); by default
-    the runner builds it, for a pipeline that is the whole world.
+    world), or, given `links` (the pp dim's link groups, where parallel.mesh.serial_p2p: NCCL), each message in
+    the link group of the chunk boundary it crosses (`p2p_link`), so that no rank's one stream serialises its
+    sends to one neighbour behind its receives from the other; and, in `reduce_tied_grads`, all-reduces the
+    embedding gradient over `embed_group`: the result of `embedding_group(...)`, which every rank of the world
+    builds together (None on a middle stage); by default the runner builds it, for a pipeline that is the whole
+    world.
 
     After a step: `timeline` is [(action, start, end)] in seconds, one per action (device events on CUDA,
     the host clock on the CPU: parallel.mesh.make_timer); `peak_in_flight` is the most (chunk, micro)
@@ -195,14 +198,18 @@ class PipelineRunner:
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
                  embed_group: dist.ProcessGroup | None | str = WHOLE_WORLD, act_dtype: torch.dtype = torch.float32,
-                 seq_shard: int = 1, engine: nn.Module | None = None, device: torch.device | None = None):
+                 seq_shard: int = 1, engine: nn.Module | None = None, device: torch.device | None = None,
+                 links: Sequence[dist.ProcessGroup] = ()):
         """`act_dtype`: the dtype of the activations between chunks, what the stages really produce (the
         residual stream's: fp32, or the compute copies' dtype when FSDP gathers bf16 ones); both sides of a
         send must agree, since the receiver allocates it. `seq_shard`: activations between chunks are (mb, T /
         seq_shard, C) (tp under sequence parallelism). `engine`: our sharding engine wrapping the stage
         (parallel/fsdp.py), which then runs every chunk (`engine.run`, so its hooks see each one) and holds the
-        tied matrix's shard pieces (`sharded_units`) that `reduce_tied_grads` sums."""
+        tied matrix's shard pieces (`sharded_units`) that `reduce_tied_grads` sums. `links`: the pp group's link
+        groups (MeshDim.links: its ranks in its order, one group per link colour), or () for every message on
+        `group`."""
         self.stage, self.group, self.act_dtype, self.seq_shard = stage, group, act_dtype, seq_shard
+        self.links = tuple(links)
         self.engine = engine
         self.forward = stage.forward_chunk if engine is None else partial(engine.run, stage.forward_chunk)
         self.device = device if device is not None else next(stage.parameters()).device
@@ -255,6 +262,7 @@ class PipelineRunner:
         stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (c, m) -> (input, output)
         act_in: dict[tuple[int, int], torch.Tensor] = {}    # (c, m) -> input of F(c, m), received or local
         grad_out: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> grad of chunk c's output
+        sides: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> chunk c's side losses / M (MoE), until B
         to_send: dict[tuple[str, int, int], torch.Tensor] = {}
         sends: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # in flight until waited: keep t alive
         loss = torch.zeros((), device=device)
@@ -281,6 +289,9 @@ class PipelineRunner:
                 inp = x.to(device) if a.chunk == 0 else act_in.pop(key)
                 with defer(key):
                     out = self.forward(a.chunk, inp, y.to(device) if a.chunk == st.n_chunks - 1 else None)
+                if a.chunk != st.n_chunks - 1 and st.side_loss is not None:  # a chunk's own loss terms (MoE)
+                    sides[key] = st.side_loss / M
+                    loss += sides[key].detach()
                 if a.chunk == st.n_chunks - 1:
                     out = out / M
                     loss += out.detach()
@@ -296,6 +307,9 @@ class PipelineRunner:
                 with defer(key):  # split: the input gradient only (and a checkpointed Block's recompute)
                     if a.chunk == st.n_chunks - 1:
                         torch.autograd.backward(scale(out) if scale is not None else out)
+                    elif (side := sides.pop(key, None)) is not None:  # its side loss, seeded as the loss is
+                        torch.autograd.backward([out, scale(side) if scale is not None else side],
+                                                [grad_out.pop(key), None])
                     else:
                         torch.autograd.backward(out, grad_out.pop(key))
                 if not split:
@@ -312,12 +326,12 @@ class PipelineRunner:
             elif a.kind in (SEND_F, SEND_B):
                 t = to_send.pop(a)
                 peer = rank_of(a.chunk + (1 if a.kind == SEND_F else -1), st.pp, st.v_shape)
-                sends[a] = (comm.send(t, peer, self.group), t)
+                sends[a] = (comm.send(t, peer, self.p2p_group(boundary(a))), t)
                 del t
             elif a.kind in (RECV_F, RECV_B):
                 buf = torch.empty(shape, dtype=self.act_dtype, device=device)
                 peer = rank_of(a.chunk + (-1 if a.kind == RECV_F else 1), st.pp, st.v_shape)
-                recvs[a] = (comm.recv(buf, peer, self.group), buf)  # waited on by its F or B
+                recvs[a] = (comm.recv(buf, peer, self.p2p_group(boundary(a))), buf)  # waited on by its F or B
                 del buf
             self._marks.append((a, t0, self.timer.mark()))
             if self.measure_held:
@@ -370,17 +384,26 @@ class PipelineRunner:
                     h = x.to(device)
                 elif rank_of(c - 1, st.pp, st.v_shape) != st.rank:
                     h = torch.empty(shape, dtype=self.act_dtype, device=device)
-                    comm.recv(h, rank_of(c - 1, st.pp, st.v_shape), self.group).wait()
+                    comm.recv(h, rank_of(c - 1, st.pp, st.v_shape), self.p2p_group(c - 1)).wait()
                 h = self.forward(c, h, y.to(device) if c == st.n_chunks - 1 else None)
                 if c == st.n_chunks - 1:
                     loss = h.detach().float()
                 elif rank_of(c + 1, st.pp, st.v_shape) != st.rank:
                     h = self._check(h.contiguous())
-                    sends.append((comm.send(h, rank_of(c + 1, st.pp, st.v_shape), self.group), h))
+                    sends.append((comm.send(h, rank_of(c + 1, st.pp, st.v_shape), self.p2p_group(c)), h))
             losses.append(loss)
         for work, _ in sends:
             work.wait()
         return losses
+
+    def p2p_group(self, c: int) -> dist.ProcessGroup | None:
+        """The group the messages across chunk boundary c (between chunks c and c+1) go on: `group`, or the
+        boundary's link group (both ends name it from the same boundary, so both post on the same group; the
+        link groups' ranks are the pp group's, so a pp rank is its rank in them too)."""
+        if not self.links:
+            return self.group
+        st = self.stage
+        return self.links[p2p_link(rank_of(c, st.pp, st.v_shape), rank_of(c + 1, st.pp, st.v_shape), st.pp)]
 
     def _check(self, t: torch.Tensor) -> torch.Tensor:
         """t, if it has the act_dtype both sides allocate; otherwise a TypeError naming both."""

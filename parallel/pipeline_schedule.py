@@ -81,6 +81,12 @@ def rank_of(chunk: int, pp: int, v_shape: bool = False) -> int:
     return chunk % pp
 
 
+
+def boundary(a: Action) -> int:
+    """The chunk boundary a SEND/RECV crosses: c for the message between chunks c and c+1 (SEND_F(c) and
+    RECV_B(c) on chunk c's rank, RECV_F(c+1) and SEND_B(c+1) on chunk c+1's)."""
+    return a.chunk if a.kind in (SEND_F, RECV_B) else a.chunk - 1
+
 # ---- schedules: per-rank compute order, then the P2P actions -----------------------------------------
 
 def gpipe(pp: int, micro_batches: int, virtual: int = 1, pairing: str = "ready") -> list[list[Action]]:

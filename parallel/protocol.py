@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel.grads import norm_items
-from parallel.state import Entry, entries_for, entries_for_fsdp
+from parallel.state import Entry, buffer_entries, entries_for, entries_for_fsdp
 
 
 class Cut(NamedTuple):
@@ -107,8 +107,8 @@ class Replicated:
 
     def _entries(self, optimizer: torch.optim.Optimizer) -> list[Entry]:
         a = self.at
-        return entries_for(list(self.model.named_parameters()), optimizer, a.replica_rank, self.sharded_as,
-                           a.tp_rank, a.tp_size)
+        return (entries_for(list(self.model.named_parameters()), optimizer, a.replica_rank, self.sharded_as, a.tp_rank)
+                + buffer_entries(self.model, a.replica_rank, a.tp_rank))
 
 
 class Accumulating(Replicated):
@@ -130,7 +130,7 @@ class Sharded:
 
     def __init__(self, fsdp, at: Placement):
         self.model, self.at = fsdp, at
-        tp = {n: (at.tp_group,) for n in fsdp.tp_shard_dims}
+        tp = {n: tuple(m.group for m in marks) for n, marks in fsdp.shard_marks.items()}
         self._norm_items = fsdp.grad_norm_items({**tp, **({"lm_head.weight": None} if at.lm_head_copy else {})})
         self._local = fsdp.policy.reduces_at_end  # ZeRO-1
 
@@ -161,9 +161,12 @@ class Sharded:
         return optimizer
 
     def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list[Entry]:
+        """The shards' entries (HSDP: replica 0 writes; experts: every rank its own shard), and the buffers
+        (whole on every rank: written by the first rank of the shard group's replica 0)."""
         a = self.at
-        return _tied_copy_read_only(entries_for_fsdp(self.model, optimizer, self.model.tp_shard_dims, a.tp_rank,
-                                                     a.tp_size, a.replica_rank))
+        first = a.replica_rank == 0 and self.model.rank == 0
+        return _tied_copy_read_only(entries_for_fsdp(self.model, optimizer, a.tp_rank, a.replica_rank)
+                                    + buffer_entries(self.model, 0 if first else 1, a.tp_rank))
 
 
 def _tied_copy_read_only(entries: list[Entry]) -> list[Entry]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -124,28 +125,71 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def full_shape(p: torch.Tensor, tp_size: int) -> tuple[int, ...]:
-    """The unsharded shape: a DTensor knows it; our TP layers' shards are 1/tp along `_tp_shard_dim`."""
+class ShardMark(NamedTuple):
+    """One split a dimension made of a parameter: this rank holds the `rank`-th of `size` equal slices along
+    `dim`, and the others are held by the ranks of `group` (`over`: the mesh dim's name, "tp" or "ep")."""
+    dim: int
+    rank: int
+    size: int
+    group: object
+    over: str
+
+
+def mark_shard(p: torch.Tensor, dim: int, rank: int, size: int, group, over: str) -> None:
+    """Record on `p` (this rank's slice) where it sits in the full parameter: what a dimension that splits a
+    parameter does, so that checkpoints (`Entry` positions), the global norm (the groups its squares sum over)
+    and the sharding engine see it without knowing the dimension."""
+    p._shards = shards_of(p) + (ShardMark(dim, rank, size, group, over),)
+
+
+def mark_replicas(p: torch.Tensor, group, rank: int) -> None:
+    """Record on `p` that its copies are on the ranks of `group` (this rank the `rank`-th), not on all of the
+    data-parallel wrapper's: its gradient is reduced over `group` and copy 0 writes it to checkpoints (an
+    expert's copies, under expert parallelism)."""
+    p._replica_group, p._replica = group, rank
+
+
+def shards_of(p: torch.Tensor) -> tuple[ShardMark, ...]:
+    """The splits `mark_shard` recorded on p (none for a whole parameter)."""
+    return getattr(p, "_shards", ())
+
+
+def shard_dim(p: torch.Tensor, over: str) -> int | None:
+    """The dim `over` (a mesh dim's name) split p along, or None."""
+    return next((m.dim for m in shards_of(p) if m.over == over), None)
+
+
+def full_shape(p: torch.Tensor, marks: tuple[ShardMark, ...] | None = None) -> tuple[int, ...]:
+    """The unsharded shape: a DTensor knows it; our layers' slices are 1/size along each marked dim."""
     shape = list(p.shape)
-    dim = getattr(p, "_tp_shard_dim", None)
-    if dim is not None and not isinstance(p, DTensor):
-        shape[dim] *= tp_size
+    if not isinstance(p, DTensor):
+        for m in shards_of(p) if marks is None else marks:
+            shape[m.dim] *= m.size
     return tuple(shape)
 
 
-def _axes(p: torch.Tensor, tp_rank: int, tp_size: int) -> tuple[Axis, ...]:
+def marked_axes(shape: tuple[int, ...], marks: tuple[ShardMark, ...]) -> tuple[list[Axis], tuple[int, ...]]:
+    """(per dim of the full tensor, the positions of a local block of `shape`; the full shape) under `marks`."""
+    axes: list[Axis] = [range(n) for n in shape]
+    full = list(shape)
+    for m in marks:  # rank r holds the r-th of `size` equal slices
+        n = shape[m.dim]
+        axes[m.dim] = range(m.rank * n, (m.rank + 1) * n)
+        full[m.dim] *= m.size
+    return axes, tuple(full)
+
+
+def _axes(p: torch.Tensor) -> tuple[Axis, ...]:
     """Per dim of the full tensor, the positions along it of this rank's elements of p (local order)."""
-    axes: list[Axis] = [range(n) for n in full_shape(p, tp_size)]
-    if isinstance(p, DTensor):
-        for d, axis in enumerate(axes):
-            placements = [_on_dim(pl, d) for pl in p.placements]
-            if any(not pl.is_replicate() for pl in placements):
-                whole = torch.arange(len(axis), dtype=torch.int64, device=p.device)
-                axes[d] = _compact(distribute_tensor(whole, p.device_mesh, placements,
-                                                     src_data_rank=None).to_local().cpu())
-    elif hasattr(p, "_tp_shard_dim"):  # our TP: rank r holds the r-th of tp equal slices
-        d, n = p._tp_shard_dim, p.shape[p._tp_shard_dim]
-        axes[d] = range(tp_rank * n, (tp_rank + 1) * n)
+    if not isinstance(p, DTensor):
+        return tuple(marked_axes(tuple(p.shape), shards_of(p))[0])
+    axes: list[Axis] = [range(n) for n in full_shape(p)]
+    for d, axis in enumerate(axes):
+        placements = [_on_dim(pl, d) for pl in p.placements]
+        if any(not pl.is_replicate() for pl in placements):
+            whole = torch.arange(len(axis), dtype=torch.int64, device=p.device)
+            axes[d] = _compact(distribute_tensor(whole, p.device_mesh, placements,
+                                                 src_data_rank=None).to_local().cpu())
     return tuple(axes)
 
 
@@ -170,12 +214,18 @@ def _compact(positions: torch.Tensor) -> Axis:
     return positions
 
 
+def data_replica(p: torch.Tensor, replica_rank: int) -> int:
+    """p's index among its data-parallel copies: `replica_rank` (the wrapper's), unless a dimension keeps p on
+    fewer ranks (EP: an expert is copied over the expert-data-parallel group, `p._replica`)."""
+    return getattr(p, "_replica", replica_rank)
+
+
 def _is_writer(p: torch.Tensor, replica_rank: int, plain_replica_rank: int) -> bool:
     """One writer per element: replica 0 of the data-parallel copies, and coordinate 0 on every mesh
     dim a DTensor is replicated over; a plain tensor is written by replica 0 of those holding it."""
-    if replica_rank != 0:
+    if data_replica(p, replica_rank) != 0:
         return False
-    if hasattr(p, "_tp_shard_dim") and not isinstance(p, DTensor):
+    if shard_dim(p, "tp") is not None and not isinstance(p, DTensor):
         return True  # our TP shard: each tp rank writes its own slice
     if isinstance(p, DTensor):
         coords = p.device_mesh.get_coordinate()
@@ -187,13 +237,13 @@ def _is_writer(p: torch.Tensor, replica_rank: int, plain_replica_rank: int) -> b
 
 def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
                 replica_rank: int = 0, sharded_as: dict[str, DTensor] | None = None,
-                plain_replica_rank: int = 0, tp_size: int = 1, owns=None) -> list[Entry]:
+                plain_replica_rank: int = 0, owns=None) -> list[Entry]:
     """Entries for parameters that are whole tensors or DTensors (one process, DDP, FSDP2, DTensor TP).
 
     `replica_rank` is this rank's index among identical replicas (the dp rank under DDP, else 0);
     `plain_replica_rank` is its index among the ranks that hold plain (non-DTensor) parameters whole
-    (the tp rank under tensor parallelism, where such parameters are replicated). Our own TP layers'
-    shards (marked `_tp_shard_dim`) are the `plain_replica_rank`-th of `tp_size` slices.
+    (the tp rank under tensor parallelism, where such parameters are replicated). Our own layers' slices
+    (`mark_shard`: TP's, EP's) sit where their marks say.
     `sharded_as` maps names of plain local tensors that are really DTensor shards (TP under torch
     DDP) to a DTensor with the right placements.
     `owns(p)` (torch's ZeRO-1, ZeroRedundancyOptimizer): `optimizer` (its local AdamW) holds the moments of
@@ -208,22 +258,35 @@ def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.o
         state = optimizer.state[p] if mine else {k: torch.zeros_like(local(p)) for k in MOMENTS}
         tensors = {"param": local(p).detach().view(-1)}
         tensors.update({k: local(state[k]).view(-1) for k in MOMENTS})
-        axes = _axes(layout, plain_replica_rank, tp_size)
+        axes = _axes(layout)
         n = math.prod(len(a) for a in axes)
         if n != tensors["param"].numel():
             raise ValueError(f"{name}: {tensors['param'].numel()} local elements, but its layout says {n}")
         write = mine and _is_writer(layout, 0 if owns is not None else replica_rank, plain_replica_rank)
-        out.append(Entry(name, full_shape(layout, tp_size), axes, (0, n), tensors, write))
+        out.append(Entry(name, full_shape(layout), axes, (0, n), tensors, write))
     return out
 
 
-def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_dims: dict[str, int], tp_rank: int,
-                     tp_size: int, replica_rank: int = 0) -> list[Entry]:
+def buffer_entries(module: nn.Module, replica_rank: int = 0, plain_replica_rank: int = 0) -> list[Entry]:
+    """Entries for the persistent buffers that are training state (the MoE expert bias): whole on every rank
+    of the stage that holds them, written by replica 0 and tp rank 0, loaded by every rank. No moments."""
+    out = []
+    for name, b in module.named_buffers():
+        short = name.rpartition(".")[2]
+        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        if short in owner._non_persistent_buffers_set:
+            continue
+        out.append(Entry(name.replace("module.", ""), tuple(b.shape), tuple(range(n) for n in b.shape),
+                         (0, b.numel()), {"param": b.view(-1)}, replica_rank == 0 and plain_replica_rank == 0))
+    return out
+
+
+def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_rank: int, replica_rank: int = 0) -> list[Entry]:
     """Entries for our FSDP: each original parameter's slice of this rank's flat shard.
 
-    A slice covers elements [offset, offset + n) of the parameter as FSDP saw it: the whole parameter,
-    or under 2D the TP rank's shard along `tp_dims[name]`, whose positions in the full tensor are mapped
-    through the same rule as `_axes`. Replicated-over-TP parameters are written by tp rank 0."""
+    A slice covers elements [offset, offset + n) of the parameter as FSDP saw it: the whole parameter, or
+    another dimension's slice of it (`fsdp.shard_marks[name]`: TP's, EP's), whose positions in the full tensor
+    are mapped through the same rule as `_axes`. Parameters replicated over TP are written by tp rank 0."""
     ensure_optimizer_state(optimizer)
     params = fsdp.sharded_state_dict()
     moments = fsdp.sharded_optimizer_state(optimizer)
@@ -232,14 +295,11 @@ def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_dims: dict[str, 
         if id(piece.flat) in seen:  # the tied weight once, as wte (a pipeline stage's lm_head is a copy)
             continue
         seen.add(id(piece.flat))
-        shape = list(piece.shape)
-        axes = [range(n) for n in shape]
-        dim = tp_dims.get(name)
-        if dim is not None:  # the tp rank's slice of the full tensor, as our TP layers shard it
-            axes[dim] = range(tp_rank * shape[dim], (tp_rank + 1) * shape[dim])
-            shape[dim] *= tp_size
+        marks = fsdp.shard_marks.get(name, ())
+        axes, shape = marked_axes(tuple(piece.shape), marks)
+        tp_split = any(m.over == "tp" for m in marks)
         n = piece.flat.numel()
         tensors = {"param": piece.flat.view(-1), **{k: moments[name][k].flat.view(-1) for k in MOMENTS}}
-        out.append(Entry(name, tuple(shape), tuple(axes), (piece.offset, piece.offset + n), tensors,
-                         n > 0 and replica_rank == 0 and (dim is not None or tp_rank == 0)))
+        out.append(Entry(name, shape, tuple(axes), (piece.offset, piece.offset + n), tensors,
+                         n > 0 and fsdp.replica_of(name, replica_rank) == 0 and (tp_split or tp_rank == 0)))
     return out

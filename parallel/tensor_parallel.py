@@ -10,8 +10,9 @@ of the same payload, while those activations take 1/p of the memory.
 
 The sharding is `TP_PLAN`; `apply_tensor_parallel` swaps modules in place and keeps every parameter's
 name, so optimizer groups and checkpoints map by name (`transformer.h.0.attn.c_q.weight` is now this
-rank's rows). Sharded parameters carry `_tp_shard_dim` (0 or 1); replicated ones do not: a global grad
-norm sums the squares of the former over the group and counts the latter once (`tp_grad_groups`).
+rank's rows). Sharded parameters carry a shard mark (`parallel.state.mark_shard`, over "tp"), replicated
+ones none: a global grad norm sums the squares of the former over the group and counts the latter once
+(`tp_grad_groups`).
 Under SP the replicated parameters that see only T/p positions (LayerNorms, row-parallel biases, wpe)
 get their gradients made whole over the group inside backward, so they too count once.
 
@@ -28,11 +29,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, init_parameter, linear_cross_entropy, loss_chunk_rows, materialize_module
+from model import (GPT, GPTConfig, MoE, WholeVocab, init_parameter, linear_cross_entropy, loss_chunk_rows,
+                   materialize_module, moe_layers)
 from parallel import comm
 from parallel.grads import norm_items
+from parallel.state import mark_shard, shard_dim
 from parallel.tp_comm import (all_gather_along, copy_to_region, gather_from_region, gather_from_sequence,
-                              reduce_from_region, reduce_scatter_to_sequence, scatter_to_sequence)
+                              gather_sequence_replicated, reduce_from_region, reduce_scatter_to_sequence,
+                              scatter_to_sequence)
 
 # Module name (fnmatch pattern) -> style. Read top to bottom, this is the whole sharding.
 TP_PLAN: dict[str, str] = {
@@ -44,6 +48,7 @@ TP_PLAN: dict[str, str] = {
     "transformer.h.*.attn.c_v": "colwise",
     "transformer.h.*.attn.c_proj": "rowwise",  # g: all-reduce (reduce-scatter over T under SP), then + bias
     "transformer.h.*.ln_2": "norm",
+    "transformer.h.*.mlp": "moe",           # an MoE layer: replicated, run whole by every rank (else left as it is)
     "transformer.h.*.mlp.c_fc": "colwise",
     "transformer.h.*.mlp.c_proj": "rowwise",
     "transformer.ln_f": "norm",
@@ -137,21 +142,23 @@ class ParallelLayerNorm(nn.LayerNorm):
     Stores weight and bias in full (replicated). Without SP, x is the full (B, T, C) on every rank and y
     goes through f: nothing forward, all-reduce of dL/dy backward. Under SP, x is this rank's (B, T/p, C)
     and y is all-gathered to (B, T, C) (dL/dy reduce-scattered backward); weight and bias then see only
-    T/p positions, so they enter through f as well: their gradients are all-reduced over the group.
+    T/p positions, so they enter through f as well: their gradients are all-reduced over the group. Without
+    `gather` (under SP, before an MoE layer, which gathers its own input: `_moe`) y stays (B, T/p, C).
     """
 
-    def __init__(self, like: nn.LayerNorm, group, sequence_parallel: bool):
+    def __init__(self, like: nn.LayerNorm, group, sequence_parallel: bool, gather: bool = True):
         super().__init__(like.normalized_shape, like.eps, like.elementwise_affine, bias=like.bias is not None,
                          device="meta")
         self.weight, self.bias = like.weight, like.bias  # the same Parameters: nothing copied
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group, self.sequence_parallel, self.gather = group, sequence_parallel, gather
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self.weight, self.bias
         if self.sequence_parallel:
             w = copy_to_region(w, self.group) if w is not None else None
             b = copy_to_region(b, self.group) if b is not None else None
-            return gather_from_sequence(F.layer_norm(x, self.normalized_shape, w, b, self.eps), self.group)
+            y = F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+            return gather_from_sequence(y, self.group) if self.gather else y  # not: an MoE layer gathers its own
         return copy_to_region(F.layer_norm(x, self.normalized_shape, w, b, self.eps), self.group)
 
 
@@ -176,59 +183,87 @@ class SequenceParallelPositionEmbedding(nn.Embedding):
 
 class VocabShard:
     """The rows of model.linear_cross_entropy when its weight is this rank's vocab rows [start, start + V/p) (see
-    model.WholeVocab for the interface): softmax statistics over the whole vocab from every rank's slice.
+    model.WholeVocab for the interface): softmax statistics over the whole vocab from every rank's slice, with a
+    constant count of collectives per call, whatever the number of chunks.
 
-    log_prob, per chunk of rows: with loss parallelism (Megatron's vocab-parallel cross-entropy) the row max is
-    all-reduced (MAX), then the target's logit (from the rank owning it, zeros elsewhere) and the local sums of
-    exp(z - max), together (SUM): 3 fp32 numbers a row. Without it (`gather`), the chunk's logits are all-gathered
-    over the vocab in the compute dtype (what plain TP communicates) and the same statistics taken on the whole
-    rows. Either way each rank keeps (max, sum-exp) per row for backward.
-    grad: softmax - one-hot of this rank's slice, from the recomputed local logits and those statistics, no
-    communication (d(x) is summed over the ranks where x entered the region: f, at ln_f's output).
+    With loss parallelism (Megatron's vocab-parallel cross-entropy), two passes over the chunks of this rank's
+    logits z (n, V/p). The first keeps, per row, the local max m, the local sum of exp(z - m) and the target's logit
+    (from the rank owning it, zero elsewhere). Then two all-reduces for all N rows: the max (MAX; N fp32), after
+    which each rank rescales its sums by exp(m - max), and (target logit, sum-exp) (SUM; 2N fp32): 12 bytes a row.
+    The second pass, only where a gradient is needed, takes each chunk's z again, newest first: the last chunk's is
+    still alive, the others are recomputed (x_c W^T once more: the alternative, keeping every chunk's z, is the
+    (N, V/p) tensor the chunks exist to avoid), and turns it into softmax - one-hot of this rank's columns.
+    d(x) is then this rank's columns' part, summed over the ranks where x entered the region (f, at ln_f).
+    Without it (`gather`), each rank forms whole rows itself: lm_head's weight all-gathered once over the vocab
+    ((V, C) in the compute dtype) and model.WholeVocab's single pass, of which it keeps its columns' gradient.
     """
 
     def __init__(self, group, start: int, gather: bool = False):
         self.group, self.start, self.gather = group, start, gather
 
-    def _mine(self, targets: torch.Tensor, lo: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _mine(self, targets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lo = self.start
         mine = (targets >= lo) & (targets < lo + n)  # target in columns [lo, lo + n) (never an ignored -1)
         return mine, (targets - lo).masked_fill(~mine, 0)
 
-    def log_prob(self, z: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lo, reduce = self.start, not self.gather
+    def log_probs(self, xc: torch.Tensor, wc: torch.Tensor, targets: torch.Tensor, chunk: int, scale: torch.Tensor,
+                  grads) -> torch.Tensor:
         if self.gather:
-            z, lo = all_gather_along(z, -1, self.group), 0  # (n, V)
-        z = z.float()  # (n, V/p), or (n, V) gathered
-        z_max = z.max(dim=-1).values  # (n,)
-        if reduce:
-            comm.all_reduce(z_max, self.group, op="max")
-        shifted = z.sub_(z_max.unsqueeze(-1))  # <= 0
-        mine, local_t = self._mine(targets, lo, z.shape[-1])
-        stats = torch.empty(2, z.shape[0], dtype=z.dtype, device=z.device)
-        stats[0] = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)  # z_target - max
-        torch.sum(shifted.exp_(), dim=-1, out=stats[1])  # sum of exp(z - max) over these columns
-        if reduce:
-            comm.all_reduce(stats, self.group)
-        return stats[0] - stats[1].log(), torch.stack([z_max, stats[1]], dim=-1)  # log p(target); (n, 2)
+            return self._whole_rows(xc, wc, targets, chunk, scale, grads)
+        N, n_cols = xc.shape[0], wc.shape[0]
+        stats = torch.empty(3, N, dtype=torch.float32, device=xc.device)  # max, sum of exp(z - max), target logit
+        z = None
+        for lo in range(0, N, chunk):
+            rows = slice(lo, lo + chunk)
+            z = F.linear(xc[rows], wc).float()  # (n, V/p)
+            mine, local_t = self._mine(targets[rows], n_cols)
+            torch.amax(z, dim=-1, out=stats[0, rows])
+            stats[2, rows] = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+            last = grads.needed and lo + chunk >= N  # its z stays for the second pass
+            shifted = (z - stats[0, rows].unsqueeze(-1)) if last else z.sub_(stats[0, rows].unsqueeze(-1))
+            torch.sum(shifted.exp_(), dim=-1, out=stats[1, rows])
+        local_max = stats[0].clone()
+        comm.all_reduce(stats[0], self.group, op="max")
+        stats[1].mul_(torch.exp(local_max - stats[0]))  # the local sums, of exp(z - the global max)
+        comm.all_reduce(stats[1:], self.group)
+        z_max, sum_exp = stats[0].unsqueeze(-1), stats[1].unsqueeze(-1)
+        for lo in reversed(range(0, N, chunk)) if grads.needed else ():
+            rows = slice(lo, lo + chunk)
+            if lo + chunk < N:
+                z = F.linear(xc[rows], wc).float()  # recomputed (the last chunk's is kept)
+            mine, local_t = self._mine(targets[rows], n_cols)
+            g = z.sub_(z_max[rows]).exp_().div_(sum_exp[rows])  # softmax, this rank's columns
+            g.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))  # - one-hot
+            grads.add(rows, g.mul_(scale[rows].unsqueeze(-1)), xc, wc)
+            z = None
+        return stats[2] - stats[0] - stats[1].log()  # log p(target)
 
-    def grad(self, z: torch.Tensor, targets: torch.Tensor, stats: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        z_max, sum_exp = stats.unbind(-1)
-        mine, local_t = self._mine(targets, self.start, z.shape[-1])
-        g = z.float().sub_(z_max.unsqueeze(-1)).exp_().div_(sum_exp.unsqueeze(-1))  # softmax, this rank's columns
-        g.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))  # - one-hot
-        return g.mul_(scale.unsqueeze(-1))
+    def _whole_rows(self, xc: torch.Tensor, wc: torch.Tensor, targets: torch.Tensor, chunk: int,
+                    scale: torch.Tensor, grads) -> torch.Tensor:
+        w_all = all_gather_along(wc, 0, self.group)  # (V, C): the whole lm_head, once
+        cols = slice(self.start, self.start + wc.shape[0])
+        N = xc.shape[0]
+        picked = torch.empty(N, dtype=torch.float32, device=xc.device)
+        for lo in range(0, N, chunk):
+            rows = slice(lo, lo + chunk)
+            picked[rows], g = WholeVocab.rows(F.linear(xc[rows], w_all), targets[rows],
+                                              scale[rows] if grads.needed else None)
+            if g is not None:
+                grads.add(rows, g[:, cols], xc, wc)
+        return picked
 
 
 def vocab_parallel_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group,
                                  gather: bool = False, chunk_rows: int | None = None) -> torch.Tensor:
     """cross_entropy(F.linear(x, full weight), targets) (mean over targets != -1) from this rank's vocab rows
     `weight` (V/p, C) of the tied matrix: x (..., C) the same on every rank, targets (...) global ids. Chunked over
-    rows as model.linear_cross_entropy (only one chunk's (n, V/p) logits at a time); the rows reduce over the
-    vocab by VocabShard: all-reduced statistics (loss parallelism), or with `gather` the chunk's logits
-    all-gathered. Computed in fp32."""
+    rows as model.linear_cross_entropy (only one chunk's logits at a time, (n, V/p), or (n, V) with `gather`); the
+    rows reduce over the vocab by VocabShard: 2 all-reduces of per-row statistics (loss parallelism), or with
+    `gather` 1 all-gather of the weight. Computed in fp32."""
     vocab = VocabShard(group, comm.rank(group) * weight.shape[0], gather)
-    # chunks sized by the fp32 logits they make: this rank's columns, or the gathered whole rows
-    chunk_rows = chunk_rows or loss_chunk_rows(weight.shape[0] * (comm.world(group) if gather else 1))
+    # chunks sized by the fp32 logits they make: this rank's columns, or whole rows
+    chunk_rows = chunk_rows or loss_chunk_rows(weight.shape[0] * (comm.world(group) if gather else 1),
+                                               x.device.type)
     return linear_cross_entropy(x, weight, targets, vocab, chunk_rows)
 
 
@@ -260,15 +295,16 @@ class _Builder:
     seed: int | None
     device: torch.device
     shards: dict  # id(original Parameter) -> (original, shard): tied parameters stay tied
+    model: nn.Module  # what is being split (a style may ask about a module's neighbours)
 
     def shard(self, name: str, p: nn.Parameter | None, dim: int) -> nn.Parameter | None:
-        """This rank's 1/p slice of `p` along dim as a new Parameter, marked `_tp_shard_dim`. Sliced from
+        """This rank's 1/p slice of `p` along dim as a new Parameter, marked (`mark_shard`, over "tp"). Sliced from
         p's values, or (p on meta) drawn by init_parameter for just that slice: no full-size tensor."""
         if p is None:
             return None
         if id(p) in self.shards:
             _, out = self.shards[id(p)]
-            assert out._tp_shard_dim == dim, f"{name} is tied to a parameter sharded along another dim"
+            assert shard_dim(out, "tp") == dim, f"{name} is tied to a parameter sharded along another dim"
             return out
         n = p.shape[dim] // comm.world(self.group)
         idx = slice(comm.rank(self.group) * n, (comm.rank(self.group) + 1) * n)
@@ -281,7 +317,7 @@ class _Builder:
             if local._base is not None:  # a view (biases come as slices of zeros): keep only the slice
                 local = local.clone()
         out = nn.Parameter(local, requires_grad=p.requires_grad)
-        out._tp_shard_dim = dim
+        mark_shard(out, dim, comm.rank(self.group), comm.world(self.group), self.group, "tp")
         self.shards[id(p)] = (p, out)
         return out
 
@@ -324,7 +360,27 @@ def _position(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:
 
 def _norm(b: _Builder, name: str, m: nn.LayerNorm) -> nn.Module:
     b.materialize(m, name)
+    block, _, attr = name.rpartition(".")
+    if attr == "ln_2" and isinstance(b.model.get_submodule(block).mlp, MoE):  # feeds a replicated MoE layer
+        return ParallelLayerNorm(m, b.group, b.sequence_parallel, gather=False) if b.sequence_parallel else m
     return ParallelLayerNorm(m, b.group, b.sequence_parallel)
+
+
+def _moe(b: _Builder, name: str, m: nn.Module) -> nn.Module:
+    """An MoE layer under TP: its router and experts replicated over the tp ranks, each rank running it whole on
+    the whole sequence (its own expert-parallel all_to_alls, over the ranks of its tp coordinate): no partial
+    sums, so no reduction. Under SP its input is all-gathered along T (backward: this rank's slice of the same,
+    complete gradient) and its output cut back to this rank's T/p (backward: all-gathered). Experts are not split
+    by TP: compute and expert parallelism then need no TP collective, at tp x the experts' compute."""
+    if not isinstance(m, MoE):
+        return m  # the dense MLP: its c_fc and c_proj are split by their own entries
+    b.materialize(m.router, f"{name}.router")
+    if any(p.is_meta for p in m.experts.parameters()):  # not already this rank's experts (expert parallelism)
+        b.materialize(m.experts, f"{name}.experts")
+    if b.sequence_parallel:
+        m.register_forward_pre_hook(lambda _, args: (gather_sequence_replicated(args[0], b.group),))
+        m.register_forward_hook(lambda _, args, y: scatter_to_sequence(y, b.group))
+    return m
 
 
 def _colwise(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
@@ -346,7 +402,7 @@ def _vocab_head(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
 
 
 STYLES = {"vocab": _vocab, "position": _position, "norm": _norm, "colwise": _colwise, "rowwise": _rowwise,
-          "vocab_head": _vocab_head}
+          "vocab_head": _vocab_head, "moe": _moe}
 
 
 def plan_entry(name: str, plan: dict[str, str] = TP_PLAN) -> str | None:
@@ -367,9 +423,9 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
     With `seed` the model may be on meta: only this rank's shards (and the replicated LayerNorms and
     position table) are materialised on `device` (default CPU), bit-identical to the matching slices of
     eager init. The model's head_loss becomes vocab_parallel_cross_entropy: lm_head and loss chunked over rows
-    from this rank's vocab rows. Without loss parallelism each chunk's logits are all-gathered over the vocab
-    (and lm_head(x) returns the whole (B, T, V)); with it, per-row statistics are all-reduced instead and
-    lm_head(x) returns this rank's (B, T, V/p).
+    from this rank's vocab rows. Without loss parallelism lm_head's weight is all-gathered over the vocab once
+    per loss, each rank making whole rows (and lm_head(x) returns the whole (B, T, V)); with it, per-row
+    statistics are all-reduced instead and lm_head(x) returns this rank's (B, T, V/p).
     """
     tp = comm.world(tp_group)
     reason = check_tp_divisibility(model.config, tp)
@@ -383,7 +439,7 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
         raise ValueError("the model is on meta: pass seed= so apply_tensor_parallel can materialise its shards")
     if device is None:
         device = torch.device("cpu") if meta else next(model.parameters()).device
-    b = _Builder(tp_group, loss_parallel, sequence_parallel, model.config, seed, torch.device(device), {})
+    b = _Builder(tp_group, loss_parallel, sequence_parallel, model.config, seed, torch.device(device), {}, model)
     matched = set()
     for name, module in list(model.named_modules()):
         pattern = plan_entry(name)
@@ -395,6 +451,8 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, new)
     unmatched = set(TP_PLAN) - matched
+    if moe_layers(model):  # the dense MLP's entries may have nothing left to match
+        unmatched -= {p for p in unmatched if ".mlp." in p}
     if unmatched and isinstance(model, GPT):  # a pipeline stage holds only some of them
         raise ValueError(f"TP_PLAN entries match no module of the model: {sorted(unmatched)}")
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
@@ -412,7 +470,7 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
 def tp_grad_groups(model: nn.Module, tp_group) -> dict[str, tuple]:
     """{name: groups its gradient is sharded over}: (tp_group,) for sharded parameters (their squares are
     summed over the group), () for replicated ones (counted once: their gradients agree on all ranks)."""
-    return {n: (tp_group,) if hasattr(p, "_tp_shard_dim") else () for n, p in model.named_parameters()}
+    return {n: (tp_group,) if shard_dim(p, "tp") is not None else () for n, p in model.named_parameters()}
 
 
 def tp_norm_groups(model: nn.Module, tp_group) -> list[tuple[nn.Parameter, tuple]]:

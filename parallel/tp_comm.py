@@ -152,6 +152,24 @@ class _GatherFromSequence(torch.autograd.Function):
         return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
 
 
+class _GatherSequenceReplicated(torch.autograd.Function):
+    """forward all-gather along the sequence dim, backward keep this rank's slice (the gradient is whole and the
+    same on every rank: what follows runs redundantly on each)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        if comm.world(group) == 1:
+            return x
+        return all_gather_along(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if comm.world(ctx.group) == 1:
+            return grad, None, None
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
 class _ReduceScatterToSequence(torch.autograd.Function):
     """forward reduce-scatter along the sequence dim, backward all-gather along it."""
 
@@ -218,6 +236,15 @@ def gather_from_sequence(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Te
     Sequence parallelism's entry into the tensor-parallel region (replaces f): the ranks' gradients
     are partial sums, and each keeps the summed gradient of its own T/p positions."""
     return _GatherFromSequence.apply(x, group, dim)
+
+
+def gather_sequence_replicated(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
+    """forward: all-gather along the sequence dim, (B, T/p, C) -> (B, T, C); backward: this rank's slice of the
+    gradient (Megatron's gather_from_sequence_parallel_region with tensor_parallel_output_grad=False).
+
+    For a module every rank runs whole on the same input (the MoE layers under TP): its input gradient is then
+    the same, complete one on every rank, not a partial sum to reduce."""
+    return _GatherSequenceReplicated.apply(x, group, dim)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:

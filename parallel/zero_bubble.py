@@ -1,8 +1,8 @@
 """The split backward of the zero-bubble schedules: B computes a chunk's input gradient, W its weight gradients later.
 
 How (Megatron's / Qi et al.'s WeightGradStore). A store is built over a model's linears (`routable`: each
-nn.Linear and our TP's column/row-parallel linears, not lm_head, whose chunked head_loss computes its own
-backward). While a chunk runs under `WeightGradStore.defer(key)` (its F, and its B), and only then, those
+nn.Linear and our TP's column/row-parallel linears, not lm_head, whose chunked head_loss makes its
+gradients in forward). While a chunk runs under `WeightGradStore.defer(key)` (its F, and its B), and only then, those
 modules' linear product is swapped for `_InputGradLinear` (nn.Linear: its `forward`; our TP linears: their
 `linear` attribute, the F.linear inside their forward, so their communication stays where it is); no other op
 is touched, and outside `defer` the modules are their own. Its backward computes only dx = dy W, and pushes
@@ -33,7 +33,8 @@ swap is process state, not a thread-local mode, so it also holds where autograd 
 recomputation pushes (x, dy) for W, recomputed once for B and W together.
 
 Memory: per deferred linear, x and dy stay from B until W (what W needs; the rest of the chunk's graph is
-freed at B); under TP with sequence parallelism, a column-parallel linear's x is the all-gathered (B, T, C)
+freed at B); under autocast its weight's compute-dtype copy from F until B, one per weight shared by every
+micro-batch in flight (`cast_once`, as autocast's cache shares it for autograd's linears); under TP with sequence parallelism, a column-parallel linear's x is the all-gathered (B, T, C)
 input (one storage shared by q, k, v; autograd saves the same from F to B under 1F1B), and a row-parallel
 one's dy is the all-gathered output gradient. Under the sharding engine, one full unit gradient (padded,
 compute dtype) per (unit, key) from B until W. Communication: none here; TP's stay in B (dx), W needs none
@@ -42,6 +43,7 @@ compute dtype) per (unit, key) from B until W. Communication: none here; TP's st
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import defaultdict
 from functools import partial
 from typing import Callable, Hashable
@@ -49,6 +51,8 @@ from typing import Callable, Hashable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from model import ExpertLinear, grouped_linear, grouped_mm_runs
 
 
 class _InputGradLinear(torch.autograd.Function):
@@ -62,7 +66,7 @@ class _InputGradLinear(torch.autograd.Function):
         kind = x.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
         with torch.autocast(kind, enabled=False):
-            xc, wc = (x.to(dtype), weight.to(dtype)) if dtype is not None else (x, weight)  # autocast's casts
+            xc, wc = (x.to(dtype), cast_once(weight, dtype)) if dtype is not None else (x, weight)  # autocast's casts
             bc = bias.to(dtype) if bias is not None and dtype is not None else bias
             y = F.linear(xc, wc, bc)
         ctx.save_for_backward(xc, wc)
@@ -82,11 +86,80 @@ class _InputGradLinear(torch.autograd.Function):
         return dx, None, None, None
 
 
+_CASTS: dict[tuple[int, torch.dtype], tuple] = {}  # (id(weight), dtype) -> (weakref(weight), version, weakref(cast))
+
+
+def cast_once(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight.to(dtype), made once and shared by every micro-batch in flight: what autocast's own cast cache does for
+    autograd's F.linear (one copy of a leaf weight per autocast region), which a cast made with autocast off, as
+    _InputGradLinear's must be, bypasses, so each (chunk, micro-batch) would save its own copy from F until B.
+
+    The copy is looked up by the weight's identity and version (a view of a flat buffer re-gathered, or a weight
+    stepped, is another weight: a new copy) and held only weakly: it lives while some micro-batch's B still needs it
+    (autograd holds it as a saved tensor) and is freed after the last one's, so a step holds at most one copy per
+    weight, never one per micro-batch, and none between steps. The same bits as a fresh cast."""
+    key = (id(weight), dtype)
+    hit = _CASTS.get(key)
+    if hit is not None:
+        owner, version, ref = hit
+        cast = ref()
+        if cast is not None and owner() is weight and version == weight._version:
+            return cast
+    cast = weight.to(dtype)
+
+    def forget(dead, key=key):
+        if _CASTS.get(key, (None, None, None))[2] is dead:
+            del _CASTS[key]
+
+    _CASTS[key] = (weakref.ref(weight), weight._version, weakref.ref(cast, forget))
+    return cast
+
+
+class _InputGradGrouped(torch.autograd.Function):
+    """The MoE experts' product (model.grouped_linear: rows grouped by expert times each expert's (in, out)
+    weight); backward: dx only, as autograd computes it, and (x, dy, the groups) pushed to the store for W, which
+    computes each expert's dW = x_e^T dy_e as autograd would (the grouped kernel where the forward ran it, else
+    per expert). Under autocast, x and the weight are cast once, as autograd's casts of each expert's matmul
+    give the same values."""
+
+    @staticmethod
+    def forward(ctx, x, params, store, key, ends, sizes):
+        (weight,) = params
+        kind = x.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        with torch.autocast(kind, enabled=False):
+            xc, wc = (x.to(dtype), cast_once(weight, dtype)) if dtype is not None else (x, weight)
+            y = grouped_linear(xc, wc, ends, sizes)
+        ctx.save_for_backward(xc, wc, ends)
+        ctx.store, ctx.key, ctx.x_dtype, ctx.weight, ctx.sizes = store, key, x.dtype, weight, sizes
+        if weight._base is not None:
+            store.defers[key].add(id(weight._base))  # a flat buffer's view: its unit's gradient waits for W
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, wc, ends = ctx.saved_tensors
+        dx = grouped_linear(dy, wc.transpose(1, 2), ends, ctx.sizes).to(ctx.x_dtype) if ctx.needs_input_grad[0] \
+            else None
+        ctx.store.push(ctx.key, ctx.weight, None, xc, dy, (ends, ctx.sizes))
+        return dx, None, None, None, None, None
+
+
+def _grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None,
+                         experts: int) -> torch.Tensor:
+    """(E, in, out): each expert's x_e^T dy_e, by the path its forward took (autograd's products on either)."""
+    if grouped_mm_runs(x, dy.new_empty(experts, x.shape[1], dy.shape[1])):
+        return torch._grouped_mm(x.t(), dy, offs=ends)
+    sizes = sizes if sizes is not None else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    return torch.stack([xe.t() @ ge for xe, ge in zip(x.split(sizes), dy.split(sizes))])
+
+
 def routable(name: str, module: nn.Module) -> bool:
-    """The linears a store defers: nn.Linear and our TP's linears (a `linear` attribute), lm_head excluded."""
+    """The linears a store defers: nn.Linear, our TP's linears and the MoE experts' stacked linears (a `linear`
+    attribute), lm_head excluded."""
     from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     return name.rpartition(".")[2] != "lm_head" and (
-        type(module) is nn.Linear or isinstance(module, (ColumnParallelLinear, RowParallelLinear)))
+        type(module) is nn.Linear or isinstance(module, (ColumnParallelLinear, RowParallelLinear, ExpertLinear)))
 
 
 _ACTIVE: list[tuple["WeightGradStore", Hashable]] = []  # the (store, key) of each open `defer`, innermost last
@@ -135,8 +208,15 @@ class WeightGradStore:
     def _swap(self, m: nn.Module, key: Hashable) -> tuple[nn.Module, str, object]:
         attr = "forward" if type(m) is nn.Linear else "linear"
         before = m.__dict__.get(attr)
-        m.__dict__[attr] = partial(self._forward, m, key) if attr == "forward" else partial(self._linear, key)
+        m.__dict__[attr] = (partial(self._forward, m, key) if attr == "forward" else
+                            partial(self._grouped, key) if isinstance(m, ExpertLinear) else partial(self._linear, key))
         return m, attr, before
+
+    def _grouped(self, key: Hashable, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
+                 sizes: list[int] | None = None) -> torch.Tensor:
+        if torch.is_grad_enabled() and weight.requires_grad:
+            return _InputGradGrouped.apply(x, (weight,), self, key, ends, sizes)
+        return grouped_linear(x, weight, ends, sizes)
 
     def _forward(self, m: nn.Linear, key: Hashable, x: torch.Tensor) -> torch.Tensor:
         return self._linear(key, x, m.weight, m.bias)
@@ -148,8 +228,9 @@ class WeightGradStore:
         return F.linear(x, weight, bias)
 
     def push(self, key: Hashable, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-             dy2: torch.Tensor) -> None:
-        self.pending[key].append((weight, bias, x, dy2))
+             dy2: torch.Tensor, groups: tuple | None = None) -> None:
+        """What W needs of one product: (x, dy), and for the experts' grouped one its groups (ends, sizes)."""
+        self.pending[key].append((weight, bias, x, dy2, groups))
 
     @torch.no_grad()
     def flush(self, key: Hashable) -> None:
@@ -157,8 +238,11 @@ class WeightGradStore:
         (set where it is None), or into the held gradient of the flat buffer they are views of, in the order B
         met them; then each held gradient goes back to its engine, in the order B held them."""
         held = {id(base): grad for base, grad, _ in self.held.get(key, [])}
-        for weight, bias, x, dy2 in self.pending.pop(key, []):
-            dw = dy2.t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)  # (out, in)
+        for weight, bias, x, dy2, groups in self.pending.pop(key, []):
+            if groups is not None:  # the experts': (E, in, out)
+                dw = _grouped_weight_grad(x, dy2, *groups, weight.shape[0]).to(weight.dtype)
+            else:
+                dw = dy2.t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)  # (out, in)
             _accumulate(weight, dw, held)
             if bias is not None:
                 _accumulate(bias, dy2.sum(0).to(bias.dtype), held)  # (out,)
@@ -168,7 +252,7 @@ class WeightGradStore:
 
     def held_tensors(self) -> dict[Hashable, tuple]:
         """Every tensor the store keeps, by key (for parallel.pipeline.held_bytes)."""
-        out = {(k, i): (x, dy) for k, items in self.pending.items() for i, (_, _, x, dy) in enumerate(items)}
+        out = {(k, i): (x, dy) for k, items in self.pending.items() for i, (_, _, x, dy, _) in enumerate(items)}
         out.update({(k, "held", i): g for k, items in self.held.items() for i, (_, g, _) in enumerate(items)})
         return out
 

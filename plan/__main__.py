@@ -30,6 +30,10 @@ def parser() -> Parser:
     a("--n_head", type=int)
     a("--n_embd", type=int)
     a("--vocab_size", type=int)
+    a("--moe_num_experts", type=int, help="a mixture of experts: E experts per MoE layer (layouts then try EP)")
+    a("--moe_top_k", type=int)
+    a("--moe_every", type=int)
+    a("--moe_ffn_hidden", type=int)
     a("--seq_len", type=int, default=1024)
     a("--total_batch_size", type=int, default=524288, help="tokens per optimizer step")
     a("--micro_batch_size", type=int, default=None, help="default: try 1, 2, 4, ... 32")
@@ -46,6 +50,7 @@ def parser() -> Parser:
     a("--pp", type=int, default=None, help="only this pipeline size")
     a("--tp", type=int, default=None, help="only this tensor-parallel size")
     a("--cp", type=int, default=None, help="only this context-parallel size")
+    a("--ep", type=int, default=None, help="only this expert-parallel size")
     a("--no_cp", action="store_true", help="same as --cp 1")
     a("--dp_type", choices=["ddp", "zero1", "zero2", "fsdp"], default=None)
     a("--ac", choices=["none", "full", "selective"], default=None)
@@ -139,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = check_batch(a)
         if a.verify < 0:
             raise UsageError(f"--verify K must be >= 0 (the top K layouts to simulate), got {a.verify}")
-        constraints = {"pp": a.pp, "tp": a.tp, "cp": 1 if a.no_cp else a.cp, "dp_type": a.dp_type, "ac": a.ac}
+        constraints = {"pp": a.pp, "tp": a.tp, "cp": 1 if a.no_cp else a.cp, "ep": a.ep, "dp_type": a.dp_type,
+                       "ac": a.ac}
         every = candidates(model_flags(a), cluster, sizes, constraints, a.efficiency)
         if not every:
             raise UsageError(f"no layout of {a.gpus} GPUs is accepted by train.py for these batch sizes and "

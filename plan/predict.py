@@ -21,7 +21,8 @@ import torch
 from metrics import flops_per_token
 from model import GPT, GPTConfig, loss_chunk_rows
 from parallel.flat_param import shard_numel
-from parallel.fsdp import ZERO_LADDER, ZERO_STAGES, unit_key
+from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
+from parallel.fsdp import unit_key
 from parallel.mesh import ParallelDims, backend_for
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import TIED, PipelineStage
@@ -31,12 +32,13 @@ from plan import theory
 from plan.simulate import simulate
 from plan.split import layers_for
 from plan.theory import (cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step, ddp_comm_bytes_per_step,
-                         ddp_comm_calls_per_step, p2p_bytes_per_step, p2p_calls_per_step, pipelined_root_gathers,
+                         ddp_comm_calls_per_step, ep_all_to_all_bytes_per_micro_step,
+                         ep_all_to_all_calls_per_micro_step, p2p_bytes_per_step, p2p_calls_per_step, pipelined_root_gathers,
                          reduce_accumulated_held_bytes, reduce_held_bytes, tp_comm_bytes_per_micro_step,
                          tp_comm_calls_per_micro_step, zero_comm_bytes_per_pipeline_step, zero_comm_bytes_per_step,
                          zero_comm_calls_per_step)
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 TIED_UNIT = {TIED: ("transformer.wte", "lm_head")}  # parallel.pipeline.sharded_units of a stage with one end
 
 
@@ -96,9 +98,10 @@ def _size(dtype: torch.dtype) -> int:
 
 def local_params(s: Setup, pp_rank: int = 0) -> list[tuple[str, int, int]]:
     """(name, elements, dims) of each distinct parameter one rank of pipeline stage `pp_rank` holds (its tp
-    shard; the tied matrix once, or on a pipeline's last stage the lm_head copy too)."""
+    shard; its E/ep experts of each MoE layer; the tied matrix once, or on a pipeline's last stage the lm_head
+    copy too)."""
     return _local_params(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank, s.pp_layers,
-                         s.args.pp_schedule in V_SCHEDULES)
+                         s.args.pp_schedule in V_SCHEDULES, s.dims.ep)
 
 
 @functools.lru_cache(maxsize=8)
@@ -110,49 +113,68 @@ def _meta_gpt(config: GPTConfig) -> GPT:
 
 @functools.lru_cache(maxsize=4096)
 def _local_params(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int,
-                  layers: tuple[int, ...] | None = None, v_shape: bool = False) -> list[tuple[str, int, int]]:
+                  layers: tuple[int, ...] | None = None, v_shape: bool = False,
+                  ep: int = 1) -> list[tuple[str, int, int]]:
     gpt = _meta_gpt(config)
     with torch.device("meta"):
         module = PipelineStage(gpt, pp_rank, pp, virtual, layers, v_shape) if pp > 1 else gpt
     out = []
     for name, p in module.named_parameters():
         shape = tp_local_shape(name, tuple(p.shape), tp)
+        if is_expert(name):  # expert_parallel.apply_expert_parallel: experts [r·E/ep, (r+1)·E/ep) along dim 0
+            shape = (shape[0] // ep, *shape[1:])
         out.append((name, int(torch.Size(shape).numel()), len(shape)))
     return out
 
 
+def is_expert(name: str) -> bool:
+    """Whether parameter `name` is one of an MoE layer's stacked experts (model.Experts): what expert parallelism
+    splits (E/ep experts per rank) and copies over the expert-data-parallel group."""
+    return ".mlp.experts." in name
+
+
 def units(s: Setup, pp_rank: int = 0) -> dict[str, tuple[int, int]]:
     """The sharding engine's units on this stage: {unit: (elements, elements in >= 2-D weights)} (shared: read it,
-    do not change it)."""
+    do not change it). Under expert parallelism each Block's experts are a unit of their own,
+    "transformer.h.<i>.experts" (parallel/fsdp.py's own-group units), sharded over the edp group (`unit_shard`)."""
     return _units(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank, s.pp_layers,
-                  s.args.pp_schedule in V_SCHEDULES)
+                  s.args.pp_schedule in V_SCHEDULES, s.dims.ep)
+
+
+def unit_shard(s: Setup, unit: str) -> int:
+    """The ranks a unit is sharded over: an expert unit's edp group (dp·cp/ep: the ranks holding the same
+    experts, HSDP's replicas among them), every other unit's dp_shard·cp."""
+    d = s.dims
+    return d.dp * d.cp // d.ep if unit.endswith(".experts") else d.dp_shard * d.cp
 
 
 @functools.lru_cache(maxsize=4096)
 def _units(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int, layers: tuple[int, ...] | None,
-           v_shape: bool) -> dict[str, tuple[int, int]]:
-    params = _local_params(config, pp, virtual, tp, pp_rank, layers, v_shape)
+           v_shape: bool, ep: int = 1) -> dict[str, tuple[int, int]]:
+    params = _local_params(config, pp, virtual, tp, pp_rank, layers, v_shape, ep)
     tied = pp > 1 and any(n.startswith(("transformer.wte", "lm_head")) for n, _, _ in params)
     out: dict[str, list[int]] = {"root": [0, 0]}
     for name, n, ndim in params:
-        u = out.setdefault(unit_key(name, TIED_UNIT if tied else None), [0, 0])
+        key = unit_key(name, TIED_UNIT if tied else None)
+        u = out.setdefault(key + (".experts" if ep > 1 and is_expert(name) else ""), [0, 0])
         u[0] += n
-        u[1] += n if ndim >= 2 else 0
+        u[1] += n if ndim >= 2 and not name.endswith("bias") else 0  # model.decays
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0) -> dict[str, int]:
+def state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0, expert_shard_rank: int = 0) -> dict[str, int]:
     """{"params", "grads", "optimizer"} bytes after an optimizer step, as Parallelized.state_breakdown counts
     them: fp32 parameters and gradients and AdamW's two moments + one fp32 step tensor per parameter, each
     storage once (DDP's gradients are views of its buckets: the same bytes); a ZeRO stage per unit, for the rank
     `shard_rank` of the sharding group (dp_shard x cp: its shard holds one or two pieces of a unit, each with
-    its own step tensor)."""
+    its own step tensor), and `expert_shard_rank` of an expert unit's (edp: `unit_shard`)."""
     if s.dp_type in ZERO_STAGES:
         policy = ZERO_LADDER[ZERO_STAGES[s.dp_type]]
-        shard = s.dims.dp_shard * s.dims.cp
         out = dict.fromkeys(("params", "grads", "optimizer"), 0)
-        for numel, n_decay in units(s, pp_rank).values():
-            got = theory.fsdp_unit_state_bytes(numel, n_decay, shard, shard_rank, policy.keeps_params,
+        for unit, (numel, n_decay) in units(s, pp_rank).items():
+            expert = unit.endswith(".experts")
+            got = theory.fsdp_unit_state_bytes(numel, n_decay, unit_shard(s, unit),
+                                               expert_shard_rank if expert else shard_rank, policy.keeps_params,
                                                policy.reduces_at_end, s.param_bytes, s.reduce_bytes)
             for k in out:
                 out[k] += got[k]
@@ -188,11 +210,19 @@ def recomputed_blocks(s: Setup, blocks: list[int]) -> int:
     return sum(ac == "full" or (ac == "selective" and i % s.args.ac_every == 0) for i in blocks)
 
 
+def moe_blocks(s: Setup, pp_rank: int = 0) -> list[int]:
+    """Global indices of the MoE Blocks (model.GPTConfig.is_moe) this pp rank runs."""
+    return [i for i in stage_blocks(s, pp_rank)[0] if s.config.is_moe(i)]
+
+
 def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
     """Payload bytes by group and kind that parallel/comm.COUNTER records on global rank 0 of stage `pp_rank`
     per step (our wrappers only): groups "tp", "cp", "pp" (the activations and the tied embedding's gradient),
-    "dp" (DDP over dp x cp, or a ZeRO stage's gathers and scatters over dp_shard x cp) and "dp_replicate"
-    (HSDP's all-reduce); a sharding engine under a pipeline by `zero_comm_bytes_per_pipeline_step`, its roots'
+    "dp" (DDP over dp x cp, or a ZeRO stage's gathers and scatters over dp_shard x cp), "dp_replicate"
+    (HSDP's all-reduce), and under expert parallelism "ep" (the MoE layers' all_to_alls, `ep_all_to_all_bytes`)
+    and "edp" (the experts' gradients: DDP's expert buckets all-reduced, a ZeRO stage's expert units gathered and
+    reduce-scattered, over the dp·cp/ep ranks holding the same experts, as Blocks with no HSDP replicas: the edp
+    group spans them); a sharding engine under a pipeline by `zero_comm_bytes_per_pipeline_step`, its roots'
     gathers counted on the rank's action list."""
     d, a, c, M = s.dims, s.args, s.config, s.grad_accum
     blocks, first, last = stage_blocks(s, pp_rank)
@@ -200,10 +230,12 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
     redo = recomputed_blocks(s, blocks)
     out = {"tp": {k: v * M for k, v in tp_comm_bytes_per_micro_step(
         c, B, T, d.tp, a.enable_loss_parallelism, a.sequence_parallel, s.compute_bytes, s.residual_bytes, redo,
-        len(blocks), first, last).items()},
+        len(blocks), first, last, len(moe_blocks(s, pp_rank))).items()},
            "cp": {"p2p": M * cp_p2p_bytes_per_micro_step(len(blocks), B, a.seq_len, c.n_embd, d.cp, d.tp, s.compute_bytes,
                                                          redo)}}
-    shard = d.dp_shard * d.cp
+    shard, edp = d.dp_shard * d.cp, d.dp * d.cp // d.ep
+    if d.ep > 1:
+        out["ep"] = {"all_to_all": M * ep_all_to_all_bytes(s, pp_rank)}
     if d.pp_enabled:
         V, v_shape = a.pp_virtual_stages or 1, a.pp_schedule in V_SCHEDULES
         shape = (B, T // (d.tp if a.sequence_parallel else 1), c.n_embd)
@@ -214,22 +246,46 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
         out["pp"] = {"p2p": p2p_bytes_per_step(d.pp, V, pp_rank, M, shape, s.residual_bytes, v_shape=v_shape),
                      "all_reduce": 4 * tied if (first or last) and not v_shape else 0}
     if s.dp_type == "ddp":
-        n = sum(k for _, k, _ in local_params(s, pp_rank))
-        out["dp"] = ddp_comm_bytes_per_step(n, d.dp * d.cp, 2 if a.grad_compression == "bf16" else 4)
+        params = local_params(s, pp_rank)
+        grad = 2 if a.grad_compression == "bf16" else 4
+        experts = sum(k for n, k, _ in params if is_expert(n)) if d.ep > 1 else 0
+        out["dp"] = ddp_comm_bytes_per_step(sum(k for _, k, _ in params) - experts, d.dp * d.cp, grad)
+        if d.ep > 1:
+            out["edp"] = ddp_comm_bytes_per_step(experts, edp, grad)
     elif s.dp_type in ZERO_STAGES:
-        padded = {u: shard_numel(n, shard) * shard for u, (n, _) in units(s, pp_rank).items()}
+        padded = {u: shard_numel(n, unit_shard(s, u)) * unit_shard(s, u) for u, (n, _) in units(s, pp_rank).items()}
         roots = padded.pop("root") + padded.pop("tied", 0)
+        experts = sum(padded.pop(u) for u in list(padded) if u.endswith(".experts"))
         blocks_padded, stage = sum(padded.values()), ZERO_STAGES[s.dp_type]
         if d.pp_enabled:
             gathers = _root_gathers(a.pp_schedule, d.pp, M, a.pp_virtual_stages or 1)[pp_rank]
             zero = zero_comm_bytes_per_pipeline_step(stage, roots, blocks_padded, shard, d.dp_replicate, M, gathers,
                                                      s.param_bytes, s.reduce_bytes)
         else:
+            gathers = M
             zero = zero_comm_bytes_per_step(stage, roots, blocks_padded, shard, d.dp_replicate, M,
                                             s.param_bytes, s.reduce_bytes)
         out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
         out["dp"] = zero
+        if d.ep > 1:  # expert units: gathered and released with their Block, no roots, no replicas
+            out["edp"] = zero_comm_bytes_per_pipeline_step(stage, 0, experts, edp, 1, M, gathers, s.param_bytes,
+                                                           s.reduce_bytes)
     return out
+
+
+def ep_all_to_all_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """`theory.ep_all_to_all_bytes_per_micro_step` of one micro-step on this stage: its MoE layers, each on the
+    rank's B·T/cp tokens (under TP every rank runs the layer whole, on the whole sequence), under balanced routing
+    (the rows this rank's experts receive, R, = the N·k it sends: the formula's default; a skewed router moves
+    R·C·2 element bytes per layer away from it, the one thing here that depends on the data), its recomputed
+    layers again under AC. The rows go in the residual stream's dtype (ln_2's output), the experts' outputs come
+    back in the compute dtype."""
+    d, a, c = s.dims, s.args, s.config
+    moe = moe_blocks(s, pp_rank)
+    N = a.micro_batch_size * a.seq_len // d.cp
+    return ep_all_to_all_bytes_per_micro_step(N, c.moe_top_k, c.n_embd, c.moe_num_experts, len(moe), d.ep,
+                                              s.residual_bytes, recomputed_layers=recomputed_blocks(s, moe),
+                                              output_bytes=s.compute_bytes)
 
 
 def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
@@ -240,24 +296,34 @@ def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]
     redo = recomputed_blocks(s, blocks)
     out = {"tp": {k: v * M for k, v in tp_comm_calls_per_micro_step(
         c, a.micro_batch_size, a.seq_len // d.cp, d.tp, a.enable_loss_parallelism, a.sequence_parallel, redo,
-        len(blocks), first, last).items()},
+        len(blocks), first, last, len(moe_blocks(s, pp_rank))).items()},
            "cp": {"p2p": M * cp_p2p_calls_per_micro_step(len(blocks), d.cp, redo)}}
+    edp = d.dp * d.cp // d.ep
+    if d.ep > 1:
+        moe = moe_blocks(s, pp_rank)
+        out["ep"] = {"all_to_all": M * ep_all_to_all_calls_per_micro_step(len(moe), d.ep, recomputed_blocks(s, moe))}
     if d.pp_enabled:
         v_shape = a.pp_schedule in V_SCHEDULES
         out["pp"] = {"p2p": p2p_calls_per_step(d.pp, a.pp_virtual_stages or 1, pp_rank, M, v_shape),
                      "all_reduce": int((first or last) and not v_shape)}
     if s.dp_type == "ddp":
         params = local_params(s, pp_rank)
-        out["dp"] = ddp_comm_calls_per_step([4 * n for _, n, _ in params], d.dp * d.cp,
-                                            int(a.bucket_cap_mb * 1024 * 1024))
+        sizes, cap = [4 * n for _, n, _ in params], int(a.bucket_cap_mb * 1024 * 1024)
+        groups = [edp if d.ep > 1 and is_expert(n) else d.dp * d.cp for n, _, _ in params]  # build_buckets' key
+        out["dp"] = ddp_comm_calls_per_step(sizes, d.dp * d.cp, cap, groups)
+        if d.ep > 1:
+            out["edp"] = ddp_comm_calls_per_step(sizes, edp, cap, groups)
     elif s.dp_type in ZERO_STAGES:
         u = {k: n for k, (n, _) in units(s, pp_rank).items() if n}  # an empty root (a middle stage) issues nothing
         roots = sum(k in ("root", "tied") for k in u)
+        experts = sum(k.endswith(".experts") for k in u)
         gathers = _root_gathers(a.pp_schedule, d.pp, M, a.pp_virtual_stages or 1)[pp_rank] if d.pp_enabled else None
-        zero = zero_comm_calls_per_step(ZERO_STAGES[s.dp_type], roots, len(u) - roots, d.dp_shard * d.cp,
+        zero = zero_comm_calls_per_step(ZERO_STAGES[s.dp_type], roots, len(u) - roots - experts, d.dp_shard * d.cp,
                                         d.dp_replicate, M, gathers)
         out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
         out["dp"] = zero
+        if d.ep > 1:
+            out["edp"] = zero_comm_calls_per_step(ZERO_STAGES[s.dp_type], 0, experts, edp, 1, M, gathers)
     return out
 
 
@@ -289,12 +355,12 @@ def comm_bytes(s: Setup, pp_rank: int = 0, by_group=None) -> dict[str, int]:
     for part in groups.values():
         for k, v in part.items():
             out[k] += v
-    return {k: v for k, v in out.items() if v or k != "p2p"}
+    return {k: v for k, v in out.items() if v or k not in ("p2p", "all_to_all")}
 
 
 # ----------------------------------------------------------------------------- saved activations
 
-def block_saved_bytes(s: Setup, B: int, T: int) -> int:
+def block_saved_bytes(s: Setup, B: int, T: int, layer: int | None = None) -> int:
     """Bytes one Block's forward saves for backward on one rank, for B rows of T tokens (T: this rank's share
     under CP), fp32 or autocast, counted tensor by tensor (N = B*T tokens, C = n_embd, p = tp, r = residual
     bytes, a = compute bytes; each storage once):
@@ -304,24 +370,67 @@ def block_saved_bytes(s: Setup, B: int, T: int) -> int:
       log-sum-exp (B*(H/p)*T*4): the fused kernel keeps no (T, T) scores;
     - the MLP: c_fc's output (GELU's input) and GELU's output (c_proj's input), 4*N*C*a/p each.
     In fp32 and without TP that is 16*N*C*4 + 16*N + 4*B*H*T bytes. Korthikanti et al.'s 34*s*b*h (+ 5*a*s^2*b)
-    counts fp16 with dropout masks (5*s*b*h) and the materialised attention scores; we have neither."""
+    counts fp16 with dropout masks (5*s*b*h) and the materialised attention scores; we have neither.
+    Block `layer` an MoE Block (config.is_moe): `moe_saved_bytes` in place of the MLP's (None: a dense Block)."""
     c, p, sp = s.config, s.dims.tp, s.args.sequence_parallel
     N, C, r, a = B * T, c.n_embd, s.residual_bytes, s.compute_bytes
     ln = 2 * ((N * C * r + 2 * N * 4) // (p if sp else 1))
     ln_out = 2 * N * C * r
     attn = 4 * N * C * a // p + B * (c.n_head // p) * T * 4
-    mlp = 8 * N * C * a // p
+    mlp = moe_saved_bytes(s, B, T) if layer is not None and c.is_moe(layer) else 8 * N * C * a // p
     return ln + ln_out + attn + mlp
 
 
+def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
+    """Bytes an MoE layer (model.MoE) saves for backward on one rank beyond its input (ln_2's output, counted
+    with the Block's), for B rows of T tokens, N = B*T (under TP every rank runs the layer whole, on the whole
+    sequence), k experts a token, E experts, C = n_embd, H = the experts' hidden width, a = compute bytes,
+    counted tensor by tensor (each storage once; integers int64) under balanced routing: the rows a rank's
+    experts run, R, equal the N*k it routes (without EP always, whatever the routing: all N*k rows run here):
+    - the router: softmax's fp32 scores (N*E*4), top-k's sort indices (gather's index: a view of N*E*8), the
+      chosen scores and their sum (the renormalisation's, N*k*4 + N*4);
+    - the dispatch: the rows' token index (N*k*8) and the combine's order (index_copy's index, N*k*8) and source
+      (the experts' outputs, N*k*C*a);
+    - the experts on their R rows: c_fc's input (R*C*a), each row's expert (the biases' index, R*8), GELU's input
+      and output (2*R*H*a), and torch._grouped_mm's group ends (E/ep int32); under autocast the per-expert loop
+      runs instead (model.grouped_linear), which keeps no ends but, where the weights are not already in the
+      compute dtype (fp32 parameters: DDP, or a sharding engine's fp32 compute copies), each expert's two weights
+      cast to it (2*(E/ep)*C*H*a);
+    - the combine: the outputs (N*k*C*a) and the gates they are weighted by (N*k*a);
+    - under EP also the expert-major order of the received rows (R*8) and a second index_copy's source (R*C*a:
+      the outputs before the all_to_all back); with the balancing loss its per-row counts and shares (B*(E+1)*4).
+    In fp32 without EP that is N*(k*(12*C + 8*H + 32) + 12*E + 4) + 4E; a skewed router changes the expert terms
+    by (R - N*k) * (2*C*a + 2*H*a + 8 (+ 8 under EP)) on a rank that receives R rows."""
+    c, ep = s.config, s.dims.ep
+    N, k, E, C, H, a = B * T, c.moe_top_k, c.moe_num_experts, c.n_embd, c.expert_hidden, s.compute_bytes
+    R = N * k
+    router = N * E * 4 + N * E * 8 + N * k * 4 + N * 4
+    dispatch = 2 * N * k * 8 + N * k * C * a
+    autocast = s.dtype != torch.float32  # train.py's: the loop, not the grouped kernel (model.grouped_mm_runs)
+    weights = s.param_bytes if s.dp_type in ZERO_STAGES else 4
+    experts = R * C * a + R * 8 + 2 * R * H * a + (
+        (2 * E // ep * C * H * a if weights != a else 0) if autocast else E // ep * 4)
+    combine = N * k * C * a + N * k * a
+    ep_more = R * 8 + R * C * a if ep > 1 else 0
+    aux = B * (E + 1) * 4 if c.moe_aux_loss_coeff else 0
+    return router + dispatch + experts + combine + ep_more + aux
+
+
 def ends_saved_bytes(s: Setup, B: int, T: int, first: bool, last: bool) -> int:
-    """The embeddings (token ids and positions, int64) and the head: ln_f's input, stats and output
-    (lm_head's input: the chunked loss keeps no logits) and the targets (int64)."""
+    """The embeddings (token ids and positions, int64) and the head: ln_f's input and stats, and the chunked
+    loss's gradients, which it makes in forward and holds until backward (model.HeadGradients: dx (B*T, C) and
+    dW (V/p, C), fp32; it keeps no logits, and neither x, the targets nor the weight)."""
     C, r = s.config.n_embd, s.residual_bytes
     out = (B * T * 8 + T * 8) if first else 0
     if last:
-        out += 2 * B * T * C * r + 2 * B * T * 4 + B * T * 8
+        out += B * T * C * r + 2 * B * T * 4 + head_grad_bytes(s, B, T)
     return out
+
+
+def head_grad_bytes(s: Setup, B: int, T: int) -> int:
+    """The chunked loss's gradients, held from its forward to its backward (model.HeadGradients): dx (B*T, C) and
+    this rank's dW (V/p, C), fp32."""
+    return (B * T + s.config.vocab_size // s.dims.tp) * s.config.n_embd * 4
 
 
 def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
@@ -334,13 +443,20 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     the chunk's graph but keeps, per Block, each deferred linear's input and output gradient (x, dy) for W
     (parallel/zero_bubble.py): x 7NC and dy 9NC elements in the compute dtype, 16NCa bytes; the Block saves
     16NCa + 4NC(r - a) + its LayerNorm statistics and log-sum-exp, so counting a micro-batch whole until its W is
-    an upper bound: within 1% in fp32 (r = a), 4NC(r - a) per Block over under autocast."""
+    an upper bound: within 1% in fp32 (r = a), 4NC(r - a) per Block over under autocast. The loss's gradients
+    (`head_grad_bytes`, dW alone V/p x C x 4) belong to the last chunk only: they count once per head micro-batch
+    between its F and its B (`_head_in_flight`), not spread over the rank's chunks."""
     micro = micro_saved_bytes(s, pp_rank)
     if not s.dims.pp_enabled:
         return micro
     V = s.args.pp_virtual_stages or 1
     in_flight = _in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
-    return in_flight * micro // V  # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks
+    heads = _head_in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
+    head = head_grad_bytes(s, s.args.micro_batch_size, s.args.seq_len // s.dims.cp) if stage_blocks(s, pp_rank)[2] \
+        else 0
+    # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks; the head's gradients count per
+    # head micro-batch in flight (GPipe: M; 1F1B and the V's turn: its B follows its F, 1)
+    return in_flight * (micro - head) // V + heads * head
 
 
 def block_input_bytes(s: Setup) -> int:
@@ -356,13 +472,28 @@ def micro_saved_bytes(s: Setup, pp_rank: int = 0) -> int:
     a = s.args
     B, T = a.micro_batch_size, a.seq_len // s.dims.cp
     blocks, first, last = stage_blocks(s, pp_rank)
-    S, X = block_saved_bytes(s, B, T), block_input_bytes(s)
-    ckpt = recomputed_blocks(s, blocks)
+    X = block_input_bytes(s)
     ends = ends_saved_bytes(s, B, T, first, last)
-    held = (len(blocks) - ckpt) * S + ckpt * X
-    if a.activation_checkpointing == "full":
+    held = sum(X if recomputed_blocks(s, [i]) else block_saved_bytes(s, B, T, i) for i in blocks)
+    if a.activation_checkpointing == "full":  # the largest Block recomputed (an MoE one, if any)
+        S = max((block_saved_bytes(s, B, T, i) for i in blocks), default=X)
         return held + max(ends, (S - X) + ends_saved_bytes(s, B, T, first, False))
     return held + ends
+
+
+@functools.lru_cache(maxsize=1024)
+def _head_in_flight(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
+    """Each rank's most micro-batches of the last chunk (the head) between their F and their B, from its action list:
+    how many copies of the loss's gradients it holds at once (freed at B: a split schedule's W needs none)."""
+    last, out = pp * virtual - 1, []
+    for ops in ALL_SCHEDULES[schedule](pp, micro, virtual):
+        held = most = 0
+        for x in ops:
+            if x.chunk == last and x.kind in ("F", "B"):
+                held += 1 if x.kind == "F" else -1
+                most = max(most, held)
+        out.append(most)
+    return tuple(out)
 
 
 def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
@@ -379,37 +510,45 @@ def largest_transient(s: Setup, pp_rank: int = 0) -> int:
     are not in it."""
     out = 0
     if s.dp_type == "fsdp":
-        shard = s.dims.dp_shard * s.dims.cp
-        padded = {u: shard_numel(n, shard) * shard for u, (n, _) in units(s, pp_rank).items()}
+        padded = _padded(s, pp_rank)
         head = padded.pop("tied", 0) or padded.pop("root")
-        out = (head + max(padded.values(), default=0)) * s.param_bytes
+        blocks = [n + padded.get(f"{u}.experts", 0) for u, n in padded.items() if not u.endswith(".experts")]
+        out = (head + max(blocks, default=0)) * s.param_bytes  # a Block gathered with its experts
     if stage_blocks(s, pp_rank)[2]:
         out += loss_transient(s)
     return out
 
 
+def _padded(s: Setup, pp_rank: int = 0) -> dict[str, int]:
+    """Each unit's flat buffer, padded to a multiple of its group's size (`unit_shard`)."""
+    return {u: shard_numel(n, unit_shard(s, u)) * unit_shard(s, u) for u, (n, _) in units(s, pp_rank).items()}
+
+
 def loss_transient(s: Setup) -> int:
-    """The most bytes the chunked loss (model._LinearCrossEntropy, model.loss_chunk_rows rows a chunk) holds at
-    once, a = compute bytes, r = residual bytes, n = chunk rows, N = rows:
-    - whole vocabulary (one process, DP, CP): the chunk's logits, log-softmax and its gradient, 3 x n x V x 4
-      in fp32 (the log_softmax kernels), beside the backward's dw (V x C fp32) and dx (N x C x r);
-    - vocab-parallel (tensor_parallel.VocabShard, TP): one (n, V/p) chunk, exponentiated and turned into its
-      gradient in place (in fp32; under autocast also the compute-dtype logits and the gradient's cast: + 2a),
-      plus g @ W's (n, C) product before it lands in dx, beside dw (V/p x C) and dx; and without loss
-      parallelism the forward's all-gather: the local (n, V/p), the gathered (p x n, V/p) and its (n, V)
-      reshaped copy, n x (V/p + 2V) x a (+ 4 x n x V for the fp32 cast under autocast)."""
+    """The most bytes the chunked loss (model._LinearCrossEntropy, model.loss_chunk_rows rows a chunk for the run's
+    device) holds at once in its forward, beside its gradients' buffers (saved: `ends_saved_bytes`), a = compute
+    bytes, n = chunk rows, N = rows, V' = V/p (this rank's columns):
+    - under autocast (a != 4) the compute-dtype casts of x and the weight, (N + V') x C x a;
+    - whole vocabulary (one process, DP, CP): a chunk's logits, log-softmax and gradient, 3 x n x V x 4 in fp32 (the
+      log_softmax kernels); under autocast then the gradient's cast, n x V x a, and one chunk's bf16 g^T x (V x C x a)
+      beside the fp32 gradient, n x V x 4;
+    - vocab-parallel (tensor_parallel.VocabShard, TP) with loss parallelism: the first pass's last chunk keeps its
+      (n, V') logits beside their exponentials, 2 x n x V' x 4; the second pass's chunk (in fp32, turned into its
+      gradient in place) with, under autocast, the gradient's cast and g^T x and g W's (n, C): n x V' x (4 + a) +
+      (V' + n) x C x a;
+    - without loss parallelism: lm_head's weight all-gathered, V x C x a, beside the whole vocabulary's chunk, of
+      which the gradient's cast and g^T x are this rank's columns."""
     a, c = s.args, s.config
     N = a.micro_batch_size * a.seq_len // s.dims.cp
-    n, C, V, p = min(loss_chunk_rows(c.vocab_size), N), c.n_embd, c.vocab_size, s.dims.tp
-    cb, r = s.compute_bytes, s.residual_bytes
-    grads = V // p * C * 4 + N * C * r
+    n, C, V = min(loss_chunk_rows(c.vocab_size, a.device.split(":")[0]), N), c.n_embd, c.vocab_size
+    cb, Vp = s.compute_bytes, c.vocab_size // s.dims.tp
+    mixed = cb != 4
+    casts = (N + Vp) * C * cb if mixed else 0
     if not s.dims.tp_enabled:
-        return 3 * n * V * 4 + grads
-    chunk = n * (V // p) * (4 + (2 * cb if cb != 4 else 0))
-    backward = chunk + n * C * r + grads
+        return casts + max(3 * n * V * 4, n * V * (4 + cb) + V * C * cb if mixed else 0)
     if a.enable_loss_parallelism:
-        return backward
-    return max(backward, n * (V // p + 2 * V) * cb + (4 * n * V if cb != 4 else 0))
+        return casts + max(2 * n * Vp * 4, n * Vp * (4 + cb) + (Vp + n) * C * cb if mixed else 0)
+    return casts + V * C * cb + max(3 * n * V * 4, n * V * 4 + n * Vp * cb + (Vp + n) * C * cb if mixed else 0)
 
 
 def held_grad_bytes(s: Setup, pp_rank: int = 0) -> int:
@@ -450,13 +589,13 @@ def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
     a, d, stage = s.args, s.dims, ZERO_STAGES[s.dp_type]
     shard, pb, rb, copies = d.dp_shard * d.cp, s.param_bytes, s.reduce_bytes, s.copies_reduce_input
     sizes = units(s, pp_rank)
-    padded = {u: shard_numel(n, shard) * shard for u, (n, _) in sizes.items()}
+    padded = _padded(s, pp_rank)
     params = {n: k for n, k, _ in local_params(s, pp_rank)}
     numel = lambda names: sum(params.get(n, 0) for n in names)  # noqa: E731
     lm_head = "lm_head.weight" if "lm_head.weight" in params else "transformer.wte.weight"
     head = numel((lm_head, *HEAD[1:]))
     B, T = a.micro_batch_size, a.seq_len // d.cp
-    S, X = block_saved_bytes(s, B, T), block_input_bytes(s)
+    X = block_input_bytes(s)
     tied = "tied" in padded
     V, v_shape = a.pp_virtual_stages or 1, a.pp_schedule in V_SCHEDULES
     if d.pp_enabled:
@@ -469,26 +608,36 @@ def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
     for c in chunks:
         blocks, first, last = list(layers[c]), c == 0, c == len(layers) - 1
         ends = ends_saved_bytes(s, B, T, first, False)
-        below = [ends + sum(X if recomputed_blocks(s, [i]) else S for i in blocks[:k]) for k in range(len(blocks) + 1)]
-        order: list[tuple[int, int, int, int]] = []  # (gradient elements, padded, gathered elements, activation bytes)
+        below = [ends + sum(X if recomputed_blocks(s, [i]) else block_saved_bytes(s, B, T, i) for i in blocks[:k])
+                 for k in range(len(blocks) + 1)]
+        # (gradient elements, padded, gathered elements, activation bytes, the unit's group size)
+        order: list[tuple[int, int, int, int, int]] = []
         if last and not first:
             all_saved = below[-1] + ends_saved_bytes(s, B, T, False, True)
-            order += [(params[lm_head], padded["tied"], 0, all_saved), (head - params[lm_head], padded["root"], 0, 0)] \
-                if tied else [(head, padded["root"], 0, 0)]
+            order += [(params[lm_head], padded["tied"], 0, all_saved, shard),
+                      (head - params[lm_head], padded["root"], 0, 0, shard)] if tied else [(head, padded["root"], 0, 0,
+                                                                                         shard)]
         waiting = head if first and last else 0  # lm_head's and ln_f's gradients, until the root's concatenation
+        with_experts = lambda u: padded[u] + padded.get(f"{u}.experts", 0)  # noqa: E731 (gathered together)
         for k in reversed(range(len(blocks))):
             u, lower = f"transformer.h.{blocks[k]}", f"transformer.h.{blocks[k - 1]}" if k else None
-            gathered = padded[u] + (padded[lower] if lower else 0) if stage == 3 else 0
-            order.append((sizes[u][0] + waiting, padded[u], gathered, below[k]))
+            gathered = with_experts(u) + (with_experts(lower) if lower else 0) if stage == 3 else 0
+            if f"{u}.experts" in padded:  # its experts' unit completes first, in the MoE's backward, the Block's
+                # attention and LayerNorms still saved
+                e = f"{u}.experts"
+                rest = block_saved_bytes(s, B, T, blocks[k]) - moe_saved_bytes(s, B, T)
+                order.append((sizes[e][0], padded[e], gathered, below[k] + rest, unit_shard(s, e)))
+            order.append((sizes[u][0] + waiting, padded[u], gathered, below[k], shard))
         if first:
             wpe = numel(EMBEDDINGS[1:])
-            order += [(numel(EMBEDDINGS), padded["tied"], 0, 0), (wpe, padded["root"], 0, 0)] if tied and not last \
-                else [(numel(EMBEDDINGS) + waiting - (params[lm_head] if last else 0), padded["root"], 0, 0)]
-        for i, (grads, n, gathered, saved) in enumerate(order):
+            order += [(numel(EMBEDDINGS), padded["tied"], 0, 0, shard), (wpe, padded["root"], 0, 0, shard)] \
+                if tied and not last else [(numel(EMBEDDINGS) + waiting - (params[lm_head] if last else 0),
+                                            padded["root"], 0, 0, shard)]
+        for i, (grads, n, gathered, saved, group) in enumerate(order):
             prev, before = (order[i - 1][1] if i >= 1 else 0), (order[i - 2][1] if i >= 2 else 0)
-            held = reduce_held_bytes(stage, grads, n, prev, before, shard, pb, rb, copies)
+            held = reduce_held_bytes(stage, grads, n, prev, before, group, pb, rb, copies)
             most = max(most, held + gathered * pb + saved + (
-                every if every_held else 4 * sum(u[1] // shard for u in order[:max(i - 2, 0)])))
+                every if every_held else 4 * sum(u[1] // u[4] for u in order[:max(i - 2, 0)])))
     return most
 
 
@@ -503,12 +652,14 @@ def reduce_phase(s: Setup, pp_rank: int = 0) -> int:
     if s.dp_type not in ZERO_STAGES:
         return 0
     shard = s.dims.dp_shard * s.dims.cp
-    padded = {u: shard_numel(n, shard) * shard for u, (n, _) in units(s, pp_rank).items()}
+    padded = _padded(s, pp_rank)
     others = saved_activation_bytes(s, pp_rank) - micro_saved_bytes(s, pp_rank) // (s.args.pp_virtual_stages or 1) \
         if s.dims.pp_enabled else 0
     roots = (padded["root"] + padded.get("tied", 0)) * s.param_bytes if s.dp_type == "fsdp" else 0
-    end_of_step = reduce_accumulated_held_bytes(list(padded.values()), shard, s.reduce_bytes,
-                                                s.copies_reduce_input) if s.dp_type == "zero1" else 0
+    end_of_step = sum(reduce_accumulated_held_bytes([n for u, n in padded.items() if u.endswith(".experts") == e],
+                                                    unit_shard(s, "x.experts" if e else "root"), s.reduce_bytes,
+                                                    s.copies_reduce_input) for e in (False, True)) \
+        if s.dp_type == "zero1" else 0
     moment = max(others, 0) + roots + reduce_transient(s, pp_rank)
     return max(moment, state_bytes(s, pp_rank)["grads"] + end_of_step)
 

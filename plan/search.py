@@ -47,14 +47,17 @@ from plan.predict import (Setup, comm_by_group, comm_calls_by_group, recomputed_
                           step_flops, worst_rank)
 
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-        "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0}
+        "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0,
+        "all_to_all": lambda n: (n - 1) / n}  # all_to_all: its input counted, 1/n of it stays on the rank
 # Hops (sequential messages) of one call over n ranks, each charged Cluster.hop: gloo's ring all-reduce is a
 # reduce-scatter then an all-gather round the ring, 2(n - 1); its all-gather n - 1; its reduce-scatter takes about
 # as long as an all-reduce of the same input (bench/plan_rank.py's probes over 4 ranks on 2 cores: 5.55 against
 # 5.66 ms, the all-gather 3.58), so 2(n - 1); a broadcast n - 1 (no calls formula issues one per step); p2p 1
 HOPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: 2 * (n - 1),
-        "broadcast": lambda n: n - 1, "p2p": lambda n: 1}
-OVERLAPPED = ("dp", "dp_replicate")  # gradient (and ZeRO-3 gather) traffic the wrappers issue asynchronously
+        "broadcast": lambda n: n - 1, "p2p": lambda n: 1, "all_to_all": lambda n: n - 1}  # a2a: a message a peer
+# gradient (and ZeRO-3 gather) traffic the wrappers issue asynchronously, the experts' over edp too; EP's
+# all_to_alls sit between the router and the experts: on the critical path
+OVERLAPPED = ("dp", "dp_replicate", "edp")
 # (schedule, chunks per rank) the search tries under a pipeline: every schedule train.py runs, V = 2 for
 # interleaving and the V schedules; config.check_layout refuses what a composition does not support (the
 # zero-bubble schedules with a sharding engine, TP or CP)
@@ -103,8 +106,8 @@ def divisors(n: int) -> list[int]:
 
 
 def layout_name(pp: int, schedule: str, virtual: int, dp: int, dp_type: str | None, replicate: int, cp: int, tp: int,
-                ac: str, mb: int) -> str:
-    """e.g. `pp=2(1f1b) dp=4(fsdp,R=2) cp=2 tp=2 ac=full mb=4`: the dims > 1, then AC and the micro-batch."""
+                ac: str, mb: int, ep: int = 1) -> str:
+    """e.g. `pp=2(1f1b) dp=4(fsdp,R=2) cp=2 tp=2 ep=2 ac=full mb=4`: the dims > 1, then AC and the micro-batch."""
     parts = []
     if pp > 1:
         parts.append(f"pp={pp}({schedule}{f',V={virtual}' if virtual > 1 else ''})")
@@ -114,11 +117,13 @@ def layout_name(pp: int, schedule: str, virtual: int, dp: int, dp_type: str | No
         parts.append(f"cp={cp}")
     if tp > 1:
         parts.append(f"tp={tp}")
+    if ep > 1:
+        parts.append(f"ep={ep}")
     return " ".join(parts + [f"ac={ac}", f"mb={mb}"])
 
 
 def flags_for(model_flags: list[str], pp: int, schedule: str, virtual: int, dp: int, dp_type: str | None,
-              replicate: int, cp: int, tp: int, ac: str, mb: int) -> list[str]:
+              replicate: int, cp: int, tp: int, ac: str, mb: int, ep: int = 1) -> list[str]:
     f = [*model_flags, "--micro_batch_size", str(mb)]
     if pp > 1:
         f += ["--pipeline_parallel_size", str(pp), "--pp_schedule", schedule]
@@ -133,6 +138,8 @@ def flags_for(model_flags: list[str], pp: int, schedule: str, virtual: int, dp: 
         f += ["--context_parallel_size", str(cp)]
     if tp > 1:
         f += ["--tensor_parallel_size", str(tp), "--sequence_parallel", "--enable_loss_parallelism"]
+    if ep > 1:
+        f += ["--expert_parallel_size", str(ep)]
     if ac != "none":
         f += ["--activation_checkpointing", ac]
     return f
@@ -226,6 +233,7 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
     group's communication, total."""
     d = s.dims
     sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp}
+    edp = d.dp * d.cp // d.ep
     bubble = _bubble(s.args.pp_schedule, d.pp, s.grad_accum, s.args.pp_virtual_stages or 1) if d.pp > 1 else 0
     work = step_flops(s) / (cluster.peak_flops * efficiency) + cluster.overhead * compute_actions(s)
     compute = work / core_share(cluster, bubble) / (1 - bubble)
@@ -233,14 +241,16 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
     group_dims = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp_shard" if s.dp_type != "ddp" else "dp_replicate",
                   "dp_replicate": "dp_replicate"}
     group_size = {"tp": d.tp, "cp": d.cp, "pp": 2, "dp": d.dp_shard * d.cp if s.dp_type != "ddp" else d.dp * d.cp,
-                  "dp_replicate": d.dp_replicate}
+                  "dp_replicate": d.dp_replicate, "ep": d.ep, "edp": edp}
     times = {"compute": compute}
     for g, kinds in groups.items():
         n = group_size[g]
         if n <= 1:
             continue
+        # EP's groups are made of the batch ranks (dp x cp): inside a node where those are
+        batch = ("dp_replicate", "dp_shard", "cp")
         inter = any(link_of(dim, sizes, cluster.gpus_per_node) == "inter" for dim in
-                    (("dp_replicate", "dp_shard", "cp") if g == "dp" else (group_dims[g],)) if sizes[dim] > 1)
+                    (batch if g in ("dp", "ep", "edp") else (group_dims[g],)) if sizes[dim] > 1)
         bw = cluster.inter_bw if inter else cluster.intra_bw
         times[g] = (sum(v * RING[k](n) for k, v in kinds.items()) / bw + cluster.latency * sum(calls[g].values())
                     + cluster.hop * hops(calls[g], n))
@@ -254,10 +264,12 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
 def candidates(model_flags: list[str], cluster: Cluster, micro_batches: list[int], constraints: dict,
                efficiency: float = 0.5) -> list[Candidate]:
     """Every accepted layout on `cluster.gpus` ranks: pp x schedule x dp type (HSDP with a node's worth of
-    shards) x cp x tp (within a node) x AC x micro-batch, each with its worst stage's prediction and step
-    time. `constraints` pins any of pp, tp, cp, dp_type, ac."""
+    shards) x cp x tp (within a node) x, for an MoE model of E experts, ep (the divisors of E that divide dp x cp:
+    EP borrows the batch ranks) x AC x micro-batch, each with its worst stage's prediction and step time.
+    `constraints` pins any of pp, tp, cp, ep, dp_type, ac."""
     N, G = cluster.gpus, cluster.gpus_per_node
     device = torch.device("meta")  # check_layout only asks its type (CPU-only refusals); the dtype is explicit
+    E = _model_args(tuple(model_flags)).moe_num_experts
     out = []
     for pp, cp, tp in itertools.product(divisors(N), divisors(N), divisors(min(N, G))):
         if N % (pp * cp * tp) or any(constraints.get(k) not in (None, v) for k, v in (("pp", pp), ("cp", cp), ("tp", tp))):
@@ -268,15 +280,16 @@ def candidates(model_flags: list[str], cluster: Cluster, micro_batches: list[int
         shards_in_node = G // (cp * tp)
         if dp > shards_in_node > 1 and dp % shards_in_node == 0:
             dp_types += [(t, dp // shards_in_node) for t in ("zero2", "fsdp")]
-        for (schedule, v), (dp_type, r), ac, mb in itertools.product(schedules, dp_types, ("none", "selective", "full"),
-                                                                     micro_batches):
+        eps = [e for e in divisors(dp * cp) if E % e == 0 and constraints.get("ep") in (None, e)] if E else [1]
+        for (schedule, v), (dp_type, r), ep, ac, mb in itertools.product(schedules, dp_types, eps,
+                                                                         ("none", "selective", "full"), micro_batches):
             if constraints.get("dp_type") not in (None, dp_type) or constraints.get("ac") not in (None, ac):
                 continue
-            flags = flags_for(model_flags, pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb)
+            flags = flags_for(model_flags, pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb, ep)
             s = accepted(model_flags, flags[len(model_flags):], N, device)
             if s is None:
                 continue
-            out.append(Candidate(layout_name(pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb), flags, s, cluster,
+            out.append(Candidate(layout_name(pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb, ep), flags, s, cluster,
                                  efficiency))
     return out
 
@@ -285,7 +298,11 @@ def model_flags(a: argparse.Namespace) -> list[str]:
     """train.py's model and batch flags from the planner's arguments."""
     f = ["--model", a.model, "--seq_len", str(a.seq_len), "--total_batch_size", str(a.total_batch_size),
          "--dtype", a.dtype]
-    for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
-        if getattr(a, k) is not None:
+    for k in ("n_layer", "n_head", "n_embd", "vocab_size", *MOE_FLAGS):
+        if getattr(a, k, None) is not None:
             f += [f"--{k}", str(getattr(a, k))]
     return f
+
+
+# the mixture-of-experts flags python -m plan passes to train.py's parser (config.moe_fields' flags)
+MOE_FLAGS = ("moe_num_experts", "moe_top_k", "moe_every", "moe_ffn_hidden")

@@ -1,4 +1,4 @@
-"""The schedule simulator: a process-free dry run of parallel/pipeline_schedule.py's action lists under three
+"""The schedule simulator: a process-free dry run of parallel/pipeline_schedule.py's action lists under four
 models of point-to-point messaging, and the proofs the runtime's message order rests on.
 
 Pairings (`_with_p2p(..., pairing=)`). Each schedule fixes only the order of F/B on each rank; `_with_p2p` runs
@@ -11,8 +11,13 @@ message before any compute starting at its time, by one of three pairings:
   pair's unbatched isend/irecv on one communicator and stream in posting order, and a send completes only
   when the peer's matching receive is at the head of its side (simulate(..., p2p="nccl")); what gloo needs
   (the k-th send from a to b meets the k-th receive on b from a) follows. With the global order the lowest
-  unfinished message always has both ranks posted on it, so no p2p model deadlocks, and with isends the
-  timeline is the ideal one: every schedule meets `plan.theory.bubble_fraction` exactly. A receiver posts at
+  unfinished message always has both ranks posted on it, at the head of both their streams even where a rank
+  has one stream for all its peers (an eagerly initialised NCCL group: p2p="nccl_eager"), so no p2p model
+  deadlocks, and with isends the timeline at unit times is the ideal one: every schedule meets
+  `plan.theory.bubble_fraction` exactly. With uneven stage times one stream per rank costs makespan (a
+  ready send waits behind a receive from the other neighbour): up to +9% for DualPipe-V, +12.5% for ZB-H1
+  with a slow first stage (tests/test_pipeline_schedule.py TestEagerNccl); link groups (`links`) win it
+  back. A receiver posts at
   the ready time and waits on the data only at the compute that reads it, so with stage times other than the
   units the rank runs on while the data is late (TestReceiveWaits). A wait on a send (`send_waits`) stands at a
   compute that starts after the message is ready, so it waits only on lower keys: no deadlock either.
@@ -24,15 +29,18 @@ message before any compute starting at its time, by one of three pairings:
   sends, interleaved 1F1B deadlocks (e.g. P=2, V=2, M=4: rank 0 posts SEND_F(c0,m2) before RECV_B(c2,m0)
   while rank 1 posts SEND_B(c3,m0) before RECV_F(c1,m2)). Kept so the tests show the simulator catches it.
 
-`simulate` executes the lists under each p2p model (async, nccl, rendezvous) and checks everything above.
+`simulate` executes the lists under each p2p model (async, nccl, rendezvous, nccl_eager) and checks everything
+above.
 """
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from parallel.mesh import p2p_link
 from parallel.pipeline_schedule import (B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError,
-                                        is_split, rank_of, send_waits, unit_times)
+                                        boundary, is_split, rank_of, send_waits, unit_times)
 
 
 @dataclass
@@ -57,24 +65,60 @@ def _peer(a: Action, pp: int, v: bool = False) -> tuple[int, Action]:
     return rank_of(a.chunk + step, pp, v), Action(kind, a.chunk + step, a.micro)
 
 
-P2P_MODELS = ("async", "nccl", "rendezvous")
+Times = int | Sequence[int]  # a compute's units: the same for every chunk, or one per chunk
+P2P_MODELS = ("async", "nccl", "rendezvous", "nccl_eager")
+FIFO_MODELS = ("nccl", "nccl_eager")  # torch's unbatched NCCL p2p: streams of posted ops, each run in order
+
+
+@dataclass
+class _Entry:
+    """One entry of a p2p stream (FIFO_MODELS): the ops posted as one call, one op unless batched (then the
+    ops of one `batch_isend_irecv`, which NCCL runs as one group: they progress together and the entry ends
+    when the last of them has met its peer). ops: (action, the peer's matching action, the peer's stream)."""
+    ops: list[tuple[Action, Action, tuple[int, int]]]
+    post: int
+    closed: bool = False  # every op of the call posted: the call is issued
+    start: int = 0  # when it runs: its post, or the end of the entry before it on its stream if later
+    fired: dict[int, int] = field(default_factory=dict)  # op index -> when it met its peer
 
 
 def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batches: int | None = None,
-             f_time: int = 1, b_time: int | None = None, w_time: int | None = None,
-             p2p: str = "rendezvous", v_shape: bool = False) -> SimResult:
+             f_time: Times = 1, b_time: Times | None = None, w_time: Times | None = None,
+             p2p: str = "rendezvous", v_shape: bool = False, links: bool = False,
+             batched: bool = False) -> SimResult:
     """Run every rank's list; computes take f_time / b_time / w_time units (default `unit_times`: B = 2 for a
-    whole backward, B = W = 1 when the schedule is split); `v_shape`: the chunks sit as `chunk_of(..., v_shape=True)`
-    puts them (the V schedules). Three p2p models:
+    whole backward, B = W = 1 when the schedule is split), each one number or one per chunk; `v_shape`: the
+    chunks sit as `chunk_of(..., v_shape=True)` puts them (the V schedules). Messages take no time. Four p2p models:
     - "rendezvous": a send blocks until its receive is posted; both complete at the later arrival
       (blocking send/recv).
     - "async" (gloo, isend/irecv): posting never blocks the rank. The k-th send from a to b meets the k-th
       receive on b from a, and the data is there at the send's post time.
-    - "nccl" (torch's unbatched isend/irecv on NCCL): one FIFO per peer pair and side, shared by both
-      directions, in posting order. Posting never blocks the rank. The ops at the heads of a pair's two sides
-      complete together, at the later post, when one is a send and the other its receive; two sends (or two
-      receives) at the heads wait for each other forever.
-    In both, a compute waits for the receive of its input, which must be posted before it in the rank's list
+    - "nccl" (torch's unbatched isend/irecv on NCCL with lazily created communicators): one FIFO per peer
+      pair and side, shared by both directions, in posting order. ProcessGroupNCCL::pointToPoint, when the
+      group was not eagerly initialised, creates a 2-rank communicator per peer pair (key getKeySendRecv),
+      with its own stream. Posting never blocks the rank. The ops at the heads of a pair's two sides complete
+      together, at the later post, when one is a send and the other its receive; two sends (or two receives)
+      at the heads wait for each other forever.
+    - "nccl_eager" (the same calls on a group initialised eagerly: init_process_group(device_id=...), which
+      parallel/mesh.py passes on CUDA, binds the world group to the device, and every group split from it,
+      DeviceMesh's and new_group's, is eager too): one FIFO per rank (per group: `links`), across all its
+      peers, in posting order. In eager mode pointToPoint reuses the group's own communicator (key
+      getKeyFromDevice) and so its one NCCL stream for every unbatched send and receive: the ops of a rank run
+      one after the other in the order it posted them, whichever peer they name; torch warns once ("In eager
+      initialization mode, unbatched P2P ops are treated as independent collective ops, and are thus serialized
+      with all other ops on this ProcessGroup, including other P2P ops"). An op runs once every op posted
+      before it on its stream has completed; a send completes when its receive is running at the head of the
+      peer's stream, and vice versa (ncclSend/ncclRecv: "This operation is blocking for the GPU"), both at the
+      later of the two heads' start times. So a send to rank r+1 that is ready waits behind a receive from
+      r-1 posted before it, until r-1 sends. Two heads naming each other with the same kind never complete;
+      a head whose peer's head names a third rank waits. (NCCL may complete a small send into the receiver's
+      buffer before the receive runs; that only lets ops finish earlier than modelled.)
+      `links`: the fix, every message on the group of its link (`parallel.mesh.p2p_link` of the chunk
+      boundary it crosses, as PipelineRunner posts it given link groups): each rank's stream on a group then
+      carries one peer's messages, as "nccl"'s pairs do. `batched`: the other fix, the p2p ops a rank lists
+      back to back posted as one `batch_isend_irecv` (one stream entry, its ops progressing together; a
+      receive's data is there when the whole entry ends, torch returning one work for the batch).
+    In all, a compute waits for the receive of its input, which must be posted before it in the rank's list
     (PipelineRunner posts each receive at its place in the list and waits on it just before the compute), and
     for the sends `send_waits` names before it to be matched with their receives (the runner waits on them
     there, and frees what they sent).
@@ -84,6 +128,10 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
     split (what W needs stays until W): `max_in_flight`."""
     if p2p not in P2P_MODELS:
         raise ValueError(f"unknown p2p model {p2p!r}; known: {P2P_MODELS}")
+    if (links or batched) and p2p != "nccl_eager":
+        raise ValueError("links and batched are fixes of the nccl_eager model")
+    if links and batched:
+        raise ValueError("links or batched, not both")
     if len(schedule) != pp:
         raise ScheduleError(f"schedule has {len(schedule)} ranks, pp={pp}")
     chunks = pp * virtual
@@ -102,72 +150,119 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
     done: set[Action] = set()  # computes and receives completed, over all ranks (chunks name their rank)
     pos, clock, held, peak, busy = [0] * pp, [0] * pp, [0] * pp, [0] * pp, [0] * pp
     timeline: list[list[tuple[int, int, Action]]] = [[] for _ in range(pp)]
-    posted: dict[tuple[int, int], deque] = defaultdict(deque)  # async: (src, dst) -> sends in flight;
-    # nccl: (me, peer) -> my ops on that pair not yet completed, oldest first
+    posted: dict[tuple[int, int], deque] = defaultdict(deque)  # async: (src, dst) -> sends in flight
     listening: dict[tuple[int, int], deque] = defaultdict(deque)  # async: (src, dst) -> receives posted, unmatched
-    arrived: dict[Action, int] = {}  # async, nccl: when a completed receive's data is there
-    pending: set[Action] = set()  # async, nccl: receives posted and not yet completed
+    streams: dict[tuple[int, int], deque[_Entry]] = defaultdict(deque)  # FIFO_MODELS: (rank, stream) -> entries
+    free: dict[tuple[int, int], int] = defaultdict(int)  # FIFO_MODELS: when a stream's last entry ended
+    arrived: dict[Action, int] = {}  # async, FIFO_MODELS: when a completed receive's data is there
+    pending: set[Action] = set()  # async, FIFO_MODELS: receives posted and not yet completed
     sent: dict[Action, int] = {}  # sends matched with their receive, and when: what a send wait waits for
     waits = [send_waits(ops) for ops in schedule]  # where each rank waits on its sends (PipelineRunner's rule)
+
+    def stream(r: int, q: int, a: Action) -> tuple[int, int]:
+        """The stream rank r posts `a` (to or from q) on: the pair's ("nccl"), the group's ("nccl_eager": 0,
+        or the link's group)."""
+        if p2p == "nccl":
+            return r, q
+        if not links:
+            return r, 0
+        c = boundary(a)
+        return r, p2p_link(rank_of(c, pp, v_shape), rank_of(c + 1, pp, v_shape), pp)
+
+    # per action, what running or posting it needs: a compute its input's arrival (None: its input is a batch
+    # of data, or it is a W) and the sends it waits on; a SEND/RECV its peer, the peer's action, and for the
+    # FIFO models its stream, the peer's, and whether it is the last op of its call
+    plan: list[list[tuple]] = []
+    for r, ops in enumerate(schedule):
+        row = []
+        for i, a in enumerate(ops):
+            if a.kind in COMPUTE:
+                src = a.chunk - 1 if a.kind == F else a.chunk + 1
+                arrival = None
+                if a.kind != W and 0 <= src < chunks:
+                    local = rank_of(src, pp, v_shape) == r
+                    arrival = Action(a.kind, src, a.micro) if local else \
+                        Action(RECV_F if a.kind == F else RECV_B, *a[1:])
+                row.append((arrival, waits[r].get(a, ())))
+            else:
+                q, want = _peer(a, pp, v_shape)
+                nxt = ops[i + 1] if i + 1 < len(ops) else None
+                closes = not (batched and nxt is not None and nxt.kind not in COMPUTE)
+                keys = (stream(r, q, a), stream(q, r, want)) if p2p in FIFO_MODELS else (None, None)
+                row.append((q, want, *keys, closes))
+        plan.append(row)
+    left = sum(len(ops) for ops in schedule)
 
     def head(r: int) -> Action | None:
         return schedule[r][pos[r]] if pos[r] < len(schedule[r]) else None
 
-    while any(head(r) is not None for r in range(pp)):
+    def post(r: int, a: Action) -> bool:
+        """Rank r posts its head p2p action `a`; whether it did (a blocking send waits for its receive)."""
+        nonlocal left
+        q, want, key, peer_key, closes = plan[r][pos[r]]
+        if a.kind[0] == "S" and Action(a.kind[-1], a.chunk, a.micro) not in done:
+            raise ScheduleError(f"rank {r} posts {a} before computing it")  # SEND_B follows B: the input gradient
+        if key is not None:  # FIFO_MODELS: isend / irecv, enqueued on its stream; the rank goes on
+            s = streams[key]
+            if s and not s[-1].closed:  # batched: the call these ops go out in is still being listed
+                s[-1].ops.append((a, want, peer_key))
+            else:
+                s.append(_Entry([(a, want, peer_key)], clock[r], start=max(clock[r], free[key])))
+            s[-1].closed = closes
+            if a.kind[0] == "R":
+                pending.add(a)  # the compute that reads it waits
+        elif p2p == "async" and a.kind[0] == "S":  # isend: queue it and go on
+            posted[(r, q)].append((a, want, clock[r]))
+        elif p2p == "async":  # irecv: post it and go on; the compute that reads it waits
+            listening[(q, r)].append((a, want, clock[r]))
+            pending.add(a)
+        elif a.kind[0] == "R":
+            return False  # a blocking receive completes when its sender reaches the send
+        else:
+            b = head(q)
+            if b is None or b.kind[0] != "R" or _peer(b, pp, v_shape)[0] != r:
+                return False  # the peer is busy with someone else: wait (a deadlock shows as no progress)
+            if b != want:
+                raise ScheduleError(f"order mismatch: rank {r} sends {a} but rank {q} posts {b} (wants {want})")
+            clock[r] = clock[q] = sent[a] = max(clock[r], clock[q])
+            done.add(b)
+            pos[q] += 1
+            left -= 1
+        pos[r] += 1
+        left -= 1
+        return True
+
+    while left:
         moved = False
         for r in range(pp):
-            while (a := head(r)) is not None and a.kind in COMPUTE:
+            ops, n = schedule[r], len(schedule[r])
+            while pos[r] < n and (a := ops[pos[r]]).kind in COMPUTE:
+                arrival, ws = plan[r][pos[r]]
                 if a in done:
                     raise ScheduleError(f"rank {r} runs {a} twice")
                 if a.kind == B and Action(F, a.chunk, a.micro) not in done:
                     raise ScheduleError(f"rank {r} runs {a} before its forward")
                 if a.kind == W and Action(B, a.chunk, a.micro) not in done:
                     raise ScheduleError(f"rank {r} runs {a} before its input-gradient B")
-                src = a.chunk - 1 if a.kind == F else a.chunk + 1
-                local = rank_of(src, pp, v_shape) == r
-                arrival = Action(a.kind, src, a.micro) if local else Action(RECV_F if a.kind == F else RECV_B, *a[1:])
-                if a.kind != W and 0 <= src < chunks and arrival not in done:
+                if arrival is not None and arrival not in done:
                     if arrival in pending:
                         break  # its receive is posted, the data not there yet: the rank waits
                     raise ScheduleError(f"rank {r} runs {a} before its input arrived")
-                if any(s not in sent for s in waits[r].get(a, ())):
+                if any(s not in sent for s in ws):
                     break  # a send it must wait on is not matched yet: the rank waits
-                if arrival in arrived:
-                    clock[r] = max(clock[r], arrived[arrival])
-                clock[r] = max([clock[r]] + [sent[s] for s in waits[r].get(a, ())])
-                timeline[r].append((clock[r], clock[r] + cost[a.kind], a))
-                clock[r] += cost[a.kind]
-                busy[r] += cost[a.kind]
+                t = max(clock[r], arrived.get(arrival, 0), *(sent[s] for s in ws))
+                dt = cost[a.kind] if isinstance(cost[a.kind], int) else cost[a.kind][a.chunk]
+                timeline[r].append((t, t + dt, a))
+                clock[r] = t + dt
+                busy[r] += dt
                 held[r] += 1 if a.kind == F else -1 if a.kind == release else 0
                 peak[r] = max(peak[r], held[r])
                 done.add(a)
-                pos[r], moved = pos[r] + 1, True
-        for r in range(pp):
-            a = head(r)
-            if a is None or a.kind in COMPUTE:
-                continue
-            q, want = _peer(a, pp, v_shape)
-            if a.kind.startswith("SEND"):
-                if Action(a.kind[-1], a.chunk, a.micro) not in done:  # SEND_B follows B: the input gradient
-                    raise ScheduleError(f"rank {r} posts {a} before computing it")
-                if p2p in ("async", "nccl"):  # isend: queue it and go on
-                    posted[(r, q)].append((a, want, clock[r]))
-                    pos[r], moved = pos[r] + 1, True
-                    continue
-                b = head(q)
-                if b is None or not b.kind.startswith("RECV") or _peer(b, pp, v_shape)[0] != r:
-                    continue  # the peer is busy with someone else: wait (a deadlock shows as no progress)
-                if b != want:
-                    raise ScheduleError(f"order mismatch: rank {r} sends {a} but rank {q} posts {b} (wants {want})")
-                clock[r] = clock[q] = sent[a] = max(clock[r], clock[q])
-                done.add(b)
-                pos[r], pos[q], moved = pos[r] + 1, pos[q] + 1, True
-            elif p2p in ("async", "nccl"):  # irecv: post it and go on; the compute that reads it waits
-                (posted[(r, q)] if p2p == "nccl" else listening[(q, r)]).append((a, want, clock[r]))
-                pending.add(a)
-                pos[r], moved = pos[r] + 1, True
-        if p2p == "nccl":
-            moved |= _match_pair_heads(posted, arrived, done, sent)
+                pos[r], left, moved = pos[r] + 1, left - 1, True
+            while pos[r] < n and (a := ops[pos[r]]).kind not in COMPUTE and post(r, a):
+                moved = True
+        if p2p in FIFO_MODELS:
+            moved |= _match_stream_heads(streams, free, arrived, done, sent)
         if p2p == "async":  # the k-th send from q to r meets the k-th receive on r from q
             for (q, r), recvs in listening.items():
                 while recvs and posted[(q, r)]:
@@ -181,39 +276,62 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
         pending -= done
         if not moved:
             stuck = {r: head(r) for r in range(pp) if head(r) is not None}
-            heads = {k: v[0][0] for k, v in posted.items() if v} if p2p == "nccl" else {}
+            heads = {k: next(op[0] for i, op in enumerate(v[0].ops) if i not in v[0].fired)
+                     for k, v in streams.items() if v}
+            what = "pair heads (rank, peer)" if p2p == "nccl" else "stream heads (rank, group)"
             raise ScheduleError(f"deadlock: no rank can progress; waiting {stuck}"
-                                + (f"; pair heads (rank, peer): {heads}" if heads else ""))
+                                + (f"; {what}: {heads}" if heads else ""))
     for c in range(chunks):
         for m in range(micro_batches):
             for kind in COMPUTE if split else (F, B):
                 if Action(kind, c, m) not in done:
                     raise ScheduleError(f"{Action(kind, c, m)} never runs")
-    if any(posted.values()) or any(listening.values()):
+    if any(posted.values()) or any(listening.values()) or any(streams.values()):
         raise ScheduleError(f"sends never received: {[x[0] for x in posted.values() for x in x]}; receives never "
-                            f"sent: {[x[0] for x in listening.values() for x in x]}")
+                            f"sent: {[x[0] for x in listening.values() for x in x]}; never completed: "
+                            f"{[op[0] for s in streams.values() for e in s for op in e.ops]}")
     return SimResult(max(clock), timeline, peak, busy)
 
 
-def _match_pair_heads(posted: dict[tuple[int, int], deque], arrived: dict[Action, int], done: set,
-                      sent: dict[Action, int]) -> bool:
-    """NCCL pair FIFOs: complete every send/receive pair standing at the heads of both sides of a pair (the
-    receive's data `arrived`, the send `sent`, at the later post). Returns whether anything completed; raises on
-    a send meeting the wrong receive."""
+def _sends(a: Action) -> bool:
+    return a.kind.startswith("SEND")
+
+
+def _match_stream_heads(streams: dict[tuple[int, int], deque], free: dict[tuple[int, int], int],
+                        arrived: dict[Action, int], done: set, sent: dict[Action, int]) -> bool:
+    """FIFO_MODELS: meet every op of a stream's head entry with its peer op in the head entry of the peer's
+    stream (the first not yet met there that names this stream and goes the other way, as NCCL matches a
+    pair's sends and receives in order), at the later of the two entries' starts; then retire every head entry
+    whose ops have all met: its receives' data `arrived` and its sends `sent` at its end, when the next entry on
+    its stream may start. Returns whether anything happened; raises on a send meeting the wrong receive."""
     moved = False
-    for (r, q) in list(posted):
-        if r > q:
+    for key, s in list(streams.items()):
+        if not s or not s[0].closed:
             continue
-        mine, theirs = posted[(r, q)], posted[(q, r)]
-        while mine and theirs:
-            (a, want, ta), (b, _, tb) = mine[0], theirs[0]
-            if a.kind.startswith("SEND") == b.kind.startswith("SEND"):
-                break  # both sending (or both receiving): neither completes, ever
-            if b != want:
-                raise ScheduleError(f"order mismatch on pair ({r}, {q}): rank {r}'s {a} meets rank {q}'s {b}")
-            recv, send = (b, a) if b.kind.startswith("RECV") else (a, b)
-            arrived[recv] = sent[send] = max(ta, tb)
-            done.add(recv)
-            mine.popleft(), theirs.popleft()
+        mine = s[0]
+        for i, (a, want, peer) in enumerate(mine.ops):
+            theirs = streams[peer][0] if streams.get(peer) else None
+            if i in mine.fired or theirs is None or not theirs.closed:
+                continue
+            j = next((j for j, (b, _, back) in enumerate(theirs.ops)
+                      if j not in theirs.fired and back == key and _sends(b) != _sends(a)), None)
+            if j is None:
+                continue  # the peer's running entry has nothing for this op (yet, or ever: a deadlock)
+            if theirs.ops[j][0] != want:
+                raise ScheduleError(f"order mismatch on streams {key}, {peer}: rank {key[0]}'s {a} meets rank "
+                                    f"{peer[0]}'s {theirs.ops[j][0]}")
+            mine.fired[i] = theirs.fired[j] = max(mine.start, theirs.start)
             moved = True
+    for key, s in streams.items():
+        while s and s[0].closed and len(s[0].fired) == len(s[0].ops):
+            entry = s.popleft()
+            end = free[key] = max(entry.fired.values())
+            for a, _, _ in entry.ops:
+                if _sends(a):
+                    sent[a] = end
+                else:
+                    arrived[a] = end
+                    done.add(a)
+            if s:
+                s[0].start = max(s[0].post, end)
     return moved

@@ -8,8 +8,12 @@ and every other rank waits for it at each micro-batch. For GPT-2 124M at T = 102
 Cost model (`stage_costs`): training FLOPs (forward + backward) per token, the FLOPs metrics.py counts for
 MFU (`TRAIN_FLOPS_PER_PARAM` per matmul weight, `attention_flops_per_token`):
 - a Block: 6·(its parameters) + 12·C·T (attention), i.e. 72C² + 12CT for GPT-2's Block;
-- the head (last chunk): 6·(V·C + ln_f's 2C) plus 2·V·C more, because model.linear_cross_entropy recomputes
-  the logits in its backward (MFU does not count that recompute; the stage's clock does);
+- the head (last chunk): 6·(V·C + ln_f's 2C), what MFU counts: model.linear_cross_entropy runs lm_head's three
+  products (the logits x Wᵀ, then from their gradient G, G W and Gᵀ x) all in its forward, chunk by chunk, and
+  recomputes nothing; its backward only scales dx and dW. (Before, it recomputed the logits in backward: 2·V·C
+  more. Under tensor parallelism with loss parallelism it still recomputes all but the last chunk's logits, up to
+  2·V·C/p more, as its gradient needs the statistics of every rank; the model leaves that out, as it leaves out
+  the elementwise work.);
 - the embedding (chunk 0): no matmul. Its forward adds wpe to the wte rows (C adds per token), its backward adds
   each token's gradient into a wte row and a wpe row (2C): 3C, next to nothing, but it keeps the model honest.
 Not counted: elementwise work (LayerNorm, GELU, softmax, the loss's exponentials), so on a device where that
@@ -17,7 +21,7 @@ dominates (a tiny model on a CPU) the model overweights the matmul-heavy head. T
 the three parts alone (bench.pipeline --balance time), `costs_from_step` reads them off one pipeline step's
 per-rank times, under the contention the split must balance (--balance step), or `--pp_layers_per_stage`
 sets the split by hand.
-Tensor and context parallelism divide every term alike and leave the split unchanged.
+Tensor and context parallelism divide every term alike and leave the split unchanged (but for that recompute).
 
 The split (`balanced_split`, exact, by dynamic programming over (chunk, first Block)): the most expensive chunk
 as cheap as possible; among the splits that achieve it, the second most expensive as cheap as possible, and so
@@ -32,9 +36,9 @@ chunks for every micro-batch. What a rank waits for is then the busiest RANK, th
 the busiest chunk: the split balances per rank (ranks' costs sorted largest first, smallest lexicographically),
 then, among those, per chunk (the same rule on the chunks' costs: the warm-up, when a rank runs one chunk
 only); remaining ties give the earlier rank more Blocks, and within a rank its first chunk (r). The per-chunk
-split leaves rank 0 both extras on top of its chunks' Blocks: for GPT-2 124M at T = 1024, P = 2, Blocks per
-chunk [3, 4, 4, 1] cost rank 0 4 Blocks + head (517M) and rank 1 8 Blocks (416M); per rank, [2, 5, 4, 1] costs
-3 Blocks + head (465M) and 9 Blocks (468M).
+split leaves rank 0 both extras on top of its chunks' Blocks: for GPT-2 medium at T = 1024, P = 4, Blocks per
+chunk [3, 4, 4, 3, 3, 3, 3, 1] cost rank 0 4 Blocks + head (662M) and the busiest other rank 7 Blocks (617M);
+per rank, [2, 4, 4, 4, 3, 3, 3, 1] costs rank 0 3 Blocks + head (574M) and the others at most 617M.
 
 Every rank computes the same split from the same numbers (integers, so no rounding can tell ranks apart);
 nothing is communicated. Checkpoints keep full tensors by name, so a run saved under one split resumes under
@@ -47,16 +51,16 @@ from typing import Sequence
 
 import torch
 
-from metrics import FORWARD_FLOPS_PER_PARAM, TRAIN_FLOPS_PER_PARAM, attention_flops_per_token
+from metrics import TRAIN_FLOPS_PER_PARAM, attention_flops_per_token
 from model import Block, GPTConfig, linear_cross_entropy
 from parallel.mesh import make_timer
 
 
 @dataclass(frozen=True)
 class StageCosts:
-    """The cost of one Block, of chunk 0's embedding and of the last chunk's head (ln_f, lm_head with its
-    recompute, the loss), forward + backward, in one unit: training FLOPs per token (`stage_costs`) or
-    nanoseconds per micro-batch (`measure_costs`)."""
+    """The cost of one Block, of chunk 0's embedding and of the last chunk's head (ln_f, lm_head and the loss),
+    forward + backward, in one unit: training FLOPs per token (`stage_costs`) or nanoseconds per micro-batch
+    (`measure_costs`)."""
     block: int
     embed: int
     head: int
@@ -68,7 +72,7 @@ def stage_costs(config: GPTConfig, seq_len: int) -> StageCosts:
         block_params = sum(p.numel() for p in Block(config).parameters())
     C, V = config.n_embd, config.vocab_size
     block = TRAIN_FLOPS_PER_PARAM * block_params + attention_flops_per_token(config, seq_len, n_layer=1)
-    head = TRAIN_FLOPS_PER_PARAM * (V * C + 2 * C) + FORWARD_FLOPS_PER_PARAM * V * C
+    head = TRAIN_FLOPS_PER_PARAM * (V * C + 2 * C)
     return StageCosts(block=block, embed=3 * C, head=head)
 
 

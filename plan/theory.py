@@ -15,14 +15,15 @@ an all-reduce) are properties of the transport, not of the algorithm, and are le
                         reduce_held_bytes, reduce_accumulated_held_bytes
     tensor parallel     tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step
     context parallel    cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step
+    expert parallel     ep_all_to_all_bytes_per_micro_step, ep_all_to_all_calls_per_micro_step
     pipeline            p2p_bytes_per_step, p2p_calls_per_step, bubble_fraction (the simulator behind the V
                         schedules' and the p2p models' proofs: plan/simulate.py)
 """
 from __future__ import annotations
 
-from model import GPTConfig, loss_chunk_rows
+from model import GPTConfig
 from parallel.flat_param import shard_numel
-from parallel.fsdp import ZERO_LADDER
+from parallel.flat_param import ZERO_LADDER
 from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of, rank_of
 
 
@@ -36,19 +37,24 @@ def ddp_comm_bytes_per_step(n_params: int, world: int, grad_bytes: int = 4) -> d
     return {"all_reduce": n_params * grad_bytes if world > 1 else 0}
 
 
-def ddp_comm_calls_per_step(param_bytes: list[int], world: int, cap_bytes: int) -> dict[str, int]:
+def ddp_comm_calls_per_step(param_bytes: list[int], world: int, cap_bytes: int,
+                            groups: list[int] | None = None) -> dict[str, int]:
     """The all-reduces behind `ddp_comm_bytes_per_step`: one per bucket per optimizer step (a pipeline's
     `reduce_on_exit` launches each bucket once too). `param_bytes`: each unique trainable parameter's bytes in
     registration order (one dtype and device, as our models are); the buckets are `build_buckets`' greedy rule
-    (reverse order, a bucket closed when the next parameter would push it past `cap_bytes`), counted on sizes."""
+    (reverse order, a bucket closed when the next parameter would push it past `cap_bytes`, or is reduced over
+    another group), counted on sizes. `groups`: each parameter's reduce group by its size (default: all
+    `world`; expert parallelism's experts: their expert-data-parallel group, dp·cp/ep ranks, never the same size
+    as dp·cp); the calls counted are the buckets over `world` ranks (a bucket over one rank issues none)."""
+    groups = groups or [world] * len(param_bytes)
     if world == 1 or not param_bytes:
         return {"all_reduce": 0}
-    buckets, size = 0, 0
-    for nbytes in reversed(param_bytes):
-        if buckets == 0 or size + nbytes > cap_bytes:
-            buckets, size = buckets + 1, 0
+    buckets, size, last = [], 0, None
+    for nbytes, g in zip(reversed(param_bytes), reversed(groups)):
+        if not buckets or size + nbytes > cap_bytes or g != last:
+            buckets, size, last = buckets + [g], 0, g
         size += nbytes
-    return {"all_reduce": buckets}
+    return {"all_reduce": buckets.count(world)}
 
 
 # ----------------------------------------------------------------------------- ZeRO 1-3, FSDP, HSDP
@@ -212,7 +218,8 @@ def engine_comm_bytes_per_micro_step(fsdp) -> dict[str, int]:
 def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, loss_parallel: bool,
                                  sequence_parallel: bool, dtype_bytes: int = 4,
                                  residual_bytes: int | None = None, recomputed_blocks: int = 0,
-                                 blocks: int | None = None, first: bool = True, last: bool = True) -> dict[str, int]:
+                                 blocks: int | None = None, first: bool = True, last: bool = True,
+                                 moe_blocks: int = 0) -> dict[str, int]:
     """Bytes parallel/comm.COUNTER records on one rank for one forward + backward, by kind.
 
     dtype_bytes: element size of matmul outputs (the compute dtype). residual_bytes: that of the residual
@@ -225,7 +232,7 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
     - under SP also the position embeddings' backward all-gather (T*C) and the fp32 all-reduce of the
       gradients of the replicated parameters that saw only T/p positions (LayerNorms, row-parallel biases);
     - the loss: with loss parallelism 3 fp32 numbers per token (max; target logit and sum-exp), else the
-      all-gather of the full (B, T, V) logits;
+      all-gather of lm_head's whole (V, C) weight, in the compute dtype (VocabShard);
     - activation checkpointing of `recomputed_blocks` Blocks: backward re-runs each one's forward up to the
       last tensor it saves (mlp.c_proj's input; non-reentrant checkpointing stops there), so its forward
       collectives run again except mlp.c_proj's exit: under SP 2 all-gathers of A(residual) (ln_1, ln_2
@@ -233,21 +240,27 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
     - a pipeline stage (`blocks` of the Blocks; `first`: it holds the embeddings, `last`: ln_f and the loss):
       each module it runs costs what it costs in the whole model, and the others nothing (default: the whole
       model, L Blocks, first and last).
+    - `moe_blocks` of those Blocks MoE layers (tensor_parallel._moe: replicated, run whole): their ln_2 is no
+      entry and the layer no exit, so without SP neither all-reduce; under SP the layer all-gathers its input
+      forward (A(residual)) and its output's gradient backward (A(dtype)), the entry's and exit's all-gathers, but
+      reduce-scatters neither, and has no row-parallel c_proj bias to all-reduce (ln_2's weight and bias, which
+      still see T/p positions, are).
     """
     out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     if tp == 1:
         return out
     residual_bytes = dtype_bytes if residual_bytes is None else residual_bytes
-    C, N = config.n_embd, B * T
+    C, N, E = config.n_embd, B * T, moe_blocks
     L = config.n_layer if blocks is None else blocks
     norms = 2 * L + last  # ln_1, ln_2 of each Block, and ln_f
-    entries = norms * N * C * residual_bytes
-    exits = 2 * L * N * C * dtype_bytes + first * N * C * residual_bytes
+    entries = (norms - E) * N * C * residual_bytes
+    exits = (2 * L - E) * N * C * dtype_bytes + first * N * C * residual_bytes
     if sequence_parallel:
-        out["all_gather"] += entries + exits + first * T * C * residual_bytes
+        moe = E * N * C * (residual_bytes + dtype_bytes)  # the MoE layers' own all-gathers, forward and backward
+        out["all_gather"] += entries + exits + moe + first * T * C * residual_bytes
         out["reduce_scatter"] += entries + exits
         n_bias = 1 if config.bias else 0
-        out["all_reduce"] += (norms * (1 + n_bias) * C + 2 * L * n_bias * C) * 4
+        out["all_reduce"] += (norms * (1 + n_bias) * C + (2 * L - E) * n_bias * C) * 4
     else:
         out["all_reduce"] += entries + exits
     if sequence_parallel:
@@ -260,35 +273,36 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
     if loss_parallel:
         out["all_reduce"] += 3 * N * 4
     else:
-        out["all_gather"] += N * config.vocab_size * dtype_bytes
+        out["all_gather"] += config.vocab_size * C * dtype_bytes
     return out
 
 
 def tp_comm_calls_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, loss_parallel: bool,
                                  sequence_parallel: bool, recomputed_blocks: int = 0, blocks: int | None = None,
-                                 first: bool = True, last: bool = True) -> dict[str, int]:
+                                 first: bool = True, last: bool = True, moe_blocks: int = 0) -> dict[str, int]:
     """The calls behind `tp_comm_bytes_per_micro_step` (its arguments, less the element sizes): one per f or g
     and per SP all-gather or reduce-scatter (each moves one activation), so the 2L + last entries and 2L + first
     exits are a call each way; under SP the position embeddings' backward all-gather (first) and one all-reduce
     per replicated parameter that saw T/p positions (each LayerNorm's weight and bias, each row-parallel bias);
-    a recomputed Block 2 all-gathers and 1 reduce-scatter (SP), else 1 all-reduce; the loss per chunk of rows
-    (model.loss_chunk_rows of the logits' width: V/p, or V gathered) 2 all-reduces (max; target logit and
-    sum-exp) with loss parallelism, else 1 all-gather of the chunk's logits."""
+    a recomputed Block 2 all-gathers and 1 reduce-scatter (SP), else 1 all-reduce; the loss, whatever its number
+    of row chunks, 2 all-reduces (max; target logit and sum-exp, each for all rows at once) with loss parallelism,
+    else 1 all-gather of lm_head's weight. An MoE Block (`moe_blocks` of them) has one entry and one exit fewer,
+    and under SP gathers its input and its output's gradient itself (2 all-gathers) and has no c_proj bias to
+    all-reduce."""
     out = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
     if tp == 1:
         return out
-    L = config.n_layer if blocks is None else blocks
-    entries, exits = 2 * L + last, 2 * L + first
+    L, E = (config.n_layer if blocks is None else blocks), moe_blocks
+    entries, exits = 2 * L + last - E, 2 * L + first - E
     if sequence_parallel:
         n_bias = 1 if config.bias else 0
-        out["all_gather"] += entries + exits + first + 2 * recomputed_blocks
+        out["all_gather"] += entries + exits + 2 * E + first + 2 * recomputed_blocks
         out["reduce_scatter"] += entries + exits + recomputed_blocks
-        out["all_reduce"] += entries * (1 + n_bias) + 2 * L * n_bias
+        out["all_reduce"] += (entries + E) * (1 + n_bias) + (2 * L - E) * n_bias
     else:
         out["all_reduce"] += entries + exits + recomputed_blocks
     if last:
-        chunks = -(-B * T // loss_chunk_rows(config.vocab_size // tp if loss_parallel else config.vocab_size))
-        out["all_reduce" if loss_parallel else "all_gather"] += (2 if loss_parallel else 1) * chunks
+        out["all_reduce" if loss_parallel else "all_gather"] += 2 if loss_parallel else 1
     return out
 
 
@@ -317,6 +331,39 @@ def cp_p2p_calls_per_micro_step(n_layer: int, cp: int, recomputed_blocks: int = 
     if cp == 1:
         return 0
     return n_layer * (6 * (cp - 1) + 2) + recomputed_blocks * 2 * (cp - 1)
+
+
+# ----------------------------------------------------------------------------- expert parallel
+
+def ep_all_to_all_bytes_per_micro_step(tokens: int, k: int, n_embd: int, experts: int, moe_layers: int,
+                                       ep: int = 2, dtype_bytes: int = 4, received: int | None = None,
+                                       recomputed_layers: int = 0, output_bytes: int | None = None) -> int:
+    """What parallel/comm.COUNTER records as "all_to_all" on one EP rank for one forward + backward of `tokens`
+    tokens (its micro-batch's, B·T, or B·T/cp) through `moe_layers` MoE layers, k experts a token (each
+    all_to_all counts this rank's input, parallel/comm.py):
+    - the counts, E int64 (8E bytes), once per layer forward;
+    - forward: its N·k assignment rows out (N·k·C·s), then the outputs of the rows its experts received back
+      (R·C·o);
+    - backward: the gradients of those two the other way round (R·C·s, then N·k·C·o);
+    s = `dtype_bytes`, the rows' element size (ln_2's output: the residual stream's, fp32 under autocast), o =
+    `output_bytes` (default s), the experts' outputs' (the compute dtype: bf16 under autocast).
+    R = `received`, the rows that reached this rank's experts. Summed over an EP group, Σ R = Σ N·k, so the
+    group sends ep·(8E + 2·N·k·C·(s + o)) per layer; R = N·k exactly when the routing is balanced (the default).
+    Activation checkpointing re-runs the forward of `recomputed_layers` layers (counts and both moves again).
+    Nothing without EP."""
+    if ep == 1:
+        return 0
+    R = tokens * k if received is None else received
+    o = dtype_bytes if output_bytes is None else output_bytes
+    forward = 8 * experts + (tokens * k * dtype_bytes + R * o) * n_embd
+    backward = (R * dtype_bytes + tokens * k * o) * n_embd
+    return moe_layers * (forward + backward) + recomputed_layers * forward
+
+
+def ep_all_to_all_calls_per_micro_step(moe_layers: int, ep: int = 2, recomputed_layers: int = 0) -> int:
+    """The all_to_alls behind `ep_all_to_all_bytes_per_micro_step`: per MoE layer the counts and two moves
+    forward, two moves backward; three more per recomputed layer. Nothing without EP."""
+    return 0 if ep == 1 else 5 * moe_layers + 3 * recomputed_layers
 
 
 # ----------------------------------------------------------------------------- pipeline

@@ -21,11 +21,12 @@ RANGES = {
                      "--pipeline_parallel_size", "--pp_virtual_stages", "--context_parallel_size", "--ac_every",
                      "--n_layer", "--n_head", "--n_embd", "--block_size", "--vocab_size", "--micro_batch_size", "--seq_len",
                      "--total_batch_size", "--max_steps", "--eval_interval", "--eval_iters", "--keep_checkpoints",
-                     "--trace_step"],
+                     "--trace_step", "--expert_parallel_size", "--moe_top_k", "--moe_every"],
                     ">= 1"),
-    **dict.fromkeys(["--warmup_steps", "--checkpoint_interval", "--profile"], ">= 0"),
+    **dict.fromkeys(["--warmup_steps", "--checkpoint_interval", "--profile", "--moe_num_experts", "--moe_ffn_hidden"],
+                    ">= 0"),
     **dict.fromkeys(["--lr", "--timeout", "--bucket_cap_mb", "--peak_flops"], "> 0"),  # floats, finite
-    "--weight_decay": ">= 0",                                                          # float, finite
+    **dict.fromkeys(["--weight_decay", "--moe_aux_loss_coeff", "--moe_bias_update_rate"], ">= 0"),  # floats, finite
 }
 UNRANGED = {"--seed"}
 

@@ -508,5 +508,200 @@ class TestPlots(unittest.TestCase):
             self.assertEqual(sorted(os.listdir(d)), ["comm_vs_world.png", "memory.png", "throughput.png"])
 
 
+
+# ----------------------------------------------------------------------------- mixture of experts (--include_moe)
+
+# CFG's MoE twin: E = 8 experts, top-2, each C -> 4C/2 = 32 -> C, in both Blocks
+E8, K2, H32 = 8, 2, 32
+EXPERTS_BY_HAND = 2 * E8 * (16 * H32 + H32 + H32 * 16 + 16)  # 2 layers x 8 x (c_fc W, b; c_proj W, b) = 17152
+DENSE_MLP = 16 * 64 + 64 + 64 * 16 + 16  # GPT-2's MLP per Block: 2128
+ROUTER = 16 * E8  # C x E per MoE layer, no bias
+
+
+def moe_rows() -> list[Layout]:
+    return [Layout("moe", "none", experts=E8), Layout("moe-ep", "custom", dp=2, experts=E8, ep=2),
+            Layout("dense-active", "none")]
+
+
+class TestMoETheory(unittest.TestCase):
+    def test_layouts(self):
+        keys = lambda lays: [lay.key for lay in lays]  # noqa: E731
+        self.assertEqual(keys(matrix(2, False, False, ["single", "ddp"], include_moe=True)),
+                         ["single", "ddp-custom", "ddp-pytorch", "moe", "moe-ep-custom", "dense-active"])
+        self.assertEqual(keys(matrix(2, False, False, ["single", "moe-ep"], include_moe=True)),
+                         ["single", "moe-ep-custom"])  # naming one MoE layout picks among them
+        self.assertEqual(keys(matrix(3, False, False, ["single"], include_moe=True)),
+                         ["single", "moe", "dense-active"])  # 8 experts do not split over 3 ranks
+        self.assertEqual(keys(matrix(1, True, False, include_moe=True)), ["single", "moe", "dense-active"])
+        self.assertEqual(matrix(2, False, False), matrix(2, False, False, include_moe=False))
+        ep = matrix(4, True, False, ["moe-ep"], include_moe=True)[0]
+        self.assertEqual((ep.nproc, ep.dp, ep.ep, ep.experts, ep.dp_type), (4, 4, 4, 8, "ddp"))
+
+    def test_train_flags(self):
+        s = make_setup()
+        moe, ep, dense = moe_rows()
+        moe_flags = ("--moe_num_experts 8 --moe_top_k 2 --moe_ffn_hidden 32 --moe_aux_loss_coeff 0.01 "
+                     "--moe_bias_update_rate 0.001")
+        self.assertIn(moe_flags, " ".join(s.train_args(moe, "/x")))
+        self.assertNotIn("--implementation", s.train_args(moe, "/x"))
+        joined = " ".join(s.train_args(ep, "/x"))
+        for flag in (moe_flags, "--implementation custom", "--data_parallel_size 2 --data_parallel_type ddp",
+                     "--expert_parallel_size 2", "--micro_batch_size 4"):
+            self.assertIn(flag, joined)
+        self.assertEqual(s.train_args(dense, "/x"), s.train_args(Layout("single", "none"), "/x"))
+
+    def test_the_moe_model(self):
+        c = make_setup().moe_config(E8)
+        self.assertEqual((c.moe_num_experts, c.moe_top_k, c.expert_hidden), (E8, K2, H32))
+        self.assertEqual(make_setup(moe_top_k=4).moe_config(E8).expert_hidden, 16)  # 4C/K for any K
+        self.assertEqual(make_setup().moe_config(0), CFG)
+        from bench.matrix import expert_param_count
+        self.assertEqual(expert_param_count(c), EXPERTS_BY_HAND)
+        self.assertEqual(param_count(c), param_count(CFG) - 2 * DENSE_MLP + 2 * ROUTER + EXPERTS_BY_HAND)
+
+    def test_one_process_moves_nothing(self):
+        for lay in (moe_rows()[0], moe_rows()[2]):
+            self.assertEqual(sum(comm_theory(lay, make_setup()).values()), 0, lay.key)
+
+    def test_ep_theory(self):
+        """EP = dp = 2, 8 rows of T = 8 over 2 ranks: micro-batch 4, N = 32 tokens a micro-step. all_reduce: DDP
+        on the dense parameters only (each expert on one rank: nothing to reduce). all_to_all per MoE layer and
+        micro-step: the 8E-byte counts, then N·k rows of C fp32 out and N·k back (balanced), twice (backward)."""
+        dense = 4 * (param_count(CFG) - 2 * DENSE_MLP + 2 * ROUTER)
+        per_layer = 8 * E8 + 2 * (32 * 2 + 32 * 2) * 16 * 4  # 64 + 16384
+        self.assertEqual(comm_theory(moe_rows()[1], make_setup()),
+                         {"all_reduce": dense, "all_gather": 0, "reduce_scatter": 0, "p2p": 0,
+                          "all_to_all": 2 * per_layer})
+        # micro_cap 2: 2 micro-steps of N = 16; DDP still once per step
+        per_layer = 8 * E8 + 2 * (16 * 2 + 16 * 2) * 16 * 4
+        theory = comm_theory(moe_rows()[1], make_setup(micro_cap=2))
+        self.assertEqual((theory["all_reduce"], theory["all_to_all"]), (dense, 2 * 2 * per_layer))
+        # EP = 2 over dp = 4: each expert has 2 copies, reduced over them (its edp group)
+        ep_dp4 = comm_theory(Layout("moe-ep", "custom", dp=4, experts=E8, ep=2), make_setup())
+        self.assertEqual(ep_dp4["all_reduce"], dense + 4 * EXPERTS_BY_HAND // 2)
+
+    def test_all_to_all_at_the_measured_load(self):
+        from bench.matrix import ep_all_to_all_at_load
+        s, ep = make_setup(), moe_rows()[1]
+        balanced = {"1": [16] * 8, "0": [16] * 8}  # 64 tokens x k = 2 over 8 experts, both layers
+        self.assertEqual(ep_all_to_all_at_load(ep, s, balanced), comm_theory(ep, s)["all_to_all"])
+        # rank 0 holds experts 0-3: 100 + 30 of the step's rows reached them; each comes in forward and its
+        # gradient goes out backward, and rank 0 sends its own 2 x 64 rows each way regardless
+        skewed = {"0": [40, 30, 20, 10, 10, 10, 5, 3], "1": [10, 5, 10, 5, 40, 30, 20, 8]}
+        own = 2 * (8 * E8 + 2 * 64 * 16 * 4)
+        self.assertEqual(ep_all_to_all_at_load(ep, s, skewed), own + 2 * (100 + 30) * 16 * 4)
+        self.assertIsNone(ep_all_to_all_at_load(Layout("moe-ep", "custom", dp=4, experts=E8, ep=2), s, skewed))
+
+
+class TestActiveParameters(unittest.TestCase):
+    """MFU's 6N counts what a token multiplies by: of each MoE layer only its K experts (metrics.active_params)."""
+
+    def test_dense_is_every_parameter(self):
+        from metrics import active_params
+        model = GPT(CFG)
+        self.assertEqual(active_params(CFG), model.num_params())
+        self.assertEqual(active_params(CFG, non_embedding=True), model.num_params(non_embedding=True))
+
+    def test_moe_counts_k_of_e_experts(self):
+        """With hidden 4C/K the K active experts hold the dense MLP's weights; the MoE adds its router and K-1 more
+        c_proj biases per layer, and nothing else."""
+        from metrics import active_params
+        moe = make_setup().moe_config(E8)
+        self.assertEqual(active_params(moe), param_count(CFG) + 2 * (ROUTER + (K2 - 1) * 16))
+        self.assertEqual(active_params(moe), GPT(moe).num_params() - EXPERTS_BY_HAND + EXPERTS_BY_HAND * K2 // E8)
+        self.assertEqual(active_params(moe, non_embedding=True), active_params(moe) - 32 * 16)
+
+
+def moe_records(step_count: int = 5, ep_layout: Layout | None = None, setup: Setup | None = None) -> list[dict]:
+    """A MoE run's metrics.jsonl: tokens per expert per step (64 tokens x k=2 = 128 a layer), skewed more each
+    step; under EP the all_to_all bytes the formula gives at that load (step 4: 1000 bytes more)."""
+    from bench.matrix import ep_all_to_all_at_load
+    out = []
+    for i in range(1, step_count + 1):
+        tokens = {"0": [16 + i, 16 - i, 16, 16, 16, 16, 16, 16], "1": [16] * 8}
+        r = {"step": i, "loss": 5.0, "tokens_per_sec": 100.0 * i, "mfu": 0.01, "step_time_ms": 1.0,
+             "peak_memory_bytes": 1, "state_bytes": 1, "expert_tokens": tokens,
+             "expert_load_max_over_mean": {k: max(v) * 8 / sum(v) for k, v in tokens.items()}}
+        if ep_layout is not None:
+            r["comm_bytes"] = {"all_reduce": 7, "all_to_all": ep_all_to_all_at_load(ep_layout, setup, tokens)
+                               + 1000 * (i == 4)}
+        out.append(r)
+    return out
+
+
+class TestMoERows(unittest.TestCase):
+    def run_moe(self, repeats: int = 2) -> tuple[list[dict], list[str]]:
+        setup, calls = make_setup(), []
+
+        def run(cmd, log_path, timeout):
+            out_dir = cmd[cmd.index("--out_dir") + 1]
+            name = os.path.basename(out_dir).split("-r")[0]
+            calls.append(name)
+            ep = moe_rows()[1] if "--expert_parallel_size" in cmd else None
+            recs = moe_records(ep_layout=ep, setup=setup) if "--moe_num_experts" in cmd else records()
+            with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
+                f.write("\n".join(json.dumps(r) for r in recs) + "\n")
+            return JobResult(0, "", 1.0)
+
+        lays = matrix(2, False, False, ["single"], include_moe=True)
+        with tempfile.TemporaryDirectory() as d:
+            rows = runner.run_matrix(lays, setup, d, repeats=repeats, runner=run, log=lambda s: None)
+        return rows, calls
+
+    def test_rows(self):
+        rows, calls = self.run_moe()
+        # the three MoE layouts back to back, their order reversed on the second repeat
+        self.assertEqual(calls, ["single", "moe", "moe-ep-custom", "dense-active",
+                                 "single", "dense-active", "moe-ep-custom", "moe"])
+        single, moe, ep, dense = rows
+        self.assertNotIn("moe", single)  # the existing rows keep their keys
+        self.assertEqual(dense["moe"]["experts"], 0)
+        self.assertIsNone(dense["moe"]["per_step"])
+        m = ep["moe"]
+        self.assertEqual((m["experts"], m["top_k"], m["expert_hidden"], m["ep"]), (E8, K2, H32, 2))
+        self.assertEqual(m["params_active"], param_count(CFG) + 2 * (ROUTER + 16))
+        # measured steps 3, 4, 5 of both repeats; step 4 sent 1000 bytes more than the formula at its load
+        self.assertEqual(m["all_to_all_exact_steps"], [4, 6])
+        self.assertEqual(m["per_step"]["steps"], [1, 2, 3, 4, 5])
+        self.assertEqual(m["max_over_mean"], {"0": 20 * 8 / 128, "1": 1.0})  # median of steps 3-5: step 4's
+        self.assertEqual(moe["moe"]["max_over_mean"], m["max_over_mean"])
+        self.assertNotIn("all_to_all", moe["moe"]["per_step"])  # one process: no all_to_all
+        self.assertEqual(ep["comm_theory_by_kind"]["all_to_all"], comm_theory(moe_rows()[1], make_setup())["all_to_all"])
+
+    def test_markdown_and_heatmap(self):
+        rows, _ = self.run_moe(repeats=1)
+        for row, tps in zip(rows[1:], (300.0, 600.0, 400.0)):  # moe, moe-ep, dense-active
+            row["tokens_per_sec"] = tps
+        md = report.render_markdown(rows, {"plots": ["moe_load"]})
+        self.assertIn("## Mixture of experts", md)
+        self.assertIn("| moe-ep | 2 (2×1, EP 2) | 8, 2, 32 |", md)
+        self.assertIn("| 2.00 | 1.50 | — | ok |", md)  # moe-ep ÷ moe, ÷ dense-active; no ddp ran
+        self.assertIn("| 2 of 3 |", md)  # steps exactly at the measured load
+        self.assertIn("| 1 w | 1.06 | 1.00 | 1.06 | 1.00 |", md)  # step 1 max/mean, moe then moe-ep
+        self.assertIn("![moe_load](moe_load.png)", md)
+        self.assertIn("moe-ep on 2 ranks runs 2.00× moe, 1.50× dense-active", report.render_section(rows))
+        with tempfile.TemporaryDirectory() as d:
+            self.assertEqual(report.write_plots(rows, make_setup(), d),
+                             ["throughput", "memory", "comm_vs_world", "moe_load"])
+            self.assertTrue(os.path.getsize(os.path.join(d, "moe_load.png")) > 0)
+        labels, steps, grid = report.load_matrix(rows[2]["moe"]["per_step"], ep=2)
+        self.assertEqual((len(labels), steps), (16, [1, 2, 3, 4, 5]))
+        self.assertEqual((labels[3], labels[4]), ("layer 0, expert 3, rank 0", "layer 0, expert 4, rank 1"))
+        self.assertEqual(grid[0], [(16 + i) / 16 for i in range(1, 6)])  # tokens / (128 / 8)
+        self.assertEqual(grid[1][4], 11 / 16)
+
+    def test_no_moe_rows_no_heatmap(self):
+        with tempfile.TemporaryDirectory() as d:
+            self.assertNotIn("moe_load", report.write_plots(TestMarkdown.rows, make_setup(), d))
+            self.assertNotIn("moe_load.png", os.listdir(d))
+        self.assertNotIn("Mixture of experts", report.render_markdown(TestMarkdown.rows, {}))
+
+    def test_moe_layouts_need_the_flag(self):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            self.assertEqual(cli.main(["--layouts", "moe-ep"]), 2)
+        self.assertIn("layouts moe-ep run only with --include_moe", err.getvalue())
+
+
 if __name__ == "__main__":
     unittest.main()

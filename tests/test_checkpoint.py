@@ -484,7 +484,7 @@ class TestIndexMemory(unittest.TestCase):
                 for shape, placements in itertools.product([(8, 6), (7, 5)], layouts):
                     full = torch.arange(torch.Size(shape).numel()).view(shape)
                     local = distribute_tensor(full, mesh, placements, src_data_rank=None)
-                    entry = Entry("x", shape, _axes(local, 0, 1), (0, local.to_local().numel()), {}, True)
+                    entry = Entry("x", shape, _axes(local), (0, local.to_local().numel()), {}, True)
                     self.assertTrue(torch.equal(checkpoint._positions(entry.runs()), local.to_local().reshape(-1)),
                                     f"rank {rank} {shape} {placements}")
             finally:
@@ -515,17 +515,17 @@ class TestIndexMemory(unittest.TestCase):
                 torch.manual_seed(1)
                 fsdp = FullyShardedDataParallel(GPT(config))
                 optimizer = torch.optim.AdamW(fsdp.param_groups(0.1))
-                held = max(e.numel for e in entries_for_fsdp(fsdp, optimizer, {}, 0, 1))
+                held = max(e.numel for e in entries_for_fsdp(fsdp, optimizer, 0))
                 self.assertGreater(held, 300_000)
                 with unittest.mock.patch.object(checkpoint, "_INDEX_CHUNK", 1024), LargestTensor(_is_int64) as load:
-                    checkpoint.load(path, entries_for_fsdp(fsdp, optimizer, {}, 0, 1), optimizer, rank=3,
+                    checkpoint.load(path, entries_for_fsdp(fsdp, optimizer, 0), optimizer, rank=3,
                                     world_size=8)
                 for name, piece in fsdp.sharded_state_dict().items():  # the right elements arrived
                     want = source.get_parameter(name).detach().reshape(-1)[piece.offset:]
                     self.assertTrue(torch.equal(piece.flat, want[:piece.flat.numel()]), name)
                 os.makedirs(checkpoint.step_dir(d, 2) + ".tmp-saving")  # rank 0's part of the save
                 with LargestTensor(_is_int64) as save:
-                    checkpoint.save(d, 2, entries_for_fsdp(fsdp, optimizer, {}, 0, 1), optimizer, {}, rank=3,
+                    checkpoint.save(d, 2, entries_for_fsdp(fsdp, optimizer, 0), optimizer, {}, rank=3,
                                     world_size=8, keep=2)
             finally:
                 dist.destroy_process_group()

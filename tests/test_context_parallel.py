@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import parallel.context_parallel as cp
 from parallel import comm
 from parallel.context_parallel import exchange_order, local_positions, ring_attention, shard_sequence
+from parallel.mesh import link_groups, new_groups, p2p_link
 from tests.harness import run_distributed
 from tests.rounding import EPS32, ROUNDING_FACTOR
 
@@ -107,22 +108,78 @@ def ring_results(world: int) -> list:
     return run_distributed(run_cases, world) if world > 1 else [run_cases(0, 1)]
 
 
-def drain(queues: list[list[tuple]]) -> bool:
-    """NCCL's blocking p2p, one queue per rank in posting order: the head send of rank a to b completes with the
-    head receive of b from a, and both must describe the same message (gloo too meets the k-th send from a to b
-    with b's k-th receive from a). False when no head can move: a hang."""
-    queues = [list(q) for q in queues]
-    while any(queues):
-        for a, q in enumerate(queues):
-            if q and q[0][0] == "send" and queues[q[0][1]][:1] and queues[q[0][1]][0][:2] == ("recv", a):
-                b = q[0][1]
-                assert queues[b][0][2:] == q[0][2:], f"rank {a}'s send {q[0]} meets rank {b}'s {queues[b][0]}"
-                queues[b].pop(0)
-                q.pop(0)
+def drain_timed(queues: list[list[tuple]], group=lambda rank, op: 0) -> int | None:
+    """NCCL's p2p on eagerly initialised groups (the cp group is one: parallel/mesh.py passes device_id; the
+    pipeline's model is plan/simulate.py's "nccl_eager"): each rank's ops on a group (`group(rank, op)`; one
+    group by default) run one after another in posting order, whichever neighbour they name; the head send of
+    rank a to b runs with the head receive of b from a on the same group, and both must describe the same
+    message (gloo too meets the k-th send from a to b with b's k-th receive from a). A transfer takes one unit,
+    from when both heads are free. Returns when the last transfer ends, all ops posted at time 0 (the comm time,
+    no compute); None when no head can move: a hang."""
+    streams: dict[tuple[int, int], list] = {}
+    for r, q in enumerate(queues):
+        for op in q:
+            streams.setdefault((r, group(r, op)), []).append(op)
+    free = dict.fromkeys(streams, 0)
+    end = 0
+    while any(streams.values()):
+        for (a, g), s in streams.items():
+            b = s[0][1] if s and s[0][0] == "send" else None
+            if b is not None and streams.get((b, g)) and streams[(b, g)][0][:2] == ("recv", a):
+                theirs = streams[(b, g)][0]
+                assert theirs[2:] == s[0][2:], f"rank {a}'s send {s[0]} meets rank {b}'s {theirs}"
+                free[(a, g)] = free[(b, g)] = end_ab = max(free[(a, g)], free[(b, g)]) + 1
+                end = max(end, end_ab)
+                streams[(b, g)].pop(0)
+                s.pop(0)
                 break
         else:
-            return False
-    return True
+            return None
+    return end
+
+
+def drain(queues: list[list[tuple]]) -> bool:
+    """`drain_timed` on one group per rank: False on a hang."""
+    return drain_timed(queues) is not None
+
+
+def ring_ops(rank: int, C: int, order, exchanges: int) -> list:
+    """What a rank posts over `exchanges` ring exchanges, in `order`: per exchange two sends to r+1 and two
+    receives from r-1 (k and v, or dK and dV)."""
+    half = {"send": [("send", (rank + 1) % C, i) for i in range(2)],
+            "recv": [("recv", (rank - 1) % C, i) for i in range(2)]}
+    return [op for _ in range(exchanges) for kind in order(rank, C) for op in half[kind]]
+
+
+def link_of(C: int):
+    """The link group each op goes on under `_exchange`'s links: sends on link r's, receives on link r-1's."""
+    return lambda r, op: p2p_link(r, op[1], C) if op[0] == "send" else p2p_link(op[1], r, C)
+
+
+def links_case(rank: int, world: int) -> dict:
+    """The ring with the cp group's link groups (built here on gloo, as Mesh.build_links builds them on NCCL),
+    against the ring on the group alone: output and gradients, and each transfer's group."""
+    links = tuple(new_groups([list(range(world))]) for _ in range(link_groups(world)))
+    g = torch.Generator().manual_seed(2)
+    T = 4 * world
+    q, k, v, dout = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
+    got, used = [], []
+    real_send, real_recv = comm.send, comm.recv
+
+    def post(kind, real):
+        def call(tensor, peer, group=None):
+            used.append((kind, peer, links.index(group) if group in links else None))
+            return real(tensor, peer, group)
+        return call
+    for ring in ((), links):
+        mine = [shard_sequence(t, rank, world, dim=2).clone().requires_grad_() for t in (q, k, v)]
+        with mock.patch.object(comm, "send", post("send", real_send)), \
+                mock.patch.object(comm, "recv", post("recv", real_recv)):
+            out = ring_attention(*mine, None, links=ring)
+            out.backward(shard_sequence(dout, rank, world, dim=2))
+        got.append([out.detach(), *(t.grad for t in mine)])
+    half = len(used) // 2
+    return {"equal": all(torch.equal(a, b) for a, b in zip(*got)), "plain": used[:half], "links": used[half:]}
 
 
 def bf16_case(rank: int, world: int) -> dict:
@@ -171,22 +228,54 @@ class TestRingAttention(unittest.TestCase):
                         self.assertLess(r[key], 2 ** -8, key)
 
     def test_exchange_order_never_waits_forever_with_blocking_p2p(self):
-        """NCCL runs each rank's p2p operations in posting order, a send waiting for its receive (`drain`). A ring
-        exchange is two sends to r+1 and two receives from r-1; a forward posts C-1 of them, a backward 2C-1 (k/v
-        and dK/dV interleaved: k/v before a step's compute, dK/dV after it). parallel/context_parallel.py's order
-        always finishes, C = 1..8; "receive first" on every rank, the naive order, hangs at every C > 1 (so this
-        test can fail)."""
-        def ops(rank: int, C: int, order, exchanges: int) -> list:
-            half = {"send": [("send", (rank + 1) % C, i) for i in range(2)],
-                    "recv": [("recv", (rank - 1) % C, i) for i in range(2)]}
-            return [op for _ in range(exchanges) for kind in order(rank, C) for op in half[kind]]
-
+        """NCCL runs each rank's p2p operations on a group in posting order, across both its neighbours, a send
+        waiting for its receive (`drain`). A ring exchange is two sends to r+1 and two receives from r-1; a
+        forward posts C-1 of them, a backward 2C-1 (k/v and dK/dV interleaved: k/v before a step's compute,
+        dK/dV after it). parallel/context_parallel.py's order always finishes, C = 1..8; "receive first" on
+        every rank, the naive order, hangs at every C > 1 (so this test can fail)."""
         naive = lambda r, c: ("recv", "send")  # noqa: E731
         for C in range(1, 9):
             for exchanges in ((C - 1, 2 * C - 1, 3 * C - 2) if C > 1 else (0,)):  # forward, backward, both
                 with self.subTest(C=C, exchanges=exchanges):
-                    self.assertTrue(drain([ops(r, C, exchange_order, exchanges) for r in range(C)]))
-                    self.assertEqual(drain([ops(r, C, naive, exchanges) for r in range(C)]), C == 1)
+                    self.assertTrue(drain([ring_ops(r, C, exchange_order, exchanges) for r in range(C)]))
+                    self.assertEqual(drain([ring_ops(r, C, naive, exchanges) for r in range(C)]), C == 1)
+
+    def test_one_group_runs_half_duplex_link_groups_full(self):
+        """On one eagerly initialised group a rank's two sends and two receives of an exchange run one after the
+        other: an even ring takes 4 transfer times per exchange where sending and receiving at once would take
+        2, an odd ring more (its alternation has two even ranks side by side: ranks C-1 and 0 both send first,
+        so C-1 waits for 0's sends). On the link groups (`_exchange`'s links: sends on link r's group, receives
+        on link r-1's, never the same) every ring takes the 2 of full duplex, in any exchange order, and every
+        message still meets its receive. C = 2..8, a forward's C-1 exchanges, a backward's 2C-1, or one."""
+        naive = lambda r, c: ("recv", "send")  # noqa: E731
+        for C in range(2, 9):
+            for exchanges in (1, C - 1, 2 * C - 1):
+                with self.subTest(C=C, exchanges=exchanges):
+                    one = drain_timed([ring_ops(r, C, exchange_order, exchanges) for r in range(C)])
+                    if C % 2 == 0:
+                        self.assertEqual(one, 4 * exchanges)
+                    else:
+                        self.assertGreater(one, 4 * exchanges)
+                    for order in (exchange_order, naive):
+                        self.assertEqual(drain_timed([ring_ops(r, C, order, exchanges) for r in range(C)],
+                                                     link_of(C)), 2 * exchanges)
+
+    def test_link_groups_carry_the_ring_on_three_ranks(self):
+        """3 gloo ranks (an odd ring: 3 link groups): the ring over the cp group's link groups gives the ring's
+        output and gradients bit for bit, and every send goes on link r's group, every receive on link
+        r-1's, as `link_of` (and so the half-duplex check above) has them; without links, on the group."""
+        per_rank = run_distributed(links_case, 3)
+        if len(per_rank) == 1:  # a same-size torchrun: each rank checks its own
+            return
+        for r, res in enumerate(per_rank):
+            with self.subTest(rank=r):
+                self.assertTrue(res["equal"])
+                self.assertEqual({g for _, _, g in res["plain"]}, {None})
+                want = [(kind, peer, link_of(3)(r, (kind, peer))) for kind, peer, _ in res["links"]]
+                self.assertEqual(res["links"], want)
+                self.assertEqual(len({g for kind, _, g in res["links"] if kind == "send"}), 1)
+                self.assertNotEqual({g for kind, _, g in res["links"] if kind == "send"},
+                                    {g for kind, _, g in res["links"] if kind == "recv"})
 
     def test_posted_transfers_drain_and_overlap_the_compute(self):
         """What the 2- and 4-rank runs above posted, as recorded on every rank: fed to `drain` (NCCL's blocking

@@ -70,8 +70,16 @@ def train_step(model, opt, rank: int, step: int, forward=None) -> list[float]:
 
 # ----------------------------------------------------------------------------- bodies run on every rank
 
+def ring_since(start: int) -> list[tuple[str, str]]:
+    """(op, call site) of every op this rank's flight recorder (parallel/flight_recorder.py) holds from op `start` on,
+    read back through `decode`, as `python -m debug hang` reads a ring."""
+    return [(o["op"], o["site"]) for o in comm.RECORDER.read()["ops"] if o["n"] >= start]
+
+
 def _matches_torch_body(rank: int, world_size: int) -> dict:
-    """Custom vs torch DDP over STEPS accumulated+clipped AdamW steps, plus no_sync and byte checks."""
+    """Custom vs torch DDP over STEPS accumulated+clipped AdamW steps, plus no_sync and byte checks, and what the
+    flight recorder kept of ours (torch's DDP does not go through parallel/comm)."""
+    start = comm.RECORDER.count
     ours = DistributedDataParallel(build_gpt(), bucket_cap_mb=SMALL_CAP_MB)
     ref = nn.parallel.DistributedDataParallel(build_gpt())
     local = build_gpt()  # plain single-process model, to see what "unreduced" gradients look like
@@ -114,6 +122,7 @@ def _matches_torch_body(rank: int, world_size: int) -> dict:
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
     res["replicas_equal"] = all(torch.equal(gathered[0], g) for g in gathered)
+    res["ring"], res["n_buckets"] = ring_since(start), len(ours.buckets)
     return res
 
 
@@ -290,6 +299,19 @@ class TestMatchesTorchDDP(unittest.TestCase):
     def test_all_reduce_bytes_per_optimizer_step_equal_parameter_bytes(self):
         for r in self.results:
             self.assertEqual(r["bytes_per_step"], [r["expected_bytes"]] * STEPS)
+
+    def test_flight_recorder_names_each_bucket_of_each_step_in_order(self):
+        """The ring (decoded as `python -m debug hang` reads it) holds the construction's broadcasts, then per
+        step one all-reduce per bucket, bucket 0, 1, ... in launch order, each with its bucket in the call site:
+        what a hang report names. A wrapper between DDP and comm that dropped `unit=` fails here."""
+        for r in self.results:
+            n = r["n_buckets"]
+            self.assertGreater(n, 2)
+            reduces = [site for op, site in r["ring"] if op == "all_reduce"]
+            self.assertEqual(reduces, [f"parallel.ddp._launch [bucket {k}]" for k in range(n)] * STEPS)
+            self.assertEqual({site for op, site in r["ring"] if op == "broadcast"},
+                             {"parallel.ddp._broadcast_from_rank0"})
+            self.assertEqual({op for op, _ in r["ring"]}, {"broadcast", "all_reduce"})
 
 
 class TestOverlapAndCompression(unittest.TestCase):

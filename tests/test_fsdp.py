@@ -515,12 +515,16 @@ class TestFSDPMechanics(unittest.TestCase):
 
     @measures.register("comm_per_micro_step")
     def measure_comm_per_micro_step(rank: int, world_size: int) -> dict:
-        """parallel/comm's count of one micro-step of a fresh FSDP GPT, and what the module expects."""
+        """parallel/comm's count of one micro-step of a fresh FSDP GPT, and what the module expects; the ops the
+        flight recorder kept of that micro-step (op, call site), decoded as `python -m debug hang` reads them."""
         model = FSDP(_eager_gpt())
         comm.COUNTER.reset()
+        start = comm.RECORDER.count
         _micro_step(model, rank)
+        ring = [(o["op"], o["site"]) for o in comm.RECORDER.read()["ops"] if o["n"] >= start]
         return {"comm": comm.COUNTER.snapshot(), "comm_expected": engine_comm_bytes_per_micro_step(model),
-                "padded": [(u.numel, u.padded) for u in model.units]}
+                "padded": [(u.numel, u.padded) for u in model.units], "units": [u.name for u in model.units],
+                "ring": ring}
 
     def test_comm_bytes_per_micro_step(self):
         # 2 all-gathers per Block, 1 for the root (kept from forward to backward, as FSDP2 does), 1
@@ -533,6 +537,20 @@ class TestFSDPMechanics(unittest.TestCase):
             self.assertEqual(r["comm"]["all_reduce"], 0)
             self.assertEqual({k: r["comm"][k] for k in r["comm_expected"]}, r["comm_expected"])
             self.assertLess(sum(padded) - sum(numel), WORLD * len(padded))
+
+    def test_flight_recorder_names_the_unit_of_each_gather_and_scatter(self):
+        """Each op in the ring carries its unit's name in the call site (what a hang report names): forward
+        gathers the root, then transformer.h.0 and h.1; backward re-gathers h.1 and h.0 (the root stays gathered)
+        and reduce-scatters each unit once, the last Block first. A wrapper that dropped `unit=` fails here."""
+        for r in measures["comm_per_micro_step"]:
+            self.assertEqual(r["units"], ["root", "transformer.h.0", "transformer.h.1"])
+            gathers = [site for op, site in r["ring"] if op == "all_gather"]
+            scatters = [site for op, site in r["ring"] if op == "reduce_scatter"]
+            g, s = "parallel.flat_param.gather", "parallel.flat_param.start"
+            self.assertEqual(gathers, [f"{g} [root]", f"{g} [transformer.h.0]", f"{g} [transformer.h.1]",
+                                       f"{g} [transformer.h.1]", f"{g} [transformer.h.0]"])
+            self.assertEqual(scatters, [f"{s} [transformer.h.1]", f"{s} [transformer.h.0]", f"{s} [root]"])
+            self.assertEqual({op for op, _ in r["ring"]}, {"all_gather", "reduce_scatter"})
 
     @measures.register("hsdp_replica_all_reduce")
     def measure_hsdp_replica_all_reduce(rank: int, world_size: int) -> dict:

@@ -42,8 +42,8 @@ class FakeTensor:
         return 4
 
 
-def post(rec, op, shape, group="1:0,1", peer=-1):
-    return rec.post(op, FakeTensor(*shape), group, peer)
+def post(rec, op, shape, group="1:0,1", peer=-1, unit=None):
+    return rec.post(op, FakeTensor(*shape), group, peer, unit=unit)
 
 
 class TestRing(unittest.TestCase):
@@ -65,6 +65,17 @@ class TestRing(unittest.TestCase):
         self.assertEqual({o["site"] for o in ops}, {f"{__name__}.test_records_every_field_and_completion"})
         self.assertEqual(ops[0]["dtype"], "float32")
         self.assertEqual(s, 2)
+
+    def test_the_unit_a_wrapper_moves_is_part_of_the_call_site(self):
+        """`unit` (a DDP bucket, an FSDP unit) follows the caller's name in brackets: ops from one line of code
+        that move different units have different sites, and an op without a unit has the caller's name alone."""
+        rec = FakeRecorder(8)
+        for unit in ("bucket 0", "bucket 1", "transformer.h.0", None, "bucket 0"):
+            post(rec, "all_reduce", (3,), unit=unit)
+        here = f"{__name__}.test_the_unit_a_wrapper_moves_is_part_of_the_call_site"
+        self.assertEqual([o["site"] for o in decode(bytes(rec._buf))["ops"]],
+                         [f"{here} [bucket 0]", f"{here} [bucket 1]", f"{here} [transformer.h.0]", here,
+                          f"{here} [bucket 0]"])
 
     def test_ring_keeps_the_last_k(self):
         rec = FakeRecorder(4)
@@ -266,7 +277,10 @@ class TestCommandLine(unittest.TestCase):
 
 # ----------------------------------------------------------------------------- real hangs
 
-STEPS, FAULT_AT, TIMEOUT = 4, 2, 3
+# TIMEOUT: what a step may take before the watchdog calls it a hang. 3 s fired on healthy steps of the stopped
+# case when the machine ran 10 processes on 2 cores (a step of rank 0 took longer, rank 1 dumped first): the
+# finding was then rank 0 "behind" instead of rank 1 stopped. 8 s is ~30x a healthy step at that load.
+STEPS, FAULT_AT, TIMEOUT = 4, 2, 8
 BASE = ["--model", "tiny", "--n_layer", "2", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "256",
         "--max_steps", str(STEPS), "--eval_interval", "100", "--eval_iters", "1", "--warmup_steps", "1",
         "--peak_flops", "1e12", "--no_checkpoint", "--timeout", str(TIMEOUT)]

@@ -44,6 +44,8 @@ FAMILIES = {  # name -> (ranks, flags)
     "pp interleaved": (2, ["--pipeline_parallel_size", "2", "--pp_schedule", "interleaved_1f1b",
                            "--pp_virtual_stages", "2", "--n_layer", "4", "--micro_batch_size", "1"]),
     "hsdp": (4, ["--data_parallel_size", "4", "--data_parallel_type", "fsdp", "--data_parallel_replicate_size", "2"]),
+    "moe ep2": (2, ["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2",
+                    "--moe_num_experts", "4", "--moe_aux_loss_coeff", "0.01", "--moe_bias_update_rate", "1e-3"]),
 }
 
 

@@ -9,12 +9,21 @@ same computation in float64; so they differ by up to about 2 eps, and ROUNDING_F
 Where the arithmetic allows, bit for bit: with chunks of a multiple of LOSS_CHUNK_ALIGN rows each chunk starts
 where the GEMM's row blocks start, so each row's logits are the whole GEMM's bits (on this CPU's MKL; one row
 or 7 are not: other kernels, other sum orders); log-softmax, its backward and nll_loss's sum over the rows are
-torch's own kernels, as in F.cross_entropy. Then the loss and d(x) = d(logits) W are equal bit for bit, and only
-dW = d(logits)^T x is summed over the rows in another order: chunk by chunk, each chunk's GEMM then an fp32 add.
-Any order of an n-term sum is within gamma_n * sum |terms| of the exact sum (gamma_n = n u / (1 - n u),
-u = 2^-24; Higham, Accuracy and Stability of Numerical Algorithms, eq. 4.4), so the two dW differ elementwise by
-at most 2 gamma_N (|G|^T |X|). Under bf16 autocast the products are bf16 (u_b = 2^-8), each chunk's and today's
-one: at most 2 u_b + 2 gamma_N on the same |G|^T |X|.
+torch's own kernels, as in F.cross_entropy. The head makes its gradients in forward, for an incoming gradient of
+1, and backward scales them by the real one, g. Where g is 1 or a power of 2 (scaling by it is exact) the loss and
+d(x) = d(logits) W are equal bit for bit, and only dW = d(logits)^T x is summed over the rows in another order:
+chunk by chunk, each chunk's GEMM then an fp32 add. Any order of an n-term sum is within gamma_n * sum |terms| of
+the exact sum (gamma_n = n u / (1 - n u), u = 2^-24; Higham, Accuracy and Stability of Numerical Algorithms, eq.
+4.4), so the two dW differ elementwise by at most 2 gamma_N (|G|^T |X|). Under bf16 autocast the products are bf16
+(u_b = 2^-8), each chunk's and today's one: at most 2 u_b + 2 gamma_N on the same |G|^T |X|.
+
+Any other g (0.75 here): d(logits) differs before the products. nll_loss's gradient is s = fl(g / n_valid) where
+today's path has it, fl(1 / n_valid) in ours; log-softmax's backward makes fl(p s) off the target and
+fl(fl(p s) - s) on it. Off the target the two differ by at most 4u relative (two roundings of s, two of the
+product); on it the subtraction can cancel (p near 1), but the difference is at most 4u |G| + 2u p s <= 4u (|G| + S)
+with S = s at each row's target, 0 elsewhere. Then each side's product sums within gamma of the exact, and ours
+rounds once more when scaled by g (u |dx|): |d dx| <= (2 gamma_V + 6u) (|G| + S) |W|, |d dW| <= (2 gamma_N + 6u)
+(|G| + S)^T |X|. Under bf16 the two d(logits) are also rounded to bf16 (u_b each) and so are the products: + 4 u_b.
 """
 from __future__ import annotations
 
@@ -48,23 +57,24 @@ def _inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, w, t
 
 
-def _whole(x, w, t, autocast: bool = False):
-    """Today's path: (loss, dx, dw, d(logits)) of F.cross_entropy(F.linear(x, w).float(), t), in x's dtype."""
+def _whole(x, w, t, autocast: bool = False, grad: float = 0.75):
+    """Today's path: (loss, dx, dw, d(logits)) of F.cross_entropy(F.linear(x, w).float(), t), in x's dtype, under an
+    incoming gradient `grad` (as 1/M under accumulation)."""
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         logits = F.linear(x, w)
         logits.retain_grad()
         loss = F.cross_entropy(logits if x.dtype == torch.float64 else logits.float(), t, ignore_index=-1)
-    (loss * 0.75).backward()  # an incoming gradient other than 1 (as 1/M under accumulation)
+    (loss * grad).backward()
     return loss.detach(), x.grad, w.grad, logits.grad.float()
 
 
-def _chunked(x, w, t, chunk_rows=None, autocast: bool = False, vocab=None):
+def _chunked(x, w, t, chunk_rows=None, autocast: bool = False, vocab=None, grad: float = 0.75):
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
     kw = {} if vocab is None else {"vocab": vocab}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = linear_cross_entropy(x, w, t, chunk_rows=chunk_rows, **kw)
-    (loss * 0.75).backward()
+    (loss * grad).backward()
     return loss.detach(), x.grad, w.grad
 
 
@@ -75,6 +85,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _dw_bound(g: torch.Tensor, x: torch.Tensor, factor: float) -> torch.Tensor:
     """factor * (|G|^T |X|), elementwise, in float64."""
     return factor * (g.double().abs().t() @ x.double().abs())
+
+
+def _with_targets(g: torch.Tensor, t: torch.Tensor, grad: float) -> torch.Tensor:
+    """|G| + S: S = grad / (targets != -1) at each row's target, 0 elsewhere (the module docstring's bound)."""
+    valid = t != -1
+    s = torch.zeros_like(g, dtype=torch.float64)
+    s[valid, t[valid]] = abs(grad) / int(valid.sum())
+    return g.double().abs() + s
+
+
+def _within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> bool:
+    return bool(((got.double() - ref.double()).abs() <= bound).all())
 
 
 class TestAgainstWholeLogits(unittest.TestCase):
@@ -90,27 +112,52 @@ class TestAgainstWholeLogits(unittest.TestCase):
 
     def test_fp32_aligned_chunks_bit_equal_but_dw_within_the_reordering_bound(self):
         x, w, t = _inputs()
-        ref_loss, ref_dx, ref_dw, g = _whole(x, w, t)
-        bound = _dw_bound(g, x, 2 * gamma(N))
-        for rows in (LOSS_CHUNK_ALIGN, 3 * LOSS_CHUNK_ALIGN, None):  # 64 + 64 + 64 + 8 rows; 192 + 8; one chunk
-            loss, dx, dw = _chunked(x, w, t, rows)
+        for grad in (1.0, 0.5):  # an incoming gradient the scaling takes exactly
+            ref_loss, ref_dx, ref_dw, g = _whole(x, w, t, grad=grad)
+            bound = _dw_bound(g, x, 2 * gamma(N))
+            for rows in (LOSS_CHUNK_ALIGN, 3 * LOSS_CHUNK_ALIGN, None):  # 64 + 64 + 64 + 8 rows; 192 + 8; one chunk
+                loss, dx, dw = _chunked(x, w, t, rows, grad=grad)
+                self.assertTrue(torch.equal(loss, ref_loss), (grad, rows))
+                self.assertTrue(torch.equal(dx, ref_dx), (grad, rows))
+                err = (dw.double() - ref_dw.double()).abs()
+                self.assertTrue(bool((err <= bound).all()), f"{grad}, {rows}: worst {float((err - bound).max())}")
+
+    def test_fp32_any_incoming_gradient_within_the_scaling_bound(self):
+        """g = 0.75: the loss's bits, dx and dW within the module docstring's bound (the gradients are made for
+        g = 1 and scaled after the products)."""
+        x, w, t = _inputs()
+        ref_loss, ref_dx, ref_dw, g = _whole(x, w, t, grad=0.75)
+        gs = _with_targets(g, t, 0.75)
+        dx_bound = (2 * gamma(V) + 6 * U32) * (gs @ w.double().abs())
+        dw_bound = (2 * gamma(N) + 6 * U32) * (gs.t() @ x.double().abs())
+        for rows in (LOSS_CHUNK_ALIGN, 7, None):
+            loss, dx, dw = _chunked(x, w, t, rows, grad=0.75)
             self.assertTrue(torch.equal(loss, ref_loss), rows)
-            self.assertTrue(torch.equal(dx, ref_dx), rows)
-            err = (dw.double() - ref_dw.double()).abs()
-            self.assertTrue(bool((err <= bound).all()), f"{rows}: worst {float((err - bound).max())}")
+            self.assertTrue(_within(dx, ref_dx, dx_bound), rows)
+            self.assertTrue(_within(dw, ref_dw, dw_bound), rows)
 
     def test_bf16_autocast(self):
-        """The logits in bf16 as autocast's F.linear makes them, the loss in fp32 of those: the same bits;
-        dW's chunk products each rounded to bf16, summed in fp32 (see the module docstring for the bound)."""
+        """The logits in bf16 as autocast's F.linear makes them, the loss in fp32 of those: the same bits; at an
+        incoming gradient of 1 also dx; dW's chunk products each rounded to bf16, summed in fp32; at 0.75 the
+        scaling bound with bf16's roundings (see the module docstring for both)."""
         x, w, t = _inputs(1)
-        ref_loss, ref_dx, ref_dw, g = _whole(x, w, t, autocast=True)
+        ref_loss, ref_dx, ref_dw, g = _whole(x, w, t, autocast=True, grad=1.0)
         bound = _dw_bound(g, x, 2 * U_BF16 + 2 * gamma(N))
         for rows in (LOSS_CHUNK_ALIGN, None):
-            loss, dx, dw = _chunked(x, w, t, rows, autocast=True)
+            loss, dx, dw = _chunked(x, w, t, rows, autocast=True, grad=1.0)
             self.assertTrue(torch.equal(loss, ref_loss), rows)
             self.assertTrue(torch.equal(dx, ref_dx), rows)
             self.assertEqual(dw.dtype, torch.float32)
-            self.assertTrue(bool(((dw.double() - ref_dw.double()).abs() <= bound).all()), rows)
+            self.assertTrue(_within(dw, ref_dw, bound), rows)
+        ref_loss, ref_dx, ref_dw, g = _whole(x, w, t, autocast=True, grad=0.75)
+        gs = _with_targets(g, t, 0.75)
+        dx_bound = (4 * U_BF16 + 2 * gamma(V) + 6 * U32) * (gs @ w.double().abs())
+        dw_bound = (4 * U_BF16 + 2 * gamma(N) + 6 * U32) * (gs.t() @ x.double().abs())
+        for rows in (LOSS_CHUNK_ALIGN, None):
+            loss, dx, dw = _chunked(x, w, t, rows, autocast=True, grad=0.75)
+            self.assertTrue(torch.equal(loss, ref_loss), rows)
+            self.assertTrue(_within(dx, ref_dx, dx_bound), rows)
+            self.assertTrue(_within(dw, ref_dw, dw_bound), rows)
 
     def test_vocab_shard_of_one_rank_equals_the_whole_vocab(self):
         """VocabShard (tensor parallelism's rows) on a group of one holds the whole vocab: its Megatron-style
@@ -131,34 +178,78 @@ class TestAgainstWholeLogits(unittest.TestCase):
 
 
 class TestMemory(unittest.TestCase):
-    def test_no_tensor_of_all_logits_and_only_x_and_targets_saved(self):
+    def test_no_tensor_of_all_logits_and_only_the_gradients_saved(self):
         """Forward and backward never make an (N, V) tensor: the largest is a chunk's (rows, V) logits or dW
-        (V, C); what is saved for backward is x and the targets (the weight is a parameter)."""
+        (V, C); what is saved for backward is dx (N, C) and dW (V, C) in fp32, made in forward (x, the targets and
+        the weight are not needed again)."""
         x, w, t = _inputs()
         x.requires_grad_()
         w = torch.nn.Parameter(w)
         with LargestTensor() as spy, SavedBytes(exclude=[w]) as saved:
             linear_cross_entropy(x, w, t, chunk_rows=16).backward()
         self.assertLessEqual(spy.numel, max(16 * V, V * C))
-        self.assertEqual(saved.peak, x.numel() * 4 + t.numel() * 8)
+        self.assertEqual(saved.peak, (N * C + V * C) * 4)
 
-    def test_backward_holds_three_chunks_of_logits_at_once(self):
-        """Backward's live bytes beyond its inputs: the chunk's logits z (reused as the nll gradient), its
-        log-softmax and its gradient, 3 x (rows, V) fp32 (plan.predict.loss_transient), beside dx and dW. The
-        previous chunk's gradient is freed before the next chunk's logits are made: kept, it was a 4th, 25.8 MB at
-        GPT-2's vocabulary (docs/planner.md, "GPT-2's vocabulary"), found by a row of tests/test_plan_runs.py."""
+    def test_no_gradient_work_without_grad(self):
+        """Under torch.no_grad (evaluation) the loss alone: no (V, C) dW buffer, nothing saved, the same loss."""
+        x, w, t = _inputs()
+        ref = linear_cross_entropy(x.requires_grad_(), torch.nn.Parameter(w), t, chunk_rows=16)
+        new = lambda out: out.untyped_storage().data_ptr() != w.untyped_storage().data_ptr()  # noqa: E731 (not W^T)
+        with torch.no_grad(), LargestTensor(new) as spy:
+            loss = linear_cross_entropy(x, torch.nn.Parameter(w), t, chunk_rows=16)
+        self.assertLessEqual(spy.numel, 16 * V)  # a chunk's logits; dW would be V * C = 2 x that
+        self.assertLess(16 * V, V * C)
+        self.assertTrue(torch.equal(loss, ref.detach()))
+        self.assertFalse(loss.requires_grad)
+
+    def test_a_second_backward_is_refused(self):
+        """backward scales the saved gradients in place: autograd's version check refuses a second backward of the
+        same graph (retain_graph) instead of scaling them twice."""
+        x, w, t = _inputs()
+        loss = linear_cross_entropy(x.requires_grad_(), torch.nn.Parameter(w), t, chunk_rows=16)
+        loss.backward(retain_graph=True)
+        with self.assertRaisesRegex(RuntimeError, "modified by an inplace operation"):
+            loss.backward()
+
+    def test_autocast_keeps_no_weight_copy_per_micro_batch(self):
+        """M = 4 forwards under bf16 autocast before their backwards (a pipeline's last stage under GPipe): the head
+        saves no bf16 copy of the weight (its backward needs none), where it used to save one per micro-batch."""
+        x, w, t = _inputs()
+        w = torch.nn.Parameter(w)
+        copies = set()
+
+        def pack(tensor):
+            if tensor.dtype == torch.bfloat16 and tensor.shape == w.shape:
+                copies.add(tensor.untyped_storage().data_ptr())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = [linear_cross_entropy(x[m::4].requires_grad_(), w, t[m::4], chunk_rows=16) for m in range(4)]
+            for loss in losses:
+                loss.backward()
+        self.assertEqual(len(copies), 0)
+
+    def test_forward_holds_three_chunks_of_logits_at_once(self):
+        """The loss's live bytes beyond its inputs, gradients made in forward: the chunk's logits z (reused as the
+        nll gradient), its log-softmax and its gradient, 3 x (rows, V) fp32 (plan.predict.loss_transient), beside
+        dx and dW. The previous chunk's gradient is freed before the next chunk's logits are made: kept, it would
+        be a 4th, 25.8 MB at GPT-2's vocabulary (the backward of before the fused head kept one; found by a row
+        of tests/test_plan_runs.py at GPT-2's vocabulary)."""
         from metrics import LiveStorages
         x, w, t = _inputs()
         x.requires_grad_()
         w = torch.nn.Parameter(w)
         rows = 16
-        loss = linear_cross_entropy(x, w, t, chunk_rows=rows)
         self.assertGreaterEqual(x.shape[0], 3 * rows)  # several chunks: one's gradient could outlive it
         with LiveStorages() as live:
             before = live.bytes
-            loss.backward()
+            linear_cross_entropy(x, w, t, chunk_rows=rows).backward()
         chunk, dw, dx = rows * V * 4, V * C * 4, x.numel() * 4
-        self.assertLessEqual(live.peak - before, 3 * chunk + dw + dx + x.shape[0] * 8)  # + (N,) scale and mask
+        # + the (N,) mask (bool), scale and picked log-probabilities (fp32), and a chunk's (n, 1) int64 targets
+        # and (n,) fp32 picked rows
+        small = x.shape[0] * (1 + 4 + 4) + rows * (8 + 4)
+        self.assertLessEqual(live.peak - before, 3 * chunk + dw + dx + small)
 
     def test_default_chunk_rows(self):
         """The most multiple of 64 rows whose fp32 logits fit 32 MiB: 128 rows of GPT-2's 50304 (24.6 MiB), 320 of

@@ -45,3 +45,47 @@ class EveryGroupHasTheRunsTimeout(unittest.TestCase):
         for timeouts in per_rank:
             self.assertGreaterEqual(len(timeouts), 6)  # world, pp, dp_replicate, dp_shard, tp, dp, embed, saver
             self.assertEqual(timeouts, [TIMEOUT_S] * len(timeouts))
+
+
+class InitGroupCalls(unittest.TestCase):
+    """plan.startup.init_group_calls on torch's fake backend, against counts derived by hand. A layout's groups:
+    DeviceMesh's five dims, one group per instance of each (a dim of size 1 too: W one-rank groups), plus a
+    flattened dim per FLATTENED entry spanning two dims of size > 1; the expert dims (ep: W/ep groups, edp:
+    W/(dp·cp/ep)); on NCCL the link groups (`link_groups(n)` colours of every pp and cp group: 2 for an even
+    ring, 3 for an odd one); and with pp > 1 the pipelines' [first, last] embedding groups (none under a V
+    schedule). On NCCL (eager) every family is one split_group, one world-wide call; on gloo every group is one
+    new_group."""
+
+    def count(self, backend: str, v_shape: bool = False, **dims):
+        import torch.distributed as dist
+
+        from parallel.mesh import ParallelDims
+        from plan.startup import init_group_calls
+        if dist.is_initialized():
+            self.skipTest("counts on a fake process group of its own; this process already has one (torchrun)")
+        got = init_group_calls(ParallelDims(**dims), backend, v_shape)
+        return got.world_calls, got.groups, got.by_phase, got.ranks.get("embedding")
+
+    def test_pp2_dp2_tp2(self):
+        # dims: pp 8/2 = 4, dp_replicate 8, dp_shard 4, cp 8, tp 4 -> 28; links 2 x 4; embedding 4 pipelines
+        embed = [[0, 4], [1, 5], [2, 6], [3, 7]]
+        self.assertEqual(self.count("nccl", pp=2, dp=2, tp=2, world_size=8),
+                         (8, 40, {"mesh": (0, 5, 28), "links": (0, 2, 8), "embedding": (0, 1, 4)}, embed))
+        self.assertEqual(self.count("gloo", pp=2, dp=2, tp=2, world_size=8),
+                         (32, 32, {"mesh": (28, 0, 28), "embedding": (4, 0, 4)}, embed))
+
+    def test_odd_pp_with_cp(self):
+        # dims: pp 12/3 = 4, dp_replicate 12, dp_shard 6, cp 6, tp 12 -> 40, + loss and fsdp flattened (dp_shard x
+        # cp, 3 groups each) -> 46 by 7 splits; links: pp of 3 -> 3 colours x 4, cp of 2 -> 2 colours x 6
+        embed = [[0, 8], [1, 9], [2, 10], [3, 11]]
+        dims = {"pp": 3, "dp": 2, "cp": 2, "tp": 1, "world_size": 12}
+        self.assertEqual(self.count("nccl", **dims),
+                         (13, 74, {"mesh": (0, 7, 46), "links": (0, 5, 24), "embedding": (0, 1, 4)}, embed))
+        self.assertEqual(self.count("gloo", **dims), (50, 50, {"mesh": (46, 0, 46), "embedding": (4, 0, 4)}, embed))
+        self.assertEqual(self.count("nccl", v_shape=True, **dims),
+                         (12, 70, {"mesh": (0, 7, 46), "links": (0, 5, 24)}, None))
+
+    def test_expert_dims(self):
+        # dims: 4 + 4 + 2 + 4 + 2 = 16; ep: one group of 2 per tp rank (2), edp: 2 per tp rank (4)
+        self.assertEqual(self.count("nccl", dp=2, tp=2, ep=2, world_size=4), (7, 22, {"mesh": (0, 7, 22)}, None))
+        self.assertEqual(self.count("gloo", dp=2, tp=2, ep=2, world_size=4), (22, 22, {"mesh": (22, 0, 22)}, None))

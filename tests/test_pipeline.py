@@ -24,6 +24,7 @@ total = 2·(C-1)·M·mb·T·n_embd·4 bytes, and per rank `p2p_bytes_per_step`.
 from __future__ import annotations
 
 import unittest
+from unittest import mock
 
 import pytest
 
@@ -34,7 +35,9 @@ from model import GPT, make_config
 from parallel import comm
 from parallel.pipeline import PipelineRunner, PipelineStage
 from plan.theory import p2p_bytes_per_step
-from parallel.pipeline_schedule import B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action, chunk_of, send_waits, split_layers
+from parallel.mesh import link_groups, new_groups, p2p_link
+from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action,
+                                        boundary, chunk_of, rank_of, send_waits, split_layers)
 from plan.simulate import P2P_MODELS, simulate
 from tests.harness import run_distributed
 
@@ -423,6 +426,70 @@ def new_group_calls(rank: int, world: int) -> list:
 
 
 @pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
+def links_case(rank: int, world: int) -> dict:
+    """Interleaved 1F1B (V = 2) and ZB-V on `world` gloo ranks with the pp group's link groups (built here, as
+    Mesh.build_links builds them on NCCL) against the same runs on the group alone: the loss, the gradients and
+    forward_only's losses, and each send's and receive's (peer, group) as the runner posts them in a step."""
+    links = tuple(new_groups([list(range(world))]) for _ in range(link_groups(world)))
+    real_send, real_recv = comm.send, comm.recv
+
+    def post(kind, real, used):
+        def call(t, peer, group=None):
+            used.append((kind, peer, links.index(group) if group in links else None))
+            return real(t, peer, group)
+        return call
+    out = {}
+    for name, v_shape in (("interleaved_1f1b", False), ("zbv", True)):
+        cfg, m = config(2 * world), world
+        batches = micro_batches(cfg, m)
+        runs = []
+        for ring in ((), links):
+            with torch.device("meta"):
+                model = GPT(cfg)
+            stage = PipelineStage(model, rank, world, 2, v_shape=v_shape)
+            stage.materialize(SEED)
+            runner = PipelineRunner(stage, links=ring)
+            used = []
+            with mock.patch.object(comm, "send", post("SEND", real_send, used)), \
+                    mock.patch.object(comm, "recv", post("RECV", real_recv, used)):
+                loss = runner.step(batches, name)
+            runs.append((loss, {n: p.grad.clone() for n, p in stage.named_parameters()},
+                         runner.forward_only(batches), used))
+        (l0, g0, e0, plain), (l1, g1, e1, linked) = runs
+        out[name] = {"equal": torch.equal(l0, l1) and all(torch.equal(g0[n], g1[n]) for n in g0)
+                     and all(torch.equal(a, b) for a, b in zip(e0, e1)), "plain": plain, "links": linked}
+    return out
+
+
+class LinkGroups(unittest.TestCase):
+    """The runner with the pp group's link groups (parallel.mesh.p2p_link: what NCCL runs, where each rank's one
+    stream per group would otherwise serialise its two neighbours' messages) on 3 gloo ranks, an odd ring (3
+    link groups; interleaved 1F1B's closing link 2 -> 0 on the third): the same loss, gradients and evaluation
+    losses bit for bit as on the pp group alone, and every message on its chunk boundary's link group, the
+    group simulate(p2p="nccl_eager", links=True) posts it on, each rank meeting one peer per group."""
+
+    def test_three_ranks(self):
+        per_rank = on_all_ranks(links_case, 3)
+        for name, v_shape in (("interleaved_1f1b", False), ("zbv", True)):
+            lists = ALL_SCHEDULES[name](3, 3, 2)
+            for rank, res in enumerate(per_rank):
+                with self.subTest(schedule=name, rank=rank):
+                    got = res[name]
+                    self.assertTrue(got["equal"])
+                    self.assertEqual({g for _, _, g in got["plain"]}, {None})
+                    want = []
+                    for a in lists[rank]:
+                        if a.kind in (SEND_F, SEND_B, RECV_F, RECV_B):
+                            c = boundary(a)
+                            lo, hi = rank_of(c, 3, v_shape), rank_of(c + 1, 3, v_shape)
+                            want.append((a.kind[:4], hi if lo == rank else lo, p2p_link(lo, hi, 3)))
+                    self.assertEqual(got["links"], want)
+                    peers = {}
+                    for _, peer, g in want:
+                        peers.setdefault(g, set()).add(peer)
+                    self.assertTrue(all(len(s) == 1 for s in peers.values()), peers)
+
+
 class EveryRankCallsEveryNewGroup(unittest.TestCase):
     """On NCCL a new_group that some rank skips hangs the ranks that call it; gloo only misnames later groups.
     With pp = 3 spanning the world, the middle stage has no embedding group: it must still call new_group for

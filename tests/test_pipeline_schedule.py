@@ -20,7 +20,12 @@ from __future__ import annotations
 import unittest
 from fractions import Fraction
 
-from parallel.pipeline_schedule import B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, W, Action, ScheduleError, chunk_of, gpipe, interleaved_one_f_one_b, one_f_one_b, split_layers, zb_h1, zbv, dualpipev
+import pytest
+
+from parallel.mesh import link_groups, p2p_link
+from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, V_SCHEDULES, W,
+                                        Action, ScheduleError, boundary, chunk_of, dualpipev, gpipe,
+                                        interleaved_one_f_one_b, one_f_one_b, rank_of, split_layers, zb_h1, zbv)
 from plan.simulate import P2P_MODELS, simulate
 from plan.theory import bubble_fraction
 
@@ -303,6 +308,126 @@ class TestVSchedules(unittest.TestCase):
         """The V lists under the interleaved placement (rank r holding r and r+P) name chunks the rank lacks."""
         with self.assertRaisesRegex(ScheduleError, "cannot run"):
             simulate(zbv(2, 4), 2, 2, 4, p2p="async")
+
+
+def eager_grid(every_m: bool):
+    """(name, pp, micro, virtual) for every schedule: P in 2..8; V = 2 for the V schedules, 2 and 3 for
+    interleaved 1F1B, 1 for the others; M from the least each accepts (P; DualPipe-V 2P) to 4P, interleaved
+    1F1B's multiples of P only: every one (every_m), or least, least + 1, 2P, 2P + 1, 4P."""
+    for name in ALL_SCHEDULES:
+        for p in range(2, 9):
+            least = 2 * p if name == "dualpipev" else p
+            ms = range(least, 4 * p + 1) if every_m else sorted({least, least + 1, 2 * p, 2 * p + 1, 4 * p})
+            for v in (2,) if name in V_SCHEDULES else (2, 3) if name == "interleaved_1f1b" else (1,):
+                for m in ms:
+                    if name != "interleaved_1f1b" or m % p == 0:
+                        yield name, p, m, v
+
+
+def ideal_makespan(name: str, p: int, m: int, v: int) -> int:
+    """Unit times (F = 1, B = 2; split: F = B = W = 1), messages free: the makespans the tests above derive
+    (ZB-V at M < 2P: what the isend models give, `simulate(..., p2p="async")`)."""
+    if name in ("gpipe", "1f1b", "interleaved_1f1b"):
+        return 3 * (v * m + p - 1)
+    if name == "zb_h1":
+        return 3 * m + p - 1
+    if m >= 2 * p:
+        return 6 * m + p - 1
+    return simulate(ALL_SCHEDULES[name](p, m, v), p, v, m, p2p="async", v_shape=True).makespan
+
+
+def slower(p: int, v: int, v_shape: bool, rank: int, t: int) -> list[int]:
+    """Per-chunk times: `t` everywhere, 2t on `rank`'s chunks (one stage twice as slow)."""
+    return [2 * t if rank_of(c, p, v_shape) == rank else t for c in range(p * v)]
+
+
+class TestEagerNccl(unittest.TestCase):
+    """NCCL's p2p order on an eagerly initialised group (simulate(p2p="nccl_eager"): one FIFO per rank across
+    both its neighbours, torch's ProcessGroupNCCL::pointToPoint reusing the group's communicator and stream),
+    which is what every group is here on CUDA (parallel/mesh.py passes device_id). The fix, link groups
+    (parallel.mesh.p2p_link; PipelineRunner posts each message on its boundary's), is modelled by links=True."""
+
+    def check(self, every_m: bool) -> int:
+        n = 0
+        for name, p, m, v in eager_grid(every_m):
+            with self.subTest(name=name, pp=p, micro=m, virtual=v):
+                res = simulate(ALL_SCHEDULES[name](p, m, v), p, v, m, p2p="nccl_eager", v_shape=name in V_SCHEDULES)
+                self.assertEqual(res.makespan, ideal_makespan(name, p, m, v))
+                n += 1
+        return n
+
+    def test_every_schedule_finishes_at_unit_times(self):
+        """No deadlock, no send meeting the wrong receive, F before B before W, every (chunk, micro) once (what
+        simulate checks under every model), and at unit times the ideal makespan: the serialisation costs
+        nothing while every stage takes as long. A sample of M (the slow test below runs every M)."""
+        self.assertEqual(self.check(every_m=False), 4 * 7 * 5 + 7 * 3 + 7 * 2 * 3)  # dualpipev: 2P, 2P+1, 4P
+
+    @pytest.mark.slow
+    def test_every_schedule_every_m(self):
+        self.assertEqual(self.check(every_m=True), 4 * sum(3 * p + 1 for p in range(2, 9))
+                         + sum(2 * p + 1 for p in range(2, 9)) + 7 * 2 * 4)
+
+    def test_serialising_costs_makespan_and_link_groups_win_it_back(self):
+        """With uneven stage times a rank's ready send to one neighbour waits behind a receive from the other
+        posted before it: the V schedules lose with B slower than F, the rest with a slow first stage (what
+        P = 2..8, M = least..4P measure at most: docs/pipeline.md's table); GPipe never (its forwards and its
+        backwards never cross). Link groups take every message off the shared FIFO: the pair model's makespan,
+        exactly; batching a rank's back-to-back ops (batch_isend_irecv) does not, and costs ZB-H1's run."""
+        def first_slow(p: int, v: int, vs: bool, b: int) -> dict:
+            one, slow_b = slower(p, v, vs, 0, 1), slower(p, v, vs, 0, b)
+            return {"f_time": one, "b_time": slow_b, "w_time": one}
+        cases = {  # name, P, V, M, times -> (pair FIFOs, one FIFO per rank, batched)
+            ("dualpipev", 8, 2, 16, "2,3,1"): (225, 246, 237),
+            ("zbv", 8, 2, 10, "2,3,1"): (158, 170, 170),
+            ("zb_h1", 8, 1, 8, "first x2"): (48, 54, 49),
+            ("1f1b", 8, 1, 8, "first x2"): (55, 61, 55),
+            ("interleaved_1f1b", 7, 2, 14, "first x2"): (168, 173, 173),
+            ("gpipe", 8, 1, 8, "first x2"): (69, 69, 69),
+        }
+        for (name, p, v, m, times), (pair, eager, batched) in cases.items():
+            vs = name in V_SCHEDULES
+            b = 1 if name == "zb_h1" else 2  # unit_times: a split B is 1, a whole one 2
+            kw = {"f_time": 2, "b_time": 3, "w_time": 1} if times == "2,3,1" else first_slow(p, v, vs, b)
+            sched = ALL_SCHEDULES[name](p, m, v)
+            with self.subTest(name=name):
+                got = [simulate(sched, p, v, m, p2p=mode, v_shape=vs, **kw, **extra).makespan
+                       for mode, extra in (("nccl", {}), ("nccl_eager", {}), ("nccl_eager", {"links": True}),
+                                           ("nccl_eager", {"batched": True}))]
+                self.assertEqual(got, [pair, eager, pair, batched])
+
+    def test_link_groups_equal_the_pair_model(self):
+        """Over every schedule at P = 4 and 8, M = 2P, three uneven timings: links=True gives "nccl"'s
+        makespan, and each rank's stream on a link group only ever talks to one peer."""
+        for name in ALL_SCHEDULES:
+            vs = name in V_SCHEDULES
+            v = 2 if vs or name == "interleaved_1f1b" else 1
+            for p in (4, 8):
+                sched = ALL_SCHEDULES[name](p, 2 * p, v)
+                for kw in (dict(f_time=2, b_time=3, w_time=1), dict(f_time=1, b_time=1, w_time=3),
+                           dict(f_time=slower(p, v, vs, 0, 1), b_time=slower(p, v, vs, 0, 2), w_time=1)):
+                    with self.subTest(name=name, pp=p, times=kw):
+                        pair, links = (simulate(sched, p, v, 2 * p, p2p=mode, v_shape=vs, **kw, **extra).makespan
+                                       for mode, extra in (("nccl", {}), ("nccl_eager", {"links": True})))
+                        self.assertEqual(links, pair)
+                for r, ops in enumerate(sched):
+                    peers: dict[int, set[int]] = {}
+                    for a in ops:
+                        if a.kind in (SEND_F, SEND_B, RECV_F, RECV_B):
+                            c = boundary(a)
+                            lo, hi = rank_of(c, p, vs), rank_of(c + 1, p, vs)
+                            g = p2p_link(lo, hi, p)
+                            self.assertLess(g, link_groups(p))
+                            peers.setdefault(g, set()).add(hi if lo == r else lo)
+                    self.assertTrue(all(len(s) == 1 for s in peers.values()), (name, p, r, peers))
+
+    def test_p2p_link_colours_a_ring(self):
+        """Neighbouring links never share a group (so no rank has two peers on one), on rings of 2..9."""
+        for n in range(2, 10):
+            colour = [p2p_link(i, (i + 1) % n, n) for i in range(n)]
+            self.assertTrue(all(colour[i] != colour[(i + 1) % n] for i in range(n)), (n, colour))
+            self.assertEqual(max(colour) + 1, link_groups(n))
+            if n > 2:  # the V's way back up (lower end above) names the same link; at n = 2 (1, 0) is the closing one
+                self.assertEqual([p2p_link((i + 1) % n, i, n) for i in range(n)], colour)
 
 
 class TestBrokenSchedules(unittest.TestCase):

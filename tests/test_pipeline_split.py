@@ -108,34 +108,44 @@ class TestVSplit(unittest.TestCase):
                                  exhaustive_v(n_layer, pp, block, first, last))
 
     def test_gpt2_p2(self):
-        """GPT-2 124M at T = 1024 (TestCostModel.test_gpt2_at_1024: Block b = 51,964,416, head H = 309,076,992,
-        embedding 2,304; n_layer 12). Rank 0 runs s_0 Blocks + head + embedding, rank 1 the other 12 - s_0: s_0 = 2
-        gives 413.0M | 519.6M, s_0 = 3 464,972,544 | 467,679,744, s_0 = 4 516.9M | 415.7M; so 3. Rank 0's 3: chunk 3
-        carries H, so it takes 1 Block (2 would cost 413M > the 3 on chunk 0 + embedding's 156M); rank 1's 9: 5 on
-        its first chunk (1), 4 on chunk 2. The per-chunk split [3, 4, 4, 1] loads rank 0 with 516,936,960."""
+        """GPT-2 124M at T = 1024 (TestCostModel.test_gpt2_at_1024: Block b = 51,964,416, head H = 231,810,048,
+        embedding 2,304; n_layer 12). Rank 0 runs s_0 Blocks + head + embedding, rank 1 the other 12 - s_0: s_0 = 3
+        gives 387.7M | 467.7M, s_0 = 4 439,670,016 | 415,715,328, s_0 = 5 491.6M | 363.8M; so 4. Rank 0's 4: chunk 3
+        carries H, so it takes 1 Block (2 would cost 335.7M > the 3 on chunk 0 + embedding's 156M); rank 1's 8: 4 on
+        each chunk. The per-chunk split is the same [3, 4, 4, 1] (the head's chunk, 283.8M, the most expensive)."""
         config = make_config("gpt2")
-        self.assertEqual(layers_for(config, 2, 2, 1024, v_shape=True), ranges(2, 5, 4, 1))
+        self.assertEqual(layers_for(config, 2, 2, 1024, v_shape=True), ranges(3, 4, 4, 1))
         self.assertEqual(layers_for(config, 2, 2, 1024), ranges(3, 4, 4, 1))
-        line = describe_split(ranges(2, 5, 4, 1), stage_costs(config, 1024), v_shape=True)
-        self.assertTrue(line.endswith("; per rank: rank 0 (465M), rank 1 (468M)"), line)
+        line = describe_split(ranges(3, 4, 4, 1), stage_costs(config, 1024), v_shape=True)
+        self.assertTrue(line.endswith("; per rank: rank 0 (440M), rank 1 (416M)"), line)
+
+    def test_gpt2_medium_p4_per_rank_beats_per_chunk(self):
+        """GPT-2 medium at T = 1024, P = 4, V = 2: the per-chunk split [3, 4, 4, 3, 3, 3, 3, 1] leaves rank 0 (chunks 0
+        and 7) 4 Blocks + head + embedding, 662M; per rank, [2, 4, 4, 4, 3, 3, 3, 1] gives it 3 Blocks + head, 574M,
+        and no rank more than 617M (4 + 3 Blocks)."""
+        config, k = make_config("gpt2-medium"), stage_costs(make_config("gpt2-medium"), 1024)
+        self.assertEqual(layers_for(config, 4, 2, 1024), ranges(3, 4, 4, 3, 3, 3, 3, 1))
+        self.assertEqual(layers_for(config, 4, 2, 1024, v_shape=True), ranges(2, 4, 4, 4, 3, 3, 3, 1))
+        line = describe_split(ranges(2, 4, 4, 4, 3, 3, 3, 1), k, v_shape=True)
+        self.assertTrue(line.endswith("; per rank: rank 0 (574M), rank 1 (617M), rank 2 (617M), rank 3 (617M)"), line)
 
     def test_small_p2_and_p4(self):
         """small (C = 384, V = 50304) with 24 Blocks at T = 1024: a Block b = 6·(12C² + 13C) + 12·C·T = 15,365,376,
-        the head 8·V·C + 12C = 154,538,496 = 10.06 b. P = 2: rank 0 = (s_0 + 10.06) b against (24 - s_0) b, the
-        larger smallest at s_0 = 7 (17.06 b | 17 b; s_0 = 6: 16.06 b | 18 b); rank 0 puts 1 Block with the head and
-        6 on chunk 0, rank 1 halves 17 as 9 | 8. The per-chunk split [7, 8, 8, 1] (chunk 0 = 8 Blocks + the embedding
-        would top 8 b) gives rank 0 18.06 b.
-        P = 4: rank 0 is the most expensive with its fewest Blocks (s_0 = 2: 12.06 b), ranks 1-3 share 22 as 8, 7,
+        the head 6·V·C + 12C = 115,905,024 = 7.54 b. P = 2: rank 0 = (s_0 + 7.54) b against (24 - s_0) b, the
+        larger smallest at s_0 = 8 (15.54 b | 16 b; s_0 = 9: 16.54 b | 15 b); rank 0 puts 1 Block with the head and
+        7 on chunk 0, rank 1 halves 16 as 8 | 8. The per-chunk split is the same [7, 8, 8, 1] (the head's chunk, 8.54
+        b, the most expensive).
+        P = 4: rank 0 is the most expensive with its fewest Blocks (s_0 = 2: 9.54 b), ranks 1-3 share 22 as 8, 7,
         7 (chunks 1 | 6 = 4 | 4, 2 | 5 = 4 | 3, 3 | 4 = 4 | 3)."""
         config = make_config("small", n_layer=24)
         k = stage_costs(config, 1024)
-        self.assertEqual((k.block, k.head), (15_365_376, 154_538_496))
-        self.assertEqual(layers_for(config, 2, 2, 1024, v_shape=True), ranges(6, 9, 8, 1))
+        self.assertEqual((k.block, k.head), (15_365_376, 115_905_024))
+        self.assertEqual(layers_for(config, 2, 2, 1024, v_shape=True), ranges(7, 8, 8, 1))
         self.assertEqual(layers_for(config, 2, 2, 1024), ranges(7, 8, 8, 1))
         self.assertEqual(layers_for(config, 4, 2, 1024, v_shape=True), ranges(1, 4, 4, 4, 3, 3, 4, 1))
 
     def test_tiny_p2_and_p4(self):
-        """tiny (C = 64) at T = 128: b = 6·(12C² + 13C) + 12·C·T = 398,208, the head 25,756,416 = 64.7 b, so rank 0
+        """tiny (C = 64) at T = 128: b = 6·(12C² + 13C) + 12·C·T = 398,208, the head 19,317,504 = 48.5 b, so rank 0
         keeps the fewest Blocks, one per chunk. P = 2, 8 Blocks: rank 1's 6 as 3 | 3. P = 4, 12 Blocks: ranks 1-3
         share 10 as 4, 3, 3 (the earlier rank the extra): chunks 1 | 6 = 2 | 2, 2 | 5 = 2 | 1, 3 | 4 = 2 | 1."""
         self.assertEqual(stage_costs(make_config("tiny"), 128).block, 398_208)
@@ -148,49 +158,48 @@ class TestVSplit(unittest.TestCase):
         all cut the V layout per rank."""
         import config as cfg
         from plan.predict import Setup, stage_blocks
-        want = ranges(6, 9, 8, 1)
+        want = ranges(7, 8, 8, 1)
         model = make_config("small", n_layer=24)
         args = cfg.parse_args(["--model", "small", "--n_layer", "24", "--seq_len", "1024", "--micro_batch_size", "1",
                                "--total_batch_size", str(4 * 1024), "--pipeline_parallel_size", "2",
                                "--pp_schedule", "zbv", "--pp_virtual_stages", "2", "--device", "cpu"])
         dims, config, dtype, _, accum, layers = cfg.check_layout(args, 2, torch.device("cpu"))
-        self.assertEqual(layers, (6, 9, 8, 1))
+        self.assertEqual(layers, (7, 8, 8, 1))
         with torch.device("meta"):
             stage = PipelineStage(GPT(model), 0, 2, 2, layers=layers, v_shape=True)
         self.assertEqual(stage.layers, want)
         setup = Setup(args, dims, config, dtype, accum, layers)
         self.assertEqual([stage_blocks(setup, r) for r in range(2)],
-                         [([*range(0, 6), 23], True, True), ([*range(6, 23)], False, False)])
+                         [([*range(0, 7), 23], True, True), ([*range(7, 23)], False, False)])
 
 
 class TestCostModel(unittest.TestCase):
     def test_gpt2_at_1024(self):
         """GPT-2 124M, T = 1024, C = 768, V = 50304. A Block holds 12C² + 13C = 7,087,872 parameters: 6 x that
-        + 12·C·T = 42,527,232 + 9,437,184 = 51,964,416. The head: 6·(V·C + 2C) + 2·V·C (the recompute) =
-        231,810,048 + 77,266,944 = 309,076,992, 5.95 Blocks. The embedding: 3C = 2,304. P = 2: chunk 0 = 9 Blocks
-        + embedding = 467,682,048 and chunk 1 = 3 Blocks + head = 464,970,240; 8 | 4 leaves chunk 1 at 516,934,656,
-        10 | 2 chunk 0 at 519,646,464."""
+        + 12·C·T = 42,527,232 + 9,437,184 = 51,964,416. The head: 6·(V·C + 2C) = 231,810,048, 4.46 Blocks (its
+        three products all in forward, nothing recomputed). The embedding: 3C = 2,304. P = 2: chunk 0 = 8 Blocks
+        + embedding = 415,717,632 and chunk 1 = 4 Blocks + head = 439,667,712; 9 | 3 leaves chunk 0 at 467,682,048,
+        7 | 5 chunk 1 at 491,632,128."""
         config = make_config("gpt2")
         k = stage_costs(config, 1024)
-        self.assertEqual((k.block, k.head, k.embed), (51_964_416, 309_076_992, 2_304))
-        self.assertEqual(layers_for(config, 2, seq_len=1024), ranges(9, 3))
+        self.assertEqual((k.block, k.head, k.embed), (51_964_416, 231_810_048, 2_304))
+        self.assertEqual(layers_for(config, 2, seq_len=1024), ranges(8, 4))
 
-    def test_the_model_counts_what_mfu_counts_plus_the_recompute(self):
+    def test_the_model_counts_what_mfu_counts(self):
         """n_layer Blocks + head = metrics.flops_per_token (6N + 12·L·C·T, N without wpe: wte's V·C stands for
-        lm_head) + the 2·V·C of lm_head's recompute: one formula, not two."""
+        lm_head): the head recomputes nothing, so one formula, not two."""
         for preset, T in (("tiny", 128), ("gpt2", 1024), ("gpt2-medium", 512)):
             config = make_config(preset)
             k = stage_costs(config, T)
             with torch.device("meta"):
                 n = GPT(config).num_params(non_embedding=True)
             with self.subTest(preset):
-                self.assertEqual(config.n_layer * k.block + k.head,
-                                 flops_per_token(config, n, T) + 2 * config.vocab_size * config.n_embd)
+                self.assertEqual(config.n_layer * k.block + k.head, flops_per_token(config, n, T))
 
     def test_describe(self):
-        line = describe_split(ranges(9, 3), stage_costs(make_config("gpt2"), 1024))
-        self.assertEqual(line, "pipeline split by cost (training FLOPs per token): chunk 0 Blocks 0-8 (468M), "
-                               "chunk 1 Blocks 9-11 (465M)")
+        line = describe_split(ranges(8, 4), stage_costs(make_config("gpt2"), 1024))
+        self.assertEqual(line, "pipeline split by cost (training FLOPs per token): chunk 0 Blocks 0-7 (416M), "
+                               "chunk 1 Blocks 8-11 (440M)")
 
 
 class TestCostsFromStep(unittest.TestCase):
@@ -246,7 +255,7 @@ class TestOverride(unittest.TestCase):
 
     def test_default_is_the_cost_split(self):
         """No override: train.py's config cuts by the cost model at --seq_len. tiny with 6 Blocks, V = 50304,
-        T = 1024: the head (8·V·C + 12C = 25.76M) outweighs all 6 Blocks (6·(12C² + 13C) + 12·C·T = 1.09M each),
+        T = 1024: the head (6·V·C + 12C = 19.32M) outweighs all 6 Blocks (6·(12C² + 13C) + 12·C·T = 1.09M each),
         so the last chunk keeps one Block. A PipelineStage given no counts (the runtime alone, as tests build it)
         cuts evenly."""
         import config as cfg

@@ -1,5 +1,6 @@
-"""The layout planner's pure predictions (plan/predict.py) against published points, and `python -m plan`'s
-bad input. No process group, no run: the whole-run comparison with measured bytes is test_plan_runs.py."""
+"""The layout planner's pure predictions (plan/predict.py) against published points and hand counts (the pipeline's
+p2p bytes), and `python -m plan`'s bad input. No process group, no run: the whole-run comparison with measured bytes
+is test_plan_runs.py."""
 from __future__ import annotations
 
 import contextlib
@@ -245,6 +246,74 @@ def test_the_v_schedules_bubble_comes_from_the_shared_simulate():
     for name, v in (("zbv", 2), ("dualpipev", 2), ("interleaved_1f1b", 2), ("1f1b", 1), ("zb_h1", 1)):
         for P, M in ((2, 4), (4, 8), (4, 12)):
             assert _bubble(name, P, M, v) == bubble_fraction(name, P, M, v), (name, P, M)
+
+
+# ----------------------------------------------------------------------------- the pipeline's p2p bytes
+
+# The p2p bytes comm_by_group predicts per step for each pipeline rank, counted by hand (test_plan_runs holds the
+# same predictions against measured runs, slowly). One activation between chunks is (mb, T, C) = (2, 32, 64) =
+# 4096 elements, 16384 bytes in fp32; M = 4 micro-batches; a rank sends each micro-batch's activation forward
+# from every chunk whose next chunk is elsewhere, and its input gradient backward from every chunk whose previous
+# chunk is elsewhere.
+P2P_BASE = ["--model", "tiny", "--n_layer", "6", "--n_head", "4", "--n_embd", "64", "--seq_len", "32",
+            "--micro_batch_size", "2"]
+
+
+def _pipeline_p2p(flags: list[str], world: int, pp: int) -> list[int]:
+    """comm_by_group's predicted p2p bytes per step of every pipeline rank (global rank 0 of each stage)."""
+    from plan.predict import comm_by_group
+    s = setup([*P2P_BASE, "--pipeline_parallel_size", str(pp), *flags], world)
+    return [comm_by_group(s, r)["pp"]["p2p"] for r in range(pp)]
+
+
+def test_1f1b_stage_0_sends_m_activations_and_the_last_stage_m_gradients():
+    """pp = 2, 1F1B, M = 4: rank 0 sends 4 activations forward, rank 1 the 4 gradients of them back;
+    4 x 2 x 32 x 64 x 4 = 65536 bytes each. GPipe sends the same messages in another order."""
+    for schedule in ("1f1b", "gpipe"):
+        assert _pipeline_p2p(["--total_batch_size", "256", "--pp_schedule", schedule], 2, 2) == [65536, 65536]
+
+
+def test_1f1b_middle_stages_send_both_ways():
+    """pp = 3, M = 3: the middle rank sends activations forward and gradients back, 2 x 3 x 16384 = 98304;
+    the end ranks 3 x 16384 = 49152 each."""
+    assert _pipeline_p2p(["--total_batch_size", "192"], 3, 3) == [49152, 98304, 49152]
+
+
+def test_interleaved_v2_sends_from_three_of_four_chunk_ends():
+    """pp = 2, V = 2: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3, every neighbour on the other rank.
+    Rank 0: 0 -> 1, 2 -> 3 forward and 2 -> 1 back; rank 1: 1 -> 2 forward, 1 -> 0 and 3 -> 2 back: 3 messages
+    per micro-batch each, 3 x 4 x 16384 = 196608."""
+    got = _pipeline_p2p(["--total_batch_size", "256", "--pp_schedule", "interleaved_1f1b",
+                         "--pp_virtual_stages", "2"], 2, 2)
+    assert got == [196608, 196608]
+
+
+def test_v_schedule_sends_nothing_between_the_chunks_that_share_a_rank():
+    """zbv, pp = 3, V = 2: rank r holds chunks r and 5 - r, so chunks 2 and 3 (P - 1 and P) are both on rank 2
+    and pass their activation and gradient in memory. Rank 0: 0 -> 1 forward, 5 -> 4 back (2 per micro-batch);
+    rank 1: 1 -> 2 and 4 -> 5 forward, 1 -> 0 and 4 -> 3 back (4); rank 2: 3 -> 4 forward and 2 -> 1 back (2).
+    M = 3: 2 x 3 x 16384 = 98304, 196608, 98304. pp = 2 (rank 1 holds chunks 1 and 2): 2 messages each."""
+    assert _pipeline_p2p(["--total_batch_size", "192", "--pp_schedule", "zbv", "--pp_virtual_stages", "2"],
+                         3, 3) == [98304, 196608, 98304]
+    assert _pipeline_p2p(["--total_batch_size", "256", "--pp_schedule", "zbv", "--pp_virtual_stages", "2"],
+                         2, 2) == [131072, 131072]
+
+
+def test_sequence_parallel_sends_each_tp_rank_its_share_of_the_tokens():
+    """pp = 2 x tp = 2 with sequence parallelism: the residual between chunks is sequence-sharded, (2, 32/2, 64)
+    per rank, 8192 bytes; M = 4: 32768 each way. Without SP every tp rank sends the whole (2, 32, 64)."""
+    base = ["--total_batch_size", "256", "--tensor_parallel_size", "2"]
+    assert _pipeline_p2p([*base, "--sequence_parallel"], 4, 2) == [32768, 32768]
+    assert _pipeline_p2p(base, 4, 2) == [65536, 65536]
+
+
+def test_bf16_compute_copies_under_fsdp_halve_the_activation_bytes():
+    """pp = 2 x dp = 2 fsdp, --dtype bfloat16 (param_dtype auto: bf16 compute copies): the embedding's output and so
+    the residual stream are bf16, 2 bytes: (2, 32, 64) x 2 = 8192 per message, M = 4 (256 x 2 tokens over dp 2):
+    32768. Under DDP the parameters stay fp32 and autocast leaves the residual fp32: 65536."""
+    base = ["--total_batch_size", "512", "--data_parallel_size", "2", "--dtype", "bfloat16"]
+    assert _pipeline_p2p([*base, "--data_parallel_type", "fsdp"], 4, 2) == [32768, 32768]
+    assert _pipeline_p2p([*base, "--data_parallel_type", "ddp"], 4, 2) == [65536, 65536]
 
 
 # ----------------------------------------------------------------------------- latency and oversubscription
@@ -498,3 +567,134 @@ def test_overhead_runs_on_the_shared_cores_as_the_flops_do():
 def replace_gpus(c, gpus: int):
     from dataclasses import replace
     return replace(c, gpus=gpus, gpus_per_node=gpus)
+
+
+# ----------------------------------------------------------------------------- mixture of experts, expert parallelism
+
+E, K, C, H = 4, 2, 64, 256  # the tiny GPT's width; each expert a GPT-2 MLP of 4C
+MOE = ["--model", "tiny", "--n_layer", "2", "--vocab_size", "512", "--moe_num_experts", str(E), "--moe_top_k", str(K),
+       "--seq_len", "32", "--micro_batch_size", "2"]
+EXPERTS_PER_LAYER = E * (C * H + H + H * C + C)  # c_fc's and c_proj's stacked weights and biases, all E experts
+
+
+def moe_setup(dp: int, ep: int, dp_type: str = "ddp", extra: tuple[str, ...] = ()) -> Setup:
+    """2 MoE Blocks, 2 micro-steps of 2 rows of 32 tokens per dp rank."""
+    return setup([*MOE, "--total_batch_size", str(dp * 2 * 2 * 32), "--data_parallel_size", str(dp),
+                  "--data_parallel_type", dp_type, "--expert_parallel_size", str(ep), *extra], dp)
+
+
+def test_ep_all_to_all_by_hand():
+    """EP = dp = 2, fp32, balanced routing: per MoE layer and micro-step the counts (E int64), then N·k rows of C
+    out and N·k back, and the same two the other way in backward: 8E + 4·(N·k·C·4), N = 64 tokens; 5 calls
+    (counts, 2 forward, 2 backward). 2 layers x 2 micro-steps. Without EP: none."""
+    from plan.predict import predict
+    N, M = 2 * 32, 2
+    got = predict(moe_setup(2, 2))
+    assert got["comm_bytes"]["all_to_all"] == M * 2 * (8 * E + 4 * N * K * C * 4) == 524_416
+    assert got["comm_calls"]["all_to_all"] == M * 2 * 5
+    assert "all_to_all" not in predict(moe_setup(2, 1))["comm_bytes"]
+    ac = predict(moe_setup(2, 2, extra=("--activation_checkpointing", "full")))  # each layer's forward again
+    assert ac["comm_bytes"]["all_to_all"] == 524_416 + M * 2 * (8 * E + 2 * N * K * C * 4)
+
+
+def test_ep_expert_state_and_gradients_by_hand():
+    """Each rank holds E/ep of every MoE layer's experts: EP = 2 over DDP holds X/2 fewer elements than EP = 1 (X:
+    both layers' experts), 16 bytes each (parameter, gradient, two moments), the tensors unchanged. dp = 4: the
+    dense gradients all-reduced over dp (4·(Ψ - X)), the experts' over their edp group of 2 (4·X/2). ZeRO-3 on
+    dp = 4: every expert unit (E/2 experts of a Block) sharded 1/2 over edp, the dense units 1/4."""
+    from plan.predict import comm_by_group, units
+    X = 2 * EXPERTS_PER_LAYER
+    one, two = state_bytes(moe_setup(2, 1)), state_bytes(moe_setup(2, 2))
+    assert {k: one[k] - two[k] for k in one} == {"params": 4 * X // 2, "grads": 4 * X // 2, "optimizer": 8 * X // 2}
+    s = moe_setup(4, 2)
+    psi = one["params"] // 4
+    groups = comm_by_group(s)
+    assert groups["dp"]["all_reduce"] == 4 * (psi - X) and groups["edp"]["all_reduce"] == 4 * X // 2
+    fsdp = moe_setup(4, 2, "fsdp")
+    u = units(fsdp)
+    assert {k: n for k, (n, _) in u.items() if k.endswith(".experts")} == \
+        {f"transformer.h.{i}.experts": EXPERTS_PER_LAYER // 2 for i in range(2)}
+    dense = sum(-(-n // 4) for k, (n, _) in u.items() if not k.endswith(".experts"))
+    assert state_bytes(fsdp)["params"] == 4 * (dense + 2 * EXPERTS_PER_LAYER // 2 // 2)
+
+
+def test_ddp_calls_close_a_bucket_where_the_reduce_group_changes():
+    """build_buckets starts a bucket where a parameter's replica group differs (EP's experts: their edp group), so
+    the dense gradients of a 2-Block MoE GPT fill one bucket per stretch between expert runs: ddp_comm_calls_per_step
+    with each parameter's group counts build_buckets' buckets of each group, at every cap."""
+    from model import GPT
+    from parallel.ddp import build_buckets
+    from parallel.state import mark_replicas
+    from plan.predict import is_expert, local_params
+    from plan.theory import ddp_comm_calls_per_step
+    s = moe_setup(4, 2)
+    with torch.device("meta"):
+        named = list(GPT(s.config).named_parameters())
+    edp = object()  # a stand-in process group: build_buckets keys on its identity
+    for n, p in named:
+        if is_expert(n):
+            mark_replicas(p, edp, 0)
+    params = local_params(s)
+    sizes, groups = [4 * n for _, n, _ in params], [2 if is_expert(n) else 4 for n, _, _ in params]
+    for cap in (1, 2 ** 16, 2 ** 20, 25 * 2 ** 20):
+        buckets = build_buckets(named, cap)
+        assert ddp_comm_calls_per_step(sizes, 4, cap, groups)["all_reduce"] == sum(b.group is None for b in buckets)
+        assert ddp_comm_calls_per_step(sizes, 2, cap, groups)["all_reduce"] == sum(b.group is edp for b in buckets)
+    assert sum(b.group is None for b in build_buckets(named, 25 * 2 ** 20)) == 3  # ln_f; Block 1; Block 0 + root
+
+
+def test_moe_saved_bytes_by_hand():
+    """One MoE layer in fp32 without EP, N = 64 tokens, counted tensor by tensor (plan.predict.moe_saved_bytes):
+    N·(k·(12C + 8H + 32) + 12E + 4) + 4E bytes in place of the dense MLP's 8·N·C·4; EP adds the received rows'
+    order and a second index_copy's source, N·k·(8 + 4C) at balance."""
+    from plan.predict import moe_saved_bytes
+    N = 64
+    one = moe_saved_bytes(moe_setup(2, 1), 2, 32)
+    assert one == N * (K * (12 * C + 8 * H + 32) + 12 * E + 4) + 4 * E
+    assert moe_saved_bytes(moe_setup(2, 2), 2, 32) == one + N * K * (8 + 4 * C) - 4 * E // 2
+    s = moe_setup(2, 1)
+    assert block_saved_bytes(s, 2, 32, 0) - block_saved_bytes(s, 2, 32) == one - 8 * N * C * 4
+
+
+def test_tp_moe_block_by_hand():
+    """Under TP + SP an MoE Block (replicated, run whole) reduce-scatters neither its ln_2 entry (A(r)) nor its exit
+    (A(a)), and has no c_proj bias; its all-gathers (input forward, output gradient backward) match the dense
+    Block's. Without SP: neither all-reduce."""
+    from model import make_config
+    dense = make_config("tiny", n_layer=2, vocab_size=512)
+    B, T, A = 2, 32, 2 * 32 * C * 4
+    for sp in (True, False):
+        d = theory.tp_comm_bytes_per_micro_step(dense, B, T, 2, True, sp)
+        m = theory.tp_comm_bytes_per_micro_step(dense, B, T, 2, True, sp, moe_blocks=2)
+        dc = theory.tp_comm_calls_per_micro_step(dense, B, T, 2, True, sp)
+        mc = theory.tp_comm_calls_per_micro_step(dense, B, T, 2, True, sp, moe_blocks=2)
+        if sp:
+            assert {k: d[k] - m[k] for k in d} == {"all_reduce": 2 * C * 4, "all_gather": 0, "reduce_scatter": 2 * 2 * A}
+            assert {k: dc[k] - mc[k] for k in dc} == {"all_reduce": 2, "all_gather": 0, "reduce_scatter": 4}
+        else:
+            assert {k: d[k] - m[k] for k in d} == {"all_reduce": 2 * 2 * A, "all_gather": 0, "reduce_scatter": 0}
+            assert {k: dc[k] - mc[k] for k in dc} == {"all_reduce": 4, "all_gather": 0, "reduce_scatter": 0}
+
+
+def test_plan_enumerates_ep_for_moe_models():
+    """`python -m plan --moe_num_experts 4` offers EP at each divisor of E that divides dp x cp (names and flags
+    carry it), and a dense model none."""
+    from plan.cluster import Cluster
+    flags = ["--model", "tiny", "--n_layer", "2", "--seq_len", "64", "--total_batch_size", "1024", "--dtype",
+             "float32", "--moe_num_experts", "4"]
+    cl = Cluster(4, 4, 2 ** 40, 1e12, 1e10, 1e10)
+    got = candidates(flags, cl, [2], {"pp": 1, "tp": 1, "cp": 1, "ac": "none", "dp_type": "ddp"})
+    assert sorted(c.name for c in got) == ["dp=4(ddp) ac=none mb=2", "dp=4(ddp) ep=2 ac=none mb=2",
+                                           "dp=4(ddp) ep=4 ac=none mb=2"]
+    assert all(c.setup.dims.ep == int(c.flags[c.flags.index("--expert_parallel_size") + 1]) for c in got
+               if "ep=" in c.name)
+    assert "ep" in next(c for c in got if "ep=4" in c.name).times
+    dense = candidates(flags[:-2], cl, [2], {"pp": 1, "tp": 1, "cp": 1, "ac": "none", "dp_type": "ddp"})
+    assert [c.name for c in dense] == ["dp=4(ddp) ac=none mb=2"]
+
+
+def test_plan_cli_passes_the_expert_flags():
+    a = cli.parser().parse_args(["--model", "tiny", "--moe_num_experts", "8", "--moe_top_k", "1", "--moe_every", "2"])
+    f = model_flags(a)
+    assert f[f.index("--moe_num_experts") + 1] == "8" and f[f.index("--moe_top_k") + 1] == "1"
+    assert f[f.index("--moe_every") + 1] == "2" and "--moe_ffn_hidden" not in f

@@ -31,6 +31,7 @@ from tests.harness import rank0_only, shared_data, shared_run
 L = S.Layout
 SMALL = ["--model", "small"]  # after bench.sweep.BASE's --model tiny: the last one counts
 GPT2_VOCAB = ["--vocab_size", "50304"]  # after BASE's 512 (the corpus' ids stay below 512)
+ALL_EXPERTS = ["--moe_top_k", "4"]  # after bench.sweep.MOE's top-2
 LAYOUTS: list[tuple[S.Layout, list[str]]] = [
     (L(), []), (L(), ["--activation_checkpointing", "full"]),
     (L(dp=2, dp_type="ddp"), []), (L(dp=2, dp_type="zero1"), []), (L(dp=2, dp_type="zero2"), []),
@@ -54,16 +55,21 @@ LAYOUTS: list[tuple[S.Layout, list[str]]] = [
     # (HSDP: micro-batches of 6 x 32 rows, two of the loss's 128-row chunks)
     (L(), GPT2_VOCAB), (L(pp=2, dp=2, dp_type="fsdp"), GPT2_VOCAB),
     (L(dp=4, dp_type="fsdp", replicate=2), [*GPT2_VOCAB, "--micro_batch_size", "6", "--total_batch_size", "768"]),
+    # expert parallelism (bench.sweep's MoE rows: 4 experts in every Block), top-4 of 4: every token reaches every
+    # expert, so each rank's experts receive exactly the N·k rows it sends, the routing the planner assumes
+    # (balanced); TestRoutingAgainstBalanced holds the top-2 row, whose loads the router decides
+    *[(x, ALL_EXPERTS) for x in (L(dp=2, dp_type="ddp", experts=4, ep=2), L(dp=2, dp_type="fsdp", experts=4, ep=2),
+                                 L(pp=2, dp=2, dp_type="ddp", experts=4, ep=2),
+                                 L(dp=2, dp_type="ddp", tp=2, experts=4, ep=2))],
 ]
 SAVED_RTOL = 0.05
 
 
 def name(layout: S.Layout, extra: list[str]) -> str:
-    """The sweep's layout name, then each extra flag's value: `ac=full`, `small`."""
-    short = {"--activation_checkpointing": "ac", "--vocab_size": "vocab", "--micro_batch_size": "mb",
-             "--total_batch_size": "tokens"}
-    return layout.name + "".join(f" {short[f]}={v}" if f in short else f" {v}"
-                                 for f, v in zip(extra[::2], extra[1::2]))
+    """The sweep's layout name, then each extra flag's value: `ac=full`, `k=4`, `vocab=50304`, `small`."""
+    short = {"--activation_checkpointing": " ac=", "--moe_top_k": " k=", "--vocab_size": " vocab=",
+             "--micro_batch_size": " mb=", "--total_batch_size": " tokens="}
+    return layout.name + "".join(short.get(f, " ") + v for f, v in zip(extra[::2], extra[1::2]))
 
 
 def records(layout: S.Layout, extra: list[str]) -> tuple[dict, dict]:
@@ -138,6 +144,27 @@ class TestPredictedAgainstMeasured(unittest.TestCase):
             with self.subTest(n):
                 got, want = m["saved_activation_bytes"], p["saved_activation_bytes"]
                 self.assertLessEqual(abs(got - want), SAVED_RTOL * got, f"measured {got}, predicted {want}")
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestRoutingAgainstBalanced(unittest.TestCase):
+    """The sweep's own EP row, top-2 of 4 experts, EP = dp = 2: the prediction assumes balanced routing (each rank's
+    experts receive the N·k rows it sends, plan.predict.ep_all_to_all_bytes); the router sends R rows to rank 0's
+    experts 0 and 1 instead (ep = dp: from every rank; the step's logged tokens per expert, summed over the 4 MoE layers),
+    and the all_to_all moves R·C·4 twice (forward out, backward back) where the prediction has N·k·C·4: measured
+    minus predicted is exactly 2·C·4·(R - layers·N·k). Everything else equals the prediction."""
+
+    def test_all_to_all_moves_with_the_routing(self):
+        layout = L(dp=2, dp_type="ddp", experts=4, ep=2)
+        p, m = records(layout, [])
+        C, k, N, layers = 64, 2, S.ROWS // 2 * S.T, layout.n_layer
+        R = sum(tokens[0] + tokens[1] for tokens in m["expert_tokens"].values())
+        self.assertEqual(m["comm_bytes"]["all_to_all"] - p["comm_bytes"]["all_to_all"], 2 * C * 4 * (R - layers * N * k))
+        self.assertNotEqual(R, layers * N * k)  # the router's own loads: the test sees a difference
+        self.assertEqual(p["state_bytes_by_kind"], m["state_bytes_by_kind"])
+        self.assertEqual(nonzero(p["comm_calls"]), nonzero(m["comm_calls"]))
+        self.assertEqual(p["comm_bytes"]["all_reduce"], m["comm_bytes"]["all_reduce"])
 
 
 # ----------------------------------------------------------------------------- peak memory

@@ -22,9 +22,10 @@ from bench.forkserver import ForkServer, RunResult
 from tests.harness import make_token_bins, rank0_only
 
 LARGE = os.environ.get("GPT_SWEEP_LARGE") == "1"
-SMALL = [x for x in S.layouts(4) if not x.is_reference] + S.middle_stage_rows() + S.zero_bubble_rows()
-BF16 = S.bf16_rows()
-SAMPLE = S.sample(12) + S.zero_bubble_large_rows()
+SMALL = [x for x in S.layouts(4) if not x.is_reference] + S.middle_stage_rows() + S.zero_bubble_rows() + \
+    [x for x in S.moe_rows() if x.dtype == "float32"]
+BF16 = S.bf16_rows() + [x for x in S.moe_rows() if x.dtype != "float32"]
+SAMPLE = S.sample(12) + S.zero_bubble_large_rows() + S.moe_large_rows()
 
 # layout name -> what its one refusal line says (every other layout must train and match one process)
 REFUSED: dict[str, str] = {}

@@ -25,9 +25,11 @@ from metrics import LargestTensor
 from model import GPT, GPTConfig, init_parameter, param_groups
 from parallel import comm
 from parallel.grads import clip_grad_norm_
-from parallel.tensor_parallel import TP_PLAN, apply_tensor_parallel, check_tp_divisibility, full_tensor, plan_style, tp_norm_groups, vocab_parallel_cross_entropy
+from parallel.tensor_parallel import (TP_PLAN, apply_tensor_parallel, check_tp_divisibility, full_tensor,
+                                      plan_style, tp_norm_groups, vocab_parallel_cross_entropy)
+from parallel.state import shard_dim
 from parallel.twins.tensor_parallel import pytorch_tp_plan
-from plan.theory import tp_comm_bytes_per_micro_step
+from plan.theory import tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step
 from tests.harness import run_distributed
 
 CFG = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64)
@@ -67,7 +69,7 @@ def _full_params(model: GPT, grads: bool = False) -> dict[str, torch.Tensor]:
         if hasattr(t, "full_tensor"):  # DTensor (grads of SP LayerNorms are Partial: this sums them)
             out[name] = t.full_tensor()
         else:
-            out[name] = full_tensor(t, getattr(p, "_tp_shard_dim", None), dist.group.WORLD)
+            out[name] = full_tensor(t, shard_dim(p, "tp"), dist.group.WORLD)
     return out
 
 
@@ -161,8 +163,10 @@ def _one_process_body(rank: int, world_size: int) -> dict:
         loss.backward()
         r = {"loss_rel": _rel(loss, ref_loss), "comm": comm.COUNTER.snapshot(),
              "comm_formula": tp_comm_bytes_per_micro_step(CFG, B, T, world_size, lp, sp),
+             "calls": comm.COUNTER.snapshot_calls(),
+             "calls_formula": tp_comm_calls_per_micro_step(CFG, B, T, world_size, lp, sp),
              "grad_rel": _rel_errors(_full_params(model, grads=True), ref_grads),
-             "shard_dims": {n: getattr(p, "_tp_shard_dim", None) for n, p in model.named_parameters()}}
+             "shard_dims": {n: shard_dim(p, "tp") for n, p in model.named_parameters()}}
         model = _tp(lp, sp)
         r["train"] = _train(model, lambda m: clip_grad_norm_(tp_norm_groups(m, group), MAX_NORM))
         r["param_rel"] = _norm_errors(_full_params(model), ref_params)
@@ -196,7 +200,7 @@ def _one_process_body(rank: int, world_size: int) -> dict:
         "storage_is_shard": all(p.untyped_storage().nbytes() == p.numel() * p.element_size()
                                 for p in lazy.parameters()),
         "equal_eager_shards": all(torch.equal(p, q) for p, q in zip(lazy.parameters(), eager_sharded.parameters())),
-        "equal_slices": all(torch.equal(p, _slice(eager_full[n], getattr(p, "_tp_shard_dim", None), rank, world_size))
+        "equal_slices": all(torch.equal(p, _slice(eager_full[n], shard_dim(p, "tp"), rank, world_size))
                             for n, p in lazy.named_parameters()),
         "shapes": {n: tuple(p.shape) for n, p in lazy.named_parameters()},
         "init_slice_equal": torch.equal(lazy.transformer.h[0].mlp.c_proj.weight, init_parameter(
@@ -230,6 +234,14 @@ def _one_process_body(rank: int, world_size: int) -> dict:
                             float((x.grad[..., mine] - full.grad[..., mine]).abs().max()),
                             float(full.grad.abs().max()), bool(torch.isfinite(got.detach())),
                             float(torch.cat([x.grad[..., :mine.start], x.grad[..., mine.stop:]], -1).abs().max())))
+    # the loss's collectives (forward and backward): with 7 rows a chunk (12 chunks) and with one chunk of 80
+    out["loss_calls"] = {}
+    for gather in (False, True):
+        for rows in (7, 80):
+            x = logits.clone().requires_grad_()
+            comm.COUNTER.reset()
+            vocab_parallel_cross_entropy(x, eye, targets, group, gather=gather, chunk_rows=rows).backward()
+            out["loss_calls"][(gather, rows)] = comm.COUNTER.snapshot_calls()
 
     # 6. Bad meshes and unsupported settings: clear errors before any work.
     errors = {}
@@ -311,6 +323,7 @@ class TestTPMatchesOneProcess(unittest.TestCase):
         for r in self.results:
             for layout in LAYOUTS:
                 self.assertEqual(r[layout]["comm"], r[layout]["comm_formula"], layout)
+                self.assertEqual(r[layout]["calls"], r[layout]["calls_formula"], layout)
                 self.assertGreater(sum(r[layout]["comm"].values()), 0)
             for lp, sp in ((False, True), (True, False)):
                 got, want = r[("bf16", lp, sp)]
@@ -345,6 +358,15 @@ class TestTPMatchesOneProcess(unittest.TestCase):
                 self.assertLessEqual(_rel(got, ref), 1e-6)
                 self.assertLessEqual(grad_err, 1e-6 * grad_scale)
                 self.assertEqual(elsewhere, 0.0)
+
+    def test_loss_collectives_do_not_grow_with_its_chunks(self):
+        """Per loss, forward and backward: with loss parallelism 2 all-reduces (the row max for all rows; then the
+        target logit and sum-exp for all rows), without it 1 all-gather (lm_head's weight), at 12 chunks as at 1."""
+        want = {False: {"all_reduce": 2, "all_gather": 0, "reduce_scatter": 0},
+                True: {"all_reduce": 0, "all_gather": 1, "reduce_scatter": 0}}
+        for r in self.results:
+            for (gather, rows), calls in r["loss_calls"].items():
+                self.assertEqual(calls, want[gather], (gather, rows))
 
     def test_bad_meshes_and_settings_give_clear_errors(self):
         for r in self.results:
@@ -425,7 +447,9 @@ class TestValidation(unittest.TestCase):
         self.assertEqual(plan_style("transformer.h.1.mlp.c_proj"), "rowwise")
         self.assertEqual(plan_style("lm_head"), "vocab_head")
         self.assertIsNone(plan_style("transformer.h.1.attn"))
-        self.assertEqual(len(set(TP_PLAN.values())), 6)
+        self.assertEqual(plan_style("transformer.h.1.mlp"), "moe")
+        self.assertEqual(set(TP_PLAN.values()),
+                         {"vocab", "position", "norm", "colwise", "rowwise", "moe", "vocab_head"})
 
     def test_formula_scales_as_theory(self):
         f = tp_comm_bytes_per_micro_step
@@ -436,4 +460,4 @@ class TestValidation(unittest.TestCase):
         sp = f(CFG, B, T, 2, True, True)
         self.assertEqual(sp["reduce_scatter"], (4 * CFG.n_layer + 2) * act)  # each all-reduce -> RS + AG
         self.assertEqual(sp["all_gather"], (4 * CFG.n_layer + 2) * act + T * CFG.n_embd * 4)
-        self.assertEqual(f(CFG, B, T, 2, False, False)["all_gather"], B * T * CFG.vocab_size * 4)
+        self.assertEqual(f(CFG, B, T, 2, False, False)["all_gather"], CFG.vocab_size * CFG.n_embd * 4)  # lm_head's W

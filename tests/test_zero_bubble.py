@@ -54,8 +54,8 @@ def micro_batches(cfg, m: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def gpt(n_layer: int = N_LAYER) -> GPT:
-    model = GPT(make_config("tiny", n_layer=n_layer, vocab_size=256, block_size=32))
+def gpt(n_layer: int = N_LAYER, **moe) -> GPT:
+    model = GPT(make_config("tiny", n_layer=n_layer, vocab_size=256, block_size=32, **moe))
     model.init_weights(SEED)
     return model
 
@@ -64,14 +64,16 @@ LINEARS = ("c_q", "c_k", "c_v", "c_proj", "c_fc")
 
 
 FAST_LAYERS, FAST_M = 2, 2
+MOE = {"moe_num_experts": 4, "moe_top_k": 2, "moe_aux_loss_coeff": 0.01}
 
 
 class TestSplitBackward(unittest.TestCase):
     """One 2-Block GPT, M = 2 micro-batches: backward whole (autograd) vs B under the store then W micro-batch by
     micro-batch; every gradient torch.equal."""
 
-    def grads(self, split: bool, autocast: bool = False, ac: bool = False, tp: bool = False) -> tuple[dict, dict]:
-        model = gpt(FAST_LAYERS)
+    def grads(self, split: bool, autocast: bool = False, ac: bool = False, tp: bool = False,
+              moe: bool = False) -> tuple[dict, dict]:
+        model = gpt(FAST_LAYERS, **(MOE if moe else {}))
         if tp:  # our TP's layers on one rank (their collectives return at once): what the store must route
             apply_tensor_parallel(model, None, loss_parallel=False, sequence_parallel=True)
         if ac:
@@ -99,7 +101,9 @@ class TestSplitBackward(unittest.TestCase):
         # (a row-parallel bias is added after TP's reduce, outside the product: its db stays in B)
         for n, has in after_b.items():
             row_bias = kw.get("tp") and n.endswith("c_proj.bias")
-            deferred = n.startswith("transformer.h.") and n.split(".")[-2] in LINEARS and not row_bias
+            expert_bias = ".experts." in n and n.endswith(".bias")  # added after the grouped product: in B
+            deferred = (n.startswith("transformer.h.") and n.split(".")[-2] in LINEARS and not row_bias
+                        and not expert_bias)
             self.assertEqual(has, not deferred, n)
 
     def test_fp32(self):
@@ -116,6 +120,83 @@ class TestSplitBackward(unittest.TestCase):
     def test_tensor_parallel_linears(self):
         """Column- and row-parallel linears defer too: the store swaps the product inside their forward."""
         self.check_equal(tp=True)
+
+    def test_moe_experts(self):
+        """The MoE experts' stacked weights defer too (their grouped product: torch._grouped_mm in fp32, the
+        per-expert loop under bf16 autocast); the router's product stays whole, in B."""
+        self.check_equal(moe=True)
+        self.check_equal(moe=True, autocast=True)
+        self.check_equal(moe=True, ac=True)
+
+    def test_autocast_keeps_one_weight_copy_for_all_micro_batches(self):
+        """GPipe's order on one process under bf16 autocast: M = 4 forwards under the store, then their B's and W's.
+        Each B needs its linears' bf16 weights (dx = dy W), so F saves them: one copy per weight, shared by all M
+        micro-batches in flight (zero_bubble.cast_once), as autocast's own cache shares them for autograd's linears
+        (the same pattern without the store), not one per micro-batch."""
+        M = 4
+
+        def copies(split: bool) -> int:
+            model = gpt(FAST_LAYERS)
+            store = WeightGradStore(model)
+            shapes = {tuple(m.weight.shape) for m in store.modules}
+            seen = set()
+
+            def pack(t):
+                if t.dtype == torch.bfloat16 and t.dim() == 2 and tuple(t.shape) in shapes:
+                    seen.add(t.untyped_storage().data_ptr())  # all alive at once: distinct storages, distinct ptrs
+                return t
+
+            defer = store.defer if split else lambda m: contextlib.nullcontext()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", torch.bfloat16):
+                losses = []
+                for m, (x, y) in enumerate(micro_batches(model.config, M)):
+                    with defer(m):
+                        losses.append(model(x, y)[1])
+                for m, loss in enumerate(losses):
+                    with defer(m):
+                        (loss / M).backward()
+                for m in range(M):
+                    store.flush(m)
+            return len(seen), len(store.modules)
+
+        for split in (False, True):
+            got, weights = copies(split)
+            self.assertEqual(got, weights, "split" if split else "autograd")
+
+    def test_w_issues_autograds_own_products(self):
+        """The products B and W run are the ones autograd's F.linear backward runs, op for op: the same aten op on
+        operands of the same shapes, strides and dtypes (for a 3D input, with and without bias, fp32 and bf16), so
+        bit-equality does not rest on a kernel giving two layouts of one product the same bits. (Autograd's weight
+        gradient is mm_mat2_backward's grad.t().mm(x), as the weight's transpose is column-major.)"""
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Products(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.seen = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+                    self.seen.append((str(func), [(tuple(a.shape), a.stride(), a.dtype) for a in args
+                                                  if isinstance(a, torch.Tensor)]))
+                return func(*args, **(kwargs or {}))
+
+        for bias in (True, False):
+            for autocast in (False, True):
+                lin = torch.nn.Linear(32, 48, bias=bias)
+                x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+                runs = []
+                for split in (False, True):
+                    store = WeightGradStore(torch.nn.Sequential(lin))
+                    with torch.autocast("cpu", torch.bfloat16, enabled=autocast), \
+                            (store.defer(0) if split else contextlib.nullcontext()):
+                        y = lin(x)
+                    with Products() as products:
+                        y.backward(torch.ones_like(y))
+                        store.flush(0)
+                    runs.append(sorted(products.seen, key=str))
+                self.assertEqual(len(runs[0]), 2)  # dx and dW
+                self.assertEqual(runs[1], runs[0], (bias, autocast))
 
     def test_w_needs_b(self):
         store = WeightGradStore(gpt(FAST_LAYERS))

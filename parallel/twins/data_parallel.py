@@ -54,10 +54,11 @@ class TorchZeRO1(Replicated):
 
     def _entries(self, optimizer: torch.optim.Optimizer):
         """Each parameter's owner writes it with its moments (the replicas' values are equal)."""
-        from parallel.state import entries_for
+        from parallel.state import buffer_entries, entries_for
         owner, a = optimizer._param_to_rank, self.at
-        return entries_for(list(self.model.named_parameters()), optimizer.optim, 0, self.sharded_as, a.tp_rank,
-                           a.tp_size, owns=lambda p: owner[p] == a.replica_rank)
+        return (entries_for(list(self.model.named_parameters()), optimizer.optim, 0, self.sharded_as, a.tp_rank,
+                            owns=lambda p: owner[p] == a.replica_rank)
+                + buffer_entries(self.model, a.replica_rank, a.tp_rank))
 
 
 def apply_fsdp(model, mesh: Mesh, cfg, device: torch.device) -> nn.Module:

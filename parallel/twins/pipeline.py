@@ -109,6 +109,6 @@ def apply_pp(model, mesh: Mesh, cfg, device: torch.device) -> PipelineStage:
     return stage
 
 
-def apply_runner(stage: PipelineStage, mesh: Mesh, cfg, device: torch.device, **runner_args) -> PipelineRunner:
+def apply_runner(stage: PipelineStage, mesh: Mesh, cfg, **runner_args) -> PipelineRunner:
     """torch.distributed.pipelining's schedules through whatever the steps before made (TorchPipelineRunner)."""
     return TorchPipelineRunner(stage, device=device, **runner_args)

@@ -1,0 +1,219 @@
+"""The mixture-of-experts layer (model.py: MoE, route, LocalDispatch, Experts) and expert parallelism's dispatch
+(parallel/expert_parallel.py), against references that share none of their code.
+
+- The layer against a per-token loop in float64 (each token: its top k by score + bias, stably; gates renormalised;
+  the sum over its experts of gate * GPT-2 MLP): output and every gradient within float64 rounding of it.
+- Ties route to the lower expert index; a router that sends every token to one expert drops none.
+- The grouped GEMM (torch._grouped_mm) and the per-expert loop give the same bits.
+- The balancing loss equals its formula; the bias takes sign(mean - load) steps.
+- Init: an expert-parallel rank's slice of each stacked weight is the one process's.
+- On 2 spawned gloo ranks, the all_to_all dispatch (each rank's tokens to the rank holding their expert and back)
+  gives each rank what the local dispatch gives on one process for the same tokens and experts: output and
+  gradients, bit for bit (every expert's rows are the same rows in the same order as one process's: rank 0's
+  tokens first, then rank 1's), and it sends the bytes the formula says.
+"""
+from __future__ import annotations
+
+import unittest
+
+import torch
+import torch.nn.functional as F
+
+from model import GPT, MoE, balance_experts, grouped_linear, init_parameter, make_config, route
+from tests.harness import run_distributed
+
+SEED = 0
+
+
+def config(E: int = 4, k: int = 2, **kw):
+    return make_config("tiny", n_layer=2, vocab_size=256, block_size=32, moe_num_experts=E, moe_top_k=k, **kw)
+
+
+def moe(E: int = 4, k: int = 2, dtype=torch.float32, **kw) -> MoE:
+    """Block 0's MoE of a tiny GPT, initialised by name."""
+    model = GPT(config(E, k, **kw))
+    model.init_weights(SEED)
+    return model.transformer.h[0].mlp.to(dtype)
+
+
+def naive(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The MoE's output token by token, by its definition (no sorting, no grouping)."""
+    W, E = layer.router.weight, layer.router.weight.shape[0]
+    out = []
+    for token in x.reshape(-1, x.shape[-1]):
+        scores = torch.softmax(token @ W.t(), -1)
+        biased = (scores + layer.expert_bias).tolist()
+        chosen = sorted(range(E), key=lambda e: (-biased[e], e))[:layer.k]  # ties: the lower index
+        gates = scores[chosen] / scores[chosen].sum()
+        y = 0
+        for g, e in zip(gates, chosen):
+            fc, proj = layer.experts.c_fc, layer.experts.c_proj
+            h = F.gelu(token @ fc.weight[e] + fc.bias[e], approximate="tanh")
+            y = y + g * (h @ proj.weight[e] + proj.bias[e])
+        out.append(y)
+    return torch.stack(out).view_as(x)
+
+
+class TheLayer(unittest.TestCase):
+    def test_equals_the_per_token_definition_in_float64(self):
+        """float64: every value within a few ulps of the loop's (the sums are ordered differently)."""
+        layer = moe(dtype=torch.float64)
+        x = torch.randn(2, 8, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        got = layer(x)
+        ref = naive(layer, x)
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-14)
+        g = torch.randn_like(got)
+        grads = torch.autograd.grad(got, [x, *layer.parameters()], g)
+        want = torch.autograd.grad(ref, [x, *layer.parameters()], g)
+        for a, b in zip(grads, want):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
+
+    def test_ties_go_to_the_lower_index(self):
+        scores = torch.tensor([[0.25, 0.25, 0.25, 0.25], [0.1, 0.4, 0.1, 0.4], [0.3, 0.2, 0.3, 0.2]])
+        chosen, margin = route(scores, torch.zeros(4), 2)
+        self.assertEqual(chosen.tolist(), [[0, 1], [1, 3], [0, 2]])
+        torch.testing.assert_close(margin, torch.tensor([0.0, 0.3, 0.1]))  # k-th minus (k+1)-th
+
+    def test_a_router_sending_every_token_to_one_expert_drops_none(self):
+        """k = 1, the router's weight zero and the bias favouring expert 2: all N tokens go to expert 2 and each
+        comes out as expert 2's MLP of itself (gate 1)."""
+        layer = moe(k=1)
+        with torch.no_grad():
+            layer.router.weight.zero_()
+            layer.expert_bias[2] = 1.0
+        x = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(2))
+        with torch.enable_grad():
+            y = layer(x)
+        self.assertEqual(layer.load.tolist(), [0, 0, 24, 0])
+        fc, proj = layer.experts.c_fc, layer.experts.c_proj
+        want = F.gelu(x @ fc.weight[2] + fc.bias[2], approximate="tanh") @ proj.weight[2] + proj.bias[2]
+        torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+
+    def test_grouped_gemm_and_loop_give_the_same_bits(self):
+        """torch._grouped_mm (CPU, fp32, 16-byte aligned) against the loop of per-expert matmuls it replaces, with
+        an empty group among them; forward and both gradients."""
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(20, 64, generator=g, requires_grad=True)
+        w = torch.randn(4, 64, 32, generator=g, requires_grad=True)
+        sizes = [7, 0, 9, 4]
+        ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
+        grouped = grouped_linear(x, w, ends)
+        loop = torch.cat([xe @ w[e] for e, xe in enumerate(x.split(sizes))])
+        self.assertTrue(torch.equal(grouped, loop))
+        dy = torch.randn_like(loop)
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(grouped, [x, w], dy),
+                                                              torch.autograd.grad(loop, [x, w], dy))))
+
+    def test_balancing_loss_and_bias_step(self):
+        """aux = the mean over rows of a * E * sum_e f_e P_e on each row (sequence); after balance_experts the bias
+        moved by u * sign(mean - load), the loads were the micro-batch's assignments, and every count is zero."""
+        a, u = 0.01, 0.001
+        model = GPT(config(4, 2, moe_aux_loss_coeff=a, moe_bias_update_rate=u))
+        model.init_weights(SEED)
+        layer = model.transformer.h[0].mlp
+        x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(4))
+        from model import SideLosses
+        with SideLosses() as side:
+            layer(x)
+        scores = torch.softmax(x.reshape(-1, 64) @ layer.router.weight.t(), -1)
+        chosen, _ = route(scores, layer.expert_bias, 2)
+        counts = torch.bincount(chosen.reshape(-1), minlength=4)
+        per_row = []  # the loss of each sequence (row): its own assignments' shares and mean scores
+        for b in range(2):
+            f = torch.bincount(chosen[8 * b:8 * (b + 1)].reshape(-1), minlength=4).float() / (8 * 2)
+            per_row.append(4 * (f * scores[8 * b:8 * (b + 1)].mean(0)).sum())
+        torch.testing.assert_close(side.total, a * torch.stack(per_row).mean(), rtol=1e-6, atol=0)
+        stats, aux = balance_experts([(0, layer)])
+        self.assertEqual(stats[0, :4].tolist(), counts.tolist())
+        load = counts.float()
+        torch.testing.assert_close(layer.expert_bias, u * torch.sign(load.mean() - load))
+        self.assertEqual(int(layer.load.sum()), 0)
+
+    def test_an_expert_parallel_rank_draws_its_own_slice(self):
+        """Each expert is drawn as its own matrix: rank r's experts [r·E/N, (r+1)·E/N) of the full init."""
+        cfg = config(8, 2)
+        name = "transformer.h.0.mlp.experts.c_fc.weight"
+        full = init_parameter(name, (8, 64, 256), cfg, SEED)
+        self.assertTrue(torch.equal(init_parameter(name, (8, 64, 256), cfg, SEED, rows=slice(4, 6)), full[4:6]))
+        self.assertEqual(len({float(full[e].std()) for e in range(8)}), 8)  # eight different matrices
+        self.assertLess(abs(float(full.std()) - 0.02), 0.001)
+
+
+def dispatch_on_ranks(rank: int, world: int) -> dict:
+    """Each rank's 16 tokens through one MoE layer with its 2 of 4 experts (EP = 2), and, on the same rank, the
+    local dispatch of both ranks' tokens through all 4 experts (what one process computes for them)."""
+    import torch.distributed as dist
+
+    from parallel import comm
+    from parallel.expert_parallel import apply_expert_parallel
+    from parallel.mesh import MeshDim
+    torch.manual_seed(0)
+    whole = moe()
+    xs = [torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    x_all = torch.cat(xs).requires_grad_()
+    y_all = whole(x_all)
+    dy = torch.cat([torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(20 + r)) for r in range(world)])
+    grads_all = torch.autograd.grad(y_all, [x_all, *whole.parameters()], dy)
+    ep = MeshDim("ep", world, rank, dist.group.WORLD, None)
+    edp = MeshDim("edp", 1, 0, None, None)
+    mine = moe()
+    wrapper = torch.nn.Module()
+    wrapper.config, wrapper.transformer = config(), torch.nn.Module()
+    wrapper.transformer.h = torch.nn.ModuleList([torch.nn.Module()])
+    wrapper.transformer.h[0].mlp = mine
+    apply_expert_parallel(wrapper, ep, edp)
+    comm.COUNTER.reset()
+    x = xs[rank].clone().requires_grad_()
+    y = mine(x)
+    grads = torch.autograd.grad(y, [x, mine.router.weight, *mine.experts.parameters()], dy[2 * rank:2 * rank + 2])
+    rows = slice(2 * rank * 8, (2 * rank + 2) * 8)
+    L = slice(2 * rank, 2 * rank + 2)
+    n = dict(zip([name for name, _ in whole.named_parameters()], grads_all[1:]))
+    # sum_r |G_r x_r^T| of the router weight's gradient, from each token run alone (one row: no summation)
+    magnitude = sum(torch.autograd.grad(whole(x_all[b, t].view(1, 1, -1)), whole.router.weight,
+                                        dy[b, t].view(1, 1, -1))[0].abs()
+                    for b in range(x_all.shape[0]) for t in range(x_all.shape[1]))
+    return {"y": torch.equal(y, y_all[2 * rank:2 * rank + 2]),
+            "dx": torch.equal(grads[0], grads_all[0][2 * rank:2 * rank + 2]),
+            "experts": all(torch.equal(g, n[f"experts.{name}"][L]) for g, (name, _) in
+                           zip(grads[2:], mine.experts.named_parameters())),
+            "router": (grads[1], n["router.weight"], magnitude), "rows": rows,
+            "bytes": comm.COUNTER.snapshot().get("all_to_all"), "calls": comm.COUNTER.snapshot_calls().get("all_to_all"),
+            "load": mine.load.tolist()}
+
+
+class DispatchAcrossRanks(unittest.TestCase):
+    """EP = 2 on 2 spawned ranks, 4 experts, k = 2, 16 tokens each, C = 64, fp32."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.res = run_distributed(dispatch_on_ranks, 2)
+
+    def test_outputs_and_gradients_equal_the_local_dispatch(self):
+        """Output, input gradient and the rank's experts' gradients bit-equal to one process's dispatch of both
+        ranks' tokens. The router's gradient is dense: each rank's holds its 16 tokens' sum, and the two sums
+        added differ from one process's sum of all 32 only by order: within 2·gamma_33·sum_r |G_r x_r^T|, the terms'
+        magnitudes measured token by token (Higham 4.4; 33: the 32 terms and the final addition)."""
+        for r in self.res:
+            self.assertTrue(r["y"] and r["dx"] and r["experts"])
+        total = sum(r["router"][0] for r in self.res)
+        _, ref, magnitude = self.res[0]["router"]
+        u = 2.0 ** -24
+        bound = 2 * (33 * u / (1 - 33 * u)) * magnitude * (1 + 2 * u)
+        self.assertLessEqual(float(((total - ref).abs() - bound).max()), 0.0)
+        self.assertGreater(float((total - ref).abs().max()), 0.0)  # the orders differ: the bound is what holds
+
+    def test_all_to_all_bytes_equal_the_formula(self):
+        """Per rank, forward: the counts (4 int64), its 16·2 rows out, the rows its experts got back; backward the
+        same two row moves: 8·E + 2·(N·k + R)·C·4 bytes, R = the rows that reached this rank's experts."""
+        from plan.theory import ep_all_to_all_bytes_per_micro_step
+        load = [sum(r["load"][e] for r in self.res) for e in range(4)]  # tokens per expert over both ranks
+        for rank, r in enumerate(self.res):
+            received = load[2 * rank] + load[2 * rank + 1]
+            self.assertEqual(r["bytes"], ep_all_to_all_bytes_per_micro_step(16, 2, 64, 4, 1, received=received))
+            self.assertEqual(r["bytes"], 8 * 4 + 2 * (16 * 2 + received) * 64 * 4)
+            self.assertEqual(r["calls"], 5)
+
+
+if __name__ == "__main__":
+    unittest.main()
