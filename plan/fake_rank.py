@@ -260,9 +260,13 @@ def _no_values(name: str, shape, config, seed: int, rows: slice | None = None, c
 @contextlib.contextmanager
 def fake_tensors():
     """Every tensor made inside is fake (`fake_mode`), and parameters are initialised without values
-    (`_no_values`, in every module that imported model.init_parameter)."""
+    (`_no_values`, in every module that imported model.init_parameter). The loss walks its rows in an
+    accelerator's chunks (model.LOSS_CHUNK_BYTES_ACCELERATOR: 1280 rows at V = 50304, not the CPU's 128): the
+    memory plan of the GPU rank the planner predicts, whose peak the chunk's three (rows, V) fp32 buffers are part
+    of, though the code path is the CPU's."""
     import model
     with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(model.LOSS_CHUNK_BYTES, {"cpu": model.LOSS_CHUNK_BYTES_ACCELERATOR}))
         for module in list(sys.modules.values()):
             if getattr(module, "init_parameter", None) is model.init_parameter:
                 stack.enter_context(mock.patch.object(module, "init_parameter", _no_values))
