@@ -187,11 +187,13 @@ def main(argv: list[str] | None = None) -> int:
           f"|---|{'---|' if verdicts else ''}---|---|---|---|---|---|")
     for c in fits[:max(a.top, a.verify)]:
         print(row(c, cluster.memory, mark(verdicts.get(c.name)) if verdicts else None))
-    for name, v in verdicts.items():
-        t = v.table
-        print(f"{name}: {t['verdict']}, {t['simulated']} of {t['ranks']} ranks simulated ({t['classes']} classes), "
-              f"{t['new_group']} new_group calls a rank, {t['seconds']:.0f} s" +
-              "".join(f"\n  finding: {f}" for f in v.findings))
+    if verdicts:
+        from plan.verify import HEADER, table_row
+        print(f"\nverified by simulation (python -m plan.verify):\n{HEADER}")
+        for name, v in verdicts.items():
+            print(table_row(name, v.table))
+        for name, v in verdicts.items():
+            print("".join(f"{name}: finding: {f}\n" for f in v.findings), end="")
     return 1 if failed else 0
 
 

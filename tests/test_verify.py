@@ -5,7 +5,8 @@ every rank simulated, are consistent; every rank's recording is its class repres
 classes' shortcut gives the same verdict; a shortcut that forgot the cp rank's parity is caught by that check;
 the seeded defects are caught and named: one rank skips a collective, one rank narrows one, one pipeline stage
 creates a group the others don't. The p2p replay under each discipline on hand-made traces, each able to fail.
-Slow: the command lines (exit codes, one-line bad input, GPT_COMM_FAULT's rank named).
+The command line (exit codes, its table, one-line bad input, GPT_COMM_FAULT's rank named), in this process;
+slow: train.py playing one rank.
 """
 from __future__ import annotations
 
@@ -216,27 +217,50 @@ def run_cli(argv: list[str], env: dict | None = None) -> subprocess.CompletedPro
                           env={**os.environ, **(env or {})})
 
 
-@pytest.mark.slow
+def run_main(argv: list[str], env: dict | None = None) -> tuple[int, str, str]:
+    """`python -m plan.verify argv` in this process: (exit code, stdout, stderr). A rank of a layout simulated
+    above without a fault hook on it is taken from that recording (a simulated rank is deterministic: the same
+    flags record the same events), so only the rest run here."""
+    real = V.simulate_ranks
+
+    def cached(flags_, world, ranks, progress=None):
+        done = next((runs for (lay, w), (_, runs, _) in _RUNS.items() if w == world and flags(list(lay)) == flags_),
+                    {})
+        hooked = V.fault_ranks(world)
+        fresh = real(flags_, world, [r for r in ranks if r not in done or r in hooked], progress)
+        return {r: fresh[r] if r in fresh else done[r] for r in ranks}
+
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, env or {}), mock.patch.object(V, "simulate_ranks", cached), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = V.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
 class TestCommandLines(unittest.TestCase):
+    """python -m plan.verify's main in this process (the clean ranks' recordings reused); train.py's flags in a
+    process of their own (slow)."""
+
     def test_skip_at_rank_5_of_16_every_rank(self):
-        out = run_cli(["-m", "plan.verify", "--world_size", "16", "--all_ranks", "--", *flags(GRID16)],
-                      {"GPT_COMM_FAULT": "skip", "GPT_COMM_FAULT_RANK": "5"})
-        self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
-        self.assertRegex(out.stdout, r"finding: collectives: group .*: ranks \[5\] differ")
+        code, out, err = run_main(["--world_size", "16", "--all_ranks", "--", *flags(GRID16)],
+                                  {"GPT_COMM_FAULT": "skip", "GPT_COMM_FAULT_RANK": "5"})
+        self.assertEqual(code, 1, out + err)
+        self.assertRegex(out, r"\| 16 \| 5 \(16\) \| .*\| \d+ finding\(s\) \|")  # rank 5 a class of its own
+        self.assertRegex(out, r"finding: collectives: group .*: ranks \[5\] differ")
 
     def test_consistent_layout_exits_0_with_its_table(self):
-        out = run_cli(["-m", "plan.verify", "--world_size", "4", "--name", "pp-fsdp", "--", *flags(PP_FSDP4)])
-        self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-        self.assertRegex(out.stdout, r"\| pp-fsdp \| 4 \| 2 \(2\) \| \d+ \(\d+\) \| \d+ \(\d+\) \| \d+ / \d+ \| consistent \|")
+        code, out, err = run_main(["--world_size", "4", "--name", "pp-fsdp", "--", *flags(PP_FSDP4)])
+        self.assertEqual(code, 0, out + err)
+        self.assertRegex(out, r"\| pp-fsdp \| 4 \| 2 \(2\) \| \d+ \(\d+\) \| \d+ \(\d+\) \| \d+ / \d+ \| consistent \|")
 
     def test_bad_input_is_one_line_and_exit_2(self):
         for argv in (["--world_size", "3", "--", *flags(GRID16)], ["--world_size", "16"],
                      ["--world_size", "16", "--", *flags(GRID16), "--no_such_flag"]):
-            out = run_cli(["-m", "plan.verify", *argv])
-            self.assertEqual((out.returncode, out.stdout, len(out.stderr.strip().splitlines())), (2, "", 1),
-                             out.stderr)
-            self.assertTrue(out.stderr.startswith("python -m plan.verify: error: "), out.stderr)
+            code, out, err = run_main(argv)
+            self.assertEqual((code, out, len(err.strip().splitlines())), (2, "", 1), err)
+            self.assertTrue(err.startswith("python -m plan.verify: error: "), err)
 
+    @pytest.mark.slow
     def test_train_py_plays_one_rank(self):
         out = run_cli(["train.py", *flags(GRID16), "--fake_world_size", "16", "--fake_rank", "9"])
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
@@ -299,3 +323,37 @@ class TestFoundBySimulation(unittest.TestCase):
         plan = V.plan_for(f, 2, 0)
         run = simulate(plan)
         self.assertEqual(run.steps[2]["comm_bytes"]["p2p"], V.predicted(plan, (0, 0, 0, 0, 0))["comm_bytes"]["p2p"])
+
+
+class TestPlannerVerifies(unittest.TestCase):
+    """python -m plan --verify K: the top K layouts simulated, each row marked, their table printed, exit 1 if any
+    has a finding."""
+    ARGV = ["--model", "tiny", "--seq_len", "64", "--total_batch_size", "1024", "--gpus", "2", "--gpus_per_node", "2",
+            "--micro_batch_size", "4", "--verify", "1"]
+
+    def plan(self, argv: list[str]) -> tuple[int, str]:
+        from plan import __main__ as cli
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            code = cli.main(argv)
+        return code, out.getvalue()
+
+    def test_the_top_layout_verified(self):
+        code, out = self.plan(self.ARGV)
+        self.assertEqual(code, 0, out)
+        self.assertRegex(out, r"\n\| [^|]+ \| verified \| ")
+        self.assertRegex(out, r"\| 2 \| 1 \(1\) \| \d+ \(\d+\) \| \d+ \(\d+\) \| \d+ / \d+ \| consistent \| \d+ \|")
+
+    def test_a_finding_marks_the_row_and_exits_1(self):
+        real = V.judge
+
+        def one_more(*args, **kwargs):
+            v = real(*args, **kwargs)
+            v.findings.append("seeded")
+            return v
+
+        with mock.patch.object(V, "judge", one_more):
+            code, out = self.plan(self.ARGV)
+        self.assertEqual(code, 1, out)
+        self.assertRegex(out, r"\| not verified \(1 finding\(s\)\) \| ")
+        self.assertRegex(out, r": finding: seeded\n")
