@@ -257,16 +257,39 @@ def _no_values(name: str, shape, config, seed: int, rows: slice | None = None, c
     return full[rows] if len(shape) == 1 else full[rows, cols]
 
 
+def balanced_split_sizes(dispatch, counts: torch.Tensor, per: torch.Tensor, assignments: int
+                         ) -> tuple[list[int], list[int], list[int]]:
+    """ExpertParallelDispatch.split_sizes for a simulated rank, whose counts hold no values: the routing the
+    planner assumes, balanced. Every rank sends each expert assignments // E rows (the first assignments % E
+    experts one more), so an EP rank sends each rank the rows of its experts, receives from each the rows of its
+    own, and each local expert gets P times its share. What a real router decides (an expert that gets more,
+    the all_to_all's sizes from step to step) a fake rank cannot see (docs/planner.md)."""
+    from parallel import comm
+    E = counts.shape[0]
+    P, L = per.shape
+    share = [assignments // E + (e < assignments % E) for e in range(E)]
+    me = comm.rank(dispatch.group) if P > 1 else 0
+    send = [sum(share[j * L:(j + 1) * L]) for j in range(P)]
+    mine = share[me * L:(me + 1) * L]
+    return send, [sum(mine)] * P, [P * c for c in mine]
+
+
 @contextlib.contextmanager
 def fake_tensors():
     """Every tensor made inside is fake (`fake_mode`), and parameters are initialised without values
-    (`_no_values`, in every module that imported model.init_parameter). The loss walks its rows in an
+    (`_no_values`, in every module that imported model.init_parameter); an EP dispatch's split sizes, the one
+    host read of a routing, are balanced (`balanced_split_sizes`). The loss walks its rows in an
     accelerator's chunks (model.LOSS_CHUNK_BYTES_ACCELERATOR: 1280 rows at V = 50304, not the CPU's 128): the
     memory plan of the GPU rank the planner predicts, whose peak the chunk's three (rows, V) fp32 buffers are part
     of, though the code path is the CPU's."""
     import model
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(model.LOSS_CHUNK_BYTES, {"cpu": model.LOSS_CHUNK_BYTES_ACCELERATOR}))
+        from parallel.expert_parallel import ExpertParallelDispatch
+        stack.enter_context(mock.patch.object(ExpertParallelDispatch, "split_sizes", balanced_split_sizes))
+        grouped = model.grouped_mm_runs  # torch 2.13's fake (meta) _grouped_mm takes bf16 only: else the loop
+        stack.enter_context(mock.patch.object(model, "grouped_mm_runs",
+                                              lambda x, w: grouped(x, w) and x.dtype == torch.bfloat16))
         for module in list(sys.modules.values()):
             if getattr(module, "init_parameter", None) is model.init_parameter:
                 stack.enter_context(mock.patch.object(module, "init_parameter", _no_values))

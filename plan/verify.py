@@ -73,12 +73,15 @@ class Layout:
         return r
 
     def class_key(self, rank: int) -> tuple:
-        """What decides a rank's control flow: its pipeline stage and the parity of its cp rank (or, for a rank a
-        fault hook names, the rank itself)."""
+        """What decides a rank's control flow: its pipeline stage, the parity of its cp rank and, under expert
+        parallelism, its EP rank (the experts it holds: which rows it sends where; a shift that keeps it maps EP
+        groups onto EP groups) (or, for a rank a fault hook names, the rank itself)."""
         if rank in self.special:
             return ("rank", rank)
-        pp, _, _, cp, _ = self.coords(rank)
-        return ("stage", pp, cp % 2)
+        pp, dr, ds, cp, _ = self.coords(rank)
+        ep = getattr(self.dims, "ep", 1)
+        loss = (dr * self.dims.dp_shard + ds) * self.dims.cp + cp  # parallel.mesh.expert_dims' loss rank
+        return ("stage", pp, cp % 2) + ((loss % ep,) if ep > 1 else ())
 
     def classes(self) -> dict[int, list[int]]:
         """{representative: members}, the representative the lowest member."""

@@ -31,6 +31,8 @@ GRID16 = ["--pipeline_parallel_size", "2", "--data_parallel_size", "2", "--data_
           "--enable_loss_parallelism"]  # 16 ranks
 PP_FSDP4 = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--data_parallel_size", "2",
             "--data_parallel_type", "fsdp"]  # 4 ranks, 1F1B: the planner's numbers hold (ZB-V's do not: below)
+EP4 = ["--moe_num_experts", "8", "--expert_parallel_size", "2", "--data_parallel_size", "4",
+       "--data_parallel_type", "ddp"]  # 4 ranks, 4 experts each
 ZBV4 = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "zbv", "--pp_virtual_stages", "2",
         "--data_parallel_size", "2", "--data_parallel_type", "fsdp"]  # 4 ranks
 
@@ -92,6 +94,13 @@ class TestConsistent(unittest.TestCase):
         the engine prefetches at a chunk's end and releases unused."""
         lay, runs, plans = every_rank(ZBV4, 4)
         self.assertEqual([f for f in V.judge(lay, runs, plans).findings if f.startswith("planner:")], [])
+
+    def test_expert_parallel_4_ranks(self):
+        """EP=2 over dp=4: the dispatch's split sizes (the routing's one host read) balanced in a simulated rank
+        (fake_rank.balanced_split_sizes), the planner's balanced all_to_all bytes and calls equal; the EP rank is
+        part of a rank's class (a shift by one dp rank would carry EP group [0, 1] onto [1, 2])."""
+        lay, runs = self.check(EP4, 4, classes=2)
+        self.assertTrue(all(run.steps[2]["comm_calls"]["all_to_all"] for run in runs.values()))
 
     def test_a_shortcut_blind_to_the_cp_parity_is_caught(self):
         """Were the classes the pipeline stage alone, the odd cp ranks would be taken for shifted even ones: they
