@@ -139,6 +139,10 @@ def train_parser() -> Parser:
     a("--out_dir", default=None, help="default: runs/<model>-<dataset>")
     a("--overwrite", action="store_true", help="start afresh in an --out_dir that already holds a run")
     a("--timeout", type=float, default=600.0, help="seconds a collective may wait before the run fails")
+    a("--fake_world_size", type=int, default=None, metavar="N",
+      help="with --fake_rank: play one rank of an N-rank job on torch's fake backend, on data-free (fake) tensors, "
+           "recording its groups and collectives instead of training (plan/fake_rank.py; python -m plan.verify)")
+    a("--fake_rank", type=int, default=None, metavar="R", help="the rank --fake_world_size plays")
     a("--peak_flops", type=float, default=None,
       help="peak FLOP/s of one device, for MFU (default: datasheet for known GPUs, else measured)")
     a("--trace_step", type=int, default=None, metavar="S",
@@ -181,6 +185,7 @@ class Plan:
     data_dir: str
     rank: int
     hf_state: dict | None = None
+    fake: bool = False  # --fake_world_size/--fake_rank: a simulated rank (fake backend and tensors, plan/fake_rank.py)
     resume_from: str | None = None  # checkpoint directory (--resume found one)
     tf32: bool = False  # fp32 matmuls and convolutions on CUDA in TF32 (use_tf32)
 
@@ -270,6 +275,27 @@ def _check_flags(args: argparse.Namespace) -> None:
                          "with --implementation custom")
     if args.deferred_init and args.init_from != "scratch":
         raise UsageError("--deferred_init builds a fresh model; it cannot be combined with --init_from")
+    _check_fake(args)
+
+
+def _check_fake(args: argparse.Namespace) -> None:
+    """--fake_world_size and --fake_rank: both or neither, 0 <= rank < N, and what a simulated rank cannot be: a
+    torchrun rank (it plays its rank alone), on CUDA (fake CUDA tensors need a CUDA build's device guard), from
+    OpenAI's weights (real data), resumed, or compiled (it trains nothing, and saves nothing)."""
+    n, r = args.fake_world_size, args.fake_rank
+    if n is None and r is None:
+        return
+    if n is None or r is None:
+        raise UsageError("--fake_world_size and --fake_rank go together: pass both (a simulated rank r of N) or neither")
+    if n < 1 or not 0 <= r < n:
+        raise UsageError(f"--fake_rank {r} must be in [0, --fake_world_size {n}), and N >= 1")
+    if env_world()[2] > 1:
+        raise UsageError("--fake_world_size plays one rank in one process: launch it with python, not torchrun")
+    refused = [f for f, on in (("--device cuda", args.device == "cuda"), ("--init_from", args.init_from != "scratch"),
+                                ("--resume", args.resume), ("--compile", args.compile)) if on]
+    if refused:
+        raise UsageError(f"--fake_world_size runs the CPU code path on fake tensors, from scratch and eager: it does "
+                         f"not take {refused[0]}")
 
 
 def _check_layout(args: argparse.Namespace, dims: ParallelDims, dtype: torch.dtype) -> None:
@@ -530,14 +556,18 @@ def validate(args: argparse.Namespace) -> Plan:
     """Check the arguments against each other, the environment and the data; raise UsageError.
     The built-in Shakespeare corpus is prepared here when it is missing (local rank 0 does it)."""
     rank, local_rank, world_size = env_world()
+    fake = args.fake_world_size is not None
+    if fake:
+        _check_fake(args)  # before the world size is read from it
+        rank, local_rank, world_size = args.fake_rank, 0, args.fake_world_size
     try:
-        device = pick_device(args.device)
+        device = pick_device("cpu" if fake else args.device)
     except ValueError as e:
         raise UsageError(str(e)) from None
     dims, config, dtype, hf_state, grad_accum, pp_layers = check_layout(args, world_size, device)
     data_dir = _check_data(args, config, local_rank)
-    resume_from = _check_out_dir(args, config)
+    resume_from = None if fake else _check_out_dir(args, config)  # a simulated rank writes nothing there
     return Plan(args=args, dims=dims, par=parallel_config(args, dims, dtype, pp_layers), config=config, device=device,
                 dtype=dtype, grad_accum=grad_accum,
                 rows=args.total_batch_size // args.seq_len, data_dir=data_dir, rank=rank, hf_state=hf_state,
-                resume_from=resume_from, tf32=use_tf32(device, dtype, args.no_tf32))
+                resume_from=resume_from, tf32=use_tf32(device, dtype, args.no_tf32), fake=fake)

@@ -167,8 +167,9 @@ def storage_bytes_by_kind(kinds: dict[str, list[torch.Tensor]]) -> dict[str, int
             if t.is_meta:
                 continue
             storage = t.untyped_storage()
-            if storage.data_ptr() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
+            key = storage_key(storage)
+            if key and key not in seen:
+                seen.add(key)
                 total += storage.nbytes()
         out[kind] = total
     return out
@@ -202,6 +203,15 @@ def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
 
 
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """A storage's identity: its data pointer, 0 when it holds nothing (freed, empty). A fake tensor's storage (a
+    simulated rank, plan/fake_rank.py) holds no data and lives on meta: the address of the storage itself stands
+    in, 0 once it is resized to nothing."""
+    if storage.device.type == "meta":
+        return storage._cdata if storage.nbytes() else 0
+    return storage.data_ptr()
+
+
 class SavedBytes:
     """Live and peak bytes of distinct non-parameter storages saved for backward while the context is open.
 
@@ -211,18 +221,18 @@ class SavedBytes:
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (),
                  moving: Callable[[], list[torch.Tensor]] | None = None):
-        self.still = {storage_of(t).data_ptr() for t in exclude}
+        self.still = {storage_key(storage_of(t)) for t in exclude}
         self.moving = moving
-        self.skip = self.still | ({storage_of(t).data_ptr() for t in moving()} if moving else set())
-        self.live: dict[int, list[int]] = {}  # storage data_ptr -> [holders, nbytes]
+        self.skip = self.still | ({storage_key(storage_of(t)) for t in moving()} if moving else set())
+        self.live: dict[int, list[int]] = {}  # storage_key -> [holders, nbytes]
         self.bytes = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.t)
 
     def _pack(self, t: torch.Tensor) -> "_Held":
         if self.moving is not None:
-            self.skip = self.still | {storage_of(p).data_ptr() for p in self.moving()}
+            self.skip = self.still | {storage_key(storage_of(p)) for p in self.moving()}
         storage = storage_of(t)
-        key = storage.data_ptr()
+        key = storage_key(storage)
         if key in self.skip:
             return _Held(t, None, key)
         if key in self.live:
@@ -274,7 +284,7 @@ class SavedAndRecomputedBytes(SavedBytes):
 
     def __enter__(self) -> "SavedAndRecomputedBytes":
         counter, base = self, torch.utils.checkpoint._recomputation_hook
-        self.recomputed: dict[int, int] = {}  # storage data_ptr -> nbytes
+        self.recomputed: dict[int, int] = {}  # storage_key -> nbytes
 
         class Counting(base):
             def __init__(self, *args):
@@ -296,7 +306,7 @@ class SavedAndRecomputedBytes(SavedBytes):
         self._patch.stop()
 
     def _recomputed(self, storage) -> None:
-        key = storage.data_ptr()
+        key = storage_key(storage)
         if key in self.skip or key in self.live or key in self.recomputed:
             return
         self.recomputed[key] = storage.nbytes()
@@ -348,15 +358,22 @@ class AllocatedPeak:
     Such a block leaves the live set when its address is allocated again, so the number is an upper bound
     (by the bytes of those frees between the true free and the reuse). The profiler records every op: a run
     opens it on one step only. With `timeline`, `live_at_peak`: the window's allocations alive at the peak, by
-    the op that made them, to explain a difference."""
+    the op that made them, to explain a difference.
+
+    Under fake tensors (a simulated rank, plan/fake_rank.py) nothing is allocated: there `LiveStorages` follows
+    the fake storages themselves, from those alive at the start, and `bytes` is its peak."""
 
     def __init__(self, enabled: bool, timeline: bool = False):
         from torch.autograd import _profiler_enabled
         self.on = enabled and not _profiler_enabled()
         self.timeline, self.bytes, self.live_at_peak = timeline, None, None
+        self._tracker = None
 
     def __enter__(self) -> "AllocatedPeak":
-        if self.on:
+        from torch._guards import active_fake_mode
+        if self.on and active_fake_mode() is not None:
+            self._tracker = LiveStorages().__enter__()
+        elif self.on:
             import gc
             storages = {}
             for t in gc.get_objects():
@@ -375,6 +392,10 @@ class AllocatedPeak:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(*exc)
+            self.bytes, self._tracker = self._tracker.peak, None
+            return
         if not self.on:
             return
         try:
@@ -407,6 +428,75 @@ class AllocatedPeak:
             for op, n in at_peak.values():
                 out[op] = out.get(op, 0) + n
             self.live_at_peak = dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+class LiveStorages(TorchDispatchMode):
+    """While open, the live and peak bytes of the distinct tensor storages of this process: those alive at the
+    start (gc's CPU tensors; a DTensor's local shard is a tensor of its own), then every storage an op returns,
+    each until it dies (a weakref finalizer) and at its size after every `UntypedStorage.resize_` (the sharding
+    engine frees and regrows its flat buffers so). It needs no allocator, so it measures fake tensors (what
+    AllocatedPeak does under FakeTensorMode; torch's MemTracker, which does the same, refuses a module called
+    more than once a step, as a pipeline's chunks are). Storages made outside any op (torch.from_numpy) are
+    seen once an op returns them. Under FakeTensorMode only that mode's tensors are counted at the start.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}  # storage_key -> bytes
+        self.bytes = self.peak = 0
+
+    def _set(self, key: int, n: int) -> None:
+        self.bytes += n - self.live.get(key, 0)
+        self.live[key] = n
+
+    def _see(self, storage: torch.UntypedStorage) -> None:
+        key = storage_key(storage)
+        if not key:
+            return
+        n = storage.nbytes()
+        old = self.live.get(key)
+        if old is None:
+            weakref.finalize(storage, self._free, key)
+        self.live[key] = n
+        self.bytes += n - (old or 0)
+        self.peak = max(self.peak, self.bytes)
+
+    def _free(self, key: int) -> None:
+        self.bytes -= self.live.pop(key, 0)
+
+    def __enter__(self) -> "LiveStorages":
+        import gc
+        from torch._guards import active_fake_mode
+        mode = active_fake_mode()  # under one: only its tensors (a process may hold other simulated ranks' garbage)
+        for t in gc.get_objects():
+            if issubclass(type(t), torch.Tensor) and not isinstance(t, DTensor) and t.device.type == "cpu" and \
+                    (mode is None or getattr(t, "fake_mode", None) is mode):
+                self._see(t.untyped_storage())
+        resize, tracker = torch.UntypedStorage.resize_, self
+
+        def resize_(storage, size):
+            key = storage_key(storage)  # before: a storage shrunk to nothing has key 0 after
+            out = resize(storage, size)
+            if key and not storage.nbytes():
+                tracker._set(key, 0)  # freed, still known (its finalizer is registered)
+            else:
+                tracker._see(storage)
+            return out
+
+        self._patch = mock.patch.object(torch.UntypedStorage, "resize_", resize_)
+        self._patch.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._patch.stop()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self._see(t.untyped_storage())
+        return out
 
 
 # what the profiler prints on every use (kineto's start/stop lines; the CPU allocator's one warning about a block

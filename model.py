@@ -457,6 +457,7 @@ class WholeVocab:
             picked[rows], g = self.rows(F.linear(xc[rows], wc), targets[rows], scale[rows] if grads.needed else None)
             if g is not None:
                 grads.add(rows, g, xc, wc)
+            del g  # else it lives on beside the next chunk's logits, log-softmax and gradient: a 4th (n, V)
         return picked
 
     @staticmethod

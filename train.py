@@ -65,7 +65,7 @@ def build(plan: Plan) -> Trainer:
     args = plan.args
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = plan.tf32  # config.use_tf32
-    mesh = init_distributed(plan.dims, plan.device, args.timeout)
+    mesh = init_distributed(plan.dims, plan.device, args.timeout, fake_rank=plan.rank if plan.fake else None)
     if plan.hf_state is not None:
         model = GPT.from_hf_state_dict(plan.hf_state).to(plan.device)
     elif plan.par.deferred_init:
@@ -132,7 +132,8 @@ class StepWatch:
         self.t0 = time.perf_counter()
         t.tracer.before_step(t, self.step)
         self.saved = metrics.SavedActivations(t.par.parameter_tensors() if self.step == t.saved_step else None)
-        self.peak = metrics.AllocatedPeak(self.step == t.peak_step and plan.device.type == "cpu" and plan.rank == 0)
+        self.peak = metrics.AllocatedPeak(self.step == t.peak_step and plan.device.type == "cpu"
+                                          and (plan.rank == 0 or plan.fake))  # a simulated rank measures its own
         self.peak.__enter__()
         self.saved.__enter__()
         return self
@@ -410,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         error_line("train.py", e)
         return 2
+    if plan.fake:  # --fake_world_size: play one rank of the job on fake tensors and the fake backend, recorded
+        from plan.fake_rank import main as play
+        return play(plan)
     args, is_main = plan.args, plan.rank == 0
     if plan.device.type == "cpu":
         keep_freed_memory()

@@ -57,14 +57,28 @@ class Report:
 
 # ----------------------------------------------------------------------------- reading
 
+DUMPS = (("dump", "hang", "rank_*.json"), ("ring", "flight_recorder", "rank_*.bin"))  # (kind, folder, files)
+
+
+def run_dir(path: str) -> str:
+    """The out_dir whose dumps `path` names: `path` itself when it holds them (hang/rank_N.json or
+    flight_recorder/rank_N.bin), else, for a run's hang/ folder, its parent. So an out_dir that is itself named
+    `hang` (runs/hang) is read as the run, and its hang/ folder (runs/hang/hang) too."""
+    holds = lambda root: any(glob.glob(os.path.join(root, folder, files)) for _, folder, files in DUMPS)  # noqa: E731
+    parent = os.path.dirname(os.path.normpath(path))
+    if not holds(path) and os.path.basename(os.path.normpath(path)) == "hang" and holds(parent):
+        return parent
+    return path
+
+
 def load(path: str) -> dict[int, dict]:
     """rank -> its dump ({..., "ops": [...], "source": "dump" | "ring"}) from a run's out_dir (or its hang/)."""
     if not os.path.isdir(path):
         raise BadInput(f"{path}: not a directory")
-    root = os.path.dirname(os.path.normpath(path)) if os.path.basename(os.path.normpath(path)) == "hang" else path
+    root = run_dir(path)
     dumps: dict[int, dict] = {}
-    for kind, pattern in (("dump", os.path.join(root, "hang", "rank_*.json")),
-                          ("ring", os.path.join(root, "flight_recorder", "rank_*.bin"))):
+    for kind, folder, files in DUMPS:
+        pattern = os.path.join(root, folder, files)
         for file in sorted(glob.glob(pattern)):
             m = re.fullmatch(r"rank_(\d+)\.(json|bin)", os.path.basename(file))
             if m is None or int(m.group(1)) in dumps:

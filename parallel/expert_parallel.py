@@ -51,14 +51,14 @@ class _AllToAll(torch.autograd.Function):
         return dx, None, None, None
 
 
-def expert_major(per: torch.Tensor) -> torch.Tensor:
-    """Rows received as [source j][local expert e] blocks, per[j, e] rows each -> the index that reorders them to
-    [expert e][source j] (an expert's rows together, its sources in rank order). On the device: no host read."""
+def expert_major(per: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows received as [source j][local expert e] blocks, per[j, e] rows each, `total` in all (known on the host:
+    the split sizes) -> the index that reorders them to [expert e][source j] (an expert's rows together, its
+    sources in rank order). On the device: no host read (repeat_interleave told its output size)."""
     P, L = per.shape
     sizes = per.reshape(-1)  # (P*L,) in [j][e] order
     starts = (sizes.cumsum(0) - sizes).view(P, L).t().reshape(-1)  # where each [e][j] block starts
     em = per.t().reshape(-1)  # (L*P,) block sizes in [e][j] order
-    total = int(sizes.sum()) if per.device.type == "meta" else None
     block = torch.repeat_interleave(torch.arange(L * P, device=per.device), em, output_size=total)
     within = torch.arange(block.shape[0], device=per.device) - (em.cumsum(0) - em)[block]
     return starts[block] + within
@@ -82,14 +82,23 @@ class ExpertParallelDispatch:
         recv = torch.empty_like(counts)  # (P*L,): [source j][my expert e]
         comm.all_to_all_single(recv, counts, group=self.group, unit="expert counts")
         per = recv.view(P, L)
-        sizes = torch.cat([counts.view(P, L).sum(1), per.sum(1), per.sum(0)]).tolist()  # the one host read
-        send, got, local = sizes[:P], sizes[P:2 * P], sizes[2 * P:]
+        send, got, local = self.split_sizes(counts, per, N * k)
         rows = _AllToAll.apply(x[order // k], got, send, self.group)  # [source j][expert e] blocks
-        perm = expert_major(per)
+        perm = expert_major(per, sum(got))
         y = experts(rows[perm], per.sum(0), local)  # (rows, C), expert-major
         y = torch.empty_like(y).index_copy_(0, perm, y)  # back to [source][expert]
         y = _AllToAll.apply(y, send, got, self.group)  # this rank's assignments, in `order`
         return torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
+
+    def split_sizes(self, counts: torch.Tensor, per: torch.Tensor, assignments: int
+                    ) -> tuple[list[int], list[int], list[int]]:
+        """The one host read: (rows this rank sends to each EP rank, rows it receives from each, rows for each of
+        its local experts), from its own counts (E,) and the received ones `per` (P, L). `assignments` (N·k, the
+        rows sent in all) is what a simulated rank, whose tensors hold no values, answers with instead: balanced
+        counts (plan/fake_rank.py `balanced_split_sizes`)."""
+        P, L = per.shape
+        sizes = torch.cat([counts.view(P, L).sum(1), per.sum(1), per.sum(0)]).tolist()
+        return sizes[:P], sizes[P:2 * P], sizes[2 * P:]
 
 
 def apply_expert_parallel(model: nn.Module, ep, edp, seed: int | None = None,

@@ -359,12 +359,32 @@ def expert_dims(dims: ParallelDims, loss: MeshDim) -> tuple[MeshDim, MeshDim]:
                  for name in ("ep", "edp"))
 
 
-def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float = 600.0) -> Mesh:
+FAKE = "fake"  # torch's fake backend: every collective is accepted and moves no data (a simulated rank)
+
+
+def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float = 600.0,
+                     fake_rank: int | None = None) -> Mesh:
     """Join the process group (when there is more than one rank) and return the run's Mesh (on one process: every
     dim of size 1, no groups), with link groups for the pp and cp rings where `serial_p2p`. Every group then has
-    the run's timeout (`honour_timeout`)."""
+    the run's timeout (`honour_timeout`).
+
+    `fake_rank`: play that rank of a dims.world_size job on the fake backend instead (plan/fake_rank.py): no
+    store, no peers, collectives that return at once; the mesh's groups are made by the same calls. Its rank
+    tables are host data, built outside any dispatch mode (a simulated rank runs under FakeTensorMode, whose
+    tensors have no values to read)."""
     if dims.world_size == 1:
         return Mesh(dims)
+    if fake_rank is not None:
+        from torch.utils._python_dispatch import _disable_current_modes
+        if not dist.is_initialized():
+            dist.init_process_group(FAKE, rank=fake_rank, world_size=dims.world_size)
+        with _disable_current_modes():
+            root = init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
+                                    mesh_dim_names=DIMS)
+            mesh = Mesh(dims, root)
+            if serial_p2p(device):
+                mesh.build_links()
+            return mesh  # no timeouts: the fake backend waits for nothing
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)

@@ -3,6 +3,7 @@
     python -m plan --model gpt2-xl --gpus 8 --gpu a100-40gb --seq_len 1024 --total_batch_size 524288
     python -m plan ... --explain "dp=8(fsdp) ac=none mb=4"       # one layout's breakdown
     python -m plan ... --json                                     # every fitting layout, for scripts
+    python -m plan ... --verify 3                                 # the top 3 checked by simulating their ranks
 
 Bad input (an unknown GPU preset, batch sizes that no layout can divide, nothing fits) is one line on stderr
 and exit code 2; "nothing fits" names the smallest GPU memory that would hold the best layout.
@@ -56,7 +57,25 @@ def parser() -> Parser:
     a("--top", type=int, default=10, help="rows of the table")
     a("--explain", default=None, metavar="LAYOUT", help="one layout's breakdown, by its name in the table")
     a("--json", action="store_true")
+    a("--verify", type=int, default=0, metavar="K",
+      help="simulate the top K layouts' ranks before printing (python -m plan.verify: one rank per class) and mark "
+           "each verified or not; exit 1 if any is not")
     return p
+
+
+VERIFY_FLAGS = ("--eval_iters", "1", "--out_dir", "runs/plan-verify")  # a simulated rank's: one validation batch
+
+
+def verify_top(fits: list, k: int) -> dict[str, object]:
+    """plan.verify of each of the first k layouts (its flags as the table's command runs them), by name."""
+    from plan.verify import verify
+    out = {}
+    for c in fits[:k]:
+        print(f"verifying {c.name} ({c.setup.dims.world_size} ranks) ...", file=sys.stderr, flush=True)
+        out[c.name] = verify([*c.flags, *VERIFY_FLAGS], c.setup.dims.world_size,
+                             progress=lambda r, run: print(f"  rank {r}: {run.seconds:.1f} s", file=sys.stderr,
+                                                           flush=True))
+    return out
 
 
 def cluster_of(a: argparse.Namespace) -> Cluster:
@@ -87,10 +106,18 @@ def check_batch(a: argparse.Namespace) -> list[int]:
     return sizes
 
 
-def row(c, memory: int) -> str:
+def mark(verdict) -> str:
+    """A row's verification cell: '-' (not verified), 'verified' or 'not verified (n findings)'."""
+    if verdict is None:
+        return "-"
+    return "verified" if not verdict.findings else f"not verified ({len(verdict.findings)} finding(s))"
+
+
+def row(c, memory: int, verified: str | None = None) -> str:
     p = c.predicted
     ms = f"{c.seconds * 1e3:.0f}"
-    return (f"| {c.name} | {ms} | {p['peak_memory_bytes'] / GiB:.1f} | "
+    return (f"| {c.name} |{f' {verified} |' if verified is not None else ''} {ms} | "
+            f"{p['peak_memory_bytes'] / GiB:.1f} | "
             f"{p['state_bytes'] / GiB:.2f} | {p['saved_activation_bytes'] / GiB:.2f} | "
             f"{sum(p.get('comm_bytes', {}).values()) / GiB:.2f} | `{c.torchrun()}` |")
 
@@ -115,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         a = parser().parse_args(argv)
         cluster = cluster_of(a)
         sizes = check_batch(a)
+        if a.verify < 0:
+            raise UsageError(f"--verify K must be >= 0 (the top K layouts to simulate), got {a.verify}")
         constraints = {"pp": a.pp, "tp": a.tp, "cp": 1 if a.no_cp else a.cp, "ep": a.ep, "dp_type": a.dp_type,
                        "ac": a.ac}
         every = candidates(model_flags(a), cluster, sizes, constraints, a.efficiency)
@@ -142,18 +171,30 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         error_line("python -m plan", e)
         return 2
+    verdicts = verify_top(fits, a.verify) if a.verify > 0 else {}
+    failed = any(v.findings for v in verdicts.values())
     if a.json:
         json.dump([{"layout": c.name, "step_seconds": c.seconds, "times": c.times, "predicted": c.predicted,
-                    "command": c.torchrun()} for c in fits], sys.stdout, indent=1)
+                    "command": c.torchrun(),
+                    **({"verified": not verdicts[c.name].findings, "findings": verdicts[c.name].findings}
+                       if c.name in verdicts else {})} for c in fits], sys.stdout, indent=1)
         print()
-        return 0
+        return 1 if failed else 0
     print(f"{a.model} on {a.gpus} x {cluster.name} ({cluster.memory / GiB:.0f} GiB), seq_len {a.seq_len}, "
           f"{a.total_batch_size} tokens/step, {a.dtype}: {len(fits)} of {len(every)} accepted layouts fit")
-    print("| layout | step ms | peak GiB | state GiB | saved act. GiB | sent GiB/step | command |\n"
-          "|---|---|---|---|---|---|---|")
-    for c in fits[:a.top]:
-        print(row(c, cluster.memory))
-    return 0
+    check = " verified |" if verdicts else ""
+    print(f"| layout |{check} step ms | peak GiB | state GiB | saved act. GiB | sent GiB/step | command |\n"
+          f"|---|{'---|' if verdicts else ''}---|---|---|---|---|---|")
+    for c in fits[:max(a.top, a.verify)]:
+        print(row(c, cluster.memory, mark(verdicts.get(c.name)) if verdicts else None))
+    if verdicts:
+        from plan.verify import HEADER, table_row
+        print(f"\nverified by simulation (python -m plan.verify):\n{HEADER}")
+        for name, v in verdicts.items():
+            print(table_row(name, v.table))
+        for name, v in verdicts.items():
+            print("".join(f"{name}: finding: {f}\n" for f in v.findings), end="")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

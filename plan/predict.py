@@ -162,16 +162,20 @@ def _units(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int, laye
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def state_bytes(s: Setup, pp_rank: int = 0) -> dict[str, int]:
+def state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0, expert_shard_rank: int = 0) -> dict[str, int]:
     """{"params", "grads", "optimizer"} bytes after an optimizer step, as Parallelized.state_breakdown counts
     them: fp32 parameters and gradients and AdamW's two moments + one fp32 step tensor per parameter, each
-    storage once (DDP's gradients are views of its buckets: the same bytes); a ZeRO stage per unit."""
+    storage once (DDP's gradients are views of its buckets: the same bytes); a ZeRO stage per unit, for the rank
+    `shard_rank` of the sharding group (dp_shard x cp: its shard holds one or two pieces of a unit, each with
+    its own step tensor), and `expert_shard_rank` of an expert unit's (edp: `unit_shard`)."""
     if s.dp_type in ZERO_STAGES:
         policy = ZERO_LADDER[ZERO_STAGES[s.dp_type]]
         out = dict.fromkeys(("params", "grads", "optimizer"), 0)
         for unit, (numel, n_decay) in units(s, pp_rank).items():
-            got = theory.fsdp_unit_state_bytes(numel, n_decay, unit_shard(s, unit), 0, policy.keeps_params,
-                                              policy.reduces_at_end, s.param_bytes, s.reduce_bytes)
+            expert = unit.endswith(".experts")
+            got = theory.fsdp_unit_state_bytes(numel, n_decay, unit_shard(s, unit),
+                                               expert_shard_rank if expert else shard_rank, policy.keeps_params,
+                                               policy.reduces_at_end, s.param_bytes, s.reduce_bytes)
             for k in out:
                 out[k] += got[k]
         return out

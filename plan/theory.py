@@ -313,12 +313,14 @@ def cp_p2p_bytes_per_micro_step(n_layer: int, B: int, T: int, n_embd: int, cp: i
     """What parallel/comm.COUNTER records as "p2p" on one rank for one forward + backward: per attention, with
     A = B·(T/C)·(n_embd/tp) elements (one k or v block: all of this rank's heads), forward sends 2(C-1)·A
     (k and v, C-1 moves; fully masked blocks still travel, only their compute is skipped) and backward
-    4(C-1)·A (k, v, dK, dV, C-1 moves) + 2·A (dK, dV home). Activation checkpointing re-runs the forward of
-    each recomputed Block. Nothing with one cp rank."""
+    2(C-1)·A (k, v) + 2(C-1)·A (dK, dV, C-1 moves) + 2·A (dK, dV home). k and v travel in `element_size` (the
+    compute dtype's), dK and dV in fp32 (the ring sums them in fp32: context_parallel._RingAttention._backward).
+    Activation checkpointing re-runs the forward of each recomputed Block. Nothing with one cp rank."""
     if cp == 1:
         return 0
-    A = B * (T // cp) * (n_embd // tp) * element_size
-    per_layer_fwd, per_layer_bwd = 2 * (cp - 1) * A, (4 * (cp - 1) + 2) * A
+    A = B * (T // cp) * (n_embd // tp)
+    per_layer_fwd = 2 * (cp - 1) * A * element_size
+    per_layer_bwd = 2 * (cp - 1) * A * element_size + (2 * (cp - 1) + 2) * A * 4
     return n_layer * (per_layer_fwd + per_layer_bwd) + recomputed_blocks * per_layer_fwd
 
 

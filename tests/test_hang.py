@@ -234,6 +234,18 @@ class TestCommandLine(unittest.TestCase):
             self.assertEqual(code, 1, out)
             self.assertIn("finding: mismatched collective #3 on group [0, 1]: rank(s) [1]", out)
 
+    def test_an_out_dir_named_hang(self):
+        """runs/hang is a run (its dumps in runs/hang/hang/): read as the run, not as some run's hang/ folder, whose
+        parent (runs/) holds no dumps; its own hang/ folder still leads to it."""
+        with tempfile.TemporaryDirectory() as d:
+            run = os.path.join(d, "hang")
+            self.write(run, 0, steps(2))
+            self.write(run, 1, steps(2, shape=(2, 0)))
+            for path in (run, os.path.join(run, "hang")):
+                code, out, err = self.run_main(path)
+                self.assertEqual(code, 1, out + err)
+                self.assertIn("finding: mismatched collective #3 on group [0, 1]: rank(s) [1]", out)
+
     def test_bad_input_is_one_line_and_exit_2(self):
         with tempfile.TemporaryDirectory() as d:
             cases = {"empty": d, "missing": os.path.join(d, "nope")}

@@ -254,6 +254,27 @@ class TestMemory(unittest.TestCase):
                 loss.backward()
         self.assertEqual(len(copies), 0)
 
+    def test_forward_holds_three_chunks_of_logits_at_once(self):
+        """The loss's live bytes beyond its inputs, gradients made in forward: the chunk's logits z (reused as the
+        nll gradient), its log-softmax and its gradient, 3 x (rows, V) fp32 (plan.predict.loss_transient), beside
+        dx and dW. The previous chunk's gradient is freed before the next chunk's logits are made: kept, it would
+        be a 4th, 25.8 MB at GPT-2's vocabulary (the backward of before the fused head kept one; found by a row
+        of tests/test_plan_runs.py at GPT-2's vocabulary)."""
+        from metrics import LiveStorages
+        x, w, t = _inputs()
+        x.requires_grad_()
+        w = torch.nn.Parameter(w)
+        rows = 16
+        self.assertGreaterEqual(x.shape[0], 3 * rows)  # several chunks: one's gradient could outlive it
+        with LiveStorages() as live:
+            before = live.bytes
+            linear_cross_entropy(x, w, t, chunk_rows=rows).backward()
+        chunk, dw, dx = rows * V * 4, V * C * 4, x.numel() * 4
+        # + the (N,) mask (bool), scale and picked log-probabilities (fp32), and a chunk's (n, 1) int64 targets
+        # and (n,) fp32 picked rows
+        small = x.shape[0] * (1 + 4 + 4) + rows * (8 + 4)
+        self.assertLessEqual(live.peak - before, 3 * chunk + dw + dx + small)
+
     def test_default_chunk_rows(self):
         """The most multiple of 64 rows whose fp32 logits fit 32 MiB: 128 rows of GPT-2's 50304 (24.6 MiB), 320 of
         a TP=2 slice; at least 64."""

@@ -1,0 +1,553 @@
+"""python -m plan.verify: a layout checked across its ranks, by simulating them (plan/fake_rank.py).
+
+    python -m plan.verify --world_size 64 -- --model gpt2-xl --pipeline_parallel_size 2 --pp_schedule zbv ...
+    python -m plan.verify --world_size 16 --all_ranks -- <train.py flags>
+
+Each simulated rank runs train.py's build and two training steps on the fake backend and fake tensors, recorded.
+The ranks are then checked against each other and against the planner:
+1. groups: every rank makes the same new_group calls, with the same ranks, in the same order (a new_group is
+   collective over the world: one that some ranks skip hangs the others);
+2. collectives: within every group every member issues the same sequence (op, dtype, elements in and out,
+   reduce op); otherwise the first mismatch is named: the group, the op's index, which ranks issue what, where;
+3. p2p: every send meets its receive, of the same size, and the ranks' posts and waits play out without deadlock
+   under every point-to-point discipline the schedule simulator models (`DISCIPLINES`: gloo's per-direction
+   order, NCCL's pair FIFOs, NCCL's per-rank FIFO of an eagerly initialised communicator, blocking send/recv);
+4. planner: per simulated rank, state bytes equal plan.predict's exactly, and the second step's comm bytes and
+   calls; the peak (metrics.LiveStorages on the fake storages) within 15% of the predicted peak;
+5. startup (reported): the new_group calls each rank makes (and how many hold it), the ops at init, and how many
+   of them span the whole world.
+
+Classes. Without --all_ranks one rank per class is simulated. A class is the set of ranks whose recordings must be
+the same up to a shift of the mesh (`translate`): the rank's pipeline stage (its schedule, its ends), the parity
+of its cp rank (`context_parallel.exchange_order`: even ranks send first) and nothing else; a rank that a fault
+hook names (GPT_COMM_FAULT_RANK, GPT_FAULT_RANK, ...) is a class of its own. Every other rank's recording is its
+class representative's with every rank in it shifted. With --all_ranks every rank is simulated and each one's
+recording is also held against its representative's shifted one (`symmetry`): that the classes are sound.
+
+Exit code 0: consistent; 1: a finding (each printed); 2: bad input, in one line.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass, field
+
+from plan.fake_rank import Op, RankRun
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+PEAK_RTOL = 0.15  # the planner's peak, as tests/test_plan_runs.py holds it against the CPU's allocated peak
+FAULT_RANKS = (("GPT_COMM_FAULT", "GPT_COMM_FAULT_RANK"), ("GPT_FAULT_GRAD", "GPT_FAULT_RANK"),
+               ("GPT_FAULT_DDP_DROP_BUCKET", "GPT_FAULT_RANK"), ("GPT_SIGNAL_AT_STEP", "GPT_SIGNAL_RANK"),
+               ("GPT_KILL_AT_STEP", "GPT_KILL_RANK"))  # (the hook's switch, the variable naming its rank, default 0)
+
+
+# ----------------------------------------------------------------------------- the mesh, its classes and shifts
+
+class Layout:
+    """The mesh of a dims (parallel.mesh.ParallelDims): coordinates (pp, dp_replicate, dp_shard, cp, tp) of a rank,
+    tp fastest (parallel/mesh.py), and the classes of ranks that must record alike."""
+
+    def __init__(self, dims, special: frozenset[int] = frozenset()):
+        self.dims, self.special = dims, special
+        self.sizes = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+        self.world = dims.world_size
+        self._coords = [self._coordinates(r) for r in range(self.world)]
+
+    def _coordinates(self, rank: int) -> tuple[int, ...]:
+        out = []
+        for size in reversed(self.sizes):
+            out.append(rank % size)
+            rank //= size
+        return tuple(reversed(out))
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        return self._coords[rank]
+
+    def rank(self, coords) -> int:
+        r = 0
+        for c, size in zip(coords, self.sizes):
+            r = r * size + c
+        return r
+
+    def class_key(self, rank: int) -> tuple:
+        """What decides a rank's control flow: its pipeline stage, the parity of its cp rank and, under expert
+        parallelism, its EP rank (the experts it holds: which rows it sends where; a shift that keeps it maps EP
+        groups onto EP groups) (or, for a rank a fault hook names, the rank itself)."""
+        if rank in self.special:
+            return ("rank", rank)
+        pp, dr, ds, cp, _ = self.coords(rank)
+        ep = getattr(self.dims, "ep", 1)
+        loss = (dr * self.dims.dp_shard + ds) * self.dims.cp + cp  # parallel.mesh.expert_dims' loss rank
+        return ("stage", pp, cp % 2) + ((loss % ep,) if ep > 1 else ())
+
+    def classes(self) -> dict[int, list[int]]:
+        """{representative: members}, the representative the lowest member."""
+        by: dict[tuple, list[int]] = defaultdict(list)
+        for r in range(self.world):
+            by[self.class_key(r)].append(r)
+        return {members[0]: members for members in by.values()}
+
+    def representative(self) -> dict[int, int]:
+        return {m: rep for rep, members in self.classes().items() for m in members}
+
+    def shift(self, src: int, dst: int):
+        """The map of global ranks that carries rank src's recording to rank dst's (same class): every coordinate
+        but pp moved by dst's minus src's, modulo its size."""
+        a, b = self.coords(src), self.coords(dst)
+        delta = [0] + [(y - x) for x, y in zip(a[1:], b[1:])]
+        if not any(delta):
+            return lambda r: r
+        sizes, coords, rank = self.sizes, self._coords, self.rank
+        return lambda r: rank([(c + d) % s for c, d, s in zip(coords[r], delta, sizes)])
+
+    def describe_group(self, ranks: tuple[int, ...]) -> str:
+        """A group by the mesh dims its members span, and its ranks: `tp [4, 5]`, `world (16 ranks)`."""
+        if len(ranks) == self.world:
+            return f"world ({self.world} ranks)"
+        coords = [self.coords(r) for r in ranks]
+        spans = [d for i, d in enumerate(DIMS) if len({c[i] for c in coords}) > 1]
+        return f"{'x'.join(spans) or 'self'} {span(ranks)}"
+
+
+def span(ranks) -> str:
+    """[0, 1, 2, 3, 8] as '[0-3, 8]'."""
+    ranks, out = sorted(ranks), []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return "[" + ", ".join(out) + "]"
+
+
+def fault_ranks(world: int) -> frozenset[int]:
+    """The ranks a fault hook of faults.py is switched on for (each is then a class of its own)."""
+    out = set()
+    for switch, var in FAULT_RANKS:
+        if os.environ.get(switch):
+            who = os.environ.get(var, "0")
+            out.update(range(world) if who == "all" else [int(who)])
+    return frozenset(r for r in out if r < world)
+
+
+# ----------------------------------------------------------------------------- simulating
+
+def plan_for(flags: list[str], world: int, rank: int):
+    """config.validate of train.py's `flags` as rank `rank` of `world` simulated (UsageError on bad input)."""
+    import config
+    return config.validate(config.parse_args([*flags, "--fake_world_size", str(world), "--fake_rank", str(rank)]))
+
+
+def simulate_ranks(flags: list[str], world: int, ranks: list[int], progress=None) -> dict[int, RankRun]:
+    """Each of `ranks` simulated in this process, one after another."""
+    from plan.fake_rank import simulate
+    out = {}
+    for r in ranks:
+        out[r] = simulate(plan_for(flags, world, r))
+        if progress is not None:
+            progress(r, out[r])
+    return out
+
+
+# ----------------------------------------------------------------------------- the expanded world
+
+@dataclass
+class World:
+    """Every rank's recording: the simulated ones as recorded, the others as their representative's shifted.
+    `groups[r]`: rank r's new_group calls; `collectives[r]`: {group: [Op]} (p2p and waits apart); `p2p[r]`: its
+    sends, receives and waits in order, ranks shifted."""
+    layout: Layout
+    runs: dict[int, RankRun]
+    rep: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._shifts: dict[tuple[int, int], object] = {}
+        self._coll: dict[int, dict[tuple, list[Op]]] = {}
+        self._p2p: dict[int, list[tuple]] = {}
+        self._group_cache: dict[tuple, tuple] = {}
+
+    def source(self, r: int) -> tuple[RankRun, object]:
+        """(the recording rank r's is made from, the rank map that makes it)."""
+        if r in self.runs:
+            return self.runs[r], None
+        rep = self.rep[r]
+        key = (rep, r)
+        if key not in self._shifts:
+            self._shifts[key] = self.layout.shift(rep, r)
+        return self.runs[rep], self._shifts[key]
+
+    def _map_group(self, group: tuple[int, ...], f, key) -> tuple[int, ...]:
+        if f is None or len(group) == self.layout.world:
+            return group
+        k = (group, key)
+        out = self._group_cache.get(k)
+        if out is None:
+            out = self._group_cache[k] = tuple(sorted(f(g) for g in group))
+        return out
+
+    def collectives(self, r: int) -> dict[tuple, list[Op]]:
+        if r not in self._coll:
+            run, f = self.source(r)
+            out: dict[tuple, list[Op]] = defaultdict(list)
+            for e in run.events:
+                if e.op not in ("send", "recv", "wait"):
+                    out[self._map_group(e.group, f, (run.rank, r))].append(e)
+            self._coll[r] = out
+        return self._coll[r]
+
+    def p2p(self, r: int) -> list[tuple]:
+        """[(kind, n, peer, group, dtype, numel, phase, step, site)]: kind send, recv or wait (n: the waited op)."""
+        if r not in self._p2p:
+            run, f = self.source(r)
+            out = []
+            for e in run.events:
+                if e.op == "wait":
+                    out.append(("wait", e.peer, -1, (), "", 0, e.phase, e.step, e.site))
+                elif e.op in ("send", "recv"):
+                    out.append((e.op, e.n, f(e.peer) if f else e.peer, self._map_group(e.group, f, (run.rank, r)),
+                                e.dtype, e.numel, e.phase, e.step, e.site))
+            self._p2p[r] = out
+        return self._p2p[r]
+
+
+# ----------------------------------------------------------------------------- the checks
+
+def where(op: Op) -> str:
+    phase = op.phase if op.phase in ("init", "exit") else f"{op.phase} {op.step}"
+    return f"{op.site} ({phase})"
+
+
+def describe_op(op: Op | None) -> str:
+    if op is None:
+        return "nothing (the sequence ends)"
+    size = f"{op.numel}" + (f"->{op.out}" if op.out else "")
+    return f"{op.op} {op.dtype} x{size}" + (f" {op.reduce}" if op.reduce else "") + f" at {where(op)}"
+
+
+def check_groups(w: World) -> list[str]:
+    """1. Every simulated rank makes rank 0's new_group calls (the other ranks' are their representatives')."""
+    runs = w.runs
+    calls = {r: [g for g, _, _ in run.groups] for r, run in runs.items()}
+    ref_rank = min(runs)
+    ref = calls[ref_rank]
+    out = []
+    by_calls: dict[tuple, list[int]] = defaultdict(list)
+    for r, c in calls.items():
+        by_calls[tuple(c)].append(r)
+    if len(by_calls) == 1:
+        return out
+    members = {r: [r] + [m for m, rep in w.rep.items() if rep == r and m not in runs] for r in runs}  # + shifted
+    for c, ranks in by_calls.items():
+        if list(c) == ref:
+            continue
+        i = next((i for i, (x, y) in enumerate(zip(c, ref)) if x != y), min(len(c), len(ref)))
+        who = sorted(m for r in ranks for m in members[r])
+        mine = f"new_group({list(c[i])}) at {runs[ranks[0]].groups[i][2]}" if i < len(c) else "no further new_group"
+        theirs = f"new_group({list(ref[i])})" if i < len(ref) else "no further new_group"
+        out.append(f"groups: ranks {span(who)} make {len(c)} new_group calls, rank {ref_rank} makes {len(ref)}; at "
+                   f"call #{i} ranks {span(who)} make {mine} where rank {ref_rank} makes {theirs}")
+    return out
+
+
+def check_collectives(w: World) -> list[str]:
+    """2. Within every group, every member's sequence of collectives is the same; the first mismatch, named."""
+    lay = w.layout
+    members_of: dict[tuple, None] = {}
+    for r in range(lay.world):
+        for g in w.collectives(r):
+            members_of.setdefault(g, None)
+    out = []
+    for g in members_of:
+        seqs = {r: w.collectives(r).get(g, []) for r in g}
+        sigs = {r: tuple(o.signature() for o in s) for r, s in seqs.items()}
+        if len(set(sigs.values())) == 1:
+            continue
+        n = max(len(s) for s in sigs.values())
+        i = next(i for i in range(n) if len({s[i] if i < len(s) else None for s in sigs.values()}) > 1)
+        by: dict[object, list[int]] = defaultdict(list)
+        for r, s in sigs.items():
+            by[s[i] if i < len(s) else None].append(r)
+        parts = sorted(by.items(), key=lambda kv: -len(kv[1]))
+        said = "; ".join(f"ranks {span(rs)} issue {describe_op(seqs[rs[0]][i] if i < len(seqs[rs[0]]) else None)}"
+                         for _, rs in parts)
+        odd = sorted(r for _, rs in parts[1:] for r in rs)
+        out.append(f"collectives: group {lay.describe_group(g)}, op #{i}: ranks {span(odd)} differ: {said}")
+    return out
+
+
+@dataclass(frozen=True)
+class Discipline:
+    """How a backend orders a rank's p2p ops. `fifo`: None (posts complete in any order: the k-th send from a to b
+    meets the k-th receive on b from a), "pair" (one FIFO per rank and peer, both directions: a send completes only
+    with its receive at the head of the peer's side), "rank" (one FIFO per rank and communicator, every peer's ops
+    in posting order); `blocking`: a post returns only once matched."""
+    fifo: str | None
+    blocking: bool = False
+
+
+# plan.simulate's p2p models (P2P_MODELS), each as the discipline that replays a recorded trace. A model the
+# simulator gains must be named here too (check_p2p refuses to skip one); "nccl_eager" is the GPU path's: NCCL
+# communicators initialised eagerly (init_process_group's device_id), so a group's p2p ops share one stream.
+DISCIPLINES = {"async": Discipline(None), "nccl": Discipline("pair"), "nccl_eager": Discipline("rank"),
+               "rendezvous": Discipline("pair", blocking=True)}
+
+
+def p2p_models() -> list[str]:
+    """Every p2p model the schedule simulator knows, and the GPU path's eager one; each must have a discipline."""
+    from plan.simulate import P2P_MODELS
+    missing = [m for m in P2P_MODELS if m not in DISCIPLINES]
+    if missing:
+        raise ValueError(f"plan.simulate's p2p model(s) {missing} have no discipline in plan.verify.DISCIPLINES")
+    return list(dict.fromkeys([*P2P_MODELS, *DISCIPLINES]))
+
+
+def replay_p2p(traces: dict[int, list[tuple]], d: Discipline) -> str | None:
+    """Play every rank's recorded p2p posts and waits under discipline `d`; None when every op completes, else
+    what went wrong: a send meeting a receive of another size or dtype, a deadlock (the ranks stuck and on what),
+    or ops never matched."""
+    pos = {r: 0 for r in traces}
+    done: set[tuple[int, int]] = set()                   # (rank, n) of completed ops
+    ops: dict[tuple[int, int], tuple] = {}               # (rank, n) -> event
+    chan: dict[tuple, dict[str, deque]] = defaultdict(lambda: {"send": deque(), "recv": deque()})
+    fifo: dict[tuple, deque] = defaultdict(deque)        # FIFO key -> (rank, n) in posting order
+    waiting: dict[int, tuple[int, int]] = {}             # a blocking post: rank -> its op
+
+    def fifo_key(r: int, e: tuple) -> tuple | None:
+        return None if d.fifo is None else (r, e[2], e[3]) if d.fifo == "pair" else (r, e[3])
+
+    def advance(r: int) -> bool:
+        moved, trace = False, traces[r]
+        while pos[r] < len(trace):
+            if r in waiting:
+                if waiting[r] not in done:
+                    break
+                del waiting[r]
+            e = trace[pos[r]]
+            if e[0] == "wait":
+                if (r, e[1]) not in done:
+                    break
+            else:
+                ops[(r, e[1])] = e
+                src, dst = (r, e[2]) if e[0] == "send" else (e[2], r)
+                chan[(src, dst, e[3])][e[0]].append((r, e[1]))
+                if d.fifo is not None:
+                    fifo[fifo_key(r, e)].append((r, e[1]))
+                if d.blocking:
+                    waiting[r] = (r, e[1])
+            pos[r] += 1
+            moved = True
+        return moved
+
+    def heads(x: tuple[int, int]) -> bool:
+        return d.fifo is None or fifo[fifo_key(x[0], ops[x])][0] == x
+
+    while True:
+        moved = any([advance(r) for r in traces])
+        for key, q in chan.items():
+            while q["send"] and q["recv"] and heads(q["send"][0]) and heads(q["recv"][0]):
+                s, v = q["send"].popleft(), q["recv"].popleft()
+                es, ev = ops[s], ops[v]
+                if (es[4], es[5]) != (ev[4], ev[5]):
+                    return (f"rank {s[0]}'s send of {es[4]} x{es[5]} to rank {v[0]} ({es[8]}, {es[6]} {es[7]}) meets "
+                            f"a receive of {ev[4]} x{ev[5]} ({ev[8]})")
+                for x in (s, v):
+                    done.add(x)
+                    if d.fifo is not None:
+                        fifo[fifo_key(x[0], ops[x])].popleft()
+                moved = True
+        if not moved:
+            break
+    stuck = {r: traces[r][pos[r]] for r in traces if pos[r] < len(traces[r]) or r in waiting}
+    if stuck:
+        def on(r: int) -> str:
+            e = ops[waiting[r]] if r in waiting else ops.get((r, traces[r][pos[r]][1]))
+            if e is None:
+                return "?"
+            return f"{e[0]} {'to' if e[0] == 'send' else 'from'} rank {e[2]} ({e[8]}, {e[6]} {e[7]})"
+        ranks = sorted(stuck)
+        shown = "; ".join(f"rank {r} waits on its {on(r)}" for r in ranks[:4])
+        return f"deadlock: ranks {span(ranks)} cannot go on: {shown}" + (" ..." if len(ranks) > 4 else "")
+    left = [x for x in ops if x not in done]
+    if left:
+        r, n = min(left)
+        e = ops[(r, n)]
+        return (f"{len(left)} p2p op(s) never matched, first rank {r}'s {e[0]} {'to' if e[0] == 'send' else 'from'} "
+                f"rank {e[2]} ({e[8]}, {e[6]} {e[7]})")
+    return None
+
+
+def check_p2p(w: World) -> tuple[list[str], int]:
+    """3. Every model of p2p_models(): (findings, p2p messages per step summed over ranks in the last step)."""
+    traces = {r: w.p2p(r) for r in range(w.layout.world)}
+    if not any(traces.values()):
+        return [], 0
+    out = []
+    for m in p2p_models():
+        problem = replay_p2p(traces, DISCIPLINES[m])
+        if problem:
+            out.append(f"p2p under {m}: {problem}")
+    return out, sum(1 for t in traces.values() for e in t if e[0] == "send")
+
+
+def predicted(plan, coords: tuple[int, ...]) -> dict:
+    """plan.predict for the rank at mesh `coords`: its stage's, on the planner's GPUs (no gloo copy of a
+    reduce-scatter's input: the fake backend copies nothing either), with the state of its own shard."""
+    import argparse
+    from plan.predict import Setup, predict, state_bytes
+    args = argparse.Namespace(**{**vars(plan.args), "device": "auto"})
+    setup = Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
+    pp, _, shard, cp, _ = coords
+    out = predict(setup, pp)
+    out["state_bytes_by_kind"] = state_bytes(setup, pp, shard * plan.dims.cp + cp)
+    out["state_bytes"] = sum(out["state_bytes_by_kind"].values())
+    return out
+
+
+def check_planner(w: World, plans: dict[int, object]) -> tuple[list[str], dict[int, dict]]:
+    """4. Per simulated rank: state bytes, the last step's comm bytes and calls, the peak, against the planner."""
+    out, rows = [], {}
+    nz = lambda d: {k: v for k, v in (d or {}).items() if v}  # noqa: E731
+    for r, run in sorted(w.runs.items()):
+        if not run.steps:
+            continue
+        plan = plans[r]
+        p = predicted(plan, w.layout.coords(r))
+        m = run.steps[max(run.steps)]
+        rows[r] = {"state": m["state_bytes"], "state_predicted": p["state_bytes"],
+                   "peak": m.get("peak_allocated_bytes"), "peak_predicted": p["peak_memory_bytes"]}
+        if m["state_bytes_by_kind"] != p["state_bytes_by_kind"]:
+            out.append(f"planner: rank {r}: state bytes {m['state_bytes_by_kind']} != predicted {p['state_bytes_by_kind']}")
+        if w.layout.world > 1:
+            for key in ("comm_bytes", "comm_calls"):
+                if nz(m.get(key)) != nz(p.get(key)):
+                    out.append(f"planner: rank {r}: step {max(run.steps)}'s {key} {nz(m.get(key))} != predicted "
+                               f"{nz(p.get(key))}")
+        got = m.get("peak_allocated_bytes")
+        if got and abs(p["peak_memory_bytes"] - got) > PEAK_RTOL * got:
+            out.append(f"planner: rank {r}: peak {got} B (live fake storages, step {max(run.steps)}) vs predicted "
+                       f"{p['peak_memory_bytes']} B ({100 * (p['peak_memory_bytes'] - got) / got:+.1f}%, beyond "
+                       f"{PEAK_RTOL:.0%})")
+    return out, rows
+
+
+def startup(w: World) -> dict:
+    """5. The new_group calls a rank makes (rank 0's; check 1 holds every rank to them), how many hold it, the ops
+    at init and those over the whole world (most over the simulated ranks)."""
+    r0 = w.runs[min(w.runs)]
+    return {"new_group": len(r0.groups),
+            "member": max(sum(m for _, m, _ in run.groups) for run in w.runs.values()),
+            "init_ops": max(len(run.ops("init")) for run in w.runs.values()),
+            "init_world": max(sum(len(o.group) == w.layout.world for o in run.ops("init")) for run in w.runs.values())}
+
+
+def symmetry(w: World) -> list[str]:
+    """With every rank simulated: each rank's recording equals its class representative's shifted (ops, groups,
+    peers, in order): the classes are sound for this layout."""
+    out = []
+    shifted = World(w.layout, {r: run for r, run in w.runs.items() if w.rep[r] == r}, w.rep)
+    seen = lambda world, r: {g: [(o.signature(), o.site, o.phase, o.step) for o in ops]  # noqa: E731
+                             for g, ops in world.collectives(r).items()}
+    for r, run in sorted(w.runs.items()):
+        if w.rep[r] == r:
+            continue
+        if seen(w, r) != seen(shifted, r) or \
+                [e[:6] for e in w.p2p(r)] != [e[:6] for e in shifted.p2p(r)] or \
+                [g for g, _, _ in run.groups] != [g for g, _, _ in w.runs[w.rep[r]].groups]:
+            out.append(f"classes: rank {r}'s recording is not rank {w.rep[r]}'s shifted (the class shortcut would "
+                       f"not see it)")
+    return out
+
+
+@dataclass
+class Verdict:
+    findings: list[str]
+    table: dict
+    runs: dict[int, RankRun]
+
+
+def verify(flags: list[str], world: int, all_ranks: bool = False, progress=None) -> Verdict:
+    """Simulate the layout's ranks (all, or one per class) and `judge` them. Raises config.UsageError on bad flags
+    (before any rank runs)."""
+    t0 = time.perf_counter()
+    layout = Layout(plan_for(flags, world, 0).dims, fault_ranks(world))
+    ranks = list(range(world)) if all_ranks else sorted(layout.classes())
+    runs = simulate_ranks(flags, world, ranks, progress)
+    verdict = judge(layout, runs, {r: plan_for(flags, world, r) for r in ranks})
+    verdict.table["seconds"] = time.perf_counter() - t0
+    return verdict
+
+
+def judge(layout: Layout, runs: dict[int, RankRun], plans: dict[int, object]) -> Verdict:
+    """The five checks over `runs`: one per class at least (every rank is its class representative's recording
+    shifted), or every rank (then `symmetry` too). `plans`: each simulated rank's, for the planner's prediction."""
+    w = World(layout, runs, layout.representative())
+    findings = [f"rank {r}: the simulated run " + (f"raised {run.error}" if run.error else f"exited {run.code}")
+                for r, run in sorted(runs.items()) if run.code or run.error]
+    findings += check_groups(w)
+    findings += check_collectives(w)
+    p2p_findings, messages = check_p2p(w)
+    findings += p2p_findings
+    planner, rows = check_planner(w, plans)
+    findings += planner
+    if len(runs) == layout.world and layout.world > 1:
+        findings += symmetry(w)
+    r0 = runs[min(runs)]
+    last = max(r0.steps) if r0.steps else 0
+    step_ops = [o for o in r0.ops("step") if o.step == last]
+    table = {"ranks": layout.world, "classes": len(layout.classes()), "simulated": len(runs), **startup(w),
+             "collectives": sum(o.op not in ("send", "recv") for o in step_ops),
+             "p2p": sum(o.op in ("send", "recv") for o in step_ops), "messages": messages,
+             "planner": rows, "verdict": "consistent" if not findings else f"{len(findings)} finding(s)",
+             "seconds": sum(run.seconds for run in runs.values())}
+    return Verdict(findings, table, runs)
+
+
+HEADER = ("| layout | ranks | classes (simulated) | new_group calls per rank (holding it) | ops at init (world-wide) | "
+          "collectives / p2p per step, rank 0 | verdict | seconds |\n|---|---:|---:|---:|---:|---:|---|---:|")
+
+
+def table_row(name: str, t: dict) -> str:
+    return (f"| {name} | {t['ranks']} | {t['classes']} ({t['simulated']}) | {t['new_group']} ({t['member']}) | "
+            f"{t['init_ops']} ({t['init_world']}) | {t['collectives']} / {t['p2p']} | {t['verdict']} | "
+            f"{t['seconds']:.0f} |")
+
+
+def parser():
+    from config import Parser
+    p = Parser(prog="python -m plan.verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world_size", type=int, required=True, help="the ranks of the job (N)")
+    p.add_argument("--all_ranks", action="store_true", help="simulate every rank, not one per class")
+    p.add_argument("--name", default=None, help="the layout's name in the table (default: the flags)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from config import UsageError, error_line
+    argv = sys.argv[1:] if argv is None else argv
+    ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    try:
+        a = parser().parse_args(ours)
+        if a.world_size < 1:
+            raise UsageError(f"--world_size must be >= 1, got {a.world_size}")
+        if not flags:
+            raise UsageError("no train.py flags: python -m plan.verify --world_size N [--all_ranks] -- <train.py flags>")
+        verdict = verify(flags, a.world_size, a.all_ranks,
+                         progress=lambda r, run: print(f"  rank {r}: {run.seconds:.1f} s", file=sys.stderr,
+                                                       flush=True))
+    except UsageError as e:
+        error_line("python -m plan.verify", e)
+        return 2
+    print(HEADER)
+    print(table_row(a.name or " ".join(flags), verdict.table))
+    for f in verdict.findings:
+        print(f"finding: {f}")
+    return 1 if verdict.findings else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
