@@ -235,7 +235,7 @@ class VocabShard:
             g = z.sub_(z_max[rows]).exp_().div_(sum_exp[rows])  # softmax, this rank's columns
             g.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))  # - one-hot
             grads.add(rows, g.mul_(scale[rows].unsqueeze(-1)), xc, wc)
-            z = None
+            z = g = None  # g is z's storage: both names let go before the next chunk's logits
         return stats[2] - stats[0] - stats[1].log()  # log p(target)
 
     def _whole_rows(self, xc: torch.Tensor, wc: torch.Tensor, targets: torch.Tensor, chunk: int,
@@ -250,6 +250,7 @@ class VocabShard:
                                               scale[rows] if grads.needed else None)
             if g is not None:
                 grads.add(rows, g[:, cols], xc, wc)
+            del g  # else it lives on beside the next chunk's logits (as in WholeVocab.log_probs)
         return picked
 
 
