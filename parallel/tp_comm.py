@@ -152,16 +152,9 @@ class _GatherFromSequence(torch.autograd.Function):
         return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
 
 
-class _GatherSequenceReplicated(torch.autograd.Function):
-    """forward all-gather along the sequence dim, backward keep this rank's slice (the gradient is whole and the
-    same on every rank: what follows runs redundantly on each)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        if comm.world(group) == 1:
-            return x
-        return all_gather_along(x, dim, group)
+class _GatherSequenceReplicated(_GatherFromSequence):
+    """forward all-gather along the sequence dim (_GatherFromSequence's), backward keep this rank's slice (the
+    gradient is whole and the same on every rank: what follows runs redundantly on each)."""
 
     @staticmethod
     def backward(ctx, grad):
