@@ -28,7 +28,9 @@ RANGES = {
     **dict.fromkeys(["--lr", "--timeout", "--bucket_cap_mb", "--peak_flops"], "> 0"),  # floats, finite
     **dict.fromkeys(["--weight_decay", "--moe_aux_loss_coeff", "--moe_bias_update_rate"], ">= 0"),  # floats, finite
 }
-UNRANGED = {"--seed"}
+# --seed takes any int; the simulated rank's pair (0 <= rank < N, N >= 1, both or neither) is one check of its own,
+# config._check_fake, held by tests/test_verify.TestFlags
+UNRANGED = {"--seed", "--fake_world_size", "--fake_rank"}
 
 
 def numeric_options() -> dict[str, type]:
