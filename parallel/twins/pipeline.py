@@ -110,5 +110,6 @@ def apply_pp(model, mesh: Mesh, cfg, device: torch.device) -> PipelineStage:
 
 
 def apply_runner(stage: PipelineStage, mesh: Mesh, cfg, **runner_args) -> PipelineRunner:
-    """torch.distributed.pipelining's schedules through whatever the steps before made (TorchPipelineRunner)."""
-    return TorchPipelineRunner(stage, device=device, **runner_args)
+    """torch.distributed.pipelining's schedules through whatever the steps before made (TorchPipelineRunner;
+    `runner_args` hold the device)."""
+    return TorchPipelineRunner(stage, **runner_args)
