@@ -36,7 +36,6 @@ import sys
 import time
 import weakref
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
 from unittest import mock
 
 import torch

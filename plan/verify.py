@@ -32,7 +32,7 @@ import argparse
 import os
 import sys
 import time
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from plan.fake_rank import Op, RankRun
@@ -397,7 +397,6 @@ def check_p2p(w: World) -> tuple[list[str], int]:
 def predicted(plan, coords: tuple[int, ...]) -> dict:
     """plan.predict for the rank at mesh `coords`: its stage's, on the planner's GPUs (no gloo copy of a
     reduce-scatter's input: the fake backend copies nothing either), with the state of its own shard."""
-    import argparse
     from plan.predict import Setup, predict, state_bytes
     args = argparse.Namespace(**{**vars(plan.args), "device": "auto"})
     setup = Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
