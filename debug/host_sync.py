@@ -47,7 +47,7 @@ ALLOWED = {
     ("faults.py", "agreed"): "the preemption vote, all-reduced with the loss's reductions, read after them",
     ("data/batches.py", "get"): "host tensors only: the rows' offsets come from a CPU generator and the tokens "
                                 "from a numpy memmap (on a GPU run they stay on the host until to_device)",
-    ("parallel/expert_parallel.py", "__call__"): "an MoE layer's all_to_all split sizes: each rank must know how "
+    ("parallel/expert_parallel.py", "split_sizes"): "an MoE layer's all_to_all split sizes: each rank must know how "
                                                  "many rows it sends and receives before they move (one read per "
                                                  "MoE layer and micro-batch; docs/moe.md)",
     ("model.py", "__call__"): "the MoE experts' group sizes for the per-expert loop, only where torch._grouped_mm "
