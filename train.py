@@ -327,6 +327,8 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
     logger.log({"step": start, **t.built})
     t.saved_step = start + 1
     t.peak_step = start + 1 + (start == 0 and args.max_steps >= 2)  # a fresh run's step 1 has no AdamW moments
+    if args.profile:  # torch.profiler is armed from here on (its warm-up steps too); a second one inside it crashes
+        t.peak_step = 0
     predicted = for_run(plan) if is_main else None  # rank 0's prediction, which rank 0's records measure
     if predicted is not None:
         logger.log({"step": 0, "predicted": predicted})

@@ -125,9 +125,14 @@ class TestLayoutsAgree(unittest.TestCase):
 
     # ours
     def test_custom_ddp_bit_equal_to_torch_ddp(self):
-        ours = self.check("custom_ddp", DDP2, 2, 1e-5, impl="custom")
+        """Under --profile too (a profiler changes no bits): both ranks write their trace. Rank 0's step-2
+        allocated peak opened a second profiler inside torch.profiler's warm-up, and rank 0 died of SIGSEGV
+        in the profiler's exit."""
+        ours = self.check("custom_ddp", DDP2 + ["--profile", "2"], 2, 1e-5, impl="custom")
         torch_ddp = self.run_layout("ddp", ["--implementation", "pytorch"] + DDP2, 2)
         self.assertEqual(ours, torch_ddp)  # same bits, step for step
+        traces = os.listdir(os.path.join(RUNS["custom_ddp"], "profile"))
+        self.assertEqual(len([f for f in traces if f.endswith(".pt.trace.json")]), 2, traces)
 
     def test_custom_fsdp_equals_fsdp2_and_deferred_init(self):
         fsdp = ["--data_parallel_size", "2", "--data_parallel_type", "fsdp"]
