@@ -193,7 +193,10 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         """For backward passes that run without this wrapper's forward (a pipeline's chunks): inside, they
         accumulate gradients locally; on a normal exit, every bucket is all-reduced once (scaled by 1/N,
         SUM) and waited for. A pipeline step thus moves each gradient once, after its last micro-batch,
-        without the overlap with backward that DDP's forward-armed hooks give."""
+        without the overlap with backward that DDP's forward-armed hooks give. The gradients are attached to
+        their bucket views on entry: a zero-bubble schedule's W adds dW to `.grad` itself, outside autograd
+        and its hooks, and into a detached `.grad` it would set a second fp32 gradient beside the buckets."""
+        self._attach_grads()
         self._sync_backward = False
         try:
             yield

@@ -244,6 +244,7 @@ class WeightGradStore:
             else:
                 dw = dy2.t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)  # (out, in)
             _accumulate(weight, dw, held)
+            del dw  # not alive beside the next product and its fp32 cast
             if bias is not None:
                 _accumulate(bias, dy2.sum(0).to(bias.dtype), held)  # (out,)
         self.defers.pop(key, None)
