@@ -375,7 +375,7 @@ class AllocatedPeak:
     def __enter__(self) -> "AllocatedPeak":
         from torch._guards import active_fake_mode
         if self.on and active_fake_mode() is not None:
-            self._tracker = LiveStorages().__enter__()
+            self._tracker = LiveStorages(self.timeline).__enter__()
         elif self.on:
             import gc
             storages = {}
@@ -397,7 +397,8 @@ class AllocatedPeak:
     def __exit__(self, *exc) -> None:
         if self._tracker is not None:
             self._tracker.__exit__(*exc)
-            self.bytes, self._tracker = self._tracker.peak, None
+            self.bytes, self.live_at_peak = self._tracker.peak, self._tracker.live_at_peak
+            self._tracker = None
             return
         if not self.on:
             return
@@ -440,13 +441,16 @@ class LiveStorages(TorchDispatchMode):
     engine frees and regrows its flat buffers so). It needs no allocator, so it measures fake tensors (what
     AllocatedPeak does under FakeTensorMode; torch's MemTracker, which does the same, refuses a module called
     more than once a step, as a pipeline's chunks are). Storages made outside any op (torch.from_numpy) are
-    seen once an op returns them. Under FakeTensorMode only that mode's tensors are counted at the start.
+    seen once an op returns them. Under FakeTensorMode only that mode's tensors are counted at the start. With
+    `timeline`, `live_at_peak`: the bytes alive at the peak by the op that made them, as AllocatedPeak's.
     """
 
-    def __init__(self):
+    def __init__(self, timeline: bool = False):
         super().__init__()
         self.live: dict[int, int] = {}  # storage_key -> bytes
         self.bytes = self.peak = 0
+        self.timeline, self.made_by, self.live_at_peak = timeline, {}, None  # made_by: storage_key -> op
+        self._op = "(before the window)"
 
     def _set(self, key: int, n: int) -> None:
         self.bytes += n - self.live.get(key, 0)
@@ -462,7 +466,15 @@ class LiveStorages(TorchDispatchMode):
             weakref.finalize(storage, self._free, key)
         self.live[key] = n
         self.bytes += n - (old or 0)
-        self.peak = max(self.peak, self.bytes)
+        if self.timeline and old is None:
+            self.made_by[key] = self._op
+        if self.bytes > self.peak:
+            self.peak = self.bytes
+            if self.timeline:
+                out: dict[str, int] = {}
+                for k, b in self.live.items():
+                    out[self.made_by.get(k, "")] = out.get(self.made_by.get(k, ""), 0) + b
+                self.live_at_peak = dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def _free(self, key: int) -> None:
         self.bytes -= self.live.pop(key, 0)
@@ -496,6 +508,7 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._op = str(func.overloadpacket) if self.timeline else ""
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self._see(t.untyped_storage())
