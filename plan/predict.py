@@ -666,8 +666,9 @@ def reduce_phase(s: Setup, pp_rank: int = 0) -> int:
 def peak_parts(s: Setup, pp_rank: int = 0) -> dict[str, int]:
     """The peak's phases, each over parameters + optimizer state (alive all step):
     - "forward": the gradients a forward runs beside (held_grad_bytes) + the saved activations at the end of
-      forward + the largest transient (the loss's backward starts on them; under full AC without a pipeline the
-      saved bytes there are the checkpointed inputs and the head's, not a recomputed Block's);
+      forward + the weights' compute-dtype copies under autocast (weight_cast_bytes) + the largest transient
+      (the loss's backward starts on them; under full AC without a pipeline the saved bytes there are the
+      checkpointed inputs and the head's, not a recomputed Block's);
     - "recompute" (full AC only): every gradient + the inputs + one recomputed Block (saved_activation_bytes);
     - "reduce" (a sharding engine): the shard gradients and a backward's gradient copies as its units complete
       (`reduce_phase`): under a pipeline the peak of a ZeRO-2/3 stage 0, at the embeddings' gradients, beside
@@ -684,8 +685,21 @@ def peak_parts(s: Setup, pp_rank: int = 0) -> dict[str, int]:
         blocks, first, last = stage_blocks(s, pp_rank)
         out["forward"] = len(blocks) * block_input_bytes(s) + ends_saved_bytes(s, B, T, first, last)
         out["recompute"] = grads + saved
-    out["forward"] += held_grad_bytes(s, pp_rank) + largest_transient(s, pp_rank)
+    out["forward"] += held_grad_bytes(s, pp_rank) + largest_transient(s, pp_rank) + weight_cast_bytes(s, pp_rank)
     return {"base": base, **out}
+
+
+def weight_cast_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """Under autocast with fp32 weights (no data parallelism, DDP, or a sharding engine without bf16 compute
+    copies): the compute-dtype copy of every Block linear's weight and bias this rank holds. Autocast's cast cache
+    (and the split backward's zero_bubble.cast_once) makes one per weight per step, alive from the weight's first
+    forward to the last backward that saved it: at the end of forward, all of them (gpt2-xl's pp=2 stage 0:
+    1.5 GB). The experts' casts are counted in moe_saved_bytes; the head's is the loss's transient."""
+    weights = s.param_bytes if s.dp_type in ZERO_STAGES else 4
+    if s.dtype == torch.float32 or weights == s.compute_bytes:
+        return 0
+    return s.compute_bytes * sum(n for name, n, _ in local_params(s, pp_rank)
+                                 if (".attn.c_" in name or ".mlp.c_" in name) and not is_expert(name))
 
 
 def peak_memory_bytes(s: Setup, pp_rank: int = 0) -> int:
