@@ -30,10 +30,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from plan.fake_rank import Op, RankRun
 
@@ -50,11 +53,24 @@ class Layout:
     """The mesh of a dims (parallel.mesh.ParallelDims): coordinates (pp, dp_replicate, dp_shard, cp, tp) of a rank,
     tp fastest (parallel/mesh.py), and the classes of ranks that must record alike."""
 
-    def __init__(self, dims, special: frozenset[int] = frozenset()):
+    def __init__(self, dims, special: frozenset[int] = frozenset(), stages: Sequence[Stage] | None = None):
+        """`stages`: each pipeline rank's `Stage` (`stage_signatures`); pipeline ranks whose keys are equal share
+        classes. None: every pipeline rank is a class of its own (and a shift never moves pp)."""
         self.dims, self.special = dims, special
         self.sizes = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
         self.world = dims.world_size
         self._coords = [self._coordinates(r) for r in range(self.world)]
+        self.stages = list(stages) if stages is not None else None
+        if self.stages is not None and len(self.stages) != dims.pp:
+            raise ValueError(f"{len(self.stages)} stage signatures for pp={dims.pp}")
+        first: dict[tuple, int] = {}
+        self.stage_class = [first.setdefault(s.key, p) for p, s in enumerate(self.stages)] if self.stages \
+            else list(range(dims.pp))  # pp rank -> the lowest pp rank whose stage records alike
+
+    @classmethod
+    def of(cls, plan, special: frozenset[int] = frozenset()) -> "Layout":
+        """The layout of a validated plan (config.validate), its pipeline ranks' classes from `stage_signatures`."""
+        return cls(plan.dims, special, stage_signatures(plan))
 
     def _coordinates(self, rank: int) -> tuple[int, ...]:
         out = []
@@ -73,15 +89,16 @@ class Layout:
         return r
 
     def class_key(self, rank: int) -> tuple:
-        """What decides a rank's control flow: its pipeline stage, the parity of its cp rank and, under expert
-        parallelism, its EP rank (the experts it holds: which rows it sends where; a shift that keeps it maps EP
-        groups onto EP groups) (or, for a rank a fault hook names, the rank itself)."""
+        """What decides a rank's control flow: its pipeline stage's class (`stage_class`: the lowest pipeline rank
+        whose `Stage.key` equals its own), the parity of its cp rank and, under expert parallelism, its EP rank
+        (the experts it holds: which rows it sends where; a shift that keeps it maps EP groups onto EP groups)
+        (or, for a rank a fault hook names, the rank itself)."""
         if rank in self.special:
             return ("rank", rank)
         pp, dr, ds, cp, _ = self.coords(rank)
         ep = getattr(self.dims, "ep", 1)
         loss = (dr * self.dims.dp_shard + ds) * self.dims.cp + cp  # parallel.mesh.expert_dims' loss rank
-        return ("stage", pp, cp % 2) + ((loss % ep,) if ep > 1 else ())
+        return ("stage", self.stage_class[pp], cp % 2) + ((loss % ep,) if ep > 1 else ())
 
     def classes(self) -> dict[int, list[int]]:
         """{representative: members}, the representative the lowest member."""
@@ -95,13 +112,23 @@ class Layout:
 
     def shift(self, src: int, dst: int):
         """The map of global ranks that carries rank src's recording to rank dst's (same class): every coordinate
-        but pp moved by dst's minus src's, modulo its size."""
+        moved by dst's minus src's, modulo its size. pp moves only between stages of one class, whose pipeline
+        peers are the neighbours at the same offsets (`Stage.key`), so no peer crosses the pipeline's ends; a
+        group spanning the whole pp dim maps onto itself."""
         a, b = self.coords(src), self.coords(dst)
-        delta = [0] + [(y - x) for x, y in zip(a[1:], b[1:])]
+        delta = [(y - x) for x, y in zip(a, b)]
         if not any(delta):
             return lambda r: r
         sizes, coords, rank = self.sizes, self._coords, self.rank
         return lambda r: rank([(c + d) % s for c, d, s in zip(coords[r], delta, sizes)])
+
+    def local_site(self, site: str, rank: int) -> str:
+        """A call site with each Block it names by global index (`transformer.h.17`) named by its place among
+        rank's stage's Blocks (`transformer.h.@1`): what a shift in pp keeps."""
+        if self.stages is None:
+            return site
+        blocks = self.stages[self.coords(rank)[0]].blocks
+        return BLOCK.sub(lambda m: f"@{blocks.index(int(m[0]))}" if int(m[0]) in blocks else f"?{m[0]}", site)
 
     def describe_group(self, ranks: tuple[int, ...]) -> str:
         """A group by the mesh dims its members span, and its ranks: `tp [4, 5]`, `world (16 ranks)`."""
@@ -110,6 +137,64 @@ class Layout:
         coords = [self.coords(r) for r in ranks]
         spans = [d for i, d in enumerate(DIMS) if len({c[i] for c in coords}) > 1]
         return f"{'x'.join(spans) or 'self'} {span(ranks)}"
+
+
+BLOCK = re.compile(r"(?<=\bh\.)\d+\b")  # a Block's global index in a unit's name: transformer.h.<17>
+
+
+class Stage(NamedTuple):
+    """A pipeline rank's part in the recording: `key`, everything its recording is made of beyond the mesh (two
+    pipeline ranks with equal keys record alike up to a shift of pp; `stage_signatures`), and `blocks`, the
+    global indices of the Blocks it holds, in its order (call sites name Blocks by them: `Layout.local_site`)."""
+    key: tuple
+    blocks: tuple[int, ...]
+
+
+def stage_signatures(plan) -> list[Stage]:
+    """Each pipeline rank's `Stage`, computed from the plan, without simulating. The key holds:
+    - its chunks in local order, each as (holds chunk 0: wte, wpe and the token ids; holds the last chunk: ln_f,
+      lm_head, the targets and the loss; its Blocks, each as its parameters' (name, shape, dtype) on meta):
+      an uneven split (the cost model's, --pp_layers_per_stage) or an MoE Block every N-th (--moe_every) keeps
+      stages apart, and so does any difference in state bytes, which the parameters decide;
+    - its training step's action list, as PipelineRunner.step takes it (parallel/pipeline_schedule.py,
+      ALL_SCHEDULES[schedule](P, M, V)[rank]; the sends' waits, `send_waits`, follow from it): each action as
+      (kind, local chunk, micro-batch, peer's pp offset for a SEND/RECV). GPipe's interior stages have equal
+      lists; 1F1B's do not (stage r runs P-1-r warm-up forwards), nor interleaved 1F1B's, ZB-H1's, ZB-V's or
+      DualPipe-V's, whose warm-ups depend on the rank too;
+    - its evaluation's order (PipelineRunner.forward_only): each local chunk in global order with the pp
+      offsets it receives from and sends to.
+    Peers as offsets: a stage sharing a class with another sends to and receives from the ranks at the same
+    offsets, so the pp shift between them maps every peer onto the other's. Without a pipeline: one Stage."""
+    import torch
+    from model import Block
+    from parallel.pipeline import chunk_ranges
+    from parallel.pipeline_schedule import (ALL_SCHEDULES, RECV_B, RECV_F, SEND_B, SEND_F, V_SCHEDULES, chunk_of,
+                                            rank_of)
+    d, par, n_layer = plan.dims, plan.par, plan.config.n_layer
+    if d.pp == 1:
+        return [Stage(("single",), tuple(range(n_layer)))]
+    P, V, v_shape = d.pp, par.pp_virtual, par.pp_schedule in V_SCHEDULES
+    C = P * V
+    layers = chunk_ranges(n_layer, C, par.pp_layers)
+    with torch.device("meta"):
+        block = [tuple((n, tuple(p.shape), str(p.dtype)) for n, p in Block(plan.config, i).named_parameters())
+                 for i in range(n_layer)]
+    schedule = ALL_SCHEDULES[par.pp_schedule](P, plan.grad_accum, V)
+    out = []
+    for r in range(P):
+        chunks = [chunk_of(r, v, P, v_shape) for v in range(V)]
+        local = {c: v for v, c in enumerate(chunks)}
+
+        def offset(c: int) -> int | None:  # the pp offset of chunk c's rank, None off the ends or on this rank
+            return None if not 0 <= c < C or rank_of(c, P, v_shape) == r else rank_of(c, P, v_shape) - r
+
+        held = tuple((c == 0, c == C - 1, tuple(block[i] for i in layers[c])) for c in chunks)
+        peer = {SEND_F: 1, RECV_B: 1, RECV_F: -1, SEND_B: -1}
+        actions = tuple((a.kind, local[a.chunk], a.micro,
+                         offset(a.chunk + peer[a.kind]) if a.kind in peer else None) for a in schedule[r])
+        evaluation = tuple((local[c], offset(c - 1), offset(c + 1)) for c in sorted(chunks))
+        out.append(Stage((held, actions, evaluation), tuple(i for c in chunks for i in layers[c])))
+    return out
 
 
 def span(ranks) -> str:
@@ -408,30 +493,47 @@ def predicted(plan, coords: tuple[int, ...]) -> dict:
 
 
 def check_planner(w: World, plans: dict[int, object]) -> tuple[list[str], dict[int, dict]]:
-    """4. Per simulated rank: state bytes, the last step's comm bytes and calls, the peak, against the planner."""
+    """4. Per simulated rank: state bytes, the last step's comm bytes and calls, the peak, against the planner;
+    and the same recording against the planner's numbers for each other pipeline stage of its class (a stage
+    that shares a class records alike, so the planner must predict it alike)."""
     out, rows = [], {}
-    nz = lambda d: {k: v for k, v in (d or {}).items() if v}  # noqa: E731
+    lay = w.layout
+    members: dict[int, set[int]] = defaultdict(set)  # simulated rank -> the pp ranks of its class it stands for
+    for m, rep in w.rep.items():
+        if m not in w.runs:
+            members[rep].add(lay.coords(m)[0])
     for r, run in sorted(w.runs.items()):
         if not run.steps:
             continue
-        plan = plans[r]
-        p = predicted(plan, w.layout.coords(r))
+        plan, coords = plans[r], lay.coords(r)
+        p = predicted(plan, coords)
         m = run.steps[max(run.steps)]
         rows[r] = {"state": m["state_bytes"], "state_predicted": p["state_bytes"],
                    "peak": m.get("peak_allocated_bytes"), "peak_predicted": p["peak_memory_bytes"]}
-        if m["state_bytes_by_kind"] != p["state_bytes_by_kind"]:
-            out.append(f"planner: rank {r}: state bytes {m['state_bytes_by_kind']} != predicted {p['state_bytes_by_kind']}")
-        if w.layout.world > 1:
-            for key in ("comm_bytes", "comm_calls"):
-                if nz(m.get(key)) != nz(p.get(key)):
-                    out.append(f"planner: rank {r}: step {max(run.steps)}'s {key} {nz(m.get(key))} != predicted "
-                               f"{nz(p.get(key))}")
-        got = m.get("peak_allocated_bytes")
-        if got and abs(p["peak_memory_bytes"] - got) > PEAK_RTOL * got:
-            out.append(f"planner: rank {r}: peak {got} B (live fake storages, step {max(run.steps)}) vs predicted "
-                       f"{p['peak_memory_bytes']} B ({100 * (p['peak_memory_bytes'] - got) / got:+.1f}%, beyond "
-                       f"{PEAK_RTOL:.0%})")
+        out += planner_misses(f"rank {r}", m, max(run.steps), p, lay.world)
+        for pp in sorted(members[r] - {coords[0]}):
+            other = lay.rank((pp, *coords[1:]))
+            out += planner_misses(f"rank {other} (rank {r}'s recording, shifted)", m, max(run.steps),
+                                  predicted(plan, lay.coords(other)), lay.world)
     return out, rows
+
+
+def planner_misses(who: str, m: dict, step: int, p: dict, world: int) -> list[str]:
+    """Where a step's record `m` (train.step_metrics) and the planner's prediction `p` for it differ."""
+    out = []
+    nz = lambda d: {k: v for k, v in (d or {}).items() if v}  # noqa: E731
+    if m["state_bytes_by_kind"] != p["state_bytes_by_kind"]:
+        out.append(f"planner: {who}: state bytes {m['state_bytes_by_kind']} != predicted {p['state_bytes_by_kind']}")
+    if world > 1:
+        for key in ("comm_bytes", "comm_calls"):
+            if nz(m.get(key)) != nz(p.get(key)):
+                out.append(f"planner: {who}: step {step}'s {key} {nz(m.get(key))} != predicted {nz(p.get(key))}")
+    got = m.get("peak_allocated_bytes")
+    if got and abs(p["peak_memory_bytes"] - got) > PEAK_RTOL * got:
+        out.append(f"planner: {who}: peak {got} B (live fake storages, step {step}) vs predicted "
+                   f"{p['peak_memory_bytes']} B ({100 * (p['peak_memory_bytes'] - got) / got:+.1f}%, beyond "
+                   f"{PEAK_RTOL:.0%})")
+    return out
 
 
 def startup(w: World) -> dict:
@@ -449,8 +551,9 @@ def symmetry(w: World) -> list[str]:
     peers, in order): the classes are sound for this layout."""
     out = []
     shifted = World(w.layout, {r: run for r, run in w.runs.items() if w.rep[r] == r}, w.rep)
-    seen = lambda world, r: {g: [(o.signature(), o.site, o.phase, o.step) for o in ops]  # noqa: E731
-                             for g, ops in world.collectives(r).items()}
+    lay = w.layout
+    seen = lambda world, r: {g: [(o.signature(), lay.local_site(o.site, world.source(r)[0].rank), o.phase, o.step)  # noqa: E731
+                                 for o in ops] for g, ops in world.collectives(r).items()}
     for r, run in sorted(w.runs.items()):
         if w.rep[r] == r:
             continue
@@ -473,7 +576,7 @@ def verify(flags: list[str], world: int, all_ranks: bool = False, progress=None)
     """Simulate the layout's ranks (all, or one per class) and `judge` them. Raises config.UsageError on bad flags
     (before any rank runs)."""
     t0 = time.perf_counter()
-    layout = Layout(plan_for(flags, world, 0).dims, fault_ranks(world))
+    layout = Layout.of(plan_for(flags, world, 0), fault_ranks(world))
     ranks = list(range(world)) if all_ranks else sorted(layout.classes())
     runs = simulate_ranks(flags, world, ranks, progress)
     verdict = judge(layout, runs, {r: plan_for(flags, world, r) for r in ranks})

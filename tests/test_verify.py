@@ -35,6 +35,11 @@ EP4 = ["--moe_num_experts", "8", "--expert_parallel_size", "2", "--data_parallel
        "--data_parallel_type", "ddp"]  # 4 ranks, 4 experts each
 ZBV4 = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "zbv", "--pp_virtual_stages", "2",
         "--data_parallel_size", "2", "--data_parallel_type", "fsdp"]  # 4 ranks
+GPIPE8 = ["--n_layer", "4", "--pipeline_parallel_size", "4", "--pp_schedule", "gpipe", "--context_parallel_size", "2",
+          "--data_parallel_type", "fsdp"]  # 8 ranks: stages 1 and 2 alike (the 1,024-rank pp=32 GPipe x cp layout's kind)
+ONE_F_ONE_B4 = ["--n_layer", "4", "--pipeline_parallel_size", "4"]  # 4 ranks, 1F1B, M = 4: no two stages alike
+INTERLEAVED4 = ["--n_layer", "8", "--pipeline_parallel_size", "4", "--pp_schedule", "interleaved_1f1b",
+                "--pp_virtual_stages", "2"]  # 4 ranks, M = P = 4: every warm-up is every forward, stages 1, 2 alike
 
 
 def flags(layout: list[str]) -> list[str]:
@@ -51,7 +56,7 @@ def every_rank(layout: list[str], world: int) -> tuple[V.Layout, dict, dict]:
         f = flags(layout)
         runs = V.simulate_ranks(f, world, list(range(world)))
         plans = {r: V.plan_for(f, world, r) for r in range(world)}
-        _RUNS[key] = (V.Layout(plans[0].dims), runs, plans)
+        _RUNS[key] = (V.Layout.of(plans[0]), runs, plans)
     return _RUNS[key]
 
 
@@ -102,6 +107,30 @@ class TestConsistent(unittest.TestCase):
         lay, runs = self.check(EP4, 4, classes=2)
         self.assertTrue(all(run.steps[2]["comm_calls"]["all_to_all"] for run in runs.values()))
 
+    def test_gpipe_interior_stages_share_a_class(self):
+        """pp=4 GPipe x cp=2: stages 1 and 2 hold one Block each and run the same action list with their peers
+        one rank up and down, so they share classes (3 stage classes x 2 cp parities); every rank of stage 2 is
+        a rank of stage 1 shifted by one in pp (`symmetry`, its call sites' Blocks by local index), and the
+        shortcut's verdict and table equal every rank's, the planner's numbers for stage 2 included."""
+        lay, _ = self.check(GPIPE8, 8, classes=6)
+        self.assertEqual(lay.stage_class, [0, 1, 1, 3])
+        self.assertEqual(lay.representative()[lay.rank((2, 0, 0, 1, 0))], lay.rank((1, 0, 0, 1, 0)))
+
+    def test_interleaved_interior_stages_share_a_class_when_m_equals_p(self):
+        """Interleaved 1F1B with M = P: every rank's warm-up is all its forwards, so ranks 1 and 2 (chunks 1, 5
+        and 2, 6) run the same list; sound across V > 1 too."""
+        lay, _ = self.check(INTERLEAVED4, 4, classes=3)
+        self.assertEqual(lay.stage_class, [0, 1, 1, 3])
+
+    def test_1f1b_stages_stay_apart(self):
+        """1F1B: stage r runs P-1-r warm-up forwards, so its posts and waits differ from its neighbours' beyond a
+        shift; the key keeps every stage apart. (A key that let 1F1B's interior stages share, e.g. one without
+        the action list, would be caught here by `symmetry`: rank 2 is not rank 1 shifted.)"""
+        lay, runs = self.check(ONE_F_ONE_B4, 4, classes=4)
+        blind = V.Layout(lay.dims, stages=[lay.stages[0], lay.stages[1], lay.stages[1], lay.stages[3]])
+        self.assertEqual(V.symmetry(V.World(blind, runs, blind.representative())),
+                         ["classes: rank 2's recording is not rank 1's shifted (the class shortcut would not see it)"])
+
     def test_a_shortcut_blind_to_the_cp_parity_is_caught(self):
         """Were the classes the pipeline stage alone, the odd cp ranks would be taken for shifted even ones: they
         post their ring's receive before its send (context_parallel.exchange_order). `symmetry` says so."""
@@ -123,7 +152,7 @@ class TestSeededDefects(unittest.TestCase):
 
     def judge(self, layout, world, faulty: dict, special=frozenset()):
         lay, runs, plans = every_rank(layout, world)
-        lay = V.Layout(lay.dims, frozenset(special))
+        lay = V.Layout(lay.dims, frozenset(special), lay.stages)
         return V.judge(lay, {**runs, **faulty}, plans).findings
 
     def test_a_rank_skips_a_collective(self):
@@ -209,6 +238,33 @@ class TestReplay(unittest.TestCase):
 
 
 class TestLayout(unittest.TestCase):
+    def stage_class(self, layout: list[str], world: int = 4) -> list[int]:
+        return V.Layout.of(V.plan_for(flags(layout), world, 0)).stage_class
+
+    def test_stage_keys_without_simulating(self):
+        """Stages share a class exactly when they hold alike Blocks and run alike lists: an uneven split, an MoE
+        Block every third, a schedule whose warm-up depends on the rank keep interior stages apart."""
+        gpipe = ["--pipeline_parallel_size", "4", "--pp_schedule", "gpipe"]
+        self.assertEqual(self.stage_class(["--n_layer", "6", *gpipe, "--pp_layers_per_stage", "1,2,2,1"]),
+                         [0, 1, 1, 3])
+        self.assertEqual(self.stage_class(["--n_layer", "6", *gpipe, "--pp_layers_per_stage", "2,2,1,1"]),
+                         [0, 1, 2, 3])  # stage 1 holds two Blocks, stage 2 one
+        self.assertEqual(self.stage_class(["--n_layer", "8", *gpipe, "--moe_num_experts", "4", "--moe_every", "3"]),
+                         [0, 1, 2, 3])  # Blocks 2 and 5 are MoE: stage 1 holds (MoE, dense), stage 2 (dense, MoE)
+        self.assertEqual(self.stage_class(["--n_layer", "8", *gpipe, "--moe_num_experts", "4", "--moe_every", "2"]),
+                         [0, 1, 1, 3])  # each stage (dense, MoE)
+        for schedule in (["--pp_schedule", "zb_h1"], ["--pp_schedule", "zbv", "--pp_virtual_stages", "2"]):
+            self.assertEqual(self.stage_class(["--n_layer", "8", "--pipeline_parallel_size", "4", *schedule]),
+                             [0, 1, 2, 3], schedule)
+
+    def test_shift_moves_pp(self):
+        from parallel.mesh import ParallelDims
+        dims = ParallelDims(dp=1, tp=1, world_size=8, pp=4, cp=2)
+        lay = V.Layout(dims)
+        self.assertEqual(lay.stage_class, [0, 1, 2, 3])  # without stages, every stage is its own class
+        f = lay.shift(2, 5)  # rank 2 = (pp 1, cp 0), rank 5 = (pp 2, cp 1): pp +1, cp +1
+        self.assertEqual([f(r) for r in (2, 3, 0, 7)], [5, 4, 3, 0])
+
     def test_coordinates_and_shift(self):
         from parallel.mesh import ParallelDims
         lay = V.Layout(ParallelDims(dp=2, tp=2, world_size=16, pp=2, cp=2))
