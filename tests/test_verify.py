@@ -237,6 +237,32 @@ class TestReplay(unittest.TestCase):
         self.assertIn("never matched, first rank 0's send to rank 1", V.replay_p2p(t, V.DISCIPLINES["nccl"]))
 
 
+class TestComponents(unittest.TestCase):
+    """check_p2p replays one component of each kind (`p2p_components`): ranks joined by messages, alike up to the
+    ranks' names."""
+
+    @staticmethod
+    def pair(a: int, b: int, clash: bool) -> dict[int, list[tuple]]:
+        """Ranks a and b exchange one message each way: a sends first and b receives first, or (`clash`) both send
+        first (NCCL's pair FIFOs then have two sends at their heads)."""
+        out = {}
+        for r, peer in ((a, b), (b, a)):
+            first, then = ("send", "recv") if r == a or clash else ("recv", "send")
+            out[r] = [(first, 0, peer, (a, b), "float32", 8, "step", 1, "here"),
+                      (then, 1, peer, (a, b), "float32", 8, "step", 1, "here"),
+                      ("wait", 0, -1, (), "", 0, "step", 1, "here"), ("wait", 1, -1, (), "", 0, "step", 1, "here")]
+        return out
+
+    def test_alike_components_replay_once(self):
+        t = {**self.pair(0, 1, False), **self.pair(2, 3, True), **self.pair(4, 5, True), 6: []}
+        self.assertEqual(V.p2p_components(t), [[[0, 1]], [[2, 3], [4, 5]], [[6]]])
+        self.assertIsNone(V.replay_components(t, V.DISCIPLINES["async"]))
+        problem = V.replay_components(t, V.DISCIPLINES["nccl"])  # both send first: the pair FIFOs' heads are sends
+        self.assertEqual(problem, V.replay_p2p({r: t[r] for r in (2, 3)}, V.DISCIPLINES["nccl"]) +
+                         " (so too in the 1 component(s) alike: ranks [4-5])")
+        self.assertIn("deadlock: ranks [2-3]", problem)
+
+
 class TestLayout(unittest.TestCase):
     def stage_class(self, layout: list[str], world: int = 4) -> list[int]:
         return V.Layout.of(V.plan_for(flags(layout), world, 0)).stage_class
