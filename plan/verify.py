@@ -18,11 +18,24 @@ The ranks are then checked against each other and against the planner:
    of them span the whole world.
 
 Classes. Without --all_ranks one rank per class is simulated. A class is the set of ranks whose recordings must be
-the same up to a shift of the mesh (`translate`): the rank's pipeline stage (its schedule, its ends), the parity
-of its cp rank (`context_parallel.exchange_order`: even ranks send first) and nothing else; a rank that a fault
-hook names (GPT_COMM_FAULT_RANK, GPT_FAULT_RANK, ...) is a class of its own. Every other rank's recording is its
-class representative's with every rank in it shifted. With --all_ranks every rank is simulated and each one's
-recording is also held against its representative's shifted one (`symmetry`): that the classes are sound.
+the same up to a shift of the mesh (`Layout.shift`): the class of its pipeline stage, the parity of its cp rank
+(`context_parallel.exchange_order`: even ranks send first), under expert parallelism its EP rank, and nothing
+else; a rank that a fault hook names (GPT_COMM_FAULT_RANK, GPT_FAULT_RANK, ...) is a class of its own. Pipeline
+stages share a class when their `Stage` keys are equal (`stage_signatures`, computed from the plan without
+simulating): the Blocks they hold (each by its parameters' shapes: an uneven split, an MoE Block every N-th keep
+stages apart), whether they hold the first or last chunk (wte and the token ids; lm_head and the loss; the
+embedding group), and their training schedule's action list and evaluation order, peers written as pp offsets.
+So GPipe's interior stages of equal Blocks share a class (pp=32 x cp=2: 8 classes, not 64), and 1F1B's never do
+(stage r runs P-1-r warm-up forwards: another order of posts and waits); the first and last stage are always
+classes of their own. Every other rank's recording is its class representative's with every rank in it shifted,
+pp included (its peers are at the same offsets, so none crosses an end; a group over the whole pp dim maps onto
+itself); call sites name Blocks by their place in the stage (`Layout.local_site`). The planner's numbers are
+checked for the representative and, against the same recording, for each other stage it stands for. With
+--all_ranks every rank is simulated and each one's recording is also held against its representative's shifted
+one (`symmetry`): that the classes are sound.
+
+The p2p replay (3) runs on the whole world's traces, cut into components (ranks joined by messages) and one of each
+kind replayed (`p2p_components`: alike up to the ranks' names; pp=32 x dp=16 x cp=2 has 16 alike components).
 
 Exit code 0: consistent; 1: a finding (each printed); 2: bad input, in one line.
 """

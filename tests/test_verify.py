@@ -1,8 +1,11 @@
 """Simulated ranks (plan/fake_rank.py) and the checks across them (plan/verify.py, `python -m plan.verify`).
 
-Quick (the CI part, each simulated rank ~1 s): a 16-rank pp x dp x cp x tp layout and a pp x fsdp ZB-V layout,
-every rank simulated, are consistent; every rank's recording is its class representative's shifted, and the
-classes' shortcut gives the same verdict; a shortcut that forgot the cp rank's parity is caught by that check;
+Quick (the CI part, each simulated rank ~1 s): a 16-rank pp x dp x cp x tp layout, a pp x fsdp ZB-V layout, a pp=4
+GPipe x cp=2 layout whose interior stages share classes, interleaved 1F1B at M = P (the same) and pp=4 1F1B (no
+two stages alike), every rank simulated, are consistent; every rank's recording is its class representative's
+shifted (pp too), and the classes' shortcut gives the same verdict; a shortcut that forgot the cp rank's parity,
+or let 1F1B's interior stages share, is caught by that check; the stage keys, without simulating, keep apart an
+uneven split and MoE Blocks out of step; alike p2p components are replayed once;
 the seeded defects are caught and named: one rank skips a collective, one rank narrows one, one pipeline stage
 creates a group the others don't. The p2p replay under each discipline on hand-made traces, each able to fail.
 The command line (exit codes, its table, one-line bad input, GPT_COMM_FAULT's rank named), in this process;
