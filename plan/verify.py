@@ -18,11 +18,24 @@ The ranks are then checked against each other and against the planner:
    of them span the whole world.
 
 Classes. Without --all_ranks one rank per class is simulated. A class is the set of ranks whose recordings must be
-the same up to a shift of the mesh (`translate`): the rank's pipeline stage (its schedule, its ends), the parity
-of its cp rank (`context_parallel.exchange_order`: even ranks send first) and nothing else; a rank that a fault
-hook names (GPT_COMM_FAULT_RANK, GPT_FAULT_RANK, ...) is a class of its own. Every other rank's recording is its
-class representative's with every rank in it shifted. With --all_ranks every rank is simulated and each one's
-recording is also held against its representative's shifted one (`symmetry`): that the classes are sound.
+the same up to a shift of the mesh (`Layout.shift`): the class of its pipeline stage, the parity of its cp rank
+(`context_parallel.exchange_order`: even ranks send first), under expert parallelism its EP rank, and nothing
+else; a rank that a fault hook names (GPT_COMM_FAULT_RANK, GPT_FAULT_RANK, ...) is a class of its own. Pipeline
+stages share a class when their `Stage` keys are equal (`stage_signatures`, computed from the plan without
+simulating): the Blocks they hold (each by its parameters' shapes: an uneven split, an MoE Block every N-th keep
+stages apart), whether they hold the first or last chunk (wte and the token ids; lm_head and the loss; the
+embedding group), and their training schedule's action list and evaluation order, peers written as pp offsets.
+So GPipe's interior stages of equal Blocks share a class (pp=32 x cp=2: 8 classes, not 64), and 1F1B's never do
+(stage r runs P-1-r warm-up forwards: another order of posts and waits); the first and last stage are always
+classes of their own. Every other rank's recording is its class representative's with every rank in it shifted,
+pp included (its peers are at the same offsets, so none crosses an end; a group over the whole pp dim maps onto
+itself); call sites name Blocks by their place in the stage (`Layout.local_site`). The planner's numbers are
+checked for the representative and, against the same recording, for each other stage it stands for. With
+--all_ranks every rank is simulated and each one's recording is also held against its representative's shifted
+one (`symmetry`): that the classes are sound.
+
+The p2p replay (3) runs on the whole world's traces, cut into components (ranks joined by messages) and one of each
+kind replayed (`p2p_components`: alike up to the ranks' names; pp=32 x dp=16 x cp=2 has 16 alike components).
 
 Exit code 0: consistent; 1: a finding (each printed); 2: bad input, in one line.
 """
@@ -30,10 +43,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from plan.fake_rank import Op, RankRun
 
@@ -50,11 +66,24 @@ class Layout:
     """The mesh of a dims (parallel.mesh.ParallelDims): coordinates (pp, dp_replicate, dp_shard, cp, tp) of a rank,
     tp fastest (parallel/mesh.py), and the classes of ranks that must record alike."""
 
-    def __init__(self, dims, special: frozenset[int] = frozenset()):
+    def __init__(self, dims, special: frozenset[int] = frozenset(), stages: Sequence[Stage] | None = None):
+        """`stages`: each pipeline rank's `Stage` (`stage_signatures`); pipeline ranks whose keys are equal share
+        classes. None: every pipeline rank is a class of its own (and a shift never moves pp)."""
         self.dims, self.special = dims, special
         self.sizes = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
         self.world = dims.world_size
         self._coords = [self._coordinates(r) for r in range(self.world)]
+        self.stages = list(stages) if stages is not None else None
+        if self.stages is not None and len(self.stages) != dims.pp:
+            raise ValueError(f"{len(self.stages)} stage signatures for pp={dims.pp}")
+        first: dict[tuple, int] = {}
+        self.stage_class = [first.setdefault(s.key, p) for p, s in enumerate(self.stages)] if self.stages \
+            else list(range(dims.pp))  # pp rank -> the lowest pp rank whose stage records alike
+
+    @classmethod
+    def of(cls, plan, special: frozenset[int] = frozenset()) -> "Layout":
+        """The layout of a validated plan (config.validate), its pipeline ranks' classes from `stage_signatures`."""
+        return cls(plan.dims, special, stage_signatures(plan))
 
     def _coordinates(self, rank: int) -> tuple[int, ...]:
         out = []
@@ -73,15 +102,16 @@ class Layout:
         return r
 
     def class_key(self, rank: int) -> tuple:
-        """What decides a rank's control flow: its pipeline stage, the parity of its cp rank and, under expert
-        parallelism, its EP rank (the experts it holds: which rows it sends where; a shift that keeps it maps EP
-        groups onto EP groups) (or, for a rank a fault hook names, the rank itself)."""
+        """What decides a rank's control flow: its pipeline stage's class (`stage_class`: the lowest pipeline rank
+        whose `Stage.key` equals its own), the parity of its cp rank and, under expert parallelism, its EP rank
+        (the experts it holds: which rows it sends where; a shift that keeps it maps EP groups onto EP groups)
+        (or, for a rank a fault hook names, the rank itself)."""
         if rank in self.special:
             return ("rank", rank)
         pp, dr, ds, cp, _ = self.coords(rank)
         ep = getattr(self.dims, "ep", 1)
         loss = (dr * self.dims.dp_shard + ds) * self.dims.cp + cp  # parallel.mesh.expert_dims' loss rank
-        return ("stage", pp, cp % 2) + ((loss % ep,) if ep > 1 else ())
+        return ("stage", self.stage_class[pp], cp % 2) + ((loss % ep,) if ep > 1 else ())
 
     def classes(self) -> dict[int, list[int]]:
         """{representative: members}, the representative the lowest member."""
@@ -95,13 +125,23 @@ class Layout:
 
     def shift(self, src: int, dst: int):
         """The map of global ranks that carries rank src's recording to rank dst's (same class): every coordinate
-        but pp moved by dst's minus src's, modulo its size."""
+        moved by dst's minus src's, modulo its size. pp moves only between stages of one class, whose pipeline
+        peers are the neighbours at the same offsets (`Stage.key`), so no peer crosses the pipeline's ends; a
+        group spanning the whole pp dim maps onto itself."""
         a, b = self.coords(src), self.coords(dst)
-        delta = [0] + [(y - x) for x, y in zip(a[1:], b[1:])]
+        delta = [(y - x) for x, y in zip(a, b)]
         if not any(delta):
             return lambda r: r
         sizes, coords, rank = self.sizes, self._coords, self.rank
         return lambda r: rank([(c + d) % s for c, d, s in zip(coords[r], delta, sizes)])
+
+    def local_site(self, site: str, rank: int) -> str:
+        """A call site with each Block it names by global index (`transformer.h.17`) named by its place among
+        rank's stage's Blocks (`transformer.h.@1`): what a shift in pp keeps."""
+        if self.stages is None:
+            return site
+        blocks = self.stages[self.coords(rank)[0]].blocks
+        return BLOCK.sub(lambda m: f"@{blocks.index(int(m[0]))}" if int(m[0]) in blocks else f"?{m[0]}", site)
 
     def describe_group(self, ranks: tuple[int, ...]) -> str:
         """A group by the mesh dims its members span, and its ranks: `tp [4, 5]`, `world (16 ranks)`."""
@@ -110,6 +150,64 @@ class Layout:
         coords = [self.coords(r) for r in ranks]
         spans = [d for i, d in enumerate(DIMS) if len({c[i] for c in coords}) > 1]
         return f"{'x'.join(spans) or 'self'} {span(ranks)}"
+
+
+BLOCK = re.compile(r"(?<=\bh\.)\d+\b")  # a Block's global index in a unit's name: transformer.h.<17>
+
+
+class Stage(NamedTuple):
+    """A pipeline rank's part in the recording: `key`, everything its recording is made of beyond the mesh (two
+    pipeline ranks with equal keys record alike up to a shift of pp; `stage_signatures`), and `blocks`, the
+    global indices of the Blocks it holds, in its order (call sites name Blocks by them: `Layout.local_site`)."""
+    key: tuple
+    blocks: tuple[int, ...]
+
+
+def stage_signatures(plan) -> list[Stage]:
+    """Each pipeline rank's `Stage`, computed from the plan, without simulating. The key holds:
+    - its chunks in local order, each as (holds chunk 0: wte, wpe and the token ids; holds the last chunk: ln_f,
+      lm_head, the targets and the loss; its Blocks, each as its parameters' (name, shape, dtype) on meta):
+      an uneven split (the cost model's, --pp_layers_per_stage) or an MoE Block every N-th (--moe_every) keeps
+      stages apart, and so does any difference in state bytes, which the parameters decide;
+    - its training step's action list, as PipelineRunner.step takes it (parallel/pipeline_schedule.py,
+      ALL_SCHEDULES[schedule](P, M, V)[rank]; the sends' waits, `send_waits`, follow from it): each action as
+      (kind, local chunk, micro-batch, peer's pp offset for a SEND/RECV). GPipe's interior stages have equal
+      lists; 1F1B's do not (stage r runs P-1-r warm-up forwards), nor interleaved 1F1B's, ZB-H1's, ZB-V's or
+      DualPipe-V's, whose warm-ups depend on the rank too;
+    - its evaluation's order (PipelineRunner.forward_only): each local chunk in global order with the pp
+      offsets it receives from and sends to.
+    Peers as offsets: a stage sharing a class with another sends to and receives from the ranks at the same
+    offsets, so the pp shift between them maps every peer onto the other's. Without a pipeline: one Stage."""
+    import torch
+    from model import Block
+    from parallel.pipeline import chunk_ranges
+    from parallel.pipeline_schedule import (ALL_SCHEDULES, RECV_B, RECV_F, SEND_B, SEND_F, V_SCHEDULES, chunk_of,
+                                            rank_of)
+    d, par, n_layer = plan.dims, plan.par, plan.config.n_layer
+    if d.pp == 1:
+        return [Stage(("single",), tuple(range(n_layer)))]
+    P, V, v_shape = d.pp, par.pp_virtual, par.pp_schedule in V_SCHEDULES
+    C = P * V
+    layers = chunk_ranges(n_layer, C, par.pp_layers)
+    with torch.device("meta"):
+        block = [tuple((n, tuple(p.shape), str(p.dtype)) for n, p in Block(plan.config, i).named_parameters())
+                 for i in range(n_layer)]
+    schedule = ALL_SCHEDULES[par.pp_schedule](P, plan.grad_accum, V)
+    out = []
+    for r in range(P):
+        chunks = [chunk_of(r, v, P, v_shape) for v in range(V)]
+        local = {c: v for v, c in enumerate(chunks)}
+
+        def offset(c: int) -> int | None:  # the pp offset of chunk c's rank, None off the ends or on this rank
+            return None if not 0 <= c < C or rank_of(c, P, v_shape) == r else rank_of(c, P, v_shape) - r
+
+        held = tuple((c == 0, c == C - 1, tuple(block[i] for i in layers[c])) for c in chunks)
+        peer = {SEND_F: 1, RECV_B: 1, RECV_F: -1, SEND_B: -1}
+        actions = tuple((a.kind, local[a.chunk], a.micro,
+                         offset(a.chunk + peer[a.kind]) if a.kind in peer else None) for a in schedule[r])
+        evaluation = tuple((local[c], offset(c - 1), offset(c + 1)) for c in sorted(chunks))
+        out.append(Stage((held, actions, evaluation), tuple(i for c in chunks for i in layers[c])))
+    return out
 
 
 def span(ranks) -> str:
@@ -309,19 +407,35 @@ def p2p_models() -> list[str]:
 def replay_p2p(traces: dict[int, list[tuple]], d: Discipline) -> str | None:
     """Play every rank's recorded p2p posts and waits under discipline `d`; None when every op completes, else
     what went wrong: a send meeting a receive of another size or dtype, a deadlock (the ranks stuck and on what),
-    or ops never matched."""
+    or ops never matched. Event-driven: a rank is advanced again only when one of its ops completes, a channel
+    (sender, receiver, group) is matched again only when a post or a FIFO's new head touches it, so the replay
+    costs in the ops, not in rounds x ranks (1,024 ranks of a pp=32 GPipe: seconds, not a minute a discipline).
+    Matching is confluent (each channel pairs its k-th send with its k-th receive; a post or a completion never
+    undoes another), so the ops that complete, and a deadlock, do not depend on the order of the work."""
     pos = {r: 0 for r in traces}
     done: set[tuple[int, int]] = set()                   # (rank, n) of completed ops
     ops: dict[tuple[int, int], tuple] = {}               # (rank, n) -> event
     chan: dict[tuple, dict[str, deque]] = defaultdict(lambda: {"send": deque(), "recv": deque()})
     fifo: dict[tuple, deque] = defaultdict(deque)        # FIFO key -> (rank, n) in posting order
     waiting: dict[int, tuple[int, int]] = {}             # a blocking post: rank -> its op
+    ready, queued = deque(traces), set(traces)           # ranks to advance
+    dirty: deque = deque()                               # channels to match
+    dirty_set: set[tuple] = set()
 
     def fifo_key(r: int, e: tuple) -> tuple | None:
         return None if d.fifo is None else (r, e[2], e[3]) if d.fifo == "pair" else (r, e[3])
 
-    def advance(r: int) -> bool:
-        moved, trace = False, traces[r]
+    def chan_key(x: tuple[int, int]) -> tuple:
+        e = ops[x]
+        return (x[0], e[2], e[3]) if e[0] == "send" else (e[2], x[0], e[3])
+
+    def touch(key: tuple) -> None:
+        if key not in dirty_set:
+            dirty_set.add(key)
+            dirty.append(key)
+
+    def advance(r: int) -> None:
+        trace = traces[r]
         while pos[r] < len(trace):
             if r in waiting:
                 if waiting[r] not in done:
@@ -332,23 +446,30 @@ def replay_p2p(traces: dict[int, list[tuple]], d: Discipline) -> str | None:
                 if (r, e[1]) not in done:
                     break
             else:
-                ops[(r, e[1])] = e
-                src, dst = (r, e[2]) if e[0] == "send" else (e[2], r)
-                chan[(src, dst, e[3])][e[0]].append((r, e[1]))
+                x = (r, e[1])
+                ops[x] = e
+                chan[chan_key(x)][e[0]].append(x)
+                touch(chan_key(x))
                 if d.fifo is not None:
-                    fifo[fifo_key(r, e)].append((r, e[1]))
+                    fifo[fifo_key(r, e)].append(x)
                 if d.blocking:
-                    waiting[r] = (r, e[1])
+                    waiting[r] = x
             pos[r] += 1
-            moved = True
-        return moved
+        if r in waiting and waiting[r] in done:
+            del waiting[r]
 
     def heads(x: tuple[int, int]) -> bool:
         return d.fifo is None or fifo[fifo_key(x[0], ops[x])][0] == x
 
-    while True:
-        moved = any([advance(r) for r in traces])
-        for key, q in chan.items():
+    while ready or dirty:
+        while ready:
+            r = ready.popleft()
+            queued.discard(r)
+            advance(r)
+        while dirty:
+            key = dirty.popleft()
+            dirty_set.discard(key)
+            q = chan[key]
             while q["send"] and q["recv"] and heads(q["send"][0]) and heads(q["recv"][0]):
                 s, v = q["send"].popleft(), q["recv"].popleft()
                 es, ev = ops[s], ops[v]
@@ -357,12 +478,15 @@ def replay_p2p(traces: dict[int, list[tuple]], d: Discipline) -> str | None:
                             f"a receive of {ev[4]} x{ev[5]} ({ev[8]})")
                 for x in (s, v):
                     done.add(x)
+                    if x[0] not in queued:
+                        queued.add(x[0])
+                        ready.append(x[0])
                     if d.fifo is not None:
-                        fifo[fifo_key(x[0], ops[x])].popleft()
-                moved = True
-        if not moved:
-            break
-    stuck = {r: traces[r][pos[r]] for r in traces if pos[r] < len(traces[r]) or r in waiting}
+                        f = fifo[fifo_key(x[0], ops[x])]
+                        f.popleft()
+                        if f:
+                            touch(chan_key(f[0]))
+    stuck = [r for r in traces if pos[r] < len(traces[r]) or r in waiting]
     if stuck:
         def on(r: int) -> str:
             e = ops[waiting[r]] if r in waiting else ops.get((r, traces[r][pos[r]][1]))
@@ -381,17 +505,64 @@ def replay_p2p(traces: dict[int, list[tuple]], d: Discipline) -> str | None:
     return None
 
 
+def p2p_components(traces: dict[int, list[tuple]]) -> list[list[list[int]]]:
+    """The ranks cut into components, ranks joined by a message (a replay never lets one component wait on
+    another: FIFOs and blocking posts are a rank's own, a channel joins two ranks), and the components grouped by
+    their traces with every rank renamed by its place in its component (a group's rank outside it kept as it
+    is): alike components replay alike, up to those names. [[component, alike, ...], ...], ranks sorted."""
+    parent = {r: r for r in traces}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for r, t in traces.items():
+        for e in t:
+            if e[0] != "wait" and e[2] in parent:
+                a, b = find(r), find(e[2])
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+    comps: dict[int, list[int]] = defaultdict(list)
+    for r in sorted(traces):
+        comps[find(r)].append(r)
+    alike: dict[tuple, list[list[int]]] = {}
+    for comp in comps.values():
+        idx = {r: i for i, r in enumerate(comp)}
+        names: dict[tuple, tuple] = {}
+        rename = lambda g: names.get(g) or names.setdefault(g, tuple(idx.get(x, ("out", x)) for x in g))  # noqa: E731
+        form = tuple(tuple((e[0], e[1], idx.get(e[2], ("out", e[2])), rename(e[3]), *e[4:]) for e in traces[r])
+                     for r in comp)
+        alike.setdefault(form, []).append(comp)
+    return list(alike.values())
+
+
 def check_p2p(w: World) -> tuple[list[str], int]:
-    """3. Every model of p2p_models(): (findings, p2p messages per step summed over ranks in the last step)."""
+    """3. Every model of p2p_models(): (findings, p2p messages per step summed over ranks in the last step). One
+    component of each kind (`p2p_components`) is replayed: a pp=32 x dp=16 x cp=2 layout's 16 pp x cp
+    components are alike, one replay of 64 ranks stands for 1,024."""
     traces = {r: w.p2p(r) for r in range(w.layout.world)}
     if not any(traces.values()):
         return [], 0
-    out = []
+    out, kinds = [], p2p_components(traces)
     for m in p2p_models():
-        problem = replay_p2p(traces, DISCIPLINES[m])
+        problem = replay_components(traces, DISCIPLINES[m], kinds)
         if problem:
             out.append(f"p2p under {m}: {problem}")
     return out, sum(1 for t in traces.values() for e in t if e[0] == "send")
+
+
+def replay_components(traces: dict[int, list[tuple]], d: Discipline, kinds: list | None = None) -> str | None:
+    """`replay_p2p` of one component of each kind (`kinds`: p2p_components(traces)); the first problem, with the
+    components alike to the one it is in."""
+    for comps in kinds if kinds is not None else p2p_components(traces):
+        problem = replay_p2p({r: traces[r] for r in comps[0]}, d)
+        if problem:
+            others = [r for c in comps[1:] for r in c]
+            return problem + (f" (so too in the {len(comps) - 1} component(s) alike: ranks {span(others)})"
+                              if others else "")
+    return None
 
 
 def predicted(plan, coords: tuple[int, ...]) -> dict:
@@ -408,30 +579,47 @@ def predicted(plan, coords: tuple[int, ...]) -> dict:
 
 
 def check_planner(w: World, plans: dict[int, object]) -> tuple[list[str], dict[int, dict]]:
-    """4. Per simulated rank: state bytes, the last step's comm bytes and calls, the peak, against the planner."""
+    """4. Per simulated rank: state bytes, the last step's comm bytes and calls, the peak, against the planner;
+    and the same recording against the planner's numbers for each other pipeline stage of its class (a stage
+    that shares a class records alike, so the planner must predict it alike)."""
     out, rows = [], {}
-    nz = lambda d: {k: v for k, v in (d or {}).items() if v}  # noqa: E731
+    lay = w.layout
+    members: dict[int, set[int]] = defaultdict(set)  # simulated rank -> the pp ranks of its class it stands for
+    for m, rep in w.rep.items():
+        if m not in w.runs:
+            members[rep].add(lay.coords(m)[0])
     for r, run in sorted(w.runs.items()):
         if not run.steps:
             continue
-        plan = plans[r]
-        p = predicted(plan, w.layout.coords(r))
+        plan, coords = plans[r], lay.coords(r)
+        p = predicted(plan, coords)
         m = run.steps[max(run.steps)]
         rows[r] = {"state": m["state_bytes"], "state_predicted": p["state_bytes"],
                    "peak": m.get("peak_allocated_bytes"), "peak_predicted": p["peak_memory_bytes"]}
-        if m["state_bytes_by_kind"] != p["state_bytes_by_kind"]:
-            out.append(f"planner: rank {r}: state bytes {m['state_bytes_by_kind']} != predicted {p['state_bytes_by_kind']}")
-        if w.layout.world > 1:
-            for key in ("comm_bytes", "comm_calls"):
-                if nz(m.get(key)) != nz(p.get(key)):
-                    out.append(f"planner: rank {r}: step {max(run.steps)}'s {key} {nz(m.get(key))} != predicted "
-                               f"{nz(p.get(key))}")
-        got = m.get("peak_allocated_bytes")
-        if got and abs(p["peak_memory_bytes"] - got) > PEAK_RTOL * got:
-            out.append(f"planner: rank {r}: peak {got} B (live fake storages, step {max(run.steps)}) vs predicted "
-                       f"{p['peak_memory_bytes']} B ({100 * (p['peak_memory_bytes'] - got) / got:+.1f}%, beyond "
-                       f"{PEAK_RTOL:.0%})")
+        out += planner_misses(f"rank {r}", m, max(run.steps), p, lay.world)
+        for pp in sorted(members[r] - {coords[0]}):
+            other = lay.rank((pp, *coords[1:]))
+            out += planner_misses(f"rank {other} (rank {r}'s recording, shifted)", m, max(run.steps),
+                                  predicted(plan, lay.coords(other)), lay.world)
     return out, rows
+
+
+def planner_misses(who: str, m: dict, step: int, p: dict, world: int) -> list[str]:
+    """Where a step's record `m` (train.step_metrics) and the planner's prediction `p` for it differ."""
+    out = []
+    nz = lambda d: {k: v for k, v in (d or {}).items() if v}  # noqa: E731
+    if m["state_bytes_by_kind"] != p["state_bytes_by_kind"]:
+        out.append(f"planner: {who}: state bytes {m['state_bytes_by_kind']} != predicted {p['state_bytes_by_kind']}")
+    if world > 1:
+        for key in ("comm_bytes", "comm_calls"):
+            if nz(m.get(key)) != nz(p.get(key)):
+                out.append(f"planner: {who}: step {step}'s {key} {nz(m.get(key))} != predicted {nz(p.get(key))}")
+    got = m.get("peak_allocated_bytes")
+    if got and abs(p["peak_memory_bytes"] - got) > PEAK_RTOL * got:
+        out.append(f"planner: {who}: peak {got} B (live fake storages, step {step}) vs predicted "
+                   f"{p['peak_memory_bytes']} B ({100 * (p['peak_memory_bytes'] - got) / got:+.1f}%, beyond "
+                   f"{PEAK_RTOL:.0%})")
+    return out
 
 
 def startup(w: World) -> dict:
@@ -449,8 +637,9 @@ def symmetry(w: World) -> list[str]:
     peers, in order): the classes are sound for this layout."""
     out = []
     shifted = World(w.layout, {r: run for r, run in w.runs.items() if w.rep[r] == r}, w.rep)
-    seen = lambda world, r: {g: [(o.signature(), o.site, o.phase, o.step) for o in ops]  # noqa: E731
-                             for g, ops in world.collectives(r).items()}
+    lay = w.layout
+    seen = lambda world, r: {g: [(o.signature(), lay.local_site(o.site, world.source(r)[0].rank), o.phase, o.step)  # noqa: E731
+                                 for o in ops] for g, ops in world.collectives(r).items()}
     for r, run in sorted(w.runs.items()):
         if w.rep[r] == r:
             continue
@@ -473,7 +662,7 @@ def verify(flags: list[str], world: int, all_ranks: bool = False, progress=None)
     """Simulate the layout's ranks (all, or one per class) and `judge` them. Raises config.UsageError on bad flags
     (before any rank runs)."""
     t0 = time.perf_counter()
-    layout = Layout(plan_for(flags, world, 0).dims, fault_ranks(world))
+    layout = Layout.of(plan_for(flags, world, 0), fault_ranks(world))
     ranks = list(range(world)) if all_ranks else sorted(layout.classes())
     runs = simulate_ranks(flags, world, ranks, progress)
     verdict = judge(layout, runs, {r: plan_for(flags, world, r) for r in ranks})

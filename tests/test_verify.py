@@ -1,8 +1,11 @@
 """Simulated ranks (plan/fake_rank.py) and the checks across them (plan/verify.py, `python -m plan.verify`).
 
-Quick (the CI part, each simulated rank ~1 s): a 16-rank pp x dp x cp x tp layout and a pp x fsdp ZB-V layout,
-every rank simulated, are consistent; every rank's recording is its class representative's shifted, and the
-classes' shortcut gives the same verdict; a shortcut that forgot the cp rank's parity is caught by that check;
+Quick (the CI part, each simulated rank ~1 s): a 16-rank pp x dp x cp x tp layout, a pp x fsdp ZB-V layout, a pp=4
+GPipe x cp=2 layout whose interior stages share classes, interleaved 1F1B at M = P (the same) and pp=4 1F1B (no
+two stages alike), every rank simulated, are consistent; every rank's recording is its class representative's
+shifted (pp too), and the classes' shortcut gives the same verdict; a shortcut that forgot the cp rank's parity,
+or let 1F1B's interior stages share, is caught by that check; the stage keys, without simulating, keep apart an
+uneven split and MoE Blocks out of step; alike p2p components are replayed once;
 the seeded defects are caught and named: one rank skips a collective, one rank narrows one, one pipeline stage
 creates a group the others don't. The p2p replay under each discipline on hand-made traces, each able to fail.
 The command line (exit codes, its table, one-line bad input, GPT_COMM_FAULT's rank named), in this process;
@@ -35,6 +38,11 @@ EP4 = ["--moe_num_experts", "8", "--expert_parallel_size", "2", "--data_parallel
        "--data_parallel_type", "ddp"]  # 4 ranks, 4 experts each
 ZBV4 = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "zbv", "--pp_virtual_stages", "2",
         "--data_parallel_size", "2", "--data_parallel_type", "fsdp"]  # 4 ranks
+GPIPE8 = ["--n_layer", "4", "--pipeline_parallel_size", "4", "--pp_schedule", "gpipe", "--context_parallel_size", "2",
+          "--data_parallel_type", "fsdp"]  # 8 ranks: stages 1 and 2 alike (the 1,024-rank pp=32 GPipe x cp layout's kind)
+ONE_F_ONE_B4 = ["--n_layer", "4", "--pipeline_parallel_size", "4"]  # 4 ranks, 1F1B, M = 4: no two stages alike
+INTERLEAVED4 = ["--n_layer", "8", "--pipeline_parallel_size", "4", "--pp_schedule", "interleaved_1f1b",
+                "--pp_virtual_stages", "2"]  # 4 ranks, M = P = 4: every warm-up is every forward, stages 1, 2 alike
 
 
 def flags(layout: list[str]) -> list[str]:
@@ -51,7 +59,7 @@ def every_rank(layout: list[str], world: int) -> tuple[V.Layout, dict, dict]:
         f = flags(layout)
         runs = V.simulate_ranks(f, world, list(range(world)))
         plans = {r: V.plan_for(f, world, r) for r in range(world)}
-        _RUNS[key] = (V.Layout(plans[0].dims), runs, plans)
+        _RUNS[key] = (V.Layout.of(plans[0]), runs, plans)
     return _RUNS[key]
 
 
@@ -102,6 +110,30 @@ class TestConsistent(unittest.TestCase):
         lay, runs = self.check(EP4, 4, classes=2)
         self.assertTrue(all(run.steps[2]["comm_calls"]["all_to_all"] for run in runs.values()))
 
+    def test_gpipe_interior_stages_share_a_class(self):
+        """pp=4 GPipe x cp=2: stages 1 and 2 hold one Block each and run the same action list with their peers
+        one rank up and down, so they share classes (3 stage classes x 2 cp parities); every rank of stage 2 is
+        a rank of stage 1 shifted by one in pp (`symmetry`, its call sites' Blocks by local index), and the
+        shortcut's verdict and table equal every rank's, the planner's numbers for stage 2 included."""
+        lay, _ = self.check(GPIPE8, 8, classes=6)
+        self.assertEqual(lay.stage_class, [0, 1, 1, 3])
+        self.assertEqual(lay.representative()[lay.rank((2, 0, 0, 1, 0))], lay.rank((1, 0, 0, 1, 0)))
+
+    def test_interleaved_interior_stages_share_a_class_when_m_equals_p(self):
+        """Interleaved 1F1B with M = P: every rank's warm-up is all its forwards, so ranks 1 and 2 (chunks 1, 5
+        and 2, 6) run the same list; sound across V > 1 too."""
+        lay, _ = self.check(INTERLEAVED4, 4, classes=3)
+        self.assertEqual(lay.stage_class, [0, 1, 1, 3])
+
+    def test_1f1b_stages_stay_apart(self):
+        """1F1B: stage r runs P-1-r warm-up forwards, so its posts and waits differ from its neighbours' beyond a
+        shift; the key keeps every stage apart. (A key that let 1F1B's interior stages share, e.g. one without
+        the action list, would be caught here by `symmetry`: rank 2 is not rank 1 shifted.)"""
+        lay, runs = self.check(ONE_F_ONE_B4, 4, classes=4)
+        blind = V.Layout(lay.dims, stages=[lay.stages[0], lay.stages[1], lay.stages[1], lay.stages[3]])
+        self.assertEqual(V.symmetry(V.World(blind, runs, blind.representative())),
+                         ["classes: rank 2's recording is not rank 1's shifted (the class shortcut would not see it)"])
+
     def test_a_shortcut_blind_to_the_cp_parity_is_caught(self):
         """Were the classes the pipeline stage alone, the odd cp ranks would be taken for shifted even ones: they
         post their ring's receive before its send (context_parallel.exchange_order). `symmetry` says so."""
@@ -123,7 +155,7 @@ class TestSeededDefects(unittest.TestCase):
 
     def judge(self, layout, world, faulty: dict, special=frozenset()):
         lay, runs, plans = every_rank(layout, world)
-        lay = V.Layout(lay.dims, frozenset(special))
+        lay = V.Layout(lay.dims, frozenset(special), lay.stages)
         return V.judge(lay, {**runs, **faulty}, plans).findings
 
     def test_a_rank_skips_a_collective(self):
@@ -208,7 +240,60 @@ class TestReplay(unittest.TestCase):
         self.assertIn("never matched, first rank 0's send to rank 1", V.replay_p2p(t, V.DISCIPLINES["nccl"]))
 
 
+class TestComponents(unittest.TestCase):
+    """check_p2p replays one component of each kind (`p2p_components`): ranks joined by messages, alike up to the
+    ranks' names."""
+
+    @staticmethod
+    def pair(a: int, b: int, clash: bool) -> dict[int, list[tuple]]:
+        """Ranks a and b exchange one message each way: a sends first and b receives first, or (`clash`) both send
+        first (NCCL's pair FIFOs then have two sends at their heads)."""
+        out = {}
+        for r, peer in ((a, b), (b, a)):
+            first, then = ("send", "recv") if r == a or clash else ("recv", "send")
+            out[r] = [(first, 0, peer, (a, b), "float32", 8, "step", 1, "here"),
+                      (then, 1, peer, (a, b), "float32", 8, "step", 1, "here"),
+                      ("wait", 0, -1, (), "", 0, "step", 1, "here"), ("wait", 1, -1, (), "", 0, "step", 1, "here")]
+        return out
+
+    def test_alike_components_replay_once(self):
+        t = {**self.pair(0, 1, False), **self.pair(2, 3, True), **self.pair(4, 5, True), 6: []}
+        self.assertEqual(V.p2p_components(t), [[[0, 1]], [[2, 3], [4, 5]], [[6]]])
+        self.assertIsNone(V.replay_components(t, V.DISCIPLINES["async"]))
+        problem = V.replay_components(t, V.DISCIPLINES["nccl"])  # both send first: the pair FIFOs' heads are sends
+        self.assertEqual(problem, V.replay_p2p({r: t[r] for r in (2, 3)}, V.DISCIPLINES["nccl"]) +
+                         " (so too in the 1 component(s) alike: ranks [4-5])")
+        self.assertIn("deadlock: ranks [2-3]", problem)
+
+
 class TestLayout(unittest.TestCase):
+    def stage_class(self, layout: list[str], world: int = 4) -> list[int]:
+        return V.Layout.of(V.plan_for(flags(layout), world, 0)).stage_class
+
+    def test_stage_keys_without_simulating(self):
+        """Stages share a class exactly when they hold alike Blocks and run alike lists: an uneven split, an MoE
+        Block every third, a schedule whose warm-up depends on the rank keep interior stages apart."""
+        gpipe = ["--pipeline_parallel_size", "4", "--pp_schedule", "gpipe"]
+        self.assertEqual(self.stage_class(["--n_layer", "6", *gpipe, "--pp_layers_per_stage", "1,2,2,1"]),
+                         [0, 1, 1, 3])
+        self.assertEqual(self.stage_class(["--n_layer", "6", *gpipe, "--pp_layers_per_stage", "2,2,1,1"]),
+                         [0, 1, 2, 3])  # stage 1 holds two Blocks, stage 2 one
+        self.assertEqual(self.stage_class(["--n_layer", "8", *gpipe, "--moe_num_experts", "4", "--moe_every", "3"]),
+                         [0, 1, 2, 3])  # Blocks 2 and 5 are MoE: stage 1 holds (MoE, dense), stage 2 (dense, MoE)
+        self.assertEqual(self.stage_class(["--n_layer", "8", *gpipe, "--moe_num_experts", "4", "--moe_every", "2"]),
+                         [0, 1, 1, 3])  # each stage (dense, MoE)
+        for schedule in (["--pp_schedule", "zb_h1"], ["--pp_schedule", "zbv", "--pp_virtual_stages", "2"]):
+            self.assertEqual(self.stage_class(["--n_layer", "8", "--pipeline_parallel_size", "4", *schedule]),
+                             [0, 1, 2, 3], schedule)
+
+    def test_shift_moves_pp(self):
+        from parallel.mesh import ParallelDims
+        dims = ParallelDims(dp=1, tp=1, world_size=8, pp=4, cp=2)
+        lay = V.Layout(dims)
+        self.assertEqual(lay.stage_class, [0, 1, 2, 3])  # without stages, every stage is its own class
+        f = lay.shift(2, 5)  # rank 2 = (pp 1, cp 0), rank 5 = (pp 2, cp 1): pp +1, cp +1
+        self.assertEqual([f(r) for r in (2, 3, 0, 7)], [5, 4, 3, 0])
+
     def test_coordinates_and_shift(self):
         from parallel.mesh import ParallelDims
         lay = V.Layout(ParallelDims(dp=2, tp=2, world_size=16, pp=2, cp=2))
