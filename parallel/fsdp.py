@@ -59,11 +59,12 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     What is communicated, when and in which direction (per micro-step; N = size of `process_group`):
     - forward: each Block's flat shard is all-gathered (in `param_dtype`) in its forward pre-hook and, with
       `reshard_after_forward`, freed in its forward hook; with `prefetch`, the next Block's all-gather is
-      issued before the current one runs. The root is gathered at the start of forward and kept until its
+      issued before the current one runs (the next in the same run: a pipeline stage's chunk, `block_runs`). The root is gathered at the start of forward and kept until its
       gradient is reduced (it is used at both ends of forward and first in backward).
     - backward: a hook on each Block's output re-gathers that Block before its backward (and prefetches
       the previous Block's); a hook on the unit's flat leaf fires once all its gradients are summed and
-      starts the unit's `GradReduction` (reduce-scatter, accumulated in fp32 into the shard `.grad`). A
+      starts the unit's `GradReduction` (reduce-scatter, accumulated in fp32 into the shard `.grad`), unless
+      `hold_root_grads` keeps a root's for a later backward of the same micro-batch (a V's rank 0). A
       callback queued on the autograd engine waits for the last reduce-scatters.
     - `clip_grad_norm_`: one all-reduce of a scalar (uncounted). State dicts: one all-gather (or broadcast)
       per unit (`FlatLayout`).
@@ -119,6 +120,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         self.events: list[tuple[str, str, str]] = []  # (what, unit, phase) since the last forward began
         self.reduction = GradReduction(process_group, replicate_group, reduce_dtype, self.events)
         self._backward_started = False
+        self._holding_roots = False  # inside `hold_root_grads`: the roots' gradients accumulate, unreduced
 
         is_meta = any(p.is_meta for p in module.parameters())
         if is_meta and deferred_init_seed is None:
@@ -135,6 +137,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         blocks = blocks_by_index(module)  # a GPT's Blocks, or a pipeline stage's (keyed by global index)
         self._position = {i: pos for pos, (i, _) in enumerate(blocks, start=1)}  # global Block -> unit
         self._global = [None] + [i for i, _ in blocks]
+        # global Block -> the run it belongs to: the Blocks one forward call runs together (prefetch stays in one)
+        self._run_of = {i: k for k, run in enumerate(block_runs(module)) for i in run}
         self._n_blocks = len(blocks)
         self.separate = dict(separate or {})  # unit name -> the module prefixes it holds (units after the Blocks)
         # parameters copied over a group of their own (EP's experts): unit name -> (its Block's unit, the group)
@@ -199,9 +203,12 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         return [p for u in self.units if u.name == name for p, _, _ in u.pieces]
 
     def _adjacent(self, i: int, j: int) -> bool:
-        """Units i and j are neighbouring Blocks of the model (worth a prefetch): not across a gap in the Blocks'
-        global indices (a module holding parts of the model runs them at other times)."""
-        return 1 <= j <= self._n_blocks and abs(self._global[i] - self._global[j]) == 1
+        """Units i and j are neighbouring Blocks of one run (worth a prefetch): not across a gap in the Blocks'
+        global indices, nor across two runs (`block_runs`: a pipeline stage's chunks, whose forward and backward
+        are separate calls at other times; a V's middle rank holds Blocks i and i+1 in two chunks, and a prefetch
+        from one into the other was released unused at the end of the chunk's backward)."""
+        return (1 <= j <= self._n_blocks and abs(self._global[i] - self._global[j]) == 1
+                and self._run_of[self._global[i]] == self._run_of[self._global[j]])
 
     def _build_unit(self, index: int, seed: int | None, device: torch.device) -> _FlatUnit:
         """Materialise (if asked), flatten and shard one unit, then drop its full parameters."""
@@ -331,7 +338,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         if unit.acc_grad is not None:
             grad = unit.acc_grad.copy_(grad) if unit.acc_stale else unit.acc_grad.add_(grad)
             unit.acc_grad, unit.acc_stale = None, False
-        if not self.require_backward_grad_sync or self.policy.reduces_at_end:
+        if not self.require_backward_grad_sync or self.policy.reduces_at_end or (
+                self._holding_roots and unit in self.roots):
             unit.acc_grad = grad
             return
         self.reduction.finish(final=False)  # one reduce-scatter in flight: full gradients are not kept around
@@ -364,6 +372,21 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
                 self.reduction.start(unit, unit.acc_grad)
                 unit.acc_grad = None
         self.reduction.finish()
+
+    @contextlib.contextmanager
+    def hold_root_grads(self):
+        """Inside, the roots' gradients are kept unreduced: a backward's full gradient of a root goes into its
+        `acc_grad` (reduce dtype; summed with one kept before), and the root's next reduction outside adds it in,
+        so the sum is reduce-scattered once. For a rank that runs the roots' two users as two calls (a V's rank 0:
+        the head's chunk, whose backward comes first, and the embeddings' chunk): held in the head's backward, the
+        root is reduce-scattered once per micro-batch, at the embeddings' backward, not after each (ZeRO-2/3;
+        ZeRO-1 reduces once per step anyway). Costs one full root gradient kept from the one backward to the
+        other."""
+        self._holding_roots = True
+        try:
+            yield
+        finally:
+            self._holding_roots = False
 
     @contextlib.contextmanager
     def finish_on_exit(self):
@@ -469,6 +492,15 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """The sum of `state_breakdown`."""
         return sum(self.state_breakdown(optimizer).values())
+
+
+def block_runs(module: nn.Module) -> list[list[int]]:
+    """Global indices of the Blocks that one call of `module` runs together, run by run: a pipeline stage's chunks
+    (`chunks`, `layers`: each run by its own `forward_chunk`, parallel/pipeline.py), or a GPT's Blocks, one run."""
+    chunks, layers = getattr(module, "chunks", None), getattr(module, "layers", None)
+    if chunks is not None and layers is not None:
+        return [list(layers[c]) for c in chunks]
+    return [[i for i, _ in blocks_by_index(module)]]
 
 
 def unit_key(name: str, separate: dict[str, tuple[str, ...]] | None = None) -> str:

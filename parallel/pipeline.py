@@ -304,7 +304,8 @@ class PipelineRunner:
                 self.peak_in_flight = max(self.peak_in_flight, len(live))
             elif a.kind == B:
                 inp, out = stored.pop(key)
-                with defer(key):  # split: the input gradient only (and a checkpointed Block's recompute)
+                # split: the input gradient only (and a checkpointed Block's recompute)
+                with defer(key), self._hold_roots(a.chunk):
                     if a.chunk == st.n_chunks - 1:
                         torch.autograd.backward(scale(out) if scale is not None else out)
                     elif (side := sides.pop(key, None)) is not None:  # its side loss, seeded as the loss is
@@ -343,6 +344,16 @@ class PipelineRunner:
         assert not stored and not act_in and not grad_out and not to_send and not recvs and not (split and self.store), \
             "schedule left work undone"
         return loss
+
+    def _hold_roots(self, chunk: int):
+        """Under our sharding engine on a rank holding both ends of more than one chunk (a V's rank 0): inside the
+        last chunk's B, the engine keeps the root's gradient (the head's ln_f and lm_head = wte) unreduced
+        (`hold_root_grads`), and chunk 0's B of the same micro-batch, which always comes later, reduce-scatters the
+        sum once: one reduce-scatter of the root per micro-batch, as for every unit, not two."""
+        st = self.stage
+        if self.engine is None or not st.both_ends or st.n_chunks == 1 or chunk != st.n_chunks - 1:
+            return contextlib.nullcontext()
+        return self.engine.hold_root_grads()
 
     def _split_backward(self) -> WeightGradStore:
         """The store of a split schedule's deferred weight gradients, built on its first step. Under our sharding

@@ -25,7 +25,7 @@ from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
 from parallel.fsdp import unit_key
 from parallel.mesh import ParallelDims, backend_for
 from parallel.parallelize import activation_dtype
-from parallel.pipeline import TIED, PipelineStage
+from parallel.pipeline import PipelineStage, sharded_units
 from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
 from parallel.tensor_parallel import tp_local_shape
 from plan import theory
@@ -39,7 +39,6 @@ from plan.theory import (cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_ste
                          zero_comm_calls_per_step)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
-TIED_UNIT = {TIED: ("transformer.wte", "lm_head")}  # parallel.pipeline.sharded_units of a stage with one end
 
 
 @dataclass(frozen=True)
@@ -152,10 +151,12 @@ def unit_shard(s: Setup, unit: str) -> int:
 def _units(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int, layers: tuple[int, ...] | None,
            v_shape: bool, ep: int = 1) -> dict[str, tuple[int, int]]:
     params = _local_params(config, pp, virtual, tp, pp_rank, layers, v_shape, ep)
-    tied = pp > 1 and any(n.startswith(("transformer.wte", "lm_head")) for n, _, _ in params)
+    with torch.device("meta"):  # the engine's own rule (a rank holding both ends has no tied unit: a V's rank 0)
+        separate = sharded_units(PipelineStage(_meta_gpt(config), pp_rank, pp, virtual, layers, v_shape)) \
+            if pp > 1 else {}
     out: dict[str, list[int]] = {"root": [0, 0]}
     for name, n, ndim in params:
-        key = unit_key(name, TIED_UNIT if tied else None)
+        key = unit_key(name, separate)
         u = out.setdefault(key + (".experts" if ep > 1 and is_expert(name) else ""), [0, 0])
         u[0] += n
         u[1] += n if ndim >= 2 and not name.endswith("bias") else 0  # model.decays
@@ -582,7 +583,9 @@ def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
     embeddings' units: both embedding_dense_backward gradients (whole tables) exist before either unit is
     concatenated, the tied unit (wte) first (`_run` shows it after the root: autograd runs the later node of
     two ready ones first), then the root (wpe). One chunk with both ends (no pipeline) completes its root last,
-    so lm_head's and ln_f's gradients wait through the Blocks; a V's rank 0 holds the ends in two chunks.
+    so lm_head's and ln_f's gradients wait through the Blocks; a V's rank 0 holds the ends in two chunks, and under
+    ZeRO-2/3 keeps the root's full gradient (reduce dtype) from the head's chunk backward, where it completes first,
+    through the embeddings' chunk backward, which reduces the sum (`PipelineRunner._hold_roots`).
     0 without a sharding engine."""
     if s.dp_type not in ZERO_STAGES:
         return 0
@@ -604,6 +607,8 @@ def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
     else:
         layers, chunks = (range(s.config.n_layer),), [0]
     every, every_held = state_bytes(s, pp_rank)["grads"], stage == 1 or s.grad_accum > 1
+    # a V's rank 0 (both ends, two chunks) under ZeRO-2/3: the head's root gradient, held for chunk 0's backward
+    kept = padded["root"] * rb if stage > 1 and len(chunks) > 1 and 0 in chunks and len(layers) - 1 in chunks else 0
     most = 0
     for c in chunks:
         blocks, first, last = list(layers[c]), c == 0, c == len(layers) - 1
@@ -636,7 +641,7 @@ def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
         for i, (grads, n, gathered, saved, group) in enumerate(order):
             prev, before = (order[i - 1][1] if i >= 1 else 0), (order[i - 2][1] if i >= 2 else 0)
             held = reduce_held_bytes(stage, grads, n, prev, before, group, pb, rb, copies)
-            most = max(most, held + gathered * pb + saved + (
+            most = max(most, held + gathered * pb + saved + (kept if first or i > 0 else 0) + (
                 every if every_held else 4 * sum(u[1] // u[4] for u in order[:max(i - 2, 0)])))
     return most
 

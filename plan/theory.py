@@ -108,7 +108,8 @@ def zero_comm_bytes_per_pipeline_step(stage: int, roots: int, blocks: int, shard
     """`zero_comm_bytes_per_step` for a pipeline stage's units (`roots`: the root and tied-matrix elements, padded)
     over a step of `micro_steps` micro-batches, each chunk run by the engine's `run`. ZeRO-1/2 keep full copies, so
     they gather once per step and reduce as without a pipeline (each unit's gradient is complete once per
-    micro-batch: its Blocks sit in one chunk, the roots' users in the first or the last). ZeRO-3 gathers the
+    micro-batch: its Blocks sit in one chunk, the roots' users in the first or the last; a V's rank 0 holds both,
+    and its runner keeps the head's root gradient for chunk 0's backward, which reduces the sum). ZeRO-3 gathers the
     Blocks twice per micro-batch as without one, but the roots `root_gathers` times (`pipelined_root_gathers`)
     instead of once per micro-step. (The tied embedding's all-reduce over [first, last] is the pipeline's.)"""
     out = zero_comm_bytes_per_step(stage, roots, blocks, shard, replicas, micro_steps, param_bytes, reduce_bytes)
