@@ -59,8 +59,9 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     What is communicated, when and in which direction (per micro-step; N = size of `process_group`):
     - forward: each Block's flat shard is all-gathered (in `param_dtype`) in its forward pre-hook and, with
       `reshard_after_forward`, freed in its forward hook; with `prefetch`, the next Block's all-gather is
-      issued before the current one runs (the next in the same run: a pipeline stage's chunk, `block_runs`). The root is gathered at the start of forward and kept until its
-      gradient is reduced (it is used at both ends of forward and first in backward).
+      issued before the current one runs (the next in the same run: a pipeline stage's chunk, `block_runs`).
+      The root is gathered at the start of forward and kept until its gradient is reduced (it is used at both
+      ends of forward and first in backward).
     - backward: a hook on each Block's output re-gathers that Block before its backward (and prefetches
       the previous Block's); a hook on the unit's flat leaf fires once all its gradients are summed and
       starts the unit's `GradReduction` (reduce-scatter, accumulated in fp32 into the shard `.grad`), unless

@@ -33,7 +33,7 @@ GRID16 = ["--pipeline_parallel_size", "2", "--data_parallel_size", "2", "--data_
           "--context_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel",
           "--enable_loss_parallelism"]  # 16 ranks
 PP_FSDP4 = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--data_parallel_size", "2",
-            "--data_parallel_type", "fsdp"]  # 4 ranks, 1F1B: the planner's numbers hold (ZB-V's do not: below)
+            "--data_parallel_type", "fsdp"]  # 4 ranks, 1F1B
 EP4 = ["--moe_num_experts", "8", "--expert_parallel_size", "2", "--data_parallel_size", "4",
        "--data_parallel_type", "ddp"]  # 4 ranks, 4 experts each
 ZBV4 = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "zbv", "--pp_virtual_stages", "2",
