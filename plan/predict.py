@@ -664,8 +664,44 @@ def reduce_phase(s: Setup, pp_rank: int = 0) -> int:
                                                     unit_shard(s, "x.experts" if e else "root"), s.reduce_bytes,
                                                     s.copies_reduce_input) for e in (False, True)) \
         if s.dp_type == "zero1" else 0
-    moment = max(others, 0) + roots + reduce_transient(s, pp_rank)
+    moment = max(others, 0) + roots + reduce_transient(s, pp_rank) + held_for_w_bytes(s, pp_rank)
     return max(moment, state_bytes(s, pp_rank)["grads"] + end_of_step)
+
+
+def held_for_w_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """Under a split schedule (ZB-H1, ZB-V, DualPipe-V) and a sharding engine: the flat gradients of the Blocks
+    whose B ran and whose W has not (zero_bubble.hold_for_w keeps each unit's flat gradient from B until W adds
+    the deferred weight gradients into it), beside the B that makes the next one: the most such (chunk,
+    micro-batch) pairs at a B of this rank (`_held_for_w`) x its largest chunk's Blocks' padded flat buffers, in
+    the compute copies' dtype (a V's middle rank in the cool-down: B, B, B, then the three W's, two held)."""
+    if s.dp_type not in ZERO_STAGES or not s.dims.pp_enabled:
+        return 0
+    held = _held_for_w(s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[pp_rank]
+    if not held:
+        return 0
+    padded = _padded(s, pp_rank)
+    V, v_shape = s.args.pp_virtual_stages or 1, s.args.pp_schedule in V_SCHEDULES
+    layers = _layers(s.config, s.dims.pp, V, s.args.seq_len, s.pp_layers, v_shape)
+    chunks = [chunk_of(pp_rank, v, s.dims.pp, v_shape) for v in range(V)]
+    largest = max(sum(padded.get(f"transformer.h.{i}", 0) for i in layers[c]) for c in chunks)
+    return held * largest * s.param_bytes
+
+
+@functools.lru_cache(maxsize=1024)
+def _held_for_w(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
+    """Each rank's most (chunk, micro-batch) pairs between their B and their W when it runs a B (0 where the
+    schedule has no W: its B computes the weight gradients)."""
+    out = []
+    for ops in ALL_SCHEDULES[schedule](pp, micro, virtual):
+        held, most = set(), 0
+        for x in ops:
+            if x.kind == "B":
+                most = max(most, len(held))
+                held.add((x.chunk, x.micro))
+            elif x.kind == "W":
+                held.discard((x.chunk, x.micro))
+        out.append(most if any(x.kind == "W" for x in ops) else 0)
+    return tuple(out)
 
 
 def peak_parts(s: Setup, pp_rank: int = 0) -> dict[str, int]:

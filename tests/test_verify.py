@@ -104,16 +104,16 @@ class TestConsistent(unittest.TestCase):
 
     def test_planner_equals_dualpipev_zero2(self):
         """DualPipe-V (M = 4 >= 2P) x ZeRO-2, one rank per class: the planner's state, bytes and calls equal, and
-        rank 0's peak within the bound: it keeps the head's root gradient for chunk 0's backward (plan.predict.
-        reduce_transient). The middle stage's peak is under by 20% (not this layout's alone: ZB-V x fsdp too)."""
+        both peaks within the bound: rank 0 keeps the head's root gradient for chunk 0's backward (plan.predict.
+        reduce_transient); the middle rank's cool-down runs B, B, B before their W's, each B's flat gradients
+        kept for its W (plan.predict.held_for_w_bytes; without it -20.0%, now -11.7%)."""
         f = flags(["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "dualpipev",
                    "--pp_virtual_stages", "2", "--data_parallel_size", "2", "--data_parallel_type", "zero2",
                    "--total_batch_size", "256"])
         runs = V.simulate_ranks(f, 4, [0, 2])
         plans = {r: V.plan_for(f, 4, r) for r in runs}
         findings = V.judge(V.Layout(plans[0].dims), runs, plans).findings
-        self.assertEqual([x for x in findings if x.startswith("planner:") and not x.startswith("planner: rank 2: peak")],
-                         [])
+        self.assertEqual([x for x in findings if x.startswith("planner:")], [])
 
     def test_expert_parallel_4_ranks(self):
         """EP=2 over dp=4: the dispatch's split sizes (the routing's one host read) balanced in a simulated rank
