@@ -26,7 +26,7 @@ from parallel.fsdp import unit_key
 from parallel.mesh import ParallelDims, backend_for
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import PipelineStage, sharded_units
-from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
+from parallel.pipeline_schedule import ALL_SCHEDULES, SPLIT_SCHEDULES, V_SCHEDULES, chunk_of
 from parallel.tensor_parallel import tp_local_shape
 from plan import theory
 from plan.simulate import simulate
@@ -672,19 +672,22 @@ def held_for_w_bytes(s: Setup, pp_rank: int = 0) -> int:
     """Under a split schedule (ZB-H1, ZB-V, DualPipe-V) and a sharding engine: the flat gradients of the Blocks
     whose B ran and whose W has not (zero_bubble.hold_for_w keeps each unit's flat gradient from B until W adds
     the deferred weight gradients into it), beside the B that makes the next one: the most such (chunk,
-    micro-batch) pairs at a B of this rank (`_held_for_w`) x its largest chunk's Blocks' padded flat buffers, in
-    the compute copies' dtype (a V's middle rank in the cool-down: B, B, B, then the three W's, two held)."""
+    micro-batch) pairs at a B of this rank (`_held_for_w`) x its largest chunk's Blocks' padded flat buffers
+    (a V's middle rank in the cool-down: B, B, B, then the three W's, two held), and the running B's own chunk's
+    Blocks but the one `reduce_transient` counts (kept for its W too), in the compute copies' dtype."""
     if s.dp_type not in ZERO_STAGES or not s.dims.pp_enabled:
         return 0
-    held = _held_for_w(s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[pp_rank]
-    if not held:
+    if s.args.pp_schedule not in SPLIT_SCHEDULES:
         return 0
+    held = _held_for_w(s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[pp_rank]
     padded = _padded(s, pp_rank)
     V, v_shape = s.args.pp_virtual_stages or 1, s.args.pp_schedule in V_SCHEDULES
     layers = _layers(s.config, s.dims.pp, V, s.args.seq_len, s.pp_layers, v_shape)
     chunks = [chunk_of(pp_rank, v, s.dims.pp, v_shape) for v in range(V)]
-    largest = max(sum(padded.get(f"transformer.h.{i}", 0) for i in layers[c]) for c in chunks)
-    return held * largest * s.param_bytes
+    blocks = [[padded.get(f"transformer.h.{i}", 0) for i in layers[c]] for c in chunks]
+    largest = max(sum(b) for b in blocks)
+    # and the B's own chunk: its Blocks' flat gradients made before the one reduce_transient counts
+    return (held * largest + max(sum(b) - max(b, default=0) for b in blocks)) * s.param_bytes
 
 
 @functools.lru_cache(maxsize=1024)
