@@ -675,9 +675,7 @@ def held_for_w_bytes(s: Setup, pp_rank: int = 0) -> int:
     micro-batch) pairs at a B of this rank (`_held_for_w`) x its largest chunk's Blocks' padded flat buffers
     (a V's middle rank in the cool-down: B, B, B, then the three W's, two held), and the running B's own chunk's
     Blocks but the one `reduce_transient` counts (kept for its W too), in the compute copies' dtype."""
-    if s.dp_type not in ZERO_STAGES or not s.dims.pp_enabled:
-        return 0
-    if s.args.pp_schedule not in SPLIT_SCHEDULES:
+    if s.dp_type not in ZERO_STAGES or not s.dims.pp_enabled or s.args.pp_schedule not in SPLIT_SCHEDULES:
         return 0
     held = _held_for_w(s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[pp_rank]
     padded = _padded(s, pp_rank)
@@ -692,10 +690,10 @@ def held_for_w_bytes(s: Setup, pp_rank: int = 0) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _held_for_w(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
-    """Each rank's most (chunk, micro-batch) pairs between their B and their W when it runs a B (0 where the
-    schedule has no W: its B computes the weight gradients)."""
+    """Each rank of a split schedule: its most (chunk, micro-batch) pairs between their B and their W when it runs
+    a B."""
     out = []
-    for ops in ALL_SCHEDULES[schedule](pp, micro, virtual):
+    for ops in SPLIT_SCHEDULES[schedule](pp, micro, virtual):
         held, most = set(), 0
         for x in ops:
             if x.kind == "B":
@@ -703,7 +701,7 @@ def _held_for_w(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, 
                 held.add((x.chunk, x.micro))
             elif x.kind == "W":
                 held.discard((x.chunk, x.micro))
-        out.append(most if any(x.kind == "W" for x in ops) else 0)
+        out.append(most)
     return tuple(out)
 
 
