@@ -190,11 +190,18 @@ def stage_blocks(s: Setup, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
     whether it holds the head (the last chunk))."""
     if not s.dims.pp_enabled:
         return list(range(s.config.n_layer)), True, True
+    chunks = stage_chunks(s, pp_rank)
+    last = s.dims.pp * (s.args.pp_virtual_stages or 1) - 1
+    ends = {c for c, _ in chunks}
+    return [i for _, blocks in chunks for i in blocks], 0 in ends, last in ends
+
+
+def stage_chunks(s: Setup, pp_rank: int = 0) -> list[tuple[int, list[int]]]:
+    """(chunk, global indices of its Blocks) for each chunk this pp rank runs, in local order (a pipeline's)."""
     V = s.args.pp_virtual_stages or 1
     v_shape = s.args.pp_schedule in V_SCHEDULES
     layers = _layers(s.config, s.dims.pp, V, s.args.seq_len, s.pp_layers, v_shape)
-    chunks = [chunk_of(pp_rank, v, s.dims.pp, v_shape) for v in range(V)]
-    return [i for c in chunks for i in layers[c]], 0 in chunks, s.dims.pp * V - 1 in chunks
+    return [(c, list(layers[c])) for c in (chunk_of(pp_rank, v, s.dims.pp, v_shape) for v in range(V))]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -679,10 +686,7 @@ def held_for_w_bytes(s: Setup, pp_rank: int = 0) -> int:
         return 0
     held = _held_for_w(s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[pp_rank]
     padded = _padded(s, pp_rank)
-    V, v_shape = s.args.pp_virtual_stages or 1, s.args.pp_schedule in V_SCHEDULES
-    layers = _layers(s.config, s.dims.pp, V, s.args.seq_len, s.pp_layers, v_shape)
-    chunks = [chunk_of(pp_rank, v, s.dims.pp, v_shape) for v in range(V)]
-    blocks = [[padded.get(f"transformer.h.{i}", 0) for i in layers[c]] for c in chunks]
+    blocks = [[padded.get(f"transformer.h.{i}", 0) for i in layers] for _, layers in stage_chunks(s, pp_rank)]
     largest = max(sum(b) for b in blocks)
     # and the B's own chunk: its Blocks' flat gradients made before the one reduce_transient counts
     return (held * largest + max(sum(b) - max(b, default=0) for b in blocks)) * s.param_bytes
