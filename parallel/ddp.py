@@ -7,15 +7,17 @@ backward every rank must hold the same gradient, the average over ranks:
 
 Gradients are grouped into buckets (reverse registration order, which is roughly the order backward
 produces them). Each bucket owns one flat fp32 buffer and every parameter's `.grad` *is* a view into
-it, so autograd accumulates straight into the buffer and the buffer itself is all-reduced: no copies in
-or out. A bucket's all-reduce is launched asynchronously from the gradient hook of its last parameter,
-while backward goes on computing earlier layers; one callback at the end of backward waits for all of
-them.
+it, and the buffer itself is all-reduced: no copy back out. After `zero_grad(set_to_none=True)` a step's
+first backward writes each gradient into its view once, already scaled by 1/N (autograd hands the
+gradient over, the hook multiplies it into the view); later backwards (accumulation) add into the views.
+A bucket's all-reduce is launched asynchronously from the gradient hook of its last parameter, while
+backward goes on computing earlier layers; one callback at the end of backward waits for all of them.
 
 Bit-compatibility with torch DDP: torch's reducer scales each gradient by the fp32 scalar (1/N) while
 copying it into its bucket (`at::mul_out(bucket_view, grad, 1./div_factor)`), then all-reduces SUM and
-copies the bucket back into `.grad`. We do the same multiply in place on the buffer, then all-reduce
-SUM, so for the same inputs both produce the same bits (for every N where the backend sums in the same
+copies the bucket back into `.grad`. We do the same multiply into the view (or in place on the buffer,
+when the gradients were accumulated into it), then all-reduce SUM, so for the same inputs both produce
+the same bits (for every N where the backend sums in the same
 order; always for N = 2, where a + b = b + a). Dividing after the SUM instead would also be bit-equal for
 powers of two, but not for N = 3, where x * fl(1/3) and x / 3 can differ in the last bit.
 
@@ -124,12 +126,15 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
     - with `find_unused_parameters=True`, additionally one int32 per parameter (the "used" map) is
       all-reduced at the end of each syncing backward, to find parameters no rank used.
 
-    Zeroing. The buffers are the gradients, so they must stay attached to `.grad`.
-    `optimizer.zero_grad(set_to_none=True)` detaches them; `forward` re-attaches every detached `.grad`
-    before the module runs (zeroing its view if it was None, copying into it if the user assigned some
-    other tensor), so the next backward again accumulates into the buffers. `zero_grad()` here zeroes the
-    buffers in place (one fill per bucket) and is the cheapest way to clear gradients. Gradient hooks
-    also re-attach, with a copy, any `.grad` that is not its view (backward run without our forward).
+    Zeroing. The buffers are the gradients, so `.grad` must end every backward attached to them.
+    `optimizer.zero_grad(set_to_none=True)` detaches them. `forward` leaves a bucket whose grads are all
+    None detached ("fresh"): autograd then hands each new gradient over as `.grad` (AccumulateGrad's steal),
+    and the gradient hook writes it into its view (times 1/N in a syncing backward: torch's `mul_out`) and
+    re-attaches the view. That is one read and one write per gradient, where zero + accumulate + scale
+    were three of each. Other detached grads are re-attached at forward (zeroed if None, copied if the user
+    assigned another tensor), and backward adds into the views. `zero_grad()` here zeroes the buffers in
+    place (one fill per bucket). Gradient hooks also re-attach, with a copy, any `.grad` that is not its
+    view (backward run without our forward).
 
     Unused parameters. With `find_unused_parameters=False` (default) a syncing backward that leaves a
     bucket incomplete raises an error naming the parameters that got no gradient. With True, the
@@ -174,6 +179,8 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         self._fired = bytearray(len(self._params))       # hook ran in this backward
         self._used = bytearray(len(self._params))        # hook ran since the last sync (find_unused)
         self._was_none = bytearray(len(self._params))    # grad was None before this step
+        self._fresh = bytearray(len(self.buckets))       # bucket left detached at forward: the hooks fill it
+        self._inv_n = 1.0 / self.world_size
         self._callback_queued = False
         self._sync_backward = True
 
@@ -184,7 +191,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
-            self._attach_grads()
+            self._attach_grads(leave_fresh=True)
             self._sync_backward = self.require_backward_grad_sync  # decided at forward, like torch DDP
         return self.module(*args, **kwargs)
 
@@ -255,16 +262,23 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
 
     # ------------------------------------------------------------------ gradient attachment
 
-    def _attach_grads(self) -> None:
+    def _attach_grads(self, leave_fresh: bool = False) -> None:
         """Point every `.grad` back at its view. A None grad (after zero_grad(set_to_none=True)) becomes a
-        zeroed view; a whole bucket of None grads is zeroed with one fill."""
+        zeroed view; a whole bucket of None grads is zeroed with one fill, or, with `leave_fresh`, left
+        detached for the hooks to fill (`_fresh`)."""
         i = 0
-        for b in self.buckets:
+        for k, b in enumerate(self.buckets):
             grads = [p.grad for p in b.params]
+            self._fresh[k] = 0
             if all(g is v for g, v in zip(grads, b.views)):
                 i += len(grads)
                 continue
             all_none = all(g is None for g in grads)
+            if all_none and leave_fresh:
+                self._fresh[k] = 1
+                self._was_none[i:i + len(grads)] = b"\x01" * len(grads)
+                i += len(grads)
+                continue
             if all_none:
                 b.buffer.zero_()
             for p, v, g in zip(b.params, b.views, grads):
@@ -280,12 +294,24 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
                 i += 1
 
     def _reattach(self, i: int) -> None:
-        """Slow path: backward replaced `.grad` (it was None, or accumulated out of place); the new tensor
-        holds the whole gradient, so copy it into the view and point `.grad` back at the view."""
+        """Backward set `.grad` to a new tensor holding the whole gradient (it was None: a fresh bucket; or it
+        accumulated out of place): write it into the view, times 1/N if the fresh bucket's backward syncs
+        (`_launch` then leaves the bucket as it is), and point `.grad` back at the view."""
         p, v = self._params[i], self._views[i]
         with torch.no_grad():
-            v.copy_(p.grad)
+            if self._fresh[self._bucket_of[i]] and self._sync_backward and self.world_size > 1:
+                torch.mul(p.grad, self._inv_n, out=v)
+            else:
+                v.copy_(p.grad)
         p.grad = v
+
+    def _fill_unfired(self) -> None:
+        """End of backward: a fresh bucket's parameters that got no gradient still hold last step's values in
+        their views; zero those and attach them, as forward would have."""
+        for i, p in enumerate(self._params):
+            if not self._fired[i] and self._fresh[self._bucket_of[i]]:
+                self._views[i].zero_()
+                p.grad = self._views[i]
 
     # ------------------------------------------------------------------ communication
 
@@ -305,7 +331,8 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         if self.world_size == 1:
             return
         buf = self._grad_buffers[k]
-        buf.mul_(1.0 / self.world_size)
+        if not (self._fresh[k] and self._sync_backward):  # else the hooks scaled it on the way in
+            buf.mul_(self._inv_n)
         wire = buf
         if self._wire is not None:  # bf16 on the wire, fp32 in the buffer
             wire = self._wire[k]
@@ -324,10 +351,13 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         with find_unused_parameters), wait for every all-reduce, copy bf16 results back."""
         self._callback_queued = False
         n = len(self._params)
+        if any(self._fresh):
+            self._fill_unfired()
         if self.find_unused_parameters:
             self._used[:] = bytes(a | b for a, b in zip(self._used, self._fired))
         if not self._sync_backward:
             self._fired[:] = bytes(n)
+            self._fresh[:] = bytes(len(self.buckets))
             if comm.HOOKS is not None:  # the test seam (faults.py: GPT_FAULT_DDP_DROP_BUCKET)
                 comm.HOOKS.local_gradients(self._grad_buffers)
             return
@@ -365,4 +395,5 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
             self._fired[:] = bytes(n)
             self._used[:] = bytes(n)
             self._was_none[:] = bytes(n)
+            self._fresh[:] = bytes(len(self.buckets))  # a second backward without forward adds into the views
 

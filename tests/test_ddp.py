@@ -7,12 +7,14 @@ results; under a torchrun of another size every rank checks all the spawned rank
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import unittest
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import GPT, GPTConfig, param_groups
 from parallel import comm
@@ -22,6 +24,12 @@ from tests.harness import run_distributed
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
 SMALL_CAP_MB = 0.02  # ~20 KB: the 2-layer GPT (~136 KB of params) splits into ~7 buckets; wte (32 KB) alone
 STEPS, ACCUM, B, T = 3, 2, 2, 16
+
+
+def micro_steps(step: int) -> int:
+    """Step 0 runs one micro-step: a syncing backward straight after zero_grad(set_to_none=True), where autograd
+    hands each gradient to the hook that scales it into its bucket; later steps ACCUM, accumulating into them."""
+    return 1 if step == 0 else ACCUM
 
 
 def build_gpt(seed: int = 0) -> GPT:
@@ -56,16 +64,35 @@ def mismatches(a: nn.Module, b: nn.Module, what: str = "param") -> list[str]:
 
 
 def train_step(model, opt, rank: int, step: int, forward=None) -> list[float]:
-    """ACCUM micro-steps (no_sync on all but the last), clip at 1.0, AdamW step, zero_grad(set_to_none)."""
-    losses = []
-    for micro in range(ACCUM):
-        ctx = model.no_sync() if micro < ACCUM - 1 else contextlib.nullcontext()
+    """micro_steps(step) micro-steps (no_sync on all but the last), averaged."""
+    losses, accum = [], micro_steps(step)
+    for micro in range(accum):
+        ctx = model.no_sync() if micro < accum - 1 else contextlib.nullcontext()
         with ctx:
             idx, tgt = batch(rank, step, micro)
-            loss = (forward(model, idx, tgt) if forward else model(idx, tgt)[1]) / ACCUM
+            loss = (forward(model, idx, tgt) if forward else model(idx, tgt)[1]) / accum
             loss.backward()
         losses.append(loss.item())
     return losses
+
+
+class BucketWrites(TorchDispatchMode):
+    """Counts, by op, the aten calls that write into any of `buffers`' storages (their schema marks the argument
+    written: `out=`, or self for an in-place op)."""
+
+    def __init__(self, buffers: list[torch.Tensor]):
+        super().__init__()
+        self.ptrs = {b.untyped_storage().data_ptr() for b in buffers}
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        given = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        for a, v in zip(func._schema.arguments, given):
+            if (a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor)
+                    and v.untyped_storage().data_ptr() in self.ptrs):
+                self.ops[str(func)] += 1
+        return func(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- bodies run on every rank
@@ -91,16 +118,17 @@ def _matches_torch_body(rank: int, world_size: int) -> dict:
     for step in range(STEPS):
         local.load_state_dict(ours.module.state_dict())
         comm.COUNTER.reset()
-        for micro in range(ACCUM):
+        accum = micro_steps(step)
+        for micro in range(accum):
             idx, tgt = batch(rank, step, micro)
-            local_loss = local(idx, tgt)[1] / ACCUM
+            local_loss = local(idx, tgt)[1] / accum
             local_loss.backward()
-            sync = micro == ACCUM - 1
+            sync = micro == accum - 1
             with (contextlib.nullcontext() if sync else ours.no_sync()):
-                loss = ours(idx, tgt)[1] / ACCUM
+                loss = ours(idx, tgt)[1] / accum
                 loss.backward()
             with (contextlib.nullcontext() if sync else ref.no_sync()):
-                loss_ref = ref(idx, tgt)[1] / ACCUM
+                loss_ref = ref(idx, tgt)[1] / accum
                 loss_ref.backward()
             res["loss_ours"].append(loss.item())
             res["loss_ref"].append(loss_ref.item())
@@ -157,6 +185,16 @@ def _overlap_and_bf16_body(rank: int, world_size: int) -> dict:
     finally:
         comm.all_reduce = real_all_reduce
 
+    # What a step's syncing backward writes into the buckets after zero_grad(set_to_none=True), then accumulating.
+    writes, first_backward = [], list(events)  # the grad hooks go on recording
+    for p in ours.module.parameters():
+        p.grad = None
+    for sync in (True, False, True):
+        with (contextlib.nullcontext() if sync else ours.no_sync()), \
+                BucketWrites([b.buffer for b in ours.buckets]) as seen:
+            ours(idx, tgt)[1].backward()
+        writes.append(dict(seen.ops))
+
     # bf16 on the wire vs fp32, same weights and data.
     fp32 = DistributedDataParallel(build_gpt())
     bf16 = DistributedDataParallel(build_gpt(), grad_compression="bf16")
@@ -168,8 +206,9 @@ def _overlap_and_bf16_body(rank: int, world_size: int) -> dict:
     bf16_bytes = comm.COUNTER.snapshot()["all_reduce"]
     rel_err = {n: ((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item()
                for (n, p), q in zip(bf16.module.named_parameters(), fp32.module.parameters())}
-    return dict(events=events, n_buckets=len(ours.buckets), fp32_bytes=fp32_bytes, bf16_bytes=bf16_bytes,
-                rel_err=rel_err, param_bytes=unique_param_bytes(fp32.module))
+    return dict(events=first_backward, n_buckets=len(ours.buckets), fp32_bytes=fp32_bytes, bf16_bytes=bf16_bytes,
+                rel_err=rel_err, param_bytes=unique_param_bytes(fp32.module), writes=writes,
+                n_params=len(list(ours.module.parameters())))
 
 
 class GPTWithExtras(nn.Module):
@@ -276,7 +315,7 @@ class TestGradientsLiveInBuckets(unittest.TestCase):
 # ----------------------------------------------------------------------------- distributed tests
 
 class TestMatchesTorchDDP(unittest.TestCase):
-    """Custom DDP == torch DDP bit for bit: 3 AdamW steps, 2 accumulated micro-steps, clipping at 1.0."""
+    """Custom DDP == torch DDP bit for bit: 3 AdamW steps (1, 2 and 2 micro-steps), clipping at 1.0."""
 
     @classmethod
     def setUpClass(cls):
@@ -285,6 +324,7 @@ class TestMatchesTorchDDP(unittest.TestCase):
     def test_losses_grads_and_params_equal_torch_ddp_bit_for_bit(self):
         for r in self.results:
             self.assertEqual(r["loss_ours"], r["loss_ref"])
+            self.assertEqual(len(r["loss_ours"]), sum(map(micro_steps, range(STEPS))))
             self.assertEqual(r["grad_mismatch"], [[]] * (2 * STEPS))
             self.assertTrue(all(r["norm_equal"]))
             self.assertEqual(r["param_mismatch"], [[]] * STEPS)
@@ -292,8 +332,9 @@ class TestMatchesTorchDDP(unittest.TestCase):
 
     def test_no_sync_leaves_gradients_local_and_unreduced(self):
         for r in self.results:
-            self.assertEqual(r["nosync_bytes"], [0] * STEPS * (ACCUM - 1))
-            self.assertEqual(r["nosync_vs_local"], [[]] * STEPS * (ACCUM - 1))
+            n = sum(micro_steps(s) - 1 for s in range(STEPS))
+            self.assertEqual(r["nosync_bytes"], [0] * n)
+            self.assertEqual(r["nosync_vs_local"], [[]] * n)
             self.assertTrue(all(n > 0 for n in r["synced_vs_local"]))  # after the sync they differ
 
     def test_all_reduce_bytes_per_optimizer_step_equal_parameter_bytes(self):
@@ -332,6 +373,16 @@ class TestOverlapAndCompression(unittest.TestCase):
             self.assertEqual(len(waits), r["n_buckets"])
             self.assertGreater(min(waits), last_grad)              # no waiting inside hooks
             self.assertLess(max(waits), kinds.index("backward_returned"))
+
+    def test_fresh_gradients_are_written_into_the_buckets_once(self):
+        """After zero_grad(set_to_none=True) a syncing backward writes each gradient into its bucket once, scaled
+        on the way (torch's mul_out): no zeroing, accumulating or scaling passes over the buffers (those were three
+        reads and three writes per gradient: zero_, AccumulateGrad's add_, mul_). Backwards that accumulate (the
+        no_sync one, then the sync after it) add into the views, and the sync scales each bucket once."""
+        for r in self.results:
+            n, k = r["n_params"], r["n_buckets"]
+            self.assertEqual(r["writes"], [{"aten.mul.out": n}, {"aten.add_.Tensor": n},
+                                           {"aten.add_.Tensor": n, "aten.mul_.Tensor": k}])
 
     def test_bf16_compression_within_tolerance_and_half_the_bytes(self):
         tol = 2 ** -7  # bf16 keeps 8 significant bits: each element within 1/128 of the tensor's max |g|
