@@ -7,18 +7,17 @@ one line with exit code 2 on every rank before any work.
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import os
-import platform
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+import allocator
 import checkpoint
 import faults
 import metrics
@@ -253,65 +252,6 @@ def describe_pipeline_split(plan: Plan) -> str:
                           v_shape=plan.par.pp_schedule in V_SCHEDULES)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-MATH_ARGS = ("seed", "lr", "warmup_steps", "max_steps", "weight_decay", "total_batch_size", "seq_len",
-             "gradient_clipping", "grad_compression", "param_dtype", "reduce_dtype", "init_from",
-             "dataset")  # stored with each checkpoint; a resume with other values says so
-
-
-def save_checkpoint(t: Trainer, step: int, wait: bool = False) -> tuple[str, float]:
-    """Collective: every rank writes its elements of the state after `step` (format: checkpoint.py).
-    Returns (directory, milliseconds training was blocked). With --async_checkpoint only the snapshot (a CPU
-    copy) blocks and a background thread writes it, unless `wait` (the final save, a preemption)."""
-    plan, a, d = t.plan, t.plan.args, t.plan.dims
-    extra = {"config": {"model": asdict(plan.config),
-                        "train": {**{k: getattr(a, k, None) for k in MATH_ARGS},
-                                  "dtype": str(plan.dtype).removeprefix("torch.")}},
-             "layout": {"world_size": d.world_size, **d.sizes(),
-                        "implementation": plan.par.implementation, "dp_type": plan.par.dp_type}}
-    if t.scaler is not None:
-        extra["scaler"] = t.scaler.state_dict()
-    t0 = time.perf_counter()
-    snap = checkpoint.snapshot(a.out_dir, step, t.par.checkpoint_entries(t.optimizer),
-                               t.par.checkpoint_optimizer(t.optimizer), extra, rank=plan.rank,
-                               world_size=d.world_size, keep=a.keep_checkpoints, device=plan.device,
-                               buffers=t.saver.free_buffers() if t.saver is not None else None)
-    if t.saver is None:
-        path = checkpoint.write(snap)
-    else:
-        t.saver.save(snap)
-        path = t.saver.path
-        if wait:
-            t.saver.wait()
-    return path, (time.perf_counter() - t0) * 1000
-
-
-def restore_checkpoint(t: Trainer) -> int:
-    """Load --resume's checkpoint (saved in any layout) into this one; returns its step. The data position
-    is the step itself: batches are a pure function of (seed, step)."""
-    plan, args = t.plan, t.plan.args
-    m = checkpoint.load(plan.resume_from, t.par.checkpoint_entries(t.optimizer),
-                        t.par.checkpoint_optimizer(t.optimizer), rank=plan.rank,
-                        world_size=plan.dims.world_size, device=plan.device)
-    if t.scaler is not None and "scaler" in m:
-        t.scaler.load_state_dict(m["scaler"])
-    if plan.rank == 0:
-        lay = m["layout"]
-        cp = "".join(f" {k}={lay[k]}" for k in OPTIONAL_DIMS if lay.get(k, 1) > 1)
-        print(f"resuming from {plan.resume_from} (saved by {lay['implementation']} pp={lay.get('pp', 1)}{cp} dp={lay['dp']}"
-              f"{' (' + lay['dp_type'] + ')' if lay['dp_type'] else ''} tp={lay['tp']}): continuing at step "
-              f"{m['step'] + 1}" + (f" (nothing left: --max_steps {args.max_steps})"
-                                    if m["step"] >= args.max_steps else ""), flush=True)
-        saved = m["config"]["train"]
-        changed = [f"--{k} {saved.get(k)!r} -> {getattr(args, k, None)!r}" for k in MATH_ARGS
-                   if saved.get(k) != getattr(args, k, None)]
-        if changed:
-            print(f"note: arguments differ from the checkpoint's run, so losses will differ from an "
-                  f"uninterrupted run: {', '.join(changed)}", flush=True)
-    return int(m["step"])
-
-
 # ----------------------------------------------------------------------------- the loop
 
 def run(t: Trainer, logger: metrics.Logger) -> int:
@@ -319,7 +259,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
     on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or faults.PREEMPTED
     when a rank was signalled (the step is finished and saved first)."""
     plan, args, is_main = t.plan, t.plan.args, t.plan.rank == 0
-    start = restore_checkpoint(t) if plan.resume_from else 0
+    start = checkpoint.restore_trainer(t) if plan.resume_from else 0
     if args.resume and not plan.resume_from and is_main:
         print(f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
               f"starting fresh", flush=True)
@@ -361,7 +301,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
         stop = t.faults.preempted()
         path = None
         if not args.no_checkpoint and (every or step == args.max_steps or stop):
-            path, blocked_ms = save_checkpoint(t, step, wait=stop or step == args.max_steps)
+            path, blocked_ms = checkpoint.save_trainer(t, step, wait=stop or step == args.max_steps)
             logger.log({"step": step, "checkpoint_blocked_ms": blocked_ms, "async_checkpoint": t.saver is not None})
             if step == args.max_steps:
                 progress.write(f"saved {path}")
@@ -380,33 +320,6 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
     return 0
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-MMAP_THRESHOLD = 32 * 2 ** 20  # the largest glibc accepts (HEAP_MAX_SIZE / 2 on 64-bit)
-TRIM_THRESHOLD = 2 ** 30
-
-
-def keep_freed_memory() -> bool:
-    """CPU ranks: make glibc's malloc keep the memory a step frees for the next step, as CUDA's caching allocator
-    does on a GPU; returns whether glibc took the settings (False off glibc: musl, macOS).
-
-    On the CPU every tensor is a malloc. By default glibc maps each block at or above its mmap threshold afresh and
-    unmaps it when freed, and hands the heap's free top back to the kernel once it exceeds twice that threshold;
-    the threshold itself moves up to the largest mapped block freed so far (at most 32 MiB). Which of a step's
-    blocks come back as fresh pages, each a page fault the kernel zeroes, then depends on the order of allocations
-    and frees. In issue #36's 2-rank DDP run (4 Blocks of 128, 512 tokens a rank), whose loss writes 24.6 MiB
-    logit chunks (model.loss_chunk_rows), that was 50,000-88,000 minor faults a step on each rank under our DDP
-    and 15,000-56,000 under torch's (which holds the tied embedding's 24.6 MiB gradient from backward to zero_grad,
-    where ours adds it into its bucket and frees it), 95 % of them in the loss's log-softmax and logits matmul
-    (`perf record -e minor-faults`): the main thread's CPU time per step fell from 700-760 ms to 580-690 ms
-    without them. With the mmap threshold fixed at glibc's largest, 32 MiB, and 1 GiB of free heap kept, steady
-    steps fault no pages in; the resident memory then stays at the step's high-water mark (+60-100 MiB per rank
-    there)."""
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(None)
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         plan = validate(parse_args(argv))
@@ -418,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         return play(plan)
     args, is_main = plan.args, plan.rank == 0
     if plan.device.type == "cpu":
-        keep_freed_memory()
+        allocator.keep_freed_memory()
     world = plan.dims.world_size  # the flight recorder's ring: in a file, so a killed or stopped rank's stays
     comm.RECORDER.open(faults.ring_path(args.out_dir, plan.rank) if world > 1 else None, plan.rank, world)
     t = build(plan)

@@ -34,7 +34,7 @@ def setUpModule():
                                  "--peak_flops", "1e12", "--device", "cpu"])
         t = train.build(config.validate(args))
         train.train_step(t, 1)
-        train.save_checkpoint(t, 1)
+        checkpoint.save_trainer(t, 1)
 
 
 def tearDownModule():

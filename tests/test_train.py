@@ -37,8 +37,8 @@ def assert_close_losses(test: unittest.TestCase, got: list[float], ref: list[flo
 
 
 ALLOCATOR_STEPS = """
-import resource, torch, train
-assert train.keep_freed_memory()
+import resource, torch, allocator
+assert allocator.keep_freed_memory()
 def resident():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -62,7 +62,7 @@ print(returned, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 
 @unittest.skipUnless(sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc", "glibc's mallopt")
 class TestKeepFreedMemory(unittest.TestCase):
-    """train.keep_freed_memory, which main calls on CPU, in a fresh process (mallopt is process-wide): blocks of
+    """allocator.keep_freed_memory, which train.py calls on CPU, in a fresh process (mallopt is process-wide): blocks of
     the loss's chunk size that are freed stay resident (glibc's defaults map the first ones afresh and unmap them:
     73.7 MiB handed back for 3), and steady steps of the loss's chunk pattern fault no pages in (10 steps write
     80 x 24.6 MiB, 503,040 pages of 4 KiB; with the threshold fixed but the heap's free top trimmed, as glibc
