@@ -24,7 +24,7 @@ def keep_freed_memory() -> bool:
     and frees. In issue #36's 2-rank DDP run (4 Blocks of 128, 512 tokens a rank), whose loss writes 24.6 MiB
     logit chunks (model.loss_chunk_rows), that was 50,000-88,000 minor faults a step on each rank under our DDP
     and 15,000-56,000 under torch's (which holds the tied embedding's 24.6 MiB gradient from backward to zero_grad,
-    where ours adds it into its bucket and frees it), 95 % of them in the loss's log-softmax and logits matmul
+    where ours writes it into its bucket and frees it), 95 % of them in the loss's log-softmax and logits matmul
     (`perf record -e minor-faults`): the main thread's CPU time per step fell from 700-760 ms to 580-690 ms
     without them. With the mmap threshold fixed at glibc's largest, 32 MiB, and 1 GiB of free heap kept, steady
     steps fault no pages in; the resident memory then stays at the step's high-water mark (+60-100 MiB per rank
