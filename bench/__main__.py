@@ -4,7 +4,7 @@
     python -m bench --out out/bench                    # `small` for longer: the numbers to publish
     python -m bench --quick --include_pp --out out/bench  # also the pipeline layouts and schedules
     python -m bench --quick --include_moe --layouts single,ddp --out out/bench  # and MoE: 1 process, EP, dense
-    python -m bench --section out/bench                # the README "Results" snippet from bench.json
+    python -m bench --section out/bench                # the short table (results_section.md) from bench.json
 
 Run it from the repository root. The matrix (bench/matrix.py) is single; ddp, fsdp and tp (tp with loss
 parallelism), each with `--implementation custom` and `pytorch`; and with >= 4 ranks 2d-ddp and 2d-fsdp
@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--micro_batch_size", type=int, default=None, help="largest micro-batch per rank (default: none on CPU, 8 GPU)")
     a("--dataset", default=None, help="default: shakespeare if prepared, else random tokens in <out>/data")
     a("--timeout", type=float, default=None, help="seconds per job (quick 300, else 3600)")
-    a("--section", metavar="DIR", default=None, help="print the README Results snippet from DIR/bench.json")
+    a("--section", metavar="DIR", default=None, help="print the short table (results_section.md) from DIR/bench.json")
     args = p.parse_args(argv)
     if args.layouts:
         unknown = set(args.layouts.split(",")) - set(LAYOUTS)
