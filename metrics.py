@@ -32,7 +32,8 @@ import torch.utils.checkpoint
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import GPT, Experts, GPTConfig
+from model import GPT, GPTConfig
+from moe import Experts
 
 # Dense (non-sparse) bf16/fp16 peak FLOP/s per device, from the vendors' datasheets. Matched against
 # torch.cuda.get_device_name in order, so the specific variants come before the family name.

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from model import Experts, balance_experts, expert_counts, init_parameter, moe_layers
+from model import init_parameter
+from moe import Experts, balance_experts, expert_counts, moe_layers
 from parallel import comm
 from parallel.state import mark_replicas, mark_shard
 

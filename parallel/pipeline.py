@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from model import GPT, SideLosses, head_output, loss_share, materialize_module
+from model import GPT, head_output, loss_share, materialize_module
+from moe import SideLosses
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import group_timeout, make_timer, new_groups, p2p_link

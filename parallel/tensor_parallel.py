@@ -29,8 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (GPT, GPTConfig, MoE, WholeVocab, init_parameter, linear_cross_entropy, loss_chunk_rows,
-                   materialize_module, moe_layers)
+from model import (GPT, GPTConfig, WholeVocab, init_parameter, linear_cross_entropy, loss_chunk_rows,
+                   materialize_module)
+from moe import MoE, moe_layers
 from parallel import comm
 from parallel.grads import norm_items
 from parallel.state import mark_shard, shard_dim

@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import ExpertLinear, grouped_linear, grouped_mm_runs
+from moe import ExpertLinear, grouped_linear, grouped_mm_runs
 
 
 class _InputGradLinear(torch.autograd.Function):
