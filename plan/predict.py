@@ -127,7 +127,7 @@ def _local_params(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: in
 
 
 def is_expert(name: str) -> bool:
-    """Whether parameter `name` is one of an MoE layer's stacked experts (model.Experts): what expert parallelism
+    """Whether parameter `name` is one of an MoE layer's stacked experts (moe.Experts): what expert parallelism
     splits (E/ep experts per rank) and copies over the expert-data-parallel group."""
     return ".mlp.experts." in name
 
@@ -390,7 +390,7 @@ def block_saved_bytes(s: Setup, B: int, T: int, layer: int | None = None) -> int
 
 
 def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
-    """Bytes an MoE layer (model.MoE) saves for backward on one rank beyond its input (ln_2's output, counted
+    """Bytes an MoE layer (moe.MoE) saves for backward on one rank beyond its input (ln_2's output, counted
     with the Block's), for B rows of T tokens, N = B*T (under TP every rank runs the layer whole, on the whole
     sequence), k experts a token, E experts, C = n_embd, H = the experts' hidden width, a = compute bytes,
     counted tensor by tensor (each storage once; integers int64) under balanced routing: the rows a rank's
@@ -401,7 +401,7 @@ def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
       (the experts' outputs, N*k*C*a);
     - the experts on their R rows: c_fc's input (R*C*a), each row's expert (the biases' index, R*8), GELU's input
       and output (2*R*H*a), and torch._grouped_mm's group ends (E/ep int32); under autocast the per-expert loop
-      runs instead (model.grouped_linear), which keeps no ends but, where the weights are not already in the
+      runs instead (moe.grouped_linear), which keeps no ends but, where the weights are not already in the
       compute dtype (fp32 parameters: DDP, or a sharding engine's fp32 compute copies), each expert's two weights
       cast to it (2*(E/ep)*C*H*a);
     - the combine: the outputs (N*k*C*a) and the gates they are weighted by (N*k*a);
@@ -414,7 +414,7 @@ def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
     R = N * k
     router = N * E * 4 + N * E * 8 + N * k * 4 + N * 4
     dispatch = 2 * N * k * 8 + N * k * C * a
-    autocast = s.dtype != torch.float32  # train.py's: the loop, not the grouped kernel (model.grouped_mm_runs)
+    autocast = s.dtype != torch.float32  # train.py's: the loop, not the grouped kernel (moe.grouped_mm_runs)
     weights = s.param_bytes if s.dp_type in ZERO_STAGES else 4
     experts = R * C * a + R * 8 + 2 * R * H * a + (
         (2 * E // ep * C * H * a if weights != a else 0) if autocast else E // ep * 4)

@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer (model.py: MoE, route, LocalDispatch, Experts) and expert parallelism's dispatch
+"""The mixture-of-experts layer (moe.py: MoE, route, LocalDispatch, Experts) and expert parallelism's dispatch
 (parallel/expert_parallel.py), against references that share none of their code.
 
 - The layer against a per-token loop in float64 (each token: its top k by score + bias, stably; gates renormalised;
