@@ -33,7 +33,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import GPT, init_parameter, loss_share
+from loss import loss_share
+from model import GPT, init_parameter
 from moe import moe_layers
 from parallel import comm
 from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin

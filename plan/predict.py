@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from metrics import active_params, flops_per_token
-from model import GPT, GPTConfig, loss_chunk_rows
+from loss import loss_chunk_rows
+from model import GPT, GPTConfig
 from parallel.flat_param import shard_numel
 from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
 from parallel.fsdp import unit_key
@@ -426,7 +427,7 @@ def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
 
 def ends_saved_bytes(s: Setup, B: int, T: int, first: bool, last: bool) -> int:
     """The embeddings (token ids and positions, int64) and the head: ln_f's input and stats, and the chunked
-    loss's gradients, which it makes in forward and holds until backward (model.HeadGradients: dx (B*T, C) and
+    loss's gradients, which it makes in forward and holds until backward (loss.HeadGradients: dx (B*T, C) and
     dW (V/p, C), fp32; it keeps no logits, and neither x, the targets nor the weight)."""
     C, r = s.config.n_embd, s.residual_bytes
     out = (B * T * 8 + T * 8) if first else 0
@@ -436,7 +437,7 @@ def ends_saved_bytes(s: Setup, B: int, T: int, first: bool, last: bool) -> int:
 
 
 def head_grad_bytes(s: Setup, B: int, T: int) -> int:
-    """The chunked loss's gradients, held from its forward to its backward (model.HeadGradients): dx (B*T, C) and
+    """The chunked loss's gradients, held from its forward to its backward (loss.HeadGradients): dx (B*T, C) and
     this rank's dW (V/p, C), fp32."""
     return (B * T + s.config.vocab_size // s.dims.tp) * s.config.n_embd * 4
 
@@ -533,7 +534,7 @@ def _padded(s: Setup, pp_rank: int = 0) -> dict[str, int]:
 
 
 def loss_transient(s: Setup) -> int:
-    """The most bytes the chunked loss (model._LinearCrossEntropy, model.loss_chunk_rows rows a chunk for the run's
+    """The most bytes the chunked loss (loss._LinearCrossEntropy, loss.loss_chunk_rows rows a chunk for the run's
     device) holds at once in its forward, beside its gradients' buffers (saved: `ends_saved_bytes`), a = compute
     bytes, n = chunk rows, N = rows, V' = V/p (this rank's columns):
     - under autocast (a != 4) the compute-dtype casts of x and the weight, (N + V') x C x a;
