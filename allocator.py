@@ -22,7 +22,7 @@ def keep_freed_memory() -> bool:
     the threshold itself moves up to the largest mapped block freed so far (at most 32 MiB). Which of a step's
     blocks come back as fresh pages, each a page fault the kernel zeroes, then depends on the order of allocations
     and frees. In issue #36's 2-rank DDP run (4 Blocks of 128, 512 tokens a rank), whose loss writes 24.6 MiB
-    logit chunks (model.loss_chunk_rows), that was 50,000-88,000 minor faults a step on each rank under our DDP
+    logit chunks (loss.loss_chunk_rows), that was 50,000-88,000 minor faults a step on each rank under our DDP
     and 15,000-56,000 under torch's (which holds the tied embedding's 24.6 MiB gradient from backward to zero_grad,
     where ours writes it into its bucket and frees it), 95 % of them in the loss's log-softmax and logits matmul
     (`perf record -e minor-faults`): the main thread's CPU time per step fell from 700-760 ms to 580-690 ms

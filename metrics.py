@@ -32,7 +32,8 @@ import torch.utils.checkpoint
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import GPT, Experts, GPTConfig
+from model import GPT, GPTConfig
+from moe import Experts
 
 # Dense (non-sparse) bf16/fp16 peak FLOP/s per device, from the vendors' datasheets. Matched against
 # torch.cuda.get_device_name in order, so the specific variants come before the family name.
@@ -76,7 +77,7 @@ def active_params(config: GPTConfig, non_embedding: bool = False) -> int:
 def expert_record(layers: list[int], tokens: list[list[int]], aux: list[float], with_aux: bool) -> dict:
     """A step's MoE numbers for metrics.jsonl, per MoE layer (its Block index): tokens per expert over the whole
     batch (integers, every layout's the same at step 1), their max over mean, the tokens whose top-k choice beat
-    the next by less than model.near_tie_margin (a routing rounding could flip between layouts), and, when the
+    the next by less than moe.near_tie_margin (a routing rounding could flip between layouts), and, when the
     balancing loss is on, its value per micro-batch summed over the layers (the part of `loss` it is)."""
     out = {"expert_tokens": {str(i): row[:-1] for i, row in zip(layers, tokens)},
            "expert_near_ties": {str(i): row[-1] for i, row in zip(layers, tokens)},

@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from model import GPT, Experts, GPTConfig
+from model import GPT, GPTConfig
+from moe import Experts
 from plan.theory import ddp_comm_bytes_per_step, ep_all_to_all_bytes_per_micro_step
 from parallel.flat_param import ZERO_STAGES
 from plan.theory import fsdp_comm_bytes_per_micro_step, zero_comm_bytes_per_step

@@ -50,8 +50,8 @@ ALLOWED = {
     ("parallel/expert_parallel.py", "split_sizes"): "an MoE layer's all_to_all split sizes: each rank must know how "
                                                  "many rows it sends and receives before they move (one read per "
                                                  "MoE layer and micro-batch; docs/moe.md)",
-    ("model.py", "__call__"): "the MoE experts' group sizes for the per-expert loop, only where torch._grouped_mm "
-                              "does not run (autocast, unaligned widths): one read per MoE layer and micro-batch",
+    ("moe.py", "__call__"): "the MoE experts' group sizes for the per-expert loop, only where torch._grouped_mm "
+                            "does not run (autocast, unaligned widths): one read per MoE layer and micro-batch",
 }
 SYNCS = ("item", "tolist", "cpu", "__bool__")
 

@@ -127,7 +127,7 @@ class Tracer:
         for root in (par.model, par.stage, *getattr(par.model, "chunk_modules", {}).values()):
             for name, module in (root.named_modules() if root is not None else ()):
                 name = canonical(name)
-                if id(module) in seen or name == "lm_head":  # a hooked head would run whole (model.head_output)
+                if id(module) in seen or name == "lm_head":  # a hooked head would run whole (loss.head_output)
                     continue
                 if ".mlp." in (name or "") and (".experts" in name or name.endswith(".router")):
                     continue  # inside an MoE layer rows are grouped by expert, not by token: its output is traced

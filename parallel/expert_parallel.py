@@ -10,7 +10,7 @@ P); expert gradients are reduced over it, divided by the whole loss group's size
 EP rank's tokens.
 
 One MoE layer's forward on each rank (`ExpertParallelDispatch`), per micro-batch:
-1. route its own tokens (model.py's `MoE`: the same routing as one process);
+1. route its own tokens (moe.py's `MoE`: the same routing as one process);
 2. all_to_all of the per-expert row counts (P·E/P int64 each way), then one host read of the split sizes;
 3. all_to_all of the rows, in expert order (each rank's rows for rank j's experts, to rank j);
 4. the local experts on their rows, grouped by expert (rows from source rank 0 first, then 1, ...);
@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from model import Experts, balance_experts, expert_counts, init_parameter, moe_layers
+from model import init_parameter
+from moe import Experts, balance_experts, expert_counts, moe_layers
 from parallel import comm
 from parallel.state import mark_replicas, mark_shard
 
@@ -65,7 +66,7 @@ def expert_major(per: torch.Tensor, total: int) -> torch.Tensor:
 
 
 class ExpertParallelDispatch:
-    """model.MoE's `dispatch` under expert parallelism: this rank's assignments to the EP ranks holding their
+    """moe.MoE's `dispatch` under expert parallelism: this rank's assignments to the EP ranks holding their
     experts and their outputs back (the module docstring's steps 2-5). One host read per call: the split sizes
     of the all_to_alls (each rank must know how many rows it sends and receives before they move)."""
 
@@ -134,7 +135,7 @@ class ExpertBalance:
     counts the row's tokens wherever context parallelism put them (`reduce_counts`: a sum over mesh["cp"], and
     each cp rank's share 1/cp of the loss). After each optimizer step (`step`) every layer's
     tokens per expert and near ties are summed over mesh["loss"] (dp x cp: every row and token of the batch),
-    the expert bias takes its step from those (model.balance_experts), and for the record the layers of every
+    the expert bias takes its step from those (moe.balance_experts), and for the record the layers of every
     pipeline stage are summed over mesh["pp"] into one (MoE layers, E + 1) tensor. Scalars of bookkeeping:
     recorded, not counted as wrapper traffic."""
 

@@ -33,7 +33,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import GPT, init_parameter, loss_share, moe_layers
+from loss import loss_share
+from model import GPT, init_parameter
+from moe import moe_layers
 from parallel import comm
 from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
 from parallel.twins import tensor_parallel as tp_twin

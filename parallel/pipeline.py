@@ -34,7 +34,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from model import GPT, SideLosses, head_output, loss_share, materialize_module
+from loss import head_output, loss_share
+from model import GPT, materialize_module
+from moe import SideLosses
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.mesh import group_timeout, make_timer, new_groups, p2p_link
@@ -121,7 +123,7 @@ class PipelineStage(nn.Module):
     def forward_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk `chunk` on its input: token ids (B, T) for chunk 0, else the activation (B, T, C).
         Returns the activation (B, T, C), or on the last chunk the mean cross-entropy against `targets`, lm_head
-        and loss computed together chunk by chunk over rows as GPT's (model.head_output), plus the chunk's side
+        and loss computed together chunk by chunk over rows as GPT's (loss.head_output), plus the chunk's side
         losses (the MoE balancing loss), or the logits (B, T, V) without targets. A chunk before the last leaves
         its side losses in `side_loss` (None without), for the runner to add to its backward."""
         t = self.transformer

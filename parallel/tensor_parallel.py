@@ -29,8 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import (GPT, GPTConfig, MoE, WholeVocab, init_parameter, linear_cross_entropy, loss_chunk_rows,
-                   materialize_module, moe_layers)
+from loss import WholeVocab, linear_cross_entropy, loss_chunk_rows
+from model import GPT, GPTConfig, init_parameter, materialize_module
+from moe import MoE, moe_layers
 from parallel import comm
 from parallel.grads import norm_items
 from parallel.state import mark_shard, shard_dim
@@ -182,8 +183,8 @@ class SequenceParallelPositionEmbedding(nn.Embedding):
 # ----------------------------------------------------------------------------- loss
 
 class VocabShard:
-    """The rows of model.linear_cross_entropy when its weight is this rank's vocab rows [start, start + V/p) (see
-    model.WholeVocab for the interface): softmax statistics over the whole vocab from every rank's slice, with a
+    """The rows of loss.linear_cross_entropy when its weight is this rank's vocab rows [start, start + V/p) (see
+    loss.WholeVocab for the interface): softmax statistics over the whole vocab from every rank's slice, with a
     constant count of collectives per call, whatever the number of chunks.
 
     With loss parallelism (Megatron's vocab-parallel cross-entropy), two passes over the chunks of this rank's
@@ -195,7 +196,7 @@ class VocabShard:
     (N, V/p) tensor the chunks exist to avoid), and turns it into softmax - one-hot of this rank's columns.
     d(x) is then this rank's columns' part, summed over the ranks where x entered the region (f, at ln_f).
     Without it (`gather`), each rank forms whole rows itself: lm_head's weight all-gathered once over the vocab
-    ((V, C) in the compute dtype) and model.WholeVocab's single pass, of which it keeps its columns' gradient.
+    ((V, C) in the compute dtype) and loss.WholeVocab's single pass, of which it keeps its columns' gradient.
     """
 
     def __init__(self, group, start: int, gather: bool = False):
@@ -258,7 +259,7 @@ def vocab_parallel_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets:
                                  gather: bool = False, chunk_rows: int | None = None) -> torch.Tensor:
     """cross_entropy(F.linear(x, full weight), targets) (mean over targets != -1) from this rank's vocab rows
     `weight` (V/p, C) of the tied matrix: x (..., C) the same on every rank, targets (...) global ids. Chunked over
-    rows as model.linear_cross_entropy (only one chunk's logits at a time, (n, V/p), or (n, V) with `gather`); the
+    rows as loss.linear_cross_entropy (only one chunk's logits at a time, (n, V/p), or (n, V) with `gather`); the
     rows reduce over the vocab by VocabShard: 2 all-reduces of per-row statistics (loss parallelism), or with
     `gather` 1 all-gather of the weight. Computed in fp32."""
     vocab = VocabShard(group, comm.rank(group) * weight.shape[0], gather)

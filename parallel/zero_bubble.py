@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import ExpertLinear, grouped_linear, grouped_mm_runs
+from moe import ExpertLinear, grouped_linear, grouped_mm_runs
 
 
 class _InputGradLinear(torch.autograd.Function):
@@ -116,7 +116,7 @@ def cast_once(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _InputGradGrouped(torch.autograd.Function):
-    """The MoE experts' product (model.grouped_linear: rows grouped by expert times each expert's (in, out)
+    """The MoE experts' product (moe.grouped_linear: rows grouped by expert times each expert's (in, out)
     weight); backward: dx only, as autograd computes it, and (x, dy, the groups) pushed to the store for W, which
     computes each expert's dW = x_e^T dy_e as autograd would (the grouped kernel where the forward ran it, else
     per expert). Under autocast, x and the weight are cast once, as autograd's casts of each expert's matmul

@@ -278,16 +278,18 @@ def fake_tensors():
     """Every tensor made inside is fake (`fake_mode`), and parameters are initialised without values
     (`_no_values`, in every module that imported model.init_parameter); an EP dispatch's split sizes, the one
     host read of a routing, are balanced (`balanced_split_sizes`). The loss walks its rows in an
-    accelerator's chunks (model.LOSS_CHUNK_BYTES_ACCELERATOR: 1280 rows at V = 50304, not the CPU's 128): the
+    accelerator's chunks (loss.LOSS_CHUNK_BYTES_ACCELERATOR: 1280 rows at V = 50304, not the CPU's 128): the
     memory plan of the GPU rank the planner predicts, whose peak the chunk's three (rows, V) fp32 buffers are part
     of, though the code path is the CPU's."""
+    import loss
     import model
+    import moe
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.dict(model.LOSS_CHUNK_BYTES, {"cpu": model.LOSS_CHUNK_BYTES_ACCELERATOR}))
+        stack.enter_context(mock.patch.dict(loss.LOSS_CHUNK_BYTES, {"cpu": loss.LOSS_CHUNK_BYTES_ACCELERATOR}))
         from parallel.expert_parallel import ExpertParallelDispatch
         stack.enter_context(mock.patch.object(ExpertParallelDispatch, "split_sizes", balanced_split_sizes))
-        grouped = model.grouped_mm_runs  # torch 2.13's fake (meta) _grouped_mm takes bf16 only: else the loop
-        stack.enter_context(mock.patch.object(model, "grouped_mm_runs",
+        grouped = moe.grouped_mm_runs  # torch 2.13's fake (meta) _grouped_mm takes bf16 only: else the loop
+        stack.enter_context(mock.patch.object(moe, "grouped_mm_runs",
                                               lambda x, w: grouped(x, w) and x.dtype == torch.bfloat16))
         for module in list(sys.modules.values()):
             if getattr(module, "init_parameter", None) is model.init_parameter:

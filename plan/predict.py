@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from metrics import active_params, flops_per_token
-from model import GPT, GPTConfig, loss_chunk_rows
+from loss import loss_chunk_rows
+from model import GPT, GPTConfig
 from parallel.flat_param import shard_numel
 from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
 from parallel.fsdp import unit_key
@@ -127,7 +128,7 @@ def _local_params(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: in
 
 
 def is_expert(name: str) -> bool:
-    """Whether parameter `name` is one of an MoE layer's stacked experts (model.Experts): what expert parallelism
+    """Whether parameter `name` is one of an MoE layer's stacked experts (moe.Experts): what expert parallelism
     splits (E/ep experts per rank) and copies over the expert-data-parallel group."""
     return ".mlp.experts." in name
 
@@ -390,7 +391,7 @@ def block_saved_bytes(s: Setup, B: int, T: int, layer: int | None = None) -> int
 
 
 def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
-    """Bytes an MoE layer (model.MoE) saves for backward on one rank beyond its input (ln_2's output, counted
+    """Bytes an MoE layer (moe.MoE) saves for backward on one rank beyond its input (ln_2's output, counted
     with the Block's), for B rows of T tokens, N = B*T (under TP every rank runs the layer whole, on the whole
     sequence), k experts a token, E experts, C = n_embd, H = the experts' hidden width, a = compute bytes,
     counted tensor by tensor (each storage once; integers int64) under balanced routing: the rows a rank's
@@ -401,7 +402,7 @@ def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
       (the experts' outputs, N*k*C*a);
     - the experts on their R rows: c_fc's input (R*C*a), each row's expert (the biases' index, R*8), GELU's input
       and output (2*R*H*a), and torch._grouped_mm's group ends (E/ep int32); under autocast the per-expert loop
-      runs instead (model.grouped_linear), which keeps no ends but, where the weights are not already in the
+      runs instead (moe.grouped_linear), which keeps no ends but, where the weights are not already in the
       compute dtype (fp32 parameters: DDP, or a sharding engine's fp32 compute copies), each expert's two weights
       cast to it (2*(E/ep)*C*H*a);
     - the combine: the outputs (N*k*C*a) and the gates they are weighted by (N*k*a);
@@ -414,7 +415,7 @@ def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
     R = N * k
     router = N * E * 4 + N * E * 8 + N * k * 4 + N * 4
     dispatch = 2 * N * k * 8 + N * k * C * a
-    autocast = s.dtype != torch.float32  # train.py's: the loop, not the grouped kernel (model.grouped_mm_runs)
+    autocast = s.dtype != torch.float32  # train.py's: the loop, not the grouped kernel (moe.grouped_mm_runs)
     weights = s.param_bytes if s.dp_type in ZERO_STAGES else 4
     experts = R * C * a + R * 8 + 2 * R * H * a + (
         (2 * E // ep * C * H * a if weights != a else 0) if autocast else E // ep * 4)
@@ -426,7 +427,7 @@ def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
 
 def ends_saved_bytes(s: Setup, B: int, T: int, first: bool, last: bool) -> int:
     """The embeddings (token ids and positions, int64) and the head: ln_f's input and stats, and the chunked
-    loss's gradients, which it makes in forward and holds until backward (model.HeadGradients: dx (B*T, C) and
+    loss's gradients, which it makes in forward and holds until backward (loss.HeadGradients: dx (B*T, C) and
     dW (V/p, C), fp32; it keeps no logits, and neither x, the targets nor the weight)."""
     C, r = s.config.n_embd, s.residual_bytes
     out = (B * T * 8 + T * 8) if first else 0
@@ -436,7 +437,7 @@ def ends_saved_bytes(s: Setup, B: int, T: int, first: bool, last: bool) -> int:
 
 
 def head_grad_bytes(s: Setup, B: int, T: int) -> int:
-    """The chunked loss's gradients, held from its forward to its backward (model.HeadGradients): dx (B*T, C) and
+    """The chunked loss's gradients, held from its forward to its backward (loss.HeadGradients): dx (B*T, C) and
     this rank's dW (V/p, C), fp32."""
     return (B * T + s.config.vocab_size // s.dims.tp) * s.config.n_embd * 4
 
@@ -533,7 +534,7 @@ def _padded(s: Setup, pp_rank: int = 0) -> dict[str, int]:
 
 
 def loss_transient(s: Setup) -> int:
-    """The most bytes the chunked loss (model._LinearCrossEntropy, model.loss_chunk_rows rows a chunk for the run's
+    """The most bytes the chunked loss (loss._LinearCrossEntropy, loss.loss_chunk_rows rows a chunk for the run's
     device) holds at once in its forward, beside its gradients' buffers (saved: `ends_saved_bytes`), a = compute
     bytes, n = chunk rows, N = rows, V' = V/p (this rank's columns):
     - under autocast (a != 4) the compute-dtype casts of x and the weight, (N + V') x C x a;

@@ -8,7 +8,7 @@ and every other rank waits for it at each micro-batch. For GPT-2 124M at T = 102
 Cost model (`stage_costs`): training FLOPs (forward + backward) per token, the FLOPs metrics.py counts for
 MFU (`TRAIN_FLOPS_PER_PARAM` per matmul weight, `attention_flops_per_token`):
 - a Block: 6·(its parameters) + 12·C·T (attention), i.e. 72C² + 12CT for GPT-2's Block;
-- the head (last chunk): 6·(V·C + ln_f's 2C), what MFU counts: model.linear_cross_entropy runs lm_head's three
+- the head (last chunk): 6·(V·C + ln_f's 2C), what MFU counts: loss.linear_cross_entropy runs lm_head's three
   products (the logits x Wᵀ, then from their gradient G, G W and Gᵀ x) all in its forward, chunk by chunk, and
   recomputes nothing; its backward only scales dx and dW. (Before, it recomputed the logits in backward: 2·V·C
   more. Under tensor parallelism with loss parallelism it still recomputes all but the last chunk's logits, up to
@@ -52,7 +52,8 @@ from typing import Sequence
 import torch
 
 from metrics import TRAIN_FLOPS_PER_PARAM, attention_flops_per_token
-from model import Block, GPTConfig, linear_cross_entropy
+from loss import linear_cross_entropy
+from model import Block, GPTConfig
 from parallel.mesh import make_timer
 
 

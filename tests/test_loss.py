@@ -1,4 +1,4 @@
-"""The chunked lm_head + cross-entropy (model.linear_cross_entropy) against today's whole-logits path,
+"""The chunked lm_head + cross-entropy (loss.linear_cross_entropy) against today's whole-logits path,
 F.cross_entropy(F.linear(x, W)), in one process.
 
 The tolerance, any chunking (tests/rounding.py's rule): both are fp32 evaluations of the same math in other
@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from bench.pipeline import SavedBytes
 from metrics import LargestTensor
-from model import GPT, LOSS_CHUNK_ALIGN, GPTConfig, linear_cross_entropy, loss_chunk_rows, loss_share
+from loss import LOSS_CHUNK_ALIGN, linear_cross_entropy, loss_chunk_rows, loss_share
+from model import GPT, GPTConfig
 from parallel.tensor_parallel import VocabShard
 from tests.rounding import EPS32, ROUNDING_FACTOR
 
@@ -271,7 +272,7 @@ class TestMemory(unittest.TestCase):
             linear_cross_entropy(x, w, t, chunk_rows=rows).backward()
         chunk, dw, dx = rows * V * 4, V * C * 4, x.numel() * 4
         # + the (N,) mask (bool), scale and picked log-probabilities (fp32), a chunk's (n, 1) int64 targets
-        # and (n,) fp32 picked rows, and the 0-dim fp32 gradient backward expects (model.loss_share)
+        # and (n,) fp32 picked rows, and the 0-dim fp32 gradient backward expects (loss.loss_share)
         small = x.shape[0] * (1 + 4 + 4) + rows * (8 + 4) + 4
         self.assertLessEqual(live.peak - before, 3 * chunk + dw + dx + small)
 

@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer (model.py: MoE, route, LocalDispatch, Experts) and expert parallelism's dispatch
+"""The mixture-of-experts layer (moe.py: MoE, route, LocalDispatch, Experts) and expert parallelism's dispatch
 (parallel/expert_parallel.py), against references that share none of their code.
 
 - The layer against a per-token loop in float64 (each token: its top k by score + bias, stably; gates renormalised;
@@ -19,7 +19,8 @@ import unittest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, MoE, balance_experts, grouped_linear, init_parameter, make_config, route
+from model import GPT, init_parameter, make_config
+from moe import MoE, balance_experts, grouped_linear, route
 from tests.harness import run_distributed
 
 SEED = 0
@@ -112,7 +113,7 @@ class TheLayer(unittest.TestCase):
         model.init_weights(SEED)
         layer = model.transformer.h[0].mlp
         x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(4))
-        from model import SideLosses
+        from moe import SideLosses
         with SideLosses() as side:
             layer(x)
         scores = torch.softmax(x.reshape(-1, 64) @ layer.router.weight.t(), -1)

@@ -9,7 +9,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BELOW = ("model", "metrics")  # the only repository modules parallel/ may import, besides itself
+BELOW = ("model", "moe", "loss", "metrics")  # the only repository modules parallel/ may import, besides itself
 # every other top-level module and package of the repository sits above parallel/ (train, config, faults, plan, ...)
 OURS = sorted({f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
               | {f for f in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, f, "__init__.py"))})
@@ -32,7 +32,7 @@ def imports(path: str, root: str = ROOT) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("path", ["model.py", "metrics.py"])
+@pytest.mark.parametrize("path", ["model.py", "moe.py", "loss.py", "metrics.py"])
 def test_model_and_metrics_know_no_parallelism(path):
     assert not {m for m in imports(path) if m == "parallel" or m.startswith("parallel.")}
 
@@ -58,10 +58,34 @@ def test_the_mechanisms_do_not_reach_into_the_twins(path):
     assert not twins, f"{path} imports {sorted(twins)}"
 
 
-@pytest.mark.parametrize("path", ["model.py", "metrics.py"])
+@pytest.mark.parametrize("path", ["model.py", "moe.py", "loss.py", "metrics.py"])
 def test_model_and_metrics_import_nothing_above_them(path):
     up = {m for m in imports(path) if m.split(".")[0] in TOP + ("parallel",)}
     assert not up, f"{path} imports {sorted(up)}"
+
+
+def runtime_imports(path: str, root: str = ROOT) -> set[str]:
+    """`imports`, less those under `if TYPE_CHECKING:` (type hints only: nothing is imported at run time)."""
+    with open(os.path.join(root, path)) as f:
+        tree = ast.parse(f.read())
+    hints = [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    skip = {id(m) for n in hints for b in n.body for m in ast.walk(b)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+@pytest.mark.parametrize("path", ["moe.py", "loss.py"])
+def test_the_model_parts_do_not_import_the_model(path):
+    """model.py imports them (a Block builds an MoE, GPT's head is loss.py's): an import back, outside
+    TYPE_CHECKING, would be a cycle."""
+    assert "model" not in runtime_imports(path), f"{path} imports model at run time"
 
 
 def test_imports_are_read_at_every_depth(tmp_path):

@@ -394,7 +394,7 @@ def _dtensor_body(rank: int, world_size: int) -> dict:
         parallelize_module(theirs, mesh, pytorch_tp_plan(theirs, lp, sp))
         theirs.lm_head.weight = theirs.transformer.wte.weight  # the tie, undone by the swap to DTensors
         with loss_parallel() if lp else contextlib.nullcontext():
-            _, their_loss = theirs(*_batch())  # their lm_head is hooked: it runs whole (model.head_output)
+            _, their_loss = theirs(*_batch())  # their lm_head is hooked: it runs whole (loss.head_output)
             their_loss.backward()
             with torch.no_grad():
                 their_logits, _ = theirs(_batch()[0])
