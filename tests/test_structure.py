@@ -18,12 +18,18 @@ PARALLEL = sorted(os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.w
                   for f in fs if f.endswith(".py"))
 
 
-def imports(path: str, root: str = ROOT) -> set[str]:
-    """Every module `path` imports, at any depth of its code."""
+def imports(path: str, root: str = ROOT, runtime_only: bool = False) -> set[str]:
+    """Every module `path` imports, at any depth of its code; `runtime_only`: less those under
+    `if TYPE_CHECKING:` (type hints only: nothing is imported at run time)."""
     with open(os.path.join(root, path)) as f:
         tree = ast.parse(f.read())
+    hints = [n for n in ast.walk(tree) if runtime_only and isinstance(n, ast.If)
+             and ast.unparse(n.test) == "TYPE_CHECKING"]
+    skip = {id(m) for n in hints for b in n.body for m in ast.walk(b)}
     out = set()
     for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -64,28 +70,11 @@ def test_model_and_metrics_import_nothing_above_them(path):
     assert not up, f"{path} imports {sorted(up)}"
 
 
-def runtime_imports(path: str, root: str = ROOT) -> set[str]:
-    """`imports`, less those under `if TYPE_CHECKING:` (type hints only: nothing is imported at run time)."""
-    with open(os.path.join(root, path)) as f:
-        tree = ast.parse(f.read())
-    hints = [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
-    skip = {id(m) for n in hints for b in n.body for m in ast.walk(b)}
-    out = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-    return out
-
-
 @pytest.mark.parametrize("path", ["moe.py", "loss.py"])
 def test_the_model_parts_do_not_import_the_model(path):
     """model.py imports them (a Block builds an MoE, GPT's head is loss.py's): an import back, outside
     TYPE_CHECKING, would be a cycle."""
-    assert "model" not in runtime_imports(path), f"{path} imports model at run time"
+    assert "model" not in imports(path, runtime_only=True), f"{path} imports model at run time"
 
 
 def test_imports_are_read_at_every_depth(tmp_path):
