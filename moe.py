@@ -98,9 +98,15 @@ class LocalDispatch:
         counts = expert_counts(flat, experts.c_fc.weight.shape[0])
         rows = x[order // k]
         # the per-expert loop needs the group sizes on the host (one read); torch._grouped_mm takes them on the device
-        sizes = None if grouped_mm_runs(rows, experts.c_fc.weight) or rows.is_meta else counts.tolist()
+        sizes = None if grouped_mm_runs(rows, experts.c_fc.weight) or rows.is_meta else self.split_sizes(counts, N * k)
         y = experts(rows, counts, sizes)  # (N*k, C), in `order`
         return torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
+
+    def split_sizes(self, counts: torch.Tensor, assignments: int) -> list[int]:
+        """The one host read: rows per expert, from counts (E,). `assignments` (N·k, the rows in all) is what a
+        simulated rank, whose tensors hold no values, answers with instead: balanced counts (plan/fake_rank.py
+        `balanced_local_sizes`), as under expert parallelism."""
+        return counts.tolist()
 
 
 def expert_counts(chosen: torch.Tensor, experts: int) -> torch.Tensor:

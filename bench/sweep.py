@@ -76,6 +76,8 @@ class Layout:
     rows: int = 0           # rows per step; 0: ROWS (more where a schedule needs more micro-batches per dp rank)
     experts: int = 0        # --moe_num_experts (top-2, the balancing loss and the bias rule on; MOE)
     ep: int = 1             # --expert_parallel_size
+    moe_every: int = 1      # --moe_every: an MoE layer in every N-th Block (a stage may then hold none)
+    stages: str = ""        # --pp_layers_per_stage; "": the cost model's split
 
     @property
     def n_layer(self) -> int:
@@ -104,7 +106,8 @@ class Layout:
         return " ".join(parts or ["single"]) + ("" if self.dtype == "float32" else f" {self.dtype}") + \
             (" deferred" if self.deferred else "") + ("" if self.impl == "custom" else f" [{self.impl}]") + \
             (f" L={self.blocks}" if self.blocks else "") + (f" rows={self.rows}" if self.rows else "") + \
-            (f" moe={self.experts}" + (f" ep={self.ep}" if self.ep > 1 else "") if self.experts else "")
+            (f" moe={self.experts}" + (f" ep={self.ep}" if self.ep > 1 else "") if self.experts else "") + \
+            (f" every={self.moe_every}" if self.moe_every > 1 else "") + (f" split={self.stages}" if self.stages else "")
 
     @property
     def micro_batches(self) -> int:
@@ -130,6 +133,7 @@ class Layout:
         if self.pp > 1:
             f += ["--pipeline_parallel_size", str(self.pp), "--pp_schedule", self.schedule]
             f += ["--pp_virtual_stages", str(self.virtual)] if self.virtual > 1 else []
+            f += ["--pp_layers_per_stage", self.stages] if self.stages else []
         if self.dp > 1:
             f += ["--data_parallel_size", str(self.dp)]
         if self.dp_type:
@@ -144,7 +148,8 @@ class Layout:
             f += ["--tensor_parallel_size", str(self.tp)] + (["--sequence_parallel", "--enable_loss_parallelism"]
                                                              if self.sp else [])
         if self.experts:
-            f += ["--moe_num_experts", str(self.experts), *MOE, "--expert_parallel_size", str(self.ep)]
+            f += ["--moe_num_experts", str(self.experts), *MOE, "--expert_parallel_size", str(self.ep),
+                  "--moe_every", str(self.moe_every)]
         return f
 
     @property
@@ -153,7 +158,8 @@ class Layout:
 
     def reference(self) -> "Layout":
         """The one-process run it is held against: the same dtype and Blocks."""
-        return Layout(dtype=self.dtype, blocks=self.n_layer, rows=self.rows, experts=self.experts)
+        return Layout(dtype=self.dtype, blocks=self.n_layer, rows=self.rows, experts=self.experts,
+                      moe_every=self.moe_every)
 
 
 def layouts(max_world: int = 4) -> list[Layout]:
@@ -239,9 +245,14 @@ MOE = ["--moe_top_k", "2", "--moe_aux_loss_coeff", "0.01", "--moe_bias_update_ra
 def moe_rows() -> list[Layout]:
     """Mixture of experts (4 experts per Block, top-2, both balancing rules on) on one process's MoE model, and
     expert parallelism at 2 and 4 ranks: EP alone (dp = EP), dp > EP, with CP, TP + SP, pipelines (1F1B, and
-    ZB-V's split backward), and the sharding engine; in bf16 too."""
+    ZB-V's split backward), and the sharding engine; in bf16 too. Two pipelines with a stage that holds no MoE
+    Block (the first user report: a collective mismatch at step 1): an MoE layer in Block 3 only (the cost
+    model's split leaves stage 0 dense), beside dp = EP = 2; and --pp_layers_per_stage 1,3 with MoE Blocks 1
+    and 3 (stage 0 is Block 0, dense)."""
     E = 4
     return [Layout(dp=2, dp_type="ddp", experts=E, ep=2), Layout(cp=2, experts=E, ep=2),
+            Layout(pp=2, dp=2, dp_type="ddp", experts=E, ep=2, moe_every=4),
+            Layout(pp=2, experts=E, moe_every=2, stages="1,3"),
             Layout(dp=4, dp_type="ddp", experts=E, ep=2), Layout(dp=4, dp_type="ddp", experts=E, ep=4),
             Layout(dp=2, dp_type="ddp", tp=2, experts=E, ep=2), Layout(tp=2, experts=E),
             Layout(pp=2, dp=2, dp_type="ddp", experts=E, ep=2),

@@ -136,15 +136,17 @@ class ExpertBalance:
     each cp rank's share 1/cp of the loss). After each optimizer step (`step`) every layer's
     tokens per expert and near ties are summed over mesh["loss"] (dp x cp: every row and token of the batch),
     the expert bias takes its step from those (moe.balance_experts), and for the record the layers of every
-    pipeline stage are summed over mesh["pp"] into one (MoE layers, E + 1) tensor. Scalars of bookkeeping:
+    pipeline stage are summed over mesh["pp"] into one (MoE layers, E + 1) tensor, by every stage, one without an
+    MoE Block too (it adds zeros: a collective every rank of the group must join). Scalars of bookkeeping:
     recorded, not counted as wrapper traffic."""
 
     def __init__(self, model: nn.Module, mesh, device: torch.device):
-        self.layers, self.mesh = moe_layers(model), mesh
+        self.layers, self.mesh, self.device = moe_layers(model), mesh, device  # a pipeline stage's may be none
         config = next(m.config for m in model.modules() if hasattr(m, "config") and not callable(m.config))
         self.all = [i for i in range(config.n_layer) if config.is_moe(i)]
         self.E = config.moe_num_experts
-        self.rows = torch.tensor([self.all.index(i) for i, _ in self.layers], device=device)  # mine among all
+        self.rows = torch.tensor([self.all.index(i) for i, _ in self.layers], dtype=torch.int64,
+                                 device=device)  # mine among all
         cp = mesh["cp"]
         for _, moe in self.layers:
             if cp.enabled:
@@ -155,10 +157,11 @@ class ExpertBalance:
         "aux": (MoE layers,) its balancing loss per micro-batch, the mean over the batch ranks}, every stage's
         layers, on the device."""
         loss, pp = self.mesh["loss"], self.mesh["pp"]
-        stats, aux = balance_experts(self.layers, partial(_summed, group=loss.group) if loss.enabled else None)
-        tokens = torch.zeros(len(self.all), self.E + 1, dtype=torch.int64, device=stats.device)
-        per = torch.zeros(len(self.all), device=aux.device)
-        tokens[self.rows], per[self.rows] = stats, aux / loss.size
+        tokens = torch.zeros(len(self.all), self.E + 1, dtype=torch.int64, device=self.device)
+        per = torch.zeros(len(self.all), device=self.device)
+        if self.layers:  # a stage with no MoE Block adds zeros, but joins the pp sum like every stage
+            stats, aux = balance_experts(self.layers, partial(_summed, group=loss.group) if loss.enabled else None)
+            tokens[self.rows], per[self.rows] = stats, aux / loss.size
         return {"tokens": _summed(tokens, pp.group), "aux": _summed(per, pp.group)} if pp.enabled else \
             {"tokens": tokens, "aux": per}
 

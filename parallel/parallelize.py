@@ -35,7 +35,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from loss import loss_share
 from model import GPT, init_parameter
-from moe import moe_layers
 from parallel import comm
 from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
 from parallel.twins import tensor_parallel as tp_twin
@@ -356,7 +355,8 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
             par.model = made.model
             par.shard_tokens = made.tokens or par.shard_tokens
             par.micro_contexts += [made.context] if made.context else []
-    if moe_layers(par.model):  # statistics over the whole batch, wherever its rows and tokens are
+    c = model.config
+    if any(c.is_moe(i) for i in range(c.n_layer)):  # the batch's statistics; every stage joins, one without MoE too
         par.experts = ExpertBalance(par.model, mesh, device)
     if cfg.activation_checkpointing != "none":
         apply_activation_checkpointing(par.model, cfg.activation_checkpointing, cfg.ac_every)

@@ -264,23 +264,30 @@ def balanced_split_sizes(dispatch, counts: torch.Tensor, per: torch.Tensor, assi
     own, and each local expert gets P times its share. What a real router decides (an expert that gets more,
     the all_to_all's sizes from step to step) a fake rank cannot see (docs/planner.md)."""
     from parallel import comm
-    E = counts.shape[0]
     P, L = per.shape
-    share = [assignments // E + (e < assignments % E) for e in range(E)]
+    share = balanced_local_sizes(dispatch, counts, assignments)
     me = comm.rank(dispatch.group) if P > 1 else 0
     send = [sum(share[j * L:(j + 1) * L]) for j in range(P)]
     mine = share[me * L:(me + 1) * L]
     return send, [sum(mine)] * P, [P * c for c in mine]
 
 
+def balanced_local_sizes(dispatch, counts: torch.Tensor, assignments: int) -> list[int]:
+    """moe.LocalDispatch.split_sizes (an MoE layer without expert parallelism) for a simulated rank: each of the E
+    experts gets assignments // E rows, the first assignments % E one more (the balanced routing the planner
+    assumes)."""
+    E = counts.shape[0]
+    return [assignments // E + (e < assignments % E) for e in range(E)]
+
+
 @contextlib.contextmanager
 def fake_tensors():
     """Every tensor made inside is fake (`fake_mode`), and parameters are initialised without values
-    (`_no_values`, in every module that imported model.init_parameter); an EP dispatch's split sizes, the one
-    host read of a routing, are balanced (`balanced_split_sizes`). The loss walks its rows in an
-    accelerator's chunks (loss.LOSS_CHUNK_BYTES_ACCELERATOR: 1280 rows at V = 50304, not the CPU's 128): the
-    memory plan of the GPU rank the planner predicts, whose peak the chunk's three (rows, V) fp32 buffers are part
-    of, though the code path is the CPU's."""
+    (`_no_values`, in every module that imported model.init_parameter); a dispatch's split sizes, the one
+    host read of a routing, are balanced (`balanced_split_sizes` under EP, `balanced_local_sizes` without).
+    The loss walks its rows in an accelerator's chunks (loss.LOSS_CHUNK_BYTES_ACCELERATOR: 1280 rows at
+    V = 50304, not the CPU's 128): the memory plan of the GPU rank the planner predicts, whose peak the chunk's
+    three (rows, V) fp32 buffers are part of, though the code path is the CPU's."""
     import loss
     import model
     import moe
@@ -288,6 +295,7 @@ def fake_tensors():
         stack.enter_context(mock.patch.dict(loss.LOSS_CHUNK_BYTES, {"cpu": loss.LOSS_CHUNK_BYTES_ACCELERATOR}))
         from parallel.expert_parallel import ExpertParallelDispatch
         stack.enter_context(mock.patch.object(ExpertParallelDispatch, "split_sizes", balanced_split_sizes))
+        stack.enter_context(mock.patch.object(moe.LocalDispatch, "split_sizes", balanced_local_sizes))
         grouped = moe.grouped_mm_runs  # torch 2.13's fake (meta) _grouped_mm takes bf16 only: else the loop
         stack.enter_context(mock.patch.object(moe, "grouped_mm_runs",
                                               lambda x, w: grouped(x, w) and x.dtype == torch.bfloat16))

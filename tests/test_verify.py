@@ -2,7 +2,8 @@
 
 Quick (the CI part, each simulated rank ~1 s): a 16-rank pp x dp x cp x tp layout, a pp x fsdp ZB-V layout, a pp=4
 GPipe x cp=2 layout whose interior stages share classes, interleaved 1F1B at M = P (the same) and pp=4 1F1B (no
-two stages alike), every rank simulated, are consistent; every rank's recording is its class representative's
+two stages alike), MoE without EP (fp32, bf16) and a pipeline with a stage of no MoE Block, every rank simulated,
+are consistent; every rank's recording is its class representative's
 shifted (pp too), and the classes' shortcut gives the same verdict; a shortcut that forgot the cp rank's parity,
 or let 1F1B's interior stages share, is caught by that check; the stage keys, without simulating, keep apart an
 uneven split and MoE Blocks out of step; alike p2p components are replayed once;
@@ -132,6 +133,24 @@ class TestConsistent(unittest.TestCase):
         part of a rank's class (a shift by one dp rank would carry EP group [0, 1] onto [1, 2])."""
         lay, runs = self.check(EP4, 4, classes=2)
         self.assertTrue(all(run.steps[2]["comm_calls"]["all_to_all"] for run in runs.values()))
+
+    def test_moe_without_expert_parallelism(self):
+        """MoE on dp=2 without EP, in fp32 and under bf16 autocast: the one-rank dispatch's split sizes (its host
+        read) balanced in a simulated rank as EP's are (fake_rank.balanced_local_sizes); it raised on the zeros a
+        fake tensor reads (split_sizes=[0, 0, 0, 0]) before. The planner's numbers equal too."""
+        moe = ["--moe_num_experts", "4", "--data_parallel_size", "2", "--data_parallel_type", "ddp"]
+        for dtype in ("float32", "bfloat16"):
+            with self.subTest(dtype=dtype):
+                self.check([*moe, "--dtype", dtype], 2, classes=1)
+
+    def test_pipeline_stage_without_moe_blocks(self):
+        """pp=2 with a stage that holds no MoE Block joins the expert statistics' sum over pp like the other (the
+        first user report: stage 0 skipped it, a collective mismatch at step 1 that this check named): an MoE
+        Block every 4th of 4 beside dp = EP = 2, and --pp_layers_per_stage 1,3 with Blocks 1 and 3 MoE."""
+        moe = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--moe_num_experts", "4"]
+        self.check([*moe, "--moe_every", "4", "--data_parallel_size", "2", "--data_parallel_type", "ddp",
+                    "--expert_parallel_size", "2"], 4, classes=4)
+        self.check([*moe, "--moe_every", "2", "--pp_layers_per_stage", "1,3"], 2, classes=2)
 
     def test_gpipe_interior_stages_share_a_class(self):
         """pp=4 GPipe x cp=2: stages 1 and 2 hold one Block each and run the same action list with their peers
