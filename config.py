@@ -460,6 +460,9 @@ def _check_experts(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
         return
     if K > E:
         raise UsageError(f"--moe_top_k {K} > --moe_num_experts {E}: a token cannot pick more experts than exist")
+    if not any(config.is_moe(i) for i in range(config.n_layer)):
+        raise UsageError(f"--moe_every {config.moe_every} with {config.n_layer} Blocks gives no Block experts (the "
+                         f"first MoE Block would be Block {config.moe_every - 1}): use --moe_every <= {config.n_layer}")
     if E % N:
         raise UsageError(f"--moe_num_experts {E} is not divisible by --expert_parallel_size {N}: every EP rank "
                          f"holds the same number of experts")

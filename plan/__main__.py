@@ -17,7 +17,7 @@ import sys
 from config import Parser, UsageError, error_line
 from model import PRESETS as MODELS
 from plan.cluster import PRESETS, Cluster, parse_memory
-from plan.search import candidates, model_flags
+from plan.search import candidates, model_flags, model_refusal
 
 MiB, GiB = 2 ** 20, 2 ** 30
 
@@ -147,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         constraints = {"pp": a.pp, "tp": a.tp, "cp": 1 if a.no_cp else a.cp, "ep": a.ep, "dp_type": a.dp_type,
                        "ac": a.ac}
         every = candidates(model_flags(a), cluster, sizes, constraints, a.efficiency)
-        if not every:
-            raise UsageError(f"no layout of {a.gpus} GPUs is accepted by train.py for these batch sizes and "
+        if not every:  # the model's own flags refused (an unknown preset, say) are named, not the batch's
+            raise UsageError(model_refusal(model_flags(a), sizes[0]) or f"no layout of {a.gpus} GPUs is accepted by train.py for these batch sizes and "
                              f"constraints (try another --micro_batch_size, --total_batch_size or --gpus)")
         budget = cluster.memory * a.headroom
         # ties (rarer since the time model charges Cluster.overhead per compute action, but overlapped traffic is

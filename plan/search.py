@@ -190,6 +190,16 @@ def accepted(model_flags: list[str], layout: list[str], world: int, device: torc
     return Setup(args, dims, config, dtype, accum, pp_layers)
 
 
+def model_refusal(model_flags: list[str], micro_batch: int) -> str | None:
+    """What train.py says of the model and batch flags on one rank (an unknown preset, a shape it refuses), or None
+    when it accepts them there: then only the layouts are refused, and the search says so."""
+    try:
+        check_layout(layout_args(model_flags, ["--micro_batch_size", str(micro_batch)]), 1, torch.device("meta"))
+    except UsageError as e:
+        return str(e)
+    return None
+
+
 @functools.lru_cache(maxsize=1024)
 def _bubble(schedule: str, pp: int, micro: int, virtual: int) -> float:
     """theory.bubble_fraction, once per (schedule, P, M, V); for the V schedules, which simulate their

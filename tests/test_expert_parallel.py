@@ -379,7 +379,9 @@ class TestRefusals(unittest.TestCase):
             for flags, needle in ((["--moe_num_experts", "2", "--moe_top_k", "3"], "--moe_top_k 3 > --moe_num_experts 2"),
                                   (["--moe_num_experts", "4", "--init_from", "gpt2"], "OpenAI's GPT-2 has no experts"),
                                   (["--expert_parallel_size", "2"], "must divide data_parallel_size"),
-                                  (["--moe_num_experts", "-1"], "--moe_num_experts must be >= 0")):
+                                  (["--moe_num_experts", "-1"], "--moe_num_experts must be >= 0"),
+                                  (["--moe_num_experts", "4", "--n_layer", "2", "--moe_every", "5",  # a dense model
+                                    "--max_steps", "1"], "--moe_every 5 with 2 Blocks gives no Block experts")):
                 with self.subTest(flags=flags):
                     expect_train_error_in_process(self, ["--model", "tiny", *flags], needle, out)
 

@@ -130,6 +130,8 @@ SMALL = ["--model", "tiny", "--seq_len", "64", "--total_batch_size", "1024", "--
     (["--total_batch_size", "1000"], "must be a positive multiple of --seq_len"),
     (["--micro_batch_size", "3"], "is not divisible by --micro_batch_size 3"),
     (["--gpu_memory", "1MB"], "nothing fits in 0 GiB per GPU; the smallest layout"),
+    (["--model", "gpt9"], "unknown model preset 'gpt9'; choose one of tiny, small, gpt2,"),  # not "no layout ..."
+    (["--n_head", "5"], "n_embd"),  # the model's shape, named, not the batch sizes
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle):
     code, out, err = run_cli([*SMALL, *argv])
