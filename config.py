@@ -18,7 +18,7 @@ import torch
 import checkpoint
 from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_dir
 from model import GPT, PRESETS, GPTConfig, make_config
-from parallel.mesh import ParallelDims, env_world, pick_device
+from parallel.mesh import ParallelDims, WorldSizeError, env_world, pick_device
 from parallel.parallelize import ParallelConfig
 from plan.split import check_counts, layers_for
 from parallel.tensor_parallel import check_tp_divisibility
@@ -522,12 +522,16 @@ def resume_checkpoint(out_dir: str, config: GPTConfig, report: bool = True) -> s
     return path
 
 
-def check_layout(args: argparse.Namespace, world_size: int, device: torch.device
+LAUNCH = "launch with torchrun --nproc_per_node={n}"  # how a user gets n ranks: train.py's hint by default
+
+
+def check_layout(args: argparse.Namespace, world_size: int, device: torch.device, launch: str = LAUNCH
                  ) -> tuple[ParallelDims, GPTConfig, torch.dtype, dict | None, int, tuple[int, ...] | None]:
     """Every check of the flags against each other and the model that needs no process group, data or out_dir:
     (dims, model config, dtype, OpenAI's weights or None, micro-steps per step, the pipeline's Blocks per
     chunk or None). Raises UsageError. The layout
-    planner (plan/) asks it which layouts the trainer accepts, with a world size and device of its choosing."""
+    planner (plan/) asks it which layouts the trainer accepts, with a world size and device of its choosing.
+    `launch`: the hint, for n ranks, when the sizes multiply to another world size than `world_size`."""
     _check_flags(args)
     if world_size % args.pipeline_parallel_size:
         raise UsageError(f"--pipeline_parallel_size {args.pipeline_parallel_size} does not divide the world size "
@@ -536,6 +540,8 @@ def check_layout(args: argparse.Namespace, world_size: int, device: torch.device
         dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world_size,
                             args.pipeline_parallel_size, args.data_parallel_replicate_size,
                             args.context_parallel_size, args.expert_parallel_size)
+    except WorldSizeError as e:
+        raise UsageError(f"{e}; {launch.format(n=e.needed)}") from None
     except ValueError as e:
         raise UsageError(str(e)) from None
     dtype = resolve_dtype(args.dtype, device)
@@ -555,9 +561,10 @@ def check_layout(args: argparse.Namespace, world_size: int, device: torch.device
     return dims, config, dtype, hf_state, args.total_batch_size // tokens_per_micro, pp_layers
 
 
-def validate(args: argparse.Namespace) -> Plan:
+def validate(args: argparse.Namespace, launch: str | None = None) -> Plan:
     """Check the arguments against each other, the environment and the data; raise UsageError.
-    The built-in Shakespeare corpus is prepared here when it is missing (local rank 0 does it)."""
+    The built-in Shakespeare corpus is prepared here when it is missing (local rank 0 does it). `launch`: how
+    the caller gets n ranks, for the world-size hint (default: torchrun's, or --fake_world_size's)."""
     rank, local_rank, world_size = env_world()
     fake = args.fake_world_size is not None
     if fake:
@@ -567,7 +574,8 @@ def validate(args: argparse.Namespace) -> Plan:
         device = pick_device("cpu" if fake else args.device)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    dims, config, dtype, hf_state, grad_accum, pp_layers = check_layout(args, world_size, device)
+    launch = launch or ("pass --fake_world_size {n}" if fake else LAUNCH)
+    dims, config, dtype, hf_state, grad_accum, pp_layers = check_layout(args, world_size, device, launch)
     data_dir = _check_data(args, config, local_rank)
     resume_from = None if fake else _check_out_dir(args, config)  # a simulated rank writes nothing there
     return Plan(args=args, dims=dims, par=parallel_config(args, dims, dtype, pp_layers), config=config, device=device,

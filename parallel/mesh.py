@@ -139,6 +139,15 @@ def make_timer(device: torch.device) -> HostTimer | DeviceTimer:
     return DeviceTimer(device) if device.type == "cuda" else HostTimer()
 
 
+class WorldSizeError(ValueError):
+    """The parallel sizes multiply to `needed` ranks, not the world's: the caller says how to get `needed` ranks
+    (torchrun's --nproc_per_node, a simulated rank's --fake_world_size, plan.verify's --world_size)."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """A validated (pp, dp, cp, tp) layout. pp * dp * cp * tp must equal the world size."""
@@ -161,9 +170,9 @@ class ParallelDims:
         n = self.pp * self.dp * self.cp * self.tp
         if n != self.world_size:
             cp = f"context_parallel_size ({self.cp}) x " if self.cp > 1 else ""
-            raise ValueError(f"pipeline_parallel_size ({self.pp}) x data_parallel_size ({self.dp}) x {cp}"
-                             f"tensor_parallel_size ({self.tp}) = {n} must equal the world size "
-                             f"({self.world_size}); launch with torchrun --nproc_per_node={n}")
+            raise WorldSizeError(f"pipeline_parallel_size ({self.pp}) x data_parallel_size ({self.dp}) x {cp}"
+                                 f"tensor_parallel_size ({self.tp}) = {n} must equal the world size "
+                                 f"({self.world_size})", n)
 
     @property
     def dp_enabled(self) -> bool:

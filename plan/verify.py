@@ -238,7 +238,8 @@ def fault_ranks(world: int) -> frozenset[int]:
 def plan_for(flags: list[str], world: int, rank: int):
     """config.validate of train.py's `flags` as rank `rank` of `world` simulated (UsageError on bad input)."""
     import config
-    return config.validate(config.parse_args([*flags, "--fake_world_size", str(world), "--fake_rank", str(rank)]))
+    return config.validate(config.parse_args([*flags, "--fake_world_size", str(world), "--fake_rank", str(rank)]),
+                           launch="pass --world_size {n}")
 
 
 def simulate_ranks(flags: list[str], world: int, ranks: list[int], progress=None) -> dict[int, RankRun]:

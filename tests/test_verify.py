@@ -395,6 +395,9 @@ class TestCommandLines(unittest.TestCase):
             code, out, err = run_main(argv)
             self.assertEqual((code, out, len(err.strip().splitlines())), (2, "", 1), err)
             self.assertTrue(err.startswith("python -m plan.verify: error: "), err)
+        # the world size the flags need, as plan.verify takes it (not torchrun's --nproc_per_node)
+        self.assertTrue(run_main(["--world_size", "4", "--", *flags(GRID16)])[2].endswith(
+            "= 16 must equal the world size (4); pass --world_size 16\n"))
 
     @pytest.mark.slow
     def test_train_py_plays_one_rank(self):
@@ -421,7 +424,8 @@ class TestFlags(unittest.TestCase):
         self.assertIn("not torchrun", self.refused(["--fake_world_size", "16", "--fake_rank", "1"], {"WORLD_SIZE": "2"}))
         self.assertIn("does not take --device cuda",
                       self.refused(["--fake_world_size", "16", "--fake_rank", "1", "--device", "cuda"]))
-        self.assertIn("world size (8)", self.refused(["--fake_world_size", "8", "--fake_rank", "1"]))
+        self.assertIn("world size (8); pass --fake_world_size 16", self.refused(["--fake_world_size", "8",
+                                                                                 "--fake_rank", "1"]))
 
     def test_accepted_as_rank_r_of_n(self):
         plan = V.plan_for(flags(GRID16), 16, 9)
