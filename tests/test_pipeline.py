@@ -23,6 +23,7 @@ total = 2·(C-1)·M·mb·T·n_embd·4 bytes, and per rank `p2p_bytes_per_step`.
 """
 from __future__ import annotations
 
+import contextlib
 import unittest
 from unittest import mock
 
@@ -98,7 +99,8 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
     hooks = [w.register_hook(record) for w in tied]
     comm.COUNTER.reset()
     comm.RECORDER.open(None, rank, world)  # a fresh in-memory ring: this step's ops only
-    loss = runner.step(batches, name)
+    with receives_waited(runner) as waited:
+        loss = runner.step(batches, name)
     p2p = comm.COUNTER.snapshot().get("p2p", 0)
     ops = comm.RECORDER.read()["ops"]
     for h in hooks:
@@ -135,7 +137,28 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
             "norm": (norm, ref_norm, norm_bound), "clipped": clipped, "coef": coef,
             "p2p_theory": p2p_bytes_per_step(world, virtual, rank, m, (MB, T, cfg.n_embd)),
             "timeline": len(runner.timeline), "executed": [a for a, _, _ in runner.timeline],
-            "events": list(runner.events), "ops": [(o["op"], o["state"]) for o in ops]}
+            "events": list(runner.events), "ops": [(o["op"], o["state"]) for o in ops], "waited": waited}
+
+
+@contextlib.contextmanager
+def receives_waited(runner: PipelineRunner):
+    """Yields [(i, RECV action)]: each receive's work really waited on (torch's wait, not the runner's record of
+    it) when the runner's `events` held i entries. The runner posts ("post", a) before it calls comm.recv."""
+    waited, real = [], comm.recv
+
+    class Work:
+        def __init__(self, work, a):
+            self.work, self.a = work, a
+
+        def wait(self, *args):
+            waited.append((len(runner.events), self.a))
+            return self.work.wait(*args)
+
+    def recv(*args, **kwargs):
+        return Work(real(*args, **kwargs), runner.events[-1][1])
+
+    with mock.patch.object(comm, "recv", recv):
+        yield waited
 
 
 def check_cases(rank: int, world: int, cases) -> dict:
@@ -272,7 +295,9 @@ class PipelineMatchesOneProcess(unittest.TestCase):
         """A receive is posted at its place in the list and waited on just before the F or B that reads it (so a
         rank computes what needs no input while the data is in flight); each send is waited on, and freed, just
         before the compute `send_waits` names (SEND_F(c, m) at B(c, m), SEND_B at the rank's next B), or at the
-        step's end, once."""
+        step's end, once. The receive's own wait (torch's work.wait, `receives_waited`) happens there too, not
+        where it was posted: the runner's record alone would not show a wait moved to the post (on NCCL that
+        serialises a stage behind its neighbour's compute)."""
         early = 0  # receives posted at least one action before their compute: the case where waiting matters
         for world, (name, n_layer, v, m), per_rank in self.each():
             for rank, r in enumerate(per_rank):
@@ -289,6 +314,10 @@ class PipelineMatchesOneProcess(unittest.TestCase):
                             at = next((e for e in events[i + 1:] if e[0] != "wait"), None)
                             named = next((c for c, ws in waits.items() if a in ws), None)
                             self.assertEqual(at, ("run", named) if named else None)
+                    # the wait itself (torch's), not only the runner's record of it: right before that record, once
+                    self.assertEqual([events[i] for i, _ in r["waited"]], [("wait", a) for _, a in r["waited"]])
+                    self.assertEqual(sorted(a for _, a in r["waited"]),
+                                     sorted(a for kind, a in events if kind == "post" and a.kind in (RECV_F, RECV_B)))
                     posted = sorted(a for kind, a in events if kind == "post" and a.kind in (SEND_F, SEND_B, RECV_F, RECV_B))
                     waited = sorted(a for kind, a in events if kind == "wait")
                     self.assertEqual(waited, posted)  # every message waited on exactly once
