@@ -39,7 +39,11 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, sizes: 
     if x.is_meta:  # shapes only (debug.diff's module order): no sizes to read
         return x.new_empty(x.shape[0], w.shape[2])
     sizes = sizes if sizes is not None else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
-    return torch.cat([xe @ w[e] for e, xe in enumerate(x.split(sizes))]) if x.shape[0] else x @ w[0]
+    if not x.shape[0]:
+        return x @ w[0]
+    # over w.unbind(0), not w[e]: each select's backward makes a zero (E, K, N) tensor, E of them summed (E^2 K N);
+    # unbind's stacks the E gradients once
+    return torch.cat([xe @ we for xe, we in zip(x.split(sizes), w.unbind(0))])
 
 
 class ExpertLinear(nn.Module):
