@@ -5,7 +5,9 @@
   the sum over its experts of gate * GPT-2 MLP): output and every gradient within float64 rounding of it.
 - Ties route to the lower expert index; a router that sends every token to one expert drops none.
 - The grouped GEMM (torch._grouped_mm) and the per-expert loop give the same bits; the loop's backward makes each
-  stacked weight's gradient once.
+  stacked weight's gradient once; the grouped kernel runs only where it is a kernel of its own (CPU fp32, bf16 on
+  sm90/sm100), under autocast too (operands cast, autocast off: then no host read of the group sizes).
+- The rows cast to the compute dtype before dispatch (moe.expert_rows) change no bit of the layer.
 - The balancing loss equals its formula; the bias takes sign(mean - load) steps.
 - Init: an expert-parallel rank's slice of each stacked weight is the one process's.
 - On 2 spawned gloo ranks, the all_to_all dispatch (each rank's tokens to the rank holding their expert and back)
@@ -15,6 +17,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import unittest
 from unittest import mock
 
@@ -25,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 import moe as moe_module
 from model import GPT, init_parameter, make_config
-from moe import MoE, balance_experts, grouped_linear, route
+from moe import MoE, balance_experts, grouped_linear, grouped_mm_runs, route
 from tests.harness import run_distributed
 
 SEED = 0
@@ -55,6 +58,11 @@ class NewTensors(TorchDispatchMode):
         self.seen += [str(func) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
                       and tuple(t.shape) in self.shapes and t.untyped_storage().data_ptr() not in inputs]
         return out
+
+
+def fast_path_here(device: torch.device, dtype: torch.dtype, k: int, n: int) -> bool:
+    """moe.grouped_mm_runs as on an sm90 GPU, with this CPU standing in: bf16 takes torch._grouped_mm."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and (k * 2) % 16 == 0 and (n * 2) % 16 == 0
 
 
 def naive(layer: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +165,70 @@ class TheLayer(unittest.TestCase):
             dy = torch.randn_like(want)
             for a, b in zip(torch.autograd.grad(got, [x, w], dy), torch.autograd.grad(want, [x, w], dy)):
                 self.assertTrue(torch.equal(a, b), autocast)
+
+    def test_the_grouped_kernel_runs_only_where_it_is_one(self):
+        """moe.grouped_mm_runs from (device, dtype, K, N) alone: CPU fp32 (aligned); not CPU bf16 (autocast's loop,
+        as ever); on CUDA bf16 at compute capability 9.x and 10.x only (elsewhere torch's _grouped_mm reads the
+        group ends back and loops), never fp32 there; never unaligned widths (16 bytes)."""
+        cpu = torch.device("cpu")
+        self.assertTrue(grouped_mm_runs(cpu, torch.float32, 64, 256))
+        self.assertFalse(grouped_mm_runs(cpu, torch.bfloat16, 64, 256))
+        self.assertFalse(grouped_mm_runs(cpu, torch.float32, 66, 256))
+        gpu = torch.device("cuda", 0)
+        for capability, dtype, k, want in (((9, 0), torch.bfloat16, 64, True), ((10, 0), torch.bfloat16, 64, True),
+                                           ((8, 0), torch.bfloat16, 64, False), ((12, 0), torch.bfloat16, 64, False),
+                                           ((9, 0), torch.float32, 64, False), ((9, 0), torch.float16, 64, False),
+                                           ((9, 0), torch.bfloat16, 60, False)):
+            module = mock.Mock(get_device_capability=mock.Mock(return_value=capability))
+            with mock.patch.object(torch, "get_device_module", return_value=module), \
+                    mock.patch.object(torch.version, "hip", None):
+                self.assertEqual(grouped_mm_runs(gpu, dtype, k, 256), want, (capability, dtype, k))
+            if want:
+                module.get_device_capability.assert_called_with(gpu)
+
+    def test_under_autocast_the_grouped_kernel_runs_cast_and_reads_no_sizes(self):
+        """Where the grouped kernel runs in bf16 (an sm90 GPU; this CPU standing in), the layer under bf16 autocast
+        runs it on bf16 operands with autocast off (autocast has no rule for it: before, it ran the loop there),
+        and the one-rank dispatch reads no group sizes on the host. On CPU the kernel and the loop give the same
+        bits: output and every gradient."""
+        x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(6), requires_grad=True)
+        grouped = torch._grouped_mm
+        runs = []
+
+        def spy(a, b, **kw):
+            runs.append((a.dtype, b.dtype, torch.is_autocast_enabled("cpu")))
+            return grouped(a, b, **kw)
+
+        out = {}
+        for fast in (False, True):
+            layer = moe()
+            reads = mock.Mock(side_effect=lambda counts, n: counts.tolist())
+            with mock.patch.object(moe_module.LocalDispatch, "split_sizes", reads), \
+                    mock.patch.object(torch, "_grouped_mm", spy), \
+                    (mock.patch.object(moe_module, "grouped_mm_runs", fast_path_here) if fast
+                     else contextlib.nullcontext()), torch.autocast("cpu", torch.bfloat16):
+                y = layer(x)
+            self.assertEqual(reads.call_count, 0 if fast else 1, fast)
+            grads = torch.autograd.grad(y.float().sum(), [x, *layer.parameters()])
+            out[fast] = (y, *grads)
+        self.assertEqual(runs, [(torch.bfloat16, torch.bfloat16, False)] * 2)  # c_fc and c_proj, fast only
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(out[False], out[True])))
+
+    def test_casting_the_rows_before_dispatch_changes_no_bit(self):
+        """moe.expert_rows casts the gathered rows to the compute dtype (bf16 under autocast) before they reach
+        the experts (under EP, before the all_to_all: half the bytes). The same values reach the experts' first
+        matmul, which cast them itself before; backward, that matmul's bf16 input gradient, cast up to fp32
+        (exact), reaches the gather in fp32 either way, where a token's k slots are summed as before: output and
+        every gradient bit for bit, with and without the early cast."""
+        x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(7), requires_grad=True)
+        out = []
+        for early in (True, False):
+            layer = moe()
+            late = mock.patch.object(moe_module, "expert_rows", lambda x, order, k: x[order // k])
+            with (contextlib.nullcontext() if early else late), torch.autocast("cpu", torch.bfloat16):
+                y = layer(x)
+            out.append((y, *torch.autograd.grad(y.float().sum(), [x, *layer.parameters()])))
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(*out)))
 
     def test_balancing_loss_and_bias_step(self):
         """aux = the mean over rows of a * E * sum_e f_e P_e on each row (sequence); after balance_experts the bias
