@@ -13,7 +13,8 @@
 - On 2 spawned gloo ranks, the all_to_all dispatch (each rank's tokens to the rank holding their expert and back)
   gives each rank what the local dispatch gives on one process for the same tokens and experts: output and
   gradients, bit for bit (every expert's rows are the same rows in the same order as one process's: rank 0's
-  tokens first, then rank 1's), and it sends the bytes the formula says.
+  tokens first, then rank 1's), and it sends the bytes the formula says; under bf16 autocast too, its rows in
+  bf16 (half the bytes of ln_2's fp32 output).
 """
 from __future__ import annotations
 
@@ -265,7 +266,12 @@ class TheLayer(unittest.TestCase):
         self.assertLess(abs(float(full.std()) - 0.02), 0.001)
 
 
-def dispatch_on_ranks(rank: int, world: int) -> dict:
+def dispatch_on_ranks(rank: int, world: int) -> dict[bool, dict]:
+    """`dispatch_once` in fp32 and under bf16 autocast, by autocast."""
+    return {autocast: dispatch_once(rank, world, autocast) for autocast in (False, True)}
+
+
+def dispatch_once(rank: int, world: int, autocast: bool) -> dict:
     """Each rank's 16 tokens through one MoE layer with its 2 of 4 experts (EP = 2), and, on the same rank, the
     local dispatch of both ranks' tokens through all 4 experts (what one process computes for them)."""
     import torch.distributed as dist
@@ -277,7 +283,8 @@ def dispatch_on_ranks(rank: int, world: int) -> dict:
     whole = moe()
     xs = [torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
     x_all = torch.cat(xs).requires_grad_()
-    y_all = whole(x_all)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        y_all = whole(x_all)
     dy = torch.cat([torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(20 + r)) for r in range(world)])
     grads_all = torch.autograd.grad(y_all, [x_all, *whole.parameters()], dy)
     ep = MeshDim("ep", world, rank, dist.group.WORLD, None)
@@ -290,15 +297,16 @@ def dispatch_on_ranks(rank: int, world: int) -> dict:
     apply_expert_parallel(wrapper, ep, edp)
     comm.COUNTER.reset()
     x = xs[rank].clone().requires_grad_()
-    y = mine(x)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        y = mine(x)
     grads = torch.autograd.grad(y, [x, mine.router.weight, *mine.experts.parameters()], dy[2 * rank:2 * rank + 2])
     rows = slice(2 * rank * 8, (2 * rank + 2) * 8)
     L = slice(2 * rank, 2 * rank + 2)
     n = dict(zip([name for name, _ in whole.named_parameters()], grads_all[1:]))
     # sum_r |G_r x_r^T| of the router weight's gradient, from each token run alone (one row: no summation)
-    magnitude = sum(torch.autograd.grad(whole(x_all[b, t].view(1, 1, -1)), whole.router.weight,
-                                        dy[b, t].view(1, 1, -1))[0].abs()
-                    for b in range(x_all.shape[0]) for t in range(x_all.shape[1]))
+    magnitude = None if autocast else sum(
+        torch.autograd.grad(whole(x_all[b, t].view(1, 1, -1)), whole.router.weight, dy[b, t].view(1, 1, -1))[0].abs()
+        for b in range(x_all.shape[0]) for t in range(x_all.shape[1]))
     return {"y": torch.equal(y, y_all[2 * rank:2 * rank + 2]),
             "dx": torch.equal(grads[0], grads_all[0][2 * rank:2 * rank + 2]),
             "experts": all(torch.equal(g, n[f"experts.{name}"][L]) for g, (name, _) in
@@ -309,18 +317,20 @@ def dispatch_on_ranks(rank: int, world: int) -> dict:
 
 
 class DispatchAcrossRanks(unittest.TestCase):
-    """EP = 2 on 2 spawned ranks, 4 experts, k = 2, 16 tokens each, C = 64, fp32."""
+    """EP = 2 on 2 spawned ranks, 4 experts, k = 2, 16 tokens each, C = 64, fp32 (and under bf16 autocast)."""
 
     @classmethod
     def setUpClass(cls):
-        cls.res = run_distributed(dispatch_on_ranks, 2)
+        both = run_distributed(dispatch_on_ranks, 2)
+        cls.res, cls.bf16 = [r[False] for r in both], [r[True] for r in both]
 
     def test_outputs_and_gradients_equal_the_local_dispatch(self):
         """Output, input gradient and the rank's experts' gradients bit-equal to one process's dispatch of both
-        ranks' tokens. The router's gradient is dense: each rank's holds its 16 tokens' sum, and the two sums
-        added differ from one process's sum of all 32 only by order: within 2·gamma_33·sum_r |G_r x_r^T|, the terms'
-        magnitudes measured token by token (Higham 4.4; 33: the 32 terms and the final addition)."""
-        for r in self.res:
+        ranks' tokens, in fp32 and under bf16 autocast. The router's gradient is dense: each rank's holds its 16
+        tokens' sum, and the two sums added differ from one process's sum of all 32 only by order (fp32): within
+        2·gamma_33·sum_r |G_r x_r^T|, the terms' magnitudes measured token by token (Higham 4.4; 33: the 32 terms
+        and the final addition)."""
+        for r in self.res + self.bf16:
             self.assertTrue(r["y"] and r["dx"] and r["experts"])
         total = sum(r["router"][0] for r in self.res)
         _, ref, magnitude = self.res[0]["router"]
@@ -339,6 +349,18 @@ class DispatchAcrossRanks(unittest.TestCase):
             self.assertEqual(r["bytes"], ep_all_to_all_bytes_per_micro_step(16, 2, 64, 4, 1, received=received))
             self.assertEqual(r["bytes"], 8 * 4 + 2 * (16 * 2 + received) * 64 * 4)
             self.assertEqual(r["calls"], 5)
+
+    def test_under_autocast_the_rows_go_in_bf16(self):
+        """Under bf16 autocast every row moves in bf16: the rows out (cast before they are sent, moe.expert_rows;
+        ln_2's output is fp32), the experts' outputs back and both gradients: 8·E + 2·(N·k + R)·C·2 bytes, where
+        fp32 rows made it 8·E + (N·k·4 + R·2 + R·4 + N·k·2)·C. The same bits as the local dispatch (above)."""
+        from plan.theory import ep_all_to_all_bytes_per_micro_step
+        load = [sum(r["load"][e] for r in self.bf16) for e in range(4)]
+        for rank, r in enumerate(self.bf16):
+            received = load[2 * rank] + load[2 * rank + 1]
+            self.assertEqual(r["bytes"], ep_all_to_all_bytes_per_micro_step(16, 2, 64, 4, 1, dtype_bytes=2,
+                                                                            received=received))
+            self.assertEqual(r["bytes"], 8 * 4 + 2 * (16 * 2 + received) * 64 * 2)
 
 
 if __name__ == "__main__":
