@@ -17,29 +17,72 @@ if TYPE_CHECKING:
     from model import GPTConfig
 
 
-def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm multiplies rows of x (n, K) by w (E, K, N) here: torch 2.13 runs it on CPU and
-    on recent GPUs for matching fp32/bf16/fp16 dtypes with rows and columns 16-byte aligned, outside autocast (it
-    has no autocast rule: the loop's matmuls get autocast's casts instead) and outside torch.compile."""
-    es = x.element_size()
-    return (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype and x.device.type in ("cpu", "cuda")
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and not torch.is_autocast_enabled(x.device.type)
-            and not torch.compiler.is_compiling()  # torch 2.13's traced kernel takes bf16 only (fake tensors)
-            and (x.shape[1] * es) % 16 == 0 and (w.shape[2] * es) % 16 == 0)
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype x's matmuls run in: autocast's where autocast is on for x's device and casts x (a floating type
+    narrower than float64), else x's own."""
+    kind = x.device.type
+    on = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    return torch.get_autocast_dtype(kind) if on and x.is_floating_point() and x.dtype != torch.float64 else x.dtype
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype, k: int, n: int) -> bool:
+    """Whether torch._grouped_mm multiplies rows (r, k) by E matrices (k, n) in `dtype` on `device` as a kernel of
+    its own, reading nothing back to the host; else moe.grouped_linear loops over the experts. From the dtype and
+    sizes alone: it allocates nothing.
+    - CPU: fp32 (its CPU kernel, the same products as the loop; under bf16 autocast the loop, as ever);
+    - an accelerator: bf16 where its device module (torch.get_device_module) reports compute capability 9.x or
+      10.x: the fast path of torch's CUDA _grouped_mm (CUTLASS, sm90/sm100; not on ROCm). Anywhere else it reads
+      the group ends back (offs.cpu()) and loops itself: a hidden host sync per call, where the loop needs one
+      per layer;
+    - rows and columns 16-byte aligned, and not inside torch.compile (torch 2.13's traced kernel takes bf16
+      only)."""
+    es = dtype.itemsize
+    if not hasattr(torch, "_grouped_mm") or torch.compiler.is_compiling() or (k * es) % 16 or (n * es) % 16:
+        return False
+    if device.type == "cpu":
+        return dtype == torch.float32
+    if dtype != torch.bfloat16 or torch.version.hip or device.type == "meta":
+        return False
+    capability = getattr(torch.get_device_module(device), "get_device_capability", None)
+    cap = capability(device) if capability is not None else None  # (major, minor) on CUDA
+    return isinstance(cap, tuple) and cap[0] in (9, 10)
+
+
+def runs_grouped(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether grouped_linear(x, w, ...) takes torch._grouped_mm here (`grouped_mm_runs` in the dtype both operands
+    compute in); else its loop, which needs the group sizes on the host."""
+    dtype = compute_dtype(x)
+    return dtype == compute_dtype(w) and grouped_mm_runs(x.device, dtype, w.shape[1], w.shape[2])
+
+
+def expert_rows(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """The rows of x (N, C) the assignments `order` (indices a into N·k, token a // k) take to their experts, in the
+    compute dtype (`compute_dtype`): gathered first, so backward sums a token's k slot gradients in x's dtype, as
+    without the cast; then cast as the experts' first matmul would cast them (the same values reach it), so an
+    all_to_all (expert parallelism) moves them in the compute dtype, not fp32 under autocast."""
+    return x[order // k].to(compute_dtype(x))
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None = None
                    ) -> torch.Tensor:
-    """Rows of x (n, K) grouped by expert times each group's w[e] (K, N): (n, N). `ends` (E,) int32: each group's
-    end row (a cumulative sum of the group sizes, on x's device); `sizes`: the same on the host, for the loop
-    where torch._grouped_mm does not run (the grouped kernel and the loop give the same numbers: tests)."""
-    if grouped_mm_runs(x, w):
-        return torch._grouped_mm(x, w, offs=ends)
+    """Rows of x (n, K) grouped by expert times each group's w[e] (K, N): (n, N), in x's compute dtype
+    (`compute_dtype`). `ends` (E,) int32: each group's end row (a cumulative sum of the group sizes, on x's
+    device); `sizes`: the same on the host, for the loop where torch._grouped_mm does not run (`grouped_mm_runs`;
+    the grouped kernel and the loop give the same numbers on CPU: tests).
+    - The grouped kernel: under autocast (which has no rule for it) x and w cast to the compute dtype, as
+      autocast casts a matmul's operands, and the kernel run with autocast off.
+    - The loop: one matmul per expert over w.unbind(0), under autocast if it is on. Not w[e]: each select's
+      backward makes a zero (E, K, N) tensor, E of them summed (E^2 K N); unbind's stacks the E gradients once."""
+    if runs_grouped(x, w):
+        dtype = compute_dtype(x)
+        with no_autocast(x.device.type):
+            return torch._grouped_mm(x.to(dtype), w.to(dtype), offs=ends)
     if x.is_meta:  # shapes only (debug.diff's module order): no sizes to read
-        return x.new_empty(x.shape[0], w.shape[2])
+        return x.new_empty(x.shape[0], w.shape[2], dtype=compute_dtype(x))
+    if not x.shape[0]:
+        return x @ w[0]
     sizes = sizes if sizes is not None else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
-    return torch.cat([xe @ w[e] for e, xe in enumerate(x.split(sizes))]) if x.shape[0] else x @ w[0]
+    return torch.cat([xe @ we for xe, we in zip(x.split(sizes), w.unbind(0))])
 
 
 class ExpertLinear(nn.Module):
@@ -96,9 +139,9 @@ class LocalDispatch:
         flat = chosen.reshape(-1)  # (N*k,): assignment a = (token a // k, slot a % k)
         order = torch.sort(flat, stable=True).indices  # assignments grouped by expert
         counts = expert_counts(flat, experts.c_fc.weight.shape[0])
-        rows = x[order // k]
+        rows = expert_rows(x, order, k)
         # the per-expert loop needs the group sizes on the host (one read); torch._grouped_mm takes them on the device
-        sizes = None if grouped_mm_runs(rows, experts.c_fc.weight) or rows.is_meta else self.split_sizes(counts, N * k)
+        sizes = None if rows.is_meta or runs_grouped(rows, experts.c_fc.weight) else self.split_sizes(counts, N * k)
         y = experts(rows, counts, sizes)  # (N*k, C), in `order`
         return torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
 

@@ -285,8 +285,8 @@ def moe_comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
       this rank's experts (E/ep of each layer) over their copies, the dp/ep ranks of its edp group (with
       ep = dp none: an expert on one rank already holds every rank's tokens' gradient, parallel/ddp.py);
     - all_to_all: A x plan.theory.ep_all_to_all_bytes_per_micro_step at balanced routing (R = N·k rows in,
-      N = mb·T tokens), matmul-output bytes (setup.dtype_bytes) a row element. `ep_all_to_all_at_load` is the
-      same at the load a step measured."""
+      N = mb·T tokens), the compute dtype's bytes (setup.dtype_bytes) a row element, rows and outputs alike.
+      `ep_all_to_all_at_load` is the same at the load a step measured."""
     out = {**dict.fromkeys(KINDS, 0), "all_to_all": 0}
     if lay.nproc == 1:
         return out

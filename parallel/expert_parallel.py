@@ -12,7 +12,9 @@ EP rank's tokens.
 One MoE layer's forward on each rank (`ExpertParallelDispatch`), per micro-batch:
 1. route its own tokens (moe.py's `MoE`: the same routing as one process);
 2. all_to_all of the per-expert row counts (P·E/P int64 each way), then one host read of the split sizes;
-3. all_to_all of the rows, in expert order (each rank's rows for rank j's experts, to rank j);
+3. all_to_all of the rows, in expert order (each rank's rows for rank j's experts, to rank j), in the compute
+   dtype (`moe.expert_rows`: bf16 under autocast, where ln_2's output is fp32; the experts' first matmul cast them
+   anyway, so the same values arrive in half the bytes);
 4. the local experts on their rows, grouped by expert (rows from source rank 0 first, then 1, ...);
 5. all_to_all of the outputs back; each assignment's output lands in its (token, slot) place, and the combine
    (gate-weighted sum over the k slots, in slot order) runs as on one process.
@@ -28,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from model import init_parameter
-from moe import Experts, balance_experts, expert_counts, moe_layers
+from moe import Experts, balance_experts, expert_counts, expert_rows, moe_layers
 from parallel import comm
 from parallel.state import mark_replicas, mark_shard
 
@@ -84,7 +86,7 @@ class ExpertParallelDispatch:
         comm.all_to_all_single(recv, counts, group=self.group, unit="expert counts")
         per = recv.view(P, L)
         send, got, local = self.split_sizes(counts, per, N * k)
-        rows = _AllToAll.apply(x[order // k], got, send, self.group)  # [source j][expert e] blocks
+        rows = _AllToAll.apply(expert_rows(x, order, k), got, send, self.group)  # [source j][expert e] blocks
         perm = expert_major(per, sum(got))
         y = experts(rows[perm], per.sum(0), local)  # (rows, C), expert-major
         y = torch.empty_like(y).index_copy_(0, perm, y)  # back to [source][expert]

@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moe import ExpertLinear, grouped_linear, grouped_mm_runs
+from moe import ExpertLinear, grouped_linear, runs_grouped
 
 
 class _InputGradLinear(torch.autograd.Function):
@@ -120,7 +120,9 @@ class _InputGradGrouped(torch.autograd.Function):
     weight); backward: dx only, as autograd computes it, and (x, dy, the groups) pushed to the store for W, which
     computes each expert's dW = x_e^T dy_e as autograd would (the grouped kernel where the forward ran it, else
     per expert). Under autocast, x and the weight are cast once, as autograd's casts of each expert's matmul
-    give the same values."""
+    give the same values, and grouped_linear on the cast operands, autocast off, picks the kernel it picks under
+    autocast without the store (moe.grouped_mm_runs: the same device and compute dtype), so B and W issue 1F1B's
+    products op for op: the per-expert loop, or torch._grouped_mm on both paths (bf16 on sm90/sm100)."""
 
     @staticmethod
     def forward(ctx, x, params, store, key, ends, sizes):
@@ -130,6 +132,7 @@ class _InputGradGrouped(torch.autograd.Function):
         with torch.autocast(kind, enabled=False):
             xc, wc = (x.to(dtype), cast_once(weight, dtype)) if dtype is not None else (x, weight)
             y = grouped_linear(xc, wc, ends, sizes)
+            ctx.grouped = runs_grouped(xc, wc)  # the path it took, for W's product (a flag: nothing allocated)
         ctx.save_for_backward(xc, wc, ends)
         ctx.store, ctx.key, ctx.x_dtype, ctx.weight, ctx.sizes = store, key, x.dtype, weight, sizes
         if weight._base is not None:
@@ -141,14 +144,15 @@ class _InputGradGrouped(torch.autograd.Function):
         xc, wc, ends = ctx.saved_tensors
         dx = grouped_linear(dy, wc.transpose(1, 2), ends, ctx.sizes).to(ctx.x_dtype) if ctx.needs_input_grad[0] \
             else None
-        ctx.store.push(ctx.key, ctx.weight, None, xc, dy, (ends, ctx.sizes))
+        ctx.store.push(ctx.key, ctx.weight, None, xc, dy, (ends, ctx.sizes, ctx.grouped))
         return dx, None, None, None, None, None
 
 
 def _grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None,
-                         experts: int) -> torch.Tensor:
-    """(E, in, out): each expert's x_e^T dy_e, by the path its forward took (autograd's products on either)."""
-    if grouped_mm_runs(x, dy.new_empty(experts, x.shape[1], dy.shape[1])):
+                         grouped: bool) -> torch.Tensor:
+    """(E, in, out): each expert's x_e^T dy_e, by the path its forward took (`grouped`: torch._grouped_mm, else
+    the per-expert loop), with autograd's products on either."""
+    if grouped:
         return torch._grouped_mm(x.t(), dy, offs=ends)
     sizes = sizes if sizes is not None else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     return torch.stack([xe.t() @ ge for xe, ge in zip(x.split(sizes), dy.split(sizes))])
@@ -229,7 +233,8 @@ class WeightGradStore:
 
     def push(self, key: Hashable, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
              dy2: torch.Tensor, groups: tuple | None = None) -> None:
-        """What W needs of one product: (x, dy), and for the experts' grouped one its groups (ends, sizes)."""
+        """What W needs of one product: (x, dy), and for the experts' grouped one its groups (ends, sizes, and
+        whether its forward ran torch._grouped_mm)."""
         self.pending[key].append((weight, bias, x, dy2, groups))
 
     @torch.no_grad()
@@ -240,7 +245,7 @@ class WeightGradStore:
         held = {id(base): grad for base, grad, _ in self.held.get(key, [])}
         for weight, bias, x, dy2, groups in self.pending.pop(key, []):
             if groups is not None:  # the experts': (E, in, out)
-                dw = _grouped_weight_grad(x, dy2, *groups, weight.shape[0]).to(weight.dtype)
+                dw = _grouped_weight_grad(x, dy2, *groups).to(weight.dtype)
             else:
                 dw = dy2.t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)  # (out, in)
             _accumulate(weight, dw, held)

@@ -297,8 +297,8 @@ def fake_tensors():
         stack.enter_context(mock.patch.object(ExpertParallelDispatch, "split_sizes", balanced_split_sizes))
         stack.enter_context(mock.patch.object(moe.LocalDispatch, "split_sizes", balanced_local_sizes))
         grouped = moe.grouped_mm_runs  # torch 2.13's fake (meta) _grouped_mm takes bf16 only: else the loop
-        stack.enter_context(mock.patch.object(moe, "grouped_mm_runs",
-                                              lambda x, w: grouped(x, w) and x.dtype == torch.bfloat16))
+        stack.enter_context(mock.patch.object(moe, "grouped_mm_runs", lambda device, dtype, k, n:
+                                              grouped(device, dtype, k, n) and dtype == torch.bfloat16))
         for module in list(sys.modules.values()):
             if getattr(module, "init_parameter", None) is model.init_parameter:
                 stack.enter_context(mock.patch.object(module, "init_parameter", _no_values))

@@ -287,14 +287,13 @@ def ep_all_to_all_bytes(s: Setup, pp_rank: int = 0) -> int:
     rank's B·T/cp tokens (under TP every rank runs the layer whole, on the whole sequence), under balanced routing
     (the rows this rank's experts receive, R, = the N·k it sends: the formula's default; a skewed router moves
     R·C·2 element bytes per layer away from it, the one thing here that depends on the data), its recomputed
-    layers again under AC. The rows go in the residual stream's dtype (ln_2's output), the experts' outputs come
-    back in the compute dtype."""
+    layers again under AC. Rows and outputs both go in the compute dtype (moe.expert_rows casts the rows before
+    they are sent)."""
     d, a, c = s.dims, s.args, s.config
     moe = moe_blocks(s, pp_rank)
     N = a.micro_batch_size * a.seq_len // d.cp
     return ep_all_to_all_bytes_per_micro_step(N, c.moe_top_k, c.n_embd, c.moe_num_experts, len(moe), d.ep,
-                                              s.residual_bytes, recomputed_layers=recomputed_blocks(s, moe),
-                                              output_bytes=s.compute_bytes)
+                                              s.compute_bytes, recomputed_layers=recomputed_blocks(s, moe))
 
 
 def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:

@@ -338,26 +338,27 @@ def cp_p2p_calls_per_micro_step(n_layer: int, cp: int, recomputed_blocks: int = 
 
 def ep_all_to_all_bytes_per_micro_step(tokens: int, k: int, n_embd: int, experts: int, moe_layers: int,
                                        ep: int = 2, dtype_bytes: int = 4, received: int | None = None,
-                                       recomputed_layers: int = 0, output_bytes: int | None = None) -> int:
+                                       recomputed_layers: int = 0) -> int:
     """What parallel/comm.COUNTER records as "all_to_all" on one EP rank for one forward + backward of `tokens`
     tokens (its micro-batch's, B·T, or B·T/cp) through `moe_layers` MoE layers, k experts a token (each
     all_to_all counts this rank's input, parallel/comm.py):
     - the counts, E int64 (8E bytes), once per layer forward;
     - forward: its N·k assignment rows out (N·k·C·s), then the outputs of the rows its experts received back
-      (R·C·o);
-    - backward: the gradients of those two the other way round (R·C·s, then N·k·C·o);
-    s = `dtype_bytes`, the rows' element size (ln_2's output: the residual stream's, fp32 under autocast), o =
-    `output_bytes` (default s), the experts' outputs' (the compute dtype: bf16 under autocast).
+      (R·C·s);
+    - backward: the gradients of those two the other way round (R·C·s, then N·k·C·s);
+    s = `dtype_bytes`, the compute dtype's (bf16 under bf16 autocast): the experts' outputs are in it, and the rows
+    go in it too, cast before they are sent (moe.expert_rows: ln_2's output is fp32 under autocast, but the
+    experts' first matmul casts it anyway, so the cast moves to the sender and the all_to_all carries half the
+    bytes for the same values).
     R = `received`, the rows that reached this rank's experts. Summed over an EP group, Σ R = Σ N·k, so the
-    group sends ep·(8E + 2·N·k·C·(s + o)) per layer; R = N·k exactly when the routing is balanced (the default).
+    group sends ep·(8E + 4·N·k·C·s) per layer; R = N·k exactly when the routing is balanced (the default).
     Activation checkpointing re-runs the forward of `recomputed_layers` layers (counts and both moves again).
     Nothing without EP."""
     if ep == 1:
         return 0
     R = tokens * k if received is None else received
-    o = dtype_bytes if output_bytes is None else output_bytes
-    forward = 8 * experts + (tokens * k * dtype_bytes + R * o) * n_embd
-    backward = (R * dtype_bytes + tokens * k * o) * n_embd
+    forward = 8 * experts + (tokens * k + R) * n_embd * dtype_bytes
+    backward = (R + tokens * k) * n_embd * dtype_bytes
     return moe_layers * (forward + backward) + recomputed_layers * forward
 
 

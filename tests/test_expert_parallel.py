@@ -24,7 +24,7 @@ import torch
 from model import GPT, decays, make_config
 from plan.theory import ep_all_to_all_bytes_per_micro_step, fsdp_unit_state_bytes, zero_comm_bytes_per_step
 from tests.harness import (WholeRuns, check_against, check_resume_from, checkpoint_params, expect_train_error_in_process,
-                           expect_train_error_on_ranks, rank0_only, steps_of)
+                           expect_train_error_on_ranks, rank0_only, read_jsonl, steps_of)
 
 STEPS, MB, T, C, E, K = 6, 2, 32, 64, 4, 2
 M = 4  # micro-batches per step, over all dp ranks
@@ -240,6 +240,23 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
             want = (M // 2) * ep_all_to_all_bytes_per_micro_step(N, K, C, E, 2, received=0) + 2 * received * C * 4
             self.assertEqual(r["comm_bytes"]["all_to_all"], want, f"step {s}")
             self.assertEqual(r["comm_calls"]["all_to_all"], (M // 2) * 5 * 2)
+
+    def test_all_to_all_bytes_in_bf16(self):
+        """The same layout under bf16 autocast: rows and outputs move in bf16 (the rows cast before they are sent,
+        moe.expert_rows; ln_2's output is fp32), so 2·(8E + 2·N·k·C·2)·layers + 2·R·C·2 per step, half of fp32's
+        row bytes (fp32 rows made it 2·(8E + N·k·C·(4 + 2))·layers + R·C·(2 + 4)). The run's own prediction
+        (plan.predict, logged) assumes balanced routing: measured minus predicted is exactly 2·C·2·(R - R_balanced),
+        R_balanced = N·k per layer and micro-step."""
+        out = run("ep2_bf16", [*LAYOUTS["ep2"][0], "--dtype", "bfloat16"], 2)
+        got = steps_of(out)
+        predicted = next(r["predicted"] for r in read_jsonl(out) if "predicted" in r)["comm_bytes"]["all_to_all"]
+        N = MB * T
+        for s, r in got.items():
+            received = sum(c[0] + c[1] for c in r["expert_tokens"].values())
+            want = (M // 2) * ep_all_to_all_bytes_per_micro_step(N, K, C, E, 2, dtype_bytes=2, received=0) + \
+                2 * received * C * 2
+            self.assertEqual(r["comm_bytes"]["all_to_all"], want, f"step {s}")
+            self.assertEqual(want - predicted, 2 * C * 2 * (received - (M // 2) * 2 * N * K), f"step {s}")
 
 
 def engine_units(ep: int) -> dict[str, tuple[int, int, bool]]:

@@ -29,6 +29,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import GPT, make_config
 from parallel.blocks import AC_COUNTER, apply_activation_checkpointing
@@ -40,6 +41,8 @@ from parallel.zero_bubble import WeightGradStore, hold_for_w
 from tests.harness import (Measurements, WholeRuns, assert_close, expect_train_error_in_process,
                            expect_train_error_on_ranks, rank0_only, steps_of)
 from tests.rounding import rounding_rtol_of
+
+aten = torch.ops.aten
 
 SEED, MB, T, N_LAYER = 0, 2, 16, 4
 
@@ -128,6 +131,95 @@ class TestSplitBackward(unittest.TestCase):
         self.check_equal(moe=True, autocast=True)
         self.check_equal(moe=True, ac=True)
 
+    def moe_products(self, split: bool) -> list:
+        """Every product (mm, addmm, bmm, _grouped_mm: op, operand shapes, strides, dtypes) one MoE micro-batch's
+        forward, backward and W issue under bf16 autocast, sorted."""
+        products = []
+
+        class Products(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket in (aten.mm, aten.addmm, aten.bmm, aten._grouped_mm):
+                    products.append((str(func), [(tuple(a.shape), a.stride(), a.dtype) for a in args
+                                                 if isinstance(a, torch.Tensor) and a.is_floating_point()]))
+                return func(*args, **(kwargs or {}))
+
+        model = gpt(FAST_LAYERS, **MOE)
+        store = WeightGradStore(model)
+        (x, y), = micro_batches(model.config, 1)
+        with Products(), (store.defer(0) if split else contextlib.nullcontext()):
+            with torch.autocast("cpu", torch.bfloat16):
+                _, loss = model(x, y)
+            loss.backward()
+        with Products():
+            store.flush(0)
+        return sorted(products, key=str)
+
+    def test_moe_experts_run_one_kernel_on_both_paths(self):
+        """Under bf16 autocast B and W issue the products 1F1B's autograd issues, the experts' included, op for op:
+        the split forward casts and turns autocast off, and moe.grouped_linear picks its kernel from the device
+        and the compute dtype, so both take the per-expert loop here (before, the split one took
+        torch._grouped_mm and 1F1B the loop: the same bits on CPU, whose grouped kernel is a loop of mm, but CUTLASS
+        against cuBLAS on an sm90 GPU), and both the grouped kernel where it runs in bf16 (an sm90 GPU; this CPU
+        standing in): then also the same bits."""
+        import moe
+        from tests.test_moe import fast_path_here
+        for fast in (False, True):
+            with mock.patch.object(moe, "grouped_mm_runs", fast_path_here) if fast else contextlib.nullcontext():
+                whole, split = self.moe_products(False), self.moe_products(True)
+                self.assertEqual(split, whole, "fast path" if fast else "loop")
+                self.assertEqual(any("_grouped_mm" in op for op, _ in whole), fast)
+                if fast:
+                    self.check_equal(moe=True, autocast=True)
+
+    def test_w_allocates_nothing_to_pick_its_product(self):
+        """W computes each expert weight's gradient by the path its forward took (a flag the forward recorded):
+        no tensor is allocated to ask (before: an (E, in, out) empty tensor per weight per W, only to call the
+        predicate)."""
+        allocations = []
+
+        class Allocations(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket in (aten.empty, aten.new_empty, aten.empty_like, aten.empty_strided):
+                    allocations.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        model = gpt(FAST_LAYERS, **MOE)
+        store = WeightGradStore(model)
+        (x, y), = micro_batches(model.config, 1)
+        with store.defer(0):
+            model(x, y)[1].backward()
+        with Allocations():
+            store.flush(0)
+        self.assertEqual(allocations, [])
+
+    def test_w_takes_the_path_its_forward_took(self):
+        """W's product follows the flag its forward recorded, not a second reading of moe.grouped_mm_runs: a
+        simulated rank (plan/fake_rank.py) patches the predicate to take the per-expert loop in fp32 (torch 2.13's
+        fake _grouped_mm takes bf16 only), and W read the unpatched one from its own import, so python -m
+        plan.verify of ZB-H1 x MoE x EP in fp32 raised "Expected inputs of BF16 type" on every rank. Here: F and B
+        with the loop patched in, W after it: W runs no torch._grouped_mm, and the gradients are the loop's."""
+        import moe
+        grads = []
+        for patched in (False, True):
+            model = gpt(FAST_LAYERS, **MOE)
+            store = WeightGradStore(model)
+            (x, y), = micro_batches(model.config, 1)
+            loop = mock.patch.object(moe, "grouped_mm_runs", lambda *a: False)
+            with (loop if patched else contextlib.nullcontext()), store.defer(0):
+                model(x, y)[1].backward()
+            ops = []
+
+            class Grouped(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    ops.append(func.overloadpacket)
+                    return func(*args, **(kwargs or {}))
+
+            with Grouped():
+                store.flush(0)
+            self.assertEqual(aten._grouped_mm in ops, not patched)
+            grads.append([p.grad for p in model.parameters()])
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(*grads)))  # CPU fp32: the kernel's bits are the loop's
+
     def test_autocast_keeps_one_weight_copy_for_all_micro_batches(self):
         """GPipe's order on one process under bf16 autocast: M = 4 forwards under the store, then their B's and W's.
         Each B needs its linears' bf16 weights (dx = dy W), so F saves them: one copy per weight, shared by all M
@@ -168,8 +260,6 @@ class TestSplitBackward(unittest.TestCase):
         operands of the same shapes, strides and dtypes (for a 3D input, with and without bias, fp32 and bf16), so
         bit-equality does not rest on a kernel giving two layouts of one product the same bits. (Autograd's weight
         gradient is mm_mat2_backward's grad.t().mm(x), as the weight's transpose is column-major.)"""
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         class Products(TorchDispatchMode):
             def __init__(self):
                 super().__init__()
