@@ -216,15 +216,14 @@ class Recorder:
 
 
 class _Waited:
-    """A p2p op's work whose wait() is recorded (once) before it waits."""
+    """A p2p op's work whose every wait() is recorded before it waits (plan.verify's check_waits wants exactly one:
+    a second wait on a gloo receive hangs)."""
 
     def __init__(self, work, n: int, recorder: Recorder):
-        self.work, self.n, self.recorder, self.done = work, n, recorder, False
+        self.work, self.n, self.recorder = work, n, recorder
 
     def wait(self, *args):
-        if not self.done:
-            self.done = True
-            self.recorder.waited(self.n)
+        self.recorder.waited(self.n)
         return self.work.wait(*args)
 
     def __getattr__(self, name: str):

@@ -11,7 +11,8 @@ The ranks are then checked against each other and against the planner:
    reduce op); otherwise the first mismatch is named: the group, the op's index, which ranks issue what, where;
 3. p2p: every send meets its receive, of the same size, and the ranks' posts and waits play out without deadlock
    under every point-to-point discipline the schedule simulator models (`DISCIPLINES`: gloo's per-direction
-   order, NCCL's pair FIFOs, NCCL's per-rank FIFO of an eagerly initialised communicator, blocking send/recv);
+   order, NCCL's pair FIFOs, NCCL's per-rank FIFO of an eagerly initialised communicator, blocking send/recv),
+   and each rank waits on every p2p op it posts exactly once (`check_waits`);
 4. planner: per simulated rank, state bytes equal plan.predict's exactly, and the second step's comm bytes and
    calls; the peak (metrics.LiveStorages on the fake storages) within 15% of the predicted peak;
 5. startup (reported): the new_group calls each rank makes (and how many hold it), the ops at init, and how many
@@ -554,6 +555,25 @@ def check_p2p(w: World) -> tuple[list[str], int]:
     return out, sum(1 for t in traces.values() for e in t if e[0] == "send")
 
 
+def check_waits(w: World) -> list[str]:
+    """3b. Every p2p op a simulated rank posts, it waits on exactly once. A receive never waited is read before it
+    has arrived (NCCL: the compute stream never waits for the message), a send never waited may have its buffer
+    reused while in flight, and a receive waited twice hangs gloo (the second wait waits for another message:
+    seen, a 300 s timeout). The first such op of each rank, and how many it has."""
+    out = []
+    for r, run in sorted(w.runs.items()):
+        waits: dict[int, int] = defaultdict(int)
+        for e in run.events:
+            if e.op == "wait":
+                waits[e.peer] += 1
+        bad = [(e, waits[e.n]) for e in run.events if e.op in ("send", "recv") and waits[e.n] != 1]
+        if bad:
+            e, k = bad[0]
+            out.append(f"waits: rank {r} waits {k} time(s) on its {e.op} {'to' if e.op == 'send' else 'from'} rank "
+                       f"{e.peer} at {where(e)}" + (f" ({len(bad) - 1} more such op(s))" if len(bad) > 1 else ""))
+    return out
+
+
 def replay_components(traces: dict[int, list[tuple]], d: Discipline, kinds: list | None = None) -> str | None:
     """`replay_p2p` of one component of each kind (`kinds`: p2p_components(traces)); the first problem, with the
     components alike to the one it is in."""
@@ -680,7 +700,7 @@ def judge(layout: Layout, runs: dict[int, RankRun], plans: dict[int, object]) ->
     findings += check_groups(w)
     findings += check_collectives(w)
     p2p_findings, messages = check_p2p(w)
-    findings += p2p_findings
+    findings += p2p_findings + check_waits(w)
     planner, rows = check_planner(w, plans)
     findings += planner
     if len(runs) == layout.world and layout.world > 1:

@@ -8,7 +8,9 @@ shifted (pp too), and the classes' shortcut gives the same verdict; a shortcut t
 or let 1F1B's interior stages share, is caught by that check; the stage keys, without simulating, keep apart an
 uneven split and MoE Blocks out of step; alike p2p components are replayed once;
 the seeded defects are caught and named: one rank skips a collective, one rank narrows one, one pipeline stage
-creates a group the others don't. The p2p replay under each discipline on hand-made traces, each able to fail.
+creates a group the others don't; a rank whose state is not the plan's, ranks whose comm bytes and calls are not,
+a rank whose peak is 20% off (and one 10% off passes), a pipeline rank that leaves a receive unwaited or waits it
+twice. The p2p replay under each discipline on hand-made traces, each able to fail.
 The command line (exit codes, its table, one-line bad input, GPT_COMM_FAULT's rank named), in this process;
 slow: train.py playing one rank.
 """
@@ -23,6 +25,7 @@ import unittest
 from unittest import mock
 
 import pytest
+import torch
 
 from plan import verify as V
 from tests.harness import shared_data
@@ -152,6 +155,16 @@ class TestConsistent(unittest.TestCase):
                     "--expert_parallel_size", "2"], 4, classes=4)
         self.check([*moe, "--moe_every", "2", "--pp_layers_per_stage", "1,3"], 2, classes=2)
 
+    def test_zb_h1_moe_expert_parallel(self):
+        """ZB-H1 x dp=2 x EP=2 with MoE Blocks, in fp32 and bf16: W's product is the one its forward took (it
+        raised 'Expected inputs of BF16 type' in fp32 when W asked the real grouped_mm_runs, not fake_rank's), and
+        under bf16 the all_to_all rows go in the compute dtype, as the planner counts them."""
+        moe = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "zb_h1", "--data_parallel_size",
+               "2", "--data_parallel_type", "ddp", "--moe_num_experts", "4", "--expert_parallel_size", "2"]
+        for dtype in ("float32", "bfloat16"):
+            with self.subTest(dtype=dtype):
+                self.check([*moe, "--dtype", dtype], 4, classes=4)
+
     def test_gpipe_interior_stages_share_a_class(self):
         """pp=4 GPipe x cp=2: stages 1 and 2 hold one Block each and run the same action list with their peers
         one rank up and down, so they share classes (3 stage classes x 2 cp parities); every rank of stage 2 is
@@ -232,6 +245,113 @@ class TestSeededDefects(unittest.TestCase):
         for rank in (2, 3):
             self.assertIn(f"groups: ranks [{rank}] make 17 new_group calls, rank 0 makes 16; at call #16 ranks [{rank}] "
                           f"make new_group([0, {rank}])", "\n".join(findings))
+
+
+class TestSeededPlannerAndWaitDefects(unittest.TestCase):
+    """Each of the planner checks and the wait check says no to a rank seeded with its defect (the fourth audit:
+    any of them could be switched off, its tolerance doubled or the waits left unrecorded, and no test noticed).
+    DDP over 2 ranks is consistent with the planner (state, bytes, calls, peak); each defect is seeded in a
+    simulated rank by patching the trainer around it, never the checks."""
+    DP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
+
+    def findings(self, layout, world, faulty: dict) -> list[str]:
+        lay, runs, plans = every_rank(layout, world)
+        return V.judge(lay, {**runs, **faulty}, plans).findings
+
+    def seeded(self, layout, world, ranks, **patches) -> dict:
+        import train
+        with contextlib.ExitStack() as stack:
+            for name, fn in patches.items():
+                stack.enter_context(mock.patch.object(train, name, fn(getattr(train, name))))
+            return V.simulate_ranks(flags(layout), world, ranks)
+
+    def test_clean_layout_is_consistent(self):
+        self.assertEqual(self.findings(self.DP2, 2, {}), [])
+
+    def test_a_rank_whose_state_differs_from_the_plan(self):
+        """Rank 1's optimizer keeps one more tensor (an EMA of one weight, say): its state bytes are not the plan's."""
+        def build(real):
+            def wrapped(plan):
+                t = real(plan)
+                p = next(iter(t.optimizer.param_groups[0]["params"]))
+                t.optimizer.register_step_post_hook(lambda opt, *_: opt.state[p].setdefault("ema", torch.zeros_like(p)))
+                return t
+            return wrapped
+        found = self.findings(self.DP2, 2, self.seeded(self.DP2, 2, [1], build=build))
+        self.assertEqual(len(found), 1, found)
+        self.assertRegex(found[0], r"^planner: rank 1: state bytes \{.*'optimizer': \d+.*\} != predicted ")
+
+    def test_ranks_whose_comm_bytes_and_calls_differ(self):
+        """Both ranks all-reduce 8 more floats each step (a stray counted collective): the groups agree, the kinds
+        sent are the same (DDP all-reduces already), only the bytes (+32) and calls (+1) are not the plan's."""
+        from parallel import comm
+        from parallel.parallelize import Parallelized
+        real = Parallelized.forward_backward
+
+        def forward_backward(par, *args, **kwargs):
+            comm.all_reduce(torch.zeros(8), group=par.mesh["loss"].group)  # inside the step: counted
+            return real(par, *args, **kwargs)
+        with mock.patch.object(Parallelized, "forward_backward", forward_backward):
+            faulty = self.seeded(self.DP2, 2, [0, 1])
+        found = self.findings(self.DP2, 2, faulty)
+        self.assertEqual(sorted(f.split(":")[1] for f in found), [" rank 0", " rank 0", " rank 1", " rank 1"], found)
+        clean = every_rank(self.DP2, 2)[1][0].steps[2]
+        for f in found:
+            self.assertRegex(f, r"^planner: rank \d: step 2's comm_(bytes|calls) ")
+        bytes_ = next(f for f in found if f.startswith("planner: rank 0: step 2's comm_bytes"))
+        self.assertIn(f"'all_reduce': {clean['comm_bytes']['all_reduce'] + 32}", bytes_)
+
+    def test_a_rank_whose_peak_is_off_by_20_percent(self):
+        """Rank 1 holds a buffer through its steps that lifts its peak to 1.2x the predicted one (-16.7% seen from
+        the measurement): beyond PEAK_RTOL (15%); one of 1.1x (-9.1%) is within it."""
+        lay, runs, plans = every_rank(self.DP2, 2)
+        measured = runs[1].steps[2]["peak_allocated_bytes"]
+        predicted = V.predicted(plans[1], lay.coords(1))["peak_memory_bytes"]
+
+        def holding(factor):
+            def train_step(real):
+                def wrapped(t, step):
+                    extra = torch.empty(int(factor * predicted) - measured, dtype=torch.uint8)  # noqa: F841 (held)
+                    return real(t, step)
+                return wrapped
+            return train_step
+
+        found = self.findings(self.DP2, 2, self.seeded(self.DP2, 2, [1], train_step=holding(1.2)))
+        self.assertEqual(len(found), 1, found)
+        self.assertRegex(found[0], r"^planner: rank 1: peak \d+ B .* vs predicted \d+ B \(-16\.\d%, beyond 15%\)")
+        self.assertEqual(self.findings(self.DP2, 2, self.seeded(self.DP2, 2, [1], train_step=holding(1.1))), [])
+
+    def test_a_rank_that_leaves_a_receive_unwaited_or_waits_it_twice(self):
+        """A pipeline rank that reads one received activation without waiting for it, or waits one twice (on gloo
+        the second wait hangs), is named by `check_waits`; with the waits unrecorded every pipeline layout would
+        be named so. (Waiting receives in another order than posted, or where posted, deadlocks under none of the
+        replay's disciplines: each list is safe under blocking send/recv, which waits at every post.)"""
+        from parallel import comm
+        real = comm.recv
+
+        class Once:  # the runner's first receive: its wait skipped, or doubled
+            def __init__(self, work, times):
+                self.work, self.times = work, times
+
+            def wait(self, *args):
+                for _ in range(self.times):
+                    self.work.wait(*args)
+                return True
+
+        for times, said in ((0, "waits 0 time(s) on its recv from rank 3"),
+                            (2, "waits 2 time(s) on its recv from rank 3")):
+            with self.subTest(times=times):
+                seen = []
+
+                def recv(*args, **kwargs):
+                    seen.append(1)
+                    work = real(*args, **kwargs)
+                    return Once(work, times) if len(seen) == 1 else work
+
+                with mock.patch.object(comm, "recv", recv):
+                    faulty = V.simulate_ranks(flags(ZBV4), 4, [1])
+                found = self.findings(ZBV4, 4, faulty)
+                self.assertTrue(any(f.startswith(f"waits: rank 1 {said}") for f in found), found)
 
 
 def trace(*events) -> list[tuple]:
