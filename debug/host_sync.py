@@ -51,7 +51,8 @@ ALLOWED = {
                                                  "many rows it sends and receives before they move (one read per "
                                                  "MoE layer and micro-batch; docs/moe.md)",
     ("moe.py", "__call__"): "the MoE experts' group sizes for the per-expert loop, only where torch._grouped_mm "
-                            "does not run (autocast, unaligned widths): one read per MoE layer and micro-batch",
+                            "does not run as a kernel (moe.grouped_mm_runs: CPU autocast, GPU fp32, GPUs before "
+                            "sm90, unaligned widths): one read per MoE layer and micro-batch",
 }
 SYNCS = ("item", "tolist", "cpu", "__bool__")
 
