@@ -20,7 +20,7 @@ from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_d
 from model import GPT, PRESETS, GPTConfig, make_config
 from parallel.mesh import ParallelDims, WorldSizeError, env_world, pick_device
 from parallel.parallelize import ParallelConfig
-from plan.split import check_counts, layers_for
+from pipeline_split import check_counts, layers_for
 from parallel.tensor_parallel import check_tp_divisibility
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -86,7 +86,7 @@ def train_parser() -> Parser:
       help="interleaved_1f1b: model chunks per pipeline rank (V > 1); zbv, dualpipev: 2")
     a("--pp_layers_per_stage", default=None, metavar="A,B,...",
       help="Blocks per pipeline chunk, P x V counts in chunk order (default: split by the cost model, "
-           "plan/split.py)")
+           "pipeline_split.py)")
     a("--context_parallel_size", type=int, default=1, metavar="C",
       help="split every sequence over C ranks (ring attention); gradients reduced over dp x C")
     a("--expert_parallel_size", type=int, default=1, metavar="N",
@@ -141,7 +141,8 @@ def train_parser() -> Parser:
     a("--timeout", type=float, default=600.0, help="seconds a collective may wait before the run fails")
     a("--fake_world_size", type=int, default=None, metavar="N",
       help="with --fake_rank: play one rank of an N-rank job on torch's fake backend, on data-free (fake) tensors, "
-           "recording its groups and collectives instead of training (plan/fake_rank.py; python -m plan.verify)")
+           "recording its groups and collectives instead of training: python -m plan.fake_rank takes these flags "
+           "(train.py refuses them); python -m plan.verify runs many")
     a("--fake_rank", type=int, default=None, metavar="R", help="the rank --fake_world_size plays")
     a("--peak_flops", type=float, default=None,
       help="peak FLOP/s of one device, for MFU (default: datasheet for known GPUs, else measured)")
@@ -371,7 +372,7 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
                     micro: int) -> tuple[int, ...] | None:
     """The schedule, its virtual stages and the micro-batch count M against the split of n_layer Blocks.
     Returns the split, Blocks per chunk: --pp_layers_per_stage's, else the cost model's at --seq_len
-    (plan/split.py); None without a pipeline."""
+    (pipeline_split.py); None without a pipeline."""
     interleaved, v_shape = args.pp_schedule == "interleaved_1f1b", args.pp_schedule in ("zbv", "dualpipev")
     if args.pp_virtual_stages is not None and not (interleaved or v_shape):
         raise UsageError(f"--pp_virtual_stages is for --pp_schedule interleaved_1f1b; {args.pp_schedule} runs "

@@ -1,20 +1,30 @@
 """The mixture-of-experts layer that replaces a Block's MLP (`MoE`: Switch / GShard, dropless), its router,
 its experts (`Experts`, E stacked MLPs over rows grouped by expert) and their one-rank dispatch, the side
 losses a forward collects (`SideLosses`), and the step's balancing (`balance_experts`). Knows no parallelism:
-expert parallelism swaps `MoE.dispatch` (parallel/expert_parallel.py). model.py's Block builds an `MoE`; this
-module needs model.py's GPTConfig only for type hints, so it imports nothing of model.py at run time.
+expert parallelism swaps `MoE.dispatch` (parallel/expert_parallel.py). model.py's Block builds an `MoE` from its
+GPTConfig; this module imports nothing of model.py: `MoEConfig` names the fields it reads (arrows point down).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from model import GPTConfig
+
+class MoEConfig(Protocol):
+    """What an MoE layer reads of the model's config (model.GPTConfig has these)."""
+    n_embd: int
+    bias: bool
+    moe_num_experts: int
+    moe_top_k: int
+    moe_aux_loss_coeff: float
+    moe_bias_update_rate: float
+
+    @property
+    def expert_hidden(self) -> int: ...
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -104,7 +114,7 @@ class Experts(nn.Module):
     """E GPT-2 MLPs (C -> H -> C, GELU): `forward(x, counts)` runs rows grouped by expert, counts[e] rows each.
     Expert parallelism keeps only this rank's experts here (experts [first, first + E_local) of the layer)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: MoEConfig):
         super().__init__()
         E, C, H = config.moe_num_experts, config.n_embd, config.expert_hidden
         self.c_fc = ExpertLinear(E, C, H, config.bias)
@@ -207,7 +217,7 @@ class MoE(nn.Module):
     step's assignments per expert, `near_ties` the tokens whose k-th choice beat the next by less than
     `near_tie_margin` (a routing that rounding could flip between layouts), for the step's record."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: MoEConfig):
         super().__init__()
         E = config.moe_num_experts
         self.k, self.aux_coeff, self.bias_rate = config.moe_top_k, config.moe_aux_loss_coeff, config.moe_bias_update_rate

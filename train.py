@@ -29,7 +29,7 @@ from parallel import comm
 from parallel.mesh import OPTIONAL_DIMS, Mesh, exit_process, fused_optimizer, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 from parallel.pipeline_schedule import V_SCHEDULES
-from plan.split import describe_split, layers_for, stage_costs
+from pipeline_split import describe_split, layers_for, stage_costs
 from plan.predict import for_run, summary
 from plan.theory import bubble_fraction
 
@@ -245,7 +245,7 @@ def describe(t: Trainer) -> str:
 
 
 def describe_pipeline_split(plan: Plan) -> str:
-    """The pipeline's split in one line: each chunk's Blocks and its cost (plan/split.py)."""
+    """The pipeline's split in one line: each chunk's Blocks and its cost (pipeline_split.py)."""
     layers = layers_for(plan.config, plan.dims.pp, plan.par.pp_virtual, counts=plan.par.pp_layers)
     by = "--pp_layers_per_stage" if plan.args.pp_layers_per_stage else "cost"
     return describe_split(layers, stage_costs(plan.config, plan.args.seq_len), by,
@@ -326,9 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         error_line("train.py", e)
         return 2
-    if plan.fake:  # --fake_world_size: play one rank of the job on fake tensors and the fake backend, recorded
-        from plan.fake_rank import main as play
-        return play(plan)
+    if plan.fake:  # a simulated rank is driven from above (plan/fake_rank.py wraps build and run)
+        error_line("train.py", "--fake_world_size/--fake_rank: run python -m plan.fake_rank with the same flags")
+        return 2
     args, is_main = plan.args, plan.rank == 0
     if plan.device.type == "cpu":
         allocator.keep_freed_memory()

@@ -11,7 +11,7 @@ is kept (on a shared machine other load only adds time).
 Per rank: busy = sum of its F, B and W intervals; span = max end - min start of any action over all ranks;
 idle = 1 - busy/span. The schedule's idle (mean over ranks, i.e. 1 - sum busy/(P·span)) sits next to
 `bubble_fraction`, which assumes equal stages and free messages. The Blocks are split as train.py splits
-them, by cost (plan/split.py: FLOPs, or with `--balance time` rank 0's timings of a Block,
+them, by cost (pipeline_split.py: FLOPs, or with `--balance time` rank 0's timings of a Block,
 the embedding and the head, or with `--balance step` the ranks' own times in 1F1B steps on the FLOP split,
 taken before the schedules run; `--layers_per_stage` sets the split of the
 one-chunk schedules by hand), but whole Blocks cannot balance chunk 0's embedding against the last chunk's
@@ -45,7 +45,7 @@ from plan.simulate import simulate
 
 if TYPE_CHECKING:  # the worker imports them itself, after torchrun has started it
     from model import GPTConfig
-    from plan.split import StageCosts
+    from pipeline_split import StageCosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -173,7 +173,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from model import GPT, make_config
     from parallel.pipeline import PipelineRunner, PipelineStage
-    from plan.split import layers_for, measure_costs, stage_costs
+    from pipeline_split import layers_for, measure_costs, stage_costs
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -243,7 +243,7 @@ def step_costs(cfg: GPTConfig, rank: int, P: int, batches: list, flops: StageCos
 
     from model import GPT
     from parallel.pipeline import PipelineRunner, PipelineStage
-    from plan.split import costs_from_step, layers_for
+    from pipeline_split import costs_from_step, layers_for
     counts = tuple(len(r) for r in layers_for(cfg, P, costs=flops))
     with torch.device("meta"):
         model = GPT(cfg)

@@ -5,8 +5,8 @@ action lists; this module only executes them.
 
 - `PipelineStage`: the part of a GPT that pp rank r of P keeps, for V virtual chunks per rank: the Blocks of
   chunks r, r+P, ... (`chunk_of`; the V schedules: r and 2P-1-r; how many Blocks each chunk holds is given:
-  train.py's config balances them by cost, plan/split.py), plus wte/wpe on chunk 0's rank and ln_f/lm_head on the last
-  chunk's rank. Parameter names stay the GPT's (transformer.h.3.attn.c_q.weight), so optimizer groups and
+  train.py's config balances them by cost, pipeline_split.py), plus wte/wpe on chunk 0's rank and ln_f/lm_head on
+  the last chunk's rank. Parameter names stay the GPT's (transformer.h.3.attn.c_q.weight), so optimizer groups and
   checkpoints map by name.
 - Tied embedding (Megatron's rule): when the last chunk sits on another rank than chunk 0, the last stage holds
   its own copy of the embedding matrix, `lm_head.weight`, initialised under the name transformer.wte.weight, so
@@ -66,7 +66,7 @@ class PipelineStage(nn.Module):
     by name, as GPT.init_weights would) or from an initialised GPT (the stage shares its modules; the
     lm_head copy is a clone of wte). Holds no reference to the GPT: other stages' modules are not kept.
     `layers`: Blocks per chunk, P·V counts (every rank passes the same: config.py resolves them from
-    --pp_layers_per_stage or the cost model, plan/split.py); None: as even as possible, the extra Blocks to the
+    --pp_layers_per_stage or the cost model, pipeline_split.py); None: as even as possible, the extra Blocks to the
     front (`split_layers`). `self.layers[c]` is chunk c's range of Block indices.
     """
 

@@ -1,4 +1,4 @@
-"""One rank of an N-rank job, simulated: `python train.py <layout flags> --fake_world_size N --fake_rank r`.
+"""One rank of an N-rank job, simulated: `python -m plan.fake_rank <train.py flags> --fake_world_size N --fake_rank r`.
 
 The rank runs train.py's own code: `train.build` (the mesh, the model at full size, `parallelize`, the optimizer)
 and `train.run` (an evaluation, two training steps, the evaluation after the last), then main's closing barrier,
@@ -395,9 +395,18 @@ def summary(run: RankRun) -> str:
     return "\n".join(lines)
 
 
-def main(plan) -> int:
-    """train.py's entry for --fake_world_size: simulate the rank, print its summary, write its recording to
-    <out_dir>/fake_rank_<r>.json. Exit code: the simulated run's."""
+def main(argv: list[str] | None = None) -> int:
+    """`python -m plan.fake_rank <train.py's flags> --fake_world_size N --fake_rank r`: simulate the rank (a driver
+    above train.py: it calls train's build and run, train never calls it), print its summary, write its recording
+    to <out_dir>/fake_rank_<r>.json. Exit code: the simulated run's; 2 on bad flags, in one line."""
+    from config import UsageError, error_line, parse_args, validate
+    try:
+        plan = validate(parse_args(argv))
+        if not plan.fake:
+            raise UsageError("python -m plan.fake_rank plays one rank: pass --fake_world_size N --fake_rank r")
+    except UsageError as e:
+        error_line("python -m plan.fake_rank", e)
+        return 2
     run = simulate(plan, quiet=True)
     print(summary(run), flush=True)
     os.makedirs(plan.args.out_dir, exist_ok=True)
@@ -406,3 +415,7 @@ def main(plan) -> int:
         json.dump({**asdict(run), "events": [asdict(e) for e in run.events]}, f)
     print(f"recording: {path}", flush=True)
     return run.code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -31,7 +31,7 @@ from parallel.pipeline_schedule import ALL_SCHEDULES, SPLIT_SCHEDULES, V_SCHEDUL
 from parallel.tensor_parallel import tp_local_shape
 from plan import theory
 from plan.simulate import simulate
-from plan.split import layers_for
+from pipeline_split import layers_for
 from plan.theory import (cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step, ddp_comm_bytes_per_step,
                          ddp_comm_calls_per_step, ep_all_to_all_bytes_per_micro_step,
                          ep_all_to_all_calls_per_micro_step, p2p_bytes_per_step, p2p_calls_per_step, pipelined_root_gathers,
@@ -51,7 +51,7 @@ class Setup:
     config: GPTConfig
     dtype: torch.dtype
     grad_accum: int  # M: micro-steps per step (a pipeline's micro-batches)
-    pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (plan/split.py)
+    pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (pipeline_split.py)
 
     @functools.cached_property
     def par(self):

@@ -1,4 +1,4 @@
-"""plan/split.py: the cost model, the exact split by cost, the override, and a stage that holds
+"""pipeline_split.py: the cost model, the exact split by cost, the override, and a stage that holds
 exactly the Blocks of its split. No processes; every expected split below is derived by hand in its test."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from model import GPT, make_config
 from parallel.pipeline import PipelineStage
 from parallel.twins.pipeline import TorchChunk
 from parallel.pipeline_schedule import chunk_of, split_layers
-from plan.split import (StageCosts, balanced_split, balanced_v_split, check_counts, costs_from_step,
+from pipeline_split import (StageCosts, balanced_split, balanced_v_split, check_counts, costs_from_step,
                                      describe_split, layers_for, stage_costs)
 
 

@@ -81,3 +81,71 @@ def test_imports_are_read_at_every_depth(tmp_path):
     """The reader itself: a lazy import inside a function counts."""
     (tmp_path / "m.py").write_text("def f():\n    from parallel.comm import local\n    import parallel.mesh\n")
     assert {"parallel.comm", "parallel.mesh"} <= imports("m.py", str(tmp_path))
+
+
+def module_graph(root: str = ROOT) -> dict[str, set[str]]:
+    """Every repository module outside tests/ (a file, or a package's __init__, by dotted name) -> the repository
+    modules it imports, at any depth, type hints included (an import is an arrow whether or not it runs)."""
+    paths = {}
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if not x.startswith((".", "__")) and x not in ("tests", "runs", "results")]
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, f), root)
+                paths[rel[:-3].replace(os.sep, ".").removesuffix(".__init__")] = rel
+
+    def ours(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    return {m: {t for t in map(ours, imports(p, root)) if t and t != m} for m, p in paths.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_imports_itself_back():
+    """No circle anywhere in the house (it had model <-> moe for a type hint, train <-> plan.fake_rank: a
+    simulated rank drives train.py from above, and train.py does not call back into it)."""
+    assert cycles(module_graph()) == []
+
+
+def test_config_sits_below_the_planner():
+    """plan/ validates layouts through config (plan.search, plan.verify): config imports nothing of plan/ (the
+    Block split it checks is pipeline_split.py, below it)."""
+    up = {m for m in module_graph()["config"] if m == "plan" or m.startswith("plan.")}
+    assert not up, f"config imports {sorted(up)}"
+
+
+def test_cycles_are_found(tmp_path):
+    """The reader and the search themselves: a type-hint import back is a circle."""
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from a import x\n")
+    (tmp_path / "c.py").write_text("import a\n")
+    assert cycles(module_graph(str(tmp_path))) == [["a", "b"]]

@@ -520,11 +520,15 @@ class TestCommandLines(unittest.TestCase):
             "= 16 must equal the world size (4); pass --world_size 16\n"))
 
     @pytest.mark.slow
-    def test_train_py_plays_one_rank(self):
-        out = run_cli(["train.py", *flags(GRID16), "--fake_world_size", "16", "--fake_rank", "9"])
+    def test_fake_rank_plays_one_rank(self):
+        """python -m plan.fake_rank drives train.py's build and run from above; train.py itself points there."""
+        out = run_cli(["-m", "plan.fake_rank", *flags(GRID16), "--fake_world_size", "16", "--fake_rank", "9"])
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertRegex(out.stdout, r"rank 9 of 16: exit 0, .* new_group calls")
         self.assertTrue(os.path.exists(os.path.join(ROOT, "runs", "test-verify", "fake_rank_9.json")))
+        out = run_cli(["train.py", *flags(GRID16), "--fake_world_size", "16", "--fake_rank", "9"])
+        self.assertEqual((out.returncode, out.stderr), (2, "train.py: error: --fake_world_size/--fake_rank: run "
+                                                           "python -m plan.fake_rank with the same flags\n"))
 
 
 class TestFlags(unittest.TestCase):
