@@ -9,9 +9,9 @@ The counter records payload bytes per kind, per call (and the number of calls pe
   every message counts once);
 - all_to_all: the bytes of this rank's input, every split (its own included: it is copied, not sent, but a
   layout-independent count is what the formulas are written in).
-Each wrapper's theory is written in these sizes, beside its code: `ddp_comm_bytes_per_step` (parallel/ddp.py),
-the FSDP formula in parallel/fsdp.py (2 all-gathers of each Block and 1 of the root, and 1 reduce-scatter
-of everything, per micro-step), `tp_comm_bytes_per_micro_step` (parallel/tensor_parallel.py). Backend
+Each wrapper's theory is written in these sizes in the formula sheet, plan/theory.py: `ddp_comm_bytes_per_step`,
+`fsdp_comm_bytes_per_micro_step` (2 all-gathers of each Block and 1 of the root, and 1 reduce-scatter of
+everything, per micro-step), `tp_comm_bytes_per_micro_step`, ... Backend
 overheads (ring 2(N-1)/N factors, gloo emulating reduce-scatter through all-reduce) are deliberately not
 counted: they are properties of the transport, not of the algorithm.
 

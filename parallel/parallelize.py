@@ -220,7 +220,7 @@ class Parallelized:
 
     def after_optimizer_step(self) -> None:
         """The wrapper's (ZeRO-1/2: full copies stale), then the MoE layers' step: their tokens per expert over
-        the whole batch, and the expert bias where it is on (`expert_parallel.balance`)."""
+        the whole batch, and the expert bias where it is on (`ExpertBalance.step`, `moe.balance_experts`)."""
         self.dp.after_optimizer_step()
         if self.experts is not None:
             self.expert_stats = self.experts.step()

@@ -380,7 +380,8 @@ class PipelineRunner:
     @torch.no_grad()
     def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Each micro-batch's loss (evaluation): the chunks run in order, micro-batch after micro-batch, each
-        rank sending its chunk's output on with isend and receiving its input with a blocking irecv. Every
+        rank sending its chunk's output on (a send, waited at the end) and receiving its input (a receive, waited
+        at once: the chunk needs it). Every
         rank passes the same list; the rank of the last chunk returns the losses, the others zeros."""
         st = self.stage
         mb, T = micro_batches[0][0].shape
