@@ -180,19 +180,16 @@ def train_step(t: Trainer, step: int) -> dict:
             t.optimizer.step()
         t.par.after_optimizer_step()
     loss_value, norm_value = t.par.mean_loss(loss).item(), float(norm)  # .item() syncs the device: dt is honest
-    experts = t.par.expert_stats and (t.par.expert_stats["tokens"].tolist(), t.par.expert_stats["aux"].tolist())
     dt = watch.seconds()
     state = t.par.state_breakdown(t.optimizer)  # gradients still allocated: the step's true peak state
     t.optimizer.zero_grad(set_to_none=True)
-    watched = watch.record if not experts else {**watch.record, **metrics.expert_record(
-        t.par.experts.all, *experts, t.plan.config.moe_aux_loss_coeff > 0)}
-    return step_metrics(t, step, lr, loss_value, norm_value, dt, state, watched)
+    return step_metrics(t, step, lr, loss_value, norm_value, dt, state, watch.record)
 
 
 def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt: float, state: dict[str, int],
                  watched: dict) -> dict:
     """The step's record: loss, speed (tokens/s, MFU), memory, bytes moved, and what AC, compile and the
-    pipeline report (Parallelized.step_counters); `watched`: what the step's StepWatch measured."""
+    pipeline and the MoE layers report (Parallelized.step_counters); `watched`: what the step's StepWatch measured."""
     plan, args = t.plan, t.plan.args
     tokens_per_sec = args.total_batch_size / dt
     m = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "step_time_ms": dt * 1000,

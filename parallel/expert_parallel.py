@@ -146,7 +146,7 @@ class ExpertBalance:
         self.layers, self.mesh, self.device = moe_layers(model), mesh, device  # a pipeline stage's may be none
         config = next(m.config for m in model.modules() if hasattr(m, "config") and not callable(m.config))
         self.all = [i for i in range(config.n_layer) if config.is_moe(i)]
-        self.E = config.moe_num_experts
+        self.E, self.with_aux = config.moe_num_experts, config.moe_aux_loss_coeff > 0
         self.rows = torch.tensor([self.all.index(i) for i, _ in self.layers], dtype=torch.int64,
                                  device=device)  # mine among all
         cp = mesh["cp"]

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from loss import loss_share
+from metrics import expert_record
 from model import GPT, init_parameter
 from parallel import comm
 from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
@@ -177,9 +178,10 @@ class Parallelized:
         AC_COUNTER.reset()
 
     def step_counters(self) -> dict:
-        """What the step's AC, compile and pipeline report: Blocks x micro-batches this rank checkpointed and
-        recomputed (not when compiled: recomputed unseen), graphs compiled so far, and ours pipeline's idle
-        fraction (train.py logs its theory beside it) and the most (chunk, micro-batch) activations it held."""
+        """What the step's AC, compile, pipeline and MoE layers report: Blocks x micro-batches this rank
+        checkpointed and recomputed (not when compiled: recomputed unseen), graphs compiled so far, ours pipeline's
+        idle fraction (train.py logs its theory beside it) and the most (chunk, micro-batch) activations it held,
+        and each MoE layer's tokens per expert, near ties and balancing loss (metrics.expert_record)."""
         cfg, m = self.cfg, {}
         if cfg.activation_checkpointing != "none" and not cfg.compile:
             m["ac_checkpointed_blocks"], m["ac_recomputed_blocks"] = AC_COUNTER.checkpointed, AC_COUNTER.recomputed
@@ -188,6 +190,9 @@ class Parallelized:
         if self.pipeline is not None and self.pipeline.timeline:  # ours records one (torch's schedules don't)
             m["pp_idle_fraction"] = self.pipeline.idle_fraction()
             m["pp_peak_in_flight"] = self.pipeline.peak_in_flight
+        if self.expert_stats is not None:  # the MoE layers' step over the whole batch (ExpertBalance.step)
+            m.update(expert_record(self.experts.all, self.expert_stats["tokens"].tolist(),
+                                   self.expert_stats["aux"].tolist(), self.experts.with_aux))
         return m
 
     def parameter_tensors(self) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]] | None]:
