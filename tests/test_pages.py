@@ -73,7 +73,9 @@ def missing_name(token: str) -> str | None:
             or re.search(r"\.(jsonl?|toml|txt|bin|md|py|sh|pt)$", name):
         return None
     parts = name.split(".")
-    short = {m.rpartition(".")[2]: m for m in by_module}  # comm -> parallel.comm: pages name modules short
+    short: dict[str, list[str]] = {}  # comm -> [parallel.comm]: pages name modules short (maybe several)
+    for m in by_module:
+        short.setdefault(m.rpartition(".")[2], []).append(m)
     if len(parts) == 1:
         if "_" not in name and not re.search(r"[a-z][A-Z]|^[A-Z][a-z]", name):
             return None  # a plain word (batch, loss, gpipe): a value, not a definition
@@ -82,14 +84,14 @@ def missing_name(token: str) -> str | None:
     if name in by_module:
         return None
     for i in range(len(parts) - 1, 0, -1):  # the longest prefix that is one of our modules: the rest is in it
-        module = ".".join(parts[:i])
-        module = module if module in by_module or i > 1 else short.get(module, module)
-        if module in by_module:
+        prefix = ".".join(parts[:i])
+        modules = [prefix] if prefix in by_module else short.get(prefix, []) if i == 1 else []
+        if modules:
             rest = parts[i:]
-            if rest[0] not in by_module[module]:
-                return f"{module} defines no {rest[0]}"
+            if not any(rest[0] in by_module[m] for m in modules):
+                return f"{prefix} defines no {rest[0]}"
             if len(rest) > 1 and rest[1] not in by_class.get(rest[0], set()):
-                return f"{module}.{rest[0]} has no {rest[1]}"
+                return f"{prefix}.{rest[0]} has no {rest[1]}"
             return None
     if parts[0] in by_class:  # Class.method
         return None if parts[1] in by_class[parts[0]] else f"class {parts[0]} has no {parts[1]}"
