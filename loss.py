@@ -1,12 +1,13 @@
 """The loss head: lm_head and the mean cross-entropy together, chunk by chunk over the rows, so that no (N, V)
 logits are ever made (`linear_cross_entropy`, GPT's default `head_loss`), its gradients made in forward
 (`HeadGradients`), the vocab's rows as one process has them (`WholeVocab`; tensor parallelism brings its own
-shard), gradient accumulation's 1/M told to forward (`loss_share`), and `head_output`, which picks the head's
-path. Knows no parallelism and imports nothing of model.py.
+shard), gradient accumulation's 1/M and fp16's loss scale told to forward (`loss_share`), and `head_output`,
+which picks the head's path. Knows no parallelism and imports nothing of model.py.
 """
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -110,22 +111,31 @@ class WholeVocab:
 WHOLE_VOCAB = WholeVocab()
 
 
-_LOSS_SHARE: list[int] = [1]  # the innermost `loss_share`'s M
+_LOSS_SHARE: list[tuple[int, Callable | None]] = [(1, None)]  # the innermost `loss_share`'s (M, scale)
 
 
 @contextlib.contextmanager
-def loss_share(M: int):
-    """The losses of the forwards inside will be divided by M before backward (gradient accumulation's 1/M):
-    `linear_cross_entropy` makes its gradients in forward already scaled by 1/M, as a head whose gradient waits
-    for backward gets them, so each row's gradient rounds alike whatever M a layout splits the step into (in
-    bf16, a gradient scaled after its products parts from one process's by an ulp; measured 2.4e-3 relative in
-    a grad norm at M = 12). Backward multiplies by (incoming gradient) / (1/M): exactly 1 when the hint holds,
-    any other gradient still exact to a rounding."""
-    _LOSS_SHARE.append(M)
+def loss_share(M: int, scale: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    """The losses of the forwards inside will be divided by M (gradient accumulation's 1/M), then multiplied by
+    `scale` (fp16's GradScaler.scale: a tensor times the loss scale S), before backward: `linear_cross_entropy`
+    makes its gradients in forward already scaled by scale(1)/M, as a head whose gradient waits for backward gets
+    them, so each row's gradient rounds alike whatever M a layout splits the step into (in bf16, a gradient scaled
+    after its products parts from one process's by an ulp; measured 2.4e-3 relative in a grad norm at M = 12),
+    and fp16's products see S before the cast (without it, at GPT-2's 1/(M rows) = 1/16384 and V = 50304 every
+    off-target entry, ~1e-9, flushes to zero in fp16). Backward multiplies by (incoming gradient) / (S/M): exactly
+    1 when the hint holds, any other gradient still exact to a rounding."""
+    _LOSS_SHARE.append((M, scale))
     try:
         yield
     finally:
         _LOSS_SHARE.pop()
+
+
+def _told_gradient(device: torch.device) -> torch.Tensor:
+    """The incoming gradient the innermost `loss_share` tells forward to expect: scale(1) / M, 0-dim fp32."""
+    M, scale = _LOSS_SHARE[-1]
+    one = torch.ones((), device=device)
+    return (one if scale is None else scale(one)) / M
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -135,9 +145,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     forward: per chunk of rows, the logits z = x_c W^T (in autocast's dtype where it is on, as F.linear), their
     rows' log-probabilities of the targets (`vocab.log_probs`); the loss is nll_loss of those (mean over targets
     != -1). Where a gradient is needed (`need`: grad mode on and x or W requiring it), the same pass turns each
-    chunk's logits into d(loss)/dz = (softmax - one-hot) / (targets != -1) at once, and that into its rows of dx and
-    its part of dW (HeadGradients, fp32): the only tensors saved for backward.
-    backward: grad_loss is a scalar: dx and dW times grad_loss / (1/M) (`loss_share`: 1 when forward knew it), in
+    chunk's logits into d(loss)/dz = (softmax - one-hot) S / (M (targets != -1)) at once (`loss_share`'s M and
+    loss scale S), and that into its rows of dx and its part of dW (HeadGradients, fp32): the only tensors saved
+    for backward.
+    backward: grad_loss is a scalar: dx and dW times grad_loss / (S/M) (`loss_share`: 1 when forward knew it), in
     place, cast to x's and W's dtypes.
     """
 
@@ -149,7 +160,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             xc, wc = x.to(dtype), weight.to(dtype)  # the casts autocast's F.linear makes (backward needs neither)
             grads = HeadGradients(xc, wc, *need)
             valid = targets != IGNORE_INDEX
-            hint = torch.ones((), device=x.device) / _LOSS_SHARE[-1]  # the gradient backward expects (fp32)
+            hint = _told_gradient(x.device)  # the gradient backward expects (fp32)
             scale = torch.where(valid, hint / valid.sum(), 0.0)  # (N,) nll_loss's gradient: d(loss)/d(-log p)
             picked = vocab.log_probs(xc, wc, targets, chunk, scale, grads)  # (N,)
             # nll_loss of the (N, 1) picked log-probabilities: F.cross_entropy's own sum over rows
