@@ -173,6 +173,25 @@ class TestAgainstWholeLogits(unittest.TestCase):
             for what, a, ref, e in zip(("loss", "dx", "dW"), got, today, exact):
                 self.assertLessEqual(_rel(a, ref), ROUNDING_FACTOR * max(_rel(ref, e), EPS32), (gather, what))
 
+    def test_rows_an_exact_multiple_of_the_chunk(self):
+        """The chunk edge: 192 rows as 3 chunks of 64 and as 1 of 192, the last chunk ending exactly at N (where
+        VocabShard keeps its logits for the second pass, `lo + chunk >= N`; the other sizes here end past N). The
+        whole vocab: the loss and dx bit-equal to the whole logits, dW within the reordering bound (as above);
+        VocabShard (one rank, with and without gather) within rounding of them."""
+        x, w, t = _inputs(4)
+        x, t = x[:3 * LOSS_CHUNK_ALIGN], t[:3 * LOSS_CHUNK_ALIGN]
+        ref_loss, ref_dx, ref_dw, g = _whole(x, w, t, grad=1.0)
+        today, exact = (ref_loss, ref_dx, ref_dw), _whole(x.double(), w.double(), t, grad=1.0)[:3]
+        bound = _dw_bound(g, x, 2 * gamma(x.shape[0]))
+        for rows in (LOSS_CHUNK_ALIGN, x.shape[0]):
+            loss, dx, dw = _chunked(x, w, t, rows, grad=1.0)
+            self.assertTrue(torch.equal(loss, ref_loss) and torch.equal(dx, ref_dx), rows)
+            self.assertTrue(_within(dw, ref_dw, bound), rows)
+            for gather in (False, True):
+                got = _chunked(x, w, t, rows, vocab=VocabShard(None, 0, gather), grad=1.0)
+                for what, a, ref, e in zip(("loss", "dx", "dW"), got, today, exact):
+                    self.assertLessEqual(_rel(a, ref), ROUNDING_FACTOR * max(_rel(ref, e), EPS32), (rows, gather, what))
+
     def test_ignored_rows_get_no_gradient(self):
         x, w, t = _inputs(3)
         _, dx, _ = _chunked(x, w, t, 5)
