@@ -7,11 +7,13 @@ which picks the head's path. Knows no parallelism and imports nothing of model.p
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 
 IGNORE_INDEX = -1  # a target that counts for nothing: the loss is the mean over the others
@@ -38,17 +40,36 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX)
 
 
+@functools.cache
+def fp32_accumulating_addmm(device_type: str) -> bool:
+    """Whether torch adds fp16/bf16 products into an fp32 matrix in one GEMM on `device_type` devices:
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc) with acc fp32, a and b fp16/bf16. Asked of torch's
+    dispatcher (a kernel for aten::addmm.dtype_out under the device's dispatch key): CUDA's (cuBLAS, fp32
+    accumulation and output) and meta's have one, the CPU's has not (torch 2.13). torch 2.8-2.9 had the kernel
+    but refused an fp32 `acc` ("self and mat2 must have the same dtype"); from 2.10 it takes `acc` of out_dtype
+    (torch 2.11's libtorch_cuda.so, the GPU image's, carries the new check, "self dtype must match either out_dtype
+    or mat1 dtype", and not the old)."""
+    if TorchVersion(torch.__version__) < (2, 10):
+        return False
+    key = torch._C._dispatch_key_for_device(device_type)
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", key)
+
+
 class HeadGradients:
     """d(loss)/dx (N, C) and d(loss)/dW (V, C) of `linear_cross_entropy` for an incoming gradient of 1, filled in
     its forward chunk by chunk (`add`), each None where it is not needed: dx's rows are each chunk's g W (n, C),
     dW the sum over chunks of g^T x_c, addmm'd into one buffer. Both buffers are fp32 (float64 for float64
-    inputs); the products are in the compute dtype, as autocast's F.linear backward makes them (the CPU has no
-    bf16 x bf16 -> fp32 addmm: under autocast each chunk's dW product is rounded to bf16, then summed in fp32)."""
+    inputs); the products are in the compute dtype, as autocast's F.linear backward makes them. dW's, under
+    autocast: where the device adds bf16 x bf16 products into fp32 in one GEMM (`fp32_accumulating_addmm`: CUDA),
+    each chunk's g^T x_c goes straight into the fp32 buffer; elsewhere (the CPU) it is rounded to a bf16 (V, C)
+    temporary, then added in fp32, as autocast's backward and AccumulateGrad would."""
 
     def __init__(self, xc: torch.Tensor, wc: torch.Tensor, need_dx: bool, need_dw: bool):
         acc = torch.promote_types(xc.dtype, torch.float32)
         self.dx = torch.empty(xc.shape, dtype=acc, device=xc.device) if need_dx else None
         self.dw = torch.zeros(wc.shape, dtype=acc, device=wc.device) if need_dw else None
+        self.dw_in_one_gemm = (need_dw and wc.dtype in (torch.float16, torch.bfloat16) and acc == torch.float32
+                               and fp32_accumulating_addmm(wc.device.type))
 
     @property
     def needed(self) -> bool:
@@ -63,9 +84,13 @@ class HeadGradients:
                 torch.mm(g, wc, out=self.dx[rows])  # (n, C)
             else:
                 self.dx[rows] = g @ wc
-        if self.dw is not None and self.dw.dtype == g.dtype:
+        if self.dw is None:
+            return
+        if self.dw.dtype == g.dtype:
             self.dw.addmm_(g.t(), xc[rows])  # (V, C)
-        elif self.dw is not None:
+        elif self.dw_in_one_gemm:  # fp32 += bf16 x bf16, accumulated and written in fp32: no (V, C) temporary
+            torch.addmm(self.dw, g.t(), xc[rows], out_dtype=self.dw.dtype, out=self.dw)
+        else:
             self.dw += g.t() @ xc[rows]
 
 

@@ -464,6 +464,33 @@ class TestMemory(unittest.TestCase):
                          [128, 320, 16384, 64, 64])
 
 
+class TestDeviceKernels(unittest.TestCase):
+    def test_dw_accumulates_in_one_gemm_where_the_device_has_the_kernel(self):
+        """Under bf16, dW's chunk products go into the fp32 buffer by one addmm with out_dtype fp32 where torch has
+        that kernel for the device (CUDA; meta here, so CI runs the call's signature and dtypes): no bf16 (V, C)
+        temporary, no separate fp32 add. On the CPU, which has none, the bf16 product then the fp32 add: the bits
+        the rest of this file holds."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from loss import HeadGradients, fp32_accumulating_addmm
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.assertEqual((fp32_accumulating_addmm("cpu"), fp32_accumulating_addmm("meta")), (False, True))
+        for device, dw_ops in (("meta", ["aten.addmm.dtype_out"] * 2),
+                               ("cpu", ["aten.mm.default", "aten.add_.Tensor"] * 2)):
+            xc = torch.randn(128, C, dtype=torch.bfloat16, device=device)
+            wc = torch.randn(V, C, dtype=torch.bfloat16, device=device)
+            grads, seen = HeadGradients(xc, wc, need_dx=False, need_dw=True), []
+            with Ops():
+                for lo in (0, 64):
+                    grads.add(slice(lo, lo + 64), torch.randn(64, V, device=device), xc, wc)
+            self.assertEqual([op for op in seen if "mm" in op or op.startswith("aten.add")], dw_ops, device)
+            self.assertEqual(grads.dw.dtype, torch.float32)
+
+
 class TestGPT(unittest.TestCase):
     def setUp(self):
         torch.manual_seed(0)
