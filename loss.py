@@ -1,16 +1,19 @@
 """The loss head: lm_head and the mean cross-entropy together, chunk by chunk over the rows, so that no (N, V)
 logits are ever made (`linear_cross_entropy`, GPT's default `head_loss`), its gradients made in forward
 (`HeadGradients`), the vocab's rows as one process has them (`WholeVocab`; tensor parallelism brings its own
-shard), gradient accumulation's 1/M told to forward (`loss_share`), and `head_output`, which picks the head's
-path. Knows no parallelism and imports nothing of model.py.
+shard), gradient accumulation's 1/M and fp16's loss scale told to forward (`loss_share`), and `head_output`,
+which picks the head's path. Knows no parallelism and imports nothing of model.py.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.torch_version import TorchVersion
 
 
 IGNORE_INDEX = -1  # a target that counts for nothing: the loss is the mean over the others
@@ -37,17 +40,36 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE_INDEX)
 
 
+@functools.cache
+def fp32_accumulating_addmm(device_type: str) -> bool:
+    """Whether torch adds fp16/bf16 products into an fp32 matrix in one GEMM on `device_type` devices:
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc) with acc fp32, a and b fp16/bf16. Asked of torch's
+    dispatcher (a kernel for aten::addmm.dtype_out under the device's dispatch key): CUDA's (cuBLAS, fp32
+    accumulation and output) and meta's have one, the CPU's has not (torch 2.13). torch 2.8-2.9 had the kernel
+    but refused an fp32 `acc` ("self and mat2 must have the same dtype"); from 2.10 it takes `acc` of out_dtype
+    (torch 2.11's libtorch_cuda.so, the GPU image's, carries the new check, "self dtype must match either out_dtype
+    or mat1 dtype", and not the old)."""
+    if TorchVersion(torch.__version__) < (2, 10):
+        return False
+    key = torch._C._dispatch_key_for_device(device_type)
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", key)
+
+
 class HeadGradients:
     """d(loss)/dx (N, C) and d(loss)/dW (V, C) of `linear_cross_entropy` for an incoming gradient of 1, filled in
     its forward chunk by chunk (`add`), each None where it is not needed: dx's rows are each chunk's g W (n, C),
     dW the sum over chunks of g^T x_c, addmm'd into one buffer. Both buffers are fp32 (float64 for float64
-    inputs); the products are in the compute dtype, as autocast's F.linear backward makes them (the CPU has no
-    bf16 x bf16 -> fp32 addmm: under autocast each chunk's dW product is rounded to bf16, then summed in fp32)."""
+    inputs); the products are in the compute dtype, as autocast's F.linear backward makes them. dW's, under
+    autocast: where the device adds bf16 x bf16 products into fp32 in one GEMM (`fp32_accumulating_addmm`: CUDA),
+    each chunk's g^T x_c goes straight into the fp32 buffer; elsewhere (the CPU) it is rounded to a bf16 (V, C)
+    temporary, then added in fp32, as autocast's backward and AccumulateGrad would."""
 
     def __init__(self, xc: torch.Tensor, wc: torch.Tensor, need_dx: bool, need_dw: bool):
         acc = torch.promote_types(xc.dtype, torch.float32)
         self.dx = torch.empty(xc.shape, dtype=acc, device=xc.device) if need_dx else None
         self.dw = torch.zeros(wc.shape, dtype=acc, device=wc.device) if need_dw else None
+        self.dw_in_one_gemm = (need_dw and wc.dtype in (torch.float16, torch.bfloat16) and acc == torch.float32
+                               and fp32_accumulating_addmm(wc.device.type))
 
     @property
     def needed(self) -> bool:
@@ -62,9 +84,13 @@ class HeadGradients:
                 torch.mm(g, wc, out=self.dx[rows])  # (n, C)
             else:
                 self.dx[rows] = g @ wc
-        if self.dw is not None and self.dw.dtype == g.dtype:
+        if self.dw is None:
+            return
+        if self.dw.dtype == g.dtype:
             self.dw.addmm_(g.t(), xc[rows])  # (V, C)
-        elif self.dw is not None:
+        elif self.dw_in_one_gemm:  # fp32 += bf16 x bf16, accumulated and written in fp32: no (V, C) temporary
+            torch.addmm(self.dw, g.t(), xc[rows], out_dtype=self.dw.dtype, out=self.dw)
+        else:
             self.dw += g.t() @ xc[rows]
 
 
@@ -110,22 +136,31 @@ class WholeVocab:
 WHOLE_VOCAB = WholeVocab()
 
 
-_LOSS_SHARE: list[int] = [1]  # the innermost `loss_share`'s M
+_LOSS_SHARE: list[tuple[int, Callable | None]] = [(1, None)]  # the innermost `loss_share`'s (M, scale)
 
 
 @contextlib.contextmanager
-def loss_share(M: int):
-    """The losses of the forwards inside will be divided by M before backward (gradient accumulation's 1/M):
-    `linear_cross_entropy` makes its gradients in forward already scaled by 1/M, as a head whose gradient waits
-    for backward gets them, so each row's gradient rounds alike whatever M a layout splits the step into (in
-    bf16, a gradient scaled after its products parts from one process's by an ulp; measured 2.4e-3 relative in
-    a grad norm at M = 12). Backward multiplies by (incoming gradient) / (1/M): exactly 1 when the hint holds,
-    any other gradient still exact to a rounding."""
-    _LOSS_SHARE.append(M)
+def loss_share(M: int, scale: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    """The losses of the forwards inside will be divided by M (gradient accumulation's 1/M), then multiplied by
+    `scale` (fp16's GradScaler.scale: a tensor times the loss scale S), before backward: `linear_cross_entropy`
+    makes its gradients in forward already scaled by scale(1)/M, as a head whose gradient waits for backward gets
+    them, so each row's gradient rounds alike whatever M a layout splits the step into (in bf16, a gradient scaled
+    after its products parts from one process's by an ulp; measured 2.4e-3 relative in a grad norm at M = 12),
+    and fp16's products see S before the cast (without it, at GPT-2's 1/(M rows) = 1/16384 and V = 50304 every
+    off-target entry, ~1e-9, flushes to zero in fp16). Backward multiplies by (incoming gradient) / (S/M): exactly
+    1 when the hint holds, any other gradient still exact to a rounding."""
+    _LOSS_SHARE.append((M, scale))
     try:
         yield
     finally:
         _LOSS_SHARE.pop()
+
+
+def _told_gradient(device: torch.device) -> torch.Tensor:
+    """The incoming gradient the innermost `loss_share` tells forward to expect: scale(1) / M, 0-dim fp32."""
+    M, scale = _LOSS_SHARE[-1]
+    one = torch.ones((), device=device)
+    return (one if scale is None else scale(one)) / M
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -135,9 +170,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     forward: per chunk of rows, the logits z = x_c W^T (in autocast's dtype where it is on, as F.linear), their
     rows' log-probabilities of the targets (`vocab.log_probs`); the loss is nll_loss of those (mean over targets
     != -1). Where a gradient is needed (`need`: grad mode on and x or W requiring it), the same pass turns each
-    chunk's logits into d(loss)/dz = (softmax - one-hot) / (targets != -1) at once, and that into its rows of dx and
-    its part of dW (HeadGradients, fp32): the only tensors saved for backward.
-    backward: grad_loss is a scalar: dx and dW times grad_loss / (1/M) (`loss_share`: 1 when forward knew it), in
+    chunk's logits into d(loss)/dz = (softmax - one-hot) S / (M (targets != -1)) at once (`loss_share`'s M and
+    loss scale S), and that into its rows of dx and its part of dW (HeadGradients, fp32): the only tensors saved
+    for backward.
+    backward: grad_loss is a scalar: dx and dW times grad_loss / (S/M) (`loss_share`: 1 when forward knew it), in
     place, cast to x's and W's dtypes.
     """
 
@@ -149,7 +185,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             xc, wc = x.to(dtype), weight.to(dtype)  # the casts autocast's F.linear makes (backward needs neither)
             grads = HeadGradients(xc, wc, *need)
             valid = targets != IGNORE_INDEX
-            hint = torch.ones((), device=x.device) / _LOSS_SHARE[-1]  # the gradient backward expects (fp32)
+            hint = _told_gradient(x.device)  # the gradient backward expects (fp32)
             scale = torch.where(valid, hint / valid.sum(), 0.0)  # (N,) nll_loss's gradient: d(loss)/d(-log p)
             picked = vocab.log_probs(xc, wc, targets, chunk, scale, grads)  # (N,)
             # nll_loss of the (N, 1) picked log-probabilities: F.cross_entropy's own sum over rows

@@ -116,7 +116,7 @@ class Parallelized:
         for i, (x, y) in enumerate(batches):
             comm.RECORDER.micro = i  # the flight recorder's context
             with self.dp.grad_sync(i == len(batches) - 1), self.micro_step(x, y) as (x, y):
-                with autocast(), loss_share(len(batches)):
+                with autocast(), loss_share(len(batches), scale):
                     _, loss = self.model(x, y)
                 loss = loss / len(batches)
                 (scale(loss) if scale else loss).backward()

@@ -289,7 +289,7 @@ class PipelineRunner:
             if a.kind == F:
                 x, y = micro_batches[a.micro]
                 inp = x.to(device) if a.chunk == 0 else act_in.pop(key)
-                with defer(key), loss_share(M):
+                with defer(key), loss_share(M, scale):
                     out = self.forward(a.chunk, inp, y.to(device) if a.chunk == st.n_chunks - 1 else None)
                 if a.chunk != st.n_chunks - 1 and st.side_loss is not None:  # a chunk's own loss terms (MoE)
                     sides[key] = st.side_loss / M

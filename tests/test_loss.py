@@ -28,14 +28,16 @@ rounds once more when scaled by g (u |dx|): |d dx| <= (2 gamma_V + 6u) (|G| + S)
 from __future__ import annotations
 
 import functools
+import math
 import unittest
+import unittest.mock
 
 import torch
 import torch.nn.functional as F
 
 from bench.pipeline import SavedBytes
 from metrics import LargestTensor
-from loss import LOSS_CHUNK_ALIGN, linear_cross_entropy, loss_chunk_rows, loss_share
+from loss import LOSS_CHUNK_ALIGN, WHOLE_VOCAB, linear_cross_entropy, loss_chunk_rows, loss_share
 from model import GPT, GPTConfig
 from parallel.tensor_parallel import VocabShard
 from tests.rounding import EPS32, ROUNDING_FACTOR
@@ -171,6 +173,25 @@ class TestAgainstWholeLogits(unittest.TestCase):
             for what, a, ref, e in zip(("loss", "dx", "dW"), got, today, exact):
                 self.assertLessEqual(_rel(a, ref), ROUNDING_FACTOR * max(_rel(ref, e), EPS32), (gather, what))
 
+    def test_rows_an_exact_multiple_of_the_chunk(self):
+        """The chunk edge: 192 rows as 3 chunks of 64 and as 1 of 192, the last chunk ending exactly at N (where
+        VocabShard keeps its logits for the second pass, `lo + chunk >= N`; the other sizes here end past N). The
+        whole vocab: the loss and dx bit-equal to the whole logits, dW within the reordering bound (as above);
+        VocabShard (one rank, with and without gather) within rounding of them."""
+        x, w, t = _inputs(4)
+        x, t = x[:3 * LOSS_CHUNK_ALIGN], t[:3 * LOSS_CHUNK_ALIGN]
+        ref_loss, ref_dx, ref_dw, g = _whole(x, w, t, grad=1.0)
+        today, exact = (ref_loss, ref_dx, ref_dw), _whole(x.double(), w.double(), t, grad=1.0)[:3]
+        bound = _dw_bound(g, x, 2 * gamma(x.shape[0]))
+        for rows in (LOSS_CHUNK_ALIGN, x.shape[0]):
+            loss, dx, dw = _chunked(x, w, t, rows, grad=1.0)
+            self.assertTrue(torch.equal(loss, ref_loss) and torch.equal(dx, ref_dx), rows)
+            self.assertTrue(_within(dw, ref_dw, bound), rows)
+            for gather in (False, True):
+                got = _chunked(x, w, t, rows, vocab=VocabShard(None, 0, gather), grad=1.0)
+                for what, a, ref, e in zip(("loss", "dx", "dW"), got, today, exact):
+                    self.assertLessEqual(_rel(a, ref), ROUNDING_FACTOR * max(_rel(ref, e), EPS32), (rows, gather, what))
+
     def test_ignored_rows_get_no_gradient(self):
         x, w, t = _inputs(3)
         _, dx, _ = _chunked(x, w, t, 5)
@@ -200,6 +221,166 @@ class TestGradientAccumulation(unittest.TestCase):
         whole = dx(1, True)
         self.assertTrue(torch.equal(dx(M, True), whole))
         self.assertFalse(torch.equal(dx(M, False), whole))
+
+
+U16, TINY16, TINY32 = 2.0 ** -11, 2.0 ** -14, 2.0 ** -126  # fp16's unit roundoff, fp16's and fp32's smallest normals
+
+
+def _rounding(a: torch.Tensor, u: float, h: float) -> torch.Tensor:
+    """The most one rounding of a to a dtype of unit roundoff u and smallest normal h moves it: u |a| where a is
+    normal, half the subnormal spacing (u h) below h; so u (|a| + h) always."""
+    return u * (a.abs() + h)
+
+
+def _head_bound(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, s: float, u: float, h: float,
+                chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise bounds (float64) on |dx - exact| and |dW - exact| of linear_cross_entropy computed in a dtype of
+    unit roundoff u and smallest normal h (autocast's: x, W, the logits, their gradient and the products rounded
+    to it; every GEMM accumulating in fp32, as torch's CPU GEMMs do for fp16), every row's gradient scaled by s
+    before the cast (s = S / (M rows): loss_share's loss scale S and share 1/M; a power of 2, so exact), all
+    targets valid, `chunks` equal chunks of rows. In s's units (divide by S for the gradient).
+
+    The logits: |z^ - z| <= E = r(x) |fl(W)|^T + |x| r(W)^T + gamma_C |fl(x)| |fl(W)|^T + u (|z^| + h), r the
+    rounding above. Softmax moves each p_v by a factor within exp(+-2 max_v E) (its normaliser by at most the
+    row's largest move); the fp32 kernels (F.cross_entropy's, or VocabShard's) evaluate it within exp(+-delta),
+    delta = gamma_V (the sum of V exps) + u32 (3R + 3 log V + 8) (a few roundings of logits spread R and of log
+    sum <= log V, and of exp). So |g^ - g| <= dG = s dp + 2 u32 s (p^ + one-hot) (the fp32 scaling and the
+    one-hot's subtraction), dp = p expm1(2E + delta); the cast adds r(g^): dG' = dG + u (|g| + dG + h). Then dx =
+    fl(fl(g^) fl(W)): |err| <= dG' |fl(W)| + |g| r(W) + (gamma_V + u (1 + gamma_V)) |fl(g^)| |fl(W)| + u h;
+    dW summed per chunk of n rows, rounded, added over the chunks in fp32: the same with X, gamma_n, and gamma_K
+    on the chunks' sums."""
+    x64, w64 = x.double(), w.double()
+    N, C = x64.shape
+    V = w64.shape[0]
+    xp, wp = x64.abs() + _rounding(x64, u, h), w64.abs() + _rounding(w64, u, h)  # |fl(x)|, |fl(W)| at most
+    z = x64 @ w64.t()
+    full = xp @ wp.t()  # (N, V): |fl(x)| |fl(W)|^T
+    E = _rounding(x64, u, h) @ wp.t() + x64.abs() @ _rounding(w64, u, h).t() + gamma(C) * full
+    E += u * (z.abs() + E + h)
+    R = 2 * (z.abs() + E).amax(-1, keepdim=True)  # the spread of a row's computed logits, at most
+    delta = gamma(V) + U32 * (3 * R + 3 * math.log(V) + 8)
+    p = torch.softmax(z, -1)
+    del full
+    onehot = torch.zeros_like(p).scatter_(-1, t.unsqueeze(-1), 1.0)
+    G = s * (p - onehot)  # the exact gradient, in s's units
+    dp = p * torch.expm1(2 * E.amax(-1, keepdim=True) + delta)
+    del E, z
+    dG = s * dp + 2 * U32 * s * (p + dp + onehot)
+    dG = dG + u * (G.abs() + dG + h)  # + the cast of g^ to the dtype
+    Gh = G.abs() + dG  # |fl(g^)| at most
+    dx = dG @ wp + G.abs() @ _rounding(w64, u, h) + (gamma(V) + u * (1 + gamma(V))) * (Gh @ wp) + u * h
+    n = N // chunks
+    sums = gamma(n) + u * (1 + gamma(n)) + gamma(chunks) * (1 + u) * (1 + gamma(n))
+    dw = dG.t() @ xp + G.abs().t() @ _rounding(x64, u, h) + sums * (Gh.t() @ xp) + chunks * u * h * (1 + gamma(chunks))
+    return dx, dw
+
+
+def _scaled_head(x, w, t, M: int, fp16: bool, vocab, chunk_rows: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One micro-batch of M as a step makes it: under loss_share(M, a GradScaler's scale) (fp16: autocast and
+    the scaler, torch's default scale 2^16; else fp32 and a disabled scaler, scale 1), the loss / M scaled, its
+    backward: (dx, dW, the scale), the gradients still scaled."""
+    scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16, enabled=fp16), loss_share(M, scaler.scale):
+        loss = linear_cross_entropy(x, w, t, vocab, chunk_rows)
+    scaler.scale(loss / M).backward()
+    return x.grad, w.grad, scaler.get_scale()
+
+
+class TestLossScale(unittest.TestCase):
+    def test_fp16_gradients_within_rounding_of_fp32_at_gpt2_vocab(self):
+        """fp16 with its GradScaler at GPT-2's vocabulary (50304) and share (1/(M rows) = 1/16384: 16 x 1024 rows
+        a step): the head scales each row's gradient by the loss scale S = 2^16 before the fp16 cast, so the
+        off-target entries (p / 16384 ~ 1e-9, under fp16's smallest subnormal 6e-8 unscaled) keep their value:
+        dx / S and dW / S within the fp16 bound of the exact gradients (`_head_bound`) plus fp32's of its own, of
+        fp32's, elementwise; whole rows and VocabShard's (TP's head, one rank), 2 chunks of rows. Cast before S,
+        dW's rows of tokens no target names are all zeros (and dx loses their part)."""
+        N, C, V, M = 128, 64, 50304, 128
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(N, C, generator=g)
+        w = torch.randn(V, C, generator=g) * 0.02  # GPT-2's init
+        t = torch.randint(0, V, (N,), generator=g)
+        b16 = _head_bound(x, w, t, 2.0 ** 16 / (M * N), U16, TINY16, chunks=2)
+        b32 = _head_bound(x, w, t, 1.0 / (M * N), U32, TINY32, chunks=2)
+        for vocab in (WHOLE_VOCAB, VocabShard(None, 0)):
+            dx, dw, S = _scaled_head(x, w, t, M, True, vocab, N // 2)
+            ref_dx, ref_dw, one = _scaled_head(x, w, t, M, False, vocab, N // 2)
+            self.assertEqual((S, one), (2.0 ** 16, 1.0))
+            for what, got, ref, (a, b) in (("dx", dx, ref_dx, (b16[0], b32[0])), ("dW", dw, ref_dw, (b16[1], b32[1]))):
+                err = (got.double() / S - ref.double()).abs()
+                bound = a / S + b
+                self.assertTrue(bool((err <= bound).all()),
+                                f"{type(vocab).__name__} {what}: worst err/bound {float((err / bound).max())}")
+
+
+def _step_batches(M: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """6 rows of 32 tokens (CFG's vocab), as M micro-batches (each a multiple of LOSS_CHUNK_ALIGN rows of tokens)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, CFG.vocab_size, (2, 6, 32), generator=g)
+    return list(zip(x.chunk(M), y.chunk(M)))
+
+
+def _step(M: int, pipeline: bool, scale=None, autocast: bool = True) -> list[torch.Tensor]:
+    """One training step's forward and backward of _step_batches(M) on one process, as the trainer runs it:
+    Parallelized.forward_backward (no pipeline: one process, DDP and FSDP run this loop), or the pipeline runner's
+    step (P = 1, 1F1B: the last stage's loop), under bf16 autocast; returns the gradient of each micro-batch's
+    token embeddings (B, T, C) (wte's output: the last per-token gradient, from which wte's and wpe's are summed)."""
+    from parallel.mesh import Mesh, ParallelDims
+    from parallel.parallelize import ParallelConfig, parallelize
+    from parallel.pipeline import PipelineRunner, PipelineStage
+    model, seen = GPT(CFG), []
+    model.init_weights(7)
+
+    def keep_gradient(module, inputs, out):
+        out.register_hook(seen.append)
+    model.transformer.wte.register_forward_hook(keep_gradient)
+    context = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=autocast)
+    if pipeline:
+        with context():
+            PipelineRunner(PipelineStage(model, 0, 1, 1)).step(_step_batches(M), "1f1b", scale)
+    else:
+        par = parallelize(model, Mesh(ParallelDims(dp=1, tp=1, world_size=1)),
+                          ParallelConfig(implementation="custom"), torch.device("cpu"))
+        par.forward_backward(_step_batches(M), scale, context)
+    return seen
+
+
+class TestTheStepTellsTheHead(unittest.TestCase):
+    """The training step's part of loss_share: parallel/parallelize.py's forward_backward and the pipeline runner
+    tell the head the share 1/M (and fp16's loss scale) its backward will bring."""
+
+    def test_micro_batches_give_each_token_the_whole_batch_gradient(self):
+        """bf16, 6 rows as M = 3 micro-batches against the M = 1 run of the same rows: every token's gradient at
+        the embeddings is the same bits. Each row's head gradient is (softmax - one-hot) fl(fl(1/3) / 64) =
+        fl(1/192), M = 1's, before its bf16 rounding (64 targets a micro-batch: dividing by them is exact), and
+        everything below the head is per sequence (attention within a row, every matmul's rows in multiples of 64,
+        the GEMMs' own row blocks). Told a share of 1, the head rounds to bf16 first and backward scales by 1/3
+        after: rows part by an ulp. (The parameters' gradients are not bit-equal to M = 1's whatever the share:
+        there each is one bf16 GEMM over all 192 tokens, here three, each rounded to bf16, summed in fp32; 33 of
+        the 36 differ.)"""
+        for pipeline in (False, True):
+            whole = torch.cat(_step(1, pipeline))
+            self.assertEqual(tuple(whole.shape), (6, 32, CFG.n_embd))
+            self.assertTrue(torch.equal(torch.cat(_step(3, pipeline)), whole), f"pipeline={pipeline}")
+
+    def test_the_head_is_told_the_gradient_backward_brings(self):
+        """With fp16's GradScaler (scale S = 2^16) and M = 3, each micro-batch's head is told S/M in forward, so its
+        backward's factor (incoming gradient / what forward was told) is exactly 1: the scale reaches the head's
+        products before their fp16 cast (TestLossScale). Told 1/M alone, the factor would be S; told nothing, S/M."""
+        from loss import _LinearCrossEntropy
+        real = _LinearCrossEntropy.backward
+        for pipeline in (False, True):
+            factors = []
+
+            def spy(ctx, grad_loss):
+                factors.append(float(grad_loss / ctx.hint))
+                return real(ctx, grad_loss)
+
+            scaler = torch.amp.GradScaler("cpu")
+            with unittest.mock.patch.object(_LinearCrossEntropy, "backward", staticmethod(spy)):
+                _step(3, pipeline, scaler.scale, autocast=False)
+            self.assertEqual(scaler.get_scale(), 2.0 ** 16)
+            self.assertEqual(factors, [1.0] * 3, f"pipeline={pipeline}")
 
 
 class TestMemory(unittest.TestCase):
@@ -281,6 +462,33 @@ class TestMemory(unittest.TestCase):
         a TP=2 slice; at least 64."""
         self.assertEqual([loss_chunk_rows(v) for v in (50304, 25152, 512, 2 ** 17, 2 ** 20)],
                          [128, 320, 16384, 64, 64])
+
+
+class TestDeviceKernels(unittest.TestCase):
+    def test_dw_accumulates_in_one_gemm_where_the_device_has_the_kernel(self):
+        """Under bf16, dW's chunk products go into the fp32 buffer by one addmm with out_dtype fp32 where torch has
+        that kernel for the device (CUDA; meta here, so CI runs the call's signature and dtypes): no bf16 (V, C)
+        temporary, no separate fp32 add. On the CPU, which has none, the bf16 product then the fp32 add: the bits
+        the rest of this file holds."""
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from loss import HeadGradients, fp32_accumulating_addmm
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self.assertEqual((fp32_accumulating_addmm("cpu"), fp32_accumulating_addmm("meta")), (False, True))
+        for device, dw_ops in (("meta", ["aten.addmm.dtype_out"] * 2),
+                               ("cpu", ["aten.mm.default", "aten.add_.Tensor"] * 2)):
+            xc = torch.randn(128, C, dtype=torch.bfloat16, device=device)
+            wc = torch.randn(V, C, dtype=torch.bfloat16, device=device)
+            grads, seen = HeadGradients(xc, wc, need_dx=False, need_dw=True), []
+            with Ops():
+                for lo in (0, 64):
+                    grads.add(slice(lo, lo + 64), torch.randn(64, V, device=device), xc, wc)
+            self.assertEqual([op for op in seen if "mm" in op or op.startswith("aten.add")], dw_ops, device)
+            self.assertEqual(grads.dw.dtype, torch.float32)
 
 
 class TestGPT(unittest.TestCase):

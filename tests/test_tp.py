@@ -223,7 +223,10 @@ def _one_process_body(rank: int, world_size: int) -> dict:
     eye = torch.eye(CFG.vocab_size).chunk(world_size, 0)[rank]  # (V/p, V)
     mine = slice(rank * CFG.vocab_size // world_size, (rank + 1) * CFG.vocab_size // world_size)
     out["xent"] = []
-    for scale, gather, rows in ((1.0, False, None), (2.5, False, 7), (2.5, True, 7)):  # 80 rows: 7 at a time
+    # 80 rows: in one chunk (None: 32768 rows), 7 at a time, and at the chunk edge, where the last chunk ends exactly
+    # at row 80 (16 at a time, or one of 80: the last chunk's logits kept for the second pass, `lo + chunk >= N`)
+    for scale, gather, rows in ((1.0, False, None), (2.5, False, 7), (2.5, True, 7), (2.5, False, 16), (1.0, False, 80),
+                                (2.5, True, 16)):
         full = logits.clone().requires_grad_()
         ref_l = F.cross_entropy(full.flatten(0, 1), targets.flatten(), ignore_index=-1)
         (scale * ref_l).backward()
