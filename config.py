@@ -20,7 +20,7 @@ from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_d
 from model import GPT, PRESETS, GPTConfig, make_config
 from parallel.mesh import ParallelDims, WorldSizeError, env_world, pick_device
 from parallel.parallelize import ParallelConfig
-from pipeline_split import check_counts, layers_for
+from pipeline_partition import check_counts, layers_for
 from parallel.tensor_parallel import check_tp_divisibility
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -85,8 +85,8 @@ def train_parser() -> Parser:
     a("--pp_virtual_stages", type=int, default=None, metavar="V",
       help="interleaved_1f1b: model chunks per pipeline rank (V > 1); zbv, dualpipev: 2")
     a("--pp_layers_per_stage", default=None, metavar="A,B,...",
-      help="Blocks per pipeline chunk, P x V counts in chunk order (default: split by the cost model, "
-           "pipeline_split.py)")
+      help="Blocks per pipeline chunk, P x V counts in chunk order (default: partitioned by the cost model, "
+           "pipeline_partition.py)")
     a("--context_parallel_size", type=int, default=1, metavar="C",
       help="split every sequence over C ranks (ring attention); gradients reduced over dp x C")
     a("--expert_parallel_size", type=int, default=1, metavar="N",
@@ -370,9 +370,9 @@ def _check_context(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
 
 def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig,
                     micro: int) -> tuple[int, ...] | None:
-    """The schedule, its virtual stages and the micro-batch count M against the split of n_layer Blocks.
-    Returns the split, Blocks per chunk: --pp_layers_per_stage's, else the cost model's at --seq_len
-    (pipeline_split.py); None without a pipeline."""
+    """The schedule, its virtual stages and the micro-batch count M against the partition of n_layer Blocks.
+    Returns the partition, Blocks per chunk: --pp_layers_per_stage's, else the cost model's at --seq_len
+    (pipeline_partition.py); None without a pipeline."""
     interleaved, v_shape = args.pp_schedule == "interleaved_1f1b", args.pp_schedule in ("zbv", "dualpipev")
     if args.pp_virtual_stages is not None and not (interleaved or v_shape):
         raise UsageError(f"--pp_virtual_stages is for --pp_schedule interleaved_1f1b; {args.pp_schedule} runs "
@@ -414,14 +414,14 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
         reason = check_counts(counts, config.n_layer, dims.pp * virtual)
         if reason:
             raise UsageError(f"{flag} {reason}")
-    return _split(config, dims.pp, virtual, args.seq_len, counts, v_shape)
+    return _partition(config, dims.pp, virtual, args.seq_len, counts, v_shape)
 
 
 @functools.lru_cache(maxsize=1024)
-def _split(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple[int, ...] | None,
-           v_shape: bool) -> tuple[int, ...]:
+def _partition(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple[int, ...] | None,
+               v_shape: bool) -> tuple[int, ...]:
     """layers_for's Blocks per chunk, once per argument set (the planner checks thousands of layouts that share
-    a few splits, and the cost model builds a Block on meta each time)."""
+    a few partitions, and the cost model builds a Block on meta each time)."""
     return tuple(len(r) for r in layers_for(config, pp, virtual, seq_len, counts, v_shape=v_shape))
 
 

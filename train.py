@@ -29,7 +29,7 @@ from parallel import comm
 from parallel.mesh import OPTIONAL_DIMS, Mesh, exit_process, fused_optimizer, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 from parallel.pipeline_schedule import V_SCHEDULES
-from pipeline_split import describe_split, layers_for, stage_costs
+from pipeline_partition import describe_partition, layers_for, stage_costs
 from plan.predict import for_run, summary
 from plan.theory import bubble_fraction
 
@@ -241,12 +241,12 @@ def describe(t: Trainer) -> str:
             f"x seq_len {a.seq_len} | MFU against {t.peak_flops / 1e9:.1f} GFLOP/s per device")
 
 
-def describe_pipeline_split(plan: Plan) -> str:
-    """The pipeline's split in one line: each chunk's Blocks and its cost (pipeline_split.py)."""
+def describe_pipeline_partition(plan: Plan) -> str:
+    """The pipeline's partition in one line: each chunk's Blocks and its cost (pipeline_partition.py)."""
     layers = layers_for(plan.config, plan.dims.pp, plan.par.pp_virtual, counts=plan.par.pp_layers)
     by = "--pp_layers_per_stage" if plan.args.pp_layers_per_stage else "cost"
-    return describe_split(layers, stage_costs(plan.config, plan.args.seq_len), by,
-                          v_shape=plan.par.pp_schedule in V_SCHEDULES)
+    return describe_partition(layers, stage_costs(plan.config, plan.args.seq_len), by,
+                              v_shape=plan.par.pp_schedule in V_SCHEDULES)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     if is_main:
         print(describe(t), flush=True)
         if plan.dims.pp_enabled:
-            print(describe_pipeline_split(plan), flush=True)
+            print(describe_pipeline_partition(plan), flush=True)
         faults.warn_shared_rendezvous_store()
     t.faults = faults.Faults(args.out_dir, plan.rank, args.timeout, plan.device)
     try:

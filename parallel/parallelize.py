@@ -187,9 +187,9 @@ class Parallelized:
             m["ac_checkpointed_blocks"], m["ac_recomputed_blocks"] = AC_COUNTER.checkpointed, AC_COUNTER.recomputed
         if cfg.compile:
             m["compiled_graphs"] = compiled_graphs()
-        if self.pipeline is not None and self.pipeline.timeline:  # ours records one (torch's schedules don't)
-            m["pp_idle_fraction"] = self.pipeline.idle_fraction()
-            m["pp_peak_in_flight"] = self.pipeline.peak_in_flight
+        if self.pipeline is not None and self.pipeline.record.timeline:  # ours records one (torch's schedules don't)
+            m["pp_idle_fraction"] = self.pipeline.record.idle_fraction()
+            m["pp_peak_in_flight"] = self.pipeline.record.peak_in_flight
         if self.expert_stats is not None:  # the MoE layers' step over the whole batch (ExpertBalance.step)
             m.update(expert_record(self.experts.all, self.expert_stats["tokens"].tolist(),
                                    self.expert_stats["aux"].tolist(), self.experts.with_aux))

@@ -31,7 +31,7 @@ from parallel.pipeline_schedule import ALL_SCHEDULES, SPLIT_SCHEDULES, V_SCHEDUL
 from parallel.tensor_parallel import tp_local_shape
 from plan import theory
 from plan.simulate import simulate
-from pipeline_split import layers_for
+from pipeline_partition import layers_for
 from plan.theory import (cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step, ddp_comm_bytes_per_step,
                          ddp_comm_calls_per_step, ep_all_to_all_bytes_per_micro_step,
                          ep_all_to_all_calls_per_micro_step, p2p_bytes_per_step, p2p_calls_per_step, pipelined_root_gathers,
@@ -51,7 +51,7 @@ class Setup:
     config: GPTConfig
     dtype: torch.dtype
     grad_accum: int  # M: micro-steps per step (a pipeline's micro-batches)
-    pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (pipeline_split.py)
+    pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (pipeline_partition.py)
 
     @functools.cached_property
     def par(self):
@@ -208,7 +208,7 @@ def stage_chunks(s: Setup, pp_rank: int = 0) -> list[tuple[int, list[int]]]:
 @functools.lru_cache(maxsize=1024)
 def _layers(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple[int, ...] | None,
             v_shape: bool) -> tuple[range, ...]:
-    """pipeline_split.layers_for, once per (model, pp, V, seq_len, split): it depends on no other flag."""
+    """pipeline_partition.layers_for, once per (model, pp, V, seq_len, counts): it depends on no other flag."""
     return tuple(layers_for(config, pp, virtual, seq_len, counts, v_shape=v_shape))
 
 

@@ -38,7 +38,7 @@ from parallel.pipeline import PipelineRunner, PipelineStage
 from plan.theory import p2p_bytes_per_step
 from parallel.mesh import link_groups, new_groups, p2p_link
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action,
-                                        boundary, chunk_of, rank_of, send_waits, split_layers)
+                                        boundary, chunk_of, rank_of, send_waits, even_partition)
 from plan.simulate import P2P_MODELS, simulate
 from tests.harness import run_distributed
 
@@ -133,11 +133,11 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
     coef = max_norm / (norm + 1e-6)  # what clip_grad_norm_ scales by, from its own (fp32-rounded) norm
     clipped = {n: ((p.grad.double() - coef * pre[n].double()).abs() - gamma(4, U32) * coef * pre[n].double().abs())
                .max().item() for n, p in stage.named_parameters()}
-    return {"loss": loss.item(), "grads": grads, "p2p": p2p, "peak": runner.peak_in_flight,
+    return {"loss": loss.item(), "grads": grads, "p2p": p2p, "peak": runner.record.peak_in_flight,
             "norm": (norm, ref_norm, norm_bound), "clipped": clipped, "coef": coef,
             "p2p_theory": p2p_bytes_per_step(world, virtual, rank, m, (MB, T, cfg.n_embd)),
-            "timeline": len(runner.timeline), "executed": [a for a, _, _ in runner.timeline],
-            "events": list(runner.events), "ops": [(o["op"], o["state"]) for o in ops], "waited": waited}
+            "timeline": len(runner.record.timeline), "executed": [a for a, _, _ in runner.record.timeline],
+            "events": list(runner.record.events), "ops": [(o["op"], o["state"]) for o in ops], "waited": waited}
 
 
 @contextlib.contextmanager
@@ -151,11 +151,11 @@ def receives_waited(runner: PipelineRunner):
             self.work, self.a = work, a
 
         def wait(self, *args):
-            waited.append((len(runner.events), self.a))
+            waited.append((len(runner.record.events), self.a))
             return self.work.wait(*args)
 
     def recv(*args, **kwargs):
-        return Work(real(*args, **kwargs), runner.events[-1][1])
+        return Work(real(*args, **kwargs), runner.record.events[-1][1])
 
     with mock.patch.object(comm, "recv", recv):
         yield waited
@@ -204,7 +204,7 @@ CASES_4 = [("1f1b", 4, 1, m) for m in (4, 8)] + [("gpipe", 4, 1, 8)]
 
 
 def expected_names(cfg, rank: int, pp: int, virtual: int) -> set[str]:
-    layers = split_layers(cfg.n_layer, pp, virtual)
+    layers = even_partition(cfg.n_layer, pp, virtual)
     chunks = [chunk_of(rank, v, pp) for v in range(virtual)]
     names = {n for n, _ in GPT(cfg).named_parameters() if n.startswith("transformer.h.")
              and any(int(n.split(".")[2]) in layers[c] for c in chunks)}
@@ -282,7 +282,7 @@ class PipelineMatchesOneProcess(unittest.TestCase):
 
     def test_executed_actions_are_the_schedules_and_nccl_safe(self):
         """Every rank ran its schedule's list, in its order (the NCCL-safe "ready" pairing), and those executed
-        lists run under every p2p model of the simulator: a runner on another pairing ("split" deadlocks
+        lists run under every p2p model of the simulator: a runner on another pairing ("ready_meet" deadlocks
         interleaved 1F1B at P = 2, V = 2, M = 4 under NCCL's pair FIFOs) or order fails here."""
         for world, (name, n_layer, v, m), per_rank in self.each():
             with self.subTest(pp=world, case=(name, n_layer, v, m)):
@@ -389,9 +389,9 @@ def held_cases(rank: int, world: int) -> list[dict]:
             stage = PipelineStage(model, rank, world)
             stage.materialize(SEED)
             runner = PipelineRunner(stage)
-            runner.measure_held = True
+            runner.record.measure_held = True
             runner.step(micro_batches(cfg, m), name)
-            out[name, m] = {"held": runner.peak_held_bytes, "in_flight": runner.peak_in_flight}
+            out[name, m] = {"held": runner.record.peak_held_bytes, "in_flight": runner.record.peak_in_flight}
     every = [None] * world
     torch.distributed.all_gather_object(every, out)
     return every

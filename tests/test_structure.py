@@ -138,7 +138,7 @@ def test_no_module_imports_itself_back():
 
 def test_config_sits_below_the_planner():
     """plan/ validates layouts through config (plan.search, plan.verify): config imports nothing of plan/ (the
-    Block split it checks is pipeline_split.py, below it)."""
+    Block partition it checks is pipeline_partition.py, below it)."""
     up = {m for m in module_graph()["config"] if m == "plan" or m.startswith("plan.")}
     assert not up, f"config imports {sorted(up)}"
 
