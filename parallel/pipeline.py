@@ -249,7 +249,7 @@ class PipelineRunner:
         st = self.stage
         s = _Step(micro_batches, self, None, None, train=False)
         self._run(evaluation(st.pp, s.M, st.virtual, st.v_shape)[st.rank], s, StepRecord(self.device))
-        return s.losses
+        return [loss if loss is not None else torch.zeros((), device=self.device) for loss in s.losses]
 
     def _run(self, actions: list[Action], s: "_Step", record: StepRecord) -> None:
         """Each action by its handler, in the list's order. Before it (off its clock: waiting is idle): the sends
@@ -421,8 +421,8 @@ class _Step:
         st, (mb, T) = runner.stage, batches[0][0].shape
         self.batches, self.M, self.scale, self.store, self.train = batches, len(batches), scale, store, train
         self.shape = (mb, T // runner.seq_shard, st.config.n_embd)  # every activation between chunks
-        self.loss = torch.zeros((), device=runner.device)  # training: this rank's share of the mean loss
-        self.losses = [torch.zeros((), device=runner.device) for _ in batches]  # evaluation: each micro-batch's
+        self.loss = torch.zeros((), device=runner.device) if train else None  # training: this rank's share
+        self.losses: list[torch.Tensor | None] = [None] * self.M  # evaluation: each micro-batch's, on the last chunk
         self.stored: dict[tuple[int, int], tuple] = {}  # (c, m) -> F(c, m)'s (input, output), until B(c, m)
         self.act_in: dict[tuple[int, int], torch.Tensor] = {}    # (c, m) -> input of F(c, m), received or local
         self.grad_out: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> grad of chunk c's output
