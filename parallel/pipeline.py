@@ -251,7 +251,7 @@ class PipelineRunner:
         self._run(evaluation(st.pp, s.M, st.virtual, st.v_shape)[st.rank], s, StepRecord(self.device))
         return [loss if loss is not None else torch.zeros((), device=self.device) for loss in s.losses]
 
-    def _run(self, actions: list[Action], s: "_Step", record: StepRecord) -> None:
+    def _run(self, actions: list[Action], s: _Step, record: StepRecord) -> None:
         """Each action by its handler, in the list's order. Before it (off its clock: waiting is idle): the sends
         `send_waits` names there, and for an F or B the receive of its input; after the last, the sends no B
         waited on."""
@@ -273,7 +273,7 @@ class PipelineRunner:
             record.waited(sent)
         assert not s.held_over(), "schedule left work undone"
 
-    def _forward(self, s: "_Step", a: Action) -> None:
+    def _forward(self, s: _Step, a: Action) -> None:
         """F(c, m): chunk c on micro-batch m's tokens (c = 0) or its received input; the output to the next chunk
         (kept, if local; else for its SEND_F), or on the last chunk the loss: / M into the step's (training), or
         the micro-batch's own (evaluation). Training stores (input, output) with the graph for B(c, m)."""
@@ -300,7 +300,7 @@ class PipelineRunner:
             self._hand_on(s, Action(SEND_F, *key), a.chunk + 1, out.detach())
         s.stored[key] = (inp if a.chunk > 0 else None, out)
 
-    def _backward(self, s: "_Step", a: Action) -> None:
+    def _backward(self, s: _Step, a: Action) -> None:
         """B(c, m): F(c, m)'s graph backward from the loss (last chunk) or from its output's gradient, with the
         chunk's side losses seeded as the loss is; the input's gradient to the previous chunk (kept, if local;
         else for its SEND_B). Split: the input gradient only (and a checkpointed Block's recompute), W the rest."""
@@ -317,11 +317,11 @@ class PipelineRunner:
         if a.chunk > 0:
             self._hand_on(s, Action(SEND_B, *key), a.chunk - 1, inp.grad)
 
-    def _weights(self, s: "_Step", a: Action) -> None:
+    def _weights(self, s: _Step, a: Action) -> None:
         """W(c, m): the weight gradients B(c, m) left, in the order of the B's: 1F1B's sums."""
         s.store.flush(a[1:])
 
-    def _hand_on(self, s: "_Step", send: Action, to: int, t: torch.Tensor) -> None:
+    def _hand_on(self, s: _Step, send: Action, to: int, t: torch.Tensor) -> None:
         """What F or B made for chunk `to`: its input (F) or output gradient (B) there if `to` is this rank's
         (P == 1; the V), else kept for `send`."""
         st = self.stage
@@ -330,12 +330,12 @@ class PipelineRunner:
         else:
             s.to_send[send] = self._check(t.contiguous())
 
-    def _send(self, s: "_Step", a: Action) -> None:
+    def _send(self, s: _Step, a: Action) -> None:
         """SEND_F / SEND_B: post the send of what F or B left; held in `sends` until it is waited on."""
         t = s.to_send.pop(a)
         s.sends[a] = (comm.send(t, peer_of(a, self.stage.pp, self.stage.v_shape), self.p2p_group(boundary(a))), t)
 
-    def _recv(self, s: "_Step", a: Action) -> None:
+    def _recv(self, s: _Step, a: Action) -> None:
         """RECV_F / RECV_B: post the receive into a new buffer; its F or B waits on it."""
         buf = torch.empty(s.shape, dtype=self.act_dtype, device=self.device)
         s.recvs[a] = (comm.recv(buf, peer_of(a, self.stage.pp, self.stage.v_shape), self.p2p_group(boundary(a))), buf)

@@ -257,7 +257,7 @@ class WeightGradStore:
             done(grad)
 
     def held_tensors(self) -> dict[Hashable, tuple]:
-        """Every tensor the store keeps, by key (for parallel.pipeline.held_bytes)."""
+        """Every tensor the store keeps, by key (for parallel.pipeline_record.held_bytes)."""
         out = {(k, i): (x, dy) for k, items in self.pending.items() for i, (_, _, x, dy, _) in enumerate(items)}
         out.update({(k, "held", i): g for k, items in self.held.items() for i, (_, g, _) in enumerate(items)})
         return out
