@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import checkpoint
+import config_file
 from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_dir
 from model import GPT, PRESETS, GPTConfig, make_config
 from parallel.mesh import ParallelDims, WorldSizeError, env_world, pick_device
@@ -67,6 +68,8 @@ def fetch_hf_weights(name: str) -> dict:
 def train_parser() -> Parser:
     p = Parser(prog="train.py", description="Train GPT-2 on one process or many (torchrun).")
     a = p.add_argument
+    a("--config", metavar="FILE.toml", help="read the flags from a TOML file (key = value; each run writes its "
+      "own to <out_dir>/config.toml); flags given here override it")
     # layout
     a("--tensor_parallel_size", type=int, default=1, help="degree of tensor parallelism")
     a("--enable_loss_parallelism", action="store_true", help="vocab-parallel cross-entropy under TP")
@@ -163,7 +166,7 @@ def train_parser() -> Parser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = train_parser().parse_args(argv)
+    args = config_file.parse_args(train_parser(), argv)  # --config FILE.toml, then the command line
     if args.out_dir is None:
         args.out_dir = os.path.join("runs", f"{args.model}-{os.path.basename(os.path.normpath(args.dataset))}")
     return args

@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 import allocator
 import checkpoint
+import config_file
 import faults
 import metrics
-from config import Plan, UsageError, error_line, parse_args, validate
+from config import Plan, UsageError, error_line, parse_args, train_parser, validate
 from data.batches import BatchSource, micro_batch_chunk
 from debug.trace import Tracer
 from model import GPT
@@ -336,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(os.path.join(args.out_dir, checkpoint.SUBDIR), ignore_errors=True)
     logger = metrics.Logger(args.out_dir, is_main, append=args.resume)  # a resumed run appends
     if is_main:
+        config_file.write(args, train_parser())  # <out_dir>/config.toml: --config replays the run
         print(describe(t), flush=True)
         if plan.dims.pp_enabled:
             print(describe_pipeline_split(plan), flush=True)
