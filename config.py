@@ -136,6 +136,8 @@ def train_parser() -> Parser:
     a("--seed", type=int, default=1337)
     a("--eval_interval", type=int, default=25)
     a("--eval_iters", type=int, default=20)
+    a("--hellaswag", metavar="FILE.jsonl", help="also score HellaSwag at every eval, spread over the ranks "
+      "(python -m evals.fetch_hellaswag)")
     # system
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", *DTYPES], default="auto")
