@@ -87,7 +87,7 @@ class TestShippedConfigs(unittest.TestCase):
                 args = config.parse_args(["--config", path])
                 world = (args.data_parallel_size * args.tensor_parallel_size * args.pipeline_parallel_size
                          * args.context_parallel_size)
-                dims, model, _, _, grad_accum, _ = config.check_layout(args, world, torch.device("cpu"))
+                dims, *_ = config.check_layout(args, world, torch.device("cpu"))
                 self.assertEqual(dims.world_size, world)
 
     def test_the_124m_recipe_is_build_nanogpts(self):

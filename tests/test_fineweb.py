@@ -23,6 +23,7 @@ import tempfile
 import unittest
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -204,7 +205,8 @@ class TestKilledAndResumed(Corpus):
         self.assertEqual([p.name for p in out.iterdir() if p.name.endswith(".tmp")], [])
         self.assertEqual({p.name: p.read_bytes() for p in shard_files(out)},
                          {p.name: p.read_bytes() for p in shard_files(self.ref)})
-        self.assertEqual(json.loads((out / prepare.STATE).read_text()), json.loads((self.ref / prepare.STATE).read_text()))
+        self.assertEqual(json.loads((out / prepare.STATE).read_text()),
+                         json.loads((self.ref / prepare.STATE).read_text()))
 
     def test_killed_mid_shard(self):
         """Killed halfway through writing train_000002.bin: it is not there under its name (its half is in the
@@ -260,6 +262,18 @@ class TestBadInput(unittest.TestCase):
     def test_too_short_for_a_train_shard(self):
         path = write_jsonl(self.dir / "small.jsonl", documents(5))
         self.refused([path], "nothing is left for a train shard", "--val_tokens", "100000", before_work=False)
+
+    def test_hub_unreachable(self):
+        """The default source with no hub: one line naming the sample and --input, quickly (a 10 s probe)."""
+        import datasets
+        with mock.patch.object(datasets.config, "HF_HUB_OFFLINE", False), \
+                mock.patch.object(prepare, "url_reachable", lambda url, timeout: False):
+            code, _, err = call(["--out_dir", str(self.out), "--sample", "sample-100BT"])
+        self.assertEqual(code, 2)
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn("cannot download HuggingFaceFW/fineweb-edu (sample-100BT)", err)
+        self.assertIn("--input", err)
+        self.assertFalse(self.out.exists())
 
     def test_cli(self):
         proc = subprocess.run([sys.executable, "data/fineweb/prepare.py", "--input", str(self.dir / "nope.parquet"),

@@ -200,19 +200,21 @@ class TestFetch(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
         self.addCleanup(self.tmp.cleanup)
-        self.body = open(write_examples(os.path.join(self.tmp.name, "src.jsonl"), 5), "rb").read()
+        with open(write_examples(os.path.join(self.tmp.name, "src.jsonl"), 5), "rb") as f:
+            self.body = f.read()
 
     def test_a_download_is_checked_before_it_is_kept(self):
         out = os.path.join(self.tmp.name, "got", "hellaswag_train.jsonl")
         urls = []
         self.assertEqual(fetch_hellaswag.fetch("train", out, lambda url, timeout: urls.append(url) or self.body), 5)
         self.assertEqual(urls, ["https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_train.jsonl"])
-        self.assertEqual(open(out, "rb").read(), self.body)
+        with open(out, "rb") as f:
+            self.assertEqual(f.read(), self.body)
         bad = {"val": (self.body, "gave 5 examples, not the 10042"), "train": (self.body + b"{oops\n", "not JSON")}
         for split, (body, needle) in bad.items():
             target = os.path.join(self.tmp.name, f"bad_{split}.jsonl")
             with self.assertRaisesRegex(hellaswag.HellaSwagError, needle):
-                fetch_hellaswag.fetch(split, target, lambda url, timeout: body)
+                fetch_hellaswag.fetch(split, target, lambda url, timeout, body=body: body)
             self.assertEqual(sorted(os.listdir(self.tmp.name)), ["got", "src.jsonl"])  # nothing kept, no temp file
 
     def test_cli_failure_is_one_line(self):
