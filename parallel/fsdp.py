@@ -45,7 +45,7 @@ from parallel.blocks import blocks_by_index
 from parallel.ddp import GradSyncSwitch, replica_group
 from parallel.flat_param import ZERO_LADDER, FlatLayout, GradReduction, ShardPiece, _FlatUnit, flatten_unit
 from parallel.grads import clip_grad_norm_, norm_items
-from parallel.mesh import pick_device
+from parallel.device import pick_device
 from parallel.state import MOMENTS, shards_of  # MOMENTS: AdamW's per-element state
 
 

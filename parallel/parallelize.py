@@ -45,7 +45,8 @@ from parallel.context_parallel import apply_context_parallel, zigzag_share
 from parallel.flat_param import ZERO_STAGES
 from parallel.fsdp import FullyShardedDataParallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_
-from parallel.mesh import Mesh, to_device
+from parallel.device import to_device
+from parallel.mesh import Mesh
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group, sharded_units
 from parallel.pipeline_schedule import V_SCHEDULES
 from parallel.protocol import Accumulating, Cut, DataParallel, Placement, Replicated, Sharded
@@ -140,7 +141,7 @@ class Parallelized:
 
     def _on_device(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's tokens of every micro-batch (cut on the host), all copied to the device at the step's start
-        without a host sync (parallel.mesh.to_device): the next micro-batch's copy runs while this one computes."""
+        without a host sync (parallel.device.to_device): the next micro-batch's copy runs while this one computes."""
         return [tuple(to_device(t, self.device) for t in self.shard_tokens(x, y)) for x, y in batches]
 
     def mean_loss(self, value: torch.Tensor) -> torch.Tensor:

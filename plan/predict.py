@@ -24,7 +24,8 @@ from model import GPT, GPTConfig
 from parallel.flat_param import shard_numel
 from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
 from parallel.fsdp import unit_key
-from parallel.mesh import ParallelDims, backend_for
+from parallel.device import backend_for
+from parallel.mesh import ParallelDims
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import PipelineStage, sharded_units
 from parallel.pipeline_schedule import ALL_SCHEDULES, SPLIT_SCHEDULES, V_SCHEDULES, chunk_of
