@@ -335,11 +335,13 @@ class PipelineMatchesOneProcess(unittest.TestCase):
 
 
 class RecordedCompletion(unittest.TestCase):
-    """comm.Recorded marks its flight-recorder record completed on wait() and on an is_completed() that says True
+    """flight_recorder.Recorded marks its record completed on wait() and on an is_completed() that says True
     (and only then): the hang doctor reads posted-not-completed records as the op a rank is stuck in."""
 
     def test_wait_and_a_true_is_completed_mark_the_record(self):
         from unittest import mock
+
+        from parallel.flight_recorder import Recorded
 
         class Work:
             def __init__(self, finished: bool):
@@ -352,11 +354,11 @@ class RecordedCompletion(unittest.TestCase):
                 return self.finished
 
         with mock.patch.object(comm.RECORDER, "done") as done:
-            self.assertFalse(comm.Recorded(Work(False), 7).is_completed())
+            self.assertFalse(Recorded(Work(False), 7).is_completed())
             done.assert_not_called()
-            self.assertTrue(comm.Recorded(Work(True), 7).is_completed())
+            self.assertTrue(Recorded(Work(True), 7).is_completed())
             done.assert_called_once_with(7)
-            comm.Recorded(Work(False), 8).wait()
+            Recorded(Work(False), 8).wait()
             done.assert_called_with(8)
 
 
