@@ -19,7 +19,9 @@ import checkpoint
 import config_file
 from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_dir
 from model import GPT, PRESETS, GPTConfig, make_config
-from parallel.mesh import ParallelDims, WorldSizeError, env_world, pick_device
+from launch import env_world
+from parallel.device import pick_device
+from parallel.mesh import ParallelDims, WorldSizeError
 from parallel.parallelize import ParallelConfig
 from pipeline_split import check_counts, layers_for
 from parallel.tensor_parallel import check_tp_divisibility

@@ -26,9 +26,11 @@ from config import Plan, UsageError, error_line, parse_args, train_parser, valid
 from data.batches import BatchSource, micro_batch_chunk
 from debug.trace import Tracer
 from evals import hellaswag
+from launch import exit_process
 from model import GPT
 from parallel import comm
-from parallel.mesh import OPTIONAL_DIMS, Mesh, exit_process, fused_optimizer, init_distributed
+from parallel.device import fused_optimizer
+from parallel.mesh import OPTIONAL_DIMS, Mesh, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 from parallel.pipeline_schedule import V_SCHEDULES
 from pipeline_split import describe_split, layers_for, stage_costs
@@ -384,4 +386,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())  # everything is flushed and closed: skip finalization (parallel.mesh.exit_process)
+    exit_process(main())  # everything is flushed and closed: skip finalization (launch.exit_process)

@@ -20,7 +20,7 @@ What the CPU recorder sees, and what it cannot. On a CPU run the run's device is
 device" is every tensor: each scalar read and each tensor made from Python data or numpy is recorded, also those
 that on a GPU run are host tensors and cost nothing (the data loader's: hence ALLOWED). It cannot see a
 host-to-device move of an existing host tensor (`x.to(device)`: on the CPU that dispatches nothing), nor which
-host buffer is pinned: those moves go through `parallel.mesh.to_device` (pinned, non-blocking on CUDA), and the
+host buffer is pinned: those moves go through `parallel.device.to_device` (pinned, non-blocking on CUDA), and the
 CUDA run of scripts/gpu_check.sh, where the same recorder also sees real host <-> device copies, audits them
 under the sync debugger. Ops run by a thread with no frame of ours (NCCL's, gloo's) are not attributed.
 

@@ -38,8 +38,9 @@ from loss import head_output, loss_share
 from model import GPT, materialize_module
 from moe import SideLosses
 from parallel import comm
+from parallel.device import make_timer
 from parallel.grads import clip_grad_norm_, norm_items
-from parallel.mesh import group_timeout, make_timer, new_groups, p2p_link
+from parallel.groups import group_timeout, new_groups, p2p_link
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F,
                                         SPLIT_SCHEDULES, V_SCHEDULES, W, Action, boundary, chunk_of, rank_of,
                                         send_waits, split_layers)

@@ -177,7 +177,8 @@ def one_rank_mesh(device: torch.device):
     """A world-size-1 process group (NCCL on CUDA, gloo on CPU) and the run's Mesh over it (every dim size 1)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallel.mesh import DIMS, Mesh, backend_for
+    from parallel.device import backend_for
+    from parallel.mesh import DIMS, Mesh
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -201,7 +202,7 @@ def row_on_error(ctx: Context, check: str):
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    from parallel.mesh import child_env as base
+    from launch import child_env as base
     return base(PYTHONUNBUFFERED="1", **extra)
 
 

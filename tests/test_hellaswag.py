@@ -54,7 +54,7 @@ def train_one_step(data: str, out: str, *flags: str) -> None:
     import checkpoint
     import config
     import train
-    from parallel.mesh import child_env
+    from launch import child_env
     with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stdout(io.StringIO()):
         os.environ.update(child_env())
         args = config.parse_args(["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64",
