@@ -53,19 +53,22 @@ class Path:
     the stages in which its collectives are really issued (over one rank, identities); `ranks`: the group size its data-
     parallel wrapper is built for (> 1: DDP takes its multi-rank branch, the fresh-bucket multiply by 1/N into the
     bucket view and the bucket all-reduces; over one rank each gradient is then 1/N of the one-rank run's, so
-    these paths' losses are not compared, only their syncs and speed)."""
+    these paths' losses are not compared, only their syncs and speed). `one_micro_step`: the step's batch cut to one
+    micro-batch (a step's first micro-batch finds DDP's buckets fresh, and only with one does it also sync them)."""
     on: frozenset = frozenset()
     par: dict = field(default_factory=dict)
     flags: tuple[str, ...] = ()
     dtype: str | None = None
     forced: tuple[str, ...] = ()
     ranks: int = 1
+    one_micro_step: bool = False  # the step's batch one micro-batch: DDP's fresh buckets then sync in that backward
 
 
 PATHS: dict[str, Path] = {
     "plain": Path(),
     "ddp": Path(DATA_DIMS, {"dp_type": "ddp"}),
-    "ddp multi-rank branch": Path(DATA_DIMS, {"dp_type": "ddp"}, forced=BOTH, ranks=FORCED_RANKS),
+    "ddp multi-rank branch": Path(DATA_DIMS, {"dp_type": "ddp"}, forced=BOTH, ranks=FORCED_RANKS,
+                                  one_micro_step=True),
     "zero1": Path(DATA_DIMS, {"dp_type": "zero1"}),
     "zero2 bf16 copies": Path(DATA_DIMS, {"dp_type": "zero2", "param_dtype": torch.bfloat16}, dtype="bfloat16"),
     "fsdp": Path(DATA_DIMS, {"dp_type": "fsdp"}),
@@ -110,8 +113,12 @@ def build_path(ctx: Context, name: str, flags: list[str], dtype: str, steps: int
     release_memory(device_of(ctx))
     if path.par.get("compile"):
         torch._dynamo.reset()  # forget the frames compiled at other shapes: else a dynamic-shape recompile
-    plan = make_plan(ctx, name.replace(" ", "-").replace("+", "-").replace("=", ""), [*flags, *path.flags],
-                     ctx.setup.device, path.dtype or dtype, steps)
+    flags = [*flags, *path.flags]
+    if path.one_micro_step:
+        flag = {f: int(v) for f, v in zip(flags, flags[1:]) if f in ("--micro_batch_size", "--seq_len")}
+        flags += ["--total_batch_size", str(flag["--micro_batch_size"] * flag["--seq_len"])]
+    plan = make_plan(ctx, name.replace(" ", "-").replace("+", "-").replace("=", ""), flags, ctx.setup.device,
+                     path.dtype or dtype, steps)
     with ranks_seen(path.ranks):
         return build_on(plan, one_rank_mesh(device_of(ctx)), path.on, **path.par)
 

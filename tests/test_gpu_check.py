@@ -25,6 +25,7 @@ import pytest
 from tests.harness import ROOT, make_token_bins, rank0_only, spawn
 
 SCRIPTS = os.path.join(ROOT, "scripts")
+sys.path.insert(0, SCRIPTS)  # the check's modules (gpu_check, gpu_measure, ...), here and in spawned ranks
 ROWS = ["process group preflight", "throughput tiny float32", "ddp vs cpu fp32", "ddp collectives issued",
         "fsdp vs cpu fp32", "fsdp collectives issued", "tp vs cpu fp32", "tp collectives issued", "cp ring vs sdpa",
         "cp torch twin", "fp16 + GradScaler", "fused AdamW", "checkpoint + --resume", "gpu tests",
@@ -143,7 +144,6 @@ class TestSigterm(unittest.TestCase):
 @unittest.skipUnless(rank0_only(), "whole-job test: run once, not on every torchrun rank")
 class TestPreflight(unittest.TestCase):
     def test_a_failing_preflight_is_one_row_and_skips_the_group_stages(self):
-        sys.path.insert(0, SCRIPTS)
         import torch.distributed as dist
 
         import gpu_check
@@ -170,7 +170,6 @@ def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
     import weakref
 
     import torch
-    sys.path.insert(0, SCRIPTS)
     import gpu_harness
     import gpu_measure
     import train
@@ -182,7 +181,7 @@ def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
     name = "ddp multi-rank branch"
     with gpu_measure.path_collectives(name, "real size"):
         t = gpu_measure.build_path(ctx, name, ctx.setup.small, "float32", 2)
-        buffers = {b.buffer.untyped_storage().data_ptr() for b in t.model.model.buckets}
+        buffers = {b.buffer.untyped_storage().data_ptr() for b in t.par.model.buckets}
         into_views, real_mul = [], torch.mul
 
         def mul(*args, **kwargs):
@@ -192,7 +191,7 @@ def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
             return real_mul(*args, **kwargs)
         with mock.patch.object(torch, "mul", mul):
             train.train_step(t, 1)
-        out["ddp_world_size"], out["mul_into_views"] = t.model.model.world_size, into_views
+        out["ddp_world_size"], out["mul_into_views"] = t.par.model.world_size, into_views
         del t
     # every build starts with the earlier trainers collected
     trainers, alive = [], []
