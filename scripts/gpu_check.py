@@ -1,7 +1,13 @@
-"""One-shot GPU check: every CUDA path of the trainer once on one GPU, one table and one report at the end.
+"""One-shot GPU check: every CUDA path of the trainer once on one GPU; each row printed and appended to the report
+as it finishes, one table at the end.
 
     bash scripts/gpu_check.sh              # on a machine with a CUDA device (docs/gpu.md); report in results/gpu/
     bash scripts/gpu_check.sh --dry-run    # anywhere: CPU, tiny model, few steps; checks the plumbing
+
+Its first line is torch's version (and CUDA's, Python's, the device), and the table and report carry it: the GPU
+machine runs torch 2.11.0+cu130 on Python 3.12 (scripts/gpu_dry_run_torch211.sh runs the dry run on that torch).
+SIGTERM or SIGINT stops it at once: the running stage unwinds (a child process is killed), the finished rows and
+a `stopped` row make the table and the report, and it exits 128 + the signal number.
 
 What one GPU cannot check (world-size-1 NCCL groups only), and where it is checked instead: the order of
 NCCL p2p between two ranks (the schedule simulator's "nccl" pair-FIFO model, tests/test_pipeline_schedule.py),
@@ -9,6 +15,10 @@ collectives that move data between GPUs (every wrapper against one process on gl
 exchange of CP (torchrun --nproc_per_node=2 on two GPUs, docs/gpu.md), NVLink/InfiniBand bandwidth.
 
 Stages (a row each; a stage that raises is a FAIL row, and the others still run):
+- process group preflight (first, when a chosen stage builds a process group in this process): a child process
+  inits a one-rank NCCL group (gloo on the CPU) and runs one all_reduce within 5 s (scripts/gpu_preflight.py);
+  if it fails, that is the one row, and the stages that build a group (wrappers, context parallel, sync audit,
+  overlap, real size) are skipped rather than failing or hanging one by one.
 - throughput: `train.py --model gpt2` in bf16 autocast, one process, 20 steps: tokens/s and MFU.
 - ddp / fsdp / tp: our wrappers on a one-rank group of this device (NCCL on CUDA), built by train.build
   through parallelize's APPLY table and stepped by train.train_step, against the same config on the CPU in
@@ -277,7 +287,7 @@ def counts(rows: list[Row]) -> str:
 
 
 def machine(dry_run: bool) -> dict:
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not dry_run else "cpu (dry run)"
+    device = "cpu (dry run)" if dry_run else torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
             "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 

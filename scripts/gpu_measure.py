@@ -84,7 +84,7 @@ PATHS: dict[str, Path] = {
 }
 REAL_SIZE = ("plain", "ddp multi-rank branch", "fsdp", "zero1", "zero2 bf16 copies", "tp+sp", "ac", "compile",
              "pp zb_h1", "moe", "ep dispatch")
-DRY_REAL_SIZE = ("plain", "fsdp", "ddp multi-rank branch", "moe")  # the stage's plumbing (each path: sync audit)
+DRY_REAL_SIZE = ("plain", "fsdp", "ddp multi-rank branch", "pp zb_h1", "moe", "ep dispatch")  # the stage's plumbing
 BASELINE = {"ep dispatch": "moe"}  # the goal's "x plain": a path's model without its wrapper
 GPT2_FLAGS = ["--model", "gpt2", "--micro_batch_size", "16", "--seq_len", "1024", "--total_batch_size", "16384"]
 GOAL_MFU, GOAL_WRAPPER, GOAL_RESERVED = 0.45, 0.95, 1.15

@@ -33,9 +33,9 @@ ROWS = ["process group preflight", "throughput tiny float32", "ddp vs cpu fp32",
                                       "tp+sp", "cp ring", "pp V=2", "pp zb_h1", "pp zb_h1 moe", "ac", "compile", "moe",
                                       "ep dispatch")),
         "overlap ddp", "overlap fsdp",
-        *(f"real size {p}" for p in ("plain", "fsdp", "ddp multi-rank branch", "moe")),
+        *(f"real size {p}" for p in ("plain", "fsdp", "ddp multi-rank branch", "pp zb_h1", "moe", "ep dispatch")),
         "goal MFU >= 45% (compile)", "goal fsdp >= 0.95 x plain", "goal ddp multi-rank branch >= 0.95 x plain",
-        "goal reserved <= 1.15 x allocated"]
+        "goal pp zb_h1 >= 0.95 x plain", "goal ep dispatch >= 0.95 x moe", "goal reserved <= 1.15 x allocated"]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -74,7 +74,7 @@ class TestGpuCheckDryRun(unittest.TestCase):
         self.assertEqual(rows["goal MFU >= 45% (compile)"], "skip")
         self.assertIn(rows["goal fsdp >= 0.95 x plain"], ("met", "missed"))  # reported, never failing
         self.assertEqual(rows["goal reserved <= 1.15 x allocated"], "met")  # the CPU reserves what it allocates
-        self.assertIn("39 checks: 35 ok, 0 FAIL, 4 skipped; goals ", proc.stdout)
+        self.assertIn("43 checks: 34 ok, 0 FAIL, 4 skipped; goals ", proc.stdout)
 
 
 @unittest.skipUnless(rank0_only(), "whole-job test: run once, not on every torchrun rank")
@@ -217,7 +217,7 @@ def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
     return out
 
 
-@pytest.mark.slow  # a spawned rank building 7 tiny trainers
+@pytest.mark.slow  # a spawned rank building 9 tiny trainers
 @unittest.skipUnless(rank0_only(), "whole-job test: run once, not on every torchrun rank")
 class TestBuilds(unittest.TestCase):
     @classmethod
@@ -236,8 +236,8 @@ class TestBuilds(unittest.TestCase):
         self.assertTrue(all(self.out["mul_into_views"]))
 
     def test_each_build_starts_with_the_earlier_trainers_collected(self):
-        self.assertEqual([s for _, s in self.out["real_size_rows"]], ["ok"] * 4, self.out["real_size_rows"])
-        self.assertEqual(self.out["alive_at_build"], [0, 0, 0, 0])
+        self.assertEqual([s for _, s in self.out["real_size_rows"]], ["ok"] * 6, self.out["real_size_rows"])
+        self.assertEqual(self.out["alive_at_build"], [0] * 6)
 
     def test_a_compiled_build_compiles_afresh(self):
         """Without dynamo's reset, Block.forward would hold the first shapes' entry and a dynamic-shape one."""
