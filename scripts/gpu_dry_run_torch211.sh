@@ -14,7 +14,8 @@ case "$VENV" in
   "$PWD"|"$PWD"/*) echo "gpu_dry_run_torch211: error: TORCH211_VENV=$VENV is inside the repository; put it outside" >&2
                    exit 2 ;;
 esac
-if [ ! -x "$VENV/bin/python3" ] || ! "$VENV/bin/python3" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.11.0")' 2>/dev/null; then
+has_torch211() { "$VENV/bin/python3" -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "2.11.0")'; }
+if [ ! -x "$VENV/bin/python3" ] || ! has_torch211 2>/dev/null; then
   BASE="${BASE_PYTHON:-$(command -v python3.12 || command -v python3)}"
   echo "gpu_dry_run_torch211: creating $VENV with $("$BASE" --version) (the GPU machine's is Python 3.12)"
   "$BASE" -m venv "$VENV"
