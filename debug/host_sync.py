@@ -20,7 +20,7 @@ What the CPU recorder sees, and what it cannot. On a CPU run the run's device is
 device" is every tensor: each scalar read and each tensor made from Python data or numpy is recorded, also those
 that on a GPU run are host tensors and cost nothing (the data loader's: hence ALLOWED). It cannot see a
 host-to-device move of an existing host tensor (`x.to(device)`: on the CPU that dispatches nothing), nor which
-host buffer is pinned: those moves go through `parallel.device.to_device` (pinned, non-blocking on CUDA), and the
+host buffer is pinned: those moves go through `parallel.mesh.to_device` (pinned, non-blocking on CUDA), and the
 CUDA run of scripts/gpu_check.sh, where the same recorder also sees real host <-> device copies, audits them
 under the sync debugger. Ops run by a thread with no frame of ours (NCCL's, gloo's) are not attributed.
 
@@ -51,10 +51,11 @@ ALLOWED = {
                                                  "many rows it sends and receives before they move (one read per "
                                                  "MoE layer and micro-batch; docs/moe.md)",
     ("moe.py", "split_sizes"): "the MoE experts' group sizes for the per-expert loop, only where torch._grouped_mm "
-                            "does not run as a kernel (moe.grouped_mm_runs: CPU autocast, GPU fp32, GPUs before "
-                            "sm90, unaligned widths): one read per MoE layer and micro-batch",
-    ("parallel/parallelize.py", "step_counters"): "the MoE layers' tokens per expert and balancing loss, logged "
-                                                  "(read after the step's loss: nothing left to launch behind them)",
+                               "does not run as a kernel (moe.grouped_mm_runs: CPU autocast, GPU fp32, GPUs before "
+                               "sm90, unaligned widths): one read per MoE layer and micro-batch",
+    ("parallel/parallelize.py", "step_counters"): "the MoE layers' tokens per expert and balancing loss over the "
+                                                  "batch, logged (read after the step's loss: nothing left to wait "
+                                                  "for)",
 }
 SYNCS = ("item", "tolist", "cpu", "__bool__")
 

@@ -182,7 +182,7 @@ class PipelineRunner:
     A receive is posted at its place in the list and waited on just before the F or B that reads it, so a
     rank computes what needs no input while the data is in flight (the wait is idle in `timeline`).
     Communicates point-to-point with the neighbouring chunks' ranks in `group` (the pp group; None: the whole
-    world), or, given `links` (the pp dim's link groups, where parallel.mesh.serial_p2p: NCCL), each message in
+    world), or, given `links` (the pp dim's link groups, where parallel.groups.serial_p2p: NCCL), each message in
     the link group of the chunk boundary it crosses (`p2p_link`), so that no rank's one stream serialises its
     sends to one neighbour behind its receives from the other; and, in `reduce_tied_grads`, all-reduces the
     embedding gradient over `embed_group`: the result of `embedding_group(...)`, which every rank of the world
@@ -190,7 +190,7 @@ class PipelineRunner:
     world.
 
     After a step: `timeline` is [(action, start, end)] in seconds, one per action (device events on CUDA,
-    the host clock on the CPU: parallel.mesh.make_timer); `peak_in_flight` is the most (chunk, micro)
+    the host clock on the CPU: parallel.device.make_timer); `peak_in_flight` is the most (chunk, micro)
     whose forward ran and whose backward (W, when split) has not, at once; `events` the ("post", SEND/RECV),
     ("wait", SEND/RECV) and ("run", F/B/W) in the order they happened; with `measure_held` set (host time per
     action, so off unless asked), `peak_held_bytes` the most bytes of
