@@ -262,7 +262,7 @@ class SnapshotBuffers:
 
     def enqueued(self) -> None:
         """Every copy of this snapshot is enqueued: mark the point the writer waits for."""
-        from parallel.mesh import record_event
+        from parallel.device import record_event
         self._done = record_event(self.device)
 
     def ready(self) -> None:
@@ -395,7 +395,7 @@ class AsyncSaver:
     error. Atomicity is `write`'s: a crash mid-write leaves the previous checkpoint the newest."""
 
     def __init__(self, device: torch.device | None = None):
-        from parallel.mesh import group_timeout
+        from parallel.groups import group_timeout
         self.group = dist.new_group(backend="gloo", timeout=group_timeout()) \
             if dist.is_available() and dist.is_initialized() else None
         self.buffers = SnapshotBuffers(device or torch.device("cpu"))  # reused by every snapshot of this run

@@ -16,9 +16,12 @@ from dataclasses import dataclass
 import torch
 
 import checkpoint
+import config_file
 from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_dir
 from model import GPT, PRESETS, GPTConfig, make_config
-from parallel.mesh import ParallelDims, WorldSizeError, env_world, pick_device
+from launch import env_world
+from parallel.device import pick_device
+from parallel.mesh import ParallelDims, WorldSizeError
 from parallel.parallelize import ParallelConfig
 from pipeline_partition import check_counts, layers_for
 from parallel.tensor_parallel import check_tp_divisibility
@@ -67,6 +70,8 @@ def fetch_hf_weights(name: str) -> dict:
 def train_parser() -> Parser:
     p = Parser(prog="train.py", description="Train GPT-2 on one process or many (torchrun).")
     a = p.add_argument
+    a("--config", metavar="FILE.toml", help="read the flags from a TOML file (key = value; each run writes its "
+      "own to <out_dir>/config.toml); flags given here override it")
     # layout
     a("--tensor_parallel_size", type=int, default=1, help="degree of tensor parallelism")
     a("--enable_loss_parallelism", action="store_true", help="vocab-parallel cross-entropy under TP")
@@ -133,6 +138,8 @@ def train_parser() -> Parser:
     a("--seed", type=int, default=1337)
     a("--eval_interval", type=int, default=25)
     a("--eval_iters", type=int, default=20)
+    a("--hellaswag", metavar="FILE.jsonl", help="also score HellaSwag at every eval, spread over the ranks "
+      "(python -m evals.fetch_hellaswag)")
     # system
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", *DTYPES], default="auto")
@@ -163,7 +170,7 @@ def train_parser() -> Parser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = train_parser().parse_args(argv)
+    args = config_file.parse_args(train_parser(), argv)  # --config FILE.toml, then the command line
     if args.out_dir is None:
         args.out_dir = os.path.join("runs", f"{args.model}-{os.path.basename(os.path.normpath(args.dataset))}")
     return args

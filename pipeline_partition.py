@@ -54,7 +54,7 @@ import torch
 from metrics import TRAIN_FLOPS_PER_PARAM, attention_flops_per_token
 from loss import linear_cross_entropy
 from model import Block, GPTConfig
-from parallel.mesh import make_timer
+from parallel.device import make_timer
 
 
 @dataclass(frozen=True)

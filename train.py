@@ -19,14 +19,18 @@ import torch.distributed as dist
 
 import allocator
 import checkpoint
+import config_file
 import faults
 import metrics
-from config import Plan, UsageError, error_line, parse_args, validate
+from config import Plan, UsageError, error_line, parse_args, train_parser, validate
 from data.batches import BatchSource, micro_batch_chunk
 from debug.trace import Tracer
+from evals import hellaswag
+from launch import exit_process
 from model import GPT
 from parallel import comm
-from parallel.mesh import OPTIONAL_DIMS, Mesh, exit_process, fused_optimizer, init_distributed
+from parallel.device import fused_optimizer
+from parallel.mesh import OPTIONAL_DIMS, Mesh, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 from parallel.pipeline_schedule import V_SCHEDULES
 from pipeline_partition import describe_partition, layers_for, stage_costs
@@ -52,6 +56,7 @@ class Trainer:
     tracer: Tracer = field(default_factory=Tracer)  # --trace_step: step S's outputs and gradients (debug/trace.py)
     saved_step: int = 1  # the step whose saved activations are measured (metrics.SavedActivations: one step)
     peak_step: int = 2  # the CPU's allocated peak's step: the first with optimizer state (metrics.AllocatedPeak)
+    hellaswag_rows: hellaswag.Rows | None = None  # --hellaswag: its rows, scored at every eval (log_eval)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -225,6 +230,21 @@ def evaluate(t: Trainer) -> float:
     return (t.par.mean_loss(total) * dp / n).item()
 
 
+def log_eval(t: Trainer, step: int, logger: metrics.Logger, progress: metrics.Progress) -> None:
+    """One record: the validation loss and, with --hellaswag, HellaSwag through the layout (evals/hellaswag.py)."""
+    record, args = {"step": step, "val_loss": evaluate(t)}, t.plan.args
+    progress.eval(step, record["val_loss"])
+    rows = t.hellaswag_rows
+    if rows is not None:
+        t.model.eval()
+        per_micro = max(1, args.micro_batch_size * args.seq_len // rows.length)  # a training micro-batch's tokens
+        s = hellaswag.score_layout(t.par, t.mesh, rows, per_micro, lambda: _autocast(t.plan))
+        t.model.train()
+        record.update({f"hellaswag_{k}": v for k, v in s.items()})
+        progress.write(f"step {step} | hellaswag acc {s['acc']:.4f} | acc_norm {s['acc_norm']:.4f}")
+    logger.log(record)
+
+
 def describe(t: Trainer) -> str:
     d, par, a = t.plan.dims, t.plan.par, t.plan.args
     optional = "".join(f"{k}={v} " for k, v in d.sizes().items() if k in OPTIONAL_DIMS and v > 1)
@@ -271,9 +291,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
         logger.log({"step": 0, "predicted": predicted})
         progress.write(summary(predicted))
     if start == 0:  # a resumed run skips it: its checkpoint step's eval was logged before the save
-        val = evaluate(t)
-        logger.log({"step": 0, "val_loss": val})
-        progress.eval(0, val)
+        log_eval(t, 0, logger, progress)
     profiler = metrics.make_profiler(args.profile, args.out_dir, t.plan.device)
     for step in range(start + 1, args.max_steps + 1):
         t.step = step
@@ -291,9 +309,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
                                        f"{checkpoint.newest(args.out_dir) or 'none'}")
             return 3
         if step % args.eval_interval == 0 or step == args.max_steps:
-            val = evaluate(t)
-            logger.log({"step": step, "val_loss": val})
-            progress.eval(step, val)
+            log_eval(t, step, logger, progress)
         every = args.checkpoint_interval and step % args.checkpoint_interval == 0
         stop = t.faults.preempted()
         path = None
@@ -320,7 +336,8 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         plan = validate(parse_args(argv))
-    except UsageError as e:
+        rows = hellaswag.for_plan(plan)
+    except (UsageError, hellaswag.HellaSwagError) as e:
         error_line("train.py", e)
         return 2
     if plan.fake:  # a simulated rank is driven from above (plan/fake_rank.py wraps build and run)
@@ -332,10 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     world = plan.dims.world_size  # the flight recorder's ring: in a file, so a killed or stopped rank's stays
     comm.RECORDER.open(faults.ring_path(args.out_dir, plan.rank) if world > 1 else None, plan.rank, world)
     t = build(plan)
+    t.hellaswag_rows = rows
     if args.overwrite and is_main:  # a fresh run: old checkpoints must not be resumed into it later
         shutil.rmtree(os.path.join(args.out_dir, checkpoint.SUBDIR), ignore_errors=True)
     logger = metrics.Logger(args.out_dir, is_main, append=args.resume)  # a resumed run appends
     if is_main:
+        config_file.write(args, train_parser())  # <out_dir>/config.toml: --config replays the run
         print(describe(t), flush=True)
         if plan.dims.pp_enabled:
             print(describe_pipeline_partition(plan), flush=True)
@@ -367,4 +386,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())  # everything is flushed and closed: skip finalization (parallel.mesh.exit_process)
+    exit_process(main())  # everything is flushed and closed: skip finalization (launch.exit_process)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from metrics import SavedBytes  # noqa: F401 -- measured here; it lives in metrics (train.py uses it too)
-from parallel.mesh import exit_process
+from launch import exit_process
 from parallel.pipeline_schedule import ALL_SCHEDULES, B, COMPUTE, F, V_SCHEDULES, W
 from plan.theory import bubble_fraction
 from plan.simulate import simulate
@@ -267,7 +267,7 @@ def run(out: str, pp: int = 4, micro: int = 8, virtual: int = 2, model: str = "t
         **options) -> list[dict]:
     """Launch the torchrun job, then write pipeline.json, pipeline.md and pipeline_timeline.png; the rows.
     `options`: any other flag of parse_args by its dest (vocab_size=256, warmup=1, ...)."""
-    from parallel.mesh import child_env
+    from launch import child_env
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     spec = {**vars(parse_args(["--out", out])), "pp": pp, "micro": micro, "virtual": virtual, "model": model,
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
-        exit_process(0)  # the group is destroyed: skip finalization (parallel.mesh.exit_process)
+        exit_process(0)  # the group is destroyed: skip finalization (launch.exit_process)
     opts = {k: v for k, v in vars(args).items() if k not in ("out", "pp", "micro", "virtual", "model", "timeout",
                                                               "worker")}
     run(args.out, args.pp, args.micro, args.virtual, args.model, args.timeout, **opts)

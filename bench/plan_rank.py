@@ -308,7 +308,7 @@ def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from parallel.mesh import backend_for
+    from parallel.device import backend_for
 
     torch.set_num_threads(1)
     dist.init_process_group(backend_for(torch.device("cpu")))
@@ -362,7 +362,7 @@ def calibrate(world: int, numel: int, seconds: float = 3.0, reduces: int = 10, h
               call_probes: int = 50) -> dict:
     """The calibration job on `world` ranks (one thread each): {matmul_flops (per rank)} and with more than one
     rank comm_probes' {hop, bus_bw, aligned, one_element, calls}."""
-    from parallel.mesh import child_env
+    from launch import child_env
     with tempfile.TemporaryDirectory() as d:
         spec = {"rows": ROWS * T, "n_embd": C, "numel": numel, "seconds": seconds, "reduces": reduces,
                 "hop_reduces": hop_reduces, "call_probes": call_probes, "out": os.path.join(d, "cal.json")}
@@ -395,9 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        from parallel.mesh import exit_process
+        from launch import exit_process
         worker(json.loads(args.worker))
-        exit_process(0)  # the group is destroyed: skip finalization (parallel.mesh.exit_process)
+        exit_process(0)  # the group is destroyed: skip finalization (launch.exit_process)
     sys.path.insert(0, ROOT)
     from bench.forkserver import ForkServer
     from metrics import read_jsonl

@@ -40,7 +40,7 @@ from model import GPT, materialize_module
 from moe import SideLosses
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
-from parallel.mesh import group_timeout, new_groups, p2p_link
+from parallel.groups import group_timeout, new_groups, p2p_link
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F,
                                         SPLIT_SCHEDULES, V_SCHEDULES, W, Action, boundary, chunk_of, even_partition,
                                         evaluation, peer_of, rank_of, send_waits)
@@ -184,7 +184,7 @@ class PipelineRunner:
     the list and waited on just before the F or B that reads it, so a rank computes what needs no input while
     the data is in flight (the wait is idle in `record.timeline`).
     Communicates point-to-point with the neighbouring chunks' ranks in `group` (the pp group; None: the whole
-    world), or, given `links` (the pp dim's link groups, where parallel.mesh.serial_p2p: NCCL), each message in
+    world), or, given `links` (the pp dim's link groups, where parallel.groups.serial_p2p: NCCL), each message in
     the link group of the chunk boundary it crosses (`p2p_link`), so that no rank's one stream serialises its
     sends to one neighbour behind its receives from the other; and, in `reduce_tied_grads`, all-reduces the
     embedding gradient over `embed_group`: the result of `embedding_group(...)`, which every rank of the world

@@ -161,7 +161,7 @@ def _grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, 
 def routable(name: str, module: nn.Module) -> bool:
     """The linears a store defers: nn.Linear, our TP's linears and the MoE experts' stacked linears (a `linear`
     attribute), lm_head excluded."""
-    from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
     return name.rpartition(".")[2] != "lm_head" and (
         type(module) is nn.Linear or isinstance(module, (ColumnParallelLinear, RowParallelLinear, ExpertLinear)))
 

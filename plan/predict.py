@@ -2,7 +2,7 @@
 
 Nothing here is measured and no formula is restated: the per-rank parameter shapes come from the model on meta
 cut by `PipelineStage` and `tensor_parallel.tp_local_shape`; ZeRO/FSDP state from `theory.fsdp_unit_state_bytes`
-over `fsdp.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`, `zero_comm_bytes_per_step` (under a
+over `flat_param.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`, `zero_comm_bytes_per_step` (under a
 pipeline `zero_comm_bytes_per_pipeline_step`), `tp_comm_bytes_per_micro_step`, `cp_p2p_bytes_per_micro_step`
 and `pipeline.p2p_bytes_per_step`; FLOPs from metrics.flops_per_token. What is new here is the saved-activation count (`block_saved_bytes`, derived in its
 docstring) and its composition with AC, SP, CP and the pipeline's in-flight bound.
@@ -21,10 +21,11 @@ import torch
 from metrics import active_params, flops_per_token
 from loss import loss_chunk_rows
 from model import GPT, GPTConfig
+from parallel.device import backend_for
 from parallel.flat_param import shard_numel
 from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
-from parallel.fsdp import unit_key
-from parallel.mesh import ParallelDims, backend_for
+from parallel.flat_param import unit_key
+from parallel.mesh import ParallelDims
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import PipelineStage, sharded_units
 from parallel.pipeline_schedule import ALL_SCHEDULES, SPLIT_SCHEDULES, V_SCHEDULES, chunk_of
@@ -136,7 +137,8 @@ def is_expert(name: str) -> bool:
 def units(s: Setup, pp_rank: int = 0) -> dict[str, tuple[int, int]]:
     """The sharding engine's units on this stage: {unit: (elements, elements in >= 2-D weights)} (shared: read it,
     do not change it). Under expert parallelism each Block's experts are a unit of their own,
-    "transformer.h.<i>.experts" (parallel/fsdp.py's own-group units), sharded over the edp group (`unit_shard`)."""
+    "transformer.h.<i>.experts" (parallel/fsdp_extensions.py's own-group units), sharded over the edp group
+    (`unit_shard`)."""
     return _units(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank, s.pp_layers,
                   s.args.pp_schedule in V_SCHEDULES, s.dims.ep)
 

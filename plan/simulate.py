@@ -40,7 +40,7 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from parallel.mesh import p2p_link
+from parallel.groups import p2p_link
 from parallel.pipeline_schedule import (B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError,
                                         boundary, ideal_times, in_key_order, is_split, messages, peer_of, rank_of,
                                         send_waits, unit_times)
@@ -122,7 +122,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
       together, at the later post, when one is a send and the other its receive; two sends (or two receives)
       at the heads wait for each other forever.
     - "nccl_eager" (the same calls on a group initialised eagerly: init_process_group(device_id=...), which
-      parallel/mesh.py passes on CUDA, binds the world group to the device, and every group split from it,
+      parallel/device.py passes on CUDA, binds the world group to the device, and every group split from it,
       DeviceMesh's and new_group's, is eager too): one FIFO per rank (per group: `links`), across all its
       peers, in posting order. In eager mode pointToPoint reuses the group's own communicator (key
       getKeyFromDevice) and so its one NCCL stream for every unbatched send and receive: the ops of a rank run
@@ -135,7 +135,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
       r-1 posted before it, until r-1 sends. Two heads naming each other with the same kind never complete;
       a head whose peer's head names a third rank waits. (NCCL may complete a small send into the receiver's
       buffer before the receive runs; that only lets ops finish earlier than modelled.)
-      `links`: the fix, every message on the group of its link (`parallel.mesh.p2p_link` of the chunk
+      `links`: the fix, every message on the group of its link (`parallel.groups.p2p_link` of the chunk
       boundary it crosses, as PipelineRunner posts it given link groups): each rank's stream on a group then
       carries one peer's messages, as "nccl"'s pairs do. `batched`: the other fix, the p2p ops a rank lists
       back to back posted as one `batch_isend_irecv` (one stream entry, its ops progressing together; a

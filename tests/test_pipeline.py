@@ -36,7 +36,7 @@ from model import GPT, make_config
 from parallel import comm
 from parallel.pipeline import PipelineRunner, PipelineStage
 from plan.theory import p2p_bytes_per_step
-from parallel.mesh import link_groups, new_groups, p2p_link
+from parallel.groups import link_groups, new_groups, p2p_link
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action,
                                         boundary, chunk_of, rank_of, send_waits, even_partition)
 from plan.simulate import P2P_MODELS, simulate
@@ -335,11 +335,13 @@ class PipelineMatchesOneProcess(unittest.TestCase):
 
 
 class RecordedCompletion(unittest.TestCase):
-    """comm.Recorded marks its flight-recorder record completed on wait() and on an is_completed() that says True
+    """flight_recorder.Recorded marks its record completed on wait() and on an is_completed() that says True
     (and only then): the hang doctor reads posted-not-completed records as the op a rank is stuck in."""
 
     def test_wait_and_a_true_is_completed_mark_the_record(self):
         from unittest import mock
+
+        from parallel.flight_recorder import Recorded
 
         class Work:
             def __init__(self, finished: bool):
@@ -352,11 +354,11 @@ class RecordedCompletion(unittest.TestCase):
                 return self.finished
 
         with mock.patch.object(comm.RECORDER, "done") as done:
-            self.assertFalse(comm.Recorded(Work(False), 7).is_completed())
+            self.assertFalse(Recorded(Work(False), 7).is_completed())
             done.assert_not_called()
-            self.assertTrue(comm.Recorded(Work(True), 7).is_completed())
+            self.assertTrue(Recorded(Work(True), 7).is_completed())
             done.assert_called_once_with(7)
-            comm.Recorded(Work(False), 8).wait()
+            Recorded(Work(False), 8).wait()
             done.assert_called_with(8)
 
 
@@ -491,7 +493,7 @@ def links_case(rank: int, world: int) -> dict:
 
 
 class LinkGroups(unittest.TestCase):
-    """The runner with the pp group's link groups (parallel.mesh.p2p_link: what NCCL runs, where each rank's one
+    """The runner with the pp group's link groups (parallel.groups.p2p_link: what NCCL runs, where each rank's one
     stream per group would otherwise serialise its two neighbours' messages) on 3 gloo ranks, an odd ring (3
     link groups; interleaved 1F1B's closing link 2 -> 0 on the third): the same loss, gradients and evaluation
     losses bit for bit as on the pp group alone, and every message on its chunk boundary's link group, the
@@ -572,15 +574,15 @@ class ActivationDtypeIsWhatTheChunksProduce(unittest.TestCase):
 
 class TimerIsChosenWithTheDevice(unittest.TestCase):
     """pp_idle_fraction and the timeline time the work: device events where the device queues it (CUDA: a
-    wait() returns at once there), the host clock on the CPU (parallel.mesh.make_timer, the one place)."""
+    wait() returns at once there), the host clock on the CPU (parallel.device.make_timer, the one place)."""
 
     def test_choice(self):
-        from parallel.mesh import DeviceTimer, HostTimer, make_timer
+        from parallel.device import DeviceTimer, HostTimer, make_timer
         self.assertIsInstance(make_timer(torch.device("cpu")), HostTimer)
         self.assertIsInstance(make_timer(torch.device("cuda", 0)), DeviceTimer)  # built without touching CUDA
 
     def test_device_marks_become_host_seconds_from_the_first(self):
-        from parallel.mesh import DeviceTimer
+        from parallel.device import DeviceTimer
 
         class Event:  # torch.cuda.Event's elapsed_time is in milliseconds
             def __init__(self, ms):

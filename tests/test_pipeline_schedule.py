@@ -25,7 +25,7 @@ from fractions import Fraction
 
 import pytest
 
-from parallel.mesh import link_groups, p2p_link
+from parallel.groups import link_groups, p2p_link
 from parallel.pipeline_grid import grid
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, V_SCHEDULES, W,
                                         Action, ScheduleError, boundary, chunk_of, dualpipev, gpipe,
@@ -348,8 +348,8 @@ def slower(p: int, v: int, v_shape: bool, rank: int, t: int) -> list[int]:
 class TestEagerNccl(unittest.TestCase):
     """NCCL's p2p order on an eagerly initialised group (simulate(p2p="nccl_eager"): one FIFO per rank across
     both its neighbours, torch's ProcessGroupNCCL::pointToPoint reusing the group's communicator and stream),
-    which is what every group is here on CUDA (parallel/mesh.py passes device_id). The fix, link groups
-    (parallel.mesh.p2p_link; PipelineRunner posts each message on its boundary's), is modelled by links=True."""
+    which is what every group is here on CUDA (parallel/device.py passes device_id). The fix, link groups
+    (parallel.groups.p2p_link; PipelineRunner posts each message on its boundary's), is modelled by links=True."""
 
     def check(self, every_m: bool) -> int:
         n = 0

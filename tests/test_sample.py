@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import checkpoint
-from parallel.mesh import child_env
+from launch import child_env
 from tests.harness import launch, make_token_bins
 
 
