@@ -21,6 +21,7 @@ import allocator
 import checkpoint
 import config_file
 import faults
+import memory
 import metrics
 from config import Plan, UsageError, error_line, parse_args, train_parser, validate
 from data.batches import BatchSource, micro_batch_chunk
@@ -54,8 +55,8 @@ class Trainer:
     faults: faults.Faults | None = None  # watchdog, preemption and the test hooks (run() sets it)
     built: dict = field(default_factory=dict)  # what build() measured of the model it made (run() logs it)
     tracer: Tracer = field(default_factory=Tracer)  # --trace_step: step S's outputs and gradients (debug/trace.py)
-    saved_step: int = 1  # the step whose saved activations are measured (metrics.SavedActivations: one step)
-    peak_step: int = 2  # the CPU's allocated peak's step: the first with optimizer state (metrics.AllocatedPeak)
+    saved_step: int = 1  # the step whose saved activations are measured (memory.SavedActivations: one step)
+    peak_step: int = 2  # the CPU's allocated peak's step: the first with optimizer state (memory.AllocatedPeak)
     hellaswag_rows: hellaswag.Rows | None = None  # --hellaswag: its rows, scored at every eval (log_eval)
 
     @property
@@ -135,8 +136,8 @@ class StepWatch:
         metrics.reset_peak_memory(plan.device)
         self.t0 = time.perf_counter()
         t.tracer.before_step(t, self.step)
-        self.saved = metrics.SavedActivations(t.par.parameter_tensors() if self.step == t.saved_step else None)
-        self.peak = metrics.AllocatedPeak(self.step == t.peak_step and plan.device.type == "cpu"
+        self.saved = memory.SavedActivations(t.par.parameter_tensors() if self.step == t.saved_step else None)
+        self.peak = memory.AllocatedPeak(self.step == t.peak_step and plan.device.type == "cpu"
                                           and (plan.rank == 0 or plan.fake))  # a simulated rank measures its own
         self.peak.__enter__()
         self.saved.__enter__()

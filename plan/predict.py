@@ -752,7 +752,7 @@ def weight_cast_bytes(s: Setup, pp_rank: int = 0) -> int:
 
 def peak_memory_bytes(s: Setup, pp_rank: int = 0) -> int:
     """Parameters + optimizer state + the largest of peak_parts' phases (an allocator's peak, not a process's
-    resident set): what torch.cuda.max_memory_allocated and, on the CPU, metrics.AllocatedPeak measure."""
+    resident set): what torch.cuda.max_memory_allocated and, on the CPU, memory.AllocatedPeak measure."""
     parts = peak_parts(s, pp_rank)
     return parts.pop("base") + max(parts.values())
 

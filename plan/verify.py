@@ -15,7 +15,7 @@ The ranks are then checked against each other and against the planner:
    communicator, blocking send/recv),
    and each rank waits on every p2p op it posts exactly once (`check_waits`);
 4. planner: per simulated rank, state bytes equal plan.predict's exactly, and the second step's comm bytes and
-   calls; the peak (metrics.LiveStorages on the fake storages) within 15% of the predicted peak;
+   calls; the peak (memory.LiveStorages on the fake storages) within 15% of the predicted peak;
 5. startup (reported): the new_group calls each rank makes (and how many hold it), the ops at init, and how many
    of them span the whole world.
 

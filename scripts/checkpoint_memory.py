@@ -11,7 +11,7 @@ Each is measured as the rise of the kernel's peak RSS (VmHWM, reset through /pro
 before) above the RSS before it, i.e. the extra memory the operation needs on top of the model, gradients
 and optimizer state (with glibc told to return freed blocks, so the numbers do not depend on what earlier
 steps left in the heap). Loading counts the checkpoint's memory-mapped pages it touches. "int64" is the
-largest int64 tensor any torch op created meanwhile (indices, runs), recorded by metrics.LargestTensor.
+largest int64 tensor any torch op created meanwhile (indices, runs), recorded by memory.LargestTensor.
 Linux (glibc) only.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from metrics import LargestTensor  # noqa: E402
+from memory import LargestTensor  # noqa: E402
 
 LAYOUTS = {  # name: (ranks, train.py flags)
     "single": (1, []),

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.pipeline import SavedBytes
-from metrics import LargestTensor
+from memory import LargestTensor
 from loss import LOSS_CHUNK_ALIGN, WHOLE_VOCAB, linear_cross_entropy, loss_chunk_rows, loss_share
 from model import GPT, GPTConfig
 from parallel.tensor_parallel import VocabShard
@@ -442,7 +442,7 @@ class TestMemory(unittest.TestCase):
         dx and dW. The previous chunk's gradient is freed before the next chunk's logits are made: kept, it would
         be a 4th, 25.8 MB at GPT-2's vocabulary (the backward of before the fused head kept one; found by a row
         of tests/test_plan_runs.py at GPT-2's vocabulary)."""
-        from metrics import LiveStorages
+        from memory import LiveStorages
         x, w, t = _inputs()
         x.requires_grad_()
         w = torch.nn.Parameter(w)

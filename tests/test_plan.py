@@ -471,13 +471,13 @@ def test_ddp_calls_are_build_buckets_count_at_every_cap():
 # ----------------------------------------------------------------------------- the CPU's allocated peak
 
 class TestAllocatedPeak:
-    """metrics.AllocatedPeak, the CPU number the predicted peak is held against (test_plan_runs), on allocations
+    """memory.AllocatedPeak, the CPU number the predicted peak is held against (test_plan_runs), on allocations
     whose peak is known: counted from the CPU allocator's reports, exactly, with what was alive before."""
 
     MB = 1 << 20
 
     def window(self, body) -> int:
-        from metrics import AllocatedPeak
+        from memory import AllocatedPeak
         with AllocatedPeak(True) as peak:
             body()
         return peak.bytes
@@ -487,7 +487,7 @@ class TestAllocatedPeak:
         warning about blocks from before the window): what every CPU run would otherwise print at its peak step."""
         import os
 
-        from metrics import PROFILER_CHATTER, _stderr_without
+        from memory import PROFILER_CHATTER, _stderr_without
         with _stderr_without(PROFILER_CHATTER):
             os.write(2, b"USDT:x SyncActivityProfilerHandler.cpp:52] profiler_start\n")
             os.write(2, b"a real warning\n")
@@ -511,7 +511,7 @@ class TestAllocatedPeak:
         del kept
 
     def test_off_when_not_enabled(self):
-        from metrics import AllocatedPeak
+        from memory import AllocatedPeak
         with AllocatedPeak(False) as peak:
             torch.empty(self.MB)
         assert peak.bytes is None
@@ -520,7 +520,7 @@ class TestAllocatedPeak:
 # ----------------------------------------------------------------------------- the sharding engine's backward
 
 def test_reduce_phase_is_the_profiled_live_set_of_a_zero3_stage_0():
-    """pp=2 dp=2 fsdp (test_plan_runs' layout, bench.sweep's tiny GPT), rank 0: metrics.AllocatedPeak's live set at
+    """pp=2 dp=2 fsdp (test_plan_runs' layout, bench.sweep's tiny GPT), rank 0: memory.AllocatedPeak's live set at
     step 2's peak, by the op that allocated each block (its `timeline`), is 1F1B's second backward at the
     embeddings: beside parameters + AdamW state, every fp32 shard gradient (396544), the roots gathered by the
     forward before (wpe 262144 + wte 131072, `_FlatUnit.gather`), the next micro-batch's chunk (264704 saved), and

@@ -5,12 +5,12 @@ metrics.jsonl:
 - state_bytes_by_kind, comm_bytes and comm_calls: equal, byte for byte and call for call (all are counts: the
   storages the wrappers hold, the payload and the collectives / p2p messages parallel/comm.COUNTER recorded;
   the calls are what plan.search.step_time's per-call latency charges);
-- saved_activation_bytes (metrics.SavedActivations' saved-tensor hooks, on the first step only): within 5%. The
+- saved_activation_bytes (memory.SavedActivations' saved-tensor hooks, on the first step only): within 5%. The
   prediction counts each saved tensor by its shape (plan.predict.block_saved_bytes); the hooks see storages,
   so what the prediction leaves out (small index and mask tensors of the vocab-parallel embedding and loss,
   int64 ids) is the whole difference;
 - peak memory (TestPeakAgainstMeasured): the predicted peak against step 2's `peak_allocated_bytes`
-  (metrics.AllocatedPeak, the CPU's allocated peak; `peak_memory_bytes` is the process's RSS on the CPU), within
+  (memory.AllocatedPeak, the CPU's allocated peak; `peak_memory_bytes` is the process's RSS on the CPU), within
   15% (the issue's bound), every layout: a sharding engine under a pipeline by peak_parts' "reduce" phase.
 
 The layouts are bench.sweep's (the tiny GPT with 4 Blocks, 512-token vocabulary, 12 rows of 32 tokens; three at the
@@ -139,7 +139,7 @@ class TestPredictedAgainstMeasured(unittest.TestCase):
 
     def test_saved_activations_within_5_percent(self):
         """Every layout, TP with full AC included: its recomputed row-parallel c_proj keeps GELU's output, the last
-        tensor the recomputation packs (metrics.SavedAndRecomputedBytes counts it before checkpoint's early stop)."""
+        tensor the recomputation packs (memory.SavedAndRecomputedBytes counts it before checkpoint's early stop)."""
         for n, (p, m) in self.runs.items():
             with self.subTest(n):
                 got, want = m["saved_activation_bytes"], p["saved_activation_bytes"]
@@ -192,7 +192,7 @@ def gloo_slack(layout: S.Layout, extra: list[str]) -> int:
 
 
 def peak_table(runs: dict[str, tuple[dict, dict]]) -> str:
-    """Predicted peak against rank 0's measured allocated peak (metrics.AllocatedPeak, step 2), one row a layout."""
+    """Predicted peak against rank 0's measured allocated peak (memory.AllocatedPeak, step 2), one row a layout."""
     rows = ["| layout | allocated peak measured | predicted | diff |", "|---|---|---|---|"]
     for n, (p, m) in runs.items():
         got, want = m["peak_allocated_bytes"], p["peak_memory_bytes"]
@@ -204,7 +204,7 @@ def peak_table(runs: dict[str, tuple[dict, dict]]) -> str:
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestPeakAgainstMeasured(unittest.TestCase):
     """plan.predict.peak_memory_bytes against the peak of live tensor bytes rank 0 allocated in step 2 (the first
-    with AdamW's moments; metrics.AllocatedPeak: the CPU allocator's own reports to the profiler, what
+    with AdamW's moments; memory.AllocatedPeak: the CPU allocator's own reports to the profiler, what
     torch.cuda.max_memory_allocated is on GPU), within PEAK_RTOL, on the runs TestPredictedAgainstMeasured reads
     (shared_run: trained once)."""
 
@@ -216,7 +216,7 @@ class TestPeakAgainstMeasured(unittest.TestCase):
     def test_peak_within_15_percent(self):
         """Every layout. A ZeRO-2/3 stage 0 under a pipeline peaks in a backward, at the embeddings' whole-table
         gradients beside the previous unit's reduce-scatter in flight (plan.predict.reduce_phase); the CPU number
-        is an upper bound by the frees gloo's threads make unseen (metrics.AllocatedPeak), which moves those
+        is an upper bound by the frees gloo's threads make unseen (memory.AllocatedPeak), which moves those
         layouts' measured peak by one unit's gradient copy from run to run."""
         slack = {name(x, e): gloo_slack(x, e) for x, e in LAYOUTS}
         for n, (p, m) in self.runs.items():

@@ -557,12 +557,12 @@ class TestFlags(unittest.TestCase):
 
 
 class TestLiveStorages(unittest.TestCase):
-    """A simulated rank's peak (metrics.LiveStorages under fake tensors): a storage counts from the op that makes it
+    """A simulated rank's peak (memory.LiveStorages under fake tensors): a storage counts from the op that makes it
     to its death, at its size after each resize_; a flat buffer shrunk to nothing (ZeRO-3's reshard) is freed."""
 
     def test_follows_resize_under_fake_tensors(self):
         import torch
-        from metrics import LiveStorages
+        from memory import LiveStorages
         from plan.fake_rank import fake_mode
         with fake_mode(), LiveStorages() as live:
             start = live.bytes
