@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import allocator
 import checkpoint
+import trainer_checkpoint
 import config_file
 import faults
 import memory
@@ -277,7 +278,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
     on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or faults.PREEMPTED
     when a rank was signalled (the step is finished and saved first)."""
     plan, args, is_main = t.plan, t.plan.args, t.plan.rank == 0
-    start = checkpoint.restore_trainer(t) if plan.resume_from else 0
+    start = trainer_checkpoint.restore_trainer(t) if plan.resume_from else 0
     if args.resume and not plan.resume_from and is_main:
         print(f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
               f"starting fresh", flush=True)
@@ -315,7 +316,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
         stop = t.faults.preempted()
         path = None
         if not args.no_checkpoint and (every or step == args.max_steps or stop):
-            path, blocked_ms = checkpoint.save_trainer(t, step, wait=stop or step == args.max_steps)
+            path, blocked_ms = trainer_checkpoint.save_trainer(t, step, wait=stop or step == args.max_steps)
             logger.log({"step": step, "checkpoint_blocked_ms": blocked_ms, "async_checkpoint": t.saver is not None})
             if step == args.max_steps:
                 progress.write(f"saved {path}")
