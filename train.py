@@ -19,8 +19,10 @@ import torch.distributed as dist
 
 import allocator
 import checkpoint
+import trainer_checkpoint
 import config_file
 import faults
+import memory
 import metrics
 from config import Plan, UsageError, error_line, parse_args, train_parser, validate
 from data.batches import BatchSource, micro_batch_chunk
@@ -54,8 +56,8 @@ class Trainer:
     faults: faults.Faults | None = None  # watchdog, preemption and the test hooks (run() sets it)
     built: dict = field(default_factory=dict)  # what build() measured of the model it made (run() logs it)
     tracer: Tracer = field(default_factory=Tracer)  # --trace_step: step S's outputs and gradients (debug/trace.py)
-    saved_step: int = 1  # the step whose saved activations are measured (metrics.SavedActivations: one step)
-    peak_step: int = 2  # the CPU's allocated peak's step: the first with optimizer state (metrics.AllocatedPeak)
+    saved_step: int = 1  # the step whose saved activations are measured (memory.SavedActivations: one step)
+    peak_step: int = 2  # the CPU's allocated peak's step: the first with optimizer state (memory.AllocatedPeak)
     hellaswag_rows: hellaswag.Rows | None = None  # --hellaswag: its rows, scored at every eval (log_eval)
 
     @property
@@ -135,8 +137,8 @@ class StepWatch:
         metrics.reset_peak_memory(plan.device)
         self.t0 = time.perf_counter()
         t.tracer.before_step(t, self.step)
-        self.saved = metrics.SavedActivations(t.par.parameter_tensors() if self.step == t.saved_step else None)
-        self.peak = metrics.AllocatedPeak(self.step == t.peak_step and plan.device.type == "cpu"
+        self.saved = memory.SavedActivations(t.par.parameter_tensors() if self.step == t.saved_step else None)
+        self.peak = memory.AllocatedPeak(self.step == t.peak_step and plan.device.type == "cpu"
                                           and (plan.rank == 0 or plan.fake))  # a simulated rank measures its own
         self.peak.__enter__()
         self.saved.__enter__()
@@ -276,7 +278,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
     on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or faults.PREEMPTED
     when a rank was signalled (the step is finished and saved first)."""
     plan, args, is_main = t.plan, t.plan.args, t.plan.rank == 0
-    start = checkpoint.restore_trainer(t) if plan.resume_from else 0
+    start = trainer_checkpoint.restore_trainer(t) if plan.resume_from else 0
     if args.resume and not plan.resume_from and is_main:
         print(f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
               f"starting fresh", flush=True)
@@ -314,7 +316,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
         stop = t.faults.preempted()
         path = None
         if not args.no_checkpoint and (every or step == args.max_steps or stop):
-            path, blocked_ms = checkpoint.save_trainer(t, step, wait=stop or step == args.max_steps)
+            path, blocked_ms = trainer_checkpoint.save_trainer(t, step, wait=stop or step == args.max_steps)
             logger.log({"step": step, "checkpoint_blocked_ms": blocked_ms, "async_checkpoint": t.saver is not None})
             if step == args.max_steps:
                 progress.write(f"saved {path}")

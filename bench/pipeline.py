@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from metrics import SavedBytes  # noqa: F401 -- measured here; it lives in metrics (train.py uses it too)
+from memory import SavedBytes  # noqa: F401 -- measured here; it lives in memory.py (train.py uses it too)
 from launch import exit_process
 from parallel.pipeline_schedule import ALL_SCHEDULES, B, COMPUTE, F, V_SCHEDULES, W
 from plan.theory import bubble_fraction

@@ -18,7 +18,7 @@ The planner predicts each layout with a CPU "cluster" calibrated by measurement,
 - overhead (Cluster.overhead, seconds per compute action: one F or B of a chunk on a micro-batch) and compute
   from the one-process reference at two micro-batches of the same 16 rows per step (`fit_overhead`): mb=16 in
   one micro-step (2 actions) and mb=4 in four (8 actions, plan.search.compute_actions); overhead = (t_mb4 -
-  t_mb16) / (8 - 2), and the achieved FLOP/s = plan.predict.step_flops / (t_mb16 - 2 x overhead), so the planner
+  t_mb16) / (8 - 2), and the achieved FLOP/s = plan.counts.step_flops / (t_mb16 - 2 x overhead), so the planner
   (`--efficiency` 1) reproduces both runs: what a rank achieves alone, Python and non-matmul kernels included,
   split into a part per FLOP and a part per action (Python, autograd, dispatch: what makes many small
   micro-batches and zero-bubble's split backwards slower than their FLOPs say; smaller matmuls' lower rate
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.forkserver import ForkServer
     from metrics import read_jsonl
     from plan.cluster import Cluster
-    from plan.predict import local_params, step_flops
+    from plan.counts import local_params, step_flops
     from plan.search import compute_actions
     from tests.harness import make_token_bins
 

@@ -264,7 +264,7 @@ class FlatLayout:
         """Bytes this rank holds, {"params", "grads", "optimizer"}: shards and (ZeRO-1/2) the full copies;
         shard gradients and full ones (ZeRO-1's buffers, or kept under no_sync); `optimizer`'s state.
         Distinct storages, padding included; a ZeRO-3 unit gathered right now counts too."""
-        from metrics import storage_bytes_by_kind
+        from memory import storage_bytes_by_kind
         params, grads, moments = [], [], []
         for unit in self.units:
             params += [unit.shard, unit.flat]

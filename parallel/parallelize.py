@@ -196,7 +196,7 @@ class Parallelized:
         return m
 
     def parameter_tensors(self) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]] | None]:
-        """(fixed, moving): the tensors holding parameter values (metrics.SavedActivations leaves their storages
+        """(fixed, moving): the tensors holding parameter values (memory.SavedActivations leaves their storages
         out of the activations). fixed: storages that stay put through a step (plain parameters, DTensor
         shards, our engine's shards); moving: what regrows storage between uses, read afresh: our engine's flat
         buffers (its original parameters are views of them), or under PyTorch's fully_shard every parameter

@@ -51,7 +51,7 @@ def gpt2():
 
 def train_one_step(data: str, out: str, *flags: str) -> None:
     """A checkpoint made in this process: `tiny` trained one step on `data` (as tests/test_sample.py makes one)."""
-    import checkpoint
+    import trainer_checkpoint
     import config
     import train
     from launch import child_env
@@ -62,7 +62,7 @@ def train_one_step(data: str, out: str, *flags: str) -> None:
                                   "--out_dir", out, "--peak_flops", "1e12", "--device", "cpu", *flags])
         t = train.build(config.validate(args))
         train.train_step(t, 1)
-        checkpoint.save_trainer(t, 1)
+        trainer_checkpoint.save_trainer(t, 1)
 
 
 class TestFile(unittest.TestCase):

@@ -157,7 +157,7 @@ class TestVPartition(unittest.TestCase):
         """config.check_layout (train.py's partition), the PipelineStage it is given and the planner's stage_blocks
         all cut the V layout per rank."""
         import config as cfg
-        from plan.predict import Setup, stage_blocks
+        from plan.counts import Setup, stage_blocks
         want = ranges(7, 8, 8, 1)
         model = make_config("small", n_layer=24)
         args = cfg.parse_args(["--model", "small", "--n_layer", "24", "--seq_len", "1024", "--micro_batch_size", "1",

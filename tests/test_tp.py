@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from metrics import LargestTensor
+from memory import LargestTensor
 from model import GPT, GPTConfig, init_parameter, param_groups
 from parallel import comm
 from parallel.grads import clip_grad_norm_, grad_groups, norm_items
