@@ -132,18 +132,19 @@ class TestConsistent(unittest.TestCase):
                           if x.startswith("planner:")], [])
 
     def test_planner_peak_zb_h1_zero2_three_stages(self):
-        """pp=3 ZB-H1 x ZeRO-2 x tp=2 (tiny, 6 layers; #43 item 8), every stage, the planner's peak within the bound
-        at M = 6 (fp32 and bf16) and at M = P = 3. A split B's moment holds the W's
-        reductions in flight (the last unit's full gradient and two reduce-scatter outputs), the kept pairs' and
-        its own Blocks' flat gradients, and on a last stage reduces the head's units after its Blocks
-        (plan.peak.split_moment, _b_states); and the W's inputs no longer keep the chunk's graph (zero_bubble:
-        xc.detach()). Before: the middle stage -15.0% (fp32), bf16's last stage -19.2% (with the detach alone);
-        now +0.6% and +2.3%. At M = P the first B after the first W holds one other pair, not the steady
-        state's two, and no shard gradients yet (counting the steady state there: +19.5%; now +1.3%)."""
+        """pp=3 ZB-H1 x ZeRO-2 x tp=2 (tiny, 6 layers; #43 item 8), every stage, the planner's peak within the bound at
+        M = 6 (fp32, bf16, and fp32 at seq_len 128) and at M = P = 3. A split B's moment holds the W's reductions in
+        flight (the last unit's full gradient and two reduce-scatter outputs), the kept pairs' and its own Blocks' flat
+        gradients, and on a last stage reduces the head's units after its Blocks (plan.peak.split_moment, _b_states);
+        and the W's inputs no longer keep the chunk's graph (zero_bubble: xc.detach()). Before: the middle stage -15.0%
+        (fp32), bf16's last stage -19.2% (with the detach alone), at seq_len 128 the first and middle stages -20.1% and
+        -19.8% (with the detach alone; main -21.4% in the middle); now +0.6%, +2.3%, +0.8% and +1.2%. At M = P the
+        first B after the first W holds one other pair, not the steady state's two, and no shard gradients yet
+        (counting the steady state there: +19.5%; now +1.3%)."""
         layout = ["--n_layer", "6", "--pipeline_parallel_size", "3", "--pp_schedule", "zb_h1", "--data_parallel_size",
                   "2", "--data_parallel_type", "zero2", "--tensor_parallel_size", "2"]
         for extra in (["--total_batch_size", "384"], ["--total_batch_size", "384", "--dtype", "bfloat16"],
-                      ["--total_batch_size", "192"]):
+                      ["--seq_len", "128", "--total_batch_size", "1536"], ["--total_batch_size", "192"]):
             f = flags([*layout, *extra])
             runs = V.simulate_ranks(f, 12, [0, 4, 8])  # one rank per stage (the classes' representatives)
             plans = {r: V.plan_for(f, 12, r) for r in runs}
