@@ -32,12 +32,13 @@ Activation checkpointing. A checkpointed Block recomputes its forward inside B's
 swap is process state, not a thread-local mode, so it also holds where autograd runs on its own thread); the
 recomputation pushes (x, dy) for W, recomputed once for B and W together.
 
-Memory: per deferred linear, x and dy stay from B until W (what W needs; the rest of the chunk's graph is
-freed at B); under autocast its weight's compute-dtype copy from F until B, one per weight shared by every
-micro-batch in flight (`cast_once`, as autocast's cache shares it for autograd's linears); under TP with sequence parallelism, a column-parallel linear's x is the all-gathered (B, T, C)
-input (one storage shared by q, k, v; autograd saves the same from F to B under 1F1B), and a row-parallel
-one's dy is the all-gathered output gradient. Under the sharding engine, one full unit gradient (padded,
-compute dtype) per (unit, key) from B until W. Communication: none here; TP's stay in B (dx), W needs none
+Memory: per deferred linear, x and dy stay from B until W (what W needs; the rest of the chunk's graph is freed at
+B: x is pushed detached, as its history would hold the chunk's input and its gradient until W); under autocast its
+weight's compute-dtype copy from F until B, one per weight shared by every micro-batch in flight (`cast_once`, as
+autocast's cache shares it for autograd's linears); under TP with sequence parallelism, a column-parallel linear's x
+is the all-gathered (B, T, C) input (one storage shared by q, k, v; autograd saves the same from F to B under 1F1B),
+and a row-parallel one's dy is the all-gathered output gradient. Under the sharding engine, one full unit gradient
+(padded, compute dtype) per (unit, key) from B until W. Communication: none here; TP's stay in B (dx), W needs none
 (dW = dy^T x of local tensors); a data-parallel reduction runs after the last W that feeds it.
 """
 from __future__ import annotations
@@ -82,7 +83,7 @@ class _InputGradLinear(torch.autograd.Function):
         xc, wc = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])  # (B·T, out)
         dx = dy2.mm(wc).view(xc.shape).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        ctx.store.push(ctx.key, ctx.weight, ctx.bias, xc, dy2)
+        ctx.store.push(ctx.key, ctx.weight, ctx.bias, xc.detach(), dy2)
         return dx, None, None, None
 
 
@@ -144,7 +145,7 @@ class _InputGradGrouped(torch.autograd.Function):
         xc, wc, ends = ctx.saved_tensors
         dx = grouped_linear(dy, wc.transpose(1, 2), ends, ctx.sizes).to(ctx.x_dtype) if ctx.needs_input_grad[0] \
             else None
-        ctx.store.push(ctx.key, ctx.weight, None, xc, dy, (ends, ctx.sizes, ctx.grouped))
+        ctx.store.push(ctx.key, ctx.weight, None, xc.detach(), dy, (ends, ctx.sizes, ctx.grouped))
         return dx, None, None, None, None, None
 
 

@@ -1,12 +1,13 @@
 """One rank's peak memory, predicted: parameters + AdamW state + the largest phase of a step (`peak_parts`).
 
-The phases are the end of forward (the saved activations, the loss's buffers, the gradients a forward runs
-beside, autocast's weight copies), full AC's recomputation, a sharding engine's backward as its units complete
-(`reduce_phase`: `reduce_transient`, and under a split schedule the flat gradients held for W,
-`held_for_w_bytes`), and the optimizer step. Every term is a count of tensors the code keeps, each derived in its
-docstring from the module that keeps it; the per-rank parameters, units, state and saved activations come from
-plan.predict. An allocator's peak: what torch.cuda.max_memory_allocated and, on the CPU, memory.AllocatedPeak
-(under fake tensors memory.LiveStorages) measure.
+The phases are the end of forward (the saved activations, the loss's buffers, the gradients a forward runs beside,
+autocast's weight copies), full AC's recomputation, a sharding engine's backward as its units complete
+(`reduce_phase`: `reduce_transient`, and under a split schedule the largest over the states its B's run in,
+`split_moment`: the flat gradients held for W, the W's reductions in flight), and the optimizer step. Every term is
+a count of tensors the code keeps, each derived in its docstring from the module that keeps it; the per-rank
+parameters, units, state and saved activations come from plan.counts. An allocator's peak: what
+torch.cuda.max_memory_allocated and, on the CPU, memory.AllocatedPeak (under fake tensors memory.LiveStorages)
+measure.
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import torch
 
 from loss import loss_chunk_rows
 from parallel.flat_param import ZERO_STAGES, shard_numel
-from parallel.pipeline_schedule import SPLIT_SCHEDULES, V_SCHEDULES, chunk_of
-from plan.counts import (Setup, _layers, block_input_bytes, block_saved_bytes, ends_saved_bytes, is_expert,
-                         local_params, micro_saved_bytes, moe_saved_bytes, recomputed_blocks, saved_activation_bytes,
-                         stage_blocks, stage_chunks, state_bytes, unit_shard, units)
+from parallel.pipeline_schedule import (ALL_SCHEDULES, RECV_B, RECV_F, SPLIT_SCHEDULES, V_SCHEDULES, B, F, W,
+                                       chunk_of, rank_of)
+from plan.counts import (Setup, _head_in_flight, _layers, block_input_bytes, block_saved_bytes, ends_saved_bytes,
+                         head_grad_bytes, is_expert, local_params, micro_saved_bytes, moe_saved_bytes,
+                         recomputed_blocks, saved_activation_bytes, stage_blocks, stage_chunks, state_bytes, unit_shard,
+                         units)
 from plan.theory import reduce_accumulated_held_bytes, reduce_held_bytes
 
 
@@ -89,7 +92,7 @@ EMBEDDINGS = ("transformer.wte.weight", "transformer.wpe.weight")
 HEAD = ("lm_head.weight", "transformer.ln_f.weight", "transformer.ln_f.bias")  # lm_head: wte where tied to it
 
 
-def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
+def reduce_transient(s: Setup, pp_rank: int = 0, tail: tuple[int, int] = (0, 0), missing: int = 0) -> int:
     """The most bytes a sharding engine's chunk backward holds for its gradients beyond the parameters and
     optimizer state, the other micro-batches' activations and ZeRO-3's gathered roots: over each of the rank's
     chunks and the units its backward completes, in order, `theory.reduce_held_bytes` at the unit's flat gradient
@@ -105,7 +108,15 @@ def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
     so lm_head's and ln_f's gradients wait through the Blocks; a V's rank 0 holds the ends in two chunks, and under
     ZeRO-2/3 keeps the root's full gradient (reduce dtype) from the head's chunk backward, where it completes first,
     through the embeddings' chunk backward, which reduces the sum (`PipelineRunner._hold_roots`).
-    0 without a sharding engine."""
+
+    Under a split schedule (ZB-H1, ZB-V, DualPipe-V) a B reduces nothing of its Blocks: each Block's (and its
+    experts') flat gradient is kept for the W (zero_bubble.hold_for_w), so the B's units made before the current
+    one are all alive (compute dtype), and what is in flight is the last W's: the reductions the W's since the
+    previous B started (`tail`, (before, prev): the last one's reduce-scatter, the one before's output; a B's end
+    waits for all), which the B's own root units (not deferred: the embeddings, the head) then follow in the chain;
+    `missing`: the shard gradients' bytes not made yet at this B (`_b_states`). Nor does a B free its Blocks'
+    activations: each deferred linear keeps its input and output gradient for the W, about a Block's saved bytes
+    (`saved_activation_bytes`), a checkpointed Block's too once recomputed. 0 without a sharding engine."""
     if s.dp_type not in ZERO_STAGES:
         return 0
     a, d, stage = s.args, s.dims, ZERO_STAGES[s.dp_type]
@@ -120,6 +131,7 @@ def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
     X = block_input_bytes(s)
     tied = "tied" in padded
     V, v_shape = a.pp_virtual_stages or 1, a.pp_schedule in V_SCHEDULES
+    split = d.pp_enabled and a.pp_schedule in SPLIT_SCHEDULES
     if d.pp_enabled:
         layers = _layers(s.config, d.pp, V, a.seq_len, s.pp_layers, v_shape)
         chunks = [chunk_of(pp_rank, v, d.pp, v_shape) for v in range(V)]
@@ -128,19 +140,25 @@ def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
     every, every_held = state_bytes(s, pp_rank)["grads"], stage == 1 or s.grad_accum > 1
     # a V's rank 0 (both ends, two chunks) under ZeRO-2/3: the head's root gradient, held for chunk 0's backward
     kept = padded["root"] * rb if stage > 1 and len(chunks) > 1 and 0 in chunks and len(layers) - 1 in chunks else 0
-    most = 0
+    orders = {}
     for c in chunks:
         blocks, first, last = list(layers[c]), c == 0, c == len(layers) - 1
         ends = ends_saved_bytes(s, B, T, first, False)
         below = [ends + sum(X if recomputed_blocks(s, [i]) else block_saved_bytes(s, B, T, i) for i in blocks[:k])
                  for k in range(len(blocks) + 1)]
-        # (gradient elements, padded, gathered elements, activation bytes, the unit's group size)
-        order: list[tuple[int, int, int, int, int]] = []
-        if last and not first:
-            all_saved = below[-1] + ends_saved_bytes(s, B, T, False, True)
-            order += [(params[lm_head], padded["tied"], 0, all_saved, shard),
-                      (head - params[lm_head], padded["root"], 0, 0, shard)] if tied else [(head, padded["root"], 0, 0,
-                                                                                         shard)]
+        if split:  # the Blocks from k up keep their linears' (x, dy) for the W: about their saved bytes
+            below = [below[k] + sum(block_saved_bytes(s, B, T, i) for i in blocks[k:]) for k in range(len(below))]
+        # (gradient elements, padded, gathered elements, activation bytes, the unit's group size, kept for W)
+        order: list[tuple[int, int, int, int, int, bool]] = []
+        heads: list[tuple[int, int, int, int, int, bool]] = []
+        if last and not first:  # split: after the Blocks (measured), all of whose (x, dy) are still kept
+            all_saved = below[0] if split else below[-1] + ends_saved_bytes(s, B, T, False, True)
+            root_saved = below[0] if split else 0
+            heads = [(params[lm_head], padded["tied"], 0, all_saved, shard, False),
+                     (head - params[lm_head], padded["root"], 0, root_saved, shard, False)] if tied else [
+                (head, padded["root"], 0, root_saved, shard, False)]
+        if not split:
+            order += heads
         waiting = head if first and last else 0  # lm_head's and ln_f's gradients, until the root's concatenation
         with_experts = lambda u: padded[u] + padded.get(f"{u}.experts", 0)  # noqa: E731 (gathered together)
         for k in reversed(range(len(blocks))):
@@ -150,18 +168,34 @@ def reduce_transient(s: Setup, pp_rank: int = 0) -> int:
                 # attention and LayerNorms still saved
                 e = f"{u}.experts"
                 rest = block_saved_bytes(s, B, T, blocks[k]) - moe_saved_bytes(s, B, T)
-                order.append((sizes[e][0], padded[e], gathered, below[k] + rest, unit_shard(s, e)))
-            order.append((sizes[u][0] + waiting, padded[u], gathered, below[k], shard))
+                order.append((sizes[e][0], padded[e], gathered, below[k] + (0 if split else rest),
+                              unit_shard(s, e), split))
+            order.append((sizes[u][0] + waiting, padded[u], gathered, below[k], shard, split))
+        if split:
+            order += heads
         if first:
-            wpe = numel(EMBEDDINGS[1:])
-            order += [(numel(EMBEDDINGS), padded["tied"], 0, 0, shard), (wpe, padded["root"], 0, 0, shard)] \
+            wpe, saved = numel(EMBEDDINGS[1:]), below[0] if split else 0  # split: the Blocks' (x, dy) still kept
+            order += [(numel(EMBEDDINGS), padded["tied"], 0, saved, shard, False),
+                      (wpe, padded["root"], 0, saved, shard, False)] \
                 if tied and not last else [(numel(EMBEDDINGS) + waiting - (params[lm_head] if last else 0),
-                                            padded["root"], 0, 0, shard)]
-        for i, (grads, n, gathered, saved, group) in enumerate(order):
-            prev, before = (order[i - 1][1] if i >= 1 else 0), (order[i - 2][1] if i >= 2 else 0)
-            held = reduce_held_bytes(stage, grads, n, prev, before, group, pb, rb, copies)
+                                            padded["root"], 0, saved, shard, False)]
+        orders[c] = order
+    most, every = 0, every - missing
+    for c, order in orders.items():
+        first = c == 0
+        chain, held_for_w = list(tail), 0  # split: the reductions in flight (.., before, prev); the B's kept for W
+        for i, (grads, n, gathered, saved, group, for_w) in enumerate(order):
+            if split:
+                prev, before = chain[-1], chain[-2]
+            else:
+                prev, before = (order[i - 1][1] if i >= 1 else 0), (order[i - 2][1] if i >= 2 else 0)
+            held = reduce_held_bytes(stage, grads, n, prev, before, group, pb, rb, copies) + held_for_w * pb
             most = max(most, held + gathered * pb + saved + (kept if first or i > 0 else 0) + (
                 every if every_held else 4 * sum(u[1] // u[4] for u in order[:max(i - 2, 0)])))
+            if for_w:
+                held_for_w += n
+            else:
+                chain.append(n)
     return most
 
 
@@ -172,51 +206,181 @@ def reduce_phase(s: Setup, pp_rank: int = 0) -> int:
     from forward to backward) + `reduce_transient`, and ZeRO-1's end-of-step reduction, its full buffers +
     `theory.reduce_accumulated_held_bytes` (no activations left then). Each term of the moment is what some
     backward holds; together an upper bound where they do not coincide (GPipe's first backward holds the most
-    pairs, but its reduced outputs are the shard gradients, not beside them: +8% measured)."""
+    pairs, but its reduced outputs are the shard gradients, not beside them: +8% measured). Under a split
+    schedule the moment is the largest over the states its B's run in (`split_moment`)."""
     if s.dp_type not in ZERO_STAGES:
         return 0
     padded = _padded(s, pp_rank)
-    others = saved_activation_bytes(s, pp_rank) - micro_saved_bytes(s, pp_rank) // (s.args.pp_virtual_stages or 1) \
-        if s.dims.pp_enabled else 0
     roots = (padded["root"] + padded.get("tied", 0)) * s.param_bytes if s.dp_type == "fsdp" else 0
     end_of_step = sum(reduce_accumulated_held_bytes([n for u, n in padded.items() if u.endswith(".experts") == e],
                                                     unit_shard(s, "x.experts" if e else "root"), s.reduce_bytes,
                                                     s.copies_reduce_input) for e in (False, True)) \
         if s.dp_type == "zero1" else 0
-    moment = max(others, 0) + roots + reduce_transient(s, pp_rank) + held_for_w_bytes(s, pp_rank)
+    if _split(s):
+        moment = roots + runner_held_bytes(s, pp_rank) + max(split_moment(s, pp_rank, state) for state in _b_states(
+            s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[pp_rank])
+    else:
+        others = saved_activation_bytes(s, pp_rank) - micro_saved_bytes(s, pp_rank) // (
+            s.args.pp_virtual_stages or 1) if s.dims.pp_enabled else 0
+        moment = max(others, 0) + roots + reduce_transient(s, pp_rank)
     return max(moment, state_bytes(s, pp_rank)["grads"] + end_of_step)
 
 
-def held_for_w_bytes(s: Setup, pp_rank: int = 0) -> int:
-    """Under a split schedule (ZB-H1, ZB-V, DualPipe-V) and a sharding engine: the flat gradients of the Blocks
-    whose B ran and whose W has not (zero_bubble.hold_for_w keeps each unit's flat gradient from B until W adds
-    the deferred weight gradients into it), beside the B that makes the next one: the most such (chunk,
-    micro-batch) pairs at a B of this rank (`_held_for_w`) x its largest chunk's Blocks' padded flat buffers
-    (a V's middle rank in the cool-down: B, B, B, then the three W's, two held), and the running B's own chunk's
-    Blocks but the one `reduce_transient` counts (kept for its W too), in the compute copies' dtype."""
-    if s.dp_type not in ZERO_STAGES or not s.dims.pp_enabled or s.args.pp_schedule not in SPLIT_SCHEDULES:
-        return 0
-    held = _held_for_w(s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[pp_rank]
+def _split(s: Setup) -> bool:
+    """A split schedule (ZB-H1, ZB-V, DualPipe-V) under a sharding engine: B holds its Blocks' flat gradients for W."""
+    return s.dp_type in ZERO_STAGES and s.dims.pp_enabled and s.args.pp_schedule in SPLIT_SCHEDULES
+
+
+def split_moment(s: Setup, pp_rank: int, state: tuple[int, int, tuple[int, ...], frozenset]) -> int:
+    """A split schedule's B, in `state` (`_b_states`: others, kept, run, done), beyond the parameters, optimizer
+    state and runner's buffers: the other pairs' saved activations (each whole: after its B a pair keeps its
+    deferred linears' (x, dy), about its saved bytes), the kept pairs' Blocks' flat gradients (`kept_flat_bytes`),
+    and `reduce_transient` with the run's last two unit gradients in flight (`_run_tail`) and without the shard
+    gradients no reduction has made yet: the Blocks of chunks no W reduced, and the run's tail where its last
+    chunk had no W before (in flight: reduce_held_bytes counts its outputs); ZeRO-1 reduces at the step's end."""
+    others, kept, run, done = state
+    V, micro = s.args.pp_virtual_stages or 1, micro_saved_bytes(s, pp_rank)
+    last = stage_blocks(s, pp_rank)[2]
+    head = head_grad_bytes(s, s.args.micro_batch_size, s.args.seq_len // s.dims.cp) if last else 0
+    heads = _head_in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
+    saved = others * (micro - head) // V + max(heads - 1, 0) * head
+    shards = {c: [4 * n // unit_shard(s, u) for u, n in us] for c, us in _chunk_units(s, pp_rank).items()}
+    missing = sum(sum(shards[c]) for c in shards if c not in done and c not in run)
+    if run and run[-1] not in done and run.count(run[-1]) == 1:
+        missing += sum(shards[run[-1]][-2:])
+    if ZERO_STAGES[s.dp_type] == 1:  # ZeRO-1's full buffers: state, all step
+        missing = 0
+    return saved + kept * kept_flat_bytes(s, pp_rank) + reduce_transient(s, pp_rank, _run_tail(s, pp_rank, run),
+                                                                          missing)
+
+
+def _chunk_units(s: Setup, pp_rank: int = 0) -> dict[int, list[tuple[str, int]]]:
+    """Each chunk of the rank: its Blocks' units (and experts'), (name, padded elements), in the order a W reduces
+    them (top down, a Block's experts before it, as its B kept them)."""
     padded = _padded(s, pp_rank)
-    blocks = [[padded.get(f"transformer.h.{i}", 0) for i in layers] for _, layers in stage_chunks(s, pp_rank)]
-    largest = max(sum(b) for b in blocks)
-    # and the B's own chunk: its Blocks' flat gradients made before the one reduce_transient counts
-    return (held * largest + max(sum(b) - max(b, default=0) for b in blocks)) * s.param_bytes
+    return {c: [(u, padded[u]) for i in reversed(layers) for u in (f"transformer.h.{i}.experts", f"transformer.h.{i}")
+                if u in padded] for c, layers in stage_chunks(s, pp_rank)}
+
+
+def _run_tail(s: Setup, pp_rank: int, run: tuple[int, ...]) -> tuple[int, int]:
+    """(before, prev): the padded sizes of the last two unit gradients a run of W's (its chunks, in order)
+    reduces, in flight after it (`GradReduction`: the last one's reduce-scatter, the one before's output)."""
+    units_ = _chunk_units(s, pp_rank)
+    tail = [n for c in run for _, n in units_[c]][-2:]
+    return tuple([0] * (2 - len(tail)) + tail)
+
+
+def kept_flat_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """One (chunk, micro-batch) pair's flat gradients held from its B to its W (zero_bubble.hold_for_w: each of
+    the chunk's Blocks' and experts' units, padded, in the compute copies' dtype), the rank's largest chunk."""
+    return max(sum(n for _, n in us) for us in _chunk_units(s, pp_rank).values()) * s.param_bytes
+
+
+def held_for_w_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """At an F of a split schedule under a sharding engine (beside a forward's activations and the loss's buffers:
+    the peak of ZB-H1's last stage): the flat gradients of the most pairs whose B ran and whose W has not
+    (`_b_states`' kept, at an F), `kept_flat_bytes` each."""
+    if not _split(s):
+        return 0
+    held = _held_at_f(s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[pp_rank]
+    return held * kept_flat_bytes(s, pp_rank)
 
 
 @functools.lru_cache(maxsize=1024)
-def _held_for_w(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
-    """Each rank of a split schedule: its most (chunk, micro-batch) pairs between their B and their W when it runs
-    a B."""
+def _held_at_f(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
+    """Each rank of a split schedule: its most (chunk, micro-batch) pairs between their B and their W at an F."""
     out = []
     for ops in SPLIT_SCHEDULES[schedule](pp, micro, virtual):
         held, most = set(), 0
         for x in ops:
-            if x.kind == "B":
+            if x.kind == F:
                 most = max(most, len(held))
+            elif x.kind == B:
                 held.add((x.chunk, x.micro))
-            elif x.kind == "W":
+            elif x.kind == W:
                 held.discard((x.chunk, x.micro))
+        out.append(most)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _b_states(schedule: str, pp: int, micro: int, virtual: int) -> tuple[tuple[tuple, ...], ...]:
+    """Each rank of a split schedule: the distinct states its B's run in, (others, kept, run, done): the other
+    (chunk, micro-batch) pairs whose F ran and whose W has not (their activations saved), of them those whose B
+    ran (their flat gradients held for W), the chunks of the W's since the previous B, in order (their reductions
+    in flight: a B's end waits for them), and the chunks a W reduced before that run (their shard gradients
+    made)."""
+    out = []
+    for ops in SPLIT_SCHEDULES[schedule](pp, micro, virtual):
+        forward, kept, run, done, states = set(), set(), [], set(), set()
+        for x in ops:
+            key = (x.chunk, x.micro)
+            if x.kind == F:
+                forward.add(key)
+            elif x.kind == B:
+                states.add((len(forward) - 1 + len(kept), len(kept), tuple(run), frozenset(done)))
+                forward.discard(key)
+                kept.add(key)
+                done.update(run)
+                run = []
+            elif x.kind == W:
+                kept.discard(key)
+                run.append(x.chunk)
+        out.append(tuple(sorted(states, key=repr)))
+    return tuple(out)
+
+
+def w_in_flight_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """At an F of a split schedule under ZeRO-2/3: the reductions the W's since the last B left in flight, the
+    run whose tail holds the most (`_run_tail`; `theory.reduce_held_bytes`' share: the last unit's full gradient,
+    and gloo's copy of it, and its reduce-scatter's output, the one before's output)."""
+    if not _split(s):
+        return 0
+    stage, shard = ZERO_STAGES[s.dp_type], s.dims.dp_shard * s.dims.cp
+    runs = {run for _, _, run, _ in _b_states(s.args.pp_schedule, s.dims.pp, s.grad_accum,
+                                               s.args.pp_virtual_stages or 1)[pp_rank]}
+    return max((reduce_held_bytes(stage, 0, 0, prev, before, shard, s.param_bytes, s.reduce_bytes,
+                                  s.copies_reduce_input) for before, prev in (_run_tail(s, pp_rank, r) for r in runs)
+                if prev), default=0)
+
+
+def runner_held_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """Under a pipeline, the activations its runner (parallel.pipeline.PipelineRunner.step) keeps beside the saved
+    ones, at the B of this rank where there are the most (`_runner_buffers`), each a (B, T/cp, C) tensor in the
+    residual dtype (1/tp of it under SP: `block_input_bytes`): each (chunk, micro-batch) pair's output from its F
+    to its B (`stored`; a sent output is a buffer of its own, the peer receives into another; a local one is the
+    next chunk's input, saved there once its F ran), the receives posted and not yet read, and the running B's
+    output gradient (received, or handed over by the next chunk on this rank) and the input gradient it makes;
+    output gradients handed to a local chunk whose B has not run. A received input is also what the chunk's first
+    LayerNorm saves (counted twice: an upper bound by one (B, T/cp, C) a pair). `reduce_phase` counts it under a
+    split schedule (measured there: the middle stage of pp=3 ZB-H1 x zero2 holds 5 at its peak B); 0 without a
+    pipeline."""
+    if not s.dims.pp_enabled:
+        return 0
+    n = _runner_buffers(s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[pp_rank]
+    return n * block_input_bytes(s)
+
+
+@functools.lru_cache(maxsize=1024)
+def _runner_buffers(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
+    """Each rank: the most of `runner_held_bytes`' buffers at one of its B's, from its action list."""
+    v_shape, last, out = schedule in V_SCHEDULES, pp * virtual - 1, []
+    for rank, ops in enumerate(ALL_SCHEDULES[schedule](pp, micro, virtual)):
+        forward, backward, posted, most = set(), set(), set(), 0
+        local = lambda c, rank=rank: rank_of(c, pp, v_shape) == rank  # noqa: E731
+        for x in ops:
+            key = (x.chunk, x.micro)
+            if x.kind in (RECV_F, RECV_B):
+                posted.add((x.kind, key))
+            elif x.kind == F:
+                posted.discard((RECV_F, key))
+                forward.add(key)
+            elif x.kind == B:
+                posted.discard((RECV_B, key))
+                outputs = sum(c != last and not (local(c + 1) and (c + 1, m) in forward) for c, m in forward - backward)
+                handed = sum(c > 0 and local(c - 1) and (c - 1, m) not in backward for c, m in backward)
+                most = max(most, outputs + len(posted) + (x.chunk != last) + (x.chunk > 0) + handed)
+                backward.add(key)
         out.append(most)
     return tuple(out)
 
@@ -226,7 +390,9 @@ def peak_parts(s: Setup, pp_rank: int = 0) -> dict[str, int]:
     - "forward": the gradients a forward runs beside (held_grad_bytes) + the saved activations at the end of
       forward + the weights' compute-dtype copies under autocast (weight_cast_bytes) + the largest transient
       (the loss's backward starts on them; under full AC without a pipeline the saved bytes there are the
-      checkpointed inputs and the head's, not a recomputed Block's);
+      checkpointed inputs and the head's, not a recomputed Block's); under a split schedule and a sharding engine
+      also the unit gradients kept for W's still to run and the W's reductions in flight (`held_for_w_bytes` at an
+      F, `w_in_flight_bytes`);
     - "recompute" (full AC only): every gradient + the inputs + one recomputed Block (saved_activation_bytes);
     - "reduce" (a sharding engine): the shard gradients and a backward's gradient copies as its units complete
       (`reduce_phase`): under a pipeline the peak of a ZeRO-2/3 stage 0, at the embeddings' gradients, beside
@@ -243,7 +409,8 @@ def peak_parts(s: Setup, pp_rank: int = 0) -> dict[str, int]:
         blocks, first, last = stage_blocks(s, pp_rank)
         out["forward"] = len(blocks) * block_input_bytes(s) + ends_saved_bytes(s, B, T, first, last)
         out["recompute"] = grads + saved
-    out["forward"] += held_grad_bytes(s, pp_rank) + largest_transient(s, pp_rank) + weight_cast_bytes(s, pp_rank)
+    out["forward"] += held_grad_bytes(s, pp_rank) + largest_transient(s, pp_rank) + weight_cast_bytes(s, pp_rank) + \
+        held_for_w_bytes(s, pp_rank) + w_in_flight_bytes(s, pp_rank)
     return {"base": base, **out}
 
 

@@ -110,7 +110,8 @@ class TestConsistent(unittest.TestCase):
         """DualPipe-V (M = 4 >= 2P) x ZeRO-2, one rank per class: the planner's state, bytes and calls equal, and
         both peaks within the bound: rank 0 keeps the head's root gradient for chunk 0's backward (plan.predict.
         reduce_transient); the middle rank's cool-down runs B, B, B before their W's, each B's flat gradients
-        kept for its W (plan.peak.held_for_w_bytes; without it -20.0%, now -11.7%)."""
+        kept for its W (without them -20.0%, then -11.7%; with the W's reductions in flight, plan.peak.split_moment,
+        +0.3%)."""
         f = flags(["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "dualpipev",
                    "--pp_virtual_stages", "2", "--data_parallel_size", "2", "--data_parallel_type", "zero2",
                    "--total_batch_size", "256"])
@@ -122,13 +123,34 @@ class TestConsistent(unittest.TestCase):
     def test_planner_equals_zb_h1_fsdp(self):
         """ZB-H1 x ZeRO-3 at M = 4, both stages: the planner's state, bytes, calls and peak. Each stage's chunk holds
         two Blocks, and a B keeps the first one's flat gradient for its W while it makes the second's
-        (plan.peak.held_for_w_bytes; without it both stages -17%, now -12%)."""
+        (without it both stages -17%, then -12%; plan.peak.split_moment now: +0.3%, -3.5%)."""
         f = flags(["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "zb_h1",
                    "--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--total_batch_size", "256"])
         runs = V.simulate_ranks(f, 4, [0, 2])
         plans = {r: V.plan_for(f, 4, r) for r in runs}
         self.assertEqual([x for x in V.judge(V.Layout(plans[0].dims), runs, plans).findings
                           if x.startswith("planner:")], [])
+
+    def test_planner_peak_zb_h1_zero2_three_stages(self):
+        """pp=3 ZB-H1 x ZeRO-2 x tp=2 (tiny, 6 layers; #43 item 8), every stage, the planner's peak within the bound at
+        M = 6 (fp32, bf16, and fp32 at seq_len 128) and at M = P = 3. A split B's moment holds the W's reductions in
+        flight (the last unit's full gradient and two reduce-scatter outputs), the kept pairs' and its own Blocks' flat
+        gradients, and on a last stage reduces the head's units after its Blocks (plan.peak.split_moment, _b_states);
+        and the W's inputs no longer keep the chunk's graph (zero_bubble: xc.detach()). Before: the middle stage -15.0%
+        (fp32), bf16's last stage -19.2% (with the detach alone), at seq_len 128 the first and middle stages -20.1% and
+        -19.8% (with the detach alone; main -21.4% in the middle); now +0.6%, +2.3%, +0.8% and +1.2%. At M = P the
+        first B after the first W holds one other pair, not the steady state's two, and no shard gradients yet
+        (counting the steady state there: +19.5%; now +1.3%)."""
+        layout = ["--n_layer", "6", "--pipeline_parallel_size", "3", "--pp_schedule", "zb_h1", "--data_parallel_size",
+                  "2", "--data_parallel_type", "zero2", "--tensor_parallel_size", "2"]
+        for extra in (["--total_batch_size", "384"], ["--total_batch_size", "384", "--dtype", "bfloat16"],
+                      ["--seq_len", "128", "--total_batch_size", "1536"], ["--total_batch_size", "192"]):
+            f = flags([*layout, *extra])
+            runs = V.simulate_ranks(f, 12, [0, 4, 8])  # one rank per stage (the classes' representatives)
+            plans = {r: V.plan_for(f, 12, r) for r in runs}
+            with self.subTest(extra=extra):
+                self.assertEqual([x for x in V.judge(V.Layout(plans[0].dims), runs, plans).findings
+                                  if x.startswith("planner:")], [])
 
     def test_expert_parallel_4_ranks(self):
         """EP=2 over dp=4: the dispatch's split sizes (the routing's one host read) balanced in a simulated rank
