@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 SHARDS = ("train", "val")
+BUILTIN = ("shakespeare", "shakespeare_char", "openwebtext")  # data/<name>/prepare.py writes data/<name>/
 
 
 class DataError(ValueError):
@@ -23,17 +24,27 @@ class DataError(ValueError):
 
 
 def resolve_dataset_dir(dataset: str, root: str | None = None) -> str:
-    """'shakespeare' / 'openwebtext' name data/<name>/; anything else is a directory with the bins."""
+    """'shakespeare' / 'shakespeare_char' / 'openwebtext' name data/<name>/; anything else is a directory with the
+    bins."""
     root = root or os.path.dirname(os.path.abspath(__file__))
-    if dataset in ("shakespeare", "openwebtext"):
+    if dataset in BUILTIN:
         return os.path.join(root, dataset)
     return dataset
 
 
 def prepare_hint(dataset: str) -> str:
-    if dataset in ("shakespeare", "openwebtext"):
+    if dataset in BUILTIN:
         return f"python data/{dataset}/prepare.py"
     return "python data/openwebtext/prepare.py --input YOUR_FILES --out_dir " + dataset
+
+
+def ensure_builtin(dataset: str, data_dir: str, leader: bool) -> bool:
+    """Prepare a built-in Shakespeare dataset in `data_dir` when it is missing (`leader`: this process prepares, the
+    others wait for it); False when that failed. Other datasets are prepared beforehand: True."""
+    if dataset not in ("shakespeare", "shakespeare_char"):
+        return True
+    import importlib
+    return importlib.import_module(f"data.{dataset}.prepare").ensure_prepared(data_dir, leader=leader)
 
 
 def open_tokens(path: str, vocab_size: int, min_tokens: int, hint: str) -> np.memmap:
