@@ -16,12 +16,15 @@ from dataclasses import dataclass
 import torch
 
 import checkpoint
-from data.batches import BatchSource, DataError, ensure_builtin, prepare_hint, resolve_dataset_dir
-from data.chars import META, load_chars
+import config_file
+from data.batches import BatchSource, DataError, prepare_hint, prepared_dir, resolve_dataset_dir
+from data.chars import holds_chars, load_chars
 from model import GPT, PRESETS, GPTConfig, make_config
-from parallel.mesh import ParallelDims, WorldSizeError, env_world, pick_device
+from launch import env_world
+from parallel.device import pick_device
+from parallel.mesh import ParallelDims, WorldSizeError
 from parallel.parallelize import ParallelConfig
-from pipeline_split import check_counts, layers_for
+from pipeline_partition import check_counts, layers_for
 from parallel.tensor_parallel import check_tp_divisibility
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -68,6 +71,8 @@ def fetch_hf_weights(name: str) -> dict:
 def train_parser() -> Parser:
     p = Parser(prog="train.py", description="Train GPT-2 on one process or many (torchrun).")
     a = p.add_argument
+    a("--config", metavar="FILE.toml", help="read the flags from a TOML file (key = value; each run writes its "
+      "own to <out_dir>/config.toml); flags given here override it")
     # layout
     a("--tensor_parallel_size", type=int, default=1, help="degree of tensor parallelism")
     a("--enable_loss_parallelism", action="store_true", help="vocab-parallel cross-entropy under TP")
@@ -86,8 +91,8 @@ def train_parser() -> Parser:
     a("--pp_virtual_stages", type=int, default=None, metavar="V",
       help="interleaved_1f1b: model chunks per pipeline rank (V > 1); zbv, dualpipev: 2")
     a("--pp_layers_per_stage", default=None, metavar="A,B,...",
-      help="Blocks per pipeline chunk, P x V counts in chunk order (default: split by the cost model, "
-           "pipeline_split.py)")
+      help="Blocks per pipeline chunk, P x V counts in chunk order (default: partitioned by the cost model, "
+           "pipeline_partition.py)")
     a("--context_parallel_size", type=int, default=1, metavar="C",
       help="split every sequence over C ranks (ring attention); gradients reduced over dp x C")
     a("--expert_parallel_size", type=int, default=1, metavar="N",
@@ -122,8 +127,7 @@ def train_parser() -> Parser:
     a("--moe_aux_loss_coeff", type=float, default=0.0, help="Switch/GShard load-balancing loss coefficient")
     a("--moe_bias_update_rate", type=float, default=0.0,
       help="DeepSeek-V3 auxiliary-loss-free balancing: the expert bias's step per optimizer step")
-    a("--dataset", default="shakespeare", help="shakespeare, shakespeare_char (characters), openwebtext, or a dir "
-      "with train.bin/val.bin (+ meta.json: the characters, data/chars.py)")
+    a("--dataset", default="shakespeare", help="shakespeare, shakespeare_char, openwebtext, fineweb, or a dir: data.md")
     # batch and optimisation
     a("--micro_batch_size", type=int, default=8)
     a("--seq_len", type=int, default=1024)
@@ -135,6 +139,8 @@ def train_parser() -> Parser:
     a("--seed", type=int, default=1337)
     a("--eval_interval", type=int, default=25)
     a("--eval_iters", type=int, default=20)
+    a("--hellaswag", metavar="FILE.jsonl", help="also score HellaSwag at every eval, spread over the ranks "
+      "(python -m evals.fetch_hellaswag)")
     # system
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", *DTYPES], default="auto")
@@ -165,7 +171,7 @@ def train_parser() -> Parser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = train_parser().parse_args(argv)
+    args = config_file.parse_args(train_parser(), argv)  # --config FILE.toml, then the command line
     if args.out_dir is None:
         args.out_dir = os.path.join("runs", f"{args.model}-{os.path.basename(os.path.normpath(args.dataset))}")
     return args
@@ -278,8 +284,7 @@ def _check_flags(args: argparse.Namespace) -> None:
                          "with --implementation custom")
     if args.deferred_init and args.init_from != "scratch":
         raise UsageError("--deferred_init builds a fresh model; it cannot be combined with --init_from")
-    if args.init_from != "scratch" and (args.dataset == "shakespeare_char" or os.path.isfile(
-            os.path.join(resolve_dataset_dir(args.dataset), META))):
+    if args.init_from != "scratch" and holds_chars(args.dataset):
         raise UsageError(f"--init_from {args.init_from} reads GPT-2 BPE ids; --dataset {args.dataset} holds characters")
     _check_fake(args)
 
@@ -377,9 +382,9 @@ def _check_context(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
 
 def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig,
                     micro: int) -> tuple[int, ...] | None:
-    """The schedule, its virtual stages and the micro-batch count M against the split of n_layer Blocks.
-    Returns the split, Blocks per chunk: --pp_layers_per_stage's, else the cost model's at --seq_len
-    (pipeline_split.py); None without a pipeline."""
+    """The schedule, its virtual stages and the micro-batch count M against the partition of n_layer Blocks.
+    Returns the partition, Blocks per chunk: --pp_layers_per_stage's, else the cost model's at --seq_len
+    (pipeline_partition.py); None without a pipeline."""
     interleaved, v_shape = args.pp_schedule == "interleaved_1f1b", args.pp_schedule in ("zbv", "dualpipev")
     if args.pp_virtual_stages is not None and not (interleaved or v_shape):
         raise UsageError(f"--pp_virtual_stages is for --pp_schedule interleaved_1f1b; {args.pp_schedule} runs "
@@ -421,14 +426,14 @@ def _check_pipeline(args: argparse.Namespace, dims: ParallelDims, config: GPTCon
         reason = check_counts(counts, config.n_layer, dims.pp * virtual)
         if reason:
             raise UsageError(f"{flag} {reason}")
-    return _split(config, dims.pp, virtual, args.seq_len, counts, v_shape)
+    return _partition(config, dims.pp, virtual, args.seq_len, counts, v_shape)
 
 
 @functools.lru_cache(maxsize=1024)
-def _split(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple[int, ...] | None,
-           v_shape: bool) -> tuple[int, ...]:
+def _partition(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple[int, ...] | None,
+               v_shape: bool) -> tuple[int, ...]:
     """layers_for's Blocks per chunk, once per argument set (the planner checks thousands of layouts that share
-    a few splits, and the cost model builds a Block on meta each time)."""
+    a few partitions, and the cost model builds a Block on meta each time)."""
     return tuple(len(r) for r in layers_for(config, pp, virtual, seq_len, counts, v_shape=v_shape))
 
 
@@ -482,23 +487,14 @@ def _check_experts(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
                          "pipelining takes no balancing loss from a chunk; use --implementation custom")
 
 
-def _prepared(args: argparse.Namespace, local_rank: int) -> str:
-    """The dataset's directory, a built-in Shakespeare one prepared when missing (by local rank 0, once)."""
-    data_dir = resolve_dataset_dir(args.dataset)
-    if not ensure_builtin(args.dataset, data_dir, leader=local_rank == 0):
-        raise UsageError(f"dataset {args.dataset} could not be prepared in {data_dir}; run: "
-                         f"{prepare_hint(args.dataset)}")
-    return data_dir
-
-
-def _check_data(args: argparse.Namespace, config: GPTConfig, local_rank: int) -> str:
-    data_dir = _prepared(args, local_rank)
-    if not os.path.isdir(data_dir):
-        raise UsageError(f"dataset {args.dataset!r}: no directory {data_dir}; prepare it with: "
-                         f"{prepare_hint(args.dataset)}")
+def _check_data(args: argparse.Namespace, config: GPTConfig | None, local_rank: int) -> str:
+    """The dataset's directory (a built-in Shakespeare one prepared when missing, by local rank 0) and, given the
+    model's `config`, its files and characters checked against it."""
     try:
-        load_chars(data_dir, config.vocab_size)  # a character-level dataset's characters fit the model's vocab
-        BatchSource(data_dir, args.seq_len, config.vocab_size, args.seed, prepare_hint(args.dataset))
+        data_dir = prepared_dir(args.dataset, leader=local_rank == 0)
+        if config is not None:
+            load_chars(data_dir, config.vocab_size)  # a character-level dataset's characters fit the model's vocab
+            BatchSource(data_dir, args.seq_len, config.vocab_size, args.seed, prepare_hint(args.dataset))
     except DataError as e:
         raise UsageError(str(e)) from None
     return data_dir
@@ -590,7 +586,7 @@ def validate(args: argparse.Namespace, launch: str | None = None) -> Plan:
     launch = launch or ("pass --fake_world_size {n}" if fake else LAUNCH)
     if args.dataset == "shakespeare_char":  # its characters size the model: prepared once the flags are checked
         _check_flags(args)
-        _prepared(args, local_rank)
+        _check_data(args, None, local_rank)
     dims, config, dtype, hf_state, grad_accum, pp_layers = check_layout(args, world_size, device, launch)
     data_dir = _check_data(args, config, local_rank)
     resume_from = None if fake else _check_out_dir(args, config)  # a simulated rank writes nothing there

@@ -4,9 +4,10 @@
     python sample.py --init_from gpt2 --start FILE:prompt.txt --device cuda      # needs the HF hub
 
 One process, CPU or GPU. The checkpoint's shards are assembled into a single-process GPT by
-checkpoint.load_model. Text is GPT-2 BPE, or the characters of a character-level dataset when the run trained on
-one (its meta.json, data/chars.py: `--dataset shakespeare_char`). Sampling is ancestral with temperature and top-k, drawn from a torch.Generator
-seeded by --seed, so the same command prints the same text (on the same device and torch version).
+checkpoint.load_model. Text is GPT-2 BPE, or the characters of a character-level dataset when the run trained
+on one (its meta.json, data/chars.py: `--dataset shakespeare_char`). Sampling is ancestral with temperature and
+top-k, drawn from a torch.Generator seeded by --seed, so the same command prints the same text (on the same device
+and torch version).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from config import HF_MODELS, Parser, UsageError, error_line, fetch_hf_weights
 from data.chars import CharsError, CharVocab, run_chars
 from data.tokenizer import GPT2_N_VOCAB, get_gpt2_encoding
 from model import GPT
-from parallel.mesh import pick_device
+from parallel.device import pick_device
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -19,17 +19,23 @@ import torch.distributed as dist
 
 import allocator
 import checkpoint
+import trainer_checkpoint
+import config_file
 import faults
+import memory
 import metrics
-from config import Plan, UsageError, error_line, parse_args, validate
+from config import Plan, UsageError, error_line, parse_args, train_parser, validate
 from data.batches import BatchSource, micro_batch_chunk
 from debug.trace import Tracer
+from evals import hellaswag
+from launch import exit_process
 from model import GPT
 from parallel import comm
-from parallel.mesh import OPTIONAL_DIMS, Mesh, exit_process, fused_optimizer, init_distributed
+from parallel.device import fused_optimizer
+from parallel.mesh import OPTIONAL_DIMS, Mesh, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 from parallel.pipeline_schedule import V_SCHEDULES
-from pipeline_split import describe_split, layers_for, stage_costs
+from pipeline_partition import describe_partition, layers_for, stage_costs
 from plan.predict import for_run, summary
 from plan.theory import bubble_fraction
 
@@ -50,8 +56,9 @@ class Trainer:
     faults: faults.Faults | None = None  # watchdog, preemption and the test hooks (run() sets it)
     built: dict = field(default_factory=dict)  # what build() measured of the model it made (run() logs it)
     tracer: Tracer = field(default_factory=Tracer)  # --trace_step: step S's outputs and gradients (debug/trace.py)
-    saved_step: int = 1  # the step whose saved activations are measured (metrics.SavedActivations: one step)
-    peak_step: int = 2  # the CPU's allocated peak's step: the first with optimizer state (metrics.AllocatedPeak)
+    saved_step: int = 1  # the step whose saved activations are measured (memory.SavedActivations: one step)
+    peak_step: int = 2  # the CPU's allocated peak's step: the first with optimizer state (memory.AllocatedPeak)
+    hellaswag_rows: hellaswag.Rows | None = None  # --hellaswag: its rows, scored at every eval (log_eval)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -130,8 +137,8 @@ class StepWatch:
         metrics.reset_peak_memory(plan.device)
         self.t0 = time.perf_counter()
         t.tracer.before_step(t, self.step)
-        self.saved = metrics.SavedActivations(t.par.parameter_tensors() if self.step == t.saved_step else None)
-        self.peak = metrics.AllocatedPeak(self.step == t.peak_step and plan.device.type == "cpu"
+        self.saved = memory.SavedActivations(t.par.parameter_tensors() if self.step == t.saved_step else None)
+        self.peak = memory.AllocatedPeak(self.step == t.peak_step and plan.device.type == "cpu"
                                           and (plan.rank == 0 or plan.fake))  # a simulated rank measures its own
         self.peak.__enter__()
         self.saved.__enter__()
@@ -225,6 +232,21 @@ def evaluate(t: Trainer) -> float:
     return (t.par.mean_loss(total) * dp / n).item()
 
 
+def log_eval(t: Trainer, step: int, logger: metrics.Logger, progress: metrics.Progress) -> None:
+    """One record: the validation loss and, with --hellaswag, HellaSwag through the layout (evals/hellaswag.py)."""
+    record, args = {"step": step, "val_loss": evaluate(t)}, t.plan.args
+    progress.eval(step, record["val_loss"])
+    rows = t.hellaswag_rows
+    if rows is not None:
+        t.model.eval()
+        per_micro = max(1, args.micro_batch_size * args.seq_len // rows.length)  # a training micro-batch's tokens
+        s = hellaswag.score_layout(t.par, t.mesh, rows, per_micro, lambda: _autocast(t.plan))
+        t.model.train()
+        record.update({f"hellaswag_{k}": v for k, v in s.items()})
+        progress.write(f"step {step} | hellaswag acc {s['acc']:.4f} | acc_norm {s['acc_norm']:.4f}")
+    logger.log(record)
+
+
 def describe(t: Trainer) -> str:
     d, par, a = t.plan.dims, t.plan.par, t.plan.args
     optional = "".join(f"{k}={v} " for k, v in d.sizes().items() if k in OPTIONAL_DIMS and v > 1)
@@ -241,12 +263,12 @@ def describe(t: Trainer) -> str:
             f"x seq_len {a.seq_len} | MFU against {t.peak_flops / 1e9:.1f} GFLOP/s per device")
 
 
-def describe_pipeline_split(plan: Plan) -> str:
-    """The pipeline's split in one line: each chunk's Blocks and its cost (pipeline_split.py)."""
+def describe_pipeline_partition(plan: Plan) -> str:
+    """The pipeline's partition in one line: each chunk's Blocks and its cost (pipeline_partition.py)."""
     layers = layers_for(plan.config, plan.dims.pp, plan.par.pp_virtual, counts=plan.par.pp_layers)
     by = "--pp_layers_per_stage" if plan.args.pp_layers_per_stage else "cost"
-    return describe_split(layers, stage_costs(plan.config, plan.args.seq_len), by,
-                          v_shape=plan.par.pp_schedule in V_SCHEDULES)
+    return describe_partition(layers, stage_costs(plan.config, plan.args.seq_len), by,
+                              v_shape=plan.par.pp_schedule in V_SCHEDULES)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -256,7 +278,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
     on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or faults.PREEMPTED
     when a rank was signalled (the step is finished and saved first)."""
     plan, args, is_main = t.plan, t.plan.args, t.plan.rank == 0
-    start = checkpoint.restore_trainer(t) if plan.resume_from else 0
+    start = trainer_checkpoint.restore_trainer(t) if plan.resume_from else 0
     if args.resume and not plan.resume_from and is_main:
         print(f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
               f"starting fresh", flush=True)
@@ -271,9 +293,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
         logger.log({"step": 0, "predicted": predicted})
         progress.write(summary(predicted))
     if start == 0:  # a resumed run skips it: its checkpoint step's eval was logged before the save
-        val = evaluate(t)
-        logger.log({"step": 0, "val_loss": val})
-        progress.eval(0, val)
+        log_eval(t, 0, logger, progress)
     profiler = metrics.make_profiler(args.profile, args.out_dir, t.plan.device)
     for step in range(start + 1, args.max_steps + 1):
         t.step = step
@@ -291,14 +311,12 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
                                        f"{checkpoint.newest(args.out_dir) or 'none'}")
             return 3
         if step % args.eval_interval == 0 or step == args.max_steps:
-            val = evaluate(t)
-            logger.log({"step": step, "val_loss": val})
-            progress.eval(step, val)
+            log_eval(t, step, logger, progress)
         every = args.checkpoint_interval and step % args.checkpoint_interval == 0
         stop = t.faults.preempted()
         path = None
         if not args.no_checkpoint and (every or step == args.max_steps or stop):
-            path, blocked_ms = checkpoint.save_trainer(t, step, wait=stop or step == args.max_steps)
+            path, blocked_ms = trainer_checkpoint.save_trainer(t, step, wait=stop or step == args.max_steps)
             logger.log({"step": step, "checkpoint_blocked_ms": blocked_ms, "async_checkpoint": t.saver is not None})
             if step == args.max_steps:
                 progress.write(f"saved {path}")
@@ -320,7 +338,8 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         plan = validate(parse_args(argv))
-    except UsageError as e:
+        rows = hellaswag.for_plan(plan)
+    except (UsageError, hellaswag.HellaSwagError) as e:
         error_line("train.py", e)
         return 2
     if plan.fake:  # a simulated rank is driven from above (plan/fake_rank.py wraps build and run)
@@ -332,13 +351,15 @@ def main(argv: list[str] | None = None) -> int:
     world = plan.dims.world_size  # the flight recorder's ring: in a file, so a killed or stopped rank's stays
     comm.RECORDER.open(faults.ring_path(args.out_dir, plan.rank) if world > 1 else None, plan.rank, world)
     t = build(plan)
+    t.hellaswag_rows = rows
     if args.overwrite and is_main:  # a fresh run: old checkpoints must not be resumed into it later
         shutil.rmtree(os.path.join(args.out_dir, checkpoint.SUBDIR), ignore_errors=True)
     logger = metrics.Logger(args.out_dir, is_main, append=args.resume)  # a resumed run appends
     if is_main:
+        config_file.write(args, train_parser())  # <out_dir>/config.toml: --config replays the run
         print(describe(t), flush=True)
         if plan.dims.pp_enabled:
-            print(describe_pipeline_split(plan), flush=True)
+            print(describe_pipeline_partition(plan), flush=True)
         faults.warn_shared_rendezvous_store()
     t.faults = faults.Faults(args.out_dir, plan.rank, args.timeout, plan.device)
     try:
@@ -367,4 +388,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())  # everything is flushed and closed: skip finalization (parallel.mesh.exit_process)
+    exit_process(main())  # everything is flushed and closed: skip finalization (launch.exit_process)

@@ -30,7 +30,7 @@ import sys
 import torch
 import torch.utils.checkpoint
 
-from metrics import SavedAndRecomputedBytes  # noqa: F401 -- lives in metrics (train.py uses it)
+from memory import SavedAndRecomputedBytes  # noqa: F401 -- lives in memory.py (train.py uses it)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("none", "full", "selective")

@@ -438,9 +438,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        from parallel.mesh import exit_process
+        from launch import exit_process
         worker(json.loads(args.worker))
-        exit_process(0)  # the group is destroyed: skip finalization (parallel.mesh.exit_process)
+        exit_process(0)  # the group is destroyed: skip finalization (launch.exit_process)
     rows = run(args.out, args.seq_lens, args.cps, args.model, args.n_layer or None, args.rows,
                args.warmup, args.steps, args.timeout, [t for t in args.tps if t > 1], attn_reps=args.attn_reps)
     config = json.load(open(os.path.join(args.out, "cp.json")))["config"]

@@ -56,7 +56,7 @@ class ForkServer:
         self.close()
 
     def _start(self) -> None:
-        from parallel.mesh import child_env
+        from launch import child_env
         env = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(self._env or {}))
         self._proc = subprocess.Popen([sys.executable, "-m", "bench.forkserver"], cwd=ROOT, env=env, text=True,
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)

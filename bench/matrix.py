@@ -24,7 +24,7 @@ from plan.theory import ddp_comm_bytes_per_step, ep_all_to_all_bytes_per_micro_s
 from parallel.flat_param import ZERO_STAGES
 from plan.theory import fsdp_comm_bytes_per_micro_step, zero_comm_bytes_per_step
 from plan.theory import p2p_bytes_per_step
-from pipeline_split import layers_for
+from pipeline_partition import layers_for
 from plan.theory import tp_comm_bytes_per_micro_step
 
 PP_LAYOUTS = ("pp", "pp-dp", "pp-tp", "3d")  # pp=2 alone, x dp=2 (DDP), x tp=2, x dp=2 x tp=2
@@ -220,7 +220,7 @@ def param_count(config: GPTConfig, tp: int = 1, root_only: bool = False, first_s
     mlp.c_fc) and row-parallel weights (attn.c_proj, mlp.c_proj). Replicated: LayerNorms, the position
     embedding and the row-parallel biases. root_only: just the parameters outside the Blocks (FSDP's root
     unit: wte = lm_head, wpe, ln_f). first_stage_of=P > 1: just pipeline stage 0's of a P-stage cut
-    (wte, wpe and the Blocks of the first chunk of train.py's split at `seq_len`, pipeline_split.py;
+    (wte, wpe and the Blocks of the first chunk of train.py's split at `seq_len`, pipeline_partition.py;
     ln_f and lm_head's copy live on the last)."""
     with torch.device("meta"):
         model = GPT(config)

@@ -11,7 +11,7 @@ is kept (on a shared machine other load only adds time).
 Per rank: busy = sum of its F, B and W intervals; span = max end - min start of any action over all ranks;
 idle = 1 - busy/span. The schedule's idle (mean over ranks, i.e. 1 - sum busy/(P·span)) sits next to
 `bubble_fraction`, which assumes equal stages and free messages. The Blocks are split as train.py splits
-them, by cost (pipeline_split.py: FLOPs, or with `--balance time` rank 0's timings of a Block,
+them, by cost (pipeline_partition.py: FLOPs, or with `--balance time` rank 0's timings of a Block,
 the embedding and the head, or with `--balance step` the ranks' own times in 1F1B steps on the FLOP split,
 taken before the schedules run; `--layers_per_stage` sets the split of the
 one-chunk schedules by hand), but whole Blocks cannot balance chunk 0's embedding against the last chunk's
@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from metrics import SavedBytes  # noqa: F401 -- measured here; it lives in metrics (train.py uses it too)
-from parallel.mesh import exit_process
+from memory import SavedBytes  # noqa: F401 -- measured here; it lives in memory.py (train.py uses it too)
+from launch import exit_process
 from parallel.pipeline_schedule import ALL_SCHEDULES, B, COMPUTE, F, V_SCHEDULES, W
 from plan.theory import bubble_fraction
 from plan.simulate import simulate
 
 if TYPE_CHECKING:  # the worker imports them itself, after torchrun has started it
     from model import GPTConfig
-    from pipeline_split import StageCosts
+    from pipeline_partition import StageCosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -173,7 +173,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from model import GPT, make_config
     from parallel.pipeline import PipelineRunner, PipelineStage
-    from pipeline_split import layers_for, measure_costs, stage_costs
+    from pipeline_partition import layers_for, measure_costs, stage_costs
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -217,8 +217,8 @@ def worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             runner.step(batches, name)
             stage.zero_grad(set_to_none=True)
-            mine = {"timeline": [(a.kind, a.chunk, a.micro, s - t0, e - t0) for a, s, e in runner.timeline],
-                    "peak_in_flight": runner.peak_in_flight, "peak_saved_bytes": saved.peak}
+            mine = {"timeline": [(a.kind, a.chunk, a.micro, s - t0, e - t0) for a, s, e in runner.record.timeline],
+                    "peak_in_flight": runner.record.peak_in_flight, "peak_saved_bytes": saved.peak}
             gathered = [None] * P
             dist.all_gather_object(gathered, mine)
             span = idle_stats([[(a[0], a[3], a[4]) for a in r["timeline"]] for r in gathered])[1]
@@ -235,7 +235,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def step_costs(cfg: GPTConfig, rank: int, P: int, batches: list, flops: StageCosts, warmup: int,
                steps: int = 5) -> StageCosts:
-    """StageCosts from 1F1B steps on the FLOP split (pipeline_split.costs_from_step): each rank's median over
+    """StageCosts from 1F1B steps on the FLOP split (pipeline_partition.costs_from_step): each rank's median over
     `steps` of its F + B time per micro-batch, gathered, so every rank computes the same split."""
     import statistics
 
@@ -243,7 +243,7 @@ def step_costs(cfg: GPTConfig, rank: int, P: int, batches: list, flops: StageCos
 
     from model import GPT
     from parallel.pipeline import PipelineRunner, PipelineStage
-    from pipeline_split import costs_from_step, layers_for
+    from pipeline_partition import costs_from_step, layers_for
     counts = tuple(len(r) for r in layers_for(cfg, P, costs=flops))
     with torch.device("meta"):
         model = GPT(cfg)
@@ -255,7 +255,7 @@ def step_costs(cfg: GPTConfig, rank: int, P: int, batches: list, flops: StageCos
         runner.step(batches, "1f1b")
         stage.zero_grad(set_to_none=True)
         if i >= warmup:
-            times.append(sum(e - s for a, s, e in runner.timeline if a.kind in (F, B)) / len(batches))
+            times.append(sum(e - s for a, s, e in runner.record.timeline if a.kind in (F, B)) / len(batches))
     gathered = [None] * P
     dist.all_gather_object(gathered, statistics.median(times))
     return costs_from_step(counts, gathered, flops)
@@ -267,7 +267,7 @@ def run(out: str, pp: int = 4, micro: int = 8, virtual: int = 2, model: str = "t
         **options) -> list[dict]:
     """Launch the torchrun job, then write pipeline.json, pipeline.md and pipeline_timeline.png; the rows.
     `options`: any other flag of parse_args by its dest (vocab_size=256, warmup=1, ...)."""
-    from parallel.mesh import child_env
+    from launch import child_env
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     spec = {**vars(parse_args(["--out", out])), "pp": pp, "micro": micro, "virtual": virtual, "model": model,
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
-        exit_process(0)  # the group is destroyed: skip finalization (parallel.mesh.exit_process)
+        exit_process(0)  # the group is destroyed: skip finalization (launch.exit_process)
     opts = {k: v for k, v in vars(args).items() if k not in ("out", "pp", "micro", "virtual", "model", "timeout",
                                                               "worker")}
     run(args.out, args.pp, args.micro, args.virtual, args.model, args.timeout, **opts)

@@ -18,7 +18,7 @@ The planner predicts each layout with a CPU "cluster" calibrated by measurement,
 - overhead (Cluster.overhead, seconds per compute action: one F or B of a chunk on a micro-batch) and compute
   from the one-process reference at two micro-batches of the same 16 rows per step (`fit_overhead`): mb=16 in
   one micro-step (2 actions) and mb=4 in four (8 actions, plan.search.compute_actions); overhead = (t_mb4 -
-  t_mb16) / (8 - 2), and the achieved FLOP/s = plan.predict.step_flops / (t_mb16 - 2 x overhead), so the planner
+  t_mb16) / (8 - 2), and the achieved FLOP/s = plan.counts.step_flops / (t_mb16 - 2 x overhead), so the planner
   (`--efficiency` 1) reproduces both runs: what a rank achieves alone, Python and non-matmul kernels included,
   split into a part per FLOP and a part per action (Python, autograd, dispatch: what makes many small
   micro-batches and zero-bubble's split backwards slower than their FLOPs say; smaller matmuls' lower rate
@@ -308,7 +308,7 @@ def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from parallel.mesh import backend_for
+    from parallel.device import backend_for
 
     torch.set_num_threads(1)
     dist.init_process_group(backend_for(torch.device("cpu")))
@@ -362,7 +362,7 @@ def calibrate(world: int, numel: int, seconds: float = 3.0, reduces: int = 10, h
               call_probes: int = 50) -> dict:
     """The calibration job on `world` ranks (one thread each): {matmul_flops (per rank)} and with more than one
     rank comm_probes' {hop, bus_bw, aligned, one_element, calls}."""
-    from parallel.mesh import child_env
+    from launch import child_env
     with tempfile.TemporaryDirectory() as d:
         spec = {"rows": ROWS * T, "n_embd": C, "numel": numel, "seconds": seconds, "reduces": reduces,
                 "hop_reduces": hop_reduces, "call_probes": call_probes, "out": os.path.join(d, "cal.json")}
@@ -395,14 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        from parallel.mesh import exit_process
+        from launch import exit_process
         worker(json.loads(args.worker))
-        exit_process(0)  # the group is destroyed: skip finalization (parallel.mesh.exit_process)
+        exit_process(0)  # the group is destroyed: skip finalization (launch.exit_process)
     sys.path.insert(0, ROOT)
     from bench.forkserver import ForkServer
     from metrics import read_jsonl
     from plan.cluster import Cluster
-    from plan.predict import local_params, step_flops
+    from plan.counts import local_params, step_flops
     from plan.search import compute_actions
     from tests.harness import make_token_bins
 

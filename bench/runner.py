@@ -20,7 +20,7 @@ import torch
 from bench.matrix import KINDS, MOE_LAYOUTS, Layout, Setup, comm_theory, ep_all_to_all_at_load, expert_param_count
 from metrics import active_params, read_jsonl
 from model import GPT
-from parallel.mesh import child_env
+from launch import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py's directory
 

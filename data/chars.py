@@ -78,6 +78,13 @@ def load_chars(data_dir: str, vocab_size: int | None = None) -> CharVocab | None
     return CharVocab(chars)
 
 
+def holds_chars(dataset: str) -> bool:
+    """Whether `dataset` (a --dataset value) is character-level: shakespeare_char, prepared or not, or a directory
+    with meta.json."""
+    from data.batches import resolve_dataset_dir
+    return dataset == "shakespeare_char" or os.path.isfile(os.path.join(resolve_dataset_dir(dataset), META))
+
+
 def run_chars(manifest: dict) -> CharVocab | None:
     """The characters a checkpoint's model reads and writes (None: GPT-2 BPE ids), from the dataset its run
     trained on (the manifest's config.train.dataset, as nanoGPT's sample.py finds meta.pkl). Refused in one

@@ -50,9 +50,12 @@ ALLOWED = {
     ("parallel/expert_parallel.py", "split_sizes"): "an MoE layer's all_to_all split sizes: each rank must know how "
                                                  "many rows it sends and receives before they move (one read per "
                                                  "MoE layer and micro-batch; docs/moe.md)",
-    ("moe.py", "__call__"): "the MoE experts' group sizes for the per-expert loop, only where torch._grouped_mm "
-                            "does not run as a kernel (moe.grouped_mm_runs: CPU autocast, GPU fp32, GPUs before "
-                            "sm90, unaligned widths): one read per MoE layer and micro-batch",
+    ("moe.py", "split_sizes"): "the MoE experts' group sizes for the per-expert loop, only where torch._grouped_mm "
+                               "does not run as a kernel (moe.grouped_mm_runs: CPU autocast, GPU fp32, GPUs before "
+                               "sm90, unaligned widths): one read per MoE layer and micro-batch",
+    ("parallel/parallelize.py", "step_counters"): "the MoE layers' tokens per expert and balancing loss over the "
+                                                  "batch, logged (read after the step's loss: nothing left to wait "
+                                                  "for)",
 }
 SYNCS = ("item", "tolist", "cpu", "__bool__")
 

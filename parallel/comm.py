@@ -18,7 +18,8 @@ counted: they are properties of the transport, not of the algorithm.
 Every op is also recorded, posted and then completed, in this rank's flight recorder
 (parallel/flight_recorder.py; `python -m debug hang` reads it after a hang), counted or not: the scalar
 reductions (grad norm, mean loss, found-inf, the preemption vote) pass `counted=False`. An async op returns
-its work wrapped, so that its wait() marks the record completed. `HOOKS` is the one seam for test hooks.
+its work wrapped (`RECORDER.issued`), so that its wait() marks the record completed. `HOOKS` is the one seam for
+test hooks.
 
 Averages are computed as SUM followed by a division by the group size, which every backend supports
 (gloo has no ReduceOp.AVG in older torch versions, and some backends none for integer tensors).
@@ -94,28 +95,6 @@ class Hooks:
 HOOKS: Hooks | None = None
 
 
-class Recorded:
-    """An async op's work handle whose wait() (or a True is_completed()) also marks its record completed."""
-    __slots__ = ("work", "n")
-
-    def __init__(self, work: dist.Work, n: int):
-        self.work, self.n = work, n
-
-    def wait(self, *args) -> bool:
-        out = self.work.wait(*args)
-        RECORDER.done(self.n)
-        return out
-
-    def is_completed(self) -> bool:
-        done = self.work.is_completed()
-        if done:
-            RECORDER.done(self.n)
-        return done
-
-    def __getattr__(self, name: str):
-        return getattr(self.work, name)
-
-
 class Skipped:
     """The work handle of an op a hook skipped: already complete."""
 
@@ -124,14 +103,6 @@ class Skipped:
 
     def is_completed(self) -> bool:
         return True
-
-
-def _issued(n: int, work, async_op: bool):
-    """The handle to give back for op `n` (RECORDER.post's), after torch returned `work`."""
-    if async_op:
-        return Recorded(work, n) if n >= 0 else work
-    RECORDER.done(n)
-    return work
 
 
 def _fault(op: str, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -176,7 +147,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op:
         return Skipped() if async_op else None
     n = RECORDER.post("all_reduce", wire, group, unit=unit)
     red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    work = _issued(n, dist.all_reduce(wire, op=red, group=group, async_op=async_op), async_op)
+    work = RECORDER.issued(n, dist.all_reduce(wire, op=red, group=group, async_op=async_op), async_op)
     if op == "avg" and not async_op:
         tensor.div_(world(group))
     return work
@@ -191,7 +162,7 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: dis
         return None
     COUNTER.add("all_gather", _nbytes(output))
     n = RECORDER.post("all_gather", shard, group, unit=unit)
-    return _issued(n, getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=async_op), async_op)
+    return RECORDER.issued(n, getattr(dist, ALL_GATHER)(output, shard, group=group, async_op=async_op), async_op)
 
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
@@ -203,8 +174,8 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.
         return None
     COUNTER.add("reduce_scatter", _nbytes(full))
     n = RECORDER.post("reduce_scatter", full, group, unit=unit)
-    return _issued(n, getattr(dist, REDUCE_SCATTER)(output, full, op=dist.ReduceOp.SUM, group=group,
-                                                    async_op=async_op), async_op)
+    work = getattr(dist, REDUCE_SCATTER)(output, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return RECORDER.issued(n, work, async_op)
 
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
@@ -219,8 +190,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         return None
     COUNTER.add("all_to_all", _nbytes(input))
     n = RECORDER.post("all_to_all", input, group, unit=unit)
-    return _issued(n, dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
-                                             async_op=async_op), async_op)
+    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                  async_op=async_op)
+    return RECORDER.issued(n, work, async_op)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -253,7 +225,7 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
     COUNTER.add("p2p", _nbytes(tensor))
     peer = _global(dst, group)
     n = RECORDER.post("send", tensor, group, peer)
-    return _issued(n, dist.isend(tensor, dst=peer, group=group), True)
+    return RECORDER.issued(n, dist.isend(tensor, dst=peer, group=group), True)
 
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
@@ -264,7 +236,7 @@ def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None)
         return Skipped()
     peer = _global(src, group)
     n = RECORDER.post("recv", tensor, group, peer)
-    return _issued(n, dist.irecv(tensor, src=peer, group=group), True)
+    return RECORDER.issued(n, dist.irecv(tensor, src=peer, group=group), True)
 
 
 def _global(rank: int, group: dist.ProcessGroup | None) -> int:

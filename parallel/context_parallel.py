@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import comm
-from parallel.mesh import p2p_link
+from parallel.groups import p2p_link
 
 aten = torch.ops.aten
 
@@ -81,7 +81,7 @@ def exchange_order(rank: int, cp: int) -> tuple[str, str]:
 def _exchange(tensors: list[torch.Tensor], group, links: tuple = ()) -> tuple[list[torch.Tensor], list]:
     """Post the send of `tensors` to the next rank and the receive of the same shapes from the previous one,
     in `exchange_order`; returns (receive buffers, works to wait for). With `links` (the cp dim's link groups,
-    parallel.mesh.serial_p2p: NCCL) the sends go on link r's group and the receives on link r-1's
+    parallel.groups.serial_p2p: NCCL) the sends go on link r's group and the receives on link r-1's
     (`p2p_link`), which differ: on NCCL, where a group's unbatched p2p ops run one after another on its one
     stream, the two directions then run at once (full duplex) instead of four transfers in a row."""
     C, r = comm.world(group), comm.rank(group)

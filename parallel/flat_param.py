@@ -184,6 +184,16 @@ class _FlatUnit:
                 p.grad.add_(shard_grad[a:b])
 
 
+def unit_key(name: str, separate: dict[str, tuple[str, ...]] | None = None) -> str:
+    """The unit parameter `name` belongs to: "transformer.h.<i>" (its Block), the `separate` unit whose module
+    prefixes hold it (a pipeline stage's: parallel/fsdp_extensions.py), or "root" (the rest: wte = lm_head, wpe,
+    ln_f)."""
+    if name.startswith("transformer.h."):
+        return ".".join(name.split(".")[:3])
+    module = name.rpartition(".")[0]
+    return next((unit for unit, prefixes in (separate or {}).items() if module in prefixes), "root")
+
+
 def shard_numel(numel: int, world: int) -> int:
     """S, the elements of each rank's shard of a unit of `numel`: padded up to a multiple of N, so the last
     rank's shard ends in up to N - 1 zeros."""
@@ -254,7 +264,7 @@ class FlatLayout:
         """Bytes this rank holds, {"params", "grads", "optimizer"}: shards and (ZeRO-1/2) the full copies;
         shard gradients and full ones (ZeRO-1's buffers, or kept under no_sync); `optimizer`'s state.
         Distinct storages, padding included; a ZeRO-3 unit gathered right now counts too."""
-        from metrics import storage_bytes_by_kind
+        from memory import storage_bytes_by_kind
         params, grads, moments = [], [], []
         for unit in self.units:
             params += [unit.shard, unit.flat]

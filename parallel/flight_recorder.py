@@ -161,6 +161,14 @@ class FlightRecorder:
         if n >= 0 and self.count - n <= self.capacity:
             self._buf[HEADER.size + (n % self.capacity) * RECORD.size + STATE_AT] = COMPLETED
 
+    def issued(self, n: int, work, async_op: bool):
+        """The handle for the caller of op `n` (`post`'s), once torch returned `work`: an async op's work wrapped
+        (`Recorded`: its wait() marks the op completed), a blocking op's as it is, the op marked completed now."""
+        if async_op:
+            return Recorded(work, n) if n >= 0 else work
+        self.done(n)
+        return work
+
     # ------------------------------------------------------------------ reading
 
     def read(self, reason: str = "") -> dict:
@@ -213,6 +221,28 @@ def decode(buf: bytes, reason: str = "") -> dict:
                     "step": step, "micro": micro, "site": name(site), "state": STATES[state & 1]})
     return {"format": FORMAT, "rank": rank, "world_size": world, "backend": name(0), "pid": pid,
             "capacity": capacity, "recorded": count, "reason": reason, "ops": ops}
+
+
+class Recorded:
+    """An async op's work handle whose wait() (or a True is_completed()) also marks its record completed."""
+    __slots__ = ("work", "n")
+
+    def __init__(self, work, n: int):
+        self.work, self.n = work, n
+
+    def wait(self, *args) -> bool:
+        out = self.work.wait(*args)
+        RECORDER.done(self.n)
+        return out
+
+    def is_completed(self) -> bool:
+        done = self.work.is_completed()
+        if done:
+            RECORDER.done(self.n)
+        return done
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
 
 
 RECORDER = FlightRecorder()  # one per process, as comm.COUNTER

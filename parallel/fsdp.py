@@ -19,21 +19,13 @@ Hooks: forward pre/post hooks on each Block; a tensor hook on each Block's outpu
 Block's backward); a post-accumulate-grad hook on each unit's `flat` leaf (runs once all the unit's
 gradients are in); an autograd-engine callback at the end of backward.
 
-The engine runs any function of the module it wraps (`run`: a pipeline chunk's forward, say), can keep units
-of its own beside the root and the Blocks (`separate`), and lets a caller hold a unit's gradient and reduce it
-later (`defer_reduction`): where the pipeline meets sharding, parallel/pipeline.py uses all three.
-
-Parameters that another dimension keeps on fewer ranks than the data-parallel group (expert parallelism: an
-expert's copies are its expert-data-parallel group, `parallel.state.mark_replicas`) go into units of their own,
-one per Block that has them ("transformer.h.<i>.experts", after every other unit), sharded over that group
-instead: gathered, released and prefetched with their Block, reduce-scattered over that group (never
-all-reduced over HSDP's replicas: the group already spans them), and divided by the same total as every unit.
+What the pipeline and expert parallelism add (a chunk's `run`, units of their own, a held or deferred
+reduction, experts sharded over their own group) is a mixin in parallel/fsdp_extensions.py: the hooks below ask
+it at a few named places (`_same_run`, `_holds`, `_deferred`, the extra units), and read as plain ZeRO without it.
 """
 from __future__ import annotations
 
-import contextlib
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,15 +34,17 @@ import torch.nn as nn
 from model import GPT, materialize_module
 from parallel import comm
 from parallel.blocks import blocks_by_index
-from parallel.ddp import GradSyncSwitch, replica_group
-from parallel.flat_param import ZERO_LADDER, FlatLayout, GradReduction, ShardPiece, _FlatUnit, flatten_unit
+from parallel.ddp import GradSyncSwitch
+from parallel.device import pick_device
+from parallel.flat_param import ZERO_LADDER, FlatLayout, GradReduction, ShardPiece, _FlatUnit, flatten_unit, unit_key
+from parallel.fsdp_extensions import PipelineAndExperts
 from parallel.grads import clip_grad_norm_, norm_items
-from parallel.mesh import pick_device
 from parallel.state import MOMENTS, shards_of  # MOMENTS: AdamW's per-element state
 
 
-class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
-    """ZeRO-3 data parallelism for GPT with flat parameters, one per unit (each Block, and the root).
+class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
+    """ZeRO-1, 2 and 3 data parallelism (and HSDP) for GPT with flat parameters, one per unit (each Block, and the
+    root). Below, the default, ZeRO-3 (FSDP); `zero_stage` 1 and 2 keep full copies instead (the end).
 
     What each rank stores: 1/N of every unit's parameters (fp32 `shard`), their gradients, and hence 1/N of
     AdamW's state; the optimizer steps on plain views of the shards (`param_groups`). Between uses the
@@ -59,13 +53,12 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     What is communicated, when and in which direction (per micro-step; N = size of `process_group`):
     - forward: each Block's flat shard is all-gathered (in `param_dtype`) in its forward pre-hook and, with
       `reshard_after_forward`, freed in its forward hook; with `prefetch`, the next Block's all-gather is
-      issued before the current one runs (the next in the same run: a pipeline stage's chunk, `block_runs`).
+      issued before the current one runs (the next in the same call: a pipeline stage's chunk, `_same_run`).
       The root is gathered at the start of forward and kept until its gradient is reduced (it is used at both
       ends of forward and first in backward).
     - backward: a hook on each Block's output re-gathers that Block before its backward (and prefetches
       the previous Block's); a hook on the unit's flat leaf fires once all its gradients are summed and
-      starts the unit's `GradReduction` (reduce-scatter, accumulated in fp32 into the shard `.grad`), unless
-      `hold_root_grads` keeps a root's for a later backward of the same micro-batch (a V's rank 0). A
+      starts the unit's `GradReduction` (reduce-scatter, accumulated in fp32 into the shard `.grad`). A
       callback queued on the autograd engine waits for the last reduce-scatters.
     - `clip_grad_norm_`: one all-reduce of a scalar (uncounted). State dicts: one all-gather (or broadcast)
       per unit (`FlatLayout`).
@@ -92,11 +85,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     HSDP (`replicate_group`): the sharding above within `process_group` (S ranks), and the R replicas of
     each shard kept equal by `GradReduction`. Parameters are gathered within the shard group only.
 
-    Parameters with copies on a group of their own (`p._replica_group`, `parallel.state.mark_replicas`: EP's
-    experts, copied over the expert-data-parallel group of D ranks) form one unit per Block that has them
-    (`own_units`), after every other unit, sharded 1/D over that group: all-gathered and released with their
-    Block (its hooks, and its prefetch), reduce-scattered over that group, not all-reduced over HSDP's
-    replicas (the group spans them), and divided by S·R as every unit.
+    `separate` (a pipeline stage's units beside the root and the Blocks) and the experts' own-group units:
+    `PipelineAndExperts` (parallel/fsdp_extensions.py).
     """
 
     def __init__(self, module: GPT, process_group: dist.ProcessGroup | None = None,
@@ -121,7 +111,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         self.events: list[tuple[str, str, str]] = []  # (what, unit, phase) since the last forward began
         self.reduction = GradReduction(process_group, replicate_group, reduce_dtype, self.events)
         self._backward_started = False
-        self._holding_roots = False  # inside `hold_root_grads`: the roots' gradients accumulate, unreduced
+        self._whole = True  # the last forward ran the whole module (a pipeline's `run` runs a part of it)
 
         is_meta = any(p.is_meta for p in module.parameters())
         if is_meta and deferred_init_seed is None:
@@ -138,29 +128,14 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         blocks = blocks_by_index(module)  # a GPT's Blocks, or a pipeline stage's (keyed by global index)
         self._position = {i: pos for pos, (i, _) in enumerate(blocks, start=1)}  # global Block -> unit
         self._global = [None] + [i for i, _ in blocks]
-        # global Block -> the run it belongs to: the Blocks one forward call runs together (prefetch stays in one)
-        self._run_of = {i: k for k, run in enumerate(block_runs(module)) for i in run}
         self._n_blocks = len(blocks)
-        self.separate = dict(separate or {})  # unit name -> the module prefixes it holds (units after the Blocks)
-        # parameters copied over a group of their own (EP's experts): unit name -> (its Block's unit, the group)
-        self.own_units: dict[str, tuple[int, dist.ProcessGroup | None]] = {}
-        self._own_unit_of: dict[str, str] = {}  # parameter name -> its own-group unit
-        for name, p in module.named_parameters():
-            group = replica_group(p, process_group)
-            if group is not process_group:
-                self._add_own(name, group)
-        n_dense = 1 + len(blocks) + len(self.separate)
-        self._with = [[i] for i in range(n_dense)]  # unit i and the own-group units gathered with it
-        for k, (_, (block, _)) in enumerate(self.own_units.items()):
-            self._with[block].append(n_dense + k)
-        n_units = n_dense + len(self.own_units)
+        n_units = 1 + self._n_blocks + self._extend(module, separate)  # + the pipeline's and EP's units
         self.units = [self._build_unit(i, deferred_init_seed, device) for i in range(n_units)]
         self.layout = FlatLayout(self.units, process_group, self.rank, self.world, self._state_dict_names)
-        self.roots = [self.units[0]] + self.units[1 + len(blocks):n_dense]  # gathered around every forward
+        self.roots = [self.units[i] for i in [0, *self._extra_roots()]]  # gathered around every forward
+        # Block unit i and the units gathered with it (EP's experts: `_gathered_with`)
+        self._with = [[i, *self._gathered_with(i)] for i in range(1 + self._n_blocks)]
         self.flat_params = nn.ParameterList([p for u in self.units for p, _, _ in u.pieces])
-        self._whole = True  # forward() runs the whole module; False once `run` ran a part of it
-        # (flat leaf, its gradient, a callback that reduces it) -> True if the caller keeps it to reduce later
-        self.defer_reduction: Callable[[torch.Tensor, torch.Tensor, Callable], bool] | None = None
 
         for i, (_, block) in enumerate(blocks, start=1):
             block.register_forward_pre_hook(partial(self._pre_forward, i))
@@ -170,46 +145,19 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 
     # ------------------------------------------------------------------------------------------ setup
 
-    def _add_own(self, name: str, group: dist.ProcessGroup | None) -> None:
-        """Parameter `name`, copied over `group` (not the engine's group), into its Block's own-group unit."""
-        key = unit_key(name, self.separate)
-        if key == "root" or key in self.separate:
-            raise ValueError(f"{name}: parameters with a replica group of their own are sharded in a unit per "
-                             f"Block; this one is in no Block ({key})")
-        unit = f"{key}.experts"
-        block, other = self.own_units.setdefault(unit, (self._position[int(key.split(".")[2])], group))
-        if other is not group:
-            raise ValueError(f"{name}: Block {key} has parameters copied over two different groups")
-        self._own_unit_of[name] = unit
-
     def _unit_index(self, name: str) -> int:
-        """0 for the root, the unit of Block i for transformer.h.i (i + 1 in a whole GPT), then the `separate`
-        units in their order (`unit_key`), then the own-group units."""
-        if name in self._own_unit_of:
-            return 1 + self._n_blocks + len(self.separate) + list(self.own_units).index(self._own_unit_of[name])
-        key = unit_key(name, self.separate)
-        if key == "root":
-            return 0
-        if key in self.separate:
-            return self._n_blocks + 1 + list(self.separate).index(key)
-        return self._position[int(key.split(".")[2])]
-
-    def replica_of(self, name: str, replica_rank: int) -> int:
-        """Parameter `name`'s index among its data-parallel copies (checkpoint writers are copy 0): HSDP's
-        `replica_rank`, or 0 in an own-group unit (sharded over every rank holding it: one copy)."""
-        return 0 if name in self._own_unit_of else replica_rank
-
-    def unit_pieces(self, name: str) -> list[nn.Parameter]:
-        """This rank's shard pieces of the `separate` unit `name` (empty when there is none)."""
-        return [p for u in self.units if u.name == name for p, _, _ in u.pieces]
+        """0 for the root, the unit of Block i for transformer.h.i (i + 1 in a whole GPT), then the units the
+        pipeline and EP add (`_extra_unit_of`)."""
+        extra = self._extra_unit_of(name)
+        if extra is not None:
+            return extra
+        key = unit_key(name)
+        return 0 if key == "root" else self._position[int(key.split(".")[2])]
 
     def _adjacent(self, i: int, j: int) -> bool:
-        """Units i and j are neighbouring Blocks of one run (worth a prefetch): not across a gap in the Blocks'
-        global indices, nor across two runs (`block_runs`: a pipeline stage's chunks, whose forward and backward
-        are separate calls at other times; a V's middle rank holds Blocks i and i+1 in two chunks, and a prefetch
-        from one into the other was released unused at the end of the chunk's backward)."""
-        return (1 <= j <= self._n_blocks and abs(self._global[i] - self._global[j]) == 1
-                and self._run_of[self._global[i]] == self._run_of[self._global[j]])
+        """Units i and j are neighbouring Blocks run by one call (worth a prefetch): not across a gap in the
+        Blocks' global indices, nor across two of a pipeline stage's chunks (`_same_run`)."""
+        return 1 <= j <= self._n_blocks and abs(self._global[i] - self._global[j]) == 1 and self._same_run(i, j)
 
     def _build_unit(self, index: int, seed: int | None, device: torch.device) -> _FlatUnit:
         """Materialise (if asked), flatten and shard one unit, then drop its full parameters."""
@@ -219,13 +167,8 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
                 if self._unit_index(prefix + ".") == index:
                     materialize_module(sub, prefix, gpt.config, seed, device)
         mine = [names for names in self._aliases if self._unit_index(names[0]) == index]
-        n_dense, group = 1 + self._n_blocks + len(self.separate), self.group
-        if index >= n_dense:
-            name = list(self.own_units)[index - n_dense]
-            group = self.own_units[name][1]
-        else:
-            name = ("root" if index == 0 else list(self.separate)[index - self._n_blocks - 1]
-                    if index > self._n_blocks else f"transformer.h.{self._global[index]}")
+        name, group = (("root" if index == 0 else f"transformer.h.{self._global[index]}", self.group)
+                       if index <= self._n_blocks else self._extra_unit(index))
         return flatten_unit(gpt, name, mine, comm.world(group), comm.rank(group), self.param_dtype, device,
                             self.policy.keeps_params, group)
 
@@ -249,22 +192,18 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """GPT's forward: (logits, loss). Gathers the root (and prefetches the first Block) first."""
-        return self._run(self.module, (idx, targets), prefetch_first=True)
+        return self._run(self.module, (idx, targets), whole=True)
 
-    def run(self, fn: Callable, *args):
-        """`fn(*args)`, a function over part of the wrapped module (a pipeline chunk's forward), under this
-        engine as `forward` is: the roots gathered around it, each Block by its hooks; its backward re-gathers and
-        reduces as a whole forward's does, so between calls each rank holds 1/N. Prefetch stays inside `fn`'s
-        Blocks (no first Block prefetched in forward, no last one in backward: `fn` may not run them)."""
-        self._whole = False
-        return self._run(fn, args, prefetch_first=False)
-
-    def _run(self, fn, args: tuple, prefetch_first: bool):
+    def _run(self, fn, args: tuple, whole: bool):
+        """`fn(*args)` with the roots gathered around it; each Block is gathered by its hooks. `whole`: fn runs the
+        whole module, so the first Block is prefetched now and the last at the start of backward (a pipeline
+        chunk's `run` may run neither)."""
+        self._whole = whole
         self.events.clear()
         for root in self.roots:
             root.release()  # ZeRO-3: a copy left by a forward without backward may predate an optimizer step
             self._gather(root, "forward")
-        if prefetch_first and self.prefetch and self._n_blocks:
+        if whole and self.prefetch and self._n_blocks:
             self._gather_block(1, "forward")
         for root in self.roots:
             root.wait()
@@ -323,24 +262,21 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
 
     def _post_backward(self, unit: _FlatUnit, flat: torch.Tensor) -> None:
         """All of the unit's gradients from this backward are in `flat.grad`: free the unit and reduce its
-        gradient (`_reduce_grad`), unless `defer_reduction` keeps it, to complete it and reduce it later (a
-        zero-bubble pipeline's W: parallel/pipeline.py)."""
+        gradient (`_reduce_grad`), unless a zero-bubble pipeline keeps it to reduce after its W (`_deferred`)."""
         self.events.append(("backward_end", unit.name, "backward"))
         unit.release()
         grad, flat.grad = flat.grad, None
-        reduce = partial(self._reduce_grad, unit)
-        if self.defer_reduction is None or not self.defer_reduction(flat, grad, reduce):
-            reduce(grad)
+        if not self._deferred(unit, grad):
+            self._reduce_grad(unit, grad)
 
     def _reduce_grad(self, unit: _FlatUnit, grad: torch.Tensor) -> None:
-        """Reduce-scatter one backward's full gradient of `unit` (or keep it: under no_sync, and ZeRO-1 until
-        the end of the step's backward)."""
+        """Reduce-scatter one backward's full gradient of `unit` (or keep it: under no_sync, ZeRO-1 until the end
+        of the step's backward, and a root a pipeline holds for a later backward: `_holds`)."""
         grad = grad.to(self.reduce_dtype)
         if unit.acc_grad is not None:
             grad = unit.acc_grad.copy_(grad) if unit.acc_stale else unit.acc_grad.add_(grad)
             unit.acc_grad, unit.acc_stale = None, False
-        if not self.require_backward_grad_sync or self.policy.reduces_at_end or (
-                self._holding_roots and unit in self.roots):
+        if not self.require_backward_grad_sync or self.policy.reduces_at_end or self._holds(unit):
             unit.acc_grad = grad
             return
         self.reduction.finish(final=False)  # one reduce-scatter in flight: full gradients are not kept around
@@ -374,36 +310,6 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
                 unit.acc_grad = None
         self.reduction.finish()
 
-    @contextlib.contextmanager
-    def hold_root_grads(self):
-        """Inside, the roots' gradients are kept unreduced: a backward's full gradient of a root goes into its
-        `acc_grad` (reduce dtype; summed with one kept before), and the root's next reduction outside adds it in,
-        so the sum is reduce-scattered once. For a rank that runs the roots' two users as two calls (a V's rank 0:
-        the head's chunk, whose backward comes first, and the embeddings' chunk): held in the head's backward, the
-        root is reduce-scattered once per micro-batch, at the embeddings' backward, not after each (ZeRO-2/3;
-        ZeRO-1 reduces once per step anyway). Costs one full root gradient kept from the one backward to the
-        other."""
-        self._holding_roots = True
-        try:
-            yield
-        finally:
-            self._holding_roots = False
-
-    @contextlib.contextmanager
-    def finish_on_exit(self):
-        """For gradients reduced outside a backward (ZeRO-2/3, those `defer_reduction` kept: no end-of-backward
-        callback waits for their reduce-scatters): waited for, and added into the shard gradients, on exit."""
-        yield
-        self.reduction.finish()
-
-    @contextlib.contextmanager
-    def reduce_on_exit(self):
-        """For backward passes that run outside a syncing micro-step (a pipeline's chunks): inside, gradients
-        accumulate unreduced (ZeRO-1's full buffers); on a normal exit they are reduce-scattered once."""
-        with self.no_sync():
-            yield
-        self.reduce_accumulated()
-
     def after_optimizer_step(self) -> None:
         """ZeRO-1/2: the optimizer has updated this rank's shards, so every full copy is stale; the next
         forward all-gathers the updated shards into it (in place). ZeRO-3: nothing (gathered per use)."""
@@ -421,16 +327,14 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
     def grad_norm_items(self, groups: dict[str, tuple] | None = None) -> list[tuple]:
         """This rank's shard gradients as items for parallel.grads.clip_grad_norm_.
 
-        Every element is sharded over its unit's group (this FSDP's, or an own-group unit's: EP's experts over
-        their expert-data-parallel group); `groups` ({original name: more groups}, e.g. TP's, EP's; names not in
-        it have none) adds the groups a parameter is also sharded over; None marks a copy counted elsewhere (a
-        pipeline's lm_head copy of wte: scaled, not measured). Without extra groups each flat piece is one item
-        (param, (group,)); with them, each original parameter's slice is (piece, groups, lo, hi), after one
-        empty item per pattern, the same on every rank (`norm_items`). Own-group units' items come after the
-        others', their patterns (unit group, *its groups) likewise listed first, so every rank issues the same
-        all-reduces in the same order."""
+        Every element is sharded over this FSDP's group; `groups` ({original name: more groups}, e.g. TP's, EP's;
+        names not in it have none) adds the groups a parameter is also sharded over; None marks a copy counted
+        elsewhere (a pipeline's lm_head copy of wte: scaled, not measured). Without extra groups each flat piece
+        is one item (param, (group,)); with them, each original parameter's slice is (piece, groups, lo, hi),
+        after one empty item per pattern, the same on every rank (`norm_items`). The own-group units' items
+        (EP's experts, sharded over their own group) come after the others' (`_own_norm_items`)."""
         groups = {n: g for n, g in (groups or {}).items() if g != ()}
-        own = {n for names in self._aliases for n in names if names[0] in self._own_unit_of}
+        own, own_items = self._own_norm_items(groups)
         dense = {n: g for n, g in groups.items() if n not in own}
         if not dense:
             items = norm_items(((u.name, p) for u in self.units if u.group is self.group for p, _, _ in u.pieces),
@@ -439,13 +343,7 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
             held = ((spec.names[0], p, lo, hi) for u, spec, p, lo, hi in self.layout.slices()
                     if p is not None and u.group is self.group)
             items = norm_items(held, dense, within=(self.group,), every_pattern=True)
-        if not self.own_units:
-            return items
-        within = {n: (self.units[self._unit_index(n)].group,) for n in own}
-        extra = {n: None if groups.get(n, ()) is None else within[n] + groups.get(n, ()) for n in sorted(own)}
-        held = ((spec.names[0], p, lo, hi) for u, spec, p, lo, hi in self.layout.slices()
-                if p is not None and u.group is not self.group)
-        return items + norm_items(held, extra, every_pattern=True)
+        return items + own_items
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Scale the shard gradients so the global L2 norm is at most max_norm; return the norm before.
@@ -494,20 +392,3 @@ class FullyShardedDataParallel(GradSyncSwitch, nn.Module):
         """The sum of `state_breakdown`."""
         return sum(self.state_breakdown(optimizer).values())
 
-
-def block_runs(module: nn.Module) -> list[list[int]]:
-    """Global indices of the Blocks that one call of `module` runs together, run by run: a pipeline stage's chunks
-    (`chunks`, `layers`: each run by its own `forward_chunk`, parallel/pipeline.py), or a GPT's Blocks, one run."""
-    chunks, layers = getattr(module, "chunks", None), getattr(module, "layers", None)
-    if chunks is not None and layers is not None:
-        return [list(layers[c]) for c in chunks]
-    return [[i for i, _ in blocks_by_index(module)]]
-
-
-def unit_key(name: str, separate: dict[str, tuple[str, ...]] | None = None) -> str:
-    """The sharding unit parameter `name` belongs to: "transformer.h.<i>" (its Block), the `separate` unit whose
-    module prefixes hold it, or "root" (the rest: wte = lm_head, wpe, ln_f)."""
-    if name.startswith("transformer.h."):
-        return ".".join(name.split(".")[:3])
-    module = name.rpartition(".")[0]
-    return next((unit for unit, prefixes in (separate or {}).items() if module in prefixes), "root")

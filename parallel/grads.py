@@ -6,7 +6,7 @@ a whole gradient, or (param, groups, lo, hi) for one original parameter's slice 
 gradient; `groups` are the process groups that gradient is sharded over. Squares are summed locally per
 pattern of groups and all-reduced (SUM, one fp32 scalar each) over exactly those groups, so each element
 counts once whatever the layout; replicated gradients (groups == ()) are counted once, with no
-communication.
+communication. `grad_groups` reads each parameter's groups off the model.
 """
 from __future__ import annotations
 
@@ -17,6 +17,21 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import comm
+from parallel.state import shards_of
+
+
+def grad_groups(model: torch.nn.Module) -> dict[str, tuple]:
+    """For each parameter name, the process groups its gradient is sharded over: a DTensor's non-replicated
+    mesh dims (Shard, or _StridedShard under FSDP2 over TP); the groups of our layers' shard marks (TP's, EP's:
+    parallel/state.mark_shard); none for replicated parameters."""
+    out = {}
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            out[name] = tuple(p.device_mesh.get_group(i) for i, pl in enumerate(p.placements)
+                              if not pl.is_replicate())
+        else:
+            out[name] = tuple(m.group for m in shards_of(p))
+    return out
 
 
 def norm_items(entries: Iterable[tuple], groups: Mapping[str, tuple | None] | None = None,

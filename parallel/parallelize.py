@@ -31,25 +31,25 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from loss import loss_share
 from metrics import expert_record
-from model import GPT, init_parameter
+from model import GPT
 from parallel import comm
 from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
 from parallel.twins import tensor_parallel as tp_twin
 from parallel.blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
 from parallel.expert_parallel import ExpertBalance, apply_expert_parallel
 from parallel.context_parallel import apply_context_parallel, zigzag_share
+from parallel.deferred_init import materialize
 from parallel.flat_param import ZERO_STAGES
 from parallel.fsdp import FullyShardedDataParallel
-from parallel.grads import AgreeingGradScaler, clip_grad_norm_
-from parallel.mesh import Mesh, to_device
+from parallel.grads import AgreeingGradScaler, clip_grad_norm_, grad_groups
+from parallel.device import to_device
+from parallel.mesh import Mesh
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group, sharded_units
 from parallel.pipeline_schedule import V_SCHEDULES
 from parallel.protocol import Accumulating, Cut, DataParallel, Placement, Replicated, Sharded
-from parallel.state import shards_of
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class Parallelized:
 
     def _on_device(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's tokens of every micro-batch (cut on the host), all copied to the device at the step's start
-        without a host sync (parallel.mesh.to_device): the next micro-batch's copy runs while this one computes."""
+        without a host sync (parallel.device.to_device): the next micro-batch's copy runs while this one computes."""
         return [tuple(to_device(t, self.device) for t in self.shard_tokens(x, y)) for x, y in batches]
 
     def mean_loss(self, value: torch.Tensor) -> torch.Tensor:
@@ -187,16 +187,16 @@ class Parallelized:
             m["ac_checkpointed_blocks"], m["ac_recomputed_blocks"] = AC_COUNTER.checkpointed, AC_COUNTER.recomputed
         if cfg.compile:
             m["compiled_graphs"] = compiled_graphs()
-        if self.pipeline is not None and self.pipeline.timeline:  # ours records one (torch's schedules don't)
-            m["pp_idle_fraction"] = self.pipeline.idle_fraction()
-            m["pp_peak_in_flight"] = self.pipeline.peak_in_flight
+        if self.pipeline is not None and self.pipeline.record.timeline:  # ours records one (torch's schedules don't)
+            m["pp_idle_fraction"] = self.pipeline.record.idle_fraction()
+            m["pp_peak_in_flight"] = self.pipeline.record.peak_in_flight
         if self.expert_stats is not None:  # the MoE layers' step over the whole batch (ExpertBalance.step)
             m.update(expert_record(self.experts.all, self.expert_stats["tokens"].tolist(),
                                    self.expert_stats["aux"].tolist(), self.experts.with_aux))
         return m
 
     def parameter_tensors(self) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]] | None]:
-        """(fixed, moving): the tensors holding parameter values (metrics.SavedActivations leaves their storages
+        """(fixed, moving): the tensors holding parameter values (memory.SavedActivations leaves their storages
         out of the activations). fixed: storages that stay put through a step (plain parameters, DTensor
         shards, our engine's shards); moving: what regrows storage between uses, read afresh: our engine's flat
         buffers (its original parameters are views of them), or under PyTorch's fully_shard every parameter
@@ -373,7 +373,7 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
         par.model = APPLY[impl, "fsdp"](par.model, mesh, cfg, device)
     materialize(par.model, cfg.seed, device)
     tp = mesh["tp"]
-    groups = grad_groups(par.model, tp.group)  # by name, before DDP renames the parameters "module.*"
+    groups = grad_groups(par.model)  # by name, before DDP renames the parameters "module.*"
     if engine == "ddp":
         par.model = APPLY[impl, "ddp"](par.model, mesh, cfg, device)
     at = Placement(tp_group=tp.group, tp_rank=tp.rank, tp_size=tp.size,  # the wrapper sets its replica_rank
@@ -392,43 +392,3 @@ def activation_dtype(cfg: ParallelConfig, engine: str | None) -> torch.dtype:
     copies' param_dtype under a sharding engine (ours or FSDP2, which also casts chunk inputs to it), and the
     parameters' fp32 otherwise (autocast alone leaves embeddings and the residual in fp32)."""
     return cfg.param_dtype if engine == "fsdp" and cfg.param_dtype is not None else torch.float32
-
-
-def grad_groups(model: nn.Module, tp_group) -> dict[str, tuple]:
-    """For each parameter name, the process groups its gradient is sharded over: a DTensor's non-replicated
-    mesh dims (Shard, or _StridedShard under FSDP2 over TP); the groups of our layers' shard marks (TP's, EP's:
-    parallel/state.mark_shard); none for replicated parameters."""
-    out = {}
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            out[name] = tuple(p.device_mesh.get_group(i) for i, pl in enumerate(p.placements)
-                              if not pl.is_replicate())
-        else:
-            out[name] = tuple(m.group for m in shards_of(p))
-    return out
-
-
-def materialize(model: nn.Module, seed: int, device: torch.device) -> None:
-    """Give the parameters and buffers still on meta real storage and the init rule's values, rank-locally
-    (buffers: zero, the MoE bias and counters). What a step before made real (TP's shards, EP's experts) keeps
-    its values. A DTensor parameter gets only its local slice of the full init value (`src_data_rank=None`: no
-    communication). Tied weights keep a single storage. A model with nothing on meta is left alone."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    if not any(t.is_meta for _, t in named):
-        return
-    kept = {name: t.detach().clone() for name, t in named if not t.is_meta}  # by name: to_empty makes new tensors
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, b in model.named_buffers():
-            b.copy_(kept[name]) if name in kept else b.zero_()
-        for name, p in model.named_parameters():
-            if name in kept:
-                p.copy_(kept[name])
-                continue
-            full = init_parameter(name, p.shape, model.config, seed).to(device)
-            if isinstance(p, DTensor):
-                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-            p.copy_(full)
-    t = model.transformer
-    if "wte" in t and hasattr(model, "lm_head") and getattr(model, "both_ends", True):  # re-tie (not a PP copy)
-        model.lm_head.weight = t.wte.weight

@@ -5,21 +5,22 @@ action lists; this module only executes them.
 
 - `PipelineStage`: the part of a GPT that pp rank r of P keeps, for V virtual chunks per rank: the Blocks of
   chunks r, r+P, ... (`chunk_of`; the V schedules: r and 2P-1-r; how many Blocks each chunk holds is given:
-  train.py's config balances them by cost, pipeline_split.py), plus wte/wpe on chunk 0's rank and ln_f/lm_head on
-  the last chunk's rank. Parameter names stay the GPT's (transformer.h.3.attn.c_q.weight), so optimizer groups and
+  config's partition by cost, pipeline_partition.py), plus wte/wpe on chunk 0's rank and ln_f/lm_head on the
+  last chunk's rank. Parameter names stay the GPT's (transformer.h.3.attn.c_q.weight), so optimizer groups and
   checkpoints map by name.
 - Tied embedding (Megatron's rule): when the last chunk sits on another rank than chunk 0, the last stage holds
   its own copy of the embedding matrix, `lm_head.weight`, initialised under the name transformer.wte.weight, so
-  it starts equal to wte. After each
-  backward `PipelineRunner.reduce_tied_grads` all-reduces (SUM) the two gradients over the two-rank embedding
-  group [first rank, last rank]; both then hold the one-process gradient of the tied matrix, and with the
-  same optimizer step the copies stay equal. Where one rank holds both ends (P == 1, and rank 0 of the V
-  schedules, which holds chunks 0 and 2P-1) lm_head is tied to wte as in GPT: no copy, no embedding group.
-- `PipelineRunner.step`: forward and backward of M micro-batches by the named schedule; a split schedule's B
-  and W (zero-bubble: SPLIT_SCHEDULES) go through a `WeightGradStore` (parallel/zero_bubble.py). Communication:
-  point-to-point only (comm.send / comm.recv, counted as "p2p"): per micro-batch and stage boundary one
-  activation (mb, T, C) forward and its gradient backward. Shapes are known to both sides, so there is no
-  shape handshake.
+  it starts equal to wte. After each backward `PipelineRunner.reduce_tied_grads` all-reduces (SUM) the two
+  gradients over the two-rank embedding group [first rank, last rank]; both then hold the one-process gradient
+  of the tied matrix, and with the same optimizer step the copies stay equal. Where one rank holds both ends
+  (P == 1, and rank 0 of the V schedules, which holds chunks 0 and 2P-1) lm_head is tied to wte as in GPT.
+- `PipelineRunner.step`: forward and backward of M micro-batches by the named schedule, one handler per action
+  kind (`_forward`, `_backward`, `_weights`, `_send`, `_recv`); a split schedule's B and W (zero-bubble:
+  SPLIT_SCHEDULES) go through a `WeightGradStore` (parallel/zero_bubble.py); `forward_only` runs evaluation's
+  list by the same handlers. Communication: point-to-point only (comm.send / comm.recv, counted as "p2p"): per
+  micro-batch and stage boundary one activation (mb, T, C) forward and its gradient backward, shapes known to
+  both sides (no handshake). What a step measures (timeline, events, peaks) is `StepRecord`'s
+  (parallel/pipeline_record.py).
 
 Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` -> optimizer step.
 """
@@ -39,19 +40,20 @@ from model import GPT, materialize_module
 from moe import SideLosses
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
-from parallel.mesh import group_timeout, make_timer, new_groups, p2p_link
+from parallel.groups import group_timeout, new_groups, p2p_link
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F,
-                                        SPLIT_SCHEDULES, V_SCHEDULES, W, Action, boundary, chunk_of, rank_of,
-                                        send_waits, split_layers)
+                                        SPLIT_SCHEDULES, V_SCHEDULES, W, Action, boundary, chunk_of, even_partition,
+                                        evaluation, peer_of, rank_of, send_waits)
+from parallel.pipeline_record import StepRecord
 from parallel.zero_bubble import WeightGradStore, hold_for_w
 
 
 def chunk_ranges(n_layer: int, chunks: int, counts: Sequence[int] | None = None) -> list[range]:
-    """Block indices of each chunk: `counts` Blocks per chunk in order, or (None) `split_layers`' even split."""
+    """Block indices of each chunk: `counts` Blocks per chunk in order, or (None) `even_partition`'s."""
     if counts is None:
-        return split_layers(n_layer, chunks)
+        return even_partition(n_layer, chunks)
     if len(counts) != chunks or min(counts) < 1 or sum(counts) != n_layer:
-        raise ValueError(f"Blocks per chunk {list(counts)} is not a split of {n_layer} Blocks into {chunks} "
+        raise ValueError(f"Blocks per chunk {list(counts)} is not a partition of {n_layer} Blocks into {chunks} "
                          "non-empty chunks")
     bounds = [0]
     for n in counts:
@@ -66,8 +68,8 @@ class PipelineStage(nn.Module):
     by name, as GPT.init_weights would) or from an initialised GPT (the stage shares its modules; the
     lm_head copy is a clone of wte). Holds no reference to the GPT: other stages' modules are not kept.
     `layers`: Blocks per chunk, P·V counts (every rank passes the same: config.py resolves them from
-    --pp_layers_per_stage or the cost model, pipeline_split.py); None: as even as possible, the extra Blocks to the
-    front (`split_layers`). `self.layers[c]` is chunk c's range of Block indices.
+    --pp_layers_per_stage or the cost model, pipeline_partition.py); None: as even as possible, the extra Blocks to the
+    front (`even_partition`). `self.layers[c]` is chunk c's range of Block indices.
     """
 
     def __init__(self, model: GPT, rank: int, pp: int, virtual: int = 1, layers: Sequence[int] | None = None,
@@ -170,33 +172,24 @@ WHOLE_WORLD = "whole world"  # PipelineRunner's embed_group default: the pipelin
 
 
 class PipelineRunner:
-    """Runs one rank's action list of a schedule over its `PipelineStage`.
+    """Runs one rank's action list of a schedule over its `PipelineStage`, each action by its handler; what a
+    step measured is in `record` (a StepRecord).
 
     Stores, per micro-batch whose forward ran and whose backward has not: each chunk's input (a leaf) and
     output (or scaled loss) with its graph; freed at that backward. Under a split schedule, from B to W: the
     (input, output gradient) of each of the chunk's linears (`self.store`). A sent tensor is held until its send
     is waited on, at a point the list names (`send_waits`: a forward's send at its B, an input gradient's at the
     rank's next B), the same on every backend, so every rank holds what the schedule bounds (1F1B: P - rank
-    micro-batches, plus one gradient in flight), not every micro-batch sent.
-    A receive is posted at its place in the list and waited on just before the F or B that reads it, so a
-    rank computes what needs no input while the data is in flight (the wait is idle in `timeline`).
+    micro-batches, plus one gradient in flight), not every micro-batch sent. A receive is posted at its place in
+    the list and waited on just before the F or B that reads it, so a rank computes what needs no input while
+    the data is in flight (the wait is idle in `record.timeline`).
     Communicates point-to-point with the neighbouring chunks' ranks in `group` (the pp group; None: the whole
-    world), or, given `links` (the pp dim's link groups, where parallel.mesh.serial_p2p: NCCL), each message in
+    world), or, given `links` (the pp dim's link groups, where parallel.groups.serial_p2p: NCCL), each message in
     the link group of the chunk boundary it crosses (`p2p_link`), so that no rank's one stream serialises its
     sends to one neighbour behind its receives from the other; and, in `reduce_tied_grads`, all-reduces the
     embedding gradient over `embed_group`: the result of `embedding_group(...)`, which every rank of the world
     builds together (None on a middle stage); by default the runner builds it, for a pipeline that is the whole
-    world.
-
-    After a step: `timeline` is [(action, start, end)] in seconds, one per action (device events on CUDA,
-    the host clock on the CPU: parallel.mesh.make_timer); `peak_in_flight` is the most (chunk, micro)
-    whose forward ran and whose backward (W, when split) has not, at once; `events` the ("post", SEND/RECV),
-    ("wait", SEND/RECV) and ("run", F/B/W) in the order they happened; with `measure_held` set (host time per
-    action, so off unless asked), `peak_held_bytes` the most bytes of
-    distinct tensor storages the runner held at once (stored inputs and outputs, received buffers, gradients and
-    activations waiting for or in a send, the (input, output gradient) pairs waiting for W, and under our
-    sharding engine the unit gradients held for W).
-    """
+    world."""
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
                  embed_group: dist.ProcessGroup | None | str = WHOLE_WORLD, act_dtype: torch.dtype = torch.float32,
@@ -225,19 +218,8 @@ class PipelineRunner:
                                  "built by every rank of the world")
             embed_group = embedding_group([list(range(stage.pp))], stage.v_shape) if stage.pp > 1 else None
         self.embed_group = embed_group
-        self.timer = make_timer(self.device)
-        self._marks: list[tuple[object, object, object]] = []
-        self.peak_in_flight = 0
-        self.measure_held = False  # when set, `peak_held_bytes` is measured after every action (host time)
-        self.peak_held_bytes = 0
-        self.events: list[tuple[str, object]] = []  # the last step's ("post" | "wait" | "run", action), in order
+        self.record = StepRecord(self.device)  # the last step's timeline, events and peaks
         self.store: WeightGradStore | None = None  # a split schedule's deferred weight gradients (built by one)
-
-    @property
-    def timeline(self) -> list[tuple[object, float, float]]:
-        """[(action, start, end)] of the last step, in seconds (see the class docstring)."""
-        times = self.timer.seconds([m for _, a, b in self._marks for m in (a, b)])
-        return [(a, times[2 * i], times[2 * i + 1]) for i, (a, _, _) in enumerate(self._marks)]
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], schedule_name: str = "1f1b",
              scale: Callable | None = None) -> torch.Tensor:
@@ -247,105 +229,116 @@ class PipelineRunner:
         shapes). Each micro-batch's loss is scaled by 1/M (then by `scale`, e.g. a GradScaler's, for its
         backward), so summed over ranks the return values are the mean loss; this rank returns its share
         (0 unless it holds the last chunk)."""
-        st, M = self.stage, len(micro_batches)
+        st = self.stage
         if (schedule_name in V_SCHEDULES) != st.v_shape:
             raise ValueError(f"schedule {schedule_name} needs a stage cut {'in' if not st.v_shape else 'without'} "
                              "a V (PipelineStage(..., v_shape=True) for zbv and dualpipev)")
-        actions = ALL_SCHEDULES[schedule_name](st.pp, M, st.virtual)[st.rank]
-        waits = send_waits(actions)  # where each send is waited on and freed: a point the list names
         split = schedule_name in SPLIT_SCHEDULES
         if split and self.store is None:
             self.store = self._split_backward()
-        defer = self.store.defer if split else (lambda key: contextlib.nullcontext())
-        live: set[tuple[int, int]] = set()  # (c, m) whose F ran and whose B (W, when split) has not
-        mb, T = micro_batches[0][0].shape
-        device = self.device
-        shape = (mb, T // self.seq_shard, st.config.n_embd)
-        stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (c, m) -> (input, output)
-        act_in: dict[tuple[int, int], torch.Tensor] = {}    # (c, m) -> input of F(c, m), received or local
-        grad_out: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> grad of chunk c's output
-        sides: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> chunk c's side losses / M (MoE), until B
-        to_send: dict[tuple[str, int, int], torch.Tensor] = {}
-        sends: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # in flight until waited: keep t alive
-        loss = torch.zeros((), device=device)
-        self._marks, self.peak_in_flight, self.peak_held_bytes, self.events = [], 0, 0, []
-        recvs: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # posted, not yet waited on
+        s = _Step(micro_batches, self, scale, self.store if split else None, train=True)
+        self.record.start(split)
+        self._run(ALL_SCHEDULES[schedule_name](st.pp, s.M, st.virtual)[st.rank], s, self.record)
+        return s.loss
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each micro-batch's loss (evaluation): `evaluation`'s list, micro-batch after micro-batch, each rank's
+        chunks in order, by the same handlers (a receive waited on at once by its F, the sends at the end). Every
+        rank passes the same list; the rank of the last chunk returns the losses, the others zeros."""
+        st = self.stage
+        s = _Step(micro_batches, self, None, None, train=False)
+        self._run(evaluation(st.pp, s.M, st.virtual, st.v_shape)[st.rank], s, StepRecord(self.device))
+        return [loss if loss is not None else torch.zeros((), device=self.device) for loss in s.losses]
+
+    def _run(self, actions: list[Action], s: _Step, record: StepRecord) -> None:
+        """Each action by its handler, in the list's order. Before it (off its clock: waiting is idle): the sends
+        `send_waits` names there, and for an F or B the receive of its input; after the last, the sends no B
+        waited on."""
+        waits = send_waits(actions)
+        handlers = {F: self._forward, B: self._backward, W: self._weights, SEND_F: self._send, SEND_B: self._send,
+                    RECV_F: self._recv, RECV_B: self._recv}
         for a in actions:
-            key = (a.chunk, a.micro)
-            for s in waits.get(a, ()):  # before the clock starts: waiting is idle, not compute
-                sends.pop(s)[0].wait()
-                self.events.append(("wait", s))
-            if a.kind in (F, B) and (pending := recvs.pop(Action(RECV_F if a.kind == F else RECV_B, *key), None)):
-                pending[0].wait()
-                self.events.append(("wait", Action(RECV_F if a.kind == F else RECV_B, *key)))
-                if a.kind == F:
-                    act_in[key] = pending[1].requires_grad_()  # after the wait: a leaf the chunk's backward fills
-                else:
-                    grad_out[key] = pending[1]
-                del pending
-            t0 = self.timer.mark()
-            comm.RECORDER.micro = a.micro  # the flight recorder's context
-            self.events.append(("post" if a.kind in (SEND_F, SEND_B, RECV_F, RECV_B) else "run", a))
-            if a.kind == F:
-                x, y = micro_batches[a.micro]
-                inp = x.to(device) if a.chunk == 0 else act_in.pop(key)
-                with defer(key), loss_share(M, scale):
-                    out = self.forward(a.chunk, inp, y.to(device) if a.chunk == st.n_chunks - 1 else None)
-                if a.chunk != st.n_chunks - 1 and st.side_loss is not None:  # a chunk's own loss terms (MoE)
-                    sides[key] = st.side_loss / M
-                    loss += sides[key].detach()
-                if a.chunk == st.n_chunks - 1:
-                    out = out / M
-                    loss += out.detach()
-                elif rank_of(a.chunk + 1, st.pp, st.v_shape) == st.rank:  # next chunk is local (P == 1; the V)
-                    act_in[(a.chunk + 1, a.micro)] = out.detach().requires_grad_()
-                else:
-                    to_send[Action(SEND_F, *key)] = self._check(out.detach())
-                stored[key] = (inp if a.chunk > 0 else None, out)
-                live.add(key)
-                self.peak_in_flight = max(self.peak_in_flight, len(live))
-            elif a.kind == B:
-                inp, out = stored.pop(key)
-                # split: the input gradient only (and a checkpointed Block's recompute)
-                with defer(key), self._hold_roots(a.chunk):
-                    if a.chunk == st.n_chunks - 1:
-                        torch.autograd.backward(scale(out) if scale is not None else out)
-                    elif (side := sides.pop(key, None)) is not None:  # its side loss, seeded as the loss is
-                        torch.autograd.backward([out, scale(side) if scale is not None else side],
-                                                [grad_out.pop(key), None])
-                    else:
-                        torch.autograd.backward(out, grad_out.pop(key))
-                if not split:
-                    live.discard(key)
-                if a.chunk > 0:
-                    if rank_of(a.chunk - 1, st.pp, st.v_shape) == st.rank:
-                        grad_out[(a.chunk - 1, a.micro)] = inp.grad
-                    else:
-                        to_send[Action(SEND_B, *key)] = self._check(inp.grad.contiguous())
-                del inp, out
-            elif a.kind == W:  # the weight gradients B(c, m) left, in the order of the B's: 1F1B's sums
-                self.store.flush(key)
-                live.discard(key)
-            elif a.kind in (SEND_F, SEND_B):
-                t = to_send.pop(a)
-                peer = rank_of(a.chunk + (1 if a.kind == SEND_F else -1), st.pp, st.v_shape)
-                sends[a] = (comm.send(t, peer, self.p2p_group(boundary(a))), t)
-                del t
-            elif a.kind in (RECV_F, RECV_B):
-                buf = torch.empty(shape, dtype=self.act_dtype, device=device)
-                peer = rank_of(a.chunk + (-1 if a.kind == RECV_F else 1), st.pp, st.v_shape)
-                recvs[a] = (comm.recv(buf, peer, self.p2p_group(boundary(a))), buf)  # waited on by its F or B
-                del buf
-            self._marks.append((a, t0, self.timer.mark()))
-            if self.measure_held:
-                self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(
-                    stored, act_in, grad_out, to_send, sends, recvs, self.store.held_tensors() if split else {}))
-        for s, (work, _) in sends.items():  # SEND_B's that no later B waited on
-            work.wait()
-            self.events.append(("wait", s))
-        assert not stored and not act_in and not grad_out and not to_send and not recvs and not (split and self.store), \
-            "schedule left work undone"
-        return loss
+            for sent in waits.get(a, ()):
+                s.sends.pop(sent)[0].wait()
+                record.waited(sent)
+            if a.kind in (F, B) and (recv := Action(RECV_F if a.kind == F else RECV_B, a.chunk, a.micro)) in s.recvs:
+                s.recvs[recv][0].wait()
+                record.waited(recv)
+                (s.act_in if a.kind == F else s.grad_out)[a[1:]] = s.recvs.pop(recv)[1]
+            with record.action(a, s.held):
+                handlers[a.kind](s, a)
+        for sent in list(s.sends):
+            s.sends.pop(sent)[0].wait()
+            record.waited(sent)
+        assert not s.held_over(), "schedule left work undone"
+
+    def _forward(self, s: _Step, a: Action) -> None:
+        """F(c, m): chunk c on micro-batch m's tokens (c = 0) or its received input; the output to the next chunk
+        (kept, if local; else for its SEND_F), or on the last chunk the loss: / M into the step's (training), or
+        the micro-batch's own (evaluation). Training stores (input, output) with the graph for B(c, m)."""
+        st, key, last = self.stage, a[1:], a.chunk == self.stage.n_chunks - 1
+        x, y = s.batches[a.micro]
+        inp = x.to(self.device) if a.chunk == 0 else s.act_in.pop(key)
+        if a.chunk > 0 and s.train:
+            inp.requires_grad_()  # received or handed on locally: a leaf the chunk's backward fills
+        with s.defer(key), loss_share(s.M, s.scale):
+            out = self.forward(a.chunk, inp, y.to(self.device) if last else None)
+        if not s.train:
+            if last:
+                s.losses[a.micro] = out.detach().float()
+            else:
+                self._hand_on(s, Action(SEND_F, *key), a.chunk + 1, out.detach())
+            return
+        if not last and st.side_loss is not None:  # a chunk's own loss terms (MoE)
+            s.sides[key] = st.side_loss / s.M
+            s.loss += s.sides[key].detach()
+        if last:
+            out = out / s.M
+            s.loss += out.detach()
+        else:
+            self._hand_on(s, Action(SEND_F, *key), a.chunk + 1, out.detach())
+        s.stored[key] = (inp if a.chunk > 0 else None, out)
+
+    def _backward(self, s: _Step, a: Action) -> None:
+        """B(c, m): F(c, m)'s graph backward from the loss (last chunk) or from its output's gradient, with the
+        chunk's side losses seeded as the loss is; the input's gradient to the previous chunk (kept, if local;
+        else for its SEND_B). Split: the input gradient only (and a checkpointed Block's recompute), W the rest."""
+        st, key, scale = self.stage, a[1:], s.scale
+        inp, out = s.stored.pop(key)
+        with s.defer(key), self._hold_roots(a.chunk):
+            if a.chunk == st.n_chunks - 1:
+                torch.autograd.backward(scale(out) if scale is not None else out)
+            elif (side := s.sides.pop(key, None)) is not None:  # its side loss, seeded as the loss is
+                torch.autograd.backward([out, scale(side) if scale is not None else side],
+                                        [s.grad_out.pop(key), None])
+            else:
+                torch.autograd.backward(out, s.grad_out.pop(key))
+        if a.chunk > 0:
+            self._hand_on(s, Action(SEND_B, *key), a.chunk - 1, inp.grad)
+
+    def _weights(self, s: _Step, a: Action) -> None:
+        """W(c, m): the weight gradients B(c, m) left, in the order of the B's: 1F1B's sums."""
+        s.store.flush(a[1:])
+
+    def _hand_on(self, s: _Step, send: Action, to: int, t: torch.Tensor) -> None:
+        """What F or B made for chunk `to`: its input (F) or output gradient (B) there if `to` is this rank's
+        (P == 1; the V), else kept for `send`."""
+        st = self.stage
+        if rank_of(to, st.pp, st.v_shape) == st.rank:
+            (s.act_in if send.kind == SEND_F else s.grad_out)[(to, send.micro)] = t  # in memory
+        else:
+            s.to_send[send] = self._check(t.contiguous())
+
+    def _send(self, s: _Step, a: Action) -> None:
+        """SEND_F / SEND_B: post the send of what F or B left; held in `sends` until it is waited on."""
+        t = s.to_send.pop(a)
+        s.sends[a] = (comm.send(t, peer_of(a, self.stage.pp, self.stage.v_shape), self.p2p_group(boundary(a))), t)
+
+    def _recv(self, s: _Step, a: Action) -> None:
+        """RECV_F / RECV_B: post the receive into a new buffer; its F or B waits on it."""
+        buf = torch.empty(s.shape, dtype=self.act_dtype, device=self.device)
+        s.recvs[a] = (comm.recv(buf, peer_of(a, self.stage.pp, self.stage.v_shape), self.p2p_group(boundary(a))), buf)
 
     def _hold_roots(self, chunk: int):
         """Under our sharding engine on a rank holding both ends of more than one chunk (a V's rank 0): inside the
@@ -367,48 +360,6 @@ class PipelineRunner:
         if self.engine is not None:
             self.engine.defer_reduction = hold_for_w
         return WeightGradStore(self.stage)
-
-    def idle_fraction(self) -> float | None:
-        """This rank's share of the last step's span not spent in F, B or W (its bubble, plus waiting on
-        messages), from `timeline`; None before a step."""
-        if not self.timeline:
-            return None
-        busy = sum(end - start for a, start, end in self.timeline if a.kind in COMPUTE)
-        span = self.timeline[-1][2] - self.timeline[0][1]
-        return 1.0 - busy / span if span > 0 else 0.0
-
-    @torch.no_grad()
-    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-        """Each micro-batch's loss (evaluation): the chunks run in order, micro-batch after micro-batch, each
-        rank sending its chunk's output on (a send, waited at the end) and receiving its input (a receive, waited
-        at once: the chunk needs it). Every
-        rank passes the same list; the rank of the last chunk returns the losses, the others zeros."""
-        st = self.stage
-        mb, T = micro_batches[0][0].shape
-        device = self.device
-        shape = (mb, T // self.seq_shard, st.config.n_embd)
-        losses, sends = [], []
-        for x, y in micro_batches:
-            loss = torch.zeros((), device=device)
-            h = None
-            for c in range(st.n_chunks):
-                if rank_of(c, st.pp, st.v_shape) != st.rank:
-                    continue
-                if c == 0:
-                    h = x.to(device)
-                elif rank_of(c - 1, st.pp, st.v_shape) != st.rank:
-                    h = torch.empty(shape, dtype=self.act_dtype, device=device)
-                    comm.recv(h, rank_of(c - 1, st.pp, st.v_shape), self.p2p_group(c - 1)).wait()
-                h = self.forward(c, h, y.to(device) if c == st.n_chunks - 1 else None)
-                if c == st.n_chunks - 1:
-                    loss = h.detach().float()
-                elif rank_of(c + 1, st.pp, st.v_shape) != st.rank:
-                    h = self._check(h.contiguous())
-                    sends.append((comm.send(h, rank_of(c + 1, st.pp, st.v_shape), self.p2p_group(c)), h))
-            losses.append(loss)
-        for work, _ in sends:
-            work.wait()
-        return losses
 
     def p2p_group(self, c: int) -> dist.ProcessGroup | None:
         """The group the messages across chunk boundary c (between chunks c and c+1) go on: `group`, or the
@@ -461,14 +412,33 @@ class PipelineRunner:
                                across=self.group if self.group is not None else dist.group.WORLD)
 
 
-def held_bytes(*containers: dict) -> int:
-    """Bytes of the distinct storages of every tensor in the containers' values (tensors, or tuples of them):
-    what a runner's bookkeeping keeps alive. A tensor and a view of it count once."""
-    seen: dict[int, int] = {}
-    for box in containers:
-        for v in box.values():
-            for t in v if isinstance(v, tuple) else (v,):
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+class _Step:
+    """What one step (or evaluation) holds between its actions, keyed by (chunk, micro) or by message; all of
+    it is gone at the step's end. The runner's handlers read and fill it; `held` lists it for `held_bytes`."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], runner: PipelineRunner,
+                 scale: Callable | None, store: WeightGradStore | None, train: bool):
+        st, (mb, T) = runner.stage, batches[0][0].shape
+        self.batches, self.M, self.scale, self.store, self.train = batches, len(batches), scale, store, train
+        self.shape = (mb, T // runner.seq_shard, st.config.n_embd)  # every activation between chunks
+        self.loss = torch.zeros((), device=runner.device) if train else None  # training: this rank's share
+        self.losses: list[torch.Tensor | None] = [None] * self.M  # evaluation: each micro-batch's, on the last chunk
+        self.stored: dict[tuple[int, int], tuple] = {}  # (c, m) -> F(c, m)'s (input, output), until B(c, m)
+        self.act_in: dict[tuple[int, int], torch.Tensor] = {}    # (c, m) -> input of F(c, m), received or local
+        self.grad_out: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> grad of chunk c's output
+        self.sides: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> chunk c's side losses / M (MoE), until B
+        self.to_send: dict[Action, torch.Tensor] = {}  # SEND -> what F or B made for it, until posted
+        self.sends: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # posted until waited: keeps the tensor alive
+        self.recvs: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # posted, until its F or B waits on it
+
+    def defer(self, key: tuple[int, int]):
+        """A split schedule's F and B: the linears' weight gradients wait for W (zero_bubble.WeightGradStore)."""
+        return self.store.defer(key) if self.store is not None else contextlib.nullcontext()
+
+    def held(self) -> tuple[dict, ...]:
+        return (self.stored, self.act_in, self.grad_out, self.to_send, self.sends, self.recvs,
+                self.store.held_tensors() if self.store is not None else {})
+
+    def held_over(self) -> bool:
+        """Whether anything is left that the list should have consumed (a schedule missing work)."""
+        return any((self.stored, self.act_in, self.grad_out, self.to_send, self.recvs, self.store))

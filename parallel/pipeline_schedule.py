@@ -16,17 +16,21 @@ Actions. `Action(kind, chunk, micro)`; `chunk` is always a chunk of the rank tha
   RECV_B(c, m)         grad of chunk c's output from chunk c+1; matches SEND_B(c+1, m).
 
 Where the SEND/RECV go (`_with_p2p`). Each schedule fixes only the order of F/B on each rank. `_with_p2p` runs
-those orders once as early as data allows (F = 1, B = 2 units, messages free); every message is then ready
-when its producer ends, and both its SEND and its RECV are listed at that time, keyed alike on both sides
-(ready time, sender, chunk, micro). So all ranks list their messages in one global order, and within a
+those orders once as early as data allows (`ideal_times`: F = 1, B = 2 units, messages free); every message is
+then ready when its producer ends, and both its SEND and its RECV are listed at that time, keyed alike on both
+sides (ready time, sender, chunk, micro). So all ranks list their messages in one global order, and within a
 peer pair both sides post the pair's messages, both directions merged, in the same order: what NCCL's
 one-stream-per-pair posting order needs to never deadlock, and what gloo needs (the k-th send from a to b
 meets the k-th receive on b from a). A receive is posted at that time and waited on only by the compute that
-reads it; a send is waited on where `send_waits` says. The proofs, the other pairings ("meet", "split") and
-the p2p models that check them are the schedule simulator's (plan/simulate.py).
+reads it; a send is waited on where `send_waits` says. The proofs, the other pairing rules (`plan.simulate.paired`)
+and the p2p models that check them are the schedule simulator's (plan/simulate.py).
+
+See a schedule before reading the runner: `python -m parallel.pipeline_schedule 1f1b --pp 2 --micro 4` prints
+each rank's list as a grid (`main`, parallel/pipeline_grid.py).
 """
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 F, B, W, SEND_F, RECV_F, SEND_B, RECV_B = "F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"
@@ -46,9 +50,9 @@ class ScheduleError(ValueError):
     """A schedule that deadlocks, mismatches a send and a receive, or misorders or misses work."""
 
 
-# ---- stage split -------------------------------------------------------------------------------------
+# ---- the partition: which Blocks each chunk holds -----------------------------------------------------
 
-def split_layers(n_layer: int, pp: int, virtual: int = 1) -> list[range]:
+def even_partition(n_layer: int, pp: int, virtual: int = 1) -> list[range]:
     """Block indices of each of the P·V chunks, consecutive and as even as possible.
 
     With n_layer = q·C + e, the first e chunks get q+1 Blocks and the rest q: the extra layers go to the
@@ -57,7 +61,7 @@ def split_layers(n_layer: int, pp: int, virtual: int = 1) -> list[range]:
     """
     chunks = pp * virtual
     if pp < 1 or virtual < 1 or n_layer < chunks:
-        raise ValueError(f"cannot split {n_layer} layers into pp={pp} x virtual={virtual} = {chunks} "
+        raise ValueError(f"cannot partition {n_layer} layers into pp={pp} x virtual={virtual} = {chunks} "
                          "non-empty chunks")
     q, e = divmod(n_layer, chunks)
     bounds = [0]
@@ -81,23 +85,28 @@ def rank_of(chunk: int, pp: int, v_shape: bool = False) -> int:
     return chunk % pp
 
 
-
 def boundary(a: Action) -> int:
     """The chunk boundary a SEND/RECV crosses: c for the message between chunks c and c+1 (SEND_F(c) and
     RECV_B(c) on chunk c's rank, RECV_F(c+1) and SEND_B(c+1) on chunk c+1's)."""
     return a.chunk if a.kind in (SEND_F, RECV_B) else a.chunk - 1
 
+
+def peer_of(a: Action, pp: int, v_shape: bool = False) -> int:
+    """The rank a SEND/RECV talks to: chunk c+1's for SEND_F and RECV_B, chunk c-1's for RECV_F and SEND_B."""
+    return rank_of(a.chunk + (1 if a.kind in (SEND_F, RECV_B) else -1), pp, v_shape)
+
+
 # ---- schedules: per-rank compute order, then the P2P actions -----------------------------------------
 
-def gpipe(pp: int, micro_batches: int, virtual: int = 1, pairing: str = "ready") -> list[list[Action]]:
+def gpipe(pp: int, micro_batches: int, virtual: int = 1) -> list[list[Action]]:
     """GPipe / picotron's AFAB: every forward, then every backward, micro-batches in order."""
     _check(pp, micro_batches, virtual, need_v1=True)
     order = [[Action(F, r, m) for m in range(micro_batches)] + [Action(B, r, m) for m in range(micro_batches)]
              for r in range(pp)]
-    return _with_p2p(order, pp, pairing)
+    return _with_p2p(order, pp)
 
 
-def one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, pairing: str = "ready") -> list[list[Action]]:
+def one_f_one_b(pp: int, micro_batches: int, virtual: int = 1) -> list[list[Action]]:
     """PipeDream-flush 1F1B: P-r-1 warm-up forwards, then (F, B) pairs, then the remaining backwards.
 
     Rank r never holds more than P-r micro-batches' activations (GPipe holds M)."""
@@ -110,10 +119,10 @@ def one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, pairing: str = "r
             ops += [Action(F, r, warm + i), Action(B, r, i)]
         ops += [Action(B, r, m) for m in range(micro_batches - warm, micro_batches)]
         order.append(ops)
-    return _with_p2p(order, pp, pairing)
+    return _with_p2p(order, pp)
 
 
-def interleaved_one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, pairing: str = "ready") -> list[list[Action]]:
+def interleaved_one_f_one_b(pp: int, micro_batches: int, virtual: int = 1) -> list[list[Action]]:
     """Megatron's interleaved 1F1B (Narayanan et al. 2021, section 2.2; megatron/core/pipeline_parallel/
     schedules.py, forward_backward_pipelining_with_interleaving).
 
@@ -142,10 +151,10 @@ def interleaved_one_f_one_b(pp: int, micro_batches: int, virtual: int = 1, pairi
             ops += [nth(warm + i, F, r), nth(i, B, r)]
         ops += [nth(k, B, r) for k in range(total - warm, total)]
         order.append(ops)
-    return _with_p2p(order, pp, pairing)
+    return _with_p2p(order, pp)
 
 
-def zb_h1(pp: int, micro_batches: int, virtual: int = 1, pairing: str = "ready") -> list[list[Action]]:
+def zb_h1(pp: int, micro_batches: int, virtual: int = 1) -> list[list[Action]]:
     """ZB-H1 (Qi et al. 2023, section 3.1; torch's ScheduleInterleavedZeroBubble with one stage per rank):
     1F1B's order with the backward split into B (input gradient) and W (weight gradients).
 
@@ -172,10 +181,10 @@ def zb_h1(pp: int, micro_batches: int, virtual: int = 1, pairing: str = "ready")
                 w += 1
         ops += [Action(W, r, m) for m in range(w, micro_batches)]
         order.append(ops)
-    return _with_p2p(order, pp, pairing)
+    return _with_p2p(order, pp)
 
 
-def zbv(pp: int, micro_batches: int, virtual: int = 2, pairing: str = "ready") -> list[list[Action]]:
+def zbv(pp: int, micro_batches: int, virtual: int = 2) -> list[list[Action]]:
     """ZB-V (Qi et al. 2023, section 6; torch's ScheduleZBVZeroBubble, whose order this is): two chunks per rank
     in a V (rank r holds chunk r on the way down and 2P-1-r on the way up: `chunk_of(..., v_shape=True)`).
 
@@ -221,10 +230,10 @@ def zbv(pp: int, micro_batches: int, virtual: int = 2, pairing: str = "ready") -
         while cnt[W, c0] < cnt[B, c0]:
             add(W, c0)
         order.append([a for a in ops if a.micro < micro_batches])
-    return _with_p2p(order, pp, pairing, v_shape=True)
+    return _with_p2p(order, pp, v_shape=True)
 
 
-def dualpipev(pp: int, micro_batches: int, virtual: int = 2, pairing: str = "ready") -> list[list[Action]]:
+def dualpipev(pp: int, micro_batches: int, virtual: int = 2) -> list[list[Action]]:
     """DualPipe-V (DeepSeek-V3's DualPipe on a V: torch's ScheduleDualPipeV, after deepseek-ai/DualPipe, whose
     order this is). Chunks as `zbv`'s. Steps on rank r, c0 = r, c1 = 2P-1-r:
     1. 2(P-r-1) F(c0); 2. r+1 pairs F(c0) F(c1); 3. P-r-1 rounds B(c1) W(oldest) F(c1);
@@ -286,7 +295,7 @@ def dualpipev(pp: int, micro_batches: int, virtual: int = 2, pairing: str = "rea
         while weights:
             pending_w()
         order.append(ops)
-    return _with_p2p(order, pp, pairing, v_shape=True)
+    return _with_p2p(order, pp, v_shape=True)
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_one_f_one_b}
@@ -344,16 +353,11 @@ def send_waits(actions: list[Action]) -> dict[Action, list[Action]]:
     return waits
 
 
-PAIRINGS = ("ready", "meet", "split")
-
-
-def _with_p2p(order: list[list[Action]], pp: int, pairing: str, v_shape: bool = False) -> list[list[Action]]:
-    """Insert SEND/RECV actions into per-rank compute orders by the pairing rule (module docstring)."""
-    if pairing not in PAIRINGS:
-        raise ValueError(f"unknown pairing {pairing!r}; known: {PAIRINGS}")
+def ideal_times(order: list[list[Action]], pp: int) -> tuple[dict[Action, int], dict[tuple[str, int, int], int]]:
+    """Each compute's start, and (kind, chunk, micro)'s end, when every rank runs its compute order as soon as it
+    is free and the compute's inputs exist (`unit_times`; messages free). ScheduleError if the orders deadlock."""
     cost = dict(zip(COMPUTE, unit_times(is_split(order))))
     chunks = max(a.chunk for ops in order for a in ops) + 1
-    # 1. ideal start times: each compute as soon as its rank is free and its inputs exist (messages free)
     start: dict[Action, int] = {}
     end: dict[tuple[str, int, int], int] = {}
     pos, clock = [0] * pp, [0] * pp
@@ -372,22 +376,74 @@ def _with_p2p(order: list[list[Action]], pp: int, pairing: str, v_shape: bool = 
                 pos[r], moved = pos[r] + 1, True
         if not moved:
             raise ScheduleError(f"compute orders deadlock at {[order[r][pos[r]:pos[r] + 1] for r in range(pp)]}")
-    # 2. every cross-rank message gets one key per side: (time, 0, tie-breaks); computes (start, 1, ...)
-    keyed = []
+    return start, end
+
+
+def messages(order: list[list[Action]], pp: int, v_shape: bool = False):
+    """Each cross-rank message the compute orders need, as (receiving rank, the compute that reads it, its RECV,
+    the sending rank, its SEND), in the orders' order."""
+    chunks = max(a.chunk for ops in order for a in ops) + 1
     for r in range(pp):
         for c in order[r]:
-            keyed.append(((start[c], 1, r, c.chunk, c.micro), r, c))
             if (recv := _needs(c, pp, chunks, v_shape)) is not None:
-                src_chunk = c.chunk - 1 if c.kind == F else c.chunk + 1
-                send = Action(SEND_F if c.kind == F else SEND_B, src_chunk, c.micro)
-                ready, sender = end[(c.kind, src_chunk, c.micro)], rank_of(src_chunk, pp, v_shape)
-                ready_key = (ready, 0, ready, sender, c.chunk, c.micro)
-                meet_key = (start[c], 0, ready, sender, c.chunk, c.micro)
-                send_key = meet_key if pairing == "meet" else ready_key
-                recv_key = ready_key if pairing == "ready" else meet_key
-                keyed += [(recv_key, r, recv), (send_key, sender, send)]
-    # 3. each rank's actions in that order: a message before any compute starting at its time
+                src = c.chunk - 1 if c.kind == F else c.chunk + 1
+                yield r, c, recv, rank_of(src, pp, v_shape), Action(SEND_F if c.kind == F else SEND_B, src, c.micro)
+
+
+def _with_p2p(order: list[list[Action]], pp: int, v_shape: bool = False) -> list[list[Action]]:
+    """The compute orders with every SEND and RECV listed at its message's ready time (module docstring): each
+    action keyed (time, 0 for a message or 1 for a compute, tie-breaks), each rank's list in key order."""
+    start, end = ideal_times(order, pp)
+    keyed = [((start[c], 1, r, c.chunk, c.micro), r, c) for r in range(pp) for c in order[r]]
+    for r, c, recv, sender, send in messages(order, pp, v_shape):
+        ready = end[(c.kind, send.chunk, c.micro)]
+        key = (ready, 0, ready, sender, c.chunk, c.micro)  # the same on both sides
+        keyed += [(key, r, recv), (key, sender, send)]
+    return in_key_order(keyed, pp)
+
+
+def in_key_order(keyed: list[tuple[tuple, int, Action]], pp: int) -> list[list[Action]]:
+    """Each rank's actions from (key, rank, action) triples, sorted by key."""
     out: list[list[Action]] = [[] for _ in range(pp)]
     for _, r, a in sorted(keyed, key=lambda x: x[0]):
         out[r].append(a)
     return out
+
+
+def evaluation(pp: int, micro_batches: int, virtual: int = 1, v_shape: bool = False) -> list[list[Action]]:
+    """Each rank's forward-only list (PipelineRunner.forward_only): micro-batch after micro-batch, the rank's
+    chunks in order, each F after the RECV_F of its input and before the SEND_F of its output where that
+    neighbour is on another rank. Every rank posts in this one global order, so a receive waited on at its F
+    (at once) never waits on a rank that is itself waiting."""
+    out = []
+    for r in range(pp):
+        ops = []
+        for m in range(micro_batches):
+            for c in sorted(chunk_of(r, v, pp, v_shape) for v in range(virtual)):
+                ops += [Action(RECV_F, c, m)] if c > 0 and rank_of(c - 1, pp, v_shape) != r else []
+                ops.append(Action(F, c, m))
+                ops += [Action(SEND_F, c, m)] if c < pp * virtual - 1 and rank_of(c + 1, pp, v_shape) != r else []
+        out.append(ops)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m parallel.pipeline_schedule SCHEDULE --pp P --micro M [--virtual V]`: each rank's list as a grid
+    (parallel/pipeline_grid.py); bad input: one line, exit 2."""
+    from parallel.pipeline_grid import Parser, grid
+    p = Parser(prog="python -m parallel.pipeline_schedule", description="Each rank's action list, as a grid.")
+    p.add_argument("schedule", choices=list(ALL_SCHEDULES))
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks P")
+    p.add_argument("--micro", type=int, required=True, help="micro-batches M per step")
+    p.add_argument("--virtual", type=int, help="chunks per rank V (default: 2 for the V schedules, else 1)")
+    a = p.parse_args(argv)
+    virtual = a.virtual if a.virtual is not None else 2 if a.schedule in V_SCHEDULES else 1
+    try:
+        schedule = ALL_SCHEDULES[a.schedule](a.pp, a.micro, virtual)
+    except ValueError as e:
+        p.error(str(e))
+    sys.stdout.write(grid(schedule))
+
+
+if __name__ == "__main__":
+    main()

@@ -96,8 +96,8 @@ class Replicated:
         pass
 
     def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        import metrics
-        return metrics.state_breakdown(self.model, self.checkpoint_optimizer(optimizer))
+        import memory
+        return memory.state_breakdown(self.model, self.checkpoint_optimizer(optimizer))
 
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer

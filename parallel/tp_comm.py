@@ -118,23 +118,6 @@ class _GatherFromRegion(torch.autograd.Function):
         return _split(grad, -1, ctx.group), None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    """forward split along the last dim, backward all-gather along the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        if comm.world(group) == 1:
-            return x
-        return _split(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if comm.world(ctx.group) == 1:
-            return grad, None
-        return all_gather_along(grad, -1, ctx.group), None
-
-
 class _GatherFromSequence(torch.autograd.Function):
     """forward all-gather along the sequence dim, backward reduce-scatter along it."""
 
@@ -216,11 +199,6 @@ def reduce_from_region(x: torch.Tensor, group) -> torch.Tensor:
 def gather_from_region(x: torch.Tensor, group) -> torch.Tensor:
     """forward: all-gather along the last dim (rank order); backward: keep this rank's slice of the gradient."""
     return _GatherFromRegion.apply(x, group)
-
-
-def scatter_to_region(x: torch.Tensor, group) -> torch.Tensor:
-    """forward: keep this rank's 1/p slice of the last dim; backward: all-gather the gradient along it."""
-    return _ScatterToRegion.apply(x, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:

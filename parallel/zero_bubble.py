@@ -161,7 +161,7 @@ def _grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, 
 def routable(name: str, module: nn.Module) -> bool:
     """The linears a store defers: nn.Linear, our TP's linears and the MoE experts' stacked linears (a `linear`
     attribute), lm_head excluded."""
-    from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
     return name.rpartition(".")[2] != "lm_head" and (
         type(module) is nn.Linear or isinstance(module, (ColumnParallelLinear, RowParallelLinear, ExpertLinear)))
 
@@ -257,7 +257,7 @@ class WeightGradStore:
             done(grad)
 
     def held_tensors(self) -> dict[Hashable, tuple]:
-        """Every tensor the store keeps, by key (for parallel.pipeline.held_bytes)."""
+        """Every tensor the store keeps, by key (for parallel.pipeline_record.held_bytes)."""
         out = {(k, i): (x, dy) for k, items in self.pending.items() for i, (_, _, x, dy, _) in enumerate(items)}
         out.update({(k, "held", i): g for k, items in self.held.items() for i, (_, g, _) in enumerate(items)})
         return out

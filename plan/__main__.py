@@ -126,7 +126,7 @@ def explain(c) -> str:
     p, t = c.predicted, c.times
     lines = [f"{c.name}: {c.torchrun()}",
              f"  per rank (the pipeline stage with the highest peak): peak {p['peak_memory_bytes'] / MiB:.0f} MiB = "
-             f"parameters + optimizer state + the largest phase (plan.predict.peak_parts: end of forward, full AC's "
+             f"parameters + optimizer state + the largest phase (plan.peak.peak_parts: end of forward, full AC's "
              f"recompute, a sharding engine's backward, optimizer step); state {p['state_bytes'] / MiB:.0f} MiB "
              f"({', '.join(f'{k} {v / MiB:.0f}' for k, v in p['state_bytes_by_kind'].items())}), "
              f"saved activations {p['saved_activation_bytes'] / MiB:.0f} MiB",

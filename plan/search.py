@@ -43,8 +43,9 @@ from config import UsageError, check_layout, train_parser
 from parallel.pipeline_schedule import V_SCHEDULES
 from plan.theory import bubble_fraction
 from plan.cluster import Cluster, link_of
-from plan.predict import (Setup, comm_by_group, comm_calls_by_group, recomputed_blocks, schedule_facts, state_bytes,
-                          step_flops, worst_rank)
+from plan.counts import (Setup, comm_by_group, comm_calls_by_group, recomputed_blocks, schedule_facts, state_bytes,
+                         step_flops)
+from plan.predict import worst_rank
 
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0,

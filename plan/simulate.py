@@ -1,10 +1,12 @@
 """The schedule simulator: a process-free dry run of parallel/pipeline_schedule.py's action lists under four
 models of point-to-point messaging, and the proofs the runtime's message order rests on.
 
-Pairings (`_with_p2p(..., pairing=)`). Each schedule fixes only the order of F/B on each rank; `_with_p2p` runs
-those orders once as early as data allows (F=1, B=2 units, messages free) and gives every message two times:
-ready (its producer's end) and meet (its consumer's start). Each rank then lists its actions in time order, a
-message before any compute starting at its time, by one of three pairings:
+Pairings (`paired`). Each schedule fixes only the order of F/B on each rank; the runtime's lists
+(pipeline_schedule._with_p2p) run those orders once as early as data allows (F=1, B=2 units, messages free) and
+list every message at its ready time. `paired` lists the same compute orders' messages by another rule, to
+show why the runtime's is the one: every message has two times, ready (its producer's end) and meet (its
+consumer's start), and each rank lists its actions in time order, a message before any compute starting at its
+time, by one of three pairing rules:
 - "ready" (the runtime's): SEND and RECV both at the ready time, with the same key on both sides (ready time,
   sender, chunk, micro). Every rank's messages then follow one global order, so within a peer pair both sides
   list the pair's messages, both directions merged, in the same order. That is what NCCL needs: torch runs a
@@ -24,7 +26,7 @@ message before any compute starting at its time, by one of three pairings:
 - "meet": both at the meeting time (the same global-order argument). The sender posts late, so a sender
   that would have run ahead waits for its receiver: GPipe and 1F1B lose nothing, interleaved 1F1B loses
   some of its gain (tests/test_pipeline_schedule.py measures it).
-- "split": SEND at ready, RECV at meet (the order before 2026-12: each direction agrees, the merged pair
+- "ready_meet": SEND at ready, RECV at meet (the order before 2026-12: each direction agrees, the merged pair
   order does not). gloo and isend run it at the ideal timeline; under NCCL's pair order, and with blocking
   sends, interleaved 1F1B deadlocks (e.g. P=2, V=2, M=4: rank 0 posts SEND_F(c0,m2) before RECV_B(c2,m0)
   while rank 1 posts SEND_B(c3,m0) before RECV_F(c1,m2)). Kept so the tests show the simulator catches it.
@@ -38,9 +40,10 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from parallel.mesh import p2p_link
+from parallel.groups import p2p_link
 from parallel.pipeline_schedule import (B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError,
-                                        boundary, is_split, rank_of, send_waits, unit_times)
+                                        boundary, ideal_times, in_key_order, is_split, messages, peer_of, rank_of,
+                                        send_waits, unit_times)
 
 
 @dataclass
@@ -62,7 +65,26 @@ def _peer(a: Action, pp: int, v: bool = False) -> tuple[int, Action]:
     """The rank `a` talks to and the action that must meet it there."""
     other = {SEND_F: (RECV_F, 1), RECV_F: (SEND_F, -1), SEND_B: (RECV_B, -1), RECV_B: (SEND_B, 1)}
     kind, step = other[a.kind]
-    return rank_of(a.chunk + step, pp, v), Action(kind, a.chunk + step, a.micro)
+    return peer_of(a, pp, v), Action(kind, a.chunk + step, a.micro)
+
+
+PAIRINGS = ("ready", "meet", "ready_meet")
+
+
+def paired(schedule: list[list[Action]], pp: int, pairing: str, v_shape: bool = False) -> list[list[Action]]:
+    """The schedule's compute orders with their messages listed by `pairing` (module docstring): "ready" gives
+    back the runtime's lists; "meet" and "ready_meet" the rules they are held against."""
+    if pairing not in PAIRINGS:
+        raise ValueError(f"unknown pairing {pairing!r}; known: {PAIRINGS}")
+    order = [[a for a in ops if a.kind in COMPUTE] for ops in schedule]
+    start, end = ideal_times(order, pp)
+    keyed = [((start[c], 1, r, c.chunk, c.micro), r, c) for r in range(pp) for c in order[r]]
+    for r, c, recv, sender, send in messages(order, pp, v_shape):
+        ready = end[(c.kind, send.chunk, c.micro)]
+        ready_key, meet_key = ((t, 0, ready, sender, c.chunk, c.micro) for t in (ready, start[c]))
+        keyed += [(ready_key if pairing == "ready" else meet_key, r, recv),
+                  (meet_key if pairing == "meet" else ready_key, sender, send)]
+    return in_key_order(keyed, pp)
 
 
 Times = int | Sequence[int]  # a compute's units: the same for every chunk, or one per chunk
@@ -100,7 +122,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
       together, at the later post, when one is a send and the other its receive; two sends (or two receives)
       at the heads wait for each other forever.
     - "nccl_eager" (the same calls on a group initialised eagerly: init_process_group(device_id=...), which
-      parallel/mesh.py passes on CUDA, binds the world group to the device, and every group split from it,
+      parallel/device.py passes on CUDA, binds the world group to the device, and every group split from it,
       DeviceMesh's and new_group's, is eager too): one FIFO per rank (per group: `links`), across all its
       peers, in posting order. In eager mode pointToPoint reuses the group's own communicator (key
       getKeyFromDevice) and so its one NCCL stream for every unbatched send and receive: the ops of a rank run
@@ -113,7 +135,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
       r-1 posted before it, until r-1 sends. Two heads naming each other with the same kind never complete;
       a head whose peer's head names a third rank waits. (NCCL may complete a small send into the receiver's
       buffer before the receive runs; that only lets ops finish earlier than modelled.)
-      `links`: the fix, every message on the group of its link (`parallel.mesh.p2p_link` of the chunk
+      `links`: the fix, every message on the group of its link (`parallel.groups.p2p_link` of the chunk
       boundary it crosses, as PipelineRunner posts it given link groups): each rank's stream on a group then
       carries one peer's messages, as "nccl"'s pairs do. `batched`: the other fix, the p2p ops a rank lists
       back to back posted as one `batch_isend_irecv` (one stream entry, its ops progressing together; a

@@ -2,13 +2,13 @@
 makes to build them (`init_group_calls`).
 
 Every group here is built by every rank of the world, member or not, in the same order: dist.new_group is a call
-of the whole world, and on NCCL with an eagerly initialised world group (parallel/mesh.py init_distributed
+of the whole world, and on NCCL with an eagerly initialised world group (parallel/device.py join_world
 passes device_id) each new_group is a world-wide ncclCommSplit: the members split off with one colour, every
 other rank with none (c10d `_new_process_group_helper`: `split_from.perform_nocolor_split`). dist.split_group
 builds many disjoint groups in one such split (one call of the world for all of them); DeviceMesh uses it on
 eager NCCL, one per mesh dim (torch/distributed/device_mesh.py `_init_one_process_group`), and otherwise calls
 new_group once per group of the dim, a dim of size 1 included (W one-rank groups). dist.new_subgroups_by_enumeration
-is no cheaper: it calls new_group once per list. parallel/mesh.py `new_groups` builds our own families of
+is no cheaper: it calls new_group once per list. parallel/groups.py `new_groups` builds our own families of
 groups (the pipelines' [first, last] embedding groups, the link groups, the expert groups) by one split_group on
 eager NCCL, one new_group per group elsewhere.
 

@@ -15,7 +15,7 @@ The ranks are then checked against each other and against the planner:
    communicator, blocking send/recv),
    and each rank waits on every p2p op it posts exactly once (`check_waits`);
 4. planner: per simulated rank, state bytes equal plan.predict's exactly, and the second step's comm bytes and
-   calls; the peak (metrics.LiveStorages on the fake storages) within 15% of the predicted peak;
+   calls; the peak (memory.LiveStorages on the fake storages) within 15% of the predicted peak;
 5. startup (reported): the new_group calls each rank makes (and how many hold it), the ops at init, and how many
    of them span the whole world.
 
@@ -407,7 +407,8 @@ def check_waits(w: World) -> list[str]:
 def predicted(plan, coords: tuple[int, ...]) -> dict:
     """plan.predict for the rank at mesh `coords`: its stage's, on the planner's GPUs (no gloo copy of a
     reduce-scatter's input: the fake backend copies nothing either), with the state of its own shard."""
-    from plan.predict import Setup, predict, state_bytes
+    from plan.counts import Setup, state_bytes
+    from plan.predict import predict
     args = argparse.Namespace(**{**vars(plan.args), "device": "auto"})
     setup = Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
     pp, _, shard, cp, _ = coords

@@ -5,13 +5,13 @@
 
 For each preset and layout the trainer is built as train.py builds it (one process, or gloo ranks on
 this machine), with its AdamW state. Then, per rank:
-- save: `checkpoint.save_trainer` (entries + rank file + manifest), after one warm-up save;
-- load: `checkpoint.restore_trainer` of that checkpoint.
+- save: `trainer_checkpoint.save_trainer` (entries + rank file + manifest), after one warm-up save;
+- load: `trainer_checkpoint.restore_trainer` of that checkpoint.
 Each is measured as the rise of the kernel's peak RSS (VmHWM, reset through /proc/self/clear_refs just
 before) above the RSS before it, i.e. the extra memory the operation needs on top of the model, gradients
 and optimizer state (with glibc told to return freed blocks, so the numbers do not depend on what earlier
 steps left in the heap). Loading counts the checkpoint's memory-mapped pages it touches. "int64" is the
-largest int64 tensor any torch op created meanwhile (indices, runs), recorded by metrics.LargestTensor.
+largest int64 tensor any torch op created meanwhile (indices, runs), recorded by memory.LargestTensor.
 Linux (glibc) only.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from metrics import LargestTensor  # noqa: E402
+from memory import LargestTensor  # noqa: E402
 
 LAYOUTS = {  # name: (ranks, train.py flags)
     "single": (1, []),
@@ -73,17 +73,18 @@ def run(rank: int, world: int, model: str, flags: list[str], data: str, out: str
     import dataclasses
 
     import checkpoint
+    import trainer_checkpoint
     import config
     import train
     args = config.parse_args(["--model", model, "--dataset", data, "--out_dir", out, "--micro_batch_size", "1",
                              "--seq_len", "64", "--total_batch_size", str(64 * world), *flags])
     t = train.build(config.validate(args))
     held = sum(e.tensors["param"].numel() for e in t.par.checkpoint_entries(t.optimizer))  # + AdamW state
-    checkpoint.save_trainer(t, 0)  # warm-up: lazy imports, first-use buffers
+    trainer_checkpoint.save_trainer(t, 0)  # warm-up: lazy imports, first-use buffers
     state = _status("VmRSS")
-    save = measure(lambda: checkpoint.save_trainer(t, 1))
+    save = measure(lambda: trainer_checkpoint.save_trainer(t, 1))
     t.plan = dataclasses.replace(t.plan, resume_from=checkpoint.step_dir(args.out_dir, 1))
-    load = measure(lambda: checkpoint.restore_trainer(t))
+    load = measure(lambda: trainer_checkpoint.restore_trainer(t))
     return {"held": held, "state": state, "save": save, "load": load}
 
 

@@ -1,7 +1,13 @@
-"""One-shot GPU check: every CUDA path of the trainer once on one GPU, one table and one report at the end.
+"""One-shot GPU check: every CUDA path of the trainer once on one GPU; each row printed and appended to the report
+as it finishes, one table at the end.
 
     bash scripts/gpu_check.sh              # on a machine with a CUDA device (docs/gpu.md); report in results/gpu/
     bash scripts/gpu_check.sh --dry-run    # anywhere: CPU, tiny model, few steps; checks the plumbing
+
+Its first line is torch's version (and CUDA's, Python's, the device), and the table and report carry it: the GPU
+machine runs torch 2.11.0+cu130 on Python 3.12 (scripts/gpu_dry_run_torch211.sh runs the dry run on that torch).
+SIGTERM or SIGINT stops it at once: the running stage unwinds (a child process is killed), the finished rows and
+a `stopped` row make the table and the report, and it exits 128 + the signal number.
 
 What one GPU cannot check (world-size-1 NCCL groups only), and where it is checked instead: the order of
 NCCL p2p between two ranks (the schedule simulator's "nccl" pair-FIFO model, tests/test_pipeline_schedule.py),
@@ -9,6 +15,10 @@ collectives that move data between GPUs (every wrapper against one process on gl
 exchange of CP (torchrun --nproc_per_node=2 on two GPUs, docs/gpu.md), NVLink/InfiniBand bandwidth.
 
 Stages (a row each; a stage that raises is a FAIL row, and the others still run):
+- process group preflight (first, when a chosen stage builds a process group in this process): a child process
+  inits a one-rank NCCL group (gloo on the CPU) and runs one all_reduce within 5 s (scripts/gpu_preflight.py);
+  if it fails, that is the one row, and the stages that build a group (wrappers, context parallel, sync audit,
+  overlap, real size) are skipped rather than failing or hanging one by one.
 - throughput: `train.py --model gpt2` in bf16 autocast, one process, 20 steps: tokens/s and MFU.
 - ddp / fsdp / tp: our wrappers on a one-rank group of this device (NCCL on CUDA), built by train.build
   through parallelize's APPLY table and stepped by train.train_step, against the same config on the CPU in
@@ -50,10 +60,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import gpu_measure
+import gpu_preflight
 from gpu_harness import (
     COMMON, CP_RTOL, DRY, GPU, RTOL, ROOT, SAME_RTOL, Context, Row, _ForcedOne, build_wrapped, by_step, child_env,
-    deterministic_train, first_line, fmt_bytes, forced_collectives, last_line, make_plan, max_rel, one_rank_mesh,
-    read_jsonl, row_on_error, run_train, train_losses)
+    deterministic_train, first_line, fmt_bytes, forced_collectives, last_line, make_plan, max_rel, md_row,
+    one_rank_mesh, read_jsonl, row_on_error, run_train, train_losses)
 
 # ----------------------------------------------------------------------------- stages
 
@@ -249,9 +260,24 @@ def stage_gpu_tests(ctx: Context) -> None:
             print(proc.stdout[-4000:], file=sys.stderr)
 
 
-STAGES = [("throughput", stage_throughput), ("wrappers", stage_wrappers),
-          ("context parallel", stage_context_parallel), ("fp16", stage_fp16),
-          ("resume", stage_resume), ("gpu tests", stage_gpu_tests), *gpu_measure.STAGES]
+# (name, function, whether it builds a process group in this process: skipped when the preflight fails)
+STAGES = [("throughput", stage_throughput, False), ("wrappers", stage_wrappers, True),
+          ("context parallel", stage_context_parallel, True), ("fp16", stage_fp16, False),
+          ("resume", stage_resume, False), ("gpu tests", stage_gpu_tests, False), *gpu_measure.STAGES]
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT: raised in the main thread at once (not an Exception: no stage's handler keeps it), so
+    subprocess.run kills its child, the stage unwinds, and the table and report of the finished rows are written."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop(signum, frame) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
+    raise Stopped(signum)
 
 
 def counts(rows: list[Row]) -> str:
@@ -260,30 +286,70 @@ def counts(rows: list[Row]) -> str:
             f"{n['missed']} missed")
 
 
+def machine(dry_run: bool) -> dict:
+    device = "cpu (dry run)" if dry_run else torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
 def print_table(rows: list[Row], seconds: float, dry_run: bool) -> None:
-    w = max(len(r.check) for r in rows)
-    title = f"GPU check{' (dry run on CPU)' if dry_run else ''}: {seconds:.0f}s"
+    w = max([len(r.check) for r in rows] + [5])
+    title = f"GPU check{' (dry run on CPU)' if dry_run else ''}, torch {torch.__version__}: {seconds:.0f}s"
     print(f"\n{title}\n{'check':<{w}}  result  detail\n{'-' * w}  ------  {'-' * 60}")
     for r in rows:
         print(f"{r.check:<{w}}  {r.status:<6}  {r.detail}")
     print(counts(rows), flush=True)
 
 
-def write_report(ctx: Context, directory: str, seconds: float, dry_run: bool) -> None:
-    """gpu_check.md (the table) and gpu_check.json (rows, the measured numbers, the machine) in `directory`."""
+def report_header(m: dict, status: str) -> list[str]:
+    return [f"# GPU check: {m['device']}, torch {m['torch']}, {status}", "",
+            f"`bash scripts/gpu_check.sh`: torch {m['torch']} (CUDA {m['cuda']}), Python {m['python']}, {m['date']}.",
+            "", "| check | result | detail |", "|---|---|---|"]
+
+
+def start_report(directory: str, m: dict) -> str:
+    """gpu_check.md with its header; each row is appended as it is made (Context.add), so a run cut short, even
+    by SIGKILL, leaves the rows it finished. write_report rewrites the file whole at the end."""
     os.makedirs(directory, exist_ok=True)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not dry_run else "cpu (dry run)"
-    machine = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda, "seconds": seconds,
-               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    path = os.path.join(directory, "gpu_check.md")
+    with open(path, "w") as f:
+        f.write("\n".join(report_header(m, "in progress (rows appended as they finish)")) + "\n")
+    return path
+
+
+def write_report(ctx: Context, directory: str, seconds: float, m: dict) -> None:
+    """gpu_check.md (the table) and gpu_check.json (rows, the measured numbers, the machine) in `directory`."""
+    m = {**m, "seconds": seconds}
     with open(os.path.join(directory, "gpu_check.json"), "w") as f:
-        json.dump({"machine": machine, "rows": [vars(r) for r in ctx.rows], "measured": ctx.measured}, f, indent=1)
-    lines = [f"# GPU check: {device}, {seconds:.0f} s", "",
-             f"`bash scripts/gpu_check.sh`, torch {torch.__version__}, {machine['date']}. {counts(ctx.rows)}.", "",
-             "| check | result | detail |", "|---|---|---|"]
-    lines += [f"| {r.check} | {r.status} | {r.detail.replace('|', '/')} |" for r in ctx.rows]
+        json.dump({"machine": m, "rows": [vars(r) for r in ctx.rows], "measured": ctx.measured}, f, indent=1)
+    lines = report_header(m, f"{seconds:.0f} s")
+    lines[2] += f" {counts(ctx.rows)}."
+    lines += [md_row(r) for r in ctx.rows]
     with open(os.path.join(directory, "gpu_check.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"gpu_check: wrote {directory}/gpu_check.md and gpu_check.json")
+
+
+def run_stages(ctx: Context, only: list[str] | None) -> None:
+    chosen = [(name, fn, group) for name, fn, group in STAGES if not only or name in only]
+    group_ok = True
+    if any(group for _, _, group in chosen):
+        ok, detail = gpu_preflight.run(ctx.setup.device)
+        skipped = [name for name, _, group in chosen if group]
+        ctx.add("process group preflight", ok, detail + ("" if ok else "; skipped: " + ", ".join(skipped)))
+        group_ok = ok
+    for name, fn, group in chosen:
+        if group and not group_ok:
+            print(f"== {name}: skipped (the process group preflight failed)", flush=True)
+            continue
+        print(f"== {name}", flush=True)
+        t1 = time.perf_counter()
+        try:
+            fn(ctx)
+        except Exception as e:  # noqa: BLE001 -- the table reports it; the other stages still run
+            ctx.add(name, False, f"{type(e).__name__}: {first_line(e)}")
+            traceback.print_exc()
+        print(f"   {time.perf_counter() - t1:.1f}s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,42 +359,43 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps: check the plumbing")
     p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (runs, metrics) instead of a temp dir")
-    p.add_argument("--report", metavar="DIR", help="write gpu_check.md and .json here (default: results/gpu on "
-                   "a GPU, none in the dry run)")
-    p.add_argument("--only", nargs="*", choices=[name for name, _ in STAGES], help="run only these stages")
+    p.add_argument("--report", metavar="DIR", help="write gpu_check.md (row by row as they finish) and .json here "
+                   "(default: results/gpu on a GPU, none in the dry run)")
+    p.add_argument("--only", nargs="*", choices=[name for name, _, _ in STAGES], help="run only these stages")
     args = p.parse_args(argv)
+    m = machine(args.dry_run)
+    print(f"gpu_check: torch {m['torch']} (CUDA {m['cuda']}), Python {m['python']}, {m['device']}", flush=True)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: error: no CUDA device; run with --dry-run to check the plumbing on CPU", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     tmp = args.keep or tempfile.mkdtemp(prefix="gpu_check_")
     os.makedirs(tmp, exist_ok=True)
+    report = args.report or (None if args.dry_run else os.path.join(ROOT, "results", "gpu"))
     from tests.harness import make_token_bins
     ctx = Context(DRY if args.dry_run else GPU, tmp, make_token_bins(os.path.join(tmp, "data"), n_train=200_000,
-                                                                      n_val=20_000))
+                                                                      n_val=20_000),
+                  report_md=start_report(report, m) if report else None)
+    handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    code = 0
     try:
-        for name, fn in STAGES:
-            if args.only and name not in args.only:
-                continue
-            print(f"== {name}", flush=True)
-            t1 = time.perf_counter()
-            try:
-                fn(ctx)
-            except Exception as e:  # noqa: BLE001 -- the table reports it; the other stages still run
-                ctx.add(name, False, f"{type(e).__name__}: {first_line(e)}")
-                traceback.print_exc()
-            print(f"   {time.perf_counter() - t1:.1f}s", flush=True)
+        run_stages(ctx, args.only)
+    except Stopped as s:
+        code = 128 + s.signum
+        print(f"gpu_check: {s} received: stopping", file=sys.stderr, flush=True)
+        ctx.add("stopped", False, f"{s} after {time.perf_counter() - t0:.0f} s: the rows above are the ones finished")
     finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
     seconds = time.perf_counter() - t0
     print_table(ctx.rows, seconds, args.dry_run)
-    report = args.report or (None if args.dry_run else os.path.join(ROOT, "results", "gpu"))
     if report:
-        write_report(ctx, report, seconds, args.dry_run)
-    return 1 if any(r.status == "FAIL" for r in ctx.rows) else 0
+        write_report(ctx, report, seconds, m)
+    return code or (1 if any(r.status == "FAIL" for r in ctx.rows) else 0)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """What the one-GPU check's stages share (scripts/gpu_check.py, scripts/gpu_measure.py): the setups, the report
-rows, in-process trainers on a one-rank mesh whose dims are switched on at size 1, and forced collectives."""
+rows (printed, and appended to the report, as each is made), in-process trainers on a one-rank mesh whose dims are
+switched on at size 1, forced collectives, and the memory released between builds."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import subprocess
@@ -67,15 +69,28 @@ class Context:
     rows: list[Row] = field(default_factory=list)
     cpu_losses: list[float] | None = None
     measured: dict = field(default_factory=dict)  # stage -> numbers, for the JSON report
+    report_md: str | None = None  # each row is appended to this markdown table as it is made (a cut run keeps them)
 
     def add(self, check: str, ok: bool | None, detail: str) -> None:
-        self.rows.append(Row(check, "skip" if ok is None else ("ok" if ok else "FAIL"), detail))
+        self._emit(Row(check, "skip" if ok is None else ("ok" if ok else "FAIL"), detail))
 
     def goal(self, check: str, met: bool | None, detail: str) -> None:
-        self.rows.append(Row(check, "skip" if met is None else ("met" if met else "missed"), detail))
+        self._emit(Row(check, "skip" if met is None else ("met" if met else "missed"), detail))
+
+    def _emit(self, row: Row) -> None:
+        """Keep the row for the final table, print it now, and append it to the report on disk now."""
+        self.rows.append(row)
+        print(f"   [{row.status}] {row.check}: {row.detail}", flush=True)
+        if self.report_md is not None:
+            with open(self.report_md, "a") as f:
+                f.write(md_row(row) + "\n")
 
     def out_dir(self, name: str) -> str:
         return os.path.join(self.tmp, name)
+
+
+def md_row(r: Row) -> str:
+    return f"| {r.check} | {r.status} | {r.detail.replace('|', '/')} |"
 
 
 # ----------------------------------------------------------------------------- in-process trainers
@@ -173,18 +188,36 @@ def max_rel(a: list[float], b: list[float]) -> float:
         else math.inf
 
 
+def init_one_rank_group(device: torch.device) -> str:
+    """A world-size-1 default process group on `device` (NCCL on CUDA, gloo on the CPU), as the stages and the
+    preflight (scripts/gpu_preflight.py) make it; returns the backend."""
+    from parallel.device import backend_for
+    from tests.harness import free_port
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+    return dist.get_backend()
+
+
 def one_rank_mesh(device: torch.device):
-    """A world-size-1 process group (NCCL on CUDA, gloo on CPU) and the run's Mesh over it (every dim size 1)."""
+    """A world-size-1 process group (init_one_rank_group, once) and the run's Mesh over it (every dim size 1)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallel.mesh import DIMS, Mesh, backend_for
+    from parallel.mesh import DIMS, Mesh
     if not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        from tests.harness import free_port
-        dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1, device_id=device if device.type == "cuda" else None)
+        init_one_rank_group(device)
     return Mesh(ParallelDims(1, 1, 1), init_device_mesh(device.type, (1,) * len(DIMS), mesh_dim_names=DIMS))
+
+
+def release_memory(device: torch.device) -> None:
+    """Before a build: collect the trainers of earlier builds (a model's hooks hold it in reference cycles) and give
+    their cached blocks back to the device (the device's own module, `torch.get_device_module`: the CUDA caching
+    allocator's empty_cache; the CPU keeps no cache), so each build's reserved memory is its own."""
+    gc.collect()
+    module = torch.get_device_module(device)
+    if hasattr(module, "empty_cache"):
+        module.empty_cache()
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -201,7 +234,7 @@ def row_on_error(ctx: Context, check: str):
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    from parallel.mesh import child_env as base
+    from launch import child_env as base
     return base(PYTHONUNBUFFERED="1", **extra)
 
 

@@ -21,7 +21,7 @@ raises fails only its own tests, with its traceback.
 
 Whole runs: `launch` starts a script (train.py by default) as a user would, `python` for one rank and
 `torchrun` for more, in an environment without this process's torchrun variables
-(`parallel.mesh.child_env`), on the CPU unless the test passes its own `--device`. `shared_run` trains a
+(`launch.child_env`), on the CPU unless the test passes its own `--device`. `shared_run` trains a
 run once per test session, whichever test file asks for it first, on ranks forked from bench.forkserver; `WholeRuns` is the setup every whole-run
 test file shares (its flags, scratch folder, corpus, and runs by name).
 """
@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from metrics import read_jsonl
-from parallel.mesh import child_env, exit_process
+from launch import child_env, exit_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = timedelta(seconds=300)

@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch
 
-from parallel.mesh import child_env
+from launch import child_env
 from tests.harness import WholeRuns, evals_of, steps_of
 
 ROUNDING_FACTOR = 4

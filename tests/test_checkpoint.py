@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import checkpoint
-from metrics import LargestTensor
+from memory import LargestTensor
 from metrics import read_jsonl as read_metrics
 from tests.harness import forked, forked_ranks, free_port, launch, make_token_bins, rank0_only, spawn, train_losses, under_torchrun
 

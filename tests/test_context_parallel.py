@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import parallel.context_parallel as cp
 from parallel import comm
 from parallel.context_parallel import exchange_order, local_positions, ring_attention, shard_sequence
-from parallel.mesh import link_groups, new_groups, p2p_link
+from parallel.groups import link_groups, new_groups, p2p_link
 from tests.harness import run_distributed
 from tests.rounding import EPS32, ROUNDING_FACTOR
 
@@ -109,7 +109,7 @@ def ring_results(world: int) -> list:
 
 
 def drain_timed(queues: list[list[tuple]], group=lambda rank, op: 0) -> int | None:
-    """NCCL's p2p on eagerly initialised groups (the cp group is one: parallel/mesh.py passes device_id; the
+    """NCCL's p2p on eagerly initialised groups (the cp group is one: parallel/device.py passes device_id; the
     pipeline's model is plan/simulate.py's "nccl_eager"): each rank's ops on a group (`group(rank, op)`; one
     group by default) run one after another in posting order, whichever neighbour they name; the head send of
     rank a to b runs with the head receive of b from a on the same group, and both must describe the same

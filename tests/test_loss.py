@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.pipeline import SavedBytes
-from metrics import LargestTensor
+from memory import LargestTensor
 from loss import LOSS_CHUNK_ALIGN, WHOLE_VOCAB, linear_cross_entropy, loss_chunk_rows, loss_share
 from model import GPT, GPTConfig
 from parallel.tensor_parallel import VocabShard
@@ -438,11 +438,11 @@ class TestMemory(unittest.TestCase):
 
     def test_forward_holds_three_chunks_of_logits_at_once(self):
         """The loss's live bytes beyond its inputs, gradients made in forward: the chunk's logits z (reused as the
-        nll gradient), its log-softmax and its gradient, 3 x (rows, V) fp32 (plan.predict.loss_transient), beside
+        nll gradient), its log-softmax and its gradient, 3 x (rows, V) fp32 (plan.peak.loss_transient), beside
         dx and dW. The previous chunk's gradient is freed before the next chunk's logits are made: kept, it would
         be a 4th, 25.8 MB at GPT-2's vocabulary (the backward of before the fused head kept one; found by a row
         of tests/test_plan_runs.py at GPT-2's vocabulary)."""
-        from metrics import LiveStorages
+        from memory import LiveStorages
         x, w, t = _inputs()
         x.requires_grad_()
         w = torch.nn.Parameter(w)

@@ -36,9 +36,9 @@ from model import GPT, make_config
 from parallel import comm
 from parallel.pipeline import PipelineRunner, PipelineStage
 from plan.theory import p2p_bytes_per_step
-from parallel.mesh import link_groups, new_groups, p2p_link
+from parallel.groups import link_groups, new_groups, p2p_link
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action,
-                                        boundary, chunk_of, rank_of, send_waits, split_layers)
+                                        boundary, chunk_of, rank_of, send_waits, even_partition)
 from plan.simulate import P2P_MODELS, simulate
 from tests.harness import run_distributed
 
@@ -133,11 +133,11 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
     coef = max_norm / (norm + 1e-6)  # what clip_grad_norm_ scales by, from its own (fp32-rounded) norm
     clipped = {n: ((p.grad.double() - coef * pre[n].double()).abs() - gamma(4, U32) * coef * pre[n].double().abs())
                .max().item() for n, p in stage.named_parameters()}
-    return {"loss": loss.item(), "grads": grads, "p2p": p2p, "peak": runner.peak_in_flight,
+    return {"loss": loss.item(), "grads": grads, "p2p": p2p, "peak": runner.record.peak_in_flight,
             "norm": (norm, ref_norm, norm_bound), "clipped": clipped, "coef": coef,
             "p2p_theory": p2p_bytes_per_step(world, virtual, rank, m, (MB, T, cfg.n_embd)),
-            "timeline": len(runner.timeline), "executed": [a for a, _, _ in runner.timeline],
-            "events": list(runner.events), "ops": [(o["op"], o["state"]) for o in ops], "waited": waited}
+            "timeline": len(runner.record.timeline), "executed": [a for a, _, _ in runner.record.timeline],
+            "events": list(runner.record.events), "ops": [(o["op"], o["state"]) for o in ops], "waited": waited}
 
 
 @contextlib.contextmanager
@@ -151,11 +151,11 @@ def receives_waited(runner: PipelineRunner):
             self.work, self.a = work, a
 
         def wait(self, *args):
-            waited.append((len(runner.events), self.a))
+            waited.append((len(runner.record.events), self.a))
             return self.work.wait(*args)
 
     def recv(*args, **kwargs):
-        return Work(real(*args, **kwargs), runner.events[-1][1])
+        return Work(real(*args, **kwargs), runner.record.events[-1][1])
 
     with mock.patch.object(comm, "recv", recv):
         yield waited
@@ -204,7 +204,7 @@ CASES_4 = [("1f1b", 4, 1, m) for m in (4, 8)] + [("gpipe", 4, 1, 8)]
 
 
 def expected_names(cfg, rank: int, pp: int, virtual: int) -> set[str]:
-    layers = split_layers(cfg.n_layer, pp, virtual)
+    layers = even_partition(cfg.n_layer, pp, virtual)
     chunks = [chunk_of(rank, v, pp) for v in range(virtual)]
     names = {n for n, _ in GPT(cfg).named_parameters() if n.startswith("transformer.h.")
              and any(int(n.split(".")[2]) in layers[c] for c in chunks)}
@@ -282,7 +282,7 @@ class PipelineMatchesOneProcess(unittest.TestCase):
 
     def test_executed_actions_are_the_schedules_and_nccl_safe(self):
         """Every rank ran its schedule's list, in its order (the NCCL-safe "ready" pairing), and those executed
-        lists run under every p2p model of the simulator: a runner on another pairing ("split" deadlocks
+        lists run under every p2p model of the simulator: a runner on another pairing ("ready_meet" deadlocks
         interleaved 1F1B at P = 2, V = 2, M = 4 under NCCL's pair FIFOs) or order fails here."""
         for world, (name, n_layer, v, m), per_rank in self.each():
             with self.subTest(pp=world, case=(name, n_layer, v, m)):
@@ -335,11 +335,13 @@ class PipelineMatchesOneProcess(unittest.TestCase):
 
 
 class RecordedCompletion(unittest.TestCase):
-    """comm.Recorded marks its flight-recorder record completed on wait() and on an is_completed() that says True
+    """flight_recorder.Recorded marks its record completed on wait() and on an is_completed() that says True
     (and only then): the hang doctor reads posted-not-completed records as the op a rank is stuck in."""
 
     def test_wait_and_a_true_is_completed_mark_the_record(self):
         from unittest import mock
+
+        from parallel.flight_recorder import Recorded
 
         class Work:
             def __init__(self, finished: bool):
@@ -352,11 +354,11 @@ class RecordedCompletion(unittest.TestCase):
                 return self.finished
 
         with mock.patch.object(comm.RECORDER, "done") as done:
-            self.assertFalse(comm.Recorded(Work(False), 7).is_completed())
+            self.assertFalse(Recorded(Work(False), 7).is_completed())
             done.assert_not_called()
-            self.assertTrue(comm.Recorded(Work(True), 7).is_completed())
+            self.assertTrue(Recorded(Work(True), 7).is_completed())
             done.assert_called_once_with(7)
-            comm.Recorded(Work(False), 8).wait()
+            Recorded(Work(False), 8).wait()
             done.assert_called_with(8)
 
 
@@ -389,9 +391,9 @@ def held_cases(rank: int, world: int) -> list[dict]:
             stage = PipelineStage(model, rank, world)
             stage.materialize(SEED)
             runner = PipelineRunner(stage)
-            runner.measure_held = True
+            runner.record.measure_held = True
             runner.step(micro_batches(cfg, m), name)
-            out[name, m] = {"held": runner.peak_held_bytes, "in_flight": runner.peak_in_flight}
+            out[name, m] = {"held": runner.record.peak_held_bytes, "in_flight": runner.record.peak_in_flight}
     every = [None] * world
     torch.distributed.all_gather_object(every, out)
     return every
@@ -491,7 +493,7 @@ def links_case(rank: int, world: int) -> dict:
 
 
 class LinkGroups(unittest.TestCase):
-    """The runner with the pp group's link groups (parallel.mesh.p2p_link: what NCCL runs, where each rank's one
+    """The runner with the pp group's link groups (parallel.groups.p2p_link: what NCCL runs, where each rank's one
     stream per group would otherwise serialise its two neighbours' messages) on 3 gloo ranks, an odd ring (3
     link groups; interleaved 1F1B's closing link 2 -> 0 on the third): the same loss, gradients and evaluation
     losses bit for bit as on the pp group alone, and every message on its chunk boundary's link group, the
@@ -572,15 +574,15 @@ class ActivationDtypeIsWhatTheChunksProduce(unittest.TestCase):
 
 class TimerIsChosenWithTheDevice(unittest.TestCase):
     """pp_idle_fraction and the timeline time the work: device events where the device queues it (CUDA: a
-    wait() returns at once there), the host clock on the CPU (parallel.mesh.make_timer, the one place)."""
+    wait() returns at once there), the host clock on the CPU (parallel.device.make_timer, the one place)."""
 
     def test_choice(self):
-        from parallel.mesh import DeviceTimer, HostTimer, make_timer
+        from parallel.device import DeviceTimer, HostTimer, make_timer
         self.assertIsInstance(make_timer(torch.device("cpu")), HostTimer)
         self.assertIsInstance(make_timer(torch.device("cuda", 0)), DeviceTimer)  # built without touching CUDA
 
     def test_device_marks_become_host_seconds_from_the_first(self):
-        from parallel.mesh import DeviceTimer
+        from parallel.device import DeviceTimer
 
         class Event:  # torch.cuda.Event's elapsed_time is in milliseconds
             def __init__(self, ms):

@@ -17,16 +17,20 @@ followed only by its own W's: makespan = 3M + P - 1, bubble (P-1)/(3M+P-1), Qi e
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import unittest
 from fractions import Fraction
 
 import pytest
 
-from parallel.mesh import link_groups, p2p_link
+from parallel.groups import link_groups, p2p_link
+from parallel.pipeline_grid import grid
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, V_SCHEDULES, W,
                                         Action, ScheduleError, boundary, chunk_of, dualpipev, gpipe,
-                                        interleaved_one_f_one_b, one_f_one_b, rank_of, split_layers, zb_h1, zbv)
-from plan.simulate import P2P_MODELS, simulate
+                                        interleaved_one_f_one_b, one_f_one_b, rank_of, even_partition, zb_h1, zbv)
+from plan.simulate import P2P_MODELS, paired, simulate
 from plan.theory import bubble_fraction
 
 PPS = (2, 3, 4, 8)
@@ -60,14 +64,14 @@ def exact_bubble(res) -> Fraction:
     return 1 - Fraction(sum(res.busy), len(res.busy) * res.makespan)
 
 
-class TestSplit(unittest.TestCase):
+class TestPartition(unittest.TestCase):
     def test_covers_every_layer_once_evenly(self):
         for n_layer in (4, 7, 12, 13, 48):
             for pp in (1, 2, 3, 4):
                 for v in (1, 2):
                     if n_layer < pp * v:
                         continue
-                    parts = split_layers(n_layer, pp, v)
+                    parts = even_partition(n_layer, pp, v)
                     self.assertEqual(len(parts), pp * v)
                     self.assertEqual([i for r in parts for i in r], list(range(n_layer)))
                     sizes = [len(r) for r in parts]
@@ -76,7 +80,7 @@ class TestSplit(unittest.TestCase):
 
     def test_refuses_empty_chunks(self):
         with self.assertRaisesRegex(ValueError, "non-empty"):
-            split_layers(3, 2, 2)
+            even_partition(3, 2, 2)
 
     def test_chunk_of_is_megatron_interleaving(self):
         self.assertEqual([chunk_of(1, v, 4) for v in range(3)], [1, 5, 9])
@@ -113,7 +117,7 @@ class TestSchedules(unittest.TestCase):
                 continue
             with self.subTest(name=name, pp=p, micro=m, virtual=v):
                 for pairing in ("ready", "meet"):
-                    sched = SCHEDULES[name](p, m, v, pairing=pairing)
+                    sched = paired(SCHEDULES[name](p, m, v), p, pairing)
                     for mode in P2P_MODELS:
                         simulate(sched, p, v, m, p2p=mode)
 
@@ -166,7 +170,7 @@ class TestSchedules(unittest.TestCase):
                     for pairing in ("ready", "meet"):
                         for mode in P2P_MODELS:
                             with self.subTest(name=name, pp=p, micro=m, pairing=pairing, p2p=mode):
-                                res = simulate(SCHEDULES[name](p, m, pairing=pairing), p, 1, m, p2p=mode)
+                                res = simulate(paired(SCHEDULES[name](p, m), p, pairing), p, 1, m, p2p=mode)
                                 self.assertEqual(res.makespan, 3 * (m + p - 1))
                                 self.assertEqual(exact_bubble(res), Fraction(p - 1, m + p - 1))
                                 self.assertAlmostEqual(res.bubble_fraction, bubble_fraction(name, p, m))
@@ -182,7 +186,7 @@ class TestSchedules(unittest.TestCase):
                             res = simulate(interleaved_one_f_one_b(p, m, v), p, v, m, p2p=mode)
                             self.assertEqual(res.makespan, 3 * (v * m + p - 1))
                             self.assertEqual(exact_bubble(res), Fraction(p - 1, v * m + p - 1))
-                        slow = simulate(interleaved_one_f_one_b(p, m, v, pairing="meet"), p, v, m)
+                        slow = simulate(paired(interleaved_one_f_one_b(p, m, v), p, "meet"), p, v, m)
                         self.assertGreaterEqual(exact_bubble(slow), exact_bubble(res))
 
     def test_theory_values(self):
@@ -344,8 +348,8 @@ def slower(p: int, v: int, v_shape: bool, rank: int, t: int) -> list[int]:
 class TestEagerNccl(unittest.TestCase):
     """NCCL's p2p order on an eagerly initialised group (simulate(p2p="nccl_eager"): one FIFO per rank across
     both its neighbours, torch's ProcessGroupNCCL::pointToPoint reusing the group's communicator and stream),
-    which is what every group is here on CUDA (parallel/mesh.py passes device_id). The fix, link groups
-    (parallel.mesh.p2p_link; PipelineRunner posts each message on its boundary's), is modelled by links=True."""
+    which is what every group is here on CUDA (parallel/device.py passes device_id). The fix, link groups
+    (parallel.groups.p2p_link; PipelineRunner posts each message on its boundary's), is modelled by links=True."""
 
     def check(self, every_m: bool) -> int:
         n = 0
@@ -433,14 +437,14 @@ class TestEagerNccl(unittest.TestCase):
 class TestBrokenSchedules(unittest.TestCase):
     """The simulator's checks fire: each schedule below is a correct one with one thing broken."""
 
-    def test_split_lists_deadlock_under_nccl(self):
-        """The lists before the NCCL fix ("split": send at ready, receive at meet; bit-identical to main 805c4ea's
-        default lists) deadlock under NCCL's pair order for interleaved 1F1B with M > P, every P and V (V = 1 too: its warm-up is
-        2(P-r-1), not 1F1B's P-r-1), and
-        under blocking sends; with M == P and for GPipe and 1F1B they pass."""
+    def test_ready_meet_lists_deadlock_under_nccl(self):
+        """The lists before the NCCL fix ("ready_meet": send at ready, receive at meet; bit-identical to main
+        805c4ea's default lists) deadlock under NCCL's pair order for interleaved 1F1B with M > P, every P and V
+        (V = 1 too: its warm-up is 2(P-r-1), not 1F1B's P-r-1), and under blocking sends; with M == P and for
+        GPipe and 1F1B they pass."""
         failed = passed = 0
         for name, p, m, v in nccl_grid():
-            sched = SCHEDULES[name](p, m, v, pairing="split")
+            sched = paired(SCHEDULES[name](p, m, v), p, "ready_meet")
             simulate(sched, p, v, m, p2p="async")  # gloo never blocks on it
             if name == "interleaved_1f1b" and m > p:
                 for mode in ("nccl", "rendezvous"):
@@ -453,7 +457,8 @@ class TestBrokenSchedules(unittest.TestCase):
                 passed += 1
         self.assertEqual(failed, 7 * 3 * 2)  # 42 of interleaved's 63; the other 21 have M == P
         with self.assertRaisesRegex(ScheduleError, r"pair heads.*\(0, 1\): SEND_F\(c0,m2\).*\(1, 0\): SEND_B\(c3,m0\)"):
-            simulate(interleaved_one_f_one_b(2, 4, 2, pairing="split"), 2, 2, 4, p2p="nccl")  # the issue's example
+            example = paired(interleaved_one_f_one_b(2, 4, 2), 2, "ready_meet")  # the issue's
+            simulate(example, 2, 2, 4, p2p="nccl")
 
     def test_both_sides_sending_first_deadlocks_under_nccl(self):
         """Two sends at the heads of a pair's two sides never complete under NCCL; gloo buffers them."""
@@ -466,7 +471,7 @@ class TestBrokenSchedules(unittest.TestCase):
             simulate(sched, 2, 1, 2, p2p="nccl")
 
     def test_swap_with_both_sides_sending_first_deadlocks(self):
-        sched = one_f_one_b(2, 3, pairing="meet")
+        sched = paired(one_f_one_b(2, 3), 2, "meet")
         ops = sched[1]
         i = next(k for k in range(len(ops) - 1) if ops[k].kind == RECV_F and ops[k + 1].kind == "SEND_B")
         ops[i], ops[i + 1] = ops[i + 1], ops[i]  # rank 1 now sends its grad before receiving the activation
@@ -477,7 +482,7 @@ class TestBrokenSchedules(unittest.TestCase):
 
     def test_receives_out_of_order(self):
         for mode in P2P_MODELS:
-            sched = gpipe(2, 2, pairing="meet")
+            sched = paired(gpipe(2, 2), 2, "meet")
             ops = sched[1]
             a, b = (k for k, x in enumerate(ops) if x.kind == RECV_F)
             ops[a], ops[b] = ops[b], ops[a]
@@ -545,6 +550,82 @@ class TestReceiveWaits(unittest.TestCase):
                                     self.assertEqual(start, prev_end, (name, p, times, mode, r, a))
                                     n += 1
         self.assertGreater(n, 1000)
+
+
+# 1F1B at P = 2, M = 4, derived by hand (F = 1, B = 2 units). Rank 0 runs F0 | F1 B0 | F2 B1 | F3 B2 | B3, rank 1
+# F0 B0 | F1 B1 | F2 B2 | F3 B3. As early as data allows: rank 0's F's end at 1, 2, 7, 10 (it waits for B0 until
+# rank 1's B0 ends at 4, B0 runs 4-6, F2 6-7, B1 7-9, F3 9-10, B2 10-12, B3 13-15); rank 1's F's start at 1, 4, 7,
+# 10 and its B's end at 4, 7, 10, 13. Each SEND/RECV is listed at its ready time (the F's end, the B's end), before
+# a compute starting then; at one time the lower sender's message first (rank 0's SEND_F2 before RECV_B1).
+GRID_1F1B_P2_M4 = """\
+         Rank 0   Rank 1
+Step 00: 0F0      1RECV_F0
+Step 01: 0SEND_F0 1F0
+Step 02: 0F1      1RECV_F1
+Step 03: 0SEND_F1 1B0
+Step 04: 0RECV_B0 1SEND_B0
+Step 05: 0B0      1F1
+Step 06: 0F2      1B1
+Step 07: 0SEND_F2 1RECV_F2
+Step 08: 0RECV_B1 1SEND_B1
+Step 09: 0B1      1F2
+Step 10: 0F3      1B2
+Step 11: 0SEND_F3 1RECV_F3
+Step 12: 0RECV_B2 1SEND_B2
+Step 13: 0B2      1F3
+Step 14: 0RECV_B3 1B3
+Step 15: 0B3      1SEND_B3
+"""
+COMMAND = [sys.executable, "-m", "parallel.pipeline_schedule"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TestGrid(unittest.TestCase):
+    """`python -m parallel.pipeline_schedule SCHEDULE --pp P --micro M [--virtual V]`: each rank's list as a grid
+    (parallel/pipeline_grid.py), as torch's _format_pipeline_order prints one."""
+
+    def test_1f1b_p2_m4_is_the_hand_derived_grid(self):
+        self.assertEqual(grid(one_f_one_b(2, 4)), GRID_1F1B_P2_M4)
+        run = subprocess.run(COMMAND + ["1f1b", "--pp", "2", "--micro", "4"], capture_output=True, text=True,
+                             cwd=ROOT, timeout=60)
+        self.assertEqual((run.returncode, run.stdout, run.stderr), (0, GRID_1F1B_P2_M4, ""))
+
+    def test_each_column_is_its_ranks_list(self):
+        """Read back by the header's "Rank r" positions, column r of the grid is rank r's list, in order, every
+        action named chunk, kind, micro-batch (torch's names), for every schedule at P = 3, M = 6."""
+        for name, make in ALL_SCHEDULES.items():
+            sched = make(3, 6, 2 if name in ("interleaved_1f1b", *V_SCHEDULES) else 1)
+            header, *rows = grid(sched).splitlines()
+            starts = [header.index(f"Rank {r}") for r in range(3)] + [None]
+            cols = [[row[a:b].strip() for row in rows if row[a:b].strip()] for a, b in zip(starts, starts[1:])]
+            self.assertEqual(cols, [[f"{a.chunk}{a.kind}{a.micro}" for a in ops] for ops in sched], name)
+            self.assertEqual([row[:len("Step 00:")] for row in rows], [f"Step {i:02d}:" for i in range(len(rows))])
+
+    def test_bad_input_is_one_line_and_exit_2(self):
+        for args in (["1f1c", "--pp", "2", "--micro", "4"], ["1f1b", "--pp", "0", "--micro", "4"],
+                     ["1f1b", "--pp", "two", "--micro", "4"], ["1f1b", "--pp", "2"],
+                     ["interleaved_1f1b", "--pp", "2", "--micro", "3", "--virtual", "2"],
+                     ["1f1b", "--pp", "2", "--micro", "4", "--virtual", "2"], ["dualpipev", "--pp", "2", "--micro", "3"]):
+            with self.subTest(args=args):
+                run = subprocess.run(COMMAND + args, capture_output=True, text=True, cwd=ROOT, timeout=60)
+                self.assertEqual((run.returncode, run.stdout), (2, ""))
+                self.assertEqual(len(run.stderr.splitlines()), 1, run.stderr)
+                self.assertTrue(run.stderr.startswith("python -m parallel.pipeline_schedule: error: "), run.stderr)
+
+
+class TestPairings(unittest.TestCase):
+    """The runtime's lists are the simulator's "ready" pairing (plan.simulate.paired), which the proofs above
+    hold against "meet" and "ready_meet": `paired(..., "ready")` gives every schedule's own lists back."""
+
+    def test_ready_pairing_is_the_runtimes(self):
+        for name, make in ALL_SCHEDULES.items():
+            for p in (2, 3, 4):
+                for v in ((1, 2, 3) if name == "interleaved_1f1b" else (2,) if name in V_SCHEDULES else (1,)):
+                    m = 2 * p
+                    sched = make(p, m, v)
+                    self.assertEqual(paired(sched, p, "ready", v_shape=name in V_SCHEDULES), sched, (name, p, v))
+        with self.assertRaisesRegex(ValueError, "unknown pairing"):
+            paired(one_f_one_b(2, 2), 2, "split")
 
 
 if __name__ == "__main__":

@@ -257,7 +257,7 @@ class TestPipelineCheckpoints(unittest.TestCase):
 
     def test_resume_under_another_split_is_bit_equal(self):
         """pp_short runs the cost model's split, Blocks [0-2] | [3] (tiny's 50304-way head outweighs its 4 Blocks:
-        tests/test_pipeline_split.py); its step-3 checkpoint resumed under --pp_layers_per_stage 1,3 logs steps 4-6
+        tests/test_pipeline_partition.py); its step-3 checkpoint resumed under --pp_layers_per_stage 1,3 logs steps 4-6
         with the same bits (loss, grad_norm, val_loss) and saves a final checkpoint equal to pp_short's, each rank
         writing exactly its own Blocks. A split changes which rank runs a Block, not what it computes; the one sum
         it regroups, the norm's squares (fp64, per stage, then over pp), rounds to the same fp32 norm and clip
@@ -267,7 +267,7 @@ class TestPipelineCheckpoints(unittest.TestCase):
         proc = forked(RUNS.args("--max_steps", str(SHORT), *PP2, "--pp_layers_per_stage", "1,3", "--out_dir", out,
                                 "--resume"), 2)
         self.assertEqual(proc.returncode, 0, f"{proc.stdout[-2000:]}\n" + "\n".join(e[-3000:] for e in proc.stderr))
-        self.assertIn("pipeline split by --pp_layers_per_stage (training FLOPs per token): chunk 0 Block 0 (",
+        self.assertIn("pipeline partition by --pp_layers_per_stage (training FLOPs per token): chunk 0 Block 0 (",
                       proc.stdout)
         got, want = steps_of(out), steps_of(self.pp)
         self.assertEqual(sorted(got), [4, 5, SHORT])

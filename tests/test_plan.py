@@ -13,7 +13,7 @@ import torch
 from config import check_layout, train_parser
 from plan import __main__ as cli
 from plan import theory
-from plan.predict import Setup, block_saved_bytes, state_bytes
+from plan.counts import Setup, block_saved_bytes, state_bytes
 from plan.search import candidates, model_flags
 
 
@@ -201,7 +201,7 @@ def test_zero_bubble_memory_bound_is_1f1bs_peak():
     the action lists: 1F1B's rank r holds P - r micro-batches, so its peak is P (rank 0); ZB-H1 holds P on every
     rank (its W's come late, its bound never above 1F1B's peak); ZB-V 2P (chunk, micro-batch) pairs of half a
     stage each, P stages' worth, on every rank."""
-    from plan.predict import _in_flight
+    from plan.counts import _in_flight
     for P, M in ((2, 4), (4, 8)):
         assert _in_flight("1f1b", P, M, 1) == [P - r for r in range(P)]
         assert _in_flight("zb_h1", P, M, 1) == [P] * P
@@ -280,7 +280,7 @@ P2P_BASE = ["--model", "tiny", "--n_layer", "6", "--n_head", "4", "--n_embd", "6
 
 def _pipeline_p2p(flags: list[str], world: int, pp: int) -> list[int]:
     """comm_by_group's predicted p2p bytes per step of every pipeline rank (global rank 0 of each stage)."""
-    from plan.predict import comm_by_group
+    from plan.counts import comm_by_group
     s = setup([*P2P_BASE, "--pipeline_parallel_size", str(pp), *flags], world)
     return [comm_by_group(s, r)["pp"]["p2p"] for r in range(pp)]
 
@@ -354,7 +354,7 @@ def test_latency_is_charged_once_per_call_of_each_group():
     from dataclasses import replace
 
     from plan.cluster import Cluster
-    from plan.predict import comm_calls_by_group
+    from plan.counts import comm_calls_by_group
     from plan.search import step_time
     base = Cluster(2, 2, 2 ** 40, 1e12, 1e9, 1e9, overlap=False, latency=0.0)
     for group, s in _two_rank_layouts().items():
@@ -397,7 +397,7 @@ def test_hops_are_the_calls_formulas_calls_times_their_ring_steps():
     Over 2 ranks an all-gather is 1 hop, an all-reduce or reduce-scatter 2 (gloo's reduce-scatter is an
     all-reduce): 19 + 36 + 56 = 111 a micro-step, 444 a step; over 4 ranks 3, 6 and 6: 57 + 108 + 168 = 333, 1332.
     The pipeline's p2p messages are a hop each and its tied all-reduce 2; FSDP's gathers 1 and scatters 2."""
-    from plan.predict import comm_calls_by_group
+    from plan.counts import comm_calls_by_group
     base = ["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
             "--micro_batch_size", "4"]
     tp = ["--sequence_parallel", "--enable_loss_parallelism", "--tensor_parallel_size"]
@@ -424,7 +424,7 @@ def test_with_fewer_cores_than_busy_ranks_the_cores_bound_the_step():
     4F / (2 peak), the bubble costing nothing (an idle rank's core runs another rank). Without the term (a core per
     rank) it would be F / peak / (1 - 3/11)."""
     from plan.cluster import Cluster
-    from plan.predict import step_flops
+    from plan.counts import step_flops
     from plan.search import step_time
     s = _pipeline4(8)
     peak = 1e10
@@ -438,7 +438,7 @@ def test_with_fewer_busy_ranks_than_cores_each_runs_at_peak():
     """pp=4 1F1B with M = 2: bubble 3/5, 4 x 2/5 = 1.6 ranks busy on average, fewer than 2 cores: each busy rank has
     a core, so the step is the bubble-stretched F / peak / (1 - 3/5), as with a core per rank."""
     from plan.cluster import Cluster
-    from plan.predict import step_flops
+    from plan.counts import step_flops
     from plan.search import step_time
     s = _pipeline4(2)
     t = step_time(s, Cluster(4, 4, 2 ** 40, 1e10, 1e9, 1e9, overlap=False, cores=2, overhead=0.0), 1.0)
@@ -453,7 +453,7 @@ def test_ddp_calls_are_build_buckets_count_at_every_cap():
     from model import GPT
     from parallel.ddp import build_buckets
     from plan.theory import ddp_comm_calls_per_step
-    from plan.predict import local_params
+    from plan.counts import local_params
     s = setup(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
                "--micro_batch_size", "4"])
     with torch.device("meta"):
@@ -471,13 +471,13 @@ def test_ddp_calls_are_build_buckets_count_at_every_cap():
 # ----------------------------------------------------------------------------- the CPU's allocated peak
 
 class TestAllocatedPeak:
-    """metrics.AllocatedPeak, the CPU number the predicted peak is held against (test_plan_runs), on allocations
+    """memory.AllocatedPeak, the CPU number the predicted peak is held against (test_plan_runs), on allocations
     whose peak is known: counted from the CPU allocator's reports, exactly, with what was alive before."""
 
     MB = 1 << 20
 
     def window(self, body) -> int:
-        from metrics import AllocatedPeak
+        from memory import AllocatedPeak
         with AllocatedPeak(True) as peak:
             body()
         return peak.bytes
@@ -487,7 +487,7 @@ class TestAllocatedPeak:
         warning about blocks from before the window): what every CPU run would otherwise print at its peak step."""
         import os
 
-        from metrics import PROFILER_CHATTER, _stderr_without
+        from memory import PROFILER_CHATTER, _stderr_without
         with _stderr_without(PROFILER_CHATTER):
             os.write(2, b"USDT:x SyncActivityProfilerHandler.cpp:52] profiler_start\n")
             os.write(2, b"a real warning\n")
@@ -511,7 +511,7 @@ class TestAllocatedPeak:
         del kept
 
     def test_off_when_not_enabled(self):
-        from metrics import AllocatedPeak
+        from memory import AllocatedPeak
         with AllocatedPeak(False) as peak:
             torch.empty(self.MB)
         assert peak.bytes is None
@@ -520,17 +520,17 @@ class TestAllocatedPeak:
 # ----------------------------------------------------------------------------- the sharding engine's backward
 
 def test_reduce_phase_is_the_profiled_live_set_of_a_zero3_stage_0():
-    """pp=2 dp=2 fsdp (test_plan_runs' layout, bench.sweep's tiny GPT), rank 0: metrics.AllocatedPeak's live set at
+    """pp=2 dp=2 fsdp (test_plan_runs' layout, bench.sweep's tiny GPT), rank 0: memory.AllocatedPeak's live set at
     step 2's peak, by the op that allocated each block (its `timeline`), is 1F1B's second backward at the
     embeddings: beside parameters + AdamW state, every fp32 shard gradient (396544), the roots gathered by the
     forward before (wpe 262144 + wte 131072, `_FlatUnit.gather`), the next micro-batch's chunk (264704 saved), and
-    the gradient copies `plan.predict.reduce_transient` counts: embedding_dense_backward's whole tables (262144 +
+    the gradient copies `plan.peak.reduce_transient` counts: embedding_dense_backward's whole tables (262144 +
     131072), the tied unit's flat gradient (aten::cat 131072), Block 0's reduction in flight (its flat gradient
     199936, gloo's aten::clone of it 199936, the reduce-scatter's output 99968) and Block 1's output awaiting its
     add (99968). NCCL, which reduces in place, holds no clone (there the first Block's moment, with Block 0
     prefetched, is a little larger than the embeddings' without it)."""
     from bench import sweep as S
-    from plan.predict import peak_parts, reduce_transient
+    from plan.peak import peak_parts, reduce_transient
 
     def at(device: str) -> Setup:
         x = S.Layout(pp=2, dp=2, dp_type="fsdp")
@@ -621,7 +621,7 @@ def test_ep_expert_state_and_gradients_by_hand():
     both layers' experts), 16 bytes each (parameter, gradient, two moments), the tensors unchanged. dp = 4: the
     dense gradients all-reduced over dp (4·(Ψ - X)), the experts' over their edp group of 2 (4·X/2). ZeRO-3 on
     dp = 4: every expert unit (E/2 experts of a Block) sharded 1/2 over edp, the dense units 1/4."""
-    from plan.predict import comm_by_group, units
+    from plan.counts import comm_by_group, units
     X = 2 * EXPERTS_PER_LAYER
     one, two = state_bytes(moe_setup(2, 1)), state_bytes(moe_setup(2, 2))
     assert {k: one[k] - two[k] for k in one} == {"params": 4 * X // 2, "grads": 4 * X // 2, "optimizer": 8 * X // 2}
@@ -644,7 +644,7 @@ def test_ddp_calls_close_a_bucket_where_the_reduce_group_changes():
     from model import GPT
     from parallel.ddp import build_buckets
     from parallel.state import mark_replicas
-    from plan.predict import is_expert, local_params
+    from plan.counts import is_expert, local_params
     from plan.theory import ddp_comm_calls_per_step
     s = moe_setup(4, 2)
     with torch.device("meta"):
@@ -663,10 +663,10 @@ def test_ddp_calls_close_a_bucket_where_the_reduce_group_changes():
 
 
 def test_moe_saved_bytes_by_hand():
-    """One MoE layer in fp32 without EP, N = 64 tokens, counted tensor by tensor (plan.predict.moe_saved_bytes):
+    """One MoE layer in fp32 without EP, N = 64 tokens, counted tensor by tensor (plan.counts.moe_saved_bytes):
     N·(k·(12C + 8H + 32) + 12E + 4) + 4E bytes in place of the dense MLP's 8·N·C·4; EP adds the received rows'
     order and a second index_copy's source, N·k·(8 + 4C) at balance."""
-    from plan.predict import moe_saved_bytes
+    from plan.counts import moe_saved_bytes
     N = 64
     one = moe_saved_bytes(moe_setup(2, 1), 2, 32)
     assert one == N * (K * (12 * C + 8 * H + 32) + 12 * E + 4) + 4 * E

@@ -99,7 +99,7 @@ def test_the_calibrated_one_process_cluster_reproduces_both_reference_runs():
     the calibrated one-rank cluster predicts both measured times back (here 0.10 s and 0.13 s)."""
     from bench.plan_rank import SINGLE, SMALL, cpu_cluster, planned
     from plan.cluster import Cluster
-    from plan.predict import step_flops
+    from plan.counts import step_flops
     from plan.search import compute_actions
     ones = planned(1, Cluster(1, 1, 2 ** 40, 1e12, 1e9, 1e9))
     big, small = ones[SINGLE].setup, ones[SMALL].setup

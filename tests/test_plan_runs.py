@@ -5,12 +5,12 @@ metrics.jsonl:
 - state_bytes_by_kind, comm_bytes and comm_calls: equal, byte for byte and call for call (all are counts: the
   storages the wrappers hold, the payload and the collectives / p2p messages parallel/comm.COUNTER recorded;
   the calls are what plan.search.step_time's per-call latency charges);
-- saved_activation_bytes (metrics.SavedActivations' saved-tensor hooks, on the first step only): within 5%. The
-  prediction counts each saved tensor by its shape (plan.predict.block_saved_bytes); the hooks see storages,
+- saved_activation_bytes (memory.SavedActivations' saved-tensor hooks, on the first step only): within 5%. The
+  prediction counts each saved tensor by its shape (plan.counts.block_saved_bytes); the hooks see storages,
   so what the prediction leaves out (small index and mask tensors of the vocab-parallel embedding and loss,
   int64 ids) is the whole difference;
 - peak memory (TestPeakAgainstMeasured): the predicted peak against step 2's `peak_allocated_bytes`
-  (metrics.AllocatedPeak, the CPU's allocated peak; `peak_memory_bytes` is the process's RSS on the CPU), within
+  (memory.AllocatedPeak, the CPU's allocated peak; `peak_memory_bytes` is the process's RSS on the CPU), within
   15% (the issue's bound), every layout: a sharding engine under a pipeline by peak_parts' "reduce" phase.
 
 The layouts are bench.sweep's (the tiny GPT with 4 Blocks, 512-token vocabulary, 12 rows of 32 tokens; three at the
@@ -134,12 +134,12 @@ class TestPredictedAgainstMeasured(unittest.TestCase):
         self.check_equal("comm_bytes")
 
     def test_comm_calls_equal(self):
-        """The calls formulas beside the wrappers' bytes formulas (plan.predict.comm_calls_by_group), call for call."""
+        """The calls formulas beside the wrappers' bytes formulas (plan.counts.comm_calls_by_group), call for call."""
         self.check_equal("comm_calls")
 
     def test_saved_activations_within_5_percent(self):
         """Every layout, TP with full AC included: its recomputed row-parallel c_proj keeps GELU's output, the last
-        tensor the recomputation packs (metrics.SavedAndRecomputedBytes counts it before checkpoint's early stop)."""
+        tensor the recomputation packs (memory.SavedAndRecomputedBytes counts it before checkpoint's early stop)."""
         for n, (p, m) in self.runs.items():
             with self.subTest(n):
                 got, want = m["saved_activation_bytes"], p["saved_activation_bytes"]
@@ -150,7 +150,7 @@ class TestPredictedAgainstMeasured(unittest.TestCase):
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestRoutingAgainstBalanced(unittest.TestCase):
     """The sweep's own EP row, top-2 of 4 experts, EP = dp = 2: the prediction assumes balanced routing (each rank's
-    experts receive the N·k rows it sends, plan.predict.ep_all_to_all_bytes); the router sends R rows to rank 0's
+    experts receive the N·k rows it sends, plan.counts.ep_all_to_all_bytes); the router sends R rows to rank 0's
     experts 0 and 1 instead (ep = dp: from every rank; the step's logged tokens per expert, summed over the 4 MoE layers),
     and the all_to_all moves R·C·4 twice (forward out, backward back) where the prediction has N·k·C·4: measured
     minus predicted is exactly 2·C·4·(R - layers·N·k). Everything else equals the prediction."""
@@ -183,16 +183,16 @@ def gloo_slack(layout: S.Layout, extra: list[str]) -> int:
     GPT-2's (the 12.9 MB embedding unit)."""
     if layout.dp_type not in ("zero1", "zero2", "fsdp"):
         return 0
-    from plan.predict import units
+    from plan.counts import units
     from plan.verify import plan_for
     plan = plan_for([*S.BASE, "--dataset", shared_data(), *layout.flags(), *extra], layout.nproc, 0)
-    from plan.predict import Setup
+    from plan.counts import Setup
     setup = Setup(plan.args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
     return GLOO_COPIES * max(n for n, _ in units(setup, 0).values()) * setup.reduce_bytes
 
 
 def peak_table(runs: dict[str, tuple[dict, dict]]) -> str:
-    """Predicted peak against rank 0's measured allocated peak (metrics.AllocatedPeak, step 2), one row a layout."""
+    """Predicted peak against rank 0's measured allocated peak (memory.AllocatedPeak, step 2), one row a layout."""
     rows = ["| layout | allocated peak measured | predicted | diff |", "|---|---|---|---|"]
     for n, (p, m) in runs.items():
         got, want = m["peak_allocated_bytes"], p["peak_memory_bytes"]
@@ -203,8 +203,8 @@ def peak_table(runs: dict[str, tuple[dict, dict]]) -> str:
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestPeakAgainstMeasured(unittest.TestCase):
-    """plan.predict.peak_memory_bytes against the peak of live tensor bytes rank 0 allocated in step 2 (the first
-    with AdamW's moments; metrics.AllocatedPeak: the CPU allocator's own reports to the profiler, what
+    """plan.peak.peak_memory_bytes against the peak of live tensor bytes rank 0 allocated in step 2 (the first
+    with AdamW's moments; memory.AllocatedPeak: the CPU allocator's own reports to the profiler, what
     torch.cuda.max_memory_allocated is on GPU), within PEAK_RTOL, on the runs TestPredictedAgainstMeasured reads
     (shared_run: trained once)."""
 
@@ -215,8 +215,8 @@ class TestPeakAgainstMeasured(unittest.TestCase):
 
     def test_peak_within_15_percent(self):
         """Every layout. A ZeRO-2/3 stage 0 under a pipeline peaks in a backward, at the embeddings' whole-table
-        gradients beside the previous unit's reduce-scatter in flight (plan.predict.reduce_phase); the CPU number
-        is an upper bound by the frees gloo's threads make unseen (metrics.AllocatedPeak), which moves those
+        gradients beside the previous unit's reduce-scatter in flight (plan.peak.reduce_phase); the CPU number
+        is an upper bound by the frees gloo's threads make unseen (memory.AllocatedPeak), which moves those
         layouts' measured peak by one unit's gradient copy from run to run."""
         slack = {name(x, e): gloo_slack(x, e) for x, e in LAYOUTS}
         for n, (p, m) in self.runs.items():

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import checkpoint
-from parallel.mesh import child_env
+import trainer_checkpoint
+from launch import child_env
 from tests.harness import launch, make_token_bins
 
 
@@ -34,7 +35,7 @@ def setUpModule():
                                  "--peak_flops", "1e12", "--device", "cpu"])
         t = train.build(config.validate(args))
         train.train_step(t, 1)
-        checkpoint.save_trainer(t, 1)
+        trainer_checkpoint.save_trainer(t, 1)
 
 
 def tearDownModule():

@@ -21,7 +21,7 @@ import torch
 import checkpoint
 from bench.sweep import FP32_RTOL, FP32_TP_RTOL
 from data.chars import META, CharsError, CharVocab, load_chars, run_chars
-from parallel.mesh import child_env
+from launch import child_env
 from tests.harness import check_against, expect_train_error_in_process, forked, rank0_only
 
 # a small text: a few speeches, each line made a little different so the bins are not one repeated block

@@ -9,7 +9,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BELOW = ("model", "moe", "loss", "metrics")  # the only repository modules parallel/ may import, besides itself
+BELOW = ("model", "moe", "loss", "metrics", "memory")  # the only repository modules parallel/ may import, besides itself
 # every other top-level module and package of the repository sits above parallel/ (train, config, faults, plan, ...)
 OURS = sorted({f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
               | {f for f in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, f, "__init__.py"))})
@@ -38,7 +38,7 @@ def imports(path: str, root: str = ROOT, runtime_only: bool = False) -> set[str]
     return out
 
 
-@pytest.mark.parametrize("path", ["model.py", "moe.py", "loss.py", "metrics.py"])
+@pytest.mark.parametrize("path", ["model.py", "moe.py", "loss.py", "metrics.py", "memory.py"])
 def test_model_and_metrics_know_no_parallelism(path):
     assert not {m for m in imports(path) if m == "parallel" or m.startswith("parallel.")}
 
@@ -64,7 +64,7 @@ def test_the_mechanisms_do_not_reach_into_the_twins(path):
     assert not twins, f"{path} imports {sorted(twins)}"
 
 
-@pytest.mark.parametrize("path", ["model.py", "moe.py", "loss.py", "metrics.py"])
+@pytest.mark.parametrize("path", ["model.py", "moe.py", "loss.py", "metrics.py", "memory.py"])
 def test_model_and_metrics_import_nothing_above_them(path):
     up = {m for m in imports(path) if m.split(".")[0] in TOP + ("parallel",)}
     assert not up, f"{path} imports {sorted(up)}"
@@ -138,7 +138,7 @@ def test_no_module_imports_itself_back():
 
 def test_config_sits_below_the_planner():
     """plan/ validates layouts through config (plan.search, plan.verify): config imports nothing of plan/ (the
-    Block split it checks is pipeline_split.py, below it)."""
+    Block partition it checks is pipeline_partition.py, below it)."""
     up = {m for m in module_graph()["config"] if m == "plan" or m.startswith("plan.")}
     assert not up, f"config imports {sorted(up)}"
 
@@ -149,3 +149,55 @@ def test_cycles_are_found(tmp_path):
     (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from a import x\n")
     (tmp_path / "c.py").write_text("import a\n")
     assert cycles(module_graph(str(tmp_path))) == [["a", "b"]]
+
+
+DEVICE_CHOICE = os.path.join("parallel", "device.py")  # the one module that picks the device and the backend
+
+
+def device_choices(path: str, root: str = ROOT) -> list[str]:
+    """Where `path` picks a device or a backend itself, by line: asks torch whether CUDA is there
+    (`cuda.is_available()`), makes a GPU current (`cuda.set_device`), picks between names (`"cuda" if ... else`,
+    `"nccl" if ... else`), or joins a group on NCCL by name. (A CPU-only harness that joins gloo, a simulated
+    rank's fake backend, a comparison with "nccl": no choice between devices.)"""
+    with open(os.path.join(root, path)) as f:
+        tree = ast.parse(f.read())
+    named = {"cuda", "nccl"}
+    out = []
+    for node in ast.walk(tree):
+        what = None
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("cuda.is_available", "cuda.set_device")):
+            what = f"{ast.unparse(node.func)}()"
+        elif isinstance(node, ast.IfExp) and any(isinstance(v, ast.Constant) and v.value in named
+                                                 for v in (node.body, node.orelse)):
+            what = ast.unparse(node)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("init_process_group", "new_group")):
+            backend = [*node.args[:1], *(k.value for k in node.keywords if k.arg == "backend")]
+            if any(isinstance(v, ast.Constant) and v.value == "nccl" for b in backend for v in ast.walk(b)):
+                what = ast.unparse(node)
+        if what:
+            out.append((node.lineno, f"{path}:{node.lineno} {what}"))
+    return [what for _, what in sorted(out)]
+
+
+def test_one_module_chooses_the_device_and_the_backend():
+    """parallel/device.py picks the device (cuda when there is one) and from it the backend (nccl, gloo); every
+    other module asks it (pick_device, backend_for, join_world). tests/ and scripts/ probe the machine they run on,
+    so they are not held to it."""
+    paths = [p for p in (os.path.relpath(os.path.join(d, f), ROOT) for d, dirs, fs in os.walk(ROOT)
+                         if not any(x in d for x in ("/.", "__pycache__", "/runs", "/results")) for f in fs)
+             if p.endswith(".py") and not p.startswith(("tests", "scripts")) and p != DEVICE_CHOICE]
+    assert len(paths) > 50, paths  # the walk found the repository
+    found = [c for p in paths for c in device_choices(p)]
+    assert not found, f"modules that choose a device or backend themselves: {found}"
+    assert len(device_choices(DEVICE_CHOICE)) >= 3  # the one place does: is_available, set_device, "nccl" if
+
+
+def test_device_choices_are_found(tmp_path):
+    """The reader itself: a device picked from torch.cuda, and NCCL picked by hand, are each caught; a CPU
+    harness's gloo and a comparison are not."""
+    (tmp_path / "m.py").write_text("import torch\nd = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+                                   "torch.distributed.init_process_group(backend='nccl')\n"
+                                   "torch.distributed.init_process_group('gloo')\nb = d == 'nccl'\n")
+    assert [c.split(" ", 1)[1] for c in device_choices("m.py", str(tmp_path))] == [
+        "'cuda' if torch.cuda.is_available() else 'cpu'", "torch.cuda.is_available()",
+        "torch.distributed.init_process_group(backend='nccl')"]

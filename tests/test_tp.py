@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from metrics import LargestTensor
+from memory import LargestTensor
 from model import GPT, GPTConfig, init_parameter, param_groups
 from parallel import comm
-from parallel.grads import clip_grad_norm_
-from parallel.tensor_parallel import (TP_PLAN, apply_tensor_parallel, check_tp_divisibility, full_tensor,
-                                      plan_style, tp_norm_groups, vocab_parallel_cross_entropy)
+from parallel.grads import clip_grad_norm_, grad_groups, norm_items
+from parallel.tensor_parallel import (TP_PLAN, apply_tensor_parallel, check_tp_divisibility, plan_style,
+                                      vocab_parallel_cross_entropy)
 from parallel.state import shard_dim
+from parallel.tp_comm import all_gather_along
 from parallel.twins.tensor_parallel import pytorch_tp_plan
 from plan.theory import tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step
 from tests.harness import run_distributed
@@ -68,8 +69,9 @@ def _full_params(model: GPT, grads: bool = False) -> dict[str, torch.Tensor]:
         t = p.grad if grads else p
         if hasattr(t, "full_tensor"):  # DTensor (grads of SP LayerNorms are Partial: this sums them)
             out[name] = t.full_tensor()
-        else:
-            out[name] = full_tensor(t, shard_dim(p, "tp"), dist.group.WORLD)
+        else:  # our TP's shard along its marked dim (all-gathered), or the replicated tensor itself
+            dim = shard_dim(p, "tp")
+            out[name] = t if dim is None else all_gather_along(t.detach(), dim, dist.group.WORLD)
     return out
 
 
@@ -168,7 +170,8 @@ def _one_process_body(rank: int, world_size: int) -> dict:
              "grad_rel": _rel_errors(_full_params(model, grads=True), ref_grads),
              "shard_dims": {n: shard_dim(p, "tp") for n, p in model.named_parameters()}}
         model = _tp(lp, sp)
-        r["train"] = _train(model, lambda m: clip_grad_norm_(tp_norm_groups(m, group), MAX_NORM))
+        r["train"] = _train(model, lambda m: clip_grad_norm_(norm_items(m.named_parameters(), grad_groups(m)),
+                                                             MAX_NORM))
         r["param_rel"] = _norm_errors(_full_params(model), ref_params)
         out[(lp, sp)] = r
 

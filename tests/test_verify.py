@@ -110,7 +110,7 @@ class TestConsistent(unittest.TestCase):
         """DualPipe-V (M = 4 >= 2P) x ZeRO-2, one rank per class: the planner's state, bytes and calls equal, and
         both peaks within the bound: rank 0 keeps the head's root gradient for chunk 0's backward (plan.predict.
         reduce_transient); the middle rank's cool-down runs B, B, B before their W's, each B's flat gradients
-        kept for its W (plan.predict.held_for_w_bytes; without it -20.0%, now -11.7%)."""
+        kept for its W (plan.peak.held_for_w_bytes; without it -20.0%, now -11.7%)."""
         f = flags(["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "dualpipev",
                    "--pp_virtual_stages", "2", "--data_parallel_size", "2", "--data_parallel_type", "zero2",
                    "--total_batch_size", "256"])
@@ -122,7 +122,7 @@ class TestConsistent(unittest.TestCase):
     def test_planner_equals_zb_h1_fsdp(self):
         """ZB-H1 x ZeRO-3 at M = 4, both stages: the planner's state, bytes, calls and peak. Each stage's chunk holds
         two Blocks, and a B keeps the first one's flat gradient for its W while it makes the second's
-        (plan.predict.held_for_w_bytes; without it both stages -17%, now -12%)."""
+        (plan.peak.held_for_w_bytes; without it both stages -17%, now -12%)."""
         f = flags(["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "zb_h1",
                    "--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--total_batch_size", "256"])
         runs = V.simulate_ranks(f, 4, [0, 2])
@@ -557,12 +557,12 @@ class TestFlags(unittest.TestCase):
 
 
 class TestLiveStorages(unittest.TestCase):
-    """A simulated rank's peak (metrics.LiveStorages under fake tensors): a storage counts from the op that makes it
+    """A simulated rank's peak (memory.LiveStorages under fake tensors): a storage counts from the op that makes it
     to its death, at its size after each resize_; a flat buffer shrunk to nothing (ZeRO-3's reshard) is freed."""
 
     def test_follows_resize_under_fake_tensors(self):
         import torch
-        from metrics import LiveStorages
+        from memory import LiveStorages
         from plan.fake_rank import fake_mode
         with fake_mode(), LiveStorages() as live:
             start = live.bytes

@@ -386,7 +386,7 @@ def runner_case(rank: int, pp: int, group, embed_group, m: int) -> dict:
             loss = runner.step(batches, name)
         runner.reduce_tied_grads()
         dist.all_reduce(loss, group=group)
-        out[name] = (loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, runner.peak_in_flight)
+        out[name] = (loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, runner.record.peak_in_flight)
     (l1, g1, f1), (l2, g2, f2) = out["1f1b"], out["zb_h1"]
     linears = {c: sum(type(m) is torch.nn.Linear for i in stage.layers[c] for m in stage.transformer.h[str(i)].modules())
                for c in stage.chunks}  # what each W(c, m) must find: every linear of chunk c's Blocks
@@ -434,7 +434,7 @@ def v_case(rank: int, group, embed_group, m: int, one: dict[str, torch.Tensor]) 
                      "equal": [n for n in grads if n != tied and not torch.equal(grads[n], one[n])],
                      "tied_excess": float(((grads[tied].double() - one[tied].double()).abs() - bound).max())
                      if tied in grads else None,
-                     "in_flight": runner.peak_in_flight}
+                     "in_flight": runner.record.peak_in_flight}
     return out
 
 

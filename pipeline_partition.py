@@ -19,29 +19,29 @@ MFU (`TRAIN_FLOPS_PER_PARAM` per matmul weight, `attention_flops_per_token`):
 Not counted: elementwise work (LayerNorm, GELU, softmax, the loss's exponentials), so on a device where that
 dominates (a tiny model on a CPU) the model overweights the matmul-heavy head. There `measure_costs` times
 the three parts alone (bench.pipeline --balance time), `costs_from_step` reads them off one pipeline step's
-per-rank times, under the contention the split must balance (--balance step), or `--pp_layers_per_stage`
-sets the split by hand.
-Tensor and context parallelism divide every term alike and leave the split unchanged (but for that recompute).
+per-rank times, under the contention the partition must balance (--balance step), or `--pp_layers_per_stage`
+sets the partition by hand.
+Tensor and context parallelism divide every term alike and leave the partition unchanged (but for that recompute).
 
-The split (`balanced_split`, exact, by dynamic programming over (chunk, first Block)): the most expensive chunk
-as cheap as possible; among the splits that achieve it, the second most expensive as cheap as possible, and so
+The partition (`balanced_partition`, exact, by dynamic programming over (chunk, first Block)): the most expensive chunk
+as cheap as possible; among the partitions that achieve it, the second most expensive as cheap as possible, and so
 on (the chunks' costs sorted largest first, smallest lexicographically); remaining ties give the earlier chunk
-more Blocks. With every Block alike and no extras that is `pipeline_schedule.split_layers`, the count split.
+more Blocks. With every Block alike and no extras that is `pipeline_schedule.even_partition`.
 torchtitan's `generate_llm_fqn_per_model_part` weighs the embedding and the head in whole Blocks
 (input_weight, output_weight) for the same reason; here they are weighed in FLOPs.
 
-V layouts (`v_shape`: zbv, dualpipev; `balanced_v_split`): rank r holds chunks r and 2P-1-r
+V layouts (`v_shape`: zbv, dualpipev; `balanced_v_partition`): rank r holds chunks r and 2P-1-r
 (pipeline_schedule.chunk_of), so rank 0 runs both the embedding and the head, and each rank runs both its
 chunks for every micro-batch. What a rank waits for is then the busiest RANK, the sum of its two chunks, not
-the busiest chunk: the split balances per rank (ranks' costs sorted largest first, smallest lexicographically),
+the busiest chunk: the partition balances per rank (ranks' costs sorted largest first, smallest lexicographically),
 then, among those, per chunk (the same rule on the chunks' costs: the warm-up, when a rank runs one chunk
 only); remaining ties give the earlier rank more Blocks, and within a rank its first chunk (r). The per-chunk
-split leaves rank 0 both extras on top of its chunks' Blocks: for GPT-2 medium at T = 1024, P = 4, Blocks per
+partition leaves rank 0 both extras on top of its chunks' Blocks: for GPT-2 medium at T = 1024, P = 4, Blocks per
 chunk [3, 4, 4, 3, 3, 3, 3, 1] cost rank 0 4 Blocks + head (662M) and the busiest other rank 7 Blocks (617M);
 per rank, [2, 4, 4, 4, 3, 3, 3, 1] costs rank 0 3 Blocks + head (574M) and the others at most 617M.
 
-Every rank computes the same split from the same numbers (integers, so no rounding can tell ranks apart);
-nothing is communicated. Checkpoints keep full tensors by name, so a run saved under one split resumes under
+Every rank computes the same partition from the same numbers (integers, so no rounding can tell ranks apart);
+nothing is communicated. Checkpoints keep full tensors by name, so a run saved under one partition resumes under
 any other.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ import torch
 from metrics import TRAIN_FLOPS_PER_PARAM, attention_flops_per_token
 from loss import linear_cross_entropy
 from model import Block, GPTConfig
-from parallel.mesh import make_timer
+from parallel.device import make_timer
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def measure_costs(config: GPTConfig, seq_len: int, micro_batch: int, device: tor
 def costs_from_step(blocks: Sequence[int], seconds: Sequence[float], flops: StageCosts) -> StageCosts:
     """StageCosts in nanoseconds per micro-batch from one pipeline step's own timings: `seconds[r]`, the mean F +
     B time per micro-batch of rank r's one chunk holding `blocks[r]` Blocks (a one-chunk schedule; rank 0 runs
-    the embedding, rank P-1 the head), measured while every rank runs, so under the contention the split has to
+    the embedding, rank P-1 the head), measured while every rank runs, so under the contention the partition has to
     balance (`measure_costs` times the parts alone). A Block costs what the ranks without the head spend per
     Block (ranks 0..P-2; rank 0's embedding taken off at the FLOP model's embed/block ratio), the head what the
     last rank spends beyond its Blocks. Nothing is communicated: one rank computes, the others take its numbers."""
@@ -129,13 +129,13 @@ def costs_from_step(blocks: Sequence[int], seconds: Sequence[float], flops: Stag
                       head=max(1, round(head * 1e9)))
 
 
-def balanced_split(block_costs: Sequence[int], chunks: int, first: int = 0, last: int = 0) -> list[range]:
+def balanced_partition(block_costs: Sequence[int], chunks: int, first: int = 0, last: int = 0) -> list[range]:
     """Block indices of each of `chunks` consecutive chunks, each >= 1 Block, chunk c costing the sum of its
-    Blocks' `block_costs` plus `first` (c = 0) and `last` (c = chunks - 1): the split of the module docstring
+    Blocks' `block_costs` plus `first` (c = 0) and `last` (c = chunks - 1): the partition of the module docstring
     (minimal most expensive chunk, then the next, ...; ties: the earlier chunk takes more). Exact, O(C·L²)."""
     L = len(block_costs)
     if chunks < 1 or L < chunks:
-        raise ValueError(f"cannot split {L} Blocks into {chunks} non-empty chunks")
+        raise ValueError(f"cannot partition {L} Blocks into {chunks} non-empty chunks")
     prefix = [0]
     for c in block_costs:
         prefix.append(prefix[-1] + c)
@@ -156,23 +156,23 @@ def balanced_split(block_costs: Sequence[int], chunks: int, first: int = 0, last
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def balanced_v_split(n_layer: int, pp: int, block: int, first: int = 0, last: int = 0) -> list[range]:
+def balanced_v_partition(n_layer: int, pp: int, block: int, first: int = 0, last: int = 0) -> list[range]:
     """Block indices of the 2P consecutive chunks of a V layout (rank r holds chunks r and 2P-1-r), every Block
-    costing `block`, chunk 0 `first` more and chunk 2P-1 `last` more (both on rank 0): the V split of the module
+    costing `block`, chunk 0 `first` more and chunk 2P-1 `last` more (both on rank 0): the V partition of the module
     docstring (ranks' costs, then chunks' costs, sorted largest first, lexicographically smallest; ties: the
     earlier rank takes more Blocks, then, within a rank, its first chunk r).
 
     Exact in O(n_layer): only a rank's Block total s_r enters the ranks' costs (rank 0: s_0·block + first + last,
     rank r > 0: s_r·block), and for a given s_0 the other ranks' costs are smallest as a sorted list when their
     totals are as even as possible (the larger ones on the earlier ranks); each rank > 0 then halves its total
-    (the extra Block on its first chunk, r), and rank 0 cuts its own by balanced_split. So try every s_0."""
+    (the extra Block on its first chunk, r), and rank 0 cuts its own by balanced_partition. So try every s_0."""
     if pp < 1 or n_layer < 2 * pp:
-        raise ValueError(f"cannot split {n_layer} Blocks into 2 x {pp} non-empty chunks")
+        raise ValueError(f"cannot partition {n_layer} Blocks into 2 x {pp} non-empty chunks")
     chunks, best = 2 * pp, None
     for s0 in range(2 if pp > 1 else n_layer, n_layer - 2 * (pp - 1) + 1):  # P = 1: rank 0 holds every Block
         q, e = divmod(n_layer - s0, pp - 1) if pp > 1 else (0, 0)
         sizes = [0] * chunks
-        end = balanced_split([block] * s0, 2, first, last)
+        end = balanced_partition([block] * s0, 2, first, last)
         sizes[0], sizes[-1] = len(end[0]), len(end[1])
         for r in range(1, pp):
             s = q + (r - 1 < e)
@@ -192,10 +192,10 @@ def balanced_v_split(n_layer: int, pp: int, block: int, first: int = 0, last: in
 def layers_for(config: GPTConfig, pp: int, virtual: int = 1, seq_len: int | None = None,
                counts: Sequence[int] | None = None, costs: StageCosts | None = None,
                v_shape: bool = False) -> list[range]:
-    """The split a pipeline of `pp` ranks x `virtual` chunks uses: `counts` Blocks per chunk if given (the
-    --pp_layers_per_stage override; `check_counts` first), else `balanced_split` of `costs` (default:
+    """The partition a pipeline of `pp` ranks x `virtual` chunks uses: `counts` Blocks per chunk if given (the
+    --pp_layers_per_stage override; `check_counts` first), else `balanced_partition` of `costs` (default:
     `stage_costs` at `seq_len`, itself defaulting to config.block_size), or, for a V layout (`v_shape`, virtual
-    2: zbv, dualpipev), `balanced_v_split`, balanced per rank."""
+    2: zbv, dualpipev), `balanced_v_partition`, balanced per rank."""
     chunks = pp * virtual
     if counts is not None:
         reason = check_counts(counts, config.n_layer, chunks)
@@ -209,12 +209,12 @@ def layers_for(config: GPTConfig, pp: int, virtual: int = 1, seq_len: int | None
     if v_shape:
         if virtual != 2:
             raise ValueError(f"a V layout has two chunks per rank; got virtual={virtual}")
-        return balanced_v_split(config.n_layer, pp, k.block, k.embed, k.head)
-    return balanced_split([k.block] * config.n_layer, chunks, k.embed, k.head)
+        return balanced_v_partition(config.n_layer, pp, k.block, k.embed, k.head)
+    return balanced_partition([k.block] * config.n_layer, chunks, k.embed, k.head)
 
 
 def check_counts(counts: Sequence[int], n_layer: int, chunks: int) -> str | None:
-    """Why `counts` (Blocks per chunk) is not a split of n_layer Blocks into `chunks` chunks, or None."""
+    """Why `counts` (Blocks per chunk) is not a partition of n_layer Blocks into `chunks` chunks, or None."""
     if len(counts) != chunks:
         return f"gives {len(counts)} counts; the pipeline has P x V = {chunks} chunks, one count each"
     if min(counts) < 1:
@@ -224,16 +224,16 @@ def check_counts(counts: Sequence[int], n_layer: int, chunks: int) -> str | None
     return None
 
 
-def describe_split(layers: list[range], costs: StageCosts, by: str = "cost",
-                   unit: str = "training FLOPs per token", v_shape: bool = False) -> str:
+def describe_partition(layers: list[range], costs: StageCosts, by: str = "cost",
+                       unit: str = "training FLOPs per token", v_shape: bool = False) -> str:
     """One line: each chunk's Blocks and its cost in `unit` (M = 1e6); for a V layout (`v_shape`) also each
-    rank's cost, the sum of its chunks r and 2P-1-r, which its split balances."""
+    rank's cost, the sum of its chunks r and 2P-1-r, which its partition balances."""
     parts, chunk_costs = [], []
     for c, r in enumerate(layers):
         chunk_costs.append(len(r) * costs.block + costs.embed * (c == 0) + costs.head * (c == len(layers) - 1))
         blocks = f"Block {r.start}" if len(r) == 1 else f"Blocks {r.start}-{r.stop - 1}"
         parts.append(f"chunk {c} {blocks} ({chunk_costs[-1] / 1e6:.3g}M)")
-    line = f"pipeline split by {by} ({unit}): " + ", ".join(parts)
+    line = f"pipeline partition by {by} ({unit}): " + ", ".join(parts)
     if v_shape:
         n = len(layers)
         line += "; per rank: " + ", ".join(f"rank {r} ({(chunk_costs[r] + chunk_costs[n - 1 - r]) / 1e6:.3g}M)"

@@ -1,0 +1,521 @@
+"""What one rank of a layout holds and sends, counted from the formulas that sit beside the wrappers.
+
+Nothing here is measured and no formula is restated: the per-rank parameter shapes come from the model on meta
+cut by `PipelineStage` and `tensor_parallel.tp_local_shape`; ZeRO/FSDP state from `theory.fsdp_unit_state_bytes`
+over `flat_param.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`, `zero_comm_bytes_per_step` (under a
+pipeline `zero_comm_bytes_per_pipeline_step`), `tp_comm_bytes_per_micro_step`, `cp_p2p_bytes_per_micro_step`
+and `pipeline.p2p_bytes_per_step`; FLOPs from metrics.flops_per_token. What is new here is the saved-activation
+count (`block_saved_bytes`, derived in its docstring) and its composition with AC, SP, CP and the pipeline's
+in-flight bound; the peak memory built on them is plan/peak.py's.
+
+plan/predict.py assembles these counts and plan/peak.py's peak into the keys train.py measures each step.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from metrics import active_params, flops_per_token
+from model import GPT, GPTConfig
+from parallel.device import backend_for
+from parallel.flat_param import shard_numel
+from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
+from parallel.flat_param import unit_key
+from parallel.mesh import ParallelDims
+from parallel.parallelize import activation_dtype
+from parallel.pipeline import PipelineStage, sharded_units
+from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
+from parallel.tensor_parallel import tp_local_shape
+from plan import theory
+from plan.simulate import simulate
+from pipeline_partition import layers_for
+from plan.theory import (cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step, ddp_comm_bytes_per_step,
+                         ddp_comm_calls_per_step, ep_all_to_all_bytes_per_micro_step,
+                         ep_all_to_all_calls_per_micro_step, p2p_bytes_per_step, p2p_calls_per_step,
+                         pipelined_root_gathers, tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step,
+                         zero_comm_bytes_per_pipeline_step, zero_comm_bytes_per_step, zero_comm_calls_per_step)
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One validated layout, as config.check_layout returns it (the planner's input, and train.py's), with the
+    ParallelConfig config.parallel_config resolves from it (dp_type, param_dtype: the trainer's own rules)."""
+    args: argparse.Namespace
+    dims: ParallelDims
+    config: GPTConfig
+    dtype: torch.dtype
+    grad_accum: int  # M: micro-steps per step (a pipeline's micro-batches)
+    pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (pipeline_partition.py)
+
+    @functools.cached_property
+    def par(self):
+        """config.parallel_config's resolution, once per Setup (every prediction asks it many times)."""
+        from config import parallel_config
+        return parallel_config(self.args, self.dims, self.dtype, self.pp_layers)
+
+    @property
+    def dp_type(self) -> str | None:
+        """What wraps the model for data parallelism: None, "ddp" or a ZeRO stage (CP alone means DDP)."""
+        return self.par.dp_type
+
+    @property
+    def compute_bytes(self) -> int:
+        return _size(self.dtype)
+
+    @property
+    def param_bytes(self) -> int:
+        """Element size of a sharding engine's compute copies (None: fp32)."""
+        return _size(self.par.param_dtype or torch.float32)
+
+    @property
+    def reduce_bytes(self) -> int:
+        return _size(self.par.reduce_dtype)
+
+    @property
+    def copies_reduce_input(self) -> bool:
+        """Whether the ranks' reduce-scatter copies its input: gloo's does (CPU ranks, --device cpu), NCCL's does
+        not (--device cuda, or auto: the planner's GPUs; `for_run` passes a run's resolved device);
+        theory.reduce_held_bytes."""
+        device = self.args.device
+        return device != "auto" and backend_for(torch.device(device)) == "gloo"
+
+    @property
+    def residual_bytes(self) -> int:
+        """The residual stream's element size (parallelize.activation_dtype)."""
+        return _size(activation_dtype(self.par, "fsdp" if self.dp_type in ZERO_STAGES else None))
+
+
+@functools.cache
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def local_params(s: Setup, pp_rank: int = 0) -> list[tuple[str, int, int]]:
+    """(name, elements, dims) of each distinct parameter one rank of pipeline stage `pp_rank` holds (its tp
+    shard; its E/ep experts of each MoE layer; the tied matrix once, or on a pipeline's last stage the lm_head
+    copy too)."""
+    return _local_params(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank, s.pp_layers,
+                         s.args.pp_schedule in V_SCHEDULES, s.dims.ep)
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_gpt(config: GPTConfig) -> GPT:
+    """The model on meta, built once per config (a PipelineStage only takes references to its modules)."""
+    with torch.device("meta"):
+        return GPT(config)
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_params(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int,
+                  layers: tuple[int, ...] | None = None, v_shape: bool = False,
+                  ep: int = 1) -> list[tuple[str, int, int]]:
+    gpt = _meta_gpt(config)
+    with torch.device("meta"):
+        module = PipelineStage(gpt, pp_rank, pp, virtual, layers, v_shape) if pp > 1 else gpt
+    out = []
+    for name, p in module.named_parameters():
+        shape = tp_local_shape(name, tuple(p.shape), tp)
+        if is_expert(name):  # expert_parallel.apply_expert_parallel: experts [r·E/ep, (r+1)·E/ep) along dim 0
+            shape = (shape[0] // ep, *shape[1:])
+        out.append((name, int(torch.Size(shape).numel()), len(shape)))
+    return out
+
+
+def is_expert(name: str) -> bool:
+    """Whether parameter `name` is one of an MoE layer's stacked experts (moe.Experts): what expert parallelism
+    splits (E/ep experts per rank) and copies over the expert-data-parallel group."""
+    return ".mlp.experts." in name
+
+
+def units(s: Setup, pp_rank: int = 0) -> dict[str, tuple[int, int]]:
+    """The sharding engine's units on this stage: {unit: (elements, elements in >= 2-D weights)} (shared: read it,
+    do not change it). Under expert parallelism each Block's experts are a unit of their own,
+    "transformer.h.<i>.experts" (parallel/fsdp_extensions.py's own-group units), sharded over the edp group
+    (`unit_shard`)."""
+    return _units(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank, s.pp_layers,
+                  s.args.pp_schedule in V_SCHEDULES, s.dims.ep)
+
+
+def unit_shard(s: Setup, unit: str) -> int:
+    """The ranks a unit is sharded over: an expert unit's edp group (dp·cp/ep: the ranks holding the same
+    experts, HSDP's replicas among them), every other unit's dp_shard·cp."""
+    d = s.dims
+    return d.dp * d.cp // d.ep if unit.endswith(".experts") else d.dp_shard * d.cp
+
+
+@functools.lru_cache(maxsize=4096)
+def _units(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int, layers: tuple[int, ...] | None,
+           v_shape: bool, ep: int = 1) -> dict[str, tuple[int, int]]:
+    params = _local_params(config, pp, virtual, tp, pp_rank, layers, v_shape, ep)
+    with torch.device("meta"):  # the engine's own rule (a rank holding both ends has no tied unit: a V's rank 0)
+        separate = sharded_units(PipelineStage(_meta_gpt(config), pp_rank, pp, virtual, layers, v_shape)) \
+            if pp > 1 else {}
+    out: dict[str, list[int]] = {"root": [0, 0]}
+    for name, n, ndim in params:
+        key = unit_key(name, separate)
+        u = out.setdefault(key + (".experts" if ep > 1 and is_expert(name) else ""), [0, 0])
+        u[0] += n
+        u[1] += n if ndim >= 2 and not name.endswith("bias") else 0  # model.decays
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0, expert_shard_rank: int = 0) -> dict[str, int]:
+    """{"params", "grads", "optimizer"} bytes after an optimizer step, as Parallelized.state_breakdown counts
+    them: fp32 parameters and gradients and AdamW's two moments + one fp32 step tensor per parameter, each
+    storage once (DDP's gradients are views of its buckets: the same bytes); a ZeRO stage per unit, for the rank
+    `shard_rank` of the sharding group (dp_shard x cp: its shard holds one or two pieces of a unit, each with
+    its own step tensor), and `expert_shard_rank` of an expert unit's (edp: `unit_shard`)."""
+    if s.dp_type in ZERO_STAGES:
+        policy = ZERO_LADDER[ZERO_STAGES[s.dp_type]]
+        out = dict.fromkeys(("params", "grads", "optimizer"), 0)
+        for unit, (numel, n_decay) in units(s, pp_rank).items():
+            expert = unit.endswith(".experts")
+            got = theory.fsdp_unit_state_bytes(numel, n_decay, unit_shard(s, unit),
+                                               expert_shard_rank if expert else shard_rank, policy.keeps_params,
+                                               policy.reduces_at_end, s.param_bytes, s.reduce_bytes)
+            for k in out:
+                out[k] += got[k]
+        return out
+    params = local_params(s, pp_rank)
+    n = sum(k for _, k, _ in params)
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(params)}
+
+
+def stage_blocks(s: Setup, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
+    """(global indices of the Blocks this pp rank runs, whether it holds the embeddings (the first chunk),
+    whether it holds the head (the last chunk))."""
+    if not s.dims.pp_enabled:
+        return list(range(s.config.n_layer)), True, True
+    chunks = stage_chunks(s, pp_rank)
+    last = s.dims.pp * (s.args.pp_virtual_stages or 1) - 1
+    ends = {c for c, _ in chunks}
+    return [i for _, blocks in chunks for i in blocks], 0 in ends, last in ends
+
+
+def stage_chunks(s: Setup, pp_rank: int = 0) -> list[tuple[int, list[int]]]:
+    """(chunk, global indices of its Blocks) for each chunk this pp rank runs, in local order (a pipeline's)."""
+    V = s.args.pp_virtual_stages or 1
+    v_shape = s.args.pp_schedule in V_SCHEDULES
+    layers = _layers(s.config, s.dims.pp, V, s.args.seq_len, s.pp_layers, v_shape)
+    return [(c, list(layers[c])) for c in (chunk_of(pp_rank, v, s.dims.pp, v_shape) for v in range(V))]
+
+
+@functools.lru_cache(maxsize=1024)
+def _layers(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple[int, ...] | None,
+            v_shape: bool) -> tuple[range, ...]:
+    """pipeline_partition.layers_for, once per (model, pp, V, seq_len, counts): it depends on no other flag."""
+    return tuple(layers_for(config, pp, virtual, seq_len, counts, v_shape=v_shape))
+
+
+def recomputed_blocks(s: Setup, blocks: list[int]) -> int:
+    """How many of `blocks` (global indices) activation checkpointing re-runs in backward, per micro-step: the
+    Blocks parallel.blocks.apply_activation_checkpointing picks (all, or index % ac_every == 0)."""
+    ac = s.args.activation_checkpointing
+    return sum(ac == "full" or (ac == "selective" and i % s.args.ac_every == 0) for i in blocks)
+
+
+def moe_blocks(s: Setup, pp_rank: int = 0) -> list[int]:
+    """Global indices of the MoE Blocks (model.GPTConfig.is_moe) this pp rank runs."""
+    return [i for i in stage_blocks(s, pp_rank)[0] if s.config.is_moe(i)]
+
+
+def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
+    """Payload bytes by group and kind that parallel/comm.COUNTER records on global rank 0 of stage `pp_rank`
+    per step (our wrappers only): groups "tp", "cp", "pp" (the activations and the tied embedding's gradient),
+    "dp" (DDP over dp x cp, or a ZeRO stage's gathers and scatters over dp_shard x cp), "dp_replicate"
+    (HSDP's all-reduce), and under expert parallelism "ep" (the MoE layers' all_to_alls, `ep_all_to_all_bytes`)
+    and "edp" (the experts' gradients: DDP's expert buckets all-reduced, a ZeRO stage's expert units gathered and
+    reduce-scattered, over the dp·cp/ep ranks holding the same experts, as Blocks with no HSDP replicas: the edp
+    group spans them); a sharding engine under a pipeline by `zero_comm_bytes_per_pipeline_step`, its roots'
+    gathers counted on the rank's action list."""
+    d, a, c, M = s.dims, s.args, s.config, s.grad_accum
+    blocks, first, last = stage_blocks(s, pp_rank)
+    T, B = a.seq_len // d.cp, a.micro_batch_size
+    redo = recomputed_blocks(s, blocks)
+    out = {"tp": {k: v * M for k, v in tp_comm_bytes_per_micro_step(
+        c, B, T, d.tp, a.enable_loss_parallelism, a.sequence_parallel, s.compute_bytes, s.residual_bytes, redo,
+        len(blocks), first, last, len(moe_blocks(s, pp_rank))).items()},
+           "cp": {"p2p": M * cp_p2p_bytes_per_micro_step(len(blocks), B, a.seq_len, c.n_embd, d.cp, d.tp, s.compute_bytes,
+                                                         redo)}}
+    shard, edp = d.dp_shard * d.cp, d.dp * d.cp // d.ep
+    if d.ep > 1:
+        out["ep"] = {"all_to_all": M * ep_all_to_all_bytes(s, pp_rank)}
+    if d.pp_enabled:
+        V, v_shape = a.pp_virtual_stages or 1, a.pp_schedule in V_SCHEDULES
+        shape = (B, T // (d.tp if a.sequence_parallel else 1), c.n_embd)
+        # the tied embedding's gradient, all-reduced over [first, last] (no group when one rank holds both ends,
+        # the V layouts): this rank's tp shard in fp32, or under a sharding engine its 1/S of the tied unit
+        tied = c.vocab_size // d.tp * c.n_embd
+        tied = shard_numel(tied, shard) if s.dp_type in ZERO_STAGES else tied
+        out["pp"] = {"p2p": p2p_bytes_per_step(d.pp, V, pp_rank, M, shape, s.residual_bytes, v_shape=v_shape),
+                     "all_reduce": 4 * tied if (first or last) and not v_shape else 0}
+    if s.dp_type == "ddp":
+        params = local_params(s, pp_rank)
+        grad = 2 if a.grad_compression == "bf16" else 4
+        experts = sum(k for n, k, _ in params if is_expert(n)) if d.ep > 1 else 0
+        out["dp"] = ddp_comm_bytes_per_step(sum(k for _, k, _ in params) - experts, d.dp * d.cp, grad)
+        if d.ep > 1:
+            out["edp"] = ddp_comm_bytes_per_step(experts, edp, grad)
+    elif s.dp_type in ZERO_STAGES:
+        padded = {u: shard_numel(n, unit_shard(s, u)) * unit_shard(s, u) for u, (n, _) in units(s, pp_rank).items()}
+        roots = padded.pop("root") + padded.pop("tied", 0)
+        experts = sum(padded.pop(u) for u in list(padded) if u.endswith(".experts"))
+        blocks_padded, stage = sum(padded.values()), ZERO_STAGES[s.dp_type]
+        if d.pp_enabled:
+            gathers = _root_gathers(a.pp_schedule, d.pp, M, a.pp_virtual_stages or 1)[pp_rank]
+            zero = zero_comm_bytes_per_pipeline_step(stage, roots, blocks_padded, shard, d.dp_replicate, M, gathers,
+                                                     s.param_bytes, s.reduce_bytes)
+        else:
+            gathers = M
+            zero = zero_comm_bytes_per_step(stage, roots, blocks_padded, shard, d.dp_replicate, M,
+                                            s.param_bytes, s.reduce_bytes)
+        out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
+        out["dp"] = zero
+        if d.ep > 1:  # expert units: gathered and released with their Block, no roots, no replicas
+            out["edp"] = zero_comm_bytes_per_pipeline_step(stage, 0, experts, edp, 1, M, gathers, s.param_bytes,
+                                                           s.reduce_bytes)
+    return out
+
+
+def ep_all_to_all_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """`theory.ep_all_to_all_bytes_per_micro_step` of one micro-step on this stage: its MoE layers, each on the
+    rank's B·T/cp tokens (under TP every rank runs the layer whole, on the whole sequence), under balanced routing
+    (the rows this rank's experts receive, R, = the N·k it sends: the formula's default; a skewed router moves
+    R·C·2 element bytes per layer away from it, the one thing here that depends on the data), its recomputed
+    layers again under AC. Rows and outputs both go in the compute dtype (moe.expert_rows casts the rows before
+    they are sent)."""
+    d, a, c = s.dims, s.args, s.config
+    moe = moe_blocks(s, pp_rank)
+    N = a.micro_batch_size * a.seq_len // d.cp
+    return ep_all_to_all_bytes_per_micro_step(N, c.moe_top_k, c.n_embd, c.moe_num_experts, len(moe), d.ep,
+                                              s.compute_bytes, recomputed_layers=recomputed_blocks(s, moe))
+
+
+def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
+    """`comm_by_group`'s calls (COUNTER.calls: one per collective or p2p message), group by group and kind, from
+    the calls formulas beside the wrappers' bytes formulas: what a per-call latency charges (search.step_time)."""
+    d, a, c, M = s.dims, s.args, s.config, s.grad_accum
+    blocks, first, last = stage_blocks(s, pp_rank)
+    redo = recomputed_blocks(s, blocks)
+    out = {"tp": {k: v * M for k, v in tp_comm_calls_per_micro_step(
+        c, a.micro_batch_size, a.seq_len // d.cp, d.tp, a.enable_loss_parallelism, a.sequence_parallel, redo,
+        len(blocks), first, last, len(moe_blocks(s, pp_rank))).items()},
+           "cp": {"p2p": M * cp_p2p_calls_per_micro_step(len(blocks), d.cp, redo)}}
+    edp = d.dp * d.cp // d.ep
+    if d.ep > 1:
+        moe = moe_blocks(s, pp_rank)
+        out["ep"] = {"all_to_all": M * ep_all_to_all_calls_per_micro_step(len(moe), d.ep, recomputed_blocks(s, moe))}
+    if d.pp_enabled:
+        v_shape = a.pp_schedule in V_SCHEDULES
+        out["pp"] = {"p2p": p2p_calls_per_step(d.pp, a.pp_virtual_stages or 1, pp_rank, M, v_shape),
+                     "all_reduce": int((first or last) and not v_shape)}
+    if s.dp_type == "ddp":
+        params = local_params(s, pp_rank)
+        sizes, cap = [4 * n for _, n, _ in params], int(a.bucket_cap_mb * 1024 * 1024)
+        groups = [edp if d.ep > 1 and is_expert(n) else d.dp * d.cp for n, _, _ in params]  # build_buckets' key
+        out["dp"] = ddp_comm_calls_per_step(sizes, d.dp * d.cp, cap, groups)
+        if d.ep > 1:
+            out["edp"] = ddp_comm_calls_per_step(sizes, edp, cap, groups)
+    elif s.dp_type in ZERO_STAGES:
+        u = {k: n for k, (n, _) in units(s, pp_rank).items() if n}  # an empty root (a middle stage) issues nothing
+        roots = sum(k in ("root", "tied") for k in u)
+        experts = sum(k.endswith(".experts") for k in u)
+        gathers = _root_gathers(a.pp_schedule, d.pp, M, a.pp_virtual_stages or 1)[pp_rank] if d.pp_enabled else None
+        zero = zero_comm_calls_per_step(ZERO_STAGES[s.dp_type], roots, len(u) - roots - experts, d.dp_shard * d.cp,
+                                        d.dp_replicate, M, gathers)
+        out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
+        out["dp"] = zero
+        if d.ep > 1:
+            out["edp"] = zero_comm_calls_per_step(ZERO_STAGES[s.dp_type], 0, experts, edp, 1, M, gathers)
+    return out
+
+
+def _root_gathers(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
+    """theory.pipelined_root_gathers over each rank's actions of `schedule`."""
+    return schedule_facts(schedule, pp, micro, virtual)[1]
+
+
+@functools.lru_cache(maxsize=1024)
+def schedule_facts(schedule: str, pp: int, micro: int, virtual: int
+                   ) -> tuple[tuple[int, ...], tuple[int, ...], float, tuple[tuple[int, int, int], ...]]:
+    """What the planner reads off a schedule's action lists, from one build and one simulate (the runner's isend:
+    "async"; unit times): each rank's most (chunk, micro-batch) activations in flight, each rank's ZeRO-3 root
+    gathers (theory.pipelined_root_gathers), the ideal timeline's bubble fraction (for the V schedules what
+    theory.bubble_fraction returns: the same simulate), and each rank's count of F, B and W actions
+    (plan.search.step_time charges Cluster.overhead per action). The lists are not kept (P x M x V actions)."""
+    actions = ALL_SCHEDULES[schedule](pp, micro, virtual)
+    sim = simulate(actions, pp, virtual, micro, p2p="async", v_shape=schedule in V_SCHEDULES)
+    gathers = tuple(pipelined_root_gathers([(x.kind, x.chunk) for x in ops], {pp * virtual - 1}) for ops in actions)
+    counts = tuple(tuple(sum(x.kind == k for x in ops) for k in ("F", "B", "W")) for ops in actions)
+    return tuple(sim.max_in_flight), gathers, sim.bubble_fraction, counts
+
+
+def comm_bytes(s: Setup, pp_rank: int = 0, by_group=None) -> dict[str, int]:
+    """`comm_by_group` summed by kind, as train.py logs comm_bytes (p2p only when there is some); with
+    `by_group=comm_calls_by_group` the calls, as train.py logs comm_calls."""
+    groups = (by_group or comm_by_group)(s, pp_rank)
+    out = dict.fromkeys(KINDS, 0)
+    for part in groups.values():
+        for k, v in part.items():
+            out[k] += v
+    return {k: v for k, v in out.items() if v or k not in ("p2p", "all_to_all")}
+
+
+# ----------------------------------------------------------------------------- saved activations
+
+def block_saved_bytes(s: Setup, B: int, T: int, layer: int | None = None) -> int:
+    """Bytes one Block's forward saves for backward on one rank, for B rows of T tokens (T: this rank's share
+    under CP), fp32 or autocast, counted tensor by tensor (N = B*T tokens, C = n_embd, p = tp, r = residual
+    bytes, a = compute bytes; each storage once):
+    - ln_1, ln_2: their inputs (N*C*r; N*C*r/p under SP) and fp32 mean and rstd (2*N*4; /p under SP);
+    - q, k, v's Linear input, ln_1's output (N*C*r; gathered whole under SP), likewise c_fc's, ln_2's output;
+    - attention: q, k, v and its output (4*N*C*a/p; c_proj's input is a view of the output) and the fp32
+      log-sum-exp (B*(H/p)*T*4): the fused kernel keeps no (T, T) scores;
+    - the MLP: c_fc's output (GELU's input) and GELU's output (c_proj's input), 4*N*C*a/p each.
+    In fp32 and without TP that is 16*N*C*4 + 16*N + 4*B*H*T bytes. Korthikanti et al.'s 34*s*b*h (+ 5*a*s^2*b)
+    counts fp16 with dropout masks (5*s*b*h) and the materialised attention scores; we have neither.
+    Block `layer` an MoE Block (config.is_moe): `moe_saved_bytes` in place of the MLP's (None: a dense Block)."""
+    c, p, sp = s.config, s.dims.tp, s.args.sequence_parallel
+    N, C, r, a = B * T, c.n_embd, s.residual_bytes, s.compute_bytes
+    ln = 2 * ((N * C * r + 2 * N * 4) // (p if sp else 1))
+    ln_out = 2 * N * C * r
+    attn = 4 * N * C * a // p + B * (c.n_head // p) * T * 4
+    mlp = moe_saved_bytes(s, B, T) if layer is not None and c.is_moe(layer) else 8 * N * C * a // p
+    return ln + ln_out + attn + mlp
+
+
+def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
+    """Bytes an MoE layer (moe.MoE) saves for backward on one rank beyond its input (ln_2's output, counted
+    with the Block's), for B rows of T tokens, N = B*T (under TP every rank runs the layer whole, on the whole
+    sequence), k experts a token, E experts, C = n_embd, H = the experts' hidden width, a = compute bytes,
+    counted tensor by tensor (each storage once; integers int64) under balanced routing: the rows a rank's
+    experts run, R, equal the N*k it routes (without EP always, whatever the routing: all N*k rows run here):
+    - the router: softmax's fp32 scores (N*E*4), top-k's sort indices (gather's index: a view of N*E*8), the
+      chosen scores and their sum (the renormalisation's, N*k*4 + N*4);
+    - the dispatch: the rows' token index (N*k*8) and the combine's order (index_copy's index, N*k*8) and source
+      (the experts' outputs, N*k*C*a);
+    - the experts on their R rows: c_fc's input (R*C*a), each row's expert (the biases' index, R*8), GELU's input
+      and output (2*R*H*a), and torch._grouped_mm's group ends (E/ep int32); under autocast the per-expert loop
+      runs instead (moe.grouped_linear), which keeps no ends but, where the weights are not already in the
+      compute dtype (fp32 parameters: DDP, or a sharding engine's fp32 compute copies), each expert's two weights
+      cast to it (2*(E/ep)*C*H*a);
+    - the combine: the outputs (N*k*C*a) and the gates they are weighted by (N*k*a);
+    - under EP also the expert-major order of the received rows (R*8) and a second index_copy's source (R*C*a:
+      the outputs before the all_to_all back); with the balancing loss its per-row counts and shares (B*(E+1)*4).
+    In fp32 without EP that is N*(k*(12*C + 8*H + 32) + 12*E + 4) + 4E; a skewed router changes the expert terms
+    by (R - N*k) * (2*C*a + 2*H*a + 8 (+ 8 under EP)) on a rank that receives R rows."""
+    c, ep = s.config, s.dims.ep
+    N, k, E, C, H, a = B * T, c.moe_top_k, c.moe_num_experts, c.n_embd, c.expert_hidden, s.compute_bytes
+    R = N * k
+    router = N * E * 4 + N * E * 8 + N * k * 4 + N * 4
+    dispatch = 2 * N * k * 8 + N * k * C * a
+    autocast = s.dtype != torch.float32  # train.py's: the loop, not the grouped kernel (moe.grouped_mm_runs)
+    weights = s.param_bytes if s.dp_type in ZERO_STAGES else 4
+    experts = R * C * a + R * 8 + 2 * R * H * a + (
+        (2 * E // ep * C * H * a if weights != a else 0) if autocast else E // ep * 4)
+    combine = N * k * C * a + N * k * a
+    ep_more = R * 8 + R * C * a if ep > 1 else 0
+    aux = B * (E + 1) * 4 if c.moe_aux_loss_coeff else 0
+    return router + dispatch + experts + combine + ep_more + aux
+
+
+def ends_saved_bytes(s: Setup, B: int, T: int, first: bool, last: bool) -> int:
+    """The embeddings (token ids and positions, int64) and the head: ln_f's input and stats, and the chunked
+    loss's gradients, which it makes in forward and holds until backward (loss.HeadGradients: dx (B*T, C) and
+    dW (V/p, C), fp32; it keeps no logits, and neither x, the targets nor the weight)."""
+    C, r = s.config.n_embd, s.residual_bytes
+    out = (B * T * 8 + T * 8) if first else 0
+    if last:
+        out += B * T * C * r + 2 * B * T * 4 + head_grad_bytes(s, B, T)
+    return out
+
+
+def head_grad_bytes(s: Setup, B: int, T: int) -> int:
+    """The chunked loss's gradients, held from its forward to its backward (loss.HeadGradients): dx (B*T, C) and
+    this rank's dW (V/p, C), fp32."""
+    return (B * T + s.config.vocab_size // s.dims.tp) * s.config.n_embd * 4
+
+
+def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """Peak bytes saved for backward on one rank over a step (what metrics' SavedBytes hooks measure):
+    one micro-batch's, or under a pipeline the schedule's most in-flight (chunk, micro-batch) activations
+    (plan.simulate.simulate) times a chunk's. AC keeps a checkpointed Block's input only, and
+    re-runs one Block at a time in backward: `full` peaks there (all inputs + one Block's tensors, the head's
+    freed by then), `selective` at the end of forward (its recomputations come after the Blocks above freed
+    theirs). Zero-bubble schedules hold a (chunk, micro-batch) from F to W (the simulator releases at W): B frees
+    the chunk's graph but keeps, per Block, each deferred linear's input and output gradient (x, dy) for W
+    (parallel/zero_bubble.py): x 7NC and dy 9NC elements in the compute dtype, 16NCa bytes; the Block saves
+    16NCa + 4NC(r - a) + its LayerNorm statistics and log-sum-exp, so counting a micro-batch whole until its W is
+    an upper bound: within 1% in fp32 (r = a), 4NC(r - a) per Block over under autocast. The loss's gradients
+    (`head_grad_bytes`, dW alone V/p x C x 4) belong to the last chunk only: they count once per head micro-batch
+    between its F and its B (`_head_in_flight`), not spread over the rank's chunks."""
+    micro = micro_saved_bytes(s, pp_rank)
+    if not s.dims.pp_enabled:
+        return micro
+    V = s.args.pp_virtual_stages or 1
+    in_flight = _in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
+    heads = _head_in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
+    head = head_grad_bytes(s, s.args.micro_batch_size, s.args.seq_len // s.dims.cp) if stage_blocks(s, pp_rank)[2] \
+        else 0
+    # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks; the head's gradients count per
+    # head micro-batch in flight (GPipe: M; 1F1B and the V's turn: its B follows its F, 1)
+    return in_flight * (micro - head) // V + heads * head
+
+
+def block_input_bytes(s: Setup) -> int:
+    """X, a Block's input (all a checkpointed Block keeps): (B, T, C) in the residual dtype, 1/p of it under SP."""
+    a = s.args
+    return a.micro_batch_size * a.seq_len // s.dims.cp * s.config.n_embd * s.residual_bytes // (
+        s.dims.tp if a.sequence_parallel else 1)
+
+
+def micro_saved_bytes(s: Setup, pp_rank: int = 0) -> int:
+    """One micro-batch's saved bytes over all of the rank's Blocks and ends (`saved_activation_bytes` without a
+    pipeline; under one, a (chunk, micro-batch) pair holds 1/V of it)."""
+    a = s.args
+    B, T = a.micro_batch_size, a.seq_len // s.dims.cp
+    blocks, first, last = stage_blocks(s, pp_rank)
+    X = block_input_bytes(s)
+    ends = ends_saved_bytes(s, B, T, first, last)
+    held = sum(X if recomputed_blocks(s, [i]) else block_saved_bytes(s, B, T, i) for i in blocks)
+    if a.activation_checkpointing == "full":  # the largest Block recomputed (an MoE one, if any)
+        S = max((block_saved_bytes(s, B, T, i) for i in blocks), default=X)
+        return held + max(ends, (S - X) + ends_saved_bytes(s, B, T, first, False))
+    return held + ends
+
+
+@functools.lru_cache(maxsize=1024)
+def _head_in_flight(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
+    """Each rank's most micro-batches of the last chunk (the head) between their F and their B, from its action list:
+    how many copies of the loss's gradients it holds at once (freed at B: a split schedule's W needs none)."""
+    last, out = pp * virtual - 1, []
+    for ops in ALL_SCHEDULES[schedule](pp, micro, virtual):
+        held = most = 0
+        for x in ops:
+            if x.chunk == last and x.kind in ("F", "B"):
+                held += 1 if x.kind == "F" else -1
+                most = max(most, held)
+        out.append(most)
+    return tuple(out)
+
+
+def _in_flight(schedule: str, pp: int, micro: int, virtual: int) -> list[int]:
+    """Most (chunk, micro-batch) activations each rank holds under `schedule` (the runner's isend: "async")."""
+    return list(schedule_facts(schedule, pp, micro, virtual)[0])
+
+
+def step_flops(s: Setup) -> float:
+    """Training FLOPs of one step on one rank: metrics.flops_per_token x the step's tokens / ranks (N the active
+    parameters: of an MoE layer's E experts the K a token reaches), with a recomputed Block's forward (a third of
+    its 6N) added under activation checkpointing."""
+    n = active_params(s.config, non_embedding=True)
+    per_token = flops_per_token(s.config, n, s.args.seq_len)
+    redo = recomputed_blocks(s, list(range(s.config.n_layer))) / s.config.n_layer
+    block_share = 12 * s.config.n_layer * s.config.n_embd ** 2 / max(n, 1)  # the Blocks' part of 6N's N
+    per_token *= 1 + redo * block_share / 3
+    return per_token * s.args.total_batch_size / s.dims.world_size

@@ -1,0 +1,147 @@
+"""train.py --config FILE.toml (config_file.py): the file supplies the flags, the command line overrides it, every
+run writes its own OUT_DIR/config.toml, and `--config OUT_DIR/config.toml --out_dir NEW` replays the run bit for bit.
+A bad file is one line naming the key, exit 2. The shipped configs/ pass every check of their layout."""
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import unittest
+
+import pytest
+import torch
+
+import config
+import config_file
+from tests.harness import ROOT, evals_of, expect_train_error_in_process, forked, make_token_bins, rank0_only, steps_of
+
+
+def write(directory: str, text: str, name: str = "c.toml") -> str:
+    path = os.path.join(directory, name)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+class TestReadAndWrite(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+
+    def test_file_then_command_line(self):
+        path = write(self.tmp.name, 'model = "tiny"\nlr = 1\nmax_steps = 7\nsequence_parallel = true\n'
+                                    'pp_layers_per_stage = "1,1"\n')
+        args = config.parse_args(["--config", path, "--max_steps", "9"])
+        self.assertEqual((args.model, args.lr, args.max_steps, args.sequence_parallel, args.pp_layers_per_stage),
+                         ("tiny", 1.0, 9, True, "1,1"))
+        self.assertIsInstance(args.lr, float)  # an integer for a float flag: the float the command line would give
+        self.assertEqual(config.parse_args(["--conf", path]).max_steps, 7)  # argparse's abbreviation reads it too
+
+    def test_what_a_run_writes_reads_back_to_the_same_flags(self):
+        """dumps -> read gives every flag back, of its type (floats to the bit, strings with quotes and
+        backslashes); flags without a value (None) are left out and so stay None."""
+        args = config.parse_args(["--model", "tiny", "--lr", "3e-3", "--weight_decay", "1e-05", "--timeout", "0.1",
+                                  "--dataset", 'a "quoted" \\ path/ü', "--gradient_clipping",
+                                  "--pp_layers_per_stage", "2,3", "--out_dir", "runs/x"])
+        parser = config.train_parser()
+        text = config_file.dumps(args, parser)
+        self.assertNotIn("n_layer", text)  # None: not written
+        back = config.parse_args(["--config", write(self.tmp.name, text)])
+        want = {k: v for k, v in vars(args).items() if k not in config_file.NOT_IN_FILE}
+        got = {k: getattr(back, k) for k in want}
+        self.assertEqual(got, want)
+        self.assertEqual({k: type(v) for k, v in got.items()}, {k: type(v) for k, v in want.items()})
+
+    def test_bad_files_are_one_line_naming_the_key(self):
+        data = make_token_bins(os.path.join(self.tmp.name, "data"), n_train=2000, n_val=500)
+        cases = {"lr = 1e-3\nmicro_batch_siz = 4\n": "unknown key 'micro_batch_siz': not a train.py flag (did you "
+                                                     "mean 'micro_batch_size'?)",
+                 'max_steps = "10"\n': "key 'max_steps' must be an integer, got str \"10\"",
+                 "max_steps = 2.5\n": "key 'max_steps' must be an integer, got float 2.5",
+                 "max_steps = true\n": "key 'max_steps' must be an integer, got bool true",
+                 "gradient_clipping = 1\n": "key 'gradient_clipping' must be a boolean (true or false), got int 1",
+                 'lr = "fast"\n': "key 'lr' must be a number, got str \"fast\"",
+                 'implementation = "jax"\n': "key 'implementation' must be one of custom, pytorch, got 'jax'",
+                 "[model]\nn_layer = 2\n": "key 'model' must be a string, got dict",
+                 "config = \"other.toml\"\n": "unknown key 'config'",
+                 "resume = true\n": "unknown key 'resume'",
+                 "lr = \n": "not valid TOML"}
+        for i, (text, needle) in enumerate(cases.items()):
+            with self.subTest(text):
+                path = write(self.tmp.name, text, f"bad{i}.toml")
+                expect_train_error_in_process(self, ["--config", path, "--model", "tiny", "--dataset", data],
+                                              f"--config {path}: {needle}", os.path.join(self.tmp.name, f"out{i}"))
+        missing = os.path.join(self.tmp.name, "missing.toml")
+        expect_train_error_in_process(self, ["--config", missing], f"--config {missing}: no such file",
+                                      os.path.join(self.tmp.name, "out"))
+
+
+class TestShippedConfigs(unittest.TestCase):
+    def test_every_config_passes_its_layouts_checks(self):
+        """Each configs/*.toml parses and passes check_layout at its world size (dp x tp x pp x cp), as torchrun
+        --nproc_per_node=that would start it (on this CPU: no data, no GPU needed)."""
+        paths = sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml")))
+        self.assertEqual([os.path.basename(p) for p in paths], ["gpt2-124m.toml", "quickstart.toml"])
+        for path in paths:
+            with self.subTest(path):
+                args = config.parse_args(["--config", path])
+                world = (args.data_parallel_size * args.tensor_parallel_size * args.pipeline_parallel_size
+                         * args.context_parallel_size)
+                dims, *_ = config.check_layout(args, world, torch.device("cpu"))
+                self.assertEqual(dims.world_size, world)
+
+    def test_the_124m_recipe_is_build_nanogpts(self):
+        args = config.parse_args(["--config", os.path.join(ROOT, "configs", "gpt2-124m.toml")])
+        self.assertEqual((args.model, args.dataset, args.total_batch_size, args.seq_len), ("gpt2", "fineweb", 524288,
+                                                                                         1024))
+        self.assertEqual(args.total_batch_size * args.max_steps // 10**6, 9999)  # 10B tokens: sample-10BT once
+        self.assertEqual((args.lr, args.warmup_steps, args.weight_decay, args.gradient_clipping), (6e-4, 715, 0.1,
+                                                                                                   True))
+        self.assertEqual(args.micro_batch_size * args.seq_len * args.data_parallel_size, args.total_batch_size)
+
+
+STEPS = 6
+RUN = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "512",
+       "--max_steps", str(STEPS), "--eval_interval", "3", "--eval_iters", "2", "--warmup_steps", "2", "--lr", "3e-3",
+       "--gradient_clipping", "--peak_flops", "1e12", "--tensor_parallel_size", "2", "--sequence_parallel",
+       "--seed", "7", "--no_checkpoint"]
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestReplay(unittest.TestCase):
+    """A TP x 2 (sequence parallel) run from the command line, then its config.toml replayed into another out_dir."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        d = cls.tmp.name
+        data = make_token_bins(os.path.join(d, "data"))
+        cls.first, cls.replay = os.path.join(d, "first"), os.path.join(d, "replay")
+        for args in ([*RUN, "--dataset", data, "--out_dir", cls.first],
+                     ["--config", os.path.join(cls.first, "config.toml"), "--out_dir", cls.replay]):
+            run = forked(args, 2)
+            assert run.returncode == 0, f"{run.codes}\n{run.stdout[-2000:]}\n" + "\n".join(run.stderr)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def test_the_replay_logs_the_same_bits(self):
+        first, replay = steps_of(self.first), steps_of(self.replay)
+        self.assertEqual(sorted(replay), list(range(1, STEPS + 1)))
+        self.assertEqual([(r["loss"], r["grad_norm"]) for r in replay.values()],
+                         [(r["loss"], r["grad_norm"]) for r in first.values()])
+        self.assertEqual(evals_of(self.replay), evals_of(self.first))
+        self.assertLess(first[STEPS]["loss"], first[1]["loss"] - 0.5)  # it trained: the bits compared are a run's
+
+    def test_the_replay_writes_the_same_config_but_its_out_dir(self):
+        def lines(run: str) -> list[str]:
+            with open(os.path.join(run, "config.toml")) as f:
+                return [ln for ln in f.read().splitlines() if not ln.startswith("out_dir = ")]
+        self.assertEqual(lines(self.replay), lines(self.first))
+        self.assertIn("tensor_parallel_size = 2", lines(self.first))
+
+
+if __name__ == "__main__":
+    unittest.main()
