@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import checkpoint
+import trainer_checkpoint
 from bench.sweep import FP32_RTOL, FP32_TP_RTOL
 from data.chars import META, CharsError, CharVocab, load_chars, run_chars
 from launch import child_env
@@ -61,7 +62,7 @@ def setUpModule():
         args = config.parse_args([*TINY, "--max_steps", "1", "--dataset", DATA, "--out_dir", RUN, "--device", "cpu"])
         t = train.build(config.validate(args))
         train.train_step(t, 1)
-        checkpoint.save_trainer(t, 1)
+        trainer_checkpoint.save_trainer(t, 1)
 
 
 def tearDownModule():
@@ -136,7 +137,7 @@ class TestTrain(unittest.TestCase):
             t = train.build(config.validate(config.parse_args(
                 [*TINY, "--vocab_size", "512", "--max_steps", "1", "--dataset", shared_data(), "--out_dir", out,
                  "--device", "cpu"])))
-            checkpoint.save_trainer(t, 1)
+            trainer_checkpoint.save_trainer(t, 1)
         expect_train_error_in_process(self, [*TINY, "--dataset", DATA, "--resume"],
                                       f"vocab_size 512 (checkpoint) vs {PADDED}", out, fresh=False)
 
