@@ -116,6 +116,27 @@ class TestTrain(unittest.TestCase):
         self.assertEqual(tuple(model.transformer.wte.weight.shape), (PADDED, 64))
         self.assertEqual(checkpoint.read_manifest(checkpoint.newest(RUN))["config"]["train"]["dataset"], DATA)
 
+    def test_the_builtin_dataset_is_prepared_before_its_characters_size_the_model(self):
+        """`--dataset shakespeare_char` with no files yet: validate prepares them (here from TEXT) before it sizes the
+        model, so the vocab is the characters' padded count, not the preset's 50304. A bad flag is refused first,
+        with nothing prepared."""
+        import config
+        from data.shakespeare_char import prepare
+        with tempfile.TemporaryDirectory() as d, mock.patch.dict(os.environ, clear=True), \
+                contextlib.redirect_stdout(io.StringIO()):
+            os.environ.update(child_env())
+            builtin = os.path.join(d, "shakespeare_char")
+            with mock.patch("data.batches.resolve_dataset_dir", return_value=builtin), \
+                    mock.patch("config.resolve_dataset_dir", return_value=builtin), \
+                    mock.patch.object(prepare, "load_text", return_value=(TEXT, "a test text")):
+                flags = [*TINY, "--dataset", "shakespeare_char", "--out_dir", os.path.join(d, "run"), "--device", "cpu"]
+                with self.assertRaisesRegex(config.UsageError, "--deferred_init builds a fresh model"):
+                    config.validate(config.parse_args([*flags, "--init_from", "gpt2", "--deferred_init"]))
+                self.assertFalse(os.path.exists(builtin))
+                plan = config.validate(config.parse_args(flags))
+            self.assertEqual(plan.config.vocab_size, PADDED)
+            self.assertEqual(load_chars(builtin).chars, "".join(sorted(set(TEXT))))
+
     def test_init_from_gpt2_is_refused_before_any_fetch(self):
         for dataset in (DATA, "shakespeare_char"):
             with mock.patch("config.fetch_hf_weights", side_effect=AssertionError("fetched")):
