@@ -91,6 +91,15 @@ class TestFile(unittest.TestCase):
         with self.assertRaisesRegex(hellaswag.HellaSwagError, "python -m evals.fetch_hellaswag"):
             hellaswag.load_examples(os.path.join(self.tmp.name, "missing.jsonl"))
 
+    def test_acc_sums_and_acc_norm_averages(self):
+        """acc picks the least summed ending loss, acc_norm the least per-token one (build-nanogpt's
+        get_most_likely_row): an example whose long label ending loses on the sum and wins on the mean tells them
+        apart. Exact: the losses are small integers and their quotients, one argmin each."""
+        rows = hellaswag.Rows(x=torch.zeros(8, 1), y=torch.zeros(8, 1), counts=torch.tensor([1, 4, 2, 2, 1, 1, 1, 1]),
+                              labels=torch.tensor([1, 0]))
+        sums = torch.tensor([3.0, 8.0, 7.0, 9.0, 1.0, 2.0, 3.0, 4.0])  # per token: 3, 2, 3.5, 4.5 | 1, 2, 3, 4
+        self.assertEqual(hellaswag.summarize(rows, sums), {"acc": 0.5, "acc_norm": 1.0, "loss": 1.5})
+
     def test_rows_are_build_nanogpts(self):
         """Row i: the context's tokens, then " " + ending i's (build-nanogpt's render_example); inputs are the row
         less its last token, targets the next tokens, -1 (ignored) except where they are ending tokens."""
