@@ -17,7 +17,8 @@ import torch
 
 import checkpoint
 import config_file
-from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_dir
+from data.batches import BatchSource, DataError, prepare_hint, prepared_dir, resolve_dataset_dir
+from data.chars import holds_chars, load_chars
 from model import GPT, PRESETS, GPTConfig, make_config
 from launch import env_world
 from parallel.device import pick_device
@@ -126,7 +127,7 @@ def train_parser() -> Parser:
     a("--moe_aux_loss_coeff", type=float, default=0.0, help="Switch/GShard load-balancing loss coefficient")
     a("--moe_bias_update_rate", type=float, default=0.0,
       help="DeepSeek-V3 auxiliary-loss-free balancing: the expert bias's step per optimizer step")
-    a("--dataset", default="shakespeare", help="shakespeare, openwebtext, or a dir with train.bin/val.bin")
+    a("--dataset", default="shakespeare", help="shakespeare, shakespeare_char, openwebtext, fineweb, or a dir: data.md")
     # batch and optimisation
     a("--micro_batch_size", type=int, default=8)
     a("--seq_len", type=int, default=1024)
@@ -283,6 +284,8 @@ def _check_flags(args: argparse.Namespace) -> None:
                          "with --implementation custom")
     if args.deferred_init and args.init_from != "scratch":
         raise UsageError("--deferred_init builds a fresh model; it cannot be combined with --init_from")
+    if args.init_from != "scratch" and holds_chars(args.dataset):
+        raise UsageError(f"--init_from {args.init_from} reads GPT-2 BPE ids; --dataset {args.dataset} holds characters")
     _check_fake(args)
 
 
@@ -337,8 +340,10 @@ def _check_model(args: argparse.Namespace, dims: ParallelDims) -> tuple[GPTConfi
         config = GPT.from_hf_state_dict(hf_state).config
     else:
         try:
-            config = make_config(args.model, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-                                 block_size=args.block_size, vocab_size=args.vocab_size, **moe_fields(args))
+            chars = load_chars(resolve_dataset_dir(args.dataset))  # a character-level dataset sizes the vocab
+            config = make_config(args.model, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=
+                                 args.block_size, vocab_size=args.vocab_size or (chars and chars.padded_vocab),
+                                 **moe_fields(args))
         except ValueError as e:
             raise UsageError(str(e)) from None
     if config.n_embd % config.n_head:
@@ -482,18 +487,14 @@ def _check_experts(args: argparse.Namespace, dims: ParallelDims, config: GPTConf
                          "pipelining takes no balancing loss from a chunk; use --implementation custom")
 
 
-def _check_data(args: argparse.Namespace, config: GPTConfig, local_rank: int) -> str:
-    data_dir = resolve_dataset_dir(args.dataset)
-    if args.dataset == "shakespeare":
-        from data.shakespeare.prepare import ensure_prepared
-        if not ensure_prepared(data_dir, leader=local_rank == 0):
-            raise UsageError(f"dataset shakespeare could not be prepared in {data_dir}; run: "
-                             f"{prepare_hint(args.dataset)}")
-    if not os.path.isdir(data_dir):
-        raise UsageError(f"dataset {args.dataset!r}: no directory {data_dir}; prepare it with: "
-                         f"{prepare_hint(args.dataset)}")
+def _check_data(args: argparse.Namespace, config: GPTConfig | None, local_rank: int) -> str:
+    """The dataset's directory (a built-in Shakespeare one prepared when missing, by local rank 0) and, given the
+    model's `config`, its files and characters checked against it."""
     try:
-        BatchSource(data_dir, args.seq_len, config.vocab_size, args.seed, prepare_hint(args.dataset))
+        data_dir = prepared_dir(args.dataset, leader=local_rank == 0)
+        if config is not None:
+            load_chars(data_dir, config.vocab_size)  # a character-level dataset's characters fit the model's vocab
+            BatchSource(data_dir, args.seq_len, config.vocab_size, args.seed, prepare_hint(args.dataset))
     except DataError as e:
         raise UsageError(str(e)) from None
     return data_dir
@@ -583,6 +584,9 @@ def validate(args: argparse.Namespace, launch: str | None = None) -> Plan:
     except ValueError as e:
         raise UsageError(str(e)) from None
     launch = launch or ("pass --fake_world_size {n}" if fake else LAUNCH)
+    if args.dataset == "shakespeare_char":  # its characters size the model: prepared once the flags are checked
+        _check_flags(args)
+        _check_data(args, None, local_rank)
     dims, config, dtype, hf_state, grad_accum, pp_layers = check_layout(args, world_size, device, launch)
     data_dir = _check_data(args, config, local_rank)
     resume_from = None if fake else _check_out_dir(args, config)  # a simulated rank writes nothing there

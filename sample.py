@@ -4,22 +4,28 @@
     python sample.py --init_from gpt2 --start FILE:prompt.txt --device cuda      # needs the HF hub
 
 One process, CPU or GPU. The checkpoint's shards are assembled into a single-process GPT by
-checkpoint.load_model. Sampling is ancestral with temperature and top-k, drawn from a torch.Generator
-seeded by --seed, so the same command prints the same text (on the same device and torch version).
+checkpoint.load_model. Text is GPT-2 BPE, or the characters of a character-level dataset when the run trained
+on one (its meta.json, data/chars.py: `--dataset shakespeare_char`). Sampling is ancestral with temperature and
+top-k, drawn from a torch.Generator seeded by --seed, so the same command prints the same text (on the same device
+and torch version).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 import checkpoint
 from config import HF_MODELS, Parser, UsageError, error_line, fetch_hf_weights
+from data.chars import CharsError, CharVocab, run_chars
 from data.tokenizer import GPT2_N_VOCAB, get_gpt2_encoding
 from model import GPT
 from parallel.device import pick_device
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(prog="sample.py", description=__doc__.splitlines()[0])
@@ -38,9 +44,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load(args: argparse.Namespace, device: torch.device) -> GPT:
+@dataclass(frozen=True)
+class Codec:
+    """Text <-> token ids for one model: ids >= `vocab` (its padding rows) are never drawn."""
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    vocab: int
+
+
+def bpe_codec() -> Codec:
+    """GPT-2's BPE (an empty prompt starts from <|endoftext|>)."""
+    enc = get_gpt2_encoding()
+    return Codec(lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}) or [enc.eot_token], enc.decode,
+                 GPT2_N_VOCAB)
+
+
+def char_codec(chars: CharVocab) -> Codec:
+    """A character-level dataset's characters (an empty prompt starts from a newline, or the first character)."""
+    def encode(text: str) -> list[int]:
+        unknown = sorted(set(text) - set(chars.chars))
+        if unknown:
+            raise UsageError(f"--start holds {''.join(unknown)!r}, not among the {len(chars)} characters the model "
+                             f"was trained on: {chars.chars!r}")
+        return chars.encode(text) or chars.encode("\n" if "\n" in chars.chars else chars.chars[0])
+    return Codec(encode, chars.decode, len(chars))
+
+
+def load(args: argparse.Namespace, device: torch.device) -> tuple[GPT, Codec]:
+    """The model (a checkpoint's, or OpenAI's) and the text it reads and writes."""
     if args.init_from != "resume":
-        return GPT.from_hf_state_dict(fetch_hf_weights(args.init_from)).to(device)
+        return GPT.from_hf_state_dict(fetch_hf_weights(args.init_from)).to(device), bpe_codec()
     path = args.checkpoint
     if path is None:
         if args.out_dir is None:
@@ -50,9 +83,9 @@ def load(args: argparse.Namespace, device: torch.device) -> GPT:
             raise UsageError(f"no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
                              f"train without --no_checkpoint")
     try:
-        checkpoint.verify(path)
-        return checkpoint.load_model(path, device)
-    except checkpoint.CheckpointError as e:
+        chars = run_chars(checkpoint.verify(path))
+        return checkpoint.load_model(path, device), char_codec(chars) if chars else bpe_codec()
+    except (checkpoint.CheckpointError, CharsError) as e:
         raise UsageError(str(e)) from None
 
 
@@ -97,18 +130,17 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
         text = prompt_text(args.start)
-        model = load(args, device)
+        model, codec = load(args, device)
+        ids = codec.encode(text)
     except UsageError as e:
         error_line("sample.py", e)
         return 2
     model.eval()
-    enc = get_gpt2_encoding()
-    ids = enc.encode(text, allowed_special={"<|endoftext|>"}) or [enc.eot_token]
     generator = torch.Generator(device=device).manual_seed(args.seed)
     x = torch.tensor(ids, dtype=torch.long, device=device)[None]
     for _ in range(args.num_samples):
-        y = generate(model, x, args.max_new_tokens, args.temperature, args.top_k, generator)
-        print(enc.decode(y[0].tolist()))
+        y = generate(model, x, args.max_new_tokens, args.temperature, args.top_k, generator, codec.vocab)
+        print(codec.decode(y[0].tolist()))
         print("---------------", flush=True)
     return 0
 

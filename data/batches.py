@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 SHARDS = ("train", "val")
-BUILT_IN = ("shakespeare", "openwebtext", "fineweb")  # data/<name>/ and its data/<name>/prepare.py
+BUILT_IN = ("shakespeare", "shakespeare_char", "openwebtext", "fineweb")  # data/<name>/, data/<name>/prepare.py
 
 
 class DataError(ValueError):
@@ -31,7 +31,8 @@ class DataError(ValueError):
 
 
 def resolve_dataset_dir(dataset: str, root: str | None = None) -> str:
-    """'shakespeare' / 'openwebtext' / 'fineweb' name data/<name>/; anything else is a directory with the bins."""
+    """'shakespeare' / 'shakespeare_char' / 'openwebtext' / 'fineweb' name data/<name>/; anything else is a directory
+    with the bins."""
     root = root or os.path.dirname(os.path.abspath(__file__))
     if dataset in BUILT_IN:
         return os.path.join(root, dataset)
@@ -42,6 +43,19 @@ def prepare_hint(dataset: str) -> str:
     if dataset in BUILT_IN:
         return f"python data/{dataset}/prepare.py"
     return "python data/openwebtext/prepare.py --input YOUR_FILES --out_dir " + dataset
+
+
+def prepared_dir(dataset: str, leader: bool) -> str:
+    """The dataset's directory. A built-in Shakespeare one whose files are missing is prepared (`leader`: this
+    process prepares, the others wait for it). DataError when that failed, or when there is no such directory."""
+    data_dir = resolve_dataset_dir(dataset)
+    if dataset in ("shakespeare", "shakespeare_char"):
+        import importlib
+        if not importlib.import_module(f"data.{dataset}.prepare").ensure_prepared(data_dir, leader=leader):
+            raise DataError(f"dataset {dataset} could not be prepared in {data_dir}; run: {prepare_hint(dataset)}")
+    if not os.path.isdir(data_dir):
+        raise DataError(f"dataset {dataset!r}: no directory {data_dir}; prepare it with: {prepare_hint(dataset)}")
+    return data_dir
 
 
 def split_files(data_dir: str, split: str) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 
 import config
 import config_file
+from model import make_config
 from tests.harness import ROOT, evals_of, expect_train_error_in_process, forked, make_token_bins, rank0_only, steps_of
 
 
@@ -89,6 +90,26 @@ class TestShippedConfigs(unittest.TestCase):
                          * args.context_parallel_size)
                 dims, *_ = config.check_layout(args, world, torch.device("cpu"))
                 self.assertEqual(dims.world_size, world)
+
+    def test_every_config_trains_every_position_it_samples(self):
+        """sample.py feeds the model up to block_size positions of context; positions past seq_len were never
+        trained, and a sample turns to noise there ("thththlllll" after 64 characters with tiny's 1024). So a shipped
+        config's block_size is its seq_len."""
+        for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.toml"))):
+            with self.subTest(path):
+                args = config.parse_args(["--config", path])
+                self.assertEqual(make_config(args.model, block_size=args.block_size).block_size, args.seq_len)
+
+    def test_the_readme_quick_start_is_this_config(self):
+        """README's quick start trains configs/quickstart.toml (character-level Shakespeare) and samples its out_dir."""
+        args = config.parse_args(["--config", os.path.join(ROOT, "configs", "quickstart.toml")])
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            readme = f.read()
+        self.assertEqual(args.dataset, "shakespeare_char")
+        for command in ("torchrun --standalone --nproc_per_node=2 train.py --config configs/quickstart.toml",
+                        f"python sample.py --out_dir {args.out_dir} "):
+            self.assertTrue(command in readme, f"README.md's quick start lacks {command!r}")
+        self.assertEqual(args.data_parallel_size, 2)
 
     def test_the_124m_recipe_is_build_nanogpts(self):
         args = config.parse_args(["--config", os.path.join(ROOT, "configs", "gpt2-124m.toml")])
