@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from blocks import blocks_by_index
 from model import GPT, materialize_module
 from parallel import comm
-from parallel.blocks import blocks_by_index
 from parallel.ddp import GradSyncSwitch
 from parallel.device import pick_device
 from parallel.flat_param import ZERO_LADDER, FlatLayout, GradReduction, ShardPiece, _FlatUnit, flatten_unit, unit_key

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel.blocks import blocks_by_index
+from blocks import blocks_by_index
 from parallel.ddp import replica_group
 from parallel.flat_param import _FlatUnit, unit_key
 from parallel.grads import norm_items

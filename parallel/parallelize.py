@@ -5,7 +5,7 @@
                                                      micro-step for "pytorch"; parameters stay replicated over cp)
        then expert parallelism over mesh["ep"]      (each MoE layer keeps its experts; tokens go by all_to_all)
     1. tensor parallelism over mesh["tp"]           (shards matmul weights; materialises its own shards)
-       then activation checkpointing and torch.compile of each Block (parallel/blocks.py)
+       then activation checkpointing and torch.compile of each Block (blocks.py)
     2. FSDP / ZeRO-1/2 over mesh["fsdp"]            (shards what is left; materialises one unit at a time;
                                                      HSDP: replicated over mesh["dp_replicate"])
     3. materialise whatever is still on meta        (deferred init: only the local slices of DTensors)
@@ -32,13 +32,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
 from loss import loss_share
 from metrics import expert_record
 from model import GPT
 from parallel import comm
 from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
 from parallel.twins import tensor_parallel as tp_twin
-from parallel.blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
 from parallel.expert_parallel import ExpertBalance, apply_expert_parallel
 from parallel.context_parallel import apply_context_parallel, zigzag_share
 from parallel.deferred_init import materialize

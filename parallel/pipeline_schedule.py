@@ -25,12 +25,11 @@ meets the k-th receive on b from a). A receive is posted at that time and waited
 reads it; a send is waited on where `send_waits` says. The proofs, the other pairing rules (`plan.simulate.paired`)
 and the p2p models that check them are the schedule simulator's (plan/simulate.py).
 
-See a schedule before reading the runner: `python -m parallel.pipeline_schedule 1f1b --pp 2 --micro 4` prints
-each rank's list as a grid (`main`, parallel/pipeline_grid.py).
+See a schedule before reading the runner: `python -m plan.schedule_grid 1f1b --pp 2 --micro 4` prints each rank's
+list as a grid.
 """
 from __future__ import annotations
 
-import sys
 from typing import NamedTuple
 
 F, B, W, SEND_F, RECV_F, SEND_B, RECV_B = "F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"
@@ -425,25 +424,3 @@ def evaluation(pp: int, micro_batches: int, virtual: int = 1, v_shape: bool = Fa
                 ops += [Action(SEND_F, c, m)] if c < pp * virtual - 1 and rank_of(c + 1, pp, v_shape) != r else []
         out.append(ops)
     return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m parallel.pipeline_schedule SCHEDULE --pp P --micro M [--virtual V]`: each rank's list as a grid
-    (parallel/pipeline_grid.py); bad input: one line, exit 2."""
-    from parallel.pipeline_grid import Parser, grid
-    p = Parser(prog="python -m parallel.pipeline_schedule", description="Each rank's action list, as a grid.")
-    p.add_argument("schedule", choices=list(ALL_SCHEDULES))
-    p.add_argument("--pp", type=int, required=True, help="pipeline ranks P")
-    p.add_argument("--micro", type=int, required=True, help="micro-batches M per step")
-    p.add_argument("--virtual", type=int, help="chunks per rank V (default: 2 for the V schedules, else 1)")
-    a = p.parse_args(argv)
-    virtual = a.virtual if a.virtual is not None else 2 if a.schedule in V_SCHEDULES else 1
-    try:
-        schedule = ALL_SCHEDULES[a.schedule](a.pp, a.micro, virtual)
-    except ValueError as e:
-        p.error(str(e))
-    sys.stdout.write(grid(schedule))
-
-
-if __name__ == "__main__":
-    main()

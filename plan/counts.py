@@ -214,7 +214,7 @@ def _layers(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tupl
 
 def recomputed_blocks(s: Setup, blocks: list[int]) -> int:
     """How many of `blocks` (global indices) activation checkpointing re-runs in backward, per micro-step: the
-    Blocks parallel.blocks.apply_activation_checkpointing picks (all, or index % ac_every == 0)."""
+    Blocks blocks.apply_activation_checkpointing picks (all, or index % ac_every == 0)."""
     ac = s.args.activation_checkpointing
     return sum(ac == "full" or (ac == "selective" and i % s.args.ac_every == 0) for i in blocks)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from parallel.blocks import blocks_by_index
+from blocks import blocks_by_index
 from parallel.comm import local
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineStage
