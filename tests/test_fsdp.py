@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import parallel.fsdp as fsdp_module
+from debug import flight_recorder
 from model import GPT, GPTConfig, param_groups
 from parallel import comm
 from parallel.fsdp import FullyShardedDataParallel as FSDP
@@ -519,7 +520,7 @@ class TestFSDPMechanics(unittest.TestCase):
         flight recorder kept of that micro-step (op, call site), decoded as `python -m debug hang` reads them."""
         model = FSDP(_eager_gpt())
         comm.COUNTER.reset()
-        start = comm.RECORDER.count
+        start = flight_recorder.install(None, rank, world_size).count  # a fresh in-memory ring
         _micro_step(model, rank)
         ring = [(o["op"], o["site"]) for o in comm.RECORDER.read()["ops"] if o["n"] >= start]
         return {"comm": comm.COUNTER.snapshot(), "comm_expected": engine_comm_bytes_per_micro_step(model),
