@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from model import decays
 from parallel import comm
-from parallel.state import MOMENTS  # AdamW's per-element state
+from parallel.marks import MOMENTS  # AdamW's per-element state
 
 
 class ShardPiece(NamedTuple):

@@ -39,7 +39,7 @@ from parallel.device import pick_device
 from parallel.flat_param import ZERO_LADDER, FlatLayout, GradReduction, ShardPiece, _FlatUnit, flatten_unit, unit_key
 from parallel.fsdp_extensions import PipelineAndExperts
 from parallel.grads import clip_grad_norm_, norm_items
-from parallel.state import MOMENTS, shards_of  # MOMENTS: AdamW's per-element state
+from parallel.marks import MOMENTS, shards_of  # MOMENTS: AdamW's per-element state
 
 
 class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):

@@ -20,7 +20,7 @@ or wrapped in a context); `protocol` then adapts the data-parallel wrapper to wh
 steps return. A new dimension is one more entry (docs/adding-a-dimension.md).
 
 `Parallelized` is what the trainer sees: `forward_backward`, `forward_only`, `mean_loss`, `clip_grad_norm_`
-and what the wrapper answers (optimizer groups, checkpoint entries, state bytes), the same for every layout.
+and what the wrapper answers (optimizer groups, checkpoint parts, state bytes), the same for every layout.
 """
 from __future__ import annotations
 
@@ -236,8 +236,9 @@ class Parallelized:
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         return sum(self.state_breakdown(optimizer).values())
 
-    def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list:
-        return self.dp.checkpoint_entries(optimizer)
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> list:
+        """What this rank holds of the training state (checkpoint_entries.entries makes it entries)."""
+        return self.dp.checkpoint_parts(optimizer)
 
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return self.dp.checkpoint_optimizer(optimizer)

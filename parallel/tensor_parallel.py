@@ -10,7 +10,7 @@ of the same payload, while those activations take 1/p of the memory.
 
 The sharding is `TP_PLAN`; `apply_tensor_parallel` swaps modules in place and keeps every parameter's
 name, so optimizer groups and checkpoints map by name (`transformer.h.0.attn.c_q.weight` is now this
-rank's rows). Sharded parameters carry a shard mark (`parallel.state.mark_shard`, over "tp"), replicated
+rank's rows). Sharded parameters carry a shard mark (`parallel.marks.mark_shard`, over "tp"), replicated
 ones none: a global grad norm sums the squares of the former over the group and counts the latter once
 (`parallel.grads.grad_groups`).
 Under SP the replicated parameters that see only T/p positions (LayerNorms, row-parallel biases, wpe)
@@ -34,7 +34,7 @@ from loss import WholeVocab, linear_cross_entropy, loss_chunk_rows
 from model import GPT, GPTConfig, init_parameter, materialize_module
 from moe import MoE, moe_layers
 from parallel import comm
-from parallel.state import mark_shard, shard_dim
+from parallel.marks import mark_shard, shard_dim
 from parallel.tp_comm import all_gather_along, gather_sequence_replicated, scatter_to_sequence
 from parallel.tp_layers import (ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear,
                                 SequenceParallelPositionEmbedding, VocabParallelEmbedding)
