@@ -262,7 +262,7 @@ class SnapshotBuffers:
 
     def enqueued(self) -> None:
         """Every copy of this snapshot is enqueued: mark the point the writer waits for."""
-        from parallel.device import record_event
+        from device import record_event
         self._done = record_event(self.device)
 
     def ready(self) -> None:

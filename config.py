@@ -18,9 +18,9 @@ import torch
 import checkpoint
 import config_file
 from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_dir
+from device import pick_device
 from model import GPT, PRESETS, GPTConfig, make_config
 from launch import env_world
-from parallel.device import pick_device
 from parallel.mesh import ParallelDims, WorldSizeError
 from parallel.parallelize import ParallelConfig
 from pipeline_partition import check_counts, layers_for

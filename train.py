@@ -28,11 +28,11 @@ from config import Plan, UsageError, error_line, parse_args, train_parser, valid
 from data.batches import BatchSource, micro_batch_chunk
 from debug import flight_recorder
 from debug.trace import Tracer
+from device import fused_optimizer
 from evals import hellaswag
 from launch import exit_process
 from model import GPT
 from parallel import comm
-from parallel.device import fused_optimizer
 from parallel.mesh import OPTIONAL_DIMS, Mesh, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 from parallel.pipeline_schedule import V_SCHEDULES

@@ -32,10 +32,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from blocks import blocks_by_index
+from device import pick_device
 from model import GPT, materialize_module
 from parallel import comm
 from parallel.ddp import GradSyncSwitch
-from parallel.device import pick_device
 from parallel.flat_param import ZERO_LADDER, FlatLayout, GradReduction, ShardPiece, _FlatUnit, flatten_unit, unit_key
 from parallel.fsdp_extensions import PipelineAndExperts
 from parallel.grads import clip_grad_norm_, norm_items

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
+from device import to_device
 from loss import loss_share
 from metrics import expert_record
 from model import GPT
@@ -45,7 +46,6 @@ from parallel.deferred_init import materialize
 from parallel.flat_param import ZERO_STAGES
 from parallel.fsdp import FullyShardedDataParallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_, grad_groups
-from parallel.device import to_device
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group, sharded_units
 from parallel.pipeline_schedule import V_SCHEDULES
@@ -140,7 +140,7 @@ class Parallelized:
 
     def _on_device(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's tokens of every micro-batch (cut on the host), all copied to the device at the step's start
-        without a host sync (parallel.device.to_device): the next micro-batch's copy runs while this one computes."""
+        without a host sync (device.to_device): the next micro-batch's copy runs while this one computes."""
         return [tuple(to_device(t, self.device) for t in self.shard_tokens(x, y)) for x, y in batches]
 
     def mean_loss(self, value: torch.Tensor) -> torch.Tensor:

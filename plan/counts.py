@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from device import backend_for
 from metrics import active_params, flops_per_token
 from model import GPT, GPTConfig
-from parallel.device import backend_for
 from parallel.flat_param import shard_numel
 from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
 from parallel.flat_param import unit_key

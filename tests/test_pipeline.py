@@ -576,15 +576,15 @@ class ActivationDtypeIsWhatTheChunksProduce(unittest.TestCase):
 
 class TimerIsChosenWithTheDevice(unittest.TestCase):
     """pp_idle_fraction and the timeline time the work: device events where the device queues it (CUDA: a
-    wait() returns at once there), the host clock on the CPU (parallel.device.make_timer, the one place)."""
+    wait() returns at once there), the host clock on the CPU (device.make_timer, the one place)."""
 
     def test_choice(self):
-        from parallel.device import DeviceTimer, HostTimer, make_timer
+        from device import DeviceTimer, HostTimer, make_timer
         self.assertIsInstance(make_timer(torch.device("cpu")), HostTimer)
         self.assertIsInstance(make_timer(torch.device("cuda", 0)), DeviceTimer)  # built without touching CUDA
 
     def test_device_marks_become_host_seconds_from_the_first(self):
-        from parallel.device import DeviceTimer
+        from device import DeviceTimer
 
         class Event:  # torch.cuda.Event's elapsed_time is in milliseconds
             def __init__(self, ms):

@@ -348,7 +348,7 @@ def slower(p: int, v: int, v_shape: bool, rank: int, t: int) -> list[int]:
 class TestEagerNccl(unittest.TestCase):
     """NCCL's p2p order on an eagerly initialised group (simulate(p2p="nccl_eager"): one FIFO per rank across
     both its neighbours, torch's ProcessGroupNCCL::pointToPoint reusing the group's communicator and stream),
-    which is what every group is here on CUDA (parallel/device.py passes device_id). The fix, link groups
+    which is what every group is here on CUDA (device.py passes device_id). The fix, link groups
     (parallel.groups.p2p_link; PipelineRunner posts each message on its boundary's), is modelled by links=True."""
 
     def check(self, every_m: bool) -> int:
