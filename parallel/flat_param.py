@@ -390,8 +390,8 @@ class GradReduction:
     which keeps fp32 runs bit-equal to it."""
 
     def __init__(self, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None,
-                 reduce_dtype: torch.dtype, events: list):
-        self.group, self.replicate_group, self.reduce_dtype, self.events = group, replicate_group, reduce_dtype, events
+                 reduce_dtype: torch.dtype):
+        self.group, self.replicate_group, self.reduce_dtype = group, replicate_group, reduce_dtype
         self.rank = comm.rank(group)
         self.replicas = comm.world(replicate_group) if replicate_group is not None else 1
         self.n = comm.world(group) * self.replicas
@@ -407,7 +407,6 @@ class GradReduction:
         S = unit.shard.numel()
         out = grad[unit.rank * S:(unit.rank + 1) * S] if in_place else \
             torch.empty(S, dtype=self.reduce_dtype, device=grad.device)
-        self.events.append(("reduce_scatter", unit.name, "backward"))
         work = comm.reduce_scatter_tensor(out, grad, unit.group, async_op=True, unit=unit.name)
         self.pending.append((unit, work, out, grad))
 

@@ -77,9 +77,6 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
     seed is re-initialised the same way). The wrapped GPT owns no parameters any more: use `num_params()`
     and the state-dict methods here.
 
-    `events` lists (what, unit, phase) for the last micro-step: all-gathers and reduce-scatters as issued,
-    each Block's forward/backward start and end (tests check the prefetch order with it).
-
     `zero_stage` (1, 2 or 3, the default) picks `policy`, a `ZeroStage` of ZERO_LADDER: stage 2 keeps the
     full parameters (gathered once per step), stage 1 also the full gradients (reduced once per step).
     HSDP (`replicate_group`): the sharding above within `process_group` (S ranks), and the R replicas of
@@ -108,8 +105,7 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         self.prefetch = prefetch
         self.param_dtype = param_dtype or torch.float32
         self.reduce_dtype = reduce_dtype
-        self.events: list[tuple[str, str, str]] = []  # (what, unit, phase) since the last forward began
-        self.reduction = GradReduction(process_group, replicate_group, reduce_dtype, self.events)
+        self.reduction = GradReduction(process_group, replicate_group, reduce_dtype)
         self._backward_started = False
         self._whole = True  # the last forward ran the whole module (a pipeline's `run` runs a part of it)
 
@@ -174,15 +170,14 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
 
     # ------------------------------------------------------------------------------ forward / backward
 
-    def _gather(self, unit: _FlatUnit, phase: str) -> None:
+    def _gather(self, unit: _FlatUnit) -> None:
         if unit.state in ("sharded", "stale"):
-            self.events.append(("all_gather", unit.name, phase))
             unit.gather()
 
-    def _gather_block(self, i: int, phase: str) -> None:
+    def _gather_block(self, i: int) -> None:
         """Start the all-gathers of unit i and of the own-group units that go with it (its experts)."""
         for j in self._with[i]:
-            self._gather(self.units[j], phase)
+            self._gather(self.units[j])
 
     def _show_block(self, i: int) -> None:
         """Wait for unit i and the units that go with it, and show their full parameters."""
@@ -199,12 +194,11 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         whole module, so the first Block is prefetched now and the last at the start of backward (a pipeline
         chunk's `run` may run neither)."""
         self._whole = whole
-        self.events.clear()
         for root in self.roots:
             root.release()  # ZeRO-3: a copy left by a forward without backward may predate an optimizer step
-            self._gather(root, "forward")
+            self._gather(root)
         if whole and self.prefetch and self._n_blocks:
-            self._gather_block(1, "forward")
+            self._gather_block(1)
         for root in self.roots:
             root.wait()
             root.show_full()
@@ -218,16 +212,12 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         return out
 
     def _pre_forward(self, i: int, module: nn.Module, args) -> None:
-        unit = self.units[i]
-        self.events.append(("forward_start", unit.name, "forward"))
-        self._gather_block(i, "forward")
+        self._gather_block(i)
         if self.prefetch and self._adjacent(i, i + 1):
-            self._gather_block(i + 1, "forward")
+            self._gather_block(i + 1)
         self._show_block(i)
 
     def _post_forward(self, i: int, module: nn.Module, args, output: torch.Tensor) -> None:
-        unit = self.units[i]
-        self.events.append(("forward_end", unit.name, "forward"))
         needs_backward = torch.is_grad_enabled() and output.requires_grad
         if self.reshard_after_forward or not needs_backward:
             for j in self._with[i]:
@@ -245,25 +235,22 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
             return
         self._start_backward()
         for root in self.roots:
-            self._gather(root, "backward")  # only if a later forward freed it
+            self._gather(root)  # only if a later forward freed it
         if self.prefetch and self._n_blocks and self._whole:
-            self._gather_block(self._n_blocks, "backward")
+            self._gather_block(self._n_blocks)
         for root in self.roots:
             root.wait()
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
-        unit = self.units[i]
         self._start_backward()
-        self.events.append(("backward_start", unit.name, "backward"))
-        self._gather_block(i, "backward")
+        self._gather_block(i)
         if self.prefetch and self._adjacent(i, i - 1):
-            self._gather_block(i - 1, "backward")
+            self._gather_block(i - 1)
         self._show_block(i)  # activation checkpointing recomputes the Block's forward from its attributes
 
     def _post_backward(self, unit: _FlatUnit, flat: torch.Tensor) -> None:
         """All of the unit's gradients from this backward are in `flat.grad`: free the unit and reduce its
         gradient (`_reduce_grad`), unless a zero-bubble pipeline keeps it to reduce after its W (`_deferred`)."""
-        self.events.append(("backward_end", unit.name, "backward"))
         unit.release()
         grad, flat.grad = flat.grad, None
         if not self._deferred(unit, grad):
