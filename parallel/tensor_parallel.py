@@ -213,18 +213,9 @@ class _Builder:
 
 
 # which dim of each parameter a style splits over the tp ranks (absent: replicated); the styles below read it,
-# and so does `tp_local_shape` (the layout planner's per-rank shapes)
+# and so does the layout planner's per-rank shapes (plan/counts.py tp_local_shape)
 SHARD_DIMS: dict[str, dict[str, int]] = {"vocab": {"weight": 0}, "colwise": {"weight": 0, "bias": 0},
                                          "rowwise": {"weight": 1}, "vocab_head": {"weight": 0}}
-
-
-def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """The shape one tp rank stores of parameter `name` (full `shape`): 1/tp along its style's SHARD_DIMS dim."""
-    module, _, attr = name.rpartition(".")
-    dim = SHARD_DIMS.get(plan_style(module) or "", {}).get(attr)
-    if dim is None or tp == 1:
-        return tuple(shape)
-    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
 def _vocab(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:

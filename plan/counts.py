@@ -1,7 +1,7 @@
 """What one rank of a layout holds and sends, counted from the formulas that sit beside the wrappers.
 
 Nothing here is measured and no formula is restated: the per-rank parameter shapes come from the model on meta
-cut by `PipelineStage` and `tensor_parallel.tp_local_shape`; ZeRO/FSDP state from `theory.fsdp_unit_state_bytes`
+cut by `PipelineStage` and `tp_local_shape` (tensor_parallel.SHARD_DIMS); ZeRO/FSDP state from `theory.fsdp_unit_state_bytes`
 over `flat_param.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`, `zero_comm_bytes_per_step` (under a
 pipeline `zero_comm_bytes_per_pipeline_step`), `tp_comm_bytes_per_micro_step`, `cp_p2p_bytes_per_micro_step`
 and `pipeline.p2p_bytes_per_step`; FLOPs from metrics.flops_per_token. What is new here is the saved-activation
@@ -28,7 +28,7 @@ from parallel.mesh import ParallelDims
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import PipelineStage, sharded_units
 from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
-from parallel.tensor_parallel import tp_local_shape
+from parallel.tensor_parallel import SHARD_DIMS, plan_style
 from plan import theory
 from plan.simulate import simulate
 from pipeline_partition import layers_for
@@ -39,6 +39,15 @@ from plan.theory import (cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_ste
                          zero_comm_bytes_per_pipeline_step, zero_comm_bytes_per_step, zero_comm_calls_per_step)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape one tp rank stores of parameter `name` (full `shape`): 1/tp along its style's SHARD_DIMS dim."""
+    module, _, attr = name.rpartition(".")
+    dim = SHARD_DIMS.get(plan_style(module) or "", {}).get(attr)
+    if dim is None or tp == 1:
+        return tuple(shape)
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
 @dataclass(frozen=True)
