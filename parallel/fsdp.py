@@ -60,8 +60,7 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
       the previous Block's); a hook on the unit's flat leaf fires once all its gradients are summed and
       starts the unit's `GradReduction` (reduce-scatter, accumulated in fp32 into the shard `.grad`). A
       callback queued on the autograd engine waits for the last reduce-scatters.
-    - `clip_grad_norm_`: one all-reduce of a scalar (uncounted). State dicts: one all-gather (or broadcast)
-      per unit (`FlatLayout`).
+    - `clip_grad_norm_`: one all-reduce of a scalar (uncounted). State dicts: views of the shards, none.
 
     Gradient accumulation. By default every micro-step's backward reduce-scatters, so memory stays 1/N.
     Under `no_sync()` each rank keeps the full gradient (in `reduce_dtype`) across micro-steps and the first
@@ -74,8 +73,8 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
     A GPT built on `meta` is materialised one unit at a time from `deferred_init_seed` on `device`
     (default: `pick_device()`): init a unit, keep this rank's shard, drop the unit, so peak init memory is the
     shards plus one unit, and the weights equal eager `init_weights(seed)` bit for bit (an eager GPT given a
-    seed is re-initialised the same way). The wrapped GPT owns no parameters any more: use `num_params()`
-    and the state-dict methods here.
+    seed is re-initialised the same way). The wrapped GPT owns no parameters any more: use the sharded views
+    here (`sharded_state_dict`).
 
     `zero_stage` (1, 2 or 3, the default) picks `policy`, a `ZeroStage` of ZERO_LADDER: stage 2 keeps the
     full parameters (gathered once per step), stage 1 also the full gradients (reduced once per step).
@@ -339,10 +338,6 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
 
     # ------------------------------------------- state dicts: views of the shards (parallel/flat_param.py)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded fp32 state dict on group rank 0 (None elsewhere); every rank must call it."""
-        return self.layout.full_state_dict()
-
     def sharded_state_dict(self) -> dict[str, ShardPiece]:
         """{original name: this rank's ShardPiece}, views of the live shards; no communication."""
         return self.layout.sharded_state_dict()
@@ -352,24 +347,11 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         """{original name: {key: ShardPiece}} of the optimizer's per-element state; no communication."""
         return self.layout.sharded_optimizer_state(optimizer, keys)
 
-    def load_sharded_state_dict(self, sd: dict[str, ShardPiece]) -> None:
-        """Copy this rank's pieces (the layout `sharded_state_dict()` gives) into the shards."""
-        self.layout.load_sharded_state_dict(sd)
-
-    def load_full_state_dict(self, sd: dict[str, torch.Tensor] | None, from_rank0: bool = False) -> None:
-        """Load an unsharded state dict from every rank, or (`from_rank0`) broadcast from group rank 0's."""
-        self.layout.load_full_state_dict(sd, from_rank0)
-
     # --------------------------------------------------------------------------------------- metrics
 
     @property
     def config(self):
         return self.module.config
-
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Unique parameters of the unsharded model, as GPT.num_params counts them."""
-        n = sum(u.numel for u in self.units)
-        return n - self.config.block_size * self.config.n_embd if non_embedding else n
 
     def state_breakdown(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds, {"params", "grads", "optimizer"} (`FlatLayout.state_breakdown`)."""
