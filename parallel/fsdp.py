@@ -3,15 +3,9 @@ parameter per unit (Rajbhandari et al. 2020). This file holds the hook schedule 
 parallel/flat_param.py holds the flat layout (what each rank stores) and its state-dict views.
 
 Units are the transformer Blocks, plus the root: wte, wpe, ln_f and lm_head, whose tied weight is stored
-once. Each rank keeps 1/N of every unit's flat fp32 buffer. Under ZeRO-3, per micro-step, over the
-data-parallel group of N ranks:
-
-    forward:   all-gather each Block before it runs, free it after it ran (root: gathered for the whole step)
-    backward:  all-gather each Block again before its backward, reduce-scatter (SUM, then / N) its gradient
-               after it, free the gathered parameters and gradient
-
-so a micro-step moves 2 all-gathers and 1 reduce-scatter of the Block bytes, and 1 of each for the root
-(FSDP2 also keeps the root gathered from forward to backward: freeing it would be undone at once).
+once. Each rank keeps 1/N of every unit's flat fp32 buffer. Under ZeRO-3 a micro-step moves 2 all-gathers
+(forward, and again before backward) and 1 reduce-scatter of each Block, and 1 of each for the root, which stays
+gathered from forward to backward as under FSDP2 (`FullyShardedDataParallel` says when and which way).
 `ZeroStage` (parallel/flat_param.py; what each stage sends and holds is in the formula sheet, plan/theory.py)
 says what stages 1 and 2 keep instead, `GradReduction` (there too) what HSDP adds to the reduction.
 

@@ -15,15 +15,12 @@ Actions. `Action(kind, chunk, micro)`; `chunk` is always a chunk of the rank tha
   SEND_B(c, m)         grad of chunk c's input to chunk c-1;   matches RECV_B(c-1, m) there;
   RECV_B(c, m)         grad of chunk c's output from chunk c+1; matches SEND_B(c+1, m).
 
-Where the SEND/RECV go (`_with_p2p`). Each schedule fixes only the order of F/B on each rank. `_with_p2p` runs
-those orders once as early as data allows (`ideal_times`: F = 1, B = 2 units, messages free); every message is
-then ready when its producer ends, and both its SEND and its RECV are listed at that time, keyed alike on both
-sides (ready time, sender, chunk, micro). So all ranks list their messages in one global order, and within a
-peer pair both sides post the pair's messages, both directions merged, in the same order: what NCCL's
-one-stream-per-pair posting order needs to never deadlock, and what gloo needs (the k-th send from a to b
-meets the k-th receive on b from a). A receive is posted at that time and waited on only by the compute that
-reads it; a send is waited on where `send_waits` says. The proofs, the other pairing rules (`plan.simulate.paired`)
-and the p2p models that check them are the schedule simulator's (plan/simulate.py).
+Where the SEND/RECV go (`_with_p2p`). Each schedule fixes only the order of F/B on each rank; `ideal_times` runs
+those orders once as early as data allows (F = 1, B = 2 units, messages free), and a message's SEND and RECV are
+both listed at its ready time, keyed alike on both sides (ready time, sender, chunk, micro): one global order,
+so each peer pair posts its messages in the same order on both sides, as NCCL and gloo need (docs/pipeline.md,
+Messages; the proofs and the p2p models that check them: plan/simulate.py). A receive is waited on only by the
+compute that reads it; a send where `send_waits` says.
 
 See a schedule before reading the runner: `python -m plan.schedule_grid 1f1b --pp 2 --micro 4` prints each rank's
 list as a grid.
