@@ -39,9 +39,9 @@ from moe import SideLosses
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.groups import group_timeout, new_groups, p2p_link
-from parallel.pipeline_schedule import (ALL_SCHEDULES, B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F,
-                                        SPLIT_SCHEDULES, V_SCHEDULES, W, Action, boundary, chunk_of, even_partition,
-                                        evaluation, peer_of, rank_of, send_waits)
+from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SEND_B, SEND_F, SPLIT_SCHEDULES,
+                                        V_SCHEDULES, W, Action, boundary, chunk_of, even_partition, evaluation,
+                                        peer_of, rank_of, send_waits)
 from parallel.pipeline_record import StepRecord
 from parallel.zero_bubble import WeightGradStore, hold_for_w
 

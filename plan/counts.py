@@ -1,12 +1,12 @@
 """What one rank of a layout holds and sends, counted from the formulas that sit beside the wrappers.
 
-Nothing here is measured and no formula is restated: the per-rank parameter shapes come from the model on meta
-cut by `PipelineStage` and `tp_local_shape` (tensor_parallel.SHARD_DIMS); ZeRO/FSDP state from `theory.fsdp_unit_state_bytes`
-over `flat_param.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`, `zero_comm_bytes_per_step` (under a
-pipeline `zero_comm_bytes_per_pipeline_step`), `tp_comm_bytes_per_micro_step`, `cp_p2p_bytes_per_micro_step`
-and `pipeline.p2p_bytes_per_step`; FLOPs from metrics.flops_per_token. What is new here is the saved-activation
-count (`block_saved_bytes`, derived in its docstring) and its composition with AC, SP, CP and the pipeline's
-in-flight bound; the peak memory built on them is plan/peak.py's.
+Nothing here is measured and no formula is restated: the per-rank parameter shapes come from the model on meta cut
+by `PipelineStage` and `tp_local_shape` (tensor_parallel.SHARD_DIMS); ZeRO/FSDP state from
+`theory.fsdp_unit_state_bytes` over `flat_param.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`,
+`zero_comm_bytes_per_step` (under a pipeline `zero_comm_bytes_per_pipeline_step`), `tp_comm_bytes_per_micro_step`,
+`cp_p2p_bytes_per_micro_step` and `pipeline.p2p_bytes_per_step`; FLOPs from metrics.flops_per_token. What is new
+here is the saved-activation count (`block_saved_bytes`, derived in its docstring) and its composition with AC, SP,
+CP and the pipeline's in-flight bound; the peak memory built on them is plan/peak.py's.
 
 plan/predict.py assembles these counts and plan/peak.py's peak into the keys train.py measures each step.
 """

@@ -180,7 +180,8 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
         saved_step = checkpoint.read_manifest(src)["optimizer"]["step"]
         for target, t in trainers.items():
             what = f"{src_name} -> {target}"
-            checkpoint.load(src, checkpoint_entries.entries(t.par, t.optimizer), t.optimizer, rank=rank, world_size=world)
+            checkpoint.load(src, checkpoint_entries.entries(t.par, t.optimizer), t.optimizer, rank=rank,
+                            world_size=world)
             if {float(s["step"]) for s in t.optimizer.state.values()} != {saved_step}:
                 bad.append(f"{what}: AdamW step not restored")
             for e in checkpoint_entries.entries(t.par, t.optimizer):
