@@ -10,7 +10,7 @@ Layout on disk, under `<out_dir>/checkpoints/`:
 
 A rank file is a plain {key: tensor} dict saved with torch.save and read back with
 `torch.load(weights_only=True, mmap=True)` (no arbitrary unpickling). For each parameter name the
-rank writes (its entries from `Parallelized.checkpoint_entries`, see parallel/state.py):
+rank writes (its entries, checkpoint_entries.py, from `Parallelized.checkpoint_parts`):
 
     "<name>::runs"         int64 (k, 2): (start, length) runs of flat positions in the full tensor
     "<name>::param"        the values at those positions, in run order (1-D)
@@ -262,7 +262,7 @@ class SnapshotBuffers:
 
     def enqueued(self) -> None:
         """Every copy of this snapshot is enqueued: mark the point the writer waits for."""
-        from parallel.device import record_event
+        from device import record_event
         self._done = record_event(self.device)
 
     def ready(self) -> None:

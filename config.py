@@ -19,9 +19,9 @@ import checkpoint
 import config_file
 from data.batches import BatchSource, DataError, prepare_hint, prepared_dir, resolve_dataset_dir
 from data.chars import holds_chars, load_chars
+from device import pick_device
 from model import GPT, PRESETS, GPTConfig, make_config
 from launch import env_world
-from parallel.device import pick_device
 from parallel.mesh import ParallelDims, WorldSizeError
 from parallel.parallelize import ParallelConfig
 from pipeline_partition import check_counts, layers_for

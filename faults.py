@@ -253,7 +253,7 @@ class Preemption:
 
 
 def ring_path(out_dir: str, rank: int) -> str:
-    """Where rank `rank`'s flight recorder lives while the run does (parallel/flight_recorder.py)."""
+    """Where rank `rank`'s flight recorder lives while the run does (debug/flight_recorder.py)."""
     return os.path.join(out_dir, "flight_recorder", f"rank_{rank}.bin")
 
 

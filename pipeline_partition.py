@@ -52,9 +52,9 @@ from typing import Sequence
 import torch
 
 from metrics import TRAIN_FLOPS_PER_PARAM, attention_flops_per_token
+from device import make_timer
 from loss import linear_cross_entropy
 from model import Block, GPTConfig
-from parallel.device import make_timer
 
 
 @dataclass(frozen=True)

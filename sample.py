@@ -23,8 +23,8 @@ import checkpoint
 from config import HF_MODELS, Parser, UsageError, error_line, fetch_hf_weights
 from data.chars import CharsError, CharVocab, run_chars
 from data.tokenizer import GPT2_N_VOCAB, get_gpt2_encoding
+from device import pick_device
 from model import GPT
-from parallel.device import pick_device
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

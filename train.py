@@ -26,12 +26,13 @@ import memory
 import metrics
 from config import Plan, UsageError, error_line, parse_args, train_parser, validate
 from data.batches import BatchSource, micro_batch_chunk
+from debug import flight_recorder
 from debug.trace import Tracer
+from device import fused_optimizer
 from evals import hellaswag
 from launch import exit_process
 from model import GPT
 from parallel import comm
-from parallel.device import fused_optimizer
 from parallel.mesh import OPTIONAL_DIMS, Mesh, init_distributed
 from parallel.parallelize import Parallelized, parallelize
 from parallel.pipeline_schedule import V_SCHEDULES
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     if plan.device.type == "cpu":
         allocator.keep_freed_memory()
     world = plan.dims.world_size  # the flight recorder's ring: in a file, so a killed or stopped rank's stays
-    comm.RECORDER.open(faults.ring_path(args.out_dir, plan.rank) if world > 1 else None, plan.rank, world)
+    flight_recorder.install(faults.ring_path(args.out_dir, plan.rank) if world > 1 else None, plan.rank, world)
     t = build(plan)
     t.hellaswag_rows = rows
     if args.overwrite and is_main:  # a fresh run: old checkpoints must not be resumed into it later

@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict
 
 from checkpoint import load, snapshot, write
+from checkpoint_entries import entries
 
 
 MATH_ARGS = ("seed", "lr", "warmup_steps", "max_steps", "weight_decay", "total_batch_size", "seq_len",
@@ -28,7 +29,7 @@ def save_trainer(t, step: int, wait: bool = False) -> tuple[str, float]:
     if t.scaler is not None:
         extra["scaler"] = t.scaler.state_dict()
     t0 = time.perf_counter()
-    snap = snapshot(a.out_dir, step, t.par.checkpoint_entries(t.optimizer),
+    snap = snapshot(a.out_dir, step, entries(t.par, t.optimizer),
                     t.par.checkpoint_optimizer(t.optimizer), extra, rank=plan.rank,
                     world_size=d.world_size, keep=a.keep_checkpoints, device=plan.device,
                     buffers=t.saver.free_buffers() if t.saver is not None else None)
@@ -48,7 +49,7 @@ def restore_trainer(t) -> int:
     Rank 0 says what it resumes from and which MATH_ARGS differ from the saved run's."""
     from parallel.mesh import OPTIONAL_DIMS
     plan, args = t.plan, t.plan.args
-    m = load(plan.resume_from, t.par.checkpoint_entries(t.optimizer),
+    m = load(plan.resume_from, entries(t.par, t.optimizer),
              t.par.checkpoint_optimizer(t.optimizer), rank=plan.rank,
              world_size=plan.dims.world_size, device=plan.device)
     if t.scaler is not None and "scaler" in m:

@@ -41,7 +41,7 @@ MiB = 2 ** 20
 def saved_bytes(config, ac: str, every: int, micro_batch: int, seq_len: int) -> tuple[int, int]:
     """(forward peak, forward + backward peak) of saved + recomputed bytes for one eager micro-batch."""
     from model import GPT
-    from parallel.blocks import apply_activation_checkpointing
+    from blocks import apply_activation_checkpointing
     model = GPT(config)
     model.init_weights(0)
     if ac != "none":

@@ -308,7 +308,7 @@ def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from parallel.device import backend_for
+    from device import backend_for
 
     torch.set_num_threads(1)
     dist.init_process_group(backend_for(torch.device("cpu")))

@@ -1,4 +1,4 @@
-"""What the flight recorder (parallel/flight_recorder.py) costs: per op, and on a DDP step.
+"""What the flight recorder (debug/flight_recorder.py) costs: per op, and on a DDP step.
 
     nice -n 10 python -m bench.recorder --out results/recorder        # small preset, 2 gloo ranks, CPU
 
@@ -28,7 +28,7 @@ def per_op_us(repeats: int = 5, n: int = 20_000) -> float:
     """Median microseconds of one post + done on a 4 MiB float32 tensor (the cost does not depend on its size)."""
     import torch
     import torch.distributed as dist
-    from parallel.flight_recorder import FlightRecorder
+    from debug.flight_recorder import FlightRecorder
     from tests.harness import free_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     rec, t = FlightRecorder(2000), torch.zeros(1 << 20)
@@ -45,7 +45,7 @@ def per_op_us(repeats: int = 5, n: int = 20_000) -> float:
 def step_times(pairs: int, steps: int, out: str) -> dict:
     from bench.forkserver import ForkServer
     from metrics import read_jsonl
-    from parallel.flight_recorder import decode
+    from debug.flight_recorder import decode
     from tests.harness import make_token_bins
     data = make_token_bins(os.path.join(out, "data"), vocab=50257)
     args = ["--model", "small", "--implementation", "custom", "--data_parallel_size", "2", "--data_parallel_type",

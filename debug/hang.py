@@ -1,6 +1,6 @@
 """python -m debug hang OUT_DIR: what the ranks' flight recorders say about a hang, in a few lines.
 
-Reads each rank's last comm ops (parallel/flight_recorder.py): <out_dir>/hang/rank_N.json, written by the
+Reads each rank's last comm ops (debug/flight_recorder.py): <out_dir>/hang/rank_N.json, written by the
 step watchdog (--timeout) or when a collective failed, and, for a rank without one, its live ring
 <out_dir>/flight_recorder/rank_N.bin (a stopped, killed or crashed rank wrote no dump, but its ring holds
 its ops up to then). Nothing in either is backend-specific: gloo and NCCL runs read alike.
@@ -26,7 +26,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from parallel.flight_recorder import FORMAT, decode
+from debug.flight_recorder import FORMAT, decode
 
 
 class BadInput(Exception):

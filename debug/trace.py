@@ -7,7 +7,7 @@ dropped):
   (seed, S), so every dp x micro-batch split keys the same rows alike. The head's loss is recorded as
   ("loss", micro, "lm_head"). A forward that runs again inside backward (activation checkpointing) is skipped.
 - gradients: each parameter's gradient after the step's backward and gradient reduction, before clipping,
-  found through the checkpoint entries (parallel/state.py: every layout's elements of a parameter, by name,
+  found through the checkpoint entries (checkpoint_entries.py: every layout's elements of a parameter, by name,
   with their flat positions in the full tensor): FSDP flat shards, TP shards, DTensors and pipeline stages
   alike. The last stage's copy of the tied matrix is not written (the first stage's is), as in checkpoints.
 
@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from checkpoint_entries import Entry, _axes, entries
 from data.batches import micro_batch_chunk
 from parallel.comm import local
 from parallel.context_parallel import local_positions
-from parallel.state import Entry, _axes
 from parallel.tensor_parallel import plan_style
 
 FORMAT, VERSION = "gpt2-parallel-trace", 1
@@ -279,7 +279,7 @@ def gradient_pieces(par, optimizer: torch.optim.Optimizer) -> list[dict]:
             by_storage.setdefault(lp.untyped_storage().data_ptr(), []).append(p)
     out = []
     buffers = {id(b) for b in par.model.buffers()}
-    for e in par.checkpoint_entries(optimizer):
+    for e in entries(par, optimizer):
         if not (e.write and e.numel) or any(e.tensors["param"]._base is b or e.tensors["param"] is b
                                              for b in par.model.buffers() if id(b) in buffers):
             continue  # a state buffer (the MoE expert bias) has no gradient

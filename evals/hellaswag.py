@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     from config import HF_MODELS, Parser, UsageError, error_line, fetch_hf_weights, resolve_dtype
     from data.tokenizer import get_gpt2_encoding
     from model import GPT
-    from parallel.device import pick_device
+    from device import pick_device
 
     p = Parser(prog="python -m evals.hellaswag", description=__doc__.splitlines()[0])
     p.add_argument("--out_dir", default=None, help="a training run: score its newest intact checkpoint")

@@ -15,11 +15,10 @@ everything, per micro-step), `tp_comm_bytes_per_micro_step`, ... Backend
 overheads (ring 2(N-1)/N factors, gloo emulating reduce-scatter through all-reduce) are deliberately not
 counted: they are properties of the transport, not of the algorithm.
 
-Every op is also recorded, posted and then completed, in this rank's flight recorder
-(parallel/flight_recorder.py; `python -m debug hang` reads it after a hang), counted or not: the scalar
-reductions (grad norm, mean loss, found-inf, the preemption vote) pass `counted=False`. An async op returns
-its work wrapped (`RECORDER.issued`), so that its wait() marks the record completed. `HOOKS` is the one seam for
-test hooks.
+Every op is also recorded, posted and then completed, through `RECORDER`, counted or not: the scalar
+reductions (grad norm, mean loss, found-inf, the preemption vote) pass `counted=False`. `RECORDER` records
+nothing until a flight recorder is installed from above (debug/flight_recorder.py: train.py's runs; `python -m
+debug hang` reads it after a hang). `HOOKS` is the one seam for test hooks.
 
 Averages are computed as SUM followed by a division by the group size, which every backend supports
 (gloo has no ReduceOp.AVG in older torch versions, and some backends none for integer tensors).
@@ -30,8 +29,6 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-
-from parallel.flight_recorder import RECORDER
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p", "all_to_all")
 
@@ -93,6 +90,29 @@ class Hooks:
 
 
 HOOKS: Hooks | None = None
+
+
+class Recorder:
+    """The seam every op is recorded through: `RECORDER`. This one records nothing; debug/flight_recorder.py's
+    FlightRecorder, installed from above (nothing in parallel/ imports it), answers the same calls:
+        post(op, tensor, group, peer, unit) -> n   before the op is issued (`unit`: what a wrapper moves)
+        issued(n, work, async_op) -> work          once torch returned; an async op's work may come back
+                                                   wrapped, so that its wait() marks the op completed
+        done(n)                                    the op completed
+    `step` and `micro` are the context train.py's loop and the micro-batch loops set."""
+    step, micro = 0, -1
+
+    def post(self, op: str, tensor: torch.Tensor, group, peer: int = -1, unit: str | None = None) -> int:
+        return -1
+
+    def issued(self, n: int, work, async_op: bool):
+        return work
+
+    def done(self, n: int) -> None:
+        pass
+
+
+RECORDER: Recorder = Recorder()
 
 
 class Skipped:

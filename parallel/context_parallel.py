@@ -1,28 +1,19 @@
-"""Context parallelism: causal ring attention over a cp group, one fused attention kernel per block pair.
+"""Context parallelism: causal ring attention over a cp group, one fused attention kernel per block pair
+(docs/context_parallel.md derives the split, the ring, its NCCL ordering and the kernels at length).
 
-Each of the C ranks holds a slice of every sequence along time, and the matching slices of q, k and v.
-- **The split.** With `zigzag` (the default; Megatron's and torchtitan's causal load balance), a sequence is
-  cut into 2C equal chunks and rank r holds chunks r and 2C-1-r, so every rank does the same causal
-  attention work. Without it, rank r holds the r-th of C contiguous slices. `local_positions` says which
-  global positions a rank holds; position embeddings use them.
-- **Forward.** C steps. At step s a rank attends its queries to the k/v block that started on rank r-s,
-  while it already sends that block on to rank r+1 and receives the next one from rank r-1 (isend/irecv,
-  posted before the block's compute, counted as "p2p" by parallel/comm.py). A (query chunk, key chunk)
-  pair is fully visible (the key chunk comes first), causal (the same chunk) or fully masked (skipped), so
-  with zigzag each block is one fused-kernel call, `is_causal` on a rank's own block only, no mask
-  (`_ring_layout`). Each call returns its output and log-sum-exp; blocks merge by an online softmax on the
-  log-sum-exp, in fp32.
-- **Backward.** The k/v blocks go round the ring again, and with each block travel the gradients dK, dV
-  (fp32) accumulated for it so far. At each step a rank runs the kernel's backward on the same pairs, given
-  the merged output and log-sum-exp: that is the pair's exact share of dQ, dK, dV (the softmax it
-  recomputes is the merged one). The next block's k/v transfer is posted before the step's compute, and
-  the block's dK/dV go on after it, so both overlap the next step's compute. After C steps every block has
-  been seen by every rank, and the C-th dK/dV move hands each block's gradients back to its owner.
-- **Kernels** (`_kernel_of`, by device and dtype): CPU runs
-  aten._scaled_dot_product_flash_attention_for_cpu in fp32 (bf16 inputs under autocast are cast up: that
-  kernel would round probabilities and accumulate gradients in bf16, and without AVX512-BF16/AMX it is
-  slower: 8x on the AVX2 machine of results/cp); CUDA runs the flash kernel in bf16/fp16 (the dtype autocast gives, as SDPA would) and the
-  memory-efficient kernel in fp32.
+- **What is sharded.** Each of the C ranks holds a slice of every sequence along time, and the matching slices
+  of q, k and v: with `zigzag` (the default; Megatron's and torchtitan's causal load balance) chunks r and
+  2C-1-r of 2C equal chunks, so every rank does the same causal work; without it the r-th of C contiguous
+  slices. `local_positions` says which global positions a rank holds; position embeddings use them.
+- **Forward.** C steps: at step s a rank attends its queries to the k/v block that started on rank r-s, while it
+  sends that block on to rank r+1 and receives the next from rank r-1 (isend/irecv, posted before the block's
+  compute). With zigzag each block is one kernel call, `is_causal` on a rank's own block only, no mask
+  (`_ring_layout`); blocks merge by an online softmax on their log-sum-exp, in fp32.
+- **Backward.** The k/v blocks go round again, each with the dK, dV (fp32) accumulated for it so far; a rank
+  runs the kernel's backward on the same pairs, given the merged output and log-sum-exp (the pair's exact share
+  of dQ, dK, dV); the C-th dK/dV move hands each block's gradients back to its owner.
+- **Kernels** (attention_kernels.py, below parallel/): CPU, the flash kernel for CPU in fp32; CUDA, the flash
+  kernel in bf16/fp16 and the memory-efficient kernel in fp32.
 
 Per attention call a rank sends C-1 (k, v) pairs forward, and C-1 (k, v) pairs plus C (dK, dV) pairs in
 backward, each tensor of shape (B, heads, T/C, head_dim): `cp_p2p_bytes_per_micro_step`.
@@ -35,11 +26,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from attention_kernels import kernel_backward, kernel_forward, kernel_of
 from parallel import comm
 from parallel.groups import p2p_link
-
-aten = torch.ops.aten
-
 
 def chunks_of(rank: int, cp: int, zigzag: bool = True) -> list[int]:
     """The sequence chunks rank `rank` holds, in ascending order: (r, 2C-1-r) of 2C with zigzag, (r,) of C
@@ -142,47 +131,6 @@ def _ring_layout(T: int, C: int, zigzag: bool) -> tuple[tuple[tuple[_Call, ...],
     return tuple(calls)
 
 
-def _kernel_of(x: torch.Tensor) -> tuple[str, torch.dtype]:
-    """The fused kernel for inputs like `x`, and the dtype it runs in: CUDA runs the input's dtype, "flash" for
-    bf16/fp16 and "efficient" (memory-efficient) for fp32; CPU runs "cpu" (its flash kernel) in fp32 or wider
-    (see the module docstring)."""
-    if x.device.type != "cuda":
-        return "cpu", torch.promote_types(x.dtype, torch.float32)
-    return ("flash" if x.dtype in (torch.float16, torch.bfloat16) else "efficient"), x.dtype
-
-
-def _kernel_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool):
-    """One fused call of q (B, H, Tq, D) over k, v (B, H, Tk, D), all one dtype, `causal` (top-left: used only
-    with Tq = Tk) or not: (out like q, laid out (B, Tq, H, D); lse fp32 (B, H, Tq); the kernel's state for its
-    backward: the dropout RNG's, unused at dropout 0)."""
-    if kernel == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-        return out, lse, ()
-    if kernel == "flash":
-        out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-        return out, lse, (seed, offset)
-    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-    return out, lse[..., :q.shape[2]], (seed, offset)  # its lse rows are padded to a multiple of 32
-
-
-def _kernel_backward(kernel: str, g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     out: torch.Tensor, lse: torch.Tensor, causal: bool, state: tuple):
-    """The backward of `_kernel_forward`'s call on (q, k, v), given the output gradient g, the output `out` and
-    its log-sum-exp: (dq, dk, dv) in q's dtype. Given the merged out and lse of all keys, it is these keys'
-    share of the gradients."""
-    if kernel == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal)
-    if kernel == "flash":
-        return aten._scaled_dot_product_flash_attention_backward(
-            g, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, *state)
-    n = lse.shape[-1]  # the kernel reads lse in its forward's layout: rows padded to a multiple of 32
-    padded = lse.new_zeros(*lse.shape[:-1], n + -n % 32)
-    padded[..., :n] = lse
-    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        g, q, k, v, None, out, padded, *state, 0.0, [True, True, True, False], causal)
-    return dq, dk, dv
-
-
 def _merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """Fold one call's (o_b, lse_b) into the running fp32 (o, lse) of the same query rows, in place: the
     softmax over both key sets weighs o_b by e^lse_b / (e^lse + e^lse_b) = sigmoid(lse_b - lse)."""
@@ -193,7 +141,7 @@ def _merge(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.T
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, zigzag: bool, links: tuple = ()):
-        # autocast off inside: the kernels run in _kernel_of's dtype, and the backward (which autocast never
+        # autocast off inside: the kernels run in kernel_of's dtype, and the backward (which autocast never
         # reaches) must recompute the forward's softmax from the same inputs
         with torch.autocast(q.device.type, enabled=False):
             return _RingAttention._forward(ctx, q, k, v, group, zigzag, links)
@@ -202,13 +150,13 @@ class _RingAttention(torch.autograd.Function):
     def _forward(ctx, q, k, v, group, zigzag: bool, links: tuple):
         C, r = comm.world(group), comm.rank(group)
         calls = _ring_layout(q.shape[2] * C, C, zigzag)[r]
-        kernel, kd = _kernel_of(q)
+        kernel, kd = kernel_of(q)
         qc = q.to(kd)
         pending = _exchange([k, v], group, links) if C > 1 else None
         # step 0, this rank's own block: causal, and every query sees itself, so it starts every row's merge.
         # The kernel lays its output out (B, Tq, H, D) like SDPA's, so the caller's transpose + reshape to
         # (B, Tq, H*D) is a view: the output is then saved once, here and as c_proj's input
-        o, lse, state = _kernel_forward(kernel, qc, k.to(kd), v.to(kd), True)
+        o, lse, state = kernel_forward(kernel, qc, k.to(kd), v.to(kd), True)
         if C > 1:
             o = o.float()
             for step in range(1, C):
@@ -216,7 +164,7 @@ class _RingAttention(torch.autograd.Function):
                 pending = _exchange(kv, group, links) if step < C - 1 else None
                 kb, vb = kv[0].to(kd), kv[1].to(kd)
                 for c in calls[src]:
-                    o_b, lse_b, _ = _kernel_forward(kernel, qc[:, :, c.q], kb[:, :, c.k], vb[:, :, c.k], c.causal)
+                    o_b, lse_b, _ = kernel_forward(kernel, qc[:, :, c.q], kb[:, :, c.k], vb[:, :, c.k], c.causal)
                     _merge(o[:, :, c.q], lse[:, :, c.q], o_b, lse_b)
         out = o.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -233,10 +181,10 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, links, calls, kernel, state = ctx.group, ctx.links, ctx.calls, ctx.kernel, ctx.state
         C, r = comm.world(group), comm.rank(group)
-        kd = _kernel_of(q)[1]
+        kd = kernel_of(q)[1]
         g, o, qc = grad_o.to(kd), out.to(kd), q.to(kd)
         pending_kv = _exchange([k, v], group, links) if C > 1 else None
-        dq, dk, dv = _kernel_backward(kernel, g, qc, k.to(kd), v.to(kd), o, lse, True, state)
+        dq, dk, dv = kernel_backward(kernel, g, qc, k.to(kd), v.to(kd), o, lse, True, state)
         if C == 1:
             return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
         dq = dq.float()
@@ -247,7 +195,7 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = kv[0].to(kd), kv[1].to(kd)
             shares = []
             for c in calls[src]:
-                dq_c, dk_c, dv_c = _kernel_backward(kernel, g[:, :, c.q], qc[:, :, c.q], kb[:, :, c.k], vb[:, :, c.k],
+                dq_c, dk_c, dv_c = kernel_backward(kernel, g[:, :, c.q], qc[:, :, c.q], kb[:, :, c.k], vb[:, :, c.k],
                                                     o[:, :, c.q], lse[:, :, c.q], c.causal, state)
                 dq[:, :, c.q] += dq_c
                 shares.append((c.k, dk_c, dv_c))

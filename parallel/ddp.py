@@ -76,7 +76,7 @@ class Bucket:
 
 def replica_group(p: nn.Parameter, default: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The ranks p's gradient is reduced over: `default` (the data-parallel group), or the smaller group a
-    dimension keeps p's copies on (expert parallelism: an expert's copies, `parallel.state.mark_replicas`)."""
+    dimension keeps p's copies on (expert parallelism: an expert's copies, `parallel.marks.mark_replicas`)."""
     return getattr(p, "_replica_group", default)
 
 

@@ -3,7 +3,7 @@ rank that holds its expert and its output sent back (Lepikhin et al. 2020, GShar
 
 What each rank stores: the dense parameters whole (as without EP), and of every MoE layer only its E/P experts,
 experts [r·E/P, (r+1)·E/P) of EP rank r: slices along dim 0 of the stacked (E, in, out) weights, marked so
-checkpoints and norms see where they sit (`parallel/state.py`'s shard marks). EP borrows its ranks from the ones
+checkpoints and norms see where they sit (`parallel/marks.py`). EP borrows its ranks from the ones
 that hold the same dense parameters and different tokens (the `loss` dim, dp x cp): EP rank r of group g is
 loss rank g·P + r. The ranks that hold the same experts form the expert-data-parallel group (loss rank ≡ r mod
 P); expert gradients are reduced over it, divided by the whole loss group's size, since each expert saw every
@@ -32,7 +32,7 @@ import torch.nn as nn
 from model import init_parameter
 from moe import Experts, balance_experts, expert_counts, expert_rows, moe_layers
 from parallel import comm
-from parallel.state import mark_replicas, mark_shard
+from parallel.marks import mark_replicas, mark_shard
 
 
 class _AllToAll(torch.autograd.Function):

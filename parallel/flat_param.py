@@ -13,9 +13,8 @@ What is communicated here, and which way:
 - `_FlatUnit.gather`: all-gather, over the unit's group, of every rank's slice into the unit's full `flat`
   buffer (compute dtype), which parallel/fsdp.py's hooks issue before each use (ZeRO-3) or once per step
   (ZeRO-1/2);
-- `FlatLayout`: the sharded state dict and optimizer state are views of the slices (none); the full state
-  dict all-gathers each unit once over its group (kept on rank 0 of the layout's group); loading from rank 0
-  broadcasts each unit once.
+- `FlatLayout`: the sharded state dict and optimizer state are views of the slices (none; checkpoints read
+  them, checkpoint_entries.py).
 
 How parameters come and go. The GPT's nn.Parameters are removed from its modules; each name becomes a
 plain attribute that is, while its unit is gathered, a view of the unit's `flat` leaf tensor (made by
@@ -37,7 +36,7 @@ import torch.nn as nn
 
 from model import decays
 from parallel import comm
-from parallel.state import MOMENTS  # AdamW's per-element state
+from parallel.marks import MOMENTS  # AdamW's per-element state
 
 
 class ShardPiece(NamedTuple):
@@ -235,9 +234,8 @@ class FlatLayout:
 
     `names` lists GPT.state_dict()'s names in order (the tied weight under both); every view is keyed by
     them. Sharded views are views of the live fp32 shards, with no communication: together the ranks of a
-    unit's group tile each of its parameters exactly once. Full views cost one collective per unit over the
-    unit's group; `group` (this rank its `rank`-th of `world`) is the layout's: its rank 0 keeps the full
-    state dict."""
+    unit's group tile each of its parameters exactly once. `group` (this rank its `rank`-th of `world`) is the
+    layout's."""
 
     def __init__(self, units: list[_FlatUnit], group: dist.ProcessGroup | None, rank: int, world: int,
                  names: list[str]):
@@ -275,20 +273,6 @@ class FlatLayout:
                 moments += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
         return storage_bytes_by_kind({"params": params, "grads": grads, "optimizer": moments})
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded fp32 state dict, keyed like GPT.state_dict() (tied weight under both names), on
-        group rank 0; None elsewhere. Every rank must call it: one all-gather per unit, over its group.
-        Parameters another dimension sliced stay that rank's slices (TP's; EP's: rank 0's experts)."""
-        out: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            full = torch.empty(unit.padded, dtype=torch.float32, device=unit.shard.device)
-            comm.all_gather_into_tensor(full, unit.shard, unit.group)
-            if self.rank == 0:
-                for spec in unit.specs:
-                    value = full[spec.offset:spec.offset + spec.numel].view(spec.shape).clone()
-                    out.update((name, value) for name in spec.names)
-        return {name: out[name] for name in self.names} if self.rank == 0 else None
-
     def sharded_state_dict(self) -> dict[str, ShardPiece]:
         """{original name: this rank's ShardPiece} for every name in GPT.state_dict() (pieces may be empty;
         the tied weight appears under both names). No communication."""
@@ -315,40 +299,6 @@ class FlatLayout:
             out.update((name, entry) for name in spec.names)
         return {name: out[name] for name in self.names}
 
-    def load_sharded_state_dict(self, sd: dict[str, ShardPiece]) -> None:
-        """Copy this rank's pieces (the layout `sharded_state_dict()` gives) into the shards."""
-        for unit in self.units:
-            unit.reshard()
-            for spec in unit.specs:
-                a, b, start = self.held(unit, spec)
-                piece = sd[spec.names[0]]
-                if piece.offset != a or piece.flat.numel() != b - a:
-                    raise ValueError(f"{spec.names[0]}: piece [{piece.offset}, +{piece.flat.numel()}) does not "
-                                     f"match this rank's [{a}, {b}); use load_full_state_dict across layouts")
-                unit.shard[start:start + b - a].copy_(piece.flat)
-
-    def load_full_state_dict(self, sd: dict[str, torch.Tensor] | None, from_rank0: bool = False) -> None:
-        """Load an unsharded state dict. Every rank passes it (with its own slices of what another dimension
-        sliced), or with `from_rank0` only group rank 0 does (others pass None) and each unit's flat buffer is
-        broadcast from it: not for units on another group (rank 0 holds none of the other ranks' experts)."""
-        if from_rank0 and any(unit.group is not self.group for unit in self.units):
-            raise ValueError("load_full_state_dict(from_rank0=True): units sharded over their own group (EP's "
-                             "experts) hold other values on other ranks; pass each rank its state dict")
-        for unit in self.units:
-            unit.reshard()
-            if from_rank0:
-                full = torch.zeros(unit.padded, dtype=torch.float32, device=unit.shard.device)
-                if self.rank == 0:
-                    for spec in unit.specs:
-                        full[spec.offset:spec.offset + spec.numel].copy_(sd[spec.names[0]].reshape(-1))
-                src = dist.get_global_rank(self.group, 0) if self.group is not None and self.world > 1 else 0
-                comm.broadcast(full, src, self.group)
-                S = unit.shard.numel()
-                unit.shard.copy_(full[self.rank * S:(self.rank + 1) * S])
-                continue
-            for spec in unit.specs:
-                a, b, start = self.held(unit, spec)
-                unit.shard[start:start + b - a].copy_(sd[spec.names[0]].reshape(-1)[a:b])
 
 
 # ----------------------------------------------------------------------------- ZeRO stages and the reduction
@@ -390,8 +340,8 @@ class GradReduction:
     which keeps fp32 runs bit-equal to it."""
 
     def __init__(self, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None,
-                 reduce_dtype: torch.dtype, events: list):
-        self.group, self.replicate_group, self.reduce_dtype, self.events = group, replicate_group, reduce_dtype, events
+                 reduce_dtype: torch.dtype):
+        self.group, self.replicate_group, self.reduce_dtype = group, replicate_group, reduce_dtype
         self.rank = comm.rank(group)
         self.replicas = comm.world(replicate_group) if replicate_group is not None else 1
         self.n = comm.world(group) * self.replicas
@@ -407,7 +357,6 @@ class GradReduction:
         S = unit.shard.numel()
         out = grad[unit.rank * S:(unit.rank + 1) * S] if in_place else \
             torch.empty(S, dtype=self.reduce_dtype, device=grad.device)
-        self.events.append(("reduce_scatter", unit.name, "backward"))
         work = comm.reduce_scatter_tensor(out, grad, unit.group, async_op=True, unit=unit.name)
         self.pending.append((unit, work, out, grad))
 

@@ -3,15 +3,9 @@ parameter per unit (Rajbhandari et al. 2020). This file holds the hook schedule 
 parallel/flat_param.py holds the flat layout (what each rank stores) and its state-dict views.
 
 Units are the transformer Blocks, plus the root: wte, wpe, ln_f and lm_head, whose tied weight is stored
-once. Each rank keeps 1/N of every unit's flat fp32 buffer. Under ZeRO-3, per micro-step, over the
-data-parallel group of N ranks:
-
-    forward:   all-gather each Block before it runs, free it after it ran (root: gathered for the whole step)
-    backward:  all-gather each Block again before its backward, reduce-scatter (SUM, then / N) its gradient
-               after it, free the gathered parameters and gradient
-
-so a micro-step moves 2 all-gathers and 1 reduce-scatter of the Block bytes, and 1 of each for the root
-(FSDP2 also keeps the root gathered from forward to backward: freeing it would be undone at once).
+once. Each rank keeps 1/N of every unit's flat fp32 buffer. Under ZeRO-3 a micro-step moves 2 all-gathers
+(forward, and again before backward) and 1 reduce-scatter of each Block, and 1 of each for the root, which stays
+gathered from forward to backward as under FSDP2 (`FullyShardedDataParallel` says when and which way).
 `ZeroStage` (parallel/flat_param.py; what each stage sends and holds is in the formula sheet, plan/theory.py)
 says what stages 1 and 2 keep instead, `GradReduction` (there too) what HSDP adds to the reduction.
 
@@ -31,15 +25,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from blocks import blocks_by_index
+from device import pick_device
 from model import GPT, materialize_module
 from parallel import comm
-from parallel.blocks import blocks_by_index
 from parallel.ddp import GradSyncSwitch
-from parallel.device import pick_device
 from parallel.flat_param import ZERO_LADDER, FlatLayout, GradReduction, ShardPiece, _FlatUnit, flatten_unit, unit_key
 from parallel.fsdp_extensions import PipelineAndExperts
 from parallel.grads import clip_grad_norm_, norm_items
-from parallel.state import MOMENTS, shards_of  # MOMENTS: AdamW's per-element state
+from parallel.marks import MOMENTS, shards_of  # MOMENTS: AdamW's per-element state
 
 
 class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
@@ -60,8 +54,7 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
       the previous Block's); a hook on the unit's flat leaf fires once all its gradients are summed and
       starts the unit's `GradReduction` (reduce-scatter, accumulated in fp32 into the shard `.grad`). A
       callback queued on the autograd engine waits for the last reduce-scatters.
-    - `clip_grad_norm_`: one all-reduce of a scalar (uncounted). State dicts: one all-gather (or broadcast)
-      per unit (`FlatLayout`).
+    - `clip_grad_norm_`: one all-reduce of a scalar (uncounted). State dicts: views of the shards, none.
 
     Gradient accumulation. By default every micro-step's backward reduce-scatters, so memory stays 1/N.
     Under `no_sync()` each rank keeps the full gradient (in `reduce_dtype`) across micro-steps and the first
@@ -74,11 +67,8 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
     A GPT built on `meta` is materialised one unit at a time from `deferred_init_seed` on `device`
     (default: `pick_device()`): init a unit, keep this rank's shard, drop the unit, so peak init memory is the
     shards plus one unit, and the weights equal eager `init_weights(seed)` bit for bit (an eager GPT given a
-    seed is re-initialised the same way). The wrapped GPT owns no parameters any more: use `num_params()`
-    and the state-dict methods here.
-
-    `events` lists (what, unit, phase) for the last micro-step: all-gathers and reduce-scatters as issued,
-    each Block's forward/backward start and end (tests check the prefetch order with it).
+    seed is re-initialised the same way). The wrapped GPT owns no parameters any more: use the sharded views
+    here (`sharded_state_dict`).
 
     `zero_stage` (1, 2 or 3, the default) picks `policy`, a `ZeroStage` of ZERO_LADDER: stage 2 keeps the
     full parameters (gathered once per step), stage 1 also the full gradients (reduced once per step).
@@ -108,8 +98,7 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         self.prefetch = prefetch
         self.param_dtype = param_dtype or torch.float32
         self.reduce_dtype = reduce_dtype
-        self.events: list[tuple[str, str, str]] = []  # (what, unit, phase) since the last forward began
-        self.reduction = GradReduction(process_group, replicate_group, reduce_dtype, self.events)
+        self.reduction = GradReduction(process_group, replicate_group, reduce_dtype)
         self._backward_started = False
         self._whole = True  # the last forward ran the whole module (a pipeline's `run` runs a part of it)
 
@@ -174,15 +163,14 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
 
     # ------------------------------------------------------------------------------ forward / backward
 
-    def _gather(self, unit: _FlatUnit, phase: str) -> None:
+    def _gather(self, unit: _FlatUnit) -> None:
         if unit.state in ("sharded", "stale"):
-            self.events.append(("all_gather", unit.name, phase))
             unit.gather()
 
-    def _gather_block(self, i: int, phase: str) -> None:
+    def _gather_block(self, i: int) -> None:
         """Start the all-gathers of unit i and of the own-group units that go with it (its experts)."""
         for j in self._with[i]:
-            self._gather(self.units[j], phase)
+            self._gather(self.units[j])
 
     def _show_block(self, i: int) -> None:
         """Wait for unit i and the units that go with it, and show their full parameters."""
@@ -199,12 +187,11 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         whole module, so the first Block is prefetched now and the last at the start of backward (a pipeline
         chunk's `run` may run neither)."""
         self._whole = whole
-        self.events.clear()
         for root in self.roots:
             root.release()  # ZeRO-3: a copy left by a forward without backward may predate an optimizer step
-            self._gather(root, "forward")
+            self._gather(root)
         if whole and self.prefetch and self._n_blocks:
-            self._gather_block(1, "forward")
+            self._gather_block(1)
         for root in self.roots:
             root.wait()
             root.show_full()
@@ -218,16 +205,12 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         return out
 
     def _pre_forward(self, i: int, module: nn.Module, args) -> None:
-        unit = self.units[i]
-        self.events.append(("forward_start", unit.name, "forward"))
-        self._gather_block(i, "forward")
+        self._gather_block(i)
         if self.prefetch and self._adjacent(i, i + 1):
-            self._gather_block(i + 1, "forward")
+            self._gather_block(i + 1)
         self._show_block(i)
 
     def _post_forward(self, i: int, module: nn.Module, args, output: torch.Tensor) -> None:
-        unit = self.units[i]
-        self.events.append(("forward_end", unit.name, "forward"))
         needs_backward = torch.is_grad_enabled() and output.requires_grad
         if self.reshard_after_forward or not needs_backward:
             for j in self._with[i]:
@@ -245,25 +228,22 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
             return
         self._start_backward()
         for root in self.roots:
-            self._gather(root, "backward")  # only if a later forward freed it
+            self._gather(root)  # only if a later forward freed it
         if self.prefetch and self._n_blocks and self._whole:
-            self._gather_block(self._n_blocks, "backward")
+            self._gather_block(self._n_blocks)
         for root in self.roots:
             root.wait()
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
-        unit = self.units[i]
         self._start_backward()
-        self.events.append(("backward_start", unit.name, "backward"))
-        self._gather_block(i, "backward")
+        self._gather_block(i)
         if self.prefetch and self._adjacent(i, i - 1):
-            self._gather_block(i - 1, "backward")
+            self._gather_block(i - 1)
         self._show_block(i)  # activation checkpointing recomputes the Block's forward from its attributes
 
     def _post_backward(self, unit: _FlatUnit, flat: torch.Tensor) -> None:
         """All of the unit's gradients from this backward are in `flat.grad`: free the unit and reduce its
         gradient (`_reduce_grad`), unless a zero-bubble pipeline keeps it to reduce after its W (`_deferred`)."""
-        self.events.append(("backward_end", unit.name, "backward"))
         unit.release()
         grad, flat.grad = flat.grad, None
         if not self._deferred(unit, grad):
@@ -352,10 +332,6 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
 
     # ------------------------------------------- state dicts: views of the shards (parallel/flat_param.py)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded fp32 state dict on group rank 0 (None elsewhere); every rank must call it."""
-        return self.layout.full_state_dict()
-
     def sharded_state_dict(self) -> dict[str, ShardPiece]:
         """{original name: this rank's ShardPiece}, views of the live shards; no communication."""
         return self.layout.sharded_state_dict()
@@ -365,24 +341,11 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         """{original name: {key: ShardPiece}} of the optimizer's per-element state; no communication."""
         return self.layout.sharded_optimizer_state(optimizer, keys)
 
-    def load_sharded_state_dict(self, sd: dict[str, ShardPiece]) -> None:
-        """Copy this rank's pieces (the layout `sharded_state_dict()` gives) into the shards."""
-        self.layout.load_sharded_state_dict(sd)
-
-    def load_full_state_dict(self, sd: dict[str, torch.Tensor] | None, from_rank0: bool = False) -> None:
-        """Load an unsharded state dict from every rank, or (`from_rank0`) broadcast from group rank 0's."""
-        self.layout.load_full_state_dict(sd, from_rank0)
-
     # --------------------------------------------------------------------------------------- metrics
 
     @property
     def config(self):
         return self.module.config
-
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Unique parameters of the unsharded model, as GPT.num_params counts them."""
-        n = sum(u.numel for u in self.units)
-        return n - self.config.block_size * self.config.n_embd if non_embedding else n
 
     def state_breakdown(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds, {"params", "grads", "optimizer"} (`FlatLayout.state_breakdown`)."""

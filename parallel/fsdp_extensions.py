@@ -15,7 +15,7 @@ Where the pipeline meets sharding (parallel/pipeline.py uses all of these):
 - `finish_on_exit`, `reduce_on_exit`: reductions that end outside a backward (a pipeline's step).
 
 Parameters that another dimension keeps on fewer ranks than the data-parallel group (expert parallelism: an
-expert's copies are its expert-data-parallel group, `parallel.state.mark_replicas`) go into units of their own,
+expert's copies are its expert-data-parallel group, `parallel.marks.mark_replicas`) go into units of their own,
 one per Block that has them ("transformer.h.<i>.experts", after every other unit, `own_units`), sharded over
 that group instead: gathered, released and prefetched with their Block, reduce-scattered over that group (never
 all-reduced over HSDP's replicas: the group already spans them), and divided by the same total as every unit.
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel.blocks import blocks_by_index
+from blocks import blocks_by_index
 from parallel.ddp import replica_group
 from parallel.flat_param import _FlatUnit, unit_key
 from parallel.grads import norm_items

@@ -17,13 +17,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from parallel import comm
-from parallel.state import shards_of
+from parallel.marks import shards_of
 
 
 def grad_groups(model: torch.nn.Module) -> dict[str, tuple]:
     """For each parameter name, the process groups its gradient is sharded over: a DTensor's non-replicated
     mesh dims (Shard, or _StridedShard under FSDP2 over TP); the groups of our layers' shard marks (TP's, EP's:
-    parallel/state.mark_shard); none for replicated parameters."""
+    parallel/marks.mark_shard); none for replicated parameters."""
     out = {}
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):

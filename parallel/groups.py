@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from parallel.device import backend_for
+from device import backend_for
 
 
 _TIMEOUT: timedelta | None = None  # the run's --timeout, once init_distributed has run

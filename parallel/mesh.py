@@ -1,5 +1,5 @@
 """The mesh: validates the parallel layout (`ParallelDims`) and builds the run's one mesh of named dims, each with
-its process group (`init_distributed`). The device and the backend are chosen in parallel/device.py.
+its process group (`init_distributed`). The device and the backend are chosen in device.py.
 
 Mesh dims are ("pp", "dp_replicate", "dp_shard", "cp", "tp"), always all five (size 1 where unused), tp innermost
 (fastest-varying) so TP groups are neighbouring ranks, which on a GPU node share NVLink; pp outermost, so a
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import _disable_current_modes
 
-from parallel.device import join_world
+from device import join_world
 from parallel.groups import group_timeout, honour_timeout, link_groups, new_groups, serial_p2p
 
 

@@ -5,7 +5,7 @@
                                                      micro-step for "pytorch"; parameters stay replicated over cp)
        then expert parallelism over mesh["ep"]      (each MoE layer keeps its experts; tokens go by all_to_all)
     1. tensor parallelism over mesh["tp"]           (shards matmul weights; materialises its own shards)
-       then activation checkpointing and torch.compile of each Block (parallel/blocks.py)
+       then activation checkpointing and torch.compile of each Block (blocks.py)
     2. FSDP / ZeRO-1/2 over mesh["fsdp"]            (shards what is left; materialises one unit at a time;
                                                      HSDP: replicated over mesh["dp_replicate"])
     3. materialise whatever is still on meta        (deferred init: only the local slices of DTensors)
@@ -20,7 +20,7 @@ or wrapped in a context); `protocol` then adapts the data-parallel wrapper to wh
 steps return. A new dimension is one more entry (docs/adding-a-dimension.md).
 
 `Parallelized` is what the trainer sees: `forward_backward`, `forward_only`, `mean_loss`, `clip_grad_norm_`
-and what the wrapper answers (optimizer groups, checkpoint entries, state bytes), the same for every layout.
+and what the wrapper answers (optimizer groups, checkpoint parts, state bytes), the same for every layout.
 """
 from __future__ import annotations
 
@@ -32,20 +32,20 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
+from device import to_device
 from loss import loss_share
 from metrics import expert_record
 from model import GPT
 from parallel import comm
 from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
 from parallel.twins import tensor_parallel as tp_twin
-from parallel.blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
 from parallel.expert_parallel import ExpertBalance, apply_expert_parallel
 from parallel.context_parallel import apply_context_parallel, zigzag_share
 from parallel.deferred_init import materialize
 from parallel.flat_param import ZERO_STAGES
 from parallel.fsdp import FullyShardedDataParallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_, grad_groups
-from parallel.device import to_device
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group, sharded_units
 from parallel.pipeline_schedule import V_SCHEDULES
@@ -140,7 +140,7 @@ class Parallelized:
 
     def _on_device(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's tokens of every micro-batch (cut on the host), all copied to the device at the step's start
-        without a host sync (parallel.device.to_device): the next micro-batch's copy runs while this one computes."""
+        without a host sync (device.to_device): the next micro-batch's copy runs while this one computes."""
         return [tuple(to_device(t, self.device) for t in self.shard_tokens(x, y)) for x, y in batches]
 
     def mean_loss(self, value: torch.Tensor) -> torch.Tensor:
@@ -236,8 +236,9 @@ class Parallelized:
     def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         return sum(self.state_breakdown(optimizer).values())
 
-    def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list:
-        return self.dp.checkpoint_entries(optimizer)
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> list:
+        """What this rank holds of the training state (checkpoint_entries.entries makes it entries)."""
+        return self.dp.checkpoint_parts(optimizer)
 
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return self.dp.checkpoint_optimizer(optimizer)

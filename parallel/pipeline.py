@@ -8,12 +8,10 @@ action lists; this module only executes them.
   config's partition by cost, pipeline_partition.py), plus wte/wpe on chunk 0's rank and ln_f/lm_head on the
   last chunk's rank. Parameter names stay the GPT's (transformer.h.3.attn.c_q.weight), so optimizer groups and
   checkpoints map by name.
-- Tied embedding (Megatron's rule): when the last chunk sits on another rank than chunk 0, the last stage holds
-  its own copy of the embedding matrix, `lm_head.weight`, initialised under the name transformer.wte.weight, so
-  it starts equal to wte. After each backward `PipelineRunner.reduce_tied_grads` all-reduces (SUM) the two
-  gradients over the two-rank embedding group [first rank, last rank]; both then hold the one-process gradient
-  of the tied matrix, and with the same optimizer step the copies stay equal. Where one rank holds both ends
-  (P == 1, and rank 0 of the V schedules, which holds chunks 0 and 2P-1) lm_head is tied to wte as in GPT.
+- Tied embedding (Megatron's rule; docs/pipeline.md derives it): the last stage holds its own copy of the
+  embedding matrix, `lm_head.weight`, initialised as wte; `PipelineRunner.reduce_tied_grads` all-reduces (SUM)
+  the two gradients over [first rank, last rank] after each backward, so the copies stay equal. Where one rank
+  holds both ends (P == 1, rank 0 of the V schedules) lm_head is tied to wte as in GPT.
 - `PipelineRunner.step`: forward and backward of M micro-batches by the named schedule, one handler per action
   kind (`_forward`, `_backward`, `_weights`, `_send`, `_recv`); a split schedule's B and W (zero-bubble:
   SPLIT_SCHEDULES) go through a `WeightGradStore` (parallel/zero_bubble.py); `forward_only` runs evaluation's
@@ -41,9 +39,9 @@ from moe import SideLosses
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.groups import group_timeout, new_groups, p2p_link
-from parallel.pipeline_schedule import (ALL_SCHEDULES, B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F,
-                                        SPLIT_SCHEDULES, V_SCHEDULES, W, Action, boundary, chunk_of, even_partition,
-                                        evaluation, peer_of, rank_of, send_waits)
+from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SEND_B, SEND_F, SPLIT_SCHEDULES,
+                                        V_SCHEDULES, W, Action, boundary, chunk_of, even_partition, evaluation,
+                                        peer_of, rank_of, send_waits)
 from parallel.pipeline_record import StepRecord
 from parallel.zero_bubble import WeightGradStore, hold_for_w
 
@@ -178,18 +176,13 @@ class PipelineRunner:
     Stores, per micro-batch whose forward ran and whose backward has not: each chunk's input (a leaf) and
     output (or scaled loss) with its graph; freed at that backward. Under a split schedule, from B to W: the
     (input, output gradient) of each of the chunk's linears (`self.store`). A sent tensor is held until its send
-    is waited on, at a point the list names (`send_waits`: a forward's send at its B, an input gradient's at the
-    rank's next B), the same on every backend, so every rank holds what the schedule bounds (1F1B: P - rank
-    micro-batches, plus one gradient in flight), not every micro-batch sent. A receive is posted at its place in
-    the list and waited on just before the F or B that reads it, so a rank computes what needs no input while
-    the data is in flight (the wait is idle in `record.timeline`).
+    is waited on where the list says (`send_waits`), so every rank holds what the schedule bounds (1F1B: P - rank
+    micro-batches, plus one gradient in flight). A receive is waited on just before the F or B that reads it.
     Communicates point-to-point with the neighbouring chunks' ranks in `group` (the pp group; None: the whole
-    world), or, given `links` (the pp dim's link groups, where parallel.groups.serial_p2p: NCCL), each message in
-    the link group of the chunk boundary it crosses (`p2p_link`), so that no rank's one stream serialises its
-    sends to one neighbour behind its receives from the other; and, in `reduce_tied_grads`, all-reduces the
-    embedding gradient over `embed_group`: the result of `embedding_group(...)`, which every rank of the world
-    builds together (None on a middle stage); by default the runner builds it, for a pipeline that is the whole
-    world."""
+    world), or, given `links` (NCCL: parallel.groups.serial_p2p), on the link group of the chunk boundary each
+    message crosses (`p2p_link`; docs/pipeline.md, Messages); and, in `reduce_tied_grads`, all-reduces the
+    embedding gradient over `embed_group` (`embedding_group(...)`, which every rank of the world builds together;
+    None on a middle stage; by default the runner builds it, for a pipeline that is the whole world)."""
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
                  embed_group: dist.ProcessGroup | None | str = WHOLE_WORLD, act_dtype: torch.dtype = torch.float32,

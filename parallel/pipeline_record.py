@@ -7,8 +7,8 @@ from typing import Callable
 
 import torch
 
+from device import make_timer
 from parallel import comm
-from parallel.device import make_timer
 from parallel.pipeline_schedule import B, COMPUTE, F, W, Action
 
 
@@ -16,7 +16,7 @@ class StepRecord:
     """What the runner's last step measured, kept apart from its work (as train.StepWatch for train_step).
 
     `timeline`: [(action, start, end)] in seconds, one per action (device events on CUDA, the host clock on the
-    CPU: parallel.device.make_timer); `idle_fraction()` from it. `events`: the ("post", SEND/RECV), ("wait",
+    CPU: device.make_timer); `idle_fraction()` from it. `events`: the ("post", SEND/RECV), ("wait",
     SEND/RECV) and ("run", F/B/W) in the order they happened. `peak_in_flight`: the most (chunk, micro) whose
     forward ran and whose backward (W, when split) has not, at once. With `measure_held` set (host time per
     action, so off unless asked), `peak_held_bytes`: the most bytes of distinct tensor storages the step held at

@@ -15,22 +15,18 @@ Actions. `Action(kind, chunk, micro)`; `chunk` is always a chunk of the rank tha
   SEND_B(c, m)         grad of chunk c's input to chunk c-1;   matches RECV_B(c-1, m) there;
   RECV_B(c, m)         grad of chunk c's output from chunk c+1; matches SEND_B(c+1, m).
 
-Where the SEND/RECV go (`_with_p2p`). Each schedule fixes only the order of F/B on each rank. `_with_p2p` runs
-those orders once as early as data allows (`ideal_times`: F = 1, B = 2 units, messages free); every message is
-then ready when its producer ends, and both its SEND and its RECV are listed at that time, keyed alike on both
-sides (ready time, sender, chunk, micro). So all ranks list their messages in one global order, and within a
-peer pair both sides post the pair's messages, both directions merged, in the same order: what NCCL's
-one-stream-per-pair posting order needs to never deadlock, and what gloo needs (the k-th send from a to b
-meets the k-th receive on b from a). A receive is posted at that time and waited on only by the compute that
-reads it; a send is waited on where `send_waits` says. The proofs, the other pairing rules (`plan.simulate.paired`)
-and the p2p models that check them are the schedule simulator's (plan/simulate.py).
+Where the SEND/RECV go (`_with_p2p`). Each schedule fixes only the order of F/B on each rank; `ideal_times` runs
+those orders once as early as data allows (F = 1, B = 2 units, messages free), and a message's SEND and RECV are
+both listed at its ready time, keyed alike on both sides (ready time, sender, chunk, micro): one global order,
+so each peer pair posts its messages in the same order on both sides, as NCCL and gloo need (docs/pipeline.md,
+Messages; the proofs and the p2p models that check them: plan/simulate.py). A receive is waited on only by the
+compute that reads it; a send where `send_waits` says.
 
-See a schedule before reading the runner: `python -m parallel.pipeline_schedule 1f1b --pp 2 --micro 4` prints
-each rank's list as a grid (`main`, parallel/pipeline_grid.py).
+See a schedule before reading the runner: `python -m plan.schedule_grid 1f1b --pp 2 --micro 4` prints each rank's
+list as a grid.
 """
 from __future__ import annotations
 
-import sys
 from typing import NamedTuple
 
 F, B, W, SEND_F, RECV_F, SEND_B, RECV_B = "F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"
@@ -425,25 +421,3 @@ def evaluation(pp: int, micro_batches: int, virtual: int = 1, v_shape: bool = Fa
                 ops += [Action(SEND_F, c, m)] if c < pp * virtual - 1 and rank_of(c + 1, pp, v_shape) != r else []
         out.append(ops)
     return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m parallel.pipeline_schedule SCHEDULE --pp P --micro M [--virtual V]`: each rank's list as a grid
-    (parallel/pipeline_grid.py); bad input: one line, exit 2."""
-    from parallel.pipeline_grid import Parser, grid
-    p = Parser(prog="python -m parallel.pipeline_schedule", description="Each rank's action list, as a grid.")
-    p.add_argument("schedule", choices=list(ALL_SCHEDULES))
-    p.add_argument("--pp", type=int, required=True, help="pipeline ranks P")
-    p.add_argument("--micro", type=int, required=True, help="micro-batches M per step")
-    p.add_argument("--virtual", type=int, help="chunks per rank V (default: 2 for the V schedules, else 1)")
-    a = p.parse_args(argv)
-    virtual = a.virtual if a.virtual is not None else 2 if a.schedule in V_SCHEDULES else 1
-    try:
-        schedule = ALL_SCHEDULES[a.schedule](a.pp, a.micro, virtual)
-    except ValueError as e:
-        p.error(str(e))
-    sys.stdout.write(grid(schedule))
-
-
-if __name__ == "__main__":
-    main()

@@ -8,7 +8,8 @@ that `Parallelized` (parallel/parallelize.py) only delegates and never asks whic
     step_sync()                     context around a pipeline's whole step (ours: accumulate, reduce once on exit)
     after_optimizer_step()          ZeRO-1/2: the full parameter copies are stale now
     state_breakdown(optimizer)      this rank's {"params", "grads", "optimizer"} bytes
-    checkpoint_entries(optimizer)   layout-independent entries (parallel/state.py)
+    checkpoint_parts(optimizer)     what this rank holds of the training state, and who writes it (`Params`,
+                                    `Buffers`, `FlatShards`: checkpoint_entries.py makes them entries)
     checkpoint_optimizer(optimizer) the AdamW whose step count and hyperparameters a checkpoint records
 
 `Replicated` is the default: parameters as they are (no data parallelism, or a wrapper that keeps whole
@@ -25,7 +26,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel.grads import norm_items
-from parallel.state import Entry, buffer_entries, entries_for, entries_for_fsdp
 
 
 class Cut(NamedTuple):
@@ -38,6 +38,42 @@ class Cut(NamedTuple):
     context: Callable | None = None
 
 
+class Params(NamedTuple):
+    """A checkpoint part: parameters that are whole tensors or DTensors (one process, DDP, FSDP2, DTensor TP), or
+    our layers' marked slices (parallel/marks.py). `replica_rank`: this rank's index among identical replicas (the
+    dp rank under DDP, else 0); `plain_replica_rank`: among the ranks holding plain (non-DTensor) parameters whole
+    (the tp rank under TP, which replicates them); `sharded_as`: names of plain local tensors that are really
+    DTensor shards (TP under torch DDP) -> a DTensor with their placements; `owns(p)`: torch's ZeRO-1, whose
+    `optimizer` (its local AdamW) holds the moments of the parameters this rank owns."""
+    named: list[tuple[str, nn.Parameter]]
+    optimizer: torch.optim.Optimizer
+    replica_rank: int = 0
+    sharded_as: dict | None = None
+    plain_replica_rank: int = 0
+    owns: Callable | None = None
+
+
+class Buffers(NamedTuple):
+    """A checkpoint part: the persistent buffers that are training state (the MoE expert bias), whole on every rank
+    of the stage that holds them, written by replica 0 and tp rank 0."""
+    module: nn.Module
+    replica_rank: int = 0
+    plain_replica_rank: int = 0
+
+
+class FlatShards(NamedTuple):
+    """A checkpoint part: our sharding engine's shards, each original parameter's slice [offset, offset + n) of
+    this rank's flat shard (another dimension's slice where `fsdp.shard_marks` says). Writers: replica 0, and tp
+    rank 0 for the parameters replicated over TP."""
+    fsdp: nn.Module
+    optimizer: torch.optim.Optimizer
+    tp_rank: int
+    replica_rank: int = 0
+
+
+Part = Params | Buffers | FlatShards
+
+
 class DataParallel(Protocol):
     model: nn.Module
 
@@ -48,7 +84,7 @@ class DataParallel(Protocol):
     def step_sync(self) -> ContextManager: ...
     def after_optimizer_step(self) -> None: ...
     def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]: ...
-    def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list[Entry]: ...
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> list[Part]: ...
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
 
 
@@ -102,13 +138,10 @@ class Replicated:
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
 
-    def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list[Entry]:
-        return _tied_copy_read_only(self._entries(optimizer))
-
-    def _entries(self, optimizer: torch.optim.Optimizer) -> list[Entry]:
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> list[Part]:
         a = self.at
-        return (entries_for(list(self.model.named_parameters()), optimizer, a.replica_rank, self.sharded_as, a.tp_rank)
-                + buffer_entries(self.model, a.replica_rank, a.tp_rank))
+        return [Params(list(self.model.named_parameters()), optimizer, a.replica_rank, self.sharded_as, a.tp_rank),
+                Buffers(self.model, a.replica_rank, a.tp_rank)]
 
 
 class Accumulating(Replicated):
@@ -160,18 +193,10 @@ class Sharded:
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
 
-    def checkpoint_entries(self, optimizer: torch.optim.Optimizer) -> list[Entry]:
-        """The shards' entries (HSDP: replica 0 writes; experts: every rank its own shard), and the buffers
-        (whole on every rank: written by the first rank of the shard group's replica 0)."""
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> list[Part]:
+        """The shards (HSDP: replica 0 writes; experts: every rank its own shard), and the buffers (whole on every
+        rank: written by the first rank of the shard group's replica 0)."""
         a = self.at
         first = a.replica_rank == 0 and self.model.rank == 0
-        return _tied_copy_read_only(entries_for_fsdp(self.model, optimizer, a.tp_rank, a.replica_rank)
-                                    + buffer_entries(self.model, 0 if first else 1, a.tp_rank))
-
-
-def _tied_copy_read_only(entries: list[Entry]) -> list[Entry]:
-    """The last stage's copy of the tied matrix (lm_head.weight): loaded as transformer.wte.weight, never written."""
-    for e in entries:
-        if e.name == "lm_head.weight":
-            e.name, e.write = "transformer.wte.weight", False
-    return entries
+        return [FlatShards(self.model, optimizer, a.tp_rank, a.replica_rank),
+                Buffers(self.model, 0 if first else 1, a.tp_rank)]

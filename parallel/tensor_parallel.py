@@ -10,7 +10,7 @@ of the same payload, while those activations take 1/p of the memory.
 
 The sharding is `TP_PLAN`; `apply_tensor_parallel` swaps modules in place and keeps every parameter's
 name, so optimizer groups and checkpoints map by name (`transformer.h.0.attn.c_q.weight` is now this
-rank's rows). Sharded parameters carry a shard mark (`parallel.state.mark_shard`, over "tp"), replicated
+rank's rows). Sharded parameters carry a shard mark (`parallel.marks.mark_shard`, over "tp"), replicated
 ones none: a global grad norm sums the squares of the former over the group and counts the latter once
 (`parallel.grads.grad_groups`).
 Under SP the replicated parameters that see only T/p positions (LayerNorms, row-parallel biases, wpe)
@@ -34,7 +34,7 @@ from loss import WholeVocab, linear_cross_entropy, loss_chunk_rows
 from model import GPT, GPTConfig, init_parameter, materialize_module
 from moe import MoE, moe_layers
 from parallel import comm
-from parallel.state import mark_shard, shard_dim
+from parallel.marks import mark_shard, shard_dim
 from parallel.tp_comm import all_gather_along, gather_sequence_replicated, scatter_to_sequence
 from parallel.tp_layers import (ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear,
                                 SequenceParallelPositionEmbedding, VocabParallelEmbedding)
@@ -213,18 +213,9 @@ class _Builder:
 
 
 # which dim of each parameter a style splits over the tp ranks (absent: replicated); the styles below read it,
-# and so does `tp_local_shape` (the layout planner's per-rank shapes)
+# and so does the layout planner's per-rank shapes (plan/counts.py tp_local_shape)
 SHARD_DIMS: dict[str, dict[str, int]] = {"vocab": {"weight": 0}, "colwise": {"weight": 0, "bias": 0},
                                          "rowwise": {"weight": 1}, "vocab_head": {"weight": 0}}
-
-
-def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """The shape one tp rank stores of parameter `name` (full `shape`): 1/tp along its style's SHARD_DIMS dim."""
-    module, _, attr = name.rpartition(".")
-    dim = SHARD_DIMS.get(plan_style(module) or "", {}).get(attr)
-    if dim is None or tp == 1:
-        return tuple(shape)
-    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
 def _vocab(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:

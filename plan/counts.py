@@ -1,12 +1,12 @@
 """What one rank of a layout holds and sends, counted from the formulas that sit beside the wrappers.
 
-Nothing here is measured and no formula is restated: the per-rank parameter shapes come from the model on meta
-cut by `PipelineStage` and `tensor_parallel.tp_local_shape`; ZeRO/FSDP state from `theory.fsdp_unit_state_bytes`
-over `flat_param.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`, `zero_comm_bytes_per_step` (under a
-pipeline `zero_comm_bytes_per_pipeline_step`), `tp_comm_bytes_per_micro_step`, `cp_p2p_bytes_per_micro_step`
-and `pipeline.p2p_bytes_per_step`; FLOPs from metrics.flops_per_token. What is new here is the saved-activation
-count (`block_saved_bytes`, derived in its docstring) and its composition with AC, SP, CP and the pipeline's
-in-flight bound; the peak memory built on them is plan/peak.py's.
+Nothing here is measured and no formula is restated: the per-rank parameter shapes come from the model on meta cut
+by `PipelineStage` and `tp_local_shape` (tensor_parallel.SHARD_DIMS); ZeRO/FSDP state from
+`theory.fsdp_unit_state_bytes` over `flat_param.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`,
+`zero_comm_bytes_per_step` (under a pipeline `zero_comm_bytes_per_pipeline_step`), `tp_comm_bytes_per_micro_step`,
+`cp_p2p_bytes_per_micro_step` and `pipeline.p2p_bytes_per_step`; FLOPs from metrics.flops_per_token. What is new
+here is the saved-activation count (`block_saved_bytes`, derived in its docstring) and its composition with AC, SP,
+CP and the pipeline's in-flight bound; the peak memory built on them is plan/peak.py's.
 
 plan/predict.py assembles these counts and plan/peak.py's peak into the keys train.py measures each step.
 """
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from device import backend_for
 from metrics import active_params, flops_per_token
 from model import GPT, GPTConfig
-from parallel.device import backend_for
 from parallel.flat_param import shard_numel
 from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
 from parallel.flat_param import unit_key
@@ -28,7 +28,7 @@ from parallel.mesh import ParallelDims
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import PipelineStage, sharded_units
 from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
-from parallel.tensor_parallel import tp_local_shape
+from parallel.tensor_parallel import SHARD_DIMS, plan_style
 from plan import theory
 from plan.simulate import simulate
 from pipeline_partition import layers_for
@@ -39,6 +39,15 @@ from plan.theory import (cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_ste
                          zero_comm_bytes_per_pipeline_step, zero_comm_bytes_per_step, zero_comm_calls_per_step)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
+
+
+def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
+    """The shape one tp rank stores of parameter `name` (full `shape`): 1/tp along its style's SHARD_DIMS dim."""
+    module, _, attr = name.rpartition(".")
+    dim = SHARD_DIMS.get(plan_style(module) or "", {}).get(attr)
+    if dim is None or tp == 1:
+        return tuple(shape)
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
 @dataclass(frozen=True)
@@ -214,7 +223,7 @@ def _layers(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tupl
 
 def recomputed_blocks(s: Setup, blocks: list[int]) -> int:
     """How many of `blocks` (global indices) activation checkpointing re-runs in backward, per micro-step: the
-    Blocks parallel.blocks.apply_activation_checkpointing picks (all, or index % ac_every == 0)."""
+    Blocks blocks.apply_activation_checkpointing picks (all, or index % ac_every == 0)."""
     ac = s.args.activation_checkpointing
     return sum(ac == "full" or (ac == "selective" and i % s.args.ac_every == 0) for i in blocks)
 

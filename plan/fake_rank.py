@@ -336,11 +336,12 @@ def simulate(plan, quiet: bool = True, catch: bool = True) -> RankRun:
     where (raise it instead with catch False). Leaves no process group behind."""
     import faults
     import train
+    from debug import flight_recorder
     from parallel import comm
     plan = simulated_plan(plan)
     run = RankRun(plan.rank, plan.dims.world_size)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    comm.RECORDER.open(None, plan.rank, plan.dims.world_size)
+    flight_recorder.install(None, plan.rank, plan.dims.world_size)
     comm.RECORDER.step, comm.RECORDER.micro = 0, -1  # a process's recorder: the last simulated rank left its step
     comm.COUNTER.reset()
     t0 = time.perf_counter()

@@ -122,7 +122,7 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
       together, at the later post, when one is a send and the other its receive; two sends (or two receives)
       at the heads wait for each other forever.
     - "nccl_eager" (the same calls on a group initialised eagerly: init_process_group(device_id=...), which
-      parallel/device.py passes on CUDA, binds the world group to the device, and every group split from it,
+      device.py passes on CUDA, binds the world group to the device, and every group split from it,
       DeviceMesh's and new_group's, is eager too): one FIFO per rank (per group: `links`), across all its
       peers, in posting order. In eager mode pointToPoint reuses the group's own communicator (key
       getKeyFromDevice) and so its one NCCL stream for every unbatched send and receive: the ops of a rank run

@@ -2,7 +2,7 @@
 makes to build them (`init_group_calls`).
 
 Every group here is built by every rank of the world, member or not, in the same order: dist.new_group is a call
-of the whole world, and on NCCL with an eagerly initialised world group (parallel/device.py join_world
+of the whole world, and on NCCL with an eagerly initialised world group (device.py join_world
 passes device_id) each new_group is a world-wide ncclCommSplit: the members split off with one colour, every
 other rank with none (c10d `_new_process_group_helper`: `split_from.perform_nocolor_split`). dist.split_group
 builds many disjoint groups in one such split (one call of the world for all of them); DeviceMesh uses it on

@@ -73,13 +73,14 @@ def run(rank: int, world: int, model: str, flags: list[str], data: str, out: str
     import dataclasses
 
     import checkpoint
+    import checkpoint_entries
     import trainer_checkpoint
     import config
     import train
     args = config.parse_args(["--model", model, "--dataset", data, "--out_dir", out, "--micro_batch_size", "1",
                              "--seq_len", "64", "--total_batch_size", str(64 * world), *flags])
     t = train.build(config.validate(args))
-    held = sum(e.tensors["param"].numel() for e in t.par.checkpoint_entries(t.optimizer))  # + AdamW state
+    held = sum(e.tensors["param"].numel() for e in checkpoint_entries.entries(t.par, t.optimizer))  # + AdamW state
     trainer_checkpoint.save_trainer(t, 0)  # warm-up: lazy imports, first-use buffers
     state = _status("VmRSS")
     save = measure(lambda: trainer_checkpoint.save_trainer(t, 1))

@@ -191,7 +191,7 @@ def max_rel(a: list[float], b: list[float]) -> float:
 def init_one_rank_group(device: torch.device) -> str:
     """A world-size-1 default process group on `device` (NCCL on CUDA, gloo on the CPU), as the stages and the
     preflight (scripts/gpu_preflight.py) make it; returns the backend."""
-    from parallel.device import backend_for
+    from device import backend_for
     from tests.harness import free_port
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -1,4 +1,4 @@
-"""Activation checkpointing and torch.compile (parallel/blocks.py): recomputing a Block in backward changes
+"""Activation checkpointing and torch.compile (blocks.py): recomputing a Block in backward changes
 no number, keeps only the Block boundaries for backward, and re-runs exactly the TP collectives the theory
 says; a compiled Block agrees with the eager one; bad flags are refused in one line.
 
@@ -15,10 +15,10 @@ import unittest
 import pytest
 import torch
 
+from blocks import apply_activation_checkpointing
 from bench.ac import SavedAndRecomputedBytes
 from bench.pipeline import SavedBytes
 from model import GPT, make_config
-from parallel.blocks import apply_activation_checkpointing
 from plan.theory import tp_comm_bytes_per_micro_step
 from tests.harness import WholeRuns, evals_of, expect_train_error_in_process, rank0_only, steps_of
 
@@ -74,7 +74,7 @@ class TestCheckpointingChangesNoNumber(unittest.TestCase):
     the same inputs and parameters (FSDP re-gathers them before the Block's backward, so the recompute sees
     them), and autograd then runs the same backward ops in the same order.
 
-    What makes the bits worth checking: rank 0 counted (parallel/blocks.AC_COUNTER) k x micro-steps
+    What makes the bits worth checking: rank 0 counted (blocks.AC_COUNTER) k x micro-steps
     checkpointed forwards and as many recomputations in backward every step, k the Blocks the flags pick.
 
     Under TP with sequence parallelism, comm_bytes (rank 0's, per step) also grows by exactly the collectives

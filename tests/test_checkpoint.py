@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import checkpoint
+import checkpoint_entries
 from memory import LargestTensor
 from metrics import read_jsonl as read_metrics
 from tests.harness import forked, forked_ranks, free_port, launch, make_token_bins, rank0_only, spawn, train_losses, under_torchrun
@@ -165,7 +166,7 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
         args = config.parse_args(BASE + flags + ["--dataset", os.path.join(os.path.dirname(out), "data"),
                                                  "--out_dir", os.path.join(out, target), "--device", "cpu"])
         t = trainers[target] = train.build(config.validate(args))
-        entries = t.par.checkpoint_entries(t.optimizer)
+        entries = checkpoint_entries.entries(t.par, t.optimizer)
         count = {e.name: torch.zeros(torch.Size(e.shape).numel()) for e in entries}
         for e in entries:
             count[e.name][checkpoint._positions(e.runs())] += float(e.write)
@@ -179,10 +180,11 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
         saved_step = checkpoint.read_manifest(src)["optimizer"]["step"]
         for target, t in trainers.items():
             what = f"{src_name} -> {target}"
-            checkpoint.load(src, t.par.checkpoint_entries(t.optimizer), t.optimizer, rank=rank, world_size=world)
+            checkpoint.load(src, checkpoint_entries.entries(t.par, t.optimizer), t.optimizer, rank=rank,
+                            world_size=world)
             if {float(s["step"]) for s in t.optimizer.state.values()} != {saved_step}:
                 bad.append(f"{what}: AdamW step not restored")
-            for e in t.par.checkpoint_entries(t.optimizer):
+            for e in checkpoint_entries.entries(t.par, t.optimizer):
                 index = checkpoint._positions(e.runs())
                 for kind in KINDS:
                     if not torch.equal(e.tensors[kind].detach().cpu(), expect[e.name][kind].reshape(-1)[index]):
@@ -391,7 +393,7 @@ class TestFormat(unittest.TestCase):
         memory per checkpoint), with the values a fresh copy has, and later changes to the live state do not
         reach it. free_buffers waits for the write in flight, which reads them."""
         from model import GPT, GPTConfig
-        from parallel.state import entries_for
+        from checkpoint_entries import entries_for
         model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16))
         model.init_weights(seed=0)
         opt = torch.optim.AdamW(model.parameters())
@@ -443,7 +445,7 @@ class TestIndexMemory(unittest.TestCase):
     def test_entry_runs_are_the_runs_of_its_positions(self):
         """Blocks given by per-dim positions (whole, a range, strided, with gaps) and a span of them: runs()
         equals the runs of the explicit index, and `_pieces` decodes them in chunks of any size."""
-        from parallel.state import Entry
+        from checkpoint_entries import Entry
         cases = []
         for shape in [(24, 10), (6, 5, 7)]:
             full = torch.arange(torch.Size(shape).numel()).view(shape)
@@ -474,7 +476,7 @@ class TestIndexMemory(unittest.TestCase):
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        from parallel.state import _axes, Entry
+        from checkpoint_entries import _axes, Entry
         layouts = [(Shard(0), Shard(1)), (Shard(0), Shard(0)), (_StridedShard(0, split_factor=2), Shard(0)),
                    (Replicate(), Shard(1)), (Shard(1), Replicate())]
         for rank in range(4):
@@ -500,7 +502,7 @@ class TestIndexMemory(unittest.TestCase):
 
         from model import GPT, PRESETS
         from parallel.fsdp import FullyShardedDataParallel
-        from parallel.state import entries_for, entries_for_fsdp
+        from checkpoint_entries import entries_for, entries_for_fsdp
         config = PRESETS["tiny"]
         torch.manual_seed(0)
         source = GPT(config)

@@ -7,7 +7,7 @@ import unittest
 
 import torch
 
-from debug import hang
+from debug import flight_recorder, hang
 from parallel import comm
 from tests.harness import run_distributed
 
@@ -21,7 +21,7 @@ def rows(rank: int) -> torch.Tensor:
 
 def exchange(rank: int, world: int) -> dict:
     comm.COUNTER.reset()
-    comm.RECORDER.open(None, rank, world)
+    flight_recorder.install(None, rank, world)
     recv = [SPLITS[j][rank] for j in range(world)]
     out = torch.empty(sum(recv), 4)
     comm.all_to_all_single(out, rows(rank), recv, SPLITS[rank], unit="experts")

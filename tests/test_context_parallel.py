@@ -59,8 +59,8 @@ def recorded():
 
     with mock.patch.object(comm, "send", post("send", comm.send)), \
             mock.patch.object(comm, "recv", post("recv", comm.recv)), \
-            mock.patch.object(cp, "_kernel_forward", kernel("fwd", cp._kernel_forward)), \
-            mock.patch.object(cp, "_kernel_backward", kernel("bwd", cp._kernel_backward)):
+            mock.patch.object(cp, "kernel_forward", kernel("fwd", cp.kernel_forward)), \
+            mock.patch.object(cp, "kernel_backward", kernel("bwd", cp.kernel_backward)):
         yield events
 
 
@@ -109,7 +109,7 @@ def ring_results(world: int) -> list:
 
 
 def drain_timed(queues: list[list[tuple]], group=lambda rank, op: 0) -> int | None:
-    """NCCL's p2p on eagerly initialised groups (the cp group is one: parallel/device.py passes device_id; the
+    """NCCL's p2p on eagerly initialised groups (the cp group is one: device.py passes device_id; the
     pipeline's model is plan/simulate.py's "nccl_eager"): each rank's ops on a group (`group(rank, op)`; one
     group by default) run one after another in posting order, whichever neighbour they name; the head send of
     rank a to b runs with the head receive of b from a on the same group, and both must describe the same
@@ -341,10 +341,10 @@ class TestRingAttention(unittest.TestCase):
                             q, k, v, g = (torch.empty(B, T // C, H, D, dtype=dtype, device="meta").transpose(1, 2)
                                           for _ in range(4))
                             q, g, k, v = q[:, :, c.q], g[:, :, c.q], k[:, :, c.k], v[:, :, c.k]
-                            out, lse, state = cp._kernel_forward(kernel, q, k, v, c.causal)
+                            out, lse, state = cp.kernel_forward(kernel, q, k, v, c.causal)
                             self.assertEqual((out.shape, out.dtype), (q.shape, dtype))
                             self.assertEqual((lse.shape, lse.dtype), (q.shape[:3], torch.float32))
-                            grads = cp._kernel_backward(kernel, g, q, k, v, out, lse, c.causal, state)
+                            grads = cp.kernel_backward(kernel, g, q, k, v, out, lse, c.causal, state)
                             self.assertEqual([(t.shape, t.dtype) for t in grads],
                                              [(t.shape, dtype) for t in (q, k, v)])
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from debug import flight_recorder
 from model import GPT, GPTConfig, param_groups
 from parallel import comm
 from parallel.ddp import DistributedDataParallel
@@ -98,7 +99,7 @@ class BucketWrites(TorchDispatchMode):
 # ----------------------------------------------------------------------------- bodies run on every rank
 
 def ring_since(start: int) -> list[tuple[str, str]]:
-    """(op, call site) of every op this rank's flight recorder (parallel/flight_recorder.py) holds from op `start` on,
+    """(op, call site) of every op this rank's flight recorder (debug/flight_recorder.py) holds from op `start` on,
     read back through `decode`, as `python -m debug hang` reads a ring."""
     return [(o["op"], o["site"]) for o in comm.RECORDER.read()["ops"] if o["n"] >= start]
 
@@ -106,7 +107,7 @@ def ring_since(start: int) -> list[tuple[str, str]]:
 def _matches_torch_body(rank: int, world_size: int) -> dict:
     """Custom vs torch DDP over STEPS accumulated+clipped AdamW steps, plus no_sync and byte checks, and what the
     flight recorder kept of ours (torch's DDP does not go through parallel/comm)."""
-    start = comm.RECORDER.count
+    start = flight_recorder.install(None, rank, world_size).count  # a fresh in-memory ring
     ours = DistributedDataParallel(build_gpt(), bucket_cap_mb=SMALL_CAP_MB)
     ref = nn.parallel.DistributedDataParallel(build_gpt())
     local = build_gpt()  # plain single-process model, to see what "unreduced" gradients look like

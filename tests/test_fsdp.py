@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import parallel.fsdp as fsdp_module
+from debug import flight_recorder
 from model import GPT, GPTConfig, param_groups
 from parallel import comm
 from parallel.fsdp import FullyShardedDataParallel as FSDP
@@ -30,6 +31,51 @@ CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
 WORLD, STEPS, ACCUM, B, T = 2, 3, 2, 2, 32
 LR, WD = 1e-2, 0.1
 MAX_NORM = 0.25  # below the gradient norms of this run (0.4-0.8), so clipping acts at every step
+
+
+# ----------------------------------------------------------------------------- whole-model views, for the tests
+# The runtime reads our engine only through its sharded views (checkpoint_entries.py); a test compares the
+# whole model against one process, through these views of FlatLayout's shards.
+
+def full_state_dict(model: FSDP) -> dict[str, torch.Tensor] | None:
+    """The unsharded fp32 state dict, keyed like GPT.state_dict() (tied weight under both names), on group rank 0;
+    None elsewhere. Every rank must call it: one all-gather per unit, over its group."""
+    layout, out = model.layout, {}
+    for unit in layout.units:
+        full = torch.empty(unit.padded, dtype=torch.float32, device=unit.shard.device)
+        comm.all_gather_into_tensor(full, unit.shard, unit.group)
+        if layout.rank == 0:
+            for spec in unit.specs:
+                value = full[spec.offset:spec.offset + spec.numel].view(spec.shape).clone()
+                out.update((name, value) for name in spec.names)
+    return {name: out[name] for name in layout.names} if layout.rank == 0 else None
+
+
+def load_sharded_state_dict(model: FSDP, sd: dict) -> None:
+    """Copy this rank's pieces (the layout `sharded_state_dict()` gives) into the shards."""
+    layout = model.layout
+    for unit in layout.units:
+        unit.reshard()
+        for spec in unit.specs:
+            a, b, start = layout.held(unit, spec)
+            piece = sd[spec.names[0]]
+            assert (piece.offset, piece.flat.numel()) == (a, b - a), spec.names[0]
+            unit.shard[start:start + b - a].copy_(piece.flat)
+
+
+def load_full_state_dict_from_rank0(model: FSDP, sd: dict | None) -> None:
+    """Load group rank 0's unsharded state dict (the others pass None): each unit's flat buffer broadcast."""
+    layout = model.layout
+    for unit in layout.units:
+        unit.reshard()
+        full = torch.zeros(unit.padded, dtype=torch.float32, device=unit.shard.device)
+        if layout.rank == 0:
+            for spec in unit.specs:
+                full[spec.offset:spec.offset + spec.numel].copy_(sd[spec.names[0]].reshape(-1))
+        src = dist.get_global_rank(layout.group, 0) if layout.group is not None and layout.world > 1 else 0
+        comm.broadcast(full, src, layout.group)
+        S = unit.shard.numel()
+        unit.shard.copy_(full[layout.rank * S:(layout.rank + 1) * S])
 
 
 def _data(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +123,7 @@ def _run_ours(rank: int, clip: bool, **kw) -> tuple:
     model = FSDP(_eager_gpt(), **kw)
     opt = torch.optim.AdamW(model.param_groups(WD), lr=LR)
     losses, norms = _train(model, opt, model.clip_grad_norm_ if clip else None, rank)
-    return losses, norms, model.full_state_dict(), model, opt
+    return losses, norms, full_state_dict(model), model, opt
 
 
 @functools.cache
@@ -260,7 +306,7 @@ class TestFSDPParity(unittest.TestCase):
         with torch.device("meta"):
             meta_gpt = GPT(CFG)
         deferred = FSDP(meta_gpt, deferred_init_seed=0, device="cpu")
-        deferred_sd = deferred.full_state_dict()
+        deferred_sd = full_state_dict(deferred)
         opt = torch.optim.AdamW(deferred.param_groups(WD), lr=LR)
         out = {"rank": rank, "losses": (_train(deferred, opt, deferred.clip_grad_norm_, rank)[0],
                                         _run_ours(rank, clip=True)[0])}
@@ -429,7 +475,7 @@ class TestFSDPMechanics(unittest.TestCase):
         """Full and sharded state dicts at init against the eager model; a trained state loaded into a fresh
         FSDP from every rank's pieces and from rank 0's full state dict only."""
         model = FSDP(_eager_gpt())
-        full = model.full_state_dict()
+        full = full_state_dict(model)
         ref_sd = _eager_gpt().state_dict()
         pieces = model.sharded_state_dict()
         out = {"rank": rank,
@@ -441,13 +487,13 @@ class TestFSDPMechanics(unittest.TestCase):
         if rank == 0:
             out["full_sd_equal"] = list(full) == list(ref_sd) and all(torch.equal(full[k], ref_sd[k]) for k in ref_sd)
         model, _ = _stepped(rank)
-        trained = model.full_state_dict()
+        trained = full_state_dict(model)
         fresh = FSDP(GPT(CFG))
-        fresh.load_full_state_dict(trained if rank == 0 else None, from_rank0=True)
-        again = fresh.full_state_dict()
+        load_full_state_dict_from_rank0(fresh, trained if rank == 0 else None)
+        again = full_state_dict(fresh)
         fresh2 = FSDP(GPT(CFG))
-        fresh2.load_sharded_state_dict(model.sharded_state_dict())
-        again2 = fresh2.full_state_dict()
+        load_sharded_state_dict(fresh2, model.sharded_state_dict())
+        again2 = full_state_dict(fresh2)
         if rank == 0:
             out["roundtrip"] = all(torch.equal(again[k], trained[k]) and torch.equal(again2[k], trained[k])
                                    for k in trained)
@@ -519,7 +565,7 @@ class TestFSDPMechanics(unittest.TestCase):
         flight recorder kept of that micro-step (op, call site), decoded as `python -m debug hang` reads them."""
         model = FSDP(_eager_gpt())
         comm.COUNTER.reset()
-        start = comm.RECORDER.count
+        start = flight_recorder.install(None, rank, world_size).count  # a fresh in-memory ring
         _micro_step(model, rank)
         ring = [(o["op"], o["site"]) for o in comm.RECORDER.read()["ops"] if o["n"] >= start]
         return {"comm": comm.COUNTER.snapshot(), "comm_expected": engine_comm_bytes_per_micro_step(model),

@@ -23,8 +23,8 @@ import torch
 import metrics
 import train
 from config import parse_args, validate
+from device import pick_device
 from parallel.grads import AgreeingGradScaler
-from parallel.device import pick_device
 from tests.harness import make_token_bins
 
 U_BF16 = 2.0 ** -8
@@ -151,7 +151,7 @@ class OnCpu(DeviceSteps, unittest.TestCase):
 @pytest.mark.gpu
 @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
 class OnAccelerator(DeviceSteps, unittest.TestCase):
-    device = pick_device("auto")  # the accelerator when there is one (parallel/device.py), else the CPU
+    device = pick_device("auto")  # the accelerator when there is one (device.py), else the CPU
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ class TestDevicePlacement(unittest.TestCase):
         """train.build asks for torch's fused AdamW on every device torch 2.13 fuses on, the CPU included (the
         meta device above is not one); the DTensor twins too (the sweep holds their losses to one process)."""
         import train
-        from parallel.device import fused_optimizer
+        from device import fused_optimizer
         self.assertEqual([fused_optimizer(torch.device(d)) for d in ("cpu", "cuda", "meta")], [True, True, False])
         from torch.distributed.tensor import DTensor
         fake = mock.MagicMock(spec=DTensor)  # only its type is read (isinstance)

@@ -1,4 +1,4 @@
-"""The flight recorder (parallel/flight_recorder.py) and the hang doctor (`python -m debug hang`, debug/hang.py).
+"""The flight recorder (debug/flight_recorder.py) and the hang doctor (`python -m debug hang`, debug/hang.py).
 
 Fast: the ring (records, completion, wrap-around at K, the file a killed rank leaves) and the analysis on
 synthetic dumps, one per kind of finding, plus bad input (exit 2, one line).
@@ -18,7 +18,7 @@ import unittest
 import pytest
 
 from debug import hang
-from parallel.flight_recorder import FlightRecorder, decode
+from debug.flight_recorder import FlightRecorder, decode
 
 
 class FakeRecorder(FlightRecorder):

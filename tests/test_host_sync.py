@@ -10,7 +10,7 @@ every rank (debug/host_sync.py: a dispatch-level recorder of the aten ops that s
 lazy state, compile) may read the host.
 
 Not seen here: a move of an existing host tensor to the device (on the CPU it dispatches nothing):
-Parallelized.forward_backward moves a step's batches once, through parallel.device.to_device (pinned,
+Parallelized.forward_backward moves a step's batches once, through device.to_device (pinned,
 non-blocking on CUDA); scripts/gpu_check.sh runs the steps under torch.cuda.set_sync_debug_mode("error"),
 where the same recorder also sees real host <-> device copies. `TheRecorder` holds the recorder itself to
 what it must see (fast, no ranks).

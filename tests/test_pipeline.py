@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from debug import flight_recorder
 from model import GPT, make_config
 from parallel import comm
 from parallel.pipeline import PipelineRunner, PipelineStage
@@ -98,7 +99,7 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
 
     hooks = [w.register_hook(record) for w in tied]
     comm.COUNTER.reset()
-    comm.RECORDER.open(None, rank, world)  # a fresh in-memory ring: this step's ops only
+    flight_recorder.install(None, rank, world)  # a fresh in-memory ring: this step's ops only
     with receives_waited(runner) as waited:
         loss = runner.step(batches, name)
     p2p = comm.COUNTER.snapshot().get("p2p", 0)
@@ -335,13 +336,13 @@ class PipelineMatchesOneProcess(unittest.TestCase):
 
 
 class RecordedCompletion(unittest.TestCase):
-    """flight_recorder.Recorded marks its record completed on wait() and on an is_completed() that says True
+    """debug/flight_recorder.Recorded marks its record completed on wait() and on an is_completed() that says True
     (and only then): the hang doctor reads posted-not-completed records as the op a rank is stuck in."""
 
     def test_wait_and_a_true_is_completed_mark_the_record(self):
         from unittest import mock
 
-        from parallel.flight_recorder import Recorded
+        from debug.flight_recorder import FlightRecorder, Recorded
 
         class Work:
             def __init__(self, finished: bool):
@@ -353,12 +354,13 @@ class RecordedCompletion(unittest.TestCase):
             def is_completed(self) -> bool:
                 return self.finished
 
-        with mock.patch.object(comm.RECORDER, "done") as done:
-            self.assertFalse(Recorded(Work(False), 7).is_completed())
+        rec = FlightRecorder()
+        with mock.patch.object(rec, "done") as done:
+            self.assertFalse(Recorded(Work(False), 7, rec).is_completed())
             done.assert_not_called()
-            self.assertTrue(Recorded(Work(True), 7).is_completed())
+            self.assertTrue(Recorded(Work(True), 7, rec).is_completed())
             done.assert_called_once_with(7)
-            Recorded(Work(False), 8).wait()
+            Recorded(Work(False), 8, rec).wait()
             done.assert_called_with(8)
 
 
@@ -574,15 +576,15 @@ class ActivationDtypeIsWhatTheChunksProduce(unittest.TestCase):
 
 class TimerIsChosenWithTheDevice(unittest.TestCase):
     """pp_idle_fraction and the timeline time the work: device events where the device queues it (CUDA: a
-    wait() returns at once there), the host clock on the CPU (parallel.device.make_timer, the one place)."""
+    wait() returns at once there), the host clock on the CPU (device.make_timer, the one place)."""
 
     def test_choice(self):
-        from parallel.device import DeviceTimer, HostTimer, make_timer
+        from device import DeviceTimer, HostTimer, make_timer
         self.assertIsInstance(make_timer(torch.device("cpu")), HostTimer)
         self.assertIsInstance(make_timer(torch.device("cuda", 0)), DeviceTimer)  # built without touching CUDA
 
     def test_device_marks_become_host_seconds_from_the_first(self):
-        from parallel.device import DeviceTimer
+        from device import DeviceTimer
 
         class Event:  # torch.cuda.Event's elapsed_time is in milliseconds
             def __init__(self, ms):

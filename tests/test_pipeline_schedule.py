@@ -26,10 +26,10 @@ from fractions import Fraction
 import pytest
 
 from parallel.groups import link_groups, p2p_link
-from parallel.pipeline_grid import grid
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, V_SCHEDULES, W,
                                         Action, ScheduleError, boundary, chunk_of, dualpipev, gpipe,
                                         interleaved_one_f_one_b, one_f_one_b, rank_of, even_partition, zb_h1, zbv)
+from plan.schedule_grid import grid
 from plan.simulate import P2P_MODELS, paired, simulate
 from plan.theory import bubble_fraction
 
@@ -348,7 +348,7 @@ def slower(p: int, v: int, v_shape: bool, rank: int, t: int) -> list[int]:
 class TestEagerNccl(unittest.TestCase):
     """NCCL's p2p order on an eagerly initialised group (simulate(p2p="nccl_eager"): one FIFO per rank across
     both its neighbours, torch's ProcessGroupNCCL::pointToPoint reusing the group's communicator and stream),
-    which is what every group is here on CUDA (parallel/device.py passes device_id). The fix, link groups
+    which is what every group is here on CUDA (device.py passes device_id). The fix, link groups
     (parallel.groups.p2p_link; PipelineRunner posts each message on its boundary's), is modelled by links=True."""
 
     def check(self, every_m: bool) -> int:
@@ -576,13 +576,13 @@ Step 13: 0B2      1F3
 Step 14: 0RECV_B3 1B3
 Step 15: 0B3      1SEND_B3
 """
-COMMAND = [sys.executable, "-m", "parallel.pipeline_schedule"]
+COMMAND = [sys.executable, "-m", "plan.schedule_grid"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class TestGrid(unittest.TestCase):
-    """`python -m parallel.pipeline_schedule SCHEDULE --pp P --micro M [--virtual V]`: each rank's list as a grid
-    (parallel/pipeline_grid.py), as torch's _format_pipeline_order prints one."""
+    """`python -m plan.schedule_grid SCHEDULE --pp P --micro M [--virtual V]`: each rank's list as a grid
+    (plan/schedule_grid.py), as torch's _format_pipeline_order prints one."""
 
     def test_1f1b_p2_m4_is_the_hand_derived_grid(self):
         self.assertEqual(grid(one_f_one_b(2, 4)), GRID_1F1B_P2_M4)
@@ -610,7 +610,7 @@ class TestGrid(unittest.TestCase):
                 run = subprocess.run(COMMAND + args, capture_output=True, text=True, cwd=ROOT, timeout=60)
                 self.assertEqual((run.returncode, run.stdout), (2, ""))
                 self.assertEqual(len(run.stderr.splitlines()), 1, run.stderr)
-                self.assertTrue(run.stderr.startswith("python -m parallel.pipeline_schedule: error: "), run.stderr)
+                self.assertTrue(run.stderr.startswith("python -m plan.schedule_grid: error: "), run.stderr)
 
 
 class TestPairings(unittest.TestCase):

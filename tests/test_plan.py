@@ -643,7 +643,7 @@ def test_ddp_calls_close_a_bucket_where_the_reduce_group_changes():
     with each parameter's group counts build_buckets' buckets of each group, at every cap."""
     from model import GPT
     from parallel.ddp import build_buckets
-    from parallel.state import mark_replicas
+    from parallel.marks import mark_replicas
     from plan.counts import is_expert, local_params
     from plan.theory import ddp_comm_calls_per_step
     s = moe_setup(4, 2)

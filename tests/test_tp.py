@@ -27,7 +27,7 @@ from parallel import comm
 from parallel.grads import clip_grad_norm_, grad_groups, norm_items
 from parallel.tensor_parallel import (TP_PLAN, apply_tensor_parallel, check_tp_divisibility, plan_style,
                                       vocab_parallel_cross_entropy)
-from parallel.state import shard_dim
+from parallel.marks import shard_dim
 from parallel.tp_comm import all_gather_along
 from parallel.twins.tensor_parallel import pytorch_tp_plan
 from plan.theory import tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from blocks import AC_COUNTER, apply_activation_checkpointing
 from model import GPT, make_config
-from parallel.blocks import AC_COUNTER, apply_activation_checkpointing
 from parallel.fsdp import FullyShardedDataParallel
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
 from parallel.protocol import Placement, Sharded

@@ -10,11 +10,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from parallel.blocks import blocks_by_index
+from blocks import blocks_by_index
 from parallel.comm import local
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineStage
-from parallel.protocol import Accumulating, Placement, Replicated
+from parallel.protocol import Accumulating, Buffers, Params, Placement, Replicated
 
 
 class TorchFSDP2(Replicated):
@@ -22,12 +22,12 @@ class TorchFSDP2(Replicated):
     FSDP2 leaves the root unsharded after a no_grad forward (an eval), while the optimizer holds the sharded
     parameters: reshard before listing checkpoint entries."""
 
-    def checkpoint_entries(self, optimizer: torch.optim.Optimizer):
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer):
         from torch.distributed.fsdp import FSDPModule
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-        return super().checkpoint_entries(optimizer)
+        return super().checkpoint_parts(optimizer)
 
 
 class TorchZeRO1(Replicated):
@@ -52,13 +52,12 @@ class TorchZeRO1(Replicated):
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer.optim  # the local AdamW: its step count, hyperparameters and this rank's moments
 
-    def _entries(self, optimizer: torch.optim.Optimizer):
+    def checkpoint_parts(self, optimizer: torch.optim.Optimizer):
         """Each parameter's owner writes it with its moments (the replicas' values are equal)."""
-        from parallel.state import buffer_entries, entries_for
         owner, a = optimizer._param_to_rank, self.at
-        return (entries_for(list(self.model.named_parameters()), optimizer.optim, 0, self.sharded_as, a.tp_rank,
-                            owns=lambda p: owner[p] == a.replica_rank)
-                + buffer_entries(self.model, a.replica_rank, a.tp_rank))
+        return [Params(list(self.model.named_parameters()), optimizer.optim, 0, self.sharded_as, a.tp_rank,
+                       owns=lambda p: owner[p] == a.replica_rank),
+                Buffers(self.model, a.replica_rank, a.tp_rank)]
 
 
 def apply_fsdp(model, mesh: Mesh, cfg, device: torch.device) -> nn.Module:

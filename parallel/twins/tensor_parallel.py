@@ -6,8 +6,8 @@ import contextlib
 
 import torch
 
+from blocks import blocks_by_index
 from model import GPT
-from parallel.blocks import blocks_by_index
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineStage
 from parallel.protocol import Cut

@@ -1,5 +1,10 @@
 """The flight recorder: every op that goes through parallel/comm.py, the last K of them per rank.
 
+The runtime records through one seam, `parallel.comm.RECORDER` (a `comm.Recorder`, which records nothing), and
+imports nothing of this module: `install` puts a `FlightRecorder` there (train.py, at the start of a run; a
+simulated rank; the tests that read a ring). It answers the seam's calls: `post` an op, mark it completed
+(`done`, or through `issued`), and the `step` and micro-batch context the loops set.
+
 Each record: the op, its group (name and global ranks), a sequence number (per group for collectives, per
 (group, op, peer) for p2p: the k-th send from a to b meets the k-th receive on b from a), shape, dtype, bytes,
 the peer (a global rank, p2p only), the training step and micro-batch (set by train.py, the pipeline and the
@@ -7,8 +12,8 @@ micro-batch loop), the call site (the module and function that called comm, one 
 and its state (posted; completed once the op returned, or its work's wait() did).
 
 Records are fixed-size slots of one bytes buffer, a ring of K (env GPT_FLIGHT_RECORDER_SIZE, default 2000;
-0 switches it off). `open(path, ...)` (train.py, at the start of a run) puts that buffer in a memory-mapped
-file, <out_dir>/flight_recorder/rank_N.bin: the kernel keeps what was written even when the rank is then
+0 switches it off). `open(path, ...)` puts that buffer in a memory-mapped file,
+<out_dir>/flight_recorder/rank_N.bin: the kernel keeps what was written even when the rank is then
 SIGKILLed, aborted by a backend (gloo aborts on a size mismatch) or SIGSTOPped, so `python -m debug hang`
 reads those ranks' last ops too (`decode`; this module imports torch only to resolve groups). Strings
 (groups, sites, dtypes) are interned into a table behind the ring, once each. Nothing is communicated; the
@@ -48,7 +53,7 @@ class FlightRecorder:
     `done` are the per-op cost: a dict lookup or two and one struct.pack_into."""
 
     def __init__(self, capacity: int | None = None):
-        self.step, self.micro = 0, -1  # context: set by train.py's loop and the micro-batch loops
+        self.step, self.micro = 0, -1  # context: set by train.py's loop and the micro-batch loops (comm.Recorder)
         self._file = None
         self._reset(size_from_env() if capacity is None else capacity, bytearray, rank=0, world=1)
 
@@ -165,7 +170,7 @@ class FlightRecorder:
         """The handle for the caller of op `n` (`post`'s), once torch returned `work`: an async op's work wrapped
         (`Recorded`: its wait() marks the op completed), a blocking op's as it is, the op marked completed now."""
         if async_op:
-            return Recorded(work, n) if n >= 0 else work
+            return Recorded(work, n, self) if n >= 0 else work
         self.done(n)
         return work
 
@@ -225,24 +230,31 @@ def decode(buf: bytes, reason: str = "") -> dict:
 
 class Recorded:
     """An async op's work handle whose wait() (or a True is_completed()) also marks its record completed."""
-    __slots__ = ("work", "n")
+    __slots__ = ("work", "n", "recorder")
 
-    def __init__(self, work, n: int):
-        self.work, self.n = work, n
+    def __init__(self, work, n: int, recorder: FlightRecorder):
+        self.work, self.n, self.recorder = work, n, recorder
 
     def wait(self, *args) -> bool:
         out = self.work.wait(*args)
-        RECORDER.done(self.n)
+        self.recorder.done(self.n)
         return out
 
     def is_completed(self) -> bool:
         done = self.work.is_completed()
         if done:
-            RECORDER.done(self.n)
+            self.recorder.done(self.n)
         return done
 
     def __getattr__(self, name: str):
         return getattr(self.work, name)
 
 
-RECORDER = FlightRecorder()  # one per process, as comm.COUNTER
+def install(path: str | None, rank: int, world: int) -> FlightRecorder:
+    """Record this process's comm ops from here on: a fresh ring (`open`: in the file `path`, or in memory when
+    None) as parallel.comm.RECORDER, one per process (the one already there, if it is a FlightRecorder)."""
+    from parallel import comm  # here, not at the top: reading a ring needs no torch
+    rec = comm.RECORDER if isinstance(comm.RECORDER, FlightRecorder) else FlightRecorder()
+    rec.open(path, rank, world)
+    comm.RECORDER = rec
+    return rec

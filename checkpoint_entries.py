@@ -1,4 +1,5 @@
-"""A layout-independent view of this rank's training state, for checkpoints and resharding.
+"""A layout-independent view of this rank's training state, for checkpoints and resharding (checkpoint.py writes
+and loads it; `entries` builds it from what the data-parallel wrapper answers, parallel/protocol.py's parts).
 
 Whatever the layout, every element this rank stores of an original GPT parameter (and of its AdamW
 moments) is described by an `Entry`: the parameter's name and full shape, where those elements sit in
@@ -21,15 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from parallel.comm import local
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
+from parallel.marks import MOMENTS, ShardMark, data_replica, shard_dim, shards_of
+from parallel.protocol import Buffers, FlatShards, Params
 
 Axis = range | torch.Tensor  # positions along one dim of the full tensor, in local order
 
@@ -125,40 +125,6 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-class ShardMark(NamedTuple):
-    """One split a dimension made of a parameter: this rank holds the `rank`-th of `size` equal slices along
-    `dim`, and the others are held by the ranks of `group` (`over`: the mesh dim's name, "tp" or "ep")."""
-    dim: int
-    rank: int
-    size: int
-    group: object
-    over: str
-
-
-def mark_shard(p: torch.Tensor, dim: int, rank: int, size: int, group, over: str) -> None:
-    """Record on `p` (this rank's slice) where it sits in the full parameter: what a dimension that splits a
-    parameter does, so that checkpoints (`Entry` positions), the global norm (the groups its squares sum over)
-    and the sharding engine see it without knowing the dimension."""
-    p._shards = shards_of(p) + (ShardMark(dim, rank, size, group, over),)
-
-
-def mark_replicas(p: torch.Tensor, group, rank: int) -> None:
-    """Record on `p` that its copies are on the ranks of `group` (this rank the `rank`-th), not on all of the
-    data-parallel wrapper's: its gradient is reduced over `group` and copy 0 writes it to checkpoints (an
-    expert's copies, under expert parallelism)."""
-    p._replica_group, p._replica = group, rank
-
-
-def shards_of(p: torch.Tensor) -> tuple[ShardMark, ...]:
-    """The splits `mark_shard` recorded on p (none for a whole parameter)."""
-    return getattr(p, "_shards", ())
-
-
-def shard_dim(p: torch.Tensor, over: str) -> int | None:
-    """The dim `over` (a mesh dim's name) split p along, or None."""
-    return next((m.dim for m in shards_of(p) if m.over == over), None)
-
-
 def full_shape(p: torch.Tensor, marks: tuple[ShardMark, ...] | None = None) -> tuple[int, ...]:
     """The unsharded shape: a DTensor knows it; our layers' slices are 1/size along each marked dim."""
     shape = list(p.shape)
@@ -214,12 +180,6 @@ def _compact(positions: torch.Tensor) -> Axis:
     return positions
 
 
-def data_replica(p: torch.Tensor, replica_rank: int) -> int:
-    """p's index among its data-parallel copies: `replica_rank` (the wrapper's), unless a dimension keeps p on
-    fewer ranks (EP: an expert is copied over the expert-data-parallel group, `p._replica`)."""
-    return getattr(p, "_replica", replica_rank)
-
-
 def _is_writer(p: torch.Tensor, replica_rank: int, plain_replica_rank: int) -> bool:
     """One writer per element: replica 0 of the data-parallel copies, and coordinate 0 on every mesh
     dim a DTensor is replicated over; a plain tensor is written by replica 0 of those holding it."""
@@ -238,17 +198,10 @@ def _is_writer(p: torch.Tensor, replica_rank: int, plain_replica_rank: int) -> b
 def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
                 replica_rank: int = 0, sharded_as: dict[str, DTensor] | None = None,
                 plain_replica_rank: int = 0, owns=None) -> list[Entry]:
-    """Entries for parameters that are whole tensors or DTensors (one process, DDP, FSDP2, DTensor TP).
-
-    `replica_rank` is this rank's index among identical replicas (the dp rank under DDP, else 0);
-    `plain_replica_rank` is its index among the ranks that hold plain (non-DTensor) parameters whole
-    (the tp rank under tensor parallelism, where such parameters are replicated). Our own layers' slices
-    (`mark_shard`: TP's, EP's) sit where their marks say.
-    `sharded_as` maps names of plain local tensors that are really DTensor shards (TP under torch
-    DDP) to a DTensor with the right placements.
-    `owns(p)` (torch's ZeRO-1, ZeroRedundancyOptimizer): `optimizer` (its local AdamW) holds the moments of
-    the parameters this rank owns; the owner writes such a parameter with its moments (the replicas' values
-    are equal), and a rank that does not own it loads its moments into a scratch buffer."""
+    """Entries for parameters that are whole tensors or DTensors, or our layers' marked slices (`mark_shard`: TP's,
+    EP's), sitting where their marks say (the arguments: parallel/protocol.Params). Under torch's ZeRO-1 (`owns`)
+    the owner writes a parameter with its moments, and a rank that does not own it loads its moments into a
+    scratch buffer."""
     ensure_optimizer_state(optimizer)
     out = []
     for name, p in named_params:
@@ -268,8 +221,8 @@ def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.o
 
 
 def buffer_entries(module: nn.Module, replica_rank: int = 0, plain_replica_rank: int = 0) -> list[Entry]:
-    """Entries for the persistent buffers that are training state (the MoE expert bias): whole on every rank
-    of the stage that holds them, written by replica 0 and tp rank 0, loaded by every rank. No moments."""
+    """Entries for the persistent buffers that are training state (parallel/protocol.Buffers), loaded by every
+    rank. No moments."""
     out = []
     for name, b in module.named_buffers():
         short = name.rpartition(".")[2]
@@ -302,4 +255,18 @@ def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_rank: int, repli
         tensors = {"param": piece.flat.view(-1), **{k: moments[name][k].flat.view(-1) for k in MOMENTS}}
         out.append(Entry(name, shape, tuple(axes), (piece.offset, piece.offset + n), tensors,
                          n > 0 and fsdp.replica_of(name, replica_rank) == 0 and (tp_split or tp_rank == 0)))
+    return out
+
+
+BUILD = {Params: entries_for, Buffers: buffer_entries, FlatShards: entries_for_fsdp}
+
+
+def entries(par, optimizer: torch.optim.Optimizer) -> list[Entry]:
+    """This rank's entries: those of each part its data-parallel wrapper answers (`par.checkpoint_parts`:
+    Parallelized's, or a protocol's), with the last stage's copy of the tied matrix (lm_head.weight) loaded as
+    transformer.wte.weight, never written."""
+    out = [e for part in par.checkpoint_parts(optimizer) for e in BUILD[type(part)](*part)]
+    for e in out:
+        if e.name == "lm_head.weight":
+            e.name, e.write = "transformer.wte.weight", False
     return out

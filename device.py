@@ -1,6 +1,7 @@
 """The one place that picks the device and the backend, and what differs by device: a host-to-device copy that
 does not block, whether the fused optimizer runs there, a wait for the work enqueued so far, and a clock for
-the device's work. Everything else asks here (cuda -> nccl, cpu -> gloo) and never names a device itself.
+the device's work. Everything else asks here (cuda -> nccl, cpu -> gloo) and never names a device itself: the
+runtime (parallel/, which imports this leaf as it imports model.py) and the one-process programs (sample.py, evals).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Per-Block transforms that parallelize applies after TP and before FSDP/DDP (torchtitan's order): activation
-checkpointing, then torch.compile.
+"""Per-Block transforms, no parallelism in them, that parallelize (parallel/parallelize.py) applies after TP and
+before FSDP/DDP (torchtitan's order): activation checkpointing, then torch.compile.
 
 Both replace a Block's `forward` (an instance attribute), never the Block module itself. So the hooks our FSDP
 and DDP put on the Block (gather before forward, re-gather before backward, gradient hooks on the parameters)

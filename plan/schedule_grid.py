@@ -1,5 +1,5 @@
-"""A schedule printed: `python -m parallel.pipeline_schedule SCHEDULE --pp P --micro M [--virtual V]` prints each
-rank's action list (parallel/pipeline_schedule.py) as a grid, the way torch.distributed.pipelining's
+"""A schedule printed: `python -m plan.schedule_grid SCHEDULE --pp P --micro M [--virtual V]` prints each rank's
+action list (parallel/pipeline_schedule.py) as a grid, the way torch.distributed.pipelining's
 _format_pipeline_order prints its schedules. For example `1f1b --pp 2 --micro 4`:
 
              Rank 0   Rank 1
@@ -9,11 +9,13 @@ _format_pipeline_order prints its schedules. For example `1f1b --pp 2 --micro 4`
     Step 03: 0SEND_F1 1B0
     ...
 
-It imports nothing of the pipeline: `grid` reads each action's chunk, kind and micro."""
+`grid` reads each action's chunk, kind and micro; `main` builds the schedule."""
 from __future__ import annotations
 
 import argparse
 import sys
+
+from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES
 
 
 def grid(schedule: list[list]) -> str:
@@ -36,3 +38,24 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m plan.schedule_grid SCHEDULE --pp P --micro M [--virtual V]`: each rank's list as a grid; bad
+    input: one line, exit 2."""
+    p = Parser(prog="python -m plan.schedule_grid", description="Each rank's action list, as a grid.")
+    p.add_argument("schedule", choices=list(ALL_SCHEDULES))
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks P")
+    p.add_argument("--micro", type=int, required=True, help="micro-batches M per step")
+    p.add_argument("--virtual", type=int, help="chunks per rank V (default: 2 for the V schedules, else 1)")
+    a = p.parse_args(argv)
+    virtual = a.virtual if a.virtual is not None else 2 if a.schedule in V_SCHEDULES else 1
+    try:
+        schedule = ALL_SCHEDULES[a.schedule](a.pp, a.micro, virtual)
+    except ValueError as e:
+        p.error(str(e))
+    sys.stdout.write(grid(schedule))
+
+
+if __name__ == "__main__":
+    main()
