@@ -19,6 +19,7 @@ import checkpoint
 import config_file
 from data.batches import BatchSource, DataError, prepare_hint, resolve_dataset_dir
 from model import GPT, PRESETS, GPTConfig, make_config
+from optim import flags as optim_flags
 from launch import env_world
 from parallel.device import pick_device
 from parallel.mesh import ParallelDims, WorldSizeError
@@ -135,6 +136,7 @@ def train_parser() -> Parser:
     a("--lr", type=float, default=6e-4, help="peak; linear warmup then cosine to 10%%")
     a("--warmup_steps", type=int, default=10)
     a("--weight_decay", type=float, default=0.1)
+    optim_flags.add_flags(a)  # --optimizer and Muon's (optim/flags.py)
     a("--seed", type=int, default=1337)
     a("--eval_interval", type=int, default=25)
     a("--eval_iters", type=int, default=20)
@@ -566,6 +568,10 @@ def check_layout(args: argparse.Namespace, world_size: int, device: torch.device
     pp_layers = _check_pipeline(args, dims, config, args.total_batch_size // tokens_per_micro)
     _check_context(args, dims, config, device)
     _check_experts(args, dims, config)
+    try:
+        optim_flags.check(args, dims, config.moe_num_experts > 0, dtype)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return dims, config, dtype, hf_state, args.total_batch_size // tokens_per_micro, pp_layers
 
 
