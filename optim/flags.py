@@ -66,9 +66,3 @@ def check(args: argparse.Namespace, dims, moe: bool, dtype: torch.dtype) -> None
         if refused:
             raise ValueError(f"--implementation pytorch --optimizer muon: torch.optim.Muon needs each matrix whole and "
                              f"2-D on every rank, which {refused[0]} does not give; use --implementation custom")
-        return
-    missing = [what for what, on in (("--tensor_parallel_size", dims.tp > 1), ("--expert_parallel_size", dims.ep > 1),
-                                     ("--moe_num_experts", moe and dims.dp * dims.cp > 1))
-               if on]
-    if missing:
-        raise ValueError(f"--optimizer muon under {missing[0]} is not built yet (issue #46 item 3): run it without")

@@ -75,7 +75,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str, shape: tuple[int, ...]) -> float:
 class Piece(NamedTuple):
     """One matrix's update as this rank holds it: `key` names the matrix on every layout (the parameter's
     original name, and the expert's global index for an expert), `shape` is the whole matrix's, `update` this
-    rank's elements of it (the whole matrix on one process)."""
+    rank's elements of it (the whole matrix on one process; optim/distributed_muon.Hold says which)."""
     key: str
     shape: tuple[int, int]
     update: torch.Tensor
@@ -110,21 +110,21 @@ def orthogonalize_locally(pieces: list[Piece], ns_steps: int, ledger: Ledger) ->
 
 @dataclass
 class Slot:
-    """One Muon parameter as the optimizer steps it: `param` (a tensor this rank holds) and how to find its
-    gradient and its matrices. `matrices`: (key, whole shape, view of param's elements) per matrix, in order;
-    `grad()` the gradient of `param` (None: not this step)."""
+    """One Muon parameter as the optimizer steps it: `param` (a tensor this rank holds), `grad()` its gradient
+    (None: not this step), and its matrices: (key, whole shape, view of param's elements of it, hold) each, in
+    order; `hold` is optim/distributed_muon.Hold's fields, which elements of the whole matrix those are."""
     param: torch.Tensor
     grad: Callable[[], torch.Tensor | None]
-    matrices: list[tuple[str, tuple[int, int], Callable[[torch.Tensor], torch.Tensor]]]
+    matrices: list[tuple[str, tuple[int, int], Callable[[torch.Tensor], torch.Tensor], tuple]]
 
 
-def whole_slot(name: str, p: torch.Tensor, first_expert: int = 0) -> Slot:
-    """A parameter this rank holds whole: a 2-D matrix, or E experts' (E, in, out) (`first_expert`: the global
-    index of its expert 0, for the ledger's keys under expert parallelism)."""
+def whole_slot(name: str, p: torch.Tensor) -> Slot:
+    """A parameter this rank holds whole: a 2-D matrix, or E experts' (E, in, out)."""
     name = name.removeprefix("module.")
     if p.dim() == 2:
-        return Slot(p, lambda: p.grad, [(name, tuple(p.shape), lambda t: t)])
-    return Slot(p, lambda: p.grad, [(f"{name}[{first_expert + e}]", tuple(p.shape[1:]), lambda t, e=e: t[e])
+        return Slot(p, lambda: p.grad, [(name, tuple(p.shape), lambda t: t, (-1, 0, 1, 0, p.numel()))])
+    m = p.shape[1] * p.shape[2]
+    return Slot(p, lambda: p.grad, [(f"{name}[{e}]", tuple(p.shape[1:]), lambda t, e=e: t[e], (-1, 0, 1, 0, m))
                                     for e in range(p.shape[0])])
 
 
@@ -157,11 +157,11 @@ class Muon(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - mu)
             update = grad.lerp(buf, mu) if group["nesterov"] else buf
             stepped.append(slot)
-            pieces += [Piece(key, shape, view(update)) for key, shape, view in slot.matrices]
+            pieces += [Piece(key, shape, view(update)) for key, shape, view, _ in slot.matrices]
         results = iter(self.orthogonalize(pieces))
         for slot in stepped:
             slot.param.mul_(1 - lr * wd)
-            for key, shape, view in slot.matrices:
+            for key, shape, view, _ in slot.matrices:
                 view(slot.param).add_(next(results).view(view(slot.param).shape),
                                       alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
 
@@ -211,14 +211,13 @@ def split_named(named: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, 
 
 
 def one_process(named: list[tuple[str, torch.Tensor]], weight_decay: float, adamw: dict, muon: dict,
-                reference: bool = False, orthogonalize: Callable | None = None,
-                first_expert: Callable[[str], int] = lambda n: 0) -> MuonAdamW:
-    """Every parameter whole on this rank: ours (`orthogonalize`: a layout's, default the local one), or with
-    `reference` torch.optim.Muon (the twin; `muon`'s keys are torch's). AdamW: model.param_groups's groups."""
+                reference: bool = False) -> MuonAdamW:
+    """Every parameter whole on this rank: ours, or with `reference` torch.optim.Muon (the twin; `muon`'s keys are
+    torch's). AdamW: model.param_groups's groups."""
     mine, rest = split_named(named)
     opt_adamw = torch.optim.AdamW(adamw_groups(rest, weight_decay), **adamw)
     if reference:
         opt_muon = torch.optim.Muon([p for _, p in mine], **muon)
     else:
-        opt_muon = Muon([whole_slot(n, p, first_expert(n)) for n, p in mine], orthogonalize=orthogonalize, **muon)
+        opt_muon = Muon([whole_slot(n, p) for n, p in mine], **muon)
     return MuonAdamW(opt_muon, opt_adamw, muon["lr"])

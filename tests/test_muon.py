@@ -100,72 +100,118 @@ def args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
+def local_part(full: torch.Tensor, marks) -> torch.Tensor:
+    """This rank's slice of a whole tensor under `mark_shard` marks (TP's, EP's)."""
+    for m in marks:
+        full = full.chunk(m.size, m.dim)[m.rank]
+    return full
+
+
 def set_grads(par, full: dict[str, torch.Tensor]) -> None:
-    """Each rank's part of one process's gradients: whole (DDP), or its flat shard (our engine)."""
+    """Each rank's part of one process's gradients: its TP/EP slice, and under our engine its flat shard."""
+    from parallel.state import shards_of
     fsdp = par.fsdp
     if fsdp is None:
         for n, p in par.model.named_parameters():
-            p.grad = full[n.removeprefix("module.")].clone()
+            p.grad = local_part(full[_name(n)], shards_of(p)).clone()
         return
     for unit in fsdp.units:
         flat = torch.zeros(unit.padded)
         for spec in unit.specs:
-            flat[spec.offset:spec.offset + spec.numel] = full[spec.names[0]].reshape(-1)
+            g = local_part(full[_name(spec.names[0])], fsdp.shard_marks.get(spec.names[0], ()))
+            flat[spec.offset:spec.offset + spec.numel] = g.reshape(-1)
         S = unit.shard.numel()
         shard = flat[unit.rank * S:(unit.rank + 1) * S]
         for p, a, b in unit.pieces:
             p.grad = shard[a:b].clone()
 
 
-def layout_run(rank: int, world: int, dp_type: str) -> dict:
+def _name(n: str) -> str:
+    n = n.removeprefix("module.")
+    return "transformer.wte.weight" if n == "lm_head.weight" else n
+
+
+def differing(par, want: dict[str, torch.Tensor]) -> list[str]:
+    """Names of this rank's parameters (or flat pieces of them) whose bits differ from one process's."""
+    from parallel.state import shards_of
+    out = []
+    if par.fsdp is None:
+        for n, p in par.model.named_parameters():
+            if not torch.equal(p.detach(), local_part(want[_name(n)], shards_of(p))):
+                out.append(n)
+        return out
+    for n, piece in par.fsdp.sharded_state_dict().items():
+        ref = local_part(want[_name(n)], par.fsdp.shard_marks.get(_name(n), ())).reshape(-1)
+        if not torch.equal(piece.flat, ref[piece.offset:piece.offset + piece.flat.numel()]):
+            out.append(n)
+    return out
+
+
+def layout_run(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool) -> dict:
     from parallel.mesh import ParallelDims, init_distributed
     from parallel.parallelize import ParallelConfig, parallelize
-    mesh = init_distributed(ParallelDims(dp=world, tp=1, world_size=world), torch.device("cpu"))
-    ref = model()
+    cfg = MOE if moe else CFG
+    mesh = init_distributed(ParallelDims(**{"dp": 1, "tp": 1, **dims}, world_size=world), torch.device("cpu"))
+    ref = model(cfg)
     par = parallelize(copy.deepcopy(ref), mesh, ParallelConfig(dp_type=dp_type, implementation="custom"),
                       torch.device("cpu"))
     opt = make_optimizer(par, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
-    ledgers, cut = [], []
-    if par.fsdp is not None:
-        cut = [m.key for m in opt.muon.orthogonalize.matrices if sum(b > a for a, b in m.ranges) > 1]
+    ex = opt.muon.orthogonalize
+    cut = [m.key for m in getattr(ex, "matrices", []) if sum(h is not None for h in m.holds) > 1
+           and not any(m.whole_at(r) for r in range(len(m.holds)))]
+    ledgers = []
     for step in range(STEPS):
         set_grads(par, grads(ref, step))
         opt.step()
         opt.zero_grad()
         par.after_optimizer_step()
         ledgers.append(dict(opt.ledger.counts))
-    if par.fsdp is not None:
-        params = par.fsdp.full_state_dict()
-    else:
-        params = {n.removeprefix("module."): p.detach().clone() for n, p in par.model.named_parameters()}
-    return {"params": params, "ledgers": ledgers, "cut": cut, "load": opt.muon.orthogonalize.load}
+    want = one_process_run(cfg)
+    return {"differ": differing(par, want), "ledgers": ledgers, "cut": cut, "load": getattr(ex, "load", None),
+            "bytes": None}
 
 
-MUON_KEYS = sorted(n for n, _ in model().named_parameters() if is_muon(n))
+MUON_KEYS = {False: sorted(n for n, _ in model().named_parameters() if is_muon(n)),
+             True: sorted(f"{n}[{e}]" if p.dim() == 3 else n for n, p in model(MOE).named_parameters() if is_muon(n)
+                          for e in range(p.shape[0] if p.dim() == 3 else 1))}
+# name -> (ranks, dims, dp_type, MoE, whether some matrix is held in pieces by no rank whole)
+LAYOUTS = {
+    "ddp2": (2, {"dp": 2}, "ddp", False, False),
+    "zero1x2": (2, {"dp": 2}, "zero1", False, True),
+    "zero2x2": (2, {"dp": 2}, "zero2", False, True),
+    "fsdp2": (2, {"dp": 2}, "fsdp", False, True),
+    "fsdp3": (3, {"dp": 3}, "fsdp", False, True),
+    "tp2": (2, {"tp": 2}, None, False, True),
+    "pp2": (2, {"pp": 2}, None, False, False),
+    "hsdp2x2": (4, {"dp": 4, "dp_replicate": 2}, "fsdp", False, True),
+    "tp2_fsdp2": (4, {"dp": 2, "tp": 2}, "fsdp", False, True),
+    "pp2_tp2_ddp": (4, {"pp": 2, "tp": 2, "dp": 1}, None, False, True),
+    "ep2_ddp2": (2, {"dp": 2, "ep": 2}, "ddp", True, False),
+    "ep2_zero2": (2, {"dp": 2, "ep": 2}, "zero2", True, True),
+}
 
 
-@pytest.mark.parametrize("dp_type,world", [("ddp", 2), ("zero1", 2), ("zero2", 2), ("fsdp", 2), ("fsdp", 3)])
-def test_layout_updates_equal_one_process_and_each_matrix_is_done_once(dp_type, world):
-    ranks = run_distributed(layout_run, world, dp_type)
-    want = one_process_run()
-    got = ranks[0]["params"]
-    differ = [n for n in want if not torch.equal(got[n], want[n])]
-    assert not differ, f"{dp_type} x{world}: differ from one process in {differ}"
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_updates_equal_one_process_and_each_matrix_is_done_once(name):
+    world, dims, dp_type, moe, pieces = LAYOUTS[name]
+    ranks = run_distributed(layout_run, world, dims, dp_type, moe)
+    differ = {r: x["differ"] for r, x in enumerate(ranks) if x["differ"]}
+    assert not differ, f"{name}: differ from one process: {differ}"
     for step in range(STEPS):  # the ledger: summed over ranks, every matrix exactly once
         total = {}
         for r in ranks:
             for k, v in r["ledgers"][step].items():
                 total[k] = total.get(k, 0) + v
-        assert total == {k: 1 for k in MUON_KEYS}, f"step {step}: {total}"
-    assert all(sum(r["ledgers"][0].values()) > 0 for r in ranks), "an owner did nothing: owners unbalanced"
-    if dp_type != "ddp":
-        assert ranks[0]["cut"], "no matrix was cut by a shard boundary: the test would not see a gather"
+        assert total == {k: 1 for k in MUON_KEYS[moe]}, f"step {step}: {total}"
+    if pieces:
+        assert any(r["cut"] for r in ranks), "no matrix held only in pieces: the test would not see a gather"
 
 
 def test_owners_balanced_by_flops():
-    from optim.distributed_muon import Matrix, owners
+    from optim.distributed_muon import Hold, Matrix, owners
     from optim.muon import ns_flops
-    ms = [Matrix(f"m{i}", s, ((0, s[0] * s[1]),) * 4) for i, s in enumerate([(64, 256)] * 4 + [(64, 64)] * 8)]
+    ms = [Matrix(f"m{i}", s, (Hold(-1, 0, 1, 0, s[0] * s[1]),) * 4)
+          for i, s in enumerate([(64, 256)] * 4 + [(64, 64)] * 8)]
     own = owners(ms, 4, 5)
     load = [sum(ns_flops(m.shape, 5) for m in ms if own[m.key] == r) for r in range(4)]
     assert max(load) == min(load)
