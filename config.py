@@ -251,10 +251,11 @@ AT_LEAST_ONE = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel
                 "context_parallel_size", "expert_parallel_size", "moe_top_k", "moe_every",
                 "pp_virtual_stages", "ac_every", "micro_batch_size", "seq_len", "total_batch_size", "max_steps",
                 "eval_interval", "eval_iters", "keep_checkpoints", "n_layer", "n_head", "n_embd", "block_size",
-                "vocab_size", "trace_step")
+                "vocab_size", "trace_step", "muon_ns_steps")
 AT_LEAST_ZERO = ("warmup_steps", "checkpoint_interval", "profile", "moe_num_experts", "moe_ffn_hidden")
-POSITIVE_FLOATS = ("lr", "timeout", "bucket_cap_mb", "peak_flops")  # finite and > 0
-NON_NEGATIVE_FLOATS = ("weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate")  # finite and >= 0
+POSITIVE_FLOATS = ("lr", "timeout", "bucket_cap_mb", "peak_flops", "muon_lr")  # finite and > 0
+NON_NEGATIVE_FLOATS = ("weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate", "muon_weight_decay",
+                       "muon_momentum")  # finite and >= 0
 
 
 def _check_flags(args: argparse.Namespace) -> None:

@@ -2,22 +2,20 @@
 the ranks that hold its pieces. Momentum and the rest of the update stay elementwise on each rank's pieces
 (optim/muon.py); only Newton-Schulz (NS) needs the matrix whole.
 
-What each rank holds, per layout (the `ranges`: which elements of the row-major flattened matrix each rank of
-the group holds):
-- DDP (and CP, PP x DDP): every rank of the data-parallel group holds every matrix whole (ranges all whole);
-  the owner needs nothing sent to it, and sends its result to every other rank;
-- ZeRO-1/2/3 (our flat engine, parallel/flat_param.py): rank r of the unit's group holds the elements of each
-  matrix inside its flat shard [r S, (r + 1) S): a contiguous range, possibly empty, possibly the whole
-  matrix, and a matrix cut by a shard boundary is spread over neighbours in rank order. The owner gathers
-  every other rank's range (concatenated in rank order they are the whole matrix) and sends each its range of
-  the result back.
-- one process, or a pipeline stage without data parallelism: the rank holds its own matrices whole and
-  orthogonalises them itself (optim/muon.orthogonalize_locally).
+What each rank of a pipeline stage holds of each matrix is a `Hold` (optim/build.py reads it off the layout):
+- DDP, CP: every rank the whole matrix (the owner gathers nothing and sends its result to every other rank);
+- ZeRO-1/2/3 and HSDP (our flat engine): the elements in its flat shard, a range, possibly empty; a matrix cut
+  by a shard boundary is spread over neighbours (the owner gathers one copy of each piece);
+- TP: its row slice (column-parallel q, k, v, c_fc) or column slice (row-parallel c_proj), placed by index;
+- EP: its experts, each expert a matrix of its own (keyed by its global index);
+- PP: only its stage's matrices; the group is the stage's ranks.
+docs/muon.md has the table.
 
-What is sent, which way (`Exchange.__call__`, once per step over `group`): one all_to_all of bf16 pieces to
-their owners (NS casts to bf16 first, and a cast is elementwise, so the owner gets the bits one process
-orthogonalises), then one all_to_all of bf16 results back to the holders. Owners are chosen by `owners`:
-matrices in decreasing NS FLOPs, each to the least loaded rank (LPT), identically on every rank.
+What is sent, which way (`Exchange.__call__`, once per step over the stage's group): one all_to_all of bf16
+pieces to their owners (NS casts to bf16 first, and a cast is elementwise, so the owner gets the bits one process
+orthogonalises; skipped where every owner holds its matrices whole), then one all_to_all of bf16 results to
+every rank holding a piece. Owners are chosen by `owners`: matrices in decreasing NS FLOPs, each to the least
+loaded rank (LPT), identically on every rank.
 """
 from __future__ import annotations
 

@@ -47,11 +47,10 @@ def check(args: argparse.Namespace, dims, moe: bool, dtype: torch.dtype) -> None
         if given:
             raise ValueError(f"{given[0]} sets Muon, which this run does not use: add --optimizer muon or drop it")
         return
-    s = muon_settings(args)
-    if not (s["lr"] > 0 and 0 <= s["momentum"] < 1 and s["weight_decay"] >= 0 and 1 <= s["ns_steps"] < 100):
-        raise ValueError(f"--optimizer muon needs lr > 0, 0 <= momentum < 1, weight decay >= 0 and 1 <= ns_steps < 100, "
-                         f"got lr {s['lr']}, momentum {s['momentum']}, weight decay {s['weight_decay']}, "
-                         f"ns_steps {s['ns_steps']}")
+    s = muon_settings(args)  # ranges >= 0, > 0 and >= 1: config._check_flags, first
+    if s["momentum"] >= 1 or s["ns_steps"] >= 100:
+        raise ValueError(f"--muon_momentum must be < 1 and --muon_ns_steps < 100 (torch.optim.Muon's bound), got "
+                         f"{s['momentum']} and {s['ns_steps']}")
     if dtype == torch.float16:
         raise ValueError("--optimizer muon with --dtype float16 is not built yet (the GradScaler's unscale does not "
                          "reach the flat shards' Muon views): use bfloat16")

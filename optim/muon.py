@@ -39,8 +39,9 @@ def is_muon(name: str) -> bool:
     return MUON_WEIGHTS.search(name) is not None
 
 
-def zeropower_via_newtonschulz(g: torch.Tensor, ns_steps: int, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                               eps: float = EPS) -> torch.Tensor:
+def zeropower_via_newtonschulz(g: torch.Tensor, ns_steps: int,
+                               coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = EPS
+                               ) -> torch.Tensor:
     """k quintic Newton-Schulz steps towards the orthogonal factor of g (m, n), in bf16, the op order of
     torch.optim._muon._zeropower_via_newtonschulz (so that the bits agree): X = g / ||g||_F on the wide side,
     then X <- a X + (b A + c A^2) X with A = X X^T."""
@@ -134,9 +135,9 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, slots: list[Slot], lr: float, weight_decay: float, momentum: float, nesterov: bool,
                  ns_steps: int, adjust_lr_fn: str, orthogonalize: Callable | None = None):
-        super().__init__([{"params": [s.param for s in slots]}], dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                                        nesterov=nesterov, ns_steps=ns_steps,
-                                                        adjust_lr_fn=adjust_lr_fn))
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn)
+        super().__init__([{"params": [s.param for s in slots]}], defaults)
         self.slots, self.ledger = slots, Ledger()
         self.orthogonalize = orthogonalize or (lambda pieces: orthogonalize_locally(pieces, ns_steps, self.ledger))
 
@@ -221,3 +222,24 @@ def one_process(named: list[tuple[str, torch.Tensor]], weight_decay: float, adam
     else:
         opt_muon = Muon([whole_slot(n, p) for n, p in mine], **muon)
     return MuonAdamW(opt_muon, opt_adamw, muon["lr"])
+
+
+def rounding_rtol(shapes: list[tuple[int, int]], adjust_lr_fn: str, lrs: list[float], grad_norms: list[float],
+                  losses: list[float]) -> float:
+    """How far a layout's loss may sit from one process's, relatively, because Muon's Newton-Schulz runs in bf16
+    on gradients that a layout rounds differently (its fp32 sums in another order), to first order.
+
+    A gradient element within rounding of a bf16 boundary may round to the neighbouring bf16 value, and NS's
+    bf16 products then re-round: bound each element of the output O of matrix m by one bf16 spacing, 2u |O|
+    (u = 2^-8). NS's singular values lie in (0.5, 1.5) (torch.optim.Muon's docstring), so ||O||_F <= 1.5
+    sqrt(min(A, B)), and step s moves the weights by dW_s with ||dW_s|| <= 2u * 1.5 * lr_s * sqrt(sum_m adj_m^2
+    min_m) (adj_m: `adjusted_lr`'s ratio). The loss at step t then moves by <g_t, sum_{s<t} dW_s> <= ||g_t||
+    sum_{s<t} ||dW_s||. Returns the largest such bound over the steps, over the loss. `lrs`, `grad_norms`,
+    `losses`: one process's, per step."""
+    u = 2.0 ** -8
+    per_lr = 3 * u * math.sqrt(sum(adjusted_lr(1.0, adjust_lr_fn, s) ** 2 * min(s) for s in shapes))
+    worst, moved = 0.0, 0.0
+    for lr, g, loss in zip(lrs, grad_norms, losses):
+        worst = max(worst, g * moved / abs(loss))
+        moved += per_lr * lr
+    return worst

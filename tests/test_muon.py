@@ -208,10 +208,52 @@ def test_layout_updates_equal_one_process_and_each_matrix_is_done_once(name):
 
 
 def test_owners_balanced_by_flops():
+    """One (128, 128) matrix costs NS as much as eight (64, 64) ones: balanced by FLOPs, one rank takes it alone
+    (balanced by count, it would take four more)."""
     from optim.distributed_muon import Hold, Matrix, owners
     from optim.muon import ns_flops
-    ms = [Matrix(f"m{i}", s, (Hold(-1, 0, 1, 0, s[0] * s[1]),) * 4)
-          for i, s in enumerate([(64, 256)] * 4 + [(64, 64)] * 8)]
-    own = owners(ms, 4, 5)
-    load = [sum(ns_flops(m.shape, 5) for m in ms if own[m.key] == r) for r in range(4)]
-    assert max(load) == min(load)
+    ms = [Matrix(f"m{i}", s, (Hold(-1, 0, 1, 0, s[0] * s[1]),) * 2)
+          for i, s in enumerate([(128, 128)] + [(64, 64)] * 8)]
+    own = owners(ms, 2, 5)
+    load = [sum(ns_flops(m.shape, 5) for m in ms if own[m.key] == r) for r in range(2)]
+    assert load[0] == load[1] and [own[f"m{i}"] for i in range(9)].count(own["m0"]) == 1
+
+
+# ----------------------------------------------------------------------------- bad input
+
+class TestBadInput:
+    """One line `train.py: error: ...`, exit 2, nothing written, on every rank."""
+    BASE = ["--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "2", "--seq_len", "32",
+            "--total_batch_size", "128", "--max_steps", "2", "--no_checkpoint"]
+
+    @pytest.fixture(autouse=True)
+    def _data(self, tmp_path):
+        import unittest
+        from tests.harness import make_token_bins
+        self.tmp, self.t = tmp_path, unittest.TestCase()
+        self.data = make_token_bins(str(tmp_path / "data"), n_train=2000, n_val=500, vocab=512)
+
+    def refused(self, flags: list[str], words: str, nproc: int = 1) -> None:
+        from tests.harness import expect_train_error_in_process, expect_train_error_on_ranks
+        args = [*self.BASE, "--dataset", self.data, *flags]
+        if nproc == 1:
+            expect_train_error_in_process(self.t, args, words, str(self.tmp / "out"))
+        else:
+            expect_train_error_on_ranks(self.t, args, words, nproc, str(self.tmp / "out"))
+
+    def test_an_unknown_optimizer(self):
+        self.refused(["--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd'")
+
+    @pytest.mark.parametrize("flag,value", [("--muon_lr", "0.02"), ("--muon_nesterov", "off"),
+                                            ("--muon_adjust_lr_fn", "original"), ("--muon_ns_steps", "3")])
+    def test_muon_flags_without_muon(self, flag, value):
+        self.refused([flag, value], f"{flag} sets Muon, which this run does not use")
+
+    def test_momentum_of_one(self):
+        self.refused(["--optimizer", "muon", "--muon_momentum", "1"], "--muon_momentum must be < 1")
+
+    def test_a_twin_layout_that_cannot_run_it(self):
+        self.refused(["--optimizer", "muon", "--implementation", "pytorch", "--data_parallel_size", "2",
+                      "--data_parallel_type", "fsdp"], "torch.optim.Muon needs each matrix whole", nproc=2)
+
+
