@@ -121,6 +121,15 @@ class Exchange:
         self._pos = {(m.key, r): h.positions(m.shape) for m in self.owned for r, h in enumerate(m.holds)
                      if h is not None}
 
+    def sent_bytes(self) -> int:
+        """What this rank sends per step, from the holds alone (2 bytes an element, bf16): its pieces of the
+        matrices it is a source of but does not own, and of each matrix it owns, every other holder's elements.
+        DDP over N ranks: 2 (N - 1) x the elements of the matrices it owns."""
+        me = self.rank
+        gather = sum(_n(m.holds[me]) for m in self.matrices if self.owner[m.key] != me and me in self.sources[m.key])
+        back = sum(_n(h) for m in self.owned for r, h in enumerate(m.holds) if r != me)
+        return 2 * (gather + back)
+
     def __call__(self, pieces: list[Piece]) -> list[torch.Tensor]:
         me, world = self.rank, self.world
         mine = {p.key: p.update.reshape(-1).bfloat16() for p in pieces}  # NS's first op, elementwise: no change

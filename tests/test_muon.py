@@ -141,7 +141,8 @@ def differing(par, want: dict[str, torch.Tensor]) -> list[str]:
                 out.append(n)
         return out
     for n, piece in par.fsdp.sharded_state_dict().items():
-        ref = local_part(want[_name(n)], par.fsdp.shard_marks.get(_name(n), ())).reshape(-1)
+        marks = par.fsdp.shard_marks.get(n) or par.fsdp.shard_marks.get(_name(n), ())  # the tied copy: its own
+        ref = local_part(want[_name(n)], marks).reshape(-1)
         if not torch.equal(piece.flat, ref[piece.offset:piece.offset + piece.flat.numel()]):
             out.append(n)
     return out
@@ -159,16 +160,19 @@ def layout_run(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool
     ex = opt.muon.orthogonalize
     cut = [m.key for m in getattr(ex, "matrices", []) if sum(h is not None for h in m.holds) > 1
            and not any(m.whole_at(r) for r in range(len(m.holds)))]
-    ledgers = []
+    from parallel import comm
+    ledgers, sent = [], []
     for step in range(STEPS):
         set_grads(par, grads(ref, step))
+        comm.COUNTER.reset()
         opt.step()
+        sent.append(comm.COUNTER.snapshot().get("all_to_all", 0))
         opt.zero_grad()
         par.after_optimizer_step()
         ledgers.append(dict(opt.ledger.counts))
     want = one_process_run(cfg)
     return {"differ": differing(par, want), "ledgers": ledgers, "cut": cut, "load": getattr(ex, "load", None),
-            "bytes": None}
+            "sent": sent, "planned": ex.sent_bytes() if hasattr(ex, "sent_bytes") else 0}
 
 
 MUON_KEYS = {False: sorted(n for n, _ in model().named_parameters() if is_muon(n)),
@@ -188,6 +192,7 @@ LAYOUTS = {
     "pp2_tp2_ddp": (4, {"pp": 2, "tp": 2, "dp": 1}, None, False, True),
     "ep2_ddp2": (2, {"dp": 2, "ep": 2}, "ddp", True, False),
     "ep2_zero2": (2, {"dp": 2, "ep": 2}, "zero2", True, True),
+    "pp2_tp2_fsdp2": (8, {"pp": 2, "tp": 2, "dp": 2}, "fsdp", False, True),
 }
 
 
@@ -205,6 +210,8 @@ def test_layout_updates_equal_one_process_and_each_matrix_is_done_once(name):
         assert total == {k: 1 for k in MUON_KEYS[moe]}, f"step {step}: {total}"
     if pieces:
         assert any(r["cut"] for r in ranks), "no matrix held only in pieces: the test would not see a gather"
+    for r, x in enumerate(ranks):  # the bytes: what each rank sent is what the holds say, every step
+        assert x["sent"] == [x["planned"]] * STEPS, f"rank {r}: sent {x['sent']}, planned {x['planned']}"
 
 
 def test_owners_balanced_by_flops():
