@@ -21,6 +21,7 @@ from data.batches import BatchSource, DataError, prepare_hint, prepared_dir, res
 from data.chars import holds_chars, load_chars
 from device import pick_device
 from model import GPT, PRESETS, GPTConfig, make_config
+from optim import flags as optim_flags
 from launch import env_world
 from parallel.mesh import ParallelDims, WorldSizeError
 from parallel.parallelize import ParallelConfig
@@ -136,6 +137,7 @@ def train_parser() -> Parser:
     a("--lr", type=float, default=6e-4, help="peak; linear warmup then cosine to 10%%")
     a("--warmup_steps", type=int, default=10)
     a("--weight_decay", type=float, default=0.1)
+    optim_flags.add_flags(a)  # --optimizer and Muon's (optim/flags.py)
     a("--seed", type=int, default=1337)
     a("--eval_interval", type=int, default=25)
     a("--eval_iters", type=int, default=20)
@@ -250,10 +252,11 @@ AT_LEAST_ONE = ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel
                 "context_parallel_size", "expert_parallel_size", "moe_top_k", "moe_every",
                 "pp_virtual_stages", "ac_every", "micro_batch_size", "seq_len", "total_batch_size", "max_steps",
                 "eval_interval", "eval_iters", "keep_checkpoints", "n_layer", "n_head", "n_embd", "block_size",
-                "vocab_size", "trace_step")
+                "vocab_size", "trace_step", "muon_ns_steps")
 AT_LEAST_ZERO = ("warmup_steps", "checkpoint_interval", "profile", "moe_num_experts", "moe_ffn_hidden")
-POSITIVE_FLOATS = ("lr", "timeout", "bucket_cap_mb", "peak_flops")  # finite and > 0
-NON_NEGATIVE_FLOATS = ("weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate")  # finite and >= 0
+POSITIVE_FLOATS = ("lr", "timeout", "bucket_cap_mb", "peak_flops", "muon_lr")  # finite and > 0
+NON_NEGATIVE_FLOATS = ("weight_decay", "moe_aux_loss_coeff", "moe_bias_update_rate", "muon_weight_decay",
+                       "muon_momentum")  # finite and >= 0
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -567,6 +570,7 @@ def check_layout(args: argparse.Namespace, world_size: int, device: torch.device
     pp_layers = _check_pipeline(args, dims, config, args.total_batch_size // tokens_per_micro)
     _check_context(args, dims, config, device)
     _check_experts(args, dims, config)
+    optim_flags.check(args, dims, config.moe_num_experts > 0, dtype, refuse=UsageError)
     return dims, config, dtype, hf_state, args.total_batch_size // tokens_per_micro, pp_layers
 
 

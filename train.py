@@ -32,6 +32,7 @@ from device import fused_optimizer
 from evals import hellaswag
 from launch import exit_process
 from model import GPT
+from optim.build import make_optimizer
 from parallel import comm
 from parallel.mesh import OPTIONAL_DIMS, Mesh, init_distributed
 from parallel.parallelize import Parallelized, parallelize
@@ -83,8 +84,8 @@ def build(plan: Plan) -> Trainer:
         model.init_weights(args.seed, plan.device)
     on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)  # all of them under deferred init
     par = parallelize(model, mesh, plan.par, plan.device)
-    optimizer = par.make_optimizer(args.weight_decay, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                                   fused=fused_optimizer(plan.device, list(par.model.parameters())) or None)
+    optimizer = make_optimizer(par, args, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,  # --optimizer (optim/build.py)
+                               fused=fused_optimizer(plan.device, list(par.model.parameters())) or None)
     scaler = par.make_grad_scaler() if plan.dtype == torch.float16 else None
     data = BatchSource(plan.data_dir, args.seq_len, plan.config.vocab_size, args.seed)
     n_params = metrics.active_params(plan.config, non_embedding=True)  # MoE: top_k of each layer's experts
@@ -171,8 +172,8 @@ def train_step(t: Trainer, step: int) -> dict:
     """One optimizer step over the global batch of `step`; returns this step's metrics."""
     plan, args = t.plan, t.plan.args
     lr = lr_at(step, args.lr, args.warmup_steps, args.max_steps)
-    for group in t.optimizer.param_groups:
-        group["lr"] = lr
+    for group in t.optimizer.param_groups:  # a Muon group has its own peak lr (optim/muon.MuonAdamW)
+        group["lr"] = lr if "base_lr" not in group else lr_at(step, group["base_lr"], args.warmup_steps, args.max_steps)
     batches = [t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
                           args.micro_batch_size) for m in range(plan.grad_accum)]
     with StepWatch(t, step) as watch:  # counters, clock, memory windows, tracer and fault hooks
@@ -210,6 +211,8 @@ def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt:
     if t.scaler:
         m["loss_scale"] = t.scaler.get_scale()
     m.update(t.par.step_counters())
+    if getattr(t.optimizer, "ledger", None) is not None:  # Muon: matrices this rank orthogonalised this step
+        m["muon_orthogonalized"] = t.optimizer.ledger.total
     if "pp_idle_fraction" in m:  # beside what the runner measured, what the schedule's theory says (plan/theory.py)
         m["pp_bubble_theory"] = bubble_fraction(plan.par.pp_schedule, plan.dims.pp, plan.grad_accum,
                                                 plan.par.pp_virtual)

@@ -78,6 +78,7 @@ class Layout:
     ep: int = 1             # --expert_parallel_size
     moe_every: int = 1      # --moe_every: an MoE layer in every N-th Block (a stage may then hold none)
     stages: str = ""        # --pp_layers_per_stage; "": the cost model's split
+    optimizer: str = "adamw"  # --optimizer (muon: optim/, its tolerance `muon_tolerance`)
 
     @property
     def n_layer(self) -> int:
@@ -107,7 +108,9 @@ class Layout:
             (" deferred" if self.deferred else "") + ("" if self.impl == "custom" else f" [{self.impl}]") + \
             (f" L={self.blocks}" if self.blocks else "") + (f" rows={self.rows}" if self.rows else "") + \
             (f" moe={self.experts}" + (f" ep={self.ep}" if self.ep > 1 else "") if self.experts else "") + \
-            (f" every={self.moe_every}" if self.moe_every > 1 else "") + (f" split={self.stages}" if self.stages else "")
+            (f" every={self.moe_every}" if self.moe_every > 1 else "") + \
+            (f" split={self.stages}" if self.stages else "") + \
+            (f" {self.optimizer}" if self.optimizer != "adamw" else "")
 
     @property
     def micro_batches(self) -> int:
@@ -150,6 +153,8 @@ class Layout:
         if self.experts:
             f += ["--moe_num_experts", str(self.experts), *MOE, "--expert_parallel_size", str(self.ep),
                   "--moe_every", str(self.moe_every)]
+        if self.optimizer != "adamw":
+            f += ["--optimizer", self.optimizer]
         return f
 
     @property
@@ -159,7 +164,7 @@ class Layout:
     def reference(self) -> "Layout":
         """The one-process run it is held against: the same dtype and Blocks."""
         return Layout(dtype=self.dtype, blocks=self.n_layer, rows=self.rows, experts=self.experts,
-                      moe_every=self.moe_every)
+                      moe_every=self.moe_every, optimizer=self.optimizer)
 
 
 def layouts(max_world: int = 4) -> list[Layout]:
@@ -290,10 +295,34 @@ def tolerance(layout: Layout) -> float:
 
 
 def compared(layout: Layout) -> dict[str, slice]:
-    """Which logged numbers are held to the tolerance: everything in fp32; in bf16 step 1's grad norm only
-    (BF16_RULE)."""
+    """Which logged numbers are held to the tolerance: everything in fp32; in bf16, and with Muon, step 1's grad
+    norm only (BF16_RULE; MUON_RULE)."""
     return {"loss": slice(None), "val_loss": slice(None),
-            "grad_norm": slice(None) if layout.dtype == "float32" else slice(0, 1)}
+            "grad_norm": slice(None) if layout.dtype == "float32" and layout.optimizer == "adamw" else slice(0, 1)}
+
+
+MUON_RULE = ("muon rows: the layout's tolerance plus optim/muon.rounding_rtol's first-order bound on what bf16 "
+             "Newton-Schulz turns the layout's gradient rounding into (one bf16 spacing per update element), from "
+             "the reference's lrs, grad norms and losses; grad norms after step 1 are not compared (no bound on the "
+             "Hessian is derived)")
+
+
+def muon_tolerance(layout: Layout, ref: dict) -> float:
+    """`tolerance` plus Muon's rounding bound for the reference run `ref` (MUON_RULE)."""
+    from model import GPT, make_config
+    from optim.muon import is_muon, rounding_rtol
+    import torch
+    cfg = make_config("tiny", n_layer=layout.n_layer, vocab_size=VOCAB, moe_num_experts=layout.experts,
+                      moe_every=layout.moe_every)
+    with torch.device("meta"):
+        shapes = [tuple(p.shape[-2:]) for n, p in GPT(cfg).named_parameters() if is_muon(n)
+                  for _ in range(p.shape[0] if p.dim() == 3 else 1)]
+    loss = ref["loss"] + ref["val_loss"][-1:]
+    norms = ref["grad_norm"] + ref["grad_norm"][-1:]  # the val loss after the last step: its last norm stands in
+    from train import lr_at
+    lr = float(BASE[BASE.index("--lr") + 1])
+    lrs = [lr_at(s, lr, 1, STEPS) for s in range(1, len(ref["loss"]) + 1)] + [0.0]  # BASE's --warmup_steps 1
+    return tolerance(layout) + rounding_rtol(shapes, "match_rms_adamw", lrs, norms, loss)
 
 
 # ----------------------------------------------------------------------------- running
@@ -359,7 +388,7 @@ def judge(layout: Layout, result, out: str, ref: dict | None) -> Row:
         row.detail = f"exit codes {result.codes}: {tail[:300]}"
         return row
     row.values = read_run(out)
-    row.rtol = tolerance(layout)
+    row.rtol = muon_tolerance(layout, ref) if layout.optimizer == "muon" and ref is not None else tolerance(layout)
     row.worst = worst_difference(row.values, ref, compared(layout)) if ref is not None else 0.0
     if row.worst <= row.rtol:
         row.status = "ok"
@@ -417,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the sample's seed")
     p.add_argument("--no_bf16", action="store_true", help="skip the bf16 rows")
     p.add_argument("--only", default=None, help="glob over layout names")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"], help="every layout with this optimizer")
     p.add_argument("--out", default=None, help="also write sweep.json and sweep.md here")
     p.add_argument("--against", default=None, help="a sweep.json: also require every layout's logged numbers to "
                                                      "equal its bit for bit (a refactor's proof)")
@@ -424,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = layouts(args.max_world) + middle_stage_rows() + zero_bubble_rows() + moe_rows() + \
         (sample(args.sample, args.seed) + zero_bubble_large_rows() + moe_large_rows()) * (args.sample > 0) + \
         ([] if args.no_bf16 else bf16_rows())
+    todo = [replace(x, optimizer=args.optimizer) for x in todo]
     if args.only:
         todo = [x for x in todo if fnmatch.fnmatch(x.name, args.only)]
     sys.path.insert(0, ROOT)

@@ -21,12 +21,13 @@ RANGES = {
                      "--pipeline_parallel_size", "--pp_virtual_stages", "--context_parallel_size", "--ac_every",
                      "--n_layer", "--n_head", "--n_embd", "--block_size", "--vocab_size", "--micro_batch_size", "--seq_len",
                      "--total_batch_size", "--max_steps", "--eval_interval", "--eval_iters", "--keep_checkpoints",
-                     "--trace_step", "--expert_parallel_size", "--moe_top_k", "--moe_every"],
+                     "--trace_step", "--expert_parallel_size", "--moe_top_k", "--moe_every", "--muon_ns_steps"],
                     ">= 1"),
     **dict.fromkeys(["--warmup_steps", "--checkpoint_interval", "--profile", "--moe_num_experts", "--moe_ffn_hidden"],
                     ">= 0"),
-    **dict.fromkeys(["--lr", "--timeout", "--bucket_cap_mb", "--peak_flops"], "> 0"),  # floats, finite
-    **dict.fromkeys(["--weight_decay", "--moe_aux_loss_coeff", "--moe_bias_update_rate"], ">= 0"),  # floats, finite
+    **dict.fromkeys(["--lr", "--timeout", "--bucket_cap_mb", "--peak_flops", "--muon_lr"], "> 0"),  # floats, finite
+    **dict.fromkeys(["--weight_decay", "--moe_aux_loss_coeff", "--moe_bias_update_rate", "--muon_weight_decay",
+                     "--muon_momentum"], ">= 0"),  # floats, finite (--muon_momentum < 1: optim/flags.py)
 }
 # --seed takes any int; the simulated rank's pair (0 <= rank < N, N >= 1, both or neither) is one check of its own,
 # config._check_fake, held by tests/test_verify.TestFlags

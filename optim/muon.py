@@ -1,0 +1,245 @@
+"""Muon on one process, written to equal `torch.optim.Muon` bit for bit, and the optimizer the trainer steps:
+Muon on each Block's weight matrices, AdamW (torch's) on everything else.
+
+Muon (Jordan et al. 2024; torch.optim.Muon), per weight matrix W with gradient G:
+    B <- mu B + (1 - mu) G                       (momentum, `lerp`: elementwise)
+    U <- G + mu (B - G)  if nesterov else B      (elementwise)
+    O <- NS_k(U)                                 (Newton-Schulz: the whole matrix, in bf16)
+    W <- W (1 - lr wd) - adjust(lr, shape) O     (elementwise)
+Only NS_k needs the matrix whole; everything else is elementwise and runs on whatever piece a rank holds.
+`orthogonalize` is the one place NS runs: on one process it orthogonalises each matrix here; a layout swaps
+in optim/distributed_muon.py's, which sends each matrix to one owner rank and the result back.
+
+Which matrices (`is_muon`): in each Block, attention's q, k, v (three matrices, as the model holds them:
+Keller Jordan's and modded-nanogpt's choice, orthogonalising each of q, k, v on its own) and its output
+projection, the MLP's c_fc and c_proj, and each expert's c_fc and c_proj one expert at a time (an
+`ExpertLinear` weight (E, in, out) is E matrices (in, out)). AdamW keeps the embeddings and the tied head,
+LayerNorms, biases and the MoE router (a gate, not a hidden layer: Moonlight keeps it out too).
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from model import param_groups as adamw_groups
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
+EPS = 1e-7
+MUON_WEIGHTS = re.compile(r"(^|\.)h\.\d+\.(attn\.c_[qkv]|attn\.c_proj|mlp\.c_fc|mlp\.c_proj|mlp\.experts\.c_fc|"
+                          r"mlp\.experts\.c_proj)\.weight$")
+
+
+def is_muon(name: str) -> bool:
+    """Whether the parameter called `name` (any wrapper prefix) is one Muon steps: a Block's weight matrix."""
+    return MUON_WEIGHTS.search(name) is not None
+
+
+def zeropower_via_newtonschulz(g: torch.Tensor, ns_steps: int,
+                               coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = EPS
+                               ) -> torch.Tensor:
+    """k quintic Newton-Schulz steps towards the orthogonal factor of g (m, n), in bf16, the op order of
+    torch.optim._muon._zeropower_via_newtonschulz (so that the bits agree): X = g / ||g||_F on the wide side,
+    then X <- a X + (b A + c A^2) X with A = X X^T."""
+    a, b, c = coefficients
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T  # (m, m), m = min(rows, cols)
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, gram_update, x, beta=a)
+    return x.T if tall else x
+
+
+def ns_flops(shape: tuple[int, int], ns_steps: int) -> int:
+    """Newton-Schulz's matmul FLOPs for one (rows, cols) matrix, m = min, n = max: per step X X^T (2 m^2 n),
+    A A (2 m^3), (.) X (2 m^2 n)."""
+    m, n = sorted(shape)
+    return ns_steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str, shape: tuple[int, ...]) -> float:
+    """torch.optim._muon._adjust_lr: "original" scales by sqrt(max(1, A/B)); "match_rms_adamw" by 0.2 sqrt(max(A, B))
+    (Moonlight: the update's RMS then matches AdamW's, so AdamW's lr and weight decay carry over)."""
+    A, B = shape[:2]
+    ratio = math.sqrt(max(1, A / B)) if adjust_lr_fn == "original" else 0.2 * math.sqrt(max(A, B))
+    return lr * ratio
+
+
+class Piece(NamedTuple):
+    """One matrix's update as this rank holds it: `key` names the matrix on every layout (the parameter's
+    original name, and the expert's global index for an expert), `shape` is the whole matrix's, `update` this
+    rank's elements of it (the whole matrix on one process; optim/distributed_muon.Hold says which)."""
+    key: str
+    shape: tuple[int, int]
+    update: torch.Tensor
+
+
+class Ledger:
+    """How many times this rank orthogonalised each matrix in the last step (by key): summed over the ranks,
+    every Muon matrix must be 1 (none skipped, none done twice)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def reset(self) -> None:
+        self.counts.clear()
+
+    def add(self, key: str) -> None:
+        self.counts[key] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def orthogonalize_locally(pieces: list[Piece], ns_steps: int, ledger: Ledger) -> list[torch.Tensor]:
+    """One process (or a layout whose every rank holds every matrix whole and wants all of them): NS of each."""
+    out = []
+    for piece in pieces:
+        ledger.add(piece.key)
+        out.append(zeropower_via_newtonschulz(piece.update.view(piece.shape), ns_steps))
+    return out
+
+
+@dataclass
+class Slot:
+    """One Muon parameter as the optimizer steps it: `param` (a tensor this rank holds), `grad()` its gradient
+    (None: not this step), and its matrices: (key, whole shape, view of param's elements of it, hold) each, in
+    order; `hold` is optim/distributed_muon.Hold's fields, which elements of the whole matrix those are."""
+    param: torch.Tensor
+    grad: Callable[[], torch.Tensor | None]
+    matrices: list[tuple[str, tuple[int, int], Callable[[torch.Tensor], torch.Tensor], tuple]]
+
+
+def whole_slot(name: str, p: torch.Tensor) -> Slot:
+    """A parameter this rank holds whole: a 2-D matrix, or E experts' (E, in, out)."""
+    name = name.removeprefix("module.")
+    if p.dim() == 2:
+        return Slot(p, lambda: p.grad, [(name, tuple(p.shape), lambda t: t, (-1, 0, 1, 0, p.numel()))])
+    m = p.shape[1] * p.shape[2]
+    return Slot(p, lambda: p.grad, [(f"{name}[{e}]", tuple(p.shape[1:]), lambda t, e=e: t[e], (-1, 0, 1, 0, m))
+                                    for e in range(p.shape[0])])
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over `slots` (one param group; `orthogonalize(pieces) -> results` runs NS, and may communicate).
+    The state per parameter is its momentum buffer, in the parameter's own sharding."""
+
+    def __init__(self, slots: list[Slot], lr: float, weight_decay: float, momentum: float, nesterov: bool,
+                 ns_steps: int, adjust_lr_fn: str, orthogonalize: Callable | None = None):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn)
+        super().__init__([{"params": [s.param for s in slots]}], defaults)
+        self.slots, self.ledger = slots, Ledger()
+        self.orthogonalize = orthogonalize or (lambda pieces: orthogonalize_locally(pieces, ns_steps, self.ledger))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.ledger.reset()
+        group = self.param_groups[0]
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        stepped, pieces = [], []
+        for slot in self.slots:
+            grad = slot.grad()
+            if grad is None:
+                continue
+            state = self.state[slot.param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - mu)
+            update = grad.lerp(buf, mu) if group["nesterov"] else buf
+            stepped.append(slot)
+            pieces += [Piece(key, shape, view(update)) for key, shape, view, _ in slot.matrices]
+        results = iter(self.orthogonalize(pieces))
+        for slot in stepped:
+            slot.param.mul_(1 - lr * wd)
+            for key, shape, view, _ in slot.matrices:
+                view(slot.param).add_(next(results).view(view(slot.param).shape),
+                                      alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """What the trainer steps: `muon` (ours or torch's) on the Block matrices and torch's `adamw` on the rest,
+    as one optimizer. Both share one `param_groups` list and one `state` (their parameters are disjoint), so
+    the lr schedule, the GradScaler and `zero_grad` see every group; a Muon group carries `base_lr` (its peak lr,
+    train.lr_at's input). `before_step`: what binds this step's gradients to the slots (flat shards' views)."""
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer, muon_lr: float,
+                 before_step: Callable[[], None] | None = None, also_clear: list[torch.Tensor] = ()):
+        self.muon, self.adamw, self.before_step, self.also_clear = muon, adamw, before_step, list(also_clear)
+        for g in muon.param_groups:
+            g["base_lr"] = muon_lr
+        super().__init__(adamw.param_groups + muon.param_groups, adamw.defaults)  # the same group dicts
+        self.state = adamw.state
+        self.state.update(muon.state)
+        muon.state = self.state
+
+    @property
+    def ledger(self) -> Ledger | None:
+        return getattr(self.muon, "ledger", None)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.before_step is not None:
+            self.before_step()
+        self.adamw.step()
+        self.muon.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.also_clear:
+            p.grad = None
+
+
+def split_named(named: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], list]:
+    """(Muon's, AdamW's) of named parameters, the tied weight once."""
+    seen, muon, rest = set(), [], []
+    for n, p in named:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        (muon if is_muon(n) else rest).append((n, p))
+    return muon, rest
+
+
+def one_process(named: list[tuple[str, torch.Tensor]], weight_decay: float, adamw: dict, muon: dict,
+                reference: bool = False) -> MuonAdamW:
+    """Every parameter whole on this rank: ours, or with `reference` torch.optim.Muon (the twin; `muon`'s keys are
+    torch's). AdamW: model.param_groups's groups."""
+    mine, rest = split_named(named)
+    opt_adamw = torch.optim.AdamW(adamw_groups(rest, weight_decay), **adamw)
+    if reference:
+        opt_muon = torch.optim.Muon([p for _, p in mine], **muon)
+    else:
+        opt_muon = Muon([whole_slot(n, p) for n, p in mine], **muon)
+    return MuonAdamW(opt_muon, opt_adamw, muon["lr"])
+
+
+def rounding_rtol(shapes: list[tuple[int, int]], adjust_lr_fn: str, lrs: list[float], grad_norms: list[float],
+                  losses: list[float]) -> float:
+    """How far a layout's loss may sit from one process's, relatively, because Muon's Newton-Schulz runs in bf16
+    on gradients that a layout rounds differently (its fp32 sums in another order), to first order.
+
+    A gradient element within rounding of a bf16 boundary may round to the neighbouring bf16 value, and NS's
+    bf16 products then re-round: bound each element of the output O of matrix m by one bf16 spacing, 2u |O|
+    (u = 2^-8). NS's singular values lie in (0.5, 1.5) (torch.optim.Muon's docstring), so ||O||_F <= 1.5
+    sqrt(min(A, B)), and step s moves the weights by dW_s with ||dW_s|| <= 2u * 1.5 * lr_s * sqrt(sum_m adj_m^2
+    min_m) (adj_m: `adjusted_lr`'s ratio). The loss at step t then moves by <g_t, sum_{s<t} dW_s> <= ||g_t||
+    sum_{s<t} ||dW_s||. Returns the largest such bound over the steps, over the loss. `lrs`, `grad_norms`,
+    `losses`: one process's, per step."""
+    u = 2.0 ** -8
+    per_lr = 3 * u * math.sqrt(sum(adjusted_lr(1.0, adjust_lr_fn, s) ** 2 * min(s) for s in shapes))
+    worst, moved = 0.0, 0.0
+    for lr, g, loss in zip(lrs, grad_norms, losses):
+        worst = max(worst, g * moved / abs(loss))
+        moved += per_lr * lr
+    return worst

@@ -1,0 +1,266 @@
+"""Muon (optim/): ours equals torch.optim.Muon on one process, bit for bit; every layout that runs it orthogonalises
+each matrix once (the ledger) and, given one process's gradients, updates every parameter to one process's bits;
+bad input is refused in one line.
+
+The layout tests set each rank's gradients to its part of one process's (seeded normal draws per step and name)
+instead of running a backward: a layout reorders the fp32 sums of a backward, so its gradients are equal to one
+process's only to rounding, and then nothing after them could be bit-equal. With equal gradients, everything
+Muon adds is bit-equal by construction: momentum and the step are elementwise on each piece; Newton-Schulz runs
+on the whole matrix, cast to bf16 before the gather (a cast is elementwise), with one process's op sequence.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import pytest
+import torch
+
+from model import GPT, make_config
+from optim.build import make_optimizer
+from optim.muon import is_muon, one_process
+from tests.harness import run_distributed
+
+CFG = make_config("tiny", n_layer=2, vocab_size=128, block_size=32)
+MOE = make_config("tiny", n_layer=2, vocab_size=128, block_size=32, moe_num_experts=4, moe_top_k=2)
+STEPS = 5
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn="match_rms_adamw")
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+
+
+def grads(model: GPT, step: int) -> dict[str, torch.Tensor]:
+    """One process's gradient of every parameter at `step`: seeded normal draws, per step and name."""
+    out = {}
+    for i, (name, p) in enumerate(model.named_parameters()):
+        g = torch.Generator().manual_seed(1000 * step + i)
+        out[name] = torch.randn(p.shape, generator=g) * 0.01
+    return out
+
+
+def model(cfg=CFG) -> GPT:
+    m = GPT(cfg)
+    m.init_weights(7)
+    return m
+
+
+def one_process_run(cfg=CFG, reference: bool = False) -> dict[str, torch.Tensor]:
+    m = model(cfg)
+    opt = one_process(list(m.named_parameters()), 0.1, ADAMW, MUON, reference=reference)
+    for step in range(STEPS):
+        for name, p in m.named_parameters():
+            p.grad = grads(m, step)[name]
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def test_ours_equals_torch_muon_bit_for_bit():
+    """5 steps of ours (Muon on the Block matrices, torch's AdamW on the rest) against torch.optim.Muon + AdamW."""
+    ours, torch_ = one_process_run(), one_process_run(reference=True)
+    assert ours.keys() == torch_.keys()
+    assert all(torch.equal(ours[n], torch_[n]) for n in ours), [n for n in ours if not torch.equal(ours[n], torch_[n])]
+    start = {n: p.detach() for n, p in model().named_parameters()}
+    assert all(not torch.equal(ours[n], start[n]) for n in ours)  # every parameter moved
+
+
+def test_an_experts_matrices_are_torch_muon_on_each_slice():
+    """An ExpertLinear weight (E, in, out) steps as torch.optim.Muon on each expert's (in, out) slice."""
+    w = torch.randn(4, 16, 24)
+    ours_w = w.clone().requires_grad_()
+    theirs = [w[e].clone().requires_grad_() for e in range(4)]
+    ours = one_process([("transformer.h.1.mlp.experts.c_fc.weight", ours_w)], 0.0, ADAMW, MUON)
+    ref = torch.optim.Muon(theirs, **MUON)
+    for step in range(STEPS):
+        g = torch.randn(4, 16, 24, generator=torch.Generator().manual_seed(step))
+        ours_w.grad = g.clone()
+        for e in range(4):
+            theirs[e].grad = g[e].clone()
+        ours.step()
+        ref.step()
+    assert all(torch.equal(ours_w[e].detach(), theirs[e].detach()) for e in range(4))
+    assert ours.ledger.counts == {f"transformer.h.1.mlp.experts.c_fc.weight[{e}]": 1 for e in range(4)}
+
+
+def test_which_matrices_muon_takes():
+    names = [n for n, _ in model(MOE).named_parameters()]
+    assert sorted(n.split(".", 3)[3] for n in names if is_muon(n) and ".h.0." in n) == sorted(
+        ["attn.c_q.weight", "attn.c_k.weight", "attn.c_v.weight", "attn.c_proj.weight",
+         "mlp.experts.c_fc.weight", "mlp.experts.c_proj.weight"])
+    assert not any(is_muon(n) for n in names if "wte" in n or "wpe" in n or "ln_" in n or "bias" in n
+                   or "router" in n)
+    assert is_muon("module.transformer.h.3.mlp.c_fc.weight") and not is_muon("lm_head.weight")
+
+
+# ----------------------------------------------------------------------------- layouts
+
+def args(**kw) -> argparse.Namespace:
+    base = dict(optimizer="muon", implementation="custom", weight_decay=0.1, lr=MUON["lr"], muon_lr=None,
+                muon_momentum=None, muon_nesterov=None, muon_ns_steps=None, muon_weight_decay=None,
+                muon_adjust_lr_fn=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def local_part(full: torch.Tensor, marks) -> torch.Tensor:
+    """This rank's slice of a whole tensor under `mark_shard` marks (TP's, EP's)."""
+    for m in marks:
+        full = full.chunk(m.size, m.dim)[m.rank]
+    return full
+
+
+def set_grads(par, full: dict[str, torch.Tensor]) -> None:
+    """Each rank's part of one process's gradients: its TP/EP slice, and under our engine its flat shard."""
+    from parallel.marks import shards_of
+    fsdp = par.fsdp
+    if fsdp is None:
+        for n, p in par.model.named_parameters():
+            p.grad = local_part(full[_name(n)], shards_of(p)).clone()
+        return
+    for unit in fsdp.units:
+        flat = torch.zeros(unit.padded)
+        for spec in unit.specs:
+            g = local_part(full[_name(spec.names[0])], fsdp.shard_marks.get(spec.names[0], ()))
+            flat[spec.offset:spec.offset + spec.numel] = g.reshape(-1)
+        S = unit.shard.numel()
+        shard = flat[unit.rank * S:(unit.rank + 1) * S]
+        for p, a, b in unit.pieces:
+            p.grad = shard[a:b].clone()
+
+
+def _name(n: str) -> str:
+    n = n.removeprefix("module.")
+    return "transformer.wte.weight" if n == "lm_head.weight" else n
+
+
+def differing(par, want: dict[str, torch.Tensor]) -> list[str]:
+    """Names of this rank's parameters (or flat pieces of them) whose bits differ from one process's."""
+    from parallel.marks import shards_of
+    out = []
+    if par.fsdp is None:
+        for n, p in par.model.named_parameters():
+            if not torch.equal(p.detach(), local_part(want[_name(n)], shards_of(p))):
+                out.append(n)
+        return out
+    for n, piece in par.fsdp.sharded_state_dict().items():
+        marks = par.fsdp.shard_marks.get(n) or par.fsdp.shard_marks.get(_name(n), ())  # the tied copy: its own
+        ref = local_part(want[_name(n)], marks).reshape(-1)
+        if not torch.equal(piece.flat, ref[piece.offset:piece.offset + piece.flat.numel()]):
+            out.append(n)
+    return out
+
+
+def layout_run(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool) -> dict:
+    from parallel.mesh import ParallelDims, init_distributed
+    from parallel.parallelize import ParallelConfig, parallelize
+    cfg = MOE if moe else CFG
+    mesh = init_distributed(ParallelDims(**{"dp": 1, "tp": 1, **dims}, world_size=world), torch.device("cpu"))
+    ref = model(cfg)
+    par = parallelize(copy.deepcopy(ref), mesh, ParallelConfig(dp_type=dp_type, implementation="custom"),
+                      torch.device("cpu"))
+    opt = make_optimizer(par, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
+    ex = opt.muon.orthogonalize
+    cut = [m.key for m in getattr(ex, "matrices", []) if sum(h is not None for h in m.holds) > 1
+           and not any(m.whole_at(r) for r in range(len(m.holds)))]
+    from parallel import comm
+    ledgers, sent = [], []
+    for step in range(STEPS):
+        set_grads(par, grads(ref, step))
+        comm.COUNTER.reset()
+        opt.step()
+        sent.append(comm.COUNTER.snapshot().get("all_to_all", 0))
+        opt.zero_grad()
+        par.after_optimizer_step()
+        ledgers.append(dict(opt.ledger.counts))
+    want = one_process_run(cfg)
+    return {"differ": differing(par, want), "ledgers": ledgers, "cut": cut, "load": getattr(ex, "load", None),
+            "sent": sent, "planned": ex.sent_bytes() if hasattr(ex, "sent_bytes") else 0}
+
+
+MUON_KEYS = {False: sorted(n for n, _ in model().named_parameters() if is_muon(n)),
+             True: sorted(f"{n}[{e}]" if p.dim() == 3 else n for n, p in model(MOE).named_parameters() if is_muon(n)
+                          for e in range(p.shape[0] if p.dim() == 3 else 1))}
+# name -> (ranks, dims, dp_type, MoE, whether some matrix is held in pieces by no rank whole)
+LAYOUTS = {
+    "ddp2": (2, {"dp": 2}, "ddp", False, False),
+    "zero1x2": (2, {"dp": 2}, "zero1", False, True),
+    "zero2x2": (2, {"dp": 2}, "zero2", False, True),
+    "fsdp2": (2, {"dp": 2}, "fsdp", False, True),
+    "fsdp3": (3, {"dp": 3}, "fsdp", False, True),
+    "tp2": (2, {"tp": 2}, None, False, True),
+    "pp2": (2, {"pp": 2}, None, False, False),
+    "hsdp2x2": (4, {"dp": 4, "dp_replicate": 2}, "fsdp", False, True),
+    "tp2_fsdp2": (4, {"dp": 2, "tp": 2}, "fsdp", False, True),
+    "pp2_tp2_ddp": (4, {"pp": 2, "tp": 2, "dp": 1}, None, False, True),
+    "ep2_ddp2": (2, {"dp": 2, "ep": 2}, "ddp", True, False),
+    "ep2_zero2": (2, {"dp": 2, "ep": 2}, "zero2", True, True),
+    "pp2_tp2_fsdp2": (8, {"pp": 2, "tp": 2, "dp": 2}, "fsdp", False, True),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layout_updates_equal_one_process_and_each_matrix_is_done_once(name):
+    world, dims, dp_type, moe, pieces = LAYOUTS[name]
+    ranks = run_distributed(layout_run, world, dims, dp_type, moe)
+    differ = {r: x["differ"] for r, x in enumerate(ranks) if x["differ"]}
+    assert not differ, f"{name}: differ from one process: {differ}"
+    for step in range(STEPS):  # the ledger: summed over ranks, every matrix exactly once
+        total = {}
+        for r in ranks:
+            for k, v in r["ledgers"][step].items():
+                total[k] = total.get(k, 0) + v
+        assert total == {k: 1 for k in MUON_KEYS[moe]}, f"step {step}: {total}"
+    if pieces:
+        assert any(r["cut"] for r in ranks), "no matrix held only in pieces: the test would not see a gather"
+    for r, x in enumerate(ranks):  # the bytes: what each rank sent is what the holds say, every step
+        assert x["sent"] == [x["planned"]] * STEPS, f"rank {r}: sent {x['sent']}, planned {x['planned']}"
+
+
+def test_owners_balanced_by_flops():
+    """One (128, 128) matrix costs NS as much as eight (64, 64) ones: balanced by FLOPs, one rank takes it alone
+    (balanced by count, it would take four more)."""
+    from optim.distributed_muon import Hold, Matrix, owners
+    from optim.muon import ns_flops
+    ms = [Matrix(f"m{i}", s, (Hold(-1, 0, 1, 0, s[0] * s[1]),) * 2)
+          for i, s in enumerate([(128, 128)] + [(64, 64)] * 8)]
+    own = owners(ms, 2, 5)
+    load = [sum(ns_flops(m.shape, 5) for m in ms if own[m.key] == r) for r in range(2)]
+    assert load[0] == load[1] and [own[f"m{i}"] for i in range(9)].count(own["m0"]) == 1
+
+
+# ----------------------------------------------------------------------------- bad input
+
+class TestBadInput:
+    """One line `train.py: error: ...`, exit 2, nothing written, on every rank."""
+    BASE = ["--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "2", "--seq_len", "32",
+            "--total_batch_size", "128", "--max_steps", "2", "--no_checkpoint"]
+
+    @pytest.fixture(autouse=True)
+    def _data(self, tmp_path):
+        import unittest
+        from tests.harness import make_token_bins
+        self.tmp, self.t = tmp_path, unittest.TestCase()
+        self.data = make_token_bins(str(tmp_path / "data"), n_train=2000, n_val=500, vocab=512)
+
+    def refused(self, flags: list[str], words: str, nproc: int = 1) -> None:
+        from tests.harness import expect_train_error_in_process, expect_train_error_on_ranks
+        args = [*self.BASE, "--dataset", self.data, *flags]
+        if nproc == 1:
+            expect_train_error_in_process(self.t, args, words, str(self.tmp / "out"))
+        else:
+            expect_train_error_on_ranks(self.t, args, words, nproc, str(self.tmp / "out"))
+
+    def test_an_unknown_optimizer(self):
+        self.refused(["--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd'")
+
+    @pytest.mark.parametrize("flag,value", [("--muon_lr", "0.02"), ("--muon_nesterov", "off"),
+                                            ("--muon_adjust_lr_fn", "original"), ("--muon_ns_steps", "3")])
+    def test_muon_flags_without_muon(self, flag, value):
+        self.refused([flag, value], f"{flag} sets Muon, which this run does not use")
+
+    def test_momentum_of_one(self):
+        self.refused(["--optimizer", "muon", "--muon_momentum", "1"], "--muon_momentum must be < 1")
+
+    def test_a_twin_layout_that_cannot_run_it(self):
+        self.refused(["--optimizer", "muon", "--implementation", "pytorch", "--data_parallel_size", "2",
+                      "--data_parallel_type", "fsdp"], "torch.optim.Muon needs each matrix whole", nproc=2)
+
+
