@@ -14,6 +14,7 @@ import sys
 import tarfile
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -199,3 +200,20 @@ def write_token_bins(out_dir: Path, splits: Mapping[str, tuple[int, Iterable[Tok
         for path in tmp.values():
             path.unlink(missing_ok=True)
     return final
+
+
+def ensure_files(out_dir: Path, names: Sequence[str], prepare: Callable[[], int], what: str, leader: bool,
+                 wait_s: float) -> bool:
+    """Make sure `names` exist in `out_dir`: the leader (one process per machine) runs `prepare` (a prepare
+    script's main, 0 on success) if one is missing, the others wait for them (a prepare script moves each file
+    into place only once complete). False if they are still missing (the leader failed, or the wait ran out)."""
+    ready = lambda: all((out_dir / name).exists() for name in names)  # noqa: E731
+    if ready():
+        return True
+    if leader:
+        print(f"{out_dir} has no {'/'.join(names)}: preparing {what} (once)", flush=True)
+        return prepare() == 0 and ready()
+    deadline = time.monotonic() + wait_s
+    while not ready() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return ready()

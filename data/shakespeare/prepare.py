@@ -23,7 +23,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from data.common import PrepareError, fetch_sdist_members, http_get, write_token_bins  # noqa: E402
+from data.common import PrepareError, ensure_files, fetch_sdist_members, http_get, write_token_bins  # noqa: E402
 from data.tokenizer import get_gpt2_encoding  # noqa: E402
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -116,21 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ensure_prepared(out_dir: str | Path, leader: bool, wait_s: float = 900.0) -> bool:
-    """Make sure train.bin and val.bin exist in `out_dir`: the leader (one process per machine) prepares
-    them if missing, the others wait for them to appear (bins are moved into place only once complete).
-    Returns False if they are still missing (the leader failed, or the wait ran out)."""
-    import time
-    out_dir = Path(out_dir)
-    ready = lambda: all((out_dir / f"{s}.bin").exists() for s in ("train", "val"))  # noqa: E731
-    if ready():
-        return True
-    if leader:
-        print(f"{out_dir} has no train.bin/val.bin: preparing Shakespeare (once)", flush=True)
-        return main(["--out_dir", str(out_dir)]) == 0 and ready()
-    deadline = time.monotonic() + wait_s
-    while not ready() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return ready()
+    """Make sure train.bin and val.bin exist in `out_dir`: the leader prepares them, the others wait (`ensure_files`)."""
+    return ensure_files(Path(out_dir), ("train.bin", "val.bin"), lambda: main(["--out_dir", str(out_dir)]), "Shakespeare", leader, wait_s)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repo root importable
@@ -25,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import numpy as np  # noqa: E402
 
 from data.chars import META, CharVocab  # noqa: E402
-from data.common import PrepareError, write_token_bins  # noqa: E402
+from data.common import PrepareError, ensure_files, write_token_bins  # noqa: E402
 from data.shakespeare.prepare import TRAIN_FRACTION, load_text  # noqa: E402
 
 
@@ -75,20 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ensure_prepared(out_dir: str | Path, leader: bool, wait_s: float = 900.0) -> bool:
-    """Make sure train.bin, val.bin and meta.json exist in `out_dir`: the leader (one process per machine) prepares
-    them if missing, the others wait for them (each file is moved into place only once complete, meta.json last).
-    Returns False if they are still missing (the leader failed, or the wait ran out)."""
-    out_dir = Path(out_dir)
-    ready = lambda: all((out_dir / name).exists() for name in ("train.bin", "val.bin", META))  # noqa: E731
-    if ready():
-        return True
-    if leader:
-        print(f"{out_dir} has no train.bin/val.bin/{META}: preparing character-level Shakespeare (once)", flush=True)
-        return main(["--out_dir", str(out_dir)]) == 0 and ready()
-    deadline = time.monotonic() + wait_s
-    while not ready() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return ready()
+    """Make sure train.bin, val.bin and meta.json exist in `out_dir`: the leader prepares them, the others wait (`ensure_files`)."""
+    return ensure_files(Path(out_dir), ("train.bin", "val.bin", META), lambda: main(["--out_dir", str(out_dir)]), "character-level Shakespeare", leader, wait_s)
 
 
 if __name__ == "__main__":
