@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 
 import pytest
 import torch
@@ -86,7 +87,8 @@ PAIRS = [("single", "zero2x2"), ("single", "fsdp2"), ("tp2", "ddp2"), ("fsdp2", 
          ("zero2x2", "pp2"), ("single_moe", "ep2_zero2"), ("ep2_zero2", "ep2_ddp2")]
 
 
-@pytest.mark.parametrize("source,target", PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
+@pytest.mark.parametrize("source,target", [p if p == PAIRS[0] else pytest.param(*p, marks=pytest.mark.slow)
+                                           for p in PAIRS], ids=[f"{a}->{b}" for a, b in PAIRS])
 def test_resume_in_another_layout_continues_bit_for_bit(source, target, tmp_path_factory):
     from tests.harness import run_distributed
     path = saved_by(source, str(tmp_path_factory.getbasetemp() / "muon-ckpt"))
@@ -95,3 +97,72 @@ def test_resume_in_another_layout_continues_bit_for_bit(source, target, tmp_path
     ranks = run_distributed(phase, world, dims, dp_type, moe, path, False)
     differ = {r: x["differ"] for r, x in enumerate(ranks) if x["differ"]}
     assert not differ, f"{source} -> {target}: differ from one process's uninterrupted run: {differ}"
+
+
+# ----------------------------------------------------------------------------- train.py: resume, and the refusal
+
+RUN = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256",
+       "--max_steps", "6", "--eval_interval", "3", "--eval_iters", "2", "--warmup_steps", "2", "--lr", "3e-3",
+       "--gradient_clipping", "--peak_flops", "1e12", "--checkpoint_interval", "3", "--keep_checkpoints", "2"]
+MUON_RUN = [*RUN, "--optimizer", "muon"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The stand-in corpus, and train.py's uninterrupted 6-step one-process runs with each optimizer (checkpoints at
+    steps 3 and 6)."""
+    from tests.harness import forked, make_token_bins
+    tmp = tmp_path_factory.mktemp("muon-runs")
+    data = make_token_bins(str(tmp / "data"))
+    out = {"tmp": tmp, "data": data}
+    for name, flags in (("muon", MUON_RUN), ("adamw", RUN)):
+        out[name] = str(tmp / name)
+        proc = forked([*flags, "--dataset", data, "--out_dir", out[name]], 1)
+        assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.mark.parametrize("saved,resumed", [("muon", "adamw"), ("adamw", "muon")])
+def test_resume_with_the_other_optimizer_is_refused_on_every_rank(runs, saved, resumed):
+    """One line `train.py: error: --resume: ...`, exit 2 on both ranks, before any work (nothing logged)."""
+    import shutil
+    from tests.harness import forked
+    out = str(runs["tmp"] / f"{saved}-as-{resumed}")
+    shutil.copytree(checkpoint.step_dir(runs[saved], 3), checkpoint.step_dir(out, 3))
+    flags = [*(MUON_RUN if resumed == "muon" else RUN), "--data_parallel_size", "2", "--data_parallel_type", "ddp"]
+    run = forked([*flags, "--dataset", runs["data"], "--out_dir", out, "--resume"], 2)
+    for rank, (code, stderr) in enumerate(zip(run.codes, run.stderr)):
+        lines = stderr.splitlines()
+        assert code == 2 and len(lines) == 1, f"rank {rank}: exit {code}\n{stderr}"
+        assert lines[0].startswith(f"train.py: error: --resume: checkpoint {checkpoint.step_dir(out, 3)} was written "
+                                   f"with --optimizer {saved}, and this run has --optimizer {resumed}"), lines[0]
+    assert os.listdir(out) == ["checkpoints"]  # no metrics.jsonl: refused before any work
+
+
+@pytest.mark.slow
+def test_train_resumes_muon_in_its_layout_bit_for_bit_and_in_another_within_the_sweeps_tolerance(runs):
+    """train.py --optimizer muon from the uninterrupted run's step-3 checkpoint: one process continues with the same
+    loss and grad norm bits at steps 4-6; ZeRO-2 x2 within bench/sweep.py's Muon tolerance (its fp32 rtol plus
+    optim/muon.rounding_rtol's bound, accumulated from step 4: the state at step 3 is the same bits)."""
+    import unittest
+    from bench.sweep import FP32_RTOL
+    from model import GPT, make_config
+    from optim.muon import is_muon, rounding_rtol
+    from tests.harness import check_resume_from, steps_of
+    from train import lr_at
+    test, ref = unittest.TestCase(), steps_of(runs["muon"])
+    args = [*MUON_RUN[:MUON_RUN.index("--checkpoint_interval")], "--optimizer", "muon", "--dataset", runs["data"]]
+    check_resume_from(test, runs["muon"], 3, args, 1, str(runs["tmp"] / "resumed-single"), 6)
+    got = steps_of(str(runs["tmp"] / "resumed-single"))
+    assert [(got[s]["loss"], got[s]["grad_norm"]) for s in got] == [(ref[s]["loss"], ref[s]["grad_norm"]) for s in got]
+    zero2 = str(runs["tmp"] / "resumed-zero2")
+    check_resume_from(test, runs["muon"], 3, [*args, "--data_parallel_size", "2", "--data_parallel_type", "zero2"], 2,
+                      zero2, 6)
+    got, later = steps_of(zero2), range(4, 7)
+    shapes = [tuple(p.shape) for n, p in GPT(make_config("tiny")).named_parameters() if is_muon(n)]
+    rtol = FP32_RTOL + rounding_rtol(shapes, "match_rms_adamw", [lr_at(s, 3e-3, 2, 6) for s in later],
+                                     [ref[s]["grad_norm"] for s in later], [ref[s]["loss"] for s in later])
+    worst = max(abs(got[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in later)
+    print(f"\n  ZeRO-2 x2 resumed from one process's step 3: loss off by {worst:.2e} relative (tolerance {rtol:.2e})",
+          file=sys.stderr)
+    assert worst <= rtol, f"ZeRO-2 x2 resumed: loss off by {worst:.2e} relative, tolerance {rtol:.2e}"
