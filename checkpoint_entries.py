@@ -1,11 +1,11 @@
 """A layout-independent view of this rank's training state, for checkpoints and resharding (checkpoint.py writes
 and loads it; `entries` builds it from what the data-parallel wrapper answers, parallel/protocol.py's parts).
 
-Whatever the layout, every element this rank stores of an original GPT parameter (and of its AdamW
-moments) is described by an `Entry`: the parameter's name and full shape, where those elements sit in
-the full tensor, and 1-D views of the live storage that hold them. A checkpoint writes (name, positions,
-values) and a loader in any other layout fills its own entries' views from them, so DDP x2 -> FSDP x2 ->
-TP x2 -> one process needs no conversion step.
+Whatever the layout, every element this rank stores of an original GPT parameter (and of its optimizer
+state: AdamW's two moments, or under --optimizer muon a Block matrix's momentum) is described by an `Entry`:
+the parameter's name and full shape, where those elements sit in the full tensor, and 1-D views of the live
+storage that hold them. A checkpoint writes (name, positions, values) and a loader in any other layout fills
+its own entries' views from them, so DDP x2 -> FSDP x2 -> TP x2 -> one process needs no conversion step.
 
 Where the elements sit is kept compact, never as one index per element: per dim of the full tensor, the
 positions along it that the rank holds (a `range`, or for a strided DTensor shard a small int64 tensor),
@@ -40,7 +40,7 @@ class Entry:
     shape: tuple[int, ...]            # full, unsharded shape
     axes: tuple[Axis, ...]            # per dim: the positions along it of this rank's block (row-major)
     span: tuple[int, int]             # this rank holds elements [lo, hi) of its block, flattened
-    tensors: dict[str, torch.Tensor]  # "param" and the optimizer moments: (n,) views of live storage
+    tensors: dict[str, torch.Tensor]  # "param" and the optimizer's state (`state_kinds`): (n,) views of live storage
     write: bool                       # this rank writes these elements (one writer per element)
 
     @property
