@@ -139,13 +139,22 @@ def test_resume_with_the_other_optimizer_is_refused_on_every_rank(runs, saved, r
     assert os.listdir(out) == ["checkpoints"]  # no metrics.jsonl: refused before any work
 
 
+OTHER = {  # name -> (ranks, flags, the sweep's tolerance for the layout: bench/sweep.tolerance)
+    "zero2x2": (2, ["--data_parallel_size", "2", "--data_parallel_type", "zero2"], "FP32_RTOL"),
+    "ddp2_pytorch": (2, ["--implementation", "pytorch", "--data_parallel_size", "2", "--data_parallel_type", "ddp"],
+                     "FP32_RTOL"),  # torch.optim.Muon's state, loaded from ours
+    "tp2": (2, ["--tensor_parallel_size", "2"], "FP32_TP_RTOL"),
+}
+
+
 @pytest.mark.slow
-def test_train_resumes_muon_in_its_layout_bit_for_bit_and_in_another_within_the_sweeps_tolerance(runs):
-    """train.py --optimizer muon from the uninterrupted run's step-3 checkpoint: one process continues with the same
-    loss and grad norm bits at steps 4-6; ZeRO-2 x2 within bench/sweep.py's Muon tolerance (its fp32 rtol plus
-    optim/muon.rounding_rtol's bound, accumulated from step 4: the state at step 3 is the same bits)."""
+def test_train_resumes_muon_in_its_layout_bit_for_bit_and_in_others_within_the_sweeps_tolerance(runs):
+    """train.py --optimizer muon from the uninterrupted one-process run's step-3 checkpoint: one process continues
+    with the same loss and grad norm bits at steps 4-6; each layout of OTHER within bench/sweep.py's Muon tolerance
+    (MUON_RULE: the layout's rtol plus optim/muon.rounding_rtol's bound, accumulated from step 4, since the state
+    at step 3 is the same bits)."""
     import unittest
-    from bench.sweep import FP32_RTOL
+    import bench.sweep
     from model import GPT, make_config
     from optim.muon import is_muon, rounding_rtol
     from tests.harness import check_resume_from, steps_of
@@ -155,14 +164,15 @@ def test_train_resumes_muon_in_its_layout_bit_for_bit_and_in_another_within_the_
     check_resume_from(test, runs["muon"], 3, args, 1, str(runs["tmp"] / "resumed-single"), 6)
     got = steps_of(str(runs["tmp"] / "resumed-single"))
     assert [(got[s]["loss"], got[s]["grad_norm"]) for s in got] == [(ref[s]["loss"], ref[s]["grad_norm"]) for s in got]
-    zero2 = str(runs["tmp"] / "resumed-zero2")
-    check_resume_from(test, runs["muon"], 3, [*args, "--data_parallel_size", "2", "--data_parallel_type", "zero2"], 2,
-                      zero2, 6)
-    got, later = steps_of(zero2), range(4, 7)
+    later = range(4, 7)
     shapes = [tuple(p.shape) for n, p in GPT(make_config("tiny")).named_parameters() if is_muon(n)]
-    rtol = FP32_RTOL + rounding_rtol(shapes, "match_rms_adamw", [lr_at(s, 3e-3, 2, 6) for s in later],
-                                     [ref[s]["grad_norm"] for s in later], [ref[s]["loss"] for s in later])
-    worst = max(abs(got[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in later)
-    print(f"\n  ZeRO-2 x2 resumed from one process's step 3: loss off by {worst:.2e} relative (tolerance {rtol:.2e})",
-          file=sys.stderr)
-    assert worst <= rtol, f"ZeRO-2 x2 resumed: loss off by {worst:.2e} relative, tolerance {rtol:.2e}"
+    bound = rounding_rtol(shapes, "match_rms_adamw", [lr_at(s, 3e-3, 2, 6) for s in later],
+                          [ref[s]["grad_norm"] for s in later], [ref[s]["loss"] for s in later])
+    for name, (nproc, flags, rtol_name) in OTHER.items():
+        out = str(runs["tmp"] / f"resumed-{name}")
+        check_resume_from(test, runs["muon"], 3, [*args, *flags], nproc, out, 6)
+        got, rtol = steps_of(out), getattr(bench.sweep, rtol_name) + bound
+        worst = max(abs(got[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in later)
+        print(f"\n  {name} resumed from one process's step 3: loss off by {worst:.2e} relative (tolerance "
+              f"{rtol:.2e})", file=sys.stderr)
+        assert worst <= rtol, f"{name} resumed: loss off by {worst:.2e} relative, tolerance {rtol:.2e}"
