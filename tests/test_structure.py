@@ -78,6 +78,14 @@ def test_the_model_parts_do_not_import_the_model(path):
     assert "model" not in imports(path, runtime_only=True), f"{path} imports model at run time"
 
 
+def test_the_pipeline_record_reads_the_schedules_kinds():
+    """metrics.StepRecord (below parallel/) names the compute kinds by their letters: the schedules' own."""
+    import metrics
+    from parallel import pipeline_schedule
+    assert metrics.COMPUTE == pipeline_schedule.COMPUTE == (pipeline_schedule.F, pipeline_schedule.B,
+                                                            pipeline_schedule.W)
+
+
 def test_imports_are_read_at_every_depth(tmp_path):
     """The reader itself: a lazy import inside a function counts."""
     (tmp_path / "m.py").write_text("def f():\n    from parallel.comm import local\n    import parallel.mesh\n")
