@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 
@@ -59,6 +60,19 @@ def val_losses(records: list[dict]) -> dict[int, float]:
     return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
 
 
+def step_times(records: list[dict]) -> dict:
+    """Medians over a run's training steps after the first 10: ms per step and, under Muon, rank 0's
+    Newton-Schulz ms and its share of each step (train.py's muon_ns_ms)."""
+    steps = [r for r in records if "loss" in r and r["step"] > 10]
+    if not steps:
+        return {}
+    out = {"ms_per_step": statistics.median(r["step_time_ms"] for r in steps)}
+    if all("muon_ns_ms" in r for r in steps):
+        out["ns_ms"] = statistics.median(r["muon_ns_ms"] for r in steps)
+        out["ns_share"] = statistics.median(r["muon_ns_ms"] / r["step_time_ms"] for r in steps)
+    return out
+
+
 def best(rows: list[dict]) -> dict[str, dict]:
     """Per optimizer label, the ok row with the lowest final val loss."""
     out: dict[str, dict] = {}
@@ -76,12 +90,19 @@ def render(rows: list[dict], meta: dict) -> str:
              f"{meta['steps']}): `{meta['command']}`. ** = the best lr of its optimizer (lowest final val loss). "
              f"Muon's rows step the Block matrices with Muon at the lr shown and the rest with AdamW at lr "
              f"{BASE_LR:g}. {meta['machine']}.", "",
-             "| optimizer | lr | " + " | ".join(f"step {s}" for s in steps) + " | s/run | status |",
-             "|---|---:|" + "---:|" * len(steps) + "---:|---|"]
+             "| optimizer | lr | " + " | ".join(f"step {s}" for s in steps)
+             + " | ms/step | NS share | s/run | status |",
+             "|---|---:|" + "---:|" * len(steps) + "---:|---:|---:|---|"]
     for r in rows:
         mark = "**" if id(r) in winners else ""
         vals = " | ".join(f"{mark}{r['val_loss'][s]:.4f}{mark}" if s in r["val_loss"] else "" for s in steps)
-        lines.append(f"| {r['optimizer']} | {r['lr']:g} | {vals} | {r['seconds']:.0f} | {r['status']} |")
+        ms = f"{r['ms_per_step']:.1f}" if "ms_per_step" in r else ""
+        share = f"{100 * r['ns_share']:.1f}%" if "ns_share" in r else ""
+        lines.append(f"| {r['optimizer']} | {r['lr']:g} | {vals} | {ms} | {share} | {r['seconds']:.0f} | "
+                     f"{r['status']} |")
+    lines += ["", "ms/step: median over the steps after the first 10 (one thread); NS share: Newton-Schulz's median "
+              "share of a step (train.py's muon_ns_ms); s/run: the job's wall time, start-up and evals included. "
+              "ms/step and s/run move with the machine's load (other jobs may share its cores); NS share much less."]
     return "\n".join(lines) + "\n"
 
 
@@ -128,10 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         cmd = command(run, args.steps, args.eval_interval, run_dir)
         res = run_job(cmd, os.path.join(run_dir, "train.log"), args.timeout)
         ok = res.returncode == 0 and os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
-        losses = val_losses(read_jsonl(run_dir)) if ok else {}
+        records = read_jsonl(run_dir) if ok else []
+        losses = val_losses(records)
         last = res.output.strip().splitlines()[-1][:200] if res.output.strip() else ""
         row = {**run, "command": shlex.join(cmd), "seconds": round(res.seconds, 1), "val_loss": losses,
-               "final": losses.get(args.steps),
+               **step_times(records), "final": losses.get(args.steps),
                "status": "ok" if ok and args.steps in losses else f"failed (rc {res.returncode}): {last}"}
         rows.append(row)
         print(f"[muon_vs_adamw] {run['name']}: {row['status']}, final val {row['final']}, {res.seconds:.0f} s",

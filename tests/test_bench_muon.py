@@ -92,3 +92,30 @@ def test_ddp2_muon_bytes_equal_comm_and_the_hand_count(tmp_path):
     assert m["orthogonalized"] == 3 * CFG.n_layer  # half of the 6L matrices
     assert m["ns_ms"] > 0 and 0 < m["ns_share"] < 1
     assert os.path.exists(os.path.join(row["out_dirs"][0], "metrics.jsonl"))
+
+
+# ----------------------------------------------------------------------------- bench.muon_vs_adamw
+
+def test_sweep_flags_change_only_the_optimizer_and_its_lr():
+    from bench import muon_vs_adamw as mva
+    sweep = {r["name"]: r for r in mva.runs(adamw_lrs=(3e-3,), muon_lrs=(1e-2,), original_lrs=(0.02,))}
+    assert sweep["adamw-lr0.003"]["flags"] == ["--lr", "0.003"]
+    assert sweep["muon-match_rms_adamw-lr0.01"]["flags"] == ["--lr", "0.001", "--optimizer", "muon", "--muon_lr",
+                                                             "0.01", "--muon_adjust_lr_fn", "match_rms_adamw"]
+    cmd = mva.command(sweep["muon-original-lr0.02"], 600, 100, "/x")
+    assert cmd[cmd.index("--max_steps") + 1] == "600" and "--no_checkpoint" in cmd
+    assert cmd[cmd.index("--data_parallel_size") + 1] == "1" and cmd[-1] == "original"
+
+
+def test_sweep_best_lr_per_optimizer_and_step_medians():
+    from bench import muon_vs_adamw as mva
+    rows = [{"optimizer": "adamw", "lr": lr, "status": "ok", "final": f, "val_loss": {0: 4.8, 600: f},
+             "seconds": 1.0} for lr, f in ((1e-3, 2.3), (3e-3, 2.1), (1e-2, 2.6))]
+    rows.append({"optimizer": "adamw", "lr": 3e-2, "status": "failed (rc 3): nan", "final": None, "val_loss": {},
+                 "seconds": 1.0})
+    assert mva.best(rows)["adamw"]["lr"] == 3e-3
+    md = mva.render(rows, {"eval_iters": 20, "steps": 600, "command": "c", "machine": "m"})
+    assert "| adamw | 0.003 | **4.8000** | **2.1000** |" in md and "| adamw | 0.001 | 4.8000 | 2.3000 |" in md
+    records = [{"step": s, "loss": 1.0, "step_time_ms": t, "muon_ns_ms": n} for s, t, n in
+               ((5, 1000.0, 900.0), (11, 100.0, 10.0), (12, 40.0, 20.0), (13, 200.0, 60.0))]
+    assert mva.step_times(records) == {"ms_per_step": 100.0, "ns_ms": 20.0, "ns_share": 0.3}
