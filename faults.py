@@ -104,9 +104,9 @@ def comm_fault(rank: int) -> CommFault | None:
                      _env_int("GPT_COMM_FAULT_NTH") or 0, rank)
 
 
-class FaultHooks(comm.Hooks):
-    """The runtime's test seam (parallel/comm.HOOKS) as these hooks fill it: GPT_COMM_FAULT's op fault and
-    GPT_FAULT_DDP_DROP_BUCKET's dropped bucket."""
+class FaultHooks:
+    """The runtime's test seam (parallel/comm.HOOKS, whose comment lists what it asks) as these hooks fill it:
+    GPT_COMM_FAULT's op fault and GPT_FAULT_DDP_DROP_BUCKET's dropped bucket."""
 
     def __init__(self, op_fault: CommFault | None):
         self.op_fault = op_fault

@@ -213,6 +213,8 @@ def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt:
     m.update(t.par.step_counters())
     if getattr(t.optimizer, "ledger", None) is not None:  # Muon: matrices this rank orthogonalised this step
         m["muon_orthogonalized"] = t.optimizer.ledger.total
+        m["muon_ns_ms"] = t.optimizer.ledger.ns_seconds() * 1000  # bench: Newton-Schulz's share of the step
+        m["muon_sent_bytes"] = t.optimizer.ledger.sent_bytes  # the exchange's, planned from the holds
     if "pp_idle_fraction" in m:  # beside what the runner measured, what the schedule's theory says (plan/theory.py)
         m["pp_bubble_theory"] = bubble_fraction(plan.par.pp_schedule, plan.dims.pp, plan.grad_accum,
                                                 plan.par.pp_virtual)

@@ -5,6 +5,7 @@
     python -m bench --quick --include_pp --out out/bench  # also the pipeline layouts and schedules
     python -m bench --quick --include_moe --layouts single,ddp --out out/bench  # and MoE: 1 process, EP, dense
     python -m bench --section out/bench                # the short table (results_section.md) from bench.json
+    python -m bench --quick --optimizer muon --include_zero --layouts single,ddp,zero2,fsdp,tp --out out/bench-muon
 
 Run it from the repository root. The matrix (bench/matrix.py) is single; ddp, fsdp and tp (tp with loss
 parallelism), each with `--implementation custom` and `pytorch`; and with >= 4 ranks 2d-ddp and 2d-fsdp
@@ -31,7 +32,8 @@ step (custom layouts only), next to theory from the formulas beside each paralle
 Outputs in --out (bench/report.py): bench.json (one row per layout x implementation), bench_meta.json
 (command, machine), bench.md, results_section.md, and throughput.png, memory.png, comm_vs_world.png;
 with --include_pp also pipeline/ (pipeline.json, pipeline.md, pipeline_timeline.png); with --include_moe
-moe_load.png.
+moe_load.png. With --optimizer muon, bench.md and the snippet also carry rank 0's Newton-Schulz time and share
+of the step and the Muon exchange's all_to_all bytes, measured against the plan (bench.report.muon_markdown).
 """
 from __future__ import annotations
 
@@ -68,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--include_moe", action="store_true",
       help=f"also moe (E={MOE_EXPERTS} experts, top-2, 1 process), moe-ep (EP = dp = all ranks) and dense-active "
            "(the dense model of equal active parameters), and moe_load.png")
+    a("--optimizer", choices=["adamw", "muon"], default="adamw",
+      help="muon: every layout with --optimizer muon (custom only): Newton-Schulz's share of the step and the "
+           "exchange's bytes, measured against Exchange.sent_bytes (docs/muon.md)")
     a("--peak_flops", type=float, default=None, help="per device (default: measured / datasheet once)")
     a("--layouts", default=None, help=f"comma list out of {','.join(LAYOUTS)}")
     a("--repeats", type=int, default=1)
@@ -193,13 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     nproc = args.nproc or (machine["count"] if gpu else 2)
     layouts = matrix(nproc, gpu, args.include_2d, args.layouts.split(",") if args.layouts else None,
                      include_pp=args.include_pp, include_zero=args.include_zero, include_moe=args.include_moe)
+    if args.optimizer == "muon":  # torch's Muon (the twins) has no ledger: nothing of NS or its exchange to report
+        layouts = [lay for lay in layouts if lay.implementation != "pytorch"]
     if not layouts:
         error_line("bench", "no layout left to run")
         return 2
     peak = args.peak_flops or machine["peak_flops"]
     setup = make_setup(args, machine, nproc, layouts, peak)
-    setup = replace(setup, dataset=ensure_dataset(args.dataset, args.out, setup.config.vocab_size))
+    setup = replace(setup, dataset=ensure_dataset(args.dataset, args.out, setup.config.vocab_size),
+                    optimizer=args.optimizer)
     notes = []
+    if args.optimizer == "muon":
+        notes.append("--optimizer muon: every layout runs Muon on the Block matrices (AdamW on the rest), custom "
+                     "implementation only; comm theory adds the Muon exchange's all_to_all as planned from the holds "
+                     "(optim/distributed_muon.Exchange.sent_bytes)")
     if any(lay.dp_type == "fsdp" for lay in layouts):
         notes.append("FSDP theory per micro-step: all-gather 2Ψ_blocks + Ψ_root (the root unit, wte = lm_head, "
                      "wpe and ln_f, stays gathered from forward to backward, as in FSDP2), reduce-scatter Ψ; "

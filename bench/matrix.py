@@ -150,6 +150,7 @@ class Setup:
     # steps): Switch's loss coefficient, DeepSeek-V3's bias rate
     moe_aux_loss_coeff: float = 0.01
     moe_bias_update_rate: float = 1e-3
+    optimizer: str = "adamw"  # or "muon" (python -m bench --optimizer muon): Muon on the Block matrices, no checkpoint
 
     def moe_config(self, experts: int) -> GPTConfig:
         """The config of a layout with `experts` (Layout.experts): every Block's MLP replaced by that many experts,
@@ -188,7 +189,8 @@ class Setup:
                 "--max_steps", str(self.warmup + self.steps), "--warmup_steps", "1",
                 "--eval_interval", str(self.warmup + self.steps + 1), "--eval_iters", "1",
                 "--peak_flops", repr(float(self.peak_flops)), "--timeout", str(int(self.timeout)),
-                "--out_dir", out_dir, "--overwrite", *lay.flags(), *self.moe_flags(lay)]
+                "--out_dir", out_dir, "--overwrite", *lay.flags(), *self.moe_flags(lay),
+                *(["--optimizer", "muon", "--no_checkpoint"] if self.optimizer == "muon" else [])]
 
     def moe_flags(self, lay: Layout) -> list[str]:
         """train.py's flags for `moe_config(lay.experts)`; none for a dense layout."""

@@ -112,6 +112,8 @@ def render_markdown(rows: list[dict], meta: dict) -> str:
     pipeline = pipeline_markdown(meta["pipeline"]) if meta.get("pipeline") else ""
     if any("moe" in r for r in rows):
         pipeline += moe_markdown(rows, "moe_load" in meta.get("plots", []))
+    if any("muon" in r for r in rows):
+        pipeline += "\n" + muon_markdown(rows)
     return "\n".join([
         "# Parallel layouts benchmark", "",
         setup_line(rows, meta) + ".", "",
@@ -269,12 +271,34 @@ def render_section(rows: list[dict], meta: dict | None = None) -> str:
         named = ", ".join(f"{v:.2f}× {label}" for label, v in x["ratios"].items() if v is not None)
         lines += ["", f"Mixture of experts (E = {r['moe']['experts']}, top-{r['moe']['top_k']}): {r['layout']} on "
                   f"{r['nproc']} ranks runs {named} (tokens/s)."]
+    if any("muon" in r for r in rows):
+        lines += ["", muon_markdown(rows)]
     info = (meta or {}).get("pipeline")
     if info and "summary" in info:
         idle = ", ".join(f"{name} {s['idle_fraction']:.2f} ({s['idle_theory']:.2f})"
                          for name, s in info["summary"].items())
         lines += ["", f"{_pipeline_title(info)}: idle fraction measured (theory) {idle}; timelines in "
                   f"{info['dir']}/pipeline_timeline.png."]
+    return "\n".join(lines) + "\n"
+
+
+def muon_markdown(rows: list[dict]) -> str:
+    """The Muon table: per layout, rank 0's step time, its Newton-Schulz time and share of the step (medians over
+    the measured steps), the matrices it orthogonalised, and the exchange's bytes it sent per step, counted by
+    parallel/comm against Exchange.sent_bytes."""
+    lines = ["Muon (`--optimizer muon`; rank 0, medians over the measured steps): Newton-Schulz (NS) time and its "
+             "share of the step; the extra bytes Muon's exchange sends per step (all_to_all counted by parallel/comm "
+             "against Exchange.sent_bytes, planned from what each rank holds; one process sends none).", "",
+             "| layout | ranks | step (ms) | NS (ms) | NS share | matrices orthogonalised | Muon all_to_all "
+             "(bytes/step) | planned | status |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        m = r.get("muon")
+        if m is None:
+            lines.append(f"| {r['layout']} | {_ranks(r)} | | | | | | | {r['status']} |")
+            continue
+        lines.append(f"| {r['layout']} | {_ranks(r)} | {_num(r['step_time_ms'], '{:.1f}')} | {m['ns_ms']:.1f} | "
+                     f"{100 * m['ns_share']:.1f}% | {m['orthogonalized']:g} | {_num(m['all_to_all'])} | "
+                     f"{m['sent_bytes']:,} | {r['status']} |")
     return "\n".join(lines) + "\n"
 
 

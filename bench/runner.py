@@ -77,7 +77,23 @@ def summarize(records: list[dict], warmup: int) -> dict | None:
         out["comm_bytes_by_kind"] = {k: int(statistics.median(r["comm_bytes"].get(k, 0) for r in steps))
                                      for k in kinds}
         out["comm_bytes"] = int(statistics.median(sum(r["comm_bytes"].values()) for r in steps))
+    if all("muon_ns_ms" in r for r in steps):
+        out["muon"] = muon_summary(steps)
     return out
+
+
+def muon_summary(steps: list[dict]) -> dict:
+    """A Muon run's measured steps (train.step_metrics' muon_* fields, rank 0's): medians of the Newton-Schulz
+    time, of its share of each step's time, of the matrices orthogonalised; the exchange's bytes planned from the
+    holds (`sent_bytes`, optim/distributed_muon.Exchange.sent_bytes) and what comm counted of all_to_all (None
+    without counters: one process). Without MoE nothing else sends all_to_all, so the two must be equal."""
+    med = lambda f: statistics.median(f(r) for r in steps)  # noqa: E731
+    counted = all("comm_bytes" in r for r in steps)
+    return {"ns_ms": med(lambda r: r["muon_ns_ms"]),
+            "ns_share": med(lambda r: r["muon_ns_ms"] / r["step_time_ms"]),
+            "orthogonalized": med(lambda r: r["muon_orthogonalized"]),
+            "sent_bytes": int(med(lambda r: r["muon_sent_bytes"])),
+            "all_to_all": int(med(lambda r: r["comm_bytes"].get("all_to_all", 0))) if counted else None}
 
 
 def moe_steps(records: list[dict], lay: Layout, setup: Setup) -> dict | None:
@@ -171,6 +187,9 @@ def make_row(lay: Layout, runs: list[dict], setup: Setup) -> dict:
     ok = [r["summary"] for r in runs if r["status"] == "ok"]
     bad = [r["status"] for r in runs if r["status"] != "ok"]
     theory = comm_theory(lay, setup)
+    muon = muon_row(ok)
+    if muon is not None and muon["sent_bytes"]:  # Muon's exchange, beside the layout's own traffic
+        theory = {**theory, "all_to_all": theory.get("all_to_all", 0) + muon["sent_bytes"]}
 
     def pick(key: str, f: Callable = statistics.median):
         values = [s[key] for s in ok if s[key] is not None]
@@ -205,7 +224,20 @@ def make_row(lay: Layout, runs: list[dict], setup: Setup) -> dict:
         "device": setup.device, "peak_flops": setup.peak_flops,
         "out_dirs": [r["out_dir"] for r in runs], "seconds": sum(r["seconds"] for r in runs),
         **({"moe": moe_row(lay, ok, setup)} if lay.name in MOE_LAYOUTS else {}),
+        **({"muon": muon} if muon is not None else {}),
     }
+
+
+def muon_row(ok: list[dict]) -> dict | None:
+    """A Muon layout's row's "muon": each of muon_summary's numbers, the median over the ok repeats; None
+    without Muon."""
+    runs = [s["muon"] for s in ok if s.get("muon")]
+    if not runs:
+        return None
+    pick = lambda k: statistics.median(m[k] for m in runs) if all(m[k] is not None for m in runs) else None  # noqa
+    out = {k: pick(k) for k in runs[0]}
+    return {**out, "sent_bytes": int(out["sent_bytes"]),
+            "all_to_all": None if out["all_to_all"] is None else int(out["all_to_all"])}
 
 
 def moe_row(lay: Layout, ok: list[dict], setup: Setup) -> dict:

@@ -14,6 +14,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from device import make_timer
 from model import param_groups as adamw_groups
 from optim.distributed_muon import Exchange, Hold, Matrix
 from optim.flags import muon_settings
@@ -43,7 +44,7 @@ def make_optimizer(par, args: argparse.Namespace, **adamw) -> torch.optim.Optimi
         opt_adamw = torch.optim.AdamW(adamw_groups([(n, p) for n, p in _unique(named) if not is_muon(n)],
                                                    args.weight_decay), **adamw)
         bind, clear, stepped = None, [], {}
-    ledger = Ledger()
+    ledger = Ledger(make_timer(par.device))
     ex = Exchange(matrices_of(slots, group, size), group, muon["ns_steps"], ledger, par.device)
     opt_muon = Muon(slots, orthogonalize=ex, **muon)
     opt_muon.ledger = ledger

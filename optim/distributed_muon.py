@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from optim.muon import Ledger, Piece, ns_flops, zeropower_via_newtonschulz
+from optim.muon import Ledger, Piece, ns_flops
 from parallel import comm
 
 
@@ -120,6 +120,7 @@ class Exchange:
         self.owned = [m for m in matrices if self.owner[m.key] == me]
         self._pos = {(m.key, r): h.positions(m.shape) for m in self.owned for r, h in enumerate(m.holds)
                      if h is not None}
+        ledger.sent_bytes = self.sent_bytes()  # what the benchmark reports beside comm's count
 
     def sent_bytes(self) -> int:
         """What this rank sends per step, from the holds alone (2 bytes an element, bf16): its pieces of the
@@ -150,8 +151,7 @@ class Exchange:
                 n = _n(m.holds[s])
                 whole[self._pos[m.key, s]] = mine[m.key] if s == me else received[s][at[s]:at[s] + n]
                 at[s] += 0 if s == me else n
-            self.ledger.add(m.key)
-            results[m.key] = zeropower_via_newtonschulz(whole.view(m.shape), self.ns_steps).reshape(-1)
+            results[m.key] = self.ledger.newton_schulz(m.key, whole.view(m.shape), self.ns_steps).reshape(-1)
         # 3. results to every rank holding a piece, in list order
         send = [[results[m.key][self._pos[m.key, d]] for m in self.owned if m.holds[d] is not None] if d != me
                 else [] for d in range(world)]

@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from device import DeviceTimer, HostTimer, make_timer
 from model import param_groups as adamw_groups
 from parallel.marks import MOMENTS
 
@@ -87,16 +88,33 @@ class Piece(NamedTuple):
 
 class Ledger:
     """How many times this rank orthogonalised each matrix in the last step (by key): summed over the ranks,
-    every Muon matrix must be 1 (none skipped, none done twice)."""
+    every Muon matrix must be 1 (none skipped, none done twice). Also what the benchmark reads: `ns_seconds()`,
+    the time this rank spent in Newton-Schulz in the last step (`timer`: device.make_timer's, marks around each
+    NS call), and `sent_bytes`, what the layout's exchange sends per step from this rank (0 on one process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timer: HostTimer | DeviceTimer | None = None) -> None:
         self.counts: Counter[str] = Counter()
+        self.timer, self.marks, self.sent_bytes = timer or HostTimer(), [], 0
 
     def reset(self) -> None:
         self.counts.clear()
+        self.marks.clear()
 
     def add(self, key: str) -> None:
         self.counts[key] += 1
+
+    def newton_schulz(self, key: str, g: torch.Tensor, ns_steps: int) -> torch.Tensor:
+        """Count `key` and orthogonalise g, timed."""
+        self.add(key)
+        self.marks.append(self.timer.mark())
+        out = zeropower_via_newtonschulz(g, ns_steps)
+        self.marks.append(self.timer.mark())
+        return out
+
+    def ns_seconds(self) -> float:
+        """Seconds in Newton-Schulz in the last step (syncs a device timer: call it after the step)."""
+        t = self.timer.seconds(self.marks)
+        return sum(b - a for a, b in zip(t[::2], t[1::2]))
 
     @property
     def total(self) -> int:
@@ -105,11 +123,7 @@ class Ledger:
 
 def orthogonalize_locally(pieces: list[Piece], ns_steps: int, ledger: Ledger) -> list[torch.Tensor]:
     """One process (or a layout whose every rank holds every matrix whole and wants all of them): NS of each."""
-    out = []
-    for piece in pieces:
-        ledger.add(piece.key)
-        out.append(zeropower_via_newtonschulz(piece.update.view(piece.shape), ns_steps))
-    return out
+    return [ledger.newton_schulz(piece.key, piece.update.view(piece.shape), ns_steps) for piece in pieces]
 
 
 @dataclass
@@ -141,7 +155,7 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn)
         super().__init__([{"params": [s.param for s in slots]}], defaults)
-        self.slots, self.ledger = slots, Ledger()
+        self.slots, self.ledger = slots, Ledger(make_timer(slots[0].param.device) if slots else None)
         self.orthogonalize = orthogonalize or (lambda pieces: orthogonalize_locally(pieces, ns_steps, self.ledger))
 
     @torch.no_grad()

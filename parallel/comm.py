@@ -11,9 +11,8 @@ The counter records payload bytes per kind, per call (and the number of calls pe
   layout-independent count is what the formulas are written in).
 Each wrapper's theory is written in these sizes in the formula sheet, plan/theory.py: `ddp_comm_bytes_per_step`,
 `fsdp_comm_bytes_per_micro_step` (2 all-gathers of each Block and 1 of the root, and 1 reduce-scatter of
-everything, per micro-step), `tp_comm_bytes_per_micro_step`, ... Backend
-overheads (ring 2(N-1)/N factors, gloo emulating reduce-scatter through all-reduce) are deliberately not
-counted: they are properties of the transport, not of the algorithm.
+everything, per micro-step), `tp_comm_bytes_per_micro_step`, ... Backend overheads (ring 2(N-1)/N factors, gloo
+emulating reduce-scatter through all-reduce) are not counted: they are the transport's, not the algorithm's.
 
 Every op is also recorded, posted and then completed, through `RECORDER`, counted or not: the scalar
 reductions (grad norm, mean loss, found-inf, the preemption vote) pass `counted=False`. `RECORDER` records
@@ -74,22 +73,12 @@ REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single
 COUNTER = CommCounter()  # one per process: every wrapper's traffic adds up in the same place
 
 
-class Hooks:
-    """The one seam through which tests and faults.py reach the runtime: `HOOKS`, None in a normal run (then no
-    hook is even asked). The runtime asks it at two named places, and nothing in parallel/ imports the code
-    that sets it:
-        op(name, tensor)           before every all_reduce and recv: None, "skip" (the op is not issued) or
-                                   "shape" (it is issued on all but the last element), as a buggy rank would
-        local_gradients(buffers)   our DDP, after a backward inside no_sync, with its bucket buffers"""
-
-    def op(self, name: str, tensor: torch.Tensor) -> str | None:
-        return None
-
-    def local_gradients(self, buffers: list[torch.Tensor]) -> None:
-        pass
-
-
-HOOKS: Hooks | None = None
+# The one seam through which tests and faults.py reach the runtime, asked at two named places; None in a normal
+# run (then no hook is even asked), else set from above (faults.FaultHooks: nothing in parallel/ imports it).
+#   HOOKS.op(name, tensor)          before every all_reduce and recv: None, "skip" (the op is not issued) or
+#                                   "shape" (it is issued on all but the last element), as a buggy rank would
+#   HOOKS.local_gradients(buffers)  our DDP, after a backward inside no_sync, with its bucket buffers
+HOOKS = None
 
 
 class Recorder:

@@ -1,7 +1,7 @@
 """Data parallelism with our own bucketed, overlapped gradient all-reduce (the algorithm of torch DDP's reducer).
 
-Each of the N ranks in `process_group` holds a full replica of the model and sees different data. After
-backward every rank must hold the same gradient, the average over ranks:
+Each of the N ranks in `process_group` holds a full replica of the model and sees different data. After backward
+every rank must hold the same gradient, the average over ranks:
 
     g = (1/N) * sum_r g_r
 
@@ -13,17 +13,16 @@ gradient over, the hook multiplies it into the view); later backwards (accumulat
 A bucket's all-reduce is launched asynchronously from the gradient hook of its last parameter, while
 backward goes on computing earlier layers; one callback at the end of backward waits for all of them.
 
-Bit-compatibility with torch DDP: torch's reducer scales each gradient by the fp32 scalar (1/N) while
-copying it into its bucket (`at::mul_out(bucket_view, grad, 1./div_factor)`), then all-reduces SUM and
-copies the bucket back into `.grad`. We do the same multiply into the view (or in place on the buffer,
-when the gradients were accumulated into it), then all-reduce SUM, so for the same inputs both produce
-the same bits (for every N where the backend sums in the same
-order; always for N = 2, where a + b = b + a). Dividing after the SUM instead would also be bit-equal for
-powers of two, but not for N = 3, where x * fl(1/3) and x / 3 can differ in the last bit.
+Bit-compatibility with torch DDP: torch's reducer scales each gradient by the fp32 scalar (1/N) while copying it
+into its bucket (`at::mul_out(bucket_view, grad, 1./div_factor)`), then all-reduces SUM and copies the bucket back
+into `.grad`. We do the same multiply into the view (or in place on the buffer, when the gradients were accumulated
+into it), then all-reduce SUM, so for the same inputs both produce the same bits (for every N where the backend
+sums in the same order; always for N = 2, where a + b = b + a). Dividing after the SUM instead would also be
+bit-equal for powers of two, but not for N = 3, where x * fl(1/3) and x / 3 can differ in the last bit.
 
-Not copied from torch's reducer: its small (1 MB) first bucket, the rebuild of buckets in the gradient
-arrival order seen in the first iteration, and the autograd-graph walk that lets find_unused_parameters
-mark unused parameters ready at the start of backward (we launch those buckets at its end instead).
+Not copied from torch's reducer: its small (1 MB) first bucket, the rebuild of buckets in the gradient arrival
+order seen in the first iteration, and the autograd-graph walk that lets find_unused_parameters mark unused
+parameters ready at the start of backward (we launch those buckets at its end instead).
 """
 from __future__ import annotations
 
@@ -127,14 +126,13 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
       all-reduced at the end of each syncing backward, to find parameters no rank used.
 
     Zeroing. The buffers are the gradients, so `.grad` must end every backward attached to them.
-    `optimizer.zero_grad(set_to_none=True)` detaches them. `forward` leaves a bucket whose grads are all
-    None detached ("fresh"): autograd then hands each new gradient over as `.grad` (AccumulateGrad's steal),
-    and the gradient hook writes it into its view (times 1/N in a syncing backward: torch's `mul_out`) and
-    re-attaches the view. That is one read and one write per gradient, where zero + accumulate + scale
-    were three of each. Other detached grads are re-attached at forward (zeroed if None, copied if the user
-    assigned another tensor), and backward adds into the views. `zero_grad()` here zeroes the buffers in
-    place (one fill per bucket). Gradient hooks also re-attach, with a copy, any `.grad` that is not its
-    view (backward run without our forward).
+    `optimizer.zero_grad(set_to_none=True)` detaches them. `forward` leaves a bucket whose grads are all None
+    detached ("fresh"): autograd then hands each new gradient over as `.grad` (AccumulateGrad's steal), and the
+    gradient hook writes it into its view (times 1/N in a syncing backward: torch's `mul_out`) and re-attaches the
+    view. That is one read and one write per gradient, where zero + accumulate + scale were three of each. Other
+    detached grads are re-attached at forward (zeroed if None, copied if the user assigned another tensor), and
+    backward adds into the views. `zero_grad()` here zeroes the buffers in place (one fill per bucket). Gradient
+    hooks also re-attach, with a copy, any `.grad` that is not its view (backward run without our forward).
 
     Unused parameters. With `find_unused_parameters=False` (default) a syncing backward that leaves a
     bucket incomplete raises an error naming the parameters that got no gradient. With True, the

@@ -3,11 +3,10 @@ rank that holds its expert and its output sent back (Lepikhin et al. 2020, GShar
 
 What each rank stores: the dense parameters whole (as without EP), and of every MoE layer only its E/P experts,
 experts [r·E/P, (r+1)·E/P) of EP rank r: slices along dim 0 of the stacked (E, in, out) weights, marked so
-checkpoints and norms see where they sit (`parallel/marks.py`). EP borrows its ranks from the ones
-that hold the same dense parameters and different tokens (the `loss` dim, dp x cp): EP rank r of group g is
-loss rank g·P + r. The ranks that hold the same experts form the expert-data-parallel group (loss rank ≡ r mod
-P); expert gradients are reduced over it, divided by the whole loss group's size, since each expert saw every
-EP rank's tokens.
+checkpoints and norms see where they sit (`parallel/marks.py`). EP borrows its ranks from the ones that hold the
+same dense parameters and different tokens (the `loss` dim, dp x cp): EP rank r of group g is loss rank g·P + r.
+The ranks that hold the same experts form the expert-data-parallel group (loss rank ≡ r mod P); expert gradients
+are reduced over it, divided by the whole loss group's size, since each expert saw every EP rank's tokens.
 
 One MoE layer's forward on each rank (`ExpertParallelDispatch`), per micro-batch:
 1. route its own tokens (moe.py's `MoE`: the same routing as one process);

@@ -16,13 +16,12 @@ What is communicated here, and which way:
 - `FlatLayout`: the sharded state dict and optimizer state are views of the slices (none; checkpoints read
   them, checkpoint_entries.py).
 
-How parameters come and go. The GPT's nn.Parameters are removed from its modules; each name becomes a
-plain attribute that is, while its unit is gathered, a view of the unit's `flat` leaf tensor (made by
-`flat.split(sizes)`, so autograd sums all the unit's gradients into `flat.grad` in one
-SplitWithSizesBackward, with no per-parameter copy), and otherwise a meta placeholder (no storage; using it
-raises). Freeing shrinks `flat`'s storage to 0 bytes. Gathering regrows it and writes through `flat.data`,
-an alias with its own version counter, so the views autograd saved in forward read the re-gathered values
-in backward without tripping the in-place check.
+How parameters come and go. The GPT's nn.Parameters are removed from its modules; each name becomes a plain
+attribute that is, while its unit is gathered, a view of the unit's `flat` leaf tensor (made by
+`flat.split(sizes)`, so autograd sums all the unit's gradients into `flat.grad` in one SplitWithSizesBackward, with
+no per-parameter copy), and otherwise a meta placeholder (no storage; using it raises). Freeing shrinks `flat`'s
+storage to 0 bytes. Gathering regrows it and writes through `flat.data`, an alias with its own version counter, so
+the views autograd saved in forward read the re-gathered values in backward without tripping the in-place check.
 """
 from __future__ import annotations
 

@@ -64,11 +64,10 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
     Mixed precision: `param_dtype` (None = fp32) is the dtype of the gathered compute copies, `reduce_dtype`
     that of the reduce-scatter; the master shard, its gradient and the optimizer state stay fp32.
 
-    A GPT built on `meta` is materialised one unit at a time from `deferred_init_seed` on `device`
-    (default: `pick_device()`): init a unit, keep this rank's shard, drop the unit, so peak init memory is the
-    shards plus one unit, and the weights equal eager `init_weights(seed)` bit for bit (an eager GPT given a
-    seed is re-initialised the same way). The wrapped GPT owns no parameters any more: use the sharded views
-    here (`sharded_state_dict`).
+    A GPT built on `meta` is materialised one unit at a time from `deferred_init_seed` on `device` (default:
+    `pick_device()`): init a unit, keep this rank's shard, drop the unit, so peak init memory is the shards plus one
+    unit, and the weights equal eager `init_weights(seed)` bit for bit (an eager GPT given a seed is re-initialised
+    the same way). The wrapped GPT owns no parameters any more: use the sharded views here (`sharded_state_dict`).
 
     `zero_stage` (1, 2 or 3, the default) picks `policy`, a `ZeroStage` of ZERO_LADDER: stage 2 keeps the
     full parameters (gathered once per step), stage 1 also the full gradients (reduced once per step).

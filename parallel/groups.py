@@ -65,11 +65,9 @@ def serial_p2p(device: torch.device) -> bool:
     communicator and stream ("serialized with all other ops on this ProcessGroup, including other P2P ops",
     torch's warning). A ring's p2p (the pipeline's, context parallelism's) then goes over link groups
     (`p2p_link`; Mesh.build_links), so a send to one neighbour never queues behind a receive from the other
-    (plan/simulate.py's "nccl_eager" model: without them up to +7.6% makespan for ZB-V and +9.3% for DualPipe-V
-    when B is slower than F, +10.9% for 1F1B and +12.5% for ZB-H1 with a slow first stage; and CP's ring runs
-    half duplex). Off on gloo: it matches each (sender, receiver) pair's k-th send with its k-th
-    receive and never blocks a rank's other peers, so link groups would only cost groups there (and
-    batch_isend_irecv, the other way round a single stream, can hang on gloo: parallel/comm.py `send`)."""
+    (what that costs without them, by plan/simulate.py's "nccl_eager" model: docs/pipeline.md, Messages). Off
+    on gloo: it matches each (sender, receiver) pair's k-th send with its k-th receive and never blocks a
+    rank's other peers (and batch_isend_irecv, a single stream, can hang on gloo: parallel/comm.py `send`)."""
     return backend_for(device) == "nccl"
 
 

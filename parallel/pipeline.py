@@ -1,7 +1,7 @@
 """Pipeline parallelism at run time: a GPT cut into stages, and a runner that executes a schedule's actions.
 
-Schedules (which compute runs when, and every SEND/RECV) come from parallel/pipeline_schedule.py as per-rank
-action lists; this module only executes them.
+Schedules (which compute runs when, and every SEND/RECV) come from parallel/pipeline_schedule.py as per-rank action
+lists; this module only executes them.
 
 - `PipelineStage`: the part of a GPT that pp rank r of P keeps, for V virtual chunks per rank: the Blocks of
   chunks r, r+P, ... (`chunk_of`; the V schedules: r and 2P-1-r; how many Blocks each chunk holds is given:
@@ -12,13 +12,10 @@ action lists; this module only executes them.
   embedding matrix, `lm_head.weight`, initialised as wte; `PipelineRunner.reduce_tied_grads` all-reduces (SUM)
   the two gradients over [first rank, last rank] after each backward, so the copies stay equal. Where one rank
   holds both ends (P == 1, rank 0 of the V schedules) lm_head is tied to wte as in GPT.
-- `PipelineRunner.step`: forward and backward of M micro-batches by the named schedule, one handler per action
-  kind (`_forward`, `_backward`, `_weights`, `_send`, `_recv`); a split schedule's B and W (zero-bubble:
-  SPLIT_SCHEDULES) go through a `WeightGradStore` (parallel/zero_bubble.py); `forward_only` runs evaluation's
-  list by the same handlers. Communication: point-to-point only (comm.send / comm.recv, counted as "p2p"): per
-  micro-batch and stage boundary one activation (mb, T, C) forward and its gradient backward, shapes known to
-  both sides (no handshake). What a step measures (timeline, events, peaks) is `StepRecord`'s
-  (parallel/pipeline_record.py).
+- `PipelineRunner.step`: M micro-batches by the named schedule, one handler per action kind; a split
+  schedule's B and W go through a `WeightGradStore` (parallel/zero_bubble.py). Point-to-point only (counted as
+  "p2p"): per micro-batch and stage boundary one activation (mb, T, C) forward and its gradient backward, shapes
+  known to both sides (no handshake). What a step measures is `record`'s (metrics.StepRecord).
 
 Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` -> optimizer step.
 """
@@ -34,15 +31,15 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from loss import head_output, loss_share
+from metrics import StepRecord
 from model import GPT, materialize_module
 from moe import SideLosses
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.groups import group_timeout, new_groups, p2p_link
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SEND_B, SEND_F, SPLIT_SCHEDULES,
-                                        V_SCHEDULES, W, Action, boundary, chunk_of, even_partition, evaluation,
-                                        peer_of, rank_of, send_waits)
-from parallel.pipeline_record import StepRecord
+                                        V_SCHEDULES, W, Action, boundary, chunk_of, consecutive, even_partition,
+                                        evaluation, peer_of, rank_of, send_waits)
 from parallel.zero_bubble import WeightGradStore, hold_for_w
 
 
@@ -53,10 +50,7 @@ def chunk_ranges(n_layer: int, chunks: int, counts: Sequence[int] | None = None)
     if len(counts) != chunks or min(counts) < 1 or sum(counts) != n_layer:
         raise ValueError(f"Blocks per chunk {list(counts)} is not a partition of {n_layer} Blocks into {chunks} "
                          "non-empty chunks")
-    bounds = [0]
-    for n in counts:
-        bounds.append(bounds[-1] + n)
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return consecutive(counts)
 
 
 class PipelineStage(nn.Module):
@@ -178,11 +172,8 @@ class PipelineRunner:
     (input, output gradient) of each of the chunk's linears (`self.store`). A sent tensor is held until its send
     is waited on where the list says (`send_waits`), so every rank holds what the schedule bounds (1F1B: P - rank
     micro-batches, plus one gradient in flight). A receive is waited on just before the F or B that reads it.
-    Communicates point-to-point with the neighbouring chunks' ranks in `group` (the pp group; None: the whole
-    world), or, given `links` (NCCL: parallel.groups.serial_p2p), on the link group of the chunk boundary each
-    message crosses (`p2p_link`; docs/pipeline.md, Messages); and, in `reduce_tied_grads`, all-reduces the
-    embedding gradient over `embed_group` (`embedding_group(...)`, which every rank of the world builds together;
-    None on a middle stage; by default the runner builds it, for a pipeline that is the whole world)."""
+    Sends to the neighbouring chunks' ranks in `group` (the pp group; None: the whole world) or on a boundary's
+    link group; all-reduces the tied embedding's gradient over `embed_group` (`reduce_tied_grads`)."""
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
                  embed_group: dist.ProcessGroup | None | str = WHOLE_WORLD, act_dtype: torch.dtype = torch.float32,
@@ -193,9 +184,11 @@ class PipelineRunner:
         send must agree, since the receiver allocates it. `seq_shard`: activations between chunks are (mb, T /
         seq_shard, C) (tp under sequence parallelism). `engine`: our sharding engine wrapping the stage
         (parallel/fsdp.py), which then runs every chunk (`engine.run`, so its hooks see each one) and holds the
-        tied matrix's shard pieces (`sharded_units`) that `reduce_tied_grads` sums. `links`: the pp group's link
-        groups (MeshDim.links: its ranks in its order, one group per link colour), or () for every message on
-        `group`."""
+        tied matrix's shard pieces (`sharded_units`) that `reduce_tied_grads` sums. `links` (NCCL:
+        parallel.groups.serial_p2p): the pp group's link groups, one per link colour, each message on its chunk
+        boundary's (`p2p_link`; docs/pipeline.md, Messages), or () for every message on `group`. `embed_group`:
+        `embedding_group(...)`, which every rank of the world builds together (None on a middle stage; by
+        default built here, for a pipeline that is the whole world)."""
         self.stage, self.group, self.act_dtype, self.seq_shard = stage, group, act_dtype, seq_shard
         self.links = tuple(links)
         self.engine = engine
@@ -259,7 +252,8 @@ class PipelineRunner:
                 s.recvs[recv][0].wait()
                 record.waited(recv)
                 (s.act_in if a.kind == F else s.grad_out)[a[1:]] = s.recvs.pop(recv)[1]
-            with record.action(a, s.held):
+            comm.RECORDER.micro = a.micro  # the flight recorder's context
+            with record.action(a, s):
                 handlers[a.kind](s, a)
         for sent in list(s.sends):
             s.sends.pop(sent)[0].wait()
@@ -406,8 +400,8 @@ class PipelineRunner:
 
 
 class _Step:
-    """What one step (or evaluation) holds between its actions, keyed by (chunk, micro) or by message; all of
-    it is gone at the step's end. The runner's handlers read and fill it; `held` lists it for `held_bytes`."""
+    """What one step (or evaluation) holds between its actions, keyed by (chunk, micro) or by message; all of it is
+    gone at the step's end. The handlers read and fill it; `held` lists it (a test's recorder counts its bytes)."""
 
     def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], runner: PipelineRunner,
                  scale: Callable | None, store: WeightGradStore | None, train: bool):

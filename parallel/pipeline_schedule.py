@@ -1,8 +1,8 @@
 """Pipeline schedules as per-rank action lists: which compute runs when on each rank, and every SEND/RECV.
 
-Chunks. The model's Blocks are cut into C = P·V consecutive chunks (P pipeline ranks, V virtual chunks
-per rank). Chunk 0 also holds wte/wpe, chunk C-1 also ln_f and lm_head. Rank r holds chunks
-r, r+P, r+2P, ... (Megatron's interleaving; V = 1 is the plain pipeline; the V schedules: r and 2P-1-r).
+Chunks. The model's Blocks are cut into C = P·V consecutive chunks (P pipeline ranks, V virtual chunks per rank).
+Chunk 0 also holds wte/wpe, chunk C-1 also ln_f and lm_head. Rank r holds chunks r, r+P, r+2P, ... (Megatron's
+interleaving; V = 1 is the plain pipeline; the V schedules: r and 2P-1-r).
 
 Actions. `Action(kind, chunk, micro)`; `chunk` is always a chunk of the rank that runs the action:
   F(c, m) / B(c, m)    forward / backward of micro-batch m through chunk c;
@@ -27,6 +27,7 @@ list as a grid.
 """
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 F, B, W, SEND_F, RECV_F, SEND_B, RECV_B = "F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"
@@ -60,10 +61,13 @@ def even_partition(n_layer: int, pp: int, virtual: int = 1) -> list[range]:
         raise ValueError(f"cannot partition {n_layer} layers into pp={pp} x virtual={virtual} = {chunks} "
                          "non-empty chunks")
     q, e = divmod(n_layer, chunks)
-    bounds = [0]
-    for c in range(chunks):
-        bounds.append(bounds[-1] + q + (c < e))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return consecutive([q + (c < e) for c in range(chunks)])
+
+
+def consecutive(counts: list[int]) -> list[range]:
+    """Consecutive index ranges of the given lengths, from 0."""
+    ends = list(itertools.accumulate(counts))
+    return [range(end - n, end) for n, end in zip(counts, ends)]
 
 
 def chunk_of(rank: int, v: int, pp: int, v_shape: bool = False) -> int:

@@ -8,13 +8,12 @@ Under sequence parallelism the activations outside those regions (residual strea
 split along the sequence, (B, T/p, C), and each all-reduce becomes a reduce-scatter plus an all-gather
 of the same payload, while those activations take 1/p of the memory.
 
-The sharding is `TP_PLAN`; `apply_tensor_parallel` swaps modules in place and keeps every parameter's
-name, so optimizer groups and checkpoints map by name (`transformer.h.0.attn.c_q.weight` is now this
-rank's rows). Sharded parameters carry a shard mark (`parallel.marks.mark_shard`, over "tp"), replicated
-ones none: a global grad norm sums the squares of the former over the group and counts the latter once
-(`parallel.grads.grad_groups`).
-Under SP the replicated parameters that see only T/p positions (LayerNorms, row-parallel biases, wpe)
-get their gradients made whole over the group inside backward, so they too count once.
+The sharding is `TP_PLAN`; `apply_tensor_parallel` swaps modules in place and keeps every parameter's name, so
+optimizer groups and checkpoints map by name (`transformer.h.0.attn.c_q.weight` is now this rank's rows). Sharded
+parameters carry a shard mark (`parallel.marks.mark_shard`, over "tp"), replicated ones none: a global grad norm
+sums the squares of the former over the group and counts the latter once (`parallel.grads.grad_groups`). Under SP
+the replicated parameters that see only T/p positions (LayerNorms, row-parallel biases, wpe) get their gradients
+made whole over the group inside backward, so they too count once.
 
 The layers (`ColumnParallelLinear`, `RowParallelLinear`, ...) live in parallel/tp_layers.py, the communication
 primitives in parallel/tp_comm.py; those go through parallel/comm.py, so `tp_comm_bytes_per_micro_step` can be

@@ -1,15 +1,15 @@
 """The split backward of the zero-bubble schedules: B computes a chunk's input gradient, W its weight gradients later.
 
-How (Megatron's / Qi et al.'s WeightGradStore). A store is built over a model's linears (`routable`: each
-nn.Linear and our TP's column/row-parallel linears, not lm_head, whose chunked head_loss makes its
-gradients in forward). While a chunk runs under `WeightGradStore.defer(key)` (its F, and its B), and only then, those
-modules' linear product is swapped for `_InputGradLinear` (nn.Linear: its `forward`; our TP linears: their
-`linear` attribute, the F.linear inside their forward, so their communication stays where it is); no other op
-is touched, and outside `defer` the modules are their own. Its backward computes only dx = dy W, and pushes
-(x, dy) to the store under `key`, the (chunk, micro) whose forward ran it; `WeightGradStore.flush(key)` (the
-schedule's W action) then computes dW = dy^T x and db = sum(dy) and accumulates them. Nothing runs twice: B
-never computes a linear's dW, and W runs only those two products. Everything else of the backward (LayerNorm,
-embeddings, the chunked lm_head + loss) stays in B.
+How (Megatron's / Qi et al.'s WeightGradStore). A store is built over a model's linears (`routable`: each nn.Linear
+and our TP's column/row-parallel linears, not lm_head, whose chunked head_loss makes its gradients in forward).
+While a chunk runs under `WeightGradStore.defer(key)` (its F, and its B), and only then, those modules' linear
+product is swapped for `_InputGradLinear` (nn.Linear: its `forward`; our TP linears: their `linear` attribute, the
+F.linear inside their forward, so their communication stays where it is); no other op is touched, and outside
+`defer` the modules are their own. Its backward computes only dx = dy W, and pushes (x, dy) to the store under
+`key`, the (chunk, micro) whose forward ran it; `WeightGradStore.flush(key)` (the schedule's W action) then
+computes dW = dy^T x and db = sum(dy) and accumulates them. Nothing runs twice: B never computes a linear's dW, and
+W runs only those two products. Everything else of the backward (LayerNorm, embeddings, the chunked lm_head + loss)
+stays in B.
 
 Bit-identity with the whole backward. The products are those autograd computes for F.linear on a contiguous
 (B, T, in) input (aten addmm / mm backward, derivatives.yaml): dx = dy2 @ W, dW = dy2^T @ x2, db = dy2 summed
@@ -35,11 +35,11 @@ recomputation pushes (x, dy) for W, recomputed once for B and W together.
 Memory: per deferred linear, x and dy stay from B until W (what W needs; the rest of the chunk's graph is freed at
 B: x is pushed detached, as its history would hold the chunk's input and its gradient until W); under autocast its
 weight's compute-dtype copy from F until B, one per weight shared by every micro-batch in flight (`cast_once`, as
-autocast's cache shares it for autograd's linears); under TP with sequence parallelism, a column-parallel linear's x
-is the all-gathered (B, T, C) input (one storage shared by q, k, v; autograd saves the same from F to B under 1F1B),
-and a row-parallel one's dy is the all-gathered output gradient. Under the sharding engine, one full unit gradient
-(padded, compute dtype) per (unit, key) from B until W. Communication: none here; TP's stay in B (dx), W needs none
-(dW = dy^T x of local tensors); a data-parallel reduction runs after the last W that feeds it.
+autocast's cache shares it for autograd's linears); under TP with sequence parallelism, a column-parallel linear's
+x is the all-gathered (B, T, C) input (one storage shared by q, k, v; autograd saves the same from F to B under
+1F1B), and a row-parallel one's dy is the all-gathered output gradient. Under the sharding engine, one full unit
+gradient (padded, compute dtype) per (unit, key) from B until W. Communication: none here; TP's stay in B (dx), W
+needs none (dW = dy^T x of local tensors); a data-parallel reduction runs after the last W that feeds it.
 """
 from __future__ import annotations
 
@@ -258,7 +258,7 @@ class WeightGradStore:
             done(grad)
 
     def held_tensors(self) -> dict[Hashable, tuple]:
-        """Every tensor the store keeps, by key (for parallel.pipeline_record.held_bytes)."""
+        """Every tensor the store keeps, by key (what a step holds: _Step.held)."""
         out = {(k, i): (x, dy) for k, items in self.pending.items() for i, (_, _, x, dy, _) in enumerate(items)}
         out.update({(k, "held", i): g for k, items in self.held.items() for i, (_, g, _) in enumerate(items)})
         return out

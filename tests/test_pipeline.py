@@ -36,6 +36,7 @@ from debug import flight_recorder
 from model import GPT, make_config
 from parallel import comm
 from parallel.pipeline import PipelineRunner, PipelineStage
+from metrics import StepRecord
 from plan.theory import p2p_bytes_per_step
 from parallel.groups import link_groups, new_groups, p2p_link
 from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action,
@@ -381,6 +382,32 @@ if __name__ == "__main__":
     unittest.main()
 
 
+def held_bytes(*containers: dict) -> int:
+    """Bytes of the distinct storages of every tensor in the containers' values (tensors, or tuples of them):
+    what a runner's bookkeeping keeps alive. A tensor and a view of it count once."""
+    seen: dict[int, int] = {}
+    for box in containers:
+        for v in box.values():
+            for t in v if isinstance(v, tuple) else (v,):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+class HeldRecord(StepRecord):
+    """The runner's record, plus after each action the most bytes its step holds (`_Step.held`: stored inputs
+    and outputs, received buffers, tensors waiting for or in a send, the split backward's (input, output
+    gradient) pairs and unit gradients held for W). Host time per action: only here, never in a run."""
+    peak_held_bytes = 0
+
+    @contextlib.contextmanager
+    def action(self, a: Action, step):
+        with super().action(a, step):
+            yield
+        self.peak_held_bytes = max(self.peak_held_bytes, held_bytes(*step.held()))
+
+
 def held_cases(rank: int, world: int) -> list[dict]:
     """One step of each (schedule, M): every rank's peak held bytes and peak in-flight count, by rank, gathered
     on every rank (so the result reads the same under spawn and under a same-size torchrun)."""
@@ -393,7 +420,7 @@ def held_cases(rank: int, world: int) -> list[dict]:
             stage = PipelineStage(model, rank, world)
             stage.materialize(SEED)
             runner = PipelineRunner(stage)
-            runner.record.measure_held = True
+            runner.record = HeldRecord(runner.device)
             runner.step(micro_batches(cfg, m), name)
             out[name, m] = {"held": runner.record.peak_held_bytes, "in_flight": runner.record.peak_in_flight}
     every = [None] * world

@@ -78,6 +78,14 @@ def test_the_model_parts_do_not_import_the_model(path):
     assert "model" not in imports(path, runtime_only=True), f"{path} imports model at run time"
 
 
+def test_the_pipeline_record_reads_the_schedules_kinds():
+    """metrics.StepRecord (below parallel/) names the compute kinds by their letters: the schedules' own."""
+    import metrics
+    from parallel import pipeline_schedule
+    assert metrics.COMPUTE == pipeline_schedule.COMPUTE == (pipeline_schedule.F, pipeline_schedule.B,
+                                                            pipeline_schedule.W)
+
+
 def test_imports_are_read_at_every_depth(tmp_path):
     """The reader itself: a lazy import inside a function counts."""
     (tmp_path / "m.py").write_text("def f():\n    from parallel.comm import local\n    import parallel.mesh\n")
@@ -202,3 +210,20 @@ def test_device_choices_are_found(tmp_path):
     assert [c.split(" ", 1)[1] for c in device_choices("m.py", str(tmp_path))] == [
         "'cuda' if torch.cuda.is_available() else 'cpu'", "torch.cuda.is_available()",
         "torch.distributed.init_process_group(backend='nccl')"]
+
+
+def _lines(path: str) -> int:
+    with open(os.path.join(ROOT, path)) as f:
+        return sum(1 for _ in f)
+
+
+def test_sizes_a_reader_can_hold():
+    """The learner's path (issue #45 item 7): no module outside tests/ over 600 lines; parallel/ without its
+    twins at most 5,000 lines, no file of it over 450. A change that grows past them splits by concept."""
+    ours = sorted(os.path.relpath(os.path.join(d, f), ROOT) for d, dirs, fs in os.walk(ROOT)
+                  for f in fs if f.endswith(".py") and not os.path.relpath(d, ROOT).split(os.sep)[0].startswith(
+                      (".", "tests", "venv")))
+    assert not [(p, n) for p in ours if (n := _lines(p)) > 600]
+    runtime = [p for p in PARALLEL if not p.startswith(os.path.join("parallel", "twins"))]
+    assert not [(p, n) for p in runtime if (n := _lines(p)) > 450]
+    assert sum(_lines(p) for p in runtime) <= 5000
