@@ -16,6 +16,7 @@ rank writes (its entries, checkpoint_entries.py, from `Parallelized.checkpoint_p
     "<name>::param"        the values at those positions, in run order (1-D)
     "<name>::exp_avg"      AdamW's first moment at the same positions
     "<name>::exp_avg_sq"   and its second moment
+    "<name>::momentum_buffer"  instead of the two moments, Muon's momentum (--optimizer muon, a Block matrix)
     "rng::cpu", "rng::cuda"  this rank's torch RNG states (written by every rank)
 
 Runs keep the index small: a DDP/FSDP shard is one run, a row-sharded TP weight one run per row.
@@ -530,10 +531,14 @@ def load(path: str, entries: list, optimizer: torch.optim.Optimizer, *, rank: in
 
 
 def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """The step count into the parameters that keep one (AdamW's: ensure_optimizer_state made it; Muon keeps
+    none), then the groups' hyperparameters."""
     for group in optimizer.param_groups:
         on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             state = optimizer.state[p]
+            if "step" not in state:
+                continue
             state["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32,
                                          device=p.device if on_device else "cpu")
     if len(saved["param_groups"]) == len(optimizer.param_groups):

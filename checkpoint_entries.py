@@ -1,11 +1,11 @@
 """A layout-independent view of this rank's training state, for checkpoints and resharding (checkpoint.py writes
 and loads it; `entries` builds it from what the data-parallel wrapper answers, parallel/protocol.py's parts).
 
-Whatever the layout, every element this rank stores of an original GPT parameter (and of its AdamW
-moments) is described by an `Entry`: the parameter's name and full shape, where those elements sit in
-the full tensor, and 1-D views of the live storage that hold them. A checkpoint writes (name, positions,
-values) and a loader in any other layout fills its own entries' views from them, so DDP x2 -> FSDP x2 ->
-TP x2 -> one process needs no conversion step.
+Whatever the layout, every element this rank stores of an original GPT parameter (and of its optimizer
+state: AdamW's two moments, or under --optimizer muon a Block matrix's momentum) is described by an `Entry`:
+the parameter's name and full shape, where those elements sit in the full tensor, and 1-D views of the live
+storage that hold them. A checkpoint writes (name, positions, values) and a loader in any other layout fills
+its own entries' views from them, so DDP x2 -> FSDP x2 -> TP x2 -> one process needs no conversion step.
 
 Where the elements sit is kept compact, never as one index per element: per dim of the full tensor, the
 positions along it that the rank holds (a `range`, or for a strided DTensor shard a small int64 tensor),
@@ -40,7 +40,7 @@ class Entry:
     shape: tuple[int, ...]            # full, unsharded shape
     axes: tuple[Axis, ...]            # per dim: the positions along it of this rank's block (row-major)
     span: tuple[int, int]             # this rank holds elements [lo, hi) of its block, flattened
-    tensors: dict[str, torch.Tensor]  # "param" and the optimizer moments: (n,) views of live storage
+    tensors: dict[str, torch.Tensor]  # "param" and the optimizer's state (`state_kinds`): (n,) views of live storage
     write: bool                       # this rank writes these elements (one writer per element)
 
     @property
@@ -114,7 +114,9 @@ def _merge(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create AdamW's state as its first step would (zero moments, step 0) without changing any
-    parameter, so a checkpoint can be loaded into it."""
+    parameter, so a checkpoint can be loaded into it (an optimizer that says otherwise: its `ensure_state`)."""
+    if hasattr(optimizer, "ensure_state"):
+        return optimizer.ensure_state()
     for group in optimizer.param_groups:
         on_device = group.get("fused") or group.get("capturable")  # as torch's AdamW keeps it then
         for p in group["params"]:
@@ -123,6 +125,21 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
                 for k in MOMENTS:
                     state[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def state_kinds(optimizer: torch.optim.Optimizer, name: str) -> tuple[str, ...]:
+    """The per-element optimizer state a checkpoint keeps of parameter `name`: AdamW's two moments, unless the
+    optimizer says (optim/muon.MuonAdamW: Muon's momentum for a Block matrix)."""
+    return optimizer.kinds(name) if hasattr(optimizer, "kinds") else MOMENTS
+
+
+def element_state(optimizer: torch.optim.Optimizer, name: str, p: torch.Tensor, lo: int = 0, hi: int | None = None
+                  ) -> dict[str, torch.Tensor]:
+    """{kind: 1-D view of the live state} of elements [lo, hi) of `p` flattened: AdamW's moments of p, unless the
+    optimizer finds them itself (MuonAdamW: Muon's momentum, or the flat engine's views it steps)."""
+    if hasattr(optimizer, "element_state"):
+        return optimizer.element_state(name, p, lo, hi)
+    return {k: local(optimizer.state[p][k]).view(-1)[lo:hi] for k in MOMENTS}
 
 
 def full_shape(p: torch.Tensor, marks: tuple[ShardMark, ...] | None = None) -> tuple[int, ...]:
@@ -208,9 +225,9 @@ def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.o
         name = name.removeprefix("module.")
         layout = (sharded_as or {}).get(name, p)
         mine = owns is None or owns(p)
-        state = optimizer.state[p] if mine else {k: torch.zeros_like(local(p)) for k in MOMENTS}
         tensors = {"param": local(p).detach().view(-1)}
-        tensors.update({k: local(state[k]).view(-1) for k in MOMENTS})
+        tensors.update(element_state(optimizer, name, p) if mine else
+                       {k: torch.zeros_like(local(p)).view(-1) for k in MOMENTS})
         axes = _axes(layout)
         n = math.prod(len(a) for a in axes)
         if n != tensors["param"].numel():
@@ -242,7 +259,11 @@ def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_rank: int, repli
     are mapped through the same rule as `_axes`. Parameters replicated over TP are written by tp rank 0."""
     ensure_optimizer_state(optimizer)
     params = fsdp.sharded_state_dict()
-    moments = fsdp.sharded_optimizer_state(optimizer)
+    moments = {}  # name -> {kind: 1-D view}, of the same slices of the shards as `params`
+    for unit, spec, piece, lo, hi in fsdp.layout.slices():
+        state = {k: unit.shard.new_empty(0) for k in state_kinds(optimizer, spec.names[0])} if piece is None else \
+            element_state(optimizer, spec.names[0], piece, lo, hi)
+        moments.update((name, state) for name in spec.names)
     out, seen = [], set()
     for name, piece in params.items():
         if id(piece.flat) in seen:  # the tied weight once, as wte (a pipeline stage's lm_head is a copy)
@@ -252,7 +273,7 @@ def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_rank: int, repli
         axes, shape = marked_axes(tuple(piece.shape), marks)
         tp_split = any(m.over == "tp" for m in marks)
         n = piece.flat.numel()
-        tensors = {"param": piece.flat.view(-1), **{k: moments[name][k].flat.view(-1) for k in MOMENTS}}
+        tensors = {"param": piece.flat.view(-1), **moments[name]}
         out.append(Entry(name, shape, tuple(axes), (piece.offset, piece.offset + n), tensors,
                          n > 0 and fsdp.replica_of(name, replica_rank) == 0 and (tp_split or tp_rank == 0)))
     return out

@@ -510,20 +510,20 @@ def _check_out_dir(args: argparse.Namespace, config: GPTConfig) -> str | None:
     if held and not (args.overwrite or args.resume):
         raise UsageError(f"{args.out_dir} already holds a run ({held}); pass --resume to continue it, "
                          f"--overwrite to start afresh, or choose another --out_dir")
-    return resume_checkpoint(args.out_dir, config, env_world()[0] == 0) if args.resume else None
+    return resume_checkpoint(args.out_dir, config, env_world()[0] == 0, args.optimizer) if args.resume else None
 
 
-def resume_checkpoint(out_dir: str, config: GPTConfig, report: bool = True) -> str | None:
+def resume_checkpoint(out_dir: str, config: GPTConfig, report: bool = True, optimizer: str = "adamw") -> str | None:
     """--resume: the newest intact checkpoint in `out_dir` (None if there is none): damaged newer ones are
-    skipped with one line each (`report`: rank 0 says it), so a crash mid-write or a flipped byte never
-    stops a restart. Refused in one line if it holds another model config. Every rank verifies and reads the
-    manifest, so every rank decides alike."""
-    path = checkpoint.newest_intact(out_dir, (lambda line: print(f"--resume: {line}", flush=True)) if report
-                                    else None)
+    skipped with one line each (`report`: rank 0 says it), so a crash mid-write or a flipped byte never stops a
+    restart. Refused in one line if it holds another model config or another `optimizer`'s state. Every rank
+    verifies and reads the manifest, so every rank decides alike."""
+    path = checkpoint.newest_intact(out_dir, (lambda line: print(f"--resume: {line}", flush=True)) if report else None)
     if path is None:
         return None
     try:
-        diff = checkpoint.config_mismatch(checkpoint.read_manifest(path), config)
+        diff = checkpoint.config_mismatch(manifest := checkpoint.read_manifest(path), config)
+        optim_flags.check_resume(manifest, optimizer, path, refuse=UsageError)
     except checkpoint.CheckpointError as e:
         raise UsageError(f"--resume: {e}") from None
     except KeyError as e:

@@ -8,11 +8,12 @@ from dataclasses import asdict
 
 from checkpoint import load, snapshot, write
 from checkpoint_entries import entries
+from optim.flags import MUON_FLAGS
 
 
 MATH_ARGS = ("seed", "lr", "warmup_steps", "max_steps", "weight_decay", "total_batch_size", "seq_len",
              "gradient_clipping", "grad_compression", "param_dtype", "reduce_dtype", "init_from",
-             "dataset")  # stored with each checkpoint; a resume with other values says so
+             "dataset", *MUON_FLAGS)  # stored with each checkpoint; a resume with other values says so
 
 
 def save_trainer(t, step: int, wait: bool = False) -> tuple[str, float]:
@@ -23,7 +24,8 @@ def save_trainer(t, step: int, wait: bool = False) -> tuple[str, float]:
     plan, a, d = t.plan, t.plan.args, t.plan.dims
     extra = {"config": {"model": asdict(plan.config),
                         "train": {**{k: getattr(a, k, None) for k in MATH_ARGS},
-                                  "dtype": str(plan.dtype).removeprefix("torch.")}},
+                                  "dtype": str(plan.dtype).removeprefix("torch."),
+                                  "optimizer": a.optimizer}},  # a resume with the other is refused
              "layout": {"world_size": d.world_size, **d.sizes(),
                         "implementation": plan.par.implementation, "dp_type": plan.par.dp_type}}
     if t.scaler is not None:

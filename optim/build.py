@@ -37,18 +37,18 @@ def make_optimizer(par, args: argparse.Namespace, **adamw) -> torch.optim.Optimi
     if size == 1:  # one process, or a pipeline stage on one rank: its matrices are its own, whole
         return one_process(list(par.model.named_parameters()), args.weight_decay, adamw, muon)
     if par.fsdp is not None:
-        slots, opt_adamw, bind, clear = sharded(par.fsdp, args.weight_decay, adamw)
+        slots, opt_adamw, bind, clear, stepped = sharded(par.fsdp, args.weight_decay, adamw)
     else:
         named = list(par.model.named_parameters())
         slots = [whole_slot(n, p) for n, p in _unique(named) if is_muon(n)]
         opt_adamw = torch.optim.AdamW(adamw_groups([(n, p) for n, p in _unique(named) if not is_muon(n)],
                                                    args.weight_decay), **adamw)
-        bind, clear = None, []
+        bind, clear, stepped = None, [], {}
     ledger = Ledger(make_timer(par.device))
     ex = Exchange(matrices_of(slots, group, size), group, muon["ns_steps"], ledger, par.device)
     opt_muon = Muon(slots, orthogonalize=ex, **muon)
     opt_muon.ledger = ledger
-    return MuonAdamW(opt_muon, opt_adamw, muon["lr"], before_step=bind, also_clear=clear)
+    return MuonAdamW(opt_muon, opt_adamw, muon["lr"], before_step=bind, also_clear=clear, stepped=stepped)
 
 
 def stage_group(mesh) -> tuple[dist.ProcessGroup | None, int]:
@@ -94,8 +94,9 @@ def whole_slot(name: str, p: torch.Tensor) -> Slot:
 def sharded(fsdp, weight_decay: float, adamw: dict):
     """Our flat engine (ZeRO-1/2/3): Muon steps 1-D views of each matrix's elements in this rank's shard; AdamW
     steps views of the rest of each decay piece, and the no-decay pieces whole. Returns (slots, AdamW, what
-    binds the AdamW views' gradients to the shards' before a step, the pieces whose gradients zero_grad clears)."""
-    slots, decay_views, whole_rest, clear = [], [], [], []
+    binds the AdamW views' gradients to the shards' before a step, the pieces whose gradients zero_grad clears,
+    {(id(piece), lo, hi): (the view stepped, 0, hi - lo)}: where a checkpoint finds the state of those elements)."""
+    slots, decay_views, whole_rest, clear, stepped = [], [], [], [], {}
     for unit, spec, piece, lo, hi in fsdp.layout.slices():
         name = spec.names[0]
         if piece is None or hi <= lo:
@@ -103,8 +104,10 @@ def sharded(fsdp, weight_decay: float, adamw: dict):
         if is_muon(name):
             a, b, _ = fsdp.layout.held(unit, spec)  # the same elements, counted in the parameter
             slots.append(_flat_slot(name, spec.shape, fsdp.shard_marks.get(name, ()), piece, (lo, hi), a, b))
+            stepped[id(piece), lo, hi] = (slots[-1].param, 0, hi - lo)
         elif any(p is piece and d for (p, _, _), d in zip(unit.pieces, unit.decay)):
             decay_views.append((piece.detach()[lo:hi], piece, lo, hi))
+            stepped[id(piece), lo, hi] = (decay_views[-1][0], 0, hi - lo)
     for unit in fsdp.units:
         for (p, _, _), decay in zip(unit.pieces, unit.decay):
             (clear if decay else whole_rest).append(p)
@@ -115,7 +118,7 @@ def sharded(fsdp, weight_decay: float, adamw: dict):
 
     opt = torch.optim.AdamW([{"params": [v for v, *_ in decay_views], "weight_decay": weight_decay},
                              {"params": whole_rest, "weight_decay": 0.0}], **adamw)
-    return slots, opt, bind, clear
+    return slots, opt, bind, clear, stepped
 
 
 def _flat_slot(name: str, shape: torch.Size, marks: tuple, piece: torch.Tensor, at: tuple[int, int], lo: int,

@@ -55,9 +55,6 @@ def check(args: argparse.Namespace, dims, moe: bool, dtype: torch.dtype, refuse:
     if dtype == torch.float16:
         raise refuse("--optimizer muon with --dtype float16 is not built yet (the GradScaler's unscale does not "
                          "reach the flat shards' Muon views): use bfloat16")
-    if not args.no_checkpoint or args.resume:
-        raise refuse("--optimizer muon writes no checkpoint yet (its momentum is not a checkpoint entry, issue #46 "
-                         "item 6): pass --no_checkpoint, without --resume")
     if args.implementation == "pytorch":
         refused = [what for what, on in (
             (f"--data_parallel_type {args.data_parallel_type}",
@@ -66,3 +63,15 @@ def check(args: argparse.Namespace, dims, moe: bool, dtype: torch.dtype, refuse:
         if refused:
             raise refuse(f"--implementation pytorch --optimizer muon: torch.optim.Muon needs each matrix whole and "
                          f"2-D on every rank, which {refused[0]} does not give; use --implementation custom")
+
+
+def check_resume(manifest: dict, optimizer: str, path: str, refuse: type[Exception] = ValueError) -> None:
+    """--resume from a checkpoint another --optimizer wrote: raises `refuse` with one line (config.resume_checkpoint
+    passes its UsageError: every rank reads the manifest, so every rank exits 2, before any work). Their state does
+    not carry over: Muon keeps one momentum per Block matrix where AdamW keeps two moments and a step count. A
+    checkpoint from before --optimizer existed records none: AdamW wrote it."""
+    saved = manifest["config"]["train"].get("optimizer") or "adamw"
+    if saved != optimizer:
+        raise refuse(f"--resume: checkpoint {path} was written with --optimizer {saved}, and this run has --optimizer "
+                     f"{optimizer}: the optimizer state does not carry over (muon keeps one momentum per Block "
+                     f"matrix, adamw two moments); resume with --optimizer {saved}, or choose another --out_dir")

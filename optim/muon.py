@@ -28,6 +28,9 @@ import torch
 
 from device import DeviceTimer, HostTimer, make_timer
 from model import param_groups as adamw_groups
+from parallel.marks import MOMENTS
+
+MOMENTUM = ("momentum_buffer",)  # Muon's per-element state, as torch.optim.Muon names it (it keeps no step count)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
 EPS = 1e-7
@@ -185,11 +188,19 @@ class MuonAdamW(torch.optim.Optimizer):
     """What the trainer steps: `muon` (ours or torch's) on the Block matrices and torch's `adamw` on the rest,
     as one optimizer. Both share one `param_groups` list and one `state` (their parameters are disjoint), so
     the lr schedule, the GradScaler and `zero_grad` see every group; a Muon group carries `base_lr` (its peak lr,
-    train.lr_at's input). `before_step`: what binds this step's gradients to the slots (flat shards' views)."""
+    train.lr_at's input). `before_step`: what binds this step's gradients to the slots (flat shards' views).
+
+    Checkpoints (checkpoint_entries.py asks `kinds`, `element_state`, `ensure_state`): a Block matrix keeps Muon's
+    momentum, every other parameter AdamW's two moments, in whatever sharding the layout gives the parameter; under
+    our flat engine the optimizer steps views of the shard pieces, and `stepped` maps (id(piece), lo, hi) to the
+    view holding those elements (optim/build.sharded)."""
+    name = "muon"  # what a checkpoint records as its --optimizer
 
     def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer, muon_lr: float,
-                 before_step: Callable[[], None] | None = None, also_clear: list[torch.Tensor] = ()):
+                 before_step: Callable[[], None] | None = None, also_clear: list[torch.Tensor] = (),
+                 stepped: dict[tuple[int, int, int], torch.Tensor] | None = None):
         self.muon, self.adamw, self.before_step, self.also_clear = muon, adamw, before_step, list(also_clear)
+        self.stepped = stepped or {}
         for g in muon.param_groups:
             g["base_lr"] = muon_lr
         super().__init__(adamw.param_groups + muon.param_groups, adamw.defaults)  # the same group dicts
@@ -212,6 +223,27 @@ class MuonAdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         for p in self.also_clear:
             p.grad = None
+
+    def kinds(self, name: str) -> tuple[str, ...]:
+        """The per-element state parameter `name` keeps: Muon's momentum for a Block matrix, else AdamW's moments."""
+        return MOMENTUM if is_muon(name) else MOMENTS
+
+    def element_state(self, name: str, p: torch.Tensor, lo: int = 0, hi: int | None = None
+                      ) -> dict[str, torch.Tensor]:
+        """{kind: 1-D view of the live state} of elements [lo, hi) of `p` flattened (a parameter, or a flat shard
+        piece whose elements this optimizer steps through a view)."""
+        q, a, b = self.stepped[id(p), lo, hi] if (id(p), lo, hi) in self.stepped else (p, lo, hi)
+        return {k: self.state[q][k].view(-1)[a:b] for k in self.kinds(name)}
+
+    def ensure_state(self) -> None:
+        """The state a first step makes, without changing a parameter, so that a checkpoint can load into it:
+        AdamW's (zero moments, step 0; checkpoint_entries.ensure_optimizer_state) and Muon's zero momentum."""
+        from checkpoint_entries import ensure_optimizer_state
+        ensure_optimizer_state(self.adamw)
+        for group in self.muon.param_groups:
+            for p in group["params"]:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def split_named(named: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], list]:
