@@ -35,7 +35,6 @@ import torch.nn as nn
 
 from model import decays
 from parallel import comm
-from parallel.marks import MOMENTS  # AdamW's per-element state
 
 
 class ShardPiece(NamedTuple):
@@ -281,21 +280,6 @@ class FlatLayout:
                 a, b, start = self.held(unit, spec)
                 piece = ShardPiece(unit.shard[start:start + b - a], a, spec.shape)
                 out.update((name, piece) for name in spec.names)
-        return {name: out[name] for name in self.names}
-
-    def sharded_optimizer_state(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...] = MOMENTS,
-                                ) -> dict[str, dict[str, ShardPiece]]:
-        """{original name: {key: ShardPiece}}: the same slices as `sharded_state_dict()`, of the optimizer's
-        per-element state (AdamW's moments; present after the first step). No communication."""
-        out: dict[str, dict[str, ShardPiece]] = {}
-        for unit, spec, p, lo, hi in self.slices():
-            a = self.held(unit, spec)[0]
-            if p is not None:
-                state = optimizer.state[p]
-                entry = {k: ShardPiece(state[k][lo:hi], a, spec.shape) for k in keys}
-            else:
-                entry = {k: ShardPiece(unit.shard.new_empty(0), a, spec.shape) for k in keys}
-            out.update((name, entry) for name in spec.names)
         return {name: out[name] for name in self.names}
 
 

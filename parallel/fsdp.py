@@ -33,7 +33,7 @@ from parallel.ddp import GradSyncSwitch
 from parallel.flat_param import ZERO_LADDER, FlatLayout, GradReduction, ShardPiece, _FlatUnit, flatten_unit, unit_key
 from parallel.fsdp_extensions import PipelineAndExperts
 from parallel.grads import clip_grad_norm_, norm_items
-from parallel.marks import MOMENTS, shards_of  # MOMENTS: AdamW's per-element state
+from parallel.marks import shards_of
 
 
 class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
@@ -334,11 +334,6 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
     def sharded_state_dict(self) -> dict[str, ShardPiece]:
         """{original name: this rank's ShardPiece}, views of the live shards; no communication."""
         return self.layout.sharded_state_dict()
-
-    def sharded_optimizer_state(self, optimizer: torch.optim.Optimizer, keys: tuple[str, ...] = MOMENTS,
-                                ) -> dict[str, dict[str, ShardPiece]]:
-        """{original name: {key: ShardPiece}} of the optimizer's per-element state; no communication."""
-        return self.layout.sharded_optimizer_state(optimizer, keys)
 
     # --------------------------------------------------------------------------------------- metrics
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import parallel.fsdp as fsdp_module
+from checkpoint_entries import entries_for_fsdp
 from debug import flight_recorder
 from model import GPT, GPTConfig, param_groups
 from parallel import comm
@@ -212,14 +213,17 @@ class TestFSDPParity(unittest.TestCase):
 
     @measures.register("fsdp2_moments")
     def measure_fsdp2_moments(rank: int, world_size: int) -> dict:
-        """The same runs' AdamW moments: this rank's slices of them against FSDP2's, gathered."""
+        """The same runs' AdamW moments: this rank's slices of them (as checkpoints read them) against FSDP2's,
+        gathered."""
         ours, theirs = _run_ours(rank, clip=False), _run_fsdp2(rank, clip=False)
-        moments, match, held, sizes = ours[3].sharded_optimizer_state(ours[4]), True, {}, {}
+        entries = {e.name: e for e in entries_for_fsdp(ours[3], ours[4], tp_rank=0)}  # the checkpoint's view
+        match, held, sizes = True, {}, {}
         for name, p in theirs[3].named_parameters():
             for key in ("exp_avg", "exp_avg_sq"):
-                full, piece = theirs[4].state[p][key].full_tensor().reshape(-1), moments[name][key]
-                match &= torch.equal(piece.flat, full[piece.offset:piece.offset + piece.flat.numel()])
-                held[f"{name}/{key}"] = (piece.offset, piece.flat.numel())
+                full, piece, (lo, hi) = theirs[4].state[p][key].full_tensor().reshape(-1), entries[name].tensors[key], \
+                    entries[name].span
+                match &= torch.equal(piece, full[lo:hi])
+                held[f"{name}/{key}"] = (lo, hi - lo)
                 sizes[f"{name}/{key}"] = p.numel()
         return {"match": match, "intervals": _intervals(held), "numel": sizes}
 
