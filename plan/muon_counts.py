@@ -144,30 +144,35 @@ def ns_flops_by_rank(s: Setup, pp_rank: int = 0) -> list[int]:
     return out
 
 
-def optimizer_state_bytes(s: Setup, pp_rank: int = 0, g: int = 0) -> int:
-    """`theory.muon_optimizer_state_bytes` of group rank g: without a sharding engine its whole tensors (Muon's
-    momentum per Muon parameter, AdamW's moments and step per other); on our flat engine per unit the held Muon
-    elements, each held non-Muon decay slice (an AdamW view: its moments and step) and the no-decay piece."""
+def optimizer_state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0, expert_shard_rank: int = 0) -> int:
+    """`theory.muon_optimizer_state_bytes` of a rank of stage `pp_rank`: without a sharding engine its whole
+    tensors (Muon's momentum per Muon parameter, AdamW's moments and step per other); on our flat engine per unit
+    the elements of its shard (`shard_rank` of dp_shard x cp, an expert unit's `expert_shard_rank` of edp): the
+    Muon ones, each non-Muon decay slice (an AdamW view: its moments and step) and the no-decay piece."""
     if s.dp_type not in ZERO_STAGES:
         params = local_params(s, pp_rank)
         muon = sum(k for n, k, _ in params if is_muon(n))
         rest = [k for n, k, _ in params if not is_muon(n)]
         return theory.muon_optimizer_state_bytes(muon, sum(rest), len(rest))
     from plan.counts import unit_shard, units
-    c = coords(s.dims, g)
     muon = adamw = tensors = 0
     for unit, (numel, n_decay) in units(s, pp_rank).items():
-        W = unit_shard(s, unit)
-        r = c["edp"] if unit.endswith(".experts") else c["shard"] * s.dims.cp + c["cp"]
-        S = shard_numel(numel, W)
+        S = shard_numel(numel, unit_shard(s, unit))
+        r = expert_shard_rank if unit.endswith(".experts") else shard_rank
         lo, hi = r * S, min(numel, (r + 1) * S)
-        held_muon = _held_muon(s, pp_rank, unit, lo, hi)
-        held_decay = max(0, min(n_decay, hi) - lo)
+        spans = list(_spans(s, pp_rank, unit))
+        held_muon = sum(max(0, min(b, hi) - max(a, lo)) for n, a, b, _ in spans if is_muon(n))
         held_rest = max(0, hi - max(n_decay, lo))
         muon += held_muon
-        adamw += held_decay - held_muon + held_rest
-        tensors += _decay_slices(s, pp_rank, unit, lo, hi) + (held_rest > 0)
+        adamw += max(0, min(n_decay, hi) - lo) - held_muon + held_rest
+        tensors += sum(min(b, hi) > max(a, lo) for n, a, b, decay in spans if decay and not is_muon(n)) + (held_rest > 0)
     return theory.muon_optimizer_state_bytes(muon, adamw, tensors)
+
+
+def group_rank(d, coords: tuple[int, ...]) -> int:
+    """The rank in its stage's group of the rank at mesh `coords` (pp, dp_replicate, dp_shard, cp, tp)."""
+    _, rep, shard, cp, tp = coords
+    return ((rep * d.dp_shard + shard) * d.cp + cp) * d.tp + tp
 
 
 def _unit_specs(s: Setup, pp_rank: int, unit: str) -> list[tuple[str, int, bool]]:
@@ -201,9 +206,12 @@ def _spans(s: Setup, pp_rank: int, unit: str):
         at += n
 
 
-def _held_muon(s: Setup, pp_rank: int, unit: str, lo: int, hi: int) -> int:
-    return sum(max(0, min(b, hi) - max(a, lo)) for n, a, b, _ in _spans(s, pp_rank, unit) if is_muon(n))
-
-
-def _decay_slices(s: Setup, pp_rank: int, unit: str, lo: int, hi: int) -> int:
-    return sum(min(b, hi) > max(a, lo) for n, a, b, decay in _spans(s, pp_rank, unit) if decay and not is_muon(n))
+def for_rank(s: Setup, coords_: tuple[int, ...], out: dict) -> None:
+    """plan.predict's `out` (group rank 0's exchange, shard rank's state) made the rank at mesh `coords_`'s: its
+    own exchange bytes and, on our flat engine, the state of its expert shard too."""
+    pp, g = coords_[0], group_rank(s.dims, coords_)
+    if "comm_bytes" in out and stage_ranks(s) > 1:
+        out["comm_bytes"]["all_to_all"] += comm_bytes(s, pp, g)["all_to_all"] - comm_bytes(s, pp, 0)["all_to_all"]
+    c = coords(s.dims, g)
+    out["state_bytes_by_kind"]["optimizer"] = optimizer_state_bytes(s, pp, c["shard"] * s.dims.cp + c["cp"], c["edp"])
+    out["state_bytes"] = sum(out["state_bytes_by_kind"].values())

@@ -414,6 +414,9 @@ def predicted(plan, coords: tuple[int, ...]) -> dict:
     pp, _, shard, cp, _ = coords
     out = predict(setup, pp)
     out["state_bytes_by_kind"] = state_bytes(setup, pp, shard * plan.dims.cp + cp)
+    if getattr(plan.args, "optimizer", "adamw") == "muon":  # its exchange sends what this rank's owners say
+        from plan.muon_counts import for_rank
+        for_rank(setup, coords, out)
     out["state_bytes"] = sum(out["state_bytes_by_kind"].values())
     return out
 
@@ -521,7 +524,8 @@ def judge(layout: Layout, runs: dict[int, RankRun], plans: dict[int, object]) ->
     p2p_findings, messages = check_p2p(w)
     findings += p2p_findings + check_waits(w)
     planner, rows = check_planner(w, plans)
-    findings += planner
+    from plan.muon_verify import findings as muon_findings  # --optimizer muon: exchange and owners
+    findings += planner + muon_findings(w, plans)
     if len(runs) == layout.world and layout.world > 1:
         findings += symmetry(w)
     r0 = runs[min(runs)]

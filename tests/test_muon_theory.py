@@ -95,8 +95,9 @@ def test_muon_bytes_state_and_owners_equal_theory(name):
         c = muon_counts.comm_calls(s, pp).get("all_to_all", 0)
         assert x["sent"] == [b] * STEPS and x["calls"] == [c] * STEPS, \
             f"rank {r}: sent {x['sent']} in {x['calls']} calls, theory {b} in {c}"
-        assert x["optimizer"] == muon_counts.optimizer_state_bytes(s, pp, g), \
-            f"rank {r}: optimizer state {x['optimizer']} B, theory {muon_counts.optimizer_state_bytes(s, pp, g)}"
+        c = muon_counts.coords(s.dims, g)
+        state = muon_counts.optimizer_state_bytes(s, pp, c["shard"] * s.dims.cp + c["cp"], c["edp"])
+        assert x["optimizer"] == state, f"rank {r}: optimizer state {x['optimizer']} B, theory {state}"
     assert any(x["sent"][0] for x in ranks), "nothing sent: the layout would not test the formulas"
 
 
