@@ -189,19 +189,10 @@ def state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0, expert_shard_ra
                                                policy.reduces_at_end, s.param_bytes, s.reduce_bytes)
             for k in out:
                 out[k] += got[k]
-        return _muon_state(s, pp_rank, shard_rank, expert_shard_rank, out)
+        return out
     params = local_params(s, pp_rank)
     n = sum(k for _, k, _ in params)
-    return _muon_state(s, pp_rank, shard_rank, expert_shard_rank,
-                       {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(params)})
-
-
-def _muon_state(s: Setup, pp_rank: int, shard_rank: int, expert_shard_rank: int, out: dict[str, int]) -> dict:
-    """`out` with --optimizer muon's optimizer state (plan/muon_counts.py: one moment per Muon element)."""
-    if getattr(s.args, "optimizer", "adamw") == "muon":
-        from plan.muon_counts import optimizer_state_bytes
-        out["optimizer"] = optimizer_state_bytes(s, pp_rank, shard_rank, expert_shard_rank)
-    return out
+    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(params)}
 
 
 def stage_blocks(s: Setup, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
@@ -297,7 +288,7 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
         if d.ep > 1:  # expert units: gathered and released with their Block, no roots, no replicas
             out["edp"] = zero_comm_bytes_per_pipeline_step(stage, 0, experts, edp, 1, M, gathers, s.param_bytes,
                                                            s.reduce_bytes)
-    return _muon_group(s, pp_rank, out, "comm_bytes")
+    return out
 
 
 def ep_all_to_all_bytes(s: Setup, pp_rank: int = 0) -> int:
@@ -350,14 +341,6 @@ def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]
         out["dp"] = zero
         if d.ep > 1:
             out["edp"] = zero_comm_calls_per_step(ZERO_STAGES[s.dp_type], 0, experts, edp, 1, M, gathers)
-    return _muon_group(s, pp_rank, out, "comm_calls")
-
-
-def _muon_group(s: Setup, pp_rank: int, out: dict, what: str) -> dict:
-    """`out` with group "muon" (the stage's ranks) under --optimizer muon: its exchange's all_to_alls, rank 0's."""
-    if getattr(s.args, "optimizer", "adamw") == "muon":
-        from plan import muon_counts
-        out["muon"] = getattr(muon_counts, what)(s, pp_rank)
     return out
 
 

@@ -18,6 +18,7 @@ from parallel.flat_param import ZERO_STAGES, shard_numel
 from parallel.pipeline_schedule import V_SCHEDULES
 from parallel.tensor_parallel import SHARD_DIMS, plan_style
 from plan import theory
+from plan import counts
 from plan.counts import Setup, _meta_gpt, is_expert, local_params, stage_blocks, tp_local_shape
 
 Hold = tuple[int, int, int, int, int]  # optim/distributed_muon.Hold's fields: tp_dim, tp_rank, tp_size, lo, hi
@@ -107,26 +108,31 @@ def pieces(matrices) -> tuple[list[list[tuple | None]], list[str], list[list[int
 
 def exchange(s: Setup, pp_rank: int = 0) -> tuple[list, list[int], list[int]]:
     """(theory holds, LPT owners, NS FLOPs per matrix) of stage `pp_rank`."""
-    return _exchange(s.config, s.dims, s.dp_type in ZERO_STAGES, tuple(stage_blocks(s, pp_rank)[0]), ns_steps(s))
+    return _exchange(s.config, s.dims, s.dp_type in ZERO_STAGES, tuple(stage_blocks(s, pp_rank)[0]), ns_steps(s))[:3]
+
+
+def sent_by_rank(s: Setup, pp_rank: int = 0) -> list[dict[str, int]]:
+    """`theory.muon_exchange_bytes_by_rank` of stage `pp_rank`: each group rank's gather and return bytes."""
+    return _exchange(s.config, s.dims, s.dp_type in ZERO_STAGES, tuple(stage_blocks(s, pp_rank)[0]), ns_steps(s))[3]
 
 
 @functools.lru_cache(maxsize=64)
-def _exchange(config, d, flat: bool, blocks: tuple[int, ...], steps: int) -> tuple[list, list[int], list[int]]:
+def _exchange(config, d, flat: bool, blocks: tuple[int, ...], steps: int):
     ms = _stage_matrices(config, d, flat, blocks)
     holds, keys, held = pieces(ms)
     flops = [theory.muon_ns_flops(shape, steps) for _, shape, _ in ms]
-    return holds, theory.muon_owners(flops, held, keys), flops
+    owners = theory.muon_owners(flops, held, keys)
+    return holds, owners, flops, theory.muon_exchange_bytes_by_rank(holds, owners)
 
 
-def comm_bytes(s: Setup, pp_rank: int = 0, g: int = 0) -> dict[str, int]:
+def exchange_bytes(s: Setup, pp_rank: int = 0, g: int = 0) -> dict[str, int]:
     """{"all_to_all": bytes} group rank g of stage `pp_rank` sends per step (`theory.muon_exchange_bytes_per_step`)."""
     if not muon_on(s) or stage_ranks(s) == 1:
         return {}
-    holds, owners, _ = exchange(s, pp_rank)
-    return {"all_to_all": sum(theory.muon_exchange_bytes_per_step(holds, owners, g).values())}
+    return {"all_to_all": sum(sent_by_rank(s, pp_rank)[g].values())}
 
 
-def comm_calls(s: Setup, pp_rank: int = 0) -> dict[str, int]:
+def exchange_calls(s: Setup, pp_rank: int = 0) -> dict[str, int]:
     if not muon_on(s) or stage_ranks(s) == 1:
         return {}
     holds, owners, _ = exchange(s, pp_rank)
@@ -211,7 +217,33 @@ def for_rank(s: Setup, coords_: tuple[int, ...], out: dict) -> None:
     own exchange bytes and, on our flat engine, the state of its expert shard too."""
     pp, g = coords_[0], group_rank(s.dims, coords_)
     if "comm_bytes" in out and stage_ranks(s) > 1:
-        out["comm_bytes"]["all_to_all"] += comm_bytes(s, pp, g)["all_to_all"] - comm_bytes(s, pp, 0)["all_to_all"]
+        out["comm_bytes"]["all_to_all"] += exchange_bytes(s, pp, g)["all_to_all"] - exchange_bytes(s, pp, 0)["all_to_all"]
     c = coords(s.dims, g)
     out["state_bytes_by_kind"]["optimizer"] = optimizer_state_bytes(s, pp, c["shard"] * s.dims.cp + c["cp"], c["edp"])
     out["state_bytes"] = sum(out["state_bytes_by_kind"].values())
+
+
+# ----------------------------------------------------------------------------- plan.counts's, with the optimizer's part
+
+def state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0, expert_shard_rank: int = 0) -> dict[str, int]:
+    """plan.counts.state_bytes with --optimizer muon's optimizer state (`optimizer_state_bytes`)."""
+    out = counts.state_bytes(s, pp_rank, shard_rank, expert_shard_rank)
+    if muon_on(s):
+        out["optimizer"] = optimizer_state_bytes(s, pp_rank, shard_rank, expert_shard_rank)
+    return out
+
+
+def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
+    """plan.counts.comm_by_group with --optimizer muon's group "muon" (the stage's ranks): rank 0's exchange."""
+    out = counts.comm_by_group(s, pp_rank)
+    if muon_on(s):
+        out["muon"] = exchange_bytes(s, pp_rank)
+    return out
+
+
+def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
+    """plan.counts.comm_calls_by_group with --optimizer muon's group "muon"."""
+    out = counts.comm_calls_by_group(s, pp_rank)
+    if muon_on(s):
+        out["muon"] = exchange_calls(s, pp_rank)
+    return out

@@ -51,17 +51,19 @@ def answer_holds(plan):
     return all_gather_object
 
 
-def received(holds, owners, rank: int) -> dict[str, int]:
-    """What rank `rank` receives per step, in bytes: as owner one piece from each source but itself (a piece it
-    does not hold, from its lowest holder); as holder of a matrix it does not own, its elements back."""
-    gather = back = 0
+def received(holds, owners) -> list[dict[str, int]]:
+    """What each rank of the group receives per step, in bytes, counted from the receiving side: as owner, one
+    copy of each piece it does not hold itself (pieces: distinct elements; replicas count once); as holder of a
+    matrix it does not own, its elements back."""
+    world = len(holds[0]) if holds else 1
+    gather, back = [0] * world, [0] * world
     for row, o in zip(holds, owners):
-        if o == rank:
-            mine = row[rank][0] if row[rank] is not None else None
-            gather += sum(h[1] for h in {h[0]: h for h in reversed(row) if h is not None}.values() if h[0] != mine)
-        elif row[rank] is not None:
-            back += row[rank][1]
-    return {"gather": 2 * gather, "return": 2 * back}
+        mine = row[o][0] if row[o] is not None else None
+        gather[o] += sum(n for piece, n in {h[0]: h[1] for h in row if h is not None}.items() if piece != mine)
+        for r, h in enumerate(row):
+            if h is not None and r != o:
+                back[r] += h[1]
+    return [{"gather": 2 * g, "return": 2 * b} for g, b in zip(gather, back)]
 
 
 def findings(w, plans: dict) -> list[str]:
@@ -75,8 +77,7 @@ def findings(w, plans: dict) -> list[str]:
         return []
     for pp in range(s.dims.pp):
         holds, owners, flops = muon_counts.exchange(s, pp)
-        sent = [theory.muon_exchange_bytes_per_step(holds, owners, r) for r in range(G)]
-        got = [received(holds, owners, r) for r in range(G)]
+        sent, got = muon_counts.sent_by_rank(s, pp), received(holds, owners)
         for k in ("gather", "return"):
             if sum(x[k] for x in sent) != sum(x[k] for x in got):
                 out.append(f"muon: stage {pp}: the {k} sends {sum(x[k] for x in sent)} B, receives "
@@ -96,14 +97,3 @@ def findings(w, plans: dict) -> list[str]:
                 out.append(f"muon: rank {r}: the exchange's all_to_alls (bytes in, out) {[(o.numel, o.out) for o in ops]} "
                            f"!= theory's {pairs}")
     return out
-
-
-def balance(s: Setup) -> dict:
-    """The verify table's Muon columns: the busiest owner's NS FLOPs against the mean and Graham's bound."""
-    rows = []
-    for pp in range(s.dims.pp):
-        load = muon_counts.ns_flops_by_rank(s, pp)
-        _, _, flops = muon_counts.exchange(s, pp) if muon_counts.stage_ranks(s) > 1 else (None, None, [sum(load)])
-        rows.append({"busiest": max(load), "mean": sum(load) / len(load),
-                     "bound": theory.muon_lpt_bound(flops, len(load))})
-    return {"muon_ns_flops": rows}

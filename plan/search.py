@@ -43,8 +43,8 @@ from config import UsageError, check_layout, train_parser
 from parallel.pipeline_schedule import V_SCHEDULES
 from plan.theory import bubble_fraction
 from plan.cluster import Cluster, link_of
-from plan.counts import (Setup, comm_by_group, comm_calls_by_group, recomputed_blocks, schedule_facts, state_bytes,
-                         step_flops)
+from plan.counts import Setup, recomputed_blocks, schedule_facts, step_flops
+from plan.muon_counts import comm_by_group, comm_calls_by_group, state_bytes  # with --optimizer muon's part
 from plan.predict import worst_rank
 
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,

@@ -473,15 +473,24 @@ def muon_exchange_bytes_per_step(holds: list[list[tuple[int, int] | None]], owne
     - EP: each expert whole on the G/ep ranks of its EP rank; the owner takes it from the lowest of them unless
       it is one, and returns it to each of them but itself;
     - PP: each stage on its own, over its own ranks and matrices."""
-    gather = back = 0
-    for m, (row, o) in enumerate(zip(holds, owners)):
-        mine = row[rank]
-        if o == rank:
-            back += sum(h[1] for s, h in enumerate(row) if h is not None and s != rank)
-        elif mine is not None and mine[1] and (row[o] is None or row[o][0] != mine[0]):
-            first = next(s for s, h in enumerate(row) if h is not None and h[0] == mine[0])
-            gather += mine[1] if first == rank else 0
-    return {"gather": 2 * gather, "return": 2 * back}
+    return muon_exchange_bytes_by_rank(holds, owners)[rank]
+
+
+def muon_exchange_bytes_by_rank(holds: list[list[tuple[int, int] | None]], owners: list[int]) -> list[dict[str, int]]:
+    """`muon_exchange_bytes_per_step` of every rank of the group at once, in one pass over the holds (matrices x
+    ranks: a 1,024-rank stage asks it whole in plan.verify)."""
+    world = len(holds[0]) if holds else 1
+    gather, back = [0] * world, [0] * world
+    for row, o in zip(holds, owners):
+        back[o] += sum(h[1] for s, h in enumerate(row) if h is not None and s != o)
+        first: dict = {}
+        for s, h in enumerate(row):
+            if h is not None and h[1]:
+                first.setdefault(h[0], s)
+        for piece, s in first.items():
+            if s != o and (row[o] is None or row[o][0] != piece):
+                gather[s] += row[s][1]
+    return [{"gather": 2 * g, "return": 2 * b} for g, b in zip(gather, back)]
 
 
 def muon_exchange_calls_per_step(holds: list[list[tuple[int, int] | None]], owners: list[int]) -> int:

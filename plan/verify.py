@@ -407,7 +407,8 @@ def check_waits(w: World) -> list[str]:
 def predicted(plan, coords: tuple[int, ...]) -> dict:
     """plan.predict for the rank at mesh `coords`: its stage's, on the planner's GPUs (no gloo copy of a
     reduce-scatter's input: the fake backend copies nothing either), with the state of its own shard."""
-    from plan.counts import Setup, state_bytes
+    from plan.counts import Setup
+    from plan.muon_counts import state_bytes
     from plan.predict import predict
     args = argparse.Namespace(**{**vars(plan.args), "device": "auto"})
     setup = Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)

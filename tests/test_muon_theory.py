@@ -91,8 +91,8 @@ def test_muon_bytes_state_and_owners_equal_theory(name):
         assert x["holds"] == [(k, shape, row) for k, shape, row in want], f"rank {r}: holds differ from the plan's"
         holds, owners, _ = muon_counts.exchange(s, pp)
         assert x["owner"] == {k: o for (k, _, _), o in zip(want, owners)}, f"rank {r}: owners differ from LPT's"
-        b = muon_counts.comm_bytes(s, pp, g).get("all_to_all", 0)
-        c = muon_counts.comm_calls(s, pp).get("all_to_all", 0)
+        b = muon_counts.exchange_bytes(s, pp, g).get("all_to_all", 0)
+        c = muon_counts.exchange_calls(s, pp).get("all_to_all", 0)
         assert x["sent"] == [b] * STEPS and x["calls"] == [c] * STEPS, \
             f"rank {r}: sent {x['sent']} in {x['calls']} calls, theory {b} in {c}"
         c = muon_counts.coords(s.dims, g)
@@ -124,3 +124,56 @@ def test_lpt_bound_holds_and_is_tight():
     owners = theory.muon_owners(flops, [[0, 0]] * 5, [str(i) for i in range(5)])
     load = [sum(f for f, o in zip(flops, owners) if o == r) for r in range(2)]
     assert max(load) == 7 <= theory.muon_lpt_bound(flops, 2) == 7.5
+
+
+def table() -> str:
+    """docs/muon.md's measured-against-theory table: `python -m tests.test_muon_theory`."""
+    rows = ["| layout | all_to_all bytes sent per rank per step, measured | theory | calls | optimizer state B, "
+            "rank 0 (theory) | NS MFLOP per rank (LPT bound) |", "|---|---|---|---:|---|---|"]
+    for name, (world, dims, dp_type, moe, flags) in LAYOUTS.items():
+        s = setup(world, moe, flags)
+        ranks = run_distributed(measure, world, dims, dp_type, moe)
+        G = muon_counts.stage_ranks(s)
+        theory_b = [muon_counts.exchange_bytes(s, r // G, r % G).get("all_to_all", 0) for r in range(world)]
+        c = muon_counts.coords(s.dims, 0)
+        state = muon_counts.optimizer_state_bytes(s, 0, c["shard"] * s.dims.cp + c["cp"], c["edp"])
+        load = muon_counts.ns_flops_by_rank(s, 0)
+        bound = theory.muon_lpt_bound(muon_counts.exchange(s, 0)[2], G)
+        measured = ", ".join(f"{x['sent'][-1]:,}" for x in ranks)
+        want = ", ".join(f"{b:,}" for b in theory_b)
+        flops = ", ".join(f"{f / 1e6:.1f}" for f in load)
+        rows.append(f"| {name} | {measured} | {want} | {ranks[0]['calls'][-1]} | {ranks[0]['optimizer']:,} "
+                    f"({state:,}) | {flops} ({bound / 1e6:.1f}) |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())
+
+
+def test_the_planner_counts_muon():
+    """`python -m plan --optimizer muon`'s prediction: DDP x4's optimizer state is AdamW's less 4 B per Muon element
+    (one moment, not two, and no step tensor: 4 B fewer per Muon tensor), its comm bytes gain the exchange's
+    all_to_all, and its step time the exchange and the busiest owner's NS FLOPs."""
+    from plan import counts
+    from plan.cluster import PRESETS, Cluster
+    from plan.predict import predict
+    from plan.search import step_time
+    world, _, _, _, flags = LAYOUTS["ddp4"]
+    muon = setup(world, False, flags)
+    a = train_parser().parse_args([*[f for f in FLAGS if f != "muon" and f != "--optimizer"], *flags,
+                                   "--data_parallel_type", "ddp", "--total_batch_size", str(32 * world),
+                                   "--implementation", "custom", "--out_dir", "-"])
+    adamw = Setup(a, *check_layout(a, world, torch.device("meta"))[:3], 1, None)
+    muon_params = [(n, k) for n, k, _ in counts.local_params(adamw) if "attn.c_" in n or "mlp.c_" in n if
+                   n.endswith("weight")]
+    elements = sum(k for _, k in muon_params)
+    assert elements == 98_304 and len(muon_params) == 12
+    assert predict(muon)["state_bytes_by_kind"]["optimizer"] == \
+        predict(adamw)["state_bytes_by_kind"]["optimizer"] - 4 * elements - 4 * len(muon_params)
+    assert predict(muon)["comm_bytes"]["all_to_all"] == muon_counts.exchange_bytes(muon)["all_to_all"] > 0
+    assert "all_to_all" not in predict(adamw)["comm_bytes"]
+    p = PRESETS["h100-sxm"]
+    cluster = Cluster(world, world, p["memory"], p["peak_flops"], p["intra_bw"], p["inter_bw"], "h100-sxm")
+    t_muon, t_adamw = step_time(muon, cluster, 0.5), step_time(adamw, cluster, 0.5)
+    assert t_muon["muon"] > 0 and t_muon["compute"] > t_adamw["compute"] and "muon" not in t_adamw
