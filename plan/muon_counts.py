@@ -17,8 +17,7 @@ from optim.muon import is_muon
 from parallel.flat_param import ZERO_STAGES, shard_numel
 from parallel.pipeline_schedule import V_SCHEDULES
 from parallel.tensor_parallel import SHARD_DIMS, plan_style
-from plan import theory
-from plan import counts
+from plan import counts, theory
 from plan.counts import Setup, _meta_gpt, is_expert, local_params, stage_blocks, tp_local_shape
 
 Hold = tuple[int, int, int, int, int]  # optim/distributed_muon.Hold's fields: tp_dim, tp_rank, tp_size, lo, hi
@@ -171,7 +170,8 @@ def optimizer_state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0, exper
         held_rest = max(0, hi - max(n_decay, lo))
         muon += held_muon
         adamw += max(0, min(n_decay, hi) - lo) - held_muon + held_rest
-        tensors += sum(min(b, hi) > max(a, lo) for n, a, b, decay in spans if decay and not is_muon(n)) + (held_rest > 0)
+        views = sum(min(b, hi) > max(a, lo) for n, a, b, decay in spans if decay and not is_muon(n))
+        tensors += views + (held_rest > 0)
     return theory.muon_optimizer_state_bytes(muon, adamw, tensors)
 
 
@@ -192,6 +192,7 @@ def _unit_specs(s: Setup, pp_rank: int, unit: str) -> list[tuple[str, int, bool]
 @functools.lru_cache(maxsize=256)
 def _members(config, pp, virtual, tp, pp_rank, layers, v_shape, ep) -> dict[str, list[tuple[str, int, bool]]]:
     import torch
+
     from parallel.flat_param import unit_key
     from parallel.pipeline import PipelineStage, sharded_units
     from plan.counts import _local_params
@@ -217,7 +218,8 @@ def for_rank(s: Setup, coords_: tuple[int, ...], out: dict) -> None:
     own exchange bytes and, on our flat engine, the state of its expert shard too."""
     pp, g = coords_[0], group_rank(s.dims, coords_)
     if "comm_bytes" in out and stage_ranks(s) > 1:
-        out["comm_bytes"]["all_to_all"] += exchange_bytes(s, pp, g)["all_to_all"] - exchange_bytes(s, pp, 0)["all_to_all"]
+        mine, zero = exchange_bytes(s, pp, g)["all_to_all"], exchange_bytes(s, pp, 0)["all_to_all"]
+        out["comm_bytes"]["all_to_all"] += mine - zero
     c = coords(s.dims, g)
     out["state_bytes_by_kind"]["optimizer"] = optimizer_state_bytes(s, pp, c["shard"] * s.dims.cp + c["cp"], c["edp"])
     out["state_bytes"] = sum(out["state_bytes_by_kind"].values())

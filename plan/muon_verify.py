@@ -45,7 +45,8 @@ def answer_holds(plan):
                     lists[r].append((key, shape, h))
         mine = sorted((k, tuple(sh), tuple(h)) for k, sh, h in obj)
         if mine != sorted(lists[g]):
-            raise RuntimeError(f"rank {plan.rank}: Muon holds {mine[:2]}... differ from the plan's {sorted(lists[g])[:2]}...")
+            raise RuntimeError(f"rank {plan.rank}: Muon holds {mine[:2]}... differ from the plan's "
+                               f"{sorted(lists[g])[:2]}...")
         object_list[:] = lists
 
     return all_gather_object
@@ -90,10 +91,12 @@ def findings(w, plans: dict) -> list[str]:
         for r, run in w.runs.items():
             if r // G != pp or not run.steps:
                 continue
-            ops = [o for o in run.events if o.op == "all_to_all_single" and o.site.startswith(SITE) and o.step == max(run.steps)]
+            ops = [o for o in run.events if o.op == "all_to_all_single" and o.site.startswith(SITE)
+                   and o.step == max(run.steps)]
             calls = theory.muon_exchange_calls_per_step(holds, owners)  # one call: the return (a gather needs one)
             pairs = [(sent[r % G][k], got[r % G][k]) for k in ("gather", "return")][2 - calls:]
             if [(o.numel, o.out) for o in ops] != pairs:
-                out.append(f"muon: rank {r}: the exchange's all_to_alls (bytes in, out) {[(o.numel, o.out) for o in ops]} "
+                seen = [(o.numel, o.out) for o in ops]
+                out.append(f"muon: rank {r}: the exchange's all_to_alls (bytes in, out) {seen} "
                            f"!= theory's {pairs}")
     return out

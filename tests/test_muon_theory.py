@@ -19,7 +19,8 @@ from tests.harness import run_distributed
 from tests.test_muon import ADAMW, CFG, MOE, MUON, args, grads, model, set_grads
 
 STEPS = 2
-FLAGS = ["--model", "tiny", "--n_layer", "2", "--vocab_size", "128", "--block_size", "32", "--seq_len", "32", "--micro_batch_size", "1",
+FLAGS = ["--model", "tiny", "--n_layer", "2", "--vocab_size", "128", "--block_size", "32", "--seq_len", "32",
+         "--micro_batch_size", "1",
          "--optimizer", "muon", "--no_checkpoint"]
 MOE_FLAGS = ["--moe_num_experts", "4", "--moe_top_k", "2"]
 # name -> (ranks, dims, dp_type, MoE, train.py's layout flags)
@@ -89,7 +90,7 @@ def test_muon_bytes_state_and_owners_equal_theory(name):
         pp, g = divmod(r, G)
         want = muon_counts.stage_matrices(s, pp)
         assert x["holds"] == [(k, shape, row) for k, shape, row in want], f"rank {r}: holds differ from the plan's"
-        holds, owners, _ = muon_counts.exchange(s, pp)
+        _, owners, _ = muon_counts.exchange(s, pp)
         assert x["owner"] == {k: o for (k, _, _), o in zip(want, owners)}, f"rank {r}: owners differ from LPT's"
         b = muon_counts.exchange_bytes(s, pp, g).get("all_to_all", 0)
         c = muon_counts.exchange_calls(s, pp).get("all_to_all", 0)
@@ -128,8 +129,8 @@ def test_lpt_bound_holds_and_is_tight():
 
 def table() -> str:
     """docs/muon.md's measured-against-theory table: `python -m tests.test_muon_theory`."""
-    rows = ["| layout | all_to_all bytes sent per rank per step, measured | theory | calls | optimizer state B, "
-            "rank 0 (theory) | NS MFLOP per rank (LPT bound) |", "|---|---|---|---:|---|---|"]
+    rows = [("| layout | all_to_all bytes sent per rank per step, measured | theory | calls | optimizer state B, "
+             "rank 0 (theory) | NS MFLOP per rank (LPT bound) |"), "|---|---|---|---:|---|---|"]
     for name, (world, dims, dp_type, moe, flags) in LAYOUTS.items():
         s = setup(world, moe, flags)
         ranks = run_distributed(measure, world, dims, dp_type, moe)
