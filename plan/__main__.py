@@ -54,6 +54,8 @@ def parser() -> Parser:
     a("--no_cp", action="store_true", help="same as --cp 1")
     a("--dp_type", choices=["ddp", "zero1", "zero2", "fsdp"], default=None)
     a("--ac", choices=["none", "full", "selective"], default=None)
+    a("--optimizer", choices=["adamw", "muon"], default="adamw",
+      help="muon: Muon's one moment per Block matrix, its exchange's bytes and Newton-Schulz FLOPs (docs/muon.md)")
     a("--top", type=int, default=10, help="rows of the table")
     a("--explain", default=None, metavar="LAYOUT", help="one layout's breakdown, by its name in the table")
     a("--json", action="store_true")

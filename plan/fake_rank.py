@@ -60,6 +60,8 @@ class Op:
 
     def signature(self) -> tuple:
         """What every member of a group must agree on, op by op (the group's own ranks and the site aside)."""
+        if self.site.startswith("optim.distributed_muon."):  # Muon's exchange: sizes differ by owner (muon_verify)
+            return self.op, self.dtype, self.reduce
         return self.op, self.dtype, self.numel, self.out, self.reduce
 
 
@@ -305,6 +307,28 @@ def fake_tensors():
         yield
 
 
+@contextlib.contextmanager
+def muon_holds(plan):
+    """--optimizer muon's one host read at build (optim/build.matrices_of's all_gather_object) answered from the
+    plan (plan/muon_verify.answer_holds), under the Recorder (which records the call as the rank makes it); the
+    exchange's `sources` (host bookkeeping on index tensors) on real tensors."""
+    if getattr(plan.args, "optimizer", "adamw") != "muon":
+        yield
+        return
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from optim import distributed_muon
+    from plan.muon_verify import answer_holds
+    fake, real = answer_holds(plan), distributed_muon.sources
+
+    def sources(m, owner: int) -> list[int]:  # host bookkeeping (which ranks cover a matrix): real tensors
+        with unset_fake_temporarily():
+            return real(m, owner)
+
+    with mock.patch.object(c10d, "all_gather_object", fake), mock.patch.object(dist, "all_gather_object", fake), \
+            mock.patch.object(distributed_muon, "sources", sources):
+        yield
+
+
 class _Records:
     """train.run's logger, in memory: each training step's record by step."""
 
@@ -347,7 +371,7 @@ def simulate(plan, quiet: bool = True, catch: bool = True) -> RankRun:
     t0 = time.perf_counter()
     out = open(os.devnull, "w") if quiet else None
     try:
-        with Recorder(run) as rec, fake_tensors(), contextlib.redirect_stdout(out) if quiet else \
+        with muon_holds(plan), Recorder(run) as rec, fake_tensors(), contextlib.redirect_stdout(out) if quiet else \
                 contextlib.nullcontext():
             t = train.build(plan)
             rec.phase = "run"

@@ -21,8 +21,9 @@ from parallel.pipeline_schedule import (ALL_SCHEDULES, RECV_B, RECV_F, SPLIT_SCH
                                        chunk_of, rank_of)
 from plan.counts import (Setup, _head_in_flight, _layers, block_input_bytes, block_saved_bytes, ends_saved_bytes,
                          head_grad_bytes, is_expert, local_params, micro_saved_bytes, moe_saved_bytes,
-                         recomputed_blocks, saved_activation_bytes, stage_blocks, stage_chunks, state_bytes, unit_shard,
+                         recomputed_blocks, saved_activation_bytes, stage_blocks, stage_chunks, unit_shard,
                          units)
+from plan.muon_counts import state_bytes  # plan.counts's, with --optimizer muon's state
 from plan.theory import reduce_accumulated_held_bytes, reduce_held_bytes
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 
-from plan.counts import Setup, comm_bytes, comm_calls_by_group, saved_activation_bytes, state_bytes
+from plan.counts import Setup, comm_bytes, saved_activation_bytes
+from plan.muon_counts import comm_by_group, comm_calls_by_group, state_bytes  # with --optimizer muon's part
 from plan.peak import peak_memory_bytes
 
 
@@ -16,7 +17,7 @@ def predict(s: Setup, pp_rank: int = 0) -> dict:
     out = {"state_bytes": sum(state.values()), "state_bytes_by_kind": state, "saved_activation_bytes": saved,
            "peak_memory_bytes": peak_memory_bytes(s, pp_rank)}
     if s.dims.world_size > 1:
-        out["comm_bytes"] = comm_bytes(s, pp_rank)
+        out["comm_bytes"] = comm_bytes(s, pp_rank, comm_by_group)
         out["comm_calls"] = comm_bytes(s, pp_rank, comm_calls_by_group)
     return out
 

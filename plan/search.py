@@ -43,8 +43,8 @@ from config import UsageError, check_layout, train_parser
 from parallel.pipeline_schedule import V_SCHEDULES
 from plan.theory import bubble_fraction
 from plan.cluster import Cluster, link_of
-from plan.counts import (Setup, comm_by_group, comm_calls_by_group, recomputed_blocks, schedule_facts, state_bytes,
-                         step_flops)
+from plan.counts import Setup, recomputed_blocks, schedule_facts, step_flops
+from plan.muon_counts import comm_by_group, comm_calls_by_group, state_bytes  # with --optimizer muon's part
 from plan.predict import worst_rank
 
 RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -249,10 +249,14 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
     work = step_flops(s) / (cluster.peak_flops * efficiency) + cluster.overhead * compute_actions(s)
     compute = work / core_share(cluster, bubble) / (1 - bubble)
     groups, calls = comm_by_group(s), comm_calls_by_group(s)
+    muon = getattr(s.args, "optimizer", "adamw") == "muon"
+    if muon:  # Newton-Schulz after the step's backward, on the busiest owner: added, never hidden
+        from plan.muon_counts import ns_flops_by_rank
+        compute += max(max(ns_flops_by_rank(s, r)) for r in range(d.pp)) / (cluster.peak_flops * efficiency)
     group_dims = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp_shard" if s.dp_type != "ddp" else "dp_replicate",
                   "dp_replicate": "dp_replicate"}
     group_size = {"tp": d.tp, "cp": d.cp, "pp": 2, "dp": d.dp_shard * d.cp if s.dp_type != "ddp" else d.dp * d.cp,
-                  "dp_replicate": d.dp_replicate, "ep": d.ep, "edp": edp}
+                  "dp_replicate": d.dp_replicate, "ep": d.ep, "edp": edp, "muon": d.world_size // d.pp}
     times = {"compute": compute}
     for g, kinds in groups.items():
         n = group_size[g]
@@ -261,7 +265,8 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
         # EP's groups are made of the batch ranks (dp x cp): inside a node where those are
         batch = ("dp_replicate", "dp_shard", "cp")
         inter = any(link_of(dim, sizes, cluster.gpus_per_node) == "inter" for dim in
-                    (batch if g in ("dp", "ep", "edp") else (group_dims[g],)) if sizes[dim] > 1)
+                    (batch if g in ("dp", "ep", "edp") else (*batch, "tp") if g == "muon" else (group_dims[g],))
+                    if sizes[dim] > 1)
         bw = cluster.inter_bw if inter else cluster.intra_bw
         times[g] = (sum(v * RING[k](n) for k, v in kinds.items()) / bw + cluster.latency * sum(calls[g].values())
                     + cluster.hop * hops(calls[g], n))
@@ -312,6 +317,8 @@ def model_flags(a: argparse.Namespace) -> list[str]:
     for k in ("n_layer", "n_head", "n_embd", "vocab_size", *MOE_FLAGS):
         if getattr(a, k, None) is not None:
             f += [f"--{k}", str(getattr(a, k))]
+    if getattr(a, "optimizer", "adamw") == "muon":
+        f += ["--optimizer", "muon", "--no_checkpoint"]  # train.py refuses a Muon checkpoint for now (#46 item 6)
     return f
 
 

@@ -422,3 +422,91 @@ def bubble_fraction(schedule_name: str, pp: int, micro: int, virtual: int = 1) -
                         v_shape=True).bubble_fraction
     v = virtual if schedule_name == "interleaved_1f1b" else 1
     return (pp - 1) / (v * micro + pp - 1)
+
+
+# ----------------------------------------------------------------------------- Muon (optim/distributed_muon.py)
+
+def muon_ns_flops(shape: tuple[int, int], ns_steps: int) -> int:
+    """Newton-Schulz's matmul FLOPs on one (R, C) matrix, m = min(R, C), n = max: per step the Gram X X^T (m x n
+    times n x m: 2 m^2 n), its square A A (2 m^3) and (b A + c A^2) X (2 m^2 n); k steps."""
+    m, n = sorted(shape)
+    return ns_steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def muon_owners(flops: list[int], held: list[list[int]], keys: list[str]) -> list[int]:
+    """Each matrix's owner rank, LPT (longest processing time first): matrices in decreasing NS FLOPs (ties by key),
+    each to the rank with the least FLOPs so far; ties to the rank holding most of it (least to gather), then the
+    lowest. `held[m][r]`: elements rank r holds of matrix m. Graham's bound for this greedy: no rank ends above
+    `muon_lpt_bound`."""
+    world = len(held[0]) if held else 1
+    load, out = [0] * world, [0] * len(flops)
+    for m in sorted(range(len(flops)), key=lambda m: (-flops[m], keys[m])):
+        out[m] = min(range(world), key=lambda r: (load[r], -held[m][r], r))
+        load[out[m]] += flops[m]
+    return out
+
+
+def muon_lpt_bound(flops: list[int], world: int) -> float:
+    """The most NS FLOPs LPT can give one rank of `world`: when the last matrix f went to the busiest rank it was
+    the least loaded, so its load before was <= (F - f) / world, and the busiest ends at <= F / world +
+    (1 - 1/world) f <= F / world + (1 - 1/world) max f (F the total). Graham 1969 (list scheduling)."""
+    if not flops:
+        return 0.0
+    return sum(flops) / world + (1 - 1 / world) * max(flops)
+
+
+def muon_exchange_bytes_per_step(holds: list[list[tuple[int, int] | None]], owners: list[int],
+                                 rank: int) -> dict[str, int]:
+    """What `Exchange` sends from rank `rank` of a pipeline stage's group per optimizer step (its all_to_all inputs,
+    as parallel/comm.COUNTER records them), in bf16 (2 bytes an element). `holds[m][s]`: rank s's piece of matrix
+    m, (piece, elements) (ranks with equal `piece` hold the same elements: replicas) or None; `owners[m]`: its owner.
+    - gather: the owner assembles m from one holder of each piece, itself for its own piece, else the lowest rank
+      holding it; r sends h_r(m) for each m it does not own and is that holder of;
+    - return: the owner sends its result's h_s(m) to every other rank s holding a piece: sum_s h_s(m) - h_o(m).
+    Per layout (G ranks in the stage, n_m a matrix's elements, O_r those of the matrices r owns):
+    - DDP, CP (every rank whole): gather 0, return 2 (G - 1) O_r;
+    - TP over t (rows or columns, qkv as three matrices): gather 2 (N - O_r) / t, return 2 (t - 1) O_r / t, N all;
+      with D data-parallel replicas the return grows to 2 (tD - 1) O_r / t, and only the lowest replica gathers;
+    - ZeRO-1/2/3 over S (flat shards [r S_u, (r + 1) S_u) of each unit's padded buffer, S_u = ceil(numel_u / S)):
+      h_r(m) = |[off_m, off_m + n_m) ∩ [r S_u, (r + 1) S_u)|, gather 2 sum_{m not r's} h_r(m), return
+      2 sum_{m r's} (n_m - h_r(m));
+    - EP: each expert whole on the G/ep ranks of its EP rank; the owner takes it from the lowest of them unless
+      it is one, and returns it to each of them but itself;
+    - PP: each stage on its own, over its own ranks and matrices."""
+    return muon_exchange_bytes_by_rank(holds, owners)[rank]
+
+
+def muon_exchange_bytes_by_rank(holds: list[list[tuple[int, int] | None]], owners: list[int]) -> list[dict[str, int]]:
+    """`muon_exchange_bytes_per_step` of every rank of the group at once, in one pass over the holds (matrices x
+    ranks: a 1,024-rank stage asks it whole in plan.verify)."""
+    world = len(holds[0]) if holds else 1
+    gather, back = [0] * world, [0] * world
+    for row, o in zip(holds, owners):
+        back[o] += sum(h[1] for s, h in enumerate(row) if h is not None and s != o)
+        first: dict = {}
+        for s, h in enumerate(row):
+            if h is not None and h[1]:
+                first.setdefault(h[0], s)
+        for piece, s in first.items():
+            if s != o and (row[o] is None or row[o][0] != piece):
+                gather[s] += row[s][1]
+    return [{"gather": 2 * g, "return": 2 * b} for g, b in zip(gather, back)]
+
+
+def muon_exchange_calls_per_step(holds: list[list[tuple[int, int] | None]], owners: list[int]) -> int:
+    """`Exchange`'s all_to_alls per step on every rank of the group (alike on all): the gather unless every owner
+    holds its matrices whole, the return unless no rank but the owner holds a piece; none on one rank."""
+    if len(holds[0] if holds else ()) <= 1:
+        return 0
+    whole = all(row[o] is not None and row[o][1] == sum(h[1] for h in {h[0]: h for h in row if h}.values())
+                for row, o in zip(holds, owners))
+    alone = all(all(h is None or s == o for s, h in enumerate(row)) for row, o in zip(holds, owners))
+    return (not whole) + (not alone)
+
+
+def muon_optimizer_state_bytes(muon_elements: int, adamw_elements: int, adamw_tensors: int) -> int:
+    """One rank's optimizer state under --optimizer muon: Muon keeps one fp32 momentum per element it steps (no
+    step counter), AdamW its two fp32 moments per element and one fp32 step tensor per tensor it steps (on our
+    flat engine a tensor is a view of a shard's piece: one per held non-Muon weight slice, and the no-decay piece
+    whole). AdamW alone is 8 Ψ + 4 (tensors): Muon saves 4 bytes per element of its matrices."""
+    return 4 * muon_elements + 8 * adamw_elements + 4 * adamw_tensors

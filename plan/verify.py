@@ -407,13 +407,17 @@ def check_waits(w: World) -> list[str]:
 def predicted(plan, coords: tuple[int, ...]) -> dict:
     """plan.predict for the rank at mesh `coords`: its stage's, on the planner's GPUs (no gloo copy of a
     reduce-scatter's input: the fake backend copies nothing either), with the state of its own shard."""
-    from plan.counts import Setup, state_bytes
+    from plan.counts import Setup
+    from plan.muon_counts import state_bytes
     from plan.predict import predict
     args = argparse.Namespace(**{**vars(plan.args), "device": "auto"})
     setup = Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
     pp, _, shard, cp, _ = coords
     out = predict(setup, pp)
     out["state_bytes_by_kind"] = state_bytes(setup, pp, shard * plan.dims.cp + cp)
+    if getattr(plan.args, "optimizer", "adamw") == "muon":  # its exchange sends what this rank's owners say
+        from plan.muon_counts import for_rank
+        for_rank(setup, coords, out)
     out["state_bytes"] = sum(out["state_bytes_by_kind"].values())
     return out
 
@@ -521,7 +525,8 @@ def judge(layout: Layout, runs: dict[int, RankRun], plans: dict[int, object]) ->
     p2p_findings, messages = check_p2p(w)
     findings += p2p_findings + check_waits(w)
     planner, rows = check_planner(w, plans)
-    findings += planner
+    from plan.muon_verify import findings as muon_findings  # --optimizer muon: exchange and owners
+    findings += planner + muon_findings(w, plans)
     if len(runs) == layout.world and layout.world > 1:
         findings += symmetry(w)
     r0 = runs[min(runs)]
