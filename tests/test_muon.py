@@ -193,10 +193,12 @@ LAYOUTS = {
     "ep2_ddp2": (2, {"dp": 2, "ep": 2}, "ddp", True, False),
     "ep2_zero2": (2, {"dp": 2, "ep": 2}, "zero2", True, True),
     "pp2_tp2_fsdp2": (8, {"pp": 2, "tp": 2, "dp": 2}, "fsdp", False, True),
+    "pp2_tp2_ep2_fsdp2": (8, {"pp": 2, "tp": 2, "dp": 2, "ep": 2}, "fsdp", True, True),  # 4-D: 3 matrices a rank
 }
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if LAYOUTS[n][0] >= 8 else n
+                                  for n in LAYOUTS])  # 8 ranks: out of the fast loop
 def test_layout_updates_equal_one_process_and_each_matrix_is_done_once(name):
     world, dims, dp_type, moe, pieces = LAYOUTS[name]
     ranks = run_distributed(layout_run, world, dims, dp_type, moe)
