@@ -318,7 +318,7 @@ def model_flags(a: argparse.Namespace) -> list[str]:
         if getattr(a, k, None) is not None:
             f += [f"--{k}", str(getattr(a, k))]
     if getattr(a, "optimizer", "adamw") == "muon":
-        f += ["--optimizer", "muon", "--no_checkpoint"]  # train.py refuses a Muon checkpoint for now (#46 item 6)
+        f += ["--optimizer", "muon"]
     return f
 
 
