@@ -16,12 +16,10 @@ import torch.distributed as dist
 
 from device import make_timer
 from model import param_groups as adamw_groups
-from optim.distributed_muon import Exchange, Hold, Matrix
+from optim.distributed_muon import Exchange, Matrix
 from optim.flags import muon_settings
-from optim.muon import Ledger, Muon, MuonAdamW, Slot, is_muon, one_process
+from optim.muon import Hold, Ledger, Muon, MuonAdamW, Slot, is_muon, one_process, whole_slot
 from parallel.groups import group_timeout, new_groups
-from checkpoint_entries import full_shape
-from parallel.marks import shards_of
 
 
 def make_optimizer(par, args: argparse.Namespace, **adamw) -> torch.optim.Optimizer:
@@ -77,20 +75,6 @@ def matrices_of(slots: list[Slot], group, size: int) -> list[Matrix]:
     return [Matrix(k, shapes[k], tuple(holds[k])) for k in sorted(shapes)]
 
 
-def whole_slot(name: str, p: torch.Tensor) -> Slot:
-    """A Muon parameter held as a tensor: a 2-D matrix, whole or TP's slice of it; or E experts (E, in, out), EP's
-    share of the layer's (each expert's key carries its global index)."""
-    name = name.removeprefix("module.")
-    marks = {m.over: m for m in shards_of(p)}
-    if p.dim() == 2:
-        tp = marks.get("tp")
-        hold = Hold(tp.dim, tp.rank, tp.size, 0, p.numel()) if tp else Hold(-1, 0, 1, 0, p.numel())
-        return Slot(p, lambda: p.grad, [(name, full_shape(p)[:2], lambda t: t, hold)])
-    first, m = _first_expert(p), p.shape[1] * p.shape[2]
-    return Slot(p, lambda: p.grad, [(f"{name}[{first + e}]", tuple(p.shape[1:]), lambda t, e=e: t[e],
-                                     Hold(-1, 0, 1, 0, m)) for e in range(p.shape[0])])
-
-
 def sharded(fsdp, weight_decay: float, adamw: dict):
     """Our flat engine (ZeRO-1/2/3): Muon steps 1-D views of each matrix's elements in this rank's shard; AdamW
     steps views of the rest of each decay piece, and the no-decay pieces whole. Returns (slots, AdamW, what
@@ -144,11 +128,6 @@ def _flat_slot(name: str, shape: torch.Size, marks: tuple, piece: torch.Tensor, 
             matrices.append((f"{name}[{first + e}]", tuple(shape[1:]), lambda t, a=a, b=b: t[a - lo:b - lo],
                              Hold(-1, 0, 1, a - e * m, b - e * m)))
     return Slot(view, grad, matrices)
-
-
-def _first_expert(p: torch.Tensor) -> int:
-    ep = next((m for m in shards_of(p) if m.over == "ep"), None)
-    return ep.rank * p.shape[0] if ep else 0
 
 
 def _unique(named):

@@ -24,30 +24,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from optim.muon import Ledger, Piece, ns_flops
+from optim.muon import Hold, Ledger, Piece, ns_flops
 from parallel import comm
-
-
-class Hold(NamedTuple):
-    """Which elements of a matrix (R, C) one rank holds: TP's slice (`tp_dim` 0: rows [t R/n, (t+1) R/n); 1:
-    columns likewise; -1: the whole matrix), then elements [lo, hi) of that slice flattened row-major (our flat
-    engine's shard of it; all of it otherwise)."""
-    tp_dim: int
-    tp_rank: int
-    tp_size: int
-    lo: int
-    hi: int
-
-    def positions(self, shape: tuple[int, int]) -> slice | torch.Tensor:
-        """These elements' positions in the whole matrix flattened row-major, in this rank's order: a slice where
-        they are consecutive (whole, row slices, flat ranges of them), else an index (column slices)."""
-        R, C = shape
-        if self.tp_dim == 1 and self.tp_size > 1:
-            c = C // self.tp_size
-            cols = self.tp_rank * c + torch.arange(c)
-            return (torch.arange(R)[:, None] * C + cols[None, :]).reshape(-1)[self.lo:self.hi]
-        base = self.tp_rank * (R // self.tp_size) * C if self.tp_dim == 0 else 0
-        return slice(base + self.lo, base + self.hi)
 
 
 class Matrix(NamedTuple):

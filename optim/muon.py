@@ -27,8 +27,9 @@ from typing import Callable, NamedTuple
 import torch
 
 from device import DeviceTimer, HostTimer, make_timer
+from checkpoint_entries import ensure_optimizer_state, full_shape
 from model import param_groups as adamw_groups
-from parallel.marks import MOMENTS
+from parallel.marks import MOMENTS, shards_of
 
 MOMENTUM = ("momentum_buffer",)  # Muon's per-element state, as torch.optim.Muon names it (it keeps no step count)
 
@@ -80,7 +81,7 @@ def adjusted_lr(lr: float, adjust_lr_fn: str, shape: tuple[int, ...]) -> float:
 class Piece(NamedTuple):
     """One matrix's update as this rank holds it: `key` names the matrix on every layout (the parameter's
     original name, and the expert's global index for an expert), `shape` is the whole matrix's, `update` this
-    rank's elements of it (the whole matrix on one process; optim/distributed_muon.Hold says which)."""
+    rank's elements of it (the whole matrix on one process; its `Hold` says which)."""
     key: str
     shape: tuple[int, int]
     update: torch.Tensor
@@ -126,24 +127,51 @@ def orthogonalize_locally(pieces: list[Piece], ns_steps: int, ledger: Ledger) ->
     return [ledger.newton_schulz(piece.key, piece.update.view(piece.shape), ns_steps) for piece in pieces]
 
 
+class Hold(NamedTuple):
+    """Which elements of a matrix (R, C) one rank holds: TP's slice (`tp_dim` 0: rows [t R/n, (t+1) R/n); 1:
+    columns likewise; -1: the whole matrix), then elements [lo, hi) of that slice flattened row-major (our flat
+    engine's shard of it; all of it otherwise)."""
+    tp_dim: int
+    tp_rank: int
+    tp_size: int
+    lo: int
+    hi: int
+
+    def positions(self, shape: tuple[int, int]) -> slice | torch.Tensor:
+        """These elements' positions in the whole matrix flattened row-major, in this rank's order: a slice where
+        they are consecutive (whole, row slices, flat ranges of them), else an index (column slices)."""
+        R, C = shape
+        if self.tp_dim == 1 and self.tp_size > 1:
+            c = C // self.tp_size
+            cols = self.tp_rank * c + torch.arange(c)
+            return (torch.arange(R)[:, None] * C + cols[None, :]).reshape(-1)[self.lo:self.hi]
+        base = self.tp_rank * (R // self.tp_size) * C if self.tp_dim == 0 else 0
+        return slice(base + self.lo, base + self.hi)
+
+
 @dataclass
 class Slot:
     """One Muon parameter as the optimizer steps it: `param` (a tensor this rank holds), `grad()` its gradient
     (None: not this step), and its matrices: (key, whole shape, view of param's elements of it, hold) each, in
-    order; `hold` is optim/distributed_muon.Hold's fields, which elements of the whole matrix those are."""
+    order; `hold`: which elements of the whole matrix those are."""
     param: torch.Tensor
     grad: Callable[[], torch.Tensor | None]
-    matrices: list[tuple[str, tuple[int, int], Callable[[torch.Tensor], torch.Tensor], tuple]]
+    matrices: list[tuple[str, tuple[int, int], Callable[[torch.Tensor], torch.Tensor], Hold]]
 
 
 def whole_slot(name: str, p: torch.Tensor) -> Slot:
-    """A parameter this rank holds whole: a 2-D matrix, or E experts' (E, in, out)."""
+    """A Muon parameter held as a tensor: a 2-D matrix, whole or TP's slice of it; or E experts (E, in, out), EP's
+    share of the layer's (each expert's key carries its global index). On one process: the matrices whole."""
     name = name.removeprefix("module.")
+    marks = {m.over: m for m in shards_of(p)}
     if p.dim() == 2:
-        return Slot(p, lambda: p.grad, [(name, tuple(p.shape), lambda t: t, (-1, 0, 1, 0, p.numel()))])
-    m = p.shape[1] * p.shape[2]
-    return Slot(p, lambda: p.grad, [(f"{name}[{e}]", tuple(p.shape[1:]), lambda t, e=e: t[e], (-1, 0, 1, 0, m))
-                                    for e in range(p.shape[0])])
+        tp = marks.get("tp")
+        hold = Hold(tp.dim, tp.rank, tp.size, 0, p.numel()) if tp else Hold(-1, 0, 1, 0, p.numel())
+        return Slot(p, lambda: p.grad, [(name, full_shape(p)[:2], lambda t: t, hold)])
+    ep, m = marks.get("ep"), p.shape[1] * p.shape[2]
+    first = ep.rank * p.shape[0] if ep else 0
+    return Slot(p, lambda: p.grad, [(f"{name}[{first + e}]", tuple(p.shape[1:]), lambda t, e=e: t[e],
+                                     Hold(-1, 0, 1, 0, m)) for e in range(p.shape[0])])
 
 
 class Muon(torch.optim.Optimizer):
@@ -238,7 +266,6 @@ class MuonAdamW(torch.optim.Optimizer):
     def ensure_state(self) -> None:
         """The state a first step makes, without changing a parameter, so that a checkpoint can load into it:
         AdamW's (zero moments, step 0; checkpoint_entries.ensure_optimizer_state) and Muon's zero momentum."""
-        from checkpoint_entries import ensure_optimizer_state
         ensure_optimizer_state(self.adamw)
         for group in self.muon.param_groups:
             for p in group["params"]:

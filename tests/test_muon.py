@@ -219,7 +219,8 @@ def test_layout_updates_equal_one_process_and_each_matrix_is_done_once(name):
 def test_owners_balanced_by_flops():
     """One (128, 128) matrix costs NS as much as eight (64, 64) ones: balanced by FLOPs, one rank takes it alone
     (balanced by count, it would take four more)."""
-    from optim.distributed_muon import Hold, Matrix, owners
+    from optim.distributed_muon import Matrix, owners
+    from optim.muon import Hold
     from optim.muon import ns_flops
     ms = [Matrix(f"m{i}", s, (Hold(-1, 0, 1, 0, s[0] * s[1]),) * 2)
           for i, s in enumerate([(128, 128)] + [(64, 64)] * 8)]
