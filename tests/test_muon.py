@@ -148,31 +148,39 @@ def differing(par, want: dict[str, torch.Tensor]) -> list[str]:
     return out
 
 
-def layout_run(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool) -> dict:
+def stepped_layout(world: int, dims: dict, dp_type: str | None, moe: bool, n_steps: int = STEPS):
+    """This rank's layout, with Muon, stepped `n_steps` times on one process's gradients (`grads`) instead of a
+    backward. Returns (the one-process model, the layout, its optimizer, per step: the all_to_all bytes and calls
+    comm counted, and the ledger's counts)."""
+    from parallel import comm
     from parallel.mesh import ParallelDims, init_distributed
     from parallel.parallelize import ParallelConfig, parallelize
-    cfg = MOE if moe else CFG
     mesh = init_distributed(ParallelDims(**{"dp": 1, "tp": 1, **dims}, world_size=world), torch.device("cpu"))
-    ref = model(cfg)
+    ref = model(MOE if moe else CFG)
     par = parallelize(copy.deepcopy(ref), mesh, ParallelConfig(dp_type=dp_type, implementation="custom"),
                       torch.device("cpu"))
     opt = make_optimizer(par, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
-    ex = opt.muon.orthogonalize
-    cut = [m.key for m in getattr(ex, "matrices", []) if sum(h is not None for h in m.holds) > 1
-           and not any(m.whole_at(r) for r in range(len(m.holds)))]
-    from parallel import comm
-    ledgers, sent = [], []
-    for step in range(STEPS):
+    steps = []
+    for step in range(n_steps):
         set_grads(par, grads(ref, step))
         comm.COUNTER.reset()
         opt.step()
-        sent.append(comm.COUNTER.snapshot().get("all_to_all", 0))
+        steps.append((comm.COUNTER.snapshot().get("all_to_all", 0),
+                      comm.COUNTER.snapshot_calls().get("all_to_all", 0), dict(opt.ledger.counts)))
         opt.zero_grad()
         par.after_optimizer_step()
-        ledgers.append(dict(opt.ledger.counts))
-    want = one_process_run(cfg)
-    return {"differ": differing(par, want), "ledgers": ledgers, "cut": cut, "load": getattr(ex, "load", None),
-            "sent": sent, "planned": ex.sent_bytes() if hasattr(ex, "sent_bytes") else 0}
+    return ref, par, opt, steps
+
+
+def layout_run(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool) -> dict:
+    _, par, opt, steps = stepped_layout(world, dims, dp_type, moe)
+    ex = opt.muon.orthogonalize
+    cut = [m.key for m in getattr(ex, "matrices", []) if sum(h is not None for h in m.holds) > 1
+           and not any(m.whole_at(r) for r in range(len(m.holds)))]
+    want = one_process_run(MOE if moe else CFG)
+    return {"differ": differing(par, want), "ledgers": [led for _, _, led in steps], "cut": cut,
+            "load": getattr(ex, "load", None), "sent": [b for b, _, _ in steps],
+            "planned": ex.sent_bytes() if hasattr(ex, "sent_bytes") else 0}
 
 
 MUON_KEYS = {False: sorted(n for n, _ in model().named_parameters() if is_muon(n)),

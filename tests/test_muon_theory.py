@@ -7,8 +7,6 @@ makes the momentum, the second is the steady state; the exchange sends the same 
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from config import check_layout, train_parser
 from plan import muon_counts, theory
 from plan.counts import Setup
 from tests.harness import run_distributed
-from tests.test_muon import ADAMW, CFG, MOE, MUON, args, grads, model, set_grads
+from tests.test_muon import ADAMW, MUON, args, grads, set_grads, stepped_layout
 
 STEPS = 2
 FLAGS = ["--model", "tiny", "--n_layer", "2", "--vocab_size", "128", "--block_size", "32", "--seq_len", "32",
@@ -51,26 +49,10 @@ def setup(world: int, moe: bool, layout: list[str]) -> Setup:
 
 def measure(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool) -> dict:
     """This rank's exchange per step (all_to_all bytes, calls), its holds and owners, and its optimizer state."""
-    from parallel import comm
-    from parallel.mesh import ParallelDims, init_distributed
-    from parallel.parallelize import ParallelConfig, parallelize
-    mesh = init_distributed(ParallelDims(**{"dp": 1, "tp": 1, **dims}, world_size=world), torch.device("cpu"))
-    ref = model(MOE if moe else CFG)
-    par = parallelize(copy.deepcopy(ref), mesh, ParallelConfig(dp_type=dp_type, implementation="custom"),
-                      torch.device("cpu"))
-    opt = make(par)
+    ref, par, opt, steps = stepped_layout(world, dims, dp_type, moe, STEPS)
     ex = opt.muon.orthogonalize
-    sent, calls = [], []
-    for step in range(STEPS):
-        set_grads(par, grads(ref, step))
-        comm.COUNTER.reset()
-        opt.step()
-        sent.append(comm.COUNTER.snapshot().get("all_to_all", 0))
-        calls.append(comm.COUNTER.snapshot_calls().get("all_to_all", 0))
-        opt.zero_grad()
-        par.after_optimizer_step()
-        set_grads(par, grads(ref, step))  # the state is counted with gradients present, as after a step
-    return {"sent": sent, "calls": calls, "owner": ex.owner,
+    set_grads(par, grads(ref, STEPS - 1))  # the state is counted with gradients present, as after a step
+    return {"sent": [b for b, _, _ in steps], "calls": [c for _, c, _ in steps], "owner": ex.owner,
             "holds": [(m.key, m.shape, tuple(None if h is None else tuple(h) for h in m.holds)) for m in ex.matrices],
             "optimizer": par.state_breakdown(opt)["optimizer"]}
 
