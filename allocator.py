@@ -2,6 +2,7 @@
 caching allocator does on a GPU (train.py's main calls `keep_freed_memory` on a CPU run). Process-wide (mallopt),
 and a matter of speed and resident memory only: no loss or gradient changes.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -9,8 +10,8 @@ import platform
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-MMAP_THRESHOLD = 32 * 2 ** 20  # the largest glibc accepts (HEAP_MAX_SIZE / 2 on 64-bit)
-TRIM_THRESHOLD = 2 ** 30
+MMAP_THRESHOLD = 32 * 2**20  # the largest glibc accepts (HEAP_MAX_SIZE / 2 on 64-bit)
+TRIM_THRESHOLD = 2**30
 
 
 def keep_freed_memory() -> bool:

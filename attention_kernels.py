@@ -2,6 +2,7 @@
 blockwise attention (the CP ring, parallel/context_parallel.py) calls on one block pair and merges by its
 log-sum-exp. No communication and no parallelism here (docs/context_parallel.md, Kernels: which kernel, why fp32
 on the CPU)."""
+
 from __future__ import annotations
 
 import torch
@@ -29,11 +30,20 @@ def kernel_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
         return out, lse, (seed, offset)
     out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
-    return out, lse[..., :q.shape[2]], (seed, offset)  # its lse rows are padded to a multiple of 32
+    return out, lse[..., : q.shape[2]], (seed, offset)  # its lse rows are padded to a multiple of 32
 
 
-def kernel_backward(kernel: str, g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     out: torch.Tensor, lse: torch.Tensor, causal: bool, state: tuple):
+def kernel_backward(
+    kernel: str,
+    g: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    state: tuple,
+):
     """The backward of `kernel_forward`'s call on (q, k, v), given the output gradient g, the output `out` and
     its log-sum-exp: (dq, dk, dv) in q's dtype. Given the merged out and lse of all keys, it is these keys'
     share of the gradients."""
@@ -41,10 +51,12 @@ def kernel_backward(kernel: str, g: torch.Tensor, q: torch.Tensor, k: torch.Tens
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, out, lse, 0.0, causal)
     if kernel == "flash":
         return aten._scaled_dot_product_flash_attention_backward(
-            g, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, *state)
+            g, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, *state
+        )
     n = lse.shape[-1]  # the kernel reads lse in its forward's layout: rows padded to a multiple of 32
     padded = lse.new_zeros(*lse.shape[:-1], n + -n % 32)
     padded[..., :n] = lse
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        g, q, k, v, None, out, padded, *state, 0.0, [True, True, True, False], causal)
+        g, q, k, v, None, out, padded, *state, 0.0, [True, True, True, False], causal
+    )
     return dq, dk, dv

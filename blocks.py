@@ -22,6 +22,7 @@ stay outside and run eagerly once per forward and once per backward.
 - **torch.compile** compiles each Block's forward (after AC, so the checkpoint is inside the compiled
   region). Hooks stay eager, as above.
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,6 +59,7 @@ AC_COUNTER = RecomputeCounter()  # one per process, as parallel/comm.COUNTER
 
 def _checkpointed(inner):
     """A Block forward that runs `inner` through checkpoint, counted in AC_COUNTER."""
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # traced: the plain checkpoint, nothing of the counting
             return checkpoint(inner, x, use_reentrant=False, preserve_rng_state=True)
@@ -72,6 +74,7 @@ def _checkpointed(inner):
 
         AC_COUNTER.checkpointed += 1
         return checkpoint(run, x, use_reentrant=False, preserve_rng_state=True)
+
     return forward
 
 
@@ -97,4 +100,5 @@ def apply_compile(model: nn.Module) -> None:
 def compiled_graphs() -> int:
     """Graphs torch.compile (dynamo) has compiled in this process so far."""
     from torch._dynamo.utils import counters
+
     return counters["stats"]["unique_graphs"]

@@ -43,6 +43,7 @@ as the newest. Older checkpoints beyond the newest `keep` are renamed away, then
 
 train.py saves and resumes its Trainer through `save_trainer` and `restore_trainer` (the end of this file).
 """
+
 from __future__ import annotations
 
 import json
@@ -81,6 +82,7 @@ def rank_file(rank: int) -> str:
 
 
 # ----------------------------------------------------------------------------- finding checkpoints
+
 
 def list_checkpoints(out_dir: str) -> list[tuple[int, str]]:
     """Complete checkpoints in `out_dir` as (step, path), oldest first: a final name and a manifest."""
@@ -123,11 +125,13 @@ def verify(path: str) -> dict:
         if name in checks:
             got, want = file_check(file), checks[name]
             if got["bytes"] != want["bytes"]:
-                raise CheckpointError(f"{file} is truncated or padded: {got['bytes']} bytes, the manifest "
-                                      f"says {want['bytes']}")
+                raise CheckpointError(
+                    f"{file} is truncated or padded: {got['bytes']} bytes, the manifest says {want['bytes']}"
+                )
             if got["crc32"] != want["crc32"]:
-                raise CheckpointError(f"{file} is damaged: CRC-32 {got['crc32']:08x}, the manifest says "
-                                      f"{want['crc32']:08x}")
+                raise CheckpointError(
+                    f"{file} is damaged: CRC-32 {got['crc32']:08x}, the manifest says {want['crc32']:08x}"
+                )
     return manifest
 
 
@@ -153,8 +157,10 @@ def read_manifest(path: str) -> dict:
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path}: {MANIFEST} is not a JSON object")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path}: not a version-{VERSION} {FORMAT} (format {manifest.get('format')!r}, "
-                              f"version {manifest.get('version')!r})")
+        raise CheckpointError(
+            f"{path}: not a version-{VERSION} {FORMAT} (format {manifest.get('format')!r}, "
+            f"version {manifest.get('version')!r})"
+        )
     return manifest
 
 
@@ -162,18 +168,23 @@ def config_mismatch(manifest: dict, model_config) -> str | None:
     """A one-line description of how the checkpoint's model config differs from `model_config`, or None."""
     saved, ours = manifest["config"]["model"], asdict(model_config)
     default = {f.name: f.default for f in fields(type(model_config))}  # fields newer than the checkpoint
-    diff = [f"{k} {saved.get(k, default[k])!r} (checkpoint) vs {ours[k]!r}" for k in ours
-            if saved.get(k, default[k]) != ours[k]]
+    diff = [
+        f"{k} {saved.get(k, default[k])!r} (checkpoint) vs {ours[k]!r}"
+        for k in ours
+        if saved.get(k, default[k]) != ours[k]
+    ]
     return ", ".join(diff) or None
 
 
 def model_config(manifest: dict):
     from model import GPTConfig
+
     known = {f.name for f in fields(GPTConfig)}
     return GPTConfig(**{k: v for k, v in manifest["config"]["model"].items() if k in known})
 
 
 # ----------------------------------------------------------------------------- saving
+
 
 def _runs(index: torch.Tensor) -> torch.Tensor:
     """int64 (k, 2) (start, length) runs of consecutive positions, in the order of `index`."""
@@ -216,8 +227,9 @@ def _pieces(runs: torch.Tensor):
         yield done, done + size, _positions(torch.tensor(batch))
 
 
-def _shard_dict(entries: list, device: torch.device | None,
-                buffers: "SnapshotBuffers | None" = None) -> dict[str, torch.Tensor]:
+def _shard_dict(
+    entries: list, device: torch.device | None, buffers: "SnapshotBuffers | None" = None
+) -> dict[str, torch.Tensor]:
     """This rank's file: its writer entries grouped by name (runs + values per kind) and its RNG states.
     Values are copied once, to CPU memory: fresh tensors, or `buffers`' reused (pinned on CUDA) ones with
     non-blocking copies (then `buffers.ready()` must be waited before the values are read). The live views
@@ -231,8 +243,9 @@ def _shard_dict(entries: list, device: torch.device | None,
         out[f"{name}::runs"] = torch.cat([e.runs() for e in group])
         for kind in group[0].tensors:
             parts = [e.tensors[kind].detach() for e in group]
-            out[f"{name}::{kind}"] = torch.cat(parts).cpu() if buffers is None else \
-                buffers.copy(f"{name}::{kind}", parts)
+            out[f"{name}::{kind}"] = (
+                torch.cat(parts).cpu() if buffers is None else buffers.copy(f"{name}::{kind}", parts)
+            )
     out["rng::cpu"] = torch.get_rng_state()
     if device is not None and device.type == "cuda":
         out["rng::cuda"] = torch.cuda.get_rng_state(device)
@@ -257,13 +270,14 @@ class SnapshotBuffers:
             buf = self.buffers[key] = torch.empty(n, dtype=parts[0].dtype, pin_memory=self.device.type == "cuda")
         offset = 0
         for p in parts:
-            buf[offset:offset + p.numel()].copy_(p.reshape(-1), non_blocking=True)
+            buf[offset : offset + p.numel()].copy_(p.reshape(-1), non_blocking=True)
             offset += p.numel()
         return buf
 
     def enqueued(self) -> None:
         """Every copy of this snapshot is enqueued: mark the point the writer waits for."""
         from device import record_event
+
         self._done = record_event(self.device)
 
     def ready(self) -> None:
@@ -276,10 +290,13 @@ def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     """AdamW's step count (the same for every parameter) and each group's hyperparameters."""
     steps = {float(s["step"]) for s in optimizer.state.values() if "step" in s}
     if len(steps) > 1:
-        raise CheckpointError(f"optimizer parameters are at different step counts {sorted(steps)}; "
-                              f"this checkpoint format stores one")
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k in OPTIMIZER_HYPERPARAMETERS}
-              for g in optimizer.param_groups]
+        raise CheckpointError(
+            f"optimizer parameters are at different step counts {sorted(steps)}; this checkpoint format stores one"
+        )
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k in OPTIMIZER_HYPERPARAMETERS}
+        for g in optimizer.param_groups
+    ]
     return {"step": steps.pop() if steps else 0.0, "param_groups": groups}
 
 
@@ -300,8 +317,11 @@ def _write_durably(path: str, write: Callable[[IO], None], mode: str = "wb") -> 
     faults.checkpoint_file_written()
 
 
-def _all_shapes(shapes: dict[str, list[int]], check: dict, group: dist.ProcessGroup | None = None,
-                ) -> tuple[dict[str, list[int]], dict[str, dict]]:
+def _all_shapes(
+    shapes: dict[str, list[int]],
+    check: dict,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[dict[str, list[int]], dict[str, dict]]:
     """({name: full shape} of every parameter any rank holds (pipeline stages hold different ones), {rank
     file: its size and CRC-32}), over all ranks; collective when distributed (all_gather_object of each
     rank's small dicts over `group`)."""
@@ -310,8 +330,10 @@ def _all_shapes(shapes: dict[str, list[int]], check: dict, group: dist.ProcessGr
         return mine
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine, group=group)
-    return ({name: shape for d, _ in every for name, shape in d.items()},
-            {name: c for _, d in every for name, c in d.items()})
+    return (
+        {name: shape for d, _ in every for name, shape in d.items()},
+        {name: c for _, d in every for name, c in d.items()},
+    )
 
 
 def _barrier(group: dist.ProcessGroup | None = None) -> None:
@@ -319,28 +341,57 @@ def _barrier(group: dist.ProcessGroup | None = None) -> None:
         dist.barrier(group=group)
 
 
-def save(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimizer, extra: dict, *,
-         rank: int, world_size: int, keep: int, device: torch.device | None = None) -> str:
+def save(
+    out_dir: str,
+    step: int,
+    entries: list,
+    optimizer: torch.optim.Optimizer,
+    extra: dict,
+    *,
+    rank: int,
+    world_size: int,
+    keep: int,
+    device: torch.device | None = None,
+) -> str:
     """Collective: every rank calls it with its own entries. Returns the final directory.
 
     `extra` (from rank 0) goes into the manifest: "config" {"model", "train"}, "layout", and anything
     else the trainer restores itself (e.g. "scaler")."""
-    return write(snapshot(out_dir, step, entries, optimizer, extra, rank=rank, world_size=world_size, keep=keep,
-                          device=device))
+    return write(
+        snapshot(out_dir, step, entries, optimizer, extra, rank=rank, world_size=world_size, keep=keep, device=device)
+    )
 
 
-def snapshot(out_dir: str, step: int, entries: list, optimizer: torch.optim.Optimizer, extra: dict, *,
-             rank: int, world_size: int, keep: int, device: torch.device | None = None,
-             buffers: SnapshotBuffers | None = None) -> dict:
+def snapshot(
+    out_dir: str,
+    step: int,
+    entries: list,
+    optimizer: torch.optim.Optimizer,
+    extra: dict,
+    *,
+    rank: int,
+    world_size: int,
+    keep: int,
+    device: torch.device | None = None,
+    buffers: SnapshotBuffers | None = None,
+) -> dict:
     """This rank's part of the checkpoint of `step`, copied off the live state (to CPU memory): what `write`
     puts on disk. Taking it is the only part of a save that must stop training; into `buffers` (an async
     save's) it only enqueues the copies, and `write` waits for them."""
     shard = _shard_dict(entries, device, buffers)
     if buffers is not None:
         buffers.enqueued()
-    return {"out_dir": out_dir, "step": step, "rank": rank, "world_size": world_size, "keep": keep,
-            "shard": shard, "shapes": {e.name: list(e.shape) for e in entries}, "buffers": buffers,
-            "manifest": {**extra, "optimizer": _optimizer_state(optimizer)} if rank == 0 else None}
+    return {
+        "out_dir": out_dir,
+        "step": step,
+        "rank": rank,
+        "world_size": world_size,
+        "keep": keep,
+        "shard": shard,
+        "shapes": {e.name: list(e.shape) for e in entries},
+        "buffers": buffers,
+        "manifest": {**extra, "optimizer": _optimizer_state(optimizer)} if rank == 0 else None,
+    }
 
 
 def write(snap: dict, group: dist.ProcessGroup | None = None) -> str:
@@ -370,12 +421,20 @@ def write(snap: dict, group: dist.ProcessGroup | None = None) -> str:
         files = [rank_file(r) for r in range(world_size)]
         missing = [f for f in files if not os.path.exists(os.path.join(tmp, f))]
         if missing:
-            raise CheckpointError(f"{tmp}: rank files {missing} are missing after every rank wrote its own; "
-                                  f"--out_dir must be on a filesystem that every node shares")
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, **snap["manifest"], "files": files,
-                    "tensors": {name: {"shape": shape} for name, shape in shapes.items()},
-                    "file_checks": checks,
-                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            raise CheckpointError(
+                f"{tmp}: rank files {missing} are missing after every rank wrote its own; "
+                f"--out_dir must be on a filesystem that every node shares"
+            )
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            **snap["manifest"],
+            "files": files,
+            "tensors": {name: {"shape": shape} for name, shape in shapes.items()},
+            "file_checks": checks,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         _write_durably(os.path.join(tmp, MANIFEST), lambda f: json.dump(manifest, f, indent=1), "w")
         _fsync_dir(tmp)
         if os.path.exists(final):  # e.g. re-saving a step after resuming from an older checkpoint
@@ -390,15 +449,20 @@ def write(snap: dict, group: dist.ProcessGroup | None = None) -> str:
 
 class AsyncSaver:
     """Checkpoints that don't stop training (--async_checkpoint): `save` takes the snapshot (non-blocking
-    copies of this rank's state into `buffers`, reused pinned CPU memory) and returns; a background thread writes it with `write`, over a gloo process group of
+    copies of this rank's state into `buffers`, reused pinned CPU memory) and returns; a background thread writes it
+    with `write`, over a gloo process group of
     its own so its collectives never interleave with training's. A second save first waits for the one in
     flight (so at most one snapshot is held besides the live state); `wait` joins it and re-raises its
     error. Atomicity is `write`'s: a crash mid-write leaves the previous checkpoint the newest."""
 
     def __init__(self, device: torch.device | None = None):
         from parallel.groups import group_timeout
-        self.group = dist.new_group(backend="gloo", timeout=group_timeout()) \
-            if dist.is_available() and dist.is_initialized() else None
+
+        self.group = (
+            dist.new_group(backend="gloo", timeout=group_timeout())
+            if dist.is_available() and dist.is_initialized()
+            else None
+        )
         self.buffers = SnapshotBuffers(device or torch.device("cpu"))  # reused by every snapshot of this run
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -441,6 +505,7 @@ def prune(out_dir: str, keep: int) -> None:
 
 # ----------------------------------------------------------------------------- loading
 
+
 class _Shards:
     """All rank files of a checkpoint, memory-mapped, and full tensors assembled from their pieces."""
 
@@ -450,8 +515,9 @@ class _Shards:
         self.files = []
         for name in self.manifest["files"]:
             try:
-                self.files.append(torch.load(os.path.join(path, name), map_location="cpu", weights_only=True,
-                                             mmap=True))
+                self.files.append(
+                    torch.load(os.path.join(path, name), map_location="cpu", weights_only=True, mmap=True)
+                )
             except Exception as e:  # noqa: BLE001 -- missing or corrupt file: say which
                 raise CheckpointError(f"{path}: cannot read {name} ({type(e).__name__}: {e})") from None
 
@@ -496,12 +562,21 @@ def _check_same_step(step: int, device: torch.device | None) -> None:
     t = torch.tensor([step, -step], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if int(t[0]) != step or int(t[1]) != -step:
-        raise CheckpointError(f"ranks resume from different checkpoints (steps {-int(t[1])}..{int(t[0])}); "
-                              f"--out_dir must be on a filesystem that every node shares")
+        raise CheckpointError(
+            f"ranks resume from different checkpoints (steps {-int(t[1])}..{int(t[0])}); "
+            f"--out_dir must be on a filesystem that every node shares"
+        )
 
 
-def load(path: str, entries: list, optimizer: torch.optim.Optimizer, *, rank: int, world_size: int,
-         device: torch.device | None = None) -> dict:
+def load(
+    path: str,
+    entries: list,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank: int,
+    world_size: int,
+    device: torch.device | None = None,
+) -> dict:
     """Fill this rank's entries (parameters and AdamW moments), the optimizer's step count and group
     hyperparameters, and (same world size only) this rank's RNG states from checkpoint `path`.
     Collective when distributed (ranks check they load the same step). Returns the manifest."""
@@ -514,8 +589,9 @@ def load(path: str, entries: list, optimizer: torch.optim.Optimizer, *, rank: in
     with torch.no_grad():
         for name, group in by_name.items():
             if shards.shape(name) != tuple(group[0].shape):
-                raise CheckpointError(f"{path}: {name} has shape {shards.shape(name)}, "
-                                      f"the model {tuple(group[0].shape)}")
+                raise CheckpointError(
+                    f"{path}: {name} has shape {shards.shape(name)}, the model {tuple(group[0].shape)}"
+                )
             full = shards.full(name, list(group[0].tensors))
             for e in group:
                 for lo, hi, where in _pieces(e.runs()):
@@ -539,8 +615,9 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None
             state = optimizer.state[p]
             if "step" not in state:
                 continue
-            state["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32,
-                                         device=p.device if on_device else "cpu")
+            state["step"] = torch.tensor(
+                float(saved["step"]), dtype=torch.float32, device=p.device if on_device else "cpu"
+            )
     if len(saved["param_groups"]) == len(optimizer.param_groups):
         for group, hyper in zip(optimizer.param_groups, saved["param_groups"]):
             group.update({k: (tuple(v) if isinstance(v, list) else v) for k, v in hyper.items()})
@@ -549,13 +626,16 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None
 def consolidate(path: str, kinds=("param",)) -> dict[str, dict[str, torch.Tensor]]:
     """{name: {kind: full tensor}} of a checkpoint, whatever layout saved it (one process, CPU)."""
     shards = _Shards(path)
-    return {name: {k: v.view(shards.shape(name)) for k, v in shards.full(name, kinds).items()}
-            for name in shards.manifest["tensors"]}
+    return {
+        name: {k: v.view(shards.shape(name)) for k, v in shards.full(name, kinds).items()}
+        for name in shards.manifest["tensors"]
+    }
 
 
 def load_model(path: str, device: torch.device | str = "cpu"):
     """A single-process GPT with the parameters of checkpoint `path` (saved in any layout)."""
     from model import GPT
+
     manifest = read_manifest(path)
     with torch.device("meta"):
         model = GPT(model_config(manifest))
@@ -568,7 +648,7 @@ def load_model(path: str, device: torch.device | str = "cpu"):
                 raise CheckpointError(f"{path}: {name} has shape {shards.shape(name)}, the model {tuple(p.shape)}")
             p.copy_(shards.full(name, ["param"])["param"].view(p.shape))
         for name, b in model.named_buffers():  # to_empty left them unset; the state ones (the MoE expert bias)
-            b.zero_()                          # are in the checkpoint, the counters start at zero
+            b.zero_()  # are in the checkpoint, the counters start at zero
             if name in shards.manifest["tensors"]:
                 b.copy_(shards.full(name, ["param"])["param"].view(b.shape))
     return model

@@ -18,6 +18,7 @@ the placements that act on that dim.
 
 `write` marks one holder of each element: replicas (DDP ranks, TP-replicated parameters) write once.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,12 +37,12 @@ Axis = range | torch.Tensor  # positions along one dim of the full tensor, in lo
 
 @dataclass
 class Entry:
-    name: str                         # original GPT parameter name, e.g. "transformer.h.0.attn.c_q.weight"
-    shape: tuple[int, ...]            # full, unsharded shape
-    axes: tuple[Axis, ...]            # per dim: the positions along it of this rank's block (row-major)
-    span: tuple[int, int]             # this rank holds elements [lo, hi) of its block, flattened
+    name: str  # original GPT parameter name, e.g. "transformer.h.0.attn.c_q.weight"
+    shape: tuple[int, ...]  # full, unsharded shape
+    axes: tuple[Axis, ...]  # per dim: the positions along it of this rank's block (row-major)
+    span: tuple[int, int]  # this rank holds elements [lo, hi) of its block, flattened
     tensors: dict[str, torch.Tensor]  # "param" and the optimizer's state (`state_kinds`): (n,) views of live storage
-    write: bool                       # this rank writes these elements (one writer per element)
+    write: bool  # this rank writes these elements (one writer per element)
 
     @property
     def numel(self) -> int:
@@ -133,8 +134,9 @@ def state_kinds(optimizer: torch.optim.Optimizer, name: str) -> tuple[str, ...]:
     return optimizer.kinds(name) if hasattr(optimizer, "kinds") else MOMENTS
 
 
-def element_state(optimizer: torch.optim.Optimizer, name: str, p: torch.Tensor, lo: int = 0, hi: int | None = None
-                  ) -> dict[str, torch.Tensor]:
+def element_state(
+    optimizer: torch.optim.Optimizer, name: str, p: torch.Tensor, lo: int = 0, hi: int | None = None
+) -> dict[str, torch.Tensor]:
     """{kind: 1-D view of the live state} of elements [lo, hi) of `p` flattened: AdamW's moments of p, unless the
     optimizer finds them itself (MuonAdamW: Muon's momentum, or the flat engine's views it steps)."""
     if hasattr(optimizer, "element_state"):
@@ -171,8 +173,7 @@ def _axes(p: torch.Tensor) -> tuple[Axis, ...]:
         placements = [_on_dim(pl, d) for pl in p.placements]
         if any(not pl.is_replicate() for pl in placements):
             whole = torch.arange(len(axis), dtype=torch.int64, device=p.device)
-            axes[d] = _compact(distribute_tensor(whole, p.device_mesh, placements,
-                                                 src_data_rank=None).to_local().cpu())
+            axes[d] = _compact(distribute_tensor(whole, p.device_mesh, placements, src_data_rank=None).to_local().cpu())
     return tuple(axes)
 
 
@@ -212,9 +213,14 @@ def _is_writer(p: torch.Tensor, replica_rank: int, plain_replica_rank: int) -> b
     return plain_replica_rank == 0
 
 
-def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer,
-                replica_rank: int = 0, sharded_as: dict[str, DTensor] | None = None,
-                plain_replica_rank: int = 0, owns=None) -> list[Entry]:
+def entries_for(
+    named_params: list[tuple[str, nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    replica_rank: int = 0,
+    sharded_as: dict[str, DTensor] | None = None,
+    plain_replica_rank: int = 0,
+    owns=None,
+) -> list[Entry]:
     """Entries for parameters that are whole tensors or DTensors, or our layers' marked slices (`mark_shard`: TP's,
     EP's), sitting where their marks say (the arguments: parallel/protocol.Params). Under torch's ZeRO-1 (`owns`)
     the owner writes a parameter with its moments, and a rank that does not own it loads its moments into a
@@ -226,8 +232,9 @@ def entries_for(named_params: list[tuple[str, nn.Parameter]], optimizer: torch.o
         layout = (sharded_as or {}).get(name, p)
         mine = owns is None or owns(p)
         tensors = {"param": local(p).detach().view(-1)}
-        tensors.update(element_state(optimizer, name, p) if mine else
-                       {k: torch.zeros_like(local(p)).view(-1) for k in MOMENTS})
+        tensors.update(
+            element_state(optimizer, name, p) if mine else {k: torch.zeros_like(local(p)).view(-1) for k in MOMENTS}
+        )
         axes = _axes(layout)
         n = math.prod(len(a) for a in axes)
         if n != tensors["param"].numel():
@@ -246,8 +253,16 @@ def buffer_entries(module: nn.Module, replica_rank: int = 0, plain_replica_rank:
         owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
         if short in owner._non_persistent_buffers_set:
             continue
-        out.append(Entry(name.replace("module.", ""), tuple(b.shape), tuple(range(n) for n in b.shape),
-                         (0, b.numel()), {"param": b.view(-1)}, replica_rank == 0 and plain_replica_rank == 0))
+        out.append(
+            Entry(
+                name.replace("module.", ""),
+                tuple(b.shape),
+                tuple(range(n) for n in b.shape),
+                (0, b.numel()),
+                {"param": b.view(-1)},
+                replica_rank == 0 and plain_replica_rank == 0,
+            )
+        )
     return out
 
 
@@ -261,8 +276,11 @@ def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_rank: int, repli
     params = fsdp.sharded_state_dict()
     moments = {}  # name -> {kind: 1-D view}, of the same slices of the shards as `params`
     for unit, spec, piece, lo, hi in fsdp.layout.slices():
-        state = {k: unit.shard.new_empty(0) for k in state_kinds(optimizer, spec.names[0])} if piece is None else \
-            element_state(optimizer, spec.names[0], piece, lo, hi)
+        state = (
+            {k: unit.shard.new_empty(0) for k in state_kinds(optimizer, spec.names[0])}
+            if piece is None
+            else element_state(optimizer, spec.names[0], piece, lo, hi)
+        )
         moments.update((name, state) for name in spec.names)
     out, seen = [], set()
     for name, piece in params.items():
@@ -274,8 +292,16 @@ def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_rank: int, repli
         tp_split = any(m.over == "tp" for m in marks)
         n = piece.flat.numel()
         tensors = {"param": piece.flat.view(-1), **moments[name]}
-        out.append(Entry(name, shape, tuple(axes), (piece.offset, piece.offset + n), tensors,
-                         n > 0 and fsdp.replica_of(name, replica_rank) == 0 and (tp_split or tp_rank == 0)))
+        out.append(
+            Entry(
+                name,
+                shape,
+                tuple(axes),
+                (piece.offset, piece.offset + n),
+                tensors,
+                n > 0 and fsdp.replica_of(name, replica_rank) == 0 and (tp_split or tp_rank == 0),
+            )
+        )
     return out
 
 

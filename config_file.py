@@ -9,6 +9,7 @@ holds every flag that has a value (TOML has no null: flags left unset stay out),
 
 replays the run: the same flags, so the same losses, bit for bit (every layout is a pure function of them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,6 +17,7 @@ import difflib
 import json
 import math
 import os
+
 import tomllib
 
 NOT_IN_FILE = ("help", "config", "resume", "overwrite")  # what a run does to its out_dir is not part of the run
@@ -35,17 +37,21 @@ def _kind(action: argparse.Action) -> str:
 def _value(key: str, value, action: argparse.Action, path: str):
     """`value` as the flag would hold it from the command line; _Refused naming `key` if it cannot be."""
     kind = _kind(action)
-    ok = {"a boolean (true or false)": isinstance(value, bool),
-          "an integer": isinstance(value, int) and not isinstance(value, bool),
-          "a number": isinstance(value, (int, float)) and not isinstance(value, bool),
-          "a string": isinstance(value, str)}[kind]
+    ok = {
+        "a boolean (true or false)": isinstance(value, bool),
+        "an integer": isinstance(value, int) and not isinstance(value, bool),
+        "a number": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "a string": isinstance(value, str),
+    }[kind]
     if not ok:
-        raise _Refused(f"--config {path}: key {key!r} must be {kind}, got {type(value).__name__} "
-                          f"{json.dumps(value, default=str)}")
+        raise _Refused(
+            f"--config {path}: key {key!r} must be {kind}, got {type(value).__name__} {json.dumps(value, default=str)}"
+        )
     value = float(value) if kind == "a number" else value
     if action.choices is not None and value not in action.choices:
-        raise _Refused(f"--config {path}: key {key!r} must be one of {', '.join(map(str, action.choices))}, got "
-                          f"{value!r}")
+        raise _Refused(
+            f"--config {path}: key {key!r} must be one of {', '.join(map(str, action.choices))}, got {value!r}"
+        )
     return value
 
 
@@ -92,8 +98,9 @@ def _toml(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else
-                                                          ("inf" if value > 0 else "-inf"))
+        return (
+            repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else ("inf" if value > 0 else "-inf"))
+        )
     if isinstance(value, int):
         return str(value)
     return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's

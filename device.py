@@ -3,6 +3,7 @@ does not block, whether the fused optimizer runs there, a wait for the work enqu
 the device's work. Everything else asks here (cuda -> nccl, cpu -> gloo) and never names a device itself: the
 runtime (parallel/, which imports this leaf as it imports model.py) and the one-process programs (sample.py, evals).
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,9 @@ def join_world(device: torch.device, timeout: timedelta) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(device), timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend=backend_for(device), timeout=timeout, device_id=device if device.type == "cuda" else None
+        )
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -58,6 +60,7 @@ def fused_optimizer(device: torch.device, params: list[torch.Tensor] | None = No
     one group (DTensor TP leaves some plain): "aten._fused_adamw_.default got mixed torch.Tensor and DTensor"."""
     from torch.distributed.tensor import DTensor
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
     kinds = {isinstance(p, DTensor) for p in params or []}
     return device.type in _get_fused_kernels_supported_devices() and len(kinds) <= 1
 
@@ -74,6 +77,7 @@ def record_event(device: torch.device) -> Callable[[], None]:
 
 # ----------------------------------------------------------------------------- clocks (the pipeline's timeline,
 # the Block split's measured costs)
+
 
 class HostTimer:
     """Marks by the host clock. On the CPU the host runs the work, so its clock times the work."""

@@ -12,6 +12,7 @@ tied to `transformer.wte.weight`, safetensors refuses shared tensors, and transf
 load (as its own save_pretrained does). The directory then loads with
 `GPT2LMHeadModel.from_pretrained(dir)`, and `GPT.from_hf_state_dict` reads the file back.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,17 +29,32 @@ def hf_config(config, hf_vocab: int, bpe: bool = True) -> dict:
     """transformers' GPT2Config fields for our model (GELU-tanh is HF's "gelu_new"); `bpe`: GPT-2's tokens, with
     <|endoftext|> (50256) as BOS and EOS (a character vocabulary has neither)."""
     eot = 50256 if bpe else None
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": hf_vocab,
-            "n_positions": config.block_size, "n_ctx": config.block_size, "n_embd": config.n_embd,
-            "n_layer": config.n_layer, "n_head": config.n_head, "n_inner": None,
-            "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "resid_pdrop": config.dropout,
-            "embd_pdrop": config.dropout, "attn_pdrop": config.dropout, "tie_word_embeddings": True,
-            "bos_token_id": eot, "eos_token_id": eot, "torch_dtype": "float32"}
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": hf_vocab,
+        "n_positions": config.block_size,
+        "n_ctx": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "tie_word_embeddings": True,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "torch_dtype": "float32",
+    }
 
 
 def export(path: str, output: str) -> str:
     """Write checkpoint `path` to `output` (safetensors) and config.json beside it; returns output."""
     from safetensors.torch import save_file
+
     chars = run_chars(checkpoint.read_manifest(path))  # None: GPT-2 BPE
     model = checkpoint.load_model(path)
     config = model.config
@@ -69,14 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = p.parse_args(argv)
         path = args.checkpoint or checkpoint.newest_intact(
-            args.out_dir, lambda line: sys.stderr.write(f"export.py: {line}\n"))
+            args.out_dir, lambda line: sys.stderr.write(f"export.py: {line}\n")
+        )
         if path is None:
             raise UsageError(f"no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}")
         manifest = checkpoint.verify(path)
         experts = checkpoint.model_config(manifest).moe_num_experts
         if experts:
-            raise UsageError(f"{path} holds a mixture-of-experts model ({experts} experts per MoE layer): GPT-2's "
-                             f"Hugging Face class (GPT2LMHeadModel) has no experts to load them into")
+            raise UsageError(
+                f"{path} holds a mixture-of-experts model ({experts} experts per MoE layer): GPT-2's "
+                f"Hugging Face class (GPT2LMHeadModel) has no experts to load them into"
+            )
         chars = run_chars(manifest)  # a character-level run's characters are there, before any work
         output = args.output or os.path.join(args.out_dir, "hf", "model.safetensors")
         export(path, output)

@@ -29,6 +29,7 @@ Wrong-math hooks for the divergence bisector's tests (`python -m debug diff`), o
   (lm_head.weight) under its own name instead of transformer.wte.weight's (model.init_parameter's rule), so
   lm_head uses the wrong matrix.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -90,8 +91,11 @@ class CommFault:
         self.seen += 1
         if self.seen - 1 != self.nth:
             return None
-        print(f"GPT_COMM_FAULT={self.kind}: rank {self.rank} {'skips' if self.kind == 'skip' else 'narrows'} its "
-              f"{op} #{self.nth} of step {self.step} (shape {tuple(tensor.shape)}) (test hook)", flush=True)
+        print(
+            f"GPT_COMM_FAULT={self.kind}: rank {self.rank} {'skips' if self.kind == 'skip' else 'narrows'} its "
+            f"{op} #{self.nth} of step {self.step} (shape {tuple(tensor.shape)}) (test hook)",
+            flush=True,
+        )
         return self.kind
 
 
@@ -100,8 +104,13 @@ def comm_fault(rank: int) -> CommFault | None:
     kind = os.environ.get("GPT_COMM_FAULT")
     if not kind or int(os.environ.get("GPT_COMM_FAULT_RANK", "0")) != rank:
         return None
-    return CommFault(kind, os.environ.get("GPT_COMM_FAULT_OP", "all_reduce"), _env_int("GPT_COMM_FAULT_STEP") or 1,
-                     _env_int("GPT_COMM_FAULT_NTH") or 0, rank)
+    return CommFault(
+        kind,
+        os.environ.get("GPT_COMM_FAULT_OP", "all_reduce"),
+        _env_int("GPT_COMM_FAULT_STEP") or 1,
+        _env_int("GPT_COMM_FAULT_NTH") or 0,
+        rank,
+    )
 
 
 class FaultHooks:
@@ -131,8 +140,10 @@ def checkpoint_file_written() -> None:
     _files_written += 1
     limit = _env_int("GPT_CKPT_FAIL_AFTER_FILES")
     if limit and _files_written >= limit:
-        raise RuntimeError(f"GPT_CKPT_FAIL_AFTER_FILES={limit}: injected failure after writing "
-                           f"{_files_written} checkpoint files (test hook)")
+        raise RuntimeError(
+            f"GPT_CKPT_FAIL_AFTER_FILES={limit}: injected failure after writing "
+            f"{_files_written} checkpoint files (test hook)"
+        )
 
 
 def maybe_signal_mid_step(step: int, rank: int) -> None:
@@ -178,6 +189,7 @@ def maybe_untie_copy(step: int, model: torch.nn.Module) -> None:
     p = _named(model, "lm_head.weight") if os.environ.get("GPT_FAULT_TIED_COPY") and step == 1 else None
     if p is not None:  # only a pipeline's last stage has its own copy (a tied lm_head is named as wte)
         from model import init_parameter
+
         with torch.no_grad():
             local(p).copy_(init_parameter("lm_head.copy.weight", p.shape, model_config(model), 0))
 
@@ -188,22 +200,29 @@ def model_config(model: torch.nn.Module):
 
 # ----------------------------------------------------------------------------- what train.py uses
 
+
 def warn_shared_rendezvous_store() -> None:
     """torchrun --max-restarts: by default the restarted workers join through the launcher's rendezvous
     store, which still holds the previous attempt's process-group keys, so a restarted rank can read a dead
     peer's address and fail or hang (torch 2.13). A fresh store per attempt avoids it."""
-    if (os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
-            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
-        sys.stderr.write("warning: torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a "
-                         "restarted job may read the previous attempt's peer addresses and fail or hang; export "
-                         "it before torchrun\n")
+    if (
+        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+        and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    ):
+        sys.stderr.write(
+            "warning: torchrun --max-restarts without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a "
+            "restarted job may read the previous attempt's peer addresses and fail or hang; export "
+            "it before torchrun\n"
+        )
 
 
 def is_comm_failure(e: BaseException) -> bool:
     """A collective that timed out or lost its peer (gloo and NCCL raise RuntimeErrors that say so)."""
     text = str(e)
-    return isinstance(e, dist.DistError) or any(s in text for s in (
-        "gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed", "Broken pipe"))
+    return isinstance(e, dist.DistError) or any(
+        s in text
+        for s in ("gloo", "NCCL", "Timed out", "timed out", "Connection reset", "Connection closed", "Broken pipe")
+    )
 
 
 # ----------------------------------------------------------------------------- preemption
@@ -284,14 +303,18 @@ class StepWatchdog:
     def _dump(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path, "w") as f:
-            f.write(f"rank {self.rank}: step {self.step} still running after --timeout {self.timeout:g}s; "
-                    f"every thread's stack:\n")
+            f.write(
+                f"rank {self.rank}: step {self.step} still running after --timeout {self.timeout:g}s; "
+                f"every thread's stack:\n"
+            )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         self.dump_ops(f"step {self.step} still running after --timeout {self.timeout:g}s")
-        sys.stderr.write(f"train.py: rank {self.rank}: step {self.step} has run for more than --timeout "
-                         f"{self.timeout:g}s; Python stacks in {self.path}, its last comm ops in {self.ops_path} "
-                         f"(python -m debug hang {os.path.dirname(os.path.dirname(self.path)) or '.'})\n")
+        sys.stderr.write(
+            f"train.py: rank {self.rank}: step {self.step} has run for more than --timeout "
+            f"{self.timeout:g}s; Python stacks in {self.path}, its last comm ops in {self.ops_path} "
+            f"(python -m debug hang {os.path.dirname(os.path.dirname(self.path)) or '.'})\n"
+        )
         sys.stderr.flush()
 
     def dump_ops(self, reason: str) -> None:

@@ -4,6 +4,7 @@ logits are ever made (`linear_cross_entropy`, GPT's default `head_loss`), its gr
 shard), gradient accumulation's 1/M and fp16's loss scale told to forward (`loss_share`), and `head_output`,
 which picks the head's path. Knows no parallelism and imports nothing of model.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,14 +16,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.torch_version import TorchVersion
 
-
 IGNORE_INDEX = -1  # a target that counts for nothing: the loss is the mean over the others
 # The most bytes of fp32 logits one row chunk of `linear_cross_entropy` makes, by device type (x.device.type): on
 # the CPU 32 MiB, where 128 rows of GPT-2's vocab already run its GEMMs at full speed and a chunk's few (n, V) fp32
 # tensors stay under 100 MiB beside the activations; any other device (an accelerator: bigger GEMMs are faster
 # there, and memory is not the CPU's) LOSS_CHUNK_BYTES_ACCELERATOR.
-LOSS_CHUNK_BYTES: dict[str, int] = {"cpu": 32 * 2 ** 20}
-LOSS_CHUNK_BYTES_ACCELERATOR = 256 * 2 ** 20
+LOSS_CHUNK_BYTES: dict[str, int] = {"cpu": 32 * 2**20}
+LOSS_CHUNK_BYTES_ACCELERATOR = 256 * 2**20
 LOSS_CHUNK_ALIGN = 64  # chunk rows are a multiple of it: each chunk starts where a GEMM's row blocks start
 
 
@@ -68,8 +68,12 @@ class HeadGradients:
         acc = torch.promote_types(xc.dtype, torch.float32)
         self.dx = torch.empty(xc.shape, dtype=acc, device=xc.device) if need_dx else None
         self.dw = torch.zeros(wc.shape, dtype=acc, device=wc.device) if need_dw else None
-        self.dw_in_one_gemm = (need_dw and wc.dtype in (torch.float16, torch.bfloat16) and acc == torch.float32
-                               and fp32_accumulating_addmm(wc.device.type))
+        self.dw_in_one_gemm = (
+            need_dw
+            and wc.dtype in (torch.float16, torch.bfloat16)
+            and acc == torch.float32
+            and fp32_accumulating_addmm(wc.device.type)
+        )
 
     @property
     def needed(self) -> bool:
@@ -105,8 +109,15 @@ class WholeVocab:
     chunk's d/dz of sum_r scale_r * -log p_r(target_r), (n, V) fp32: (softmax - one-hot) * scale.
     """
 
-    def log_probs(self, xc: torch.Tensor, wc: torch.Tensor, targets: torch.Tensor, chunk: int, scale: torch.Tensor,
-                  grads: HeadGradients) -> torch.Tensor:
+    def log_probs(
+        self,
+        xc: torch.Tensor,
+        wc: torch.Tensor,
+        targets: torch.Tensor,
+        chunk: int,
+        scale: torch.Tensor,
+        grads: HeadGradients,
+    ) -> torch.Tensor:
         N = xc.shape[0]
         picked = torch.empty(N, dtype=torch.float32, device=xc.device)
         for lo in range(0, N, chunk):
@@ -118,8 +129,9 @@ class WholeVocab:
         return picked
 
     @staticmethod
-    def rows(z: torch.Tensor, targets: torch.Tensor,
-             scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def rows(
+        z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One chunk's whole logits z (n, V) (overwritten) -> (each row's log p(target) (n,), and with `scale` the
         logits' gradient (n, V) fp32, else None), by F.cross_entropy's own kernels."""
         z = z.float()
@@ -205,8 +217,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab=WHOLE_VOCAB,
-                         chunk_rows: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab=WHOLE_VOCAB, chunk_rows: int | None = None
+) -> torch.Tensor:
     """cross_entropy(F.linear(x, weight), targets): lm_head and the mean cross-entropy over targets != -1 together,
     without the (..., V) logits or their log-softmax: GPT's default `head_loss`.
 
@@ -241,7 +254,8 @@ def head_output(owner: nn.Module, x: torch.Tensor, targets: torch.Tensor | None)
     if owner.head_loss is not None and not (head._forward_pre_hooks or head._forward_hooks):
         return None, owner.head_loss(x, head.weight, targets)
     if owner.loss_fn is None:
-        raise ValueError("lm_head must run whole here (its forward is hooked), but this model's loss needs "
-                         "head_loss: its logits are this rank's vocab slice (loss parallelism)")
+        raise ValueError(
+            "lm_head must run whole here (its forward is hooked), but this model's loss needs "
+            "head_loss: its logits are this rank's vocab slice (loss parallelism)"
+        )
     return None, owner.loss_fn(head(x), targets)
-

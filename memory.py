@@ -3,6 +3,7 @@ the activations a forward saves for backward (`SavedBytes`, `SavedAndRecomputedB
 CPU's allocated peak through the profiler (`AllocatedPeak`), and the live storages of fake tensors
 (`LiveStorages`, a simulated rank's peak). The numbers the planner's memory terms are held against.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,13 +19,19 @@ import torch.utils.checkpoint
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+
 def state_breakdown(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
     """Bytes of this rank's {"params", "grads", "optimizer"} state, each storage counted once."""
     params = list(model.parameters())
-    moments = [v for state in (optimizer.state.values() if optimizer is not None else ())
-               for v in state.values() if isinstance(v, torch.Tensor)]
-    return storage_bytes_by_kind({"params": params, "grads": [p.grad for p in params if p.grad is not None],
-                                  "optimizer": moments})
+    moments = [
+        v
+        for state in (optimizer.state.values() if optimizer is not None else ())
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    ]
+    return storage_bytes_by_kind(
+        {"params": params, "grads": [p.grad for p in params if p.grad is not None], "optimizer": moments}
+    )
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
@@ -76,6 +83,7 @@ class LargestTensor(TorchDispatchMode):
 
 # ----------------------------------------------------------------------------- saved activations
 
+
 def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
     """The storage behind `t`; a DTensor's local shard's (a wrapper subclass has none of its own)."""
     return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
@@ -97,8 +105,7 @@ class SavedBytes:
     backward, or when its graph is freed); a storage leaves the count when its last holder goes. `moving`:
     tensors excluded too, read again at every saved tensor (a regrown buffer's address may be reused)."""
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = (),
-                 moving: Callable[[], list[torch.Tensor]] | None = None):
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), moving: Callable[[], list[torch.Tensor]] | None = None):
         self.still = {storage_key(storage_of(t)) for t in exclude}
         self.moving = moving
         self.skip = self.still | ({storage_key(storage_of(t)) for t in moving()} if moving else set())
@@ -138,6 +145,7 @@ class SavedBytes:
 
 class _Held:
     """One saved tensor, detached: a saved output must not keep its own grad_fn alive (a cycle)."""
+
     __slots__ = ("t", "counter", "key")
 
     def __init__(self, t: torch.Tensor, counter: SavedBytes | None, key: int):
@@ -221,6 +229,7 @@ class SavedActivations:
 
 # ----------------------------------------------------------------------------- the CPU's allocated peak
 
+
 class AllocatedPeak:
     """While open on the CPU, the peak bytes of live tensor storages: what torch.cuda.max_memory_allocated is on
     GPU, so plan.predict's peak_memory_bytes has a CPU number to be held against. `bytes` after exit; None when
@@ -243,16 +252,19 @@ class AllocatedPeak:
 
     def __init__(self, enabled: bool, timeline: bool = False):
         from torch.autograd import _profiler_enabled
+
         self.on = enabled and not _profiler_enabled()
         self.timeline, self.bytes, self.live_at_peak = timeline, None, None
         self._tracker = None
 
     def __enter__(self) -> "AllocatedPeak":
         from torch._guards import active_fake_mode
+
         if self.on and active_fake_mode() is not None:
             self._tracker = LiveStorages(self.timeline).__enter__()
         elif self.on:
             import gc
+
             storages = {}
             for t in gc.get_objects():
                 if issubclass(type(t), torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
@@ -282,6 +294,7 @@ class AllocatedPeak:
         finally:
             self._quiet.__exit__(None, None, None)
         from torch._C._profiler import _EventType
+
         allocs, stack = [], list(self._prof.kineto_results.experimental_event_tree())
         while stack:
             e = stack.pop()
@@ -356,11 +369,17 @@ class LiveStorages(TorchDispatchMode):
 
     def __enter__(self) -> "LiveStorages":
         import gc
+
         from torch._guards import active_fake_mode
+
         mode = active_fake_mode()  # under one: only its tensors (a process may hold other simulated ranks' garbage)
         for t in gc.get_objects():
-            if issubclass(type(t), torch.Tensor) and not isinstance(t, DTensor) and t.device.type == "cpu" and \
-                    (mode is None or getattr(t, "fake_mode", None) is mode):
+            if (
+                issubclass(type(t), torch.Tensor)
+                and not isinstance(t, DTensor)
+                and t.device.type == "cpu"
+                and (mode is None or getattr(t, "fake_mode", None) is mode)
+            ):
                 self._see(t.untyped_storage())
         resize, tracker = torch.UntypedStorage.resize_, self
 

@@ -13,6 +13,7 @@ metrics.jsonl + TensorBoard (`Logger`) and the per-step lines or progress bar (`
 - State bytes, saved activations and the CPU's allocated peak are measured in memory.py.
 - A pipeline step's timeline, idle fraction and activations in flight: `StepRecord` (the runner's `record`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,14 +33,23 @@ from moe import Experts
 
 # Dense (non-sparse) bf16/fp16 peak FLOP/s per device, from the vendors' datasheets. Matched against
 # torch.cuda.get_device_name in order, so the specific variants come before the family name.
-DATASHEET_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-                  ("A100", 312e12), ("A6000", 154.8e12), ("L40S", 362e12), ("L40", 181e12), ("A10G", 125e12),
-                  ("L4", 121e12),
-                  ("4090", 165e12))
+DATASHEET_BF16 = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("A6000", 154.8e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A10G", 125e12),
+    ("L4", 121e12),
+    ("4090", 165e12),
+)
 
 
 FORWARD_FLOPS_PER_PARAM = 2  # per token: one multiply-add per matmul weight
-TRAIN_FLOPS_PER_PARAM = 6    # per token: forward 2, backward 4 (the input's gradient and the weight's)
+TRAIN_FLOPS_PER_PARAM = 6  # per token: forward 2, backward 4 (the input's gradient and the weight's)
 
 
 def attention_flops_per_token(config: GPTConfig, seq_len: int, n_layer: int | None = None) -> int:
@@ -74,17 +84,21 @@ def expert_record(layers: list[int], tokens: list[list[int]], aux: list[float], 
     batch (integers, every layout's the same at step 1), their max over mean, the tokens whose top-k choice beat
     the next by less than moe.near_tie_margin (a routing rounding could flip between layouts), and, when the
     balancing loss is on, its value per micro-batch summed over the layers (the part of `loss` it is)."""
-    out = {"expert_tokens": {str(i): row[:-1] for i, row in zip(layers, tokens)},
-           "expert_near_ties": {str(i): row[-1] for i, row in zip(layers, tokens)},
-           "expert_load_max_over_mean": {str(i): max(row[:-1]) * len(row[:-1]) / max(1, sum(row[:-1]))
-                                         for i, row in zip(layers, tokens)}}
+    out = {
+        "expert_tokens": {str(i): row[:-1] for i, row in zip(layers, tokens)},
+        "expert_near_ties": {str(i): row[-1] for i, row in zip(layers, tokens)},
+        "expert_load_max_over_mean": {
+            str(i): max(row[:-1]) * len(row[:-1]) / max(1, sum(row[:-1])) for i, row in zip(layers, tokens)
+        },
+    }
     if with_aux:
         out["moe_aux_loss"] = sum(aux)
     return out
 
 
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
-                         seconds: float = 0.5) -> float:
+def measure_matmul_flops(
+    device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.5
+) -> float:
     """Achieved FLOP/s of an n×n×n matmul, the best of repeated timings (a stand-in for peak)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -97,7 +111,7 @@ def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.float3
         for _ in range(4):
             a @ b
         _sync(device)
-        best = max(best, 4 * 2 * n ** 3 / (time.perf_counter() - t0))
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
     return best
 
 
@@ -109,8 +123,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float:
         for key, value in DATASHEET_BF16:
             if key in name:
                 return value
-    return measure_matmul_flops(device, dtype if device.type == "cuda" else torch.float32,
-                                n=4096 if device.type == "cuda" else 1024)
+    return measure_matmul_flops(
+        device, dtype if device.type == "cuda" else torch.float32, n=4096 if device.type == "cuda" else 1024
+    )
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -155,6 +170,7 @@ def _sync(device: torch.device) -> None:
 
 # ----------------------------------------------------------------------------- where the numbers go
 
+
 class Logger:
     """Rank 0 writes metrics.jsonl (one JSON object per line) and TensorBoard scalars under `out_dir`."""
 
@@ -166,6 +182,7 @@ class Logger:
         self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if append else "w")
         try:
             from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(out_dir)
         except ImportError:
             pass
@@ -198,6 +215,7 @@ class Progress:
         self.enabled, self.bar = enabled, None
         if enabled and sys.stdout.isatty():
             from tqdm import tqdm
+
             self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True)
 
     def step(self, m: dict) -> None:
@@ -206,8 +224,10 @@ class Progress:
             self.bar.set_description_str(head)
             self.bar.update(1)
         elif self.enabled:
-            print(f"{head} | dt {m['step_time_ms']:.0f}ms | tok/s {m['tokens_per_sec']:.0f} | "
-                  f"mfu {100 * m['mfu']:.1f}%", flush=True)
+            print(
+                f"{head} | dt {m['step_time_ms']:.0f}ms | tok/s {m['tokens_per_sec']:.0f} | mfu {100 * m['mfu']:.1f}%",
+                flush=True,
+            )
 
     def eval(self, step: int, val_loss: float) -> None:
         self.write(f"step {step} | val loss {val_loss:.4f}")
@@ -229,10 +249,15 @@ def make_profiler(steps: int, out_dir: str, device: torch.device):
     if not steps:
         return None
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    prof = profile(activities=activities, schedule=schedule(wait=0, warmup=2, active=steps, repeat=1),
-                   on_trace_ready=tensorboard_trace_handler(os.path.join(out_dir, "profile")),
-                   record_shapes=True, with_stack=False)
+    prof = profile(
+        activities=activities,
+        schedule=schedule(wait=0, warmup=2, active=steps, repeat=1),
+        on_trace_ready=tensorboard_trace_handler(os.path.join(out_dir, "profile")),
+        record_shapes=True,
+        with_stack=False,
+    )
     prof.start()
     return prof
 
@@ -293,4 +318,3 @@ class StepRecord:
         busy = sum(end - start for a, start, end in timeline if a.kind in COMPUTE)
         span = timeline[-1][2] - timeline[0][1]
         return 1.0 - busy / span if span > 0 else 0.0
-

@@ -10,6 +10,7 @@
 - A Block's feed-forward is GPT-2's MLP, or on MoE Blocks (`GPTConfig.is_moe`) moe.py's `MoE`.
 - The head and its loss, chunked over the rows (no (N, V) logits), are loss.py's (`head_output`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,9 +37,9 @@ class GPTConfig:
     # mixture of experts (`MoE`): 0 experts is GPT-2's dense MLP in every Block
     moe_num_experts: int = 0
     moe_top_k: int = 2
-    moe_every: int = 1             # Block i is an MoE Block when i % moe_every == moe_every - 1
-    moe_ffn_hidden: int = 0        # each expert's hidden width (0: 4 * n_embd, GPT-2's MLP)
-    moe_aux_loss_coeff: float = 0.0    # Switch / GShard load-balancing loss, added to the objective
+    moe_every: int = 1  # Block i is an MoE Block when i % moe_every == moe_every - 1
+    moe_ffn_hidden: int = 0  # each expert's hidden width (0: 4 * n_embd, GPT-2's MLP)
+    moe_aux_loss_coeff: float = 0.0  # Switch / GShard load-balancing loss, added to the objective
     moe_bias_update_rate: float = 0.0  # DeepSeek-V3's auxiliary-loss-free balancing: the expert bias's step
 
     @property
@@ -56,12 +57,12 @@ class GPTConfig:
 
 # Parameter counts are for the padded vocab, tied embedding counted once (see `GPT.num_params`).
 PRESETS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(n_layer=2, n_head=4, n_embd=64),            # 3.4M (3.2M of it the embedding)
-    "small": GPTConfig(n_layer=6, n_head=6, n_embd=384),          # 30.4M
-    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),         # 124.5M
+    "tiny": GPTConfig(n_layer=2, n_head=4, n_embd=64),  # 3.4M (3.2M of it the embedding)
+    "small": GPTConfig(n_layer=6, n_head=6, n_embd=384),  # 30.4M
+    "gpt2": GPTConfig(n_layer=12, n_head=12, n_embd=768),  # 124.5M
     "gpt2-medium": GPTConfig(n_layer=24, n_head=16, n_embd=1024),  # 354.9M
-    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),   # 774.1M
-    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),      # 1557.7M
+    "gpt2-large": GPTConfig(n_layer=36, n_head=20, n_embd=1280),  # 774.1M
+    "gpt2-xl": GPTConfig(n_layer=48, n_head=25, n_embd=1600),  # 1557.7M
 }
 
 
@@ -143,13 +144,15 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
         self.head_loss = linear_cross_entropy  # (x, lm_head weight, targets) -> loss, chunked; vocab-parallel under TP
@@ -188,12 +191,16 @@ class GPT(nn.Module):
     def init_units(self) -> list[tuple[str, nn.Module]]:
         """(name, module) pairs that together own every parameter once, in forward order."""
         t = self.transformer
-        return ([("transformer.wte", t.wte), ("transformer.wpe", t.wpe)]
-                + [(f"transformer.h.{i}", b) for i, b in enumerate(t.h)] + [("transformer.ln_f", t.ln_f)])
+        return (
+            [("transformer.wte", t.wte), ("transformer.wpe", t.wpe)]
+            + [(f"transformer.h.{i}", b) for i, b in enumerate(t.h)]
+            + [("transformer.ln_f", t.ln_f)]
+        )
 
     @classmethod
-    def from_hf_state_dict(cls, sd: dict[str, torch.Tensor], vocab_size: int | None = None,
-                           n_head: int | None = None) -> "GPT":
+    def from_hf_state_dict(
+        cls, sd: dict[str, torch.Tensor], vocab_size: int | None = None, n_head: int | None = None
+    ) -> "GPT":
         """Build our model from a transformers GPT2LMHeadModel state dict (config inferred from shapes).
 
         Shapes carry no head count: it is GPT-2's for the published widths (64-dim heads), else pass
@@ -209,8 +216,14 @@ class GPT(nn.Module):
         n_head = n_head or _infer_n_head(n_embd)
         if vocab_size is None:
             vocab_size = 50304 if hf_vocab == 50257 else hf_vocab
-        config = GPTConfig(block_size=sd["wpe.weight"].shape[0], vocab_size=vocab_size, n_layer=n_layer,
-                           n_head=n_head, n_embd=n_embd, bias="ln_f.bias" in sd)
+        config = GPTConfig(
+            block_size=sd["wpe.weight"].shape[0],
+            vocab_size=vocab_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            bias="ln_f.bias" in sd,
+        )
         model = cls(config)
         ours = {}
         wte = torch.zeros(vocab_size, n_embd, dtype=sd["wte.weight"].dtype)
@@ -267,6 +280,7 @@ def _infer_n_head(n_embd: int) -> int:
 
 # ----------------------------------------------------------------------------- init as a pure function
 
+
 def parameter_seed(seed: int, name: str) -> int:
     """A 63-bit seed derived from (seed, parameter name) alone, stable across processes and machines."""
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
@@ -276,14 +290,21 @@ def parameter_seed(seed: int, name: str) -> int:
 INIT_ROW_BLOCK = 64  # rows drawn per generator: any row/column slice can be made without the rest
 
 
-def init_parameter(name: str, shape: torch.Size | tuple[int, ...], config: GPTConfig, seed: int,
-                   rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+def init_parameter(
+    name: str,
+    shape: torch.Size | tuple[int, ...],
+    config: GPTConfig,
+    seed: int,
+    rows: slice | None = None,
+    cols: slice | None = None,
+) -> torch.Tensor:
     """The fp32 CPU value of parameter `name` (full shape `shape`) under GPT-2's init rule, or only its
     [rows, cols] slice.
 
     Weights of Linear/Embedding: N(0, 0.02); residual projections (`*.c_proj.weight`): N(0, 0.02/sqrt(2L));
     biases: 0; LayerNorm: weight 1, bias 0; MoE experts' stacked (E, in, out) weights: each expert e drawn as the
-    matrix `name[e]` (`rows` then slices experts: an expert-parallel rank draws only its own). Random weights are drawn in blocks of INIT_ROW_BLOCK rows,
+    matrix `name[e]` (`rows` then slices experts: an expert-parallel rank draws only its own). Random weights are drawn
+    in blocks of INIT_ROW_BLOCK rows,
     block b from a CPU generator seeded by (seed, name, b). The value depends on nothing else (not the
     device, the rank, or the order modules are built in), and a tensor-parallel rank can make just its
     shard: rows it owns cost only their blocks, a column slice is taken block by block.
@@ -317,16 +338,17 @@ def _normal(name: str, shape: tuple[int, ...], std: float, seed: int, rows: slic
         lo, hi = b * INIT_ROW_BLOCK, min((b + 1) * INIT_ROW_BLOCK, n_rows)
         gen = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, f"{name}#{b}"))
         if full_width and r0 <= lo and hi <= r1:  # a whole block: draw straight into the output
-            out[lo - r0:hi - r0].normal_(0.0, std, generator=gen)
+            out[lo - r0 : hi - r0].normal_(0.0, std, generator=gen)
         else:
             block = torch.empty(hi - lo, n_cols).normal_(0.0, std, generator=gen)
             a, z = max(r0, lo), min(r1, hi)
-            out[a - r0:z - r0] = block[a - lo:z - lo, cols]
+            out[a - r0 : z - r0] = block[a - lo : z - lo, cols]
     return out
 
 
-def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: int,
-                       device: torch.device | str | None = None) -> None:
+def materialize_module(
+    module: nn.Module, prefix: str, config: GPTConfig, seed: int, device: torch.device | str | None = None
+) -> None:
     """Give `module` (named `prefix` inside GPT; may be on meta or another device) storage on `device` and
     init it.
 
@@ -346,8 +368,11 @@ def materialize_module(module: nn.Module, prefix: str, config: GPTConfig, seed: 
         params = [(name, p) for name, p in params if p.is_meta]
         for name, p in params:  # a new Parameter for each, as to_empty makes for one on meta
             owner, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(owner), attr,
-                    nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad))
+            setattr(
+                module.get_submodule(owner),
+                attr,
+                nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad),
+            )
         params = [(name, module.get_parameter(name)) for name, _ in params]
         for sub in module.modules():
             for name, b in sub._buffers.items():

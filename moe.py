@@ -4,6 +4,7 @@ losses a forward collects (`SideLosses`), and the step's balancing (`balance_exp
 expert parallelism swaps `MoE.dispatch` (parallel/expert_parallel.py). model.py's Block builds an `MoE` from its
 GPTConfig; this module imports nothing of model.py: `MoEConfig` names the fields it reads (arrows point down).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 class MoEConfig(Protocol):
     """What an MoE layer reads of the model's config (model.GPTConfig has these)."""
+
     n_embd: int
     bias: bool
     moe_num_experts: int
@@ -73,8 +75,9 @@ def expert_rows(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
     return x[order // k].to(compute_dtype(x))
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None = None
-                   ) -> torch.Tensor:
+def grouped_linear(
+    x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None = None
+) -> torch.Tensor:
     """Rows of x (n, K) grouped by expert times each group's w[e] (K, N): (n, N), in x's compute dtype
     (`compute_dtype`). `ends` (E,) int32: each group's end row (a cumulative sum of the group sizes, on x's
     device); `sizes`: the same on the host, for the loop where torch._grouped_mm does not run (`grouped_mm_runs`;
@@ -122,8 +125,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         ends = counts.cumsum(0).to(torch.int32)  # (E_local,)
-        expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts,
-                                         output_size=x.shape[0])  # (n,): each row's local expert
+        expert = torch.repeat_interleave(
+            torch.arange(len(counts), device=x.device), counts, output_size=x.shape[0]
+        )  # (n,): each row's local expert
         h = F.gelu(self.c_fc(x, ends, expert, sizes), approximate="tanh")  # (n, H)
         return self.c_proj(h, ends, expert, sizes)  # (n, C)
 
@@ -166,7 +170,8 @@ def expert_counts(chosen: torch.Tensor, experts: int) -> torch.Tensor:
     """(E,) int64: how many of `chosen` (expert indices) each expert got. A scatter-add, not bincount: bincount's
     output size depends on the data, which a GPU would read back."""
     return torch.zeros(experts, dtype=torch.int64, device=chosen.device).scatter_add_(
-        0, chosen, torch.ones_like(chosen, dtype=torch.int64))
+        0, chosen, torch.ones_like(chosen, dtype=torch.int64)
+    )
 
 
 _SIDE: list["SideLosses"] = []  # the open collections, innermost last
@@ -220,7 +225,11 @@ class MoE(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         E = config.moe_num_experts
-        self.k, self.aux_coeff, self.bias_rate = config.moe_top_k, config.moe_aux_loss_coeff, config.moe_bias_update_rate
+        self.k, self.aux_coeff, self.bias_rate = (
+            config.moe_top_k,
+            config.moe_aux_loss_coeff,
+            config.moe_bias_update_rate,
+        )
         self.router = nn.Linear(config.n_embd, E, bias=False)
         self.experts = Experts(config)
         self.register_buffer("expert_bias", torch.zeros(E))  # state: checkpointed, equal on every layout
@@ -280,14 +289,17 @@ class MoE(nn.Module):
 
 def no_autocast(device_type: str):
     """Autocast off on `device_type` (nothing to turn off where it has none: meta, a fake rank's tensors)."""
-    return torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else \
-        contextlib.nullcontext()
+    return (
+        torch.autocast(device_type, enabled=False)
+        if torch.amp.is_autocast_available(device_type)
+        else contextlib.nullcontext()
+    )
 
 
 def near_tie_margin(x: torch.Tensor) -> float:
     """Below this margin a routing may differ between layouts by rounding: 2^-8 under autocast (bf16 inputs),
     1e-4 in fp32 (the sweep's fp32 tolerances are 1e-5 to 1e-4 relative)."""
-    return 2.0 ** -8 if torch.is_autocast_enabled(x.device.type) else 1e-4
+    return 2.0**-8 if torch.is_autocast_enabled(x.device.type) else 1e-4
 
 
 def moe_layers(model: nn.Module) -> list[tuple[int, MoE]]:

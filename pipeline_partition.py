@@ -44,6 +44,7 @@ Every rank computes the same partition from the same numbers (integers, so no ro
 nothing is communicated. Checkpoints keep full tensors by name, so a run saved under one partition resumes under
 any other.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,9 +52,9 @@ from typing import Sequence
 
 import torch
 
-from metrics import TRAIN_FLOPS_PER_PARAM, attention_flops_per_token
 from device import make_timer
 from loss import linear_cross_entropy
+from metrics import TRAIN_FLOPS_PER_PARAM, attention_flops_per_token
 from model import Block, GPTConfig
 
 
@@ -62,6 +63,7 @@ class StageCosts:
     """The cost of one Block, of chunk 0's embedding and of the last chunk's head (ln_f, lm_head and the loss),
     forward + backward, in one unit: training FLOPs per token (`stage_costs`) or nanoseconds per micro-batch
     (`measure_costs`)."""
+
     block: int
     embed: int
     head: int
@@ -77,8 +79,9 @@ def stage_costs(config: GPTConfig, seq_len: int) -> StageCosts:
     return StageCosts(block=block, embed=3 * C, head=head)
 
 
-def measure_costs(config: GPTConfig, seq_len: int, micro_batch: int, device: torch.device | str = "cpu",
-                  repeats: int = 5) -> StageCosts:
+def measure_costs(
+    config: GPTConfig, seq_len: int, micro_batch: int, device: torch.device | str = "cpu", repeats: int = 5
+) -> StageCosts:
     """StageCosts timed instead of counted: nanoseconds of the forward + backward of one Block, of the
     embedding (wte + wpe lookups) and of the head (ln_f, then lm_head and the loss by linear_cross_entropy, as
     the last stage runs them) on one (micro_batch, seq_len) micro-batch on `device`, each the fastest of
@@ -95,9 +98,11 @@ def measure_costs(config: GPTConfig, seq_len: int, micro_batch: int, device: tor
     x = torch.randn(micro_batch, T, C, generator=g).to(device).requires_grad_()
     dy = torch.randn(micro_batch, T, C, generator=g).to(device)
     pos = torch.arange(T, device=device)
-    parts = {"block": lambda: block(x).backward(dy),
-             "embed": lambda: (wte(idx) + wpe(pos)).backward(dy),
-             "head": lambda: linear_cross_entropy(ln_f(x), head, idx).backward()}
+    parts = {
+        "block": lambda: block(x).backward(dy),
+        "embed": lambda: (wte(idx) + wpe(pos)).backward(dy),
+        "head": lambda: linear_cross_entropy(ln_f(x), head, idx).backward(),
+    }
     timer, best = make_timer(device), dict.fromkeys(parts, float("inf"))
     for i in range(repeats + 1):  # round-robin, so a burst of other load hits every part alike
         for name, fn in parts.items():
@@ -123,10 +128,15 @@ def costs_from_step(blocks: Sequence[int], seconds: Sequence[float], flops: Stag
     block = sum(seconds[:-1]) / (sum(blocks[:-1]) + embed_per_block)  # the embedding's share is on rank 0
     head = seconds[-1] - blocks[-1] * block
     if head <= 0:
-        raise ValueError(f"the last rank's {seconds[-1] * 1e3:.1f} ms per micro-batch leave nothing for the head "
-                         f"beyond its {blocks[-1]} Blocks at {block * 1e3:.1f} ms each")
-    return StageCosts(block=max(1, round(block * 1e9)), embed=max(1, round(block * embed_per_block * 1e9)),
-                      head=max(1, round(head * 1e9)))
+        raise ValueError(
+            f"the last rank's {seconds[-1] * 1e3:.1f} ms per micro-batch leave nothing for the head "
+            f"beyond its {blocks[-1]} Blocks at {block * 1e3:.1f} ms each"
+        )
+    return StageCosts(
+        block=max(1, round(block * 1e9)),
+        embed=max(1, round(block * embed_per_block * 1e9)),
+        head=max(1, round(head * 1e9)),
+    )
 
 
 def balanced_partition(block_costs: Sequence[int], chunks: int, first: int = 0, last: int = 0) -> list[range]:
@@ -144,12 +154,17 @@ def balanced_partition(block_costs: Sequence[int], chunks: int, first: int = 0, 
         return prefix[b] - prefix[a] + (first if c == 0 else 0) + (last if c == chunks - 1 else 0)
 
     # best[a]: for chunks c..C-1 starting at Block a, the key (costs sorted largest first, -sizes) and sizes
-    best: dict[int, tuple[tuple, tuple, tuple[int, ...]]] = {a: (((cost(chunks - 1, a, L),), (a - L,), (L - a,)))
-                                                            for a in range(chunks - 1, L)}
+    best: dict[int, tuple[tuple, tuple, tuple[int, ...]]] = {
+        a: (((cost(chunks - 1, a, L),), (a - L,), (L - a,))) for a in range(chunks - 1, L)
+    }
     for c in range(chunks - 2, -1, -1):
-        best = {a: min((tuple(sorted((cost(c, a, b), *best[b][0]), reverse=True)), (a - b, *best[b][1]),
-                        (b - a, *best[b][2])) for b in range(a + 1, L - (chunks - c - 1) + 1))
-                for a in range(c, L - (chunks - c) + 1)}
+        best = {
+            a: min(
+                (tuple(sorted((cost(c, a, b), *best[b][0]), reverse=True)), (a - b, *best[b][1]), (b - a, *best[b][2]))
+                for b in range(a + 1, L - (chunks - c - 1) + 1)
+            )
+            for a in range(c, L - (chunks - c) + 1)
+        }
     bounds = [0]
     for n in best[0][2]:
         bounds.append(bounds[-1] + n)
@@ -179,8 +194,12 @@ def balanced_v_partition(n_layer: int, pp: int, block: int, first: int = 0, last
             sizes[r], sizes[chunks - 1 - r] = (s + 1) // 2, s // 2
         chunk_costs = [n * block + first * (c == 0) + last * (c == chunks - 1) for c, n in enumerate(sizes)]
         rank_costs = [chunk_costs[r] + chunk_costs[chunks - 1 - r] for r in range(pp)]
-        key = (sorted(rank_costs, reverse=True), sorted(chunk_costs, reverse=True),
-               [-sizes[r] - sizes[chunks - 1 - r] for r in range(pp)], [-n for n in sizes[:pp]])
+        key = (
+            sorted(rank_costs, reverse=True),
+            sorted(chunk_costs, reverse=True),
+            [-sizes[r] - sizes[chunks - 1 - r] for r in range(pp)],
+            [-n for n in sizes[:pp]],
+        )
         if best is None or key < best[0]:
             best = (key, sizes)
     bounds = [0]
@@ -189,9 +208,15 @@ def balanced_v_partition(n_layer: int, pp: int, block: int, first: int = 0, last
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def layers_for(config: GPTConfig, pp: int, virtual: int = 1, seq_len: int | None = None,
-               counts: Sequence[int] | None = None, costs: StageCosts | None = None,
-               v_shape: bool = False) -> list[range]:
+def layers_for(
+    config: GPTConfig,
+    pp: int,
+    virtual: int = 1,
+    seq_len: int | None = None,
+    counts: Sequence[int] | None = None,
+    costs: StageCosts | None = None,
+    v_shape: bool = False,
+) -> list[range]:
     """The partition a pipeline of `pp` ranks x `virtual` chunks uses: `counts` Blocks per chunk if given (the
     --pp_layers_per_stage override; `check_counts` first), else `balanced_partition` of `costs` (default:
     `stage_costs` at `seq_len`, itself defaulting to config.block_size), or, for a V layout (`v_shape`, virtual
@@ -224,8 +249,13 @@ def check_counts(counts: Sequence[int], n_layer: int, chunks: int) -> str | None
     return None
 
 
-def describe_partition(layers: list[range], costs: StageCosts, by: str = "cost",
-                       unit: str = "training FLOPs per token", v_shape: bool = False) -> str:
+def describe_partition(
+    layers: list[range],
+    costs: StageCosts,
+    by: str = "cost",
+    unit: str = "training FLOPs per token",
+    v_shape: bool = False,
+) -> str:
     """One line: each chunk's Blocks and its cost in `unit` (M = 1e6); for a V layout (`v_shape`) also each
     rank's cost, the sum of its chunks r and 2P-1-r, which its partition balances."""
     parts, chunk_costs = [], []
@@ -236,6 +266,7 @@ def describe_partition(layers: list[range], costs: StageCosts, by: str = "cost",
     line = f"pipeline partition by {by} ({unit}): " + ", ".join(parts)
     if v_shape:
         n = len(layers)
-        line += "; per rank: " + ", ".join(f"rank {r} ({(chunk_costs[r] + chunk_costs[n - 1 - r]) / 1e6:.3g}M)"
-                                           for r in range(n // 2))
+        line += "; per rank: " + ", ".join(
+            f"rank {r} ({(chunk_costs[r] + chunk_costs[n - 1 - r]) / 1e6:.3g}M)" for r in range(n // 2)
+        )
     return line

@@ -9,6 +9,7 @@ on one (its meta.json, data/chars.py: `--dataset shakespeare_char`). Sampling is
 top-k, drawn from a torch.Generator seeded by --seed, so the same command prints the same text (on the same device
 and torch version).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.add_argument
     a("--out_dir", default=None, help="a training run: sample from its newest complete checkpoint")
     a("--checkpoint", default=None, help="a checkpoint directory (default: the newest in --out_dir)")
-    a("--init_from", choices=["resume", *HF_MODELS], default="resume",
-      help="resume (a checkpoint, default) or OpenAI's weights from the Hugging Face hub")
+    a(
+        "--init_from",
+        choices=["resume", *HF_MODELS],
+        default="resume",
+        help="resume (a checkpoint, default) or OpenAI's weights from the Hugging Face hub",
+    )
     a("--start", default="\n", help="the prompt, or FILE:path to read it from a file")
     a("--num_samples", type=int, default=3)
     a("--max_new_tokens", type=int, default=200)
@@ -47,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @dataclass(frozen=True)
 class Codec:
     """Text <-> token ids for one model: ids >= `vocab` (its padding rows) are never drawn."""
+
     encode: Callable[[str], list[int]]
     decode: Callable[[list[int]], str]
     vocab: int
@@ -55,18 +61,23 @@ class Codec:
 def bpe_codec() -> Codec:
     """GPT-2's BPE (an empty prompt starts from <|endoftext|>)."""
     enc = get_gpt2_encoding()
-    return Codec(lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}) or [enc.eot_token], enc.decode,
-                 GPT2_N_VOCAB)
+    return Codec(
+        lambda text: enc.encode(text, allowed_special={"<|endoftext|>"}) or [enc.eot_token], enc.decode, GPT2_N_VOCAB
+    )
 
 
 def char_codec(chars: CharVocab) -> Codec:
     """A character-level dataset's characters (an empty prompt starts from a newline, or the first character)."""
+
     def encode(text: str) -> list[int]:
         unknown = sorted(set(text) - set(chars.chars))
         if unknown:
-            raise UsageError(f"--start holds {''.join(unknown)!r}, not among the {len(chars)} characters the model "
-                             f"was trained on: {chars.chars!r}")
+            raise UsageError(
+                f"--start holds {''.join(unknown)!r}, not among the {len(chars)} characters the model "
+                f"was trained on: {chars.chars!r}"
+            )
         return chars.encode(text) or chars.encode("\n" if "\n" in chars.chars else chars.chars[0])
+
     return Codec(encode, chars.decode, len(chars))
 
 
@@ -80,8 +91,10 @@ def load(args: argparse.Namespace, device: torch.device) -> tuple[GPT, Codec]:
             raise UsageError("pass --out_dir RUN (or --checkpoint DIR, or --init_from gpt2)")
         path = checkpoint.newest_intact(args.out_dir, lambda line: sys.stderr.write(f"sample.py: {line}\n"))
         if path is None:
-            raise UsageError(f"no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
-                             f"train without --no_checkpoint")
+            raise UsageError(
+                f"no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
+                f"train without --no_checkpoint"
+            )
     try:
         chars = run_chars(checkpoint.verify(path))
         return checkpoint.load_model(path, device), char_codec(chars) if chars else bpe_codec()
@@ -100,11 +113,18 @@ def prompt_text(start: str) -> str:
 
 
 @torch.no_grad()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int,
-             generator: torch.Generator, vocab: int = GPT2_N_VOCAB) -> torch.Tensor:
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    generator: torch.Generator,
+    vocab: int = GPT2_N_VOCAB,
+) -> torch.Tensor:
     """Append max_new_tokens tokens to idx (B, T). Ids >= vocab (the padding rows) are never drawn."""
     for _ in range(max_new_tokens):
-        context = idx[:, -model.config.block_size:]
+        context = idx[:, -model.config.block_size :]
         logits, _ = model(context)
         logits = logits[:, -1, :vocab].float()  # (B, vocab)
         if temperature <= 0:

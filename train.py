@@ -5,6 +5,7 @@ Whatever the layout, step s trains on the same global batch (data/batches.py) fr
 weights (model.py), so every layout logs the same losses up to float rounding. Bad input is reported in
 one line with exit code 2 on every rank before any work.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,11 +20,11 @@ import torch.distributed as dist
 
 import allocator
 import checkpoint
-import trainer_checkpoint
 import config_file
 import faults
 import memory
 import metrics
+import trainer_checkpoint
 from config import Plan, UsageError, error_line, parse_args, train_parser, validate
 from data.batches import BatchSource, micro_batch_chunk
 from debug import flight_recorder
@@ -84,17 +85,33 @@ def build(plan: Plan) -> Trainer:
         model.init_weights(args.seed, plan.device)
     on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)  # all of them under deferred init
     par = parallelize(model, mesh, plan.par, plan.device)
-    optimizer = make_optimizer(par, args, lr=args.lr, betas=(0.9, 0.95), eps=1e-8,  # --optimizer (optim/build.py)
-                               fused=fused_optimizer(plan.device, list(par.model.parameters())) or None)
+    optimizer = make_optimizer(
+        par,
+        args,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,  # --optimizer (optim/build.py)
+        fused=fused_optimizer(plan.device, list(par.model.parameters())) or None,
+    )
     scaler = par.make_grad_scaler() if plan.dtype == torch.float16 else None
     data = BatchSource(plan.data_dir, args.seq_len, plan.config.vocab_size, args.seed)
     n_params = metrics.active_params(plan.config, non_embedding=True)  # MoE: top_k of each layer's experts
     saver = checkpoint.AsyncSaver(plan.device) if args.async_checkpoint else None  # collective: its own gloo group
     built = {"params_on_meta": on_meta, "distributed_classes": distributed_classes(par, optimizer)}
-    return Trainer(plan, mesh, par, optimizer, scaler, data, saver=saver, built=built, tracer=Tracer(args.trace_step),
-                   dp_rank=mesh["batch"].rank,
-                   flops_per_token=metrics.flops_per_token(plan.config, n_params, args.seq_len),
-                   peak_flops=args.peak_flops or metrics.peak_flops(plan.device, plan.dtype))
+    return Trainer(
+        plan,
+        mesh,
+        par,
+        optimizer,
+        scaler,
+        data,
+        saver=saver,
+        built=built,
+        tracer=Tracer(args.trace_step),
+        dp_rank=mesh["batch"].rank,
+        flops_per_token=metrics.flops_per_token(plan.config, n_params, args.seq_len),
+        peak_flops=args.peak_flops or metrics.peak_flops(plan.device, plan.dtype),
+    )
 
 
 def distributed_classes(par: Parallelized, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -102,10 +119,13 @@ def distributed_classes(par: Parallelized, optimizer: torch.optim.Optimizer) -> 
     each module, parameter, optimizer or pipeline runner whose class is ours (parallel/) or PyTorch's
     (torch.distributed, torch.nn.parallel), as "module.Class"; FSDP2's generated classes as FSDPModule."""
     from torch.distributed.fsdp import FSDPModule
+
     modules = [*par.model.modules(), *getattr(par.model, "chunk_modules", {}).values()]
     objects = [*modules, *par.model.parameters(), optimizer, par.pipeline]
-    names = {f"{c.__module__}.{c.__qualname__}"
-             for c in (FSDPModule if isinstance(o, FSDPModule) else type(o) for o in objects)}
+    names = {
+        f"{c.__module__}.{c.__qualname__}"
+        for c in (FSDPModule if isinstance(o, FSDPModule) else type(o) for o in objects)
+    }
     return sorted(n for n in names if n.startswith(("parallel.", "torch.distributed.", "torch.nn.parallel.")))
 
 
@@ -140,8 +160,9 @@ class StepWatch:
         self.t0 = time.perf_counter()
         t.tracer.before_step(t, self.step)
         self.saved = memory.SavedActivations(t.par.parameter_tensors() if self.step == t.saved_step else None)
-        self.peak = memory.AllocatedPeak(self.step == t.peak_step and plan.device.type == "cpu"
-                                          and (plan.rank == 0 or plan.fake))  # a simulated rank measures its own
+        self.peak = memory.AllocatedPeak(
+            self.step == t.peak_step and plan.device.type == "cpu" and (plan.rank == 0 or plan.fake)
+        )  # a simulated rank measures its own
         self.peak.__enter__()
         self.saved.__enter__()
         return self
@@ -174,8 +195,10 @@ def train_step(t: Trainer, step: int) -> dict:
     lr = lr_at(step, args.lr, args.warmup_steps, args.max_steps)
     for group in t.optimizer.param_groups:  # a Muon group has its own peak lr (optim/muon.MuonAdamW)
         group["lr"] = lr if "base_lr" not in group else lr_at(step, group["base_lr"], args.warmup_steps, args.max_steps)
-    batches = [t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp),
-                          args.micro_batch_size) for m in range(plan.grad_accum)]
+    batches = [
+        t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp), args.micro_batch_size)
+        for m in range(plan.grad_accum)
+    ]
     with StepWatch(t, step) as watch:  # counters, clock, memory windows, tracer and fault hooks
         loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
         watch.after_backward()
@@ -195,17 +218,25 @@ def train_step(t: Trainer, step: int) -> dict:
     return step_metrics(t, step, lr, loss_value, norm_value, dt, state, watch.record)
 
 
-def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt: float, state: dict[str, int],
-                 watched: dict) -> dict:
+def step_metrics(
+    t: Trainer, step: int, lr: float, loss: float, norm: float, dt: float, state: dict[str, int], watched: dict
+) -> dict:
     """The step's record: loss, speed (tokens/s, MFU), memory, bytes moved, and what AC, compile and the
     pipeline and the MoE layers report (Parallelized.step_counters); `watched`: what the step's StepWatch measured."""
     plan, args = t.plan, t.plan.args
     tokens_per_sec = args.total_batch_size / dt
-    m = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "step_time_ms": dt * 1000,
-         "tokens_per_sec": tokens_per_sec,
-         "mfu": t.flops_per_token * tokens_per_sec / (t.peak_flops * plan.dims.world_size),
-         "peak_memory_bytes": metrics.peak_memory_bytes(plan.device), "state_bytes": sum(state.values()),
-         "state_bytes_by_kind": state}
+    m = {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": norm,
+        "step_time_ms": dt * 1000,
+        "tokens_per_sec": tokens_per_sec,
+        "mfu": t.flops_per_token * tokens_per_sec / (t.peak_flops * plan.dims.world_size),
+        "peak_memory_bytes": metrics.peak_memory_bytes(plan.device),
+        "state_bytes": sum(state.values()),
+        "state_bytes_by_kind": state,
+    }
     if plan.par.implementation == "custom" and plan.dims.world_size > 1:
         m["comm_bytes"], m["comm_calls"] = watched["comm_bytes"], watched["comm_calls"]
     if t.scaler:
@@ -216,8 +247,9 @@ def step_metrics(t: Trainer, step: int, lr: float, loss: float, norm: float, dt:
         m["muon_ns_ms"] = t.optimizer.ledger.ns_seconds() * 1000  # bench: Newton-Schulz's share of the step
         m["muon_sent_bytes"] = t.optimizer.ledger.sent_bytes  # the exchange's, planned from the holds
     if "pp_idle_fraction" in m:  # beside what the runner measured, what the schedule's theory says (plan/theory.py)
-        m["pp_bubble_theory"] = bubble_fraction(plan.par.pp_schedule, plan.dims.pp, plan.grad_accum,
-                                                plan.par.pp_virtual)
+        m["pp_bubble_theory"] = bubble_fraction(
+            plan.par.pp_schedule, plan.dims.pp, plan.grad_accum, plan.par.pp_virtual
+        )
     m.update({k: v for k, v in watched.items() if k not in ("comm_bytes", "comm_calls")})
     return m
 
@@ -256,28 +288,37 @@ def log_eval(t: Trainer, step: int, logger: metrics.Logger, progress: metrics.Pr
 def describe(t: Trainer) -> str:
     d, par, a = t.plan.dims, t.plan.par, t.plan.args
     optional = "".join(f"{k}={v} " for k, v in d.sizes().items() if k in OPTIONAL_DIMS and v > 1)
-    layout = optional + f"dp={d.dp}" + (f" ({par.dp_type})" if par.dp_type else "") + \
-        (f" = {d.dp_replicate} replicas x {d.dp_shard} shards" if d.dp_replicate > 1 else "") + \
-        (" (sharded over dp_shard x cp)" if d.dp_replicate > 1 and d.cp_enabled else "") + f" tp={d.tp}"
+    layout = (
+        optional
+        + f"dp={d.dp}"
+        + (f" ({par.dp_type})" if par.dp_type else "")
+        + (f" = {d.dp_replicate} replicas x {d.dp_shard} shards" if d.dp_replicate > 1 else "")
+        + (" (sharded over dp_shard x cp)" if d.dp_replicate > 1 and d.cp_enabled else "")
+        + f" tp={d.tp}"
+    )
     if d.pp_enabled:
         virtual = f", V={par.pp_virtual}" if par.pp_virtual > 1 else ""
         layout = f"pp={d.pp} ({par.pp_schedule}{virtual}) {layout}"
     with torch.device("meta"):
         n = GPT(t.plan.config).num_params()
-    return (f"{par.implementation} {layout} on {t.plan.device} {str(t.plan.dtype).removeprefix('torch.')} | "
-            f"{n / 1e6:.1f}M params | grad_accum {t.plan.grad_accum} x micro_batch {a.micro_batch_size} "
-            f"x seq_len {a.seq_len} | MFU against {t.peak_flops / 1e9:.1f} GFLOP/s per device")
+    return (
+        f"{par.implementation} {layout} on {t.plan.device} {str(t.plan.dtype).removeprefix('torch.')} | "
+        f"{n / 1e6:.1f}M params | grad_accum {t.plan.grad_accum} x micro_batch {a.micro_batch_size} "
+        f"x seq_len {a.seq_len} | MFU against {t.peak_flops / 1e9:.1f} GFLOP/s per device"
+    )
 
 
 def describe_pipeline_partition(plan: Plan) -> str:
     """The pipeline's partition in one line: each chunk's Blocks and its cost (pipeline_partition.py)."""
     layers = layers_for(plan.config, plan.dims.pp, plan.par.pp_virtual, counts=plan.par.pp_layers)
     by = "--pp_layers_per_stage" if plan.args.pp_layers_per_stage else "cost"
-    return describe_partition(layers, stage_costs(plan.config, plan.args.seq_len), by,
-                              v_shape=plan.par.pp_schedule in V_SCHEDULES)
+    return describe_partition(
+        layers, stage_costs(plan.config, plan.args.seq_len), by, v_shape=plan.par.pp_schedule in V_SCHEDULES
+    )
 
 
 # ----------------------------------------------------------------------------- the loop
+
 
 def run(t: Trainer, logger: metrics.Logger) -> int:
     """Evaluate, then train from the start (or the resumed step) to --max_steps, evaluating and saving
@@ -286,8 +327,10 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
     plan, args, is_main = t.plan, t.plan.args, t.plan.rank == 0
     start = trainer_checkpoint.restore_trainer(t) if plan.resume_from else 0
     if args.resume and not plan.resume_from and is_main:
-        print(f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; "
-              f"starting fresh", flush=True)
+        print(
+            f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; starting fresh",
+            flush=True,
+        )
     progress = metrics.Progress(args.max_steps - start, is_main)
     logger.log({"step": start, **t.built})
     t.saved_step = start + 1
@@ -312,9 +355,12 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
         # the same all-reduced numbers on every rank: all stop together. A GradScaler skips such steps.
         if not math.isfinite(m["loss"]) or (t.scaler is None and not math.isfinite(m["grad_norm"])):
             if is_main:
-                error_line("train.py", f"step {step}: loss {m['loss']} / grad norm {m['grad_norm']} is not "
-                                       f"finite; stopped without saving it. The newest checkpoint is "
-                                       f"{checkpoint.newest(args.out_dir) or 'none'}")
+                error_line(
+                    "train.py",
+                    f"step {step}: loss {m['loss']} / grad norm {m['grad_norm']} is not "
+                    f"finite; stopped without saving it. The newest checkpoint is "
+                    f"{checkpoint.newest(args.out_dir) or 'none'}",
+                )
             return 3
         if step % args.eval_interval == 0 or step == args.max_steps:
             log_eval(t, step, logger, progress)
@@ -328,9 +374,11 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
                 progress.write(f"saved {path}")
         if stop:
             progress.close()
-            sys.stderr.write(f"train.py: rank {plan.rank}: preempted ({t.faults.signal or 'a peer was signalled'}):"
-                             f" stopped after step {step}, " + (f"saved {path}; continue with --resume\n" if path
-                                                                else "nothing saved (--no_checkpoint)\n"))
+            sys.stderr.write(
+                f"train.py: rank {plan.rank}: preempted ({t.faults.signal or 'a peer was signalled'}):"
+                f" stopped after step {step}, "
+                + (f"saved {path}; continue with --resume\n" if path else "nothing saved (--no_checkpoint)\n")
+            )
             return faults.PREEMPTED
         t.faults.after_step(step)
     progress.close()
@@ -380,10 +428,13 @@ def main(argv: list[str] | None = None) -> int:
         if plan.dims.world_size == 1 or not faults.is_comm_failure(e):
             raise
         t.faults.watchdog.dump_ops(f"a collective failed at step {t.step}: {str(e).strip().splitlines()[0][:200]}")
-        error_line("train.py", f"rank {plan.rank}: a collective failed at step {t.step} (--timeout {args.timeout:g}s): a peer "
-                               f"rank was lost or stalled; restart with --resume to continue from "
-                               f"{checkpoint.newest(args.out_dir) or 'the start'} "
-                               f"[{str(e).strip().splitlines()[0][:200]}]")
+        error_line(
+            "train.py",
+            f"rank {plan.rank}: a collective failed at step {t.step} (--timeout {args.timeout:g}s): a peer "
+            f"rank was lost or stalled; restart with --resume to continue from "
+            f"{checkpoint.newest(args.out_dir) or 'the start'} "
+            f"[{str(e).strip().splitlines()[0][:200]}]",
+        )
         return 4
     finally:
         t.faults.close()

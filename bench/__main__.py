@@ -35,6 +35,7 @@ with --include_pp also pipeline/ (pipeline.json, pipeline.md, pipeline_timeline.
 moe_load.png. With --optimizer muon, bench.md and the snippet also carry rank 0's Newton-Schulz time and share
 of the step and the Muon exchange's all_to_all bytes, measured against the plan (bench.report.muon_markdown).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,8 @@ from dataclasses import asdict, replace
 
 import torch
 
-from bench.matrix import LAYOUTS, MOE_EXPERTS, MOE_LAYOUTS, PP_LAYOUTS, ZERO_LAYOUTS, Layout, Setup, fit_heads, matrix
 from bench import report, runner
+from bench.matrix import LAYOUTS, MOE_EXPERTS, MOE_LAYOUTS, PP_LAYOUTS, ZERO_LAYOUTS, Layout, Setup, fit_heads, matrix
 from config import Parser, UsageError, error_line
 from metrics import active_params
 from model import GPT, make_config
@@ -63,16 +64,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--quick", action="store_true", help="tiny model, few steps: a few minutes on 2 CPU cores")
     a("--nproc", type=int, default=None, help="ranks (default: the GPUs present, or 2 on CPU)")
     a("--include_2d", action="store_true", help="CPU with < 4 ranks: also run the 2D layouts on 4 ranks")
-    a("--include_pp", action="store_true",
-      help="also the pipeline layouts (pp, pp-dp, pp-tp, 3d: 2/4/4/8 ranks) and bench.pipeline into <out>/pipeline")
-    a("--include_zero", action="store_true",
-      help="also the ZeRO ladder (zero1, zero2 over all ranks; hsdp: 2 replicas, 4 ranks on CPU) and memory_ladder.png")
-    a("--include_moe", action="store_true",
-      help=f"also moe (E={MOE_EXPERTS} experts, top-2, 1 process), moe-ep (EP = dp = all ranks) and dense-active "
-           "(the dense model of equal active parameters), and moe_load.png")
-    a("--optimizer", choices=["adamw", "muon"], default="adamw",
-      help="muon: every layout with --optimizer muon (custom only): Newton-Schulz's share of the step and the "
-           "exchange's bytes, measured against Exchange.sent_bytes (docs/muon.md)")
+    a(
+        "--include_pp",
+        action="store_true",
+        help="also the pipeline layouts (pp, pp-dp, pp-tp, 3d: 2/4/4/8 ranks) and bench.pipeline into <out>/pipeline",
+    )
+    a(
+        "--include_zero",
+        action="store_true",
+        help="also the ZeRO ladder (zero1, zero2 over all ranks; hsdp: 2 replicas, 4 ranks on CPU) "
+        "and memory_ladder.png",
+    )
+    a(
+        "--include_moe",
+        action="store_true",
+        help=f"also moe (E={MOE_EXPERTS} experts, top-2, 1 process), moe-ep (EP = dp = all ranks) and dense-active "
+        "(the dense model of equal active parameters), and moe_load.png",
+    )
+    a(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="muon: every layout with --optimizer muon (custom only): Newton-Schulz's share of the step and the "
+        "exchange's bytes, measured against Exchange.sent_bytes (docs/muon.md)",
+    )
     a("--peak_flops", type=float, default=None, help="per device (default: measured / datasheet once)")
     a("--layouts", default=None, help=f"comma list out of {','.join(LAYOUTS)}")
     a("--repeats", type=int, default=1)
@@ -104,8 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_setup(args: argparse.Namespace, machine: dict, nproc: int, layouts: list[Layout], peak: float,
-               dataset: str = "") -> Setup:
+def make_setup(
+    args: argparse.Namespace, machine: dict, nproc: int, layouts: list[Layout], peak: float, dataset: str = ""
+) -> Setup:
     gpu = machine["device"] == "cuda"
     model = args.model or ("tiny" if args.quick else "small")
     config = make_config(model)
@@ -115,13 +131,21 @@ def make_setup(args: argparse.Namespace, machine: dict, nproc: int, layouts: lis
     lcm = math.lcm(*dp_all)
     rows = args.rows or (8 if gpu else 4) * max(nproc, lcm)
     seq = args.seq_len or (64 if args.quick else (1024 if gpu else 128))
-    return Setup(model=model, config=config, seq_len=seq, rows=rows,
-                 micro_cap=args.micro_batch_size or (8 if gpu else rows),
-                 warmup=args.warmup if args.warmup is not None else (2 if args.quick else (5 if gpu else 3)),
-                 steps=args.steps or (8 if args.quick else (30 if gpu else 12)), peak_flops=peak,
-                 device=machine["device"], dataset=dataset,
-                 timeout=args.timeout or (300 if args.quick else 3600),
-                 dtype_bytes=machine.get("dtype_bytes", 4), residual_bytes=4)
+    return Setup(
+        model=model,
+        config=config,
+        seq_len=seq,
+        rows=rows,
+        micro_cap=args.micro_batch_size or (8 if gpu else rows),
+        warmup=args.warmup if args.warmup is not None else (2 if args.quick else (5 if gpu else 3)),
+        steps=args.steps or (8 if args.quick else (30 if gpu else 12)),
+        peak_flops=peak,
+        device=machine["device"],
+        dataset=dataset,
+        timeout=args.timeout or (300 if args.quick else 3600),
+        dtype_bytes=machine.get("dtype_bytes", 4),
+        residual_bytes=4,
+    )
 
 
 def ensure_dataset(requested: str, out: str, vocab_size: int) -> str:
@@ -133,6 +157,7 @@ def ensure_dataset(requested: str, out: str, vocab_size: int) -> str:
     if all(os.path.exists(os.path.join(shakespeare, f"{s}.bin")) for s in ("train", "val")):
         return "shakespeare"
     import numpy as np
+
     d = os.path.join(out, "data")
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -149,6 +174,7 @@ def run_pipeline(out: str, pp: int, timeout: float, micro: int = 8, virtual: int
     {pp, micro, virtual, dir, summary, rows} for bench.md, or {..., error} if the job failed (the layout
     rows stand without it)."""
     from bench import pipeline
+
     info = {"pp": pp, "micro": micro, "virtual": virtual, "dir": "pipeline"}
     print(f"[bench] bench.pipeline P={pp} M={micro} V={virtual} into {out}", flush=True)
     try:
@@ -167,14 +193,16 @@ def moe_note(setup: Setup, experts: int, nproc: int) -> str:
         total, dense_total = GPT(moe).num_params(), GPT(dense).num_params()
     active = active_params(moe)
     missing = "" if experts % nproc == 0 and nproc >= 2 else f"; no moe-ep: E = {experts} over {nproc} ranks"
-    return (f"MoE layouts: every Block's MLP replaced by E = {moe.moe_num_experts} experts, top K = {moe.moe_top_k}, "
-            f"each C -> {moe.expert_hidden} -> C (C = {moe.n_embd}), dropless, balanced by the auxiliary loss "
-            f"({moe.moe_aux_loss_coeff}) and the bias rule ({moe.moe_bias_update_rate}); "
-            f"{total:,} parameters, {active:,} active per token (the experts' K/E share; MFU counts these, "
-            f"metrics.active_params); dense-active is the dense model of equal active parameters, {dense_total:,} "
-            f"(the MoE adds each layer's router, C·E, and K-1 c_proj biases). moe-ep: EP = dp = {nproc}, DDP; "
-            "its all_to_all theory at balanced routing (plan.theory.ep_all_to_all_bytes_per_micro_step, R = N·k) "
-            "and at each step's measured load (bench.matrix.ep_all_to_all_at_load)" + missing)
+    return (
+        f"MoE layouts: every Block's MLP replaced by E = {moe.moe_num_experts} experts, top K = {moe.moe_top_k}, "
+        f"each C -> {moe.expert_hidden} -> C (C = {moe.n_embd}), dropless, balanced by the auxiliary loss "
+        f"({moe.moe_aux_loss_coeff}) and the bias rule ({moe.moe_bias_update_rate}); "
+        f"{total:,} parameters, {active:,} active per token (the experts' K/E share; MFU counts these, "
+        f"metrics.active_params); dense-active is the dense model of equal active parameters, {dense_total:,} "
+        f"(the MoE adds each layer's router, C·E, and K-1 c_proj biases). moe-ep: EP = dp = {nproc}, DDP; "
+        "its all_to_all theory at balanced routing (plan.theory.ep_all_to_all_bytes_per_micro_step, R = N·k) "
+        "and at each step's measured load (bench.matrix.ep_all_to_all_at_load)" + missing
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,8 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     machine = runner.probe_machine(measure=args.peak_flops is None)
     gpu = machine["device"] == "cuda"
     nproc = args.nproc or (machine["count"] if gpu else 2)
-    layouts = matrix(nproc, gpu, args.include_2d, args.layouts.split(",") if args.layouts else None,
-                     include_pp=args.include_pp, include_zero=args.include_zero, include_moe=args.include_moe)
+    layouts = matrix(
+        nproc,
+        gpu,
+        args.include_2d,
+        args.layouts.split(",") if args.layouts else None,
+        include_pp=args.include_pp,
+        include_zero=args.include_zero,
+        include_moe=args.include_moe,
+    )
     if args.optimizer == "muon":  # torch's Muon (the twins) has no ledger: nothing of NS or its exchange to report
         layouts = [lay for lay in layouts if lay.implementation != "pytorch"]
     if not layouts:
@@ -205,17 +240,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     peak = args.peak_flops or machine["peak_flops"]
     setup = make_setup(args, machine, nproc, layouts, peak)
-    setup = replace(setup, dataset=ensure_dataset(args.dataset, args.out, setup.config.vocab_size),
-                    optimizer=args.optimizer)
+    setup = replace(
+        setup, dataset=ensure_dataset(args.dataset, args.out, setup.config.vocab_size), optimizer=args.optimizer
+    )
     notes = []
     if args.optimizer == "muon":
-        notes.append("--optimizer muon: every layout runs Muon on the Block matrices (AdamW on the rest), custom "
-                     "implementation only; comm theory adds the Muon exchange's all_to_all as planned from the holds "
-                     "(optim/distributed_muon.Exchange.sent_bytes)")
+        notes.append(
+            "--optimizer muon: every layout runs Muon on the Block matrices (AdamW on the rest), custom "
+            "implementation only; comm theory adds the Muon exchange's all_to_all as planned from the holds "
+            "(optim/distributed_muon.Exchange.sent_bytes)"
+        )
     if any(lay.dp_type == "fsdp" for lay in layouts):
-        notes.append("FSDP theory per micro-step: all-gather 2Ψ_blocks + Ψ_root (the root unit, wte = lm_head, "
-                     "wpe and ln_f, stays gathered from forward to backward, as in FSDP2), reduce-scatter Ψ; "
-                     "measured bytes also carry each unit's padding to a multiple of N (< N elements)")
+        notes.append(
+            "FSDP theory per micro-step: all-gather 2Ψ_blocks + Ψ_root (the root unit, wte = lm_head, "
+            "wpe and ln_f, stays gathered from forward to backward, as in FSDP2), reduce-scatter Ψ; "
+            "measured bytes also carry each unit's padding to a multiple of N (< N elements)"
+        )
     base = make_config(setup.model)
     if setup.config.n_head != base.n_head:
         notes.append(f"n_head raised from the preset's {base.n_head} to {setup.config.n_head} so that TP divides it")
@@ -223,40 +263,57 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"{max(lay.nproc for lay in layouts)} ranks on {os.cpu_count()} CPU cores: oversubscribed")
     with torch.device("meta"):
         params = GPT(setup.config).num_params()
-    machine_desc = (f"{nproc}× {machine['name']}" if gpu else f"{machine['name']}, {os.cpu_count()} cores, "
-                    f"1 thread per rank") + f" ({platform.node()})"
-    print(f"[bench] {machine_desc}; peak {peak:.4g} FLOP/s per device; {len(layouts)} layouts; "
-          f"{setup.model} {params / 1e6:.1f}M params, {setup.rows} x {setup.seq_len} tokens/step, "
-          f"{setup.warmup}+{setup.steps} steps", flush=True)
+    machine_desc = (
+        f"{nproc}× {machine['name']}" if gpu else f"{machine['name']}, {os.cpu_count()} cores, 1 thread per rank"
+    ) + f" ({platform.node()})"
+    print(
+        f"[bench] {machine_desc}; peak {peak:.4g} FLOP/s per device; {len(layouts)} layouts; "
+        f"{setup.model} {params / 1e6:.1f}M params, {setup.rows} x {setup.seq_len} tokens/step, "
+        f"{setup.warmup}+{setup.steps} steps",
+        flush=True,
+    )
     if any(lay.name in ZERO_LAYOUTS for lay in layouts):
-        notes.append("ZeRO theory per optimizer step (plan.theory.zero_comm_bytes_per_step): zero1 reduce-scatter "
-                     "Ψ + all-gather Ψ once; zero2 reduce-scatter Ψ per micro-step + all-gather Ψ once; hsdp: fsdp "
-                     "within the shard group plus all-reduce Ψ/S per micro-step across replicas. torch's zero2 twin "
-                     "(fully_shard(reshard_after_forward=False)) frees parameters after backward, so its state is "
-                     "ZeRO-3's between steps; its zero1 twin (ZeroRedundancyOptimizer) partitions whole parameters, "
-                     "so a rank's optimizer state depends on which tensors it owns")
+        notes.append(
+            "ZeRO theory per optimizer step (plan.theory.zero_comm_bytes_per_step): zero1 reduce-scatter "
+            "Ψ + all-gather Ψ once; zero2 reduce-scatter Ψ per micro-step + all-gather Ψ once; hsdp: fsdp "
+            "within the shard group plus all-reduce Ψ/S per micro-step across replicas. torch's zero2 twin "
+            "(fully_shard(reshard_after_forward=False)) frees parameters after backward, so its state is "
+            "ZeRO-3's between steps; its zero1 twin (ZeroRedundancyOptimizer) partitions whole parameters, "
+            "so a rank's optimizer state depends on which tensors it owns"
+        )
     if any(lay.pp > 1 for lay in layouts):
-        notes.append("PP layouts: 1F1B, M micro-batches per step (grad_accum column) with M >= 2P where the batch "
-                     "allows; theory for rank 0 = pipeline stage 0 (parallel.pipeline.p2p_bytes_per_step, the "
-                     "tied-embedding all-reduce, DDP and TP on stage 0's parameters and Blocks only)")
+        notes.append(
+            "PP layouts: 1F1B, M micro-batches per step (grad_accum column) with M >= 2P where the batch "
+            "allows; theory for rank 0 = pipeline stage 0 (parallel.pipeline.p2p_bytes_per_step, the "
+            "tied-embedding all-reduce, DDP and TP on stage 0's parameters and Blocks only)"
+        )
     moe = next((lay for lay in layouts if lay.experts), None)
     if args.include_moe:
         notes.append(moe_note(setup, moe.experts if moe else MOE_EXPERTS, nproc))
     rows = runner.run_matrix(layouts, setup, args.out, args.repeats, log=lambda s: print(s, flush=True))
-    meta = {"command": shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
-            "machine": machine_desc, "torch": torch.__version__,
-            "peak_source": "--peak_flops" if args.peak_flops else
-            ("datasheet / measured (metrics.peak_flops)" if gpu else "measured 1024³ fp32 matmul, 1 thread"),
-            "params": params, "config": asdict(setup.config), "steps": setup.steps, "warmup": setup.warmup,
-            "repeats": args.repeats, "dataset": setup.dataset, "notes": notes,
-            "wall_seconds": time.perf_counter() - t0}
+    meta = {
+        "command": shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
+        "machine": machine_desc,
+        "torch": torch.__version__,
+        "peak_source": "--peak_flops"
+        if args.peak_flops
+        else ("datasheet / measured (metrics.peak_flops)" if gpu else "measured 1024³ fp32 matmul, 1 thread"),
+        "params": params,
+        "config": asdict(setup.config),
+        "steps": setup.steps,
+        "warmup": setup.warmup,
+        "repeats": args.repeats,
+        "dataset": setup.dataset,
+        "notes": notes,
+        "wall_seconds": time.perf_counter() - t0,
+    }
     if args.include_pp:
-        meta["pipeline"] = run_pipeline(os.path.join(args.out, "pipeline"), min(4, nproc) if gpu else 2,
-                                        setup.timeout)
+        meta["pipeline"] = run_pipeline(os.path.join(args.out, "pipeline"), min(4, nproc) if gpu else 2, setup.timeout)
         meta["wall_seconds"] = time.perf_counter() - t0
     report.write_outputs(rows, meta, setup, args.out)
-    print(f"[bench] wrote {args.out}/bench.json, bench.md, results_section.md "
-          f"({meta['wall_seconds']:.0f} s)", flush=True)
+    print(
+        f"[bench] wrote {args.out}/bench.json, bench.md, results_section.md ({meta['wall_seconds']:.0f} s)", flush=True
+    )
     return 0 if any(r["status"] == "ok" for r in rows) else 1
 
 

@@ -20,6 +20,7 @@ activations are the one-process number.
 Outputs in --out: ac.json (config and one row per cell), ac.md (the table, and compiled/eager speed ratios:
 what compile buys on this machine, measured), ac.png (tokens/s and saved bytes per cell), runs/<cell>/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,13 +36,14 @@ from memory import SavedAndRecomputedBytes  # noqa: F401 -- lives in memory.py (
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("none", "full", "selective")
 LAYOUTS = {"single": 1, "fsdp2": 2}  # name -> ranks
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def saved_bytes(config, ac: str, every: int, micro_batch: int, seq_len: int) -> tuple[int, int]:
     """(forward peak, forward + backward peak) of saved + recomputed bytes for one eager micro-batch."""
-    from model import GPT
     from blocks import apply_activation_checkpointing
+    from model import GPT
+
     model = GPT(config)
     model.init_weights(0)
     if ac != "none":
@@ -57,9 +59,14 @@ def saved_bytes(config, ac: str, every: int, micro_batch: int, seq_len: int) -> 
 
 # ---- the grid ------------------------------------------------------------------------------------------
 
+
 def cells() -> list[dict]:
-    return [{"layout": lay, "nproc": n, "ac": ac, "compiled": c}
-            for lay, n in LAYOUTS.items() for c in (False, True) for ac in MODES]
+    return [
+        {"layout": lay, "nproc": n, "ac": ac, "compiled": c}
+        for lay, n in LAYOUTS.items()
+        for c in (False, True)
+        for ac in MODES
+    ]
 
 
 def key(cell: dict) -> str:
@@ -68,20 +75,55 @@ def key(cell: dict) -> str:
 
 def command(cell: dict, a: argparse.Namespace, data: str, out_dir: str) -> list[str]:
     train = os.path.join(ROOT, "train.py")
-    args = [train, "--model", a.model, "--seq_len", str(a.seq_len), "--micro_batch_size", str(a.micro_batch_size),
-            "--total_batch_size", str(a.rows * a.seq_len), "--max_steps", str(a.warmup + a.steps),
-            "--warmup_steps", "1", "--eval_interval", str(10 ** 6), "--eval_iters", "1", "--no_checkpoint",
-            "--dataset", data, "--out_dir", out_dir, "--device", "cpu", "--implementation", "custom",
-            "--activation_checkpointing", cell["ac"], "--ac_every", str(a.ac_every),
-            "--peak_flops", "1e12", "--overwrite"]
+    args = [
+        train,
+        "--model",
+        a.model,
+        "--seq_len",
+        str(a.seq_len),
+        "--micro_batch_size",
+        str(a.micro_batch_size),
+        "--total_batch_size",
+        str(a.rows * a.seq_len),
+        "--max_steps",
+        str(a.warmup + a.steps),
+        "--warmup_steps",
+        "1",
+        "--eval_interval",
+        str(10**6),
+        "--eval_iters",
+        "1",
+        "--no_checkpoint",
+        "--dataset",
+        data,
+        "--out_dir",
+        out_dir,
+        "--device",
+        "cpu",
+        "--implementation",
+        "custom",
+        "--activation_checkpointing",
+        cell["ac"],
+        "--ac_every",
+        str(a.ac_every),
+        "--peak_flops",
+        "1e12",
+        "--overwrite",
+    ]
     if a.n_layer:
         args += ["--n_layer", str(a.n_layer)]
     if cell["compiled"]:
         args.append("--compile")
     if cell["nproc"] > 1:
         args += ["--data_parallel_size", str(cell["nproc"]), "--data_parallel_type", "fsdp"]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cell['nproc']}",
-                *args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={cell['nproc']}",
+            *args,
+        ]
     return [sys.executable, *args]
 
 
@@ -91,6 +133,7 @@ def run(a: argparse.Namespace, log=print) -> list[dict]:
     from bench.runner import classify, run_job, summarize
     from metrics import read_jsonl
     from model import make_config
+
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
     config = make_config(a.model, n_layer=a.n_layer, block_size=max(a.seq_len, 64))
@@ -104,20 +147,39 @@ def run(a: argparse.Namespace, log=print) -> list[dict]:
         res = run_job(command(cell, a, data, out_dir), os.path.join(out_dir, "bench.log"), a.timeout)
         summary = summarize(read_jsonl(out_dir), a.warmup) if res.returncode == 0 else None
         status = classify(res, summary, a.timeout)
-        rows.append({**cell, "status": status, "seconds": round(res.seconds, 1),
-                     "tokens_per_sec": summary and summary["tokens_per_sec"],
-                     "step_time_ms": summary and summary["step_time_ms"],
-                     "peak_memory_bytes": summary and summary["peak_memory_bytes"],
-                     "saved_bytes_peak": saved[cell["ac"]][1], "saved_bytes_forward": saved[cell["ac"]][0],
-                     "saved_bytes_source": "eager twin (hooks do not see compiled graphs)" if cell["compiled"]
-                     else "eager, in-process", "out_dir": out_dir})
+        rows.append(
+            {
+                **cell,
+                "status": status,
+                "seconds": round(res.seconds, 1),
+                "tokens_per_sec": summary and summary["tokens_per_sec"],
+                "step_time_ms": summary and summary["step_time_ms"],
+                "peak_memory_bytes": summary and summary["peak_memory_bytes"],
+                "saved_bytes_peak": saved[cell["ac"]][1],
+                "saved_bytes_forward": saved[cell["ac"]][0],
+                "saved_bytes_source": "eager twin (hooks do not see compiled graphs)"
+                if cell["compiled"]
+                else "eager, in-process",
+                "out_dir": out_dir,
+            }
+        )
         tps = rows[-1]["tokens_per_sec"]
-        log(f"[bench.ac] {key(cell):<26} {status}" + (f", {tps:,.0f} tok/s" if tps else "")
-            + f" ({res.seconds:.0f} s)")
-    meta = {"model": a.model, "n_layer": config.n_layer, "n_embd": config.n_embd, "vocab_size": config.vocab_size,
-            "seq_len": a.seq_len, "micro_batch_size": a.micro_batch_size, "rows": a.rows, "warmup": a.warmup,
-            "steps": a.steps, "ac_every": a.ac_every, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "load_average": [load_start, os.getloadavg()[0]]}
+        log(f"[bench.ac] {key(cell):<26} {status}" + (f", {tps:,.0f} tok/s" if tps else "") + f" ({res.seconds:.0f} s)")
+    meta = {
+        "model": a.model,
+        "n_layer": config.n_layer,
+        "n_embd": config.n_embd,
+        "vocab_size": config.vocab_size,
+        "seq_len": a.seq_len,
+        "micro_batch_size": a.micro_batch_size,
+        "rows": a.rows,
+        "warmup": a.warmup,
+        "steps": a.steps,
+        "ac_every": a.ac_every,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "load_average": [load_start, os.getloadavg()[0]],
+    }
     with open(os.path.join(out, "ac.json"), "w") as f:
         json.dump({"config": meta, "rows": rows}, f, indent=1)
     with open(os.path.join(out, "ac.md"), "w") as f:
@@ -128,28 +190,40 @@ def run(a: argparse.Namespace, log=print) -> list[dict]:
 
 # ---- the report ----------------------------------------------------------------------------------------
 
+
 def _mib(b: int | None) -> str:
     return "-" if b is None else f"{b / MiB:.2f}"
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [f"{meta['model']} (n_layer {meta['n_layer']}, n_embd {meta['n_embd']}, vocab {meta['vocab_size']}), "
-             f"seq_len {meta['seq_len']}, micro-batch {meta['micro_batch_size']}, {meta['rows']} sequences per step, "
-             f"fp32 CPU, {meta['warmup']} warm-up + {meta['steps']} measured steps, selective = every "
-             f"{meta['ac_every']} Blocks, {meta['cpu_count']} CPU cores (1-minute load average "
-             f"{meta['load_average'][0]:.1f} at the start, {meta['load_average'][1]:.1f} at the end: above the core "
-             "count, other work shared them and tokens/s is noisy).", "",
-             "| layout | AC | mode | tokens/s | saved activations (MiB) | peak RSS rank 0 (MiB) | status |",
-             "|---|---|---|---:|---:|---:|---|"]
+    lines = [
+        f"{meta['model']} (n_layer {meta['n_layer']}, n_embd {meta['n_embd']}, vocab {meta['vocab_size']}), "
+        f"seq_len {meta['seq_len']}, micro-batch {meta['micro_batch_size']}, {meta['rows']} sequences per step, "
+        f"fp32 CPU, {meta['warmup']} warm-up + {meta['steps']} measured steps, selective = every "
+        f"{meta['ac_every']} Blocks, {meta['cpu_count']} CPU cores (1-minute load average "
+        f"{meta['load_average'][0]:.1f} at the start, {meta['load_average'][1]:.1f} at the end: above the core "
+        "count, other work shared them and tokens/s is noisy).",
+        "",
+        "| layout | AC | mode | tokens/s | saved activations (MiB) | peak RSS rank 0 (MiB) | status |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
     for r in rows:
         tps = "-" if r["tokens_per_sec"] is None else f"{r['tokens_per_sec']:,.0f}"
         mark = " *" if r["compiled"] else ""
-        lines.append(f"| {r['layout']} | {r['ac']} | {'compiled' if r['compiled'] else 'eager'} | {tps} "
-                     f"| {_mib(r['saved_bytes_peak'])}{mark} | {_mib(r['peak_memory_bytes'])} | {r['status']} |")
-    lines += ["", "\\* eager measurement (saved_tensors_hooks do not see inside compiled graphs).", "",
-              "Saved activations: peak over one micro-batch's forward + backward, per rank, parameters excluded, "
-              "recomputed tensors included. Peak RSS: the whole process (parameters, optimizer, allocator).", "",
-              "What compile buys on CPU, measured (compiled / eager tokens/s):", ""]
+        lines.append(
+            f"| {r['layout']} | {r['ac']} | {'compiled' if r['compiled'] else 'eager'} | {tps} "
+            f"| {_mib(r['saved_bytes_peak'])}{mark} | {_mib(r['peak_memory_bytes'])} | {r['status']} |"
+        )
+    lines += [
+        "",
+        "\\* eager measurement (saved_tensors_hooks do not see inside compiled graphs).",
+        "",
+        "Saved activations: peak over one micro-batch's forward + backward, per rank, parameters excluded, "
+        "recomputed tensors included. Peak RSS: the whole process (parameters, optimizer, allocator).",
+        "",
+        "What compile buys on CPU, measured (compiled / eager tokens/s):",
+        "",
+    ]
     by = {(r["layout"], r["ac"], r["compiled"]): r["tokens_per_sec"] for r in rows}
     for lay in dict.fromkeys(r["layout"] for r in rows):
         parts = []
@@ -161,8 +235,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
     for lay in dict.fromkeys(r["layout"] for r in rows):
         for c in (False, True):
             base = by.get((lay, "none", c))
-            parts = [f"{ac} {by[(lay, ac, c)] / base:.2f}x" if base and by.get((lay, ac, c)) else f"{ac} -"
-                     for ac in MODES[1:]]
+            parts = [
+                f"{ac} {by[(lay, ac, c)] / base:.2f}x" if base and by.get((lay, ac, c)) else f"{ac} -"
+                for ac in MODES[1:]
+            ]
             lines.append(f"- {lay} {'compiled' if c else 'eager'}: " + ", ".join(parts))
     return "\n".join(lines) + "\n"
 
@@ -170,6 +246,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
 def plot(rows: list[dict], path: str, log=print) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:

@@ -11,7 +11,8 @@ the same rows; tp = 1 turns it off), and every point's comm bytes per step are s
 - **Throughput.** A real train.py run: `torchrun --nproc_per_node=C train.py --context_parallel_size C`
   (plain `python train.py` for C = 1). Every run trains --rows sequences of T tokens per step, in one
   micro-step (micro_batch_size = rows; each cp rank holds T/C tokens of every row): at one T the global
-  batch in tokens is the same for every C, and it grows with T as the sequences do, for --warmup + --steps steps, with --no_checkpoint and no
+  batch in tokens is the same for every C, and it grows with T as the sequences do, for --warmup + --steps steps, with
+  --no_checkpoint and no
   eval. tokens/s is the median of metrics.jsonl's tokens_per_sec (global batch / step time) over the steps
   after --warmup (bench.runner.summarize). Peak FLOP/s is measured once and passed to every run, so the
   runs spend no time on it.
@@ -41,6 +42,7 @@ Outputs in --out: cp.json (config, with the attention timings and the load avera
 tables) and cp_seq_scaling.png (tokens/s vs T per C; saved bytes per rank vs T per C, log scale); runs/
 holds each job's log and metrics.jsonl.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,10 +53,11 @@ import sys
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MiB = 2 ** 20
+MiB = 2**20
 
 
 # ---- commands --------------------------------------------------------------------------------------------
+
 
 def launcher(nproc: int) -> list[str]:
     """How a job of `nproc` ranks starts: plain python for one, torchrun (standalone) for more."""
@@ -63,19 +66,55 @@ def launcher(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
-def train_command(seq_len: int, cp: int, out_dir: str, *, model: str, n_layer: int | None, rows: int,
-                  warmup: int, steps: int, dataset: str, peak_flops: float | None = None,
-                  timeout: float = 600, tp: int = 1) -> list[str]:
+def train_command(
+    seq_len: int,
+    cp: int,
+    out_dir: str,
+    *,
+    model: str,
+    n_layer: int | None,
+    rows: int,
+    warmup: int,
+    steps: int,
+    dataset: str,
+    peak_flops: float | None = None,
+    timeout: float = 600,
+    tp: int = 1,
+) -> list[str]:
     """train.py for one (seq_len, C) point: the global batch (rows x seq_len tokens) in one micro-step on
     every cp rank, no checkpoints, no eval before the last step. tp > 1 (with cp = 1): the TP point to compare
     with, our TP with sequence and loss parallelism, each tp rank seeing all rows."""
     total = warmup + steps
-    cmd = [*launcher(cp * tp), os.path.join(ROOT, "train.py"), "--model", model, "--dataset", dataset,
-           "--seq_len", str(seq_len), "--block_size", str(max(seq_len, 1)),
-           "--micro_batch_size", str(rows), "--total_batch_size", str(rows * seq_len),
-           "--max_steps", str(total), "--warmup_steps", "1", "--eval_interval", str(total + 1),
-           "--eval_iters", "1", "--no_checkpoint", "--timeout", str(int(timeout)), "--out_dir", out_dir,
-           "--overwrite"]
+    cmd = [
+        *launcher(cp * tp),
+        os.path.join(ROOT, "train.py"),
+        "--model",
+        model,
+        "--dataset",
+        dataset,
+        "--seq_len",
+        str(seq_len),
+        "--block_size",
+        str(max(seq_len, 1)),
+        "--micro_batch_size",
+        str(rows),
+        "--total_batch_size",
+        str(rows * seq_len),
+        "--max_steps",
+        str(total),
+        "--warmup_steps",
+        "1",
+        "--eval_interval",
+        str(total + 1),
+        "--eval_iters",
+        "1",
+        "--no_checkpoint",
+        "--timeout",
+        str(int(timeout)),
+        "--out_dir",
+        out_dir,
+        "--overwrite",
+    ]
     if n_layer is not None:
         cmd += ["--n_layer", str(n_layer)]
     if peak_flops is not None:
@@ -98,8 +137,8 @@ def comm_theory(cfg, rows: int, T: int, cp: int, tp: int, param_bytes: int) -> i
     (cp_p2p_bytes_per_micro_step) plus our DDP's all-reduce of every gradient over the cp ranks
     (param_bytes, fp32, the tied matrix once); TP > 1: tp_comm_bytes_per_micro_step with SP and loss
     parallelism (no data parallelism there); one rank: nothing."""
-    from plan.theory import cp_p2p_bytes_per_micro_step
-    from plan.theory import tp_comm_bytes_per_micro_step
+    from plan.theory import cp_p2p_bytes_per_micro_step, tp_comm_bytes_per_micro_step
+
     if tp > 1:
         return sum(tp_comm_bytes_per_micro_step(cfg, rows, T, tp, True, True).values())
     return cp_p2p_bytes_per_micro_step(cfg.n_layer, rows, T, cfg.n_embd, cp) + (param_bytes if cp > 1 else 0)
@@ -110,6 +149,7 @@ def layout(p: dict) -> str:
 
 
 # ---- from measurements to rows -----------------------------------------------------------------------------
+
 
 def cp_rows(points: list[dict]) -> list[dict]:
     """Each point ({seq_len, cp, tokens_per_sec, peak_saved_bytes, attn_saved_bytes, ...}) with its ratios to
@@ -124,10 +164,15 @@ def cp_rows(points: list[dict]) -> list[dict]:
     rows = []
     for p in sorted(points, key=lambda p: (p["seq_len"], p.get("tp", 1) > 1, p["cp"], p.get("tp", 1))):
         b = base.get(p["seq_len"], {})
-        rows.append({**p, "saved_ratio": ratio(b.get("peak_saved_bytes"), p.get("peak_saved_bytes")),
-                     "attn_ratio": ratio(b.get("attn_saved_bytes"), p.get("attn_saved_bytes")),
-                     "speedup": ratio(p.get("tokens_per_sec"), b.get("tokens_per_sec")),
-                     "comm_ratio": ratio(p.get("comm_bytes"), p.get("comm_theory"))})
+        rows.append(
+            {
+                **p,
+                "saved_ratio": ratio(b.get("peak_saved_bytes"), p.get("peak_saved_bytes")),
+                "attn_ratio": ratio(b.get("attn_saved_bytes"), p.get("attn_saved_bytes")),
+                "speedup": ratio(p.get("tokens_per_sec"), b.get("tokens_per_sec")),
+                "comm_ratio": ratio(p.get("comm_bytes"), p.get("comm_theory")),
+            }
+        )
     return rows
 
 
@@ -137,46 +182,58 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 def markdown(rows: list[dict], config: dict) -> str:
     """The table (one line per (seq_len, C)) and notes: what was run, and oversubscription when max C > cores."""
-    lines = ["| seq_len | layout | tokens/s | speedup vs 1 rank | peak saved / rank (MiB) | ratio 1 rank / this "
-             "| attention saved / rank (MiB) | attn ratio | comm / step / rank (MiB) | measured / formula | status |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| seq_len | layout | tokens/s | speedup vs 1 rank | peak saved / rank (MiB) | ratio 1 rank / this "
+        "| attention saved / rank (MiB) | attn ratio | comm / step / rank (MiB) | measured / formula | status |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['seq_len']} | {layout(r)} | {_fmt(r.get('tokens_per_sec'), ',.0f')} "
-                     f"| {_fmt(r['speedup'], '.2f')} | {_fmt(r.get('peak_saved_bytes'), '.2f', MiB)} "
-                     f"| {_fmt(r['saved_ratio'], '.2f')} | {_fmt(r.get('attn_saved_bytes'), '.2f', MiB)} "
-                     f"| {_fmt(r['attn_ratio'], '.2f')} | {_fmt(r.get('comm_bytes'), '.2f', MiB)} "
-                     f"| {_fmt(r.get('comm_ratio'), '.3f')} | {r.get('status', 'ok')} |")
-    lines += ["", f"- model {config['model']} (n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocab "
-              f"{config['vocab_size']}); every run: {config['rows']} rows x seq_len tokens per step "
-              f"(the same for every C at one seq_len, one micro-step), {config['warmup']} warm-up + {config['steps']} "
-              "measured steps, median tokens/s (global batch / step time)",
-              "- saved: distinct non-parameter storages autograd holds for backward, peak over one forward + "
-              "backward of one micro-batch on rank 0 (bench.pipeline.SavedBytes); ratio = bytes(C=1) / bytes(C) "
-              "at the same seq_len, expected about C",
-              "- attention: the part saved inside the attention modules; the ring saves what SDPA saves, at T/C "
-              "tokens, so expect C",
-              "- TP rows: our TP with sequence and loss parallelism on the same rows (each tp rank sees every row); "
-              "comm: rank 0's parallel/comm.py count per step (median), against the ring + gradient all-reduce "
-              "(C) or TP formula (bench.cp.comm_theory)"]
+        lines.append(
+            f"| {r['seq_len']} | {layout(r)} | {_fmt(r.get('tokens_per_sec'), ',.0f')} "
+            f"| {_fmt(r['speedup'], '.2f')} | {_fmt(r.get('peak_saved_bytes'), '.2f', MiB)} "
+            f"| {_fmt(r['saved_ratio'], '.2f')} | {_fmt(r.get('attn_saved_bytes'), '.2f', MiB)} "
+            f"| {_fmt(r['attn_ratio'], '.2f')} | {_fmt(r.get('comm_bytes'), '.2f', MiB)} "
+            f"| {_fmt(r.get('comm_ratio'), '.3f')} | {r.get('status', 'ok')} |"
+        )
+    lines += [
+        "",
+        f"- model {config['model']} (n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocab "
+        f"{config['vocab_size']}); every run: {config['rows']} rows x seq_len tokens per step "
+        f"(the same for every C at one seq_len, one micro-step), {config['warmup']} warm-up + {config['steps']} "
+        "measured steps, median tokens/s (global batch / step time)",
+        "- saved: distinct non-parameter storages autograd holds for backward, peak over one forward + "
+        "backward of one micro-batch on rank 0 (bench.pipeline.SavedBytes); ratio = bytes(C=1) / bytes(C) "
+        "at the same seq_len, expected about C",
+        "- attention: the part saved inside the attention modules; the ring saves what SDPA saves, at T/C "
+        "tokens, so expect C",
+        "- TP rows: our TP with sequence and loss parallelism on the same rows (each tp rank sees every row); "
+        "comm: rank 0's parallel/comm.py count per step (median), against the ring + gradient all-reduce "
+        "(C) or TP formula (bench.cp.comm_theory)",
+    ]
     cores = config.get("cpu_count")
     if config.get("load_average"):
         start, end = config["load_average"]
         lines.append(f"- load average (1 min) {start:.2f} at the start and {end:.2f} at the end, on {cores} cores")
     big = max((r["cp"] * r.get("tp", 1) for r in rows), default=1)
     if cores is not None and big > cores:
-        lines.append(f"- {big} ranks on {cores} CPU cores is oversubscribed: the ranks share the cores, so "
-                     f"tokens/s with more than {cores} ranks measures contention as much as the ring (one thread "
-                     "per rank)")
-    lines += attention_markdown(config.get("attention_c1") or [], config["rows"], config.get("n_head", "H"),
-                                config.get("head_dim", "D"))
+        lines.append(
+            f"- {big} ranks on {cores} CPU cores is oversubscribed: the ranks share the cores, so "
+            f"tokens/s with more than {cores} ranks measures contention as much as the ring (one thread "
+            "per rank)"
+        )
+    lines += attention_markdown(
+        config.get("attention_c1") or [], config["rows"], config.get("n_head", "H"), config.get("head_dim", "D")
+    )
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: str) -> None:
     """Two panels: tokens/s vs seq_len, one line per C; peak saved bytes per rank vs seq_len, log y."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in dict.fromkeys(layout(r) for r in rows):
         rs = [r for r in rows if layout(r) == name]
@@ -206,10 +263,12 @@ def plot(rows: list[dict], path: str) -> None:
 
 # ---- the saved-bytes worker ----------------------------------------------------------------------------------
 
+
 def measure_saved(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
     """(peak saved bytes, bytes saved inside attention modules) over one forward + backward of (x, y)."""
     from bench.pipeline import SavedBytes
     from model import CausalSelfAttention
+
     attn = [0]
     with SavedBytes(exclude=list(model.parameters())) as saved:
         before = {}
@@ -217,8 +276,9 @@ def measure_saved(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> t
         for m in model.modules():
             if isinstance(m, CausalSelfAttention):
                 hooks.append(m.register_forward_pre_hook(lambda mod, _: before.__setitem__(mod, saved.bytes)))
-                hooks.append(m.register_forward_hook(
-                    lambda mod, _, __: attn.__setitem__(0, attn[0] + saved.bytes - before[mod])))
+                hooks.append(
+                    m.register_forward_hook(lambda mod, _, __: attn.__setitem__(0, attn[0] + saved.bytes - before[mod]))
+                )
         _, loss = model(x, y)
         for h in hooks:
             h.remove()
@@ -230,6 +290,7 @@ def worker(spec: dict) -> None:
     """Every rank (or the one process when C = 1): per seq_len, build the model, take this rank's share of one
     micro-batch, measure; rank 0 writes {seq_len: {rank0, max over ranks, attention}} to spec['result']."""
     import torch.distributed as dist
+
     from model import GPT, make_config
     from parallel.context_parallel import apply_context_parallel, shard_sequence
     from parallel.tensor_parallel import apply_tensor_parallel
@@ -261,9 +322,16 @@ def worker(spec: dict) -> None:
         if C * P > 1:
             peaks = [None] * (C * P)
             dist.all_gather_object(peaks, peak)
-        result[T] = {"peak_saved_bytes": peaks[0], "peak_saved_bytes_max": max(peaks), "attn_saved_bytes": attn,
-                     "local_tokens": x.numel(), "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size,
-                     "n_layer": cfg.n_layer, "param_bytes": param_bytes}
+        result[T] = {
+            "peak_saved_bytes": peaks[0],
+            "peak_saved_bytes_max": max(peaks),
+            "attn_saved_bytes": attn,
+            "local_tokens": x.numel(),
+            "n_embd": cfg.n_embd,
+            "vocab_size": cfg.vocab_size,
+            "n_layer": cfg.n_layer,
+            "param_bytes": param_bytes,
+        }
         del model
     if rank == 0:
         with open(spec["result"], "w") as f:
@@ -273,6 +341,7 @@ def worker(spec: dict) -> None:
 
 
 # ---- one attention, C = 1 ----------------------------------------------------------------------------------
+
 
 def time_attention(seq_len: int, rows: int, n_head: int, head_dim: int, reps: int = 5) -> dict:
     """Forward + backward of one causal attention of (rows, n_head, seq_len, head_dim) fp32 q, k, v (views of
@@ -286,14 +355,17 @@ def time_attention(seq_len: int, rows: int, n_head: int, head_dim: int, reps: in
     import torch.nn.functional as F
 
     from parallel.context_parallel import ring_attention
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         g = torch.Generator().manual_seed(0)
         leaves = [torch.randn(rows, seq_len, n_head, head_dim, generator=g).requires_grad_() for _ in range(3)]
         dout = torch.randn(rows, n_head, seq_len, head_dim, generator=g)
-        ways = {"sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                "ring": lambda q, k, v: ring_attention(q, k, v, None)}
+        ways = {
+            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            "ring": lambda q, k, v: ring_attention(q, k, v, None),
+        }
         times: dict[str, list[float]] = {name: [] for name in ways}
         for rnd in range(reps + 1):
             for name, attend in ways.items():
@@ -315,17 +387,32 @@ def attention_markdown(timings: list[dict], rows: int, n_head: int, head_dim: in
         return []
     lines = ["", "| seq_len | SDPA fwd+bwd (ms) | ring C=1 fwd+bwd (ms) | ring / SDPA |", "|---:|---:|---:|---:|"]
     lines += [f"| {t['seq_len']} | {t['sdpa_ms']:.2f} | {t['ring_ms']:.2f} | {t['ratio']:.2f} |" for t in timings]
-    lines += ["", f"- one attention, q/k/v ({rows}, {n_head}, seq_len, {head_dim}) fp32, forward + backward on one "
-              "thread in the bench's process (bench.cp.time_attention): SDPA as a 1-rank run calls it, and "
-              "ring_attention with one rank (its fused kernel calls, no communication); medians"]
+    lines += [
+        "",
+        f"- one attention, q/k/v ({rows}, {n_head}, seq_len, {head_dim}) fp32, forward + backward on one "
+        "thread in the bench's process (bench.cp.time_attention): SDPA as a 1-rank run calls it, and "
+        "ring_attention with one rank (its fused kernel calls, no communication); medians",
+    ]
     return lines
 
 
 # ---- the sweep ------------------------------------------------------------------------------------------------
 
-def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_layer: int | None = 2,
-        rows: int = 4, warmup: int = 2, steps: int = 4, timeout: float = 600, tps: list[int] = (),
-        log=print, attn_reps: int = 5) -> list[dict]:
+
+def run(
+    out: str,
+    seq_lens: list[int],
+    cps: list[int],
+    model: str = "tiny",
+    n_layer: int | None = 2,
+    rows: int = 4,
+    warmup: int = 2,
+    steps: int = 4,
+    timeout: float = 600,
+    tps: list[int] = (),
+    log=print,
+    attn_reps: int = 5,
+) -> list[dict]:
     """Time one attention at C = 1, ring against SDPA (`time_attention`, `attn_reps` rounds; 0: not timed),
     measure saved bytes (one job per layout: each C, and each TP degree in `tps` to compare with), then train
     every (seq_len, layout); write cp.json, cp.md and cp_seq_scaling.png into `out`; return the rows."""
@@ -339,14 +426,21 @@ def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_la
     cfg = make_config(model, n_layer=n_layer)
     dataset = ensure_dataset("", out, cfg.vocab_size)
     machine = probe_machine(measure=True)
-    log(f"[bench.cp] {machine['name']}, {os.cpu_count()} cores; {model} n_layer {cfg.n_layer}; seq_lens {seq_lens}, "
-        f"C in {cps}, TP in {list(tps)}; {rows} rows x seq_len tokens/step, {warmup}+{steps} steps")
+    log(
+        f"[bench.cp] {machine['name']}, {os.cpu_count()} cores; {model} n_layer {cfg.n_layer}; seq_lens {seq_lens}, "
+        f"C in {cps}, TP in {list(tps)}; {rows} rows x seq_len tokens/step, {warmup}+{steps} steps"
+    )
     load_start = os.getloadavg()[0]
-    attention = [time_attention(T, rows, cfg.n_head, cfg.n_embd // cfg.n_head, attn_reps)
-                 for T in seq_lens] if attn_reps else []
+    attention = (
+        [time_attention(T, rows, cfg.n_head, cfg.n_embd // cfg.n_head, attn_reps) for T in seq_lens]
+        if attn_reps
+        else []
+    )
     for t in attention:
-        log(f"[bench.cp] T={t['seq_len']:<5} one attention fwd+bwd, C=1: SDPA {t['sdpa_ms']:.1f} ms, ring "
-            f"{t['ring_ms']:.1f} ms ({t['ratio']:.2f}x)")
+        log(
+            f"[bench.cp] T={t['seq_len']:<5} one attention fwd+bwd, C=1: SDPA {t['sdpa_ms']:.1f} ms, ring "
+            f"{t['ring_ms']:.1f} ms ({t['ratio']:.2f}x)"
+        )
 
     layouts = [(cp, 1) for cp in cps] + [(1, tp) for tp in tps]
     tag = {(cp, tp): f"c{cp}" + (f"-tp{tp}" if tp > 1 else "") for cp, tp in layouts}  # file names under runs/
@@ -359,8 +453,10 @@ def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_la
         if job.returncode == 0 and os.path.exists(result):
             with open(result) as f:
                 memory[cp, tp] = {int(k): v for k, v in json.load(f).items()}
-        log(f"[bench.cp] saved bytes, {layout({'cp': cp, 'tp': tp})}: {classify(job, {}, timeout)} "
-            f"({job.seconds:.0f} s)")
+        log(
+            f"[bench.cp] saved bytes, {layout({'cp': cp, 'tp': tp})}: {classify(job, {}, timeout)} "
+            f"({job.seconds:.0f} s)"
+        )
 
     points = []
     for T in seq_lens:
@@ -368,32 +464,70 @@ def run(out: str, seq_lens: list[int], cps: list[int], model: str = "tiny", n_la
         for cp, tp in layouts:
             run_dir = os.path.join(out, "runs", f"T{T}-{tag[cp, tp]}")
             os.makedirs(run_dir, exist_ok=True)
-            cmd = train_command(T, cp, run_dir, model=model, n_layer=n_layer, rows=rows,
-                                warmup=warmup, steps=steps, dataset=dataset, peak_flops=machine["peak_flops"],
-                                timeout=timeout, tp=tp)
+            cmd = train_command(
+                T,
+                cp,
+                run_dir,
+                model=model,
+                n_layer=n_layer,
+                rows=rows,
+                warmup=warmup,
+                steps=steps,
+                dataset=dataset,
+                peak_flops=machine["peak_flops"],
+                timeout=timeout,
+                tp=tp,
+            )
             job = run_job(cmd, os.path.join(run_dir, "bench.log"), timeout)
             wrote = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
             s = summarize(read_jsonl(run_dir), warmup) if job.returncode == 0 and wrote else None
             status = classify(job, s, timeout)
             mem = memory.get((cp, tp), {}).get(T, {})
-            theory = comm_theory(cfg, rows, T, cp, tp, full_params or 0) \
-                if full_params or tp > 1 or cp == 1 else None
-            points.append({"seq_len": T, "cp": cp, "tp": tp, "status": status, "comm_theory": theory,
-                           "tokens_per_sec": s and s["tokens_per_sec"], "step_time_ms": s and s["step_time_ms"],
-                           "mfu": s and s["mfu"], "comm_bytes": s and s["comm_bytes"],
-                           "peak_saved_bytes": mem.get("peak_saved_bytes"),
-                           "peak_saved_bytes_max": mem.get("peak_saved_bytes_max"),
-                           "attn_saved_bytes": mem.get("attn_saved_bytes"), "seconds": round(job.seconds, 1)})
+            theory = comm_theory(cfg, rows, T, cp, tp, full_params or 0) if full_params or tp > 1 or cp == 1 else None
+            points.append(
+                {
+                    "seq_len": T,
+                    "cp": cp,
+                    "tp": tp,
+                    "status": status,
+                    "comm_theory": theory,
+                    "tokens_per_sec": s and s["tokens_per_sec"],
+                    "step_time_ms": s and s["step_time_ms"],
+                    "mfu": s and s["mfu"],
+                    "comm_bytes": s and s["comm_bytes"],
+                    "peak_saved_bytes": mem.get("peak_saved_bytes"),
+                    "peak_saved_bytes_max": mem.get("peak_saved_bytes_max"),
+                    "attn_saved_bytes": mem.get("attn_saved_bytes"),
+                    "seconds": round(job.seconds, 1),
+                }
+            )
             rate = points[-1]["tokens_per_sec"]
-            log(f"[bench.cp] T={T:<5} {layout(points[-1])}: {status}" + (f", {rate:,.0f} tok/s" if rate else "")
-                + f" ({job.seconds:.0f} s)")
+            log(
+                f"[bench.cp] T={T:<5} {layout(points[-1])}: {status}"
+                + (f", {rate:,.0f} tok/s" if rate else "")
+                + f" ({job.seconds:.0f} s)"
+            )
 
     table = cp_rows(points)
-    config = {"model": model, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head,
-              "head_dim": cfg.n_embd // cfg.n_head, "vocab_size": cfg.vocab_size,
-              "seq_lens": seq_lens, "cps": cps, "tps": list(tps), "rows": rows, "warmup": warmup,
-              "steps": steps, "cpu_count": os.cpu_count(), "machine": machine, "dataset": dataset,
-              "attention_c1": attention, "load_average": [load_start, os.getloadavg()[0]]}
+    config = {
+        "model": model,
+        "n_layer": cfg.n_layer,
+        "n_embd": cfg.n_embd,
+        "n_head": cfg.n_head,
+        "head_dim": cfg.n_embd // cfg.n_head,
+        "vocab_size": cfg.vocab_size,
+        "seq_lens": seq_lens,
+        "cps": cps,
+        "tps": list(tps),
+        "rows": rows,
+        "warmup": warmup,
+        "steps": steps,
+        "cpu_count": os.cpu_count(),
+        "machine": machine,
+        "dataset": dataset,
+        "attention_c1": attention,
+        "load_average": [load_start, os.getloadavg()[0]],
+    }
     with open(os.path.join(out, "cp.json"), "w") as f:
         json.dump({"config": config, "rows": table}, f, indent=1)
     with open(os.path.join(out, "cp.md"), "w") as f:
@@ -439,10 +573,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         from launch import exit_process
+
         worker(json.loads(args.worker))
         exit_process(0)  # the group is destroyed: skip finalization (launch.exit_process)
-    rows = run(args.out, args.seq_lens, args.cps, args.model, args.n_layer or None, args.rows,
-               args.warmup, args.steps, args.timeout, [t for t in args.tps if t > 1], attn_reps=args.attn_reps)
+    rows = run(
+        args.out,
+        args.seq_lens,
+        args.cps,
+        args.model,
+        args.n_layer or None,
+        args.rows,
+        args.warmup,
+        args.steps,
+        args.timeout,
+        [t for t in args.tps if t > 1],
+        attn_reps=args.attn_reps,
+    )
     config = json.load(open(os.path.join(args.out, "cp.json")))["config"]
     print(markdown(rows, config), end="")
     print(f"[bench.cp] wrote {os.path.abspath(args.out)}/cp.json, cp.md, cp_seq_scaling.png")

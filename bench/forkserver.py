@@ -15,6 +15,7 @@ them waiting in a collective until --timeout).
 
 The protocol is one JSON line per request and per reply on the server's stdin/stdout.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @dataclass
 class RunResult:
-    codes: list[int]   # each rank's exit code; -N: killed by signal N
-    stdout: str        # every rank's stdout, rank 0's first
+    codes: list[int]  # each rank's exit code; -N: killed by signal N
+    stdout: str  # every rank's stdout, rank 0's first
     stderr: list[str]  # each rank's stderr
     seconds: float
 
@@ -57,15 +58,29 @@ class ForkServer:
 
     def _start(self) -> None:
         from launch import child_env
+
         env = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(self._env or {}))
-        self._proc = subprocess.Popen([sys.executable, "-m", "bench.forkserver"], cwd=ROOT, env=env, text=True,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.forkserver"],
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
         ready = self._proc.stdout.readline()
         if ready.strip() != "ready":
             raise RuntimeError(f"bench.forkserver did not start: {ready!r}")
 
-    def run(self, args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 600,
-            grace: float = 5.0) -> RunResult:
+    def run(
+        self,
+        args: list[str],
+        nproc: int = 1,
+        env: dict[str, str] | None = None,
+        timeout: float = 600,
+        grace: float = 5.0,
+    ) -> RunResult:
         """train.main(args) on `nproc` forked ranks; `env` is added to each rank's environment."""
         if self._proc is None or self._proc.poll() is not None:
             self._start()
@@ -90,6 +105,7 @@ class ForkServer:
 
 # ----------------------------------------------------------------------------- the server side
 
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -110,13 +126,16 @@ def _rank(args: list[str], env: dict[str, str], out: str, err: str) -> None:
         os.environ.clear()
         os.environ.update(env)
         import torch
+
         import train
+
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
         code = train.main(args)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - a rank's crash is its output, as under torchrun
         import traceback
+
         traceback.print_exc()
         code = 1
     finally:
@@ -138,8 +157,15 @@ def _serve_one(req: dict) -> dict:
         for r in range(nproc):
             env = dict(base)
             if nproc > 1:
-                env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **req["env"])
+                env.update(
+                    RANK=str(r),
+                    LOCAL_RANK=str(r),
+                    WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
+                    **req["env"],
+                )
             pid = os.fork()
             if pid == 0:
                 _rank(req["args"], env, os.path.join(d, f"{r}.out"), os.path.join(d, f"{r}.err"))
@@ -167,9 +193,13 @@ def _serve_one(req: dict) -> dict:
         def read(path: str) -> str:
             with open(path, errors="replace") as f:
                 return f.read()
-        return {"codes": [codes[p] for p in pids], "stdout": "".join(read(os.path.join(d, f"{r}.out")) for r in range(nproc)),
-                "stderr": [read(os.path.join(d, f"{r}.err")) for r in range(nproc)],
-                "seconds": time.perf_counter() - t0}
+
+        return {
+            "codes": [codes[p] for p in pids],
+            "stdout": "".join(read(os.path.join(d, f"{r}.out")) for r in range(nproc)),
+            "stderr": [read(os.path.join(d, f"{r}.err")) for r in range(nproc)],
+            "seconds": time.perf_counter() - t0,
+        }
 
 
 def serve() -> None:
@@ -177,10 +207,12 @@ def serve() -> None:
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     import torch  # noqa: F401 - imported here once, so the forked ranks start warm
-    import train  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401 - what the wrappers import lazily
-    import torch.distributed.tensor.parallel  # noqa: F401
     import torch.distributed.pipelining  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+
+    import train  # noqa: F401
+
     try:  # metrics.Logger's writer: tensorboard pulls ~350 modules (protobuf, fsspec, boto3) on first use
         import torch.utils.tensorboard  # noqa: F401
     except ImportError:

@@ -11,6 +11,7 @@ every Block, on one process), `moe-ep` (it under expert parallelism over all ran
 K·2·C·(4C/K), the same; the MoE layer adds only its router, C·E, and K-1 more c_proj biases). The MoE layouts
 balance their experts with the auxiliary loss (0.01) and the bias rule (1e-3).
 """
+
 from __future__ import annotations
 
 import math
@@ -20,12 +21,16 @@ import torch
 
 from model import GPT, GPTConfig
 from moe import Experts
-from plan.theory import ddp_comm_bytes_per_step, ep_all_to_all_bytes_per_micro_step
 from parallel.flat_param import ZERO_STAGES
-from plan.theory import fsdp_comm_bytes_per_micro_step, zero_comm_bytes_per_step
-from plan.theory import p2p_bytes_per_step
 from pipeline_partition import layers_for
-from plan.theory import tp_comm_bytes_per_micro_step
+from plan.theory import (
+    ddp_comm_bytes_per_step,
+    ep_all_to_all_bytes_per_micro_step,
+    fsdp_comm_bytes_per_micro_step,
+    p2p_bytes_per_step,
+    tp_comm_bytes_per_micro_step,
+    zero_comm_bytes_per_step,
+)
 
 PP_LAYOUTS = ("pp", "pp-dp", "pp-tp", "3d")  # pp=2 alone, x dp=2 (DDP), x tp=2, x dp=2 x tp=2
 ZERO_LAYOUTS = ("zero1", "zero2", "hsdp")  # the ZeRO ladder beside ddp and fsdp (= ZeRO-3); hsdp: fsdp, R=2
@@ -38,14 +43,15 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 @dataclass(frozen=True)
 class Layout:
     """One cell of the matrix: a layout name, an implementation and its (pp, dp, tp) degrees."""
-    name: str            # one of LAYOUTS
+
+    name: str  # one of LAYOUTS
     implementation: str  # "custom" | "pytorch" | "none" (single)
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    replicate: int = 1   # HSDP: dp = replicate x shard
-    experts: int = 0     # E of every Block's MoE layer (Setup.moe_config); 0: the dense preset
-    ep: int = 1          # expert-parallel size (out of dp)
+    replicate: int = 1  # HSDP: dp = replicate x shard
+    experts: int = 0  # E of every Block's MoE layer (Setup.moe_config); 0: the dense preset
+    ep: int = 1  # expert-parallel size (out of dp)
 
     @property
     def nproc(self) -> int:
@@ -90,9 +96,16 @@ class Layout:
         return out
 
 
-def matrix(nproc: int, on_gpu: bool, include_2d: bool, wanted: list[str] | None = None,
-           include_pp: bool = False, include_zero: bool = False, include_moe: bool = False,
-           moe_experts: int = MOE_EXPERTS) -> list[Layout]:
+def matrix(
+    nproc: int,
+    on_gpu: bool,
+    include_2d: bool,
+    wanted: list[str] | None = None,
+    include_pp: bool = False,
+    include_zero: bool = False,
+    include_moe: bool = False,
+    moe_experts: int = MOE_EXPERTS,
+) -> list[Layout]:
     """The layouts to run, in order; 2D (tp=2 x dp=N/2) needs >= 4 ranks (on CPU: 4 with --include_2d).
     include_pp: also pp, pp-dp, pp-tp and 3d (pp=2; 2, 4, 4 and 8 ranks), on GPU only those that fit in
     the nproc GPUs present. include_moe: also moe, moe-ep (nproc >= 2 dividing moe_experts) and dense-active,
@@ -132,20 +145,21 @@ def matrix(nproc: int, on_gpu: bool, include_2d: bool, wanted: list[str] | None 
 @dataclass(frozen=True)
 class Setup:
     """What every layout shares: model, global batch, steps, peak FLOP/s, dtype."""
+
     model: str
     config: GPTConfig
     seq_len: int
-    rows: int               # sequences per global batch (the same for every layout)
-    micro_cap: int          # largest micro-batch per rank
+    rows: int  # sequences per global batch (the same for every layout)
+    micro_cap: int  # largest micro-batch per rank
     warmup: int
-    steps: int              # measured steps
+    steps: int  # measured steps
     peak_flops: float
-    device: str             # "cpu" | "cuda"
+    device: str  # "cpu" | "cuda"
     dataset: str
-    timeout: float          # seconds per job
-    dtype_bytes: int = 4    # matmul outputs: 2 under bf16/fp16 autocast
+    timeout: float  # seconds per job
+    dtype_bytes: int = 4  # matmul outputs: 2 under bf16/fp16 autocast
     residual_bytes: int = 4  # residual stream, embeddings, LayerNorm outputs: fp32 also under autocast
-    moe_top_k: int = 2      # K of the MoE layouts; each expert's hidden width is 4C/K (equal active parameters)
+    moe_top_k: int = 2  # K of the MoE layouts; each expert's hidden width is 4C/K (equal active parameters)
     # balancing, as a training run has it (without, the tiny-batch runs' routers collapse onto K experts in a few
     # steps): Switch's loss coefficient, DeepSeek-V3's bias rate
     moe_aux_loss_coeff: float = 0.01
@@ -159,9 +173,14 @@ class Setup:
         config."""
         if not experts:
             return self.config
-        return replace(self.config, moe_num_experts=experts, moe_top_k=self.moe_top_k,
-                       moe_ffn_hidden=4 * self.config.n_embd // self.moe_top_k,
-                       moe_aux_loss_coeff=self.moe_aux_loss_coeff, moe_bias_update_rate=self.moe_bias_update_rate)
+        return replace(
+            self.config,
+            moe_num_experts=experts,
+            moe_top_k=self.moe_top_k,
+            moe_ffn_hidden=4 * self.config.n_embd // self.moe_top_k,
+            moe_aux_loss_coeff=self.moe_aux_loss_coeff,
+            moe_bias_update_rate=self.moe_bias_update_rate,
+        )
 
     @property
     def global_batch_tokens(self) -> int:
@@ -172,8 +191,11 @@ class Setup:
         the step has M = rows/(dp*mb) >= 2*pp micro-batches, so the 1F1B bubble (P-1)/(M+P-1) stays
         below 1/3 (1 when rows/dp < 2*pp: as many micro-batches as there are rows)."""
         per_rank = self.rows // dp
-        fits = [d for d in range(1, min(per_rank, self.micro_cap) + 1) if per_rank % d == 0
-                and (pp == 1 or per_rank // d >= 2 * pp)]
+        fits = [
+            d
+            for d in range(1, min(per_rank, self.micro_cap) + 1)
+            if per_rank % d == 0 and (pp == 1 or per_rank // d >= 2 * pp)
+        ]
         return max(fits, default=1)
 
     def grad_accum(self, dp: int, pp: int = 1) -> int:
@@ -182,24 +204,60 @@ class Setup:
 
     def train_args(self, lay: Layout, out_dir: str) -> list[str]:
         c = self.config
-        return ["--model", self.model, "--n_layer", str(c.n_layer), "--n_head", str(c.n_head),
-                "--n_embd", str(c.n_embd), "--dataset", self.dataset, "--seq_len", str(self.seq_len),
-                "--micro_batch_size", str(self.micro_batch(lay.dp, lay.pp)),
-                "--total_batch_size", str(self.global_batch_tokens),
-                "--max_steps", str(self.warmup + self.steps), "--warmup_steps", "1",
-                "--eval_interval", str(self.warmup + self.steps + 1), "--eval_iters", "1",
-                "--peak_flops", repr(float(self.peak_flops)), "--timeout", str(int(self.timeout)),
-                "--out_dir", out_dir, "--overwrite", *lay.flags(), *self.moe_flags(lay),
-                *(["--optimizer", "muon", "--no_checkpoint"] if self.optimizer == "muon" else [])]
+        return [
+            "--model",
+            self.model,
+            "--n_layer",
+            str(c.n_layer),
+            "--n_head",
+            str(c.n_head),
+            "--n_embd",
+            str(c.n_embd),
+            "--dataset",
+            self.dataset,
+            "--seq_len",
+            str(self.seq_len),
+            "--micro_batch_size",
+            str(self.micro_batch(lay.dp, lay.pp)),
+            "--total_batch_size",
+            str(self.global_batch_tokens),
+            "--max_steps",
+            str(self.warmup + self.steps),
+            "--warmup_steps",
+            "1",
+            "--eval_interval",
+            str(self.warmup + self.steps + 1),
+            "--eval_iters",
+            "1",
+            "--peak_flops",
+            repr(float(self.peak_flops)),
+            "--timeout",
+            str(int(self.timeout)),
+            "--out_dir",
+            out_dir,
+            "--overwrite",
+            *lay.flags(),
+            *self.moe_flags(lay),
+            *(["--optimizer", "muon", "--no_checkpoint"] if self.optimizer == "muon" else []),
+        ]
 
     def moe_flags(self, lay: Layout) -> list[str]:
         """train.py's flags for `moe_config(lay.experts)`; none for a dense layout."""
         if not lay.experts:
             return []
         c = self.moe_config(lay.experts)
-        return ["--moe_num_experts", str(c.moe_num_experts), "--moe_top_k", str(c.moe_top_k),
-                "--moe_ffn_hidden", str(c.moe_ffn_hidden), "--moe_aux_loss_coeff", repr(c.moe_aux_loss_coeff),
-                "--moe_bias_update_rate", repr(c.moe_bias_update_rate)]
+        return [
+            "--moe_num_experts",
+            str(c.moe_num_experts),
+            "--moe_top_k",
+            str(c.moe_top_k),
+            "--moe_ffn_hidden",
+            str(c.moe_ffn_hidden),
+            "--moe_aux_loss_coeff",
+            repr(c.moe_aux_loss_coeff),
+            "--moe_bias_update_rate",
+            repr(c.moe_bias_update_rate),
+        ]
 
 
 def fit_heads(config: GPTConfig, tp: int) -> GPTConfig:
@@ -214,8 +272,10 @@ def fit_heads(config: GPTConfig, tp: int) -> GPTConfig:
 
 # ----------------------------------------------------------------------------- theory
 
-def param_count(config: GPTConfig, tp: int = 1, root_only: bool = False, first_stage_of: int = 1,
-                seq_len: int | None = None) -> int:
+
+def param_count(
+    config: GPTConfig, tp: int = 1, root_only: bool = False, first_stage_of: int = 1, seq_len: int | None = None
+) -> int:
     """Parameters one rank holds under Megatron TP (tp=1: all of them, the tied weight counted once).
 
     Split over the tp ranks: the vocab (wte = lm_head), column-parallel weights and biases (c_q, c_k, c_v,
@@ -231,8 +291,10 @@ def param_count(config: GPTConfig, tp: int = 1, root_only: bool = False, first_s
     for name, p in model.named_parameters():  # named_parameters yields the tied weight once (as wte)
         if root_only and name.startswith("transformer.h."):
             continue
-        if first is not None and not (name.startswith(("transformer.wte.", "transformer.wpe."))
-                                      or (name.startswith("transformer.h.") and int(name.split(".")[2]) in first)):
+        if first is not None and not (
+            name.startswith(("transformer.wte.", "transformer.wpe."))
+            or (name.startswith("transformer.h.") and int(name.split(".")[2]) in first)
+        ):
             continue
         replicated = ".ln_" in name or "ln_f" in name or "wpe" in name or name.endswith("c_proj.bias")
         total += p.numel() if replicated else p.numel() // tp
@@ -263,13 +325,27 @@ def comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
         _add(out, fsdp_comm_bytes_per_micro_step(root, psi - root, lay.dp), A)
     elif lay.dp_type is not None:  # zero1, zero2, hsdp
         root = param_count(setup.config, lay.tp, root_only=True)
-        _add(out, zero_comm_bytes_per_step(ZERO_STAGES[lay.dp_type], root, psi - root, lay.dp // lay.replicate,
-                                           lay.replicate, A))
+        _add(
+            out,
+            zero_comm_bytes_per_step(
+                ZERO_STAGES[lay.dp_type], root, psi - root, lay.dp // lay.replicate, lay.replicate, A
+            ),
+        )
     if lay.tp > 1:
-        _add(out, tp_comm_bytes_per_micro_step(setup.config, setup.micro_batch(lay.dp), setup.seq_len, lay.tp,
-                                               loss_parallel=True, sequence_parallel=False,
-                                               dtype_bytes=setup.dtype_bytes, residual_bytes=setup.residual_bytes),
-             A)
+        _add(
+            out,
+            tp_comm_bytes_per_micro_step(
+                setup.config,
+                setup.micro_batch(lay.dp),
+                setup.seq_len,
+                lay.tp,
+                loss_parallel=True,
+                sequence_parallel=False,
+                dtype_bytes=setup.dtype_bytes,
+                residual_bytes=setup.residual_bytes,
+            ),
+            A,
+        )
     return out
 
 
@@ -300,8 +376,9 @@ def moe_comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
     _add(out, ddp_comm_bytes_per_step(experts // lay.ep, lay.dp // lay.ep))
     A, mb = setup.grad_accum(lay.dp), setup.micro_batch(lay.dp)
     moe_layers = sum(config.is_moe(i) for i in range(config.n_layer))
-    out["all_to_all"] = A * ep_all_to_all_bytes_per_micro_step(mb * setup.seq_len, config.moe_top_k, config.n_embd,
-                                                               lay.experts, moe_layers, lay.ep, setup.dtype_bytes)
+    out["all_to_all"] = A * ep_all_to_all_bytes_per_micro_step(
+        mb * setup.seq_len, config.moe_top_k, config.n_embd, lay.experts, moe_layers, lay.ep, setup.dtype_bytes
+    )
     return out
 
 
@@ -317,8 +394,16 @@ def ep_all_to_all_at_load(lay: Layout, setup: Setup, expert_tokens: dict[str, li
     A, mb = setup.grad_accum(lay.dp), setup.micro_batch(lay.dp)
     mine = lay.experts // lay.ep
     received = sum(sum(tokens[:mine]) for tokens in expert_tokens.values())
-    zero = ep_all_to_all_bytes_per_micro_step(mb * setup.seq_len, config.moe_top_k, config.n_embd, lay.experts,
-                                              len(expert_tokens), lay.ep, setup.dtype_bytes, received=0)
+    zero = ep_all_to_all_bytes_per_micro_step(
+        mb * setup.seq_len,
+        config.moe_top_k,
+        config.n_embd,
+        lay.experts,
+        len(expert_tokens),
+        lay.ep,
+        setup.dtype_bytes,
+        received=0,
+    )
     return A * zero + 2 * received * config.n_embd * setup.dtype_bytes
 
 
@@ -342,13 +427,17 @@ def pp_comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
         raise ValueError(f"no PP theory for dp_type {lay.dp_type!r}")
     if lay.tp > 1:
         blocks = len(layers_for(c, lay.pp, seq_len=T)[0])
-        _add(out, tp_first_stage_bytes_per_micro_step(c, blocks, mb, T, lay.tp, setup.dtype_bytes,
-                                                      setup.residual_bytes), M)
+        _add(
+            out,
+            tp_first_stage_bytes_per_micro_step(c, blocks, mb, T, lay.tp, setup.dtype_bytes, setup.residual_bytes),
+            M,
+        )
     return out
 
 
-def tp_first_stage_bytes_per_micro_step(config: GPTConfig, blocks: int, B: int, T: int, tp: int,
-                                        dtype_bytes: int = 4, residual_bytes: int = 4) -> dict[str, int]:
+def tp_first_stage_bytes_per_micro_step(
+    config: GPTConfig, blocks: int, B: int, T: int, tp: int, dtype_bytes: int = 4, residual_bytes: int = 4
+) -> dict[str, int]:
     """TP bytes one rank of pipeline stage 0 (wte, wpe and `blocks` Blocks) records per micro-batch,
     without sequence parallelism.
 
@@ -375,9 +464,16 @@ def comm_curves(setup: Setup, world: list[int]) -> dict[str, list[dict[str, int]
     curves: dict[str, list[dict[str, int]]] = {"ddp": [], "fsdp": [], "tp": []}
     for n in world:
         accum = max(1, math.ceil(setup.rows / (n * setup.micro_cap)))
-        tp = tp_comm_bytes_per_micro_step(setup.config, B1, setup.seq_len, n, loss_parallel=True,
-                                          sequence_parallel=False, dtype_bytes=setup.dtype_bytes,
-                                          residual_bytes=setup.residual_bytes)
+        tp = tp_comm_bytes_per_micro_step(
+            setup.config,
+            B1,
+            setup.seq_len,
+            n,
+            loss_parallel=True,
+            sequence_parallel=False,
+            dtype_bytes=setup.dtype_bytes,
+            residual_bytes=setup.residual_bytes,
+        )
         curves["ddp"].append(ddp_comm_bytes_per_step(psi, n))
         curves["fsdp"].append(_add({}, fsdp_comm_bytes_per_micro_step(root, psi - root, n), accum))
         curves["tp"].append(_add({}, tp, A1))

@@ -18,6 +18,7 @@ Outputs in --out: muon_vs_adamw.json (the command, the config, per run: its flag
 step), muon_vs_adamw.md (the table), muon_vs_adamw.png (each optimizer's best run's val loss against step),
 runs/<name>/ (each run's metrics.jsonl and log).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,20 +40,50 @@ BASE_LR = 1e-3  # the quick start's AdamW lr: what the non-matrix parameters kee
 
 def runs(adamw_lrs=ADAMW_LRS, muon_lrs=MUON_LRS, original_lrs=ORIGINAL_LRS) -> list[dict]:
     """The sweep: {name, optimizer (the table's label), lr, flags} per run."""
-    out = [{"name": f"adamw-lr{lr:g}", "optimizer": "adamw", "lr": lr, "flags": ["--lr", f"{lr:g}"]}
-           for lr in adamw_lrs]
+    out = [
+        {"name": f"adamw-lr{lr:g}", "optimizer": "adamw", "lr": lr, "flags": ["--lr", f"{lr:g}"]} for lr in adamw_lrs
+    ]
     for adjust, lrs in (("match_rms_adamw", muon_lrs), ("original", original_lrs)):
-        out += [{"name": f"muon-{adjust}-lr{lr:g}", "optimizer": f"muon ({adjust})", "lr": lr,
-                 "flags": ["--lr", f"{BASE_LR:g}", "--optimizer", "muon", "--muon_lr", f"{lr:g}",
-                           "--muon_adjust_lr_fn", adjust]} for lr in lrs]
+        out += [
+            {
+                "name": f"muon-{adjust}-lr{lr:g}",
+                "optimizer": f"muon ({adjust})",
+                "lr": lr,
+                "flags": [
+                    "--lr",
+                    f"{BASE_LR:g}",
+                    "--optimizer",
+                    "muon",
+                    "--muon_lr",
+                    f"{lr:g}",
+                    "--muon_adjust_lr_fn",
+                    adjust,
+                ],
+            }
+            for lr in lrs
+        ]
     return out
 
 
 def command(run: dict, steps: int, eval_interval: int, out_dir: str) -> list[str]:
     config = os.path.join(ROOT, "configs", "quickstart.toml")
-    return [sys.executable, os.path.join(ROOT, "train.py"), "--config", config, "--data_parallel_size", "1",
-            "--max_steps", str(steps), "--eval_interval", str(eval_interval), "--no_checkpoint",
-            "--overwrite", "--out_dir", out_dir, *run["flags"]]
+    return [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        config,
+        "--data_parallel_size",
+        "1",
+        "--max_steps",
+        str(steps),
+        "--eval_interval",
+        str(eval_interval),
+        "--no_checkpoint",
+        "--overwrite",
+        "--out_dir",
+        out_dir,
+        *run["flags"],
+    ]
 
 
 def val_losses(records: list[dict]) -> dict[int, float]:
@@ -85,32 +116,40 @@ def best(rows: list[dict]) -> dict[str, dict]:
 def render(rows: list[dict], meta: dict) -> str:
     steps = sorted({s for r in rows if r["status"] == "ok" for s in r["val_loss"]})
     winners = {id(r) for r in best(rows).values()}
-    lines = [f"Validation loss (mean over {meta['eval_iters']} fixed validation micro-batches) on shakespeare_char, "
-             f"configs/quickstart.toml on one process for {meta['steps']} steps (warm-up 100, cosine to "
-             f"{meta['steps']}): `{meta['command']}`. ** = the best lr of its optimizer (lowest final val loss). "
-             f"Muon's rows step the Block matrices with Muon at the lr shown and the rest with AdamW at lr "
-             f"{BASE_LR:g}. {meta['machine']}.", "",
-             "| optimizer | lr | " + " | ".join(f"step {s}" for s in steps)
-             + " | ms/step | NS share | s/run | status |",
-             "|---|---:|" + "---:|" * len(steps) + "---:|---:|---:|---|"]
+    lines = [
+        f"Validation loss (mean over {meta['eval_iters']} fixed validation micro-batches) on shakespeare_char, "
+        f"configs/quickstart.toml on one process for {meta['steps']} steps (warm-up 100, cosine to "
+        f"{meta['steps']}): `{meta['command']}`. ** = the best lr of its optimizer (lowest final val loss). "
+        f"Muon's rows step the Block matrices with Muon at the lr shown and the rest with AdamW at lr "
+        f"{BASE_LR:g}. {meta['machine']}.",
+        "",
+        "| optimizer | lr | " + " | ".join(f"step {s}" for s in steps) + " | ms/step | NS share | s/run | status |",
+        "|---|---:|" + "---:|" * len(steps) + "---:|---:|---:|---|",
+    ]
     for r in rows:
         mark = "**" if id(r) in winners else ""
         vals = " | ".join(f"{mark}{r['val_loss'][s]:.4f}{mark}" if s in r["val_loss"] else "" for s in steps)
         ms = f"{r['ms_per_step']:.1f}" if "ms_per_step" in r else ""
         share = f"{100 * r['ns_share']:.1f}%" if "ns_share" in r else ""
-        lines.append(f"| {r['optimizer']} | {r['lr']:g} | {vals} | {ms} | {share} | {r['seconds']:.0f} | "
-                     f"{r['status']} |")
-    lines += ["", "ms/step: median over the steps after the first 10 (one thread); NS share: Newton-Schulz's median "
-              "share of a step (train.py's muon_ns_ms); s/run: the job's wall time, start-up and evals included. "
-              "ms/step and s/run move with the machine's load (other jobs may share its cores); NS share much less."]
+        lines.append(
+            f"| {r['optimizer']} | {r['lr']:g} | {vals} | {ms} | {share} | {r['seconds']:.0f} | {r['status']} |"
+        )
+    lines += [
+        "",
+        "ms/step: median over the steps after the first 10 (one thread); NS share: Newton-Schulz's median "
+        "share of a step (train.py's muon_ns_ms); s/run: the job's wall time, start-up and evals included. "
+        "ms/step and s/run move with the machine's load (other jobs may share its cores); NS share much less.",
+    ]
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: str) -> None:
     """Each optimizer's best run: val loss against step."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, r in best(rows).items():
         steps = sorted(r["val_loss"])
@@ -152,16 +191,27 @@ def main(argv: list[str] | None = None) -> int:
         records = read_jsonl(run_dir) if ok else []
         losses = val_losses(records)
         last = res.output.strip().splitlines()[-1][:200] if res.output.strip() else ""
-        row = {**run, "command": shlex.join(cmd), "seconds": round(res.seconds, 1), "val_loss": losses,
-               **step_times(records), "final": losses.get(args.steps),
-               "status": "ok" if ok and args.steps in losses else f"failed (rc {res.returncode}): {last}"}
+        row = {
+            **run,
+            "command": shlex.join(cmd),
+            "seconds": round(res.seconds, 1),
+            "val_loss": losses,
+            **step_times(records),
+            "final": losses.get(args.steps),
+            "status": "ok" if ok and args.steps in losses else f"failed (rc {res.returncode}): {last}",
+        }
         rows.append(row)
-        print(f"[muon_vs_adamw] {run['name']}: {row['status']}, final val {row['final']}, {res.seconds:.0f} s",
-              flush=True)
-    meta = {"command": shlex.join(["python", "-m", "bench.muon_vs_adamw", *(sys.argv[1:] if argv is None else argv)]),
-            "steps": args.steps, "eval_interval": args.eval_interval, "eval_iters": 20,
-            "machine": f"{os.cpu_count()} CPU cores, one thread per run, one run at a time",
-            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        print(
+            f"[muon_vs_adamw] {run['name']}: {row['status']}, final val {row['final']}, {res.seconds:.0f} s", flush=True
+        )
+    meta = {
+        "command": shlex.join(["python", "-m", "bench.muon_vs_adamw", *(sys.argv[1:] if argv is None else argv)]),
+        "steps": args.steps,
+        "eval_interval": args.eval_interval,
+        "eval_iters": 20,
+        "machine": f"{os.cpu_count()} CPU cores, one thread per run, one run at a time",
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
     with open(os.path.join(out, "muon_vs_adamw.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(os.path.join(out, "muon_vs_adamw.md"), "w") as f:

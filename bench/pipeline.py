@@ -25,6 +25,7 @@ one more step of its own, run before the timed ones.
 Outputs in --out: pipeline.json (config, summary per schedule, one row per schedule and rank),
 pipeline.md, pipeline_timeline.png, pipeline_timelines.json (the raw gathered timelines).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,11 +38,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from memory import SavedBytes  # noqa: F401 -- measured here; it lives in memory.py (train.py uses it too)
 from launch import exit_process
-from parallel.pipeline_schedule import ALL_SCHEDULES, B, COMPUTE, F, V_SCHEDULES, W
-from plan.theory import bubble_fraction
+from memory import SavedBytes  # noqa: F401 -- measured here; it lives in memory.py (train.py uses it too)
+from parallel.pipeline_schedule import ALL_SCHEDULES, COMPUTE, V_SCHEDULES, B, F, W
 from plan.simulate import simulate
+from plan.theory import bubble_fraction
 
 if TYPE_CHECKING:  # the worker imports them itself, after torchrun has started it
     from model import GPTConfig
@@ -49,10 +50,11 @@ if TYPE_CHECKING:  # the worker imports them itself, after torchrun has started 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ("gpipe", "1f1b", "interleaved_1f1b")
-MiB = 2 ** 20
+MiB = 2**20
 
 
 # ---- from timelines to numbers ---------------------------------------------------------------------------
+
 
 def idle_stats(ranks: list[list[tuple[str, float, float]]]) -> tuple[list[float], float, list[float]]:
     """(busy per rank, span, idle fraction per rank) from each rank's (kind, start, end) actions, all on one
@@ -69,19 +71,36 @@ def pipeline_rows(raw: dict) -> list[dict]:
     rows = []
     for name, ranks in raw["schedules"].items():
         v = chunks_per_rank(name, V)
-        sim = simulate(ALL_SCHEDULES[name](P, M, v), P, v, M, p2p="async",  # the runner uses isend
-                       v_shape=name in V_SCHEDULES)
+        sim = simulate(
+            ALL_SCHEDULES[name](P, M, v),
+            P,
+            v,
+            M,
+            p2p="async",  # the runner uses isend
+            v_shape=name in V_SCHEDULES,
+        )
         busy, span, idle = idle_stats([[(a[0], a[3], a[4]) for a in r["timeline"]] for r in ranks])
         for rank, r in enumerate(ranks):
             dur = {k: [a[4] - a[3] for a in r["timeline"] if a[0] == k] for k in COMPUTE}
-            rows.append({"schedule": name, "rank": rank, "pp": P, "micro": M, "virtual": v,
-                         "busy_s": busy[rank], "span_s": span, "idle_fraction": idle[rank],
-                         "idle_theory": bubble_fraction(name, P, M, v), "peak_in_flight": r["peak_in_flight"],
-                         "peak_in_flight_theory": sim.max_in_flight[rank],
-                         "peak_saved_bytes": r["peak_saved_bytes"],
-                         "mean_f_ms": 1e3 * sum(dur[F]) / max(len(dur[F]), 1),
-                         "mean_b_ms": 1e3 * sum(dur[B]) / max(len(dur[B]), 1),
-                         "mean_w_ms": 1e3 * sum(dur[W]) / max(len(dur[W]), 1)})
+            rows.append(
+                {
+                    "schedule": name,
+                    "rank": rank,
+                    "pp": P,
+                    "micro": M,
+                    "virtual": v,
+                    "busy_s": busy[rank],
+                    "span_s": span,
+                    "idle_fraction": idle[rank],
+                    "idle_theory": bubble_fraction(name, P, M, v),
+                    "peak_in_flight": r["peak_in_flight"],
+                    "peak_in_flight_theory": sim.max_in_flight[rank],
+                    "peak_saved_bytes": r["peak_saved_bytes"],
+                    "mean_f_ms": 1e3 * sum(dur[F]) / max(len(dur[F]), 1),
+                    "mean_b_ms": 1e3 * sum(dur[B]) / max(len(dur[B]), 1),
+                    "mean_w_ms": 1e3 * sum(dur[W]) / max(len(dur[W]), 1),
+                }
+            )
     return rows
 
 
@@ -95,30 +114,42 @@ def summary(rows: list[dict]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for name in dict.fromkeys(r["schedule"] for r in rows):
         rs = [r for r in rows if r["schedule"] == name]
-        out[name] = {"idle_fraction": sum(r["idle_fraction"] for r in rs) / len(rs),
-                     "idle_theory": rs[0]["idle_theory"], "span_s": rs[0]["span_s"],
-                     "peak_saved_bytes_max": max(r["peak_saved_bytes"] for r in rs)}
+        out[name] = {
+            "idle_fraction": sum(r["idle_fraction"] for r in rs) / len(rs),
+            "idle_theory": rs[0]["idle_theory"],
+            "span_s": rs[0]["span_s"],
+            "peak_saved_bytes_max": max(r["peak_saved_bytes"] for r in rs),
+        }
     return out
 
 
 def markdown(rows: list[dict], cores: int | None = None, split: dict[str, list[int]] | None = None) -> str:
     """The per-rank table, one line per schedule with idle measured vs theory (and `split`[schedule], its Blocks
     per chunk), and a note when the P ranks outnumber `cores`."""
-    lines = ["| schedule | rank | F / B mean (ms) | busy (ms) | span (ms) | idle measured | idle theory "
-             "| in flight (theory) | peak saved (MiB) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| schedule | rank | F / B mean (ms) | busy (ms) | span (ms) | idle measured | idle theory "
+        "| in flight (theory) | peak saved (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['schedule']} | {r['rank']} | {r['mean_f_ms']:.1f} / {r['mean_b_ms']:.1f} "
-                     f"| {1e3 * r['busy_s']:.1f} | {1e3 * r['span_s']:.1f} "
-                     f"| {r['idle_fraction']:.3f} | {r['idle_theory']:.3f} | {r['peak_in_flight']} "
-                     f"({r['peak_in_flight_theory']}) | {r['peak_saved_bytes'] / MiB:.2f} |")
+        lines.append(
+            f"| {r['schedule']} | {r['rank']} | {r['mean_f_ms']:.1f} / {r['mean_b_ms']:.1f} "
+            f"| {1e3 * r['busy_s']:.1f} | {1e3 * r['span_s']:.1f} "
+            f"| {r['idle_fraction']:.3f} | {r['idle_theory']:.3f} | {r['peak_in_flight']} "
+            f"({r['peak_in_flight_theory']}) | {r['peak_saved_bytes'] / MiB:.2f} |"
+        )
     lines.append("")
     for name, s in summary(rows).items():
         blocks = f"; Blocks per chunk {split[name]}" if split and name in split else ""
-        lines.append(f"- {name}: idle {s['idle_fraction']:.3f} measured (all ranks) vs {s['idle_theory']:.3f} "
-                     f"theory; span {1e3 * s['span_s']:.1f} ms{blocks}")
+        lines.append(
+            f"- {name}: idle {s['idle_fraction']:.3f} measured (all ranks) vs {s['idle_theory']:.3f} "
+            f"theory; span {1e3 * s['span_s']:.1f} ms{blocks}"
+        )
     if cores is not None and rows and rows[0]["pp"] > cores:
-        lines.append(f"- {rows[0]['pp']} ranks on {cores} CPU cores: an F or B stretches while more ranks compute "
-                     "at once, so idle here mixes the bubble with contention (and p2p latency, stage imbalance)")
+        lines.append(
+            f"- {rows[0]['pp']} ranks on {cores} CPU cores: an F or B stretches while more ranks compute "
+            "at once, so idle here mixes the bubble with contention (and p2p latency, stage imbalance)"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -126,14 +157,15 @@ def plot(raw: dict, rows: list[dict], path: str) -> None:
     """One subplot per schedule: y = rank, x = ms; F blue, B green, W orange (darker: the rank's first chunk), micro
     index inside each bar; grey = the rank is not computing."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     P = raw["pp"]
     names = list(raw["schedules"])
     stats = summary(rows)
     span = max(s["span_s"] for s in stats.values()) * 1e3
-    fig, axes = plt.subplots(len(names), 1, figsize=(14, 1.0 + 0.55 * P * len(names)), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(len(names), 1, figsize=(14, 1.0 + 0.55 * P * len(names)), sharex=True, squeeze=False)
     colours = {F: ("#1f4e9c", "#7fa7e0"), B: ("#1c7a3c", "#8fd19e"), W: ("#b35900", "#f0a860")}
     for ax, name in zip(axes[:, 0], names):
         ranks = raw["schedules"][name]
@@ -145,27 +177,38 @@ def plot(raw: dict, rows: list[dict], path: str) -> None:
                 if kind not in COMPUTE:
                     continue
                 x, w = 1e3 * (a0 - t0), 1e3 * (a1 - a0)
-                ax.broken_barh([(x, w)], (rank - 0.4, 0.8), color=colours[kind][chunk >= P],
-                               edgecolor="white", linewidth=0.4)
+                ax.broken_barh(
+                    [(x, w)], (rank - 0.4, 0.8), color=colours[kind][chunk >= P], edgecolor="white", linewidth=0.4
+                )
                 if w > span / 120:
                     ax.text(x + w / 2, rank, str(micro), ha="center", va="center", fontsize=6, color="white")
         s = stats[name]
-        ax.set_title(f"{name} (V={rows[[r['schedule'] for r in rows].index(name)]['virtual']}): idle "
-                     f"{s['idle_fraction']:.1%} measured vs {s['idle_theory']:.1%} theory", fontsize=10)
+        ax.set_title(
+            f"{name} (V={rows[[r['schedule'] for r in rows].index(name)]['virtual']}): idle "
+            f"{s['idle_fraction']:.1%} measured vs {s['idle_theory']:.1%} theory",
+            fontsize=10,
+        )
         ax.set_yticks(range(P), [f"rank {r}" for r in range(P)])
         ax.set_ylim(P - 0.5, -0.5)  # rank 0 on top, as in the Megatron figure
     axes[-1, 0].set_xlabel("time since the barrier (ms)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*colours[F], *colours[B], *colours[W], "#e4e4e4")]
-    fig.legend(handles, ["F", "F (2nd+ chunk)", "B", "B (2nd+ chunk)", "W (split)", "W (2nd+ chunk)",
-                         "idle / p2p"], loc="upper right", ncol=7, fontsize=8)
-    fig.suptitle(f"Pipeline schedules measured: P={P}, M={raw['micro']} (bar label: micro-batch)", x=0.02,
-                 ha="left", fontsize=11)
+    fig.legend(
+        handles,
+        ["F", "F (2nd+ chunk)", "B", "B (2nd+ chunk)", "W (split)", "W (2nd+ chunk)", "idle / p2p"],
+        loc="upper right",
+        ncol=7,
+        fontsize=8,
+    )
+    fig.suptitle(
+        f"Pipeline schedules measured: P={P}, M={raw['micro']} (bar label: micro-batch)", x=0.02, ha="left", fontsize=11
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
 
 # ---- the torchrun worker ---------------------------------------------------------------------------------
+
 
 def worker(args: argparse.Namespace) -> None:
     """Every rank: each schedule, warm-up steps, barrier, one measured step; rank 0 writes the raw timelines."""
@@ -178,15 +221,29 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, P = dist.get_rank(), dist.get_world_size()
-    cfg = make_config(args.model, n_layer=args.n_layer or P * args.virtual, vocab_size=args.vocab_size,
-                      block_size=args.seq_len)
+    cfg = make_config(
+        args.model, n_layer=args.n_layer or P * args.virtual, vocab_size=args.vocab_size, block_size=args.seq_len
+    )
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (args.micro, args.micro_batch_size, args.seq_len + 1), generator=g)
     batches = [(t[:, :-1].clone(), t[:, 1:].clone()) for t in tokens]  # own storages, as a loader's batches
-    raw = {"pp": P, "micro": args.micro, "virtual": args.virtual, "model": args.model, "n_layer": cfg.n_layer,
-           "n_embd": cfg.n_embd, "vocab_size": cfg.vocab_size, "seq_len": args.seq_len,
-           "micro_batch_size": args.micro_batch_size, "warmup": args.warmup, "repeats": args.repeats,
-           "cpu_count": os.cpu_count(), "balance": args.balance, "split": {}, "schedules": {}}
+    raw = {
+        "pp": P,
+        "micro": args.micro,
+        "virtual": args.virtual,
+        "model": args.model,
+        "n_layer": cfg.n_layer,
+        "n_embd": cfg.n_embd,
+        "vocab_size": cfg.vocab_size,
+        "seq_len": args.seq_len,
+        "micro_batch_size": args.micro_batch_size,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "cpu_count": os.cpu_count(),
+        "balance": args.balance,
+        "split": {},
+        "schedules": {},
+    }
     costs = [stage_costs(cfg, args.seq_len)]
     if args.balance == "time":  # every rank cuts by rank 0's timings
         costs = [measure_costs(cfg, args.seq_len, args.micro_batch_size) if rank == 0 else None]
@@ -197,8 +254,9 @@ def worker(args: argparse.Namespace) -> None:
     for name in args.schedules.split(","):
         v = chunks_per_rank(name, args.virtual)
         counts = tuple(int(n) for n in args.layers_per_stage.split(",")) if args.layers_per_stage and v == 1 else None
-        counts = tuple(len(r) for r in layers_for(cfg, P, v, counts=counts, costs=costs[0],
-                                                  v_shape=name in V_SCHEDULES))
+        counts = tuple(
+            len(r) for r in layers_for(cfg, P, v, counts=counts, costs=costs[0], v_shape=name in V_SCHEDULES)
+        )
         raw["split"][name] = list(counts)  # Blocks per chunk
         with torch.device("meta"):
             model = GPT(cfg)
@@ -217,8 +275,11 @@ def worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             runner.step(batches, name)
             stage.zero_grad(set_to_none=True)
-            mine = {"timeline": [(a.kind, a.chunk, a.micro, s - t0, e - t0) for a, s, e in runner.record.timeline],
-                    "peak_in_flight": runner.record.peak_in_flight, "peak_saved_bytes": saved.peak}
+            mine = {
+                "timeline": [(a.kind, a.chunk, a.micro, s - t0, e - t0) for a, s, e in runner.record.timeline],
+                "peak_in_flight": runner.record.peak_in_flight,
+                "peak_saved_bytes": saved.peak,
+            }
             gathered = [None] * P
             dist.all_gather_object(gathered, mine)
             span = idle_stats([[(a[0], a[3], a[4]) for a in r["timeline"]] for r in gathered])[1]
@@ -233,8 +294,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def step_costs(cfg: GPTConfig, rank: int, P: int, batches: list, flops: StageCosts, warmup: int,
-               steps: int = 5) -> StageCosts:
+def step_costs(
+    cfg: GPTConfig, rank: int, P: int, batches: list, flops: StageCosts, warmup: int, steps: int = 5
+) -> StageCosts:
     """StageCosts from 1F1B steps on the FLOP split (pipeline_partition.costs_from_step): each rank's median over
     `steps` of its F + B time per micro-batch, gathered, so every rank computes the same split."""
     import statistics
@@ -244,6 +306,7 @@ def step_costs(cfg: GPTConfig, rank: int, P: int, batches: list, flops: StageCos
     from model import GPT
     from parallel.pipeline import PipelineRunner, PipelineStage
     from pipeline_partition import costs_from_step, layers_for
+
     counts = tuple(len(r) for r in layers_for(cfg, P, costs=flops))
     with torch.device("meta"):
         model = GPT(cfg)
@@ -263,21 +326,30 @@ def step_costs(cfg: GPTConfig, rank: int, P: int, batches: list, flops: StageCos
 
 # ---- the launcher ----------------------------------------------------------------------------------------
 
-def run(out: str, pp: int = 4, micro: int = 8, virtual: int = 2, model: str = "tiny", timeout: float = 900,
-        **options) -> list[dict]:
+
+def run(
+    out: str, pp: int = 4, micro: int = 8, virtual: int = 2, model: str = "tiny", timeout: float = 900, **options
+) -> list[dict]:
     """Launch the torchrun job, then write pipeline.json, pipeline.md and pipeline_timeline.png; the rows.
     `options`: any other flag of parse_args by its dest (vocab_size=256, warmup=1, ...)."""
     from launch import child_env
+
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
-    spec = {**vars(parse_args(["--out", out])), "pp": pp, "micro": micro, "virtual": virtual, "model": model,
-            **options}
+    spec = {**vars(parse_args(["--out", out])), "pp": pp, "micro": micro, "virtual": virtual, "model": model, **options}
     # the worker's flags travel as one JSON value: torchrun's parser would take --virtual for its own
     # --virtual-local-rank (argparse prefix matching), even after the module name
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}",
-           "-m", "bench.pipeline", f"--worker={json.dumps(spec)}"]
-    subprocess.run(cmd, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), check=True,
-                   timeout=timeout)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={pp}",
+        "-m",
+        "bench.pipeline",
+        f"--worker={json.dumps(spec)}",
+    ]
+    subprocess.run(cmd, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), check=True, timeout=timeout)
     with open(os.path.join(out, "pipeline_timelines.json")) as f:
         raw = json.load(f)
     rows = pipeline_rows(raw)
@@ -300,11 +372,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--model", default="tiny")
     a("--n_layer", type=int, default=None, help="default P·V: one Block per interleaved chunk")
     a("--vocab_size", type=int, default=512, help="small, so lm_head costs about one Block")
-    a("--balance", choices=["flops", "time", "step"], default="flops",
-      help="split by the FLOP cost model (train.py's), by rank 0's timings of a Block, the embedding, the head "
-           "(time), or by the ranks' times in 1F1B steps on the FLOP split (step)")
-    a("--layers_per_stage", default=None, metavar="A,B,...",
-      help="gpipe and 1f1b: Blocks per stage, P counts (default: train.py's split by cost)")
+    a(
+        "--balance",
+        choices=["flops", "time", "step"],
+        default="flops",
+        help="split by the FLOP cost model (train.py's), by rank 0's timings of a Block, the embedding, the head "
+        "(time), or by the ranks' times in 1F1B steps on the FLOP split (step)",
+    )
+    a(
+        "--layers_per_stage",
+        default=None,
+        metavar="A,B,...",
+        help="gpipe and 1f1b: Blocks per stage, P counts (default: train.py's split by cost)",
+    )
     a("--seq_len", type=int, default=128)
     a("--micro_batch_size", type=int, default=8)
     a("--warmup", type=int, default=2)
@@ -327,8 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         exit_process(0)  # the group is destroyed: skip finalization (launch.exit_process)
-    opts = {k: v for k, v in vars(args).items() if k not in ("out", "pp", "micro", "virtual", "model", "timeout",
-                                                              "worker")}
+    opts = {
+        k: v for k, v in vars(args).items() if k not in ("out", "pp", "micro", "virtual", "model", "timeout", "worker")
+    }
     run(args.out, args.pp, args.micro, args.virtual, args.model, args.timeout, **opts)
     with open(os.path.join(os.path.abspath(args.out), "pipeline.md")) as f:
         print(f.read(), end="")

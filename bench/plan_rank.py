@@ -50,6 +50,7 @@ noise get no verdict.
 
 Writes plan_rank.json (calibration, runs, rows, verdicts) and plan_rank.md (the tables) in --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,24 +66,71 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS, T, C, VOCAB, N_LAYER = 16, 64, 128, 512, 4
-PLAN = ["--model", "tiny", "--n_layer", str(N_LAYER), "--n_embd", str(C), "--vocab_size", str(VOCAB),
-        "--seq_len", str(T), "--total_batch_size", str(ROWS * T), "--dtype", "float32"]
-RUN = ["--eval_interval", "1000", "--eval_iters", "1", "--warmup_steps", "1", "--no_checkpoint", "--device", "cpu",
-       "--peak_flops", "1e12", "--timeout", "120"]
-SKIP = 2  # steps left out of a run's median: step 1 also measures saved activations, step 2 the CPU's allocated peak (both profiled)
+PLAN = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    str(N_LAYER),
+    "--n_embd",
+    str(C),
+    "--vocab_size",
+    str(VOCAB),
+    "--seq_len",
+    str(T),
+    "--total_batch_size",
+    str(ROWS * T),
+    "--dtype",
+    "float32",
+]
+RUN = [
+    "--eval_interval",
+    "1000",
+    "--eval_iters",
+    "1",
+    "--warmup_steps",
+    "1",
+    "--no_checkpoint",
+    "--device",
+    "cpu",
+    "--peak_flops",
+    "1e12",
+    "--timeout",
+    "120",
+]
+# steps left out of a run's median: step 1 also measures saved activations, step 2 the CPU's allocated peak (both
+# profiled)
+SKIP = 2
 SINGLE = "ac=none mb=16"
 SMALL = "ac=none mb=4"  # the one-process reference in 4 micro-steps: the overhead's calibration (fit_overhead)
 # The planner's names (plan.search.layout_name); micro-batches: one per dp rank without a pipeline, 2P
 # per pipeline (4 at P = 2: the zero-bubble schedules' M >= P, dualpipev's 2P hold)
 LAYOUTS = {
-    2: ["dp=2(ddp) ac=none mb=8", "dp=2(zero1) ac=none mb=8", "dp=2(zero2) ac=none mb=8", "dp=2(fsdp) ac=none mb=8",
-        "dp=2(ddp) ac=full mb=8", "tp=2 ac=none mb=16", "dp=1(ddp) cp=2 ac=none mb=16",
-        "pp=2(1f1b) ac=none mb=4", "pp=2(gpipe) ac=none mb=4", "pp=2(interleaved_1f1b,V=2) ac=none mb=4",
-        "pp=2(zb_h1) ac=none mb=4", "pp=2(zbv,V=2) ac=none mb=4"],
-    4: ["dp=4(ddp) ac=none mb=4", "dp=4(fsdp) ac=none mb=4", "dp=2(ddp) tp=2 ac=none mb=8",
-        "dp=2(fsdp) tp=2 ac=none mb=8", "tp=4 ac=none mb=16", "dp=2(ddp) cp=2 ac=none mb=8",
-        "pp=2(1f1b) dp=2(ddp) ac=none mb=2", "pp=2(1f1b) dp=2(fsdp) ac=none mb=2", "pp=4(1f1b) ac=none mb=2",
-        "pp=2(1f1b) tp=2 ac=none mb=4"],
+    2: [
+        "dp=2(ddp) ac=none mb=8",
+        "dp=2(zero1) ac=none mb=8",
+        "dp=2(zero2) ac=none mb=8",
+        "dp=2(fsdp) ac=none mb=8",
+        "dp=2(ddp) ac=full mb=8",
+        "tp=2 ac=none mb=16",
+        "dp=1(ddp) cp=2 ac=none mb=16",
+        "pp=2(1f1b) ac=none mb=4",
+        "pp=2(gpipe) ac=none mb=4",
+        "pp=2(interleaved_1f1b,V=2) ac=none mb=4",
+        "pp=2(zb_h1) ac=none mb=4",
+        "pp=2(zbv,V=2) ac=none mb=4",
+    ],
+    4: [
+        "dp=4(ddp) ac=none mb=4",
+        "dp=4(fsdp) ac=none mb=4",
+        "dp=2(ddp) tp=2 ac=none mb=8",
+        "dp=2(fsdp) tp=2 ac=none mb=8",
+        "tp=4 ac=none mb=16",
+        "dp=2(ddp) cp=2 ac=none mb=8",
+        "pp=2(1f1b) dp=2(ddp) ac=none mb=2",
+        "pp=2(1f1b) dp=2(fsdp) ac=none mb=2",
+        "pp=4(1f1b) ac=none mb=2",
+        "pp=2(1f1b) tp=2 ac=none mb=4",
+    ],
 }
 
 
@@ -139,8 +187,9 @@ def pairwise(rows: list[dict]) -> list[dict]:
     """Every pair of rows ({layout, predicted_s, measured_s, noise_s}), with its verdict."""
     out = []
     for a, b in itertools.combinations(rows, 2):
-        v = verdict((a["predicted_s"], b["predicted_s"]), (a["measured_s"], b["measured_s"]),
-                    (a["noise_s"], b["noise_s"]))
+        v = verdict(
+            (a["predicted_s"], b["predicted_s"]), (a["measured_s"], b["measured_s"]), (a["noise_s"], b["noise_s"])
+        )
         out.append({"a": a["layout"], "b": b["layout"], "verdict": v})
     return out
 
@@ -152,20 +201,33 @@ def tally(pairs: list[dict]) -> dict[str, int]:
 def markdown(world: int, rows: list[dict], pairs: list[dict], cal: dict) -> str:
     """One world size's table, its verdict counts and every pair that is not "agree" or "noise"."""
     pr, mr = ranks([r["predicted_s"] for r in rows]), ranks([r["measured_s"] for r in rows])
-    head = (f"### {world} ranks: compute {cal['compute_flops']:.3g} FLOP/s per rank (one process "
-            f"{cal['single_flops']:.3g} x contention {cal['contention']:.2f}; {cal['cores']} cores), all-reduce bus "
-            f"bandwidth {cal['bus_bw']:.3g} B/s beyond the hops, {cal['hop'] * 1e3:.3f} ms per hop, overhead "
-            f"{cal.get('overhead', 0) * 1e6:.0f} us per compute action")
-    lines = [head, "", probes(cal, world), "",
-             "| layout | predicted s | measured median s | noise s | rank predicted | rank measured |",
-             "|---|---:|---:|---:|---:|---:|"]
+    head = (
+        f"### {world} ranks: compute {cal['compute_flops']:.3g} FLOP/s per rank (one process "
+        f"{cal['single_flops']:.3g} x contention {cal['contention']:.2f}; {cal['cores']} cores), all-reduce bus "
+        f"bandwidth {cal['bus_bw']:.3g} B/s beyond the hops, {cal['hop'] * 1e3:.3f} ms per hop, overhead "
+        f"{cal.get('overhead', 0) * 1e6:.0f} us per compute action"
+    )
+    lines = [
+        head,
+        "",
+        probes(cal, world),
+        "",
+        "| layout | predicted s | measured median s | noise s | rank predicted | rank measured |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r, p, m in zip(rows, pr, mr):
-        lines.append(f"| {r['layout']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | {r['noise_s']:.4f} "
-                     f"| {p} | {m} |")
+        lines.append(
+            f"| {r['layout']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | {r['noise_s']:.4f} | {p} | {m} |"
+        )
     t = tally(pairs)
-    lines += ["", (f"Pairs: {len(pairs)}; ordered by the measurement (medians apart by more than the two "
-                   f"noises): {len(pairs) - t['noise']}; the planner agrees on {t['agree']}, disagrees on "
-                   f"{t['disagree']}, predicts a tie on {t['tie']}.")]
+    lines += [
+        "",
+        (
+            f"Pairs: {len(pairs)}; ordered by the measurement (medians apart by more than the two "
+            f"noises): {len(pairs) - t['noise']}; the planner agrees on {t['agree']}, disagrees on "
+            f"{t['disagree']}, predicts a tie on {t['tie']}."
+        ),
+    ]
     for p in pairs:
         if p["verdict"] in ("disagree", "tie"):
             lines.append(f"- {p['verdict']}: {p['a']} vs {p['b']}")
@@ -177,16 +239,24 @@ def probes(cal: dict, world: int) -> str:
     as the model charges it (Cluster.hop x plan.search.HOPS; the HOP_NUMEL-element payloads' bytes are
     negligible), then the world's all-reduce between matmuls (the hop's measure), aligned, and with one element."""
     from plan.search import HOPS
-    lines = ["| call between matmuls (n ranks, all groups at once) | measured ms | hops | model ms (hops x hop) |",
-             "|---|---:|---:|---:|"]
+
+    lines = [
+        "| call between matmuls (n ranks, all groups at once) | measured ms | hops | model ms (hops x hop) |",
+        "|---|---:|---:|---:|",
+    ]
     for key, took in cal["calls"].items():
         kind, n = key.split(" n=")
         h = HOPS[kind](int(n))
         lines.append(f"| {key} | {took * 1e3:.2f} | {h} | {h * cal['hop'] * 1e3:.2f} |")
-    lines += ["", (f"The hop's probe, an all-reduce over the {world} ranks between two matmuls: "
-                   f"{cal['hop'] * HOPS['all_reduce'](world) * 1e3:.2f} ms; the same call aligned by a barrier: "
-                   f"{cal['aligned'] * 1e3:.2f} ms; a one-element all-reduce so aligned (the latency probe before; "
-                   f"gloo's ring skips its empty segments): {cal['one_element'] * 1e3:.2f} ms.")]
+    lines += [
+        "",
+        (
+            f"The hop's probe, an all-reduce over the {world} ranks between two matmuls: "
+            f"{cal['hop'] * HOPS['all_reduce'](world) * 1e3:.2f} ms; the same call aligned by a barrier: "
+            f"{cal['aligned'] * 1e3:.2f} ms; a one-element all-reduce so aligned (the latency probe before; "
+            f"gloo's ring skips its empty segments): {cal['one_element'] * 1e3:.2f} ms."
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -199,6 +269,7 @@ def _median_time(fn, times: int) -> float:
     """The median seconds of `times` calls of fn(), each after a barrier (every rank starts it together), after 3
     untimed ones."""
     import torch.distributed as dist
+
     for _ in range(3):
         fn()
     ts = []
@@ -215,6 +286,7 @@ def _between(fn, compute, times: int) -> float:
     matmuls): `times` x (compute(); fn()) less `times` x compute() alone, each loop timed whole after a barrier,
     with no barrier between calls (after 3 untimed ones)."""
     import torch.distributed as dist
+
     for _ in range(3):
         compute()
         fn()
@@ -225,6 +297,7 @@ def _between(fn, compute, times: int) -> float:
         for _ in range(times):
             body()
         return time.perf_counter() - t0
+
     return (loop(lambda: (compute(), fn())) - loop(compute)) / times
 
 
@@ -234,6 +307,7 @@ def _call(kind: str, numel: int, group, size: int):
     import torch
 
     from parallel import comm
+
     x = torch.zeros(numel)
     if kind == "all_reduce":
         return lambda: comm.all_reduce(x, group, counted=False)
@@ -252,6 +326,7 @@ def _call(kind: str, numel: int, group, size: int):
         else:
             comm.recv(x, 0, group).wait()
             comm.send(x, 0, group).wait()
+
     return ping_pong
 
 
@@ -273,19 +348,26 @@ def comm_probes(spec: dict, a, b) -> dict:
 
     from parallel import comm
     from plan.search import HOPS
+
     n, rank = dist.get_world_size(), dist.get_rank()
 
     def compute() -> None:
         a @ b
+
     x, g = torch.zeros(HOP_NUMEL * n), torch.zeros(spec["numel"])
 
     def reduce() -> None:
         comm.all_reduce(x, counted=False)
+
     hop = _between(reduce, compute, spec["hop_reduces"]) / HOPS["all_reduce"](n)
     t = _between(lambda: comm.all_reduce(g, counted=False), compute, spec["reduces"])
-    out = {"hop": hop, "bus_bw": spec["numel"] * 4 * 2 * (n - 1) / n / max(t - HOPS["all_reduce"](n) * hop, t / 10),
-           "aligned": _median_time(reduce, 100),
-           "one_element": _median_time(lambda: comm.all_reduce(torch.zeros(1), counted=False), 100), "calls": {}}
+    out = {
+        "hop": hop,
+        "bus_bw": spec["numel"] * 4 * 2 * (n - 1) / n / max(t - HOPS["all_reduce"](n) * hop, t / 10),
+        "aligned": _median_time(reduce, 100),
+        "one_element": _median_time(lambda: comm.all_reduce(torch.zeros(1), counted=False), 100),
+        "calls": {},
+    }
     for size in (k for k in range(2, n + 1) if n % k == 0):
         groups = [dist.new_group(list(range(i, i + size))) for i in range(0, n, size)]  # every rank makes each
         group = groups[rank // size]
@@ -347,39 +429,80 @@ def cpu_cluster(world: int, single_flops: float, cal: dict, cal_1: dict, cores: 
     """The calibrated CPU cluster on `world` ranks (the module docstring) and its figures; `overhead` is one
     process's seconds per compute action, scaled like the FLOP/s (x single_flops / peak_flops)."""
     from plan.cluster import Cluster
+
     contention = cal["matmul_flops"] / cal_1["matmul_flops"]
     peak = single_flops * contention / min(1.0, cores / world)
-    c = {"single_flops": single_flops, "contention": contention, "compute_flops": single_flops * contention,
-         "peak_flops": peak, "cores": cores, "single_overhead": overhead, "overhead": overhead * single_flops / peak,
-         **cal}
+    c = {
+        "single_flops": single_flops,
+        "contention": contention,
+        "compute_flops": single_flops * contention,
+        "peak_flops": peak,
+        "cores": cores,
+        "single_overhead": overhead,
+        "overhead": overhead * single_flops / peak,
+        **cal,
+    }
     # a gloo call costs its hops (the one-element all-reduce that measured `latency` before skips most of them):
     # no separate per-call latency
-    return Cluster(world, world, 2 ** 40, peak, cal["bus_bw"], cal["bus_bw"], "cpu-calibrated", overlap=False,
-                   latency=0.0, cores=cores if cores < world else None, overhead=c["overhead"], hop=cal["hop"]), c
+    return Cluster(
+        world,
+        world,
+        2**40,
+        peak,
+        cal["bus_bw"],
+        cal["bus_bw"],
+        "cpu-calibrated",
+        overlap=False,
+        latency=0.0,
+        cores=cores if cores < world else None,
+        overhead=c["overhead"],
+        hop=cal["hop"],
+    ), c
 
 
-def calibrate(world: int, numel: int, seconds: float = 3.0, reduces: int = 10, hop_reduces: int = 200,
-              call_probes: int = 50) -> dict:
+def calibrate(
+    world: int, numel: int, seconds: float = 3.0, reduces: int = 10, hop_reduces: int = 200, call_probes: int = 50
+) -> dict:
     """The calibration job on `world` ranks (one thread each): {matmul_flops (per rank)} and with more than one
     rank comm_probes' {hop, bus_bw, aligned, one_element, calls}."""
     from launch import child_env
+
     with tempfile.TemporaryDirectory() as d:
-        spec = {"rows": ROWS * T, "n_embd": C, "numel": numel, "seconds": seconds, "reduces": reduces,
-                "hop_reduces": hop_reduces, "call_probes": call_probes, "out": os.path.join(d, "cal.json")}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "bench.plan_rank", f"--worker={json.dumps(spec)}"]
-        subprocess.run(cmd, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), check=True, timeout=300,
-                       stdout=subprocess.DEVNULL)
+        spec = {
+            "rows": ROWS * T,
+            "n_embd": C,
+            "numel": numel,
+            "seconds": seconds,
+            "reduces": reduces,
+            "hop_reduces": hop_reduces,
+            "call_probes": call_probes,
+            "out": os.path.join(d, "cal.json"),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={world}",
+            "-m",
+            "bench.plan_rank",
+            f"--worker={json.dumps(spec)}",
+        ]
+        subprocess.run(
+            cmd, cwd=ROOT, env=child_env(OMP_NUM_THREADS="1"), check=True, timeout=300, stdout=subprocess.DEVNULL
+        )
         with open(spec["out"]) as f:
             return json.load(f)
 
 
 # ----------------------------------------------------------------------------- the bench
 
+
 def planned(world: int, cluster) -> dict:
     """The planner's candidates on `world` ranks for PLAN, by name."""
     from plan import __main__ as cli
     from plan.search import candidates, model_flags
+
     a = cli.parser().parse_args([*PLAN, "--gpus", str(world), "--gpus_per_node", str(world)])
     return {c.name: c for c in candidates(model_flags(a), cluster, cli.check_batch(a), {}, efficiency=1.0)}
 
@@ -396,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.worker:
         from launch import exit_process
+
         worker(json.loads(args.worker))
         exit_process(0)  # the group is destroyed: skip finalization (launch.exit_process)
     sys.path.insert(0, ROOT)
@@ -408,17 +532,16 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     worlds = [int(w) for w in args.worlds.split(",")]
-    ones = planned(1, Cluster(1, 1, 2 ** 40, 1e12, 1e9, 1e9))
+    ones = planned(1, Cluster(1, 1, 2**40, 1e12, 1e9, 1e9))
     probe, small = ones[SINGLE], ones[SMALL]
     grad_numel = sum(n for _, n, _ in local_params(probe.setup))
-    cal = {1: calibrate(1, grad_numel)} | {w: calibrate(w, grad_numel, hop_reduces=args.hop_reduces)
-                                           for w in worlds}
+    cal = {1: calibrate(1, grad_numel)} | {w: calibrate(w, grad_numel, hop_reduces=args.hop_reduces) for w in worlds}
     cores = len(os.sched_getaffinity(0))
     print(f"[plan_rank] calibration: {json.dumps(cal)}", flush=True)
     todo = [(1, SINGLE), (1, SMALL)] + [(w, n) for w in worlds for n in LAYOUTS[w]]
     flags = {(1, SINGLE): probe.flags, (1, SMALL): small.flags}
     for w in worlds:  # the flags do not depend on the cluster's figures
-        cands = planned(w, Cluster(w, w, 2 ** 40, 1e12, 1e9, 1e9))
+        cands = planned(w, Cluster(w, w, 2**40, 1e12, 1e9, 1e9))
         flags |= {(w, n): cands[n].flags for n in LAYOUTS[w]}
     runs: dict[tuple[int, str], list[float]] = {k: [] for k in todo}
     steps: dict[tuple[int, str], list[list[float]]] = {k: [] for k in todo}  # every run's step times, kept
@@ -426,10 +549,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, ForkServer() as server:
         data = make_token_bins(os.path.join(tmp, "data"), vocab=VOCAB)
         for r in range(args.repeats):
-            for k in (todo if r % 2 == 0 else todo[::-1]):
+            for k in todo if r % 2 == 0 else todo[::-1]:
                 out = os.path.join(tmp, f"{k[0]}-{k[1].replace(' ', '_')}-{r}")
-                res = server.run([*flags[k], *RUN, "--max_steps", str(args.steps), "--dataset", data,
-                                  "--out_dir", out], k[0], timeout=300)
+                res = server.run(
+                    [*flags[k], *RUN, "--max_steps", str(args.steps), "--dataset", data, "--out_dir", out],
+                    k[0],
+                    timeout=300,
+                )
                 recs = read_jsonl(out) if res.returncode == 0 else []
                 s = run_seconds(recs, stat=args.stat)
                 if s is None:
@@ -438,24 +564,50 @@ def main(argv: list[str] | None = None) -> int:
                 steps[k].append(step_seconds(recs))
                 print(f"[plan_rank] repeat {r} {k[0]} ranks {k[1]}: {s * 1e3:.1f} ms/step", flush=True)
     single_s, small_s = measured(runs[(1, SINGLE)]), measured(runs[(1, SMALL)])
-    overhead, single_flops = fit_overhead(step_flops(probe.setup), (single_s[0], compute_actions(probe.setup)),
-                                          (small_s[0], compute_actions(small.setup)))
-    report = {"config": {"plan": PLAN, "run": RUN, "steps": args.steps, "skip": SKIP, "repeats": args.repeats,
-                         "stat": args.stat, "cpu_count": os.cpu_count(), "cores": cores,
-                         "calibration_s": t0 - t_start, "runs_s": time.perf_counter() - t0},
-              "noise": relative_noise(steps),
-              "single": {"layout": SINGLE, "measured_s": single_s[0], "noise_s": single_s[1],
-                         "flops": single_flops, "repeats": runs[(1, SINGLE)], "overhead": overhead},
-              "small": {"layout": SMALL, "measured_s": small_s[0], "noise_s": small_s[1],
-                        "repeats": runs[(1, SMALL)]}, "worlds": {}}
-    md = [(f"Single process ({SINGLE}): {single_s[0]:.4f} s/step (noise {single_s[1]:.4f}); {SMALL}: "
-           f"{small_s[0]:.4f} s/step (noise {small_s[1]:.4f}): {overhead * 1e6:.0f} us per compute action, "
-           f"{single_flops:.3g} FLOP/s achieved; one-rank matmul {cal[1]['matmul_flops']:.3g} FLOP/s."), "",
-          (f"A run's time is the {args.stat} of its steps {SKIP + 1} to {args.steps}; {args.repeats} repeats in ABBA "
-           f"order; a layout's noise is the spread (max - min) of its repeats. Noise / time, median over the "
-           f"layouts, from these runs: " + ", ".join(f"{k} of steps {v:.1%}" for k, v in report["noise"].items())
-           + f". Calibration {report['config']['calibration_s']:.0f} s, runs {report['config']['runs_s']:.0f} s."),
-          ""]
+    overhead, single_flops = fit_overhead(
+        step_flops(probe.setup), (single_s[0], compute_actions(probe.setup)), (small_s[0], compute_actions(small.setup))
+    )
+    report = {
+        "config": {
+            "plan": PLAN,
+            "run": RUN,
+            "steps": args.steps,
+            "skip": SKIP,
+            "repeats": args.repeats,
+            "stat": args.stat,
+            "cpu_count": os.cpu_count(),
+            "cores": cores,
+            "calibration_s": t0 - t_start,
+            "runs_s": time.perf_counter() - t0,
+        },
+        "noise": relative_noise(steps),
+        "single": {
+            "layout": SINGLE,
+            "measured_s": single_s[0],
+            "noise_s": single_s[1],
+            "flops": single_flops,
+            "repeats": runs[(1, SINGLE)],
+            "overhead": overhead,
+        },
+        "small": {"layout": SMALL, "measured_s": small_s[0], "noise_s": small_s[1], "repeats": runs[(1, SMALL)]},
+        "worlds": {},
+    }
+    md = [
+        (
+            f"Single process ({SINGLE}): {single_s[0]:.4f} s/step (noise {single_s[1]:.4f}); {SMALL}: "
+            f"{small_s[0]:.4f} s/step (noise {small_s[1]:.4f}): {overhead * 1e6:.0f} us per compute action, "
+            f"{single_flops:.3g} FLOP/s achieved; one-rank matmul {cal[1]['matmul_flops']:.3g} FLOP/s."
+        ),
+        "",
+        (
+            f"A run's time is the {args.stat} of its steps {SKIP + 1} to {args.steps}; {args.repeats} repeats in ABBA "
+            f"order; a layout's noise is the spread (max - min) of its repeats. Noise / time, median over the "
+            f"layouts, from these runs: "
+            + ", ".join(f"{k} of steps {v:.1%}" for k, v in report["noise"].items())
+            + f". Calibration {report['config']['calibration_s']:.0f} s, runs {report['config']['runs_s']:.0f} s."
+        ),
+        "",
+    ]
     for w in worlds:
         cluster, c = cpu_cluster(w, single_flops, cal[w], cal[1], cores, overhead)
         cands = planned(w, cluster)
@@ -463,8 +615,18 @@ def main(argv: list[str] | None = None) -> int:
         for n in LAYOUTS[w]:
             med, noise = measured(runs[(w, n)])
             times = cands[n].times  # plan.search.step_time on the calibrated cluster, efficiency 1
-            rows.append({"layout": n, "predicted_s": times["total"], "times": times, "measured_s": med,
-                         "noise_s": noise, "repeats": runs[(w, n)], "steps": steps[(w, n)], "flags": flags[(w, n)]})
+            rows.append(
+                {
+                    "layout": n,
+                    "predicted_s": times["total"],
+                    "times": times,
+                    "measured_s": med,
+                    "noise_s": noise,
+                    "repeats": runs[(w, n)],
+                    "steps": steps[(w, n)],
+                    "flags": flags[(w, n)],
+                }
+            )
         pairs = pairwise(rows)
         report["worlds"][str(w)] = {"calibration": c, "rows": rows, "pairs": pairs, "tally": tally(pairs)}
         md.append(markdown(w, rows, pairs, c))

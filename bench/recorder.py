@@ -11,6 +11,7 @@
 The overhead bound is ops per step x per-op cost / median step time; the measured step times are reported
 beside it (on a shared machine their noise is larger than the bound).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,10 @@ def per_op_us(repeats: int = 5, n: int = 20_000) -> float:
     """Median microseconds of one post + done on a 4 MiB float32 tensor (the cost does not depend on its size)."""
     import torch
     import torch.distributed as dist
+
     from debug.flight_recorder import FlightRecorder
     from tests.harness import free_port
+
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     rec, t = FlightRecorder(2000), torch.zeros(1 << 20)
     times = []
@@ -44,14 +47,38 @@ def per_op_us(repeats: int = 5, n: int = 20_000) -> float:
 
 def step_times(pairs: int, steps: int, out: str) -> dict:
     from bench.forkserver import ForkServer
-    from metrics import read_jsonl
     from debug.flight_recorder import decode
+    from metrics import read_jsonl
     from tests.harness import make_token_bins
+
     data = make_token_bins(os.path.join(out, "data"), vocab=50257)
-    args = ["--model", "small", "--implementation", "custom", "--data_parallel_size", "2", "--data_parallel_type",
-            "ddp", "--micro_batch_size", "2", "--seq_len", "128", "--total_batch_size", str(2 * 128 * 2 * 2),
-            "--max_steps", str(steps), "--eval_interval", "1000", "--eval_iters", "1", "--no_checkpoint",
-            "--dataset", data, "--device", "cpu"]
+    args = [
+        "--model",
+        "small",
+        "--implementation",
+        "custom",
+        "--data_parallel_size",
+        "2",
+        "--data_parallel_type",
+        "ddp",
+        "--micro_batch_size",
+        "2",
+        "--seq_len",
+        "128",
+        "--total_batch_size",
+        str(2 * 128 * 2 * 2),
+        "--max_steps",
+        str(steps),
+        "--eval_interval",
+        "1000",
+        "--eval_iters",
+        "1",
+        "--no_checkpoint",
+        "--dataset",
+        data,
+        "--device",
+        "cpu",
+    ]
     got: dict[str, list[float]] = {"on": [], "off": []}
     ops_per_step = None
     with ForkServer() as server:
@@ -67,8 +94,11 @@ def step_times(pairs: int, steps: int, out: str) -> dict:
                     with open(os.path.join(run_dir, "flight_recorder", "rank_0.bin"), "rb") as f:
                         ring = decode(f.read())
                     ops_per_step = sum(1 for o in ring["ops"] if o["step"] == steps)
-    return {"median_step_ms": {k: statistics.median(v) for k, v in got.items()}, "steps_ms": got,
-            "ops_per_step": ops_per_step}
+    return {
+        "median_step_ms": {k: statistics.median(v) for k, v in got.items()},
+        "steps_ms": got,
+        "ops_per_step": ops_per_step,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,11 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         res = step_times(a.pairs, a.steps, tmp)
     step_ms = res["median_step_ms"]["off"]
-    res.update(per_op_us=us, bound_fraction=res["ops_per_step"] * us / 1000 / step_ms,
-               measured_fraction=res["median_step_ms"]["on"] / step_ms - 1)
-    print(f"per op {us:.2f} us; {res['ops_per_step']} ops per step; median step {res['median_step_ms']['on']:.1f} ms "
-          f"on, {step_ms:.1f} ms off; bound {100 * res['bound_fraction']:.4f}% of a step, measured "
-          f"{100 * res['measured_fraction']:+.2f}%")
+    res.update(
+        per_op_us=us,
+        bound_fraction=res["ops_per_step"] * us / 1000 / step_ms,
+        measured_fraction=res["median_step_ms"]["on"] / step_ms - 1,
+    )
+    print(
+        f"per op {us:.2f} us; {res['ops_per_step']} ops per step; median step {res['median_step_ms']['on']:.1f} ms "
+        f"on, {step_ms:.1f} ms off; bound {100 * res['bound_fraction']:.4f}% of a step, measured "
+        f"{100 * res['measured_fraction']:+.2f}%"
+    )
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "recorder.json"), "w") as f:

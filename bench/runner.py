@@ -1,6 +1,7 @@
 """Running the matrix: one `torchrun` job per layout (`python train.py` for single), its metrics.jsonl
 summarised into one bench.json row. Members of a custom/pytorch pair run back to back, and with repeats
 the pair's order alternates, so slow drift on a shared machine hits both alike."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,9 @@ from typing import Callable
 import torch
 
 from bench.matrix import KINDS, MOE_LAYOUTS, Layout, Setup, comm_theory, ep_all_to_all_at_load, expert_param_count
+from launch import child_env
 from metrics import active_params, read_jsonl
 from model import GPT
-from launch import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py's directory
 
@@ -28,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 @dataclass
 class JobResult:
     returncode: int | None  # None: killed at the timeout
-    output: str             # stdout + stderr
+    output: str  # stdout + stderr
     seconds: float
 
 
@@ -37,8 +38,7 @@ def run_job(cmd: list[str], log_path: str, timeout: float) -> JobResult:
     env = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -53,8 +53,15 @@ def command(lay: Layout, setup: Setup, out_dir: str) -> list[str]:
     train = os.path.join(ROOT, "train.py")
     if lay.nproc == 1:
         return [sys.executable, train, *setup.train_args(lay, out_dir)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={lay.nproc}",
-            train, *setup.train_args(lay, out_dir)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={lay.nproc}",
+        train,
+        *setup.train_args(lay, out_dir),
+    ]
 
 
 def summarize(records: list[dict], warmup: int) -> dict | None:
@@ -66,16 +73,24 @@ def summarize(records: list[dict], warmup: int) -> dict | None:
     if not steps:
         return None
     med = lambda key: statistics.median(r[key] for r in steps)  # noqa: E731
-    out = {"tokens_per_sec": med("tokens_per_sec"), "mfu": med("mfu"), "step_time_ms": med("step_time_ms"),
-           "peak_memory_bytes": max(r.get("peak_memory_bytes", 0) for r in steps) or None,
-           "state_bytes": max(r.get("state_bytes", 0) for r in steps) or None,
-           "state_bytes_by_kind": max((r["state_bytes_by_kind"] for r in steps if "state_bytes_by_kind" in r),
-                                      key=lambda d: sum(d.values()), default=None),
-           "comm_bytes": None, "comm_bytes_by_kind": None, "measured_steps": len(steps)}
+    out = {
+        "tokens_per_sec": med("tokens_per_sec"),
+        "mfu": med("mfu"),
+        "step_time_ms": med("step_time_ms"),
+        "peak_memory_bytes": max(r.get("peak_memory_bytes", 0) for r in steps) or None,
+        "state_bytes": max(r.get("state_bytes", 0) for r in steps) or None,
+        "state_bytes_by_kind": max(
+            (r["state_bytes_by_kind"] for r in steps if "state_bytes_by_kind" in r),
+            key=lambda d: sum(d.values()),
+            default=None,
+        ),
+        "comm_bytes": None,
+        "comm_bytes_by_kind": None,
+        "measured_steps": len(steps),
+    }
     if all("comm_bytes" in r for r in steps):
         kinds = sorted({k for r in steps for k in r["comm_bytes"]})
-        out["comm_bytes_by_kind"] = {k: int(statistics.median(r["comm_bytes"].get(k, 0) for r in steps))
-                                     for k in kinds}
+        out["comm_bytes_by_kind"] = {k: int(statistics.median(r["comm_bytes"].get(k, 0) for r in steps)) for k in kinds}
         out["comm_bytes"] = int(statistics.median(sum(r["comm_bytes"].values()) for r in steps))
     if all("muon_ns_ms" in r for r in steps):
         out["muon"] = muon_summary(steps)
@@ -89,11 +104,13 @@ def muon_summary(steps: list[dict]) -> dict:
     without counters: one process). Without MoE nothing else sends all_to_all, so the two must be equal."""
     med = lambda f: statistics.median(f(r) for r in steps)  # noqa: E731
     counted = all("comm_bytes" in r for r in steps)
-    return {"ns_ms": med(lambda r: r["muon_ns_ms"]),
-            "ns_share": med(lambda r: r["muon_ns_ms"] / r["step_time_ms"]),
-            "orthogonalized": med(lambda r: r["muon_orthogonalized"]),
-            "sent_bytes": int(med(lambda r: r["muon_sent_bytes"])),
-            "all_to_all": int(med(lambda r: r["comm_bytes"].get("all_to_all", 0))) if counted else None}
+    return {
+        "ns_ms": med(lambda r: r["muon_ns_ms"]),
+        "ns_share": med(lambda r: r["muon_ns_ms"] / r["step_time_ms"]),
+        "orthogonalized": med(lambda r: r["muon_orthogonalized"]),
+        "sent_bytes": int(med(lambda r: r["muon_sent_bytes"])),
+        "all_to_all": int(med(lambda r: r["comm_bytes"].get("all_to_all", 0))) if counted else None,
+    }
 
 
 def moe_steps(records: list[dict], lay: Layout, setup: Setup) -> dict | None:
@@ -104,8 +121,11 @@ def moe_steps(records: list[dict], lay: Layout, setup: Setup) -> dict | None:
     steps = [r for r in records if "loss" in r and "expert_tokens" in r]
     if not steps:
         return None
-    out = {"steps": [r["step"] for r in steps], "expert_tokens": [r["expert_tokens"] for r in steps],
-           "max_over_mean": [r["expert_load_max_over_mean"] for r in steps]}
+    out = {
+        "steps": [r["step"] for r in steps],
+        "expert_tokens": [r["expert_tokens"] for r in steps],
+        "max_over_mean": [r["expert_load_max_over_mean"] for r in steps],
+    }
     if lay.ep > 1 and all("all_to_all" in r.get("comm_bytes", {}) for r in steps):
         out["all_to_all"] = [r["comm_bytes"]["all_to_all"] for r in steps]
         out["all_to_all_at_load"] = [ep_all_to_all_at_load(lay, setup, r["expert_tokens"]) for r in steps]
@@ -159,12 +179,23 @@ def run_layout(lay: Layout, setup: Setup, out: str, repeat: int, runner: Runner 
             summary["moe"] = moe_steps(records, lay, setup)
     except Exception as e:  # noqa: BLE001 -- the bench goes on whatever one job does
         result, summary, status = JobResult(None, "", 0.0), None, f"failed: {type(e).__name__}: {e}"[:300]
-    return {"status": status, "summary": summary, "seconds": round(result.seconds, 1), "out_dir": out_dir,
-            "command": shlex.join(cmd)}
+    return {
+        "status": status,
+        "summary": summary,
+        "seconds": round(result.seconds, 1),
+        "out_dir": out_dir,
+        "command": shlex.join(cmd),
+    }
 
 
-def run_matrix(layouts: list[Layout], setup: Setup, out: str, repeats: int = 1, runner: Runner | None = None,
-               log: Callable[[str], None] = print) -> list[dict]:
+def run_matrix(
+    layouts: list[Layout],
+    setup: Setup,
+    out: str,
+    repeats: int = 1,
+    runner: Runner | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
     """Run every layout `repeats` times (pairs, and the MoE layouts, back to back, order alternating) and return
     the rows."""
     groups: dict[str, list[Layout]] = {}
@@ -173,12 +204,15 @@ def run_matrix(layouts: list[Layout], setup: Setup, out: str, repeats: int = 1, 
     runs: dict[Layout, list[dict]] = {lay: [] for lay in layouts}
     for r in range(repeats):
         for members in groups.values():
-            for lay in (members if r % 2 == 0 else members[::-1]):
+            for lay in members if r % 2 == 0 else members[::-1]:
                 res = run_layout(lay, setup, out, r, runner)
                 runs[lay].append(res)
                 tps = res["summary"]["tokens_per_sec"] if res["summary"] else None
-                log(f"[bench] {lay.key:<16} repeat {r}: {res['status']}"
-                    + (f", {tps:,.0f} tok/s" if tps else "") + f" ({res['seconds']:.0f} s)")
+                log(
+                    f"[bench] {lay.key:<16} repeat {r}: {res['status']}"
+                    + (f", {tps:,.0f} tok/s" if tps else "")
+                    + f" ({res['seconds']:.0f} s)"
+                )
     return [make_row(lay, runs[lay], setup) for lay in layouts]
 
 
@@ -199,30 +233,50 @@ def make_row(lay: Layout, runs: list[dict], setup: Setup) -> dict:
     by_kind = None
     if comm is not None:
         kinds = sorted({k for s in ok if s["comm_bytes_by_kind"] for k in s["comm_bytes_by_kind"]})
-        by_kind = {k: int(statistics.median(s["comm_bytes_by_kind"].get(k, 0) for s in ok
-                                            if s["comm_bytes_by_kind"])) for k in kinds}
+        by_kind = {
+            k: int(statistics.median(s["comm_bytes_by_kind"].get(k, 0) for s in ok if s["comm_bytes_by_kind"]))
+            for k in kinds
+        }
         comm = int(comm)
     if lay.nproc == 1 and ok:
         comm, by_kind = 0, {k: 0 for k in KINDS}  # one process: nothing to communicate
     theory_total = sum(theory.values())
     return {
-        "layout": lay.name, "implementation": lay.implementation, "nproc": lay.nproc, "dp": lay.dp, "tp": lay.tp,
+        "layout": lay.name,
+        "implementation": lay.implementation,
+        "nproc": lay.nproc,
+        "dp": lay.dp,
+        "tp": lay.tp,
         "pp": lay.pp,
         "status": bad[0] if bad else "ok",
-        "tokens_per_sec": pick("tokens_per_sec"), "mfu": pick("mfu"), "step_time_ms": pick("step_time_ms"),
-        "peak_memory_bytes": pick("peak_memory_bytes", max), "state_bytes": pick("state_bytes", max),
-        "state_bytes_by_kind": max((s["state_bytes_by_kind"] for s in ok if s.get("state_bytes_by_kind")),
-                                   key=lambda d: sum(d.values()), default=None),
-        "replicate": lay.replicate, "dp_type": lay.dp_type,
-        "comm_bytes": comm, "comm_bytes_by_kind": by_kind,
-        "comm_theory_bytes": theory_total, "comm_theory_by_kind": theory,
+        "tokens_per_sec": pick("tokens_per_sec"),
+        "mfu": pick("mfu"),
+        "step_time_ms": pick("step_time_ms"),
+        "peak_memory_bytes": pick("peak_memory_bytes", max),
+        "state_bytes": pick("state_bytes", max),
+        "state_bytes_by_kind": max(
+            (s["state_bytes_by_kind"] for s in ok if s.get("state_bytes_by_kind")),
+            key=lambda d: sum(d.values()),
+            default=None,
+        ),
+        "replicate": lay.replicate,
+        "dp_type": lay.dp_type,
+        "comm_bytes": comm,
+        "comm_bytes_by_kind": by_kind,
+        "comm_theory_bytes": theory_total,
+        "comm_theory_by_kind": theory,
         "comm_ratio": comm / theory_total if comm is not None and theory_total else None,
         "tokens_per_sec_runs": [r["summary"]["tokens_per_sec"] if r["summary"] else None for r in runs],
         "measured_steps": sum(s["measured_steps"] for s in ok),
-        "micro_batch_size": setup.micro_batch(lay.dp, lay.pp), "grad_accum": setup.grad_accum(lay.dp, lay.pp),
-        "model": setup.model, "seq_len": setup.seq_len, "global_batch_tokens": setup.global_batch_tokens,
-        "device": setup.device, "peak_flops": setup.peak_flops,
-        "out_dirs": [r["out_dir"] for r in runs], "seconds": sum(r["seconds"] for r in runs),
+        "micro_batch_size": setup.micro_batch(lay.dp, lay.pp),
+        "grad_accum": setup.grad_accum(lay.dp, lay.pp),
+        "model": setup.model,
+        "seq_len": setup.seq_len,
+        "global_batch_tokens": setup.global_batch_tokens,
+        "device": setup.device,
+        "peak_flops": setup.peak_flops,
+        "out_dirs": [r["out_dir"] for r in runs],
+        "seconds": sum(r["seconds"] for r in runs),
         **({"moe": moe_row(lay, ok, setup)} if lay.name in MOE_LAYOUTS else {}),
         **({"muon": muon} if muon is not None else {}),
     }
@@ -236,8 +290,11 @@ def muon_row(ok: list[dict]) -> dict | None:
         return None
     pick = lambda k: statistics.median(m[k] for m in runs) if all(m[k] is not None for m in runs) else None  # noqa
     out = {k: pick(k) for k in runs[0]}
-    return {**out, "sent_bytes": int(out["sent_bytes"]),
-            "all_to_all": None if out["all_to_all"] is None else int(out["all_to_all"])}
+    return {
+        **out,
+        "sent_bytes": int(out["sent_bytes"]),
+        "all_to_all": None if out["all_to_all"] is None else int(out["all_to_all"]),
+    }
 
 
 def moe_row(lay: Layout, ok: list[dict], setup: Setup) -> dict:
@@ -249,21 +306,37 @@ def moe_row(lay: Layout, ok: list[dict], setup: Setup) -> dict:
     config = setup.moe_config(lay.experts)
     with torch.device("meta"):
         total = GPT(config).num_params()
-    out = {"experts": lay.experts, "top_k": config.moe_top_k if lay.experts else None,
-           "expert_hidden": config.expert_hidden if lay.experts else None, "ep": lay.ep, "params": total,
-           "params_active": active_params(config), "expert_params": expert_param_count(config),
-           "warmup": setup.warmup, "max_over_mean": None, "all_to_all": None, "all_to_all_at_load": None, "all_to_all_exact_steps": None,
-           "per_step": None}
+    out = {
+        "experts": lay.experts,
+        "top_k": config.moe_top_k if lay.experts else None,
+        "expert_hidden": config.expert_hidden if lay.experts else None,
+        "ep": lay.ep,
+        "params": total,
+        "params_active": active_params(config),
+        "expert_params": expert_param_count(config),
+        "warmup": setup.warmup,
+        "max_over_mean": None,
+        "all_to_all": None,
+        "all_to_all_at_load": None,
+        "all_to_all_exact_steps": None,
+        "per_step": None,
+    }
     runs = [s["moe"] for s in ok if s.get("moe")]
     if not runs:
         return out
     out["per_step"] = runs[0]
     measured = [[i for i, step in enumerate(m["steps"]) if step > setup.warmup] for m in runs]
     layers = list(runs[0]["max_over_mean"][0])
-    out["max_over_mean"] = {layer: statistics.median(m["max_over_mean"][i][layer] for m, idx in zip(runs, measured)
-                                                     for i in idx) for layer in layers}
-    pairs = [(m["all_to_all"][i], m["all_to_all_at_load"][i]) for m, idx in zip(runs, measured)
-             if "all_to_all" in m for i in idx]
+    out["max_over_mean"] = {
+        layer: statistics.median(m["max_over_mean"][i][layer] for m, idx in zip(runs, measured) for i in idx)
+        for layer in layers
+    }
+    pairs = [
+        (m["all_to_all"][i], m["all_to_all_at_load"][i])
+        for m, idx in zip(runs, measured)
+        if "all_to_all" in m
+        for i in idx
+    ]
     if pairs:
         out["all_to_all"] = int(statistics.median(a for a, _ in pairs))
         if all(b is not None for _, b in pairs):
@@ -302,9 +375,15 @@ print("PROBE " + json.dumps(out))
 def probe_machine(measure: bool) -> dict:
     """Device kind, count, name and (if measure) peak FLOP/s per device, from a fresh one-thread process
     (so this process never holds a CUDA context while the jobs run)."""
-    proc = subprocess.run([sys.executable, "-c", PROBE, "1" if measure else "0"], cwd=ROOT,
-                          env=child_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, "1" if measure else "0"],
+        cwd=ROOT,
+        env=child_env(OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")), None)
     if line is None:
         raise RuntimeError(f"machine probe failed: {proc.stderr.strip()[-500:]}")
-    return json.loads(line[len("PROBE "):])
+    return json.loads(line[len("PROBE ") :])

@@ -11,7 +11,8 @@ gives every chunk a Block; `Layout.n_layer`), against the one-process run of as 
 512-token vocabulary (the stand-in corpus of tests/harness.make_token_bins), 12 rows of 32 tokens per step (16
 where a layout names `rows=16`, against one process of 16)
 (`Layout.micro_batches`: one micro-batch per dp rank without a pipeline, >= 2P with one), 3 steps, started
-by bench.forkserver (forked ranks: no interpreter start per rank). Every step's loss and grad norm and the val losses at steps 0 and 3 must be within the
+by bench.forkserver (forked ranks: no interpreter start per rank). Every step's loss and grad norm and the val losses
+at steps 0 and 3 must be within the
 layout's tolerance (`tolerance`) of the one-process run in the same dtype; a layout validation refuses must
 exit 2 on every rank with one line `train.py: error: ...` and write nothing. Anything else (a crash, a hang
 past the timeout, a traceback) is a failure.
@@ -19,6 +20,7 @@ past the timeout, a traceback) is a failure.
 Layouts are named `pp=2(1f1b) dp=2(fsdp) cp=2 tp=2`: the dims that are > 1, with the pp schedule (V) and the
 dp type. tp layouts run sequence parallelism and loss parallelism (the most of TP), except the row `tp=2(plain)`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +40,32 @@ from bench.forkserver import ForkServer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS, T, STEPS, VOCAB = 12, 32, 3, 512
 N_LAYERS = (4, 12)  # a layout's Blocks: the fewest of these giving each of its P·V chunks one (Layout.n_layer)
-BASE = ["--model", "tiny", "--vocab_size", str(VOCAB),
-        "--seq_len", str(T), "--total_batch_size", str(ROWS * T), "--max_steps", str(STEPS),
-        "--eval_interval", "1000", "--warmup_steps", "1", "--lr", "3e-3",
-        "--gradient_clipping", "--no_checkpoint", "--device", "cpu", "--peak_flops", "1e12", "--timeout", "120"]
+BASE = [
+    "--model",
+    "tiny",
+    "--vocab_size",
+    str(VOCAB),
+    "--seq_len",
+    str(T),
+    "--total_batch_size",
+    str(ROWS * T),
+    "--max_steps",
+    str(STEPS),
+    "--eval_interval",
+    "1000",
+    "--warmup_steps",
+    "1",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--no_checkpoint",
+    "--device",
+    "cpu",
+    "--peak_flops",
+    "1e12",
+    "--timeout",
+    "120",
+]
 DP_TYPES = ("ddp", "zero1", "zero2", "fsdp")
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 3))
 
@@ -49,15 +73,19 @@ SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1
 # measurements: 1e-5 without TP (a layout only reorders fp32 sums: measured <= 5.2e-7 here), 1e-4 with TP (it
 # also splits the matmul reductions; measured <= 1.7e-7). bf16: BF16_RTOL on what BF16_RULE says.
 FP32_RTOL, FP32_TP_RTOL = 1e-5, 1e-4
-BF16_RTOL = 2.0 ** -8  # u, bf16's relative spacing (8 significant bits)
-BF16_RULE = ("bf16 rows: every loss and val loss, and step 1's grad norm, within u = 2^-8 of one process in bf16. "
-             "Both runs compute the same math from the same fp32 weights with bf16 roundings in other places (other "
-             "sum splits; bf16 compute copies and residual stream under FSDP/ZeRO where autocast keeps fp32), each "
-             "within u/2 of the exact value to first order; a mean (the loss, fp32 cross-entropy over bf16 logits) or "
-             "a norm of such values is too, so two runs differ by <= u. Grad norms after step 1 are not compared: "
-             "AdamW's update m/sqrt(v) turns a rounding-sized change of a near-zero gradient into a full lr-sized "
-             "step, so weights, and norms, part by more than rounding (measured: 1.6e-2 at step 3 under FSDP's bf16 "
-             "compute copies, 4u), while the loss stays within 1e-4")
+BF16_RTOL = 2.0**-8  # u, bf16's relative spacing (8 significant bits)
+BF16_RULE = (
+    "bf16 rows: every loss and val loss, and step 1's grad norm, within u = 2^-8 of one process in bf16. "
+    "Both runs compute the same math from the same fp32 weights with bf16 roundings in other places (other "
+    "sum splits; bf16 compute copies and residual stream under FSDP/ZeRO where autocast keeps fp32), each "
+    "within u/2 of the exact value to first order; a mean (the loss, fp32 cross-entropy over bf16 logits) or "
+    "a norm of such values is too, so two runs differ by <= u. Grad norms after step 1 are not compared: "
+    "AdamW's update m/sqrt(v) turns a rounding-sized change of a near-zero gradient into a full lr-sized "
+    "step, so weights, and norms, part by more than rounding (measured: 1.6e-2 at step 3 under FSDP's bf16 "
+    "compute copies, 4u), while the loss stays within 1e-4"
+)
+
+
 @dataclass(frozen=True)
 class Layout:
     pp: int = 1
@@ -68,16 +96,16 @@ class Layout:
     replicate: int = 1
     schedule: str = "1f1b"
     virtual: int = 1
-    sp: bool = True   # tp > 1: sequence parallelism + loss parallelism
+    sp: bool = True  # tp > 1: sequence parallelism + loss parallelism
     dtype: str = "float32"
     deferred: bool = False  # --deferred_init
-    impl: str = "custom"    # --implementation
-    blocks: int = 0         # --n_layer; 0: the fewest of N_LAYERS with a Block per chunk (a reference names it)
-    rows: int = 0           # rows per step; 0: ROWS (more where a schedule needs more micro-batches per dp rank)
-    experts: int = 0        # --moe_num_experts (top-2, the balancing loss and the bias rule on; MOE)
-    ep: int = 1             # --expert_parallel_size
-    moe_every: int = 1      # --moe_every: an MoE layer in every N-th Block (a stage may then hold none)
-    stages: str = ""        # --pp_layers_per_stage; "": the cost model's split
+    impl: str = "custom"  # --implementation
+    blocks: int = 0  # --n_layer; 0: the fewest of N_LAYERS with a Block per chunk (a reference names it)
+    rows: int = 0  # rows per step; 0: ROWS (more where a schedule needs more micro-batches per dp rank)
+    experts: int = 0  # --moe_num_experts (top-2, the balancing loss and the bias rule on; MOE)
+    ep: int = 1  # --expert_parallel_size
+    moe_every: int = 1  # --moe_every: an MoE layer in every N-th Block (a stage may then hold none)
+    stages: str = ""  # --pp_layers_per_stage; "": the cost model's split
     optimizer: str = "adamw"  # --optimizer (muon: optim/, its tolerance `muon_tolerance`)
 
     @property
@@ -104,13 +132,18 @@ class Layout:
             parts.append(f"cp={self.cp}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}" + ("" if self.sp else "(plain)"))
-        return " ".join(parts or ["single"]) + ("" if self.dtype == "float32" else f" {self.dtype}") + \
-            (" deferred" if self.deferred else "") + ("" if self.impl == "custom" else f" [{self.impl}]") + \
-            (f" L={self.blocks}" if self.blocks else "") + (f" rows={self.rows}" if self.rows else "") + \
-            (f" moe={self.experts}" + (f" ep={self.ep}" if self.ep > 1 else "") if self.experts else "") + \
-            (f" every={self.moe_every}" if self.moe_every > 1 else "") + \
-            (f" split={self.stages}" if self.stages else "") + \
-            (f" {self.optimizer}" if self.optimizer != "adamw" else "")
+        return (
+            " ".join(parts or ["single"])
+            + ("" if self.dtype == "float32" else f" {self.dtype}")
+            + (" deferred" if self.deferred else "")
+            + ("" if self.impl == "custom" else f" [{self.impl}]")
+            + (f" L={self.blocks}" if self.blocks else "")
+            + (f" rows={self.rows}" if self.rows else "")
+            + (f" moe={self.experts}" + (f" ep={self.ep}" if self.ep > 1 else "") if self.experts else "")
+            + (f" every={self.moe_every}" if self.moe_every > 1 else "")
+            + (f" split={self.stages}" if self.stages else "")
+            + (f" {self.optimizer}" if self.optimizer != "adamw" else "")
+        )
 
     @property
     def micro_batches(self) -> int:
@@ -127,8 +160,18 @@ class Layout:
         """train.py's flags for this layout (after BASE). The validation set is the same n_rows rows for the layout
         and its reference: --eval_iters x --micro_batch_size = n_rows."""
         mb = max(1, self.n_rows // self.dp // self.micro_batches)
-        f = ["--n_layer", str(self.n_layer), "--micro_batch_size", str(mb), "--eval_iters", str(max(1, self.n_rows // mb)),
-             "--dtype", self.dtype, "--implementation", self.impl]
+        f = [
+            "--n_layer",
+            str(self.n_layer),
+            "--micro_batch_size",
+            str(mb),
+            "--eval_iters",
+            str(max(1, self.n_rows // mb)),
+            "--dtype",
+            self.dtype,
+            "--implementation",
+            self.impl,
+        ]
         if self.rows:
             f += ["--total_batch_size", str(self.rows * T)]
         if self.dtype != "float32":
@@ -148,11 +191,19 @@ class Layout:
         if self.deferred:
             f += ["--deferred_init"]
         if self.tp > 1:
-            f += ["--tensor_parallel_size", str(self.tp)] + (["--sequence_parallel", "--enable_loss_parallelism"]
-                                                             if self.sp else [])
+            f += ["--tensor_parallel_size", str(self.tp)] + (
+                ["--sequence_parallel", "--enable_loss_parallelism"] if self.sp else []
+            )
         if self.experts:
-            f += ["--moe_num_experts", str(self.experts), *MOE, "--expert_parallel_size", str(self.ep),
-                  "--moe_every", str(self.moe_every)]
+            f += [
+                "--moe_num_experts",
+                str(self.experts),
+                *MOE,
+                "--expert_parallel_size",
+                str(self.ep),
+                "--moe_every",
+                str(self.moe_every),
+            ]
         if self.optimizer != "adamw":
             f += ["--optimizer", self.optimizer]
         return f
@@ -163,8 +214,14 @@ class Layout:
 
     def reference(self) -> "Layout":
         """The one-process run it is held against: the same dtype and Blocks."""
-        return Layout(dtype=self.dtype, blocks=self.n_layer, rows=self.rows, experts=self.experts,
-                      moe_every=self.moe_every, optimizer=self.optimizer)
+        return Layout(
+            dtype=self.dtype,
+            blocks=self.n_layer,
+            rows=self.rows,
+            experts=self.experts,
+            moe_every=self.moe_every,
+            optimizer=self.optimizer,
+        )
 
 
 def layouts(max_world: int = 4) -> list[Layout]:
@@ -203,15 +260,19 @@ def sample(n: int, seed: int = 0) -> list[Layout]:
         for pp, dp, tp, cp in itertools.product((1, 2, 3, 4, 8), (1, 2, 3, 4, 6, 8), (1, 2), (1, 2)):
             if pp * dp * tp * cp != world:
                 continue
-            for (schedule, v), dp_type in itertools.product(SCHEDULES if pp > 1 else (("1f1b", 1),),
-                                                            DP_TYPES if dp > 1 or cp > 1 else (None,)):
+            for (schedule, v), dp_type in itertools.product(
+                SCHEDULES if pp > 1 else (("1f1b", 1),), DP_TYPES if dp > 1 or cp > 1 else (None,)
+            ):
                 x = Layout(pp, dp, tp, cp, dp_type, 1, schedule, v)
                 if v * pp > max(N_LAYERS) or (schedule.startswith("interleaved") and x.micro_batches % pp):
                     continue  # refused by validation for certain: sampling them teaches nothing
                 pool.append(x)
-    must = [Layout(pp=3, dp=2, dp_type="zero1", schedule="interleaved_1f1b", virtual=2),
-            Layout(pp=3, dp=2, dp_type="fsdp", schedule="gpipe"),
-            Layout(pp=2, dp=3, dp_type="zero2"), Layout(pp=2, cp=2, tp=2, dp_type="ddp")]
+    must = [
+        Layout(pp=3, dp=2, dp_type="zero1", schedule="interleaved_1f1b", virtual=2),
+        Layout(pp=3, dp=2, dp_type="fsdp", schedule="gpipe"),
+        Layout(pp=2, dp=3, dp_type="zero2"),
+        Layout(pp=2, cp=2, tp=2, dp_type="ddp"),
+    ]
     rng = random.Random(seed)
     rest = [x for x in pool if x not in must]
     return must + rng.sample(rest, max(0, n - len(must)))
@@ -227,8 +288,9 @@ def zero_bubble_rows() -> list[Layout]:
     for s, v in split:
         out += [Layout(pp=2, dp=2, dp_type=t, schedule=s, virtual=v) for t in ("ddp", "zero2", "fsdp")]
         out.append(Layout(pp=2, tp=2, schedule=s, virtual=v))
-    return out + [Layout(pp=2, dp=2, dp_type="fsdp", schedule=s, virtual=2, dtype="bfloat16")
-                  for s in ("zbv", "dualpipev")]
+    return out + [
+        Layout(pp=2, dp=2, dp_type="fsdp", schedule=s, virtual=2, dtype="bfloat16") for s in ("zbv", "dualpipev")
+    ]
 
 
 def zero_bubble_large_rows() -> list[Layout]:
@@ -236,12 +298,20 @@ def zero_bubble_large_rows() -> list[Layout]:
     at P = 4 with DDP, ZeRO-2, FSDP (dp=2) and TP + SP (tp=2): 8 ranks, run with the 6- and 8-rank sample. DualPipe-V
     needs M >= 2P = 8 per dp rank, so its P = 4 x dp = 2 rows train 16 rows per step (against one process of 16)."""
     split = (("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
-    return ([Layout(pp=2, dp=2, tp=2, dp_type=t, schedule=s, virtual=v) for s, v in split for t in ("zero2", "fsdp")]
-            + [Layout(pp=2, dp=4, dp_type=t, replicate=2, schedule=s, virtual=v) for s, v in split[:2]
-               for t in ("zero2", "fsdp")]
-            + [Layout(pp=4, dp=2, dp_type=t, schedule=s, virtual=v, rows=16 if s == "dualpipev" else 0)
-               for s, v in split for t in ("ddp", "zero2", "fsdp")]
-            + [Layout(pp=4, tp=2, schedule=s, virtual=v) for s, v in split])
+    return (
+        [Layout(pp=2, dp=2, tp=2, dp_type=t, schedule=s, virtual=v) for s, v in split for t in ("zero2", "fsdp")]
+        + [
+            Layout(pp=2, dp=4, dp_type=t, replicate=2, schedule=s, virtual=v)
+            for s, v in split[:2]
+            for t in ("zero2", "fsdp")
+        ]
+        + [
+            Layout(pp=4, dp=2, dp_type=t, schedule=s, virtual=v, rows=16 if s == "dualpipev" else 0)
+            for s, v in split
+            for t in ("ddp", "zero2", "fsdp")
+        ]
+        + [Layout(pp=4, tp=2, schedule=s, virtual=v) for s, v in split]
+    )
 
 
 MOE = ["--moe_top_k", "2", "--moe_aux_loss_coeff", "0.01", "--moe_bias_update_rate", "1e-3"]
@@ -255,24 +325,33 @@ def moe_rows() -> list[Layout]:
     model's split leaves stage 0 dense), beside dp = EP = 2; and --pp_layers_per_stage 1,3 with MoE Blocks 1
     and 3 (stage 0 is Block 0, dense)."""
     E = 4
-    return [Layout(dp=2, dp_type="ddp", experts=E, ep=2), Layout(cp=2, experts=E, ep=2),
-            Layout(pp=2, dp=2, dp_type="ddp", experts=E, ep=2, moe_every=4),
-            Layout(pp=2, experts=E, moe_every=2, stages="1,3"),
-            Layout(dp=4, dp_type="ddp", experts=E, ep=2), Layout(dp=4, dp_type="ddp", experts=E, ep=4),
-            Layout(dp=2, dp_type="ddp", tp=2, experts=E, ep=2), Layout(tp=2, experts=E),
-            Layout(pp=2, dp=2, dp_type="ddp", experts=E, ep=2),
-            Layout(pp=2, dp=2, dp_type="ddp", schedule="zbv", virtual=2, experts=E, ep=2),
-            Layout(pp=2, schedule="interleaved_1f1b", virtual=2, experts=E),
-            Layout(dp=2, dp_type="fsdp", experts=E, ep=2), Layout(dp=2, dp_type="zero1", experts=E, ep=2),
-            Layout(dp=2, dp_type="ddp", experts=E, ep=2, dtype="bfloat16")]
+    return [
+        Layout(dp=2, dp_type="ddp", experts=E, ep=2),
+        Layout(cp=2, experts=E, ep=2),
+        Layout(pp=2, dp=2, dp_type="ddp", experts=E, ep=2, moe_every=4),
+        Layout(pp=2, experts=E, moe_every=2, stages="1,3"),
+        Layout(dp=4, dp_type="ddp", experts=E, ep=2),
+        Layout(dp=4, dp_type="ddp", experts=E, ep=4),
+        Layout(dp=2, dp_type="ddp", tp=2, experts=E, ep=2),
+        Layout(tp=2, experts=E),
+        Layout(pp=2, dp=2, dp_type="ddp", experts=E, ep=2),
+        Layout(pp=2, dp=2, dp_type="ddp", schedule="zbv", virtual=2, experts=E, ep=2),
+        Layout(pp=2, schedule="interleaved_1f1b", virtual=2, experts=E),
+        Layout(dp=2, dp_type="fsdp", experts=E, ep=2),
+        Layout(dp=2, dp_type="zero1", experts=E, ep=2),
+        Layout(dp=2, dp_type="ddp", experts=E, ep=2, dtype="bfloat16"),
+    ]
 
 
 def moe_large_rows() -> list[Layout]:
     """EP at 8 ranks: pp = 2 x dp = 2 x tp = 2 with EP = 2 under ZB-H1, dp = 8 with EP = 4 (each expert on 2
     ranks) over ZeRO-2, and pp = 2 x dp = 4 x EP = 4 over FSDP."""
     E = 4
-    return [Layout(pp=2, dp=2, tp=2, dp_type="ddp", schedule="zb_h1", experts=E, ep=2),
-            Layout(dp=8, dp_type="zero2", experts=E, ep=4, rows=16), Layout(pp=2, dp=4, dp_type="fsdp", experts=E, ep=4)]
+    return [
+        Layout(pp=2, dp=2, tp=2, dp_type="ddp", schedule="zb_h1", experts=E, ep=2),
+        Layout(dp=8, dp_type="zero2", experts=E, ep=4, rows=16),
+        Layout(pp=2, dp=4, dp_type="fsdp", experts=E, ep=4),
+    ]
 
 
 def bf16_rows() -> list[Layout]:
@@ -280,11 +359,16 @@ def bf16_rows() -> list[Layout]:
     PP x FSDP, PP x ZeRO-2, TP, DDP; PP x DDP (fp32 activations under autocast alone); and the
     torch.distributed.pipelining twin over FSDP2 (its stages' output_args follow the same dtypes)."""
     bf = "bfloat16"
-    return [Layout(pp=2, dp=2, dp_type="fsdp", dtype=bf), Layout(pp=2, dp=2, dp_type="zero2", dtype=bf),
-            Layout(tp=2, dtype=bf), Layout(dp=2, dp_type="ddp", dtype=bf), Layout(dp=2, dp_type="fsdp", dtype=bf),
-            Layout(pp=2, dp=2, dp_type="ddp", dtype=bf), Layout(pp=2, schedule="interleaved_1f1b", virtual=2,
-                                                                dp=2, dp_type="fsdp", dtype=bf),
-            Layout(pp=2, dp=2, dp_type="fsdp", dtype=bf, impl="pytorch")]
+    return [
+        Layout(pp=2, dp=2, dp_type="fsdp", dtype=bf),
+        Layout(pp=2, dp=2, dp_type="zero2", dtype=bf),
+        Layout(tp=2, dtype=bf),
+        Layout(dp=2, dp_type="ddp", dtype=bf),
+        Layout(dp=2, dp_type="fsdp", dtype=bf),
+        Layout(pp=2, dp=2, dp_type="ddp", dtype=bf),
+        Layout(pp=2, schedule="interleaved_1f1b", virtual=2, dp=2, dp_type="fsdp", dtype=bf),
+        Layout(pp=2, dp=2, dp_type="fsdp", dtype=bf, impl="pytorch"),
+    ]
 
 
 def tolerance(layout: Layout) -> float:
@@ -297,29 +381,42 @@ def tolerance(layout: Layout) -> float:
 def compared(layout: Layout) -> dict[str, slice]:
     """Which logged numbers are held to the tolerance: everything in fp32; in bf16, and with Muon, step 1's grad
     norm only (BF16_RULE; MUON_RULE)."""
-    return {"loss": slice(None), "val_loss": slice(None),
-            "grad_norm": slice(None) if layout.dtype == "float32" and layout.optimizer == "adamw" else slice(0, 1)}
+    return {
+        "loss": slice(None),
+        "val_loss": slice(None),
+        "grad_norm": slice(None) if layout.dtype == "float32" and layout.optimizer == "adamw" else slice(0, 1),
+    }
 
 
-MUON_RULE = ("muon rows: the layout's tolerance plus optim/muon.rounding_rtol's first-order bound on what bf16 "
-             "Newton-Schulz turns the layout's gradient rounding into (one bf16 spacing per update element), from "
-             "the reference's lrs, grad norms and losses; grad norms after step 1 are not compared (no bound on the "
-             "Hessian is derived)")
+MUON_RULE = (
+    "muon rows: the layout's tolerance plus optim/muon.rounding_rtol's first-order bound on what bf16 "
+    "Newton-Schulz turns the layout's gradient rounding into (one bf16 spacing per update element), from "
+    "the reference's lrs, grad norms and losses; grad norms after step 1 are not compared (no bound on the "
+    "Hessian is derived)"
+)
 
 
 def muon_tolerance(layout: Layout, ref: dict) -> float:
     """`tolerance` plus Muon's rounding bound for the reference run `ref` (MUON_RULE)."""
+    import torch
+
     from model import GPT, make_config
     from optim.muon import is_muon, rounding_rtol
-    import torch
-    cfg = make_config("tiny", n_layer=layout.n_layer, vocab_size=VOCAB, moe_num_experts=layout.experts,
-                      moe_every=layout.moe_every)
+
+    cfg = make_config(
+        "tiny", n_layer=layout.n_layer, vocab_size=VOCAB, moe_num_experts=layout.experts, moe_every=layout.moe_every
+    )
     with torch.device("meta"):
-        shapes = [tuple(p.shape[-2:]) for n, p in GPT(cfg).named_parameters() if is_muon(n)
-                  for _ in range(p.shape[0] if p.dim() == 3 else 1)]
+        shapes = [
+            tuple(p.shape[-2:])
+            for n, p in GPT(cfg).named_parameters()
+            if is_muon(n)
+            for _ in range(p.shape[0] if p.dim() == 3 else 1)
+        ]
     loss = ref["loss"] + ref["val_loss"][-1:]
     norms = ref["grad_norm"] + ref["grad_norm"][-1:]  # the val loss after the last step: its last norm stands in
     from train import lr_at
+
     lr = float(BASE[BASE.index("--lr") + 1])
     lrs = [lr_at(s, lr, 1, STEPS) for s in range(1, len(ref["loss"]) + 1)] + [0.0]  # BASE's --warmup_steps 1
     return tolerance(layout) + rounding_rtol(shapes, "match_rms_adamw", lrs, norms, loss)
@@ -327,12 +424,13 @@ def muon_tolerance(layout: Layout, ref: dict) -> float:
 
 # ----------------------------------------------------------------------------- running
 
+
 @dataclass
 class Row:
     layout: Layout
-    status: str                  # "ok" | "refused" | "FAIL"
-    detail: str = ""             # refused: validation's line; FAIL: what went wrong
-    worst: float | None = None   # largest relative difference from the reference over every compared number
+    status: str  # "ok" | "refused" | "FAIL"
+    detail: str = ""  # refused: validation's line; FAIL: what went wrong
+    worst: float | None = None  # largest relative difference from the reference over every compared number
     rtol: float | None = None
     seconds: float = 0.0
     values: dict = field(default_factory=dict)
@@ -341,15 +439,20 @@ class Row:
 def read_run(out_dir: str) -> dict[str, list[float]]:
     """{"loss": [...], "grad_norm": [...], "val_loss": [...]} of a finished run, by step."""
     from metrics import read_jsonl
+
     recs = read_jsonl(out_dir)
     steps = {r["step"]: r for r in recs if "loss" in r}
     evals = {r["step"]: r["val_loss"] for r in recs if "val_loss" in r}
-    return {"loss": [steps[s]["loss"] for s in sorted(steps)], "grad_norm": [steps[s]["grad_norm"] for s in sorted(steps)],
-            "val_loss": [evals[s] for s in sorted(evals)]}
+    return {
+        "loss": [steps[s]["loss"] for s in sorted(steps)],
+        "grad_norm": [steps[s]["grad_norm"] for s in sorted(steps)],
+        "val_loss": [evals[s] for s in sorted(evals)],
+    }
 
 
-def worst_difference(got: dict[str, list[float]], ref: dict[str, list[float]],
-                     which: dict[str, slice] | None = None) -> float:
+def worst_difference(
+    got: dict[str, list[float]], ref: dict[str, list[float]], which: dict[str, slice] | None = None
+) -> float:
     """max |got - ref| / |ref| over the compared numbers (`which`: key -> steps; default every loss, grad norm
     and val loss); inf if the runs logged other steps."""
     worst = 0.0
@@ -363,11 +466,12 @@ def worst_difference(got: dict[str, list[float]], ref: dict[str, list[float]],
     return worst
 
 
-def run_layout(server: ForkServer, layout: Layout, data: str, out_root: str, timeout: float = 300) -> tuple[object, str]:
+def run_layout(
+    server: ForkServer, layout: Layout, data: str, out_root: str, timeout: float = 300
+) -> tuple[object, str]:
     """Train `layout`; returns (RunResult, out_dir)."""
     out = os.path.join(out_root, layout.name.replace(" ", "_").replace("/", "_") + f"-{time.monotonic_ns()}")
-    return server.run([*BASE, "--dataset", data, "--out_dir", out, *layout.flags()], layout.nproc,
-                      timeout=timeout), out
+    return server.run([*BASE, "--dataset", data, "--out_dir", out, *layout.flags()], layout.nproc, timeout=timeout), out
 
 
 def judge(layout: Layout, result, out: str, ref: dict | None) -> Row:
@@ -375,7 +479,10 @@ def judge(layout: Layout, result, out: str, ref: dict | None) -> Row:
     row = Row(layout, "FAIL", seconds=result.seconds)
     errors = [e.strip().splitlines() for e in result.stderr]
     if result.codes == [2] * layout.nproc:
-        if all(len(e) == 1 and e[0].startswith("train.py: error: ") for e in errors) and len({e[0] for e in errors}) == 1:
+        if (
+            all(len(e) == 1 and e[0].startswith("train.py: error: ") for e in errors)
+            and len({e[0] for e in errors}) == 1
+        ):
             if os.path.exists(out):
                 row.detail = f"refused, but wrote {out}"
             else:
@@ -432,11 +539,11 @@ def bitwise_against(rows: list[Row], path: str) -> tuple[list[str], list[str]]:
 def format_row(row: Row) -> str:
     worst = "" if row.worst is None else f"{row.worst:.1e}"
     rtol = "" if row.rtol is None else f"{row.rtol:.0e}"
-    return f"| {row.layout.name} | {row.layout.nproc} | {row.status} | {worst} | {rtol} | {row.seconds:.1f} | {row.detail} |"
+    cells = [row.layout.name, row.layout.nproc, row.status, worst, rtol, f"{row.seconds:.1f}", row.detail]
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
-HEADER = ("| layout | ranks | result | worst rel. diff | tolerance | seconds | note |\n"
-          "|---|---|---|---|---|---|---|")
+HEADER = "| layout | ranks | result | worst rel. diff | tolerance | seconds | note |\n|---|---|---|---|---|---|---|"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,17 +555,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="glob over layout names")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"], help="every layout with this optimizer")
     p.add_argument("--out", default=None, help="also write sweep.json and sweep.md here")
-    p.add_argument("--against", default=None, help="a sweep.json: also require every layout's logged numbers to "
-                                                     "equal its bit for bit (a refactor's proof)")
+    p.add_argument(
+        "--against",
+        default=None,
+        help="a sweep.json: also require every layout's logged numbers to equal its bit for bit (a refactor's proof)",
+    )
     args = p.parse_args(argv)
-    todo = layouts(args.max_world) + middle_stage_rows() + zero_bubble_rows() + moe_rows() + \
-        (sample(args.sample, args.seed) + zero_bubble_large_rows() + moe_large_rows()) * (args.sample > 0) + \
-        ([] if args.no_bf16 else bf16_rows())
+    todo = (
+        layouts(args.max_world)
+        + middle_stage_rows()
+        + zero_bubble_rows()
+        + moe_rows()
+        + (sample(args.sample, args.seed) + zero_bubble_large_rows() + moe_large_rows()) * (args.sample > 0)
+        + ([] if args.no_bf16 else bf16_rows())
+    )
     todo = [replace(x, optimizer=args.optimizer) for x in todo]
     if args.only:
         todo = [x for x in todo if fnmatch.fnmatch(x.name, args.only)]
     sys.path.insert(0, ROOT)
     from tests.harness import make_token_bins
+
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, ForkServer() as server:
         data = make_token_bins(os.path.join(tmp, "data"), vocab=VOCAB)
@@ -466,8 +582,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = sweep(todo, data, os.path.join(tmp, "runs"), server, log=lambda s: print(s, flush=True))
     fails = [r for r in rows if r.status == "FAIL"]
     by = {s: sum(r.status == s for r in rows) for s in ("ok", "refused", "FAIL")}
-    print(f"\n{len(rows)} layouts: {by['ok']} ok, {by['refused']} refused, {by['FAIL']} failed in "
-          f"{time.perf_counter() - t0:.0f} s. {BF16_RULE}.")
+    print(
+        f"\n{len(rows)} layouts: {by['ok']} ok, {by['refused']} refused, {by['FAIL']} failed in "
+        f"{time.perf_counter() - t0:.0f} s. {BF16_RULE}."
+    )
     differ = []
     if args.against:
         same, differ = bitwise_against(rows, args.against)
@@ -475,10 +593,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "sweep.json"), "w") as f:
-            json.dump([{"layout": r.layout.name, "ranks": r.layout.nproc, "flags": r.layout.flags(), "status": r.status,
-                        "detail": r.detail, "worst": r.worst, "rtol": r.rtol, "seconds": round(r.seconds, 2),
-                        "values": r.values}
-                       for r in rows], f, indent=1)
+            json.dump(
+                [
+                    {
+                        "layout": r.layout.name,
+                        "ranks": r.layout.nproc,
+                        "flags": r.layout.flags(),
+                        "status": r.status,
+                        "detail": r.detail,
+                        "worst": r.worst,
+                        "rtol": r.rtol,
+                        "seconds": round(r.seconds, 2),
+                        "values": r.values,
+                    }
+                    for r in rows
+                ],
+                f,
+                indent=1,
+            )
         with open(os.path.join(args.out, "sweep.md"), "w") as f:
             f.write(HEADER + "\n" + "\n".join(format_row(r) for r in rows) + "\n")
     return 1 if fails or differ else 0

@@ -12,6 +12,7 @@ data/fineweb/prepare.py writes them) read end to end in their numeric order. Off
 window that starts near a shard's end continues into the next shard, so the same tokens cut into any number of
 shards give the same batches as one file.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -51,6 +52,7 @@ def prepared_dir(dataset: str, leader: bool) -> str:
     data_dir = resolve_dataset_dir(dataset)
     if dataset in ("shakespeare", "shakespeare_char"):
         import importlib
+
         if not importlib.import_module(f"data.{dataset}.prepare").ensure_prepared(data_dir, leader=leader):
             raise DataError(f"dataset {dataset} could not be prepared in {data_dir}; run: {prepare_hint(dataset)}")
     if not os.path.isdir(data_dir):
@@ -63,8 +65,11 @@ def split_files(data_dir: str, split: str) -> list[str]:
     is ambiguous: DataError."""
     single = os.path.join(data_dir, f"{split}.bin")
     pattern = re.compile(rf"{split}_(\d+)\.bin")
-    numbered = sorted((int(m.group(1)), name) for name in (os.listdir(data_dir) if os.path.isdir(data_dir) else [])
-                      if (m := pattern.fullmatch(name)))
+    numbered = sorted(
+        (int(m.group(1)), name)
+        for name in (os.listdir(data_dir) if os.path.isdir(data_dir) else [])
+        if (m := pattern.fullmatch(name))
+    )
     if numbered and os.path.exists(single):
         raise DataError(f"{data_dir} holds both {split}.bin and {len(numbered)} {split}_N.bin shards: keep one of them")
     return [os.path.join(data_dir, name) for _, name in numbered] or [single]
@@ -81,15 +86,17 @@ def open_tokens(path: str, vocab_size: int, min_tokens: int, hint: str, probe: i
     if size == 0:
         raise DataError(f"{path} is empty; re-create it with: {hint}")
     if size % 2:
-        raise DataError(f"{path} has {size} bytes, not a whole number of uint16 tokens (corrupt?); "
-                        f"re-create it with: {hint}")
+        raise DataError(
+            f"{path} has {size} bytes, not a whole number of uint16 tokens (corrupt?); re-create it with: {hint}"
+        )
     data = np.memmap(path, dtype=np.uint16, mode="r")
     if len(data) < min_tokens:
         raise DataError(f"{path} holds {len(data)} tokens, fewer than the {min_tokens} one sequence needs")
     ends = np.concatenate([data[:probe], data[-probe:]])
     if int(ends.max()) >= vocab_size:
-        raise DataError(f"{path} holds token id {int(ends.max())} >= vocab size {vocab_size} (corrupt?); "
-                        f"re-create it with: {hint}")
+        raise DataError(
+            f"{path} holds token id {int(ends.max())} >= vocab size {vocab_size} (corrupt?); re-create it with: {hint}"
+        )
     return data
 
 
@@ -113,12 +120,13 @@ class BatchSource:
         self.starts: dict[str, list[int]] = {}  # each file's first stream offset, and the stream's length last
         for split, files in self.files.items():
             probe = max(1 << 14, (1 << 20) // len(files))  # ~2M tokens read in all, however many shards
-            sizes = [len(open_tokens(p, vocab_size, 1 if len(files) > 1 else seq_len + 1, hint, probe))
-                     for p in files]
+            sizes = [len(open_tokens(p, vocab_size, 1 if len(files) > 1 else seq_len + 1, hint, probe)) for p in files]
             self.starts[split] = np.cumsum([0, *sizes]).tolist()
             if self.starts[split][-1] < seq_len + 1:
-                raise DataError(f"the {split} split holds {self.starts[split][-1]} tokens in {len(files)} shards "
-                                f"({os.path.basename(files[0])} ...), fewer than the {seq_len + 1} one sequence needs")
+                raise DataError(
+                    f"the {split} split holds {self.starts[split][-1]} tokens in {len(files)} shards "
+                    f"({os.path.basename(files[0])} ...), fewer than the {seq_len + 1} one sequence needs"
+                )
         self.num_tokens = {s: starts[-1] for s, starts in self.starts.items()}
 
     def offsets(self, split: str, step: int, rows: int) -> torch.Tensor:
@@ -136,7 +144,7 @@ class BatchSource:
                 maps[i] = np.memmap(self.files[split][i], dtype=np.uint16, mode="r")
             local = offset + filled - starts[i]
             take = min(len(out) - filled, starts[i + 1] - starts[i] - local)
-            out[filled:filled + take] = maps[i][local:local + take]
+            out[filled : filled + take] = maps[i][local : local + take]
             filled, i = filled + take, i + 1
         return out
 
@@ -145,7 +153,7 @@ class BatchSource:
 
         The trainer's micro-step m on dp rank r reads chunk `micro_batch_chunk(m, r, dp)`."""
         start = chunk * micro_batch
-        offs = self.offsets(split, step, rows)[start:start + micro_batch].tolist()
+        offs = self.offsets(split, step, rows)[start : start + micro_batch].tolist()
         maps: dict[int, np.memmap] = {}  # re-opened at every call: memmaps leak otherwise
         windows = torch.from_numpy(np.stack([self.window(split, o, maps) for o in offs]).astype(np.int64))
         return windows[:, :-1], windows[:, 1:]

@@ -5,6 +5,7 @@ one): {"kind": "chars", "chars": "<every character, sorted>"}. train.py sizes th
 (`padded_vocab`: rounded up to a multiple of 64, as GPT-2's 50257 is to 50304, so every tensor-parallel size
 we use divides it); sample.py and export.py decode with it. A directory without meta.json holds GPT-2 BPE ids.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,13 +69,15 @@ def load_chars(data_dir: str, vocab_size: int | None = None) -> CharVocab | None
         chars = meta["chars"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CharsError(f"{path} is not a character vocabulary ({type(e).__name__}: {e})") from None
-    if meta.get("kind") != "chars" or not isinstance(chars, str) or not chars or \
-            "".join(sorted(set(chars))) != chars:
-        raise CharsError(f"{path} is not a character vocabulary: 'chars' must be a non-empty string of sorted, "
-                         f"distinct characters")
+    if meta.get("kind") != "chars" or not isinstance(chars, str) or not chars or "".join(sorted(set(chars))) != chars:
+        raise CharsError(
+            f"{path} is not a character vocabulary: 'chars' must be a non-empty string of sorted, distinct characters"
+        )
     if vocab_size is not None and vocab_size < len(chars):
-        raise CharsError(f"vocab_size {vocab_size} is smaller than the {len(chars)} characters of {path} (a "
-                         f"character-level model's vocab is {CharVocab(chars).padded_vocab}: leave --vocab_size out)")
+        raise CharsError(
+            f"vocab_size {vocab_size} is smaller than the {len(chars)} characters of {path} (a "
+            f"character-level model's vocab is {CharVocab(chars).padded_vocab}: leave --vocab_size out)"
+        )
     return CharVocab(chars)
 
 
@@ -82,6 +85,7 @@ def holds_chars(dataset: str) -> bool:
     """Whether `dataset` (a --dataset value) is character-level: shakespeare_char, prepared or not, or a directory
     with meta.json."""
     from data.batches import resolve_dataset_dir
+
     return dataset == "shakespeare_char" or os.path.isfile(os.path.join(resolve_dataset_dir(dataset), META))
 
 
@@ -90,12 +94,15 @@ def run_chars(manifest: dict) -> CharVocab | None:
     trained on (the manifest's config.train.dataset, as nanoGPT's sample.py finds meta.pkl). Refused in one
     line when that dataset is shakespeare_char and unprepared, or the model cannot hold its characters."""
     from data.batches import prepare_hint, resolve_dataset_dir
+
     dataset, vocab_size = manifest["config"]["train"].get("dataset"), manifest["config"]["model"]["vocab_size"]
     if dataset is None:
         return None
     data_dir = resolve_dataset_dir(dataset)
     chars = load_chars(data_dir, vocab_size)
     if chars is None and dataset == "shakespeare_char":
-        raise CharsError(f"the run trained on {dataset}, whose characters ({os.path.join(data_dir, META)}) are "
-                         f"missing: prepare them with {prepare_hint(dataset)}")
+        raise CharsError(
+            f"the run trained on {dataset}, whose characters ({os.path.join(data_dir, META)}) are "
+            f"missing: prepare them with {prepare_hint(dataset)}"
+        )
     return chars

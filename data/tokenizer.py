@@ -40,10 +40,8 @@ WHISPER_BPE_MEMBER = "whisper/assets/gpt2.tiktoken"
 
 # the files tiktoken.get_encoding("gpt2") downloads, with tiktoken's expected hashes
 _TIKTOKEN_GPT2_FILES = {
-    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe":
-        "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json":
-        "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",  # noqa: E501
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",  # noqa: E501
 }
 ONLINE_PROBE_TIMEOUT_S = 5.0
 ONLINE_LOAD_TIMEOUT_S = 120.0

@@ -1,5 +1,6 @@
 """python -m debug {hang,diff} ...: dispatch to debug.hang.main or debug.diff.main (each parses its own flags
 and returns the exit code: 0 fine, 1 a finding, 2 bad input)."""
+
 from __future__ import annotations
 
 import importlib

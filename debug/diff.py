@@ -18,6 +18,7 @@ abs sum), as the pieces are added in another order than one process adds the who
 Exit codes: 0 agree, 1 part, 2 bad input (one line): a run without a trace, a trace missing ranks, traces of
 different steps, models or batches.
 """
+
 from __future__ import annotations
 
 import glob
@@ -30,7 +31,7 @@ import torch
 from config import Parser, UsageError
 from debug import trace
 
-EPS64 = 2.0 ** -52
+EPS64 = 2.0**-52
 SHOW = 5  # divergences printed after the first
 
 
@@ -66,8 +67,10 @@ def load(run: str) -> tuple[dict, dict[tuple, Fingerprint]]:
         raise BadInput(f"{files[0]}: not a version-{trace.VERSION} {trace.FORMAT} file")
     ranks = sorted(p["meta"]["rank"] for p in parts)
     if ranks != list(range(meta["world_size"])) or any(p["meta"]["step"] != meta["step"] for p in parts):
-        raise BadInput(f"{run}: the trace holds ranks {ranks} (steps {sorted({p['meta']['step'] for p in parts})}) "
-                       f"of a {meta['world_size']}-rank run: some ranks' files are missing or from another run")
+        raise BadInput(
+            f"{run}: the trace holds ranks {ranks} (steps {sorted({p['meta']['step'] for p in parts})}) "
+            f"of a {meta['world_size']}-rank run: some ranks' files are missing or from another run"
+        )
     pieces: dict[tuple, list[dict]] = {}
     for p in parts:
         for r in p["records"]:
@@ -95,15 +98,16 @@ def merge(run: str, key: tuple, pieces: list[dict]) -> Fingerprint:
         for r in pieces:
             where = torch.cat([torch.arange(s, s + n) for s, n in r["runs"].tolist()])
             full[where] += r["values"].to(torch.float64)
-    return Fingerprint(tuple(shape), numel, sum(r["sum"] for r in pieces), sum(r["abs"] for r in pieces),
-                       samples, full)
+    return Fingerprint(tuple(shape), numel, sum(r["sum"] for r in pieces), sum(r["abs"] for r in pieces), samples, full)
 
 
 # ----------------------------------------------------------------------------- order and tolerance
 
+
 def module_order(model_config: dict) -> list[str]:
     """Module names in the order one process's forward finishes them (forward hooks on a meta GPT)."""
     from model import GPT, GPTConfig
+
     with torch.device("meta"):
         gpt = GPT(GPTConfig(**model_config))
     order: list[str] = []
@@ -111,6 +115,7 @@ def module_order(model_config: dict) -> list[str]:
     def finished(name: str) -> None:  # a module's j-th run in one forward is traced as name#j (trace.Tracer)
         j = sum(o.split("#")[0] == name for o in order)
         order.append(name if j == 0 else f"{name}#{j}")
+
     for name, m in gpt.named_modules():
         if name:
             m.register_forward_hook(lambda *_, name=name: finished(name))
@@ -133,6 +138,7 @@ def execution_order(keys, model_config: dict) -> list[tuple]:
         if kind == "grad":
             return 1, 0, *params.get(name, (last, 0)), name
         return 0, micro, rank.get(name, last) if kind == "forward" else last + 1, 0, name
+
     return sorted(keys, key=at)
 
 
@@ -140,7 +146,7 @@ def layout_rtol(meta: dict) -> float:
     lay = meta["layout"]
     # TP splits matmul reductions across ranks; EP sums an expert's weight gradient over other row groupings
     rtol = 1e-4 if max(lay["tp"], lay.get("ep", 1)) > 1 else 1e-5 if max(lay["dp"], lay["pp"], lay["cp"]) > 1 else 0.0
-    return max(rtol, 2.0 ** -8) if meta["dtype"] in ("bfloat16", "float16") else rtol
+    return max(rtol, 2.0**-8) if meta["dtype"] in ("bfloat16", "float16") else rtol
 
 
 def tolerance(a: dict, b: dict) -> float:
@@ -153,7 +159,9 @@ def tolerance(a: dict, b: dict) -> float:
 
 def layout_name(meta: dict) -> str:
     lay = meta["layout"]
-    dims = " ".join(f"{k}={lay.get(k, 1)}" for k in ("pp", "dp", "cp", "tp", "ep") if lay.get(k, 1) > 1) or "one process"
+    dims = (
+        " ".join(f"{k}={lay.get(k, 1)}" for k in ("pp", "dp", "cp", "tp", "ep") if lay.get(k, 1) > 1) or "one process"
+    )
     extra = [lay["dp_type"]] if lay["dp_type"] else []
     extra += [f for f in ("sequence_parallel", "loss_parallel") if lay[f]]
     return f"{dims}{' (' + ', '.join(extra) + ')' if extra else ''}, {lay['implementation']}, {meta['dtype']}"
@@ -161,7 +169,7 @@ def layout_name(meta: dict) -> str:
 
 # ----------------------------------------------------------------------------- comparing
 
-FLOOR = 2.0 ** -10  # of the step's largest element of the same kind: the least scale an element is held to
+FLOOR = 2.0**-10  # of the step's largest element of the same kind: the least scale an element is held to
 
 
 def largest(f: Fingerprint) -> float:
@@ -184,20 +192,26 @@ def compare(a: Fingerprint, b: Fingerprint, rtol: float, floor: float = 0.0) -> 
         worst = int(diff.argmax())
         if float(diff[worst]) > rtol * scale:
             index = [int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape)]
-            return (f"max |a-b| {float(diff[worst]):.3g} at {index} ({float(diff[worst]) / max(own, 1e-300):.2g} of "
-                    f"max |b| {own:.3g}); {int((diff > rtol * scale).sum())} of {a.n} elements differ; "
-                    f"sum {a.sum:.6g} vs {b.sum:.6g}")
+            return (
+                f"max |a-b| {float(diff[worst]):.3g} at {index} ({float(diff[worst]) / max(own, 1e-300):.2g} of "
+                f"max |b| {own:.3g}); {int((diff > rtol * scale).sum())} of {a.n} elements differ; "
+                f"sum {a.sum:.6g} vs {b.sum:.6g}"
+            )
     common = sorted(set(a.samples) & set(b.samples))
     bad = [i for i in common if abs(a.samples[i] - b.samples[i]) > rtol * scale]
     if bad:
         i = max(bad, key=lambda i: abs(a.samples[i] - b.samples[i]))
-        return (f"sampled element {i}: {a.samples[i]:.6g} vs {b.samples[i]:.6g} ({len(bad)} of {len(common)} "
-                f"samples differ); sum {a.sum:.6g} vs {b.sum:.6g}")
+        return (
+            f"sampled element {i}: {a.samples[i]:.6g} vs {b.samples[i]:.6g} ({len(bad)} of {len(common)} "
+            f"samples differ); sum {a.sum:.6g} vs {b.sum:.6g}"
+        )
     slack = 2 * a.n * EPS64 * max(a.abs, b.abs)  # float64 sums of the pieces, in another order
     for what, x, y in (("sum", a.sum, b.sum), ("abs sum", a.abs, b.abs)):
         if abs(x - y) > rtol * max(a.abs, b.abs, a.n * floor) + slack:
-            return (f"{what} {x:.9g} vs {y:.9g} (|a-b| {abs(x - y):.3g}, {abs(x - y) / max(b.abs, 1e-300):.2g} of "
-                    f"the abs sum)")
+            return (
+                f"{what} {x:.9g} vs {y:.9g} (|a-b| {abs(x - y):.3g}, {abs(x - y) / max(b.abs, 1e-300):.2g} of "
+                f"the abs sum)"
+            )
     return None
 
 
@@ -212,12 +226,16 @@ def check_comparable(a: dict, b: dict) -> None:
     if a["step"] != b["step"]:
         raise BadInput(f"traces of different steps: {a['step']} vs {b['step']}")
     if a["model"] != b["model"]:
-        diff = ", ".join(f"{k} {a['model'].get(k)} vs {b['model'].get(k)}" for k in a["model"]
-                         if a["model"].get(k) != b["model"].get(k))
+        diff = ", ".join(
+            f"{k} {a['model'].get(k)} vs {b['model'].get(k)}"
+            for k in a["model"]
+            if a["model"].get(k) != b["model"].get(k)
+        )
         raise BadInput(f"traces of different models: {diff}")
     if a["batch"] != b["batch"]:
-        diff = ", ".join(f"{k} {a['batch'][k]} vs {b['batch'][k]}" for k in a["batch"]
-                         if a["batch"][k] != b["batch"][k])
+        diff = ", ".join(
+            f"{k} {a['batch'][k]} vs {b['batch'][k]}" for k in a["batch"] if a["batch"][k] != b["batch"][k]
+        )
         raise BadInput(f"traces of different batches ({diff}): their micro-batches do not line up")
 
 
@@ -229,14 +247,20 @@ def diff(run_a: str, run_b: str, out=None) -> int:
     meta_b, fb = load(run_b)
     check_comparable(meta_a, meta_b)
     rtol = tolerance(meta_a, meta_b)
-    print(f"A: {run_a} ({layout_name(meta_a)})\nB: {run_b} ({layout_name(meta_b)})\nstep {meta_a['step']}; "
-          f"tolerance {'bit-equal' if rtol == 0 else f'{rtol:.3g} relative'}", file=out)
+    print(
+        f"A: {run_a} ({layout_name(meta_a)})\nB: {run_b} ({layout_name(meta_b)})\nstep {meta_a['step']}; "
+        f"tolerance {'bit-equal' if rtol == 0 else f'{rtol:.3g} relative'}",
+        file=out,
+    )
     both = execution_order(set(fa) & set(fb), meta_a["model"])
     floor = {g: FLOOR * max([largest(fb[k]) for k in both if (k[0] == "grad") == g] + [0.0]) for g in (False, True)}
     parted = [(k, why) for k in both if (why := compare(fa[k], fb[k], rtol, floor[k[0] == "grad"])) is not None]
     if meta_a.get("device") != meta_b.get("device"):
-        print(f"note: A ran on {meta_a.get('device')}, B on {meta_b.get('device')}: the tolerance is the layouts'; "
-              f"kernels of two devices may differ by more", file=out)
+        print(
+            f"note: A ran on {meta_a.get('device')}, B on {meta_b.get('device')}: the tolerance is the layouts'; "
+            f"kernels of two devices may differ by more",
+            file=out,
+        )
     only = [(run, sorted(set(x) - set(y), key=str)) for run, x, y in (("A", fa, fb), ("B", fb, fa))]
     for run, keys in only:
         if keys:
@@ -249,8 +273,11 @@ def diff(run_a: str, run_b: str, out=None) -> int:
     print(f"first divergence: {describe(key)}\n    {why}", file=out)
     for key, why in rest[:SHOW]:
         print(f"then: {describe(key)}\n    {why}", file=out)
-    print(f"{len(parted)} of {len(both)} records differ ({sum(k[0] != 'grad' for k, _ in parted)} forward, "
-          f"{sum(k[0] == 'grad' for k, _ in parted)} gradients)", file=out)
+    print(
+        f"{len(parted)} of {len(both)} records differ ({sum(k[0] != 'grad' for k, _ in parted)} forward, "
+        f"{sum(k[0] == 'grad' for k, _ in parted)} gradients)",
+        file=out,
+    )
     return 1
 
 

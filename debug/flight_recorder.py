@@ -19,6 +19,7 @@ reads those ranks' last ops too (`decode`; this module imports torch only to res
 (groups, sites, dtypes) are interned into a table behind the ring, once each. Nothing is communicated; the
 watchdog's JSON dump (`dump`, <out_dir>/hang/rank_N.json) is `read()` of the ring.
 """
+
 from __future__ import annotations
 
 import json
@@ -110,7 +111,7 @@ class FlightRecorder:
             if self._used + 1 + len(data) > STRINGS:
                 return 0
             self._buf[at] = len(data)
-            self._buf[at + 1:at + 1 + len(data)] = data
+            self._buf[at + 1 : at + 1 + len(data)] = data
             self._used += 1 + len(data)
             COUNT.pack_into(self._buf, 16, self._used)  # after the string is there
             i = self._strings[s] = len(self._strings)
@@ -120,6 +121,7 @@ class FlightRecorder:
         g = self._world if group is None else self._groups.get(group)
         if g is None:
             import torch.distributed as dist  # here, not at the top: debug.hang reads rings without torch
+
             pg = dist.group.WORLD if group is None else group
             ranks = tuple(dist.get_process_group_ranks(pg))
             name = getattr(pg, "group_name", "?")
@@ -154,9 +156,23 @@ class FlightRecorder:
         if dtype is None:
             dtype = self._dtypes[tensor.dtype] = self._intern(str(tensor.dtype).removeprefix("torch."))
         n = self.count
-        RECORD.pack_into(self._buf, HEADER.size + (n % self.capacity) * RECORD.size, n, seq,
-                         tensor.numel() * tensor.element_size(), self.step, self.micro, peer, gid, site, dtype,
-                         op, POSTED, nd, *dims)
+        RECORD.pack_into(
+            self._buf,
+            HEADER.size + (n % self.capacity) * RECORD.size,
+            n,
+            seq,
+            tensor.numel() * tensor.element_size(),
+            self.step,
+            self.micro,
+            peer,
+            gid,
+            site,
+            dtype,
+            op,
+            POSTED,
+            nd,
+            *dims,
+        )
         self.count = n + 1
         COUNT.pack_into(self._buf, 8, n + 1)  # after the record: a reader never sees half of one
         return n
@@ -178,8 +194,18 @@ class FlightRecorder:
 
     def read(self, reason: str = "") -> dict:
         """The ring as the JSON-able dict `python -m debug hang` reads (oldest op first)."""
-        return decode(bytes(self._buf), reason) if self.capacity else {
-            "format": FORMAT, "rank": self.rank, "world_size": self.world, "capacity": 0, "recorded": 0, "ops": []}
+        return (
+            decode(bytes(self._buf), reason)
+            if self.capacity
+            else {
+                "format": FORMAT,
+                "rank": self.rank,
+                "world_size": self.world,
+                "capacity": 0,
+                "recorded": 0,
+                "ops": [],
+            }
+        )
 
     def dump(self, path: str, reason: str) -> None:
         """Write `read(reason)` as JSON to `path` (the watchdog: <out_dir>/hang/rank_N.json)."""
@@ -210,26 +236,50 @@ def decode(buf: bytes, reason: str = "") -> dict:
     end = at + used
     while at < end:
         k = buf[at]
-        strings.append(buf[at + 1:at + 1 + k].decode(errors="replace"))
+        strings.append(buf[at + 1 : at + 1 + k].decode(errors="replace"))
         at += 1 + k
-    name = (lambda i: strings[i] if 0 <= i < len(strings) else "?")
+    name = lambda i: strings[i] if 0 <= i < len(strings) else "?"
     ops = []
     for n in range(max(0, count - capacity), count):
-        (m, seq, nbytes, step, micro, peer, gid, site, dtype, op, state, nd,
-         *dims) = RECORD.unpack_from(buf, HEADER.size + (n % capacity) * RECORD.size)
+        (m, seq, nbytes, step, micro, peer, gid, site, dtype, op, state, nd, *dims) = RECORD.unpack_from(
+            buf, HEADER.size + (n % capacity) * RECORD.size
+        )
         if m != n:
             continue  # a slot being rewritten when the rank stopped
         gname, _, ranks = name(gid).partition(":")
-        ops.append({"n": n, "seq": seq, "op": OPS[op] if op < len(OPS) else "?", "group_name": gname,
-                    "group": [int(r) for r in ranks.split(",") if r], "shape": list(dims[:nd]) if nd <= 4 else
-                    list(dims[:3]) + ["..."], "dtype": name(dtype), "bytes": nbytes, "peer": peer,
-                    "step": step, "micro": micro, "site": name(site), "state": STATES[state & 1]})
-    return {"format": FORMAT, "rank": rank, "world_size": world, "backend": name(0), "pid": pid,
-            "capacity": capacity, "recorded": count, "reason": reason, "ops": ops}
+        ops.append(
+            {
+                "n": n,
+                "seq": seq,
+                "op": OPS[op] if op < len(OPS) else "?",
+                "group_name": gname,
+                "group": [int(r) for r in ranks.split(",") if r],
+                "shape": list(dims[:nd]) if nd <= 4 else list(dims[:3]) + ["..."],
+                "dtype": name(dtype),
+                "bytes": nbytes,
+                "peer": peer,
+                "step": step,
+                "micro": micro,
+                "site": name(site),
+                "state": STATES[state & 1],
+            }
+        )
+    return {
+        "format": FORMAT,
+        "rank": rank,
+        "world_size": world,
+        "backend": name(0),
+        "pid": pid,
+        "capacity": capacity,
+        "recorded": count,
+        "reason": reason,
+        "ops": ops,
+    }
 
 
 class Recorded:
     """An async op's work handle whose wait() (or a True is_completed()) also marks its record completed."""
+
     __slots__ = ("work", "n", "recorder")
 
     def __init__(self, work, n: int, recorder: FlightRecorder):
@@ -254,6 +304,7 @@ def install(path: str | None, rank: int, world: int) -> FlightRecorder:
     """Record this process's comm ops from here on: a fresh ring (`open`: in the file `path`, or in memory when
     None) as parallel.comm.RECORDER, one per process (the one already there, if it is a FlightRecorder)."""
     from parallel import comm  # here, not at the top: reading a ring needs no torch
+
     rec = comm.RECORDER if isinstance(comm.RECORDER, FlightRecorder) else FlightRecorder()
     rec.open(path, rank, world)
     comm.RECORDER = rec

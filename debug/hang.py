@@ -16,6 +16,7 @@ Findings, first the causes, then their consequences:
 Exit codes: 0 no finding (every group's ranks issued the same ops: the hang is not in the recorded
 communication; read the stacks, rank_N.txt), 1 at least one finding, 2 bad input (no dumps, unreadable).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,8 @@ class BadInput(Exception):
 
 @dataclass
 class Finding:
-    kind: str              # mismatch, unmatched_send, unmatched_recv, not_reached, behind
-    op: str                # the op it is about
+    kind: str  # mismatch, unmatched_send, unmatched_recv, not_reached, behind
+    op: str  # the op it is about
     group: tuple[int, ...]  # that op's group (global ranks)
     ranks: tuple[int, ...]  # the ranks at fault (the skipping, mismatching, missing or behind ones)
     seq: int
@@ -51,7 +52,8 @@ class Report:
     def text(self) -> str:
         head = [f"finding: {f.text}" for f in self.findings] or [
             "no finding: every group's ranks issued the same ops, no p2p message is unmatched; the hang is not "
-            "in the communication parallel/comm.py recorded (read the stacks, hang/rank_N.txt)"]
+            "in the communication parallel/comm.py recorded (read the stacks, hang/rank_N.txt)"
+        ]
         return "\n".join([*self.lines, *head])
 
 
@@ -97,12 +99,15 @@ def load(path: str) -> dict[int, dict]:
             d["source"] = kind
             dumps[int(m.group(1))] = d
     if not dumps:
-        raise BadInput(f"{path}: no flight-recorder dumps (hang/rank_N.json or flight_recorder/rank_N.bin): "
-                       f"not the out_dir of a multi-rank train.py run")
+        raise BadInput(
+            f"{path}: no flight-recorder dumps (hang/rank_N.json or flight_recorder/rank_N.bin): "
+            f"not the out_dir of a multi-rank train.py run"
+        )
     return dumps
 
 
 # ----------------------------------------------------------------------------- analysis
+
 
 def _sig(o: dict) -> tuple:
     """What every rank of a group issues alike at one seq: op, shape and dtype (an all_to_all's first dim is each
@@ -118,8 +123,10 @@ def _gkey(o: dict) -> tuple:
 def describe(o: dict) -> str:
     peer = f" {'to' if o['op'] == 'send' else 'from'} rank {o['peer']}" if o["op"] in ("send", "recv") else ""
     micro = f" micro {o['micro']}" if o["micro"] >= 0 else ""
-    return (f"{o['op']} #{o['seq']}{peer} {o['dtype']} {tuple(o['shape'])} on group {list(o['group'])} at "
-            f"{o['site']} (step {o['step']}{micro}, {o['state']})")
+    return (
+        f"{o['op']} #{o['seq']}{peer} {o['dtype']} {tuple(o['shape'])} on group {list(o['group'])} at "
+        f"{o['site']} (step {o['step']}{micro}, {o['state']})"
+    )
 
 
 def _waiting(d: dict) -> dict | None:
@@ -152,8 +159,12 @@ def _mismatch(gkey: tuple, by_rank: dict[int, list[dict]]) -> Finding | None:
         at = {r: i[seq] for r, i in index.items() if seq in i}
         if len({_sig(o) for o in at.values()}) <= 1:
             continue
-        skipped = {r for r, o in at.items() for q, p in at.items()
-                   if q != r and _sig(p) != _sig(o) and _after(by_rank[q], p) == (_sig(o), o["site"])}
+        skipped = {
+            r
+            for r, o in at.items()
+            for q, p in at.items()
+            if q != r and _sig(p) != _sig(o) and _after(by_rank[q], p) == (_sig(o), o["site"])
+        }
         novel = {r for r, o in at.items() if not _seen(by_rank[r], o)}
         counts: dict[tuple, list[int]] = {}
         for r, o in at.items():
@@ -163,9 +174,10 @@ def _mismatch(gkey: tuple, by_rank: dict[int, list[dict]]) -> Finding | None:
         bad = skipped or (novel if 0 < len(novel) < len(at) else set()) or minority or set(at)
         good = [r for r in at if r not in bad]
         o, ref = at[min(bad)], at[good[0]] if good else None
-        how = ("skipped it: it issued the op that follows it instead" if skipped else "issued another op")
-        text = (f"mismatched collective #{seq} on group {list(gkey[1])}: rank(s) {sorted(bad)} {how}: "
-                f"{describe(o)}" + (f"; rank(s) {good} issued {describe(ref)}" if ref else ""))
+        how = "skipped it: it issued the op that follows it instead" if skipped else "issued another op"
+        text = f"mismatched collective #{seq} on group {list(gkey[1])}: rank(s) {sorted(bad)} {how}: {describe(o)}" + (
+            f"; rank(s) {good} issued {describe(ref)}" if ref else ""
+        )
         return Finding("mismatch", (ref or o)["op"], gkey[1], tuple(sorted(bad)), seq, text)
     return None
 
@@ -188,23 +200,47 @@ def _p2p(gkey: tuple, dumps: dict[int, dict]) -> list[Finding]:
         last_s, last_v = (s[-1]["seq"] if s else -1), (v[-1]["seq"] if v else -1)
         # the k-th send meets the k-th receive: one of another micro-batch means a message was left out before it
         by_seq = {y["seq"]: y for y in s}
-        shift = next(((x, by_seq[x["seq"]]) for x in v if x["seq"] in by_seq
-                      and (x["step"], x["micro"]) != (by_seq[x["seq"]]["step"], by_seq[x["seq"]]["micro"])), None)
+        shift = next(
+            (
+                (x, by_seq[x["seq"]])
+                for x in v
+                if x["seq"] in by_seq
+                and (x["step"], x["micro"]) != (by_seq[x["seq"]]["step"], by_seq[x["seq"]]["micro"])
+            ),
+            None,
+        )
         if last_s > last_v:
             o = next((o for o in s if o["seq"] == last_v + 1), s[-1])
             why, culprits = f"rank {b} posted only {last_v + 1} receives from rank {a}", (a, b)
             if shift is not None:
                 x, y = shift
-                why += (f"; its receive #{x['seq']} (step {x['step']} micro {x['micro']}) met the send of step "
-                        f"{y['step']} micro {y['micro']}: rank {b} skipped a receive before it")
+                why += (
+                    f"; its receive #{x['seq']} (step {x['step']} micro {x['micro']}) met the send of step "
+                    f"{y['step']} micro {y['micro']}: rank {b} skipped a receive before it"
+                )
                 culprits = (b,)
-            out.append(Finding("unmatched_send", "send", gkey[1], culprits, o["seq"],
-                               f"rank {a}'s {describe(o)} has no receive: {why}"))
+            out.append(
+                Finding(
+                    "unmatched_send",
+                    "send",
+                    gkey[1],
+                    culprits,
+                    o["seq"],
+                    f"rank {a}'s {describe(o)} has no receive: {why}",
+                )
+            )
         elif last_v > last_s:
             o = next((o for o in v if o["seq"] == last_s + 1), v[-1])
-            out.append(Finding("unmatched_recv", "recv", gkey[1], (a, b), o["seq"],
-                               f"rank {b}'s {describe(o)} has no send: rank {a} posted only {last_s + 1} sends "
-                               f"to rank {b}"))
+            out.append(
+                Finding(
+                    "unmatched_recv",
+                    "recv",
+                    gkey[1],
+                    (a, b),
+                    o["seq"],
+                    f"rank {b}'s {describe(o)} has no send: rank {a} posted only {last_s + 1} sends to rank {b}",
+                )
+            )
     return out
 
 
@@ -224,25 +260,48 @@ def _progress(gkey: tuple, by_rank: dict[int, list[dict]], dumps: dict[int, dict
         if not holders:
             continue
         o = next(o for o in by_rank[holders[0]] if o["seq"] == seq)
-        waiters = [q for q in holders if _waiting(dumps[q]) is not None and _gkey(_waiting(dumps[q])) == gkey
-                   and _waiting(dumps[q])["seq"] <= seq]
+        waiters = [
+            q
+            for q in holders
+            if _waiting(dumps[q]) is not None and _gkey(_waiting(dumps[q])) == gkey and _waiting(dumps[q])["seq"] <= seq
+        ]
         who = f"rank(s) {waiters} wait in it" if waiters else f"rank(s) {holders} issued it"
         if r not in dumps:
-            out.append(Finding("not_reached", o["op"], gkey[1], (r,), seq,
-                               f"rank {r} never reached {describe(o)} ({who}): it left no dump and no ring (dead "
-                               f"before recording, or its out_dir is elsewhere)"))
+            out.append(
+                Finding(
+                    "not_reached",
+                    o["op"],
+                    gkey[1],
+                    (r,),
+                    seq,
+                    f"rank {r} never reached {describe(o)} ({who}): it left no dump and no ring (dead "
+                    f"before recording, or its out_dir is elsewhere)",
+                )
+            )
         elif dumps[r]["source"] == "ring":
             end = dumps[r]["ops"][-1] if dumps[r]["ops"] else None
-            out.append(Finding("not_reached", o["op"], gkey[1], (r,), seq,
-                               f"rank {r} never reached {describe(o)} ({who}): it wrote no dump at the hang, so it "
-                               f"is stopped, dead or crashed; its ring ends at "
-                               f"{describe(end) if end else 'nothing'}"))
+            out.append(
+                Finding(
+                    "not_reached",
+                    o["op"],
+                    gkey[1],
+                    (r,),
+                    seq,
+                    f"rank {r} never reached {describe(o)} ({who}): it wrote no dump at the hang, so it "
+                    f"is stopped, dead or crashed; its ring ends at "
+                    f"{describe(end) if end else 'nothing'}",
+                )
+            )
         else:
             w = _waiting(dumps[r])
-            where = (f"it waits in {describe(w)} instead" if w is not None else
-                     "it is in no comm op (computing, or stuck outside parallel/comm.py: see its stack)")
-            out.append(Finding("behind", o["op"], gkey[1], (r,), seq,
-                               f"rank {r} never issued {describe(o)} ({who}): {where}"))
+            where = (
+                f"it waits in {describe(w)} instead"
+                if w is not None
+                else "it is in no comm op (computing, or stuck outside parallel/comm.py: see its stack)"
+            )
+            out.append(
+                Finding("behind", o["op"], gkey[1], (r,), seq, f"rank {r} never issued {describe(o)} ({who}): {where}")
+            )
     return out
 
 
@@ -257,11 +316,16 @@ def analyze(dumps: dict[int, dict]) -> Report:
             continue
         w, end = _waiting(d), (d["ops"][-1] if d["ops"] else None)
         src = "its dump" if d["source"] == "dump" else "no dump: stopped, dead or crashed? its ring file"
-        now = (f"waits in {describe(w)}" if w is not None else
-               f"in no comm op; its last: {describe(end)}" if end is not None else "no comm op recorded")
+        now = (
+            f"waits in {describe(w)}"
+            if w is not None
+            else f"in no comm op; its last: {describe(end)}"
+            if end is not None
+            else "no comm op recorded"
+        )
         report.lines.append(f"rank {r} ({src}): {now}")
     groups: dict[tuple, dict[int, list[dict]]] = {}
-    for r, d in dumps.items():
+    for d in dumps.values():
         for o in d["ops"]:
             groups.setdefault(_gkey(o), {q: [] for q in o["group"] if q in dumps})
     for r, d in dumps.items():

@@ -7,7 +7,8 @@ records every such call whose nearest frame is in this repository (tests and thi
 
 - a dispatch-level recorder (`SyncRecorder`, a TorchDispatchMode: every aten op the step runs, the backward's
   included) of the ops that sync on CUDA when their tensor is on the run's `device`:
-  `aten._local_scalar_dense` (what `item()`, `float()`, `int()` and `bool()` of a tensor read through), blocking copies between host and device (`aten._to_copy`, `aten.copy_` from a CPU tensor to
+  `aten._local_scalar_dense` (what `item()`, `float()`, `int()` and `bool()` of a tensor read through), blocking copies
+  between host and device (`aten._to_copy`, `aten.copy_` from a CPU tensor to
   another device unless it is pinned and non-blocking; to the CPU unless non-blocking), `aten.lift_fresh` (a
   tensor made from Python data: `torch.tensor(list, device=d)` copies a pageable host buffer to `d`), and ops
   whose output size depends on the data (`nonzero`, `masked_select`, `equal`, `unique`, `bincount`, a boolean
@@ -27,6 +28,7 @@ under the sync debugger. Ops run by a thread with no frame of ours (NCCL's, gloo
 With `audit` (the CUDA sync debugger on, set by the caller), the calls from an `ALLOWED` place run with the
 debugger off, so only the syncs nobody allowed raise.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,26 +45,33 @@ HERE = os.path.abspath(__file__)
 # (file, function) -> why it may read the host once per step
 ALLOWED = {
     ("train.py", "train_step"): "the step's loss and grad norm, logged (read at the end of the step, after the "
-                                "optimizer: nothing left to launch behind them)",
+    "optimizer: nothing left to launch behind them)",
     ("faults.py", "agreed"): "the preemption vote, all-reduced with the loss's reductions, read after them",
     ("data/batches.py", "get"): "host tensors only: the rows' offsets come from a CPU generator and the tokens "
-                                "from a numpy memmap (on a GPU run they stay on the host until to_device)",
+    "from a numpy memmap (on a GPU run they stay on the host until to_device)",
     ("parallel/expert_parallel.py", "split_sizes"): "an MoE layer's all_to_all split sizes: each rank must know how "
-                                                 "many rows it sends and receives before they move (one read per "
-                                                 "MoE layer and micro-batch; docs/moe.md)",
+    "many rows it sends and receives before they move (one read per "
+    "MoE layer and micro-batch; docs/moe.md)",
     ("moe.py", "split_sizes"): "the MoE experts' group sizes for the per-expert loop, only where torch._grouped_mm "
-                               "does not run as a kernel (moe.grouped_mm_runs: CPU autocast, GPU fp32, GPUs before "
-                               "sm90, unaligned widths): one read per MoE layer and micro-batch",
+    "does not run as a kernel (moe.grouped_mm_runs: CPU autocast, GPU fp32, GPUs before "
+    "sm90, unaligned widths): one read per MoE layer and micro-batch",
     ("parallel/parallelize.py", "step_counters"): "the MoE layers' tokens per expert and balancing loss over the "
-                                                  "batch, logged (read after the step's loss: nothing left to wait "
-                                                  "for)",
+    "batch, logged (read after the step's loss: nothing left to wait "
+    "for)",
 }
 SYNCS = ("item", "tolist", "cpu", "__bool__")
 
 aten = torch.ops.aten
 # ops whose output size is read back from the device before they return
-DATA_DEPENDENT = {aten.nonzero, aten.masked_select, aten.equal, aten._unique2, aten.unique_dim,
-                  aten.unique_consecutive, aten.bincount}
+DATA_DEPENDENT = {
+    aten.nonzero,
+    aten.masked_select,
+    aten.equal,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten.bincount,
+}
 MASK_INDEXED = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
 _inside = threading.local()  # depth of patched calls on this thread: their ops are recorded by the patch
 
@@ -72,8 +81,11 @@ def ours(frame) -> tuple[str, str] | None:
     excluded."""
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if (path.startswith(ROOT + os.sep) and not path.startswith(os.path.join(ROOT, "tests") + os.sep)
-                and path != HERE):
+        if (
+            path.startswith(ROOT + os.sep)
+            and not path.startswith(os.path.join(ROOT, "tests") + os.sep)
+            and path != HERE
+        ):
             return os.path.relpath(path, ROOT), frame.f_code.co_name
         frame = frame.f_back
     return None
@@ -151,8 +163,9 @@ class SyncRecorder(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def recording(seen: list[tuple[str, str, str]], audit: bool = False, device: torch.device | None = None
-              ) -> Iterator[None]:
+def recording(
+    seen: list[tuple[str, str, str]], audit: bool = False, device: torch.device | None = None
+) -> Iterator[None]:
     """Append (file, function, kind) to `seen` for each host sync made from our code inside the block, on a
     run whose tensors live on `device` (default the CPU: then every tensor counts, see the module docstring)."""
     device = device if device is not None else torch.device("cpu")
@@ -171,7 +184,9 @@ def recording(seen: list[tuple[str, str, str]], audit: bool = False, device: tor
                 return real[name](self, *args, **kw)
             finally:
                 _inside.depth -= 1
+
         return call
+
     try:
         for name in SYNCS:
             setattr(torch.Tensor, name, patched(name))

@@ -17,6 +17,7 @@ the values at SAMPLES positions that are a pure function of (name, full shape), 
 full tensor has at most FULL_NUMEL elements. debug/diff.py adds the pieces up to the full tensor's fingerprint.
 Nothing is communicated: each rank writes <out_dir>/trace/rank_NNNNN.pt.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,8 +37,8 @@ from parallel.tensor_parallel import plan_style
 
 FORMAT, VERSION = "gpt2-parallel-trace", 1
 SUBDIR = "trace"
-SAMPLES = 16              # sampled elements per tensor
-FULL_NUMEL = 1 << 20      # tensors of at most this many elements are recorded whole
+SAMPLES = 16  # sampled elements per tensor
+FULL_NUMEL = 1 << 20  # tensors of at most this many elements are recorded whole
 _WRAPPER_PARTS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
@@ -46,9 +47,9 @@ def canonical(name: str) -> str | None:
     containers themselves (the GPT, a pipeline stage, DDP)."""
     parts = [p for p in name.split(".") if p not in _WRAPPER_PARTS]
     if "transformer" in parts:
-        parts = parts[parts.index("transformer"):]
+        parts = parts[parts.index("transformer") :]
     elif "lm_head" in parts:
-        parts = parts[parts.index("lm_head"):]
+        parts = parts[parts.index("lm_head") :]
     else:
         return None
     return ".".join(parts) if len(parts) > 1 or parts == ["lm_head"] else None
@@ -70,8 +71,15 @@ def sample_positions(name: str, shape: tuple[int, ...]) -> list[int]:
     return sorted(random.Random(seed).sample(range(numel), min(SAMPLES, numel)))
 
 
-def piece(kind: str, micro: int | None, name: str, shape: tuple[int, ...], runs: torch.Tensor,
-          values: torch.Tensor, combine: str = "place") -> dict:
+def piece(
+    kind: str,
+    micro: int | None,
+    name: str,
+    shape: tuple[int, ...],
+    runs: torch.Tensor,
+    values: torch.Tensor,
+    combine: str = "place",
+) -> dict:
     """One rank's piece of a full tensor: `values` (1-D, in run order) at the flat positions `runs` covers.
     combine "place": pieces tile the tensor; "sum": each piece covers it all and they add up (CP's loss)."""
     v = values.detach().reshape(-1).to(torch.float64).cpu()
@@ -83,12 +91,25 @@ def piece(kind: str, micro: int | None, name: str, shape: tuple[int, ...], runs:
     starts, lengths, offsets = runs[order, 0], runs[order, 1], offsets[order]
     want = torch.tensor(sample_positions(name, shape), dtype=torch.int64)
     k = (torch.searchsorted(starts, want, right=True) - 1).clamp(min=0)
-    held = (want >= starts[k]) & (want < starts[k] + lengths[k]) if len(starts) else \
-        torch.zeros_like(want, dtype=torch.bool)
+    held = (
+        (want >= starts[k]) & (want < starts[k] + lengths[k])
+        if len(starts)
+        else torch.zeros_like(want, dtype=torch.bool)
+    )
     at = want[held]
-    record = {"kind": kind, "micro": micro, "name": name, "shape": tuple(shape), "combine": combine,
-              "n": v.numel(), "sum": float(v.sum()), "abs": float(v.abs().sum()), "sample_at": at,
-              "sample": v[offsets[k[held]] + at - starts[k[held]]] if len(starts) else v[:0], "runs": runs.clone()}
+    record = {
+        "kind": kind,
+        "micro": micro,
+        "name": name,
+        "shape": tuple(shape),
+        "combine": combine,
+        "n": v.numel(),
+        "sum": float(v.sum()),
+        "abs": float(v.abs().sum()),
+        "sample_at": at,
+        "sample": v[offsets[k[held]] + at - starts[k[held]]] if len(starts) else v[:0],
+        "runs": runs.clone(),
+    }
     if numel <= FULL_NUMEL:
         record["values"] = values.detach().reshape(-1).cpu().clone()
     return record
@@ -121,11 +142,11 @@ class Tracer:
         self.t, mesh = t, t.mesh
         self.tp, self.cp, self.dp, self.dp_rank = mesh["tp"], mesh["cp"], t.plan.dims.dp, t.dp_rank
         self.mb, self.T = t.plan.args.micro_batch_size, t.plan.args.seq_len
-        self.micro: dict[str, int] = {}    # unit -> the micro-batch it is running (global index)
+        self.micro: dict[str, int] = {}  # unit -> the micro-batch it is running (global index)
         self.repeats: dict[tuple, int] = {}  # (micro, name) -> calls so far (a Block's dropout runs twice)
         par, seen = t.par, set()
         for root in (par.model, par.stage, *getattr(par.model, "chunk_modules", {}).values()):
-            for name, module in (root.named_modules() if root is not None else ()):
+            for name, module in root.named_modules() if root is not None else ():
                 name = canonical(name)
                 if id(module) in seen or name == "lm_head":  # a hooked head would run whole (loss.head_output)
                     continue
@@ -143,10 +164,12 @@ class Tracer:
     def _enter(self, unit: str):
         """A unit (a Block, wte, wpe, the embedding dropout, ln_f) runs once per micro-batch, in micro-batch order
         (every schedule runs a chunk's forwards in order): its k-th forward is this rank's k-th micro-batch."""
+
         def pre_hook(module: nn.Module, args) -> None:
             if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
                 self.calls[unit] = self.calls.get(unit, 0) + 1
                 self.micro[unit] = micro_batch_chunk(self.calls[unit] - 1, self.dp_rank, self.dp)
+
         return pre_hook
 
     def _hook(self, name: str):
@@ -162,6 +185,7 @@ class Tracer:
                 shape, axes, values = placed
                 key = name if j == 0 else f"{name}#{j}"
                 self.records.append(piece("forward", micro, key, shape, _runs(shape, axes), values))
+
         return hook
 
     def _wrap_loss(self, owner: nn.Module) -> None:
@@ -179,9 +203,19 @@ class Tracer:
                     self.calls[_attr] = self.calls.get(_attr, 0) + 1
                     micro = micro_batch_chunk(self.calls[_attr] - 1, self.dp_rank, self.dp)
                     if self.tp.rank == 0:
-                        self.records.append(piece("loss", micro, "lm_head", (1,), torch.tensor([[0, 1]]), value,
-                                                  "sum" if self.cp.size > 1 else "place"))
+                        self.records.append(
+                            piece(
+                                "loss",
+                                micro,
+                                "lm_head",
+                                (1,),
+                                torch.tensor([[0, 1]]),
+                                value,
+                                "sum" if self.cp.size > 1 else "place",
+                            )
+                        )
                 return loss
+
             owner.__dict__[attr] = wrapped
             self.handles.append((owner, attr, inner))
 
@@ -204,23 +238,31 @@ class Tracer:
         positions = local_positions(T, self.cp.rank, self.cp.size) if self.cp.size > 1 else torch.arange(T)
         n = out.shape[seq]
         if n * tp == len(positions) and tp > 1:  # sequence parallel: this tp rank's slice of its share
-            positions, sharded = positions[self.tp.rank * n:(self.tp.rank + 1) * n], True
+            positions, sharded = positions[self.tp.rank * n : (self.tp.rank + 1) * n], True
         elif n != len(positions):
-            raise ValueError(f"--trace_step: {name}'s output {tuple(out.shape)} has {n} positions along dim "
-                             f"{seq}; expected {len(positions)}")
+            raise ValueError(
+                f"--trace_step: {name}'s output {tuple(out.shape)} has {n} positions along dim "
+                f"{seq}; expected {len(positions)}"
+            )
         full[seq], axes[seq] = T, _compact(positions)
         if name.endswith(".attn.core"):
             full_width, dim = cfg.n_head, 1
         else:
-            full_width, dim = (4 * cfg.n_embd if name.endswith(".mlp.c_fc") else
-                               cfg.vocab_size if name == "lm_head" else cfg.n_embd), out.dim() - 1
+            full_width, dim = (
+                (4 * cfg.n_embd if name.endswith(".mlp.c_fc") else cfg.vocab_size if name == "lm_head" else cfg.n_embd),
+                out.dim() - 1,
+            )
         w = out.shape[dim]
-        if w * tp == full_width and tp > 1 and (plan_style(name) in ("colwise", "vocab_head")
-                                                 or name.endswith(".attn.core")):
+        if (
+            w * tp == full_width
+            and tp > 1
+            and (plan_style(name) in ("colwise", "vocab_head") or name.endswith(".attn.core"))
+        ):
             full[dim], axes[dim], sharded = full_width, range(self.tp.rank * w, (self.tp.rank + 1) * w), True
         elif w != full_width:
-            raise ValueError(f"--trace_step: {name}'s output {tuple(out.shape)}: dim {dim} is {w}, expected "
-                             f"{full_width}")
+            raise ValueError(
+                f"--trace_step: {name}'s output {tuple(out.shape)}: dim {dim} is {w}, expected {full_width}"
+            )
         if tp > 1 and not sharded and self.tp.rank != 0:
             return None
         return tuple(full), axes, out
@@ -243,13 +285,24 @@ class Tracer:
     def write(self) -> str:
         plan = self.t.plan
         d, p = plan.dims, plan.par
-        meta = {"format": FORMAT, "version": VERSION, "step": self.step, "rank": plan.rank,
-                "world_size": d.world_size, "model": asdict(plan.config),
-                "batch": {"micro_batch_size": self.mb, "seq_len": self.T, "rows": plan.rows, "seed": plan.args.seed},
-                "dtype": str(plan.dtype).removeprefix("torch."), "device": plan.device.type,
-                "layout": {**d.sizes(),
-                           "implementation": p.implementation, "dp_type": p.dp_type,
-                           "sequence_parallel": p.sequence_parallel, "loss_parallel": p.loss_parallel}}
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": self.step,
+            "rank": plan.rank,
+            "world_size": d.world_size,
+            "model": asdict(plan.config),
+            "batch": {"micro_batch_size": self.mb, "seq_len": self.T, "rows": plan.rows, "seed": plan.args.seed},
+            "dtype": str(plan.dtype).removeprefix("torch."),
+            "device": plan.device.type,
+            "layout": {
+                **d.sizes(),
+                "implementation": p.implementation,
+                "dp_type": p.dp_type,
+                "sequence_parallel": p.sequence_parallel,
+                "loss_parallel": p.loss_parallel,
+            },
+        }
         folder = os.path.join(plan.args.out_dir, SUBDIR)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"rank_{plan.rank:05d}.pt")
@@ -280,8 +333,9 @@ def gradient_pieces(par, optimizer: torch.optim.Optimizer) -> list[dict]:
     out = []
     buffers = {id(b) for b in par.model.buffers()}
     for e in entries(par, optimizer):
-        if not (e.write and e.numel) or any(e.tensors["param"]._base is b or e.tensors["param"] is b
-                                             for b in par.model.buffers() if id(b) in buffers):
+        if not (e.write and e.numel) or any(
+            e.tensors["param"]._base is b or e.tensors["param"] is b for b in par.model.buffers() if id(b) in buffers
+        ):
             continue  # a state buffer (the MoE expert bias) has no gradient
         view = e.tensors["param"]
         grad = None
@@ -289,7 +343,9 @@ def gradient_pieces(par, optimizer: torch.optim.Optimizer) -> list[dict]:
             lp = local(p)
             lo = view.storage_offset() - lp.storage_offset()
             if 0 <= lo and lo + view.numel() <= lp.numel() and lp.is_contiguous():
-                grad = torch.zeros(view.numel()) if p.grad is None else local(p.grad).reshape(-1)[lo:lo + view.numel()]
+                grad = (
+                    torch.zeros(view.numel()) if p.grad is None else local(p.grad).reshape(-1)[lo : lo + view.numel()]
+                )
                 break
         if grad is None:
             raise RuntimeError(f"--trace_step: no parameter holds the elements of {e.name} this rank writes")

@@ -8,6 +8,7 @@ labels, so only train and val are offered), and the validation set's 10,042 exam
 renamed, so a failed download never leaves a partial file under the name. Bad input or a failed download: one line,
 exit code 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,10 +53,12 @@ def fetch(split: str, out: str, get: Callable[[str, float], bytes] | None = None
 
 def main(argv: list[str] | None = None) -> int:
     from evals.hellaswag import DEFAULT_DATA
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--split", choices=["val", "train"], default="val")
-    p.add_argument("--out", default=None, help=f"where to write it (default: {DEFAULT_DATA} for val, beside it for "
-                                               f"train)")
+    p.add_argument(
+        "--out", default=None, help=f"where to write it (default: {DEFAULT_DATA} for val, beside it for train)"
+    )
     args = p.parse_args(argv)
     out = args.out or os.path.join(os.path.dirname(DEFAULT_DATA), f"hellaswag_{args.split}.jsonl")
     try:

@@ -17,6 +17,7 @@ context-parallel rank the sums over its share of each row; sums over pp and dp x
 One process runs the same code (this CLI). The scores include the model's padded vocab rows in the softmax, as
 build-nanogpt's do (50304 for GPT-2: 47 rows a trained model never predicts).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,6 +50,7 @@ class Encoding(Protocol):
 class Rows:
     """4 rows an example, padded to one length L: inputs x (n, L), targets y (n, L) (-1 outside the ending and
     in the padding), the scored tokens of each row (n,), and each example's label (n / 4,)."""
+
     x: torch.Tensor
     y: torch.Tensor
     counts: torch.Tensor
@@ -80,8 +82,10 @@ def load_examples(path: str) -> list[tuple[str, list[str], int]]:
             if isinstance(label, str) and label.isdigit():
                 label = int(label)
             if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < 4:
-                raise HellaSwagError(f"{path} line {i}: 'label' {label!r} is not 0-3 (the test split has no labels: "
-                                     f"use the validation set)")
+                raise HellaSwagError(
+                    f"{path} line {i}: 'label' {label!r} is not 0-3 (the test split has no labels: "
+                    f"use the validation set)"
+                )
             examples.append((ex["ctx"], endings, label))
     if not examples:
         raise HellaSwagError(f"{path} holds no examples")
@@ -98,43 +102,49 @@ def render(examples: list[tuple[str, list[str], int]], enc: Encoding, multiple: 
         for ending in endings:
             row = c + enc.encode_ordinary(" " + ending)
             xs.append(row[:-1])  # the target at j is row[j + 1]: the ending's tokens are targets from len(c) - 1
-            ys.append([IGNORE_INDEX] * max(0, len(c) - 1) + row[max(1, len(c)):])
+            ys.append([IGNORE_INDEX] * max(0, len(c) - 1) + row[max(1, len(c)) :])
     L = -(-max(map(len, xs)) // multiple) * multiple
     x = torch.zeros(len(xs), L, dtype=torch.long)
     y = torch.full((len(xs), L), IGNORE_INDEX, dtype=torch.long)
     for i, (xi, yi) in enumerate(zip(xs, ys)):
-        x[i, :len(xi)], y[i, :len(yi)] = torch.tensor(xi, dtype=torch.long), torch.tensor(yi, dtype=torch.long)
+        x[i, : len(xi)], y[i, : len(yi)] = torch.tensor(xi, dtype=torch.long), torch.tensor(yi, dtype=torch.long)
     counts = (y != IGNORE_INDEX).sum(1)
     if (counts == 0).any():
-        raise HellaSwagError(f"example {int((counts == 0).nonzero()[0]) // 4}: an ending has no token to score "
-                             f"(an empty context and a one-token ending)")
+        raise HellaSwagError(
+            f"example {int((counts == 0).nonzero()[0]) // 4}: an ending has no token to score "
+            f"(an empty context and a one-token ending)"
+        )
     return Rows(x, y, counts, torch.tensor([label for *_, label in examples]))
 
 
 def check_fits(rows: Rows, block_size: int, vocab_size: int, path: str) -> None:
     """Rows the model can take: no longer than its context, token ids inside its vocabulary."""
     if rows.length > block_size:
-        raise HellaSwagError(f"{path}: its longest row needs {rows.length} positions, more than the model's "
-                             f"block_size {block_size}")
+        raise HellaSwagError(
+            f"{path}: its longest row needs {rows.length} positions, more than the model's block_size {block_size}"
+        )
     if int(rows.x.max()) >= vocab_size:
         raise HellaSwagError(f"{path}: token id {int(rows.x.max())} >= the model's vocab_size {vocab_size}")
 
 
 # ----------------------------------------------------------------------------- scoring
 
+
 def per_row(loss_of: Callable) -> Callable:
     """A loss function of (rows-first input, ..., targets (B, T)) whose mean is over targets != -1, turned into one
     returning each row's summed loss (B,) (fp32): the mean over the row's own targets times their count (0 for a
     row with none here: an empty row, or a context-parallel share without ending tokens)."""
+
     def rows(first: torch.Tensor, *rest):
         *middle, targets = rest
         sums = []
         for b in range(targets.shape[0]):
             n = (targets[b] != IGNORE_INDEX).sum()
-            loss = loss_of(first[b:b + 1], *middle, targets[b:b + 1])
+            loss = loss_of(first[b : b + 1], *middle, targets[b : b + 1])
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # a DTensor (torch's TP)
             sums.append(torch.where(n > 0, loss.float() * n, 0.0))
         return torch.stack(sums)
+
     return rows
 
 
@@ -156,8 +166,13 @@ def per_row_losses(modules: list[torch.nn.Module]) -> Iterator[None]:
             setattr(m, name, fn)
 
 
-def row_sums(forward: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]], rows: Rows,
-             rank: int = 0, world: int = 1, batch_rows: int = 16) -> torch.Tensor:
+def row_sums(
+    forward: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], list[torch.Tensor]],
+    rows: Rows,
+    rank: int = 0,
+    world: int = 1,
+    batch_rows: int = 16,
+) -> torch.Tensor:
     """Each row's summed loss (n,), fp32, from this data-parallel rank's share: rows rank, rank + world, ... in
     micro-batches of `batch_rows` rows, every rank the same number of them (empty rows pad); 0 for other ranks' rows.
     `forward`: micro-batches (x, y) -> each one's per-row sums (B,) (under `per_row_losses`; 0 off a pipeline's last
@@ -167,10 +182,14 @@ def row_sums(forward: Callable[[list[tuple[torch.Tensor, torch.Tensor]]], list[t
     ids = list(range(rank, n, world))
     ids += [-1] * (math.ceil(per_rank / batch_rows) * batch_rows - len(ids))
     empty_x, empty_y = torch.zeros(rows.length, dtype=torch.long), torch.full((rows.length,), IGNORE_INDEX)
-    batches, groups = [], [ids[i:i + batch_rows] for i in range(0, len(ids), batch_rows)]
+    batches, groups = [], [ids[i : i + batch_rows] for i in range(0, len(ids), batch_rows)]
     for group in groups:
-        batches.append((torch.stack([rows.x[i] if i >= 0 else empty_x for i in group]),
-                        torch.stack([rows.y[i] if i >= 0 else empty_y for i in group])))
+        batches.append(
+            (
+                torch.stack([rows.x[i] if i >= 0 else empty_x for i in group]),
+                torch.stack([rows.y[i] if i >= 0 else empty_y for i in group]),
+            )
+        )
     sums = torch.zeros(n)
     for group, got in zip(groups, forward(batches)):
         got = got.detach().float().cpu().expand(len(group))
@@ -185,14 +204,22 @@ def summarize(rows: Rows, sums: torch.Tensor) -> dict[str, float]:
     sum_loss = sums.view(-1, 4)
     avg_loss = (sums / rows.counts).view(-1, 4)
     n = len(rows.labels)
-    return {"acc": (sum_loss.argmin(1) == rows.labels).sum().item() / n,
-            "acc_norm": (avg_loss.argmin(1) == rows.labels).sum().item() / n,
-            "loss": avg_loss.gather(1, rows.labels[:, None]).mean().item()}
+    return {
+        "acc": (sum_loss.argmin(1) == rows.labels).sum().item() / n,
+        "acc_norm": (avg_loss.argmin(1) == rows.labels).sum().item() / n,
+        "loss": avg_loss.gather(1, rows.labels[:, None]).mean().item(),
+    }
 
 
-def score_model(model: torch.nn.Module, rows: Rows, device: torch.device, batch_rows: int = 16,
-                autocast: Callable = contextlib.nullcontext) -> torch.Tensor:
+def score_model(
+    model: torch.nn.Module,
+    rows: Rows,
+    device: torch.device,
+    batch_rows: int = 16,
+    autocast: Callable = contextlib.nullcontext,
+) -> torch.Tensor:
     """Every row's summed loss (n,) on one process: `row_sums` through `model(x, y)`."""
+
     def forward(batches):
         return [model(x.to(device), y.to(device))[1] for x, y in batches]
 
@@ -204,6 +231,7 @@ def score_layout(par, mesh, rows: Rows, batch_rows: int, autocast: Callable) -> 
     """HellaSwag through a parallelized model (parallel.parallelize.Parallelized `par` on `mesh`): rows spread over
     the dp ranks, summed over pp and over dp x cp (every rank ends with every row's sum). Collective: every rank."""
     from parallel import comm
+
     modules = [*par.model.modules(), *getattr(par.model, "chunk_modules", {}).values()]
     batch = mesh["batch"]
     with per_row_losses(modules):
@@ -223,10 +251,13 @@ def for_plan(plan) -> Rows | None:
     if args.hellaswag is None:
         return None
     if dims.cp_enabled and args.implementation == "pytorch":
-        raise HellaSwagError("--hellaswag with --implementation pytorch --context_parallel_size: torch's "
-                             "context_parallel shards the rows inside its forward, where the scoring cannot count "
-                             "each rank's ending tokens; use --implementation custom")
+        raise HellaSwagError(
+            "--hellaswag with --implementation pytorch --context_parallel_size: torch's "
+            "context_parallel shards the rows inside its forward, where the scoring cannot count "
+            "each rank's ending tokens; use --implementation custom"
+        )
     from data.tokenizer import get_gpt2_encoding
+
     try:
         enc = get_gpt2_encoding()
     except RuntimeError as e:
@@ -239,12 +270,13 @@ def for_plan(plan) -> Rows | None:
 
 # ----------------------------------------------------------------------------- the command line
 
+
 def main(argv: list[str] | None = None) -> int:
     import checkpoint
     from config import HF_MODELS, Parser, UsageError, error_line, fetch_hf_weights, resolve_dtype
     from data.tokenizer import get_gpt2_encoding
-    from model import GPT
     from device import pick_device
+    from model import GPT
 
     p = Parser(prog="python -m evals.hellaswag", description=__doc__.splitlines()[0])
     p.add_argument("--out_dir", default=None, help="a training run: score its newest intact checkpoint")
@@ -253,8 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init_from", choices=HF_MODELS, default=None, help="OpenAI's weights from the Hugging Face hub")
     p.add_argument("--data", default=DEFAULT_DATA, help=f"a HellaSwag jsonl file (default: {DEFAULT_DATA})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="autocast dtype (auto: bf16 on GPUs that have it, fp32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="autocast dtype (auto: bf16 on GPUs that have it, fp32 on CPU)",
+    )
     p.add_argument("--batch_rows", type=int, default=16, help="rows a forward (default: 16)")
     try:
         args = p.parse_args(argv)
@@ -271,8 +307,10 @@ def main(argv: list[str] | None = None) -> int:
             if path is None and args.step is not None:
                 path = checkpoint.step_dir(args.out_dir, args.step)
                 if not os.path.isdir(path):
-                    raise UsageError(f"no checkpoint of step {args.step} in {args.out_dir} (have: "
-                                     f"{[s for s, _ in checkpoint.list_checkpoints(args.out_dir)]})")
+                    raise UsageError(
+                        f"no checkpoint of step {args.step} in {args.out_dir} (have: "
+                        f"{[s for s, _ in checkpoint.list_checkpoints(args.out_dir)]})"
+                    )
             path = path or checkpoint.newest_intact(args.out_dir, lambda line: sys.stderr.write(f"{line}\n"))
             if path is None:
                 raise UsageError(f"no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}")
@@ -284,11 +322,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = resolve_dtype(args.dtype, device)
     model = model.to(device).eval()
-    sums = score_model(model, rows, device, args.batch_rows,
-                       lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32))
+    sums = score_model(
+        model,
+        rows,
+        device,
+        args.batch_rows,
+        lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32),
+    )
     s = summarize(rows, sums)
-    print(f"hellaswag: {len(rows.labels)} examples, acc {s['acc']:.4f}, acc_norm {s['acc_norm']:.4f} "
-          f"(correct endings' loss {s['loss']:.4f}; {what})")
+    print(
+        f"hellaswag: {len(rows.labels)} examples, acc {s['acc']:.4f}, acc_norm {s['acc_norm']:.4f} "
+        f"(correct endings' loss {s['loss']:.4f}; {what})"
+    )
     return 0
 
 

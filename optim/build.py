@@ -7,6 +7,7 @@ What a rank holds of a matrix (a `Hold`) is read off the layout: a parameter hel
 (`mark_shard` over "tp"), or EP's experts (over "ep": the global index of each expert), and under our flat
 engine the elements [lo, hi) of that local tensor in this rank's flat shard. Every rank of the stage then says
 what it holds once, at build (`all_gather_object`), so that every rank knows every matrix's holders."""
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,9 @@ def make_optimizer(par, args: argparse.Namespace, **adamw) -> torch.optim.Optimi
     else:
         named = list(par.model.named_parameters())
         slots = [whole_slot(n, p) for n, p in _unique(named) if is_muon(n)]
-        opt_adamw = torch.optim.AdamW(adamw_groups([(n, p) for n, p in _unique(named) if not is_muon(n)],
-                                                   args.weight_decay), **adamw)
+        opt_adamw = torch.optim.AdamW(
+            adamw_groups([(n, p) for n, p in _unique(named) if not is_muon(n)], args.weight_decay), **adamw
+        )
         bind, clear, stepped = None, [], {}
     ledger = Ledger(make_timer(par.device))
     ex = Exchange(matrices_of(slots, group, size), group, muon["ns_steps"], ledger, par.device)
@@ -100,17 +102,23 @@ def sharded(fsdp, weight_decay: float, adamw: dict):
         for view, piece, lo, hi in decay_views:
             view.grad = None if piece.grad is None else piece.grad[lo:hi]
 
-    opt = torch.optim.AdamW([{"params": [v for v, *_ in decay_views], "weight_decay": weight_decay},
-                             {"params": whole_rest, "weight_decay": 0.0}], **adamw)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [v for v, *_ in decay_views], "weight_decay": weight_decay},
+            {"params": whole_rest, "weight_decay": 0.0},
+        ],
+        **adamw,
+    )
     return slots, opt, bind, clear, stepped
 
 
-def _flat_slot(name: str, shape: torch.Size, marks: tuple, piece: torch.Tensor, at: tuple[int, int], lo: int,
-               hi: int) -> Slot:
+def _flat_slot(
+    name: str, shape: torch.Size, marks: tuple, piece: torch.Tensor, at: tuple[int, int], lo: int, hi: int
+) -> Slot:
     """Elements at[0]:at[1] of a flat shard piece (and of its .grad) are elements [lo, hi) of a local parameter of
     `shape` (its TP or EP slice: `marks`), flattened."""
-    view = piece.detach()[at[0]:at[1]]
-    grad = lambda: None if piece.grad is None else piece.grad[at[0]:at[1]]  # noqa: E731
+    view = piece.detach()[at[0] : at[1]]
+    grad = lambda: None if piece.grad is None else piece.grad[at[0] : at[1]]  # noqa: E731
     by = {m.over: m for m in marks}
     if len(shape) == 2:
         tp = by.get("tp")
@@ -125,8 +133,14 @@ def _flat_slot(name: str, shape: torch.Size, marks: tuple, piece: torch.Tensor, 
     for e in range(shape[0]):  # expert e's elements [e m, (e + 1) m) of the local tensor, where they meet [lo, hi)
         a, b = max(lo, e * m), min(hi, (e + 1) * m)
         if b > a:
-            matrices.append((f"{name}[{first + e}]", tuple(shape[1:]), lambda t, a=a, b=b: t[a - lo:b - lo],
-                             Hold(-1, 0, 1, a - e * m, b - e * m)))
+            matrices.append(
+                (
+                    f"{name}[{first + e}]",
+                    tuple(shape[1:]),
+                    lambda t, a=a, b=b: t[a - lo : b - lo],
+                    Hold(-1, 0, 1, a - e * m, b - e * m),
+                )
+            )
     return Slot(view, grad, matrices)
 
 

@@ -17,6 +17,7 @@ orthogonalises; skipped where every owner holds its matrices whole), then one al
 every rank holding a piece. Owners are chosen by `owners`: matrices in decreasing NS FLOPs, each to the least
 loaded rank (LPT), identically on every rank.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -31,6 +32,7 @@ from parallel import comm
 class Matrix(NamedTuple):
     """A Muon matrix as every rank of the group sees it: its key, whole shape, and what each group rank holds
     (None: nothing)."""
+
     key: str
     shape: tuple[int, int]
     holds: tuple[Hold | None, ...]
@@ -83,21 +85,29 @@ class Exchange:
     rank did. Per step: one all_to_all of bf16 pieces to the owners (skipped where every owner holds its matrices
     whole), NS, one all_to_all of bf16 results to every rank holding a piece."""
 
-    def __init__(self, matrices: list[Matrix], group: dist.ProcessGroup | None, ns_steps: int, ledger: Ledger,
-                 device: torch.device):
+    def __init__(
+        self,
+        matrices: list[Matrix],
+        group: dist.ProcessGroup | None,
+        ns_steps: int,
+        ledger: Ledger,
+        device: torch.device,
+    ):
         self.matrices, self.group, self.ns_steps, self.ledger = matrices, group, ns_steps, ledger
         self.device = device
         self.world, self.rank = comm.world(group), comm.rank(group)
         self.owner = owners(matrices, self.world, ns_steps)
         self.sources = {m.key: sources(m, self.owner[m.key]) for m in matrices}
-        self.load = [sum(ns_flops(m.shape, ns_steps) for m in matrices if self.owner[m.key] == r)
-                     for r in range(self.world)]
+        self.load = [
+            sum(ns_flops(m.shape, ns_steps) for m in matrices if self.owner[m.key] == r) for r in range(self.world)
+        ]
         self.gathers = any(s != self.owner[k] for k, ss in self.sources.items() for s in ss)
         self.returns = any(h is not None and r != self.owner[m.key] for m in matrices for r, h in enumerate(m.holds))
         me = self.rank
         self.owned = [m for m in matrices if self.owner[m.key] == me]
-        self._pos = {(m.key, r): h.positions(m.shape) for m in self.owned for r, h in enumerate(m.holds)
-                     if h is not None}
+        self._pos = {
+            (m.key, r): h.positions(m.shape) for m in self.owned for r, h in enumerate(m.holds) if h is not None
+        }
         ledger.sent_bytes = self.sent_bytes()  # what the benchmark reports beside comm's count
 
     def sent_bytes(self) -> int:
@@ -116,10 +126,13 @@ class Exchange:
         if set(mine) != expected:
             raise RuntimeError(f"rank {me}: Muon pieces {sorted(set(mine) ^ expected)} missing or unexpected")
         # 1. pieces to their owners, in list order
-        send = [[mine[m.key] for m in self.matrices if self.owner[m.key] == d != me and me in self.sources[m.key]]
-                for d in range(world)]
-        sizes = [0 if s == me else sum(_n(m.holds[s]) for m in self.owned if s in self.sources[m.key])
-                 for s in range(world)]
+        send = [
+            [mine[m.key] for m in self.matrices if self.owner[m.key] == d != me and me in self.sources[m.key]]
+            for d in range(world)
+        ]
+        sizes = [
+            0 if s == me else sum(_n(m.holds[s]) for m in self.owned if s in self.sources[m.key]) for s in range(world)
+        ]
         received = self._all_to_all(send, sizes) if self.gathers else [None] * world  # alike on every rank
         # 2. NS of every matrix this rank owns, assembled from its sources
         at, results = [0] * world, {}
@@ -127,14 +140,18 @@ class Exchange:
             whole = torch.empty(m.numel, dtype=torch.bfloat16, device=self.device)
             for s in self.sources[m.key]:
                 n = _n(m.holds[s])
-                whole[self._pos[m.key, s]] = mine[m.key] if s == me else received[s][at[s]:at[s] + n]
+                whole[self._pos[m.key, s]] = mine[m.key] if s == me else received[s][at[s] : at[s] + n]
                 at[s] += 0 if s == me else n
             results[m.key] = self.ledger.newton_schulz(m.key, whole.view(m.shape), self.ns_steps).reshape(-1)
         # 3. results to every rank holding a piece, in list order
-        send = [[results[m.key][self._pos[m.key, d]] for m in self.owned if m.holds[d] is not None] if d != me
-                else [] for d in range(world)]
-        sizes = [0 if s == me else sum(_n(m.holds[me]) for m in self.matrices if self.owner[m.key] == s)
-                 for s in range(world)]
+        send = [
+            [results[m.key][self._pos[m.key, d]] for m in self.owned if m.holds[d] is not None] if d != me else []
+            for d in range(world)
+        ]
+        sizes = [
+            0 if s == me else sum(_n(m.holds[me]) for m in self.matrices if self.owner[m.key] == s)
+            for s in range(world)
+        ]
         received = self._all_to_all(send, sizes) if self.returns else [None] * world
         at, out = [0] * world, {}
         for m in self.matrices:
@@ -144,7 +161,7 @@ class Exchange:
             if o == me:
                 out[m.key] = results[m.key][self._pos[m.key, me]]
             else:
-                out[m.key] = received[o][at[o]:at[o] + n]
+                out[m.key] = received[o][at[o] : at[o] + n]
                 at[o] += n
         return [out[p.key] for p in pieces]
 
@@ -153,8 +170,13 @@ class Exchange:
         what each rank sent here."""
         flat = [torch.cat(ts) if ts else torch.empty(0, dtype=torch.bfloat16, device=self.device) for ts in send]
         out = torch.empty(2 * sum(recv_sizes), dtype=torch.uint8, device=self.device)
-        comm.all_to_all_single(out, torch.cat(flat).view(torch.uint8), [2 * n for n in recv_sizes],
-                               [2 * t.numel() for t in flat], group=self.group)
+        comm.all_to_all_single(
+            out,
+            torch.cat(flat).view(torch.uint8),
+            [2 * n for n in recv_sizes],
+            [2 * t.numel() for t in flat],
+            group=self.group,
+        )
         return list(out.view(torch.bfloat16).split(recv_sizes))
 
 

@@ -16,6 +16,7 @@ projection, the MLP's c_fc and c_proj, and each expert's c_fc and c_proj one exp
 `ExpertLinear` weight (E, in, out) is E matrices (in, out)). AdamW keeps the embeddings and the tied head,
 LayerNorms, biases and the MoE router (a gate, not a hidden layer: Moonlight keeps it out too).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from device import DeviceTimer, HostTimer, make_timer
 from checkpoint_entries import ensure_optimizer_state, full_shape
+from device import DeviceTimer, HostTimer, make_timer
 from model import param_groups as adamw_groups
 from parallel.marks import MOMENTS, shards_of
 
@@ -35,8 +36,10 @@ MOMENTUM = ("momentum_buffer",)  # Muon's per-element state, as torch.optim.Muon
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
 EPS = 1e-7
-MUON_WEIGHTS = re.compile(r"(^|\.)h\.\d+\.(attn\.c_[qkv]|attn\.c_proj|mlp\.c_fc|mlp\.c_proj|mlp\.experts\.c_fc|"
-                          r"mlp\.experts\.c_proj)\.weight$")
+MUON_WEIGHTS = re.compile(
+    r"(^|\.)h\.\d+\.(attn\.c_[qkv]|attn\.c_proj|mlp\.c_fc|mlp\.c_proj|mlp\.experts\.c_fc|"
+    r"mlp\.experts\.c_proj)\.weight$"
+)
 
 
 def is_muon(name: str) -> bool:
@@ -44,9 +47,9 @@ def is_muon(name: str) -> bool:
     return MUON_WEIGHTS.search(name) is not None
 
 
-def zeropower_via_newtonschulz(g: torch.Tensor, ns_steps: int,
-                               coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = EPS
-                               ) -> torch.Tensor:
+def zeropower_via_newtonschulz(
+    g: torch.Tensor, ns_steps: int, coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = EPS
+) -> torch.Tensor:
     """k quintic Newton-Schulz steps towards the orthogonal factor of g (m, n), in bf16, the op order of
     torch.optim._muon._zeropower_via_newtonschulz (so that the bits agree): X = g / ||g||_F on the wide side,
     then X <- a X + (b A + c A^2) X with A = X X^T."""
@@ -67,7 +70,7 @@ def ns_flops(shape: tuple[int, int], ns_steps: int) -> int:
     """Newton-Schulz's matmul FLOPs for one (rows, cols) matrix, m = min, n = max: per step X X^T (2 m^2 n),
     A A (2 m^3), (.) X (2 m^2 n)."""
     m, n = sorted(shape)
-    return ns_steps * (4 * m * m * n + 2 * m ** 3)
+    return ns_steps * (4 * m * m * n + 2 * m**3)
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str, shape: tuple[int, ...]) -> float:
@@ -82,6 +85,7 @@ class Piece(NamedTuple):
     """One matrix's update as this rank holds it: `key` names the matrix on every layout (the parameter's
     original name, and the expert's global index for an expert), `shape` is the whole matrix's, `update` this
     rank's elements of it (the whole matrix on one process; its `Hold` says which)."""
+
     key: str
     shape: tuple[int, int]
     update: torch.Tensor
@@ -131,6 +135,7 @@ class Hold(NamedTuple):
     """Which elements of a matrix (R, C) one rank holds: TP's slice (`tp_dim` 0: rows [t R/n, (t+1) R/n); 1:
     columns likewise; -1: the whole matrix), then elements [lo, hi) of that slice flattened row-major (our flat
     engine's shard of it; all of it otherwise)."""
+
     tp_dim: int
     tp_rank: int
     tp_size: int
@@ -144,7 +149,7 @@ class Hold(NamedTuple):
         if self.tp_dim == 1 and self.tp_size > 1:
             c = C // self.tp_size
             cols = self.tp_rank * c + torch.arange(c)
-            return (torch.arange(R)[:, None] * C + cols[None, :]).reshape(-1)[self.lo:self.hi]
+            return (torch.arange(R)[:, None] * C + cols[None, :]).reshape(-1)[self.lo : self.hi]
         base = self.tp_rank * (R // self.tp_size) * C if self.tp_dim == 0 else 0
         return slice(base + self.lo, base + self.hi)
 
@@ -154,6 +159,7 @@ class Slot:
     """One Muon parameter as the optimizer steps it: `param` (a tensor this rank holds), `grad()` its gradient
     (None: not this step), and its matrices: (key, whole shape, view of param's elements of it, hold) each, in
     order; `hold`: which elements of the whole matrix those are."""
+
     param: torch.Tensor
     grad: Callable[[], torch.Tensor | None]
     matrices: list[tuple[str, tuple[int, int], Callable[[torch.Tensor], torch.Tensor], Hold]]
@@ -170,18 +176,39 @@ def whole_slot(name: str, p: torch.Tensor) -> Slot:
         return Slot(p, lambda: p.grad, [(name, full_shape(p)[:2], lambda t: t, hold)])
     ep, m = marks.get("ep"), p.shape[1] * p.shape[2]
     first = ep.rank * p.shape[0] if ep else 0
-    return Slot(p, lambda: p.grad, [(f"{name}[{first + e}]", tuple(p.shape[1:]), lambda t, e=e: t[e],
-                                     Hold(-1, 0, 1, 0, m)) for e in range(p.shape[0])])
+    return Slot(
+        p,
+        lambda: p.grad,
+        [
+            (f"{name}[{first + e}]", tuple(p.shape[1:]), lambda t, e=e: t[e], Hold(-1, 0, 1, 0, m))
+            for e in range(p.shape[0])
+        ],
+    )
 
 
 class Muon(torch.optim.Optimizer):
     """Muon over `slots` (one param group; `orthogonalize(pieces) -> results` runs NS, and may communicate).
     The state per parameter is its momentum buffer, in the parameter's own sharding."""
 
-    def __init__(self, slots: list[Slot], lr: float, weight_decay: float, momentum: float, nesterov: bool,
-                 ns_steps: int, adjust_lr_fn: str, orthogonalize: Callable | None = None):
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn)
+    def __init__(
+        self,
+        slots: list[Slot],
+        lr: float,
+        weight_decay: float,
+        momentum: float,
+        nesterov: bool,
+        ns_steps: int,
+        adjust_lr_fn: str,
+        orthogonalize: Callable | None = None,
+    ):
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+        )
         super().__init__([{"params": [s.param for s in slots]}], defaults)
         self.slots, self.ledger = slots, Ledger(make_timer(slots[0].param.device) if slots else None)
         self.orthogonalize = orthogonalize or (lambda pieces: orthogonalize_locally(pieces, ns_steps, self.ledger))
@@ -207,9 +234,10 @@ class Muon(torch.optim.Optimizer):
         results = iter(self.orthogonalize(pieces))
         for slot in stepped:
             slot.param.mul_(1 - lr * wd)
-            for key, shape, view, _ in slot.matrices:
-                view(slot.param).add_(next(results).view(view(slot.param).shape),
-                                      alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+            for _key, shape, view, _ in slot.matrices:
+                view(slot.param).add_(
+                    next(results).view(view(slot.param).shape), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape)
+                )
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -222,11 +250,18 @@ class MuonAdamW(torch.optim.Optimizer):
     momentum, every other parameter AdamW's two moments, in whatever sharding the layout gives the parameter; under
     our flat engine the optimizer steps views of the shard pieces, and `stepped` maps (id(piece), lo, hi) to the
     view holding those elements (optim/build.sharded)."""
+
     name = "muon"  # what a checkpoint records as its --optimizer
 
-    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer, muon_lr: float,
-                 before_step: Callable[[], None] | None = None, also_clear: list[torch.Tensor] = (),
-                 stepped: dict[tuple[int, int, int], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        muon: torch.optim.Optimizer,
+        adamw: torch.optim.Optimizer,
+        muon_lr: float,
+        before_step: Callable[[], None] | None = None,
+        also_clear: list[torch.Tensor] = (),
+        stepped: dict[tuple[int, int, int], torch.Tensor] | None = None,
+    ):
         self.muon, self.adamw, self.before_step, self.also_clear = muon, adamw, before_step, list(also_clear)
         self.stepped = stepped or {}
         for g in muon.param_groups:
@@ -256,8 +291,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """The per-element state parameter `name` keeps: Muon's momentum for a Block matrix, else AdamW's moments."""
         return MOMENTUM if is_muon(name) else MOMENTS
 
-    def element_state(self, name: str, p: torch.Tensor, lo: int = 0, hi: int | None = None
-                      ) -> dict[str, torch.Tensor]:
+    def element_state(self, name: str, p: torch.Tensor, lo: int = 0, hi: int | None = None) -> dict[str, torch.Tensor]:
         """{kind: 1-D view of the live state} of elements [lo, hi) of `p` flattened (a parameter, or a flat shard
         piece whose elements this optimizer steps through a view)."""
         q, a, b = self.stepped[id(p), lo, hi] if (id(p), lo, hi) in self.stepped else (p, lo, hi)
@@ -284,8 +318,9 @@ def split_named(named: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, 
     return muon, rest
 
 
-def one_process(named: list[tuple[str, torch.Tensor]], weight_decay: float, adamw: dict, muon: dict,
-                reference: bool = False) -> MuonAdamW:
+def one_process(
+    named: list[tuple[str, torch.Tensor]], weight_decay: float, adamw: dict, muon: dict, reference: bool = False
+) -> MuonAdamW:
     """Every parameter whole on this rank: ours, or with `reference` torch.optim.Muon (the twin; `muon`'s keys are
     torch's). AdamW: model.param_groups's groups."""
     mine, rest = split_named(named)
@@ -297,8 +332,9 @@ def one_process(named: list[tuple[str, torch.Tensor]], weight_decay: float, adam
     return MuonAdamW(opt_muon, opt_adamw, muon["lr"])
 
 
-def rounding_rtol(shapes: list[tuple[int, int]], adjust_lr_fn: str, lrs: list[float], grad_norms: list[float],
-                  losses: list[float]) -> float:
+def rounding_rtol(
+    shapes: list[tuple[int, int]], adjust_lr_fn: str, lrs: list[float], grad_norms: list[float], losses: list[float]
+) -> float:
     """How far a layout's loss may sit from one process's, relatively, because Muon's Newton-Schulz runs in bf16
     on gradients that a layout rounds differently (its fp32 sums in another order), to first order.
 
@@ -309,7 +345,7 @@ def rounding_rtol(shapes: list[tuple[int, int]], adjust_lr_fn: str, lrs: list[fl
     min_m) (adj_m: `adjusted_lr`'s ratio). The loss at step t then moves by <g_t, sum_{s<t} dW_s> <= ||g_t||
     sum_{s<t} ||dW_s||. Returns the largest such bound over the steps, over the loss. `lrs`, `grad_norms`,
     `losses`: one process's, per step."""
-    u = 2.0 ** -8
+    u = 2.0**-8
     per_lr = 3 * u * math.sqrt(sum(adjusted_lr(1.0, adjust_lr_fn, s) ** 2 * min(s) for s in shapes))
     worst, moved = 0.0, 0.0
     for lr, g, loss in zip(lrs, grad_norms, losses):

@@ -22,9 +22,11 @@ debug hang` reads it after a hang). `HOOKS` is the one seam for test hooks.
 Averages are computed as SUM followed by a division by the group size, which every backend supports
 (gloo has no ReduceOp.AVG in older torch versions, and some backends none for integer tensors).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -89,6 +91,7 @@ class Recorder:
                                                    wrapped, so that its wait() marks the op completed
         done(n)                                    the op completed
     `step` and `micro` are the context train.py's loop and the micro-batch loops set."""
+
     step, micro = 0, -1
 
     def post(self, op: str, tensor: torch.Tensor, group, peer: int = -1, unit: str | None = None) -> int:
@@ -139,8 +142,14 @@ def rank(group: dist.ProcessGroup | None) -> int:
 
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op: str = "sum",
-               async_op: bool = False, counted: bool = True, unit: str | None = None):
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    op: str = "sum",
+    async_op: bool = False,
+    counted: bool = True,
+    unit: str | None = None,
+):
     """In-place all-reduce of `tensor` over `group`. op: "sum", "avg" (sum then divide), or "max".
 
     With async_op the division for "avg" is left to the caller, after wait(). counted=False: recorded but not
@@ -163,8 +172,13 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, op:
 
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
-def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None = None,
-                           async_op: bool = False, unit: str | None = None):
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    unit: str | None = None,
+):
     """Gather every rank's equal-sized `shard` into `output` (rank order, along dim 0)."""
     if world(group) == 1:
         output.copy_(shard.view_as(output))
@@ -175,8 +189,13 @@ def all_gather_into_tensor(output: torch.Tensor, shard: torch.Tensor, group: dis
 
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
-def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup | None = None,
-                          async_op: bool = False, unit: str | None = None):
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    unit: str | None = None,
+):
     """Sum `full` over ranks and leave this rank's 1/N slice (along dim 0) in `output`."""
     if world(group) == 1:
         output.copy_(full.view_as(output))
@@ -188,9 +207,15 @@ def reduce_scatter_tensor(output: torch.Tensor, full: torch.Tensor, group: dist.
 
 
 @torch.compiler.disable  # eager under torch.compile: the counter is a Python side effect
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
-                      input_split_sizes: list[int] | None = None, group: dist.ProcessGroup | None = None,
-                      async_op: bool = False, unit: str | None = None):
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    unit: str | None = None,
+):
     """Rank r sends rows [sum(input_split_sizes[:j]), ...) of `input` (dim 0) to rank j and receives rank j's
     rows for it into `output` in rank order (`output_split_sizes[j]` rows from rank j); None: equal splits. The
     split sizes are host ints: both sides must know them before the op (their all_to_all first, if they vary)."""
@@ -199,8 +224,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         return None
     COUNTER.add("all_to_all", _nbytes(input))
     n = RECORDER.post("all_to_all", input, group, unit=unit)
-    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
-                                  async_op=async_op)
+    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
     return RECORDER.issued(n, work, async_op)
 
 

@@ -18,6 +18,7 @@
 Per attention call a rank sends C-1 (k, v) pairs forward, and C-1 (k, v) pairs plus C (dK, dV) pairs in
 backward, each tensor of shape (B, heads, T/C, head_dim): `cp_p2p_bytes_per_micro_step`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from attention_kernels import kernel_backward, kernel_forward, kernel_of
 from parallel import comm
 from parallel.groups import p2p_link
+
 
 def chunks_of(rank: int, cp: int, zigzag: bool = True) -> list[int]:
     """The sequence chunks rank `rank` holds, in ascending order: (r, 2C-1-r) of 2C with zigzag, (r,) of C
@@ -74,11 +76,14 @@ def _exchange(tensors: list[torch.Tensor], group, links: tuple = ()) -> tuple[li
     (`p2p_link`), which differ: on NCCL, where a group's unbatched p2p ops run one after another on its one
     stream, the two directions then run at once (full duplex) instead of four transfers in a row."""
     C, r = comm.world(group), comm.rank(group)
-    to_next, from_prev = (links[p2p_link(r, (r + 1) % C, C)], links[p2p_link((r - 1) % C, r, C)]) if links \
-        else (group, group)
+    to_next, from_prev = (
+        (links[p2p_link(r, (r + 1) % C, C)], links[p2p_link((r - 1) % C, r, C)]) if links else (group, group)
+    )
     bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous, unlike empty_like
-    post = {"recv": lambda: [comm.recv(b, (r - 1) % C, from_prev) for b in bufs],
-            "send": lambda: [comm.send(t.contiguous(), (r + 1) % C, to_next) for t in tensors]}
+    post = {
+        "recv": lambda: [comm.recv(b, (r - 1) % C, from_prev) for b in bufs],
+        "send": lambda: [comm.send(t.contiguous(), (r + 1) % C, to_next) for t in tensors],
+    }
     first, second = exchange_order(r, C)
     return bufs, post[first]() + post[second]()
 
@@ -94,6 +99,7 @@ def _received(pending: tuple[list[torch.Tensor], list]) -> list[torch.Tensor]:
 class _Call(NamedTuple):
     """One fused-kernel call of a ring step: the query rows `q` of this rank's block against the key rows `k`
     of the visiting block (local indices), with `causal` when they are the same tokens."""
+
     q: slice
     k: slice
     causal: bool
@@ -195,8 +201,17 @@ class _RingAttention(torch.autograd.Function):
             kb, vb = kv[0].to(kd), kv[1].to(kd)
             shares = []
             for c in calls[src]:
-                dq_c, dk_c, dv_c = kernel_backward(kernel, g[:, :, c.q], qc[:, :, c.q], kb[:, :, c.k], vb[:, :, c.k],
-                                                    o[:, :, c.q], lse[:, :, c.q], c.causal, state)
+                dq_c, dk_c, dv_c = kernel_backward(
+                    kernel,
+                    g[:, :, c.q],
+                    qc[:, :, c.q],
+                    kb[:, :, c.k],
+                    vb[:, :, c.k],
+                    o[:, :, c.q],
+                    lse[:, :, c.q],
+                    c.causal,
+                    state,
+                )
                 dq[:, :, c.q] += dq_c
                 shares.append((c.k, dk_c, dv_c))
             dk, dv = _received(pending_dkv)  # block src's dK, dV from the ranks it visited before this one
@@ -208,8 +223,14 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                   zigzag: bool = True, links: tuple = ()) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    zigzag: bool = True,
+    links: tuple = (),
+) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence, spread over `group` (see the module
     docstring). q, k, v: (B, heads, T/C, head_dim), this rank's tokens in `local_positions` order; returns
     this rank's output, same shape and dtype. With one rank it is plain causal attention. `links`: the cp dim's

@@ -24,6 +24,7 @@ Not copied from torch's reducer: its small (1 MB) first bucket, the rebuild of b
 order seen in the first iteration, and the autograd-graph walk that lets find_unused_parameters mark unused
 parameters ready at the start of backward (we launch those buckets at its end instead).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,10 +63,11 @@ class Bucket:
     Every rank builds the same buckets (same module, same cap), so bucket i is the same tensor shape on
     every rank and the all-reduces line up.
     """
+
     names: list[str]
     params: list[nn.Parameter]
-    buffer: torch.Tensor        # (sum of numels,) in the parameters' dtype: the gradients themselves
-    views: list[torch.Tensor]   # views[j] = buffer[offset_j : offset_j + numel_j].view_as(params[j])
+    buffer: torch.Tensor  # (sum of numels,) in the parameters' dtype: the gradients themselves
+    views: list[torch.Tensor]  # views[j] = buffer[offset_j : offset_j + numel_j].view_as(params[j])
     group: dist.ProcessGroup | None = None  # reduced over: the wrapper's group, or the parameters' own
 
     @property
@@ -79,14 +81,15 @@ def replica_group(p: nn.Parameter, default: dist.ProcessGroup | None) -> dist.Pr
     return getattr(p, "_replica_group", default)
 
 
-def build_buckets(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int,
-                  group: dist.ProcessGroup | None = None) -> list[Bucket]:
+def build_buckets(
+    named_params: list[tuple[str, nn.Parameter]], cap_bytes: int, group: dist.ProcessGroup | None = None
+) -> list[Bucket]:
     """Greedy buckets over `named_params` taken in reverse order: a bucket is closed when the next
     parameter would push it past `cap_bytes` (or has another dtype, device or `replica_group`). A parameter
     larger than the cap gets a bucket of its own."""
     groups: list[list[tuple[str, nn.Parameter]]] = []
     size = 0
-    key = (lambda p: (p.dtype, p.device, id(replica_group(p, group))))
+    key = lambda p: (p.dtype, p.device, id(replica_group(p, group)))
     for name, p in reversed(named_params):
         nbytes = p.numel() * p.element_size()
         cur = groups[-1] if groups else None
@@ -101,7 +104,7 @@ def build_buckets(named_params: list[tuple[str, nn.Parameter]], cap_bytes: int,
         buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         views, offset = [], 0
         for p in params:
-            views.append(buffer[offset:offset + p.numel()].view_as(p))
+            views.append(buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         buckets.append(Bucket([n for n, _ in members], params, buffer, views, replica_group(params[0], group)))
     return buckets
@@ -142,9 +145,14 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
     one wait for the end of backward too, because all ranks must issue the all-reduces in the same order.
     """
 
-    def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None,
-                 bucket_cap_mb: float = 25, find_unused_parameters: bool = False,
-                 grad_compression: str | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25,
+        find_unused_parameters: bool = False,
+        grad_compression: str | None = None,
+    ):
         super().__init__()
         if grad_compression not in (None, "bf16"):
             raise ValueError(f"grad_compression must be None or 'bf16', got {grad_compression!r}")
@@ -167,23 +175,25 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         self._bucket_of = [k for k, b in enumerate(self.buckets) for _ in b.params]
         self._bucket_len = [len(b.params) for b in self.buckets]
         self._grad_buffers = [b.buffer for b in self.buckets]  # not `_buffers`: nn.Module's own registry
-        self._wire = ([torch.empty_like(b.buffer, dtype=torch.bfloat16) for b in self.buckets]
-                      if grad_compression == "bf16" else None)
+        self._wire = (
+            [torch.empty_like(b.buffer, dtype=torch.bfloat16) for b in self.buckets]
+            if grad_compression == "bf16"
+            else None
+        )
 
         # Per-backward state, mutated in place by the hooks.
-        self._pending = list(self._bucket_len)   # gradients still to come, per bucket
-        self._next_bucket = 0                    # buckets [0, _next_bucket) are launched
+        self._pending = list(self._bucket_len)  # gradients still to come, per bucket
+        self._next_bucket = 0  # buckets [0, _next_bucket) are launched
         self._works: list = []
-        self._fired = bytearray(len(self._params))       # hook ran in this backward
-        self._used = bytearray(len(self._params))        # hook ran since the last sync (find_unused)
-        self._was_none = bytearray(len(self._params))    # grad was None before this step
-        self._fresh = bytearray(len(self.buckets))       # bucket left detached at forward: the hooks fill it
+        self._fired = bytearray(len(self._params))  # hook ran in this backward
+        self._used = bytearray(len(self._params))  # hook ran since the last sync (find_unused)
+        self._was_none = bytearray(len(self._params))  # grad was None before this step
+        self._fresh = bytearray(len(self.buckets))  # bucket left detached at forward: the hooks fill it
         self._inv_n = 1.0 / self.world_size
         self._callback_queued = False
         self._sync_backward = True
 
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                       for i, p in enumerate(self._params)]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self._params)]
 
     # ------------------------------------------------------------------ user surface
 
@@ -245,9 +255,11 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
             if param.grad is not view:
                 self._reattach(i)
             if fired[i]:
-                raise RuntimeError(f"DistributedDataParallel: parameter {self._names[i]} received its gradient "
-                                   "twice in one backward (reentrant checkpointing or a reused graph?); "
-                                   "its bucket would be reduced before the second gradient arrived")
+                raise RuntimeError(
+                    f"DistributedDataParallel: parameter {self._names[i]} received its gradient "
+                    "twice in one backward (reentrant checkpointing or a reused graph?); "
+                    "its bucket would be reduced before the second gradient arrived"
+                )
             fired[i] = 1
             if not self._callback_queued:
                 self._callback_queued = True
@@ -256,6 +268,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
                 pending[k] -= 1
                 if pending[k] == 0 and k == self._next_bucket:
                     self._launch_ready()
+
         return hook
 
     # ------------------------------------------------------------------ gradient attachment
@@ -274,7 +287,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
             all_none = all(g is None for g in grads)
             if all_none and leave_fresh:
                 self._fresh[k] = 1
-                self._was_none[i:i + len(grads)] = b"\x01" * len(grads)
+                self._was_none[i : i + len(grads)] = b"\x01" * len(grads)
                 i += len(grads)
                 continue
             if all_none:
@@ -362,14 +375,18 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
         try:
             if self._next_bucket < len(self.buckets):
                 if not self.find_unused_parameters:
-                    missing = [self._names[i] for i in range(n)
-                               if not self._fired[i] and self._bucket_of[i] >= self._next_bucket]
+                    missing = [
+                        self._names[i]
+                        for i in range(n)
+                        if not self._fired[i] and self._bucket_of[i] >= self._next_bucket
+                    ]
                     raise RuntimeError(
                         "DistributedDataParallel: backward finished but these parameters received no gradient, "
                         f"so their buckets could not be all-reduced: {missing}. If they are legitimately "
                         "unused in some steps, wrap the model with DistributedDataParallel(..., "
                         "find_unused_parameters=True); otherwise make them take part in the loss or set "
-                        "requires_grad=False on them.")
+                        "requires_grad=False on them."
+                    )
                 for k in range(self._next_bucket, len(self.buckets)):
                     self._launch(k)
                 self._next_bucket = len(self.buckets)
@@ -394,4 +411,3 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
             self._used[:] = bytes(n)
             self._was_none[:] = bytes(n)
             self._fresh[:] = bytes(len(self.buckets))  # a second backward without forward adds into the views
-

@@ -3,6 +3,7 @@ whatever the parallelisms before it left on meta (`parallelize` step 3). TP and 
 as they cut (parallel/tensor_parallel.py, parallel/expert_parallel.py), our sharding engine one unit at a time
 (parallel/fsdp.py); here, the rest, DTensor parameters as their local slices only.
 """
+
 from __future__ import annotations
 
 import torch

@@ -20,6 +20,7 @@ One MoE layer's forward on each rank (`ExpertParallelDispatch`), per micro-batch
 Backward sends the gradients the same two ways. Bytes per MoE layer and micro-batch: the rows this rank sends,
 twice forward and twice backward (`plan.theory.ep_all_to_all_bytes_per_micro_step`).
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -92,19 +93,21 @@ class ExpertParallelDispatch:
         y = _AllToAll.apply(y, send, got, self.group)  # this rank's assignments, in `order`
         return torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
 
-    def split_sizes(self, counts: torch.Tensor, per: torch.Tensor, assignments: int
-                    ) -> tuple[list[int], list[int], list[int]]:
+    def split_sizes(
+        self, counts: torch.Tensor, per: torch.Tensor, assignments: int
+    ) -> tuple[list[int], list[int], list[int]]:
         """The one host read: (rows this rank sends to each EP rank, rows it receives from each, rows for each of
         its local experts), from its own counts (E,) and the received ones `per` (P, L). `assignments` (N·k, the
         rows sent in all) is what a simulated rank, whose tensors hold no values, answers with instead: balanced
         counts (plan/fake_rank.py `balanced_split_sizes`)."""
         P, L = per.shape
         sizes = torch.cat([counts.view(P, L).sum(1), per.sum(1), per.sum(0)]).tolist()
-        return sizes[:P], sizes[P:2 * P], sizes[2 * P:]
+        return sizes[:P], sizes[P : 2 * P], sizes[2 * P :]
 
 
-def apply_expert_parallel(model: nn.Module, ep, edp, seed: int | None = None,
-                          device: torch.device | None = None) -> None:
+def apply_expert_parallel(
+    model: nn.Module, ep, edp, seed: int | None = None, device: torch.device | None = None
+) -> None:
     """Keep only EP rank `ep.rank`'s experts in every MoE layer (slices of materialised weights; on meta, with
     `seed`, init draws just those experts by name on `device`: no full-size tensor), mark them (`mark_shard` over
     "ep", `mark_replicas` over `edp`, the ranks with the same experts), and swap in the all_to_all dispatch.
@@ -146,8 +149,9 @@ class ExpertBalance:
         config = next(m.config for m in model.modules() if hasattr(m, "config") and not callable(m.config))
         self.all = [i for i in range(config.n_layer) if config.is_moe(i)]
         self.E, self.with_aux = config.moe_num_experts, config.moe_aux_loss_coeff > 0
-        self.rows = torch.tensor([self.all.index(i) for i, _ in self.layers], dtype=torch.int64,
-                                 device=device)  # mine among all
+        self.rows = torch.tensor(
+            [self.all.index(i) for i, _ in self.layers], dtype=torch.int64, device=device
+        )  # mine among all
         cp = mesh["cp"]
         for _, moe in self.layers:
             if cp.enabled:
@@ -163,8 +167,11 @@ class ExpertBalance:
         if self.layers:  # a stage with no MoE Block adds zeros, but joins the pp sum like every stage
             stats, aux = balance_experts(self.layers, partial(_summed, group=loss.group) if loss.enabled else None)
             tokens[self.rows], per[self.rows] = stats, aux / loss.size
-        return {"tokens": _summed(tokens, pp.group), "aux": _summed(per, pp.group)} if pp.enabled else \
-            {"tokens": tokens, "aux": per}
+        return (
+            {"tokens": _summed(tokens, pp.group), "aux": _summed(per, pp.group)}
+            if pp.enabled
+            else {"tokens": tokens, "aux": per}
+        )
 
 
 def _summed(t: torch.Tensor, group) -> torch.Tensor:

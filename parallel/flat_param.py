@@ -23,6 +23,7 @@ no per-parameter copy), and otherwise a meta placeholder (no storage; using it r
 storage to 0 bytes. Gathering regrows it and writes through `flat.data`, an alias with its own version counter, so
 the views autograd saved in forward read the re-gathered values in backward without tripping the in-place check.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ from parallel import comm
 class ShardPiece(NamedTuple):
     """This rank's part of one original parameter: `flat` holds elements [offset, offset + flat.numel()) of
     the parameter flattened in row-major order; `shape` is the parameter's full shape."""
+
     flat: torch.Tensor
     offset: int
     shape: torch.Size
@@ -47,11 +49,11 @@ class ShardPiece(NamedTuple):
 
 @dataclass
 class _ParamSpec:
-    names: list[str]                     # every name GPT knows it by, the init / state-dict name first
+    names: list[str]  # every name GPT knows it by, the init / state-dict name first
     owners: list[tuple[nn.Module, str]]  # (module, attribute) pairs that show it
     shape: torch.Size
-    offset: int                          # where it starts inside the unit's flat buffer
-    placeholder: torch.Tensor            # meta tensor the owners show between uses
+    offset: int  # where it starts inside the unit's flat buffer
+    placeholder: torch.Tensor  # meta tensor the owners show between uses
 
     @property
     def numel(self) -> int:
@@ -79,9 +81,18 @@ class _FlatUnit:
       storage exists only while the unit is gathered. The original parameters are then views of it.
     """
 
-    def __init__(self, name: str, specs: list[_ParamSpec], shard: torch.Tensor, world: int, rank: int,
-                 n_decay: int, compute_dtype: torch.dtype, keeps_full: bool = False,
-                 group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        name: str,
+        specs: list[_ParamSpec],
+        shard: torch.Tensor,
+        world: int,
+        rank: int,
+        n_decay: int,
+        compute_dtype: torch.dtype,
+        keeps_full: bool = False,
+        group: dist.ProcessGroup | None = None,
+    ):
         self.name, self.specs = name, specs
         self.group, self.world, self.rank = group, world, rank
         self.numel = sum(s.numel for s in specs)
@@ -90,8 +101,8 @@ class _FlatUnit:
         self.keeps_full = keeps_full
         self.flat = torch.empty(self.padded, dtype=compute_dtype, device=shard.device, requires_grad=True)
         if keeps_full and compute_dtype == shard.dtype:  # in-place all-gather: the shard is a view of flat
-            self.flat.data[lo:lo + S].copy_(shard)
-            shard = self.flat.data[lo:lo + S]
+            self.flat.data[lo : lo + S].copy_(shard)
+            shard = self.flat.data[lo : lo + S]
         elif not keeps_full:
             self.flat.untyped_storage().resize_(0)
         self.shard = shard
@@ -197,9 +208,17 @@ def shard_numel(numel: int, world: int) -> int:
     return -(-numel // world)
 
 
-def flatten_unit(gpt: nn.Module, name: str, aliases: list[list[str]], world: int, rank: int,
-                 compute_dtype: torch.dtype, device: torch.device, keeps_full: bool,
-                 group: dist.ProcessGroup | None = None) -> _FlatUnit:
+def flatten_unit(
+    gpt: nn.Module,
+    name: str,
+    aliases: list[list[str]],
+    world: int,
+    rank: int,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    keeps_full: bool,
+    group: dist.ProcessGroup | None = None,
+) -> _FlatUnit:
     """Flatten and shard the (materialised) parameters named by `aliases`, one [init name, *tied names] list
     each, over `group` (`world` ranks, this one the `rank`-th): copy only this rank's slice into a new fp32
     shard (no full flat copy of the unit is ever made), then replace the parameters in their modules by meta
@@ -218,7 +237,7 @@ def flatten_unit(gpt: nn.Module, name: str, aliases: list[list[str]], world: int
     shard = torch.zeros(S, dtype=torch.float32, device=device)
     for spec in specs:
         a, b, start = _held(spec, rank * S, S)
-        shard[start:start + b - a].copy_(values[spec.names[0]].detach().reshape(-1)[a:b])
+        shard[start : start + b - a].copy_(values[spec.names[0]].detach().reshape(-1)[a:b])
     values.clear()
     for spec in specs:
         for module, attr in spec.owners:
@@ -235,8 +254,9 @@ class FlatLayout:
     unit's group tile each of its parameters exactly once. `group` (this rank its `rank`-th of `world`) is the
     layout's."""
 
-    def __init__(self, units: list[_FlatUnit], group: dist.ProcessGroup | None, rank: int, world: int,
-                 names: list[str]):
+    def __init__(
+        self, units: list[_FlatUnit], group: dist.ProcessGroup | None, rank: int, world: int, names: list[str]
+    ):
         self.units, self.group, self.rank, self.world, self.names = units, group, rank, world, names
 
     def held(self, unit: _FlatUnit, spec: _ParamSpec) -> tuple[int, int, int]:
@@ -262,6 +282,7 @@ class FlatLayout:
         tensor in a shard (its pieces, or views of them: --optimizer muon steps views).
         Distinct storages, padding included; a ZeRO-3 unit gathered right now counts too."""
         from memory import storage_bytes_by_kind, storage_key
+
         params, grads, moments = [], [], []
         for unit in self.units:
             params += [unit.shard, unit.flat]
@@ -281,13 +302,13 @@ class FlatLayout:
         for unit in self.units:
             for spec in unit.specs:
                 a, b, start = self.held(unit, spec)
-                piece = ShardPiece(unit.shard[start:start + b - a], a, spec.shape)
+                piece = ShardPiece(unit.shard[start : start + b - a], a, spec.shape)
                 out.update((name, piece) for name in spec.names)
         return {name: out[name] for name in self.names}
 
 
-
 # ----------------------------------------------------------------------------- ZeRO stages and the reduction
+
 
 @dataclass(frozen=True)
 class ZeroStage:
@@ -303,14 +324,17 @@ class ZeroStage:
       own slice. Otherwise each unit is reduce-scattered as soon as its gradient is complete (overlapped
       with backward) and the full gradient freed: one reduce-scatter of Ψ per micro-step.
     """
+
     stage: int
     keeps_params: bool
     reduces_at_end: bool
 
 
-ZERO_LADDER = {1: ZeroStage(1, keeps_params=True, reduces_at_end=True),    # shards the optimizer state
-               2: ZeroStage(2, keeps_params=True, reduces_at_end=False),   # + the gradients
-               3: ZeroStage(3, keeps_params=False, reduces_at_end=False)}  # + the parameters (FSDP)
+ZERO_LADDER = {
+    1: ZeroStage(1, keeps_params=True, reduces_at_end=True),  # shards the optimizer state
+    2: ZeroStage(2, keeps_params=True, reduces_at_end=False),  # + the gradients
+    3: ZeroStage(3, keeps_params=False, reduces_at_end=False),
+}  # + the parameters (FSDP)
 
 
 class GradReduction:
@@ -325,8 +349,9 @@ class GradReduction:
     does), so the sum can't overflow where the mean would not; other dtypes divide after it, as FSDP2 does,
     which keeps fp32 runs bit-equal to it."""
 
-    def __init__(self, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None,
-                 reduce_dtype: torch.dtype):
+    def __init__(
+        self, group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None, reduce_dtype: torch.dtype
+    ):
         self.group, self.replicate_group, self.reduce_dtype = group, replicate_group, reduce_dtype
         self.rank = comm.rank(group)
         self.replicas = comm.world(replicate_group) if replicate_group is not None else 1
@@ -341,8 +366,11 @@ class GradReduction:
         if self.predivide:
             grad.div_(self.n)
         S = unit.shard.numel()
-        out = grad[unit.rank * S:(unit.rank + 1) * S] if in_place else \
-            torch.empty(S, dtype=self.reduce_dtype, device=grad.device)
+        out = (
+            grad[unit.rank * S : (unit.rank + 1) * S]
+            if in_place
+            else torch.empty(S, dtype=self.reduce_dtype, device=grad.device)
+        )
         work = comm.reduce_scatter_tensor(out, grad, unit.group, async_op=True, unit=unit.name)
         self.pending.append((unit, work, out, grad))
 
@@ -356,8 +384,9 @@ class GradReduction:
             if work is not None:
                 work.wait()
             replicated = self.replicas > 1 and unit.group is self.group  # not a unit on its own group
-            work = comm.all_reduce(out, group=self.replicate_group, async_op=True,
-                                   unit=unit.name) if replicated else None
+            work = (
+                comm.all_reduce(out, group=self.replicate_group, async_op=True, unit=unit.name) if replicated else None
+            )
             self.reducing.append((unit, work, out))  # HSDP: the replicas of this shard sum their pieces
         self.pending.clear()
         self._add_reduced(earlier)  # after the new all-reduces are started: they overlap the wait

@@ -17,6 +17,7 @@ What the pipeline and expert parallelism add (a chunk's `run`, units of their ow
 reduction, experts sharded over their own group) is a mixin in parallel/fsdp_extensions.py: the hooks below ask
 it at a few named places (`_same_run`, `_holds`, `_deferred`, the extra units), and read as plain ZeRO without it.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -78,12 +79,20 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
     `PipelineAndExperts` (parallel/fsdp_extensions.py).
     """
 
-    def __init__(self, module: GPT, process_group: dist.ProcessGroup | None = None,
-                 reshard_after_forward: bool = True, prefetch: bool = True,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
-                 deferred_init_seed: int | None = None, device: torch.device | str | None = None,
-                 zero_stage: int = 3, replicate_group: dist.ProcessGroup | None = None,
-                 separate: dict[str, tuple[str, ...]] | None = None):
+    def __init__(
+        self,
+        module: GPT,
+        process_group: dist.ProcessGroup | None = None,
+        reshard_after_forward: bool = True,
+        prefetch: bool = True,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        deferred_init_seed: int | None = None,
+        device: torch.device | str | None = None,
+        zero_stage: int = 3,
+        replicate_group: dist.ProcessGroup | None = None,
+        separate: dict[str, tuple[str, ...]] | None = None,
+    ):
         super().__init__()
         if zero_stage not in ZERO_LADDER:
             raise ValueError(f"zero_stage must be 1, 2 or 3, got {zero_stage}")
@@ -104,8 +113,11 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         is_meta = any(p.is_meta for p in module.parameters())
         if is_meta and deferred_init_seed is None:
             raise ValueError("the model is on the meta device: pass deferred_init_seed to materialise it")
-        device = torch.device(device) if device is not None else (
-            pick_device("auto") if is_meta else next(module.parameters()).device)
+        device = (
+            torch.device(device)
+            if device is not None
+            else (pick_device("auto") if is_meta else next(module.parameters()).device)
+        )
         self._state_dict_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
         # other dimensions' slices (FSDP over TP, EP): name -> their marks, for the norm groups and checkpoints
         self.shard_marks = {n: shards_of(p) for n, p in module.named_parameters() if shards_of(p)}
@@ -155,10 +167,22 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
                 if self._unit_index(prefix + ".") == index:
                     materialize_module(sub, prefix, gpt.config, seed, device)
         mine = [names for names in self._aliases if self._unit_index(names[0]) == index]
-        name, group = (("root" if index == 0 else f"transformer.h.{self._global[index]}", self.group)
-                       if index <= self._n_blocks else self._extra_unit(index))
-        return flatten_unit(gpt, name, mine, comm.world(group), comm.rank(group), self.param_dtype, device,
-                            self.policy.keeps_params, group)
+        name, group = (
+            ("root" if index == 0 else f"transformer.h.{self._global[index]}", self.group)
+            if index <= self._n_blocks
+            else self._extra_unit(index)
+        )
+        return flatten_unit(
+            gpt,
+            name,
+            mine,
+            comm.world(group),
+            comm.rank(group),
+            self.param_dtype,
+            device,
+            self.policy.keeps_params,
+            group,
+        )
 
     # ------------------------------------------------------------------------------ forward / backward
 
@@ -300,8 +324,10 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW groups over the shard views: decay on pieces of parameters with >= 2 dims, none on the rest."""
         pieces = [(p, d) for u in self.units for (p, _, _), d in zip(u.pieces, u.decay)]
-        return [{"params": [p for p, d in pieces if d], "weight_decay": weight_decay},
-                {"params": [p for p, d in pieces if not d], "weight_decay": 0.0}]
+        return [
+            {"params": [p for p, d in pieces if d], "weight_decay": weight_decay},
+            {"params": [p for p, d in pieces if not d], "weight_decay": 0.0},
+        ]
 
     def grad_norm_items(self, groups: dict[str, tuple] | None = None) -> list[tuple]:
         """This rank's shard gradients as items for parallel.grads.clip_grad_norm_.
@@ -316,11 +342,15 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         own, own_items = self._own_norm_items(groups)
         dense = {n: g for n, g in groups.items() if n not in own}
         if not dense:
-            items = norm_items(((u.name, p) for u in self.units if u.group is self.group for p, _, _ in u.pieces),
-                               within=(self.group,))
+            items = norm_items(
+                ((u.name, p) for u in self.units if u.group is self.group for p, _, _ in u.pieces), within=(self.group,)
+            )
         else:
-            held = ((spec.names[0], p, lo, hi) for u, spec, p, lo, hi in self.layout.slices()
-                    if p is not None and u.group is self.group)
+            held = (
+                (spec.names[0], p, lo, hi)
+                for u, spec, p, lo, hi in self.layout.slices()
+                if p is not None and u.group is self.group
+            )
             items = norm_items(held, dense, within=(self.group,), every_pattern=True)
         return items + own_items
 
@@ -348,4 +378,3 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
     def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """The sum of `state_breakdown`."""
         return sum(self.state_breakdown(optimizer).values())
-

@@ -20,6 +20,7 @@ one per Block that has them ("transformer.h.<i>.experts", after every other unit
 that group instead: gathered, released and prefetched with their Block, reduce-scattered over that group (never
 all-reduced over HSDP's replicas: the group already spans them), and divided by the same total as every unit.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +64,10 @@ class PipelineAndExperts:
         """Parameter `name`, copied over `group` (not the engine's group), into its Block's own-group unit."""
         key = unit_key(name, self.separate)
         if key == "root" or key in self.separate:
-            raise ValueError(f"{name}: parameters with a replica group of their own are sharded in a unit per "
-                             f"Block; this one is in no Block ({key})")
+            raise ValueError(
+                f"{name}: parameters with a replica group of their own are sharded in a unit per "
+                f"Block; this one is in no Block ({key})"
+            )
         unit = f"{key}.experts"
         block, other = self.own_units.setdefault(unit, (self._position[int(key.split(".")[2])], group))
         if other is not group:
@@ -127,8 +130,9 @@ class PipelineAndExperts:
     def _deferred(self, unit: _FlatUnit, grad: torch.Tensor) -> bool:
         """Whether the caller's `defer_reduction` keeps this backward's gradient of `unit`, to complete it and
         reduce it later through the callback it is given (a zero-bubble pipeline's W: parallel/pipeline.py)."""
-        return self.defer_reduction is not None and self.defer_reduction(unit.flat, grad,
-                                                                         partial(self._reduce_grad, unit))
+        return self.defer_reduction is not None and self.defer_reduction(
+            unit.flat, grad, partial(self._reduce_grad, unit)
+        )
 
     @contextlib.contextmanager
     def hold_root_grads(self):
@@ -173,8 +177,11 @@ class PipelineAndExperts:
             return own, []
         within = {n: (self.units[self._unit_index(n)].group,) for n in own}
         extra = {n: None if groups.get(n, ()) is None else within[n] + groups.get(n, ()) for n in sorted(own)}
-        held = ((spec.names[0], p, lo, hi) for u, spec, p, lo, hi in self.layout.slices()
-                if p is not None and u.group is not self.group)
+        held = (
+            (spec.names[0], p, lo, hi)
+            for u, spec, p, lo, hi in self.layout.slices()
+            if p is not None and u.group is not self.group
+        )
         return own, norm_items(held, extra, every_pattern=True)
 
 

@@ -8,6 +8,7 @@ pattern of groups and all-reduced (SUM, one fp32 scalar each) over exactly those
 counts once whatever the layout; replicated gradients (groups == ()) are counted once, with no
 communication. `grad_groups` reads each parameter's groups off the model.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -27,15 +28,18 @@ def grad_groups(model: torch.nn.Module) -> dict[str, tuple]:
     out = {}
     for name, p in model.named_parameters():
         if isinstance(p, DTensor):
-            out[name] = tuple(p.device_mesh.get_group(i) for i, pl in enumerate(p.placements)
-                              if not pl.is_replicate())
+            out[name] = tuple(p.device_mesh.get_group(i) for i, pl in enumerate(p.placements) if not pl.is_replicate())
         else:
             out[name] = tuple(m.group for m in shards_of(p))
     return out
 
 
-def norm_items(entries: Iterable[tuple], groups: Mapping[str, tuple | None] | None = None,
-               within: tuple = (), every_pattern: bool = False) -> list[tuple]:
+def norm_items(
+    entries: Iterable[tuple],
+    groups: Mapping[str, tuple | None] | None = None,
+    within: tuple = (),
+    every_pattern: bool = False,
+) -> list[tuple]:
     """Items for `clip_grad_norm_`, one per entry, in order. An entry is (name, param) for a whole gradient
     or (name, param, lo, hi) for its [lo, hi) slice; its groups are `within` + groups[name] (names not in
     `groups`: `within` alone), or None where groups[name] is None: a copy counted elsewhere (scaled, not
@@ -54,8 +58,9 @@ def norm_items(entries: Iterable[tuple], groups: Mapping[str, tuple | None] | No
 
 
 @torch.no_grad()
-def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None,
-                    across: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    norm_groups: list[tuple], max_norm: float | None, across: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Global L2 norm of all gradients; scales them by min(1, max_norm / (norm + 1e-6)) if max_norm.
 
     Squares are summed locally per sharding pattern, then all-reduced over the groups that pattern is
@@ -64,8 +69,8 @@ def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None,
     copy of a gradient counted elsewhere (PP's lm_head copy of the tied embedding): scaled, not measured.
     `across` (the pp group) holds disjoint parameters on each of its ranks: the total is summed over it
     once, after the per-pattern sums, because its ranks list different patterns in different orders."""
-    by_groups: dict[tuple, list[torch.Tensor]] = {}   # what to measure
-    to_scale: dict[int, torch.Tensor] = {}             # the gradients' own storage, to clip in place
+    by_groups: dict[tuple, list[torch.Tensor]] = {}  # what to measure
+    to_scale: dict[int, torch.Tensor] = {}  # the gradients' own storage, to clip in place
     for p, groups, *segment in norm_groups:
         g = p.grad
         if g is None:
@@ -75,7 +80,7 @@ def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None,
             continue
         if segment:  # (lo, hi): one original parameter's slice of a flat FSDP shard
             to_scale[id(g)] = g
-            by_groups.setdefault(groups, []).append(g[segment[0]:segment[1]])
+            by_groups.setdefault(groups, []).append(g[segment[0] : segment[1]])
             continue
         if isinstance(g, DTensor):
             to_scale[id(g)] = g.to_local()
@@ -93,8 +98,11 @@ def clip_grad_norm_(norm_groups: list[tuple], max_norm: float | None,
         grads = by_groups.get(groups, [])
         # fp64 accumulation: an fp32 norm of a 3.2M-element embedding gradient is off by ~6e-5 relative on
         # CPU, more than layouts differ by, so each layout would log (and clip by) a different number
-        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum() if grads else \
-            torch.zeros((), dtype=torch.float64, device=device)
+        sq = (
+            torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).pow(2).sum()
+            if grads
+            else torch.zeros((), dtype=torch.float64, device=device)
+        )
         for g in groups:
             comm.all_reduce(sq, group=g, counted=False)  # a scalar: not counted as wrapper traffic
         total = sq if total is None else total + sq

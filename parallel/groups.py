@@ -7,6 +7,7 @@ messages between two neighbouring ranks (`p2p_link`), where the backend would ot
 receives to both neighbours on one queue (`serial_p2p`). The mesh builds them (Mesh.build_links) over the same
 ranks as the ring's dim.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -16,7 +17,6 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from device import backend_for
-
 
 _TIMEOUT: timedelta | None = None  # the run's --timeout, once init_distributed has run
 
@@ -57,6 +57,7 @@ def new_groups(rank_lists: list[list[int]], timeout: timedelta | None = None) ->
 
 
 # ----------------------------------------------------------------------------- a ring's link groups
+
 
 def serial_p2p(device: torch.device) -> bool:
     """Whether a rank's unbatched p2p ops on one group run one after another, across all its peers: on NCCL

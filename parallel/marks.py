@@ -2,6 +2,7 @@
 squares sum over), the sharding engine, the gradient reduction and the checkpoint entries (checkpoint_entries.py)
 see it without knowing the dimension: `mark_shard` (TP's and EP's slices) and `mark_replicas` (an expert's copies).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -14,6 +15,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's per-element state
 class ShardMark(NamedTuple):
     """One split a dimension made of a parameter: this rank holds the `rank`-th of `size` equal slices along
     `dim`, and the others are held by the ranks of `group` (`over`: the mesh dim's name, "tp" or "ep")."""
+
     dim: int
     rank: int
     size: int

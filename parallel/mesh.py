@@ -7,6 +7,7 @@ pipeline's stages span nodes and only its point-to-point activations cross them.
 (dp_replicate > 1 only under HSDP). Flattened dims have names for what they do: `batch` (data loading),
 `loss` (loss mean, DDP's gradient mean: dp x cp), `fsdp` (sharding: dp_shard x cp).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,28 +36,36 @@ class WorldSizeError(ValueError):
 @dataclass(frozen=True)
 class ParallelDims:
     """A validated (pp, dp, cp, tp) layout. pp * dp * cp * tp must equal the world size."""
+
     dp: int
     tp: int
     world_size: int
     pp: int = 1
     dp_replicate: int = 1  # HSDP: dp = dp_replicate x dp_shard
-    cp: int = 1            # context parallelism: each sequence split over cp ranks
-    ep: int = 1            # expert parallelism: borrows its ranks from dp x cp (it must divide them)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
+    ep: int = 1  # expert parallelism: borrows its ranks from dp x cp (it must divide them)
 
     def __post_init__(self) -> None:
         if self.dp < 1 or self.tp < 1 or self.pp < 1 or self.ep < 1:
-            raise ValueError(f"parallel sizes must be >= 1, got pipeline_parallel_size={self.pp}, "
-                             f"data_parallel_size={self.dp}, tensor_parallel_size={self.tp}, "
-                             f"expert_parallel_size={self.ep}")
+            raise ValueError(
+                f"parallel sizes must be >= 1, got pipeline_parallel_size={self.pp}, "
+                f"data_parallel_size={self.dp}, tensor_parallel_size={self.tp}, "
+                f"expert_parallel_size={self.ep}"
+            )
         if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"expert_parallel_size ({self.ep}) must divide data_parallel_size x "
-                             f"context_parallel_size = {self.dp * self.cp}: expert parallelism borrows those ranks")
+            raise ValueError(
+                f"expert_parallel_size ({self.ep}) must divide data_parallel_size x "
+                f"context_parallel_size = {self.dp * self.cp}: expert parallelism borrows those ranks"
+            )
         n = self.pp * self.dp * self.cp * self.tp
         if n != self.world_size:
             cp = f"context_parallel_size ({self.cp}) x " if self.cp > 1 else ""
-            raise WorldSizeError(f"pipeline_parallel_size ({self.pp}) x data_parallel_size ({self.dp}) x {cp}"
-                                 f"tensor_parallel_size ({self.tp}) = {n} must equal the world size "
-                                 f"({self.world_size})", n)
+            raise WorldSizeError(
+                f"pipeline_parallel_size ({self.pp}) x data_parallel_size ({self.dp}) x {cp}"
+                f"tensor_parallel_size ({self.tp}) = {n} must equal the world size "
+                f"({self.world_size})",
+                n,
+            )
 
     @property
     def dp_enabled(self) -> bool:
@@ -76,8 +85,12 @@ class ParallelDims:
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's place on the mesh: rank = ((pp * dp + dp) * cp + cp) * tp + tp."""
-        return {"tp": rank % self.tp, "cp": rank // self.tp % self.cp, "dp": rank // (self.tp * self.cp) % self.dp,
-                "pp": rank // (self.tp * self.cp * self.dp)}
+        return {
+            "tp": rank % self.tp,
+            "cp": rank // self.tp % self.cp,
+            "dp": rank // (self.tp * self.cp) % self.dp,
+            "pp": rank // (self.tp * self.cp * self.dp),
+        }
 
     @property
     def dp_shard(self) -> int:
@@ -85,13 +98,24 @@ class ParallelDims:
 
     def mesh_sizes(self) -> dict[str, int]:
         """The size of each mesh dim (`DIMS`), by name."""
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
-                "tp": self.tp}
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }
 
     def sizes(self) -> dict[str, int]:
         """Every dimension's size by name, the checkpoint manifest's record of the layout."""
-        return {"pp": self.pp, "dp": self.dp, "dp_replicate": self.dp_replicate, "cp": self.cp, "tp": self.tp,
-                "ep": self.ep}
+        return {
+            "pp": self.pp,
+            "dp": self.dp,
+            "dp_replicate": self.dp_replicate,
+            "cp": self.cp,
+            "tp": self.tp,
+            "ep": self.ep,
+        }
 
 
 # dims a run names only where they are on (train.py's description, a resume's note), beside pp, dp and tp
@@ -101,9 +125,9 @@ OPTIONAL_DIMS = ("cp", "ep")
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's dims, outermost first
 # flattened dims, by what they are for: name -> the dims they span
 FLATTENED = {
-    "batch": ("dp_replicate", "dp_shard"),      # which rows of the global batch a rank reads (data loading)
+    "batch": ("dp_replicate", "dp_shard"),  # which rows of the global batch a rank reads (data loading)
     "loss": ("dp_replicate", "dp_shard", "cp"),  # same parameters, other tokens: the loss mean and DDP's gradient mean
-    "fsdp": ("dp_shard", "cp"),                  # what a sharding engine shards over (HSDP replicates over dp_replicate)
+    "fsdp": ("dp_shard", "cp"),  # what a sharding engine shards over (HSDP replicates over dp_replicate)
 }
 
 
@@ -114,6 +138,7 @@ class MeshDim:
     the same dim as a torch DeviceMesh, for the PyTorch twins (None on one process). `links`: the dim's link
     groups (`p2p_link`: the same ranks as `group`, in the same order, one per link colour), which its ring's
     p2p goes over where `serial_p2p` (Mesh.build_links); empty: every p2p message on `group`."""
+
     name: str
     size: int
     rank: int
@@ -139,8 +164,13 @@ class Mesh:
         self._dims: dict[str, MeshDim] = {}
         for name in DIMS:
             dm = root[name] if root is not None else None
-            self._dims[name] = MeshDim(name, sizes[name], dm.get_local_rank() if dm is not None else 0,
-                                       dm.get_group() if dm is not None else None, dm)
+            self._dims[name] = MeshDim(
+                name,
+                sizes[name],
+                dm.get_local_rank() if dm is not None else 0,
+                dm.get_group() if dm is not None else None,
+                dm,
+            )
         for name, spans in FLATTENED.items():
             big = [d for d in spans if sizes[d] > 1]
             if len(big) <= 1:  # one dim (or none) of size > 1: the flattened dim is that dim
@@ -179,11 +209,10 @@ def dim_ranks(dims: ParallelDims, name: str) -> list[list[int]]:
     (a group's rank i is its i-th), ordered by their first rank. Rank layout as Mesh's."""
     sizes = dims.mesh_sizes()
     stride = 1
-    for d in reversed(DIMS[DIMS.index(name) + 1:]):
+    for d in reversed(DIMS[DIMS.index(name) + 1 :]):
         stride *= sizes[d]
     span = stride * sizes[name]  # ranks from one group's first to the next block's
-    return [[base + k * stride for k in range(sizes[name])]
-            for base in range(dims.world_size) if base % span < stride]
+    return [[base + k * stride for k in range(sizes[name])] for base in range(dims.world_size) if base % span < stride]
 
 
 def expert_dims(dims: ParallelDims, loss: MeshDim) -> tuple[MeshDim, MeshDim]:
@@ -200,18 +229,24 @@ def expert_dims(dims: ParallelDims, loss: MeshDim) -> tuple[MeshDim, MeshDim]:
     mine: dict[str, tuple[dist.ProcessGroup, list[int]]] = {}
     for name, members in (("ep", lambda g: range(g * ep, (g + 1) * ep)), ("edp", lambda g: range(g, n, ep))):
         count = n // ep if name == "ep" else ep
-        lists = [[(pp * n + l) * T + tp for l in members(g)]
-                 for pp in range(dims.pp) for tp in range(T) for g in range(count)]
+        lists = [
+            [(pp * n + l) * T + tp for l in members(g)]
+            for pp in range(dims.pp)
+            for tp in range(T)
+            for g in range(count)
+        ]
         mine[name] = (new_groups(lists, group_timeout()), next(ranks for ranks in lists if rank in ranks))
-    return tuple(MeshDim(name, len(mine[name][1]), mine[name][1].index(rank), mine[name][0], None)
-                 for name in ("ep", "edp"))
+    return tuple(
+        MeshDim(name, len(mine[name][1]), mine[name][1].index(rank), mine[name][0], None) for name in ("ep", "edp")
+    )
 
 
 FAKE = "fake"  # torch's fake backend: every collective is accepted and moves no data (a simulated rank)
 
 
-def init_distributed(dims: ParallelDims, device: torch.device, timeout_s: float = 600.0,
-                     fake_rank: int | None = None) -> Mesh:
+def init_distributed(
+    dims: ParallelDims, device: torch.device, timeout_s: float = 600.0, fake_rank: int | None = None
+) -> Mesh:
     """Join the process group (when there is more than one rank) and return the run's Mesh (on one process: every
     dim of size 1, no groups), with link groups for the pp and cp rings where `serial_p2p`. Every group then has
     the run's timeout (`honour_timeout`).

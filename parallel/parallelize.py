@@ -22,6 +22,7 @@ steps return. A new dimension is one more entry (docs/adding-a-dimension.md).
 `Parallelized` is what the trainer sees: `forward_backward`, `forward_only`, `mean_loss`, `clip_grad_norm_`
 and what the wrapper answers (optimizer groups, checkpoint parts, state bytes), the same for every layout.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,11 +39,9 @@ from loss import loss_share
 from metrics import expert_record
 from model import GPT
 from parallel import comm
-from parallel.twins import context_parallel as cp_twin, data_parallel as dp_twin, pipeline as pp_twin
-from parallel.twins import tensor_parallel as tp_twin
-from parallel.expert_parallel import ExpertBalance, apply_expert_parallel
 from parallel.context_parallel import apply_context_parallel, zigzag_share
 from parallel.deferred_init import materialize
+from parallel.expert_parallel import ExpertBalance, apply_expert_parallel
 from parallel.flat_param import ZERO_STAGES
 from parallel.fsdp import FullyShardedDataParallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_, grad_groups
@@ -50,27 +49,32 @@ from parallel.mesh import Mesh
 from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group, sharded_units
 from parallel.pipeline_schedule import V_SCHEDULES
 from parallel.protocol import Accumulating, Cut, DataParallel, Placement, Replicated, Sharded
+from parallel.twins import context_parallel as cp_twin
+from parallel.twins import data_parallel as dp_twin
+from parallel.twins import pipeline as pp_twin
+from parallel.twins import tensor_parallel as tp_twin
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """The validated layout settings (config.validate builds it from the flags)."""
-    dp_type: str | None = None          # "ddp" | "zero1" | "zero2" | "fsdp" (ZeRO-3) | None (no data parallelism)
-    implementation: str = "pytorch"     # "pytorch" | "custom"
+
+    dp_type: str | None = None  # "ddp" | "zero1" | "zero2" | "fsdp" (ZeRO-3) | None (no data parallelism)
+    implementation: str = "pytorch"  # "pytorch" | "custom"
     loss_parallel: bool = False
     sequence_parallel: bool = False
     deferred_init: bool = False
     seed: int = 1337
-    param_dtype: torch.dtype | None = None   # FSDP: dtype of the gathered compute copies (None: fp32)
+    param_dtype: torch.dtype | None = None  # FSDP: dtype of the gathered compute copies (None: fp32)
     reduce_dtype: torch.dtype = torch.float32  # FSDP: dtype gradients are reduce-scattered in
     bucket_cap_mb: float = 25.0
     grad_compression: str | None = None  # custom DDP: "bf16" on the wire
-    pp_schedule: str = "1f1b"           # pipeline: "gpipe" | "1f1b" | "interleaved_1f1b" | "zb_h1" | "zbv" | "dualpipev"
-    pp_virtual: int = 1                 # pipeline: model chunks per pp rank (interleaved_1f1b: > 1)
+    pp_schedule: str = "1f1b"  # pipeline: "gpipe" | "1f1b" | "interleaved_1f1b" | "zb_h1" | "zbv" | "dualpipev"
+    pp_virtual: int = 1  # pipeline: model chunks per pp rank (interleaved_1f1b: > 1)
     pp_layers: tuple[int, ...] | None = None  # pipeline: Blocks per chunk (P·V counts); None: the cost model's
     activation_checkpointing: str = "none"  # "none" | "full" | "selective" (every ac_every-th Block)
     ac_every: int = 2
-    compile: bool = False               # torch.compile each Block's forward
+    compile: bool = False  # torch.compile each Block's forward
 
 
 def _whole(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,24 +86,29 @@ class Parallelized:
     """The wrapped model and everything the trainer does with it, the same way for every layout: the steps of
     `parallelize` fill the typed fields, and the methods only delegate (to `dp`, parallel/protocol.py, and
     to the pipeline runner) or reduce over the mesh."""
+
     model: nn.Module
     mesh: Mesh
     cfg: ParallelConfig
     device: torch.device
-    dp: DataParallel | None = None       # the data-parallel wrapper's protocol (Replicated without one)
+    dp: DataParallel | None = None  # the data-parallel wrapper's protocol (Replicated without one)
     pipeline: PipelineRunner | None = None  # pp > 1: runs a step's micro-batches by `schedule`
     schedule: str = "1f1b"
-    shard_tokens: Callable = _whole      # (x, y) -> this rank's tokens of the rows (our CP: its zigzag share)
+    shard_tokens: Callable = _whole  # (x, y) -> this rank's tokens of the rows (our CP: its zigzag share)
     micro_contexts: list[Callable] = field(default_factory=list)  # (x, y) -> context yielding (x, y): the twins'
-    stage: nn.Module | None = None       # what the pp step made (a PipelineStage), or the model without pp
-    engine: str | None = None            # "ddp" | "fsdp" | None: what the data-parallel step runs on
+    stage: nn.Module | None = None  # what the pp step made (a PipelineStage), or the model without pp
+    engine: str | None = None  # "ddp" | "fsdp" | None: what the data-parallel step runs on
     experts: ExpertBalance | None = None  # the MoE layers' per-step statistics and bias (a model with experts)
     expert_stats: dict | None = None  # after a step: ExpertBalance.step's tokens per expert and balancing loss
 
     # ---- one step
 
-    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: Callable | None = None,
-                         autocast: Callable = contextlib.nullcontext) -> torch.Tensor:
+    def forward_backward(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        scale: Callable | None = None,
+        autocast: Callable = contextlib.nullcontext,
+    ) -> torch.Tensor:
         """Forward and backward of the step's micro-batches (full rows, on any device), with the data-parallel
         gradient reduction (DDP: on the last micro-step; FSDP: every micro-step, in its hooks) and, under a
         pipeline, the tied-embedding all-reduce over [first, last] stage. `scale`: a GradScaler's, for the
@@ -125,8 +134,9 @@ class Parallelized:
         return loss_sum
 
     @torch.no_grad()
-    def forward_only(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                     autocast: Callable = contextlib.nullcontext) -> list[torch.Tensor]:
+    def forward_only(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor]], autocast: Callable = contextlib.nullcontext
+    ) -> list[torch.Tensor]:
         """Each micro-batch's mean loss (fp32), for evaluation: on a pipeline's last stage only (0 elsewhere)."""
         batches = self._on_device(batches)
         if self.pipeline is not None:
@@ -191,8 +201,14 @@ class Parallelized:
             m["pp_idle_fraction"] = self.pipeline.record.idle_fraction()
             m["pp_peak_in_flight"] = self.pipeline.record.peak_in_flight
         if self.expert_stats is not None:  # the MoE layers' step over the whole batch (ExpertBalance.step)
-            m.update(expert_record(self.experts.all, self.expert_stats["tokens"].tolist(),
-                                   self.expert_stats["aux"].tolist(), self.experts.with_aux))
+            m.update(
+                expert_record(
+                    self.experts.all,
+                    self.expert_stats["tokens"].tolist(),
+                    self.expert_stats["aux"].tolist(),
+                    self.experts.with_aux,
+                )
+            )
         return m
 
     def parameter_tensors(self) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]] | None]:
@@ -202,12 +218,15 @@ class Parallelized:
         buffers (its original parameters are views of them), or under PyTorch's fully_shard every parameter
         (swapped for its unsharded copy around each use). None when nothing moves."""
         from torch.distributed.fsdp import FSDPModule
+
         fixed = list(self.model.parameters())
         if self.fsdp is not None:
             units = self.fsdp.units
             return fixed, lambda: [u.flat for u in units]
         if any(isinstance(m, FSDPModule) for m in self.model.modules()):  # it swaps the entries of _parameters
-            slots = [(m._parameters, n) for m in self.model.modules() for n, p in m._parameters.items() if p is not None]
+            slots = [
+                (m._parameters, n) for m in self.model.modules() for n, p in m._parameters.items() if p is not None
+            ]
             return [], lambda: [d[n] for d, n in slots]
         return fixed, None
 
@@ -253,21 +272,27 @@ class Parallelized:
         between chunks."""
         fsdp = self.fsdp
         v_shape = cfg.pp_schedule in V_SCHEDULES  # one rank holds both ends: no embedding group
-        return {"group": self.mesh["pp"].group, "links": self.mesh["pp"].links,
-                "embed_group": embedding_group(self.mesh.pipelines(), v_shape),
-                "act_dtype": activation_dtype(cfg, self.engine),
-                "seq_shard": self.mesh["tp"].size if cfg.sequence_parallel else 1, "device": self.device,
-                **({"engine": fsdp} if fsdp is not None else {})}
+        return {
+            "group": self.mesh["pp"].group,
+            "links": self.mesh["pp"].links,
+            "embed_group": embedding_group(self.mesh.pipelines(), v_shape),
+            "act_dtype": activation_dtype(cfg, self.engine),
+            "seq_shard": self.mesh["tp"].size if cfg.sequence_parallel else 1,
+            "device": self.device,
+            **({"engine": fsdp} if fsdp is not None else {}),
+        }
 
 
 # ----------------------------------------------------------------------------- our steps
 # Each step takes (model, mesh, cfg, device) and returns what it made: the wrapped model, a `Cut` (a dimension
 # that also cuts each micro-batch), a protocol adapter, a runner. `parallelize` alone puts them together.
 
+
 def apply_pp(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> PipelineStage:
     """Our pipeline stage (parallel/pipeline.py): this pp rank's chunks of the GPT, nothing of the others'."""
-    return PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers,
-                         v_shape=cfg.pp_schedule in V_SCHEDULES)
+    return PipelineStage(
+        model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers, v_shape=cfg.pp_schedule in V_SCHEDULES
+    )
 
 
 def apply_cp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> Cut:
@@ -281,8 +306,15 @@ def apply_cp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.de
 def apply_tp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> nn.Module:
     """Our Megatron TP (parallel/tensor_parallel.py); on meta it materialises only this rank's shards."""
     from parallel.tensor_parallel import apply_tensor_parallel
-    apply_tensor_parallel(model, mesh["tp"].group, cfg.loss_parallel, cfg.sequence_parallel,
-                          seed=cfg.seed if cfg.deferred_init else None, device=device)
+
+    apply_tensor_parallel(
+        model,
+        mesh["tp"].group,
+        cfg.loss_parallel,
+        cfg.sequence_parallel,
+        seed=cfg.seed if cfg.deferred_init else None,
+        device=device,
+    )
     return model
 
 
@@ -291,19 +323,26 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.
     HSDP replicated over mesh["dp_replicate"]; a pipeline stage's tied matrix a unit of its own."""
     meta = any(p.is_meta for p in model.parameters())
     rep = mesh["dp_replicate"]
-    return FullyShardedDataParallel(model, process_group=mesh["fsdp"].group, param_dtype=cfg.param_dtype,
-                                    reduce_dtype=cfg.reduce_dtype, device=device,
-                                    deferred_init_seed=cfg.seed if meta else None,
-                                    zero_stage=ZERO_STAGES[cfg.dp_type],
-                                    replicate_group=rep.group if rep.enabled else None,
-                                    separate=sharded_units(model) if isinstance(model, PipelineStage) else None)
+    return FullyShardedDataParallel(
+        model,
+        process_group=mesh["fsdp"].group,
+        param_dtype=cfg.param_dtype,
+        reduce_dtype=cfg.reduce_dtype,
+        device=device,
+        deferred_init_seed=cfg.seed if meta else None,
+        zero_stage=ZERO_STAGES[cfg.dp_type],
+        replicate_group=rep.group if rep.enabled else None,
+        separate=sharded_units(model) if isinstance(model, PipelineStage) else None,
+    )
 
 
 def apply_ddp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> nn.Module:
     """Our bucketed DDP over mesh["loss"] (dp x cp: every rank with the same parameters)."""
     from parallel.ddp import DistributedDataParallel
-    return DistributedDataParallel(model, process_group=mesh["loss"].group, bucket_cap_mb=cfg.bucket_cap_mb,
-                                   grad_compression=cfg.grad_compression)
+
+    return DistributedDataParallel(
+        model, process_group=mesh["loss"].group, bucket_cap_mb=cfg.bucket_cap_mb, grad_compression=cfg.grad_compression
+    )
 
 
 def protocol(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, at: Placement, groups: dict) -> DataParallel:
@@ -320,8 +359,7 @@ def protocol(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, at: Placement, g
 def apply_ep(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> nn.Module:
     """Our expert parallelism (parallel/expert_parallel.py): every MoE layer keeps this EP rank's experts and
     sends each token to the rank holding its expert, over mesh["ep"]; the experts' copies are mesh["edp"]."""
-    apply_expert_parallel(model, mesh["ep"], mesh["edp"], seed=cfg.seed if cfg.deferred_init else None,
-                          device=device)
+    apply_expert_parallel(model, mesh["ep"], mesh["edp"], seed=cfg.seed if cfg.deferred_init else None, device=device)
     return model
 
 
@@ -332,14 +370,21 @@ def apply_runner(stage: PipelineStage, mesh: Mesh, cfg: ParallelConfig, **runner
 
 
 APPLY: dict[tuple[str, str], Callable] = {
-    ("custom", "pp"): apply_pp, ("pytorch", "pp"): pp_twin.apply_pp,
-    ("custom", "cp"): apply_cp, ("pytorch", "cp"): cp_twin.apply_cp,
-    ("custom", "tp"): apply_tp, ("pytorch", "tp"): tp_twin.apply_tp,
+    ("custom", "pp"): apply_pp,
+    ("pytorch", "pp"): pp_twin.apply_pp,
+    ("custom", "cp"): apply_cp,
+    ("pytorch", "cp"): cp_twin.apply_cp,
+    ("custom", "tp"): apply_tp,
+    ("pytorch", "tp"): tp_twin.apply_tp,
     ("custom", "ep"): apply_ep,  # PyTorch 2.13 has no expert-parallel wrapper: config refuses the twin
-    ("custom", "fsdp"): apply_fsdp, ("pytorch", "fsdp"): dp_twin.apply_fsdp,
-    ("custom", "ddp"): apply_ddp, ("pytorch", "ddp"): dp_twin.apply_ddp,
-    ("custom", "protocol"): protocol, ("pytorch", "protocol"): dp_twin.protocol,
-    ("custom", "runner"): apply_runner, ("pytorch", "runner"): pp_twin.apply_runner,
+    ("custom", "fsdp"): apply_fsdp,
+    ("pytorch", "fsdp"): dp_twin.apply_fsdp,
+    ("custom", "ddp"): apply_ddp,
+    ("pytorch", "ddp"): dp_twin.apply_ddp,
+    ("custom", "protocol"): protocol,
+    ("pytorch", "protocol"): dp_twin.protocol,
+    ("custom", "runner"): apply_runner,
+    ("pytorch", "runner"): pp_twin.apply_runner,
 }
 # which engine a dp_type runs on: ours shard on one engine; torch's ZeRO-1 is DDP + ZeroRedundancyOptimizer
 ENGINE = {"ddp": "ddp", "zero1": "fsdp", "zero2": "fsdp", "fsdp": "fsdp"}
@@ -377,8 +422,12 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
     groups = grad_groups(par.model)  # by name, before DDP renames the parameters "module.*"
     if engine == "ddp":
         par.model = APPLY[impl, "ddp"](par.model, mesh, cfg, device)
-    at = Placement(tp_group=tp.group, tp_rank=tp.rank, tp_size=tp.size,  # the wrapper sets its replica_rank
-                   lm_head_copy=mesh["pp"].enabled and par.stage.last and not par.stage.both_ends)
+    at = Placement(
+        tp_group=tp.group,
+        tp_rank=tp.rank,
+        tp_size=tp.size,  # the wrapper sets its replica_rank
+        lm_head_copy=mesh["pp"].enabled and par.stage.last and not par.stage.both_ends,
+    )
     par.dp = APPLY[impl, "protocol"](par.model, mesh, cfg, at, groups)
     if mesh["pp"].enabled:
         par.pipeline = APPLY[impl, "runner"](par.stage, mesh, cfg, **par.runner_args(cfg))
@@ -386,6 +435,7 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
 
 
 # ----------------------------------------------------------------------------- helpers
+
 
 def activation_dtype(cfg: ParallelConfig, engine: str | None) -> torch.dtype:
     """The dtype of the residual stream between pipeline chunks, on every rank alike: the embedding's output

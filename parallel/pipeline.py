@@ -19,6 +19,7 @@ lists; this module only executes them.
 
 Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` -> optimizer step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,9 +38,27 @@ from moe import SideLosses
 from parallel import comm
 from parallel.grads import clip_grad_norm_, norm_items
 from parallel.groups import group_timeout, new_groups, p2p_link
-from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SEND_B, SEND_F, SPLIT_SCHEDULES,
-                                        V_SCHEDULES, W, Action, boundary, chunk_of, consecutive, even_partition,
-                                        evaluation, peer_of, rank_of, send_waits)
+from parallel.pipeline_schedule import (
+    ALL_SCHEDULES,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    SPLIT_SCHEDULES,
+    V_SCHEDULES,
+    Action,
+    B,
+    F,
+    W,
+    boundary,
+    chunk_of,
+    consecutive,
+    evaluation,
+    even_partition,
+    peer_of,
+    rank_of,
+    send_waits,
+)
 from parallel.zero_bubble import WeightGradStore, hold_for_w
 
 
@@ -48,8 +67,9 @@ def chunk_ranges(n_layer: int, chunks: int, counts: Sequence[int] | None = None)
     if counts is None:
         return even_partition(n_layer, chunks)
     if len(counts) != chunks or min(counts) < 1 or sum(counts) != n_layer:
-        raise ValueError(f"Blocks per chunk {list(counts)} is not a partition of {n_layer} Blocks into {chunks} "
-                         "non-empty chunks")
+        raise ValueError(
+            f"Blocks per chunk {list(counts)} is not a partition of {n_layer} Blocks into {chunks} non-empty chunks"
+        )
     return consecutive(counts)
 
 
@@ -64,8 +84,15 @@ class PipelineStage(nn.Module):
     front (`even_partition`). `self.layers[c]` is chunk c's range of Block indices.
     """
 
-    def __init__(self, model: GPT, rank: int, pp: int, virtual: int = 1, layers: Sequence[int] | None = None,
-                 v_shape: bool = False):
+    def __init__(
+        self,
+        model: GPT,
+        rank: int,
+        pp: int,
+        virtual: int = 1,
+        layers: Sequence[int] | None = None,
+        v_shape: bool = False,
+    ):
         super().__init__()
         self.config, self.rank, self.pp, self.virtual, self.v_shape = model.config, rank, pp, virtual, v_shape
         if v_shape and virtual != 2:
@@ -87,8 +114,9 @@ class PipelineStage(nn.Module):
                 self.lm_head = model.lm_head  # tied to wte, as in GPT
             else:
                 w = model.transformer.wte.weight
-                self.lm_head = nn.Linear(self.config.n_embd, self.config.vocab_size, bias=False,
-                                         device=w.device, dtype=w.dtype)
+                self.lm_head = nn.Linear(
+                    self.config.n_embd, self.config.vocab_size, bias=False, device=w.device, dtype=w.dtype
+                )
                 if not w.is_meta:
                     with torch.no_grad():
                         self.lm_head.weight.copy_(w)
@@ -175,10 +203,17 @@ class PipelineRunner:
     Sends to the neighbouring chunks' ranks in `group` (the pp group; None: the whole world) or on a boundary's
     link group; all-reduces the tied embedding's gradient over `embed_group` (`reduce_tied_grads`)."""
 
-    def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None,
-                 embed_group: dist.ProcessGroup | None | str = WHOLE_WORLD, act_dtype: torch.dtype = torch.float32,
-                 seq_shard: int = 1, engine: nn.Module | None = None, device: torch.device | None = None,
-                 links: Sequence[dist.ProcessGroup] = ()):
+    def __init__(
+        self,
+        stage: PipelineStage,
+        group: dist.ProcessGroup | None = None,
+        embed_group: dist.ProcessGroup | None | str = WHOLE_WORLD,
+        act_dtype: torch.dtype = torch.float32,
+        seq_shard: int = 1,
+        engine: nn.Module | None = None,
+        device: torch.device | None = None,
+        links: Sequence[dist.ProcessGroup] = (),
+    ):
         """`act_dtype`: the dtype of the activations between chunks, what the stages really produce (the
         residual stream's: fp32, or the compute copies' dtype when FSDP gathers bf16 ones); both sides of a
         send must agree, since the receiver allocates it. `seq_shard`: activations between chunks are (mb, T /
@@ -194,21 +229,28 @@ class PipelineRunner:
         self.engine = engine
         self.forward = stage.forward_chunk if engine is None else partial(engine.run, stage.forward_chunk)
         self.device = device if device is not None else next(stage.parameters()).device
-        self.tied = (engine.unit_pieces(TIED) if engine is not None
-                     else [w for w in [self.tied_weight()] if w is not None])
+        self.tied = (
+            engine.unit_pieces(TIED) if engine is not None else [w for w in [self.tied_weight()] if w is not None]
+        )
         if comm.world(group) != stage.pp:
             raise ValueError(f"pp group has {comm.world(group)} ranks, the stage was cut for pp={stage.pp}")
         if isinstance(embed_group, str):
             if stage.pp > 1 and comm.world(group) != dist.get_world_size():
-                raise ValueError("the pp group is not the whole world: pass embed_group=embedding_group(...), "
-                                 "built by every rank of the world")
+                raise ValueError(
+                    "the pp group is not the whole world: pass embed_group=embedding_group(...), "
+                    "built by every rank of the world"
+                )
             embed_group = embedding_group([list(range(stage.pp))], stage.v_shape) if stage.pp > 1 else None
         self.embed_group = embed_group
         self.record = StepRecord(self.device)  # the last step's timeline, events and peaks
         self.store: WeightGradStore | None = None  # a split schedule's deferred weight gradients (built by one)
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], schedule_name: str = "1f1b",
-             scale: Callable | None = None) -> torch.Tensor:
+    def step(
+        self,
+        micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+        schedule_name: str = "1f1b",
+        scale: Callable | None = None,
+    ) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients accumulate into the stage's .grad.
 
         Every rank passes the same list (only chunk 0 reads x, only the last chunk y; the others read the
@@ -217,8 +259,10 @@ class PipelineRunner:
         (0 unless it holds the last chunk)."""
         st = self.stage
         if (schedule_name in V_SCHEDULES) != st.v_shape:
-            raise ValueError(f"schedule {schedule_name} needs a stage cut {'in' if not st.v_shape else 'without'} "
-                             "a V (PipelineStage(..., v_shape=True) for zbv and dualpipev)")
+            raise ValueError(
+                f"schedule {schedule_name} needs a stage cut {'in' if not st.v_shape else 'without'} "
+                "a V (PipelineStage(..., v_shape=True) for zbv and dualpipev)"
+            )
         split = schedule_name in SPLIT_SCHEDULES
         if split and self.store is None:
             self.store = self._split_backward()
@@ -242,8 +286,15 @@ class PipelineRunner:
         `send_waits` names there, and for an F or B the receive of its input; after the last, the sends no B
         waited on."""
         waits = send_waits(actions)
-        handlers = {F: self._forward, B: self._backward, W: self._weights, SEND_F: self._send, SEND_B: self._send,
-                    RECV_F: self._recv, RECV_B: self._recv}
+        handlers = {
+            F: self._forward,
+            B: self._backward,
+            W: self._weights,
+            SEND_F: self._send,
+            SEND_B: self._send,
+            RECV_F: self._recv,
+            RECV_B: self._recv,
+        }
         for a in actions:
             for sent in waits.get(a, ()):
                 s.sends.pop(sent)[0].wait()
@@ -297,8 +348,7 @@ class PipelineRunner:
             if a.chunk == st.n_chunks - 1:
                 torch.autograd.backward(scale(out) if scale is not None else out)
             elif (side := s.sides.pop(key, None)) is not None:  # its side loss, seeded as the loss is
-                torch.autograd.backward([out, scale(side) if scale is not None else side],
-                                        [s.grad_out.pop(key), None])
+                torch.autograd.backward([out, scale(side) if scale is not None else side], [s.grad_out.pop(key), None])
             else:
                 torch.autograd.backward(out, s.grad_out.pop(key))
         if a.chunk > 0:
@@ -360,8 +410,10 @@ class PipelineRunner:
     def _check(self, t: torch.Tensor) -> torch.Tensor:
         """t, if it has the act_dtype both sides allocate; otherwise a TypeError naming both."""
         if t.dtype != self.act_dtype:
-            raise TypeError(f"activation dtype {t.dtype} is not the runner's act_dtype {self.act_dtype}: "
-                            "the receiving rank allocates act_dtype")
+            raise TypeError(
+                f"activation dtype {t.dtype} is not the runner's act_dtype {self.act_dtype}: "
+                "the receiving rank allocates act_dtype"
+            )
         return t
 
     def tied_weight(self) -> nn.Parameter | None:
@@ -369,8 +421,11 @@ class PipelineRunner:
         one rank holds both ends: they are one tied parameter)."""
         if self.stage.both_ends:
             return None
-        return self.stage.transformer.wte.weight if self.stage.first else (
-            self.stage.lm_head.weight if self.stage.last else None)
+        return (
+            self.stage.transformer.wte.weight
+            if self.stage.first
+            else (self.stage.lm_head.weight if self.stage.last else None)
+        )
 
     def reduce_tied_grads(self) -> None:
         """All-reduce (SUM, counted) the embedding gradient over [first, last]: both then hold wte's
@@ -395,23 +450,30 @@ class PipelineRunner:
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """The global norm over `norm_items()` and the pp group (clipped at max_norm); returns it."""
-        return clip_grad_norm_(self.norm_items(), max_norm,
-                               across=self.group if self.group is not None else dist.group.WORLD)
+        return clip_grad_norm_(
+            self.norm_items(), max_norm, across=self.group if self.group is not None else dist.group.WORLD
+        )
 
 
 class _Step:
     """What one step (or evaluation) holds between its actions, keyed by (chunk, micro) or by message; all of it is
     gone at the step's end. The handlers read and fill it; `held` lists it (a test's recorder counts its bytes)."""
 
-    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]], runner: PipelineRunner,
-                 scale: Callable | None, store: WeightGradStore | None, train: bool):
+    def __init__(
+        self,
+        batches: list[tuple[torch.Tensor, torch.Tensor]],
+        runner: PipelineRunner,
+        scale: Callable | None,
+        store: WeightGradStore | None,
+        train: bool,
+    ):
         st, (mb, T) = runner.stage, batches[0][0].shape
         self.batches, self.M, self.scale, self.store, self.train = batches, len(batches), scale, store, train
         self.shape = (mb, T // runner.seq_shard, st.config.n_embd)  # every activation between chunks
         self.loss = torch.zeros((), device=runner.device) if train else None  # training: this rank's share
         self.losses: list[torch.Tensor | None] = [None] * self.M  # evaluation: each micro-batch's, on the last chunk
         self.stored: dict[tuple[int, int], tuple] = {}  # (c, m) -> F(c, m)'s (input, output), until B(c, m)
-        self.act_in: dict[tuple[int, int], torch.Tensor] = {}    # (c, m) -> input of F(c, m), received or local
+        self.act_in: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> input of F(c, m), received or local
         self.grad_out: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> grad of chunk c's output
         self.sides: dict[tuple[int, int], torch.Tensor] = {}  # (c, m) -> chunk c's side losses / M (MoE), until B
         self.to_send: dict[Action, torch.Tensor] = {}  # SEND -> what F or B made for it, until posted
@@ -423,8 +485,15 @@ class _Step:
         return self.store.defer(key) if self.store is not None else contextlib.nullcontext()
 
     def held(self) -> tuple[dict, ...]:
-        return (self.stored, self.act_in, self.grad_out, self.to_send, self.sends, self.recvs,
-                self.store.held_tensors() if self.store is not None else {})
+        return (
+            self.stored,
+            self.act_in,
+            self.grad_out,
+            self.to_send,
+            self.sends,
+            self.recvs,
+            self.store.held_tensors() if self.store is not None else {},
+        )
 
     def held_over(self) -> bool:
         """Whether anything is left that the list should have consumed (a schedule missing work)."""

@@ -25,6 +25,7 @@ compute that reads it; a send where `send_waits` says.
 See a schedule before reading the runner: `python -m plan.schedule_grid 1f1b --pp 2 --micro 4` prints each rank's
 list as a grid.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -49,6 +50,7 @@ class ScheduleError(ValueError):
 
 # ---- the partition: which Blocks each chunk holds -----------------------------------------------------
 
+
 def even_partition(n_layer: int, pp: int, virtual: int = 1) -> list[range]:
     """Block indices of each of the P·V chunks, consecutive and as even as possible.
 
@@ -58,8 +60,9 @@ def even_partition(n_layer: int, pp: int, virtual: int = 1) -> list[range]:
     """
     chunks = pp * virtual
     if pp < 1 or virtual < 1 or n_layer < chunks:
-        raise ValueError(f"cannot partition {n_layer} layers into pp={pp} x virtual={virtual} = {chunks} "
-                         "non-empty chunks")
+        raise ValueError(
+            f"cannot partition {n_layer} layers into pp={pp} x virtual={virtual} = {chunks} non-empty chunks"
+        )
     q, e = divmod(n_layer, chunks)
     return consecutive([q + (c < e) for c in range(chunks)])
 
@@ -98,11 +101,14 @@ def peer_of(a: Action, pp: int, v_shape: bool = False) -> int:
 
 # ---- schedules: per-rank compute order, then the P2P actions -----------------------------------------
 
+
 def gpipe(pp: int, micro_batches: int, virtual: int = 1) -> list[list[Action]]:
     """GPipe / picotron's AFAB: every forward, then every backward, micro-batches in order."""
     _check(pp, micro_batches, virtual, need_v1=True)
-    order = [[Action(F, r, m) for m in range(micro_batches)] + [Action(B, r, m) for m in range(micro_batches)]
-             for r in range(pp)]
+    order = [
+        [Action(F, r, m) for m in range(micro_batches)] + [Action(B, r, m) for m in range(micro_batches)]
+        for r in range(pp)
+    ]
     return _with_p2p(order, pp)
 
 
@@ -135,8 +141,10 @@ def interleaved_one_f_one_b(pp: int, micro_batches: int, virtual: int = 1) -> li
     """
     _check(pp, micro_batches, virtual)
     if micro_batches % pp:
-        raise ValueError(f"interleaved 1F1B needs micro_batches divisible by pp (Megatron's rule); "
-                         f"got micro_batches={micro_batches}, pp={pp}")
+        raise ValueError(
+            f"interleaved 1F1B needs micro_batches divisible by pp (Megatron's rule); "
+            f"got micro_batches={micro_batches}, pp={pp}"
+        )
     group, total = pp * virtual, micro_batches * virtual
 
     def nth(k: int, kind: str, r: int) -> Action:
@@ -274,7 +282,7 @@ def dualpipev(pp: int, micro_batches: int, virtual: int = 2) -> list[list[Action
             add(F, c0), add(F, c1)
         for _ in range(pp - r - 1):
             add(B, c1), pending_w(), add(F, c1)
-        for i in range(micro_batches - 2 * pp + r + 1):
+        for _ in range(micro_batches - 2 * pp + r + 1):
             add(F, c0), add(B, c1, whole=True)
             add(F, c1), add(B, c0, whole=True)
         for _ in range(pp - r - 1):
@@ -318,8 +326,7 @@ def _check(pp: int, micro_batches: int, virtual: int, need_v1: bool = False) -> 
     if pp < 1 or micro_batches < 1 or virtual < 1:
         raise ValueError(f"pp, micro_batches and virtual must be >= 1; got {pp}, {micro_batches}, {virtual}")
     if need_v1 and virtual != 1:
-        raise ValueError(f"this schedule runs one chunk per rank; got virtual={virtual} "
-                         "(use interleaved_one_f_one_b)")
+        raise ValueError(f"this schedule runs one chunk per rank; got virtual={virtual} (use interleaved_one_f_one_b)")
 
 
 def _needs(a: Action, pp: int, chunks: int, v: bool = False) -> Action | None:
@@ -375,7 +382,7 @@ def ideal_times(order: list[list[Action]], pp: int) -> tuple[dict[Action, int], 
                 clock[r] = end[a] = start[a] + cost[a.kind]
                 pos[r], moved = pos[r] + 1, True
         if not moved:
-            raise ScheduleError(f"compute orders deadlock at {[order[r][pos[r]:pos[r] + 1] for r in range(pp)]}")
+            raise ScheduleError(f"compute orders deadlock at {[order[r][pos[r] : pos[r] + 1] for r in range(pp)]}")
     return start, end
 
 

@@ -15,6 +15,7 @@ that `Parallelized` (parallel/parallelize.py) only delegates and never asks whic
 `Replicated` is the default: parameters as they are (no data parallelism, or a wrapper that keeps whole
 replicas); `Accumulating` adds DDP's local accumulation; `Sharded` is our FSDP / ZeRO engine.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,6 +34,7 @@ class Cut(NamedTuple):
     each micro-batch's rows are cut to this rank's tokens on the host (`tokens`: our CP's zigzag share) and a
     context opened around each micro-step's forward and backward that yields its (x, y) (`context`: the twins'
     DTensor loss parallel, torch's context_parallel)."""
+
     model: nn.Module
     tokens: Callable | None = None
     context: Callable | None = None
@@ -45,6 +47,7 @@ class Params(NamedTuple):
     (the tp rank under TP, which replicates them); `sharded_as`: names of plain local tensors that are really
     DTensor shards (TP under torch DDP) -> a DTensor with their placements; `owns(p)`: torch's ZeRO-1, whose
     `optimizer` (its local AdamW) holds the moments of the parameters this rank owns."""
+
     named: list[tuple[str, nn.Parameter]]
     optimizer: torch.optim.Optimizer
     replica_rank: int = 0
@@ -56,6 +59,7 @@ class Params(NamedTuple):
 class Buffers(NamedTuple):
     """A checkpoint part: the persistent buffers that are training state (the MoE expert bias), whole on every rank
     of the stage that holds them, written by replica 0 and tp rank 0."""
+
     module: nn.Module
     replica_rank: int = 0
     plain_replica_rank: int = 0
@@ -65,6 +69,7 @@ class FlatShards(NamedTuple):
     """A checkpoint part: our sharding engine's shards, each original parameter's slice [offset, offset + n) of
     this rank's flat shard (another dimension's slice where `fsdp.shard_marks` says). Writers: replica 0, and tp
     rank 0 for the parameters replicated over TP."""
+
     fsdp: nn.Module
     optimizer: torch.optim.Optimizer
     tp_rank: int
@@ -94,6 +99,7 @@ class Placement:
     tp_*: plain (non-DTensor) parameters are replicated over TP, our TP shards are the tp_rank-th slice;
     replica_rank: index among identical replicas (checkpoint writers are replica 0);
     lm_head_copy: this pipeline stage holds the last stage's copy of the tied embedding (scaled, not measured)."""
+
     tp_group: dist.ProcessGroup | None = None
     tp_rank: int = 0
     tp_size: int = 1
@@ -105,15 +111,16 @@ class Replicated:
     """Parameters as they are: no data parallelism, or whole replicas (torch DDP under a pipeline, whose
     PipelineStage syncs). `groups`: for each parameter name, the groups its gradient is sharded over (TP)."""
 
-    def __init__(self, model: nn.Module, at: Placement, groups: dict[str, tuple],
-                 sharded_as: dict | None = None):
+    def __init__(self, model: nn.Module, at: Placement, groups: dict[str, tuple], sharded_as: dict | None = None):
         self.model, self.at, self.sharded_as = model, at, sharded_as or {}
         copy = {"lm_head.weight": None} if at.lm_head_copy else {}  # scaled, not measured (counted as wte)
-        self._norm_items = norm_items(((n.removeprefix("module."), p) for n, p in model.named_parameters()),
-                                      {**groups, **copy})
+        self._norm_items = norm_items(
+            ((n.removeprefix("module."), p) for n, p in model.named_parameters()), {**groups, **copy}
+        )
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         from model import param_groups
+
         return param_groups(list(self.model.named_parameters()), weight_decay)
 
     def make_optimizer(self, weight_decay: float, **adamw) -> torch.optim.Optimizer:
@@ -133,6 +140,7 @@ class Replicated:
 
     def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         import memory
+
         return memory.state_breakdown(self.model, self.checkpoint_optimizer(optimizer))
 
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -140,8 +148,10 @@ class Replicated:
 
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> list[Part]:
         a = self.at
-        return [Params(list(self.model.named_parameters()), optimizer, a.replica_rank, self.sharded_as, a.tp_rank),
-                Buffers(self.model, a.replica_rank, a.tp_rank)]
+        return [
+            Params(list(self.model.named_parameters()), optimizer, a.replica_rank, self.sharded_as, a.tp_rank),
+            Buffers(self.model, a.replica_rank, a.tp_rank),
+        ]
 
 
 class Accumulating(Replicated):
@@ -198,5 +208,7 @@ class Sharded:
         rank: written by the first rank of the shard group's replica 0)."""
         a = self.at
         first = a.replica_rank == 0 and self.model.rank == 0
-        return [FlatShards(self.model, optimizer, a.tp_rank, a.replica_rank),
-                Buffers(self.model, 0 if first else 1, a.tp_rank)]
+        return [
+            FlatShards(self.model, optimizer, a.tp_rank, a.replica_rank),
+            Buffers(self.model, 0 if first else 1, a.tp_rank),
+        ]

@@ -19,6 +19,7 @@ The layers (`ColumnParallelLinear`, `RowParallelLinear`, ...) live in parallel/t
 primitives in parallel/tp_comm.py; those go through parallel/comm.py, so `tp_comm_bytes_per_micro_step` can be
 checked against parallel/comm.COUNTER.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -35,28 +36,34 @@ from moe import MoE, moe_layers
 from parallel import comm
 from parallel.marks import mark_shard, shard_dim
 from parallel.tp_comm import all_gather_along, gather_sequence_replicated, scatter_to_sequence
-from parallel.tp_layers import (ColumnParallelLinear, ParallelLayerNorm, RowParallelLinear,
-                                SequenceParallelPositionEmbedding, VocabParallelEmbedding)
+from parallel.tp_layers import (
+    ColumnParallelLinear,
+    ParallelLayerNorm,
+    RowParallelLinear,
+    SequenceParallelPositionEmbedding,
+    VocabParallelEmbedding,
+)
 
 # Module name (fnmatch pattern) -> style. Read top to bottom, this is the whole sharding.
 TP_PLAN: dict[str, str] = {
-    "transformer.wte": "vocab",             # rows of the vocab: masked lookup, then g (reduce-scatter over T under SP)
-    "transformer.wpe": "position",          # replicated; under SP each rank adds only its T/p positions
-    "transformer.h.*.ln_1": "norm",         # replicated; its output enters the region: f (all-gather over T under SP)
+    "transformer.wte": "vocab",  # rows of the vocab: masked lookup, then g (reduce-scatter over T under SP)
+    "transformer.wpe": "position",  # replicated; under SP each rank adds only its T/p positions
+    "transformer.h.*.ln_1": "norm",  # replicated; its output enters the region: f (all-gather over T under SP)
     "transformer.h.*.attn.c_q": "colwise",  # whole heads per rank
     "transformer.h.*.attn.c_k": "colwise",
     "transformer.h.*.attn.c_v": "colwise",
     "transformer.h.*.attn.c_proj": "rowwise",  # g: all-reduce (reduce-scatter over T under SP), then + bias
     "transformer.h.*.ln_2": "norm",
-    "transformer.h.*.mlp": "moe",           # an MoE layer: replicated, run whole by every rank (else left as it is)
+    "transformer.h.*.mlp": "moe",  # an MoE layer: replicated, run whole by every rank (else left as it is)
     "transformer.h.*.mlp.c_fc": "colwise",
     "transformer.h.*.mlp.c_proj": "rowwise",
     "transformer.ln_f": "norm",
-    "lm_head": "vocab_head",                # colwise over the vocab with wte's (tied) shard; logits gathered
-}                                           # over the vocab unless loss parallel
+    "lm_head": "vocab_head",  # colwise over the vocab with wte's (tied) shard; logits gathered
+}  # over the vocab unless loss parallel
 
 
 # ----------------------------------------------------------------------------- loss
+
 
 class VocabShard:
     """The rows of loss.linear_cross_entropy when its weight is this rank's vocab rows [start, start + V/p) (see
@@ -83,8 +90,9 @@ class VocabShard:
         mine = (targets >= lo) & (targets < lo + n)  # target in columns [lo, lo + n) (never an ignored -1)
         return mine, (targets - lo).masked_fill(~mine, 0)
 
-    def log_probs(self, xc: torch.Tensor, wc: torch.Tensor, targets: torch.Tensor, chunk: int, scale: torch.Tensor,
-                  grads) -> torch.Tensor:
+    def log_probs(
+        self, xc: torch.Tensor, wc: torch.Tensor, targets: torch.Tensor, chunk: int, scale: torch.Tensor, grads
+    ) -> torch.Tensor:
         if self.gather:
             return self._whole_rows(xc, wc, targets, chunk, scale, grads)
         N, n_cols = xc.shape[0], wc.shape[0]
@@ -115,24 +123,32 @@ class VocabShard:
             z = g = None  # g is z's storage: both names let go before the next chunk's logits
         return stats[2] - stats[0] - stats[1].log()  # log p(target)
 
-    def _whole_rows(self, xc: torch.Tensor, wc: torch.Tensor, targets: torch.Tensor, chunk: int,
-                    scale: torch.Tensor, grads) -> torch.Tensor:
+    def _whole_rows(
+        self, xc: torch.Tensor, wc: torch.Tensor, targets: torch.Tensor, chunk: int, scale: torch.Tensor, grads
+    ) -> torch.Tensor:
         w_all = all_gather_along(wc, 0, self.group)  # (V, C): the whole lm_head, once
         cols = slice(self.start, self.start + wc.shape[0])
         N = xc.shape[0]
         picked = torch.empty(N, dtype=torch.float32, device=xc.device)
         for lo in range(0, N, chunk):
             rows = slice(lo, lo + chunk)
-            picked[rows], g = WholeVocab.rows(F.linear(xc[rows], w_all), targets[rows],
-                                              scale[rows] if grads.needed else None)
+            picked[rows], g = WholeVocab.rows(
+                F.linear(xc[rows], w_all), targets[rows], scale[rows] if grads.needed else None
+            )
             if g is not None:
                 grads.add(rows, g[:, cols], xc, wc)
             del g  # else it lives on beside the next chunk's logits (as in WholeVocab.log_probs)
         return picked
 
 
-def vocab_parallel_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, group,
-                                 gather: bool = False, chunk_rows: int | None = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    group,
+    gather: bool = False,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
     """cross_entropy(F.linear(x, full weight), targets) (mean over targets != -1) from this rank's vocab rows
     `weight` (V/p, C) of the tied matrix: x (..., C) the same on every rank, targets (...) global ids. Chunked over
     rows as loss.linear_cross_entropy (only one chunk's logits at a time, (n, V/p), or (n, V) with `gather`); the
@@ -140,32 +156,37 @@ def vocab_parallel_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets:
     `gather` 1 all-gather of the weight. Computed in fp32."""
     vocab = VocabShard(group, comm.rank(group) * weight.shape[0], gather)
     # chunks sized by the fp32 logits they make: this rank's columns, or whole rows
-    chunk_rows = chunk_rows or loss_chunk_rows(weight.shape[0] * (comm.world(group) if gather else 1),
-                                               x.device.type)
+    chunk_rows = chunk_rows or loss_chunk_rows(weight.shape[0] * (comm.world(group) if gather else 1), x.device.type)
     return linear_cross_entropy(x, weight, targets, vocab, chunk_rows)
 
 
 # ----------------------------------------------------------------------------- applying the plan
+
 
 def check_tp_divisibility(config: GPTConfig, tp: int, seq_len: int | None = None) -> str | None:
     """A one-line reason why `config` cannot be split over `tp` ranks, else None. With `seq_len` (pass it
     when sequence parallelism is on) the sequence must split too."""
     if tp < 1:
         return f"tensor-parallel size must be >= 1, got {tp}"
-    for what, n, why in (("n_head", config.n_head, "each rank holds whole heads"),
-                         ("n_embd", config.n_embd, "the MLP and attention widths are split"),
-                         ("vocab_size", config.vocab_size, "the embedding and lm_head are split by vocab")):
+    for what, n, why in (
+        ("n_head", config.n_head, "each rank holds whole heads"),
+        ("n_embd", config.n_embd, "the MLP and attention widths are split"),
+        ("vocab_size", config.vocab_size, "the embedding and lm_head are split by vocab"),
+    ):
         if n % tp:
             return f"{what} ({n}) is not divisible by the tensor-parallel size {tp} ({why})"
     if seq_len is not None and seq_len % tp:
-        return (f"sequence parallelism needs seq_len ({seq_len}) divisible by the tensor-parallel size {tp} "
-                f"(each rank holds T/tp positions)")
+        return (
+            f"sequence parallelism needs seq_len ({seq_len}) divisible by the tensor-parallel size {tp} "
+            f"(each rank holds T/tp positions)"
+        )
     return None
 
 
 @dataclass
 class _Builder:
     """What every style needs: the group, the switches, and (for a meta model) how to make shards."""
+
     group: object
     loss_parallel: bool
     sequence_parallel: bool
@@ -203,8 +224,10 @@ class _Builder:
         """p itself, or (p on meta) a new Parameter holding its init value."""
         if p is None or not p.is_meta:
             return p
-        return nn.Parameter(init_parameter(name, p.shape, self.config, self.seed).to(self.device, p.dtype),
-                            requires_grad=p.requires_grad)
+        return nn.Parameter(
+            init_parameter(name, p.shape, self.config, self.seed).to(self.device, p.dtype),
+            requires_grad=p.requires_grad,
+        )
 
     def materialize(self, module: nn.Module, name: str) -> None:
         if any(p.is_meta for p in module.parameters()):
@@ -213,13 +236,18 @@ class _Builder:
 
 # which dim of each parameter a style splits over the tp ranks (absent: replicated); the styles below read it,
 # and so does the layout planner's per-rank shapes (plan/counts.py tp_local_shape)
-SHARD_DIMS: dict[str, dict[str, int]] = {"vocab": {"weight": 0}, "colwise": {"weight": 0, "bias": 0},
-                                         "rowwise": {"weight": 1}, "vocab_head": {"weight": 0}}
+SHARD_DIMS: dict[str, dict[str, int]] = {
+    "vocab": {"weight": 0},
+    "colwise": {"weight": 0, "bias": 0},
+    "rowwise": {"weight": 1},
+    "vocab_head": {"weight": 0},
+}
 
 
 def _vocab(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:
-    return VocabParallelEmbedding(b.shard(f"{name}.weight", m.weight, SHARD_DIMS["vocab"]["weight"]), b.group,
-                                  b.sequence_parallel)
+    return VocabParallelEmbedding(
+        b.shard(f"{name}.weight", m.weight, SHARD_DIMS["vocab"]["weight"]), b.group, b.sequence_parallel
+    )
 
 
 def _position(b: _Builder, name: str, m: nn.Embedding) -> nn.Module:
@@ -254,24 +282,39 @@ def _moe(b: _Builder, name: str, m: nn.Module) -> nn.Module:
 
 def _colwise(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
     dims = SHARD_DIMS["colwise"]
-    return ColumnParallelLinear(b.shard(f"{name}.weight", m.weight, dims["weight"]),
-                                b.shard(f"{name}.bias", m.bias, dims["bias"]), b.group)
+    return ColumnParallelLinear(
+        b.shard(f"{name}.weight", m.weight, dims["weight"]), b.shard(f"{name}.bias", m.bias, dims["bias"]), b.group
+    )
 
 
 def _rowwise(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
-    return RowParallelLinear(b.shard(f"{name}.weight", m.weight, SHARD_DIMS["rowwise"]["weight"]),
-                             b.replicated(f"{name}.bias", m.bias),
-                             b.group, b.sequence_parallel)
+    return RowParallelLinear(
+        b.shard(f"{name}.weight", m.weight, SHARD_DIMS["rowwise"]["weight"]),
+        b.replicated(f"{name}.bias", m.bias),
+        b.group,
+        b.sequence_parallel,
+    )
 
 
 def _vocab_head(b: _Builder, name: str, m: nn.Linear) -> nn.Module:
     # GPT ties this weight to wte's, already sharded by "vocab": shard() returns that same Parameter.
-    return ColumnParallelLinear(b.shard(f"{name}.weight", m.weight, SHARD_DIMS["vocab_head"]["weight"]), None,
-                                b.group, gather_output=not b.loss_parallel)
+    return ColumnParallelLinear(
+        b.shard(f"{name}.weight", m.weight, SHARD_DIMS["vocab_head"]["weight"]),
+        None,
+        b.group,
+        gather_output=not b.loss_parallel,
+    )
 
 
-STYLES = {"vocab": _vocab, "position": _position, "norm": _norm, "colwise": _colwise, "rowwise": _rowwise,
-          "vocab_head": _vocab_head, "moe": _moe}
+STYLES = {
+    "vocab": _vocab,
+    "position": _position,
+    "norm": _norm,
+    "colwise": _colwise,
+    "rowwise": _rowwise,
+    "vocab_head": _vocab_head,
+    "moe": _moe,
+}
 
 
 def plan_entry(name: str, plan: dict[str, str] = TP_PLAN) -> str | None:
@@ -285,8 +328,14 @@ def plan_style(name: str, plan: dict[str, str] = TP_PLAN) -> str | None:
     return plan[pattern] if pattern else None
 
 
-def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_parallel: bool,
-                          seed: int | None = None, device: torch.device | str | None = None) -> GPT:
+def apply_tensor_parallel(
+    model: GPT,
+    tp_group,
+    loss_parallel: bool,
+    sequence_parallel: bool,
+    seed: int | None = None,
+    device: torch.device | str | None = None,
+) -> GPT:
     """Shard `model` in place over `tp_group` by TP_PLAN and return it.
 
     With `seed` the model may be on meta: only this rank's shards (and the replicated LayerNorms and
@@ -301,8 +350,10 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
     if reason:
         raise ValueError(f"cannot apply tensor parallelism: {reason}")
     if model.config.dropout > 0 and tp > 1:
-        raise ValueError(f"dropout ({model.config.dropout}) under tensor parallelism is not supported: the ranks "
-                         f"would need coordinated RNG streams (Megatron's RNG tracker); set dropout=0")
+        raise ValueError(
+            f"dropout ({model.config.dropout}) under tensor parallelism is not supported: the ranks "
+            f"would need coordinated RNG streams (Megatron's RNG tracker); set dropout=0"
+        )
     meta = any(p.is_meta for p in model.parameters())
     if meta and seed is None:
         raise ValueError("the model is on meta: pass seed= so apply_tensor_parallel can materialise its shards")
@@ -332,4 +383,3 @@ def apply_tensor_parallel(model: GPT, tp_group, loss_parallel: bool, sequence_pa
     if loss_parallel:
         model.loss_fn = None  # lm_head gives this rank's vocab slice: no loss of whole logits
     return model
-

@@ -15,6 +15,7 @@ slice of the MLP's hidden units, or of the vocab) and activations outside it are
 Nothing here modifies its input in place: a gradient handed to backward may be shared with other
 branches of the graph (a residual add passes one gradient to both of its inputs).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,6 +26,7 @@ SEQ_DIM = 1  # activations are (B, T, C)
 
 
 # ----------------------------------------------------------------------------- helpers (no autograd)
+
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     """Sum of x over the group, in a new tensor."""
@@ -37,9 +39,11 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's 1/p chunk of x along dim (contiguous, its own storage)."""
     world = comm.world(group)
     if x.shape[dim] % world:
-        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} over {world} tensor-parallel ranks; "
-                         f"it must be divisible by the tensor-parallel size (with sequence parallelism: "
-                         f"seq_len % tp == 0)")
+        raise ValueError(
+            f"cannot split dim {dim} of size {x.shape[dim]} over {world} tensor-parallel ranks; "
+            f"it must be divisible by the tensor-parallel size (with sequence parallelism: "
+            f"seq_len % tp == 0)"
+        )
     return x.chunk(world, dim)[comm.rank(group)].contiguous()
 
 
@@ -52,7 +56,7 @@ def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if dim == 0:
         return flat
     stacked = flat.unflatten(0, (world, x.shape[0]))  # (p, *x.shape)
-    out_shape = (*x.shape[:dim], world * x.shape[dim], *x.shape[dim + 1:])
+    out_shape = (*x.shape[:dim], world * x.shape[dim], *x.shape[dim + 1 :])
     return stacked.movedim(0, dim).reshape(out_shape)  # (.., p, n, ..) -> (.., p*n, ..): one copy
 
 
@@ -61,8 +65,10 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     world = comm.world(group)
     dim = dim % x.dim()
     if x.shape[dim] % world:
-        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {world} tensor-parallel "
-                         f"ranks; with sequence parallelism seq_len must be divisible by the tensor-parallel size")
+        raise ValueError(
+            f"cannot reduce-scatter dim {dim} of size {x.shape[dim]} over {world} tensor-parallel "
+            f"ranks; with sequence parallelism seq_len must be divisible by the tensor-parallel size"
+        )
     n = x.shape[dim] // world
     chunks = x.unflatten(dim, (world, n)).movedim(dim, 0).contiguous()  # (p, .., n, ..): rank r's chunk at [r]
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
@@ -71,6 +77,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- autograd Functions
+
 
 class _CopyToRegion(torch.autograd.Function):
     """f: forward identity, backward all-reduce."""
@@ -181,6 +188,7 @@ class _ScatterToSequence(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------- public wrappers
+
 
 def copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
     """f. forward: identity (x is already the same on every rank); backward: all-reduce of the gradient.

@@ -3,6 +3,7 @@ states the math (Y = XA with A split by columns or by rows, Megatron-LM's layers
 it communicates, through the f and g of parallel/tp_comm.py; under sequence parallelism (SP) the activations
 outside the tensor-parallel region are split along the sequence, (B, T/p, C).
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel import comm
-from parallel.tp_comm import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
-                              reduce_scatter_to_sequence, scatter_to_sequence)
+from parallel.tp_comm import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+    scatter_to_sequence,
+)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -82,8 +89,9 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         tp = comm.world(self.group)
         if self.sequence_parallel and idx.shape[1] % tp:
-            raise ValueError(f"sequence parallelism needs seq_len ({idx.shape[1]}) divisible by the "
-                             f"tensor-parallel size ({tp})")
+            raise ValueError(
+                f"sequence parallelism needs seq_len ({idx.shape[1]}) divisible by the tensor-parallel size ({tp})"
+            )
         outside = (idx < self.vocab_start) | (idx >= self.vocab_start + self.weight.shape[0])
         local = (idx - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, C), partial
@@ -104,8 +112,9 @@ class ParallelLayerNorm(nn.LayerNorm):
     """
 
     def __init__(self, like: nn.LayerNorm, group, sequence_parallel: bool, gather: bool = True):
-        super().__init__(like.normalized_shape, like.eps, like.elementwise_affine, bias=like.bias is not None,
-                         device="meta")
+        super().__init__(
+            like.normalized_shape, like.eps, like.elementwise_affine, bias=like.bias is not None, device="meta"
+        )
         self.weight, self.bias = like.weight, like.bias  # the same Parameters: nothing copied
         self.group, self.sequence_parallel, self.gather = group, sequence_parallel, gather
 

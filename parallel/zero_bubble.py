@@ -41,6 +41,7 @@ x is the all-gathered (B, T, C) input (one storage shared by q, k, v; autograd s
 gradient (padded, compute dtype) per (unit, key) from B until W. Communication: none here; TP's stay in B (dx), W
 needs none (dW = dy^T x of local tensors); a data-parallel reduction runs after the last W that feeds it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -143,14 +144,16 @@ class _InputGradGrouped(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xc, wc, ends = ctx.saved_tensors
-        dx = grouped_linear(dy, wc.transpose(1, 2), ends, ctx.sizes).to(ctx.x_dtype) if ctx.needs_input_grad[0] \
-            else None
+        dx = (
+            grouped_linear(dy, wc.transpose(1, 2), ends, ctx.sizes).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        )
         ctx.store.push(ctx.key, ctx.weight, None, xc.detach(), dy, (ends, ctx.sizes, ctx.grouped))
         return dx, None, None, None, None, None
 
 
-def _grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None,
-                         grouped: bool) -> torch.Tensor:
+def _grouped_weight_grad(
+    x: torch.Tensor, dy: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None, grouped: bool
+) -> torch.Tensor:
     """(E, in, out): each expert's x_e^T dy_e, by the path its forward took (`grouped`: torch._grouped_mm, else
     the per-expert loop), with autograd's products on either."""
     if grouped:
@@ -163,8 +166,10 @@ def routable(name: str, module: nn.Module) -> bool:
     """The linears a store defers: nn.Linear, our TP's linears and the MoE experts' stacked linears (a `linear`
     attribute), lm_head excluded."""
     from parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
+
     return name.rpartition(".")[2] != "lm_head" and (
-        type(module) is nn.Linear or isinstance(module, (ColumnParallelLinear, RowParallelLinear, ExpertLinear)))
+        type(module) is nn.Linear or isinstance(module, (ColumnParallelLinear, RowParallelLinear, ExpertLinear))
+    )
 
 
 _ACTIVE: list[tuple["WeightGradStore", Hashable]] = []  # the (store, key) of each open `defer`, innermost last
@@ -213,12 +218,18 @@ class WeightGradStore:
     def _swap(self, m: nn.Module, key: Hashable) -> tuple[nn.Module, str, object]:
         attr = "forward" if type(m) is nn.Linear else "linear"
         before = m.__dict__.get(attr)
-        m.__dict__[attr] = (partial(self._forward, m, key) if attr == "forward" else
-                            partial(self._grouped, key) if isinstance(m, ExpertLinear) else partial(self._linear, key))
+        m.__dict__[attr] = (
+            partial(self._forward, m, key)
+            if attr == "forward"
+            else partial(self._grouped, key)
+            if isinstance(m, ExpertLinear)
+            else partial(self._linear, key)
+        )
         return m, attr, before
 
-    def _grouped(self, key: Hashable, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
-                 sizes: list[int] | None = None) -> torch.Tensor:
+    def _grouped(
+        self, key: Hashable, x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, sizes: list[int] | None = None
+    ) -> torch.Tensor:
         if torch.is_grad_enabled() and weight.requires_grad:
             return _InputGradGrouped.apply(x, (weight,), self, key, ends, sizes)
         return grouped_linear(x, weight, ends, sizes)
@@ -226,14 +237,22 @@ class WeightGradStore:
     def _forward(self, m: nn.Linear, key: Hashable, x: torch.Tensor) -> torch.Tensor:
         return self._linear(key, x, m.weight, m.bias)
 
-    def _linear(self, key: Hashable, x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+    def _linear(
+        self, key: Hashable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if torch.is_grad_enabled() and weight.requires_grad and x.dim() == 3 and x.is_contiguous():
             return _InputGradLinear.apply(x, (weight, bias), self, key)
         return F.linear(x, weight, bias)
 
-    def push(self, key: Hashable, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor,
-             dy2: torch.Tensor, groups: tuple | None = None) -> None:
+    def push(
+        self,
+        key: Hashable,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        x: torch.Tensor,
+        dy2: torch.Tensor,
+        groups: tuple | None = None,
+    ) -> None:
         """What W needs of one product: (x, dy), and for the experts' grouped one its groups (ends, sizes, and
         whether its forward ran torch._grouped_mm)."""
         self.pending[key].append((weight, bias, x, dy2, groups))
@@ -278,7 +297,9 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor, held: dict[int, torch.Tensor])
         return
     grad = held.get(id(p._base))
     if grad is None:
-        raise RuntimeError("a deferred linear's weight is a view of a flat buffer whose gradient no B held "
-                           "(parallel/zero_bubble.hold_for_w)")
+        raise RuntimeError(
+            "a deferred linear's weight is a view of a flat buffer whose gradient no B held "
+            "(parallel/zero_bubble.hold_for_w)"
+        )
     offset = p.storage_offset() - p._base.storage_offset()
-    grad[offset:offset + p.numel()].view(p.shape).add_(g)
+    grad[offset : offset + p.numel()].view(p.shape).add_(g)

@@ -25,21 +25,22 @@ every preset: NCCL's per-hop cost (~1 to 6 us, above) is inside the 10 us a call
 forwards the next, 0.5 to 0.6 ms with 2 ranks on 2 cores, 1.1 to 1.2 ms with 4, whatever the bytes up to 512 KB
 (docs/planner.md, "Hops").
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 @dataclass(frozen=True)
 class Cluster:
     gpus: int
     gpus_per_node: int
-    memory: int          # bytes per GPU
-    peak_flops: float    # dense bf16 FLOP/s per GPU
-    intra_bw: float      # bytes/s per GPU per direction inside a node
-    inter_bw: float      # bytes/s per GPU per direction between nodes
+    memory: int  # bytes per GPU
+    peak_flops: float  # dense bf16 FLOP/s per GPU
+    intra_bw: float  # bytes/s per GPU per direction inside a node
+    inter_bw: float  # bytes/s per GPU per direction between nodes
     name: str = "custom"
     # communication runs behind compute (NCCL's kernels and the copy engines beside the SMs); False for gloo on
     # CPU ranks, whose reductions take the cores that compute (bench/plan_rank.py's calibrated cluster)
@@ -62,24 +63,24 @@ PRESETS: dict[str, dict] = {
     "h100-sxm": dict(memory=80 * GiB, peak_flops=989e12, intra_bw=450e9, inter_bw=50e9),
     # NVIDIA H200 Tensor Core GPU datasheet (2024), SXM: 141 GB HBM3e, BF16 1,979 TFLOPS with sparsity (989 dense),
     # NVLink 900 GB/s. Network as DGX H100 (DGX H200: 8 x 400 Gb/s).
-    "h200": dict(memory=141 * 10 ** 9, peak_flops=989e12, intra_bw=450e9, inter_bw=50e9),
+    "h200": dict(memory=141 * 10**9, peak_flops=989e12, intra_bw=450e9, inter_bw=50e9),
 }
 
 
 def parse_memory(text: str) -> int:
     """'80GB', '40GiB', '141e9' -> bytes (GB read as GiB, as nvidia-smi and torch report a GPU's memory)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = {"K": 2 ** 10, "M": 2 ** 20, "G": GiB, "T": 2 ** 40}.get(t[-1:], 1)
+    scale = {"K": 2**10, "M": 2**20, "G": GiB, "T": 2**40}.get(t[-1:], 1)
     value = float(t[:-1] if t[-1:] in "KMGT" else t)
     return int(value * scale)
 
 
 def link_of(dim: str, sizes: dict[str, int], gpus_per_node: int) -> str:
-    """"intra" or "inter": whether a group of mesh dim `dim` spans nodes. The mesh (parallel/mesh.py) orders
+    """ "intra" or "inter": whether a group of mesh dim `dim` spans nodes. The mesh (parallel/mesh.py) orders
     dims pp, dp_replicate, dp_shard, cp, tp, tp innermost: a group's ranks are `stride` apart, stride = the
     product of the inner dims' sizes, so it stays in a node when stride x size <= gpus_per_node."""
     order = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     stride = 1
-    for d in reversed(order[order.index(dim) + 1:]):
+    for d in reversed(order[order.index(dim) + 1 :]):
         stride *= sizes[d]
     return "intra" if stride * sizes[dim] <= gpus_per_node else "inter"

@@ -10,6 +10,7 @@ CP and the pipeline's in-flight bound; the peak memory built on them is plan/pea
 
 plan/predict.py assembles these counts and plan/peak.py's peak into the keys train.py measures each step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,22 +22,31 @@ import torch
 from device import backend_for
 from metrics import active_params, flops_per_token
 from model import GPT, GPTConfig
-from parallel.flat_param import shard_numel
-from parallel.flat_param import ZERO_LADDER, ZERO_STAGES
-from parallel.flat_param import unit_key
+from parallel.flat_param import ZERO_LADDER, ZERO_STAGES, shard_numel, unit_key
 from parallel.mesh import ParallelDims
 from parallel.parallelize import activation_dtype
 from parallel.pipeline import PipelineStage, sharded_units
 from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
 from parallel.tensor_parallel import SHARD_DIMS, plan_style
+from pipeline_partition import layers_for
 from plan import theory
 from plan.simulate import simulate
-from pipeline_partition import layers_for
-from plan.theory import (cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step, ddp_comm_bytes_per_step,
-                         ddp_comm_calls_per_step, ep_all_to_all_bytes_per_micro_step,
-                         ep_all_to_all_calls_per_micro_step, p2p_bytes_per_step, p2p_calls_per_step,
-                         pipelined_root_gathers, tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step,
-                         zero_comm_bytes_per_pipeline_step, zero_comm_bytes_per_step, zero_comm_calls_per_step)
+from plan.theory import (
+    cp_p2p_bytes_per_micro_step,
+    cp_p2p_calls_per_micro_step,
+    ddp_comm_bytes_per_step,
+    ddp_comm_calls_per_step,
+    ep_all_to_all_bytes_per_micro_step,
+    ep_all_to_all_calls_per_micro_step,
+    p2p_bytes_per_step,
+    p2p_calls_per_step,
+    pipelined_root_gathers,
+    tp_comm_bytes_per_micro_step,
+    tp_comm_calls_per_micro_step,
+    zero_comm_bytes_per_pipeline_step,
+    zero_comm_bytes_per_step,
+    zero_comm_calls_per_step,
+)
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 
@@ -54,6 +64,7 @@ def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...
 class Setup:
     """One validated layout, as config.check_layout returns it (the planner's input, and train.py's), with the
     ParallelConfig config.parallel_config resolves from it (dp_type, param_dtype: the trainer's own rules)."""
+
     args: argparse.Namespace
     dims: ParallelDims
     config: GPTConfig
@@ -65,6 +76,7 @@ class Setup:
     def par(self):
         """config.parallel_config's resolution, once per Setup (every prediction asks it many times)."""
         from config import parallel_config
+
         return parallel_config(self.args, self.dims, self.dtype, self.pp_layers)
 
     @property
@@ -108,8 +120,16 @@ def local_params(s: Setup, pp_rank: int = 0) -> list[tuple[str, int, int]]:
     """(name, elements, dims) of each distinct parameter one rank of pipeline stage `pp_rank` holds (its tp
     shard; its E/ep experts of each MoE layer; the tied matrix once, or on a pipeline's last stage the lm_head
     copy too)."""
-    return _local_params(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank, s.pp_layers,
-                         s.args.pp_schedule in V_SCHEDULES, s.dims.ep)
+    return _local_params(
+        s.config,
+        s.dims.pp,
+        s.args.pp_virtual_stages or 1,
+        s.dims.tp,
+        pp_rank,
+        s.pp_layers,
+        s.args.pp_schedule in V_SCHEDULES,
+        s.dims.ep,
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -120,9 +140,16 @@ def _meta_gpt(config: GPTConfig) -> GPT:
 
 
 @functools.lru_cache(maxsize=4096)
-def _local_params(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int,
-                  layers: tuple[int, ...] | None = None, v_shape: bool = False,
-                  ep: int = 1) -> list[tuple[str, int, int]]:
+def _local_params(
+    config: GPTConfig,
+    pp: int,
+    virtual: int,
+    tp: int,
+    pp_rank: int,
+    layers: tuple[int, ...] | None = None,
+    v_shape: bool = False,
+    ep: int = 1,
+) -> list[tuple[str, int, int]]:
     gpt = _meta_gpt(config)
     with torch.device("meta"):
         module = PipelineStage(gpt, pp_rank, pp, virtual, layers, v_shape) if pp > 1 else gpt
@@ -146,8 +173,16 @@ def units(s: Setup, pp_rank: int = 0) -> dict[str, tuple[int, int]]:
     do not change it). Under expert parallelism each Block's experts are a unit of their own,
     "transformer.h.<i>.experts" (parallel/fsdp_extensions.py's own-group units), sharded over the edp group
     (`unit_shard`)."""
-    return _units(s.config, s.dims.pp, s.args.pp_virtual_stages or 1, s.dims.tp, pp_rank, s.pp_layers,
-                  s.args.pp_schedule in V_SCHEDULES, s.dims.ep)
+    return _units(
+        s.config,
+        s.dims.pp,
+        s.args.pp_virtual_stages or 1,
+        s.dims.tp,
+        pp_rank,
+        s.pp_layers,
+        s.args.pp_schedule in V_SCHEDULES,
+        s.dims.ep,
+    )
 
 
 def unit_shard(s: Setup, unit: str) -> int:
@@ -158,12 +193,21 @@ def unit_shard(s: Setup, unit: str) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _units(config: GPTConfig, pp: int, virtual: int, tp: int, pp_rank: int, layers: tuple[int, ...] | None,
-           v_shape: bool, ep: int = 1) -> dict[str, tuple[int, int]]:
+def _units(
+    config: GPTConfig,
+    pp: int,
+    virtual: int,
+    tp: int,
+    pp_rank: int,
+    layers: tuple[int, ...] | None,
+    v_shape: bool,
+    ep: int = 1,
+) -> dict[str, tuple[int, int]]:
     params = _local_params(config, pp, virtual, tp, pp_rank, layers, v_shape, ep)
     with torch.device("meta"):  # the engine's own rule (a rank holding both ends has no tied unit: a V's rank 0)
-        separate = sharded_units(PipelineStage(_meta_gpt(config), pp_rank, pp, virtual, layers, v_shape)) \
-            if pp > 1 else {}
+        separate = (
+            sharded_units(PipelineStage(_meta_gpt(config), pp_rank, pp, virtual, layers, v_shape)) if pp > 1 else {}
+        )
     out: dict[str, list[int]] = {"root": [0, 0]}
     for name, n, ndim in params:
         key = unit_key(name, separate)
@@ -184,9 +228,16 @@ def state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0, expert_shard_ra
         out = dict.fromkeys(("params", "grads", "optimizer"), 0)
         for unit, (numel, n_decay) in units(s, pp_rank).items():
             expert = unit.endswith(".experts")
-            got = theory.fsdp_unit_state_bytes(numel, n_decay, unit_shard(s, unit),
-                                               expert_shard_rank if expert else shard_rank, policy.keeps_params,
-                                               policy.reduces_at_end, s.param_bytes, s.reduce_bytes)
+            got = theory.fsdp_unit_state_bytes(
+                numel,
+                n_decay,
+                unit_shard(s, unit),
+                expert_shard_rank if expert else shard_rank,
+                policy.keeps_params,
+                policy.reduces_at_end,
+                s.param_bytes,
+                s.reduce_bytes,
+            )
             for k in out:
                 out[k] += got[k]
         return out
@@ -215,8 +266,9 @@ def stage_chunks(s: Setup, pp_rank: int = 0) -> list[tuple[int, list[int]]]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _layers(config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple[int, ...] | None,
-            v_shape: bool) -> tuple[range, ...]:
+def _layers(
+    config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple[int, ...] | None, v_shape: bool
+) -> tuple[range, ...]:
     """pipeline_partition.layers_for, once per (model, pp, V, seq_len, counts): it depends on no other flag."""
     return tuple(layers_for(config, pp, virtual, seq_len, counts, v_shape=v_shape))
 
@@ -246,11 +298,30 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
     blocks, first, last = stage_blocks(s, pp_rank)
     T, B = a.seq_len // d.cp, a.micro_batch_size
     redo = recomputed_blocks(s, blocks)
-    out = {"tp": {k: v * M for k, v in tp_comm_bytes_per_micro_step(
-        c, B, T, d.tp, a.enable_loss_parallelism, a.sequence_parallel, s.compute_bytes, s.residual_bytes, redo,
-        len(blocks), first, last, len(moe_blocks(s, pp_rank))).items()},
-           "cp": {"p2p": M * cp_p2p_bytes_per_micro_step(len(blocks), B, a.seq_len, c.n_embd, d.cp, d.tp, s.compute_bytes,
-                                                         redo)}}
+    out = {
+        "tp": {
+            k: v * M
+            for k, v in tp_comm_bytes_per_micro_step(
+                c,
+                B,
+                T,
+                d.tp,
+                a.enable_loss_parallelism,
+                a.sequence_parallel,
+                s.compute_bytes,
+                s.residual_bytes,
+                redo,
+                len(blocks),
+                first,
+                last,
+                len(moe_blocks(s, pp_rank)),
+            ).items()
+        },
+        "cp": {
+            "p2p": M
+            * cp_p2p_bytes_per_micro_step(len(blocks), B, a.seq_len, c.n_embd, d.cp, d.tp, s.compute_bytes, redo)
+        },
+    }
     shard, edp = d.dp_shard * d.cp, d.dp * d.cp // d.ep
     if d.ep > 1:
         out["ep"] = {"all_to_all": M * ep_all_to_all_bytes(s, pp_rank)}
@@ -261,8 +332,10 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
         # the V layouts): this rank's tp shard in fp32, or under a sharding engine its 1/S of the tied unit
         tied = c.vocab_size // d.tp * c.n_embd
         tied = shard_numel(tied, shard) if s.dp_type in ZERO_STAGES else tied
-        out["pp"] = {"p2p": p2p_bytes_per_step(d.pp, V, pp_rank, M, shape, s.residual_bytes, v_shape=v_shape),
-                     "all_reduce": 4 * tied if (first or last) and not v_shape else 0}
+        out["pp"] = {
+            "p2p": p2p_bytes_per_step(d.pp, V, pp_rank, M, shape, s.residual_bytes, v_shape=v_shape),
+            "all_reduce": 4 * tied if (first or last) and not v_shape else 0,
+        }
     if s.dp_type == "ddp":
         params = local_params(s, pp_rank)
         grad = 2 if a.grad_compression == "bf16" else 4
@@ -277,17 +350,20 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
         blocks_padded, stage = sum(padded.values()), ZERO_STAGES[s.dp_type]
         if d.pp_enabled:
             gathers = _root_gathers(a.pp_schedule, d.pp, M, a.pp_virtual_stages or 1)[pp_rank]
-            zero = zero_comm_bytes_per_pipeline_step(stage, roots, blocks_padded, shard, d.dp_replicate, M, gathers,
-                                                     s.param_bytes, s.reduce_bytes)
+            zero = zero_comm_bytes_per_pipeline_step(
+                stage, roots, blocks_padded, shard, d.dp_replicate, M, gathers, s.param_bytes, s.reduce_bytes
+            )
         else:
             gathers = M
-            zero = zero_comm_bytes_per_step(stage, roots, blocks_padded, shard, d.dp_replicate, M,
-                                            s.param_bytes, s.reduce_bytes)
+            zero = zero_comm_bytes_per_step(
+                stage, roots, blocks_padded, shard, d.dp_replicate, M, s.param_bytes, s.reduce_bytes
+            )
         out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
         out["dp"] = zero
         if d.ep > 1:  # expert units: gathered and released with their Block, no roots, no replicas
-            out["edp"] = zero_comm_bytes_per_pipeline_step(stage, 0, experts, edp, 1, M, gathers, s.param_bytes,
-                                                           s.reduce_bytes)
+            out["edp"] = zero_comm_bytes_per_pipeline_step(
+                stage, 0, experts, edp, 1, M, gathers, s.param_bytes, s.reduce_bytes
+            )
     return out
 
 
@@ -301,8 +377,16 @@ def ep_all_to_all_bytes(s: Setup, pp_rank: int = 0) -> int:
     d, a, c = s.dims, s.args, s.config
     moe = moe_blocks(s, pp_rank)
     N = a.micro_batch_size * a.seq_len // d.cp
-    return ep_all_to_all_bytes_per_micro_step(N, c.moe_top_k, c.n_embd, c.moe_num_experts, len(moe), d.ep,
-                                              s.compute_bytes, recomputed_layers=recomputed_blocks(s, moe))
+    return ep_all_to_all_bytes_per_micro_step(
+        N,
+        c.moe_top_k,
+        c.n_embd,
+        c.moe_num_experts,
+        len(moe),
+        d.ep,
+        s.compute_bytes,
+        recomputed_layers=recomputed_blocks(s, moe),
+    )
 
 
 def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
@@ -311,18 +395,35 @@ def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]
     d, a, c, M = s.dims, s.args, s.config, s.grad_accum
     blocks, first, last = stage_blocks(s, pp_rank)
     redo = recomputed_blocks(s, blocks)
-    out = {"tp": {k: v * M for k, v in tp_comm_calls_per_micro_step(
-        c, a.micro_batch_size, a.seq_len // d.cp, d.tp, a.enable_loss_parallelism, a.sequence_parallel, redo,
-        len(blocks), first, last, len(moe_blocks(s, pp_rank))).items()},
-           "cp": {"p2p": M * cp_p2p_calls_per_micro_step(len(blocks), d.cp, redo)}}
+    out = {
+        "tp": {
+            k: v * M
+            for k, v in tp_comm_calls_per_micro_step(
+                c,
+                a.micro_batch_size,
+                a.seq_len // d.cp,
+                d.tp,
+                a.enable_loss_parallelism,
+                a.sequence_parallel,
+                redo,
+                len(blocks),
+                first,
+                last,
+                len(moe_blocks(s, pp_rank)),
+            ).items()
+        },
+        "cp": {"p2p": M * cp_p2p_calls_per_micro_step(len(blocks), d.cp, redo)},
+    }
     edp = d.dp * d.cp // d.ep
     if d.ep > 1:
         moe = moe_blocks(s, pp_rank)
         out["ep"] = {"all_to_all": M * ep_all_to_all_calls_per_micro_step(len(moe), d.ep, recomputed_blocks(s, moe))}
     if d.pp_enabled:
         v_shape = a.pp_schedule in V_SCHEDULES
-        out["pp"] = {"p2p": p2p_calls_per_step(d.pp, a.pp_virtual_stages or 1, pp_rank, M, v_shape),
-                     "all_reduce": int((first or last) and not v_shape)}
+        out["pp"] = {
+            "p2p": p2p_calls_per_step(d.pp, a.pp_virtual_stages or 1, pp_rank, M, v_shape),
+            "all_reduce": int((first or last) and not v_shape),
+        }
     if s.dp_type == "ddp":
         params = local_params(s, pp_rank)
         sizes, cap = [4 * n for _, n, _ in params], int(a.bucket_cap_mb * 1024 * 1024)
@@ -335,8 +436,9 @@ def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]
         roots = sum(k in ("root", "tied") for k in u)
         experts = sum(k.endswith(".experts") for k in u)
         gathers = _root_gathers(a.pp_schedule, d.pp, M, a.pp_virtual_stages or 1)[pp_rank] if d.pp_enabled else None
-        zero = zero_comm_calls_per_step(ZERO_STAGES[s.dp_type], roots, len(u) - roots - experts, d.dp_shard * d.cp,
-                                        d.dp_replicate, M, gathers)
+        zero = zero_comm_calls_per_step(
+            ZERO_STAGES[s.dp_type], roots, len(u) - roots - experts, d.dp_shard * d.cp, d.dp_replicate, M, gathers
+        )
         out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
         out["dp"] = zero
         if d.ep > 1:
@@ -350,8 +452,9 @@ def _root_gathers(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int
 
 
 @functools.lru_cache(maxsize=1024)
-def schedule_facts(schedule: str, pp: int, micro: int, virtual: int
-                   ) -> tuple[tuple[int, ...], tuple[int, ...], float, tuple[tuple[int, int, int], ...]]:
+def schedule_facts(
+    schedule: str, pp: int, micro: int, virtual: int
+) -> tuple[tuple[int, ...], tuple[int, ...], float, tuple[tuple[int, int, int], ...]]:
     """What the planner reads off a schedule's action lists, from one build and one simulate (the runner's isend:
     "async"; unit times): each rank's most (chunk, micro-batch) activations in flight, each rank's ZeRO-3 root
     gathers (theory.pipelined_root_gathers), the ideal timeline's bubble fraction (for the V schedules what
@@ -376,6 +479,7 @@ def comm_bytes(s: Setup, pp_rank: int = 0, by_group=None) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- saved activations
+
 
 def block_saved_bytes(s: Setup, B: int, T: int, layer: int | None = None) -> int:
     """Bytes one Block's forward saves for backward on one rank, for B rows of T tokens (T: this rank's share
@@ -425,8 +529,12 @@ def moe_saved_bytes(s: Setup, B: int, T: int) -> int:
     dispatch = 2 * N * k * 8 + N * k * C * a
     autocast = s.dtype != torch.float32  # train.py's: the loop, not the grouped kernel (moe.grouped_mm_runs)
     weights = s.param_bytes if s.dp_type in ZERO_STAGES else 4
-    experts = R * C * a + R * 8 + 2 * R * H * a + (
-        (2 * E // ep * C * H * a if weights != a else 0) if autocast else E // ep * 4)
+    experts = (
+        R * C * a
+        + R * 8
+        + 2 * R * H * a
+        + ((2 * E // ep * C * H * a if weights != a else 0) if autocast else E // ep * 4)
+    )
     combine = N * k * C * a + N * k * a
     ep_more = R * 8 + R * C * a if ep > 1 else 0
     aux = B * (E + 1) * 4 if c.moe_aux_loss_coeff else 0
@@ -469,8 +577,9 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     V = s.args.pp_virtual_stages or 1
     in_flight = _in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
     heads = _head_in_flight(s.args.pp_schedule, s.dims.pp, s.grad_accum, V)[pp_rank]
-    head = head_grad_bytes(s, s.args.micro_batch_size, s.args.seq_len // s.dims.cp) if stage_blocks(s, pp_rank)[2] \
-        else 0
+    head = (
+        head_grad_bytes(s, s.args.micro_batch_size, s.args.seq_len // s.dims.cp) if stage_blocks(s, pp_rank)[2] else 0
+    )
     # V chunks per rank: a (chunk, micro-batch) pair holds 1/V of the rank's Blocks; the head's gradients count per
     # head micro-batch in flight (GPipe: M; 1F1B and the V's turn: its B follows its F, 1)
     return in_flight * (micro - head) // V + heads * head
@@ -479,8 +588,14 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
 def block_input_bytes(s: Setup) -> int:
     """X, a Block's input (all a checkpointed Block keeps): (B, T, C) in the residual dtype, 1/p of it under SP."""
     a = s.args
-    return a.micro_batch_size * a.seq_len // s.dims.cp * s.config.n_embd * s.residual_bytes // (
-        s.dims.tp if a.sequence_parallel else 1)
+    return (
+        a.micro_batch_size
+        * a.seq_len
+        // s.dims.cp
+        * s.config.n_embd
+        * s.residual_bytes
+        // (s.dims.tp if a.sequence_parallel else 1)
+    )
 
 
 def micro_saved_bytes(s: Setup, pp_rank: int = 0) -> int:
@@ -525,6 +640,6 @@ def step_flops(s: Setup) -> float:
     n = active_params(s.config, non_embedding=True)
     per_token = flops_per_token(s.config, n, s.args.seq_len)
     redo = recomputed_blocks(s, list(range(s.config.n_layer))) / s.config.n_layer
-    block_share = 12 * s.config.n_layer * s.config.n_embd ** 2 / max(n, 1)  # the Blocks' part of 6N's N
+    block_share = 12 * s.config.n_layer * s.config.n_embd**2 / max(n, 1)  # the Blocks' part of 6N's N
     per_token *= 1 + redo * block_share / 3
     return per_token * s.args.total_batch_size / s.dims.world_size

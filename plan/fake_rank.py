@@ -25,6 +25,7 @@ slots read after a hang (no reduce op, no new_group), and the wrapper sees what 
 `simulate(plan)` returns a `RankRun`; `python -m plan.verify` runs many ranks in one process, one after another
 (the fake process group destroyed between them), and checks them against each other and the planner.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,16 +47,17 @@ from torch.distributed import distributed_c10d as c10d
 @dataclass(frozen=True, slots=True)
 class Op:
     """One torch.distributed call of a rank (or, op "wait", its wait on the p2p op numbered `peer`)."""
-    n: int                  # this rank's event index
-    op: str                 # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv, barrier, ...
+
+    n: int  # this rank's event index
+    op: str  # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast, send, recv, barrier, ...
     group: tuple[int, ...]  # the group's global ranks
     dtype: str = ""
-    numel: int = 0          # elements of the input (all_gather: this rank's shard; reduce_scatter: the full input)
-    out: int = 0            # elements of the output where it differs in size (all_gather, reduce_scatter)
-    peer: int = -1          # send: the destination, recv: the source, broadcast: the source (global ranks); wait: n
-    reduce: str = ""        # sum, max, ... for the reducing ops
+    numel: int = 0  # elements of the input (all_gather: this rank's shard; reduce_scatter: the full input)
+    out: int = 0  # elements of the output where it differs in size (all_gather, reduce_scatter)
+    peer: int = -1  # send: the destination, recv: the source, broadcast: the source (global ranks); wait: n
+    reduce: str = ""  # sum, max, ... for the reducing ops
     site: str = ""
-    phase: str = ""         # init (train.build), eval (train.evaluate), step (the rest of train.run), exit
+    phase: str = ""  # init (train.build), eval (train.evaluate), step (the rest of train.run), exit
     step: int = 0
 
     def signature(self) -> tuple:
@@ -69,6 +71,7 @@ class Op:
 class RankRun:
     """What one simulated rank did: its new_group calls (ranks, member, site) in order, its events, each training
     step's record (train.step_metrics: state, comm bytes and calls, the peak), the exit code and seconds."""
+
     rank: int
     world: int
     groups: list[tuple[tuple[int, ...], bool, str]] = field(default_factory=list)
@@ -84,16 +87,34 @@ class RankRun:
 
 REDUCE = {int(v): k.lower() for k, v in vars(dist.ReduceOp).items() if isinstance(v, dist.ReduceOp.RedOpType)}
 # op name recorded -> (the argument holding the tensor this rank puts in, the one it gets out, reduce-op argument)
-OPS = {"all_reduce": ("tensor", None, "op"), "all_gather_single": ("input_tensor", "output_tensor", None),
-       "all_gather_into_tensor": ("input_tensor", "output_tensor", None),
-       "reduce_scatter_single": ("input", "output", "op"), "reduce_scatter_tensor": ("input", "output", "op"),
-       "all_to_all_single": ("input", "output", None), "broadcast": ("tensor", None, None),
-       "isend": ("tensor", None, None), "irecv": ("tensor", None, None), "send": ("tensor", None, None),
-       "recv": ("tensor", None, None), "barrier": (None, None, None), "all_gather": ("tensor", None, None),
-       "reduce": ("tensor", None, "op"), "gather": ("tensor", None, None), "scatter": ("tensor", None, None),
-       "all_gather_object": (None, None, None), "broadcast_object_list": (None, None, None)}
-NAMES = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather", "reduce_scatter_single":
-         "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter", "isend": "send", "irecv": "recv"}
+OPS = {
+    "all_reduce": ("tensor", None, "op"),
+    "all_gather_single": ("input_tensor", "output_tensor", None),
+    "all_gather_into_tensor": ("input_tensor", "output_tensor", None),
+    "reduce_scatter_single": ("input", "output", "op"),
+    "reduce_scatter_tensor": ("input", "output", "op"),
+    "all_to_all_single": ("input", "output", None),
+    "broadcast": ("tensor", None, None),
+    "isend": ("tensor", None, None),
+    "irecv": ("tensor", None, None),
+    "send": ("tensor", None, None),
+    "recv": ("tensor", None, None),
+    "barrier": (None, None, None),
+    "all_gather": ("tensor", None, None),
+    "reduce": ("tensor", None, "op"),
+    "gather": ("tensor", None, None),
+    "scatter": ("tensor", None, None),
+    "all_gather_object": (None, None, None),
+    "broadcast_object_list": (None, None, None),
+}
+NAMES = {
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "isend": "send",
+    "irecv": "recv",
+}
 SKIP_FRAMES = ("torch.", "parallel.comm", __name__, "contextlib", "functools")
 
 
@@ -109,10 +130,12 @@ class Recorder:
         self._world: tuple[int, ...] | None = None
         self._stack = contextlib.ExitStack()
         import train  # the module whose evaluate marks phase "eval" (its own code, not torch.no_grad's wrapper's)
+
         self._evaluate = inspect.unwrap(train.evaluate).__code__
 
     def __enter__(self) -> "Recorder":
         import torch.distributed.device_mesh as device_mesh
+
         for name in OPS:
             original = getattr(c10d, name, None)
             if original is not None:
@@ -159,8 +182,14 @@ class Recorder:
     def _add(self, **kw) -> Op:
         site, phase = self._site()
         from parallel import comm
-        op = Op(n=len(self.run.events), site=site, phase="step" if phase == "run" else phase,
-                step=comm.RECORDER.step if phase not in ("init", "exit") else 0, **kw)
+
+        op = Op(
+            n=len(self.run.events),
+            site=site,
+            phase="step" if phase == "run" else phase,
+            step=comm.RECORDER.step if phase not in ("init", "exit") else 0,
+            **kw,
+        )
         self.run.events.append(op)
         return op
 
@@ -183,11 +212,15 @@ class Recorder:
                 peer = a.get("dst" if kind == "send" else "src")
                 local = a.get("group_dst" if kind == "send" else "group_src")
                 peer = dist.get_global_rank(group, local) if peer is None and local is not None else peer
-            op = self._add(op=kind, group=self._ranks(group), dtype=str(t.dtype).removeprefix("torch.") if
-                           isinstance(t, torch.Tensor) else "", numel=t.numel() if isinstance(t, torch.Tensor) else 0,
-                           out=out.numel() if isinstance(out, torch.Tensor) else 0,
-                           peer=-1 if peer is None else int(peer),
-                           reduce=REDUCE.get(int(a[op_arg]), str(a[op_arg])) if op_arg else "")
+            op = self._add(
+                op=kind,
+                group=self._ranks(group),
+                dtype=str(t.dtype).removeprefix("torch.") if isinstance(t, torch.Tensor) else "",
+                numel=t.numel() if isinstance(t, torch.Tensor) else 0,
+                out=out.numel() if isinstance(out, torch.Tensor) else 0,
+                peer=-1 if peer is None else int(peer),
+                reduce=REDUCE.get(int(a[op_arg]), str(a[op_arg])) if op_arg else "",
+            )
             self._depth += 1
             try:
                 work = original(*args, **kwargs)
@@ -257,19 +290,21 @@ def _no_values(name: str, shape, config, seed: int, rows: slice | None = None, c
     return full[rows] if len(shape) == 1 else full[rows, cols]
 
 
-def balanced_split_sizes(dispatch, counts: torch.Tensor, per: torch.Tensor, assignments: int
-                         ) -> tuple[list[int], list[int], list[int]]:
+def balanced_split_sizes(
+    dispatch, counts: torch.Tensor, per: torch.Tensor, assignments: int
+) -> tuple[list[int], list[int], list[int]]:
     """ExpertParallelDispatch.split_sizes for a simulated rank, whose counts hold no values: the routing the
     planner assumes, balanced. Every rank sends each expert assignments // E rows (the first assignments % E
     experts one more), so an EP rank sends each rank the rows of its experts, receives from each the rows of its
     own, and each local expert gets P times its share. What a real router decides (an expert that gets more,
     the all_to_all's sizes from step to step) a fake rank cannot see (docs/planner.md)."""
     from parallel import comm
+
     P, L = per.shape
     share = balanced_local_sizes(dispatch, counts, assignments)
     me = comm.rank(dispatch.group) if P > 1 else 0
-    send = [sum(share[j * L:(j + 1) * L]) for j in range(P)]
-    mine = share[me * L:(me + 1) * L]
+    send = [sum(share[j * L : (j + 1) * L]) for j in range(P)]
+    mine = share[me * L : (me + 1) * L]
     return send, [sum(mine)] * P, [P * c for c in mine]
 
 
@@ -292,14 +327,21 @@ def fake_tensors():
     import loss
     import model
     import moe
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.dict(loss.LOSS_CHUNK_BYTES, {"cpu": loss.LOSS_CHUNK_BYTES_ACCELERATOR}))
         from parallel.expert_parallel import ExpertParallelDispatch
+
         stack.enter_context(mock.patch.object(ExpertParallelDispatch, "split_sizes", balanced_split_sizes))
         stack.enter_context(mock.patch.object(moe.LocalDispatch, "split_sizes", balanced_local_sizes))
         grouped = moe.grouped_mm_runs  # torch 2.13's fake (meta) _grouped_mm takes bf16 only: else the loop
-        stack.enter_context(mock.patch.object(moe, "grouped_mm_runs", lambda device, dtype, k, n:
-                                              grouped(device, dtype, k, n) and dtype == torch.bfloat16))
+        stack.enter_context(
+            mock.patch.object(
+                moe,
+                "grouped_mm_runs",
+                lambda device, dtype, k, n: grouped(device, dtype, k, n) and dtype == torch.bfloat16,
+            )
+        )
         for module in list(sys.modules.values()):
             if getattr(module, "init_parameter", None) is model.init_parameter:
                 stack.enter_context(mock.patch.object(module, "init_parameter", _no_values))
@@ -316,16 +358,21 @@ def muon_holds(plan):
         yield
         return
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     from optim import distributed_muon
     from plan.muon_verify import answer_holds
+
     fake, real = answer_holds(plan), distributed_muon.sources
 
     def sources(m, owner: int) -> list[int]:  # host bookkeeping (which ranks cover a matrix): real tensors
         with unset_fake_temporarily():
             return real(m, owner)
 
-    with mock.patch.object(c10d, "all_gather_object", fake), mock.patch.object(dist, "all_gather_object", fake), \
-            mock.patch.object(distributed_muon, "sources", sources):
+    with (
+        mock.patch.object(c10d, "all_gather_object", fake),
+        mock.patch.object(dist, "all_gather_object", fake),
+        mock.patch.object(distributed_muon, "sources", sources),
+    ):
         yield
 
 
@@ -347,9 +394,18 @@ def simulated_plan(plan):
     """The plan a simulated rank runs: at most two training steps (the second is the first with AdamW's moments and
     the planner's steady state), nothing saved, no profile or trace, and a stated peak FLOP/s (MFU means nothing
     here, and measuring the CPU's would time fake matmuls for half a second)."""
-    args = dict(vars(plan.args), max_steps=min(plan.args.max_steps, 2), no_checkpoint=True, checkpoint_interval=0,
-                async_checkpoint=False, profile=0, trace_step=None, peak_flops=plan.args.peak_flops or 1e12)
+    args = dict(
+        vars(plan.args),
+        max_steps=min(plan.args.max_steps, 2),
+        no_checkpoint=True,
+        checkpoint_interval=0,
+        async_checkpoint=False,
+        profile=0,
+        trace_step=None,
+        peak_flops=plan.args.peak_flops or 1e12,
+    )
     import argparse
+
     return replace(plan, args=argparse.Namespace(**args))
 
 
@@ -362,6 +418,7 @@ def simulate(plan, quiet: bool = True, catch: bool = True) -> RankRun:
     import train
     from debug import flight_recorder
     from parallel import comm
+
     plan = simulated_plan(plan)
     run = RankRun(plan.rank, plan.dims.world_size)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -371,8 +428,12 @@ def simulate(plan, quiet: bool = True, catch: bool = True) -> RankRun:
     t0 = time.perf_counter()
     out = open(os.devnull, "w") if quiet else None
     try:
-        with muon_holds(plan), Recorder(run) as rec, fake_tensors(), contextlib.redirect_stdout(out) if quiet else \
-                contextlib.nullcontext():
+        with (
+            muon_holds(plan),
+            Recorder(run) as rec,
+            fake_tensors(),
+            contextlib.redirect_stdout(out) if quiet else contextlib.nullcontext(),
+        ):
             t = train.build(plan)
             rec.phase = "run"
             t.faults = faults.Faults(plan.args.out_dir, plan.rank, plan.args.timeout, plan.device)
@@ -389,9 +450,13 @@ def simulate(plan, quiet: bool = True, catch: bool = True) -> RankRun:
         if not catch:
             raise
         import traceback
+
         frame = traceback.extract_tb(e.__traceback__)[-1]
-        run.code, run.error = 1, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]} " \
-                                 f"({os.path.relpath(frame.filename)}:{frame.lineno})"
+        run.code, run.error = (
+            1,
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]} "
+            f"({os.path.relpath(frame.filename)}:{frame.lineno})",
+        )
     finally:
         if out is not None:
             out.close()
@@ -409,14 +474,19 @@ def summary(run: RankRun) -> str:
     """One rank's recording in a few lines: its groups, its init and per-step collectives, bytes, state, peak."""
     mine = sum(m for _, m, _ in run.groups)
     init_world = [o for o in run.ops("init") if len(o.group) == run.world]
-    lines = [f"rank {run.rank} of {run.world}: exit {run.code}" + (f" ({run.error})" if run.error else "") +
-             f", {run.seconds:.1f} s; {len(run.groups)} new_group calls "
-             f"({mine} with this rank), {len(run.ops('init'))} ops at init ({len(init_world)} world-wide)"]
+    lines = [
+        f"rank {run.rank} of {run.world}: exit {run.code}"
+        + (f" ({run.error})" if run.error else "")
+        + f", {run.seconds:.1f} s; {len(run.groups)} new_group calls "
+        f"({mine} with this rank), {len(run.ops('init'))} ops at init ({len(init_world)} world-wide)"
+    ]
     for s, m in sorted(run.steps.items()):
         ops = [o for o in run.ops("step") if o.step == s]
-        lines.append(f"  step {s}: {len(ops)} ops ({sum(o.op in ('send', 'recv') for o in ops)} p2p); comm bytes "
-                     f"{m.get('comm_bytes', {})}, calls {m.get('comm_calls', {})}; state {m['state_bytes']} B"
-                     + (f"; peak {m['peak_allocated_bytes']} B (live storages)" if "peak_allocated_bytes" in m else ""))
+        lines.append(
+            f"  step {s}: {len(ops)} ops ({sum(o.op in ('send', 'recv') for o in ops)} p2p); comm bytes "
+            f"{m.get('comm_bytes', {})}, calls {m.get('comm_calls', {})}; state {m['state_bytes']} B"
+            + (f"; peak {m['peak_allocated_bytes']} B (live storages)" if "peak_allocated_bytes" in m else "")
+        )
     return "\n".join(lines)
 
 
@@ -425,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     above train.py: it calls train's build and run, train never calls it), print its summary, write its recording
     to <out_dir>/fake_rank_<r>.json. Exit code: the simulated run's; 2 on bad flags, in one line."""
     from config import UsageError, error_line, parse_args, validate
+
     try:
         plan = validate(parse_args(argv))
         if not plan.fake:

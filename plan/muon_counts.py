@@ -8,6 +8,7 @@ v, c_fc) or column slice (rowwise c_proj) of rank t; our flat engine the element
 (the unit's >= 2-D weights first, in registration order; shards over dp_shard x cp, an expert unit over edp); EP
 experts [e E/ep, (e + 1) E/ep) on the ranks of EP rank e (loss rank % ep); a pipeline stage its own Blocks.
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,10 +59,13 @@ def _stage_matrices(config, d, flat: bool, blocks: tuple[int, ...]):
     for i in blocks:
         named = [(f"transformer.h.{i}.{n}", p) for n, p in gpt.transformer.h[i].named_parameters()]
         for expert_unit in (False, True):  # the Block's unit, and under EP its experts' own
-            local = [(n, p, _local_shape(n, tuple(p.shape), tp, ep)) for n, p in named
-                     if (ep > 1 and is_expert(n)) == expert_unit]
+            local = [
+                (n, p, _local_shape(n, tuple(p.shape), tp, ep))
+                for n, p in named
+                if (ep > 1 and is_expert(n)) == expert_unit
+            ]
             offsets, at = {}, 0
-            for n, p, shape in sorted(local, key=lambda x: not decays(x[0], x[1])):  # flatten_unit's order
+            for n, _, shape in sorted(local, key=lambda x: not decays(x[0], x[1])):  # flatten_unit's order
                 offsets[n], at = at, at + _numel(shape)
             S = shard_numel(at, d.dp * cp // ep if expert_unit else d.dp_shard * cp)
             for n, p, shape in local:
@@ -160,6 +164,7 @@ def optimizer_state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0, exper
         rest = [k for n, k, _ in params if not is_muon(n)]
         return theory.muon_optimizer_state_bytes(muon, sum(rest), len(rest))
     from plan.counts import unit_shard, units
+
     muon = adamw = tensors = 0
     for unit, (numel, n_decay) in units(s, pp_rank).items():
         S = shard_numel(numel, unit_shard(s, unit))
@@ -185,8 +190,16 @@ def _unit_specs(s: Setup, pp_rank: int, unit: str) -> list[tuple[str, int, bool]
     """(name, local elements, decays) of a unit's parameters in flatten_unit's order (decayed first), the units
     as plan.counts.units cuts them."""
     d = s.dims
-    return _members(s.config, d.pp, s.args.pp_virtual_stages or 1, d.tp, pp_rank, s.pp_layers,
-                    s.args.pp_schedule in V_SCHEDULES, d.ep).get(unit, [])
+    return _members(
+        s.config,
+        d.pp,
+        s.args.pp_virtual_stages or 1,
+        d.tp,
+        pp_rank,
+        s.pp_layers,
+        s.args.pp_schedule in V_SCHEDULES,
+        d.ep,
+    ).get(unit, [])
 
 
 @functools.lru_cache(maxsize=256)
@@ -196,9 +209,11 @@ def _members(config, pp, virtual, tp, pp_rank, layers, v_shape, ep) -> dict[str,
     from parallel.flat_param import unit_key
     from parallel.pipeline import PipelineStage, sharded_units
     from plan.counts import _local_params
+
     with torch.device("meta"):
-        separate = sharded_units(PipelineStage(_meta_gpt(config), pp_rank, pp, virtual, layers, v_shape)) \
-            if pp > 1 else {}
+        separate = (
+            sharded_units(PipelineStage(_meta_gpt(config), pp_rank, pp, virtual, layers, v_shape)) if pp > 1 else {}
+        )
     out: dict[str, list] = {}
     for name, n, ndim in _local_params(config, pp, virtual, tp, pp_rank, layers, v_shape, ep):
         key = unit_key(name, separate) + (".experts" if ep > 1 and is_expert(name) else "")
@@ -226,6 +241,7 @@ def for_rank(s: Setup, coords_: tuple[int, ...], out: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- plan.counts's, with the optimizer's part
+
 
 def state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0, expert_shard_rank: int = 0) -> dict[str, int]:
     """plan.counts.state_bytes with --optimizer muon's optimizer state (`optimizer_state_bytes`)."""

@@ -13,6 +13,7 @@ the exchange is consistent and its owners balanced.
 The exchange's all_to_alls move different sizes on different ranks (the owners differ), so their signature for
 plan.verify's collectives check leaves the sizes out (fake_rank.Op.signature); (c) holds them instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ def answer_holds(plan):
                     lists[r].append((key, shape, h))
         mine = sorted((k, tuple(sh), tuple(h)) for k, sh, h in obj)
         if mine != sorted(lists[g]):
-            raise RuntimeError(f"rank {plan.rank}: Muon holds {mine[:2]}... differ from the plan's "
-                               f"{sorted(lists[g])[:2]}...")
+            raise RuntimeError(
+                f"rank {plan.rank}: Muon holds {mine[:2]}... differ from the plan's {sorted(lists[g])[:2]}..."
+            )
         object_list[:] = lists
 
     return all_gather_object
@@ -81,22 +83,27 @@ def findings(w, plans: dict) -> list[str]:
         sent, got = muon_counts.sent_by_rank(s, pp), received(holds, owners)
         for k in ("gather", "return"):
             if sum(x[k] for x in sent) != sum(x[k] for x in got):
-                out.append(f"muon: stage {pp}: the {k} sends {sum(x[k] for x in sent)} B, receives "
-                           f"{sum(x[k] for x in got)} B")
+                out.append(
+                    f"muon: stage {pp}: the {k} sends {sum(x[k] for x in sent)} B, receives {sum(x[k] for x in got)} B"
+                )
         load = muon_counts.ns_flops_by_rank(s, pp)
         bound = theory.muon_lpt_bound(flops, G)
         if sum(load) != sum(flops) or max(load) > bound:
-            out.append(f"muon: stage {pp}: owners' NS FLOPs {max(load)} (busiest) of {sum(load)} exceed the LPT bound "
-                       f"{bound:.0f} or miss the total {sum(flops)}")
+            out.append(
+                f"muon: stage {pp}: owners' NS FLOPs {max(load)} (busiest) of {sum(load)} exceed the LPT bound "
+                f"{bound:.0f} or miss the total {sum(flops)}"
+            )
         for r, run in w.runs.items():
             if r // G != pp or not run.steps:
                 continue
-            ops = [o for o in run.events if o.op == "all_to_all_single" and o.site.startswith(SITE)
-                   and o.step == max(run.steps)]
+            ops = [
+                o
+                for o in run.events
+                if o.op == "all_to_all_single" and o.site.startswith(SITE) and o.step == max(run.steps)
+            ]
             calls = theory.muon_exchange_calls_per_step(holds, owners)  # one call: the return (a gather needs one)
-            pairs = [(sent[r % G][k], got[r % G][k]) for k in ("gather", "return")][2 - calls:]
+            pairs = [(sent[r % G][k], got[r % G][k]) for k in ("gather", "return")][2 - calls :]
             if [(o.numel, o.out) for o in ops] != pairs:
                 seen = [(o.numel, o.out) for o in ops]
-                out.append(f"muon: rank {r}: the exchange's all_to_alls (bytes in, out) {seen} "
-                           f"!= theory's {pairs}")
+                out.append(f"muon: rank {r}: the exchange's all_to_alls (bytes in, out) {seen} != theory's {pairs}")
     return out

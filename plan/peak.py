@@ -9,6 +9,7 @@ parameters, units, state and saved activations come from plan.counts. An allocat
 torch.cuda.max_memory_allocated and, on the CPU, memory.AllocatedPeak (under fake tensors memory.LiveStorages)
 measure.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,12 +18,37 @@ import torch
 
 from loss import loss_chunk_rows
 from parallel.flat_param import ZERO_STAGES, shard_numel
-from parallel.pipeline_schedule import (ALL_SCHEDULES, RECV_B, RECV_F, SPLIT_SCHEDULES, V_SCHEDULES, B, F, W,
-                                       chunk_of, rank_of)
-from plan.counts import (Setup, _head_in_flight, _layers, block_input_bytes, block_saved_bytes, ends_saved_bytes,
-                         head_grad_bytes, is_expert, local_params, micro_saved_bytes, moe_saved_bytes,
-                         recomputed_blocks, saved_activation_bytes, stage_blocks, stage_chunks, unit_shard,
-                         units)
+from parallel.pipeline_schedule import (
+    ALL_SCHEDULES,
+    RECV_B,
+    RECV_F,
+    SPLIT_SCHEDULES,
+    V_SCHEDULES,
+    B,
+    F,
+    W,
+    chunk_of,
+    rank_of,
+)
+from plan.counts import (
+    Setup,
+    _head_in_flight,
+    _layers,
+    block_input_bytes,
+    block_saved_bytes,
+    ends_saved_bytes,
+    head_grad_bytes,
+    is_expert,
+    local_params,
+    micro_saved_bytes,
+    moe_saved_bytes,
+    recomputed_blocks,
+    saved_activation_bytes,
+    stage_blocks,
+    stage_chunks,
+    unit_shard,
+    units,
+)
 from plan.muon_counts import state_bytes  # plan.counts's, with --optimizer muon's state
 from plan.theory import reduce_accumulated_held_bytes, reduce_held_bytes
 
@@ -145,8 +171,10 @@ def reduce_transient(s: Setup, pp_rank: int = 0, tail: tuple[int, int] = (0, 0),
     for c in chunks:
         blocks, first, last = list(layers[c]), c == 0, c == len(layers) - 1
         ends = ends_saved_bytes(s, B, T, first, False)
-        below = [ends + sum(X if recomputed_blocks(s, [i]) else block_saved_bytes(s, B, T, i) for i in blocks[:k])
-                 for k in range(len(blocks) + 1)]
+        below = [
+            ends + sum(X if recomputed_blocks(s, [i]) else block_saved_bytes(s, B, T, i) for i in blocks[:k])
+            for k in range(len(blocks) + 1)
+        ]
         if split:  # the Blocks from k up keep their linears' (x, dy) for the W: about their saved bytes
             below = [below[k] + sum(block_saved_bytes(s, B, T, i) for i in blocks[k:]) for k in range(len(below))]
         # (gradient elements, padded, gathered elements, activation bytes, the unit's group size, kept for W)
@@ -155,9 +183,14 @@ def reduce_transient(s: Setup, pp_rank: int = 0, tail: tuple[int, int] = (0, 0),
         if last and not first:  # split: after the Blocks (measured), all of whose (x, dy) are still kept
             all_saved = below[0] if split else below[-1] + ends_saved_bytes(s, B, T, False, True)
             root_saved = below[0] if split else 0
-            heads = [(params[lm_head], padded["tied"], 0, all_saved, shard, False),
-                     (head - params[lm_head], padded["root"], 0, root_saved, shard, False)] if tied else [
-                (head, padded["root"], 0, root_saved, shard, False)]
+            heads = (
+                [
+                    (params[lm_head], padded["tied"], 0, all_saved, shard, False),
+                    (head - params[lm_head], padded["root"], 0, root_saved, shard, False),
+                ]
+                if tied
+                else [(head, padded["root"], 0, root_saved, shard, False)]
+            )
         if not split:
             order += heads
         waiting = head if first and last else 0  # lm_head's and ln_f's gradients, until the root's concatenation
@@ -169,17 +202,31 @@ def reduce_transient(s: Setup, pp_rank: int = 0, tail: tuple[int, int] = (0, 0),
                 # attention and LayerNorms still saved
                 e = f"{u}.experts"
                 rest = block_saved_bytes(s, B, T, blocks[k]) - moe_saved_bytes(s, B, T)
-                order.append((sizes[e][0], padded[e], gathered, below[k] + (0 if split else rest),
-                              unit_shard(s, e), split))
+                order.append(
+                    (sizes[e][0], padded[e], gathered, below[k] + (0 if split else rest), unit_shard(s, e), split)
+                )
             order.append((sizes[u][0] + waiting, padded[u], gathered, below[k], shard, split))
         if split:
             order += heads
         if first:
             wpe, saved = numel(EMBEDDINGS[1:]), below[0] if split else 0  # split: the Blocks' (x, dy) still kept
-            order += [(numel(EMBEDDINGS), padded["tied"], 0, saved, shard, False),
-                      (wpe, padded["root"], 0, saved, shard, False)] \
-                if tied and not last else [(numel(EMBEDDINGS) + waiting - (params[lm_head] if last else 0),
-                                            padded["root"], 0, saved, shard, False)]
+            order += (
+                [
+                    (numel(EMBEDDINGS), padded["tied"], 0, saved, shard, False),
+                    (wpe, padded["root"], 0, saved, shard, False),
+                ]
+                if tied and not last
+                else [
+                    (
+                        numel(EMBEDDINGS) + waiting - (params[lm_head] if last else 0),
+                        padded["root"],
+                        0,
+                        saved,
+                        shard,
+                        False,
+                    )
+                ]
+            )
         orders[c] = order
     most, every = 0, every - missing
     for c, order in orders.items():
@@ -191,8 +238,14 @@ def reduce_transient(s: Setup, pp_rank: int = 0, tail: tuple[int, int] = (0, 0),
             else:
                 prev, before = (order[i - 1][1] if i >= 1 else 0), (order[i - 2][1] if i >= 2 else 0)
             held = reduce_held_bytes(stage, grads, n, prev, before, group, pb, rb, copies) + held_for_w * pb
-            most = max(most, held + gathered * pb + saved + (kept if first or i > 0 else 0) + (
-                every if every_held else 4 * sum(u[1] // u[4] for u in order[:max(i - 2, 0)])))
+            most = max(
+                most,
+                held
+                + gathered * pb
+                + saved
+                + (kept if first or i > 0 else 0)
+                + (every if every_held else 4 * sum(u[1] // u[4] for u in order[: max(i - 2, 0)])),
+            )
             if for_w:
                 held_for_w += n
             else:
@@ -213,16 +266,36 @@ def reduce_phase(s: Setup, pp_rank: int = 0) -> int:
         return 0
     padded = _padded(s, pp_rank)
     roots = (padded["root"] + padded.get("tied", 0)) * s.param_bytes if s.dp_type == "fsdp" else 0
-    end_of_step = sum(reduce_accumulated_held_bytes([n for u, n in padded.items() if u.endswith(".experts") == e],
-                                                    unit_shard(s, "x.experts" if e else "root"), s.reduce_bytes,
-                                                    s.copies_reduce_input) for e in (False, True)) \
-        if s.dp_type == "zero1" else 0
+    end_of_step = (
+        sum(
+            reduce_accumulated_held_bytes(
+                [n for u, n in padded.items() if u.endswith(".experts") == e],
+                unit_shard(s, "x.experts" if e else "root"),
+                s.reduce_bytes,
+                s.copies_reduce_input,
+            )
+            for e in (False, True)
+        )
+        if s.dp_type == "zero1"
+        else 0
+    )
     if _split(s):
-        moment = roots + runner_held_bytes(s, pp_rank) + max(split_moment(s, pp_rank, state) for state in _b_states(
-            s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[pp_rank])
+        moment = (
+            roots
+            + runner_held_bytes(s, pp_rank)
+            + max(
+                split_moment(s, pp_rank, state)
+                for state in _b_states(s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[
+                    pp_rank
+                ]
+            )
+        )
     else:
-        others = saved_activation_bytes(s, pp_rank) - micro_saved_bytes(s, pp_rank) // (
-            s.args.pp_virtual_stages or 1) if s.dims.pp_enabled else 0
+        others = (
+            saved_activation_bytes(s, pp_rank) - micro_saved_bytes(s, pp_rank) // (s.args.pp_virtual_stages or 1)
+            if s.dims.pp_enabled
+            else 0
+        )
         moment = max(others, 0) + roots + reduce_transient(s, pp_rank)
     return max(moment, state_bytes(s, pp_rank)["grads"] + end_of_step)
 
@@ -251,16 +324,24 @@ def split_moment(s: Setup, pp_rank: int, state: tuple[int, int, tuple[int, ...],
         missing += sum(shards[run[-1]][-2:])
     if ZERO_STAGES[s.dp_type] == 1:  # ZeRO-1's full buffers: state, all step
         missing = 0
-    return saved + kept * kept_flat_bytes(s, pp_rank) + reduce_transient(s, pp_rank, _run_tail(s, pp_rank, run),
-                                                                          missing)
+    return (
+        saved + kept * kept_flat_bytes(s, pp_rank) + reduce_transient(s, pp_rank, _run_tail(s, pp_rank, run), missing)
+    )
 
 
 def _chunk_units(s: Setup, pp_rank: int = 0) -> dict[int, list[tuple[str, int]]]:
     """Each chunk of the rank: its Blocks' units (and experts'), (name, padded elements), in the order a W reduces
     them (top down, a Block's experts before it, as its B kept them)."""
     padded = _padded(s, pp_rank)
-    return {c: [(u, padded[u]) for i in reversed(layers) for u in (f"transformer.h.{i}.experts", f"transformer.h.{i}")
-                if u in padded] for c, layers in stage_chunks(s, pp_rank)}
+    return {
+        c: [
+            (u, padded[u])
+            for i in reversed(layers)
+            for u in (f"transformer.h.{i}.experts", f"transformer.h.{i}")
+            if u in padded
+        ]
+        for c, layers in stage_chunks(s, pp_rank)
+    }
 
 
 def _run_tail(s: Setup, pp_rank: int, run: tuple[int, ...]) -> tuple[int, int]:
@@ -338,11 +419,20 @@ def w_in_flight_bytes(s: Setup, pp_rank: int = 0) -> int:
     if not _split(s):
         return 0
     stage, shard = ZERO_STAGES[s.dp_type], s.dims.dp_shard * s.dims.cp
-    runs = {run for _, _, run, _ in _b_states(s.args.pp_schedule, s.dims.pp, s.grad_accum,
-                                               s.args.pp_virtual_stages or 1)[pp_rank]}
-    return max((reduce_held_bytes(stage, 0, 0, prev, before, shard, s.param_bytes, s.reduce_bytes,
-                                  s.copies_reduce_input) for before, prev in (_run_tail(s, pp_rank, r) for r in runs)
-                if prev), default=0)
+    runs = {
+        run
+        for _, _, run, _ in _b_states(s.args.pp_schedule, s.dims.pp, s.grad_accum, s.args.pp_virtual_stages or 1)[
+            pp_rank
+        ]
+    }
+    return max(
+        (
+            reduce_held_bytes(stage, 0, 0, prev, before, shard, s.param_bytes, s.reduce_bytes, s.copies_reduce_input)
+            for before, prev in (_run_tail(s, pp_rank, r) for r in runs)
+            if prev
+        ),
+        default=0,
+    )
 
 
 def runner_held_bytes(s: Setup, pp_rank: int = 0) -> int:
@@ -410,8 +500,13 @@ def peak_parts(s: Setup, pp_rank: int = 0) -> dict[str, int]:
         blocks, first, last = stage_blocks(s, pp_rank)
         out["forward"] = len(blocks) * block_input_bytes(s) + ends_saved_bytes(s, B, T, first, last)
         out["recompute"] = grads + saved
-    out["forward"] += held_grad_bytes(s, pp_rank) + largest_transient(s, pp_rank) + weight_cast_bytes(s, pp_rank) + \
-        held_for_w_bytes(s, pp_rank) + w_in_flight_bytes(s, pp_rank)
+    out["forward"] += (
+        held_grad_bytes(s, pp_rank)
+        + largest_transient(s, pp_rank)
+        + weight_cast_bytes(s, pp_rank)
+        + held_for_w_bytes(s, pp_rank)
+        + w_in_flight_bytes(s, pp_rank)
+    )
     return {"base": base, **out}
 
 
@@ -424,8 +519,11 @@ def weight_cast_bytes(s: Setup, pp_rank: int = 0) -> int:
     weights = s.param_bytes if s.dp_type in ZERO_STAGES else 4
     if s.dtype == torch.float32 or weights == s.compute_bytes:
         return 0
-    return s.compute_bytes * sum(n for name, n, _ in local_params(s, pp_rank)
-                                 if (".attn.c_" in name or ".mlp.c_" in name) and not is_expert(name))
+    return s.compute_bytes * sum(
+        n
+        for name, n, _ in local_params(s, pp_rank)
+        if (".attn.c_" in name or ".mlp.c_" in name) and not is_expert(name)
+    )
 
 
 def peak_memory_bytes(s: Setup, pp_rank: int = 0) -> int:

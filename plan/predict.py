@@ -2,6 +2,7 @@
 comm_calls, saved_activation_bytes, peak_memory_bytes), so a run logs prediction and measurement side by side:
 plan/counts.py's state, saved activations and bytes sent, and plan/peak.py's peak built on them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,12 @@ from plan.peak import peak_memory_bytes
 def predict(s: Setup, pp_rank: int = 0) -> dict:
     """The keys train.py measures, for global rank 0 of pipeline stage `pp_rank`."""
     state, saved = state_bytes(s, pp_rank), saved_activation_bytes(s, pp_rank)
-    out = {"state_bytes": sum(state.values()), "state_bytes_by_kind": state, "saved_activation_bytes": saved,
-           "peak_memory_bytes": peak_memory_bytes(s, pp_rank)}
+    out = {
+        "state_bytes": sum(state.values()),
+        "state_bytes_by_kind": state,
+        "saved_activation_bytes": saved,
+        "peak_memory_bytes": peak_memory_bytes(s, pp_rank),
+    }
     if s.dims.world_size > 1:
         out["comm_bytes"] = comm_bytes(s, pp_rank, comm_by_group)
         out["comm_calls"] = comm_bytes(s, pp_rank, comm_calls_by_group)
@@ -39,7 +44,9 @@ def for_run(plan) -> dict | None:
 
 def summary(p: dict) -> str:
     """One line for a run's start: predicted state, saved activations, peak and bytes sent per step."""
-    mib = lambda b: f"{b / 2 ** 20:.1f} MiB"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     comm = f", sends {mib(sum(p['comm_bytes'].values()))}/step" if "comm_bytes" in p else ""
-    return (f"predicted (python -m plan): state {mib(p['state_bytes'])}, saved activations "
-            f"{mib(p['saved_activation_bytes'])}, peak {mib(p['peak_memory_bytes'])}{comm}")
+    return (
+        f"predicted (python -m plan): state {mib(p['state_bytes'])}, saved activations "
+        f"{mib(p['saved_activation_bytes'])}, peak {mib(p['peak_memory_bytes'])}{comm}"
+    )

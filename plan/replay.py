@@ -6,6 +6,7 @@ alike ones (`p2p_components`).
 A trace is a rank's list of events, in order: ("send" | "recv", n, peer, group, dtype, numel, phase, step, site)
 for a post (n: its index among the rank's ops) and ("wait", n) for a wait on post n (plan.verify.World.p2p).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict, deque
@@ -31,6 +32,7 @@ class Discipline:
     meets the k-th receive on b from a), "pair" (one FIFO per rank and peer, both directions: a send completes only
     with its receive at the head of the peer's side), "rank" (one FIFO per rank and communicator, every peer's ops
     in posting order); `blocking`: a post returns only once matched."""
+
     fifo: str | None
     blocking: bool = False
 
@@ -38,13 +40,18 @@ class Discipline:
 # plan.simulate's p2p models (P2P_MODELS), each as the discipline that replays a recorded trace. A model the
 # simulator gains must be named here too (check_p2p refuses to skip one); "nccl_eager" is the GPU path's: NCCL
 # communicators initialised eagerly (init_process_group's device_id), so a group's p2p ops share one stream.
-DISCIPLINES = {"async": Discipline(None), "nccl": Discipline("pair"), "nccl_eager": Discipline("rank"),
-               "rendezvous": Discipline("pair", blocking=True)}
+DISCIPLINES = {
+    "async": Discipline(None),
+    "nccl": Discipline("pair"),
+    "nccl_eager": Discipline("rank"),
+    "rendezvous": Discipline("pair", blocking=True),
+}
 
 
 def p2p_models() -> list[str]:
     """Every p2p model the schedule simulator knows, and the GPU path's eager one; each must have a discipline."""
     from plan.simulate import P2P_MODELS
+
     missing = [m for m in P2P_MODELS if m not in DISCIPLINES]
     if missing:
         raise ValueError(f"plan.simulate's p2p model(s) {missing} have no discipline in plan.verify.DISCIPLINES")
@@ -60,13 +67,13 @@ def replay_p2p(traces: dict[int, list[tuple]], d: Discipline) -> str | None:
     Matching is confluent (each channel pairs its k-th send with its k-th receive; a post or a completion never
     undoes another), so the ops that complete, and a deadlock, do not depend on the order of the work."""
     pos = {r: 0 for r in traces}
-    done: set[tuple[int, int]] = set()                   # (rank, n) of completed ops
-    ops: dict[tuple[int, int], tuple] = {}               # (rank, n) -> event
+    done: set[tuple[int, int]] = set()  # (rank, n) of completed ops
+    ops: dict[tuple[int, int], tuple] = {}  # (rank, n) -> event
     chan: dict[tuple, dict[str, deque]] = defaultdict(lambda: {"send": deque(), "recv": deque()})
-    fifo: dict[tuple, deque] = defaultdict(deque)        # FIFO key -> (rank, n) in posting order
-    waiting: dict[int, tuple[int, int]] = {}             # a blocking post: rank -> its op
-    ready, queued = deque(traces), set(traces)           # ranks to advance
-    dirty: deque = deque()                               # channels to match
+    fifo: dict[tuple, deque] = defaultdict(deque)  # FIFO key -> (rank, n) in posting order
+    waiting: dict[int, tuple[int, int]] = {}  # a blocking post: rank -> its op
+    ready, queued = deque(traces), set(traces)  # ranks to advance
+    dirty: deque = deque()  # channels to match
     dirty_set: set[tuple] = set()
 
     def fifo_key(r: int, e: tuple) -> tuple | None:
@@ -121,8 +128,10 @@ def replay_p2p(traces: dict[int, list[tuple]], d: Discipline) -> str | None:
                 s, v = q["send"].popleft(), q["recv"].popleft()
                 es, ev = ops[s], ops[v]
                 if (es[4], es[5]) != (ev[4], ev[5]):
-                    return (f"rank {s[0]}'s send of {es[4]} x{es[5]} to rank {v[0]} ({es[8]}, {es[6]} {es[7]}) meets "
-                            f"a receive of {ev[4]} x{ev[5]} ({ev[8]})")
+                    return (
+                        f"rank {s[0]}'s send of {es[4]} x{es[5]} to rank {v[0]} ({es[8]}, {es[6]} {es[7]}) meets "
+                        f"a receive of {ev[4]} x{ev[5]} ({ev[8]})"
+                    )
                 for x in (s, v):
                     done.add(x)
                     if x[0] not in queued:
@@ -135,11 +144,13 @@ def replay_p2p(traces: dict[int, list[tuple]], d: Discipline) -> str | None:
                             touch(chan_key(f[0]))
     stuck = [r for r in traces if pos[r] < len(traces[r]) or r in waiting]
     if stuck:
+
         def on(r: int) -> str:
             e = ops[waiting[r]] if r in waiting else ops.get((r, traces[r][pos[r]][1]))
             if e is None:
                 return "?"
             return f"{e[0]} {'to' if e[0] == 'send' else 'from'} rank {e[2]} ({e[8]}, {e[6]} {e[7]})"
+
         ranks = sorted(stuck)
         shown = "; ".join(f"rank {r} waits on its {on(r)}" for r in ranks[:4])
         return f"deadlock: ranks {span(ranks)} cannot go on: {shown}" + (" ..." if len(ranks) > 4 else "")
@@ -147,8 +158,10 @@ def replay_p2p(traces: dict[int, list[tuple]], d: Discipline) -> str | None:
     if left:
         r, n = min(left)
         e = ops[(r, n)]
-        return (f"{len(left)} p2p op(s) never matched, first rank {r}'s {e[0]} {'to' if e[0] == 'send' else 'from'} "
-                f"rank {e[2]} ({e[8]}, {e[6]} {e[7]})")
+        return (
+            f"{len(left)} p2p op(s) never matched, first rank {r}'s {e[0]} {'to' if e[0] == 'send' else 'from'} "
+            f"rank {e[2]} ({e[8]}, {e[6]} {e[7]})"
+        )
     return None
 
 
@@ -179,8 +192,9 @@ def p2p_components(traces: dict[int, list[tuple]]) -> list[list[list[int]]]:
         idx = {r: i for i, r in enumerate(comp)}
         names: dict[tuple, tuple] = {}
         rename = lambda g: names.get(g) or names.setdefault(g, tuple(idx.get(x, ("out", x)) for x in g))  # noqa: E731
-        form = tuple(tuple((e[0], e[1], idx.get(e[2], ("out", e[2])), rename(e[3]), *e[4:]) for e in traces[r])
-                     for r in comp)
+        form = tuple(
+            tuple((e[0], e[1], idx.get(e[2], ("out", e[2])), rename(e[3]), *e[4:]) for e in traces[r]) for r in comp
+        )
         alike.setdefault(form, []).append(comp)
     return list(alike.values())
 
@@ -192,6 +206,7 @@ def replay_components(traces: dict[int, list[tuple]], d: Discipline, kinds: list
         problem = replay_p2p({r: traces[r] for r in comps[0]}, d)
         if problem:
             others = [r for c in comps[1:] for r in c]
-            return problem + (f" (so too in the {len(comps) - 1} component(s) alike: ranks {span(others)})"
-                              if others else "")
+            return problem + (
+                f" (so too in the {len(comps) - 1} component(s) alike: ranks {span(others)})" if others else ""
+            )
     return None

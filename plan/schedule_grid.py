@@ -10,6 +10,7 @@ _format_pipeline_order prints its schedules. For example `1f1b --pp 2 --micro 4`
     ...
 
 `grid` reads each action's chunk, kind and micro; `main` builds the schedule."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,10 @@ def grid(schedule: list[list]) -> str:
     cols = [col + [""] * (n + 1 - len(col)) for col in cols]
     widths = [max(map(len, col)) for col in cols]
     labels = [" " * (len(f"Step {n - 1}") + 1)] + [f"Step {i:0{len(str(n - 1))}d}:" for i in range(n)]
-    return "".join((label + " " + " ".join(col[i].ljust(w) for col, w in zip(cols, widths))).rstrip() + "\n"
-                   for i, label in enumerate(labels))
+    return "".join(
+        (label + " " + " ".join(col[i].ljust(w) for col, w in zip(cols, widths))).rstrip() + "\n"
+        for i, label in enumerate(labels)
+    )
 
 
 class Parser(argparse.ArgumentParser):

@@ -30,6 +30,7 @@ The step-time model (simple on purpose; it ranks layouts, it does not promise se
   here), pipeline p2p and ZeRO-1's end-of-step reduce-scatter are added; on a cluster without overlap
   (Cluster.overlap False: gloo on CPU ranks) everything is added.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,21 +42,32 @@ import torch
 
 from config import UsageError, check_layout, train_parser
 from parallel.pipeline_schedule import V_SCHEDULES
-from plan.theory import bubble_fraction
 from plan.cluster import Cluster, link_of
 from plan.counts import Setup, recomputed_blocks, schedule_facts, step_flops
 from plan.muon_counts import comm_by_group, comm_calls_by_group, state_bytes  # with --optimizer muon's part
 from plan.predict import worst_rank
+from plan.theory import bubble_fraction
 
-RING = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-        "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0, "p2p": lambda n: 1.0,
-        "all_to_all": lambda n: (n - 1) / n}  # all_to_all: its input counted, 1/n of it stays on the rank
+RING = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "p2p": lambda n: 1.0,
+    "all_to_all": lambda n: (n - 1) / n,
+}  # all_to_all: its input counted, 1/n of it stays on the rank
 # Hops (sequential messages) of one call over n ranks, each charged Cluster.hop: gloo's ring all-reduce is a
 # reduce-scatter then an all-gather round the ring, 2(n - 1); its all-gather n - 1; its reduce-scatter takes about
 # as long as an all-reduce of the same input (bench/plan_rank.py's probes over 4 ranks on 2 cores: 5.55 against
 # 5.66 ms, the all-gather 3.58), so 2(n - 1); a broadcast n - 1 (no calls formula issues one per step); p2p 1
-HOPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: 2 * (n - 1),
-        "broadcast": lambda n: n - 1, "p2p": lambda n: 1, "all_to_all": lambda n: n - 1}  # a2a: a message a peer
+HOPS = {
+    "all_reduce": lambda n: 2 * (n - 1),
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: 2 * (n - 1),
+    "broadcast": lambda n: n - 1,
+    "p2p": lambda n: 1,
+    "all_to_all": lambda n: n - 1,
+}  # a2a: a message a peer
 # gradient (and ZeRO-3 gather) traffic the wrappers issue asynchronously, the experts' over edp too; EP's
 # all_to_alls sit between the router and the experts: on the critical path
 OVERLAPPED = ("dp", "dp_replicate", "edp")
@@ -69,6 +81,7 @@ PP_SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)
 class Candidate:
     """One accepted layout. Its prediction and step time are computed when first asked (most layouts of a big
     cluster are ruled out by `state_floor` alone and never need them); `cluster` and `efficiency` price it."""
+
     name: str
     flags: list[str]
     setup: Setup
@@ -97,8 +110,9 @@ class Candidate:
 
     def torchrun(self, extra: str = "") -> str:
         n = self.setup.dims.world_size
-        launch = "python" if n == 1 else f"torchrun --nproc_per_node={min(n, 8)}" + (
-            f" --nnodes={n // 8}" if n > 8 else "")
+        launch = (
+            "python" if n == 1 else f"torchrun --nproc_per_node={min(n, 8)}" + (f" --nnodes={n // 8}" if n > 8 else "")
+        )
         return f"{launch} train.py {' '.join(self.flags)}{extra}"
 
 
@@ -106,8 +120,19 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_name(pp: int, schedule: str, virtual: int, dp: int, dp_type: str | None, replicate: int, cp: int, tp: int,
-                ac: str, mb: int, ep: int = 1) -> str:
+def layout_name(
+    pp: int,
+    schedule: str,
+    virtual: int,
+    dp: int,
+    dp_type: str | None,
+    replicate: int,
+    cp: int,
+    tp: int,
+    ac: str,
+    mb: int,
+    ep: int = 1,
+) -> str:
     """e.g. `pp=2(1f1b) dp=4(fsdp,R=2) cp=2 tp=2 ep=2 ac=full mb=4`: the dims > 1, then AC and the micro-batch."""
     parts = []
     if pp > 1:
@@ -123,8 +148,20 @@ def layout_name(pp: int, schedule: str, virtual: int, dp: int, dp_type: str | No
     return " ".join(parts + [f"ac={ac}", f"mb={mb}"])
 
 
-def flags_for(model_flags: list[str], pp: int, schedule: str, virtual: int, dp: int, dp_type: str | None,
-              replicate: int, cp: int, tp: int, ac: str, mb: int, ep: int = 1) -> list[str]:
+def flags_for(
+    model_flags: list[str],
+    pp: int,
+    schedule: str,
+    virtual: int,
+    dp: int,
+    dp_type: str | None,
+    replicate: int,
+    cp: int,
+    tp: int,
+    ac: str,
+    mb: int,
+    ep: int = 1,
+) -> list[str]:
     f = [*model_flags, "--micro_batch_size", str(mb)]
     if pp > 1:
         f += ["--pipeline_parallel_size", str(pp), "--pp_schedule", schedule]
@@ -252,11 +289,25 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
     muon = getattr(s.args, "optimizer", "adamw") == "muon"
     if muon:  # Newton-Schulz after the step's backward, on the busiest owner: added, never hidden
         from plan.muon_counts import ns_flops_by_rank
+
         compute += max(max(ns_flops_by_rank(s, r)) for r in range(d.pp)) / (cluster.peak_flops * efficiency)
-    group_dims = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp_shard" if s.dp_type != "ddp" else "dp_replicate",
-                  "dp_replicate": "dp_replicate"}
-    group_size = {"tp": d.tp, "cp": d.cp, "pp": 2, "dp": d.dp_shard * d.cp if s.dp_type != "ddp" else d.dp * d.cp,
-                  "dp_replicate": d.dp_replicate, "ep": d.ep, "edp": edp, "muon": d.world_size // d.pp}
+    group_dims = {
+        "tp": "tp",
+        "cp": "cp",
+        "pp": "pp",
+        "dp": "dp_shard" if s.dp_type != "ddp" else "dp_replicate",
+        "dp_replicate": "dp_replicate",
+    }
+    group_size = {
+        "tp": d.tp,
+        "cp": d.cp,
+        "pp": 2,
+        "dp": d.dp_shard * d.cp if s.dp_type != "ddp" else d.dp * d.cp,
+        "dp_replicate": d.dp_replicate,
+        "ep": d.ep,
+        "edp": edp,
+        "muon": d.world_size // d.pp,
+    }
     times = {"compute": compute}
     for g, kinds in groups.items():
         n = group_size[g]
@@ -264,12 +315,17 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
             continue
         # EP's groups are made of the batch ranks (dp x cp): inside a node where those are
         batch = ("dp_replicate", "dp_shard", "cp")
-        inter = any(link_of(dim, sizes, cluster.gpus_per_node) == "inter" for dim in
-                    (batch if g in ("dp", "ep", "edp") else (*batch, "tp") if g == "muon" else (group_dims[g],))
-                    if sizes[dim] > 1)
+        inter = any(
+            link_of(dim, sizes, cluster.gpus_per_node) == "inter"
+            for dim in (batch if g in ("dp", "ep", "edp") else (*batch, "tp") if g == "muon" else (group_dims[g],))
+            if sizes[dim] > 1
+        )
         bw = cluster.inter_bw if inter else cluster.intra_bw
-        times[g] = (sum(v * RING[k](n) for k, v in kinds.items()) / bw + cluster.latency * sum(calls[g].values())
-                    + cluster.hop * hops(calls[g], n))
+        times[g] = (
+            sum(v * RING[k](n) for k, v in kinds.items()) / bw
+            + cluster.latency * sum(calls[g].values())
+            + cluster.hop * hops(calls[g], n)
+        )
     overlapped = cluster.overlap and s.dp_type in ("ddp", "zero2", "fsdp")
     hidden = sum(times.get(g, 0) for g in OVERLAPPED) if overlapped else 0
     exposed = sum(v for g, v in times.items() if g != "compute") - hidden
@@ -277,8 +333,9 @@ def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
     return times
 
 
-def candidates(model_flags: list[str], cluster: Cluster, micro_batches: list[int], constraints: dict,
-               efficiency: float = 0.5) -> list[Candidate]:
+def candidates(
+    model_flags: list[str], cluster: Cluster, micro_batches: list[int], constraints: dict, efficiency: float = 0.5
+) -> list[Candidate]:
     """Every accepted layout on `cluster.gpus` ranks: pp x schedule x dp type (HSDP with a node's worth of
     shards) x cp x tp (within a node) x, for an MoE model of E experts, ep (the divisors of E that divide dp x cp:
     EP borrows the batch ranks) x AC x micro-batch, each with its worst stage's prediction and step time.
@@ -288,7 +345,9 @@ def candidates(model_flags: list[str], cluster: Cluster, micro_batches: list[int
     E = _model_args(tuple(model_flags)).moe_num_experts
     out = []
     for pp, cp, tp in itertools.product(divisors(N), divisors(N), divisors(min(N, G))):
-        if N % (pp * cp * tp) or any(constraints.get(k) not in (None, v) for k, v in (("pp", pp), ("cp", cp), ("tp", tp))):
+        if N % (pp * cp * tp) or any(
+            constraints.get(k) not in (None, v) for k, v in (("pp", pp), ("cp", cp), ("tp", tp))
+        ):
             continue
         dp = N // (pp * cp * tp)
         schedules = PP_SCHEDULES if pp > 1 else [("1f1b", 1)]
@@ -297,23 +356,35 @@ def candidates(model_flags: list[str], cluster: Cluster, micro_batches: list[int
         if dp > shards_in_node > 1 and dp % shards_in_node == 0:
             dp_types += [(t, dp // shards_in_node) for t in ("zero2", "fsdp")]
         eps = [e for e in divisors(dp * cp) if E % e == 0 and constraints.get("ep") in (None, e)] if E else [1]
-        for (schedule, v), (dp_type, r), ep, ac, mb in itertools.product(schedules, dp_types, eps,
-                                                                         ("none", "selective", "full"), micro_batches):
+        for (schedule, v), (dp_type, r), ep, ac, mb in itertools.product(
+            schedules, dp_types, eps, ("none", "selective", "full"), micro_batches
+        ):
             if constraints.get("dp_type") not in (None, dp_type) or constraints.get("ac") not in (None, ac):
                 continue
             flags = flags_for(model_flags, pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb, ep)
-            s = accepted(model_flags, flags[len(model_flags):], N, device)
+            s = accepted(model_flags, flags[len(model_flags) :], N, device)
             if s is None:
                 continue
-            out.append(Candidate(layout_name(pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb, ep), flags, s, cluster,
-                                 efficiency))
+            out.append(
+                Candidate(
+                    layout_name(pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb, ep), flags, s, cluster, efficiency
+                )
+            )
     return out
 
 
 def model_flags(a: argparse.Namespace) -> list[str]:
     """train.py's model and batch flags from the planner's arguments."""
-    f = ["--model", a.model, "--seq_len", str(a.seq_len), "--total_batch_size", str(a.total_batch_size),
-         "--dtype", a.dtype]
+    f = [
+        "--model",
+        a.model,
+        "--seq_len",
+        str(a.seq_len),
+        "--total_batch_size",
+        str(a.total_batch_size),
+        "--dtype",
+        a.dtype,
+    ]
     for k in ("n_layer", "n_head", "n_embd", "vocab_size", *MOE_FLAGS):
         if getattr(a, k, None) is not None:
             f += [f"--{k}", str(getattr(a, k))]

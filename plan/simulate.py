@@ -34,6 +34,7 @@ time, by one of three pairing rules:
 `simulate` executes the lists under each p2p model (async, nccl, rendezvous, nccl_eager) and checks everything
 above.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict, deque
@@ -41,15 +42,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from parallel.groups import p2p_link
-from parallel.pipeline_schedule import (B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ScheduleError,
-                                        boundary, ideal_times, in_key_order, is_split, messages, peer_of, rank_of,
-                                        send_waits, unit_times)
+from parallel.pipeline_schedule import (
+    COMPUTE,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    ScheduleError,
+    W,
+    boundary,
+    ideal_times,
+    in_key_order,
+    is_split,
+    messages,
+    peer_of,
+    rank_of,
+    send_waits,
+    unit_times,
+)
 
 
 @dataclass
 class SimResult:
     """timeline[r]: (start, end, action) of each compute on rank r; max_in_flight[r]: most micro-batch
     activations rank r held at once (forwards done whose backward is not); busy[r]: compute units."""
+
     makespan: int
     timeline: list[list[tuple[int, int, Action]]]
     max_in_flight: list[int]
@@ -82,8 +102,10 @@ def paired(schedule: list[list[Action]], pp: int, pairing: str, v_shape: bool = 
     for r, c, recv, sender, send in messages(order, pp, v_shape):
         ready = end[(c.kind, send.chunk, c.micro)]
         ready_key, meet_key = ((t, 0, ready, sender, c.chunk, c.micro) for t in (ready, start[c]))
-        keyed += [(ready_key if pairing == "ready" else meet_key, r, recv),
-                  (meet_key if pairing == "meet" else ready_key, sender, send)]
+        keyed += [
+            (ready_key if pairing == "ready" else meet_key, r, recv),
+            (meet_key if pairing == "meet" else ready_key, sender, send),
+        ]
     return in_key_order(keyed, pp)
 
 
@@ -97,6 +119,7 @@ class _Entry:
     """One entry of a p2p stream (FIFO_MODELS): the ops posted as one call, one op unless batched (then the
     ops of one `batch_isend_irecv`, which NCCL runs as one group: they progress together and the entry ends
     when the last of them has met its peer). ops: (action, the peer's matching action, the peer's stream)."""
+
     ops: list[tuple[Action, Action, tuple[int, int]]]
     post: int
     closed: bool = False  # every op of the call posted: the call is issued
@@ -104,10 +127,19 @@ class _Entry:
     fired: dict[int, int] = field(default_factory=dict)  # op index -> when it met its peer
 
 
-def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batches: int | None = None,
-             f_time: Times = 1, b_time: Times | None = None, w_time: Times | None = None,
-             p2p: str = "rendezvous", v_shape: bool = False, links: bool = False,
-             batched: bool = False) -> SimResult:
+def simulate(
+    schedule: list[list[Action]],
+    pp: int,
+    virtual: int = 1,
+    micro_batches: int | None = None,
+    f_time: Times = 1,
+    b_time: Times | None = None,
+    w_time: Times | None = None,
+    p2p: str = "rendezvous",
+    v_shape: bool = False,
+    links: bool = False,
+    batched: bool = False,
+) -> SimResult:
     """Run every rank's list; computes take f_time / b_time / w_time units (default `unit_times`: B = 2 for a
     whole backward, B = W = 1 when the schedule is split), each one number or one per chunk; `v_shape`: the
     chunks sit as `chunk_of(..., v_shape=True)` puts them (the V schedules). Messages take no time. Four p2p models:
@@ -203,8 +235,9 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
                 arrival = None
                 if a.kind != W and 0 <= src < chunks:
                     local = rank_of(src, pp, v_shape) == r
-                    arrival = Action(a.kind, src, a.micro) if local else \
-                        Action(RECV_F if a.kind == F else RECV_B, *a[1:])
+                    arrival = (
+                        Action(a.kind, src, a.micro) if local else Action(RECV_F if a.kind == F else RECV_B, *a[1:])
+                    )
                 row.append((arrival, waits[r].get(a, ())))
             else:
                 q, want = _peer(a, pp, v_shape)
@@ -298,20 +331,24 @@ def simulate(schedule: list[list[Action]], pp: int, virtual: int = 1, micro_batc
         pending -= done
         if not moved:
             stuck = {r: head(r) for r in range(pp) if head(r) is not None}
-            heads = {k: next(op[0] for i, op in enumerate(v[0].ops) if i not in v[0].fired)
-                     for k, v in streams.items() if v}
+            heads = {
+                k: next(op[0] for i, op in enumerate(v[0].ops) if i not in v[0].fired) for k, v in streams.items() if v
+            }
             what = "pair heads (rank, peer)" if p2p == "nccl" else "stream heads (rank, group)"
-            raise ScheduleError(f"deadlock: no rank can progress; waiting {stuck}"
-                                + (f"; {what}: {heads}" if heads else ""))
+            raise ScheduleError(
+                f"deadlock: no rank can progress; waiting {stuck}" + (f"; {what}: {heads}" if heads else "")
+            )
     for c in range(chunks):
         for m in range(micro_batches):
             for kind in COMPUTE if split else (F, B):
                 if Action(kind, c, m) not in done:
                     raise ScheduleError(f"{Action(kind, c, m)} never runs")
     if any(posted.values()) or any(listening.values()) or any(streams.values()):
-        raise ScheduleError(f"sends never received: {[x[0] for x in posted.values() for x in x]}; receives never "
-                            f"sent: {[x[0] for x in listening.values() for x in x]}; never completed: "
-                            f"{[op[0] for s in streams.values() for e in s for op in e.ops]}")
+        raise ScheduleError(
+            f"sends never received: {[x[0] for x in posted.values() for x in x]}; receives never "
+            f"sent: {[x[0] for x in listening.values() for x in x]}; never completed: "
+            f"{[op[0] for s in streams.values() for e in s for op in e.ops]}"
+        )
     return SimResult(max(clock), timeline, peak, busy)
 
 
@@ -319,8 +356,13 @@ def _sends(a: Action) -> bool:
     return a.kind.startswith("SEND")
 
 
-def _match_stream_heads(streams: dict[tuple[int, int], deque], free: dict[tuple[int, int], int],
-                        arrived: dict[Action, int], done: set, sent: dict[Action, int]) -> bool:
+def _match_stream_heads(
+    streams: dict[tuple[int, int], deque],
+    free: dict[tuple[int, int], int],
+    arrived: dict[Action, int],
+    done: set,
+    sent: dict[Action, int],
+) -> bool:
     """FIFO_MODELS: meet every op of a stream's head entry with its peer op in the head entry of the peer's
     stream (the first not yet met there that names this stream and goes the other way, as NCCL matches a
     pair's sends and receives in order), at the later of the two entries' starts; then retire every head entry
@@ -335,13 +377,21 @@ def _match_stream_heads(streams: dict[tuple[int, int], deque], free: dict[tuple[
             theirs = streams[peer][0] if streams.get(peer) else None
             if i in mine.fired or theirs is None or not theirs.closed:
                 continue
-            j = next((j for j, (b, _, back) in enumerate(theirs.ops)
-                      if j not in theirs.fired and back == key and _sends(b) != _sends(a)), None)
+            j = next(
+                (
+                    j
+                    for j, (b, _, back) in enumerate(theirs.ops)
+                    if j not in theirs.fired and back == key and _sends(b) != _sends(a)
+                ),
+                None,
+            )
             if j is None:
                 continue  # the peer's running entry has nothing for this op (yet, or ever: a deadlock)
             if theirs.ops[j][0] != want:
-                raise ScheduleError(f"order mismatch on streams {key}, {peer}: rank {key[0]}'s {a} meets rank "
-                                    f"{peer[0]}'s {theirs.ops[j][0]}")
+                raise ScheduleError(
+                    f"order mismatch on streams {key}, {peer}: rank {key[0]}'s {a} meets rank "
+                    f"{peer[0]}'s {theirs.ops[j][0]}"
+                )
             mine.fired[i] = theirs.fired[j] = max(mine.start, theirs.start)
             moved = True
     for key, s in streams.items():

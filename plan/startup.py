@@ -32,6 +32,7 @@ new_group each and there were no link groups):
 On gloo the same layouts make 3,336, 2,720, 2,496, 2,112 and 3,104 new_group calls: DeviceMesh builds every dim
 group by group there, each of its size-1 dims (dp_replicate, and cp or tp where unused) W of them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,6 +55,7 @@ class GroupCalls:
     groups) per phase: "mesh" (DeviceMesh's dims and flattened dims, and the expert dims), "links" (the pp and cp
     rings' link groups, NCCL only), "embedding" (the pipelines' tied-embedding groups); `ranks`: each phase's
     groups' global ranks, in the order they were built."""
+
     new_group: int = 0
     split_group: int = 0
     groups: int = 0
@@ -76,9 +78,12 @@ def init_group_calls(dims: ParallelDims, backend: str = "nccl", v_shape: bool = 
 
     from parallel import mesh as mesh_module
     from parallel.pipeline import embedding_group
+
     if dist.is_initialized():
-        raise RuntimeError("init_group_calls runs the group building on a fake process group of its own: call it "
-                           "where no process group is initialised")
+        raise RuntimeError(
+            "init_group_calls runs the group building on a fake process group of its own: call it "
+            "where no process group is initialised"
+        )
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend is 'nccl' or 'gloo', got {backend!r}")
     eager = backend == "nccl"
@@ -132,6 +137,7 @@ def init_group_calls(dims: ParallelDims, backend: str = "nccl", v_shape: bool = 
             def build_links(self):
                 phase[0] = "links"
                 real_links(self)
+
             stack.enter_context(mock.patch.object(mesh_module.Mesh, "build_links", build_links))
             mesh = mesh_module.init_distributed(dims, torch.device("cpu"))
             if dims.pp > 1:

@@ -19,15 +19,15 @@ an all-reduce) are properties of the transport, not of the algorithm, and are le
     pipeline            p2p_bytes_per_step, p2p_calls_per_step, bubble_fraction (the simulator behind the V
                         schedules' and the p2p models' proofs: plan/simulate.py)
 """
+
 from __future__ import annotations
 
 from model import GPTConfig
-from parallel.flat_param import shard_numel
-from parallel.flat_param import ZERO_LADDER
+from parallel.flat_param import ZERO_LADDER, shard_numel
 from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of, rank_of
 
-
 # ----------------------------------------------------------------------------- data parallel
+
 
 def ddp_comm_bytes_per_step(n_params: int, world: int, grad_bytes: int = 4) -> dict[str, int]:
     """What parallel/comm.COUNTER records on one rank per optimizer step: one all-reduce of the gradients
@@ -37,8 +37,9 @@ def ddp_comm_bytes_per_step(n_params: int, world: int, grad_bytes: int = 4) -> d
     return {"all_reduce": n_params * grad_bytes if world > 1 else 0}
 
 
-def ddp_comm_calls_per_step(param_bytes: list[int], world: int, cap_bytes: int,
-                            groups: list[int] | None = None) -> dict[str, int]:
+def ddp_comm_calls_per_step(
+    param_bytes: list[int], world: int, cap_bytes: int, groups: list[int] | None = None
+) -> dict[str, int]:
     """The all-reduces behind `ddp_comm_bytes_per_step`: one per bucket per optimizer step (a pipeline's
     `reduce_on_exit` launches each bucket once too). `param_bytes`: each unique trainable parameter's bytes in
     registration order (one dtype and device, as our models are); the buckets are `build_buckets`' greedy rule
@@ -59,8 +60,17 @@ def ddp_comm_calls_per_step(param_bytes: list[int], world: int, cap_bytes: int,
 
 # ----------------------------------------------------------------------------- ZeRO 1-3, FSDP, HSDP
 
-def zero_comm_bytes_per_step(stage: int, root: int, blocks: int, shard: int, replicas: int = 1,
-                             micro_steps: int = 1, param_bytes: int = 4, reduce_bytes: int = 4) -> dict[str, int]:
+
+def zero_comm_bytes_per_step(
+    stage: int,
+    root: int,
+    blocks: int,
+    shard: int,
+    replicas: int = 1,
+    micro_steps: int = 1,
+    param_bytes: int = 4,
+    reduce_bytes: int = 4,
+) -> dict[str, int]:
     """What parallel/comm.COUNTER records on one rank per optimizer step of `micro_steps` micro-steps, for
     the elements of the root unit and of all Blocks (padded as the units are), S = `shard` ranks per
     shard group and R = `replicas` (HSDP):
@@ -73,8 +83,10 @@ def zero_comm_bytes_per_step(stage: int, root: int, blocks: int, shard: int, rep
       shard across the replicas: Ψ/S per reduce-scatter."""
     psi = root + blocks
     if stage == 3:
-        out = {k: v * micro_steps for k, v in fsdp_comm_bytes_per_micro_step(root, blocks, shard, True, param_bytes,
-                                                                             reduce_bytes).items()}
+        out = {
+            k: v * micro_steps
+            for k, v in fsdp_comm_bytes_per_micro_step(root, blocks, shard, True, param_bytes, reduce_bytes).items()
+        }
         scatters = micro_steps if shard > 1 else 0
     else:
         scatters = (1 if stage == 1 else micro_steps) if shard > 1 else 0
@@ -102,9 +114,17 @@ def pipelined_root_gathers(actions: list[tuple[str, int]], rooted: set[int]) -> 
     return n
 
 
-def zero_comm_bytes_per_pipeline_step(stage: int, roots: int, blocks: int, shard: int, replicas: int,
-                                      micro_steps: int, root_gathers: int, param_bytes: int = 4,
-                                      reduce_bytes: int = 4) -> dict[str, int]:
+def zero_comm_bytes_per_pipeline_step(
+    stage: int,
+    roots: int,
+    blocks: int,
+    shard: int,
+    replicas: int,
+    micro_steps: int,
+    root_gathers: int,
+    param_bytes: int = 4,
+    reduce_bytes: int = 4,
+) -> dict[str, int]:
     """`zero_comm_bytes_per_step` for a pipeline stage's units (`roots`: the root and tied-matrix elements, padded)
     over a step of `micro_steps` micro-batches, each chunk run by the engine's `run`. ZeRO-1/2 keep full copies, so
     they gather once per step and reduce as without a pipeline (each unit's gradient is complete once per
@@ -118,8 +138,15 @@ def zero_comm_bytes_per_pipeline_step(stage: int, roots: int, blocks: int, shard
     return out
 
 
-def zero_comm_calls_per_step(stage: int, roots: int, blocks: int, shard: int, replicas: int = 1,
-                             micro_steps: int = 1, root_gathers: int | None = None) -> dict[str, int]:
+def zero_comm_calls_per_step(
+    stage: int,
+    roots: int,
+    blocks: int,
+    shard: int,
+    replicas: int = 1,
+    micro_steps: int = 1,
+    root_gathers: int | None = None,
+) -> dict[str, int]:
     """The calls behind `zero_comm_bytes_per_step` (and, given `root_gathers`, `zero_comm_bytes_per_pipeline_step`),
     for `roots` root units (the root, and a pipeline stage's tied matrix; an empty root issues nothing) and
     `blocks` Block units: every unit is one flat buffer, so each gather, reduce-scatter and HSDP all-reduce of
@@ -139,8 +166,9 @@ def zero_comm_calls_per_step(stage: int, roots: int, blocks: int, shard: int, re
     return out
 
 
-def fsdp_comm_bytes_per_micro_step(root: int, blocks: int, world: int, reshard_after_forward: bool = True,
-                                   param_bytes: int = 4, reduce_bytes: int = 4) -> dict[str, int]:
+def fsdp_comm_bytes_per_micro_step(
+    root: int, blocks: int, world: int, reshard_after_forward: bool = True, param_bytes: int = 4, reduce_bytes: int = 4
+) -> dict[str, int]:
     """Payload bytes of one rank's all-gathers and reduce-scatters in one synchronised forward + backward,
     given the elements of the root unit and of all Block units together: the root is gathered once (kept
     from forward to backward), each Block twice (once without `reshard_after_forward`), and every gradient
@@ -152,8 +180,17 @@ def fsdp_comm_bytes_per_micro_step(root: int, blocks: int, world: int, reshard_a
     return {"all_gather": (root + passes * blocks) * param_bytes, "reduce_scatter": (root + blocks) * reduce_bytes}
 
 
-def reduce_held_bytes(stage: int, grads: int, padded: int, prev: int, before: int, shard: int,
-                      param_bytes: int = 4, reduce_bytes: int = 4, copies_input: bool = False) -> int:
+def reduce_held_bytes(
+    stage: int,
+    grads: int,
+    padded: int,
+    prev: int,
+    before: int,
+    shard: int,
+    param_bytes: int = 4,
+    reduce_bytes: int = 4,
+    copies_input: bool = False,
+) -> int:
     """Gradient bytes a backward holds beyond the state at the moment a unit's flat gradient is made, the last
     allocation before `_post_backward` runs: autograd's SplitWithSizesBackward concatenates (aten::cat) the
     unit's parameter gradients, `grads` elements it still holds, into one flat gradient of `padded` elements,
@@ -171,8 +208,9 @@ def reduce_held_bytes(stage: int, grads: int, padded: int, prev: int, before: in
     return out
 
 
-def reduce_accumulated_held_bytes(padded: list[int], shard: int, reduce_bytes: int = 4,
-                                  copies_input: bool = False) -> int:
+def reduce_accumulated_held_bytes(
+    padded: list[int], shard: int, reduce_bytes: int = 4, copies_input: bool = False
+) -> int:
     """What ZeRO-1's end-of-step reduction (`reduce_accumulated`, `keep`) holds beyond its full gradient
     buffers (state), for units of `padded` elements: every reduce-scatter is started before any is waited, so
     the backend's copies of every input (`copies_input`, gloo: see `reduce_held_bytes`) and, unless the output
@@ -181,8 +219,16 @@ def reduce_accumulated_held_bytes(padded: list[int], shard: int, reduce_bytes: i
     return sum(p * copy + (p // shard if reduce_bytes != 4 else 0) for p in padded) * reduce_bytes
 
 
-def fsdp_unit_state_bytes(numel: int, n_decay: int, world: int, rank: int, keeps_params: bool, reduces_at_end: bool,
-                     param_bytes: int = 4, reduce_bytes: int = 4) -> dict[str, int]:
+def fsdp_unit_state_bytes(
+    numel: int,
+    n_decay: int,
+    world: int,
+    rank: int,
+    keeps_params: bool,
+    reduces_at_end: bool,
+    param_bytes: int = 4,
+    reduce_bytes: int = 4,
+) -> dict[str, int]:
     """What `FlatLayout.state_breakdown` counts for one unit after an optimizer step (the theory, for the planner):
     of `numel` elements (`n_decay` of them in >= 2-D weights, first), rank `rank` of `world` holds
     [lo, lo + S) of the padded buffer, S = `shard_numel`, as up to two pieces (decay, no-decay):
@@ -207,6 +253,7 @@ def engine_comm_bytes_per_micro_step(fsdp) -> dict[str, int]:
     """`fsdp_comm_bytes_per_micro_step` of a built sharding engine (parallel/fsdp.py): its units' padded flat
     buffers, i.e. at most N - 1 elements per unit more than the parameters themselves, in its dtypes."""
     import torch
+
     roots = sum(u.padded for u in fsdp.roots)
     blocks = sum(u.padded for u in fsdp.units if u not in fsdp.roots)
     p_size = torch.empty((), dtype=fsdp.param_dtype).element_size()
@@ -216,11 +263,22 @@ def engine_comm_bytes_per_micro_step(fsdp) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- tensor parallel
 
-def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, loss_parallel: bool,
-                                 sequence_parallel: bool, dtype_bytes: int = 4,
-                                 residual_bytes: int | None = None, recomputed_blocks: int = 0,
-                                 blocks: int | None = None, first: bool = True, last: bool = True,
-                                 moe_blocks: int = 0) -> dict[str, int]:
+
+def tp_comm_bytes_per_micro_step(
+    config: GPTConfig,
+    B: int,
+    T: int,
+    tp: int,
+    loss_parallel: bool,
+    sequence_parallel: bool,
+    dtype_bytes: int = 4,
+    residual_bytes: int | None = None,
+    recomputed_blocks: int = 0,
+    blocks: int | None = None,
+    first: bool = True,
+    last: bool = True,
+    moe_blocks: int = 0,
+) -> dict[str, int]:
     """Bytes parallel/comm.COUNTER records on one rank for one forward + backward, by kind.
 
     dtype_bytes: element size of matmul outputs (the compute dtype). residual_bytes: that of the residual
@@ -278,9 +336,19 @@ def tp_comm_bytes_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
     return out
 
 
-def tp_comm_calls_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, loss_parallel: bool,
-                                 sequence_parallel: bool, recomputed_blocks: int = 0, blocks: int | None = None,
-                                 first: bool = True, last: bool = True, moe_blocks: int = 0) -> dict[str, int]:
+def tp_comm_calls_per_micro_step(
+    config: GPTConfig,
+    B: int,
+    T: int,
+    tp: int,
+    loss_parallel: bool,
+    sequence_parallel: bool,
+    recomputed_blocks: int = 0,
+    blocks: int | None = None,
+    first: bool = True,
+    last: bool = True,
+    moe_blocks: int = 0,
+) -> dict[str, int]:
     """The calls behind `tp_comm_bytes_per_micro_step` (its arguments, less the element sizes): one per f or g
     and per SP all-gather or reduce-scatter (each moves one activation), so the 2L + last entries and 2L + first
     exits are a call each way; under SP the position embeddings' backward all-gather (first) and one all-reduce
@@ -309,8 +377,10 @@ def tp_comm_calls_per_micro_step(config: GPTConfig, B: int, T: int, tp: int, los
 
 # ----------------------------------------------------------------------------- context parallel
 
-def cp_p2p_bytes_per_micro_step(n_layer: int, B: int, T: int, n_embd: int, cp: int, tp: int = 1,
-                                element_size: int = 4, recomputed_blocks: int = 0) -> int:
+
+def cp_p2p_bytes_per_micro_step(
+    n_layer: int, B: int, T: int, n_embd: int, cp: int, tp: int = 1, element_size: int = 4, recomputed_blocks: int = 0
+) -> int:
     """What parallel/comm.COUNTER records as "p2p" on one rank for one forward + backward: per attention, with
     A = B·(T/C)·(n_embd/tp) elements (one k or v block: all of this rank's heads), forward sends 2(C-1)·A
     (k and v, C-1 moves; fully masked blocks still travel, only their compute is skipped) and backward
@@ -336,9 +406,18 @@ def cp_p2p_calls_per_micro_step(n_layer: int, cp: int, recomputed_blocks: int = 
 
 # ----------------------------------------------------------------------------- expert parallel
 
-def ep_all_to_all_bytes_per_micro_step(tokens: int, k: int, n_embd: int, experts: int, moe_layers: int,
-                                       ep: int = 2, dtype_bytes: int = 4, received: int | None = None,
-                                       recomputed_layers: int = 0) -> int:
+
+def ep_all_to_all_bytes_per_micro_step(
+    tokens: int,
+    k: int,
+    n_embd: int,
+    experts: int,
+    moe_layers: int,
+    ep: int = 2,
+    dtype_bytes: int = 4,
+    received: int | None = None,
+    recomputed_layers: int = 0,
+) -> int:
     """What parallel/comm.COUNTER records as "all_to_all" on one EP rank for one forward + backward of `tokens`
     tokens (its micro-batch's, B·T, or B·T/cp) through `moe_layers` MoE layers, k experts a token (each
     all_to_all counts this rank's input, parallel/comm.py):
@@ -370,8 +449,10 @@ def ep_all_to_all_calls_per_micro_step(moe_layers: int, ep: int = 2, recomputed_
 
 # ----------------------------------------------------------------------------- pipeline
 
-def p2p_bytes_per_step(pp: int, virtual: int, rank: int, micro: int, shape: tuple[int, ...],
-                       element_size: int = 4, v_shape: bool = False) -> int:
+
+def p2p_bytes_per_step(
+    pp: int, virtual: int, rank: int, micro: int, shape: tuple[int, ...], element_size: int = 4, v_shape: bool = False
+) -> int:
     """Bytes rank `rank` sends per step (theory): every local chunk whose next chunk is on another rank sends
     each micro-batch's activation forward, every local chunk whose previous one is sends its input gradient
     backward (none between the V's chunks P-1 and P, both on rank P-1)."""
@@ -388,8 +469,9 @@ def p2p_calls_per_step(pp: int, virtual: int, rank: int, micro: int, v_shape: bo
         return 0
     C = pp * virtual
     chunks = [chunk_of(rank, v, pp, v_shape) for v in range(virtual)]
-    messages = (sum(c < C - 1 and rank_of(c + 1, pp, v_shape) != rank for c in chunks)
-                + sum(c > 0 and rank_of(c - 1, pp, v_shape) != rank for c in chunks))
+    messages = sum(c < C - 1 and rank_of(c + 1, pp, v_shape) != rank for c in chunks) + sum(
+        c > 0 and rank_of(c - 1, pp, v_shape) != rank for c in chunks
+    )
     return messages * micro
 
 
@@ -418,19 +500,22 @@ def bubble_fraction(schedule_name: str, pp: int, micro: int, virtual: int = 1) -
         return (pp - 1) / (3 * micro + pp - 1)
     if schedule_name in V_SCHEDULES:  # from the list itself: its ideal timeline (unit times, isends)
         from plan.simulate import simulate
-        return simulate(ALL_SCHEDULES[schedule_name](pp, micro, 2), pp, 2, micro, p2p="async",
-                        v_shape=True).bubble_fraction
+
+        return simulate(
+            ALL_SCHEDULES[schedule_name](pp, micro, 2), pp, 2, micro, p2p="async", v_shape=True
+        ).bubble_fraction
     v = virtual if schedule_name == "interleaved_1f1b" else 1
     return (pp - 1) / (v * micro + pp - 1)
 
 
 # ----------------------------------------------------------------------------- Muon (optim/distributed_muon.py)
 
+
 def muon_ns_flops(shape: tuple[int, int], ns_steps: int) -> int:
     """Newton-Schulz's matmul FLOPs on one (R, C) matrix, m = min(R, C), n = max: per step the Gram X X^T (m x n
     times n x m: 2 m^2 n), its square A A (2 m^3) and (b A + c A^2) X (2 m^2 n); k steps."""
     m, n = sorted(shape)
-    return ns_steps * (4 * m * m * n + 2 * m ** 3)
+    return ns_steps * (4 * m * m * n + 2 * m**3)
 
 
 def muon_owners(flops: list[int], held: list[list[int]], keys: list[str]) -> list[int]:
@@ -455,8 +540,9 @@ def muon_lpt_bound(flops: list[int], world: int) -> float:
     return sum(flops) / world + (1 - 1 / world) * max(flops)
 
 
-def muon_exchange_bytes_per_step(holds: list[list[tuple[int, int] | None]], owners: list[int],
-                                 rank: int) -> dict[str, int]:
+def muon_exchange_bytes_per_step(
+    holds: list[list[tuple[int, int] | None]], owners: list[int], rank: int
+) -> dict[str, int]:
     """What `Exchange` sends from rank `rank` of a pipeline stage's group per optimizer step (its all_to_all inputs,
     as parallel/comm.COUNTER records them), in bf16 (2 bytes an element). `holds[m][s]`: rank s's piece of matrix
     m, (piece, elements) (ranks with equal `piece` hold the same elements: replicas) or None; `owners[m]`: its owner.
@@ -498,8 +584,10 @@ def muon_exchange_calls_per_step(holds: list[list[tuple[int, int] | None]], owne
     holds its matrices whole, the return unless no rank but the owner holds a piece; none on one rank."""
     if len(holds[0] if holds else ()) <= 1:
         return 0
-    whole = all(row[o] is not None and row[o][1] == sum(h[1] for h in {h[0]: h for h in row if h}.values())
-                for row, o in zip(holds, owners))
+    whole = all(
+        row[o] is not None and row[o][1] == sum(h[1] for h in {h[0]: h for h in row if h}.values())
+        for row, o in zip(holds, owners)
+    )
     alone = all(all(h is None or s == o for s, h in enumerate(row)) for row, o in zip(holds, owners))
     return (not whole) + (not alone)
 

@@ -41,6 +41,7 @@ kind replayed (`p2p_components`: alike up to the ranks' names; pp=32 x dp=16 x c
 
 Exit code 0: consistent; 1: a finding (each printed); 2: bad input, in one line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,17 +55,27 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from plan.fake_rank import Op, RankRun
-from plan.replay import (DISCIPLINES, Discipline, p2p_components, p2p_models,  # noqa: F401 (tests: V.*)
-                         replay_components, replay_p2p, span)
+from plan.replay import (
+    DISCIPLINES,
+    p2p_components,
+    p2p_models,
+    replay_components,
+    span,
+)
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PEAK_RTOL = 0.15  # the planner's peak, as tests/test_plan_runs.py holds it against the CPU's allocated peak
-FAULT_RANKS = (("GPT_COMM_FAULT", "GPT_COMM_FAULT_RANK"), ("GPT_FAULT_GRAD", "GPT_FAULT_RANK"),
-               ("GPT_FAULT_DDP_DROP_BUCKET", "GPT_FAULT_RANK"), ("GPT_SIGNAL_AT_STEP", "GPT_SIGNAL_RANK"),
-               ("GPT_KILL_AT_STEP", "GPT_KILL_RANK"))  # (the hook's switch, the variable naming its rank, default 0)
+FAULT_RANKS = (
+    ("GPT_COMM_FAULT", "GPT_COMM_FAULT_RANK"),
+    ("GPT_FAULT_GRAD", "GPT_FAULT_RANK"),
+    ("GPT_FAULT_DDP_DROP_BUCKET", "GPT_FAULT_RANK"),
+    ("GPT_SIGNAL_AT_STEP", "GPT_SIGNAL_RANK"),
+    ("GPT_KILL_AT_STEP", "GPT_KILL_RANK"),
+)  # (the hook's switch, the variable naming its rank, default 0)
 
 
 # ----------------------------------------------------------------------------- the mesh, its classes and shifts
+
 
 class Layout:
     """The mesh of a dims (parallel.mesh.ParallelDims): coordinates (pp, dp_replicate, dp_shard, cp, tp) of a rank,
@@ -81,8 +92,9 @@ class Layout:
         if self.stages is not None and len(self.stages) != dims.pp:
             raise ValueError(f"{len(self.stages)} stage signatures for pp={dims.pp}")
         first: dict[tuple, int] = {}
-        self.stage_class = [first.setdefault(s.key, p) for p, s in enumerate(self.stages)] if self.stages \
-            else list(range(dims.pp))  # pp rank -> the lowest pp rank whose stage records alike
+        self.stage_class = (
+            [first.setdefault(s.key, p) for p, s in enumerate(self.stages)] if self.stages else list(range(dims.pp))
+        )  # pp rank -> the lowest pp rank whose stage records alike
 
     @classmethod
     def of(cls, plan, special: frozenset[int] = frozenset()) -> "Layout":
@@ -163,6 +175,7 @@ class Stage(NamedTuple):
     """A pipeline rank's part in the recording: `key`, everything its recording is made of beyond the mesh (two
     pipeline ranks with equal keys record alike up to a shift of pp; `stage_signatures`), and `blocks`, the
     global indices of the Blocks it holds, in its order (call sites name Blocks by them: `Layout.local_site`)."""
+
     key: tuple
     blocks: tuple[int, ...]
 
@@ -183,10 +196,11 @@ def stage_signatures(plan) -> list[Stage]:
     Peers as offsets: a stage sharing a class with another sends to and receives from the ranks at the same
     offsets, so the pp shift between them maps every peer onto the other's. Without a pipeline: one Stage."""
     import torch
+
     from model import Block
     from parallel.pipeline import chunk_ranges
-    from parallel.pipeline_schedule import (ALL_SCHEDULES, RECV_B, RECV_F, SEND_B, SEND_F, V_SCHEDULES, chunk_of,
-                                            rank_of)
+    from parallel.pipeline_schedule import ALL_SCHEDULES, RECV_B, RECV_F, SEND_B, SEND_F, V_SCHEDULES, chunk_of, rank_of
+
     d, par, n_layer = plan.dims, plan.par, plan.config.n_layer
     if d.pp == 1:
         return [Stage(("single",), tuple(range(n_layer)))]
@@ -194,8 +208,10 @@ def stage_signatures(plan) -> list[Stage]:
     C = P * V
     layers = chunk_ranges(n_layer, C, par.pp_layers)
     with torch.device("meta"):
-        block = [tuple((n, tuple(p.shape), str(p.dtype)) for n, p in Block(plan.config, i).named_parameters())
-                 for i in range(n_layer)]
+        block = [
+            tuple((n, tuple(p.shape), str(p.dtype)) for n, p in Block(plan.config, i).named_parameters())
+            for i in range(n_layer)
+        ]
     schedule = ALL_SCHEDULES[par.pp_schedule](P, plan.grad_accum, V)
     out = []
     for r in range(P):
@@ -207,8 +223,10 @@ def stage_signatures(plan) -> list[Stage]:
 
         held = tuple((c == 0, c == C - 1, tuple(block[i] for i in layers[c])) for c in chunks)
         peer = {SEND_F: 1, RECV_B: 1, RECV_F: -1, SEND_B: -1}
-        actions = tuple((a.kind, local[a.chunk], a.micro,
-                         offset(a.chunk + peer[a.kind]) if a.kind in peer else None) for a in schedule[r])
+        actions = tuple(
+            (a.kind, local[a.chunk], a.micro, offset(a.chunk + peer[a.kind]) if a.kind in peer else None)
+            for a in schedule[r]
+        )
         evaluation = tuple((local[c], offset(c - 1), offset(c + 1)) for c in sorted(chunks))
         out.append(Stage((held, actions, evaluation), tuple(i for c in chunks for i in layers[c])))
     return out
@@ -226,16 +244,21 @@ def fault_ranks(world: int) -> frozenset[int]:
 
 # ----------------------------------------------------------------------------- simulating
 
+
 def plan_for(flags: list[str], world: int, rank: int):
     """config.validate of train.py's `flags` as rank `rank` of `world` simulated (UsageError on bad input)."""
     import config
-    return config.validate(config.parse_args([*flags, "--fake_world_size", str(world), "--fake_rank", str(rank)]),
-                           launch="pass --world_size {n}")
+
+    return config.validate(
+        config.parse_args([*flags, "--fake_world_size", str(world), "--fake_rank", str(rank)]),
+        launch="pass --world_size {n}",
+    )
 
 
 def simulate_ranks(flags: list[str], world: int, ranks: list[int], progress=None) -> dict[int, RankRun]:
     """Each of `ranks` simulated in this process, one after another."""
     from plan.fake_rank import simulate
+
     out = {}
     for r in ranks:
         out[r] = simulate(plan_for(flags, world, r))
@@ -246,11 +269,13 @@ def simulate_ranks(flags: list[str], world: int, ranks: list[int], progress=None
 
 # ----------------------------------------------------------------------------- the expanded world
 
+
 @dataclass
 class World:
     """Every rank's recording: the simulated ones as recorded, the others as their representative's shifted.
     `groups[r]`: rank r's new_group calls; `collectives[r]`: {group: [Op]} (p2p and waits apart); `p2p[r]`: its
     sends, receives and waits in order, ranks shifted."""
+
     layout: Layout
     runs: dict[int, RankRun]
     rep: dict[int, int] = field(default_factory=dict)
@@ -299,13 +324,25 @@ class World:
                 if e.op == "wait":
                     out.append(("wait", e.peer, -1, (), "", 0, e.phase, e.step, e.site))
                 elif e.op in ("send", "recv"):
-                    out.append((e.op, e.n, f(e.peer) if f else e.peer, self._map_group(e.group, f, (run.rank, r)),
-                                e.dtype, e.numel, e.phase, e.step, e.site))
+                    out.append(
+                        (
+                            e.op,
+                            e.n,
+                            f(e.peer) if f else e.peer,
+                            self._map_group(e.group, f, (run.rank, r)),
+                            e.dtype,
+                            e.numel,
+                            e.phase,
+                            e.step,
+                            e.site,
+                        )
+                    )
             self._p2p[r] = out
         return self._p2p[r]
 
 
 # ----------------------------------------------------------------------------- the checks
+
 
 def where(op: Op) -> str:
     phase = op.phase if op.phase in ("init", "exit") else f"{op.phase} {op.step}"
@@ -339,8 +376,10 @@ def check_groups(w: World) -> list[str]:
         who = sorted(m for r in ranks for m in members[r])
         mine = f"new_group({list(c[i])}) at {runs[ranks[0]].groups[i][2]}" if i < len(c) else "no further new_group"
         theirs = f"new_group({list(ref[i])})" if i < len(ref) else "no further new_group"
-        out.append(f"groups: ranks {span(who)} make {len(c)} new_group calls, rank {ref_rank} makes {len(ref)}; at "
-                   f"call #{i} ranks {span(who)} make {mine} where rank {ref_rank} makes {theirs}")
+        out.append(
+            f"groups: ranks {span(who)} make {len(c)} new_group calls, rank {ref_rank} makes {len(ref)}; at "
+            f"call #{i} ranks {span(who)} make {mine} where rank {ref_rank} makes {theirs}"
+        )
     return out
 
 
@@ -363,8 +402,9 @@ def check_collectives(w: World) -> list[str]:
         for r, s in sigs.items():
             by[s[i] if i < len(s) else None].append(r)
         parts = sorted(by.items(), key=lambda kv: -len(kv[1]))
-        said = "; ".join(f"ranks {span(rs)} issue {describe_op(seqs[rs[0]][i] if i < len(seqs[rs[0]]) else None)}"
-                         for _, rs in parts)
+        said = "; ".join(
+            f"ranks {span(rs)} issue {describe_op(seqs[rs[0]][i] if i < len(seqs[rs[0]]) else None)}" for _, rs in parts
+        )
         odd = sorted(r for _, rs in parts[1:] for r in rs)
         out.append(f"collectives: group {lay.describe_group(g)}, op #{i}: ranks {span(odd)} differ: {said}")
     return out
@@ -399,8 +439,10 @@ def check_waits(w: World) -> list[str]:
         bad = [(e, waits[e.n]) for e in run.events if e.op in ("send", "recv") and waits[e.n] != 1]
         if bad:
             e, k = bad[0]
-            out.append(f"waits: rank {r} waits {k} time(s) on its {e.op} {'to' if e.op == 'send' else 'from'} rank "
-                       f"{e.peer} at {where(e)}" + (f" ({len(bad) - 1} more such op(s))" if len(bad) > 1 else ""))
+            out.append(
+                f"waits: rank {r} waits {k} time(s) on its {e.op} {'to' if e.op == 'send' else 'from'} rank "
+                f"{e.peer} at {where(e)}" + (f" ({len(bad) - 1} more such op(s))" if len(bad) > 1 else "")
+            )
     return out
 
 
@@ -410,6 +452,7 @@ def predicted(plan, coords: tuple[int, ...]) -> dict:
     from plan.counts import Setup
     from plan.muon_counts import state_bytes
     from plan.predict import predict
+
     args = argparse.Namespace(**{**vars(plan.args), "device": "auto"})
     setup = Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
     pp, _, shard, cp, _ = coords
@@ -417,6 +460,7 @@ def predicted(plan, coords: tuple[int, ...]) -> dict:
     out["state_bytes_by_kind"] = state_bytes(setup, pp, shard * plan.dims.cp + cp)
     if getattr(plan.args, "optimizer", "adamw") == "muon":  # its exchange sends what this rank's owners say
         from plan.muon_counts import for_rank
+
         for_rank(setup, coords, out)
     out["state_bytes"] = sum(out["state_bytes_by_kind"].values())
     return out
@@ -438,13 +482,22 @@ def check_planner(w: World, plans: dict[int, object]) -> tuple[list[str], dict[i
         plan, coords = plans[r], lay.coords(r)
         p = predicted(plan, coords)
         m = run.steps[max(run.steps)]
-        rows[r] = {"state": m["state_bytes"], "state_predicted": p["state_bytes"],
-                   "peak": m.get("peak_allocated_bytes"), "peak_predicted": p["peak_memory_bytes"]}
+        rows[r] = {
+            "state": m["state_bytes"],
+            "state_predicted": p["state_bytes"],
+            "peak": m.get("peak_allocated_bytes"),
+            "peak_predicted": p["peak_memory_bytes"],
+        }
         out += planner_misses(f"rank {r}", m, max(run.steps), p, lay.world)
         for pp in sorted(members[r] - {coords[0]}):
             other = lay.rank((pp, *coords[1:]))
-            out += planner_misses(f"rank {other} (rank {r}'s recording, shifted)", m, max(run.steps),
-                                  predicted(plan, lay.coords(other)), lay.world)
+            out += planner_misses(
+                f"rank {other} (rank {r}'s recording, shifted)",
+                m,
+                max(run.steps),
+                predicted(plan, lay.coords(other)),
+                lay.world,
+            )
     return out, rows
 
 
@@ -460,9 +513,11 @@ def planner_misses(who: str, m: dict, step: int, p: dict, world: int) -> list[st
                 out.append(f"planner: {who}: step {step}'s {key} {nz(m.get(key))} != predicted {nz(p.get(key))}")
     got = m.get("peak_allocated_bytes")
     if got and abs(p["peak_memory_bytes"] - got) > PEAK_RTOL * got:
-        out.append(f"planner: {who}: peak {got} B (live fake storages, step {step}) vs predicted "
-                   f"{p['peak_memory_bytes']} B ({100 * (p['peak_memory_bytes'] - got) / got:+.1f}%, beyond "
-                   f"{PEAK_RTOL:.0%})")
+        out.append(
+            f"planner: {who}: peak {got} B (live fake storages, step {step}) vs predicted "
+            f"{p['peak_memory_bytes']} B ({100 * (p['peak_memory_bytes'] - got) / got:+.1f}%, beyond "
+            f"{PEAK_RTOL:.0%})"
+        )
     return out
 
 
@@ -470,10 +525,12 @@ def startup(w: World) -> dict:
     """5. The new_group calls a rank makes (rank 0's; check 1 holds every rank to them), how many hold it, the ops
     at init and those over the whole world (most over the simulated ranks)."""
     r0 = w.runs[min(w.runs)]
-    return {"new_group": len(r0.groups),
-            "member": max(sum(m for _, m, _ in run.groups) for run in w.runs.values()),
-            "init_ops": max(len(run.ops("init")) for run in w.runs.values()),
-            "init_world": max(sum(len(o.group) == w.layout.world for o in run.ops("init")) for run in w.runs.values())}
+    return {
+        "new_group": len(r0.groups),
+        "member": max(sum(m for _, m, _ in run.groups) for run in w.runs.values()),
+        "init_ops": max(len(run.ops("init")) for run in w.runs.values()),
+        "init_world": max(sum(len(o.group) == w.layout.world for o in run.ops("init")) for run in w.runs.values()),
+    }
 
 
 def symmetry(w: World) -> list[str]:
@@ -482,16 +539,24 @@ def symmetry(w: World) -> list[str]:
     out = []
     shifted = World(w.layout, {r: run for r, run in w.runs.items() if w.rep[r] == r}, w.rep)
     lay = w.layout
-    seen = lambda world, r: {g: [(o.signature(), lay.local_site(o.site, world.source(r)[0].rank), o.phase, o.step)  # noqa: E731
-                                 for o in ops] for g, ops in world.collectives(r).items()}
+    seen = lambda world, r: {
+        g: [
+            (o.signature(), lay.local_site(o.site, world.source(r)[0].rank), o.phase, o.step)  # noqa: E731
+            for o in ops
+        ]
+        for g, ops in world.collectives(r).items()
+    }
     for r, run in sorted(w.runs.items()):
         if w.rep[r] == r:
             continue
-        if seen(w, r) != seen(shifted, r) or \
-                [e[:6] for e in w.p2p(r)] != [e[:6] for e in shifted.p2p(r)] or \
-                [g for g, _, _ in run.groups] != [g for g, _, _ in w.runs[w.rep[r]].groups]:
-            out.append(f"classes: rank {r}'s recording is not rank {w.rep[r]}'s shifted (the class shortcut would "
-                       f"not see it)")
+        if (
+            seen(w, r) != seen(shifted, r)
+            or [e[:6] for e in w.p2p(r)] != [e[:6] for e in shifted.p2p(r)]
+            or [g for g, _, _ in run.groups] != [g for g, _, _ in w.runs[w.rep[r]].groups]
+        ):
+            out.append(
+                f"classes: rank {r}'s recording is not rank {w.rep[r]}'s shifted (the class shortcut would not see it)"
+            )
     return out
 
 
@@ -518,40 +583,56 @@ def judge(layout: Layout, runs: dict[int, RankRun], plans: dict[int, object]) ->
     """The five checks over `runs`: one per class at least (every rank is its class representative's recording
     shifted), or every rank (then `symmetry` too). `plans`: each simulated rank's, for the planner's prediction."""
     w = World(layout, runs, layout.representative())
-    findings = [f"rank {r}: the simulated run " + (f"raised {run.error}" if run.error else f"exited {run.code}")
-                for r, run in sorted(runs.items()) if run.code or run.error]
+    findings = [
+        f"rank {r}: the simulated run " + (f"raised {run.error}" if run.error else f"exited {run.code}")
+        for r, run in sorted(runs.items())
+        if run.code or run.error
+    ]
     findings += check_groups(w)
     findings += check_collectives(w)
     p2p_findings, messages = check_p2p(w)
     findings += p2p_findings + check_waits(w)
     planner, rows = check_planner(w, plans)
     from plan.muon_verify import findings as muon_findings  # --optimizer muon: exchange and owners
+
     findings += planner + muon_findings(w, plans)
     if len(runs) == layout.world and layout.world > 1:
         findings += symmetry(w)
     r0 = runs[min(runs)]
     last = max(r0.steps) if r0.steps else 0
     step_ops = [o for o in r0.ops("step") if o.step == last]
-    table = {"ranks": layout.world, "classes": len(layout.classes()), "simulated": len(runs), **startup(w),
-             "collectives": sum(o.op not in ("send", "recv") for o in step_ops),
-             "p2p": sum(o.op in ("send", "recv") for o in step_ops), "messages": messages,
-             "planner": rows, "verdict": "consistent" if not findings else f"{len(findings)} finding(s)",
-             "seconds": sum(run.seconds for run in runs.values())}
+    table = {
+        "ranks": layout.world,
+        "classes": len(layout.classes()),
+        "simulated": len(runs),
+        **startup(w),
+        "collectives": sum(o.op not in ("send", "recv") for o in step_ops),
+        "p2p": sum(o.op in ("send", "recv") for o in step_ops),
+        "messages": messages,
+        "planner": rows,
+        "verdict": "consistent" if not findings else f"{len(findings)} finding(s)",
+        "seconds": sum(run.seconds for run in runs.values()),
+    }
     return Verdict(findings, table, runs)
 
 
-HEADER = ("| layout | ranks | classes (simulated) | new_group calls per rank (holding it) | ops at init (world-wide) | "
-          "collectives / p2p per step, rank 0 | verdict | seconds |\n|---|---:|---:|---:|---:|---:|---|---:|")
+HEADER = (
+    "| layout | ranks | classes (simulated) | new_group calls per rank (holding it) | ops at init (world-wide) | "
+    "collectives / p2p per step, rank 0 | verdict | seconds |\n|---|---:|---:|---:|---:|---:|---|---:|"
+)
 
 
 def table_row(name: str, t: dict) -> str:
-    return (f"| {name} | {t['ranks']} | {t['classes']} ({t['simulated']}) | {t['new_group']} ({t['member']}) | "
-            f"{t['init_ops']} ({t['init_world']}) | {t['collectives']} / {t['p2p']} | {t['verdict']} | "
-            f"{t['seconds']:.0f} |")
+    return (
+        f"| {name} | {t['ranks']} | {t['classes']} ({t['simulated']}) | {t['new_group']} ({t['member']}) | "
+        f"{t['init_ops']} ({t['init_world']}) | {t['collectives']} / {t['p2p']} | {t['verdict']} | "
+        f"{t['seconds']:.0f} |"
+    )
 
 
 def parser():
     from config import Parser
+
     p = Parser(prog="python -m plan.verify", description=__doc__.split("\n\n")[0])
     p.add_argument("--world_size", type=int, required=True, help="the ranks of the job (N)")
     p.add_argument("--all_ranks", action="store_true", help="simulate every rank, not one per class")
@@ -561,17 +642,23 @@ def parser():
 
 def main(argv: list[str] | None = None) -> int:
     from config import UsageError, error_line
+
     argv = sys.argv[1:] if argv is None else argv
-    ours, flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     try:
         a = parser().parse_args(ours)
         if a.world_size < 1:
             raise UsageError(f"--world_size must be >= 1, got {a.world_size}")
         if not flags:
-            raise UsageError("no train.py flags: python -m plan.verify --world_size N [--all_ranks] -- <train.py flags>")
-        verdict = verify(flags, a.world_size, a.all_ranks,
-                         progress=lambda r, run: print(f"  rank {r}: {run.seconds:.1f} s", file=sys.stderr,
-                                                       flush=True))
+            raise UsageError(
+                "no train.py flags: python -m plan.verify --world_size N [--all_ranks] -- <train.py flags>"
+            )
+        verdict = verify(
+            flags,
+            a.world_size,
+            a.all_ranks,
+            progress=lambda r, run: print(f"  rank {r}: {run.seconds:.1f} s", file=sys.stderr, flush=True),
+        )
     except UsageError as e:
         error_line("python -m plan.verify", e)
         return 2

@@ -14,6 +14,7 @@ steps left in the heap). Loading counts the checkpoint's memory-mapped pages it 
 largest int64 tensor any torch op created meanwhile (indices, runs), recorded by memory.LargestTensor.
 Linux (glibc) only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ LAYOUTS = {  # name: (ranks, train.py flags)
     "tp_custom": (2, ["--implementation", "custom", "--tensor_parallel_size", "2"]),
     "tp_pytorch": (2, ["--implementation", "pytorch", "--tensor_parallel_size", "2"]),
 }
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def _status(key: str) -> int:
@@ -74,11 +75,27 @@ def run(rank: int, world: int, model: str, flags: list[str], data: str, out: str
 
     import checkpoint
     import checkpoint_entries
-    import trainer_checkpoint
     import config
     import train
-    args = config.parse_args(["--model", model, "--dataset", data, "--out_dir", out, "--micro_batch_size", "1",
-                             "--seq_len", "64", "--total_batch_size", str(64 * world), *flags])
+    import trainer_checkpoint
+
+    args = config.parse_args(
+        [
+            "--model",
+            model,
+            "--dataset",
+            data,
+            "--out_dir",
+            out,
+            "--micro_batch_size",
+            "1",
+            "--seq_len",
+            "64",
+            "--total_batch_size",
+            str(64 * world),
+            *flags,
+        ]
+    )
     t = train.build(config.validate(args))
     held = sum(e.tensors["param"].numel() for e in checkpoint_entries.entries(t.par, t.optimizer))  # + AdamW state
     trainer_checkpoint.save_trainer(t, 0)  # warm-up: lazy imports, first-use buffers
@@ -100,20 +117,29 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     from tests.harness import make_token_bins, spawn
-    print(f"{'model':<6} {'layout':<12} {'rank':>4} {'held elems':>11} {'RSS MiB':>8} "
-          f"{'save peak':>10} {'save int64':>11} {'load peak':>10} {'load int64':>11}   (MiB)")
+
+    print(
+        f"{'model':<6} {'layout':<12} {'rank':>4} {'held elems':>11} {'RSS MiB':>8} "
+        f"{'save peak':>10} {'save int64':>11} {'load peak':>10} {'load int64':>11}   (MiB)"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         data = make_token_bins(os.path.join(tmp, "data"), n_train=20_000, n_val=4_000)
         for model in a.models:
             for layout in a.layouts:
                 nproc, flags = LAYOUTS[layout]
                 out = os.path.join(tmp, f"{model}-{layout}")
-                results = [run(0, 1, model, flags, data, out)] if nproc == 1 else \
-                    spawn(_spawned, nproc, model, flags, data, out)
+                results = (
+                    [run(0, 1, model, flags, data, out)]
+                    if nproc == 1
+                    else spawn(_spawned, nproc, model, flags, data, out)
+                )
                 for r, res in enumerate(results):
-                    print(f"{model:<6} {layout:<12} {r:>4} {res['held']:>11,} {res['state'] / MiB:>8.0f} "
-                          f"{res['save']['peak'] / MiB:>10.1f} {res['save']['int64'] / MiB:>11.1f} "
-                          f"{res['load']['peak'] / MiB:>10.1f} {res['load']['int64'] / MiB:>11.1f}", flush=True)
+                    print(
+                        f"{model:<6} {layout:<12} {r:>4} {res['held']:>11,} {res['state'] / MiB:>8.0f} "
+                        f"{res['save']['peak'] / MiB:>10.1f} {res['save']['int64'] / MiB:>11.1f} "
+                        f"{res['load']['peak'] / MiB:>10.1f} {res['load']['int64'] / MiB:>11.1f}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

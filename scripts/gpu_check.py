@@ -39,6 +39,7 @@ Stages (a row each; a stage that raises is a FAIL row, and the others still run)
 
 The data is a synthetic learnable token corpus written to a temporary directory: the GPU box has no internet.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,31 +56,75 @@ import tempfile
 import time
 import traceback
 
+import gpu_measure
+import gpu_preflight
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-import gpu_measure
-import gpu_preflight
 from gpu_harness import (
-    COMMON, CP_RTOL, DRY, GPU, RTOL, ROOT, SAME_RTOL, Context, Row, _ForcedOne, build_wrapped, by_step, child_env,
-    deterministic_train, first_line, fmt_bytes, forced_collectives, last_line, make_plan, max_rel, md_row,
-    one_rank_mesh, read_jsonl, row_on_error, run_train, train_losses)
+    COMMON,
+    CP_RTOL,
+    DRY,
+    GPU,
+    ROOT,
+    RTOL,
+    SAME_RTOL,
+    Context,
+    Row,
+    _ForcedOne,
+    build_wrapped,
+    by_step,
+    child_env,
+    deterministic_train,
+    first_line,
+    fmt_bytes,
+    forced_collectives,
+    last_line,
+    make_plan,
+    max_rel,
+    md_row,
+    one_rank_mesh,
+    read_jsonl,
+    row_on_error,
+    run_train,
+    train_losses,
+)
 
 # ----------------------------------------------------------------------------- stages
+
 
 def stage_throughput(ctx: Context) -> None:
     s = ctx.setup
     out = ctx.out_dir("throughput")
     dtype = "bfloat16" if s.device == "cuda" else s.dtype
-    proc = run_train(s.throughput + ["--lr", "6e-4", "--warmup_steps", "2", "--eval_interval", "1000",
-                                     "--eval_iters", "1", "--no_checkpoint", "--dataset", ctx.data,
-                                     "--device", s.device, "--dtype", dtype, "--max_steps", str(s.throughput_steps),
-                                     "--out_dir", out])
+    proc = run_train(
+        s.throughput
+        + [
+            "--lr",
+            "6e-4",
+            "--warmup_steps",
+            "2",
+            "--eval_interval",
+            "1000",
+            "--eval_iters",
+            "1",
+            "--no_checkpoint",
+            "--dataset",
+            ctx.data,
+            "--device",
+            s.device,
+            "--dtype",
+            dtype,
+            "--max_steps",
+            str(s.throughput_steps),
+            "--out_dir",
+            out,
+        ]
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"train.py exited {proc.returncode}: {last_line(proc.stderr)}")
     steps = [r for r in read_jsonl(out) if "loss" in r]
-    timed = steps[min(5, len(steps) - 1):]  # the first steps pay for allocation and kernel selection
+    timed = steps[min(5, len(steps) - 1) :]  # the first steps pay for allocation and kernel selection
     tok = statistics.median(r["tokens_per_sec"] for r in timed)
     mfu = statistics.median(r["mfu"] for r in timed)
     peak = re.search(r"MFU against ([\d.]+) GFLOP/s", proc.stdout)
@@ -88,9 +133,12 @@ def stage_throughput(ctx: Context) -> None:
     name = torch.cuda.get_device_name() if s.device == "cuda" else "cpu, measured peak"
     ok = len(steps) == s.throughput_steps and all(math.isfinite(r["loss"]) for r in steps) and 0 < mfu <= 1
     model = s.throughput[s.throughput.index("--model") + 1]
-    ctx.add(f"throughput {model} {dtype}", ok,
-            f"{tok:,.0f} tok/s, MFU {100 * mfu:.1f}% of {peak_s} ({name}); median of steps "
-            f"{timed[0]['step']}-{timed[-1]['step']}, peak mem {steps[-1]['peak_memory_bytes'] / 2**30:.2f} GiB")
+    ctx.add(
+        f"throughput {model} {dtype}",
+        ok,
+        f"{tok:,.0f} tok/s, MFU {100 * mfu:.1f}% of {peak_s} ({name}); median of steps "
+        f"{timed[0]['step']}-{timed[-1]['step']}, peak mem {steps[-1]['peak_memory_bytes'] / 2**30:.2f} GiB",
+    )
 
 
 WRAPPERS = {  # name: (dp_type, tp, param_dtype)
@@ -107,11 +155,21 @@ def comm_theory(name: str, t, plan) -> dict[str, int]:
         return {"all_reduce": sum(b.nbytes for b in t.model.buckets)}
     if name == "fsdp":
         from plan.theory import engine_comm_bytes_per_micro_step
+
         return {k: v * plan.grad_accum for k, v in engine_comm_bytes_per_micro_step(t.model).items()}
     from plan.theory import tp_comm_bytes_per_micro_step
+
     lowp = plan.dtype != torch.float32  # under autocast the matmul outputs are low precision, the residual fp32
-    per = tp_comm_bytes_per_micro_step(plan.config, a.micro_batch_size, a.seq_len, _ForcedOne(1), False, False,
-                                       dtype_bytes=2 if lowp else 4, residual_bytes=4)
+    per = tp_comm_bytes_per_micro_step(
+        plan.config,
+        a.micro_batch_size,
+        a.seq_len,
+        _ForcedOne(1),
+        False,
+        False,
+        dtype_bytes=2 if lowp else 4,
+        residual_bytes=4,
+    )
     return {k: v * plan.grad_accum for k, v in per.items()}
 
 
@@ -120,6 +178,7 @@ def stage_wrappers(ctx: Context) -> None:
     device = torch.device(s.device, 0) if s.device == "cuda" else torch.device("cpu")
     ref_plan = make_plan(ctx, "cpu-ref", s.small, "cpu", "float32", s.steps)
     import train
+
     ctx.cpu_losses, _ = train_losses(train.build(ref_plan), s.steps)
     mesh = one_rank_mesh(device)
     for name, (dp_type, tp, param_dtype) in WRAPPERS.items():
@@ -135,17 +194,23 @@ def stage_wrappers(ctx: Context) -> None:
             rtol = RTOL[torch.bfloat16 if param_dtype == torch.bfloat16 else plan.dtype]
             d = max_rel(losses, ctx.cpu_losses)
             what = f"custom {name}" + (" param_dtype=bf16" if param_dtype else "")
-            ctx.add(f"{name} vs cpu fp32", d <= rtol and all(map(math.isfinite, losses)),
-                    f"{what} on {device} {dtype}: max rel loss diff {d:.1e} <= {rtol:.1e} over {s.steps} steps")
+            ctx.add(
+                f"{name} vs cpu fp32",
+                d <= rtol and all(map(math.isfinite, losses)),
+                f"{what} on {device} {dtype}: max rel loss diff {d:.1e} <= {rtol:.1e} over {s.steps} steps",
+            )
             forced_losses, forced_bytes, t = runs[True]
             d = max_rel(forced_losses, losses)
             want = {k: v for k, v in comm_theory(name, t, plan).items() if v}
             got = [{k: v for k, v in b.items() if v} for b in forced_bytes]
             bytes_ok = all(g == want for g in got) and bool(want)
             same = "bit-equal" if forced_losses == losses else f"max rel diff {d:.1e}"
-            ctx.add(f"{name} collectives issued", d <= SAME_RTOL and bytes_ok,
-                    f"losses {same} to the short-circuited run; bytes/step {fmt_bytes(got[-1])}"
-                    + ("" if bytes_ok else f" != formula {fmt_bytes(want)}"))
+            ctx.add(
+                f"{name} collectives issued",
+                d <= SAME_RTOL and bytes_ok,
+                f"losses {same} to the short-circuited run; bytes/step {fmt_bytes(got[-1])}"
+                + ("" if bytes_ok else f" != formula {fmt_bytes(want)}"),
+            )
 
 
 def stage_context_parallel(ctx: Context) -> None:
@@ -156,6 +221,7 @@ def stage_context_parallel(ctx: Context) -> None:
     from model import GPT
     from parallel.context_parallel import positions_for, ring_attention
     from parallel.twins.context_parallel import torch_context_parallel
+
     s = ctx.setup
     device = torch.device(s.device, 0) if s.device == "cuda" else torch.device("cpu")
     one_rank_mesh(device)
@@ -165,18 +231,27 @@ def stage_context_parallel(ctx: Context) -> None:
         g = torch.Generator().manual_seed(0)
         q, k, v, dout = (torch.randn(2, 4, 128, 16, generator=g).to(device) for _ in range(4))
         errs = []
-        for attend in (lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
-                       lambda a, b, c: ring_attention(a, b, c, None)):
+        for attend in (
+            lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
+            lambda a, b, c: ring_attention(a, b, c, None),
+        ):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             out = attend(*leaves)
             out.backward(dout)
             errs.append([out.detach(), *(t.grad for t in leaves)])
         worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(errs[1], errs[0]))
-        ctx.add("cp ring vs sdpa", worst <= CP_RTOL,
-                f"ours on {device} fp32, T=128, one rank: max rel diff of out, dq, dk, dv {worst:.1e} <= {CP_RTOL:.0e}")
+        ctx.add(
+            "cp ring vs sdpa",
+            worst <= CP_RTOL,
+            f"ours on {device} fp32, T=128, one rank: max rel diff of out, dq, dk, dv {worst:.1e} <= {CP_RTOL:.0e}",
+        )
         if device.type != "cuda":
-            ctx.add("cp torch twin", None, "skipped: needs CUDA (torch's context_parallel rings only the flash, "
-                                           "efficient and cuDNN kernels: tests/test_context_parallel_twin.py)")
+            ctx.add(
+                "cp torch twin",
+                None,
+                "skipped: needs CUDA (torch's context_parallel rings only the flash, "
+                "efficient and cuDNN kernels: tests/test_context_parallel_twin.py)",
+            )
             return
         plan = make_plan(ctx, "cp-twin", s.small, s.device, "float32", 1)
         model = GPT(plan.config).to(device)
@@ -190,11 +265,16 @@ def stage_context_parallel(ctx: Context) -> None:
             loss = twin(lx, ly)[1]
             loss.backward()
         d_loss = abs(loss.item() - ref.item()) / abs(ref.item())
-        d_grad = max(((a.grad - b.grad).abs().max() / b.grad.abs().max()).item()
-                     for a, b in zip(twin.parameters(), model.parameters()))
-        ctx.add("cp torch twin", d_loss <= CP_RTOL and d_grad <= CP_RTOL,
-                f"torch context_parallel on a 1-rank cp mesh vs the plain model, fp32: loss rel diff {d_loss:.1e}, "
-                f"max rel grad diff {d_grad:.1e} (<= {CP_RTOL:.0e})")
+        d_grad = max(
+            ((a.grad - b.grad).abs().max() / b.grad.abs().max()).item()
+            for a, b in zip(twin.parameters(), model.parameters())
+        )
+        ctx.add(
+            "cp torch twin",
+            d_loss <= CP_RTOL and d_grad <= CP_RTOL,
+            f"torch context_parallel on a 1-rank cp mesh vs the plain model, fp32: loss rel diff {d_loss:.1e}, "
+            f"max rel grad diff {d_grad:.1e} (<= {CP_RTOL:.0e})",
+        )
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
 
@@ -203,6 +283,7 @@ def stage_fp16(ctx: Context) -> None:
     s = ctx.setup
     import train
     from parallel.grads import AgreeingGradScaler
+
     # 4x the corpus's 512 tokens: the loss falls within 8 steps as the unused logits drop (at 512 it stays near ln 512)
     plan = make_plan(ctx, "fp16", [*s.small, "--vocab_size", "2048"], s.device, "float16", 2 * s.steps)
     t = train.build(plan)
@@ -211,9 +292,12 @@ def stage_fp16(ctx: Context) -> None:
     finite = all(map(math.isfinite, losses))
     falling = losses[-1] < losses[0]
     scales = [r["loss_scale"] for r in records]
-    ctx.add("fp16 + GradScaler", finite and falling and isinstance(t.scaler, AgreeingGradScaler),
-            f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps (finite: {finite}), "
-            f"loss scale {scales[0]:g} -> {scales[-1]:g}")
+    ctx.add(
+        "fp16 + GradScaler",
+        finite and falling and isinstance(t.scaler, AgreeingGradScaler),
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps (finite: {finite}), "
+        f"loss scale {scales[0]:g} -> {scales[-1]:g}",
+    )
     fused = t.optimizer.defaults.get("fused")
     ctx.add("fused AdamW", fused is True, f"optimizer.defaults['fused'] = {fused} on {plan.device}")
 
@@ -221,35 +305,77 @@ def stage_fp16(ctx: Context) -> None:
 def stage_resume(ctx: Context) -> None:
     s = ctx.setup
     kill = s.steps // 2
-    base = s.small + COMMON + ["--dataset", ctx.data, "--device", s.device, "--dtype", s.dtype,
-                               "--max_steps", str(s.steps), "--keep_checkpoints", "2"]
+    base = (
+        s.small
+        + COMMON
+        + [
+            "--dataset",
+            ctx.data,
+            "--device",
+            s.device,
+            "--dtype",
+            s.dtype,
+            "--max_steps",
+            str(s.steps),
+            "--keep_checkpoints",
+            "2",
+        ]
+    )
     whole, cut = ctx.out_dir("resume-whole"), ctx.out_dir("resume-cut")
     u = run_train(base + ["--out_dir", whole], deterministic=True)
-    k = run_train(base + ["--out_dir", cut, "--checkpoint_interval", str(kill)], deterministic=True,
-                  env={"GPT_KILL_AT_STEP": str(kill)})
+    k = run_train(
+        base + ["--out_dir", cut, "--checkpoint_interval", str(kill)],
+        deterministic=True,
+        env={"GPT_KILL_AT_STEP": str(kill)},
+    )
     r = run_train(base + ["--out_dir", cut, "--resume"], deterministic=True)
     if u.returncode != 0 or k.returncode != -signal.SIGKILL or r.returncode != 0:
-        raise RuntimeError(f"exit codes: whole {u.returncode}, killed {k.returncode} (want -9), resumed "
-                           f"{r.returncode}: {last_line(u.stderr + k.stderr + r.stderr)}")
+        raise RuntimeError(
+            f"exit codes: whole {u.returncode}, killed {k.returncode} (want -9), resumed "
+            f"{r.returncode}: {last_line(u.stderr + k.stderr + r.stderr)}"
+        )
     ref = by_step(read_jsonl(whole))
     got = by_step(read_jsonl(cut))  # a step logged twice counts as its last record
     after = [st for st in sorted(ref) if st > kill]
     equal = [st for st in after if got.get(st) == ref[st]]
     resumed = "resuming from" in r.stdout
-    ctx.add("checkpoint + --resume", resumed and len(equal) == len(after) == s.steps - kill,
-            f"killed after step {kill}, resumed on {s.device} {s.dtype}: steps {kill + 1}-{s.steps} bit-equal "
-            f"{len(equal)}/{len(after)}" + ("" if len(equal) == len(after) else
-                                           f", max diff {max(abs(got.get(x, math.inf) - ref[x]) for x in after):.1e}"))
+    ctx.add(
+        "checkpoint + --resume",
+        resumed and len(equal) == len(after) == s.steps - kill,
+        f"killed after step {kill}, resumed on {s.device} {s.dtype}: steps {kill + 1}-{s.steps} bit-equal "
+        f"{len(equal)}/{len(after)}"
+        + (
+            ""
+            if len(equal) == len(after)
+            else f", max diff {max(abs(got.get(x, math.inf) - ref[x]) for x in after):.1e}"
+        ),
+    )
 
 
 def stage_gpu_tests(ctx: Context) -> None:
     import importlib.util
+
     if importlib.util.find_spec("pytest") is None:
         ctx.add("gpu tests", None, "skipped: pytest is not installed (pip install -r requirements-dev.txt)")
         return
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                           os.path.join("tests", "test_gpu.py")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=child_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "gpu",
+            "-p",
+            "no:cacheprovider",
+            os.path.join("tests", "test_gpu.py"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=child_env(),
+    )
     summary = last_line(proc.stdout)
     counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", summary))
     if proc.returncode == 0 and counts.get("skipped") and not counts.get("passed"):
@@ -261,9 +387,15 @@ def stage_gpu_tests(ctx: Context) -> None:
 
 
 # (name, function, whether it builds a process group in this process: skipped when the preflight fails)
-STAGES = [("throughput", stage_throughput, False), ("wrappers", stage_wrappers, True),
-          ("context parallel", stage_context_parallel, True), ("fp16", stage_fp16, False),
-          ("resume", stage_resume, False), ("gpu tests", stage_gpu_tests, False), *gpu_measure.STAGES]
+STAGES = [
+    ("throughput", stage_throughput, False),
+    ("wrappers", stage_wrappers, True),
+    ("context parallel", stage_context_parallel, True),
+    ("fp16", stage_fp16, False),
+    ("resume", stage_resume, False),
+    ("gpu tests", stage_gpu_tests, False),
+    *gpu_measure.STAGES,
+]
 
 
 class Stopped(BaseException):
@@ -282,14 +414,21 @@ def _stop(signum, frame) -> None:
 
 def counts(rows: list[Row]) -> str:
     n = {k: sum(r.status == k for r in rows) for k in ("ok", "FAIL", "skip", "met", "missed")}
-    return (f"{len(rows)} checks: {n['ok']} ok, {n['FAIL']} FAIL, {n['skip']} skipped; goals {n['met']} met, "
-            f"{n['missed']} missed")
+    return (
+        f"{len(rows)} checks: {n['ok']} ok, {n['FAIL']} FAIL, {n['skip']} skipped; goals {n['met']} met, "
+        f"{n['missed']} missed"
+    )
 
 
 def machine(dry_run: bool) -> dict:
     device = "cpu (dry run)" if dry_run else torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def print_table(rows: list[Row], seconds: float, dry_run: bool) -> None:
@@ -302,9 +441,14 @@ def print_table(rows: list[Row], seconds: float, dry_run: bool) -> None:
 
 
 def report_header(m: dict, status: str) -> list[str]:
-    return [f"# GPU check: {m['device']}, torch {m['torch']}, {status}", "",
-            f"`bash scripts/gpu_check.sh`: torch {m['torch']} (CUDA {m['cuda']}), Python {m['python']}, {m['date']}.",
-            "", "| check | result | detail |", "|---|---|---|"]
+    return [
+        f"# GPU check: {m['device']}, torch {m['torch']}, {status}",
+        "",
+        f"`bash scripts/gpu_check.sh`: torch {m['torch']} (CUDA {m['cuda']}), Python {m['python']}, {m['date']}.",
+        "",
+        "| check | result | detail |",
+        "|---|---|---|",
+    ]
 
 
 def start_report(directory: str, m: dict) -> str:
@@ -359,8 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps: check the plumbing")
     p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (runs, metrics) instead of a temp dir")
-    p.add_argument("--report", metavar="DIR", help="write gpu_check.md (row by row as they finish) and .json here "
-                   "(default: results/gpu on a GPU, none in the dry run)")
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        help="write gpu_check.md (row by row as they finish) and .json here "
+        "(default: results/gpu on a GPU, none in the dry run)",
+    )
     p.add_argument("--only", nargs="*", choices=[name for name, _, _ in STAGES], help="run only these stages")
     args = p.parse_args(argv)
     m = machine(args.dry_run)
@@ -373,9 +521,13 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(tmp, exist_ok=True)
     report = args.report or (None if args.dry_run else os.path.join(ROOT, "results", "gpu"))
     from tests.harness import make_token_bins
-    ctx = Context(DRY if args.dry_run else GPU, tmp, make_token_bins(os.path.join(tmp, "data"), n_train=200_000,
-                                                                      n_val=20_000),
-                  report_md=start_report(report, m) if report else None)
+
+    ctx = Context(
+        DRY if args.dry_run else GPU,
+        tmp,
+        make_token_bins(os.path.join(tmp, "data"), n_train=200_000, n_val=20_000),
+        report_md=start_report(report, m) if report else None,
+    )
     handlers = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     code = 0
     try:

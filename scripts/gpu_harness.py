@@ -1,6 +1,7 @@
 """What the one-GPU check's stages share (scripts/gpu_check.py, scripts/gpu_measure.py): the setups, the report
 rows (printed, and appended to the report, as each is made), in-process trainers on a one-rank mesh whose dims are
 switched on at size 1, forced collectives, and the memory released between builds."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 
 from parallel.mesh import MeshDim, ParallelDims  # noqa: E402
 
-BF16_U = 2.0 ** -8  # bf16 unit roundoff: 8 significand bits
+BF16_U = 2.0**-8  # bf16 unit roundoff: 8 significand bits
 # Loss tolerances, relative to the CPU fp32 run. bf16: 2u, one rounding of the matmul inputs (u) plus, on a
 # GPU, one of fused attention's bf16 softmax probabilities (u). Measured on CPU bf16 autocast for the GPU
 # setup's model: at most 1e-4 (0.03 u) over its 6 steps, so 2u has margin and still catches a real bug (a wrong
@@ -35,23 +36,52 @@ CP_RTOL = 1e-5  # fp32 attention by two kernels (block-merged vs one softmax): s
 @dataclass(frozen=True)
 class Setup:
     device: str
-    dtype: str                  # compute dtype of the wrapper, resume and throughput stages
-    throughput: list[str]       # train.py flags of the throughput run
-    small: list[str]            # flags of the model the other stages train
-    steps: int                  # steps of the wrapper, fp16 and resume stages
+    dtype: str  # compute dtype of the wrapper, resume and throughput stages
+    throughput: list[str]  # train.py flags of the throughput run
+    small: list[str]  # flags of the model the other stages train
+    steps: int  # steps of the wrapper, fp16 and resume stages
     throughput_steps: int
 
 
-GPU = Setup("cuda", "bfloat16",
-            ["--model", "gpt2", "--micro_batch_size", "16", "--seq_len", "1024", "--total_batch_size", "32768"],
-            ["--model", "small", "--n_layer", "4", "--micro_batch_size", "4", "--seq_len", "128",
-             "--total_batch_size", "1024"], steps=6, throughput_steps=20)
-DRY = Setup("cpu", "float32",  # the stand-in corpus's 512-token vocabulary: GPT-2's 50304-way head would be most of the work
-            ["--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256"],
-            ["--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "128"],
-            steps=4, throughput_steps=3)
-COMMON = ["--lr", "3e-3", "--warmup_steps", "2", "--eval_interval", "1000", "--eval_iters", "1",
-          "--gradient_clipping"]
+GPU = Setup(
+    "cuda",
+    "bfloat16",
+    ["--model", "gpt2", "--micro_batch_size", "16", "--seq_len", "1024", "--total_batch_size", "32768"],
+    ["--model", "small", "--n_layer", "4", "--micro_batch_size", "4", "--seq_len", "128", "--total_batch_size", "1024"],
+    steps=6,
+    throughput_steps=20,
+)
+DRY = Setup(
+    "cpu",
+    "float32",  # the stand-in corpus's 512-token vocabulary: GPT-2's 50304-way head would be most of the work
+    [
+        "--model",
+        "tiny",
+        "--vocab_size",
+        "512",
+        "--micro_batch_size",
+        "2",
+        "--seq_len",
+        "64",
+        "--total_batch_size",
+        "256",
+    ],
+    [
+        "--model",
+        "tiny",
+        "--vocab_size",
+        "512",
+        "--micro_batch_size",
+        "2",
+        "--seq_len",
+        "32",
+        "--total_batch_size",
+        "128",
+    ],
+    steps=4,
+    throughput_steps=3,
+)
+COMMON = ["--lr", "3e-3", "--warmup_steps", "2", "--eval_interval", "1000", "--eval_iters", "1", "--gradient_clipping"]
 
 
 @dataclass
@@ -95,10 +125,29 @@ def md_row(r: Row) -> str:
 
 # ----------------------------------------------------------------------------- in-process trainers
 
+
 def make_plan(ctx: Context, name: str, flags: list[str], device: str, dtype: str, steps: int, *extra: str):
     from config import parse_args, validate
-    return validate(parse_args([*flags, *COMMON, "--dataset", ctx.data, "--device", device, "--dtype", dtype,
-                                "--max_steps", str(steps), "--out_dir", ctx.out_dir(name), *extra]))
+
+    return validate(
+        parse_args(
+            [
+                *flags,
+                *COMMON,
+                "--dataset",
+                ctx.data,
+                "--device",
+                device,
+                "--dtype",
+                dtype,
+                "--max_steps",
+                str(steps),
+                "--out_dir",
+                ctx.out_dir(name),
+                *extra,
+            ]
+        )
+    )
 
 
 class _ForcedOne(int):
@@ -121,6 +170,7 @@ def forced_collectives(on: bool):
         yield
         return
     from parallel import comm
+
     real = comm.world
 
     def world(group):
@@ -161,6 +211,7 @@ def build_on(plan, mesh, on: set[str], **par_changes):
     over) and the run's ParallelConfig changed by `par_changes` (always our own wrappers), so parallelize
     applies the wrappers those dims switch on."""
     import train
+
     par = replace(plan.par, implementation="custom", **par_changes)
     with mock.patch.object(train, "init_distributed", lambda *a, **k: OneRankMesh(mesh, set(on))):
         return train.build(replace(plan, par=par))
@@ -176,6 +227,7 @@ def train_losses(t, steps: int) -> tuple[list[float], list[dict]]:
     """train.train_step for steps 1..steps; (losses, per-step comm bytes as parallel/comm.COUNTER saw them)."""
     import train
     from parallel import comm
+
     losses, comm_bytes = [], []
     for step in range(1, steps + 1):
         losses.append(train.train_step(t, step)["loss"])
@@ -184,8 +236,9 @@ def train_losses(t, steps: int) -> tuple[list[float], list[dict]]:
 
 
 def max_rel(a: list[float], b: list[float]) -> float:
-    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=math.inf) if len(a) == len(b) \
-        else math.inf
+    return (
+        max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=math.inf) if len(a) == len(b) else math.inf
+    )
 
 
 def init_one_rank_group(device: torch.device) -> str:
@@ -193,10 +246,16 @@ def init_one_rank_group(device: torch.device) -> str:
     preflight (scripts/gpu_preflight.py) make it; returns the backend."""
     from device import backend_for
     from tests.harness import free_port
+
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend_for(device),
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
+        device_id=device if device.type == "cuda" else None,
+    )
     return dist.get_backend()
 
 
@@ -205,6 +264,7 @@ def one_rank_mesh(device: torch.device):
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallel.mesh import DIMS, Mesh
+
     if not dist.is_initialized():
         init_one_rank_group(device)
     return Mesh(ParallelDims(1, 1, 1), init_device_mesh(device.type, (1,) * len(DIMS), mesh_dim_names=DIMS))
@@ -222,6 +282,7 @@ def release_memory(device: torch.device) -> None:
 
 # ----------------------------------------------------------------------------- helpers
 
+
 @contextlib.contextmanager
 def row_on_error(ctx: Context, check: str):
     """Run the block; if it raises, add a FAIL row `check` with the error's first line (and print the
@@ -235,17 +296,21 @@ def row_on_error(ctx: Context, check: str):
 
 def child_env(**extra: str) -> dict[str, str]:
     from launch import child_env as base
+
     return base(PYTHONUNBUFFERED="1", **extra)
 
 
 def run_train(args: list[str], deterministic: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python train.py ARGS`, or with `deterministic` the same main() after switching to deterministic
     kernels (math SDPA: the fused attention backwards accumulate with atomics, so two runs differ in bits)."""
-    launcher = [sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--deterministic-train"] \
-        if deterministic else \
-        [sys.executable, os.path.join(ROOT, "train.py")]
-    return subprocess.run(launcher + args, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=child_env(**(env or {})))
+    launcher = (
+        [sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--deterministic-train"]
+        if deterministic
+        else [sys.executable, os.path.join(ROOT, "train.py")]
+    )
+    return subprocess.run(
+        launcher + args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env(**(env or {}))
+    )
 
 
 def deterministic_train(argv: list[str]) -> int:
@@ -255,11 +320,13 @@ def deterministic_train(argv: list[str]) -> int:
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
     import train
+
     return train.main(argv)
 
 
 def read_jsonl(out_dir: str) -> list[dict]:
     from metrics import read_jsonl as read
+
     return read(out_dir)
 
 

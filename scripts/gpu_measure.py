@@ -26,6 +26,7 @@
   every wrapper's tokens/s >= 0.95 x its model without it at one rank (EP's: x MoE's); max reserved <= 1.15 x
   max allocated.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,9 +38,16 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
-
-from gpu_harness import (DATA_DIMS, Context, build_on, forced_collectives, make_plan, one_rank_mesh, release_memory,
-                         row_on_error)
+from gpu_harness import (
+    DATA_DIMS,
+    Context,
+    build_on,
+    forced_collectives,
+    make_plan,
+    one_rank_mesh,
+    release_memory,
+    row_on_error,
+)
 
 MOE = ("--moe_num_experts", "8", "--moe_top_k", "2")  # Mixtral's shape: 8 experts, top-2, in every Block
 FORCED_RANKS = 2  # DDP's group as its multi-rank branch sees it
@@ -55,6 +63,7 @@ class Path:
     bucket view and the bucket all-reduces; over one rank each gradient is then 1/N of the one-rank run's, so
     these paths' losses are not compared, only their syncs and speed). `one_micro_step`: the step's batch cut to one
     micro-batch (a step's first micro-batch finds DDP's buckets fresh, and only with one does it also sync them)."""
+
     on: frozenset = frozenset()
     par: dict = field(default_factory=dict)
     flags: tuple[str, ...] = ()
@@ -67,8 +76,7 @@ class Path:
 PATHS: dict[str, Path] = {
     "plain": Path(),
     "ddp": Path(DATA_DIMS, {"dp_type": "ddp"}),
-    "ddp multi-rank branch": Path(DATA_DIMS, {"dp_type": "ddp"}, forced=BOTH, ranks=FORCED_RANKS,
-                                  one_micro_step=True),
+    "ddp multi-rank branch": Path(DATA_DIMS, {"dp_type": "ddp"}, forced=BOTH, ranks=FORCED_RANKS, one_micro_step=True),
     "zero1": Path(DATA_DIMS, {"dp_type": "zero1"}),
     "zero2 bf16 copies": Path(DATA_DIMS, {"dp_type": "zero2", "param_dtype": torch.bfloat16}, dtype="bfloat16"),
     "fsdp": Path(DATA_DIMS, {"dp_type": "fsdp"}),
@@ -82,8 +90,19 @@ PATHS: dict[str, Path] = {
     "moe": Path(flags=MOE, dtype="bfloat16"),
     "ep dispatch": Path(frozenset({"ep"}), flags=MOE, dtype="bfloat16", forced=BOTH),
 }
-REAL_SIZE = ("plain", "ddp multi-rank branch", "fsdp", "zero1", "zero2 bf16 copies", "tp+sp", "ac", "compile",
-             "pp zb_h1", "moe", "ep dispatch")
+REAL_SIZE = (
+    "plain",
+    "ddp multi-rank branch",
+    "fsdp",
+    "zero1",
+    "zero2 bf16 copies",
+    "tp+sp",
+    "ac",
+    "compile",
+    "pp zb_h1",
+    "moe",
+    "ep dispatch",
+)
 DRY_REAL_SIZE = ("plain", "fsdp", "ddp multi-rank branch", "pp zb_h1", "moe", "ep dispatch")  # the stage's plumbing
 BASELINE = {"ep dispatch": "moe"}  # the goal's "x plain": a path's model without its wrapper
 GPT2_FLAGS = ["--model", "gpt2", "--micro_batch_size", "16", "--seq_len", "1024", "--total_batch_size", "16384"]
@@ -102,6 +121,7 @@ def ranks_seen(n: int):
         yield
         return
     from parallel import comm
+
     with mock.patch.object(comm, "world", lambda group: n):
         yield
 
@@ -117,8 +137,14 @@ def build_path(ctx: Context, name: str, flags: list[str], dtype: str, steps: int
     if path.one_micro_step:
         flag = {f: int(v) for f, v in zip(flags, flags[1:]) if f in ("--micro_batch_size", "--seq_len")}
         flags += ["--total_batch_size", str(flag["--micro_batch_size"] * flag["--seq_len"])]
-    plan = make_plan(ctx, name.replace(" ", "-").replace("+", "-").replace("=", ""), flags, ctx.setup.device,
-                     path.dtype or dtype, steps)
+    plan = make_plan(
+        ctx,
+        name.replace(" ", "-").replace("+", "-").replace("=", ""),
+        flags,
+        ctx.setup.device,
+        path.dtype or dtype,
+        steps,
+    )
     with ranks_seen(path.ranks):
         return build_on(plan, one_rank_mesh(device_of(ctx)), path.on, **path.par)
 
@@ -130,12 +156,14 @@ def path_collectives(name: str, stage: str):
 
 # ----------------------------------------------------------------------------- sync audit
 
+
 @contextmanager
 def closed_faults(t, out_dir: str):
     """t.faults as train.main makes it (its preemption vote is one of the step's host reads), closed on exit. Its
     Preemption puts SIGTERM/SIGINT handlers in place that only ask a training run to stop after its step: the
     check's own are put back at once, so a SIGTERM during the audit still stops the check."""
     import faults
+
     sigs = (signal.SIGTERM, signal.SIGINT)
     saved = {s: signal.getsignal(s) for s in sigs}
     try:
@@ -163,6 +191,7 @@ def audit_path(ctx: Context, name: str) -> None:
     """One sync-audit row (its trainer is freed on return)."""
     import train
     from debug.host_sync import recording, unallowed
+
     s, cuda = ctx.setup, ctx.setup.device == "cuda"
     with path_collectives(name, "sync audit"):
         t = build_path(ctx, name, s.small, s.dtype, s.steps)
@@ -176,10 +205,16 @@ def audit_path(ctx: Context, name: str) -> None:
                     t.faults.preempted()
     extra = unallowed(seen)
     how = "set_sync_debug_mode('error') and " if cuda else ""
-    ctx.add(f"sync audit {name}", not extra,
-            f"steps 2-{s.steps} under {how}the sync recorder: "
-            + (f"{len(seen)} allowed syncs" if not extra else "unallowed " + ", ".join(
-                f"{f}:{fn} {kind}" for f, fn, kind in extra[:3])))
+    ctx.add(
+        f"sync audit {name}",
+        not extra,
+        f"steps 2-{s.steps} under {how}the sync recorder: "
+        + (
+            f"{len(seen)} allowed syncs"
+            if not extra
+            else "unallowed " + ", ".join(f"{f}:{fn} {kind}" for f, fn, kind in extra[:3])
+        ),
+    )
 
 
 @contextmanager
@@ -195,6 +230,7 @@ def sync_debugger(on: bool):
 
 
 # ----------------------------------------------------------------------------- overlap
+
 
 class DelayedWork:
     """CPU: a collective that runs only `wait()`: after sleeping until posted + delay, it runs blocking, so
@@ -249,7 +285,9 @@ class Delays:
         def delayed(real):
             def call(*args, async_op: bool = False, **kw):
                 return self.issue(real, args, kw, async_op)
+
             return call
+
         names = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
         with mock.patch.multiple(comm, **{n: delayed(getattr(comm, n)) for n in names}):
             yield
@@ -258,6 +296,7 @@ class Delays:
         """An all-gather read before its wait() still holds the output's old zeros, and after it the ones:
         so a wrapper that forgot a wait, or freed a buffer early, would change the losses."""
         from parallel import comm
+
         out, shard = torch.zeros(4, device=device), torch.ones(4, device=device)
         with self.applied():
             work = comm.all_gather_into_tensor(out, shard, None, async_op=True)
@@ -282,6 +321,7 @@ def sleep_cycles_per_second(device: torch.device) -> float:
 def timed_losses(t, steps: int) -> tuple[list[float], float]:
     """Losses of steps 1..steps and the median step time of steps 2..steps (train_step's own dt)."""
     import train
+
     records = [train.train_step(t, step) for step in range(1, steps + 1)]
     return [r["loss"] for r in records], statistics.median(r["step_time_ms"] / 1e3 for r in records[1:])
 
@@ -304,27 +344,44 @@ def stage_overlap(ctx: Context) -> None:
             per_step = delays.count / steps
             exposed = (t_delayed - t_forced) / (per_step * delay) if per_step else math.nan
             ctx.measured.setdefault("overlap", {})[name] = {
-                "delay_s": delay, "collectives_per_step": per_step, "step_s_forced": t_forced,
-                "step_s_delayed": t_delayed, "exposed_fraction": exposed, "early_read_sees_old_data": teeth}
-            ctx.add(f"overlap {name}", got == forced and per_step > 0 and teeth,
-                    f"{per_step:.0f} collectives/step each delayed {delay * 1e3:.0f} ms (a read before wait sees "
-                    f"old data: {teeth}): losses "
-                    f"{'bit-equal' if got == forced else 'DIFFER'}; step {t_forced * 1e3:.1f} -> "
-                    f"{t_delayed * 1e3:.1f} ms, exposed {exposed:.2f} of the delay")
+                "delay_s": delay,
+                "collectives_per_step": per_step,
+                "step_s_forced": t_forced,
+                "step_s_delayed": t_delayed,
+                "exposed_fraction": exposed,
+                "early_read_sees_old_data": teeth,
+            }
+            ctx.add(
+                f"overlap {name}",
+                got == forced and per_step > 0 and teeth,
+                f"{per_step:.0f} collectives/step each delayed {delay * 1e3:.0f} ms (a read before wait sees "
+                f"old data: {teeth}): losses "
+                f"{'bit-equal' if got == forced else 'DIFFER'}; step {t_forced * 1e3:.1f} -> "
+                f"{t_delayed * 1e3:.1f} ms, exposed {exposed:.2f} of the delay",
+            )
 
 
 # ----------------------------------------------------------------------------- real size
 
+
 def sdpa_kernel(t) -> str:
     """The attention kernels one training step launched, by the profiler's names."""
-    import train
     from torch.profiler import ProfilerActivity, profile
+
+    import train
+
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if t.plan.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
         train.train_step(t, 10_000)
     names = {e.key for e in prof.key_averages()}
-    found = sorted({n for n in names for k in ("flash", "efficient", "cudnn", "math_attention")
-                    if k in n.lower() and ("attention" in n.lower() or "fmha" in n.lower() or "flash" in n.lower())})
+    found = sorted(
+        {
+            n
+            for n in names
+            for k in ("flash", "efficient", "cudnn", "math_attention")
+            if k in n.lower() and ("attention" in n.lower() or "fmha" in n.lower() or "flash" in n.lower())
+        }
+    )
     return ", ".join(found[:2]) or "none found"
 
 
@@ -339,6 +396,7 @@ def real_size_path(ctx: Context, name: str) -> None:
     """One real-size row (its trainer is freed on return: the next build's memory is its own)."""
     import metrics
     import train
+
     s, device = ctx.setup, device_of(ctx)
     cuda = device.type == "cuda"
     flags = GPT2_FLAGS if cuda else s.throughput
@@ -362,18 +420,30 @@ def real_size_path(ctx: Context, name: str) -> None:
     acts = 34 * a.seq_len * a.micro_batch_size * t.plan.config.n_embd * t.plan.config.n_layer
     fused = t.optimizer.defaults.get("fused") is True
     ctx.measured.setdefault("real_size", {})[name] = {
-        "tokens_per_sec": tok, "mfu": mfu, "max_allocated": alloc, "max_reserved": reserved, "state_bytes": state,
-        "activation_estimate": acts, "sdpa": kernel, "fused_adamw": fused, "recompiles": recompiles,
-        "params": sum(p.numel() for p in t.model.parameters())}
-    ctx.add(f"real size {name}", fused and recompiles == 0 and all(map(math.isfinite, (tok, mfu))),
-            f"{tok:,.0f} tok/s, MFU {100 * mfu:.1f}%; allocated {alloc / 2**30:.2f} GiB (state "
-            f"{state / 2**30:.2f} + activations ~{acts / 2**30:.2f}), reserved {reserved / 2**30:.2f}; "
-            f"attention {kernel}; fused AdamW {fused}; recompiles {recompiles}")
+        "tokens_per_sec": tok,
+        "mfu": mfu,
+        "max_allocated": alloc,
+        "max_reserved": reserved,
+        "state_bytes": state,
+        "activation_estimate": acts,
+        "sdpa": kernel,
+        "fused_adamw": fused,
+        "recompiles": recompiles,
+        "params": sum(p.numel() for p in t.model.parameters()),
+    }
+    ctx.add(
+        f"real size {name}",
+        fused and recompiles == 0 and all(map(math.isfinite, (tok, mfu))),
+        f"{tok:,.0f} tok/s, MFU {100 * mfu:.1f}%; allocated {alloc / 2**30:.2f} GiB (state "
+        f"{state / 2**30:.2f} + activations ~{acts / 2**30:.2f}), reserved {reserved / 2**30:.2f}; "
+        f"attention {kernel}; fused AdamW {fused}; recompiles {recompiles}",
+    )
 
 
 def dynamo_frames() -> int:
     """Frames dynamo has compiled so far in this process (a recompile adds one)."""
     from torch._dynamo.utils import counters
+
     return int(sum(counters["frames"].values())) if "frames" in counters else 0
 
 
@@ -383,19 +453,25 @@ def stage_goals(ctx: Context) -> None:
         ctx.goal("goals", None, "no real-size numbers (that stage did not run)")
         return
     best = real.get("compile") or {}
-    ctx.goal(f"goal MFU >= {GOAL_MFU:.0%} (compile)", (best["mfu"] >= GOAL_MFU) if best else None,
-             f"plain + compile: {100 * best['mfu']:.1f}%" if best else "compile did not run")
+    ctx.goal(
+        f"goal MFU >= {GOAL_MFU:.0%} (compile)",
+        (best["mfu"] >= GOAL_MFU) if best else None,
+        f"plain + compile: {100 * best['mfu']:.1f}%" if best else "compile did not run",
+    )
     for name, r in real.items():
         base = BASELINE.get(name, "plain")
         if name in ("plain", "ac", "compile", "moe") or base not in real:  # AC recomputes by design; compile and
-            continue                                                        # MoE are no wrapper
+            continue  # MoE are no wrapper
         ratio = r["tokens_per_sec"] / real[base]["tokens_per_sec"]
         ctx.goal(f"goal {name} >= {GOAL_WRAPPER} x {base}", ratio >= GOAL_WRAPPER, f"tokens/s ratio {ratio:.3f}")
     worst = max(real.items(), key=lambda kv: kv[1]["max_reserved"] / kv[1]["max_allocated"])
     ratio = worst[1]["max_reserved"] / worst[1]["max_allocated"]
-    ctx.goal(f"goal reserved <= {GOAL_RESERVED} x allocated", ratio <= GOAL_RESERVED,
-             f"worst {worst[0]}: {ratio:.3f}")
+    ctx.goal(f"goal reserved <= {GOAL_RESERVED} x allocated", ratio <= GOAL_RESERVED, f"worst {worst[0]}: {ratio:.3f}")
 
 
-STAGES = [("sync audit", stage_sync_audit, True), ("overlap", stage_overlap, True),
-          ("real size", stage_real_size, True), ("goals", stage_goals, False)]
+STAGES = [
+    ("sync audit", stage_sync_audit, True),
+    ("overlap", stage_overlap, True),
+    ("real size", stage_real_size, True),
+    ("goals", stage_goals, False),
+]

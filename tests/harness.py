@@ -22,9 +22,11 @@ raises fails only its own tests, with its traceback.
 Whole runs: `launch` starts a script (train.py by default) as a user would, `python` for one rank and
 `torchrun` for more, in an environment without this process's torchrun variables
 (`launch.child_env`), on the CPU unless the test passes its own `--device`. `shared_run` trains a
-run once per test session, whichever test file asks for it first, on ranks forked from bench.forkserver; `WholeRuns` is the setup every whole-run
+run once per test session, whichever test file asks for it first, on ranks forked from bench.forkserver; `WholeRuns` is
+the setup every whole-run
 test file shares (its flags, scratch folder, corpus, and runs by name).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -44,8 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from metrics import read_jsonl
 from launch import child_env, exit_process
+from metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = timedelta(seconds=300)
@@ -65,8 +67,14 @@ BACKEND = "gloo"  # test bodies build CPU tensors: gloo, even where CUDA exists
 
 
 def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result_dir: str) -> None:
-    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                    WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    env = child_env(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     os.environ.clear()  # no TORCHELASTIC_* from a surrounding torchrun: with TORCHELASTIC_USE_AGENT_STORE
     os.environ.update(env)  # rank 0 would wait for an agent's store instead of starting its own
     torch.set_num_threads(1)
@@ -83,8 +91,9 @@ def _spawned(rank: int, world_size: int, port: int, fn: Callable, args: tuple, r
 def spawn(fn: Callable, world_size: int, *args: Any) -> list[Any]:
     """Start `world_size` gloo ranks on a free port, run fn on each, return their results by rank."""
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_spawned, args=(world_size, free_port(), fn, args, d), nprocs=world_size,
-                           join=True, start_method="spawn")
+        mp.start_processes(
+            _spawned, args=(world_size, free_port(), fn, args, d), nprocs=world_size, join=True, start_method="spawn"
+        )
         return [torch.load(os.path.join(d, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
@@ -107,8 +116,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> list[Any] | No
 
 # ----------------------------------------------------------------------------- measurements beside assertions
 
+
 class Outcome(NamedTuple):
     """What one measurement gave on one rank: its return value, or (error) the traceback of what it raised."""
+
     rank: int
     value: Any
     error: str | None
@@ -121,8 +132,9 @@ class MeasurementError(RuntimeError):
 _MEASURE_RUNS = itertools.count()  # names this process's runs apart in a store a torchrun keeps across them
 
 
-def _measure_all(rank: int, world_size: int, functions: dict[str, Callable], peers_timeout: timedelta
-                 ) -> dict[str, Outcome]:
+def _measure_all(
+    rank: int, world_size: int, functions: dict[str, Callable], peers_timeout: timedelta
+) -> dict[str, Outcome]:
     """Every registered measurement on this rank, in registration order: name -> Outcome. One that raises is
     kept as its traceback and the next one runs, but only once every rank is done with it (a key per rank in
     the process group's store, outside its collectives): a rank that raised before a collective its peers
@@ -145,9 +157,11 @@ def _measure_all(rank: int, world_size: int, functions: dict[str, Callable], pee
             try:
                 store.wait([key + str(r) for r in range(world_size)], peers_timeout)
             except Exception:
-                raise RuntimeError(f"measurement {name!r} raised on rank {rank} and not every rank finished it "
-                                   f"within {peers_timeout}: the ranks are out of step, so no later measurement "
-                                   f"can run. Rank {rank}'s error:\n{out[name].error}") from None
+                raise RuntimeError(
+                    f"measurement {name!r} raised on rank {rank} and not every rank finished it "
+                    f"within {peers_timeout}: the ranks are out of step, so no later measurement "
+                    f"can run. Rank {rank}'s error:\n{out[name].error}"
+                ) from None
     return out
 
 
@@ -182,10 +196,12 @@ class Measurements:
     def register(self, name: str) -> Callable:
         """Decorator: fn(rank, world_size) -> its measurement, registered as `name`; returned as a staticmethod,
         so it may sit in the test class, above the test that reads it."""
+
         def add(fn: Callable) -> staticmethod:
             assert name not in self.functions, f"measurement {name!r} registered twice"
             self.functions[name] = fn
             return staticmethod(fn)
+
         return add
 
     def run(self) -> None:
@@ -213,11 +229,12 @@ class Measurements:
 
 # ----------------------------------------------------------------------------- whole training runs
 
-def make_token_bins(directory: str, n_train: int = 60_000, n_val: int = 8_000, vocab: int = 512,
-                    seed: int = 0) -> str:
+
+def make_token_bins(directory: str, n_train: int = 60_000, n_val: int = 8_000, vocab: int = 512, seed: int = 0) -> str:
     """Write train.bin/val.bin of a learnable stand-in corpus: a noisy first-order chain over the
     first `vocab` token ids (next = 31*prev + small noise), so a model's loss falls quickly."""
     import numpy as np
+
     os.makedirs(directory, exist_ok=True)
     rng = np.random.default_rng(seed)
     for name, n in (("train", n_train), ("val", n_val)):
@@ -237,9 +254,18 @@ def _with_device(args: list[str], device: str | None) -> list[str]:
     return list(args)
 
 
-def launch(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: list[str] | None = None,
-           timeout: float = 600, wait: bool = True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-           script: str = "train.py", device: str | None = "cpu"):
+def launch(
+    args: list[str],
+    nproc: int = 1,
+    env: dict | None = None,
+    torchrun: list[str] | None = None,
+    timeout: float = 600,
+    wait: bool = True,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    script: str = "train.py",
+    device: str | None = "cpu",
+):
     """Run `script` as a user runs it: python for one rank, torchrun (--standalone unless `torchrun` says
     otherwise) for more. `env` is added to `child_env()` (so a test may set RANK etc. itself). `--device
     device` is appended unless args name a device or device is None. Returns the CompletedProcess (stdout
@@ -249,14 +275,23 @@ def launch(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: l
     if torchrun is None and nproc == 1:
         cmd = [sys.executable]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--monitor-interval", "0.2",
-               *(torchrun or ["--standalone"]), f"--nproc_per_node={nproc}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--monitor-interval",
+            "0.2",
+            *(torchrun or ["--standalone"]),
+            f"--nproc_per_node={nproc}",
+        ]
     cmd += [os.path.join(ROOT, script), *args]
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=stdout, stderr=stderr,
-                                text=True, start_new_session=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=full_env, stdout=stdout, stderr=stderr, text=True, start_new_session=True
+        )
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -266,16 +301,32 @@ def launch(args: list[str], nproc: int = 1, env: dict | None = None, torchrun: l
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def launch_ranks(args: list[str], nproc: int, env: dict | None = None, timeout: float = 300,
-                 script: str = "train.py") -> list[subprocess.CompletedProcess]:
+def launch_ranks(
+    args: list[str], nproc: int, env: dict | None = None, timeout: float = 300, script: str = "train.py"
+) -> list[subprocess.CompletedProcess]:
     """Start `nproc` ranks of `script` by hand, as torchrun would (RANK, WORLD_SIZE, MASTER_* set), each with
     its own stdout/stderr, and wait for every one: one CompletedProcess per rank. Unlike torchrun, no agent
     SIGTERMs the other ranks when the first one exits, so each rank's own exit code and output are seen."""
     port = str(free_port())
-    procs = [launch(args, 1, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(nproc),
-                                  "LOCAL_WORLD_SIZE": str(nproc), "RANK": str(r), "LOCAL_RANK": str(r),
-                                  **(env or {})}, script=script, wait=False, stderr=subprocess.PIPE)
-             for r in range(nproc)]
+    procs = [
+        launch(
+            args,
+            1,
+            env={
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                **(env or {}),
+            },
+            script=script,
+            wait=False,
+            stderr=subprocess.PIPE,
+        )
+        for r in range(nproc)
+    ]
     done = []
     try:
         for p in procs:
@@ -306,8 +357,9 @@ def rank0_only() -> bool:
     return not under_torchrun() or os.environ.get("RANK", "0") == "0"
 
 
-def expect_train_error_in_process(test, args: list[str], needle: str, out_dir: str, fresh: bool = True,
-                                  env: dict | None = None) -> None:
+def expect_train_error_in_process(
+    test, args: list[str], needle: str, out_dir: str, fresh: bool = True, env: dict | None = None
+) -> None:
     """train.main(args + --out_dir out_dir --device cpu) in this process, as one rank with no torchrun
     variables and nothing else of this process's environment but `env`: exit code 2, exactly one line
     `train.py: error: ...` containing `needle`, and (`fresh`) out_dir never created (nothing written before
@@ -317,9 +369,13 @@ def expect_train_error_in_process(test, args: list[str], needle: str, out_dir: s
     from unittest import mock
 
     import train
+
     err = io.StringIO()
-    with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stderr(err), \
-            contextlib.redirect_stdout(io.StringIO()):
+    with (
+        mock.patch.dict(os.environ, clear=True),
+        contextlib.redirect_stderr(err),
+        contextlib.redirect_stdout(io.StringIO()),
+    ):
         os.environ.update(child_env(**(env or {})))
         code = train.main([*args, "--out_dir", out_dir, "--device", "cpu"])
     lines = err.getvalue().splitlines()
@@ -338,12 +394,15 @@ def forked(args: list[str], nproc: int = 1, env: dict | None = None, timeout: fl
     return fork_server().run(_with_device(args, "cpu"), nproc, env=env, timeout=timeout)
 
 
-def forked_ranks(args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600
-                 ) -> list[subprocess.CompletedProcess]:
+def forked_ranks(
+    args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 600
+) -> list[subprocess.CompletedProcess]:
     """`forked`, as one CompletedProcess per rank (its exit code and stderr; stdout, every rank's, on rank 0's)."""
     run = forked(args, nproc, env, timeout)
-    return [subprocess.CompletedProcess(args, code, run.stdout if r == 0 else "", err)
-            for r, (code, err) in enumerate(zip(run.codes, run.stderr))]
+    return [
+        subprocess.CompletedProcess(args, code, run.stdout if r == 0 else "", err)
+        for r, (code, err) in enumerate(zip(run.codes, run.stderr))
+    ]
 
 
 def expect_train_error_on_ranks(test, args: list[str], needle: str, nproc: int, out_dir: str) -> None:
@@ -379,8 +438,9 @@ def assert_close(test, got: dict, ref: dict, key: str | None, rtol: float, what:
         test.assertLessEqual(abs(a - b), rtol * abs(b), f"{what}: step {s} {key or 'val_loss'} {a} vs {b}")
 
 
-def check_against(test, out: str, ref: str, steps: int, evals: list[int], rtol: float,
-                  p2p: int | None = None) -> dict[int, dict]:
+def check_against(
+    test, out: str, ref: str, steps: int, evals: list[int], rtol: float, p2p: int | None = None
+) -> dict[int, dict]:
     """The run in `out` against the run in `ref` (out_dirs, same steps and data): it logged steps 1..steps and
     val losses at exactly `evals`; every loss, grad_norm and val_loss is within rtol (relative) of ref's; and,
     given `p2p`, rank 0 sent that many p2p bytes every step. Returns out's steps."""
@@ -401,6 +461,7 @@ def check_against(test, out: str, ref: str, steps: int, evals: list[int], rtol: 
 def checkpoint_params(path: str) -> dict[str, torch.Tensor]:
     """name -> full parameter tensor of the checkpoint at `path` (checkpoint.consolidate)."""
     import checkpoint
+
     return {name: kinds["param"] for name, kinds in checkpoint.consolidate(path).items()}
 
 
@@ -436,6 +497,7 @@ def run_key(args: list[str], nproc: int) -> tuple:
     `args` but --out_dir (so neither the order of the flags nor a default spelled out matters). Args the parser
     refuses are keyed by their text (such a run fails, and a failed run is never registered)."""
     import config
+
     try:
         parsed = vars(config.parse_args(list(args)))
     except config.UsageError:
@@ -456,8 +518,9 @@ def shared_run(args: list[str], nproc: int, name: str = "run") -> str:
     if key not in _FINISHED:
         out = os.path.join(session_dir(), "runs", f"{next(_ATTEMPTS)}-{name}")
         proc = fork_server().run([*args, "--out_dir", out], nproc, timeout=600)
-        assert proc.returncode == 0, f"{name} failed ({proc.codes}):\n{proc.stdout[-2000:]}\n" + \
-            "\n".join(f"rank {r}: {e[-3000:]}" for r, e in enumerate(proc.stderr) if e)
+        assert proc.returncode == 0, f"{name} failed ({proc.codes}):\n{proc.stdout[-2000:]}\n" + "\n".join(
+            f"rank {r}: {e[-3000:]}" for r, e in enumerate(proc.stderr) if e
+        )
         _FINISHED[key] = out
     return _FINISHED[key]
 
@@ -473,6 +536,7 @@ def fork_server():
     global _SERVER
     if _SERVER is None:
         from bench.forkserver import ForkServer
+
         _SERVER = ForkServer()
         atexit.register(_SERVER.close)
     return _SERVER
@@ -532,8 +596,18 @@ class WholeRuns:
         return name in self.runs
 
 
-def check_kill_and_resume(test, args: list[str], nproc: int, out: str, ref: str, steps: int, kill_at: int,
-                          kill_rank: int, every: int, final_state: bool = True) -> None:
+def check_kill_and_resume(
+    test,
+    args: list[str],
+    nproc: int,
+    out: str,
+    ref: str,
+    steps: int,
+    kill_at: int,
+    kill_rank: int,
+    every: int,
+    final_state: bool = True,
+) -> None:
     """Kill + --resume is bit-equal to `ref`, the out_dir of the uninterrupted `steps`-step run of the same args.
     train.py args + --out_dir out + a checkpoint every `every` steps, on nproc ranks: rank `kill_rank` SIGKILLs
     itself after step `kill_at` (faults.py: GPT_KILL_AT_STEP), leaving the checkpoint of step `saved` (kill_at
@@ -541,6 +615,7 @@ def check_kill_and_resume(test, args: list[str], nproc: int, out: str, ref: str,
     to kill_at. Every step's loss and grad_norm and every val_loss equal ref's bits, and (final_state) so do
     the final checkpoint's parameters."""
     import checkpoint
+
     saved = kill_at - kill_at % every
     args = [*args, "--out_dir", out, "--checkpoint_interval", str(every)]
     k = forked(args, nproc, env={"GPT_KILL_AT_STEP": str(kill_at), "GPT_KILL_RANK": str(kill_rank)})
@@ -552,8 +627,9 @@ def check_kill_and_resume(test, args: list[str], nproc: int, out: str, ref: str,
     test.assertIn(f"resuming from {checkpoint.step_dir(out, saved)}", r.stdout)
     got, want = steps_of(out), steps_of(ref)
     test.assertEqual(sorted(got), list(range(1, steps + 1)))
-    test.assertEqual([(got[s]["loss"], got[s]["grad_norm"]) for s in got],
-                     [(want[s]["loss"], want[s]["grad_norm"]) for s in got])
+    test.assertEqual(
+        [(got[s]["loss"], got[s]["grad_norm"]) for s in got], [(want[s]["loss"], want[s]["grad_norm"]) for s in got]
+    )
     test.assertEqual(evals_of(out), evals_of(ref))
     if final_state:
         final, wanted = checkpoint_params(checkpoint.newest(out)), checkpoint_params(checkpoint.newest(ref))
@@ -562,18 +638,23 @@ def check_kill_and_resume(test, args: list[str], nproc: int, out: str, ref: str,
             test.assertTrue(torch.equal(p, wanted[name]), name)
 
 
-def check_resume_from(test, source: str, step: int, args: list[str], nproc: int, out: str, steps: int,
-                      saved_by: str = "") -> None:
+def check_resume_from(
+    test, source: str, step: int, args: list[str], nproc: int, out: str, steps: int, saved_by: str = ""
+) -> None:
     """A fresh out_dir `out` holding only the step-`step` checkpoint of the run in `source`, resumed by train.py
     args + --out_dir out --resume --no_checkpoint on nproc ranks: it exits 0, says it resumes from that
     checkpoint (`saved_by`: how the note after the path starts, naming the saving layout), notes no argument
     differing from the checkpoint's run, and logs steps step + 1 to `steps`."""
     import checkpoint
+
     shutil.copytree(checkpoint.step_dir(source, step), checkpoint.step_dir(out, step))
     proc = forked([*args, "--out_dir", out, "--resume", "--no_checkpoint"], nproc)
     name = os.path.basename(out)
-    test.assertEqual(proc.returncode, 0, f"{name}:\n{proc.stdout[-2000:]}\n" + "\n".join(e[-3000:] for e in proc.stderr))
-    test.assertIn(f"resuming from {checkpoint.step_dir(out, step)}" + (f" ({saved_by}" if saved_by else ""),
-                  proc.stdout)
+    test.assertEqual(
+        proc.returncode, 0, f"{name}:\n{proc.stdout[-2000:]}\n" + "\n".join(e[-3000:] for e in proc.stderr)
+    )
+    test.assertIn(
+        f"resuming from {checkpoint.step_dir(out, step)}" + (f" ({saved_by}" if saved_by else ""), proc.stdout
+    )
     test.assertNotIn("arguments differ", proc.stdout)
     test.assertEqual(sorted(steps_of(out)), list(range(step + 1, steps + 1)), name)

@@ -7,6 +7,7 @@ ROUNDING_FACTOR = 4, a 2x margin (tests/test_tp.py's rule). The float64 run is t
 train_step, evaluate) in this process, with the model converted to float64 after init (the same initial
 values): one process, no autocast, the same batches.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,6 +29,7 @@ def float64_run(args: list[str]) -> tuple[dict[int, dict], dict[int, float]]:
     train_step's record, and step -> val_loss at the evaluations train.run makes."""
     import config
     import train
+
     with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, clear=True):
         os.environ.update(child_env())  # one rank, whatever launched this process
         plan = config.validate(config.parse_args([*args, "--out_dir", os.path.join(tmp, "out"), "--device", "cpu"]))

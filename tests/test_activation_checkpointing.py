@@ -9,25 +9,47 @@ saved-activation measurements run in this process on a small GPT (vocab 512, so 
 Blocks), with bench.ac.SavedAndRecomputedBytes: bench.pipeline.SavedBytes plus
 the tensors checkpoint recomputes in backward, which saved_tensors_hooks of ours never see.
 """
+
 import tempfile
 import unittest
 
 import pytest
 import torch
 
-from blocks import apply_activation_checkpointing
 from bench.ac import SavedAndRecomputedBytes
 from bench.pipeline import SavedBytes
+from blocks import apply_activation_checkpointing
 from model import GPT, make_config
 from plan.theory import tp_comm_bytes_per_micro_step
 from tests.harness import WholeRuns, evals_of, expect_train_error_in_process, rank0_only, steps_of
 
 STEPS = 6  # as test_pipeline_train's, whose eager references the AC and compiled runs share
 MB, T, N_LAYER, ACCUM = 2, 32, 4, 4  # micro-batch, seq_len, Blocks, micro-batches per step at dp=1
-BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", str(T),
-        "--total_batch_size", str(ACCUM * MB * T), "--eval_interval", "5", "--eval_iters", "2",
-        "--warmup_steps", "2", "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12",
-        "--implementation", "custom"]
+BASE = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    str(N_LAYER),
+    "--micro_batch_size",
+    str(MB),
+    "--seq_len",
+    str(T),
+    "--total_batch_size",
+    str(ACCUM * MB * T),
+    "--eval_interval",
+    "5",
+    "--eval_iters",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--peak_flops",
+    "1e12",
+    "--implementation",
+    "custom",
+]
 FULL = ["--activation_checkpointing", "full"]
 SELECTIVE = ["--activation_checkpointing", "selective", "--ac_every", "4"]  # not the default 2: Block 0 alone
 DDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
@@ -90,8 +112,11 @@ class TestCheckpointingChangesNoNumber(unittest.TestCase):
                 out = run(f"{name}_{mode}", flags + ac, nproc)
                 got = steps_of(out)
                 self.assertEqual(sorted(got), sorted(ref), f"{name} {mode}")
-                self.assertEqual([(got[s]["loss"], got[s]["grad_norm"]) for s in sorted(got)],
-                                 [(ref[s]["loss"], ref[s]["grad_norm"]) for s in sorted(ref)], f"{name} {mode}")
+                self.assertEqual(
+                    [(got[s]["loss"], got[s]["grad_norm"]) for s in sorted(got)],
+                    [(ref[s]["loss"], ref[s]["grad_norm"]) for s in sorted(ref)],
+                    f"{name} {mode}",
+                )
                 self.assertEqual(evals_of(out), evals_of(ref_out), f"{name} {mode} val_loss")
                 want = recomputed_blocks(flags + ac) * micro_steps(flags)
                 for key in ("ac_checkpointed_blocks", "ac_recomputed_blocks"):
@@ -103,15 +128,24 @@ class TestCheckpointingChangesNoNumber(unittest.TestCase):
         tp, k, micro = int(flag(flags, "--tensor_parallel_size")), recomputed_blocks(flags), micro_steps(flags)
         cfg = make_config("tiny", n_layer=N_LAYER)
         formula = lambda blocks: tp_comm_bytes_per_micro_step(  # noqa: E731
-            cfg, MB, T, tp, "--enable_loss_parallelism" in flags, "--sequence_parallel" in flags,
-            recomputed_blocks=blocks)
+            cfg,
+            MB,
+            T,
+            tp,
+            "--enable_loss_parallelism" in flags,
+            "--sequence_parallel" in flags,
+            recomputed_blocks=blocks,
+        )
         extra = {kind: micro * (formula(k)[kind] - formula(0)[kind]) for kind in formula(0)}
         self.assertGreater(sum(extra.values()), 0)
         for s in sorted(got):
             kinds = set(got[s]["comm_bytes"]) | set(ref[s]["comm_bytes"])
             want = {kind: ref[s]["comm_bytes"].get(kind, 0) + extra.get(kind, 0) for kind in kinds}
-            self.assertEqual({kind: got[s]["comm_bytes"].get(kind, 0) for kind in kinds}, want,
-                             f"step {s}: k={k} recomputed Blocks x {micro} micro-steps")
+            self.assertEqual(
+                {kind: got[s]["comm_bytes"].get(kind, 0) for kind in kinds},
+                want,
+                f"step {s}: k={k} recomputed Blocks x {micro} micro-steps",
+            )
 
     def test_recomputed_blocks_from_flags(self):
         self.assertEqual((recomputed_blocks(FULL), recomputed_blocks(SELECTIVE), recomputed_blocks([])), (4, 1, 0))
@@ -177,8 +211,10 @@ def small_gpt(ac: str, dropout: float = 0.0) -> GPT:
 
 def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, SMALL.vocab_size, (B_, T_), generator=g),
-            torch.randint(0, SMALL.vocab_size, (B_, T_), generator=g))
+    return (
+        torch.randint(0, SMALL.vocab_size, (B_, T_), generator=g),
+        torch.randint(0, SMALL.vocab_size, (B_, T_), generator=g),
+    )
 
 
 def measure(ac: str) -> tuple[int, int]:
@@ -255,6 +291,7 @@ class TestSavedActivations(unittest.TestCase):
         """Dropout 0.1 (embeddings, attention, residual branches), one process: the same seed gives the same
         loss and the same gradient bits with and without AC, because checkpoint replays the forward's RNG
         state when it recomputes."""
+
         def grads(ac: str, seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             model = small_gpt(ac, dropout=0.1)
             torch.manual_seed(seed)
@@ -278,6 +315,7 @@ class TestSavedActivations(unittest.TestCase):
         input and GELU's output (the weights are excluded), and all three are counted."""
         import torch.nn.functional as F
         from torch.utils.checkpoint import checkpoint
+
         w1, w2 = torch.randn(32, 16, requires_grad=True), torch.randn(8, 32, requires_grad=True)
         x = torch.randn(4, 16, requires_grad=True)
         with SavedAndRecomputedBytes(exclude=[w1, w2]) as saved:
@@ -287,18 +325,23 @@ class TestSavedActivations(unittest.TestCase):
 
 # ----------------------------------------------------------------------------- bad input
 
+
 def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str, env: dict | None = None):
     """train.main in this process, as one rank with no torchrun variables and only `env` set: exit code 2,
     exactly one line `train.py: error: ...` naming the problem, nothing written
     (tests/harness.expect_train_error_in_process)."""
-    expect_train_error_in_process(test, RUNS.args("--max_steps", "2", *flags), needle, RUNS.path("bad_in_process"),
-                                  env=env)
+    expect_train_error_in_process(
+        test, RUNS.args("--max_steps", "2", *flags), needle, RUNS.path("bad_in_process"), env=env
+    )
 
 
 class TestBadFlagsOneRank(unittest.TestCase):
     def test_unknown_mode(self):
-        expect_error_in_process(self, ["--activation_checkpointing", "bogus"],
-                                "argument --activation_checkpointing: invalid choice: 'bogus'")
+        expect_error_in_process(
+            self,
+            ["--activation_checkpointing", "bogus"],
+            "argument --activation_checkpointing: invalid choice: 'bogus'",
+        )
 
     def test_compile_without_a_cxx_compiler(self):
         """PATH is one empty directory and CXX is unset: inductor would have nothing to build with."""

@@ -2,6 +2,7 @@
 one line `train.py: error: ...`, exit 2, nothing written (train.main in this process: no ranks, no data read
 past validation). Whole-run and multi-rank bad-input cases are in test_train.py, test_pipeline_train.py and
 test_zero.py."""
+
 import os
 import tempfile
 import unittest
@@ -11,23 +12,48 @@ import config
 from config import train_parser
 from tests.harness import expect_train_error_in_process, make_token_bins
 
-BASE = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "64",
-        "--max_steps", "2"]
+BASE = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "64", "--max_steps", "2"]
 
 # Every int and float option of train.py's parser but --seed (any int seeds), with its valid range: the one
 # table the cases below are generated from. A numeric option the parser gains must be added here.
 RANGES = {
-    **dict.fromkeys(["--tensor_parallel_size", "--data_parallel_size", "--data_parallel_replicate_size",
-                     "--pipeline_parallel_size", "--pp_virtual_stages", "--context_parallel_size", "--ac_every",
-                     "--n_layer", "--n_head", "--n_embd", "--block_size", "--vocab_size", "--micro_batch_size", "--seq_len",
-                     "--total_batch_size", "--max_steps", "--eval_interval", "--eval_iters", "--keep_checkpoints",
-                     "--trace_step", "--expert_parallel_size", "--moe_top_k", "--moe_every", "--muon_ns_steps"],
-                    ">= 1"),
-    **dict.fromkeys(["--warmup_steps", "--checkpoint_interval", "--profile", "--moe_num_experts", "--moe_ffn_hidden"],
-                    ">= 0"),
+    **dict.fromkeys(
+        [
+            "--tensor_parallel_size",
+            "--data_parallel_size",
+            "--data_parallel_replicate_size",
+            "--pipeline_parallel_size",
+            "--pp_virtual_stages",
+            "--context_parallel_size",
+            "--ac_every",
+            "--n_layer",
+            "--n_head",
+            "--n_embd",
+            "--block_size",
+            "--vocab_size",
+            "--micro_batch_size",
+            "--seq_len",
+            "--total_batch_size",
+            "--max_steps",
+            "--eval_interval",
+            "--eval_iters",
+            "--keep_checkpoints",
+            "--trace_step",
+            "--expert_parallel_size",
+            "--moe_top_k",
+            "--moe_every",
+            "--muon_ns_steps",
+        ],
+        ">= 1",
+    ),
+    **dict.fromkeys(
+        ["--warmup_steps", "--checkpoint_interval", "--profile", "--moe_num_experts", "--moe_ffn_hidden"], ">= 0"
+    ),
     **dict.fromkeys(["--lr", "--timeout", "--bucket_cap_mb", "--peak_flops", "--muon_lr"], "> 0"),  # floats, finite
-    **dict.fromkeys(["--weight_decay", "--moe_aux_loss_coeff", "--moe_bias_update_rate", "--muon_weight_decay",
-                     "--muon_momentum"], ">= 0"),  # floats, finite (--muon_momentum < 1: optim/flags.py)
+    **dict.fromkeys(
+        ["--weight_decay", "--moe_aux_loss_coeff", "--moe_bias_update_rate", "--muon_weight_decay", "--muon_momentum"],
+        ">= 0",
+    ),  # floats, finite (--muon_momentum < 1: optim/flags.py)
 }
 # --seed takes any int; the simulated rank's pair (0 <= rank < N, N >= 1, both or neither) is one check of its own,
 # config._check_fake, held by tests/test_verify.TestFlags
@@ -82,8 +108,12 @@ class TestRangesAndPaths(unittest.TestCase):
         bad, _ = range_cases()
         for i, ((flag, value), words) in enumerate({**bad, **CASES}.items()):
             with self.subTest(f"{flag} {value}"):  # an out_dir each: a value wrongly let through fails only its case
-                expect_train_error_in_process(self, [*BASE, "--dataset", self.data, f"{flag}={value}"], words,
-                                              os.path.join(self.tmp.name, f"out_{i}"))
+                expect_train_error_in_process(
+                    self,
+                    [*BASE, "--dataset", self.data, f"{flag}={value}"],
+                    words,
+                    os.path.join(self.tmp.name, f"out_{i}"),
+                )
 
     def test_lowest_valid_value_passes_the_range_check(self):
         """The bound is the table's, not stricter: validate may refuse the value for another reason (seq_len >
@@ -91,8 +121,18 @@ class TestRangesAndPaths(unittest.TestCase):
         _, lowest = range_cases()
         for flag, value in lowest.items():
             with self.subTest(f"{flag} {value}"), mock.patch.dict(os.environ, clear=True):  # one rank
-                args = config.parse_args([*BASE, "--dataset", self.data, f"{flag}={value}",
-                                          "--out_dir", os.path.join(self.tmp.name, "lowest"), "--device", "cpu"])
+                args = config.parse_args(
+                    [
+                        *BASE,
+                        "--dataset",
+                        self.data,
+                        f"{flag}={value}",
+                        "--out_dir",
+                        os.path.join(self.tmp.name, "lowest"),
+                        "--device",
+                        "cpu",
+                    ]
+                )
                 try:
                     config.validate(args)
                 except config.UsageError as e:
@@ -101,13 +141,18 @@ class TestRangesAndPaths(unittest.TestCase):
     def test_out_dir_that_is_a_file(self):
         path = os.path.join(self.tmp.name, "a_file")
         open(path, "w").write("not a directory")
-        expect_train_error_in_process(self, [*BASE, "--dataset", self.data], "is a file, not a directory", path,
-                                      fresh=False)
+        expect_train_error_in_process(
+            self, [*BASE, "--dataset", self.data], "is a file, not a directory", path, fresh=False
+        )
         self.assertTrue(os.path.isfile(path))  # untouched
 
     def test_dataset_that_is_a_file(self):
-        expect_train_error_in_process(self, [*BASE, "--dataset", os.path.join(self.data, "train.bin")],
-                                      "dataset", os.path.join(self.tmp.name, "out"))
+        expect_train_error_in_process(
+            self,
+            [*BASE, "--dataset", os.path.join(self.data, "train.bin")],
+            "dataset",
+            os.path.join(self.tmp.name, "out"),
+        )
 
 
 if __name__ == "__main__":

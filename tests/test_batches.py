@@ -1,4 +1,5 @@
 """The global batch of step s is a pure function of (seed, split, s), however it is split over ranks."""
+
 import os
 import tempfile
 import unittest
@@ -63,8 +64,11 @@ class TestBatches(unittest.TestCase):
         a, _ = self.global_batch(3, dp=2, mb=2)
         b, _ = self.global_batch(3, dp=2, mb=2)
         self.assertTrue(torch.equal(a, b))
-        for other in (self.global_batch(4, dp=2, mb=2)[0], self.global_batch(3, dp=2, mb=2, seed=1)[0],
-                      self.global_batch(3, dp=2, mb=2, split="val")[0]):
+        for other in (
+            self.global_batch(4, dp=2, mb=2)[0],
+            self.global_batch(3, dp=2, mb=2, seed=1)[0],
+            self.global_batch(3, dp=2, mb=2, split="val")[0],
+        ):
             self.assertFalse(torch.equal(a, other))
 
 

@@ -1,6 +1,7 @@
 """bench/cp.py: the command builders' flags, the ratio arithmetic and tables on synthetic rows, the flag checks,
 the saved-bytes count of one tiny forward + backward against a hand count, and one tiny C = 1 attention timing
 (no training, no processes)."""
+
 from __future__ import annotations
 
 import sys
@@ -9,8 +10,16 @@ import pytest
 import torch
 
 from bench.cp import (
-    attention_markdown, comm_theory, cp_rows, markdown, measure_saved, memory_command, parse_args, time_attention,
-    train_command)
+    attention_markdown,
+    comm_theory,
+    cp_rows,
+    markdown,
+    measure_saved,
+    memory_command,
+    parse_args,
+    time_attention,
+    train_command,
+)
 
 
 def flag(cmd: list[str], name: str) -> str:
@@ -62,21 +71,39 @@ def test_comm_theory_by_layout():
     = 65536; per layer 2A forward + 6A backward = 8A; 2 layers: 16A = 1,048,576."""
     from model import make_config
     from plan.theory import tp_comm_bytes_per_micro_step
+
     cfg = make_config("tiny")
     assert comm_theory(cfg, 4, 128, 1, 1, 999) == 0
     assert comm_theory(cfg, 4, 128, 2, 1, 1000) == 1_048_576 + 1000
-    assert comm_theory(cfg, 4, 128, 1, 2, 1000) == sum(tp_comm_bytes_per_micro_step(cfg, 4, 128, 2, True, True).values())
+    assert comm_theory(cfg, 4, 128, 1, 2, 1000) == sum(
+        tp_comm_bytes_per_micro_step(cfg, 4, 128, 2, True, True).values()
+    )
 
 
 def point(T, cp, tps, saved, attn, tp=1, comm=None, theory=None):
-    return {"seq_len": T, "cp": cp, "tp": tp, "tokens_per_sec": tps, "peak_saved_bytes": saved,
-            "attn_saved_bytes": attn, "comm_bytes": comm, "comm_theory": theory, "status": "ok"}
+    return {
+        "seq_len": T,
+        "cp": cp,
+        "tp": tp,
+        "tokens_per_sec": tps,
+        "peak_saved_bytes": saved,
+        "attn_saved_bytes": attn,
+        "comm_bytes": comm,
+        "comm_theory": theory,
+        "status": "ok",
+    }
 
 
 def test_ratios_against_c1_of_the_same_seq_len():
     """saved_ratio = bytes(C=1)/bytes(C), speedup = tps(C)/tps(C=1), per seq_len; rows sorted by (T, C)."""
-    rows = cp_rows([point(256, 2, 300.0, 500, 60), point(128, 1, 100.0, 400, 40), point(256, 1, 200.0, 1000, 100),
-                    point(128, 4, 50.0, 100, 10)])
+    rows = cp_rows(
+        [
+            point(256, 2, 300.0, 500, 60),
+            point(128, 1, 100.0, 400, 40),
+            point(256, 1, 200.0, 1000, 100),
+            point(128, 4, 50.0, 100, 10),
+        ]
+    )
     assert [(r["seq_len"], r["cp"]) for r in rows] == [(128, 1), (128, 4), (256, 1), (256, 2)]
     assert [r["saved_ratio"] for r in rows] == [1.0, 4.0, 1.0, 2.0]
     assert [r["attn_ratio"] for r in rows] == [1.0, 4.0, 1.0, 100 / 60]
@@ -84,9 +111,13 @@ def test_ratios_against_c1_of_the_same_seq_len():
 
 
 def test_tp_rows_after_the_cp_rows_against_the_same_baseline():
-    rows = cp_rows([point(128, 1, 50.0, 100, 10, tp=2, comm=30, theory=30), point(128, 2, 300.0, 500, 60, comm=20,
-                                                                              theory=40),
-                    point(128, 1, 100.0, 1000, 100)])
+    rows = cp_rows(
+        [
+            point(128, 1, 50.0, 100, 10, tp=2, comm=30, theory=30),
+            point(128, 2, 300.0, 500, 60, comm=20, theory=40),
+            point(128, 1, 100.0, 1000, 100),
+        ]
+    )
     assert [(r["cp"], r["tp"]) for r in rows] == [(1, 1), (2, 1), (1, 2)]
     assert rows[2]["saved_ratio"] == 10.0 and rows[2]["speedup"] == 0.5 and rows[2]["comm_ratio"] == 1.0
     assert rows[1]["comm_ratio"] == 0.5 and rows[0]["comm_ratio"] is None
@@ -98,13 +129,13 @@ def test_ratios_none_when_a_measurement_is_missing():
     assert rows[2]["saved_ratio"] is None  # no C = 1 at 256
 
 
-CONFIG = {"model": "tiny", "n_layer": 2, "n_embd": 64, "vocab_size": 50304, "rows": 4,
-          "warmup": 2, "steps": 4}
+CONFIG = {"model": "tiny", "n_layer": 2, "n_embd": 64, "vocab_size": 50304, "rows": 4, "warmup": 2, "steps": 4}
 
 
 def test_markdown_rows_and_oversubscription_note():
-    rows = cp_rows([point(128, 1, 1000.0, 2 * 2 ** 20, 2 ** 20),
-                    point(128, 4, 500.0, 2 ** 19, 2 ** 18, comm=2 ** 21, theory=2 ** 21)])
+    rows = cp_rows(
+        [point(128, 1, 1000.0, 2 * 2**20, 2**20), point(128, 4, 500.0, 2**19, 2**18, comm=2**21, theory=2**21)]
+    )
     md = markdown(rows, {**CONFIG, "cpu_count": 2})
     assert "| 128 | 1 rank | 1,000 | 1.00 | 2.00 | 1.00 | 1.00 | 1.00 | — | — | ok |" in md
     assert "| 128 | C=4 | 500 | 0.50 | 0.50 | 4.00 | 0.25 | 4.00 | 2.00 | 1.000 | ok |" in md
@@ -114,9 +145,15 @@ def test_markdown_rows_and_oversubscription_note():
 
 
 def test_markdown_attention_table_and_load_average():
-    timed = {**CONFIG, "cpu_count": 2, "n_head": 4, "head_dim": 16, "load_average": [1.5, 2.25],
-             "attention_c1": [{"seq_len": 128, "sdpa_ms": 2.0, "ring_ms": 2.5, "ratio": 1.25}]}
-    md = markdown(cp_rows([point(128, 1, 1000.0, 2 ** 20, 2 ** 19)]), timed)
+    timed = {
+        **CONFIG,
+        "cpu_count": 2,
+        "n_head": 4,
+        "head_dim": 16,
+        "load_average": [1.5, 2.25],
+        "attention_c1": [{"seq_len": 128, "sdpa_ms": 2.0, "ring_ms": 2.5, "ratio": 1.25}],
+    }
+    md = markdown(cp_rows([point(128, 1, 1000.0, 2**20, 2**19)]), timed)
     assert "| 128 | 2.00 | 2.50 | 1.25 |" in md
     assert "q/k/v (4, 4, seq_len, 16) fp32" in md
     assert "load average (1 min) 1.50 at the start and 2.25 at the end, on 2 cores" in md
@@ -147,6 +184,7 @@ def test_measure_saved_hand_count_one_process():
     B*H*T*4 = 256. The whole peak is at least that plus the MLP's c_fc input (U), GELU's input (4U) and c_proj's
     input (4U), and the loss's targets B*T*8 = 128 (lm_head + loss are chunked: no logits are kept)."""
     from model import GPT, make_config
+
     torch.manual_seed(0)
     model = GPT(make_config("tiny", n_layer=1, vocab_size=64, block_size=8))
     x = torch.randint(0, 64, (2, 8))

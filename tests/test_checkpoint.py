@@ -10,6 +10,7 @@ before and recomputes steps KILL-1 and KILL. R's losses for those steps and its 
 Adding a layout is one line in LAYOUTS (it then joins the kill-and-resume tests and the load-into-every-layout
 table).
 """
+
 import dataclasses
 import functools
 import itertools
@@ -31,7 +32,17 @@ import checkpoint
 import checkpoint_entries
 from memory import LargestTensor
 from metrics import read_jsonl as read_metrics
-from tests.harness import forked, forked_ranks, free_port, launch, make_token_bins, rank0_only, spawn, train_losses, under_torchrun
+from tests.harness import (
+    forked,
+    forked_ranks,
+    free_port,
+    launch,
+    make_token_bins,
+    rank0_only,
+    spawn,
+    train_losses,
+    under_torchrun,
+)
 
 
 def _is_int64(t: torch.Tensor) -> bool:
@@ -39,10 +50,33 @@ def _is_int64(t: torch.Tensor) -> bool:
 
 
 STEPS, KILL, EVERY = 6, 4, 2
-BASE = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256",
-        "--max_steps", str(STEPS), "--eval_interval", "4", "--eval_iters", "2", "--warmup_steps", "2",
-        "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12", "--checkpoint_interval", str(EVERY),
-        "--keep_checkpoints", "2"]
+BASE = [
+    "--model",
+    "tiny",
+    "--micro_batch_size",
+    "2",
+    "--seq_len",
+    "64",
+    "--total_batch_size",
+    "256",
+    "--max_steps",
+    str(STEPS),
+    "--eval_interval",
+    "4",
+    "--eval_iters",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--peak_flops",
+    "1e12",
+    "--checkpoint_interval",
+    str(EVERY),
+    "--keep_checkpoints",
+    "2",
+]
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 DP2 = ["--data_parallel_size", "2"]
 TP2 = ["--tensor_parallel_size", "2"]
@@ -58,8 +92,6 @@ LAYOUTS = {
     "tp_pytorch": (2, ["--implementation", "pytorch", *TP2]),
     "2d_pytorch": (4, ["--implementation", "pytorch", *TP2, *DP2, "--data_parallel_type", "fsdp"]),
 }
-
-
 
 
 def state_of(path: str) -> tuple[dict, float]:
@@ -114,8 +146,16 @@ def kill_and_resume(layout: str) -> dict:
     shutil.copytree(checkpoint.step_dir(out, EVERY), first)  # R's keep-2 pruning deletes it
     before = steps_of(out)
     r = forked(args + ["--resume"], nproc)
-    return {"out": out, "k": k, "r": r, "killed": killed, "aside": aside, "first": first, "before": before,
-            "seconds": time.perf_counter() - t0}
+    return {
+        "out": out,
+        "k": k,
+        "r": r,
+        "killed": killed,
+        "aside": aside,
+        "first": first,
+        "before": before,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 @pytest.mark.slow
@@ -132,19 +172,21 @@ class TestKillAndResume(unittest.TestCase):
         self.assertEqual(r.returncode, 0, f"{layout}: resume failed:\n{r.stdout[-2000:]}\n{r.stderr}")
         self.assertIn(f"resuming from {checkpoint.step_dir(out, EVERY)}", r.stdout)
         records = [rec for rec in read_metrics(out) if "loss" in rec]
-        resumed = records[len(run["killed"]):]
+        resumed = records[len(run["killed"]) :]
         self.assertEqual([rec["step"] for rec in resumed], list(range(EVERY + 1, STEPS + 1)))
         for old in run["killed"][EVERY:]:  # the steps both runs computed: identical bits
             new = resumed[old["step"] - EVERY - 1]
-            self.assertEqual((new["loss"], new["grad_norm"]), (old["loss"], old["grad_norm"]),
-                             f"{layout} step {old['step']}")
+            self.assertEqual(
+                (new["loss"], new["grad_norm"]), (old["loss"], old["grad_norm"]), f"{layout} step {old['step']}"
+            )
         self.assertEqual(len(train_losses(out)), STEPS)
         evals = [rec["step"] for rec in read_metrics(out) if "val_loss" in rec]
         self.assertEqual(evals, [0, 4, 4, 6])  # step 4 was run twice; no second step-0 eval after the resume
         assert_same_state(self, checkpoint.step_dir(out, KILL), run["aside"], f"{layout} state at step {KILL}")
         self.assertEqual(steps_of(out), [KILL, STEPS])  # --keep_checkpoints 2 pruned step 2
-        self.assertEqual(sorted(os.listdir(os.path.join(out, "checkpoints"))),
-                         [f"step_{KILL:06d}", f"step_{STEPS:06d}"])  # no temporary leftovers
+        self.assertEqual(
+            sorted(os.listdir(os.path.join(out, "checkpoints"))), [f"step_{KILL:06d}", f"step_{STEPS:06d}"]
+        )  # no temporary leftovers
         print(f"\n  {layout}: kill + resume {run['seconds']:.1f}s", file=sys.stderr)
 
 
@@ -152,19 +194,32 @@ for _name in LAYOUTS:
     setattr(TestKillAndResume, f"test_{_name}", lambda self, _n=_name: self.check(_n))
 
 
-def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sources: dict[str, str],
-                     out: str) -> list[str]:
+def _load_everything(
+    rank: int, world: int, targets: dict[str, list[str]], sources: dict[str, str], out: str
+) -> list[str]:
     """Build every target layout (all of this world size) and load each source checkpoint into each. After
     each load every element this rank holds (replicas included: parameter and both moments) must equal the
     source's full tensor at that element's position, and the AdamW step must be the source's. Once per
     target: every element has exactly one designated writer over all ranks. Returns the mismatches."""
     import torch.distributed as dist
+
     import config
     import train
+
     bad, trainers = [], {}
     for target, flags in targets.items():
-        args = config.parse_args(BASE + flags + ["--dataset", os.path.join(os.path.dirname(out), "data"),
-                                                 "--out_dir", os.path.join(out, target), "--device", "cpu"])
+        args = config.parse_args(
+            BASE
+            + flags
+            + [
+                "--dataset",
+                os.path.join(os.path.dirname(out), "data"),
+                "--out_dir",
+                os.path.join(out, target),
+                "--device",
+                "cpu",
+            ]
+        )
         t = trainers[target] = train.build(config.validate(args))
         entries = checkpoint_entries.entries(t.par, t.optimizer)
         count = {e.name: torch.zeros(torch.Size(e.shape).numel()) for e in entries}
@@ -180,8 +235,9 @@ def _load_everything(rank: int, world: int, targets: dict[str, list[str]], sourc
         saved_step = checkpoint.read_manifest(src)["optimizer"]["step"]
         for target, t in trainers.items():
             what = f"{src_name} -> {target}"
-            checkpoint.load(src, checkpoint_entries.entries(t.par, t.optimizer), t.optimizer, rank=rank,
-                            world_size=world)
+            checkpoint.load(
+                src, checkpoint_entries.entries(t.par, t.optimizer), t.optimizer, rank=rank, world_size=world
+            )
             if {float(s["step"]) for s in t.optimizer.state.values()} != {saved_step}:
                 bad.append(f"{what}: AdamW step not restored")
             for e in checkpoint_entries.entries(t.par, t.optimizer):
@@ -210,8 +266,10 @@ class TestResharding(unittest.TestCase):
             else:
                 bad = [m for rank_bad in spawn(_load_everything, nproc, targets, sources, out) for m in rank_bad]
             self.assertEqual(bad, [], f"loading into {', '.join(targets)}")
-        print(f"\n  {len(sources)} checkpoints x {len(LAYOUTS)} layouts loaded in {time.perf_counter() - t0:.1f}s",
-              file=sys.stderr)
+        print(
+            f"\n  {len(sources)} checkpoints x {len(LAYOUTS)} layouts loaded in {time.perf_counter() - t0:.1f}s",
+            file=sys.stderr,
+        )
 
     def test_training_continues_across_layouts(self):
         """DDP x2 saves step 2 -> FSDP x2 trains step 3 -> TP x2 trains step 4 -> one process trains 5, 6:
@@ -221,9 +279,11 @@ class TestResharding(unittest.TestCase):
         shutil.copytree(kill_and_resume("ddp_custom")["first"], checkpoint.step_dir(out, EVERY))
         for layout, kill_at in (("fsdp_pytorch", EVERY + 1), ("tp_pytorch", EVERY + 2), ("single", None)):
             nproc, flags = LAYOUTS[layout]
-            proc = forked(BASE + flags + ["--dataset", data_dir(), "--out_dir", out, "--resume",
-                                          "--checkpoint_interval", "1"], nproc,
-                          env={"GPT_KILL_AT_STEP": str(kill_at)} if kill_at else None)
+            proc = forked(
+                BASE + flags + ["--dataset", data_dir(), "--out_dir", out, "--resume", "--checkpoint_interval", "1"],
+                nproc,
+                env={"GPT_KILL_AT_STEP": str(kill_at)} if kill_at else None,
+            )
             self.assertIn("resuming from", proc.stdout, f"{layout}:\n{proc.stdout[-2000:]}{proc.stderr[0][-3000:]}")
         losses = train_losses(out)
         self.assertEqual([r["step"] for r in read_metrics(out) if "loss" in r], list(range(EVERY + 1, STEPS + 1)))
@@ -292,10 +352,17 @@ class TestLaunchers(unittest.TestCase):
         addresses from the shared rendezvous store: train.py warns about it.)"""
         out = os.path.join(TMP.name, "restart")
         marker = os.path.join(TMP.name, "restart.marker")
-        proc = launch(BASE + LAYOUTS["ddp_custom"][1] + ["--dataset", data_dir(), "--out_dir", out, "--resume"], 2,
-                      env={"GPT_KILL_AT_STEP": "3", "GPT_KILL_RANK": "1", "GPT_KILL_MARKER": marker,
-                           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # a fresh store per attempt (README)
-                      torchrun=["--standalone", "--max-restarts=1"])
+        proc = launch(
+            BASE + LAYOUTS["ddp_custom"][1] + ["--dataset", data_dir(), "--out_dir", out, "--resume"],
+            2,
+            env={
+                "GPT_KILL_AT_STEP": "3",
+                "GPT_KILL_RANK": "1",
+                "GPT_KILL_MARKER": marker,
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            },  # a fresh store per attempt (README)
+            torchrun=["--standalone", "--max-restarts=1"],
+        )
         self.assertEqual(proc.returncode, 0, proc.stdout[-3000:] + proc.stderr[-3000:])
         self.assertTrue(os.path.exists(marker))
         self.assertIn("no intact checkpoint", proc.stdout)
@@ -305,8 +372,13 @@ class TestLaunchers(unittest.TestCase):
     def test_two_nodes_on_loopback(self):
         """Two torchrun 'nodes' of one rank each, c10d rendezvous on 127.0.0.1, train as DDP x2 does."""
         out = os.path.join(TMP.name, "two-nodes")
-        rdzv = ["--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-                "--rdzv_id=loopback", "--local-addr=127.0.0.1"]
+        rdzv = [
+            "--nnodes=2",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+            "--rdzv_id=loopback",
+            "--local-addr=127.0.0.1",
+        ]
         args = BASE + LAYOUTS["ddp_custom"][1] + ["--dataset", data_dir(), "--out_dir", out]
         nodes = [launch(args, 1, torchrun=rdzv, wait=False) for _ in range(2)]
         try:
@@ -329,14 +401,30 @@ class TestLaunchers(unittest.TestCase):
         timeout, runs = 5, {}
         for sig in ("KILL", "STOP"):
             out, port = os.path.join(TMP.name, f"peer-{sig}"), free_port()
-            args = BASE + LAYOUTS["ddp_custom"][1] + ["--dataset", data_dir(), "--out_dir", out,
-                                                       "--timeout", str(timeout)]
-            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                   "GPT_KILL_AT_STEP": "2", "GPT_KILL_RANK": "1", "GPT_KILL_SIGNAL": sig}
+            args = (
+                BASE + LAYOUTS["ddp_custom"][1] + ["--dataset", data_dir(), "--out_dir", out, "--timeout", str(timeout)]
+            )
+            env = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2",
+                "GPT_KILL_AT_STEP": "2",
+                "GPT_KILL_RANK": "1",
+                "GPT_KILL_SIGNAL": sig,
+            }
             log1 = os.path.join(TMP.name, f"peer-{sig}.rank1.log")
             with open(log1, "w") as f:
-                procs = [launch(args, 1, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, wait=False,
-                                stdout=subprocess.PIPE if r == 0 else f) for r in range(2)]
+                procs = [
+                    launch(
+                        args,
+                        1,
+                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                        wait=False,
+                        stdout=subprocess.PIPE if r == 0 else f,
+                    )
+                    for r in range(2)
+                ]
             runs[sig] = (*procs, log1)
         hooked, exited = {}, {}
         try:
@@ -379,9 +467,14 @@ class TestFormat(unittest.TestCase):
     def test_runs_round_trip(self):
         """(start, length) runs store any index compactly and decode to exactly the same positions."""
         full = torch.arange(48 * 20).view(48, 20)
-        cases = {"whole": full.reshape(-1), "rows": full[8:24].reshape(-1), "columns": full[:, 5:15].reshape(-1),
-                 "strided": full[::3, 2:4].reshape(-1), "shuffled": torch.randperm(960),
-                 "empty": torch.zeros(0, dtype=torch.int64)}
+        cases = {
+            "whole": full.reshape(-1),
+            "rows": full[8:24].reshape(-1),
+            "columns": full[:, 5:15].reshape(-1),
+            "strided": full[::3, 2:4].reshape(-1),
+            "shuffled": torch.randperm(960),
+            "empty": torch.zeros(0, dtype=torch.int64),
+        }
         for name, index in cases.items():
             runs = checkpoint._runs(index)
             self.assertTrue(torch.equal(checkpoint._positions(runs), index), name)
@@ -392,16 +485,26 @@ class TestFormat(unittest.TestCase):
         """An async save's snapshot copies into the saver's buffers, the same storage every save (no new host
         memory per checkpoint), with the values a fresh copy has, and later changes to the live state do not
         reach it. free_buffers waits for the write in flight, which reads them."""
-        from model import GPT, GPTConfig
         from checkpoint_entries import entries_for
+        from model import GPT, GPTConfig
+
         model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16))
         model.init_weights(seed=0)
         opt = torch.optim.AdamW(model.parameters())
         model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
         opt.step()
         saver = checkpoint.AsyncSaver(torch.device("cpu"))
-        take = lambda buffers: checkpoint.snapshot("unused", 1, entries_for(list(model.named_parameters()), opt),  # noqa: E731
-                                                   opt, {}, rank=1, world_size=1, keep=1, buffers=buffers)["shard"]
+        take = lambda buffers: checkpoint.snapshot(
+            "unused",
+            1,
+            entries_for(list(model.named_parameters()), opt),  # noqa: E731
+            opt,
+            {},
+            rank=1,
+            world_size=1,
+            keep=1,
+            buffers=buffers,
+        )["shard"]
         fresh, first = take(None), take(saver.free_buffers())
         ptrs = {k: v.data_ptr() for k, v in first.items() if k in saver.buffers.buffers}
         self.assertEqual(len(ptrs), 3 * len(list(model.parameters())))  # param, exp_avg, exp_avg_sq each
@@ -418,8 +521,15 @@ class TestFormat(unittest.TestCase):
         """A rank file holding anything but tensors is refused (torch.load weights_only=True)."""
         with tempfile.TemporaryDirectory() as d:
             with open(os.path.join(d, checkpoint.MANIFEST), "w") as f:
-                json.dump({"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "files": ["rank_00000.pt"],
-                           "tensors": {}}, f)
+                json.dump(
+                    {
+                        "format": checkpoint.FORMAT,
+                        "version": checkpoint.VERSION,
+                        "files": ["rank_00000.pt"],
+                        "tensors": {},
+                    },
+                    f,
+                )
             torch.save({"x": subprocess.Popen}, os.path.join(d, "rank_00000.pt"))
             with self.assertRaisesRegex(checkpoint.CheckpointError, "cannot read rank_00000.pt"):
                 checkpoint.consolidate(d)
@@ -429,11 +539,13 @@ def _fake_group(rank: int, world: int) -> None:
     """A process group of `world` ranks in which this process is `rank` and collectives do nothing."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
 def _no_group() -> bool:
     import torch.distributed as dist
+
     return not dist.is_initialized()  # under torchrun the job's own group is up: a fake one cannot join
 
 
@@ -446,11 +558,14 @@ class TestIndexMemory(unittest.TestCase):
         """Blocks given by per-dim positions (whole, a range, strided, with gaps) and a span of them: runs()
         equals the runs of the explicit index, and `_pieces` decodes them in chunks of any size."""
         from checkpoint_entries import Entry
+
         cases = []
         for shape in [(24, 10), (6, 5, 7)]:
             full = torch.arange(torch.Size(shape).numel()).view(shape)
-            choices = [[range(n), range(n // 3, n), torch.arange(0, n, 2),
-                        torch.tensor([i for i in range(n) if i % 3 != 1])] for n in shape]
+            choices = [
+                [range(n), range(n // 3, n), torch.arange(0, n, 2), torch.tensor([i for i in range(n) if i % 3 != 1])]
+                for n in shape
+            ]
             for axes in itertools.product(*choices):
                 block = full
                 for d, axis in enumerate(axes):
@@ -463,8 +578,10 @@ class TestIndexMemory(unittest.TestCase):
         for chunk in (1, 7, checkpoint._INDEX_CHUNK):
             with unittest.mock.patch.object(checkpoint, "_INDEX_CHUNK", chunk):
                 for what, runs, positions in cases:
-                    got = [torch.arange(w.start, w.stop) if isinstance(w, slice) else w
-                           for _, _, w in checkpoint._pieces(runs)]
+                    got = [
+                        torch.arange(w.start, w.stop) if isinstance(w, slice) else w
+                        for _, _, w in checkpoint._pieces(runs)
+                    ]
                     self.assertTrue(torch.equal(torch.cat(got) if got else positions, positions), f"{what} {chunk}")
 
     @unittest.skipUnless(_no_group(), "needs to start its own (fake) process group")
@@ -476,9 +593,15 @@ class TestIndexMemory(unittest.TestCase):
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        from checkpoint_entries import _axes, Entry
-        layouts = [(Shard(0), Shard(1)), (Shard(0), Shard(0)), (_StridedShard(0, split_factor=2), Shard(0)),
-                   (Replicate(), Shard(1)), (Shard(1), Replicate())]
+        from checkpoint_entries import Entry, _axes
+
+        layouts = [
+            (Shard(0), Shard(1)),
+            (Shard(0), Shard(0)),
+            (_StridedShard(0, split_factor=2), Shard(0)),
+            (Replicate(), Shard(1)),
+            (Shard(1), Replicate()),
+        ]
         for rank in range(4):
             _fake_group(rank, 4)
             try:
@@ -487,8 +610,10 @@ class TestIndexMemory(unittest.TestCase):
                     full = torch.arange(torch.Size(shape).numel()).view(shape)
                     local = distribute_tensor(full, mesh, placements, src_data_rank=None)
                     entry = Entry("x", shape, _axes(local), (0, local.to_local().numel()), {}, True)
-                    self.assertTrue(torch.equal(checkpoint._positions(entry.runs()), local.to_local().reshape(-1)),
-                                    f"rank {rank} {shape} {placements}")
+                    self.assertTrue(
+                        torch.equal(checkpoint._positions(entry.runs()), local.to_local().reshape(-1)),
+                        f"rank {rank} {shape} {placements}",
+                    )
             finally:
                 dist.destroy_process_group()
 
@@ -500,17 +625,19 @@ class TestIndexMemory(unittest.TestCase):
         index 400k; runs need a handful, and loading makes positions at most 2 * _INDEX_CHUNK at a time."""
         import torch.distributed as dist
 
+        from checkpoint_entries import entries_for, entries_for_fsdp
         from model import GPT, PRESETS
         from parallel.fsdp import FullyShardedDataParallel
-        from checkpoint_entries import entries_for, entries_for_fsdp
+
         config = PRESETS["tiny"]
         torch.manual_seed(0)
         source = GPT(config)
         adam = torch.optim.AdamW(source.parameters())
         extra = {"config": {"model": dataclasses.asdict(config), "train": {}}, "layout": {"world_size": 1}}
         with tempfile.TemporaryDirectory() as d, LargestTensor(_is_int64) as one_process:
-            path = checkpoint.save(d, 1, entries_for(list(source.named_parameters()), adam), adam, extra,
-                                   rank=0, world_size=1, keep=2)
+            path = checkpoint.save(
+                d, 1, entries_for(list(source.named_parameters()), adam), adam, extra, rank=0, world_size=1, keep=2
+            )
             self.assertLessEqual(one_process.numel, 16)  # one run per parameter
             _fake_group(3, 8)
             try:
@@ -520,15 +647,15 @@ class TestIndexMemory(unittest.TestCase):
                 held = max(e.numel for e in entries_for_fsdp(fsdp, optimizer, 0))
                 self.assertGreater(held, 300_000)
                 with unittest.mock.patch.object(checkpoint, "_INDEX_CHUNK", 1024), LargestTensor(_is_int64) as load:
-                    checkpoint.load(path, entries_for_fsdp(fsdp, optimizer, 0), optimizer, rank=3,
-                                    world_size=8)
+                    checkpoint.load(path, entries_for_fsdp(fsdp, optimizer, 0), optimizer, rank=3, world_size=8)
                 for name, piece in fsdp.sharded_state_dict().items():  # the right elements arrived
-                    want = source.get_parameter(name).detach().reshape(-1)[piece.offset:]
-                    self.assertTrue(torch.equal(piece.flat, want[:piece.flat.numel()]), name)
+                    want = source.get_parameter(name).detach().reshape(-1)[piece.offset :]
+                    self.assertTrue(torch.equal(piece.flat, want[: piece.flat.numel()]), name)
                 os.makedirs(checkpoint.step_dir(d, 2) + ".tmp-saving")  # rank 0's part of the save
                 with LargestTensor(_is_int64) as save:
-                    checkpoint.save(d, 2, entries_for_fsdp(fsdp, optimizer, 0), optimizer, {}, rank=3,
-                                    world_size=8, keep=2)
+                    checkpoint.save(
+                        d, 2, entries_for_fsdp(fsdp, optimizer, 0), optimizer, {}, rank=3, world_size=8, keep=2
+                    )
             finally:
                 dist.destroy_process_group()
         self.assertLessEqual(save.numel, 16, f"saving made an int64 tensor of {save.numel} elements")

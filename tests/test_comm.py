@@ -1,6 +1,8 @@
 """parallel/comm.py's all_to_all_single on 2 spawned gloo ranks: uneven splits land on the ranks and
-rows they were sent to (the data), it is counted as this rank's input bytes, and the flight recorder holds it with its unit and a
+rows they were sent to (the data), it is counted as this rank's input bytes, and the flight recorder holds it with its
+unit and a
 signature debug.hang's mismatch check accepts across ranks whose first dims differ."""
+
 from __future__ import annotations
 
 import unittest
@@ -28,8 +30,12 @@ def exchange(rank: int, world: int) -> dict:
     # what rank j sent here: its rows rows(j).split(SPLITS[j])[rank], in rank order
     ref = torch.cat([rows(j).split(SPLITS[j])[rank] for j in range(world)])
     ops = comm.RECORDER.read()["ops"]
-    return {"equal": torch.equal(out, ref), "bytes": comm.COUNTER.snapshot().get("all_to_all"),
-            "calls": comm.COUNTER.snapshot_calls().get("all_to_all"), "ops": ops}
+    return {
+        "equal": torch.equal(out, ref),
+        "bytes": comm.COUNTER.snapshot().get("all_to_all"),
+        "calls": comm.COUNTER.snapshot_calls().get("all_to_all"),
+        "ops": ops,
+    }
 
 
 class AllToAll(unittest.TestCase):

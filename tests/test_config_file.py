@@ -1,6 +1,7 @@
 """train.py --config FILE.toml (config_file.py): the file supplies the flags, the command line overrides it, every
 run writes its own OUT_DIR/config.toml, and `--config OUT_DIR/config.toml --out_dir NEW` replays the run bit for bit.
 A bad file is one line naming the key, exit 2. The shipped configs/ pass every check of their layout."""
+
 from __future__ import annotations
 
 import glob
@@ -30,20 +31,40 @@ class TestReadAndWrite(unittest.TestCase):
         self.addCleanup(self.tmp.cleanup)
 
     def test_file_then_command_line(self):
-        path = write(self.tmp.name, 'model = "tiny"\nlr = 1\nmax_steps = 7\nsequence_parallel = true\n'
-                                    'pp_layers_per_stage = "1,1"\n')
+        path = write(
+            self.tmp.name,
+            'model = "tiny"\nlr = 1\nmax_steps = 7\nsequence_parallel = true\npp_layers_per_stage = "1,1"\n',
+        )
         args = config.parse_args(["--config", path, "--max_steps", "9"])
-        self.assertEqual((args.model, args.lr, args.max_steps, args.sequence_parallel, args.pp_layers_per_stage),
-                         ("tiny", 1.0, 9, True, "1,1"))
+        self.assertEqual(
+            (args.model, args.lr, args.max_steps, args.sequence_parallel, args.pp_layers_per_stage),
+            ("tiny", 1.0, 9, True, "1,1"),
+        )
         self.assertIsInstance(args.lr, float)  # an integer for a float flag: the float the command line would give
         self.assertEqual(config.parse_args(["--conf", path]).max_steps, 7)  # argparse's abbreviation reads it too
 
     def test_what_a_run_writes_reads_back_to_the_same_flags(self):
         """dumps -> read gives every flag back, of its type (floats to the bit, strings with quotes and
         backslashes); flags without a value (None) are left out and so stay None."""
-        args = config.parse_args(["--model", "tiny", "--lr", "3e-3", "--weight_decay", "1e-05", "--timeout", "0.1",
-                                  "--dataset", 'a "quoted" \\ path/ü', "--gradient_clipping",
-                                  "--pp_layers_per_stage", "2,3", "--out_dir", "runs/x"])
+        args = config.parse_args(
+            [
+                "--model",
+                "tiny",
+                "--lr",
+                "3e-3",
+                "--weight_decay",
+                "1e-05",
+                "--timeout",
+                "0.1",
+                "--dataset",
+                'a "quoted" \\ path/ü',
+                "--gradient_clipping",
+                "--pp_layers_per_stage",
+                "2,3",
+                "--out_dir",
+                "runs/x",
+            ]
+        )
         parser = config.train_parser()
         text = config_file.dumps(args, parser)
         self.assertNotIn("n_layer", text)  # None: not written
@@ -55,26 +76,33 @@ class TestReadAndWrite(unittest.TestCase):
 
     def test_bad_files_are_one_line_naming_the_key(self):
         data = make_token_bins(os.path.join(self.tmp.name, "data"), n_train=2000, n_val=500)
-        cases = {"lr = 1e-3\nmicro_batch_siz = 4\n": "unknown key 'micro_batch_siz': not a train.py flag (did you "
-                                                     "mean 'micro_batch_size'?)",
-                 'max_steps = "10"\n': "key 'max_steps' must be an integer, got str \"10\"",
-                 "max_steps = 2.5\n": "key 'max_steps' must be an integer, got float 2.5",
-                 "max_steps = true\n": "key 'max_steps' must be an integer, got bool true",
-                 "gradient_clipping = 1\n": "key 'gradient_clipping' must be a boolean (true or false), got int 1",
-                 'lr = "fast"\n': "key 'lr' must be a number, got str \"fast\"",
-                 'implementation = "jax"\n': "key 'implementation' must be one of custom, pytorch, got 'jax'",
-                 "[model]\nn_layer = 2\n": "key 'model' must be a string, got dict",
-                 "config = \"other.toml\"\n": "unknown key 'config'",
-                 "resume = true\n": "unknown key 'resume'",
-                 "lr = \n": "not valid TOML"}
+        cases = {
+            "lr = 1e-3\nmicro_batch_siz = 4\n": "unknown key 'micro_batch_siz': not a train.py flag (did you "
+            "mean 'micro_batch_size'?)",
+            'max_steps = "10"\n': "key 'max_steps' must be an integer, got str \"10\"",
+            "max_steps = 2.5\n": "key 'max_steps' must be an integer, got float 2.5",
+            "max_steps = true\n": "key 'max_steps' must be an integer, got bool true",
+            "gradient_clipping = 1\n": "key 'gradient_clipping' must be a boolean (true or false), got int 1",
+            'lr = "fast"\n': "key 'lr' must be a number, got str \"fast\"",
+            'implementation = "jax"\n': "key 'implementation' must be one of custom, pytorch, got 'jax'",
+            "[model]\nn_layer = 2\n": "key 'model' must be a string, got dict",
+            'config = "other.toml"\n': "unknown key 'config'",
+            "resume = true\n": "unknown key 'resume'",
+            "lr = \n": "not valid TOML",
+        }
         for i, (text, needle) in enumerate(cases.items()):
             with self.subTest(text):
                 path = write(self.tmp.name, text, f"bad{i}.toml")
-                expect_train_error_in_process(self, ["--config", path, "--model", "tiny", "--dataset", data],
-                                              f"--config {path}: {needle}", os.path.join(self.tmp.name, f"out{i}"))
+                expect_train_error_in_process(
+                    self,
+                    ["--config", path, "--model", "tiny", "--dataset", data],
+                    f"--config {path}: {needle}",
+                    os.path.join(self.tmp.name, f"out{i}"),
+                )
         missing = os.path.join(self.tmp.name, "missing.toml")
-        expect_train_error_in_process(self, ["--config", missing], f"--config {missing}: no such file",
-                                      os.path.join(self.tmp.name, "out"))
+        expect_train_error_in_process(
+            self, ["--config", missing], f"--config {missing}: no such file", os.path.join(self.tmp.name, "out")
+        )
 
 
 class TestShippedConfigs(unittest.TestCase):
@@ -86,8 +114,12 @@ class TestShippedConfigs(unittest.TestCase):
         for path in paths:
             with self.subTest(path):
                 args = config.parse_args(["--config", path])
-                world = (args.data_parallel_size * args.tensor_parallel_size * args.pipeline_parallel_size
-                         * args.context_parallel_size)
+                world = (
+                    args.data_parallel_size
+                    * args.tensor_parallel_size
+                    * args.pipeline_parallel_size
+                    * args.context_parallel_size
+                )
                 dims, *_ = config.check_layout(args, world, torch.device("cpu"))
                 self.assertEqual(dims.world_size, world)
 
@@ -106,26 +138,55 @@ class TestShippedConfigs(unittest.TestCase):
         with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
             readme = f.read()
         self.assertEqual(args.dataset, "shakespeare_char")
-        for command in ("torchrun --standalone --nproc_per_node=2 train.py --config configs/quickstart.toml",
-                        f"python sample.py --out_dir {args.out_dir} "):
+        for command in (
+            "torchrun --standalone --nproc_per_node=2 train.py --config configs/quickstart.toml",
+            f"python sample.py --out_dir {args.out_dir} ",
+        ):
             self.assertTrue(command in readme, f"README.md's quick start lacks {command!r}")
         self.assertEqual(args.data_parallel_size, 2)
 
     def test_the_124m_recipe_is_build_nanogpts(self):
         args = config.parse_args(["--config", os.path.join(ROOT, "configs", "gpt2-124m.toml")])
-        self.assertEqual((args.model, args.dataset, args.total_batch_size, args.seq_len), ("gpt2", "fineweb", 524288,
-                                                                                         1024))
+        self.assertEqual(
+            (args.model, args.dataset, args.total_batch_size, args.seq_len), ("gpt2", "fineweb", 524288, 1024)
+        )
         self.assertEqual(args.total_batch_size * args.max_steps // 10**6, 9999)  # 10B tokens: sample-10BT once
-        self.assertEqual((args.lr, args.warmup_steps, args.weight_decay, args.gradient_clipping), (6e-4, 715, 0.1,
-                                                                                                   True))
+        self.assertEqual(
+            (args.lr, args.warmup_steps, args.weight_decay, args.gradient_clipping), (6e-4, 715, 0.1, True)
+        )
         self.assertEqual(args.micro_batch_size * args.seq_len * args.data_parallel_size, args.total_batch_size)
 
 
 STEPS = 6
-RUN = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "512",
-       "--max_steps", str(STEPS), "--eval_interval", "3", "--eval_iters", "2", "--warmup_steps", "2", "--lr", "3e-3",
-       "--gradient_clipping", "--peak_flops", "1e12", "--tensor_parallel_size", "2", "--sequence_parallel",
-       "--seed", "7", "--no_checkpoint"]
+RUN = [
+    "--model",
+    "tiny",
+    "--micro_batch_size",
+    "2",
+    "--seq_len",
+    "64",
+    "--total_batch_size",
+    "512",
+    "--max_steps",
+    str(STEPS),
+    "--eval_interval",
+    "3",
+    "--eval_iters",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--peak_flops",
+    "1e12",
+    "--tensor_parallel_size",
+    "2",
+    "--sequence_parallel",
+    "--seed",
+    "7",
+    "--no_checkpoint",
+]
 
 
 @pytest.mark.slow
@@ -139,8 +200,10 @@ class TestReplay(unittest.TestCase):
         d = cls.tmp.name
         data = make_token_bins(os.path.join(d, "data"))
         cls.first, cls.replay = os.path.join(d, "first"), os.path.join(d, "replay")
-        for args in ([*RUN, "--dataset", data, "--out_dir", cls.first],
-                     ["--config", os.path.join(cls.first, "config.toml"), "--out_dir", cls.replay]):
+        for args in (
+            [*RUN, "--dataset", data, "--out_dir", cls.first],
+            ["--config", os.path.join(cls.first, "config.toml"), "--out_dir", cls.replay],
+        ):
             run = forked(args, 2)
             assert run.returncode == 0, f"{run.codes}\n{run.stdout[-2000:]}\n" + "\n".join(run.stderr)
 
@@ -151,8 +214,10 @@ class TestReplay(unittest.TestCase):
     def test_the_replay_logs_the_same_bits(self):
         first, replay = steps_of(self.first), steps_of(self.replay)
         self.assertEqual(sorted(replay), list(range(1, STEPS + 1)))
-        self.assertEqual([(r["loss"], r["grad_norm"]) for r in replay.values()],
-                         [(r["loss"], r["grad_norm"]) for r in first.values()])
+        self.assertEqual(
+            [(r["loss"], r["grad_norm"]) for r in replay.values()],
+            [(r["loss"], r["grad_norm"]) for r in first.values()],
+        )
         self.assertEqual(evals_of(self.replay), evals_of(self.first))
         self.assertLess(first[STEPS]["loss"], first[1]["loss"] - 0.5)  # it trained: the bits compared are a run's
 
@@ -160,6 +225,7 @@ class TestReplay(unittest.TestCase):
         def lines(run: str) -> list[str]:
             with open(os.path.join(run, "config.toml")) as f:
                 return [ln for ln in f.read().splitlines() if not ln.startswith("out_dir = ")]
+
         self.assertEqual(lines(self.replay), lines(self.first))
         self.assertIn("tensor_parallel_size = 2", lines(self.first))
 

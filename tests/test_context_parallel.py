@@ -10,6 +10,7 @@ ring runs that kernel per block and merges blocks by their log-sum-exp, so it su
 fp32 results of the same math in different orders are each about one yardstick from the exact one: the ring
 may be ROUNDING_FACTOR (4, tests/rounding.py: a 2x margin) yardsticks from float64, at least EPS32, each
 relative to the reference tensor's largest value. bf16: see test_bf16_autocast_computes_in_fp32."""
+
 import functools
 import re
 import unittest
@@ -49,18 +50,22 @@ def recorded():
         def call(t, peer, group=None):
             events.append((kind, peer, tuple(t.shape), str(t.dtype)))
             return real(t, peer, group)
+
         return call
 
     def kernel(kind, real):
         def call(*args):
             events.append((kind,))
             return real(*args)
+
         return call
 
-    with mock.patch.object(comm, "send", post("send", comm.send)), \
-            mock.patch.object(comm, "recv", post("recv", comm.recv)), \
-            mock.patch.object(cp, "kernel_forward", kernel("fwd", cp.kernel_forward)), \
-            mock.patch.object(cp, "kernel_backward", kernel("bwd", cp.kernel_backward)):
+    with (
+        mock.patch.object(comm, "send", post("send", comm.send)),
+        mock.patch.object(comm, "recv", post("recv", comm.recv)),
+        mock.patch.object(cp, "kernel_forward", kernel("fwd", cp.kernel_forward)),
+        mock.patch.object(cp, "kernel_backward", kernel("bwd", cp.kernel_backward)),
+    ):
         yield events
 
 
@@ -80,9 +85,13 @@ def case(rank: int, world: int, T: int, zigzag: bool) -> dict:
     # position 0 attends only to itself, so its dq is 0 up to rounding)
     rel = lambda a, full, at: ((a.double() - full[:, :, at]).abs().max() / full.abs().max()).item()  # noqa: E731
     got = [out, *(t.grad for t in mine)]
-    return {"err": {key: rel(a, full, pos) for key, a, full in zip(KEYS, got, exact)},
-            "yardstick": {key: rel(a, full, slice(None)) for key, a, full in zip(KEYS, one, exact)},
-            "p2p": sent, "block_bytes": B * H * (T // world) * D * 4, "events": everyone(events, world)}
+    return {
+        "err": {key: rel(a, full, pos) for key, a, full in zip(KEYS, got, exact)},
+        "yardstick": {key: rel(a, full, slice(None)) for key, a, full in zip(KEYS, one, exact)},
+        "p2p": sent,
+        "block_bytes": B * H * (T // world) * D * 4,
+        "events": everyone(events, world),
+    }
 
 
 def everyone(x, world: int) -> list:
@@ -97,7 +106,7 @@ def everyone(x, world: int) -> list:
 def run_cases(rank: int, world: int) -> list:
     out = []
     for zigzag in (True, False):
-        for T in ((2 * world, 8 * world) if zigzag else (max(world, 2), 8 * world)):  # the first: 1-token chunks
+        for T in (2 * world, 8 * world) if zigzag else (max(world, 2), 8 * world):  # the first: 1-token chunks
             out.append(((T, zigzag), case(rank, world, T, zigzag)))
     return out
 
@@ -146,8 +155,10 @@ def drain(queues: list[list[tuple]]) -> bool:
 def ring_ops(rank: int, C: int, order, exchanges: int) -> list:
     """What a rank posts over `exchanges` ring exchanges, in `order`: per exchange two sends to r+1 and two
     receives from r-1 (k and v, or dK and dV)."""
-    half = {"send": [("send", (rank + 1) % C, i) for i in range(2)],
-            "recv": [("recv", (rank - 1) % C, i) for i in range(2)]}
+    half = {
+        "send": [("send", (rank + 1) % C, i) for i in range(2)],
+        "recv": [("recv", (rank - 1) % C, i) for i in range(2)],
+    }
     return [op for _ in range(exchanges) for kind in order(rank, C) for op in half[kind]]
 
 
@@ -170,11 +181,15 @@ def links_case(rank: int, world: int) -> dict:
         def call(tensor, peer, group=None):
             used.append((kind, peer, links.index(group) if group in links else None))
             return real(tensor, peer, group)
+
         return call
+
     for ring in ((), links):
         mine = [shard_sequence(t, rank, world, dim=2).clone().requires_grad_() for t in (q, k, v)]
-        with mock.patch.object(comm, "send", post("send", real_send)), \
-                mock.patch.object(comm, "recv", post("recv", real_recv)):
+        with (
+            mock.patch.object(comm, "send", post("send", real_send)),
+            mock.patch.object(comm, "recv", post("recv", real_recv)),
+        ):
             out = ring_attention(*mine, None, links=ring)
             out.backward(shard_sequence(dout, rank, world, dim=2))
         got.append([out.detach(), *(t.grad for t in mine)])
@@ -225,7 +240,7 @@ class TestRingAttention(unittest.TestCase):
                 with self.subTest(world=world, rank=rank):
                     self.assertEqual(r["dtype"], torch.bfloat16)
                     for key in KEYS:
-                        self.assertLess(r[key], 2 ** -8, key)
+                        self.assertLess(r[key], 2**-8, key)
 
     def test_exchange_order_never_waits_forever_with_blocking_p2p(self):
         """NCCL runs each rank's p2p operations on a group in posting order, across both its neighbours, a send
@@ -235,7 +250,7 @@ class TestRingAttention(unittest.TestCase):
         every rank, the naive order, hangs at every C > 1 (so this test can fail)."""
         naive = lambda r, c: ("recv", "send")  # noqa: E731
         for C in range(1, 9):
-            for exchanges in ((C - 1, 2 * C - 1, 3 * C - 2) if C > 1 else (0,)):  # forward, backward, both
+            for exchanges in (C - 1, 2 * C - 1, 3 * C - 2) if C > 1 else (0,):  # forward, backward, both
                 with self.subTest(C=C, exchanges=exchanges):
                     self.assertTrue(drain([ring_ops(r, C, exchange_order, exchanges) for r in range(C)]))
                     self.assertEqual(drain([ring_ops(r, C, naive, exchanges) for r in range(C)]), C == 1)
@@ -257,8 +272,9 @@ class TestRingAttention(unittest.TestCase):
                     else:
                         self.assertGreater(one, 4 * exchanges)
                     for order in (exchange_order, naive):
-                        self.assertEqual(drain_timed([ring_ops(r, C, order, exchanges) for r in range(C)],
-                                                     link_of(C)), 2 * exchanges)
+                        self.assertEqual(
+                            drain_timed([ring_ops(r, C, order, exchanges) for r in range(C)], link_of(C)), 2 * exchanges
+                        )
 
     def test_link_groups_carry_the_ring_on_three_ranks(self):
         """3 gloo ranks (an odd ring: 3 link groups): the ring over the cp group's link groups gives the ring's
@@ -274,8 +290,10 @@ class TestRingAttention(unittest.TestCase):
                 want = [(kind, peer, link_of(3)(r, (kind, peer))) for kind, peer, _ in res["links"]]
                 self.assertEqual(res["links"], want)
                 self.assertEqual(len({g for kind, _, g in res["links"] if kind == "send"}), 1)
-                self.assertNotEqual({g for kind, _, g in res["links"] if kind == "send"},
-                                    {g for kind, _, g in res["links"] if kind == "recv"})
+                self.assertNotEqual(
+                    {g for kind, _, g in res["links"] if kind == "send"},
+                    {g for kind, _, g in res["links"] if kind == "recv"},
+                )
 
     def test_posted_transfers_drain_and_overlap_the_compute(self):
         """What the 2- and 4-rank runs above posted, as recorded on every rank: fed to `drain` (NCCL's blocking
@@ -294,8 +312,9 @@ class TestRingAttention(unittest.TestCase):
                     C = world
                     for rank, ev in enumerate(events):
                         shape = "".join("E" if e[0] in ("send", "recv") else "F" if e[0] == "fwd" else "K" for e in ev)
-                        self.assertEqual(re.sub("E{4}", "E", shape), "EF" * (C - 1) + "F" + "EKE" * (C - 1) + "KE",
-                                         f"rank {rank}")
+                        self.assertEqual(
+                            re.sub("E{4}", "E", shape), "EF" * (C - 1) + "F" + "EKE" * (C - 1) + "KE", f"rank {rank}"
+                        )
 
     def test_layout_attends_every_causal_pair_once(self):
         """`_ring_layout`'s kernel calls, over all (query rank, key rank) blocks, cover each (query, key) pair that
@@ -338,15 +357,16 @@ class TestRingAttention(unittest.TestCase):
                 for src in range(C):
                     for c in cp._ring_layout(T, C, True)[r][src]:
                         with self.subTest(kernel=kernel, r=r, src=src, call=c):
-                            q, k, v, g = (torch.empty(B, T // C, H, D, dtype=dtype, device="meta").transpose(1, 2)
-                                          for _ in range(4))
+                            q, k, v, g = (
+                                torch.empty(B, T // C, H, D, dtype=dtype, device="meta").transpose(1, 2)
+                                for _ in range(4)
+                            )
                             q, g, k, v = q[:, :, c.q], g[:, :, c.q], k[:, :, c.k], v[:, :, c.k]
                             out, lse, state = cp.kernel_forward(kernel, q, k, v, c.causal)
                             self.assertEqual((out.shape, out.dtype), (q.shape, dtype))
                             self.assertEqual((lse.shape, lse.dtype), (q.shape[:3], torch.float32))
                             grads = cp.kernel_backward(kernel, g, q, k, v, out, lse, c.causal, state)
-                            self.assertEqual([(t.shape, t.dtype) for t in grads],
-                                             [(t.shape, dtype) for t in (q, k, v)])
+                            self.assertEqual([(t.shape, t.dtype) for t in grads], [(t.shape, dtype) for t in (q, k, v)])
 
     def test_positions(self):
         self.assertEqual(local_positions(8, 0, 2).tolist(), [0, 1, 6, 7])

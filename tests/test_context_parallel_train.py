@@ -7,6 +7,7 @@ Each run is a real `python train.py` / `torchrun train.py` on the stand-in corpu
 M = 2 micro-batches per step (1 under dp=2). Runs are made once and shared by name (`run`, through
 tests/harness.WholeRuns); the one-process reference is made in setUpClass.
 """
+
 import unittest
 
 import pytest
@@ -14,20 +15,50 @@ import torch
 
 import checkpoint
 from model import GPT, make_config
-from plan.theory import cp_p2p_bytes_per_micro_step
-from plan.theory import p2p_bytes_per_step
-from plan.theory import tp_comm_bytes_per_micro_step
+from plan.theory import cp_p2p_bytes_per_micro_step, p2p_bytes_per_step, tp_comm_bytes_per_micro_step
 from tests.harness import (
-    WholeRuns, assert_close, check_against, check_kill_and_resume, check_resume_from, checkpoint_params as state,
-    evals_of, expect_train_error_in_process, expect_train_error_on_ranks, rank0_only, steps_of)
+    WholeRuns,
+    assert_close,
+    check_against,
+    check_kill_and_resume,
+    check_resume_from,
+    evals_of,
+    expect_train_error_in_process,
+    expect_train_error_on_ranks,
+    rank0_only,
+    steps_of,
+)
+from tests.harness import (
+    checkpoint_params as state,
+)
 from tests.rounding import rounding_rtol_of
 
 STEPS = 10  # the issue's "first 10 losses"
 MB, T, C, N_LAYER = 2, 32, 64, 2  # micro-batch, seq_len, n_embd of `tiny`, Blocks
 M = 2  # micro-batches per step at dp=1
-BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", str(T),
-        "--total_batch_size", str(M * MB * T), "--eval_interval", "3", "--eval_iters", "2", "--warmup_steps", "2",
-        "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12"]  # fixed MFU denominator (see test_train)
+BASE = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    str(N_LAYER),
+    "--micro_batch_size",
+    str(MB),
+    "--seq_len",
+    str(T),
+    "--total_batch_size",
+    str(M * MB * T),
+    "--eval_interval",
+    "3",
+    "--eval_iters",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--peak_flops",
+    "1e12",
+]  # fixed MFU denominator (see test_train)
 CP2 = ["--context_parallel_size", "2"]
 DDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
 
@@ -107,8 +138,10 @@ class TestContextParallelAgreesWithOneProcess(unittest.TestCase):
         self.check(run("cp_ddp", [*CP2, *DDP2], 4), p2p=ring_bytes(2, dp=2))
 
     def test_cp_fsdp_2x2(self):
-        self.check(run("cp_fsdp", [*CP2, "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 4),
-                   p2p=ring_bytes(2, dp=2))
+        self.check(
+            run("cp_fsdp", [*CP2, "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 4),
+            p2p=ring_bytes(2, dp=2),
+        )
 
     def test_cp_hsdp_2x2(self):
         """HSDP under CP: 2 replicas of a shard group that is dp_shard (1) x cp (2), as torchtitan's dp_shard_cp.
@@ -116,8 +149,22 @@ class TestContextParallelAgreesWithOneProcess(unittest.TestCase):
         4Ψ/2 (fp32 parameters, gradients, AdamW's two moments; Ψ = 4 bytes x the parameter count), plus per
         unit (N_LAYER + 1 of them) at most one padding element in each of those 4 buffers and AdamW's 4-byte
         step counters (at most 2 flat parameters per unit): < 24 bytes a unit. (Measured: 12 bytes in all.)"""
-        got = self.check(run("cp_hsdp", [*CP2, "--data_parallel_size", "2", "--data_parallel_replicate_size", "2",
-                                         "--data_parallel_type", "fsdp"], 4), p2p=ring_bytes(2, dp=2))
+        got = self.check(
+            run(
+                "cp_hsdp",
+                [
+                    *CP2,
+                    "--data_parallel_size",
+                    "2",
+                    "--data_parallel_replicate_size",
+                    "2",
+                    "--data_parallel_type",
+                    "fsdp",
+                ],
+                4,
+            ),
+            p2p=ring_bytes(2, dp=2),
+        )
         with torch.device("meta"):
             psi = 4 * GPT(make_config("tiny", n_layer=N_LAYER)).num_params()
         extra = got[1]["state_bytes"] - 2 * psi
@@ -128,9 +175,11 @@ class TestContextParallelAgreesWithOneProcess(unittest.TestCase):
         """TP with sequence and loss parallelism inside each cp rank's share: SP splits the rank's T/C tokens
         (in their zigzag order) over tp, its all-gathers restore them before attention, and each rank's ring
         carries its n_head / tp heads, so A is n_embd / tp wide. TP's collectives are those of a T/C sequence."""
-        got = self.check(run("cp_tp", [*CP2, "--tensor_parallel_size", "2", "--sequence_parallel",
-                                       "--enable_loss_parallelism"], 4), rtol=rounding_rtol_of(RUNS, "single"),
-                         p2p=ring_bytes(2, tp=2))
+        got = self.check(
+            run("cp_tp", [*CP2, "--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"], 4),
+            rtol=rounding_rtol_of(RUNS, "single"),
+            p2p=ring_bytes(2, tp=2),
+        )
         tp = tp_comm_bytes_per_micro_step(make_config("tiny", n_layer=N_LAYER), MB, T // 2, 2, True, True)
         for kind in ("all_gather", "reduce_scatter"):
             self.assertEqual({got[s]["comm_bytes"][kind] for s in got}, {M * tp[kind]}, kind)
@@ -139,8 +188,9 @@ class TestContextParallelAgreesWithOneProcess(unittest.TestCase):
         """Rank 0 is pp rank 0: its ring runs through its stage's one Block, and it sends each micro-batch's
         activations on as (MB, T / C, n_embd), this rank's share of the rows."""
         pipeline = p2p_bytes_per_step(2, 1, 0, M, (MB, T // 2, C), element_size=4)
-        self.check(run("cp_pp", [*CP2, "--pipeline_parallel_size", "2"], 4),
-                   p2p=pipeline + ring_bytes(2, n_layer=N_LAYER // 2))
+        self.check(
+            run("cp_pp", [*CP2, "--pipeline_parallel_size", "2"], 4), p2p=pipeline + ring_bytes(2, n_layer=N_LAYER // 2)
+        )
 
 
 @pytest.mark.slow
@@ -160,8 +210,16 @@ class TestContextParallelCheckpoints(unittest.TestCase):
     def resume(self, name: str, flags: list[str], nproc: int) -> str:
         """A fresh out_dir holding only the CP=2 run's step-3 checkpoint, resumed to STEPS in this layout."""
         out = RUNS.path(name)
-        check_resume_from(self, self.cp, 3, RUNS.args("--max_steps", str(STEPS), *flags), nproc, out, STEPS,
-                          saved_by="saved by custom pp=1 cp=2 dp=1")
+        check_resume_from(
+            self,
+            self.cp,
+            3,
+            RUNS.args("--max_steps", str(STEPS), *flags),
+            nproc,
+            out,
+            STEPS,
+            saved_by="saved by custom pp=1 cp=2 dp=1",
+        )
         return out
 
     def check_resumed(self, out: str, what: str) -> None:
@@ -174,6 +232,7 @@ class TestContextParallelCheckpoints(unittest.TestCase):
         """No tensor is sharded over cp: the step-3 checkpoint lists the model's parameters at full shape, and
         its manifest records the saving layout's cp degree."""
         from model import GPT, make_config
+
         model = GPT(make_config("tiny", n_layer=N_LAYER))
         want = {n: p.shape for n, p in model.named_parameters() if n != "lm_head.weight"}
         got = state(checkpoint.step_dir(self.cp, 3))
@@ -191,11 +250,21 @@ class TestContextParallelCheckpoints(unittest.TestCase):
         --resume continues from step 3's checkpoint and recomputes step 4. Every step's loss and grad_norm, every
         val_loss and the final checkpoint's parameters equal the uninterrupted CP=2 run's bits
         (tests/harness.check_kill_and_resume)."""
-        check_kill_and_resume(self, RUNS.args("--max_steps", str(STEPS), *CP2), 2, RUNS.path("cp_killed"), self.cp,
-                              STEPS, kill_at=4, kill_rank=1, every=3)
+        check_kill_and_resume(
+            self,
+            RUNS.args("--max_steps", str(STEPS), *CP2),
+            2,
+            RUNS.path("cp_killed"),
+            self.cp,
+            STEPS,
+            kill_at=4,
+            kill_rank=1,
+            every=3,
+        )
 
 
 # ----------------------------------------------------------------------------- bad input
+
 
 def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str) -> None:
     """train.main in this process, as one rank (tests/harness.expect_train_error_in_process)."""
@@ -207,9 +276,13 @@ class TestBadContextFlagsOneRank(unittest.TestCase):
     checks need a world of C ranks to get past the layout check, so they are in TestBadContextFlags."""
 
     def test_cp_does_not_match_one_rank(self):
-        expect_error_in_process(self, CP2, "pipeline_parallel_size (1) x data_parallel_size (1) x "
-                                           "context_parallel_size (2) x tensor_parallel_size (1) = 2 must equal "
-                                           "the world size (1)")
+        expect_error_in_process(
+            self,
+            CP2,
+            "pipeline_parallel_size (1) x data_parallel_size (1) x "
+            "context_parallel_size (2) x tensor_parallel_size (1) = 2 must equal "
+            "the world size (1)",
+        )
 
     def test_cp_size_below_one(self):
         expect_error_in_process(self, ["--context_parallel_size", "0"], "--context_parallel_size must be >= 1, got 0")
@@ -230,13 +303,16 @@ class TestBadContextFlags(unittest.TestCase):
 
     def test_seq_len_not_divisible_by_2c(self):
         """seq_len 34 is divisible by C = 2 but not by 2C = 4: zigzag cuts each row into 2C chunks."""
-        self.expect_error([*CP2, "--seq_len", "34", "--total_batch_size", str(M * MB * 34)],
-                          "--context_parallel_size 2 needs --seq_len (34) divisible by 2 x 2")
+        self.expect_error(
+            [*CP2, "--seq_len", "34", "--total_batch_size", str(M * MB * 34)],
+            "--context_parallel_size 2 needs --seq_len (34) divisible by 2 x 2",
+        )
 
     def test_pytorch_implementation(self):
-        self.expect_error([*CP2, "--implementation", "pytorch"],
-                          "PyTorch's context_parallel rings only the flash, memory-efficient and cuDNN SDPA kernels")
-
+        self.expect_error(
+            [*CP2, "--implementation", "pytorch"],
+            "PyTorch's context_parallel rings only the flash, memory-efficient and cuDNN SDPA kernels",
+        )
 
 
 if __name__ == "__main__":

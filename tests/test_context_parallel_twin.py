@@ -7,30 +7,32 @@
 - **Why it is refused on CPU.** Inside it, CPU attention raises NotImplementedError: torch rings only the
   flash, memory-efficient and cuDNN kernels. If a torch release lifts that, this test fails and the refusal
   in config._check_context should go. The context also puts F.scaled_dot_product_attention back on exit.
-- **What it composes with.** config._check_context (fast, in process) refuses the twin off CUDA and with TP, PP, HSDP or --compile,
+- **What it composes with.** config._check_context (fast, in process) refuses the twin off CUDA and with TP, PP, HSDP
+or --compile,
   and lets it through on CUDA with data parallelism (checked on a `cuda` device object; no GPU needed).
   Dropout under CP is refused for ours and the twin alike, and SP with CP needs each cp rank's T/C tokens
   divisible by tp.
 
 The twin itself runs in scripts/gpu_check.py (stage "context parallel"), on a one-rank cp mesh.
 """
+
 import unittest
 
 import pytest
-
 import torch
 import torch.nn.functional as F
 
 from config import UsageError, _check_context, _check_layout, train_parser
 from model import GPTConfig
 from parallel.context_parallel import local_positions, shard_sequence
-from parallel.twins.context_parallel import torch_context_parallel
 from parallel.mesh import ParallelDims
+from parallel.twins.context_parallel import torch_context_parallel
 from tests.harness import run_distributed
 
 
 def shards(rank: int, world: int) -> list:
     from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     out = []
     for T in (2 * world, 8 * world):  # the first: chunks of one token
@@ -38,10 +40,13 @@ def shards(rank: int, world: int) -> list:
         y = x + 1000
         full_x, full_y = x.clone(), y.clone()
         with torch_context_parallel(mesh, x, y) as (lx, ly):
-            case = {"T": T, "x": torch.equal(lx, shard_sequence(full_x, rank, world)),
-                    "y": torch.equal(ly, shard_sequence(full_y, rank, world)),
-                    "positions": lx[0].tolist() == local_positions(T, rank, world).tolist(),
-                    "inputs_kept": torch.equal(x, full_x) and torch.equal(y, full_y)}
+            case = {
+                "T": T,
+                "x": torch.equal(lx, shard_sequence(full_x, rank, world)),
+                "y": torch.equal(ly, shard_sequence(full_y, rank, world)),
+                "positions": lx[0].tolist() == local_positions(T, rank, world).tolist(),
+                "inputs_kept": torch.equal(x, full_x) and torch.equal(y, full_y),
+            }
             q = torch.randn(2, 2, T // world, 4)
             try:
                 F.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -69,15 +74,21 @@ class TestTorchContextParallelTokens(unittest.TestCase):
                         self.assertIn("_scaled_dot_product_flash_attention_for_cpu", c["cpu_attention"])
 
 
-def check(flags: list[str], world: int, device: str, config: GPTConfig = GPTConfig()) -> None:
+def check(flags: list[str], world: int, device: str, config: GPTConfig | None = None) -> None:
     """config._check_context on the flags, after the layout check validate runs before it (config._check_layout),
     so a case refused there (dp > 1 without --data_parallel_type, ...) never counts as this check's refusal
     or as let through."""
     args = train_parser().parse_args(["--seq_len", "64", *flags])  # a later --seq_len wins
-    dims = ParallelDims(args.data_parallel_size, args.tensor_parallel_size, world, args.pipeline_parallel_size,
-                        args.data_parallel_replicate_size, args.context_parallel_size)
+    dims = ParallelDims(
+        args.data_parallel_size,
+        args.tensor_parallel_size,
+        world,
+        args.pipeline_parallel_size,
+        args.data_parallel_replicate_size,
+        args.context_parallel_size,
+    )
     _check_layout(args, dims, torch.float32)
-    _check_context(args, dims, config, torch.device(device))
+    _check_context(args, dims, config or GPTConfig(), torch.device(device))
 
 
 class TestContextLayoutChecks(unittest.TestCase):
@@ -86,23 +97,31 @@ class TestContextLayoutChecks(unittest.TestCase):
     TWIN = ["--implementation", "pytorch", "--context_parallel_size", "2"]
 
     def test_refused_off_cuda(self):
-        with self.assertRaisesRegex(UsageError, "needs CUDA: PyTorch's context_parallel rings only the flash, "
-                                                "memory-efficient and cuDNN SDPA kernels"):
+        with self.assertRaisesRegex(
+            UsageError,
+            "needs CUDA: PyTorch's context_parallel rings only the flash, memory-efficient and cuDNN SDPA kernels",
+        ):
             check(self.TWIN, 2, "cpu")
 
     def test_refused_with_tp_pp_compile_hsdp(self):
-        for flags, world in ((["--tensor_parallel_size", "2"], 4), (["--pipeline_parallel_size", "2"], 4),
-                             (["--compile"], 2), (["--data_parallel_size", "2", "--data_parallel_type", "fsdp",
-                                                   "--data_parallel_replicate_size", "2"], 4)):
+        for flags, world in (
+            (["--tensor_parallel_size", "2"], 4),
+            (["--pipeline_parallel_size", "2"], 4),
+            (["--compile"], 2),
+            (["--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--data_parallel_replicate_size", "2"], 4),
+        ):
             with self.subTest(flags=flags), self.assertRaisesRegex(UsageError, "composes with data parallelism only"):
                 check(self.TWIN + flags, world, "cuda")
 
     def test_sequence_parallel_needs_the_share_divisible_by_tp(self):
         """seq_len 36: divisible by 2C = 4, but each cp rank's 18 tokens do not split over tp = 4 (ours, SP)."""
         flags = ["--context_parallel_size", "2", "--tensor_parallel_size", "4", "--sequence_parallel"]
-        with self.assertRaisesRegex(UsageError, "--sequence_parallel with --context_parallel_size 2 needs each "
-                                                "rank's share of a sequence \\(--seq_len / C = 18\\) divisible by "
-                                                "--tensor_parallel_size \\(4\\)"):
+        with self.assertRaisesRegex(
+            UsageError,
+            "--sequence_parallel with --context_parallel_size 2 needs each "
+            "rank's share of a sequence \\(--seq_len / C = 18\\) divisible by "
+            "--tensor_parallel_size \\(4\\)",
+        ):
             check([*flags, "--seq_len", "36"], 8, "cpu")
         check(flags, 8, "cpu")  # seq_len 64: shares of 32 split over 4
 
@@ -114,8 +133,11 @@ class TestContextLayoutChecks(unittest.TestCase):
         check(["--implementation", "custom"], 1, "cpu", GPTConfig(dropout=0.1))  # no CP: dropout is fine
 
     def test_allowed_on_cuda_with_data_parallelism(self):
-        for flags, world in (([], 2), (["--data_parallel_size", "2", "--data_parallel_type", "ddp"], 4),
-                             (["--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 4)):
+        for flags, world in (
+            ([], 2),
+            (["--data_parallel_size", "2", "--data_parallel_type", "ddp"], 4),
+            (["--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 4),
+        ):
             with self.subTest(flags=flags):
                 check(self.TWIN + flags, world, "cuda")  # raises nothing
 

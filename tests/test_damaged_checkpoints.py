@@ -8,6 +8,7 @@ damages its newest checkpoint (or more) one way, and checks:
 - with every checkpoint damaged, `--resume` says so and starts fresh (its losses equal the original run's);
 - sample.py and export.py skip the damaged one the same way.
 """
+
 import json
 import os
 import shutil
@@ -22,9 +23,30 @@ import torch
 import checkpoint
 from tests.harness import ROOT, checkpoint_params, forked_ranks, make_token_bins, rank0_only, train_losses
 
-BASE = ["--model", "tiny", "--n_layer", "2", "--micro_batch_size", "2", "--seq_len", "32",
-        "--total_batch_size", "128", "--eval_interval", "10", "--eval_iters", "1", "--warmup_steps", "1",
-        "--checkpoint_interval", "1", "--keep_checkpoints", "10", "--peak_flops", "1e12"]
+BASE = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    "2",
+    "--micro_batch_size",
+    "2",
+    "--seq_len",
+    "32",
+    "--total_batch_size",
+    "128",
+    "--eval_interval",
+    "10",
+    "--eval_iters",
+    "1",
+    "--warmup_steps",
+    "1",
+    "--checkpoint_interval",
+    "1",
+    "--keep_checkpoints",
+    "10",
+    "--peak_flops",
+    "1e12",
+]
 STEPS = 4
 
 TMP = None
@@ -36,8 +58,9 @@ def setUpModule():
     TMP = tempfile.TemporaryDirectory()
     make_token_bins(os.path.join(TMP.name, "data"))
     ORIGINAL = os.path.join(TMP.name, "original")
-    proc = forked_ranks(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
-                                "--out_dir", ORIGINAL])[0]
+    proc = forked_ranks(
+        BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"), "--out_dir", ORIGINAL]
+    )[0]
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -57,16 +80,20 @@ def exported_params(path: str, source: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     from model import GPT
+
     config, sd = checkpoint.load_model(source).config, load_file(path)
     back = GPT.from_hf_state_dict(sd, vocab_size=config.vocab_size, n_head=config.n_head)
     rows = sd["transformer.wte.weight"].shape[0]  # GPT-2's 50257: export drops the padding rows
-    return {name: p.detach()[:rows] if name == "transformer.wte.weight" else p.detach()
-            for name, p in back.named_parameters() if name != "lm_head.weight"}
+    return {
+        name: p.detach()[:rows] if name == "transformer.wte.weight" else p.detach()
+        for name, p in back.named_parameters()
+        if name != "lm_head.weight"
+    }
 
 
 def same(p: torch.Tensor, full: torch.Tensor) -> bool:
     """p equals the leading p.numel() elements of `full` (a checkpoint's parameter; wte's unpadded rows)."""
-    return torch.equal(p, full.reshape(-1)[:p.numel()].view(p.shape))
+    return torch.equal(p, full.reshape(-1)[: p.numel()].view(p.shape))
 
 
 def ckpt(out: str, step: int) -> str:
@@ -83,8 +110,10 @@ DAMAGES = {  # name: (how, the words verify's message must contain)
     "truncated": (lambda d: os.truncate(os.path.join(d, "rank_00000.pt"), 1000), "is truncated"),
     "missing": (lambda d: os.remove(os.path.join(d, "rank_00000.pt")), "is missing"),
     "flipped_byte": (lambda d: flip_byte(os.path.join(d, "rank_00000.pt")), "CRC-32"),
-    "garbled_manifest": (lambda d: open(os.path.join(d, checkpoint.MANIFEST), "w").write("{not json"),
-                         "cannot read manifest.json"),
+    "garbled_manifest": (
+        lambda d: open(os.path.join(d, checkpoint.MANIFEST), "w").write("{not json"),
+        "cannot read manifest.json",
+    ),
 }
 
 
@@ -94,8 +123,9 @@ class TestDamagedCheckpoints(unittest.TestCase):
     def test_manifest_records_size_and_crc(self):
         path = ckpt(ORIGINAL, STEPS)
         manifest = checkpoint.read_manifest(path)
-        self.assertEqual(manifest["file_checks"], {"rank_00000.pt": checkpoint.file_check(
-            os.path.join(path, "rank_00000.pt"))})
+        self.assertEqual(
+            manifest["file_checks"], {"rank_00000.pt": checkpoint.file_check(os.path.join(path, "rank_00000.pt"))}
+        )
         self.assertEqual(checkpoint.verify(path)["step"], STEPS)
 
     def test_verify_names_each_damage(self):
@@ -118,8 +148,18 @@ class TestDamagedCheckpoints(unittest.TestCase):
             with self.subTest(name):
                 out = copy_run(f"resume_{name}")
                 damage(ckpt(out, STEPS))
-                proc = forked_ranks(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
-                                            "--out_dir", out, "--resume"])[0]
+                proc = forked_ranks(
+                    BASE
+                    + [
+                        "--max_steps",
+                        str(STEPS),
+                        "--dataset",
+                        os.path.join(TMP.name, "data"),
+                        "--out_dir",
+                        out,
+                        "--resume",
+                    ]
+                )[0]
                 self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
                 skipped = [ln for ln in proc.stdout.splitlines() if "skipping damaged checkpoint" in ln]
                 self.assertEqual(len(skipped), 1, proc.stdout)
@@ -132,8 +172,10 @@ class TestDamagedCheckpoints(unittest.TestCase):
         out = copy_run("all_damaged")
         for step in range(1, STEPS + 1):
             flip_byte(os.path.join(ckpt(out, step), "rank_00000.pt"))
-        proc = forked_ranks(BASE + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"),
-                                    "--out_dir", out, "--resume"])[0]
+        proc = forked_ranks(
+            BASE
+            + ["--max_steps", str(STEPS), "--dataset", os.path.join(TMP.name, "data"), "--out_dir", out, "--resume"]
+        )[0]
         self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
         self.assertEqual(sum("skipping damaged checkpoint" in ln for ln in proc.stdout.splitlines()), STEPS)
         self.assertIn("no intact checkpoint", proc.stdout)
@@ -142,11 +184,18 @@ class TestDamagedCheckpoints(unittest.TestCase):
     def test_sample_and_export_skip_a_damaged_checkpoint(self):
         out = copy_run("sample_export")
         flip_byte(os.path.join(ckpt(out, STEPS), "rank_00000.pt"))
-        for script, extra in (("sample.py", ["--max_new_tokens", "4", "--num_samples", "1", "--device", "cpu"]),
-                              ("export.py", [])):
+        for script, extra in (
+            ("sample.py", ["--max_new_tokens", "4", "--num_samples", "1", "--device", "cpu"]),
+            ("export.py", []),
+        ):
             with self.subTest(script):
-                proc = subprocess.run([sys.executable, os.path.join(ROOT, script), "--out_dir", out, *extra],
-                                      cwd=ROOT, capture_output=True, text=True, timeout=300)
+                proc = subprocess.run(
+                    [sys.executable, os.path.join(ROOT, script), "--out_dir", out, *extra],
+                    cwd=ROOT,
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
                 self.assertEqual(proc.returncode, 0, proc.stderr[-3000:])
                 lines = [ln for ln in proc.stderr.splitlines() if "skipping damaged checkpoint" in ln]
                 self.assertEqual(len(lines), 1, proc.stderr)
@@ -167,9 +216,13 @@ class TestDamagedCheckpoints(unittest.TestCase):
         """export.py --checkpoint DIR names a checkpoint: a damaged one is refused (exit 2), not replaced."""
         out = copy_run("named")
         flip_byte(os.path.join(ckpt(out, STEPS), "rank_00000.pt"))
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), "--out_dir", out,
-                               "--checkpoint", ckpt(out, STEPS)], cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)
+        proc = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "export.py"), "--out_dir", out, "--checkpoint", ckpt(out, STEPS)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         self.assertEqual(proc.returncode, 2)
         self.assertEqual(len(proc.stderr.strip().splitlines()), 1, proc.stderr)
         self.assertIn("CRC-32", proc.stderr)

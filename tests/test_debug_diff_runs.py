@@ -7,6 +7,7 @@ perturbed (every other record must agree, so it is TP + SP's clean check too); D
 micro-batch's gradients dropped from one bucket on one rank; PP x2 whose last stage draws its copy of the tied
 embedding under the wrong name.
 """
+
 from __future__ import annotations
 
 import io
@@ -22,9 +23,32 @@ from model import GPT, PRESETS
 from parallel.ddp import build_buckets
 from tests.harness import forked, rank0_only, shared_data
 
-BASE = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "512",
-        "--max_steps", "1", "--trace_step", "1", "--eval_iters", "1", "--warmup_steps", "1", "--lr", "3e-3",
-        "--gradient_clipping", "--no_checkpoint", "--peak_flops", "1e12", "--implementation", "custom"]
+BASE = [
+    "--model",
+    "tiny",
+    "--micro_batch_size",
+    "2",
+    "--seq_len",
+    "64",
+    "--total_batch_size",
+    "512",
+    "--max_steps",
+    "1",
+    "--trace_step",
+    "1",
+    "--eval_iters",
+    "1",
+    "--warmup_steps",
+    "1",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--no_checkpoint",
+    "--peak_flops",
+    "1e12",
+    "--implementation",
+    "custom",
+]
 TP_SP = ["--tensor_parallel_size", "2", "--sequence_parallel"]
 BUCKET_MB, DROPPED = 0.25, 1  # DDP: buckets of at most 0.25 MiB; the fault drops bucket 1 (Block 0's parameters,
 # but for mlp.c_proj.bias, which closes bucket 0)

@@ -4,6 +4,7 @@ tables name exists, and relative links resolve.
 A flag counts as documented when a docs/training.md table row's first cell starts with `--flag` (in backticks,
 e.g. "`--profile N`") or names it as `--flag` in backticks (e.g. "`--lr`, `--warmup_steps`").
 """
+
 from __future__ import annotations
 
 import glob
@@ -23,8 +24,7 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")  # [text](targ
 
 def help_flags() -> set[str]:
     """Every long option `python train.py --help` lists, less --help itself."""
-    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"python train.py --help exited {out.returncode}:\n{out.stderr}"
     flags = set()
     for line in out.stdout.splitlines():
@@ -86,8 +86,12 @@ class TestFlagTables(unittest.TestCase):
     def test_every_train_flag_has_a_row(self):
         cells = cells_of(FLAG_PAGE)
         missing = sorted(f for f in self.flags if not any(documents(c, f) for c in cells))
-        self.assertEqual(missing, [], "flags in `python train.py --help` with no row in docs/training.md "
-                                      "(add a row like | `--flag` | description |)")
+        self.assertEqual(
+            missing,
+            [],
+            "flags in `python train.py --help` with no row in docs/training.md "
+            "(add a row like | `--flag` | description |)",
+        )
 
     def test_every_train_flag_is_in_the_readme_table(self):
         """The README's table names every flag (a group's row lists them in backticks)."""
@@ -100,11 +104,13 @@ class TestFlagTables(unittest.TestCase):
         for page in (README, FLAG_PAGE):
             with open(page, encoding="utf-8") as f:
                 rows = [line for line in f.read().splitlines() if line.startswith("|")]
-            named = set().union(*(flags_named(c) for c in cells_of(page))) | \
-                {n for r in rows for n in re.findall(r"`(" + FLAG + r")`", r)}
+            named = set().union(*(flags_named(c) for c in cells_of(page))) | {
+                n for r in rows for n in re.findall(r"`(" + FLAG + r")`", r)
+            }
             stale = sorted(named - self.flags)
-            self.assertEqual(stale, [], f"{os.path.basename(page)} table rows name flags that `python train.py "
-                                        "--help` does not list")
+            self.assertEqual(
+                stale, [], f"{os.path.basename(page)} table rows name flags that `python train.py --help` does not list"
+            )
 
 
 class TestLinks(unittest.TestCase):

@@ -15,6 +15,7 @@ expert equal one process's exactly. Later a token whose k-th and (k+1)-th scores
 `expert_near_ties`) may route otherwise; each such token moves one count from one expert to another, so
 sum_e |count_e - one process's| <= 2 x the near ties of both runs, per layer and step.
 """
+
 import os
 import unittest
 
@@ -23,45 +24,166 @@ import torch
 
 from model import GPT, decays, make_config
 from plan.theory import ep_all_to_all_bytes_per_micro_step, fsdp_unit_state_bytes, zero_comm_bytes_per_step
-from tests.harness import (WholeRuns, check_against, check_resume_from, checkpoint_params, expect_train_error_in_process,
-                           expect_train_error_on_ranks, rank0_only, read_jsonl, steps_of)
+from tests.harness import (
+    WholeRuns,
+    check_against,
+    check_resume_from,
+    checkpoint_params,
+    expect_train_error_in_process,
+    expect_train_error_on_ranks,
+    rank0_only,
+    read_jsonl,
+    steps_of,
+)
 
 STEPS, MB, T, C, E, K = 6, 2, 32, 64, 4, 2
 M = 4  # micro-batches per step, over all dp ranks
-MOE = ["--moe_num_experts", str(E), "--moe_top_k", str(K), "--moe_aux_loss_coeff", "0.01",
-       "--moe_bias_update_rate", "1e-3"]
-BASE = ["--model", "tiny", "--n_layer", "2", "--micro_batch_size", str(MB), "--seq_len", str(T),
-        "--total_batch_size", str(M * MB * T), "--eval_interval", "3", "--eval_iters", "2", "--warmup_steps", "2",
-        "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12", *MOE]
-LAYOUTS = {"ep2": (["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2"], 2),
-           "ep2_dp4": (["--data_parallel_size", "4", "--data_parallel_type", "ddp", "--expert_parallel_size", "2"], 4),
-           "ep4": (["--data_parallel_size", "4", "--data_parallel_type", "ddp", "--expert_parallel_size", "4"], 4),
-           "ep2_cp2": (["--context_parallel_size", "2", "--expert_parallel_size", "2"], 2),
-           "ep2_ac": (["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2",
-                       "--activation_checkpointing", "full"], 2),
-           "ep2_fsdp_ac": (["--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--expert_parallel_size", "2",
-                            "--activation_checkpointing", "selective"], 2),
-           "ep2_deferred": (["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2",
-                             "--deferred_init"], 2),
-           "tp2": (["--tensor_parallel_size", "2"], 2),
-           "tp2_sp_ep2": (["--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism",
-                           "--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2"],
-                          4)}
+MOE = [
+    "--moe_num_experts",
+    str(E),
+    "--moe_top_k",
+    str(K),
+    "--moe_aux_loss_coeff",
+    "0.01",
+    "--moe_bias_update_rate",
+    "1e-3",
+]
+BASE = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    "2",
+    "--micro_batch_size",
+    str(MB),
+    "--seq_len",
+    str(T),
+    "--total_batch_size",
+    str(M * MB * T),
+    "--eval_interval",
+    "3",
+    "--eval_iters",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--peak_flops",
+    "1e12",
+    *MOE,
+]
+LAYOUTS = {
+    "ep2": (["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2"], 2),
+    "ep2_dp4": (["--data_parallel_size", "4", "--data_parallel_type", "ddp", "--expert_parallel_size", "2"], 4),
+    "ep4": (["--data_parallel_size", "4", "--data_parallel_type", "ddp", "--expert_parallel_size", "4"], 4),
+    "ep2_cp2": (["--context_parallel_size", "2", "--expert_parallel_size", "2"], 2),
+    "ep2_ac": (
+        [
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "ddp",
+            "--expert_parallel_size",
+            "2",
+            "--activation_checkpointing",
+            "full",
+        ],
+        2,
+    ),
+    "ep2_fsdp_ac": (
+        [
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "fsdp",
+            "--expert_parallel_size",
+            "2",
+            "--activation_checkpointing",
+            "selective",
+        ],
+        2,
+    ),
+    "ep2_deferred": (
+        ["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2", "--deferred_init"],
+        2,
+    ),
+    "tp2": (["--tensor_parallel_size", "2"], 2),
+    "tp2_sp_ep2": (
+        [
+            "--tensor_parallel_size",
+            "2",
+            "--sequence_parallel",
+            "--enable_loss_parallelism",
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "ddp",
+            "--expert_parallel_size",
+            "2",
+        ],
+        4,
+    ),
+}
 TP_RTOL = 1e-4  # the README's tensor-parallel tolerance (the issue's "1e-4 with TP")
 FOUR = ["--n_layer", "4"]  # the pipeline rows: 4 MoE Blocks, against one process of 4
-PIPELINES = {"pp2_interleaved": (["--pipeline_parallel_size", "2", "--pp_schedule", "interleaved_1f1b",
-                                  "--pp_virtual_stages", "2"], 2),
-             "pp2_ep2": (["--pipeline_parallel_size", "2", "--data_parallel_size", "2", "--data_parallel_type", "ddp",
-                          "--expert_parallel_size", "2"], 4),
-             "pp2_zbv_ep2": (["--pipeline_parallel_size", "2", "--pp_schedule", "zbv", "--pp_virtual_stages", "2",
-                              "--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2"], 4)}
+PIPELINES = {
+    "pp2_interleaved": (
+        ["--pipeline_parallel_size", "2", "--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"],
+        2,
+    ),
+    "pp2_ep2": (
+        [
+            "--pipeline_parallel_size",
+            "2",
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "ddp",
+            "--expert_parallel_size",
+            "2",
+        ],
+        4,
+    ),
+    "pp2_zbv_ep2": (
+        [
+            "--pipeline_parallel_size",
+            "2",
+            "--pp_schedule",
+            "zbv",
+            "--pp_virtual_stages",
+            "2",
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "ddp",
+            "--expert_parallel_size",
+            "2",
+        ],
+        4,
+    ),
+}
 # over the sharding engine: (flags, ranks); SHARDED[name] = (ZeRO stage, dp, HSDP replicas)
-SHARDED = {"ep2_fsdp": (3, 2, 1), "ep2_zero1": (1, 2, 1), "ep2_zero2": (2, 2, 1), "ep2_dp4_fsdp": (3, 4, 1),
-           "ep2_hsdp_zero1": (1, 4, 2)}
+SHARDED = {
+    "ep2_fsdp": (3, 2, 1),
+    "ep2_zero1": (1, 2, 1),
+    "ep2_zero2": (2, 2, 1),
+    "ep2_dp4_fsdp": (3, 4, 1),
+    "ep2_hsdp_zero1": (1, 4, 2),
+}
 for _name, (_stage, _dp, _rep) in SHARDED.items():
-    LAYOUTS[_name] = (["--data_parallel_size", str(_dp), "--data_parallel_replicate_size", str(_rep),
-                       "--data_parallel_type", {1: "zero1", 2: "zero2", 3: "fsdp"}[_stage],
-                       "--expert_parallel_size", "2"], _dp)
+    LAYOUTS[_name] = (
+        [
+            "--data_parallel_size",
+            str(_dp),
+            "--data_parallel_replicate_size",
+            str(_rep),
+            "--data_parallel_type",
+            {1: "zero1", 2: "zero2", 3: "fsdp"}[_stage],
+            "--expert_parallel_size",
+            "2",
+        ],
+        _dp,
+    )
 LAYOUTS["ep2_dp4_fsdp"][0].append("--deferred_init")  # built on meta: EP draws its experts, FSDP the rest
 
 RUNS = WholeRuns(BASE)
@@ -70,13 +192,15 @@ setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
 
 def run(name: str, flags: list[str], nproc: int) -> str:
     """Train once per name; checkpoints at steps 3 and 6 (kept)."""
-    return RUNS.run(name, ["--max_steps", str(STEPS), "--checkpoint_interval", "3", "--keep_checkpoints", "2",
-                           *flags], nproc)
+    return RUNS.run(
+        name, ["--max_steps", str(STEPS), "--checkpoint_interval", "3", "--keep_checkpoints", "2", *flags], nproc
+    )
 
 
 def final_bias(out: str) -> dict[str, torch.Tensor]:
     """Each MoE layer's expert bias in the run's last checkpoint."""
     import checkpoint
+
     params = checkpoint_params(checkpoint.newest(out))
     return {n: t for n, t in params.items() if n.endswith("expert_bias")}
 
@@ -84,7 +208,6 @@ def final_bias(out: str) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
-
     @classmethod
     def setUpClass(cls):
         cls.single = run("single", [], 1)
@@ -103,13 +226,18 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
         equal within float64 rounding of the one product."""
         import checkpoint
         from metrics import active_params, flops_per_token
+
         config = checkpoint.model_config(checkpoint.read_manifest(checkpoint.newest(self.single)))
         self.assertEqual((config.moe_num_experts, config.moe_top_k), (E, K))
         per_token = flops_per_token(config, active_params(config, non_embedding=True), T)
         for out, world in ((self.single, 1), (run("ep2", *LAYOUTS["ep2"]), 2)):
             for s, r in steps_of(out).items():
-                self.assertAlmostEqual(r["mfu"], per_token * r["tokens_per_sec"] / (1e12 * world),
-                                       delta=1e-12 * r["mfu"], msg=f"world {world} step {s}")
+                self.assertAlmostEqual(
+                    r["mfu"],
+                    per_token * r["tokens_per_sec"] / (1e12 * world),
+                    delta=1e-12 * r["mfu"],
+                    msg=f"world {world} step {s}",
+                )
 
     def check_layout(self, name: str, four: bool = False) -> None:
         flags, nproc = (PIPELINES if four else LAYOUTS)[name]
@@ -219,6 +347,7 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
         import io
 
         from debug import diff
+
         a = run("traced_single", ["--trace_step", "2"], 1)
         b = run("traced_ep2", ["--trace_step", "2", *LAYOUTS["ep2"][0]], 2)
         out = io.StringIO()
@@ -253,8 +382,9 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
         N = MB * T
         for s, r in got.items():
             received = sum(c[0] + c[1] for c in r["expert_tokens"].values())
-            want = (M // 2) * ep_all_to_all_bytes_per_micro_step(N, K, C, E, 2, dtype_bytes=2, received=0) + \
-                2 * received * C * 2
+            want = (M // 2) * ep_all_to_all_bytes_per_micro_step(
+                N, K, C, E, 2, dtype_bytes=2, received=0
+            ) + 2 * received * C * 2
             self.assertEqual(r["comm_bytes"]["all_to_all"], want, f"step {s}")
             self.assertEqual(want - predicted, 2 * C * 2 * (received - (M // 2) * 2 * N * K), f"step {s}")
 
@@ -324,8 +454,14 @@ class TestShardedBytes(unittest.TestCase):
         block = 2 * 2 * C + 4 * (C * C + C) + E * C  # ln_1, ln_2, q k v proj, the router
         self.assertEqual((dense, experts), (root + 2 * block, 2 * E * (2 * C * 4 * C + 4 * C + C)))
         got = self.records("ep2_fsdp")[1]["state_bytes_by_kind"]
-        self.assertEqual(got, {"params": 4 * (dense // 2 + experts // 2), "grads": 4 * (dense // 2 + experts // 2),
-                               "optimizer": 8 * (dense // 2 + experts // 2) + 4 * (1 + 2 + 2 * 2)})
+        self.assertEqual(
+            got,
+            {
+                "params": 4 * (dense // 2 + experts // 2),
+                "grads": 4 * (dense // 2 + experts // 2),
+                "optimizer": 8 * (dense // 2 + experts // 2) + 4 * (1 + 2 + 2 * 2),
+            },
+        )
         ddp = steps_of(run("ep2", *LAYOUTS["ep2"]))[1]["state_bytes_by_kind"]
         self.assertEqual(ddp["params"] - got["params"], 4 * dense // 2)
         got4 = self.records("ep2_dp4_fsdp")[1]["state_bytes_by_kind"]
@@ -355,8 +491,15 @@ class TestCheckpointsAcrossLayouts(unittest.TestCase):
 
     def resumed(self, source: str, flags: list[str], nproc: int, name: str) -> None:
         out = RUNS.path(name)
-        check_resume_from(self, RUNS[source], 3, [*RUNS.base, "--dataset", RUNS.data, "--max_steps", str(STEPS),
-                                                  *flags], nproc, out, STEPS)
+        check_resume_from(
+            self,
+            RUNS[source],
+            3,
+            [*RUNS.base, "--dataset", RUNS.data, "--max_steps", str(STEPS), *flags],
+            nproc,
+            out,
+            STEPS,
+        )
         got, ref = steps_of(out), steps_of(RUNS[source])
         for s in range(4, STEPS + 1):
             for key in ("loss", "grad_norm"):
@@ -391,27 +534,48 @@ class TestRefusals(unittest.TestCase):
 
     def test_one_rank(self):
         import tempfile
+
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "out")
-            for flags, needle in ((["--moe_num_experts", "2", "--moe_top_k", "3"], "--moe_top_k 3 > --moe_num_experts 2"),
-                                  (["--moe_num_experts", "4", "--init_from", "gpt2"], "OpenAI's GPT-2 has no experts"),
-                                  (["--expert_parallel_size", "2"], "must divide data_parallel_size"),
-                                  (["--moe_num_experts", "-1"], "--moe_num_experts must be >= 0"),
-                                  (["--moe_num_experts", "4", "--n_layer", "2", "--moe_every", "5",  # a dense model
-                                    "--max_steps", "1"], "--moe_every 5 with 2 Blocks gives no Block experts")):
+            for flags, needle in (
+                (["--moe_num_experts", "2", "--moe_top_k", "3"], "--moe_top_k 3 > --moe_num_experts 2"),
+                (["--moe_num_experts", "4", "--init_from", "gpt2"], "OpenAI's GPT-2 has no experts"),
+                (["--expert_parallel_size", "2"], "must divide data_parallel_size"),
+                (["--moe_num_experts", "-1"], "--moe_num_experts must be >= 0"),
+                (
+                    [
+                        "--moe_num_experts",
+                        "4",
+                        "--n_layer",
+                        "2",
+                        "--moe_every",
+                        "5",  # a dense model
+                        "--max_steps",
+                        "1",
+                    ],
+                    "--moe_every 5 with 2 Blocks gives no Block experts",
+                ),
+            ):
                 with self.subTest(flags=flags):
                     expect_train_error_in_process(self, ["--model", "tiny", *flags], needle, out)
 
     @pytest.mark.slow
     def test_on_ranks(self):
         import tempfile
+
         dp2 = ["--model", "tiny", "--data_parallel_size", "2", "--data_parallel_type", "ddp"]
         with tempfile.TemporaryDirectory() as tmp:
             for flags, needle in (
-                    (["--moe_num_experts", "3", "--expert_parallel_size", "2"], "not divisible by --expert_parallel_size 2"),
-                    (["--moe_num_experts", "4", "--expert_parallel_size", "2", "--implementation", "pytorch"],
-                     "no expert-parallel wrapper"),
-                    (["--expert_parallel_size", "2"], "needs an MoE model")):
+                (
+                    ["--moe_num_experts", "3", "--expert_parallel_size", "2"],
+                    "not divisible by --expert_parallel_size 2",
+                ),
+                (
+                    ["--moe_num_experts", "4", "--expert_parallel_size", "2", "--implementation", "pytorch"],
+                    "no expert-parallel wrapper",
+                ),
+                (["--expert_parallel_size", "2"], "needs an MoE model"),
+            ):
                 with self.subTest(flags=flags):
                     expect_train_error_on_ranks(self, [*dp2, *flags], needle, 2, os.path.join(tmp, "out"))
 

@@ -10,6 +10,7 @@ The batch source: a split is one stream however it is sharded, so shards (any si
 give the batches of one file bit for bit, windows across shard boundaries included; whole runs on shards prepare
 wrote match the same tokens as one train.bin bit for bit, and DDP x 2 and TP x 2 match one process.
 """
+
 from __future__ import annotations
 
 import io
@@ -33,12 +34,15 @@ import data.fineweb.prepare as prepare
 from data.batches import BatchSource, DataError, micro_batch_chunk
 from tests.harness import ROOT, assert_close, evals_of, expect_train_error_in_process, forked, rank0_only, steps_of
 
-WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
-         "they you were her she there one all we their café naïve 日本").split()
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an "
+    "they you were her she there one all we their café naïve 日本"
+).split()
 
 
 class ByteEncoding:
     """A stand-in tokenizer: a document's UTF-8 bytes (0-255), <|endoftext|> = 256."""
+
     name = "utf8-bytes"
     eot_token = 256
 
@@ -59,6 +63,7 @@ def write_jsonl(path: Path, docs: list[str]) -> Path:
 def write_parquet(path: Path, docs: list[str]) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"text": pa.array(docs, pa.string())}), path)
     return path
 
@@ -91,17 +96,33 @@ class Corpus(unittest.TestCase):
         cls.dir = Path(cls.tmp.name)
         cls.docs = documents(400)
         cls.docs[5] = cls.docs[17] = "   "  # dropped: whitespace only
-        cls.inputs = [write_jsonl(cls.dir / "a.jsonl", cls.docs[:250]), write_parquet(cls.dir / "b.parquet",
-                                                                                      cls.docs[250:])]
+        cls.inputs = [
+            write_jsonl(cls.dir / "a.jsonl", cls.docs[:250]),
+            write_parquet(cls.dir / "b.parquet", cls.docs[250:]),
+        ]
 
     @classmethod
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
     def argv(self, out: Path, *extra: str, num_proc: int = 2) -> list[str]:
-        return ["--input", *map(str, self.inputs), "--out_dir", str(out), "--shard_size", str(self.SHARD),
-                "--val_tokens", str(self.VAL), "--num_proc", str(num_proc), "--batch_docs", str(self.BATCH_DOCS),
-                "--cache_dir", str(self.dir / "hf-cache"), *extra]
+        return [
+            "--input",
+            *map(str, self.inputs),
+            "--out_dir",
+            str(out),
+            "--shard_size",
+            str(self.SHARD),
+            "--val_tokens",
+            str(self.VAL),
+            "--num_proc",
+            str(num_proc),
+            "--batch_docs",
+            str(self.BATCH_DOCS),
+            "--cache_dir",
+            str(self.dir / "hf-cache"),
+            *extra,
+        ]
 
 
 class TestPrepare(Corpus):
@@ -119,8 +140,10 @@ class TestPrepare(Corpus):
         self.assertTrue(np.array_equal(read_stream(self.ref), want))
         sizes = [p.stat().st_size // 2 for p in shard_files(self.ref)]
         n_train = -(-(len(want) - self.VAL) // self.SHARD)
-        self.assertEqual([p.name for p in shard_files(self.ref)],
-                         ["val_000000.bin"] + [f"train_{i:06d}.bin" for i in range(1, n_train + 1)])
+        self.assertEqual(
+            [p.name for p in shard_files(self.ref)],
+            ["val_000000.bin"] + [f"train_{i:06d}.bin" for i in range(1, n_train + 1)],
+        )
         self.assertEqual(sizes[:-1], [self.VAL] + [self.SHARD] * (n_train - 1))
         state = json.loads((self.ref / prepare.STATE).read_text())
         self.assertTrue(state["done"])
@@ -186,8 +209,13 @@ class TestKilledAndResumed(Corpus):
 
     def kill(self, where: str, shard: int, out: Path) -> None:
         """prepare (2 tokenising processes) in its own process, SIGKILLed at `where` of shard `shard`."""
-        proc = subprocess.Popen([sys.executable, "-c", KILLED.format(root=ROOT), where, str(shard), *self.argv(out)],
-                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", KILLED.format(root=ROOT), where, str(shard), *self.argv(out)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         try:
             _, err = proc.communicate(timeout=300)
         finally:
@@ -203,10 +231,12 @@ class TestKilledAndResumed(Corpus):
         self.assertEqual(code, 0, err)
         self.assertIn("resuming after shard", printed)
         self.assertEqual([p.name for p in out.iterdir() if p.name.endswith(".tmp")], [])
-        self.assertEqual({p.name: p.read_bytes() for p in shard_files(out)},
-                         {p.name: p.read_bytes() for p in shard_files(self.ref)})
-        self.assertEqual(json.loads((out / prepare.STATE).read_text()),
-                         json.loads((self.ref / prepare.STATE).read_text()))
+        self.assertEqual(
+            {p.name: p.read_bytes() for p in shard_files(out)}, {p.name: p.read_bytes() for p in shard_files(self.ref)}
+        )
+        self.assertEqual(
+            json.loads((out / prepare.STATE).read_text()), json.loads((self.ref / prepare.STATE).read_text())
+        )
 
     def test_killed_mid_shard(self):
         """Killed halfway through writing train_000002.bin: it is not there under its name (its half is in the
@@ -240,8 +270,19 @@ class TestBadInput(unittest.TestCase):
     def refused(self, inputs: list[Path], needle: str, *extra: str, before_work: bool = True) -> None:
         """Refused in one line; `before_work`: that line is all stderr holds (else the tokenising bar came first:
         the corpus's length is known only once it is tokenised)."""
-        code, _, err = call(["--input", *map(str, inputs), "--out_dir", str(self.out), "--num_proc", "1",
-                             "--cache_dir", str(self.dir / "hf-cache"), *extra])
+        code, _, err = call(
+            [
+                "--input",
+                *map(str, inputs),
+                "--out_dir",
+                str(self.out),
+                "--num_proc",
+                "1",
+                "--cache_dir",
+                str(self.dir / "hf-cache"),
+                *extra,
+            ]
+        )
         self.assertEqual(code, 2, err)
         lines = err.splitlines() if before_work else err.split("\n")[-2:-1]
         self.assertEqual(len(lines), 1, err)
@@ -266,8 +307,11 @@ class TestBadInput(unittest.TestCase):
     def test_hub_unreachable(self):
         """The default source with no hub: one line naming the sample and --input, quickly (a 10 s probe)."""
         import datasets
-        with mock.patch.object(datasets.config, "HF_HUB_OFFLINE", False), \
-                mock.patch.object(prepare, "url_reachable", lambda url, timeout: False):
+
+        with (
+            mock.patch.object(datasets.config, "HF_HUB_OFFLINE", False),
+            mock.patch.object(prepare, "url_reachable", lambda url, timeout: False),
+        ):
             code, _, err = call(["--out_dir", str(self.out), "--sample", "sample-100BT"])
         self.assertEqual(code, 2)
         self.assertEqual(len(err.splitlines()), 1, err)
@@ -276,12 +320,29 @@ class TestBadInput(unittest.TestCase):
         self.assertFalse(self.out.exists())
 
     def test_cli(self):
-        proc = subprocess.run([sys.executable, "data/fineweb/prepare.py", "--input", str(self.dir / "nope.parquet"),
-                               "--out_dir", str(self.out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "data/fineweb/prepare.py",
+                "--input",
+                str(self.dir / "nope.parquet"),
+                "--out_dir",
+                str(self.out),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         self.assertEqual(proc.returncode, 2)
         self.assertEqual(proc.stderr.splitlines(), [f"error: input file not found: {self.dir / 'nope.parquet'}"])
-        proc = subprocess.run([sys.executable, "data/fineweb/prepare.py", "--shard_size", "0"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "data/fineweb/prepare.py", "--shard_size", "0"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         self.assertEqual((proc.returncode, proc.stderr), (2, "error: --shard_size must be >= 1, got 0\n"))
 
 
@@ -289,12 +350,27 @@ class TestGPT2Stream(unittest.TestCase):
     def test_gpt2_encoding(self):
         """With the real tokenizer (the default), the stream is <|endoftext|> (50256) + encode_ordinary(doc)."""
         from data.tokenizer import get_gpt2_encoding
+
         enc = get_gpt2_encoding()
         docs = documents(60, seed=1)
         with tempfile.TemporaryDirectory() as d:
-            code, _, err = call(["--input", str(write_jsonl(Path(d) / "c.jsonl", docs)), "--out_dir", f"{d}/out",
-                                 "--shard_size", "700", "--val_tokens", "300", "--num_proc", "2",
-                                 "--cache_dir", f"{d}/hf"], encoding=enc)
+            code, _, err = call(
+                [
+                    "--input",
+                    str(write_jsonl(Path(d) / "c.jsonl", docs)),
+                    "--out_dir",
+                    f"{d}/out",
+                    "--shard_size",
+                    "700",
+                    "--val_tokens",
+                    "300",
+                    "--num_proc",
+                    "2",
+                    "--cache_dir",
+                    f"{d}/hf",
+                ],
+                encoding=enc,
+            )
             self.assertEqual(code, 0, err)
             got = read_stream(Path(d) / "out")
         self.assertEqual(enc.eot_token, 50256)
@@ -302,6 +378,7 @@ class TestGPT2Stream(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------- the batch source on shards
+
 
 def write_split(directory: str, split: str, tokens: np.ndarray, sizes: list[int] | None) -> None:
     """`tokens` as <split>.bin, or (sizes) as shards <split>_000001.bin ... of those sizes, the rest in the last."""
@@ -338,8 +415,12 @@ class TestShardedSource(unittest.TestCase):
         one, sharded = BatchSource(self.one, self.T, 512, 7), BatchSource(self.sharded, self.T, 512, 7)
         self.assertEqual(len(sharded.files["train"]), 8)
         self.assertEqual(sharded.num_tokens, one.num_tokens)
-        keys = [(split, step, micro_batch_chunk(m // 2, m % 2, 2)) for split in ("train", "val") for step in range(30)
-                for m in range(4)]
+        keys = [
+            (split, step, micro_batch_chunk(m // 2, m % 2, 2))
+            for split in ("train", "val")
+            for step in range(30)
+            for m in range(4)
+        ]
         got = [sharded.get(split, step, 16, chunk, 4) for split, step, chunk in keys]  # all before any of one's
         for key, (x, y) in zip(keys, got):
             want = one.get(key[0], key[1], 16, key[2], 4)
@@ -350,10 +431,19 @@ class TestShardedSource(unittest.TestCase):
         stream's slice."""
         src = BatchSource(self.sharded, self.T, 512, 7)
         starts = src.starts["train"]
-        for offset in [0, 2, 3, 5, starts[3] - 5, starts[4] - 1, starts[5] - 30, starts[7] - 1,
-                       len(self.train) - self.T - 1]:
+        for offset in [
+            0,
+            2,
+            3,
+            5,
+            starts[3] - 5,
+            starts[4] - 1,
+            starts[5] - 30,
+            starts[7] - 1,
+            len(self.train) - self.T - 1,
+        ]:
             got = src.window("train", offset, {})
-            self.assertTrue(np.array_equal(got, self.train[offset:offset + self.T + 1]), offset)
+            self.assertTrue(np.array_equal(got, self.train[offset : offset + self.T + 1]), offset)
 
     def test_shards_in_numeric_order(self):
         d = os.path.join(self.tmp.name, "numeric")
@@ -362,7 +452,7 @@ class TestShardedSource(unittest.TestCase):
             part.tofile(os.path.join(d, f"train_{n}.bin"))
         src = BatchSource(d, self.T, 512, 7)
         self.assertEqual([os.path.basename(f) for f in src.files["train"]], ["train_2.bin", "train_10.bin"])
-        self.assertTrue(np.array_equal(src.window("train", 2990, {}), self.train[2990:2990 + self.T + 1]))
+        self.assertTrue(np.array_equal(src.window("train", 2990, {}), self.train[2990 : 2990 + self.T + 1]))
 
     def test_both_forms_are_refused(self):
         d = os.path.join(self.tmp.name, "both")
@@ -379,17 +469,54 @@ class TestShardedSource(unittest.TestCase):
         write_split(d, "val", self.val[:20], [10])
         with self.assertRaisesRegex(DataError, "the val split holds 20 tokens in 2 shards"):
             BatchSource(d, self.T, 512, 7)
-        expect_train_error_in_process(self, ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "32",
-                                             "--total_batch_size", "64", "--dataset", d],
-                                      "fewer than the 33 one sequence needs", os.path.join(self.tmp.name, "out"))
+        expect_train_error_in_process(
+            self,
+            [
+                "--model",
+                "tiny",
+                "--micro_batch_size",
+                "2",
+                "--seq_len",
+                "32",
+                "--total_batch_size",
+                "64",
+                "--dataset",
+                d,
+            ],
+            "fewer than the 33 one sequence needs",
+            os.path.join(self.tmp.name, "out"),
+        )
 
 
 # ----------------------------------------------------------------------------- whole runs on prepared shards
 
 STEPS = 6
-TRAIN = ["--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "2", "--seq_len", "64",
-         "--total_batch_size", "512", "--max_steps", str(STEPS), "--eval_interval", "3", "--eval_iters", "2",
-         "--warmup_steps", "2", "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12", "--no_checkpoint"]
+TRAIN = [
+    "--model",
+    "tiny",
+    "--vocab_size",
+    "512",
+    "--micro_batch_size",
+    "2",
+    "--seq_len",
+    "64",
+    "--total_batch_size",
+    "512",
+    "--max_steps",
+    str(STEPS),
+    "--eval_interval",
+    "3",
+    "--eval_iters",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--peak_flops",
+    "1e12",
+    "--no_checkpoint",
+]
 
 
 @pytest.mark.slow
@@ -403,18 +530,34 @@ class TestTrainOnShards(unittest.TestCase):
         cls.tmp = tempfile.TemporaryDirectory()
         d = Path(cls.tmp.name)
         src = write_jsonl(d / "corpus.jsonl", documents(900, seed=2))
-        code, _, err = call(["--input", str(src), "--out_dir", str(d / "shards"), "--shard_size", "5000",
-                             "--val_tokens", "4000", "--num_proc", "2", "--cache_dir", str(d / "hf")])
+        code, _, err = call(
+            [
+                "--input",
+                str(src),
+                "--out_dir",
+                str(d / "shards"),
+                "--shard_size",
+                "5000",
+                "--val_tokens",
+                "4000",
+                "--num_proc",
+                "2",
+                "--cache_dir",
+                str(d / "hf"),
+            ]
+        )
         assert code == 0, err
         cls.n_shards = len(shard_files(d / "shards"))
         tokens = read_stream(d / "shards")
         write_split(str(d / "one"), "val", tokens[:4000], None)
         write_split(str(d / "one"), "train", tokens[4000:], None)
         cls.runs = {}
-        for name, data, flags, nproc in (("one", "shards", [], 1), ("one-file", "one", [], 1),
-                                         ("ddp2", "shards", ["--data_parallel_size", "2", "--data_parallel_type",
-                                                             "ddp"], 2),
-                                         ("tp2", "shards", ["--tensor_parallel_size", "2"], 2)):
+        for name, data, flags, nproc in (
+            ("one", "shards", [], 1),
+            ("one-file", "one", [], 1),
+            ("ddp2", "shards", ["--data_parallel_size", "2", "--data_parallel_type", "ddp"], 2),
+            ("tp2", "shards", ["--tensor_parallel_size", "2"], 2),
+        ):
             out = str(d / name)
             run = forked([*TRAIN, "--dataset", str(d / data), "--out_dir", out, *flags], nproc)
             assert run.returncode == 0, f"{name}: {run.codes}\n{run.stdout[-2000:]}\n" + "\n".join(run.stderr)
@@ -428,8 +571,9 @@ class TestTrainOnShards(unittest.TestCase):
         self.assertGreater(self.n_shards, 5)
         one, sharded = steps_of(self.runs["one-file"]), steps_of(self.runs["one"])
         self.assertEqual(sorted(sharded), list(range(1, STEPS + 1)))
-        self.assertEqual([(s["loss"], s["grad_norm"]) for s in sharded.values()],
-                         [(s["loss"], s["grad_norm"]) for s in one.values()])
+        self.assertEqual(
+            [(s["loss"], s["grad_norm"]) for s in sharded.values()], [(s["loss"], s["grad_norm"]) for s in one.values()]
+        )
         self.assertEqual(evals_of(self.runs["one"]), evals_of(self.runs["one-file"]))
 
     def test_layouts_match_one_process(self):

@@ -8,6 +8,7 @@ in turn; the training runs several measurements compare against are computed onc
 module where it can be done: collectives as torch.distributed receives them, bytes from the storages
 actually held, coverage as exact intervals.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,6 +39,7 @@ MAX_NORM = 0.25  # below the gradient norms of this run (0.4-0.8), so clipping a
 # The runtime reads our engine only through its sharded views (checkpoint_entries.py); a test compares the
 # whole model against one process, through these views of FlatLayout's shards.
 
+
 def full_state_dict(model: FSDP) -> dict[str, torch.Tensor] | None:
     """The unsharded fp32 state dict, keyed like GPT.state_dict() (tied weight under both names), on group rank 0;
     None elsewhere. Every rank must call it: one all-gather per unit, over its group."""
@@ -47,7 +49,7 @@ def full_state_dict(model: FSDP) -> dict[str, torch.Tensor] | None:
         comm.all_gather_into_tensor(full, unit.shard, unit.group)
         if layout.rank == 0:
             for spec in unit.specs:
-                value = full[spec.offset:spec.offset + spec.numel].view(spec.shape).clone()
+                value = full[spec.offset : spec.offset + spec.numel].view(spec.shape).clone()
                 out.update((name, value) for name in spec.names)
     return {name: out[name] for name in layout.names} if layout.rank == 0 else None
 
@@ -61,7 +63,7 @@ def load_sharded_state_dict(model: FSDP, sd: dict) -> None:
             a, b, start = layout.held(unit, spec)
             piece = sd[spec.names[0]]
             assert (piece.offset, piece.flat.numel()) == (a, b - a), spec.names[0]
-            unit.shard[start:start + b - a].copy_(piece.flat)
+            unit.shard[start : start + b - a].copy_(piece.flat)
 
 
 def load_full_state_dict_from_rank0(model: FSDP, sd: dict | None) -> None:
@@ -72,17 +74,18 @@ def load_full_state_dict_from_rank0(model: FSDP, sd: dict | None) -> None:
         full = torch.zeros(unit.padded, dtype=torch.float32, device=unit.shard.device)
         if layout.rank == 0:
             for spec in unit.specs:
-                full[spec.offset:spec.offset + spec.numel].copy_(sd[spec.names[0]].reshape(-1))
+                full[spec.offset : spec.offset + spec.numel].copy_(sd[spec.names[0]].reshape(-1))
         src = dist.get_global_rank(layout.group, 0) if layout.group is not None and layout.world > 1 else 0
         comm.broadcast(full, src, layout.group)
         S = unit.shard.numel()
-        unit.shard.copy_(full[layout.rank * S:(layout.rank + 1) * S])
+        unit.shard.copy_(full[layout.rank * S : (layout.rank + 1) * S])
 
 
 def _data(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank `rank`'s micro-batch: the same numbers on every rank and in the single-process reference."""
-    tokens = torch.randint(0, CFG.vocab_size, (STEPS, ACCUM, WORLD, B, T + 1),
-                           generator=torch.Generator().manual_seed(1234))[step, micro, rank]
+    tokens = torch.randint(
+        0, CFG.vocab_size, (STEPS, ACCUM, WORLD, B, T + 1), generator=torch.Generator().manual_seed(1234)
+    )[step, micro, rank]
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -187,6 +190,7 @@ measures = Measurements(WORLD)
 
 # ------------------------------------------------------------------------------------------- parity
 
+
 class TestFSDPParity(unittest.TestCase):
     """Losses and weights after 3 AdamW steps of 2 accumulated micro-steps, each rank its own data."""
 
@@ -201,7 +205,8 @@ class TestFSDPParity(unittest.TestCase):
         out = {"rank": rank, "losses": (ours[0], theirs[0])}
         if rank == 0:
             out["params_equal"] = list(ours[2]) == list(theirs[2]) and all(
-                torch.equal(ours[2][k], theirs[2][k]) for k in theirs[2])
+                torch.equal(ours[2][k], theirs[2][k]) for k in theirs[2]
+            )
         return out
 
     def test_equals_fsdp2_bitwise_without_clipping(self):
@@ -220,8 +225,11 @@ class TestFSDPParity(unittest.TestCase):
         match, held, sizes = True, {}, {}
         for name, p in theirs[3].named_parameters():
             for key in ("exp_avg", "exp_avg_sq"):
-                full, piece, (lo, hi) = theirs[4].state[p][key].full_tensor().reshape(-1), entries[name].tensors[key], \
-                    entries[name].span
+                full, piece, (lo, hi) = (
+                    theirs[4].state[p][key].full_tensor().reshape(-1),
+                    entries[name].tensors[key],
+                    entries[name].span,
+                )
                 match &= torch.equal(piece, full[lo:hi])
                 held[f"{name}/{key}"] = (lo, hi - lo)
                 sizes[f"{name}/{key}"] = p.numel()
@@ -289,8 +297,11 @@ class TestFSDPParity(unittest.TestCase):
         ours = _run_ours(rank, clip=True)
         global_losses = ours[0].view(STEPS, ACCUM).mean(1)
         dist.all_reduce(global_losses)
-        out = {"rank": rank, "losses": (global_losses / world_size, torch.stack(ref_losses)),
-               "norms": (ours[1], torch.stack(ref_norms))}
+        out = {
+            "rank": rank,
+            "losses": (global_losses / world_size, torch.stack(ref_losses)),
+            "norms": (ours[1], torch.stack(ref_norms)),
+        }
         if rank == 0:
             out["params_rel"] = _rel(ours[2], ref.state_dict())
         return out
@@ -312,12 +323,15 @@ class TestFSDPParity(unittest.TestCase):
         deferred = FSDP(meta_gpt, deferred_init_seed=0, device="cpu")
         deferred_sd = full_state_dict(deferred)
         opt = torch.optim.AdamW(deferred.param_groups(WD), lr=LR)
-        out = {"rank": rank, "losses": (_train(deferred, opt, deferred.clip_grad_norm_, rank)[0],
-                                        _run_ours(rank, clip=True)[0])}
+        out = {
+            "rank": rank,
+            "losses": (_train(deferred, opt, deferred.clip_grad_norm_, rank)[0], _run_ours(rank, clip=True)[0]),
+        }
         if rank == 0:
             eager_sd = _eager_gpt().state_dict()
             out["init_equal"] = list(deferred_sd) == list(eager_sd) and all(
-                torch.equal(deferred_sd[k], eager_sd[k]) for k in eager_sd)
+                torch.equal(deferred_sd[k], eager_sd[k]) for k in eager_sd
+            )
         return out
 
     def test_deferred_init_equals_eager_bitwise(self):
@@ -351,10 +365,11 @@ class TestFSDPParity(unittest.TestCase):
             fsdp_module.materialize_module = original
         # only the shards may hold storage; a retained full parameter or unit would show up here
         shards = {u.shard.untyped_storage().data_ptr() for u in deferred.units}
-        return {"materialize": real_at_materialize,
-                "new_storages": sorted(n for ptr, n in _live_storages().items()
-                                       if ptr not in before and ptr not in shards),
-                "shards_alive": shards <= set(_live_storages())}
+        return {
+            "materialize": real_at_materialize,
+            "new_storages": sorted(n for ptr, n in _live_storages().items() if ptr not in before and ptr not in shards),
+            "shards_alive": shards <= set(_live_storages()),
+        }
 
     def test_deferred_init_holds_one_unit_at_a_time(self):
         # While a unit is materialised, no other unit may hold full (non-meta) parameters.
@@ -370,6 +385,7 @@ class TestFSDPParity(unittest.TestCase):
 
 # ---------------------------------------------------------------------------------------- mechanics
 
+
 def _storage_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -382,8 +398,7 @@ def _storage_bytes(tensors) -> int:
 
 def _original_attrs(model: FSDP) -> dict[str, torch.Tensor]:
     gpt = model.module
-    return {n: getattr(gpt.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2])
-            for n in model._state_dict_names}
+    return {n: getattr(gpt.get_submodule(n.rpartition(".")[0]), n.rpartition(".")[2]) for n in model._state_dict_names}
 
 
 def _micro_step(model, rank: int, step: int = 0, micro: int = 0) -> torch.Tensor:
@@ -402,16 +417,19 @@ def _recorded_micro_step(model: FSDP, rank: int) -> list[tuple[str, str]]:
 
     def all_gather(output, *args, **kwargs):
         ptr = output.untyped_storage().data_ptr()
-        log.append(("all_gather", next((u.name for u in model.units if u.flat.untyped_storage().data_ptr() == ptr),
-                                       "other")))
+        log.append(
+            ("all_gather", next((u.name for u in model.units if u.flat.untyped_storage().data_ptr() == ptr), "other"))
+        )
         return real(output, *args, **kwargs)
 
     def mark_backward(module, args, output) -> None:  # returns None: the output is left as it is
         output.register_hook(lambda grad: log.append(("backward_start", "transformer.h.1")))
 
     h = model.module.transformer.h
-    handles = [h[0].mlp.register_forward_hook(lambda m, a, o: log.append(("forward_end", "transformer.h.0"))),
-               h[1].attn.register_forward_hook(mark_backward)]
+    handles = [
+        h[0].mlp.register_forward_hook(lambda m, a, o: log.append(("forward_end", "transformer.h.0"))),
+        h[1].attn.register_forward_hook(mark_backward),
+    ]
     try:
         with mock.patch.object(dist, comm.ALL_GATHER, all_gather):
             _micro_step(model, rank)
@@ -440,8 +458,11 @@ def _reduced_reference(model: FSDP, local: dict[str, list[torch.Tensor]]) -> lis
         dist.all_reduce(total)
         dist.all_reduce(magnitude)
         lo = model.rank * u.shard.numel()
-        out += [(total[lo + a:lo + b] / world, magnitude[lo + a:lo + b] / world, len(terms)) for _, a, b in u.pieces]
+        out += [
+            (total[lo + a : lo + b] / world, magnitude[lo + a : lo + b] / world, len(terms)) for _, a, b in u.pieces
+        ]
     return out
+
 
 def _stepped(rank: int) -> tuple[FSDP, torch.optim.Optimizer]:
     """An FSDP GPT after one optimizer step (ACCUM micro-steps, clipping), its gradients kept: the state that
@@ -462,9 +483,13 @@ def _two_micro_steps(rank: int, reshard: bool) -> dict:
     local = _record_local_grads(model)
     comm.COUNTER.reset()
     losses = torch.stack([_micro_step(model, rank, micro=m) for m in range(ACCUM)])
-    return {"losses": losses, "comm": (comm.COUNTER.snapshot(), engine_comm_bytes_per_micro_step(model)),
-            "grads": [p.grad.clone() for p in model.parameters()], "reference": _reduced_reference(model, local),
-            "padded": [(u.numel, u.padded) for u in model.units]}
+    return {
+        "losses": losses,
+        "comm": (comm.COUNTER.snapshot(), engine_comm_bytes_per_micro_step(model)),
+        "grads": [p.grad.clone() for p in model.parameters()],
+        "reference": _reduced_reference(model, local),
+        "padded": [(u.numel, u.padded) for u in model.units],
+    }
 
 
 class TestFSDPMechanics(unittest.TestCase):
@@ -482,12 +507,16 @@ class TestFSDPMechanics(unittest.TestCase):
         full = full_state_dict(model)
         ref_sd = _eager_gpt().state_dict()
         pieces = model.sharded_state_dict()
-        out = {"rank": rank,
-               "pieces_match": list(pieces) == list(ref_sd) and all(
-                   p.shape == ref_sd[k].shape and torch.equal(p.flat, ref_sd[k].reshape(-1)[p.offset:][:p.flat.numel()])
-                   for k, p in pieces.items()),
-               "pieces_intervals": _intervals({k: (p.offset, p.flat.numel()) for k, p in pieces.items()}),
-               "pieces_numel": {k: ref_sd[k].numel() for k in pieces}}
+        out = {
+            "rank": rank,
+            "pieces_match": list(pieces) == list(ref_sd)
+            and all(
+                p.shape == ref_sd[k].shape and torch.equal(p.flat, ref_sd[k].reshape(-1)[p.offset :][: p.flat.numel()])
+                for k, p in pieces.items()
+            ),
+            "pieces_intervals": _intervals({k: (p.offset, p.flat.numel()) for k, p in pieces.items()}),
+            "pieces_numel": {k: ref_sd[k].numel() for k in pieces},
+        }
         if rank == 0:
             out["full_sd_equal"] = list(full) == list(ref_sd) and all(torch.equal(full[k], ref_sd[k]) for k in ref_sd)
         model, _ = _stepped(rank)
@@ -499,8 +528,9 @@ class TestFSDPMechanics(unittest.TestCase):
         load_sharded_state_dict(fresh2, model.sharded_state_dict())
         again2 = full_state_dict(fresh2)
         if rank == 0:
-            out["roundtrip"] = all(torch.equal(again[k], trained[k]) and torch.equal(again2[k], trained[k])
-                                   for k in trained)
+            out["roundtrip"] = all(
+                torch.equal(again[k], trained[k]) and torch.equal(again2[k], trained[k]) for k in trained
+            )
         return out
 
     def test_full_state_dict_reassembles_unsharded_model(self):
@@ -522,15 +552,21 @@ class TestFSDPMechanics(unittest.TestCase):
         _micro_step(eager, 0)
         ref_opt.step()
         model, opt = _stepped(rank)
-        return {"ref_state_bytes": _storage_bytes(
-                    [p for p in eager.parameters()] + [p.grad for p in eager.parameters()]
-                    + [v for s in ref_opt.state.values() for v in s.values()]),
-                "state_bytes": model.state_bytes(opt),
-                "state_bytes_measured": _storage_bytes(
-                    [t for u in model.units for t in (u.shard, u.flat, u.flat.grad, u.acc_grad)]
-                    + [t for p in model.parameters() for t in (p, p.grad)] + list(_original_attrs(model).values())
-                    + [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]),
-                "unit_bytes": 16 * max(u.numel for u in model.units)}  # fp32 param + grad + 2 AdamW moments
+        return {
+            "ref_state_bytes": _storage_bytes(
+                [p for p in eager.parameters()]
+                + [p.grad for p in eager.parameters()]
+                + [v for s in ref_opt.state.values() for v in s.values()]
+            ),
+            "state_bytes": model.state_bytes(opt),
+            "state_bytes_measured": _storage_bytes(
+                [t for u in model.units for t in (u.shard, u.flat, u.flat.grad, u.acc_grad)]
+                + [t for p in model.parameters() for t in (p, p.grad)]
+                + list(_original_attrs(model).values())
+                + [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+            ),
+            "unit_bytes": 16 * max(u.numel for u in model.units),
+        }  # fp32 param + grad + 2 AdamW moments
 
     def test_state_bytes_at_most_one_nth_plus_one_unit(self):
         """Measured from the storages the model and optimizer hold (not the module's own count, which must
@@ -546,13 +582,16 @@ class TestFSDPMechanics(unittest.TestCase):
         """What holds storage after an optimizer step: the original parameters, the gathered flat buffers."""
         model, _ = _stepped(rank)
         attrs = _original_attrs(model)
-        return {"attrs_meta": all(t.is_meta for t in attrs.values()),
-                "flats_freed": all(u.flat.untyped_storage().nbytes() == 0 for u in model.units),
-                "real_param_bytes": _storage_bytes(list(attrs.values()) + list(model.parameters())
-                                                   + [u.flat for u in model.units]),
-                "tied": attrs["lm_head.weight"] is attrs["transformer.wte.weight"],
-                "padded": [(u.numel, u.padded) for u in model.units],
-                "numel": sum(p.numel() for p in _eager_gpt().parameters())}
+        return {
+            "attrs_meta": all(t.is_meta for t in attrs.values()),
+            "flats_freed": all(u.flat.untyped_storage().nbytes() == 0 for u in model.units),
+            "real_param_bytes": _storage_bytes(
+                list(attrs.values()) + list(model.parameters()) + [u.flat for u in model.units]
+            ),
+            "tied": attrs["lm_head.weight"] is attrs["transformer.wte.weight"],
+            "padded": [(u.numel, u.padded) for u in model.units],
+            "numel": sum(p.numel() for p in _eager_gpt().parameters()),
+        }
 
     def test_only_shards_hold_storage_between_uses(self):
         for r in measures["storage_between_uses"]:
@@ -572,9 +611,13 @@ class TestFSDPMechanics(unittest.TestCase):
         start = flight_recorder.install(None, rank, world_size).count  # a fresh in-memory ring
         _micro_step(model, rank)
         ring = [(o["op"], o["site"]) for o in comm.RECORDER.read()["ops"] if o["n"] >= start]
-        return {"comm": comm.COUNTER.snapshot(), "comm_expected": engine_comm_bytes_per_micro_step(model),
-                "padded": [(u.numel, u.padded) for u in model.units], "units": [u.name for u in model.units],
-                "ring": ring}
+        return {
+            "comm": comm.COUNTER.snapshot(),
+            "comm_expected": engine_comm_bytes_per_micro_step(model),
+            "padded": [(u.numel, u.padded) for u in model.units],
+            "units": [u.name for u in model.units],
+            "ring": ring,
+        }
 
     def test_comm_bytes_per_micro_step(self):
         # 2 all-gathers per Block, 1 for the root (kept from forward to backward, as FSDP2 does), 1
@@ -597,8 +640,16 @@ class TestFSDPMechanics(unittest.TestCase):
             gathers = [site for op, site in r["ring"] if op == "all_gather"]
             scatters = [site for op, site in r["ring"] if op == "reduce_scatter"]
             g, s = "parallel.flat_param.gather", "parallel.flat_param.start"
-            self.assertEqual(gathers, [f"{g} [root]", f"{g} [transformer.h.0]", f"{g} [transformer.h.1]",
-                                       f"{g} [transformer.h.1]", f"{g} [transformer.h.0]"])
+            self.assertEqual(
+                gathers,
+                [
+                    f"{g} [root]",
+                    f"{g} [transformer.h.0]",
+                    f"{g} [transformer.h.1]",
+                    f"{g} [transformer.h.1]",
+                    f"{g} [transformer.h.0]",
+                ],
+            )
             self.assertEqual(scatters, [f"{s} [transformer.h.1]", f"{s} [transformer.h.0]", f"{s} [root]"])
             self.assertEqual({op for op, _ in r["ring"]}, {"all_gather", "reduce_scatter"})
 
@@ -623,6 +674,7 @@ class TestFSDPMechanics(unittest.TestCase):
             log.append(("start", i, async_op))
             work = real(tensor, *args, async_op=async_op, **kw)
             return Waited(work, i) if async_op else work
+
         hsdp = FSDP(_eager_gpt(), process_group=singles[rank], replicate_group=dist.group.WORLD)
         with mock.patch.object(dist, "all_reduce", all_reduce):
             _micro_step(hsdp, rank)
@@ -651,8 +703,9 @@ class TestFSDPMechanics(unittest.TestCase):
     @measures.register("prefetch_order")
     def measure_prefetch_order(rank: int, world_size: int) -> dict:
         """One recorded micro-step (_recorded_micro_step) of a fresh FSDP GPT with prefetch, one without."""
-        return {prefetch: _recorded_micro_step(FSDP(_eager_gpt(), prefetch=prefetch), rank)
-                for prefetch in (True, False)}
+        return {
+            prefetch: _recorded_micro_step(FSDP(_eager_gpt(), prefetch=prefetch), rank) for prefetch in (True, False)
+        }
 
     def test_prefetch_is_issued_before_current_unit_finishes(self):
         """The all-gather calls themselves (recorded at torch.distributed): with prefetch, h.1's is issued
@@ -662,8 +715,9 @@ class TestFSDPMechanics(unittest.TestCase):
             for prefetch in (True, False):
                 log = r[prefetch]
                 gathers = [u for what, u in log if what == "all_gather"]
-                self.assertEqual(sorted(gathers), sorted(["root"] + 2 * [f"transformer.h.{i}" for i in range(CFG.n_layer)]),
-                                 log)
+                self.assertEqual(
+                    sorted(gathers), sorted(["root"] + 2 * [f"transformer.h.{i}" for i in range(CFG.n_layer)]), log
+                )
                 h1_forward = log.index(("all_gather", "transformer.h.1"))
                 h0_backward = len(log) - 1 - log[::-1].index(("all_gather", "transformer.h.0"))
                 mlp_end = log.index(("forward_end", "transformer.h.0"))
@@ -694,8 +748,11 @@ class TestFSDPMechanics(unittest.TestCase):
         comm.COUNTER.reset()
         with model.no_sync():
             _micro_step(model, rank, micro=0)
-        out = {"numel": sum(p.numel() for p in _eager_gpt().parameters()),
-               "comm": comm.COUNTER.snapshot(), "state_bytes": model.state_bytes()}
+        out = {
+            "numel": sum(p.numel() for p in _eager_gpt().parameters()),
+            "comm": comm.COUNTER.snapshot(),
+            "state_bytes": model.state_bytes(),
+        }
         _micro_step(model, rank, micro=1)
         every_step = _two_micro_steps(rank, reshard=True)
         out["grads"] = {"no_sync": [p.grad.clone() for p in model.parameters()], "reshard_True": every_step["grads"]}
@@ -720,11 +777,14 @@ class TestFSDPMechanics(unittest.TestCase):
                 for i, (got, (mean, magnitude, n)) in enumerate(zip(r["grads"][key], r["reference"][key])):
                     with self.subTest(key, piece=i):
                         self.assertEqual(n, ACCUM)  # one recorded local gradient per micro-step
-                        bound = (_gamma(2, 2 ** -24) + 2 * _gamma(2, 2 ** -53)) * magnitude + 2 ** -149
+                        bound = (_gamma(2, 2**-24) + 2 * _gamma(2, 2**-53)) * magnitude + 2**-149
                         j = ((got.double() - mean).abs() - bound).argmax().item()
-                        self.assertLessEqual(abs(got[j].item() - mean[j].item()), bound[j].item(),
-                                             f"{key} piece {i}: element {j} of {got.numel()} is {got[j].item()}, "
-                                             f"the float64 mean {mean[j].item()}, sum|t_i|/N {magnitude[j].item()}")
+                        self.assertLessEqual(
+                            abs(got[j].item() - mean[j].item()),
+                            bound[j].item(),
+                            f"{key} piece {i}: element {j} of {got.numel()} is {got[j].item()}, "
+                            f"the float64 mean {mean[j].item()}, sum|t_i|/N {magnitude[j].item()}",
+                        )
 
     @measures.register("mixed_precision_vs_fp32")
     def measure_mixed_precision_vs_fp32(rank: int, world_size: int) -> dict:
@@ -733,12 +793,14 @@ class TestFSDPMechanics(unittest.TestCase):
         seen_dtypes = []
         model = FSDP(_eager_gpt(), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model.module.transformer.h[0].mlp.c_fc.register_forward_pre_hook(
-            lambda m, args: seen_dtypes.append(m.weight.dtype))
+            lambda m, args: seen_dtypes.append(m.weight.dtype)
+        )
         opt = torch.optim.AdamW(model.param_groups(WD), lr=LR)
         mp_losses, _ = _train(model, opt, model.clip_grad_norm_, rank)
-        return {"dtypes": (set(seen_dtypes), {p.dtype for p in model.parameters()},
-                           {u.shard.dtype for u in model.units}),
-                "losses": (mp_losses, _run_ours(rank, clip=True)[0])}
+        return {
+            "dtypes": (set(seen_dtypes), {p.dtype for p in model.parameters()}, {u.shard.dtype for u in model.units}),
+            "losses": (mp_losses, _run_ours(rank, clip=True)[0]),
+        }
 
     def test_mixed_precision_within_tolerance_of_fp32(self):
         # bf16 keeps 8 bits of mantissa: losses within 1e-2 relative of fp32 over 3 steps.

@@ -12,6 +12,7 @@ change (its gradient in the logits has L1 norm <= 2), so |loss_bf16 - loss_fp32|
 The gradient goes back through the same chains again: ||g_bf16 - g_fp32|| <= (4L+2)·2u·||g_fp32||.
 (On CPU bf16 autocast, measured: logits ~1u, gradients ~1.5u: the bounds hold with 10x margin.)
 """
+
 import math
 import os
 import tempfile
@@ -27,13 +28,32 @@ from device import pick_device
 from parallel.grads import AgreeingGradScaler
 from tests.harness import make_token_bins
 
-U_BF16 = 2.0 ** -8
-SMALL = ["--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "4", "--seq_len", "64", "--total_batch_size", "512",
-         "--max_steps", "10", "--warmup_steps", "2", "--lr", "3e-3", "--eval_iters", "1"]
+U_BF16 = 2.0**-8
+SMALL = [
+    "--model",
+    "tiny",
+    "--vocab_size",
+    "512",
+    "--micro_batch_size",
+    "4",
+    "--seq_len",
+    "64",
+    "--total_batch_size",
+    "512",
+    "--max_steps",
+    "10",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--eval_iters",
+    "1",
+]
 
 
 class DeviceSteps:
     """The bodies; a subclass names its `device` (torch.device)."""
+
     device: torch.device
 
     @classmethod
@@ -47,8 +67,24 @@ class DeviceSteps:
 
     def trainer(self, dtype: str, *flags: str) -> train.Trainer:
         out = tempfile.mkdtemp(dir=self.tmp.name)
-        return train.build(validate(parse_args([*SMALL, *flags, "--dataset", self.data, "--device",
-                                                self.device.type, "--dtype", dtype, "--out_dir", out])))
+        return train.build(
+            validate(
+                parse_args(
+                    [
+                        *SMALL,
+                        *flags,
+                        "--dataset",
+                        self.data,
+                        "--device",
+                        self.device.type,
+                        "--dtype",
+                        dtype,
+                        "--out_dir",
+                        out,
+                    ]
+                )
+            )
+        )
 
     def test_bf16_autocast_step_matches_fp32(self):
         """One forward + backward in bf16 autocast is within the derived bound (module docstring) of fp32. With
@@ -64,8 +100,11 @@ class DeviceSteps:
                 with torch.no_grad():
                     logits, _ = t.model(x)
             loss.backward()
-            out[dtype] = (loss.item(), logits.detach().float(),
-                          torch.cat([p.grad.flatten().float() for p in t.model.parameters()]))
+            out[dtype] = (
+                loss.item(),
+                logits.detach().float(),
+                torch.cat([p.grad.flatten().float() for p in t.model.parameters()]),
+            )
         (loss32, z32, g32), (loss16, z16, g16) = out[torch.float32], out[torch.bfloat16]
         L = t.plan.config.n_layer
         z_tol = (2 * L + 1) * 2 * U_BF16 * z32.abs().max().item()
@@ -117,6 +156,7 @@ class DeviceSteps:
         def in_use() -> int:
             metrics.reset_peak_memory(device)
             return metrics.peak_memory_bytes(device)
+
         base = in_use()
         big = torch.empty(big_bytes, dtype=torch.uint8, device=device).fill_(1)
         self.assertGreaterEqual(metrics.peak_memory_bytes(device), base + big_bytes - slack)

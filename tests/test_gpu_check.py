@@ -9,6 +9,7 @@
 - Between builds: the earlier trainers are collected, each compiled build starts from a fresh dynamo, and the
   DDP path meant for the multi-rank branch takes it (the fresh-bucket multiply into the bucket's view).
 """
+
 import os
 import re
 import signal
@@ -26,28 +27,66 @@ from tests.harness import ROOT, make_token_bins, rank0_only, spawn
 
 SCRIPTS = os.path.join(ROOT, "scripts")
 sys.path.insert(0, SCRIPTS)  # the check's modules (gpu_check, gpu_measure, ...), here and in spawned ranks
-ROWS = ["process group preflight", "throughput tiny float32", "ddp vs cpu fp32", "ddp collectives issued",
-        "fsdp vs cpu fp32", "fsdp collectives issued", "tp vs cpu fp32", "tp collectives issued", "cp ring vs sdpa",
-        "cp torch twin", "fp16 + GradScaler", "fused AdamW", "checkpoint + --resume", "gpu tests",
-        *(f"sync audit {p}" for p in ("plain", "ddp", "ddp multi-rank branch", "zero1", "zero2 bf16 copies", "fsdp",
-                                      "tp+sp", "cp ring", "pp V=2", "pp zb_h1", "pp zb_h1 moe", "ac", "compile", "moe",
-                                      "ep dispatch")),
-        "overlap ddp", "overlap fsdp",
-        *(f"real size {p}" for p in ("plain", "fsdp", "ddp multi-rank branch", "pp zb_h1", "moe", "ep dispatch")),
-        "goal MFU >= 45% (compile)", "goal fsdp >= 0.95 x plain", "goal ddp multi-rank branch >= 0.95 x plain",
-        "goal pp zb_h1 >= 0.95 x plain", "goal ep dispatch >= 0.95 x moe", "goal reserved <= 1.15 x allocated"]
+ROWS = [
+    "process group preflight",
+    "throughput tiny float32",
+    "ddp vs cpu fp32",
+    "ddp collectives issued",
+    "fsdp vs cpu fp32",
+    "fsdp collectives issued",
+    "tp vs cpu fp32",
+    "tp collectives issued",
+    "cp ring vs sdpa",
+    "cp torch twin",
+    "fp16 + GradScaler",
+    "fused AdamW",
+    "checkpoint + --resume",
+    "gpu tests",
+    *(
+        f"sync audit {p}"
+        for p in (
+            "plain",
+            "ddp",
+            "ddp multi-rank branch",
+            "zero1",
+            "zero2 bf16 copies",
+            "fsdp",
+            "tp+sp",
+            "cp ring",
+            "pp V=2",
+            "pp zb_h1",
+            "pp zb_h1 moe",
+            "ac",
+            "compile",
+            "moe",
+            "ep dispatch",
+        )
+    ),
+    "overlap ddp",
+    "overlap fsdp",
+    *(f"real size {p}" for p in ("plain", "fsdp", "ddp multi-rank branch", "pp zb_h1", "moe", "ep dispatch")),
+    "goal MFU >= 45% (compile)",
+    "goal fsdp >= 0.95 x plain",
+    "goal ddp multi-rank branch >= 0.95 x plain",
+    "goal pp zb_h1 >= 0.95 x plain",
+    "goal ep dispatch >= 0.95 x moe",
+    "goal reserved <= 1.15 x allocated",
+]
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without torchrun's variables (the check starts its own process group)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                           "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PYTHON")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PYTHON")
+    }
     return {**env, **extra}
 
 
 def table_rows(stdout: str) -> dict[str, str]:
     """The final table's {check: result}."""
-    lines = stdout[stdout.index("GPU check (dry run on CPU)"):].splitlines()[3:]
+    lines = stdout[stdout.index("GPU check (dry run on CPU)") :].splitlines()[3:]
     end = next(i for i, line in enumerate(lines) if re.match(r"\d+ checks: ", line))
     return dict(re.split(r"\s{2,}", line, maxsplit=2)[:2] for line in lines[:end])
 
@@ -57,8 +96,15 @@ def table_rows(stdout: str) -> dict[str, str]:
 class TestGpuCheckDryRun(unittest.TestCase):
     def test_every_stage_runs_and_none_fails(self):
         import torch
-        proc = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), "--dry-run"], cwd=ROOT,
-                              env=clean_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=1500)
+
+        proc = subprocess.run(
+            ["bash", os.path.join(SCRIPTS, "gpu_check.sh"), "--dry-run"],
+            cwd=ROOT,
+            env=clean_env(PYTHON=sys.executable),
+            capture_output=True,
+            text=True,
+            timeout=1500,
+        )
         tail = f"\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         self.assertEqual(proc.returncode, 0, tail)
         self.assertTrue(proc.stdout.startswith(f"gpu_check: torch {torch.__version__} "), proc.stdout[:200])
@@ -90,11 +136,14 @@ class TestTheScript(unittest.TestCase):
                 os.chmod(path, os.stat(path).st_mode | stat.S_IEXEC)
             script = os.path.join(SCRIPTS, "gpu_check.sh")
             path_env = d + os.pathsep + os.environ["PATH"]
-            for env, want in ((clean_env(PATH=path_env), "python3"),
-                              (clean_env(PATH=path_env, PYTHON=os.path.join(d, "chosen")), "chosen")):
+            for env, want in (
+                (clean_env(PATH=path_env), "python3"),
+                (clean_env(PATH=path_env, PYTHON=os.path.join(d, "chosen")), "chosen"),
+            ):
                 open(used, "w").close()
-                proc = subprocess.run(["bash", script, "--help"], cwd=ROOT, env=env, capture_output=True, text=True,
-                                      timeout=300)
+                proc = subprocess.run(
+                    ["bash", script, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+                )
                 self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
                 self.assertIn("--dry-run", proc.stdout)
                 with open(used) as f:
@@ -109,10 +158,24 @@ class TestSigterm(unittest.TestCase):
         only asks a training run to stop after its step; the check must still stop, and its rows be on disk."""
         with tempfile.TemporaryDirectory() as d:
             report = os.path.join(d, "gpu_check.md")
-            proc = subprocess.Popen(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), "--dry-run", "--only",
-                                     "sync audit", "overlap", "--report", d], cwd=ROOT,
-                                    env=clean_env(PYTHON=sys.executable), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+            proc = subprocess.Popen(
+                [
+                    "bash",
+                    os.path.join(SCRIPTS, "gpu_check.sh"),
+                    "--dry-run",
+                    "--only",
+                    "sync audit",
+                    "overlap",
+                    "--report",
+                    d,
+                ],
+                cwd=ROOT,
+                env=clean_env(PYTHON=sys.executable),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
             try:
                 finished = []
                 deadline = time.monotonic() + 900
@@ -146,14 +209,16 @@ class TestSigterm(unittest.TestCase):
 @unittest.skipUnless(rank0_only(), "whole-job test: run once, not on every torchrun rank")
 class TestPreflight(unittest.TestCase):
     def test_a_failing_preflight_is_one_row_and_skips_the_group_stages(self):
-        import torch.distributed as dist
-
         import gpu_check
         import gpu_preflight
+        import torch.distributed as dist
+
         failing = [sys.executable, "-c", "import sys; sys.exit('NCCL error: unhandled system error (test)')"]
-        with tempfile.TemporaryDirectory() as d, \
-                mock.patch.object(gpu_preflight, "command", lambda device_type: failing), \
-                mock.patch("sys.stdout", new_callable=__import__("io").StringIO) as out:
+        with (
+            tempfile.TemporaryDirectory() as d,
+            mock.patch.object(gpu_preflight, "command", lambda device_type: failing),
+            mock.patch("sys.stdout", new_callable=__import__("io").StringIO) as out,
+        ):
             code = gpu_check.main(["--dry-run", "--only", "wrappers", "sync audit", "goals", "--report", d])
             with open(os.path.join(d, "gpu_check.md")) as f:
                 report = f.read()
@@ -171,12 +236,14 @@ def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
     import functools
     import weakref
 
-    import torch
     import gpu_harness
     import gpu_measure
+    import torch
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
     import train
     from model import Block
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
     ctx = gpu_harness.Context(gpu_harness.DRY, tmp, data)
     out = {}
     # DDP's multi-rank branch: each fresh bucket's gradient multiplied by 1/N into the bucket's view
@@ -191,6 +258,7 @@ def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
             if o is not None:
                 into_views.append(o.untyped_storage().data_ptr() in buffers)
             return real_mul(*args, **kwargs)
+
         with mock.patch.object(torch, "mul", mul):
             train.train_step(t, 1)
         out["ddp_world_size"], out["mul_into_views"] = t.par.model.world_size, into_views
@@ -204,6 +272,7 @@ def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
         made = real_build(plan)
         trainers.append(weakref.ref(made))
         return made
+
     with mock.patch.object(train, "build", build):
         gpu_measure.stage_real_size(ctx)
     out["alive_at_build"], out["real_size_rows"] = alive, [(r.check, r.status) for r in ctx.rows]

@@ -6,16 +6,16 @@
   divides before it sums.
 - --dtype auto, the fp16 flags, FSDP's param_dtype default, datasheet peaks, per-step peak memory.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import tempfile
 import unittest
-
-import pytest
 from unittest import mock
 
+import pytest
 import torch
 
 import config
@@ -27,9 +27,27 @@ TINY = make_config("tiny")
 
 
 def _tiny_args(data: str, out: str, *extra: str):
-    return config.parse_args(["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64",
-                              "--total_batch_size", "128", "--dataset", data, "--out_dir", out, "--device", "cpu",
-                              "--peak_flops", "1e12", *extra])
+    return config.parse_args(
+        [
+            "--model",
+            "tiny",
+            "--micro_batch_size",
+            "2",
+            "--seq_len",
+            "64",
+            "--total_batch_size",
+            "128",
+            "--dataset",
+            data,
+            "--out_dir",
+            out,
+            "--device",
+            "cpu",
+            "--peak_flops",
+            "1e12",
+            *extra,
+        ]
+    )
 
 
 class TestDevicePlacement(unittest.TestCase):
@@ -41,6 +59,7 @@ class TestDevicePlacement(unittest.TestCase):
 
     def test_build_puts_parameters_and_optimizer_state_on_the_plan_device(self):
         import train
+
         with tempfile.TemporaryDirectory() as d, mock.patch.dict(os.environ):
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
                 os.environ.pop(k, None)
@@ -60,8 +79,10 @@ class TestDevicePlacement(unittest.TestCase):
         meta device above is not one); the DTensor twins too (the sweep holds their losses to one process)."""
         import train
         from device import fused_optimizer
+
         self.assertEqual([fused_optimizer(torch.device(d)) for d in ("cpu", "cuda", "meta")], [True, True, False])
         from torch.distributed.tensor import DTensor
+
         fake = mock.MagicMock(spec=DTensor)  # only its type is read (isinstance)
         self.assertTrue(fused_optimizer(torch.device("cpu"), [fake, fake]))  # FSDP2: every parameter a DTensor
         self.assertFalse(fused_optimizer(torch.device("cpu"), [fake, torch.zeros(1)]))  # DTensor TP: mixed
@@ -78,12 +99,14 @@ class TestDevicePlacement(unittest.TestCase):
 
 # ----------------------------------------------------------------------------- fp16 across ranks
 
+
 def _skip_body(rank: int, world: int, agreeing: bool) -> dict:
     """Custom FSDP over 2 ranks, fp16 GradScaler; rank 1 alone finds an inf in its shard gradient."""
     import torch.distributed as dist
 
     from parallel.fsdp import FullyShardedDataParallel
     from parallel.grads import AgreeingGradScaler
+
     torch.manual_seed(0)
     model = GPT(TINY)
     model.init_weights(0, "cpu")
@@ -126,6 +149,7 @@ def _fp16_reduce_body(rank: int, world: int, scale: float) -> dict:
 
     from parallel import comm
     from parallel.fsdp import FullyShardedDataParallel
+
     model = GPT(TINY)
     model.init_weights(0, "cpu")
     fsdp = FullyShardedDataParallel(model, process_group=dist.group.WORLD, reduce_dtype=torch.float16)
@@ -133,9 +157,11 @@ def _fp16_reduce_body(rank: int, world: int, scale: float) -> dict:
     comm.COUNTER.reset()
     _, loss = fsdp(x, x)
     (loss * scale).backward()
-    return {"finite": all(torch.isfinite(p.grad).all().item() for p in fsdp.flat_params),
-            "reduce_scatter_bytes": comm.COUNTER.snapshot()["reduce_scatter"],
-            "padded": sum(u.padded for u in fsdp.units)}
+    return {
+        "finite": all(torch.isfinite(p.grad).all().item() for p in fsdp.flat_params),
+        "reduce_scatter_bytes": comm.COUNTER.snapshot()["reduce_scatter"],
+        "padded": sum(u.padded for u in fsdp.units),
+    }
 
 
 @pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
@@ -156,6 +182,7 @@ class TestFP16ReduceScatter(unittest.TestCase):
 
 # ----------------------------------------------------------------------------- dtypes and flags
 
+
 class TestDtypes(unittest.TestCase):
     def test_auto_dtype_uses_native_bf16_only(self):
         cuda = torch.device("cuda", 0)
@@ -169,6 +196,7 @@ class TestDtypes(unittest.TestCase):
     def test_tf32_only_for_fp32_on_cuda_unless_refused(self):
         """config.use_tf32: TF32 changes fp32 matmuls only; CPU runs and autocast runs keep their math."""
         from config import use_tf32
+
         cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
         self.assertTrue(use_tf32(cuda, torch.float32))
         self.assertFalse(use_tf32(cuda, torch.float32, no_tf32=True))
@@ -183,6 +211,7 @@ class TestDtypes(unittest.TestCase):
 
     def test_param_dtype_follows_the_compute_dtype(self):
         from parallel.mesh import ParallelDims
+
         dims = ParallelDims(2, 1, 2)
         args = _tiny_args("unused", "unused", "--data_parallel_size", "2", "--data_parallel_type", "fsdp")
         self.assertEqual(config.parallel_config(args, dims, torch.bfloat16).param_dtype, torch.bfloat16)
@@ -195,8 +224,13 @@ class TestDtypes(unittest.TestCase):
 class TestNumbers(unittest.TestCase):
     def test_datasheet_peak_tells_h100_variants_apart(self):
         cuda = torch.device("cuda", 0)
-        for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                           ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12)):
+        for name, peak in (
+            ("NVIDIA H100 80GB HBM3", 989e12),
+            ("NVIDIA H100 PCIe", 756e12),
+            ("NVIDIA H100 NVL", 835e12),
+            ("NVIDIA H200", 989e12),
+            ("NVIDIA A100-SXM4-80GB", 312e12),
+        ):
             with mock.patch("torch.cuda.get_device_name", return_value=name):
                 self.assertEqual(metrics.peak_flops(cuda, torch.bfloat16), peak, name)
 

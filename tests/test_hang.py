@@ -8,6 +8,7 @@ that skips one DDP all-reduce, one that issues it on a different shape, a pipeli
 (its peer's send is left without it), a SIGSTOPped rank. Each time the report must name the op, the group and
 the faulty rank, and the test fails if it names others.
 """
+
 import contextlib
 import io
 import json
@@ -56,11 +57,28 @@ class TestRing(unittest.TestCase):
         s = post(rec, "send", (4,), peer=1)
         rec.done(a)
         ops = decode(bytes(rec._buf))["ops"]
-        self.assertEqual([(o["op"], o["seq"], o["group"], o["group_name"], o["shape"], o["bytes"], o["peer"],
-                           o["step"], o["micro"], o["state"]) for o in ops],
-                         [("all_reduce", 0, [0, 1], "1", [5, 2], 40, -1, 3, 1, "completed"),
-                          ("all_reduce", 0, [0], "2", [7], 28, -1, 3, 1, "posted"),
-                          ("send", 0, [0, 1], "1", [4], 16, 1, 3, 1, "posted")])
+        self.assertEqual(
+            [
+                (
+                    o["op"],
+                    o["seq"],
+                    o["group"],
+                    o["group_name"],
+                    o["shape"],
+                    o["bytes"],
+                    o["peer"],
+                    o["step"],
+                    o["micro"],
+                    o["state"],
+                )
+                for o in ops
+            ],
+            [
+                ("all_reduce", 0, [0, 1], "1", [5, 2], 40, -1, 3, 1, "completed"),
+                ("all_reduce", 0, [0], "2", [7], 28, -1, 3, 1, "posted"),
+                ("send", 0, [0, 1], "1", [4], 16, 1, 3, 1, "posted"),
+            ],
+        )
         # the caller of the comm wrapper (`post` plays comm.all_reduce here)
         self.assertEqual({o["site"] for o in ops}, {f"{__name__}.test_records_every_field_and_completion"})
         self.assertEqual(ops[0]["dtype"], "float32")
@@ -73,9 +91,10 @@ class TestRing(unittest.TestCase):
         for unit in ("bucket 0", "bucket 1", "transformer.h.0", None, "bucket 0"):
             post(rec, "all_reduce", (3,), unit=unit)
         here = f"{__name__}.test_the_unit_a_wrapper_moves_is_part_of_the_call_site"
-        self.assertEqual([o["site"] for o in decode(bytes(rec._buf))["ops"]],
-                         [f"{here} [bucket 0]", f"{here} [bucket 1]", f"{here} [transformer.h.0]", here,
-                          f"{here} [bucket 0]"])
+        self.assertEqual(
+            [o["site"] for o in decode(bytes(rec._buf))["ops"]],
+            [f"{here} [bucket 0]", f"{here} [bucket 1]", f"{here} [transformer.h.0]", here, f"{here} [bucket 0]"],
+        )
 
     def test_ring_keeps_the_last_k(self):
         rec = FakeRecorder(4)
@@ -124,10 +143,34 @@ class TestRing(unittest.TestCase):
 
 # ----------------------------------------------------------------------------- synthetic dumps
 
-def op(seq, name="all_reduce", shape=(8,), group=(0, 1), gname="1", site="parallel.ddp._launch", step=1, micro=-1,
-       state="completed", peer=-1, dtype="float32"):
-    return {"seq": seq, "op": name, "shape": list(shape), "group": list(group), "group_name": gname, "site": site,
-            "step": step, "micro": micro, "state": state, "peer": peer, "dtype": dtype, "bytes": 0}
+
+def op(
+    seq,
+    name="all_reduce",
+    shape=(8,),
+    group=(0, 1),
+    gname="1",
+    site="parallel.ddp._launch",
+    step=1,
+    micro=-1,
+    state="completed",
+    peer=-1,
+    dtype="float32",
+):
+    return {
+        "seq": seq,
+        "op": name,
+        "shape": list(shape),
+        "group": list(group),
+        "group_name": gname,
+        "site": site,
+        "step": step,
+        "micro": micro,
+        "state": state,
+        "peer": peer,
+        "dtype": dtype,
+        "bytes": 0,
+    }
 
 
 STEP = [("parallel.ddp._launch", (8,)), ("parallel.ddp._launch", (4,)), ("parallel.grads.clip_grad_norm_", ())]
@@ -163,30 +206,48 @@ class TestAnalysis(unittest.TestCase):
     def test_a_skipped_all_reduce_names_the_skipping_rank(self):
         """Rank 1 leaves out the first all-reduce of step 3: at that seq it issued the op that follows it."""
         f = self.findings({0: dump(0, steps(3, posted_from=6)), 1: dump(1, steps(3, skip=(3, 0), posted_from=6))})
-        self.assertEqual([(x.kind, x.op, x.group, x.ranks, x.seq) for x in f][:1],
-                         [("mismatch", "all_reduce", (0, 1), (1,), 6)])
+        self.assertEqual(
+            [(x.kind, x.op, x.group, x.ranks, x.seq) for x in f][:1], [("mismatch", "all_reduce", (0, 1), (1,), 6)]
+        )
         self.assertIn("skipped it", f[0].text)
 
     def test_a_different_shape_names_the_rank_whose_shape_is_new(self):
         f = self.findings({0: dump(0, steps(3, posted_from=7)), 1: dump(1, steps(3, shape=(3, 1), posted_from=7))})
-        self.assertEqual([(x.kind, x.op, x.group, x.ranks, x.seq) for x in f][:1],
-                         [("mismatch", "all_reduce", (0, 1), (1,), 7)])
+        self.assertEqual(
+            [(x.kind, x.op, x.group, x.ranks, x.seq) for x in f][:1], [("mismatch", "all_reduce", (0, 1), (1,), 7)]
+        )
         self.assertIn("(3,)", f[0].text)
 
     def test_a_send_without_its_receive(self):
         """Rank 0 sent micro-batches 0..3 to rank 1, which skipped the receive of micro 1."""
-        sends = [op(m, "send", (2, 4), site="parallel.pipeline.step", micro=m, peer=1, gname="3",
-                    state="posted" if m == 3 else "completed") for m in range(4)]
-        recvs = [op(k, "recv", (2, 4), site="parallel.pipeline.step", micro=m, peer=0, gname="3")
-                 for k, m in enumerate([0, 2, 3])]
+        sends = [
+            op(
+                m,
+                "send",
+                (2, 4),
+                site="parallel.pipeline.step",
+                micro=m,
+                peer=1,
+                gname="3",
+                state="posted" if m == 3 else "completed",
+            )
+            for m in range(4)
+        ]
+        recvs = [
+            op(k, "recv", (2, 4), site="parallel.pipeline.step", micro=m, peer=0, gname="3")
+            for k, m in enumerate([0, 2, 3])
+        ]
         f = self.findings({0: dump(0, sends), 1: dump(1, recvs)})
-        self.assertEqual([(x.kind, x.op, x.group, x.ranks, x.seq) for x in f],
-                         [("unmatched_send", "send", (0, 1), (1,), 3)])
+        self.assertEqual(
+            [(x.kind, x.op, x.group, x.ranks, x.seq) for x in f], [("unmatched_send", "send", (0, 1), (1,), 3)]
+        )
         self.assertIn("skipped a receive", f[0].text)
 
     def test_a_receive_without_its_send(self):
-        recvs = [op(k, "recv", (2, 4), micro=k, peer=0, gname="3", state="posted" if k == 2 else "completed")
-                 for k in range(3)]
+        recvs = [
+            op(k, "recv", (2, 4), micro=k, peer=0, gname="3", state="posted" if k == 2 else "completed")
+            for k in range(3)
+        ]
         sends = [op(k, "send", (2, 4), micro=k, peer=1, gname="3") for k in range(2)]
         f = self.findings({0: dump(0, sends), 1: dump(1, recvs)})
         self.assertEqual([(x.kind, x.ranks, x.seq) for x in f], [("unmatched_recv", (0, 1), 2)])
@@ -194,8 +255,9 @@ class TestAnalysis(unittest.TestCase):
     def test_a_stopped_rank_never_reached_the_op(self):
         """Rank 1 stopped after step 2: only its ring (no dump at the hang), which ends 3 ops earlier."""
         f = self.findings({0: dump(0, steps(3, posted_from=6)), 1: dump(1, steps(2), source="ring")})
-        self.assertEqual([(x.kind, x.op, x.group, x.ranks, x.seq) for x in f],
-                         [("not_reached", "all_reduce", (0, 1), (1,), 6)])
+        self.assertEqual(
+            [(x.kind, x.op, x.group, x.ranks, x.seq) for x in f], [("not_reached", "all_reduce", (0, 1), (1,), 6)]
+        )
         self.assertIn("rank(s) [0] wait in it", f[0].text)
 
     def test_a_rank_without_any_file(self):
@@ -264,13 +326,24 @@ class TestCommandLine(unittest.TestCase):
         """The command a user types, in a fresh interpreter: it needs no torch (reads dumps anywhere)."""
         import subprocess
         import sys
+
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         with tempfile.TemporaryDirectory() as d:
             self.write(d, 0, steps(2))
             self.write(d, 1, steps(2, skip=(2, 0)))
-            proc = subprocess.run([sys.executable, "-c", "import sys, runpy; sys.argv = ['debug', 'hang', sys.argv[1]];"
-                                   " sys.modules['torch'] = None; runpy.run_module('debug', run_name='__main__')", d],
-                                  cwd=root, capture_output=True, text=True, timeout=60)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    "import sys, runpy; sys.argv = ['debug', 'hang', sys.argv[1]];"
+                    " sys.modules['torch'] = None; runpy.run_module('debug', run_name='__main__')",
+                    d,
+                ],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
         self.assertEqual(proc.returncode, 1, proc.stderr)
         self.assertIn("finding: mismatched collective #3 on group [0, 1]: rank(s) [1] skipped it", proc.stdout)
 
@@ -281,17 +354,46 @@ class TestCommandLine(unittest.TestCase):
 # case when the machine ran 10 processes on 2 cores (a step of rank 0 took longer, rank 1 dumped first): the
 # finding was then rank 0 "behind" instead of rank 1 stopped. 8 s is ~30x a healthy step at that load.
 STEPS, FAULT_AT, TIMEOUT = 4, 2, 8
-BASE = ["--model", "tiny", "--n_layer", "2", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "256",
-        "--max_steps", str(STEPS), "--eval_interval", "100", "--eval_iters", "1", "--warmup_steps", "1",
-        "--peak_flops", "1e12", "--no_checkpoint", "--timeout", str(TIMEOUT)]
+BASE = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    "2",
+    "--micro_batch_size",
+    "2",
+    "--seq_len",
+    "32",
+    "--total_batch_size",
+    "256",
+    "--max_steps",
+    str(STEPS),
+    "--eval_interval",
+    "100",
+    "--eval_iters",
+    "1",
+    "--warmup_steps",
+    "1",
+    "--peak_flops",
+    "1e12",
+    "--no_checkpoint",
+    "--timeout",
+    str(TIMEOUT),
+]
 DDP = ["--implementation", "custom", "--data_parallel_size", "2", "--data_parallel_type", "ddp"]
 PP = ["--pipeline_parallel_size", "2"]  # 4 micro-batches of 2 rows
 # name: (layout, the faults.py hook's environment)
 CASES = {
     "skip": (DDP, {"GPT_COMM_FAULT": "skip", "GPT_COMM_FAULT_RANK": "1", "GPT_COMM_FAULT_STEP": str(FAULT_AT)}),
     "shape": (DDP, {"GPT_COMM_FAULT": "shape", "GPT_COMM_FAULT_RANK": "1", "GPT_COMM_FAULT_STEP": str(FAULT_AT)}),
-    "no_recv": (PP, {"GPT_COMM_FAULT": "skip", "GPT_COMM_FAULT_OP": "recv", "GPT_COMM_FAULT_RANK": "1",
-                     "GPT_COMM_FAULT_STEP": str(FAULT_AT)}),
+    "no_recv": (
+        PP,
+        {
+            "GPT_COMM_FAULT": "skip",
+            "GPT_COMM_FAULT_OP": "recv",
+            "GPT_COMM_FAULT_RANK": "1",
+            "GPT_COMM_FAULT_STEP": str(FAULT_AT),
+        },
+    ),
     "stopped": (DDP, {"GPT_KILL_AT_STEP": str(FAULT_AT), "GPT_KILL_RANK": "1", "GPT_KILL_SIGNAL": "STOP"}),
 }
 
@@ -303,12 +405,14 @@ class TestHangDoctor(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         from tests.harness import forked, shared_data
+
         cls.tmp = tempfile.TemporaryDirectory()
         cls.runs, cls.reports = {}, {}
         for name, (layout, env) in CASES.items():
             out = os.path.join(cls.tmp.name, name)
-            cls.runs[name] = forked([*BASE, *layout, "--dataset", shared_data(), "--out_dir", out], 2, env=env,
-                                    timeout=120)
+            cls.runs[name] = forked(
+                [*BASE, *layout, "--dataset", shared_data(), "--out_dir", out], 2, env=env, timeout=120
+            )
             cls.reports[name] = hang.analyze(hang.load(out))
 
     @classmethod

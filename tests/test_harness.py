@@ -7,6 +7,7 @@ of a name gets the first caller's run. That is only right if the later caller as
 run_key (ranks, and what train.py's parser makes of the flags). Asked for with other flags, the name fails
 loudly instead of handing out a run of other flags.
 """
+
 import atexit
 import os
 import tempfile
@@ -118,9 +119,11 @@ class MeasurementsInOneRun(unittest.TestCase):
         self.assertEqual(measures["after"], [[0, 0, 0], [1, 1, 1]])  # the one after a raise ran and came back
         with self.assertRaises(MeasurementError) as raised:
             measures["raises"]
-        self.assertRegex(str(raised.exception),
-                         r"(?s)^measurement 'raises' raised\nrank 1:\nTraceback.*measure_raises"
-                         r".*ValueError: no value on rank 1\n$")
+        self.assertRegex(
+            str(raised.exception),
+            r"(?s)^measurement 'raises' raised\nrank 1:\nTraceback.*measure_raises"
+            r".*ValueError: no value on rank 1\n$",
+        )
         self.assertNotIn("rank 0", str(raised.exception))
         with self.assertRaisesRegex(KeyError, "no measurement 'unknown' registered"):
             measures["unknown"]
@@ -194,8 +197,11 @@ class MeasurementsOnSpawnedRanks(unittest.TestCase):
     def test_a_raise_that_leaves_the_ranks_out_of_step_ends_the_run(self):
         """Rank 0 waits 2 s for rank 1 to finish the measurement, then ends the run (spawn then ends rank 1)
         with its error, instead of pairing rank 1's all-reduce with the next measurement's."""
-        with self.assertRaisesRegex(ProcessRaisedException, r"(?s)'raises_before_a_collective' raised on rank 0 "
-                                    r"and not every rank finished it.*out of step.*rank 0 left before"):
+        with self.assertRaisesRegex(
+            ProcessRaisedException,
+            r"(?s)'raises_before_a_collective' raised on rank 0 "
+            r"and not every rank finished it.*out of step.*rank 0 left before",
+        ):
             OUT_OF_STEP.run()
 
 

@@ -15,6 +15,7 @@ non-blocking on CUDA); scripts/gpu_check.sh runs the steps under torch.cuda.set_
 where the same recorder also sees real host <-> device copies. `TheRecorder` holds the recorder itself to
 what it must see (fast, no ranks).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,19 @@ FAMILIES = {  # name -> (ranks, flags)
     "plain": (1, []),
     "ddp": (2, ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]),
     "zero1": (2, ["--data_parallel_size", "2", "--data_parallel_type", "zero1"]),
-    "zero2 bf16 copies": (2, ["--data_parallel_size", "2", "--data_parallel_type", "zero2", "--dtype", "bfloat16",
-                              "--param_dtype", "bfloat16"]),
+    "zero2 bf16 copies": (
+        2,
+        [
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "zero2",
+            "--dtype",
+            "bfloat16",
+            "--param_dtype",
+            "bfloat16",
+        ],
+    ),
     "fsdp": (2, ["--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--deferred_init"]),
     "tp+sp": (2, ["--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"]),
     "pp": (2, ["--pipeline_parallel_size", "2", "--micro_batch_size", "1"]),
@@ -41,11 +53,39 @@ FAMILIES = {  # name -> (ranks, flags)
     "ac": (2, ["--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--activation_checkpointing", "full"]),
     # the split backward (WeightGradStore's W), interleaving's middle chunks, HSDP's replica all-reduce
     "pp zb_h1": (2, ["--pipeline_parallel_size", "2", "--pp_schedule", "zb_h1", "--micro_batch_size", "1"]),
-    "pp interleaved": (2, ["--pipeline_parallel_size", "2", "--pp_schedule", "interleaved_1f1b",
-                           "--pp_virtual_stages", "2", "--n_layer", "4", "--micro_batch_size", "1"]),
+    "pp interleaved": (
+        2,
+        [
+            "--pipeline_parallel_size",
+            "2",
+            "--pp_schedule",
+            "interleaved_1f1b",
+            "--pp_virtual_stages",
+            "2",
+            "--n_layer",
+            "4",
+            "--micro_batch_size",
+            "1",
+        ],
+    ),
     "hsdp": (4, ["--data_parallel_size", "4", "--data_parallel_type", "fsdp", "--data_parallel_replicate_size", "2"]),
-    "moe ep2": (2, ["--data_parallel_size", "2", "--data_parallel_type", "ddp", "--expert_parallel_size", "2",
-                    "--moe_num_experts", "4", "--moe_aux_loss_coeff", "0.01", "--moe_bias_update_rate", "1e-3"]),
+    "moe ep2": (
+        2,
+        [
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "ddp",
+            "--expert_parallel_size",
+            "2",
+            "--moe_num_experts",
+            "4",
+            "--moe_aux_loss_coeff",
+            "0.01",
+            "--moe_bias_update_rate",
+            "1e-3",
+        ],
+    ),
 }
 
 
@@ -54,17 +94,42 @@ def syncs_in_families(rank: int, world: int, data: str, families: dict[str, list
     return {name: syncs_in_steps(rank, world, data, flags, name) for name, flags in families.items()}
 
 
-def syncs_in_steps(rank: int, world: int, data: str, flags: list[str], name: str = "run"
-                   ) -> list[tuple[str, str, str]]:
+def syncs_in_steps(rank: int, world: int, data: str, flags: list[str], name: str = "run") -> list[tuple[str, str, str]]:
     """Build the run of `flags`, train step 1, then record every host sync from our code in steps 2 and 3
     (train_step and the preemption vote, as train.run calls them): [(file, function, kind)]."""
     import faults
     import train
     from config import parse_args, validate
+
     out = os.path.join(data, f"{name}-out{rank}")
-    plan = validate(parse_args(["--model", "tiny", "--vocab_size", "512", "--n_layer", "2", "--micro_batch_size", "2",
-                                "--seq_len", "32", "--total_batch_size", "256", "--dataset", data, "--device", "cpu",
-                                "--implementation", "custom", "--gradient_clipping", "--out_dir", out, *flags]))
+    plan = validate(
+        parse_args(
+            [
+                "--model",
+                "tiny",
+                "--vocab_size",
+                "512",
+                "--n_layer",
+                "2",
+                "--micro_batch_size",
+                "2",
+                "--seq_len",
+                "32",
+                "--total_batch_size",
+                "256",
+                "--dataset",
+                data,
+                "--device",
+                "cpu",
+                "--implementation",
+                "custom",
+                "--gradient_clipping",
+                "--out_dir",
+                out,
+                *flags,
+            ]
+        )
+    )
     t = train.build(plan)
     t.faults = faults.Faults(out, rank, 60.0, plan.device)
     train.train_step(t, 1)
@@ -111,6 +176,7 @@ class TheRecorder(unittest.TestCase):
 
     def test_an_item_in_our_code_is_seen_once_with_its_place(self):
         import faults
+
         flag = faults.Preemption.__new__(faults.Preemption)  # no signal handlers installed in the test process
         flag.device, flag.signal, flag._flag, flag._work = torch.device("cpu"), None, None, None
         flag.vote()
@@ -122,6 +188,7 @@ class TheRecorder(unittest.TestCase):
     def test_the_preemption_vote_makes_no_sync(self):
         """The vote's flag is filled on the device: no tensor from host data (a blocking copy on CUDA)."""
         import faults
+
         flag = faults.Preemption.__new__(faults.Preemption)
         flag.device, flag.signal, flag._flag, flag._work = torch.device("cpu"), "SIGTERM", None, None
         seen = []
@@ -143,8 +210,11 @@ class TheRecorder(unittest.TestCase):
         t = torch.arange(4.0)
         seen = []
         with recording(seen):
-            as_ours(lambda: (torch.tensor([1, 2]), t[t > 1], t.nonzero(), torch.full((1,), 3.0),
-                             torch.zeros(2) + 1), "faults.py", "vote")()
+            as_ours(
+                lambda: (torch.tensor([1, 2]), t[t > 1], t.nonzero(), torch.full((1,), 3.0), torch.zeros(2) + 1),
+                "faults.py",
+                "vote",
+            )()
         self.assertEqual([k for *_, k in seen], ["lift_fresh", "index with a boolean mask", "nonzero"])
 
     def test_blocking_host_to_device_copies(self):
@@ -153,10 +223,20 @@ class TheRecorder(unittest.TestCase):
         meta, host = torch.device("meta"), torch.ones(3)
         seen = []
         with recording(seen, device=meta):
-            as_ours(lambda: (host.to(meta), torch.empty(3, device=meta).copy_(host), host.sum().item(),
-                             host[host > 0], torch.ones(3, device=meta) * 2), "parallel/fsdp.py", "finish")()
-        self.assertEqual(seen, [("parallel/fsdp.py", "finish", "host-to-device copy")] * 2
-                         + [("parallel/fsdp.py", "finish", "item")])  # the Python patch records every item()
+            as_ours(
+                lambda: (
+                    host.to(meta),
+                    torch.empty(3, device=meta).copy_(host),
+                    host.sum().item(),
+                    host[host > 0],
+                    torch.ones(3, device=meta) * 2,
+                ),
+                "parallel/fsdp.py",
+                "finish",
+            )()
+        self.assertEqual(
+            seen, [("parallel/fsdp.py", "finish", "host-to-device copy")] * 2 + [("parallel/fsdp.py", "finish", "item")]
+        )  # the Python patch records every item()
 
     def test_audit_runs_only_allowed_places_with_the_debugger_off(self):
         """With `audit`, a sync from an ALLOWED place runs with CUDA's sync debugger off (and back on after);
@@ -171,5 +251,7 @@ class TheRecorder(unittest.TestCase):
             self.assertEqual(modes, [0, 2])
             as_ours(lambda: (float(t), t.item()), "parallel/zero_bubble.py", "flush")()
             self.assertEqual(modes, [0, 2])
-        self.assertEqual(unallowed(seen), [("parallel/zero_bubble.py", "flush", "_local_scalar_dense"),
-                                           ("parallel/zero_bubble.py", "flush", "item")])
+        self.assertEqual(
+            unallowed(seen),
+            [("parallel/zero_bubble.py", "flush", "_local_scalar_dense"), ("parallel/zero_bubble.py", "flush", "item")],
+        )

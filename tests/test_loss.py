@@ -25,6 +25,7 @@ with S = s at each row's target, 0 elsewhere. Then each side's product sums with
 rounds once more when scaled by g (u |dx|): |d dx| <= (2 gamma_V + 6u) (|G| + S) |W|, |d dW| <= (2 gamma_N + 6u)
 (|G| + S)^T |X|. Under bf16 the two d(logits) are also rounded to bf16 (u_b each) and so are the products: + 4 u_b.
 """
+
 from __future__ import annotations
 
 import functools
@@ -36,13 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from bench.pipeline import SavedBytes
-from memory import LargestTensor
 from loss import LOSS_CHUNK_ALIGN, WHOLE_VOCAB, linear_cross_entropy, loss_chunk_rows, loss_share
+from memory import LargestTensor
 from model import GPT, GPTConfig
 from parallel.tensor_parallel import VocabShard
 from tests.rounding import EPS32, ROUNDING_FACTOR
 
-U32, U_BF16 = 2.0 ** -24, 2.0 ** -8
+U32, U_BF16 = 2.0**-24, 2.0**-8
 N, C, V = 200, 32, 1000
 CFG = GPTConfig(vocab_size=512, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
@@ -179,7 +180,7 @@ class TestAgainstWholeLogits(unittest.TestCase):
         whole vocab: the loss and dx bit-equal to the whole logits, dW within the reordering bound (as above);
         VocabShard (one rank, with and without gather) within rounding of them."""
         x, w, t = _inputs(4)
-        x, t = x[:3 * LOSS_CHUNK_ALIGN], t[:3 * LOSS_CHUNK_ALIGN]
+        x, t = x[: 3 * LOSS_CHUNK_ALIGN], t[: 3 * LOSS_CHUNK_ALIGN]
         ref_loss, ref_dx, ref_dw, g = _whole(x, w, t, grad=1.0)
         today, exact = (ref_loss, ref_dx, ref_dw), _whole(x.double(), w.double(), t, grad=1.0)[:3]
         bound = _dw_bound(g, x, 2 * gamma(x.shape[0]))
@@ -223,7 +224,7 @@ class TestGradientAccumulation(unittest.TestCase):
         self.assertFalse(torch.equal(dx(M, False), whole))
 
 
-U16, TINY16, TINY32 = 2.0 ** -11, 2.0 ** -14, 2.0 ** -126  # fp16's unit roundoff, fp16's and fp32's smallest normals
+U16, TINY16, TINY32 = 2.0**-11, 2.0**-14, 2.0**-126  # fp16's unit roundoff, fp16's and fp32's smallest normals
 
 
 def _rounding(a: torch.Tensor, u: float, h: float) -> torch.Tensor:
@@ -232,8 +233,9 @@ def _rounding(a: torch.Tensor, u: float, h: float) -> torch.Tensor:
     return u * (a.abs() + h)
 
 
-def _head_bound(x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, s: float, u: float, h: float,
-                chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _head_bound(
+    x: torch.Tensor, w: torch.Tensor, t: torch.Tensor, s: float, u: float, h: float, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Elementwise bounds (float64) on |dx - exact| and |dW - exact| of linear_cross_entropy computed in a dtype of
     unit roundoff u and smallest normal h (autocast's: x, W, the logits, their gradient and the products rounded
     to it; every GEMM accumulating in fp32, as torch's CPU GEMMs do for fp16), every row's gradient scaled by s
@@ -300,17 +302,19 @@ class TestLossScale(unittest.TestCase):
         x = torch.randn(N, C, generator=g)
         w = torch.randn(V, C, generator=g) * 0.02  # GPT-2's init
         t = torch.randint(0, V, (N,), generator=g)
-        b16 = _head_bound(x, w, t, 2.0 ** 16 / (M * N), U16, TINY16, chunks=2)
+        b16 = _head_bound(x, w, t, 2.0**16 / (M * N), U16, TINY16, chunks=2)
         b32 = _head_bound(x, w, t, 1.0 / (M * N), U32, TINY32, chunks=2)
         for vocab in (WHOLE_VOCAB, VocabShard(None, 0)):
             dx, dw, S = _scaled_head(x, w, t, M, True, vocab, N // 2)
             ref_dx, ref_dw, one = _scaled_head(x, w, t, M, False, vocab, N // 2)
-            self.assertEqual((S, one), (2.0 ** 16, 1.0))
+            self.assertEqual((S, one), (2.0**16, 1.0))
             for what, got, ref, (a, b) in (("dx", dx, ref_dx, (b16[0], b32[0])), ("dW", dw, ref_dw, (b16[1], b32[1]))):
                 err = (got.double() / S - ref.double()).abs()
                 bound = a / S + b
-                self.assertTrue(bool((err <= bound).all()),
-                                f"{type(vocab).__name__} {what}: worst err/bound {float((err / bound).max())}")
+                self.assertTrue(
+                    bool((err <= bound).all()),
+                    f"{type(vocab).__name__} {what}: worst err/bound {float((err / bound).max())}",
+                )
 
 
 def _step_batches(M: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -328,19 +332,25 @@ def _step(M: int, pipeline: bool, scale=None, autocast: bool = True) -> list[tor
     from parallel.mesh import Mesh, ParallelDims
     from parallel.parallelize import ParallelConfig, parallelize
     from parallel.pipeline import PipelineRunner, PipelineStage
+
     model, seen = GPT(CFG), []
     model.init_weights(7)
 
     def keep_gradient(module, inputs, out):
         out.register_hook(seen.append)
+
     model.transformer.wte.register_forward_hook(keep_gradient)
     context = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=autocast)
     if pipeline:
         with context():
             PipelineRunner(PipelineStage(model, 0, 1, 1)).step(_step_batches(M), "1f1b", scale)
     else:
-        par = parallelize(model, Mesh(ParallelDims(dp=1, tp=1, world_size=1)),
-                          ParallelConfig(implementation="custom"), torch.device("cpu"))
+        par = parallelize(
+            model,
+            Mesh(ParallelDims(dp=1, tp=1, world_size=1)),
+            ParallelConfig(implementation="custom"),
+            torch.device("cpu"),
+        )
         par.forward_backward(_step_batches(M), scale, context)
     return seen
 
@@ -368,6 +378,7 @@ class TestTheStepTellsTheHead(unittest.TestCase):
         backward's factor (incoming gradient / what forward was told) is exactly 1: the scale reaches the head's
         products before their fp16 cast (TestLossScale). Told 1/M alone, the factor would be S; told nothing, S/M."""
         from loss import _LinearCrossEntropy
+
         real = _LinearCrossEntropy.backward
         for pipeline in (False, True):
             factors = []
@@ -379,7 +390,7 @@ class TestTheStepTellsTheHead(unittest.TestCase):
             scaler = torch.amp.GradScaler("cpu")
             with unittest.mock.patch.object(_LinearCrossEntropy, "backward", staticmethod(spy)):
                 _step(3, pipeline, scaler.scale, autocast=False)
-            self.assertEqual(scaler.get_scale(), 2.0 ** 16)
+            self.assertEqual(scaler.get_scale(), 2.0**16)
             self.assertEqual(factors, [1.0] * 3, f"pipeline={pipeline}")
 
 
@@ -429,8 +440,10 @@ class TestMemory(unittest.TestCase):
                 copies.add(tensor.untyped_storage().data_ptr())
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
-                torch.autocast("cpu", dtype=torch.bfloat16):
+        with (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+            torch.autocast("cpu", dtype=torch.bfloat16),
+        ):
             losses = [linear_cross_entropy(x[m::4].requires_grad_(), w, t[m::4], chunk_rows=16) for m in range(4)]
             for loss in losses:
                 loss.backward()
@@ -443,6 +456,7 @@ class TestMemory(unittest.TestCase):
         be a 4th, 25.8 MB at GPT-2's vocabulary (the backward of before the fused head kept one; found by a row
         of tests/test_plan_runs.py at GPT-2's vocabulary)."""
         from memory import LiveStorages
+
         x, w, t = _inputs()
         x.requires_grad_()
         w = torch.nn.Parameter(w)
@@ -460,8 +474,7 @@ class TestMemory(unittest.TestCase):
     def test_default_chunk_rows(self):
         """The most multiple of 64 rows whose fp32 logits fit 32 MiB: 128 rows of GPT-2's 50304 (24.6 MiB), 320 of
         a TP=2 slice; at least 64."""
-        self.assertEqual([loss_chunk_rows(v) for v in (50304, 25152, 512, 2 ** 17, 2 ** 20)],
-                         [128, 320, 16384, 64, 64])
+        self.assertEqual([loss_chunk_rows(v) for v in (50304, 25152, 512, 2**17, 2**20)], [128, 320, 16384, 64, 64])
 
 
 class TestDeviceKernels(unittest.TestCase):
@@ -471,6 +484,7 @@ class TestDeviceKernels(unittest.TestCase):
         temporary, no separate fp32 add. On the CPU, which has none, the bf16 product then the fp32 add: the bits
         the rest of this file holds."""
         from torch.utils._python_dispatch import TorchDispatchMode
+
         from loss import HeadGradients, fp32_accumulating_addmm
 
         class Ops(TorchDispatchMode):
@@ -479,8 +493,10 @@ class TestDeviceKernels(unittest.TestCase):
                 return func(*args, **(kwargs or {}))
 
         self.assertEqual((fp32_accumulating_addmm("cpu"), fp32_accumulating_addmm("meta")), (False, True))
-        for device, dw_ops in (("meta", ["aten.addmm.dtype_out"] * 2),
-                               ("cpu", ["aten.mm.default", "aten.add_.Tensor"] * 2)):
+        for device, dw_ops in (
+            ("meta", ["aten.addmm.dtype_out"] * 2),
+            ("cpu", ["aten.mm.default", "aten.add_.Tensor"] * 2),
+        ):
             xc = torch.randn(128, C, dtype=torch.bfloat16, device=device)
             wc = torch.randn(V, C, dtype=torch.bfloat16, device=device)
             grads, seen = HeadGradients(xc, wc, need_dx=False, need_dw=True), []

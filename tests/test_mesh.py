@@ -6,6 +6,7 @@ backend options, on 4 spawned ranks, after train.build of a layout with every ki
 [first, last] embedding groups), HSDP's replicate and shard dims and their flattening, and the async
 checkpoint saver's gloo group.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,12 +26,43 @@ def groups_after_build(rank: int, world: int, data: str) -> list[float]:
 
     import train
     from config import parse_args, validate
+
     out = os.path.join(data, f"out{rank}")
-    plan = validate(parse_args(["--model", "tiny", "--vocab_size", "512", "--n_layer", "2", "--micro_batch_size", "1",
-                                "--seq_len", "16", "--total_batch_size", "32", "--dataset", data, "--device", "cpu",
-                                "--pipeline_parallel_size", "2", "--data_parallel_size", "2",
-                                "--data_parallel_type", "fsdp", "--data_parallel_replicate_size", "2",
-                                "--async_checkpoint", "--timeout", str(TIMEOUT_S), "--out_dir", out]))
+    plan = validate(
+        parse_args(
+            [
+                "--model",
+                "tiny",
+                "--vocab_size",
+                "512",
+                "--n_layer",
+                "2",
+                "--micro_batch_size",
+                "1",
+                "--seq_len",
+                "16",
+                "--total_batch_size",
+                "32",
+                "--dataset",
+                data,
+                "--device",
+                "cpu",
+                "--pipeline_parallel_size",
+                "2",
+                "--data_parallel_size",
+                "2",
+                "--data_parallel_type",
+                "fsdp",
+                "--data_parallel_replicate_size",
+                "2",
+                "--async_checkpoint",
+                "--timeout",
+                str(TIMEOUT_S),
+                "--out_dir",
+                out,
+            ]
+        )
+    )
     train.build(plan)
     mine = [g for g in c10d._world.pg_map if not c10d._rank_not_in_group(g)]
     return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in mine]
@@ -61,6 +93,7 @@ class InitGroupCalls(unittest.TestCase):
 
         from parallel.mesh import ParallelDims
         from plan.startup import init_group_calls
+
         if dist.is_initialized():
             self.skipTest("counts on a fake process group of its own; this process already has one (torchrun)")
         got = init_group_calls(ParallelDims(**dims), backend, v_shape)
@@ -69,21 +102,28 @@ class InitGroupCalls(unittest.TestCase):
     def test_pp2_dp2_tp2(self):
         # dims: pp 8/2 = 4, dp_replicate 8, dp_shard 4, cp 8, tp 4 -> 28; links 2 x 4; embedding 4 pipelines
         embed = [[0, 4], [1, 5], [2, 6], [3, 7]]
-        self.assertEqual(self.count("nccl", pp=2, dp=2, tp=2, world_size=8),
-                         (8, 40, {"mesh": (0, 5, 28), "links": (0, 2, 8), "embedding": (0, 1, 4)}, embed))
-        self.assertEqual(self.count("gloo", pp=2, dp=2, tp=2, world_size=8),
-                         (32, 32, {"mesh": (28, 0, 28), "embedding": (4, 0, 4)}, embed))
+        self.assertEqual(
+            self.count("nccl", pp=2, dp=2, tp=2, world_size=8),
+            (8, 40, {"mesh": (0, 5, 28), "links": (0, 2, 8), "embedding": (0, 1, 4)}, embed),
+        )
+        self.assertEqual(
+            self.count("gloo", pp=2, dp=2, tp=2, world_size=8),
+            (32, 32, {"mesh": (28, 0, 28), "embedding": (4, 0, 4)}, embed),
+        )
 
     def test_odd_pp_with_cp(self):
         # dims: pp 12/3 = 4, dp_replicate 12, dp_shard 6, cp 6, tp 12 -> 40, + loss and fsdp flattened (dp_shard x
         # cp, 3 groups each) -> 46 by 7 splits; links: pp of 3 -> 3 colours x 4, cp of 2 -> 2 colours x 6
         embed = [[0, 8], [1, 9], [2, 10], [3, 11]]
         dims = {"pp": 3, "dp": 2, "cp": 2, "tp": 1, "world_size": 12}
-        self.assertEqual(self.count("nccl", **dims),
-                         (13, 74, {"mesh": (0, 7, 46), "links": (0, 5, 24), "embedding": (0, 1, 4)}, embed))
+        self.assertEqual(
+            self.count("nccl", **dims),
+            (13, 74, {"mesh": (0, 7, 46), "links": (0, 5, 24), "embedding": (0, 1, 4)}, embed),
+        )
         self.assertEqual(self.count("gloo", **dims), (50, 50, {"mesh": (46, 0, 46), "embedding": (4, 0, 4)}, embed))
-        self.assertEqual(self.count("nccl", v_shape=True, **dims),
-                         (12, 70, {"mesh": (0, 7, 46), "links": (0, 5, 24)}, None))
+        self.assertEqual(
+            self.count("nccl", v_shape=True, **dims), (12, 70, {"mesh": (0, 7, 46), "links": (0, 5, 24)}, None)
+        )
 
     def test_expert_dims(self):
         # dims: 4 + 4 + 2 + 4 + 2 = 16; ep: one group of 2 per tp rank (2), edp: 2 per tp rank (4)

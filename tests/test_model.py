@@ -1,12 +1,21 @@
 """The model: HF GPT-2 parity, and init as a pure function of (seed, parameter name)."""
+
 import math
 import random
 import unittest
 
 import torch
 
-from model import (GPT, INIT_ROW_BLOCK, GPTConfig, PRESETS, init_parameter, make_config, materialize_module,
-                   parameter_seed)
+from model import (
+    GPT,
+    INIT_ROW_BLOCK,
+    PRESETS,
+    GPTConfig,
+    init_parameter,
+    make_config,
+    materialize_module,
+    parameter_seed,
+)
 
 SMALL = GPTConfig(block_size=64, vocab_size=512, n_layer=2, n_head=4, n_embd=64)
 
@@ -68,8 +77,13 @@ class TestInit(unittest.TestCase):
         cfg = make_config("tiny")
         name, shape = "transformer.h.0.mlp.c_proj.weight", (64, 256)
         full = init_parameter(name, shape, cfg, 3)
-        for rows, cols in ((slice(0, 32), None), (slice(32, 64), None), (None, slice(128, 256)),
-                           (slice(50, 70), slice(3, 9)), (slice(63, 65), None)):
+        for rows, cols in (
+            (slice(0, 32), None),
+            (slice(32, 64), None),
+            (None, slice(128, 256)),
+            (slice(50, 70), slice(3, 9)),
+            (slice(63, 65), None),
+        ):
             got = init_parameter(name, shape, cfg, 3, rows, cols)
             self.assertTrue(torch.equal(got, full[rows or slice(None), cols or slice(None)]), (rows, cols))
 
@@ -83,16 +97,27 @@ class TestInit(unittest.TestCase):
             cfg = make_config(preset, n_layer=n_layer)
             d = cfg.n_embd
             resid = 0.02 / math.sqrt(2 * n_layer)
-            for name, shape, std in (("transformer.h.1.mlp.c_fc.weight", (4 * d, d), 0.02),
-                                     ("transformer.h.1.mlp.c_proj.weight", (d, 4 * d), resid),
-                                     ("transformer.h.0.attn.c_proj.weight", (d, d), resid),
-                                     ("transformer.wpe.weight", (cfg.block_size, d), 0.02)):
+            for name, shape, std in (
+                ("transformer.h.1.mlp.c_fc.weight", (4 * d, d), 0.02),
+                ("transformer.h.1.mlp.c_proj.weight", (d, 4 * d), resid),
+                ("transformer.h.0.attn.c_proj.weight", (d, d), resid),
+                ("transformer.wpe.weight", (cfg.block_size, d), 0.02),
+            ):
                 got = init_parameter(name, shape, cfg, 1)
-                want = torch.cat([torch.empty(min(INIT_ROW_BLOCK, shape[0] - lo), shape[1]).normal_(
-                    0.0, std, generator=torch.Generator().manual_seed(parameter_seed(1, f"{name}#{lo // INIT_ROW_BLOCK}")))
-                    for lo in range(0, shape[0], INIT_ROW_BLOCK)])
+                want = torch.cat(
+                    [
+                        torch.empty(min(INIT_ROW_BLOCK, shape[0] - lo), shape[1]).normal_(
+                            0.0,
+                            std,
+                            generator=torch.Generator().manual_seed(
+                                parameter_seed(1, f"{name}#{lo // INIT_ROW_BLOCK}")
+                            ),
+                        )
+                        for lo in range(0, shape[0], INIT_ROW_BLOCK)
+                    ]
+                )
                 self.assertTrue(torch.equal(got, want), f"{preset} {name}")
-            n = 4 * cfg.n_embd ** 2
+            n = 4 * cfg.n_embd**2
             proj = init_parameter("transformer.h.3.mlp.c_proj.weight", (d, 4 * d), cfg, 1).double()
             tol = 6 * resid / math.sqrt(2 * n)
             for layers in (n_layer - 1, n_layer + 1):  # the check can see a wrong L
@@ -117,9 +142,18 @@ class TestInit(unittest.TestCase):
 class TestHF(unittest.TestCase):
     def hf_model(self):
         from transformers import GPT2Config, GPT2LMHeadModel
+
         torch.manual_seed(0)
-        cfg = GPT2Config(vocab_size=SMALL.vocab_size, n_positions=SMALL.block_size, n_embd=SMALL.n_embd,
-                         n_layer=SMALL.n_layer, n_head=SMALL.n_head, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        cfg = GPT2Config(
+            vocab_size=SMALL.vocab_size,
+            n_positions=SMALL.block_size,
+            n_embd=SMALL.n_embd,
+            n_layer=SMALL.n_layer,
+            n_head=SMALL.n_head,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+        )
         hf = GPT2LMHeadModel(cfg).eval()
         with torch.no_grad():  # HF zero-inits biases; make them non-trivial so the mapping is tested
             for n, p in hf.named_parameters():
@@ -149,6 +183,7 @@ class TestHF(unittest.TestCase):
 
     def test_gpt2_vocab_is_padded(self):
         from transformers import GPT2Config, GPT2LMHeadModel
+
         cfg = GPT2Config(n_positions=32, n_embd=64, n_layer=1, n_head=1)
         ours = GPT.from_hf_state_dict(GPT2LMHeadModel(cfg).state_dict())
         self.assertEqual(ours.config.vocab_size, 50304)

@@ -16,6 +16,7 @@
   tokens first, then rank 1's), and it sends the bytes the formula says; under bf16 autocast too, its rows in
   bf16 (half the bytes of ln_2's fp32 output).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,13 @@ class NewTensors(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        self.seen += [str(func) for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                      and tuple(t.shape) in self.shapes and t.untyped_storage().data_ptr() not in inputs]
+        self.seen += [
+            str(func)
+            for t in tree_leaves(out)
+            if isinstance(t, torch.Tensor)
+            and tuple(t.shape) in self.shapes
+            and t.untyped_storage().data_ptr() not in inputs
+        ]
         return out
 
 
@@ -73,7 +79,7 @@ def naive(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     for token in x.reshape(-1, x.shape[-1]):
         scores = torch.softmax(token @ W.t(), -1)
         biased = (scores + layer.expert_bias).tolist()
-        chosen = sorted(range(E), key=lambda e: (-biased[e], e))[:layer.k]  # ties: the lower index
+        chosen = sorted(range(E), key=lambda e: (-biased[e], e))[: layer.k]  # ties: the lower index
         gates = scores[chosen] / scores[chosen].sum()
         y = 0
         for g, e in zip(gates, chosen):
@@ -131,8 +137,12 @@ class TheLayer(unittest.TestCase):
         loop = torch.cat([xe @ w[e] for e, xe in enumerate(x.split(sizes))])
         self.assertTrue(torch.equal(grouped, loop))
         dy = torch.randn_like(loop)
-        self.assertTrue(all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(grouped, [x, w], dy),
-                                                              torch.autograd.grad(loop, [x, w], dy))))
+        self.assertTrue(
+            all(
+                torch.equal(a, b)
+                for a, b in zip(torch.autograd.grad(grouped, [x, w], dy), torch.autograd.grad(loop, [x, w], dy))
+            )
+        )
 
     def test_loop_backward_makes_each_weight_gradient_once(self):
         """Under bf16 autocast on CPU the experts run the per-expert loop. Its backward makes each stacked weight's
@@ -158,8 +168,10 @@ class TheLayer(unittest.TestCase):
         sizes = [7, 0, 9, 4]
         ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
         for autocast in (False, True):
-            with torch.autocast("cpu", torch.bfloat16, enabled=autocast), \
-                    mock.patch.object(moe_module, "grouped_mm_runs", lambda *a: False):
+            with (
+                torch.autocast("cpu", torch.bfloat16, enabled=autocast),
+                mock.patch.object(moe_module, "grouped_mm_runs", lambda *a: False),
+            ):
                 got = grouped_linear(x, w, ends, sizes)
                 want = torch.cat([xe @ w[e] for e, xe in enumerate(x.split(sizes))])
             self.assertTrue(torch.equal(got, want), autocast)
@@ -176,13 +188,20 @@ class TheLayer(unittest.TestCase):
         self.assertFalse(grouped_mm_runs(cpu, torch.bfloat16, 64, 256))
         self.assertFalse(grouped_mm_runs(cpu, torch.float32, 66, 256))
         gpu = torch.device("cuda", 0)
-        for capability, dtype, k, want in (((9, 0), torch.bfloat16, 64, True), ((10, 0), torch.bfloat16, 64, True),
-                                           ((8, 0), torch.bfloat16, 64, False), ((12, 0), torch.bfloat16, 64, False),
-                                           ((9, 0), torch.float32, 64, False), ((9, 0), torch.float16, 64, False),
-                                           ((9, 0), torch.bfloat16, 60, False)):
+        for capability, dtype, k, want in (
+            ((9, 0), torch.bfloat16, 64, True),
+            ((10, 0), torch.bfloat16, 64, True),
+            ((8, 0), torch.bfloat16, 64, False),
+            ((12, 0), torch.bfloat16, 64, False),
+            ((9, 0), torch.float32, 64, False),
+            ((9, 0), torch.float16, 64, False),
+            ((9, 0), torch.bfloat16, 60, False),
+        ):
             module = mock.Mock(get_device_capability=mock.Mock(return_value=capability))
-            with mock.patch.object(torch, "get_device_module", return_value=module), \
-                    mock.patch.object(torch.version, "hip", None):
+            with (
+                mock.patch.object(torch, "get_device_module", return_value=module),
+                mock.patch.object(torch.version, "hip", None),
+            ):
                 self.assertEqual(grouped_mm_runs(gpu, dtype, k, 256), want, (capability, dtype, k))
             if want:
                 module.get_device_capability.assert_called_with(gpu)
@@ -204,10 +223,12 @@ class TheLayer(unittest.TestCase):
         for fast in (False, True):
             layer = moe()
             reads = mock.Mock(side_effect=lambda counts, n: counts.tolist())
-            with mock.patch.object(moe_module.LocalDispatch, "split_sizes", reads), \
-                    mock.patch.object(torch, "_grouped_mm", spy), \
-                    (mock.patch.object(moe_module, "grouped_mm_runs", fast_path_here) if fast
-                     else contextlib.nullcontext()), torch.autocast("cpu", torch.bfloat16):
+            with (
+                mock.patch.object(moe_module.LocalDispatch, "split_sizes", reads),
+                mock.patch.object(torch, "_grouped_mm", spy),
+                mock.patch.object(moe_module, "grouped_mm_runs", fast_path_here) if fast else contextlib.nullcontext(),
+                torch.autocast("cpu", torch.bfloat16),
+            ):
                 y = layer(x)
             self.assertEqual(reads.call_count, 0 if fast else 1, fast)
             grads = torch.autograd.grad(y.float().sum(), [x, *layer.parameters()])
@@ -226,7 +247,7 @@ class TheLayer(unittest.TestCase):
         for early in (True, False):
             layer = moe()
             late = mock.patch.object(moe_module, "expert_rows", lambda x, order, k: x[order // k])
-            with (contextlib.nullcontext() if early else late), torch.autocast("cpu", torch.bfloat16):
+            with contextlib.nullcontext() if early else late, torch.autocast("cpu", torch.bfloat16):
                 y = layer(x)
             out.append((y, *torch.autograd.grad(y.float().sum(), [x, *layer.parameters()])))
         self.assertTrue(all(torch.equal(a, b) for a, b in zip(*out)))
@@ -240,6 +261,7 @@ class TheLayer(unittest.TestCase):
         layer = model.transformer.h[0].mlp
         x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(4))
         from moe import SideLosses
+
         with SideLosses() as side:
             layer(x)
         scores = torch.softmax(x.reshape(-1, 64) @ layer.router.weight.t(), -1)
@@ -247,8 +269,8 @@ class TheLayer(unittest.TestCase):
         counts = torch.bincount(chosen.reshape(-1), minlength=4)
         per_row = []  # the loss of each sequence (row): its own assignments' shares and mean scores
         for b in range(2):
-            f = torch.bincount(chosen[8 * b:8 * (b + 1)].reshape(-1), minlength=4).float() / (8 * 2)
-            per_row.append(4 * (f * scores[8 * b:8 * (b + 1)].mean(0)).sum())
+            f = torch.bincount(chosen[8 * b : 8 * (b + 1)].reshape(-1), minlength=4).float() / (8 * 2)
+            per_row.append(4 * (f * scores[8 * b : 8 * (b + 1)].mean(0)).sum())
         torch.testing.assert_close(side.total, a * torch.stack(per_row).mean(), rtol=1e-6, atol=0)
         stats, aux = balance_experts([(0, layer)])
         self.assertEqual(stats[0, :4].tolist(), counts.tolist())
@@ -279,6 +301,7 @@ def dispatch_once(rank: int, world: int, autocast: bool) -> dict:
     from parallel import comm
     from parallel.expert_parallel import apply_expert_parallel
     from parallel.mesh import MeshDim
+
     torch.manual_seed(0)
     whole = moe()
     xs = [torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
@@ -299,21 +322,34 @@ def dispatch_once(rank: int, world: int, autocast: bool) -> dict:
     x = xs[rank].clone().requires_grad_()
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
         y = mine(x)
-    grads = torch.autograd.grad(y, [x, mine.router.weight, *mine.experts.parameters()], dy[2 * rank:2 * rank + 2])
+    grads = torch.autograd.grad(y, [x, mine.router.weight, *mine.experts.parameters()], dy[2 * rank : 2 * rank + 2])
     rows = slice(2 * rank * 8, (2 * rank + 2) * 8)
     L = slice(2 * rank, 2 * rank + 2)
     n = dict(zip([name for name, _ in whole.named_parameters()], grads_all[1:]))
     # sum_r |G_r x_r^T| of the router weight's gradient, from each token run alone (one row: no summation)
-    magnitude = None if autocast else sum(
-        torch.autograd.grad(whole(x_all[b, t].view(1, 1, -1)), whole.router.weight, dy[b, t].view(1, 1, -1))[0].abs()
-        for b in range(x_all.shape[0]) for t in range(x_all.shape[1]))
-    return {"y": torch.equal(y, y_all[2 * rank:2 * rank + 2]),
-            "dx": torch.equal(grads[0], grads_all[0][2 * rank:2 * rank + 2]),
-            "experts": all(torch.equal(g, n[f"experts.{name}"][L]) for g, (name, _) in
-                           zip(grads[2:], mine.experts.named_parameters())),
-            "router": (grads[1], n["router.weight"], magnitude), "rows": rows,
-            "bytes": comm.COUNTER.snapshot().get("all_to_all"), "calls": comm.COUNTER.snapshot_calls().get("all_to_all"),
-            "load": mine.load.tolist()}
+    magnitude = (
+        None
+        if autocast
+        else sum(
+            torch.autograd.grad(whole(x_all[b, t].view(1, 1, -1)), whole.router.weight, dy[b, t].view(1, 1, -1))[
+                0
+            ].abs()
+            for b in range(x_all.shape[0])
+            for t in range(x_all.shape[1])
+        )
+    )
+    return {
+        "y": torch.equal(y, y_all[2 * rank : 2 * rank + 2]),
+        "dx": torch.equal(grads[0], grads_all[0][2 * rank : 2 * rank + 2]),
+        "experts": all(
+            torch.equal(g, n[f"experts.{name}"][L]) for g, (name, _) in zip(grads[2:], mine.experts.named_parameters())
+        ),
+        "router": (grads[1], n["router.weight"], magnitude),
+        "rows": rows,
+        "bytes": comm.COUNTER.snapshot().get("all_to_all"),
+        "calls": comm.COUNTER.snapshot_calls().get("all_to_all"),
+        "load": mine.load.tolist(),
+    }
 
 
 class DispatchAcrossRanks(unittest.TestCase):
@@ -334,7 +370,7 @@ class DispatchAcrossRanks(unittest.TestCase):
             self.assertTrue(r["y"] and r["dx"] and r["experts"])
         total = sum(r["router"][0] for r in self.res)
         _, ref, magnitude = self.res[0]["router"]
-        u = 2.0 ** -24
+        u = 2.0**-24
         bound = 2 * (33 * u / (1 - 33 * u)) * magnitude * (1 + 2 * u)
         self.assertLessEqual(float(((total - ref).abs() - bound).max()), 0.0)
         self.assertGreater(float((total - ref).abs().max()), 0.0)  # the orders differ: the bound is what holds
@@ -343,6 +379,7 @@ class DispatchAcrossRanks(unittest.TestCase):
         """Per rank, forward: the counts (4 int64), its 16·2 rows out, the rows its experts got back; backward the
         same two row moves: 8·E + 2·(N·k + R)·C·4 bytes, R = the rows that reached this rank's experts."""
         from plan.theory import ep_all_to_all_bytes_per_micro_step
+
         load = [sum(r["load"][e] for r in self.res) for e in range(4)]  # tokens per expert over both ranks
         for rank, r in enumerate(self.res):
             received = load[2 * rank] + load[2 * rank + 1]
@@ -355,11 +392,13 @@ class DispatchAcrossRanks(unittest.TestCase):
         ln_2's output is fp32), the experts' outputs back and both gradients: 8·E + 2·(N·k + R)·C·2 bytes, where
         fp32 rows made it 8·E + (N·k·4 + R·2 + R·4 + N·k·2)·C. The same bits as the local dispatch (above)."""
         from plan.theory import ep_all_to_all_bytes_per_micro_step
+
         load = [sum(r["load"][e] for r in self.bf16) for e in range(4)]
         for rank, r in enumerate(self.bf16):
             received = load[2 * rank] + load[2 * rank + 1]
-            self.assertEqual(r["bytes"], ep_all_to_all_bytes_per_micro_step(16, 2, 64, 4, 1, dtype_bytes=2,
-                                                                            received=received))
+            self.assertEqual(
+                r["bytes"], ep_all_to_all_bytes_per_micro_step(16, 2, 64, 4, 1, dtype_bytes=2, received=received)
+            )
             self.assertEqual(r["bytes"], 8 * 4 + 2 * (16 * 2 + received) * 64 * 2)
 
 

@@ -8,6 +8,7 @@ process's only to rounding, and then nothing after them could be bit-equal. With
 Muon adds is bit-equal by construction: momentum and the step are elementwise on each piece; Newton-Schulz runs
 on the whole matrix, cast to bf16 before the gather (a cast is elementwise), with one process's op sequence.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,19 +85,35 @@ def test_an_experts_matrices_are_torch_muon_on_each_slice():
 def test_which_matrices_muon_takes():
     names = [n for n, _ in model(MOE).named_parameters()]
     assert sorted(n.split(".", 3)[3] for n in names if is_muon(n) and ".h.0." in n) == sorted(
-        ["attn.c_q.weight", "attn.c_k.weight", "attn.c_v.weight", "attn.c_proj.weight",
-         "mlp.experts.c_fc.weight", "mlp.experts.c_proj.weight"])
-    assert not any(is_muon(n) for n in names if "wte" in n or "wpe" in n or "ln_" in n or "bias" in n
-                   or "router" in n)
+        [
+            "attn.c_q.weight",
+            "attn.c_k.weight",
+            "attn.c_v.weight",
+            "attn.c_proj.weight",
+            "mlp.experts.c_fc.weight",
+            "mlp.experts.c_proj.weight",
+        ]
+    )
+    assert not any(is_muon(n) for n in names if "wte" in n or "wpe" in n or "ln_" in n or "bias" in n or "router" in n)
     assert is_muon("module.transformer.h.3.mlp.c_fc.weight") and not is_muon("lm_head.weight")
 
 
 # ----------------------------------------------------------------------------- layouts
 
+
 def args(**kw) -> argparse.Namespace:
-    base = dict(optimizer="muon", implementation="custom", weight_decay=0.1, lr=MUON["lr"], muon_lr=None,
-                muon_momentum=None, muon_nesterov=None, muon_ns_steps=None, muon_weight_decay=None,
-                muon_adjust_lr_fn=None)
+    base = dict(
+        optimizer="muon",
+        implementation="custom",
+        weight_decay=0.1,
+        lr=MUON["lr"],
+        muon_lr=None,
+        muon_momentum=None,
+        muon_nesterov=None,
+        muon_ns_steps=None,
+        muon_weight_decay=None,
+        muon_adjust_lr_fn=None,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -110,6 +127,7 @@ def local_part(full: torch.Tensor, marks) -> torch.Tensor:
 def set_grads(par, full: dict[str, torch.Tensor]) -> None:
     """Each rank's part of one process's gradients: its TP/EP slice, and under our engine its flat shard."""
     from parallel.marks import shards_of
+
     fsdp = par.fsdp
     if fsdp is None:
         for n, p in par.model.named_parameters():
@@ -119,9 +137,9 @@ def set_grads(par, full: dict[str, torch.Tensor]) -> None:
         flat = torch.zeros(unit.padded)
         for spec in unit.specs:
             g = local_part(full[_name(spec.names[0])], fsdp.shard_marks.get(spec.names[0], ()))
-            flat[spec.offset:spec.offset + spec.numel] = g.reshape(-1)
+            flat[spec.offset : spec.offset + spec.numel] = g.reshape(-1)
         S = unit.shard.numel()
-        shard = flat[unit.rank * S:(unit.rank + 1) * S]
+        shard = flat[unit.rank * S : (unit.rank + 1) * S]
         for p, a, b in unit.pieces:
             p.grad = shard[a:b].clone()
 
@@ -134,6 +152,7 @@ def _name(n: str) -> str:
 def differing(par, want: dict[str, torch.Tensor]) -> list[str]:
     """Names of this rank's parameters (or flat pieces of them) whose bits differ from one process's."""
     from parallel.marks import shards_of
+
     out = []
     if par.fsdp is None:
         for n, p in par.model.named_parameters():
@@ -143,7 +162,7 @@ def differing(par, want: dict[str, torch.Tensor]) -> list[str]:
     for n, piece in par.fsdp.sharded_state_dict().items():
         marks = par.fsdp.shard_marks.get(n) or par.fsdp.shard_marks.get(_name(n), ())  # the tied copy: its own
         ref = local_part(want[_name(n)], marks).reshape(-1)
-        if not torch.equal(piece.flat, ref[piece.offset:piece.offset + piece.flat.numel()]):
+        if not torch.equal(piece.flat, ref[piece.offset : piece.offset + piece.flat.numel()]):
             out.append(n)
     return out
 
@@ -155,18 +174,25 @@ def stepped_layout(world: int, dims: dict, dp_type: str | None, moe: bool, n_ste
     from parallel import comm
     from parallel.mesh import ParallelDims, init_distributed
     from parallel.parallelize import ParallelConfig, parallelize
+
     mesh = init_distributed(ParallelDims(**{"dp": 1, "tp": 1, **dims}, world_size=world), torch.device("cpu"))
     ref = model(MOE if moe else CFG)
-    par = parallelize(copy.deepcopy(ref), mesh, ParallelConfig(dp_type=dp_type, implementation="custom"),
-                      torch.device("cpu"))
+    par = parallelize(
+        copy.deepcopy(ref), mesh, ParallelConfig(dp_type=dp_type, implementation="custom"), torch.device("cpu")
+    )
     opt = make_optimizer(par, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
     steps = []
     for step in range(n_steps):
         set_grads(par, grads(ref, step))
         comm.COUNTER.reset()
         opt.step()
-        steps.append((comm.COUNTER.snapshot().get("all_to_all", 0),
-                      comm.COUNTER.snapshot_calls().get("all_to_all", 0), dict(opt.ledger.counts)))
+        steps.append(
+            (
+                comm.COUNTER.snapshot().get("all_to_all", 0),
+                comm.COUNTER.snapshot_calls().get("all_to_all", 0),
+                dict(opt.ledger.counts),
+            )
+        )
         opt.zero_grad()
         par.after_optimizer_step()
     return ref, par, opt, steps
@@ -175,17 +201,31 @@ def stepped_layout(world: int, dims: dict, dp_type: str | None, moe: bool, n_ste
 def layout_run(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool) -> dict:
     _, par, opt, steps = stepped_layout(world, dims, dp_type, moe)
     ex = opt.muon.orthogonalize
-    cut = [m.key for m in getattr(ex, "matrices", []) if sum(h is not None for h in m.holds) > 1
-           and not any(m.whole_at(r) for r in range(len(m.holds)))]
+    cut = [
+        m.key
+        for m in getattr(ex, "matrices", [])
+        if sum(h is not None for h in m.holds) > 1 and not any(m.whole_at(r) for r in range(len(m.holds)))
+    ]
     want = one_process_run(MOE if moe else CFG)
-    return {"differ": differing(par, want), "ledgers": [led for _, _, led in steps], "cut": cut,
-            "load": getattr(ex, "load", None), "sent": [b for b, _, _ in steps],
-            "planned": ex.sent_bytes() if hasattr(ex, "sent_bytes") else 0}
+    return {
+        "differ": differing(par, want),
+        "ledgers": [led for _, _, led in steps],
+        "cut": cut,
+        "load": getattr(ex, "load", None),
+        "sent": [b for b, _, _ in steps],
+        "planned": ex.sent_bytes() if hasattr(ex, "sent_bytes") else 0,
+    }
 
 
-MUON_KEYS = {False: sorted(n for n, _ in model().named_parameters() if is_muon(n)),
-             True: sorted(f"{n}[{e}]" if p.dim() == 3 else n for n, p in model(MOE).named_parameters() if is_muon(n)
-                          for e in range(p.shape[0] if p.dim() == 3 else 1))}
+MUON_KEYS = {
+    False: sorted(n for n, _ in model().named_parameters() if is_muon(n)),
+    True: sorted(
+        f"{n}[{e}]" if p.dim() == 3 else n
+        for n, p in model(MOE).named_parameters()
+        if is_muon(n)
+        for e in range(p.shape[0] if p.dim() == 3 else 1)
+    ),
+}
 # name -> (ranks, dims, dp_type, MoE, whether some matrix is held in pieces by no rank whole)
 LAYOUTS = {
     "ddp2": (2, {"dp": 2}, "ddp", False, False),
@@ -205,8 +245,9 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if LAYOUTS[n][0] >= 8 else n
-                                  for n in LAYOUTS])  # 8 ranks: out of the fast loop
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if LAYOUTS[n][0] >= 8 else n for n in LAYOUTS]
+)  # 8 ranks: out of the fast loop
 def test_layout_updates_equal_one_process_and_each_matrix_is_done_once(name):
     world, dims, dp_type, moe, pieces = LAYOUTS[name]
     ranks = run_distributed(layout_run, world, dims, dp_type, moe)
@@ -228,10 +269,11 @@ def test_owners_balanced_by_flops():
     """One (128, 128) matrix costs NS as much as eight (64, 64) ones: balanced by FLOPs, one rank takes it alone
     (balanced by count, it would take four more)."""
     from optim.distributed_muon import Matrix, owners
-    from optim.muon import Hold
-    from optim.muon import ns_flops
-    ms = [Matrix(f"m{i}", s, (Hold(-1, 0, 1, 0, s[0] * s[1]),) * 2)
-          for i, s in enumerate([(128, 128)] + [(64, 64)] * 8)]
+    from optim.muon import Hold, ns_flops
+
+    ms = [
+        Matrix(f"m{i}", s, (Hold(-1, 0, 1, 0, s[0] * s[1]),) * 2) for i, s in enumerate([(128, 128)] + [(64, 64)] * 8)
+    ]
     own = owners(ms, 2, 5)
     load = [sum(ns_flops(m.shape, 5) for m in ms if own[m.key] == r) for r in range(2)]
     assert load[0] == load[1] and [own[f"m{i}"] for i in range(9)].count(own["m0"]) == 1
@@ -239,20 +281,38 @@ def test_owners_balanced_by_flops():
 
 # ----------------------------------------------------------------------------- bad input
 
+
 class TestBadInput:
     """One line `train.py: error: ...`, exit 2, nothing written, on every rank."""
-    BASE = ["--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "2", "--seq_len", "32",
-            "--total_batch_size", "128", "--max_steps", "2", "--no_checkpoint"]
+
+    BASE = [
+        "--model",
+        "tiny",
+        "--vocab_size",
+        "512",
+        "--micro_batch_size",
+        "2",
+        "--seq_len",
+        "32",
+        "--total_batch_size",
+        "128",
+        "--max_steps",
+        "2",
+        "--no_checkpoint",
+    ]
 
     @pytest.fixture(autouse=True)
     def _data(self, tmp_path):
         import unittest
+
         from tests.harness import make_token_bins
+
         self.tmp, self.t = tmp_path, unittest.TestCase()
         self.data = make_token_bins(str(tmp_path / "data"), n_train=2000, n_val=500, vocab=512)
 
     def refused(self, flags: list[str], words: str, nproc: int = 1) -> None:
         from tests.harness import expect_train_error_in_process, expect_train_error_on_ranks
+
         args = [*self.BASE, "--dataset", self.data, *flags]
         if nproc == 1:
             expect_train_error_in_process(self.t, args, words, str(self.tmp / "out"))
@@ -262,8 +322,15 @@ class TestBadInput:
     def test_an_unknown_optimizer(self):
         self.refused(["--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd'")
 
-    @pytest.mark.parametrize("flag,value", [("--muon_lr", "0.02"), ("--muon_nesterov", "off"),
-                                            ("--muon_adjust_lr_fn", "original"), ("--muon_ns_steps", "3")])
+    @pytest.mark.parametrize(
+        "flag,value",
+        [
+            ("--muon_lr", "0.02"),
+            ("--muon_nesterov", "off"),
+            ("--muon_adjust_lr_fn", "original"),
+            ("--muon_ns_steps", "3"),
+        ],
+    )
     def test_muon_flags_without_muon(self, flag, value):
         self.refused([flag, value], f"{flag} sets Muon, which this run does not use")
 
@@ -271,7 +338,17 @@ class TestBadInput:
         self.refused(["--optimizer", "muon", "--muon_momentum", "1"], "--muon_momentum must be < 1")
 
     def test_a_twin_layout_that_cannot_run_it(self):
-        self.refused(["--optimizer", "muon", "--implementation", "pytorch", "--data_parallel_size", "2",
-                      "--data_parallel_type", "fsdp"], "torch.optim.Muon needs each matrix whole", nproc=2)
-
-
+        self.refused(
+            [
+                "--optimizer",
+                "muon",
+                "--implementation",
+                "pytorch",
+                "--data_parallel_size",
+                "2",
+                "--data_parallel_type",
+                "fsdp",
+            ],
+            "torch.optim.Muon needs each matrix whole",
+            nproc=2,
+        )

@@ -10,6 +10,7 @@ everything after them is bit-equal by construction: Muon's update and AdamW's ar
 runs on the whole matrix. A lost or zeroed momentum (or AdamW moment, or step count) changes step SAVED + 1's
 update, so the bits differ.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,15 +44,17 @@ def phase(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool, pat
     """Save: steps 0..SAVED-1 from the model's init, then a checkpoint of step SAVED under `path`'s out_dir.
     Load: the checkpoint at `path` into a fresh layout (initialised with another seed, so nothing is inherited),
     then steps SAVED..STEPS-1; returns the names whose bits differ from one process's STEPS steps."""
+    from optim.build import make_optimizer
     from parallel.mesh import ParallelDims, init_distributed
     from parallel.parallelize import ParallelConfig, parallelize
-    from optim.build import make_optimizer
+
     cfg = MOE if moe else CFG
     mesh = init_distributed(ParallelDims(**{"dp": 1, "tp": 1, **dims}, world_size=world), torch.device("cpu"))
     ref = model(cfg)
     start = ref if save else _reinit(ref)
-    par = parallelize(copy.deepcopy(start), mesh, ParallelConfig(dp_type=dp_type, implementation="custom"),
-                      torch.device("cpu"))
+    par = parallelize(
+        copy.deepcopy(start), mesh, ParallelConfig(dp_type=dp_type, implementation="custom"), torch.device("cpu")
+    )
     opt = make_optimizer(par, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
     if not save:
         checkpoint.load(path, entries(par, opt), par.checkpoint_optimizer(opt), rank=rank, world_size=world)
@@ -61,8 +64,16 @@ def phase(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool, pat
         opt.zero_grad()
         par.after_optimizer_step()
     if save:
-        checkpoint.save(path, SAVED, entries(par, opt), par.checkpoint_optimizer(opt),
-                        {"layout": {"world_size": world}}, rank=rank, world_size=world, keep=1)
+        checkpoint.save(
+            path,
+            SAVED,
+            entries(par, opt),
+            par.checkpoint_optimizer(opt),
+            {"layout": {"world_size": world}},
+            rank=rank,
+            world_size=world,
+            keep=1,
+        )
         return {}
     return {"differ": differing(par, one_process_run(cfg))}
 
@@ -76,6 +87,7 @@ def _reinit(m):
 def saved_by(name: str, tmp: str) -> str:
     """The step-SAVED checkpoint of layout `name` (one per test session)."""
     from tests.harness import run_distributed
+
     out = os.path.join(tmp, name)
     if not os.path.isdir(checkpoint.step_dir(out, SAVED)):
         world, dims, dp_type, moe = LAYOUTS[name]
@@ -83,14 +95,26 @@ def saved_by(name: str, tmp: str) -> str:
     return checkpoint.step_dir(out, SAVED)
 
 
-PAIRS = [("single", "zero2x2"), ("single", "fsdp2"), ("tp2", "ddp2"), ("fsdp2", "tp2"), ("pp2", "single"),
-         ("zero2x2", "pp2"), ("single_moe", "ep2_zero2"), ("ep2_zero2", "ep2_ddp2")]
+PAIRS = [
+    ("single", "zero2x2"),
+    ("single", "fsdp2"),
+    ("tp2", "ddp2"),
+    ("fsdp2", "tp2"),
+    ("pp2", "single"),
+    ("zero2x2", "pp2"),
+    ("single_moe", "ep2_zero2"),
+    ("ep2_zero2", "ep2_ddp2"),
+]
 
 
-@pytest.mark.parametrize("source,target", [p if p == PAIRS[0] else pytest.param(*p, marks=pytest.mark.slow)
-                                           for p in PAIRS], ids=[f"{a}->{b}" for a, b in PAIRS])
+@pytest.mark.parametrize(
+    "source,target",
+    [p if p == PAIRS[0] else pytest.param(*p, marks=pytest.mark.slow) for p in PAIRS],
+    ids=[f"{a}->{b}" for a, b in PAIRS],
+)
 def test_resume_in_another_layout_continues_bit_for_bit(source, target, tmp_path_factory):
     from tests.harness import run_distributed
+
     path = saved_by(source, str(tmp_path_factory.getbasetemp() / "muon-ckpt"))
     world, dims, dp_type, moe = LAYOUTS[target]
     assert LAYOUTS[source][3] == moe
@@ -101,9 +125,33 @@ def test_resume_in_another_layout_continues_bit_for_bit(source, target, tmp_path
 
 # ----------------------------------------------------------------------------- train.py: resume, and the refusal
 
-RUN = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256",
-       "--max_steps", "6", "--eval_interval", "3", "--eval_iters", "2", "--warmup_steps", "2", "--lr", "3e-3",
-       "--gradient_clipping", "--peak_flops", "1e12", "--checkpoint_interval", "3", "--keep_checkpoints", "2"]
+RUN = [
+    "--model",
+    "tiny",
+    "--micro_batch_size",
+    "2",
+    "--seq_len",
+    "64",
+    "--total_batch_size",
+    "256",
+    "--max_steps",
+    "6",
+    "--eval_interval",
+    "3",
+    "--eval_iters",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--peak_flops",
+    "1e12",
+    "--checkpoint_interval",
+    "3",
+    "--keep_checkpoints",
+    "2",
+]
 MUON_RUN = [*RUN, "--optimizer", "muon"]
 
 
@@ -112,6 +160,7 @@ def runs(tmp_path_factory):
     """The stand-in corpus, and train.py's uninterrupted 6-step one-process runs with each optimizer (checkpoints at
     steps 3 and 6)."""
     from tests.harness import forked, make_token_bins
+
     tmp = tmp_path_factory.mktemp("muon-runs")
     data = make_token_bins(str(tmp / "data"))
     out = {"tmp": tmp, "data": data}
@@ -126,7 +175,9 @@ def runs(tmp_path_factory):
 def test_resume_with_the_other_optimizer_is_refused_on_every_rank(runs, saved, resumed):
     """One line `train.py: error: --resume: ...`, exit 2 on both ranks, before any work (nothing logged)."""
     import shutil
+
     from tests.harness import forked
+
     out = str(runs["tmp"] / f"{saved}-as-{resumed}")
     shutil.copytree(checkpoint.step_dir(runs[saved], 3), checkpoint.step_dir(out, 3))
     flags = [*(MUON_RUN if resumed == "muon" else RUN), "--data_parallel_size", "2", "--data_parallel_type", "ddp"]
@@ -134,15 +185,20 @@ def test_resume_with_the_other_optimizer_is_refused_on_every_rank(runs, saved, r
     for rank, (code, stderr) in enumerate(zip(run.codes, run.stderr)):
         lines = stderr.splitlines()
         assert code == 2 and len(lines) == 1, f"rank {rank}: exit {code}\n{stderr}"
-        assert lines[0].startswith(f"train.py: error: --resume: checkpoint {checkpoint.step_dir(out, 3)} was written "
-                                   f"with --optimizer {saved}, and this run has --optimizer {resumed}"), lines[0]
+        assert lines[0].startswith(
+            f"train.py: error: --resume: checkpoint {checkpoint.step_dir(out, 3)} was written "
+            f"with --optimizer {saved}, and this run has --optimizer {resumed}"
+        ), lines[0]
     assert os.listdir(out) == ["checkpoints"]  # no metrics.jsonl: refused before any work
 
 
 OTHER = {  # name -> (ranks, flags, the sweep's tolerance for the layout: bench/sweep.tolerance)
     "zero2x2": (2, ["--data_parallel_size", "2", "--data_parallel_type", "zero2"], "FP32_RTOL"),
-    "ddp2_pytorch": (2, ["--implementation", "pytorch", "--data_parallel_size", "2", "--data_parallel_type", "ddp"],
-                     "FP32_RTOL"),  # torch.optim.Muon's state, loaded from ours
+    "ddp2_pytorch": (
+        2,
+        ["--implementation", "pytorch", "--data_parallel_size", "2", "--data_parallel_type", "ddp"],
+        "FP32_RTOL",
+    ),  # torch.optim.Muon's state, loaded from ours
     "tp2": (2, ["--tensor_parallel_size", "2"], "FP32_TP_RTOL"),
 }
 
@@ -154,25 +210,34 @@ def test_train_resumes_muon_in_its_layout_bit_for_bit_and_in_others_within_the_s
     (MUON_RULE: the layout's rtol plus optim/muon.rounding_rtol's bound, accumulated from step 4, since the state
     at step 3 is the same bits)."""
     import unittest
+
     import bench.sweep
     from model import GPT, make_config
     from optim.muon import is_muon, rounding_rtol
     from tests.harness import check_resume_from, steps_of
     from train import lr_at
+
     test, ref = unittest.TestCase(), steps_of(runs["muon"])
-    args = [*MUON_RUN[:MUON_RUN.index("--checkpoint_interval")], "--optimizer", "muon", "--dataset", runs["data"]]
+    args = [*MUON_RUN[: MUON_RUN.index("--checkpoint_interval")], "--optimizer", "muon", "--dataset", runs["data"]]
     check_resume_from(test, runs["muon"], 3, args, 1, str(runs["tmp"] / "resumed-single"), 6)
     got = steps_of(str(runs["tmp"] / "resumed-single"))
     assert [(got[s]["loss"], got[s]["grad_norm"]) for s in got] == [(ref[s]["loss"], ref[s]["grad_norm"]) for s in got]
     later = range(4, 7)
     shapes = [tuple(p.shape) for n, p in GPT(make_config("tiny")).named_parameters() if is_muon(n)]
-    bound = rounding_rtol(shapes, "match_rms_adamw", [lr_at(s, 3e-3, 2, 6) for s in later],
-                          [ref[s]["grad_norm"] for s in later], [ref[s]["loss"] for s in later])
+    bound = rounding_rtol(
+        shapes,
+        "match_rms_adamw",
+        [lr_at(s, 3e-3, 2, 6) for s in later],
+        [ref[s]["grad_norm"] for s in later],
+        [ref[s]["loss"] for s in later],
+    )
     for name, (nproc, flags, rtol_name) in OTHER.items():
         out = str(runs["tmp"] / f"resumed-{name}")
         check_resume_from(test, runs["muon"], 3, [*args, *flags], nproc, out, 6)
         got, rtol = steps_of(out), getattr(bench.sweep, rtol_name) + bound
         worst = max(abs(got[s]["loss"] - ref[s]["loss"]) / abs(ref[s]["loss"]) for s in later)
-        print(f"\n  {name} resumed from one process's step 3: loss off by {worst:.2e} relative (tolerance "
-              f"{rtol:.2e})", file=sys.stderr)
+        print(
+            f"\n  {name} resumed from one process's step 3: loss off by {worst:.2e} relative (tolerance {rtol:.2e})",
+            file=sys.stderr,
+        )
         assert worst <= rtol, f"{name} resumed: loss off by {worst:.2e} relative, tolerance {rtol:.2e}"

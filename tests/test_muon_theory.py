@@ -5,6 +5,7 @@ equal plan/theory.py's formulas over plan/muon_counts.py's holds (the layout's r
 The runs set one process's gradients on each rank (tests/test_muon.py's `set_grads`) and take two steps: the first
 makes the momentum, the second is the steady state; the exchange sends the same every step.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -17,9 +18,23 @@ from tests.harness import run_distributed
 from tests.test_muon import ADAMW, MUON, args, grads, set_grads, stepped_layout
 
 STEPS = 2
-FLAGS = ["--model", "tiny", "--n_layer", "2", "--vocab_size", "128", "--block_size", "32", "--seq_len", "32",
-         "--micro_batch_size", "1",
-         "--optimizer", "muon", "--no_checkpoint"]
+FLAGS = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    "2",
+    "--vocab_size",
+    "128",
+    "--block_size",
+    "32",
+    "--seq_len",
+    "32",
+    "--micro_batch_size",
+    "1",
+    "--optimizer",
+    "muon",
+    "--no_checkpoint",
+]
 MOE_FLAGS = ["--moe_num_experts", "4", "--moe_top_k", "2"]
 # name -> (ranks, dims, dp_type, MoE, train.py's layout flags)
 LAYOUTS = {
@@ -32,17 +47,37 @@ LAYOUTS = {
     "tp2": (2, {"tp": 2}, None, False, ["--tensor_parallel_size", "2"]),
     "tp2_ddp2": (4, {"dp": 2, "tp": 2}, "ddp", False, ["--data_parallel_size", "2", "--tensor_parallel_size", "2"]),
     "ep2_ddp2": (2, {"dp": 2, "ep": 2}, "ddp", True, ["--data_parallel_size", "2", "--expert_parallel_size", "2"]),
-    "ep2_zero3x4": (4, {"dp": 4, "ep": 2}, "fsdp", True, ["--data_parallel_size", "4", "--expert_parallel_size", "2",
-                                                          "--data_parallel_type", "fsdp"]),
+    "ep2_zero3x4": (
+        4,
+        {"dp": 4, "ep": 2},
+        "fsdp",
+        True,
+        ["--data_parallel_size", "4", "--expert_parallel_size", "2", "--data_parallel_type", "fsdp"],
+    ),
     "pp2_ddp2": (4, {"pp": 2, "dp": 2}, "ddp", False, ["--pipeline_parallel_size", "2", "--data_parallel_size", "2"]),
 }
 
 
 def setup(world: int, moe: bool, layout: list[str]) -> Setup:
-    dp = ["--data_parallel_type", "ddp"] if "--data_parallel_size" in layout and "--data_parallel_type" not in layout \
+    dp = (
+        ["--data_parallel_type", "ddp"]
+        if "--data_parallel_size" in layout and "--data_parallel_type" not in layout
         else []
-    a = train_parser().parse_args([*FLAGS, *(MOE_FLAGS if moe else []), *layout, *dp, "--total_batch_size",
-                                   str(32 * world), "--implementation", "custom", "--out_dir", "-"])
+    )
+    a = train_parser().parse_args(
+        [
+            *FLAGS,
+            *(MOE_FLAGS if moe else []),
+            *layout,
+            *dp,
+            "--total_batch_size",
+            str(32 * world),
+            "--implementation",
+            "custom",
+            "--out_dir",
+            "-",
+        ]
+    )
     dims, config, dtype, _, accum, pp_layers = check_layout(a, world, torch.device("meta"))
     return Setup(a, dims, config, dtype, accum, pp_layers)
 
@@ -52,13 +87,18 @@ def measure(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool) -
     ref, par, opt, steps = stepped_layout(world, dims, dp_type, moe, STEPS)
     ex = opt.muon.orthogonalize
     set_grads(par, grads(ref, STEPS - 1))  # the state is counted with gradients present, as after a step
-    return {"sent": [b for b, _, _ in steps], "calls": [c for _, c, _ in steps], "owner": ex.owner,
-            "holds": [(m.key, m.shape, tuple(None if h is None else tuple(h) for h in m.holds)) for m in ex.matrices],
-            "optimizer": par.state_breakdown(opt)["optimizer"]}
+    return {
+        "sent": [b for b, _, _ in steps],
+        "calls": [c for _, c, _ in steps],
+        "owner": ex.owner,
+        "holds": [(m.key, m.shape, tuple(None if h is None else tuple(h) for h in m.holds)) for m in ex.matrices],
+        "optimizer": par.state_breakdown(opt)["optimizer"],
+    }
 
 
 def make(par):
     from optim.build import make_optimizer
+
     return make_optimizer(par, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
 
 
@@ -76,8 +116,9 @@ def test_muon_bytes_state_and_owners_equal_theory(name):
         assert x["owner"] == {k: o for (k, _, _), o in zip(want, owners)}, f"rank {r}: owners differ from LPT's"
         b = muon_counts.exchange_bytes(s, pp, g).get("all_to_all", 0)
         c = muon_counts.exchange_calls(s, pp).get("all_to_all", 0)
-        assert x["sent"] == [b] * STEPS and x["calls"] == [c] * STEPS, \
+        assert x["sent"] == [b] * STEPS and x["calls"] == [c] * STEPS, (
             f"rank {r}: sent {x['sent']} in {x['calls']} calls, theory {b} in {c}"
+        )
         c = muon_counts.coords(s.dims, g)
         state = muon_counts.optimizer_state_bytes(s, pp, c["shard"] * s.dims.cp + c["cp"], c["edp"])
         assert x["optimizer"] == state, f"rank {r}: optimizer state {x['optimizer']} B, theory {state}"
@@ -97,8 +138,10 @@ def test_closed_forms():
     sliced = [[(t, k // G) for t in range(G)] for k in n]
     for r in range(G):
         O = sum(k for k, o in zip(n, owners) if o == r)
-        assert sum(theory.muon_exchange_bytes_per_step(sliced, owners, r).values()) == \
-            2 * (sum(n) - O) // G + 2 * (G - 1) * O // G
+        assert (
+            sum(theory.muon_exchange_bytes_per_step(sliced, owners, r).values())
+            == 2 * (sum(n) - O) // G + 2 * (G - 1) * O // G
+        )
 
 
 def test_lpt_bound_holds_and_is_tight():
@@ -111,8 +154,13 @@ def test_lpt_bound_holds_and_is_tight():
 
 def table() -> str:
     """docs/muon.md's measured-against-theory table: `python -m tests.test_muon_theory`."""
-    rows = [("| layout | all_to_all bytes sent per rank per step, measured | theory | calls | optimizer state B, "
-             "rank 0 (theory) | NS MFLOP per rank (LPT bound) |"), "|---|---|---|---:|---|---|"]
+    rows = [
+        (
+            "| layout | all_to_all bytes sent per rank per step, measured | theory | calls | optimizer state B, "
+            "rank 0 (theory) | NS MFLOP per rank (LPT bound) |"
+        ),
+        "|---|---|---|---:|---|---|",
+    ]
     for name, (world, dims, dp_type, moe, flags) in LAYOUTS.items():
         s = setup(world, moe, flags)
         ranks = run_distributed(measure, world, dims, dp_type, moe)
@@ -125,8 +173,10 @@ def table() -> str:
         measured = ", ".join(f"{x['sent'][-1]:,}" for x in ranks)
         want = ", ".join(f"{b:,}" for b in theory_b)
         flops = ", ".join(f"{f / 1e6:.1f}" for f in load)
-        rows.append(f"| {name} | {measured} | {want} | {ranks[0]['calls'][-1]} | {ranks[0]['optimizer']:,} "
-                    f"({state:,}) | {flops} ({bound / 1e6:.1f}) |")
+        rows.append(
+            f"| {name} | {measured} | {want} | {ranks[0]['calls'][-1]} | {ranks[0]['optimizer']:,} "
+            f"({state:,}) | {flops} ({bound / 1e6:.1f}) |"
+        )
     return "\n".join(rows)
 
 
@@ -142,18 +192,32 @@ def test_the_planner_counts_muon():
     from plan.cluster import PRESETS, Cluster
     from plan.predict import predict
     from plan.search import step_time
+
     world, _, _, _, flags = LAYOUTS["ddp4"]
     muon = setup(world, False, flags)
-    a = train_parser().parse_args([*[f for f in FLAGS if f != "muon" and f != "--optimizer"], *flags,
-                                   "--data_parallel_type", "ddp", "--total_batch_size", str(32 * world),
-                                   "--implementation", "custom", "--out_dir", "-"])
+    a = train_parser().parse_args(
+        [
+            *[f for f in FLAGS if f != "muon" and f != "--optimizer"],
+            *flags,
+            "--data_parallel_type",
+            "ddp",
+            "--total_batch_size",
+            str(32 * world),
+            "--implementation",
+            "custom",
+            "--out_dir",
+            "-",
+        ]
+    )
     adamw = Setup(a, *check_layout(a, world, torch.device("meta"))[:3], 1, None)
-    muon_params = [(n, k) for n, k, _ in counts.local_params(adamw) if "attn.c_" in n or "mlp.c_" in n if
-                   n.endswith("weight")]
+    muon_params = [
+        (n, k) for n, k, _ in counts.local_params(adamw) if "attn.c_" in n or "mlp.c_" in n if n.endswith("weight")
+    ]
     elements = sum(k for _, k in muon_params)
     assert elements == 98_304 and len(muon_params) == 12
-    assert predict(muon)["state_bytes_by_kind"]["optimizer"] == \
-        predict(adamw)["state_bytes_by_kind"]["optimizer"] - 4 * elements - 4 * len(muon_params)
+    assert predict(muon)["state_bytes_by_kind"]["optimizer"] == predict(adamw)["state_bytes_by_kind"][
+        "optimizer"
+    ] - 4 * elements - 4 * len(muon_params)
     assert predict(muon)["comm_bytes"]["all_to_all"] == muon_counts.exchange_bytes(muon)["all_to_all"] > 0
     assert "all_to_all" not in predict(adamw)["comm_bytes"]
     p = PRESETS["h100-sxm"]

@@ -7,6 +7,7 @@ nothing checked them).
 - docs/adding-a-dimension.md and README.md's file map: every file and folder they name exists, and every name in
   backticks that looks like code (dotted, snake_case or CamelCase) is defined in the repository.
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,10 +21,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ("docs/learn.md", "docs/adding-a-dimension.md", "README.md")
 LINES_RTOL = 0.05
 # names a page may cite that live outside the repository (torch's), or that are words the code uses as values
-EXTERNAL = {"parallelize_module", "fully_shard", "DistributedDataParallel", "ZeroRedundancyOptimizer",
-            "all_to_all_single", "torch.distributed.pipelining", "torch.optim.Muon", "_grouped_mm",
-            "torch._grouped_mm", "_format_pipeline_order", "reshard_after_forward", "batch_isend_irecv",
-            "torch.compile", "torch.profiler", "torch.distributed", "DeviceMesh", "DTensor", "FakeTensorMode"}
+EXTERNAL = {
+    "parallelize_module",
+    "fully_shard",
+    "DistributedDataParallel",
+    "ZeroRedundancyOptimizer",
+    "all_to_all_single",
+    "torch.distributed.pipelining",
+    "torch.optim.Muon",
+    "_grouped_mm",
+    "torch._grouped_mm",
+    "_format_pipeline_order",
+    "reshard_after_forward",
+    "batch_isend_irecv",
+    "torch.compile",
+    "torch.profiler",
+    "torch.distributed",
+    "DeviceMesh",
+    "DTensor",
+    "FakeTensorMode",
+}
 
 
 def python_files() -> list[str]:
@@ -69,8 +86,11 @@ def missing_name(token: str) -> str | None:
     """Why `token` (a backticked name of a page) is not in the code, or None when it is (or is not code-like)."""
     by_module, by_class = definitions()
     name = token.strip().removesuffix("()")
-    if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*", name) or name in EXTERNAL \
-            or re.search(r"\.(jsonl?|toml|txt|bin|md|py|sh|pt)$", name):
+    if (
+        not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*", name)
+        or name in EXTERNAL
+        or re.search(r"\.(jsonl?|toml|txt|bin|md|py|sh|pt)$", name)
+    ):
         return None
     parts = name.split(".")
     short: dict[str, list[str]] = {}  # comm -> [parallel.comm]: pages name modules short (maybe several)
@@ -176,7 +196,7 @@ def test_the_checks_can_fail(tmp_path):
     page = tmp_path / "p.md"
     real = count_lines(os.path.join(ROOT, "train.py"))
     page.write_text(f"| 1 | `train.py` | {round(real * 1.06)} | x |\n")
-    (path, n), = line_claims(str(page))
+    ((path, n),) = line_claims(str(page))
     assert abs(count_lines(os.path.join(ROOT, path)) - n) > LINES_RTOL * real
     assert not resolve("docs/learn.md", "parallel/no_such_file.py")
     assert missing_name("no_such_function_here") == "no_such_function_here is defined nowhere"

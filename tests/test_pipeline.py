@@ -21,6 +21,7 @@ when P = 1: chunks then hand over in memory); each
 moves M activations (mb, T, n_embd) forward and M gradients of the same shape backward, fp32:
 total = 2·(C-1)·M·mb·T·n_embd·4 bytes, and per rank `p2p_bytes_per_step`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,20 +29,33 @@ import unittest
 from unittest import mock
 
 import pytest
-
 import torch
 import torch.distributed as dist
 
 from debug import flight_recorder
+from metrics import StepRecord
 from model import GPT, make_config
 from parallel import comm
-from parallel.pipeline import PipelineRunner, PipelineStage
-from metrics import StepRecord
-from plan.theory import p2p_bytes_per_step
 from parallel.groups import link_groups, new_groups, p2p_link
-from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, Action,
-                                        boundary, chunk_of, rank_of, send_waits, even_partition)
+from parallel.pipeline import PipelineRunner, PipelineStage
+from parallel.pipeline_schedule import (
+    ALL_SCHEDULES,
+    RECV_B,
+    RECV_F,
+    SCHEDULES,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    boundary,
+    chunk_of,
+    even_partition,
+    rank_of,
+    send_waits,
+)
 from plan.simulate import P2P_MODELS, simulate
+from plan.theory import p2p_bytes_per_step
 from tests.harness import run_distributed
 
 SEED, MB, T = 0, 2, 16
@@ -69,7 +83,7 @@ def reference(cfg, batches) -> tuple[float, dict[str, torch.Tensor]]:
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-U32, U64 = 2.0 ** -24, 2.0 ** -53  # unit roundoff of fp32 and fp64
+U32, U64 = 2.0**-24, 2.0**-53  # unit roundoff of fp32 and fp64
 
 
 def gamma(n: int, u: float) -> float:
@@ -122,7 +136,7 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
         grads[n] = (diff - (tied_bound if id(p) in ids else 0)).max().item()
         pre[n] = p.grad.clone()
         if p is not copy:
-            dist_sq += (diff ** 2).sum()
+            dist_sq += (diff**2).sum()
             n_elems += p.numel()
     dist.all_reduce(dist_sq)
     dist.all_reduce(n_elems)
@@ -133,13 +147,27 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
     distance = float(dist_sq) ** 0.5
     norm_bound = distance + (U32 + 4 * gamma(int(n_elems) + 2, U64)) * (ref_norm + 2 * distance)
     coef = max_norm / (norm + 1e-6)  # what clip_grad_norm_ scales by, from its own (fp32-rounded) norm
-    clipped = {n: ((p.grad.double() - coef * pre[n].double()).abs() - gamma(4, U32) * coef * pre[n].double().abs())
-               .max().item() for n, p in stage.named_parameters()}
-    return {"loss": loss.item(), "grads": grads, "p2p": p2p, "peak": runner.record.peak_in_flight,
-            "norm": (norm, ref_norm, norm_bound), "clipped": clipped, "coef": coef,
-            "p2p_theory": p2p_bytes_per_step(world, virtual, rank, m, (MB, T, cfg.n_embd)),
-            "timeline": len(runner.record.timeline), "executed": [a for a, _, _ in runner.record.timeline],
-            "events": list(runner.record.events), "ops": [(o["op"], o["state"]) for o in ops], "waited": waited}
+    clipped = {
+        n: ((p.grad.double() - coef * pre[n].double()).abs() - gamma(4, U32) * coef * pre[n].double().abs())
+        .max()
+        .item()
+        for n, p in stage.named_parameters()
+    }
+    return {
+        "loss": loss.item(),
+        "grads": grads,
+        "p2p": p2p,
+        "peak": runner.record.peak_in_flight,
+        "norm": (norm, ref_norm, norm_bound),
+        "clipped": clipped,
+        "coef": coef,
+        "p2p_theory": p2p_bytes_per_step(world, virtual, rank, m, (MB, T, cfg.n_embd)),
+        "timeline": len(runner.record.timeline),
+        "executed": [a for a, _, _ in runner.record.timeline],
+        "events": list(runner.record.events),
+        "ops": [(o["op"], o["state"]) for o in ops],
+        "waited": waited,
+    }
 
 
 @contextlib.contextmanager
@@ -193,14 +221,19 @@ def deferred_init(rank: int, world: int, n_layer: int, virtual: int) -> dict:
     ref["lm_head.weight"] = eager.transformer.wte.weight
     names = [n for n, _ in stage.named_parameters()]
     own = {id(p) for p in stage.parameters()}
-    return {"names": names,
-            "meta_left": all(p.is_meta for p in model.parameters() if id(p) not in own),
-            "stage_meta": any(p.is_meta for p in stage.parameters()),
-            "equal": all(torch.equal(p, ref[n]) for n, p in stage.named_parameters())}
+    return {
+        "names": names,
+        "meta_left": all(p.is_meta for p in model.parameters() if id(p) not in own),
+        "stage_meta": any(p.is_meta for p in stage.parameters()),
+        "equal": all(torch.equal(p, ref[n]) for n, p in stage.named_parameters()),
+    }
 
 
-CASES_2 = [(name, n_layer, v, m) for name, n_layer, v in (("gpipe", 2, 1), ("1f1b", 2, 1),
-                                                          ("interleaved_1f1b", 4, 2)) for m in (2, 4)]
+CASES_2 = [
+    (name, n_layer, v, m)
+    for name, n_layer, v in (("gpipe", 2, 1), ("1f1b", 2, 1), ("interleaved_1f1b", 4, 2))
+    for m in (2, 4)
+]
 CASES_1 = [("1f1b", 2, 1, 2), ("interleaved_1f1b", 4, 2, 2)]  # P = 1: chunks hand over locally, lm_head tied
 CASES_4 = [("1f1b", 4, 1, m) for m in (4, 8)] + [("gpipe", 4, 1, 8)]
 
@@ -208,8 +241,11 @@ CASES_4 = [("1f1b", 4, 1, m) for m in (4, 8)] + [("gpipe", 4, 1, 8)]
 def expected_names(cfg, rank: int, pp: int, virtual: int) -> set[str]:
     layers = even_partition(cfg.n_layer, pp, virtual)
     chunks = [chunk_of(rank, v, pp) for v in range(virtual)]
-    names = {n for n, _ in GPT(cfg).named_parameters() if n.startswith("transformer.h.")
-             and any(int(n.split(".")[2]) in layers[c] for c in chunks)}
+    names = {
+        n
+        for n, _ in GPT(cfg).named_parameters()
+        if n.startswith("transformer.h.") and any(int(n.split(".")[2]) in layers[c] for c in chunks)
+    }
     if 0 in chunks:
         names |= {"transformer.wte.weight", "transformer.wpe.weight"}
     if pp * virtual - 1 in chunks:
@@ -278,7 +314,7 @@ class PipelineMatchesOneProcess(unittest.TestCase):
                     self.assertEqual(peaks, [m] * world)
 
     def test_timeline_has_one_entry_per_action(self):
-        for world, (name, n_layer, v, m), per_rank in self.each():
+        for world, (name, _n_layer, v, m), per_rank in self.each():
             lists = SCHEDULES[name](world, m, v)
             self.assertEqual([r["timeline"] for r in per_rank], [len(a) for a in lists])
 
@@ -313,14 +349,18 @@ class PipelineMatchesOneProcess(unittest.TestCase):
                             self.assertEqual(events[i + 1], ("run", consumer))
                             early += acts.index(consumer) - acts.index(a) > 1
                         if kind == "wait" and a.kind in (SEND_F, SEND_B):
-                            at = next((e for e in events[i + 1:] if e[0] != "wait"), None)
+                            at = next((e for e in events[i + 1 :] if e[0] != "wait"), None)
                             named = next((c for c, ws in waits.items() if a in ws), None)
                             self.assertEqual(at, ("run", named) if named else None)
                     # the wait itself (torch's), not only the runner's record of it: right before that record, once
                     self.assertEqual([events[i] for i, _ in r["waited"]], [("wait", a) for _, a in r["waited"]])
-                    self.assertEqual(sorted(a for _, a in r["waited"]),
-                                     sorted(a for kind, a in events if kind == "post" and a.kind in (RECV_F, RECV_B)))
-                    posted = sorted(a for kind, a in events if kind == "post" and a.kind in (SEND_F, SEND_B, RECV_F, RECV_B))
+                    self.assertEqual(
+                        sorted(a for _, a in r["waited"]),
+                        sorted(a for kind, a in events if kind == "post" and a.kind in (RECV_F, RECV_B)),
+                    )
+                    posted = sorted(
+                        a for kind, a in events if kind == "post" and a.kind in (SEND_F, SEND_B, RECV_F, RECV_B)
+                    )
                     waited = sorted(a for kind, a in events if kind == "wait")
                     self.assertEqual(waited, posted)  # every message waited on exactly once
         self.assertGreater(early, 0)
@@ -399,6 +439,7 @@ class HeldRecord(StepRecord):
     """The runner's record, plus after each action the most bytes its step holds (`_Step.held`: stored inputs
     and outputs, received buffers, tensors waiting for or in a send, the split backward's (input, output
     gradient) pairs and unit gradients held for W). Host time per action: only here, never in a run."""
+
     peak_held_bytes = 0
 
     @contextlib.contextmanager
@@ -470,6 +511,7 @@ def new_group_calls(rank: int, world: int) -> list:
 
     from parallel.mesh import ParallelDims, init_distributed
     from parallel.parallelize import ParallelConfig, parallelize
+
     dims = ParallelDims(dp=1, tp=1, world_size=world, pp=world)
     mesh = init_distributed(dims, torch.device("cpu"))
     calls, real = [], dist.new_group
@@ -477,11 +519,13 @@ def new_group_calls(rank: int, world: int) -> list:
     def recording(ranks=None, *args, **kw):
         calls.append(sorted(ranks) if ranks is not None else None)
         return real(ranks, *args, **kw)
+
     with torch.device("meta"):
         model = GPT(config(world))
     with mock.patch.object(dist, "new_group", recording):
-        par = parallelize(model, mesh, ParallelConfig(implementation="custom", deferred_init=True, seed=SEED),
-                          torch.device("cpu"))
+        par = parallelize(
+            model, mesh, ParallelConfig(implementation="custom", deferred_init=True, seed=SEED), torch.device("cpu")
+        )
     return {"calls": calls, "embed": par.pipeline.embed_group is not None}
 
 
@@ -497,7 +541,9 @@ def links_case(rank: int, world: int) -> dict:
         def call(t, peer, group=None):
             used.append((kind, peer, links.index(group) if group in links else None))
             return real(t, peer, group)
+
         return call
+
     out = {}
     for name, v_shape in (("interleaved_1f1b", False), ("zbv", True)):
         cfg, m = config(2 * world), world
@@ -510,14 +556,22 @@ def links_case(rank: int, world: int) -> dict:
             stage.materialize(SEED)
             runner = PipelineRunner(stage, links=ring)
             used = []
-            with mock.patch.object(comm, "send", post("SEND", real_send, used)), \
-                    mock.patch.object(comm, "recv", post("RECV", real_recv, used)):
+            with (
+                mock.patch.object(comm, "send", post("SEND", real_send, used)),
+                mock.patch.object(comm, "recv", post("RECV", real_recv, used)),
+            ):
                 loss = runner.step(batches, name)
-            runs.append((loss, {n: p.grad.clone() for n, p in stage.named_parameters()},
-                         runner.forward_only(batches), used))
+            runs.append(
+                (loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, runner.forward_only(batches), used)
+            )
         (l0, g0, e0, plain), (l1, g1, e1, linked) = runs
-        out[name] = {"equal": torch.equal(l0, l1) and all(torch.equal(g0[n], g1[n]) for n in g0)
-                     and all(torch.equal(a, b) for a, b in zip(e0, e1)), "plain": plain, "links": linked}
+        out[name] = {
+            "equal": torch.equal(l0, l1)
+            and all(torch.equal(g0[n], g1[n]) for n in g0)
+            and all(torch.equal(a, b) for a, b in zip(e0, e1)),
+            "plain": plain,
+            "links": linked,
+        }
     return out
 
 
@@ -576,6 +630,7 @@ class ActivationDtypeIsWhatTheChunksProduce(unittest.TestCase):
     def test_every_engine_and_param_dtype(self):
         from parallel.mesh import Mesh, ParallelDims
         from parallel.parallelize import APPLY, ENGINE, ParallelConfig, Parallelized
+
         cpu, cfg_m = torch.device("cpu"), config(3)
         x = micro_batches(cfg_m, 1)[0][0]
         seen = set()
@@ -592,8 +647,10 @@ class ActivationDtypeIsWhatTheChunksProduce(unittest.TestCase):
                     par.model = APPLY["custom", par.engine](par.model, mesh, cfg, cpu)
                 runner = PipelineRunner(par.stage, **par.runner_args(cfg))
                 for autocast in (False, True):
-                    with self.subTest(dp_type=dp_type, param_dtype=param_dtype, autocast=autocast), \
-                            torch.autocast(cpu.type, dtype=torch.bfloat16, enabled=autocast):
+                    with (
+                        self.subTest(dp_type=dp_type, param_dtype=param_dtype, autocast=autocast),
+                        torch.autocast(cpu.type, dtype=torch.bfloat16, enabled=autocast),
+                    ):
                         first = runner.forward(0, x)
                         middle = runner.forward(1, first)
                         self.assertEqual((first.dtype, middle.dtype), (runner.act_dtype,) * 2)
@@ -607,6 +664,7 @@ class TimerIsChosenWithTheDevice(unittest.TestCase):
 
     def test_choice(self):
         from device import DeviceTimer, HostTimer, make_timer
+
         self.assertIsInstance(make_timer(torch.device("cpu")), HostTimer)
         self.assertIsInstance(make_timer(torch.device("cuda", 0)), DeviceTimer)  # built without touching CUDA
 
@@ -622,5 +680,6 @@ class TimerIsChosenWithTheDevice(unittest.TestCase):
 
             def synchronize(self):
                 pass
+
         marks = [(100.0, Event(5.0)), (100.9, Event(7.5)), (101.0, Event(1005.0))]
         self.assertEqual(DeviceTimer(torch.device("cuda", 0)).seconds(marks), [100.0, 100.0025, 101.0])

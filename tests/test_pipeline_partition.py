@@ -1,5 +1,6 @@
 """pipeline_partition.py: the cost model, the exact partition by cost, the override, and a stage that holds
 exactly the Blocks of its partition. No processes; every expected partition below is derived by hand in its test."""
+
 from __future__ import annotations
 
 import itertools
@@ -11,10 +12,18 @@ import torch
 from metrics import flops_per_token
 from model import GPT, make_config
 from parallel.pipeline import PipelineStage
-from parallel.twins.pipeline import TorchChunk
 from parallel.pipeline_schedule import chunk_of, even_partition
-from pipeline_partition import (StageCosts, balanced_partition, balanced_v_partition, check_counts, costs_from_step,
-                                     describe_partition, layers_for, stage_costs)
+from parallel.twins.pipeline import TorchChunk
+from pipeline_partition import (
+    StageCosts,
+    balanced_partition,
+    balanced_v_partition,
+    check_counts,
+    costs_from_step,
+    describe_partition,
+    layers_for,
+    stage_costs,
+)
 
 
 def ranges(*sizes: int) -> list[range]:
@@ -28,8 +37,10 @@ def exhaustive(costs: list[int], chunks: int, first: int, last: int) -> list[ran
     L, best = len(costs), None
     for cuts in itertools.combinations(range(1, L), chunks - 1):
         bounds = (0, *cuts, L)
-        chunk_costs = [sum(costs[a:b]) + first * (c == 0) + last * (c == chunks - 1)
-                       for c, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+        chunk_costs = [
+            sum(costs[a:b]) + first * (c == 0) + last * (c == chunks - 1)
+            for c, (a, b) in enumerate(zip(bounds, bounds[1:]))
+        ]
         key = (sorted(chunk_costs, reverse=True), [a - b for a, b in zip(bounds, bounds[1:])])
         if best is None or key < best[0]:
             best = (key, [range(a, b) for a, b in zip(bounds, bounds[1:])])
@@ -87,8 +98,12 @@ def exhaustive_v(n_layer: int, pp: int, block: int, first: int, last: int) -> li
         bounds = (0, *cuts, n_layer)
         n = [b - a for a, b in zip(bounds, bounds[1:])]
         chunk = [k * block + first * (c == 0) + last * (c == C - 1) for c, k in enumerate(n)]
-        key = (sorted((chunk[r] + chunk[C - 1 - r] for r in range(pp)), reverse=True), sorted(chunk, reverse=True),
-               [-n[r] - n[C - 1 - r] for r in range(pp)], [-k for k in n[:pp]])
+        key = (
+            sorted((chunk[r] + chunk[C - 1 - r] for r in range(pp)), reverse=True),
+            sorted(chunk, reverse=True),
+            [-n[r] - n[C - 1 - r] for r in range(pp)],
+            [-k for k in n[:pp]],
+        )
         if best is None or key < best[0]:
             best = (key, ranges(*n))
     return best[1]
@@ -104,8 +119,9 @@ class TestVPartition(unittest.TestCase):
             n_layer = rng.randint(2 * pp, 2 * pp + 5)
             block, first, last = rng.randint(1, 6), rng.randint(0, 8), rng.randint(0, 30)
             with self.subTest(n_layer=n_layer, pp=pp, block=block, first=first, last=last):
-                self.assertEqual(balanced_v_partition(n_layer, pp, block, first, last),
-                                 exhaustive_v(n_layer, pp, block, first, last))
+                self.assertEqual(
+                    balanced_v_partition(n_layer, pp, block, first, last), exhaustive_v(n_layer, pp, block, first, last)
+                )
 
     def test_gpt2_p2(self):
         """GPT-2 124M at T = 1024 (TestCostModel.test_gpt2_at_1024: Block b = 51,964,416, head H = 231,810,048,
@@ -150,27 +166,50 @@ class TestVPartition(unittest.TestCase):
         share 10 as 4, 3, 3 (the earlier rank the extra): chunks 1 | 6 = 2 | 2, 2 | 5 = 2 | 1, 3 | 4 = 2 | 1."""
         self.assertEqual(stage_costs(make_config("tiny"), 128).block, 398_208)
         self.assertEqual(layers_for(make_config("tiny", n_layer=8), 2, 2, 128, v_shape=True), ranges(1, 3, 3, 1))
-        self.assertEqual(layers_for(make_config("tiny", n_layer=12), 4, 2, 128, v_shape=True),
-                         ranges(1, 2, 2, 2, 1, 1, 2, 1))
+        self.assertEqual(
+            layers_for(make_config("tiny", n_layer=12), 4, 2, 128, v_shape=True), ranges(1, 2, 2, 2, 1, 1, 2, 1)
+        )
 
     def test_stage_config_and_planner_use_it(self):
         """config.check_layout (train.py's partition), the PipelineStage it is given and the planner's stage_blocks
         all cut the V layout per rank."""
         import config as cfg
         from plan.counts import Setup, stage_blocks
+
         want = ranges(7, 8, 8, 1)
         model = make_config("small", n_layer=24)
-        args = cfg.parse_args(["--model", "small", "--n_layer", "24", "--seq_len", "1024", "--micro_batch_size", "1",
-                               "--total_batch_size", str(4 * 1024), "--pipeline_parallel_size", "2",
-                               "--pp_schedule", "zbv", "--pp_virtual_stages", "2", "--device", "cpu"])
+        args = cfg.parse_args(
+            [
+                "--model",
+                "small",
+                "--n_layer",
+                "24",
+                "--seq_len",
+                "1024",
+                "--micro_batch_size",
+                "1",
+                "--total_batch_size",
+                str(4 * 1024),
+                "--pipeline_parallel_size",
+                "2",
+                "--pp_schedule",
+                "zbv",
+                "--pp_virtual_stages",
+                "2",
+                "--device",
+                "cpu",
+            ]
+        )
         dims, config, dtype, _, accum, layers = cfg.check_layout(args, 2, torch.device("cpu"))
         self.assertEqual(layers, (7, 8, 8, 1))
         with torch.device("meta"):
             stage = PipelineStage(GPT(model), 0, 2, 2, layers=layers, v_shape=True)
         self.assertEqual(stage.layers, want)
         setup = Setup(args, dims, config, dtype, accum, layers)
-        self.assertEqual([stage_blocks(setup, r) for r in range(2)],
-                         [([*range(0, 7), 23], True, True), ([*range(7, 23)], False, False)])
+        self.assertEqual(
+            [stage_blocks(setup, r) for r in range(2)],
+            [([*range(0, 7), 23], True, True), ([*range(7, 23)], False, False)],
+        )
 
 
 class TestCostModel(unittest.TestCase):
@@ -198,8 +237,11 @@ class TestCostModel(unittest.TestCase):
 
     def test_describe(self):
         line = describe_partition(ranges(8, 4), stage_costs(make_config("gpt2"), 1024))
-        self.assertEqual(line, "pipeline partition by cost (training FLOPs per token): chunk 0 Blocks 0-7 (416M), "
-                               "chunk 1 Blocks 8-11 (440M)")
+        self.assertEqual(
+            line,
+            "pipeline partition by cost (training FLOPs per token): chunk 0 Blocks 0-7 (416M), "
+            "chunk 1 Blocks 8-11 (440M)",
+        )
 
 
 class TestCostsFromStep(unittest.TestCase):
@@ -240,8 +282,7 @@ class TestOverride(unittest.TestCase):
         """With --pp_layers_per_stage 4,2 (P = 2) and 1,2,2,1 (P = 2, V = 2: rank 0 holds chunks 0 and 2, rank 1
         chunks 1 and 3): each rank's Blocks, and each chunk's for torch's pipelining (TorchChunk)."""
         config = make_config("tiny", n_layer=6, vocab_size=256)
-        for virtual, counts, want in ((1, (4, 2), [[0, 1, 2, 3], [4, 5]]),
-                                      (2, (1, 2, 2, 1), [[0, 3, 4], [1, 2, 5]])):
+        for virtual, counts, want in ((1, (4, 2), [[0, 1, 2, 3], [4, 5]]), (2, (1, 2, 2, 1), [[0, 3, 4], [1, 2, 5]])):
             for rank in range(2):
                 with torch.device("meta"):
                     stage = PipelineStage(GPT(config), rank, 2, virtual, layers=counts)
@@ -259,13 +300,31 @@ class TestOverride(unittest.TestCase):
         so the last chunk keeps one Block. A PipelineStage given no counts (the runtime alone, as tests build it)
         cuts evenly."""
         import config as cfg
-        args = cfg.parse_args(["--model", "tiny", "--n_layer", "6", "--seq_len", "1024", "--micro_batch_size", "1",
-                               "--total_batch_size", str(2 * 1024), "--pipeline_parallel_size", "2", "--device", "cpu"])
+
+        args = cfg.parse_args(
+            [
+                "--model",
+                "tiny",
+                "--n_layer",
+                "6",
+                "--seq_len",
+                "1024",
+                "--micro_batch_size",
+                "1",
+                "--total_batch_size",
+                str(2 * 1024),
+                "--pipeline_parallel_size",
+                "2",
+                "--device",
+                "cpu",
+            ]
+        )
         layers = cfg.check_layout(args, 2, torch.device("cpu"))[-1]
         self.assertEqual(layers, (5, 1))
         with torch.device("meta"):
-            self.assertEqual(PipelineStage(GPT(make_config("tiny", n_layer=6)), 0, 2, layers=layers).layers,
-                             ranges(5, 1))
+            self.assertEqual(
+                PipelineStage(GPT(make_config("tiny", n_layer=6)), 0, 2, layers=layers).layers, ranges(5, 1)
+            )
             self.assertEqual(PipelineStage(GPT(make_config("tiny", n_layer=6)), 0, 2).layers, ranges(3, 3))
 
 

@@ -15,6 +15,7 @@ first B waits for micro-batch 0's F through P-1 ranks and its B back, (P-1)(t_F 
 P warm-up F's; the drain is filled by the W's each rank r deferred (r of them), so the last B on rank 0 is
 followed only by its own W's: makespan = 3M + P - 1, bubble (P-1)/(3M+P-1), Qi et al.'s (P-1)(t_F + t_B - t_W).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,9 +27,30 @@ from fractions import Fraction
 import pytest
 
 from parallel.groups import link_groups, p2p_link
-from parallel.pipeline_schedule import (ALL_SCHEDULES, B, F, RECV_B, RECV_F, SCHEDULES, SEND_B, SEND_F, V_SCHEDULES, W,
-                                        Action, ScheduleError, boundary, chunk_of, dualpipev, gpipe,
-                                        interleaved_one_f_one_b, one_f_one_b, rank_of, even_partition, zb_h1, zbv)
+from parallel.pipeline_schedule import (
+    ALL_SCHEDULES,
+    RECV_B,
+    RECV_F,
+    SCHEDULES,
+    SEND_B,
+    SEND_F,
+    V_SCHEDULES,
+    Action,
+    B,
+    F,
+    ScheduleError,
+    W,
+    boundary,
+    chunk_of,
+    dualpipev,
+    even_partition,
+    gpipe,
+    interleaved_one_f_one_b,
+    one_f_one_b,
+    rank_of,
+    zb_h1,
+    zbv,
+)
 from plan.schedule_grid import grid
 from plan.simulate import P2P_MODELS, paired, simulate
 from plan.theory import bubble_fraction
@@ -142,15 +164,21 @@ class TestSchedules(unittest.TestCase):
             with self.subTest(name=name, pp=p, micro=m, virtual=v):
                 for r in range(p):
                     for q in range(r + 1, p):
+
                         def on(rank, peer):  # the pair's messages on `rank`, named by (sender's chunk, micro, dir)
                             out = []
                             for a in sched[rank]:
                                 if a.kind in (SEND_F, SEND_B, RECV_F, RECV_B):
-                                    src = {SEND_F: a.chunk, SEND_B: a.chunk, RECV_F: a.chunk - 1, RECV_B: a.chunk + 1}[a.kind]
-                                    dst = {SEND_F: a.chunk + 1, SEND_B: a.chunk - 1, RECV_F: a.chunk, RECV_B: a.chunk}[a.kind]
+                                    src = {SEND_F: a.chunk, SEND_B: a.chunk, RECV_F: a.chunk - 1, RECV_B: a.chunk + 1}[
+                                        a.kind
+                                    ]
+                                    dst = {SEND_F: a.chunk + 1, SEND_B: a.chunk - 1, RECV_F: a.chunk, RECV_B: a.chunk}[
+                                        a.kind
+                                    ]
                                     if {src % p, dst % p} == {rank, peer}:
                                         out.append((src, dst, a.micro))
                             return out
+
                         self.assertEqual(on(r, q), on(q, r))
 
     def test_in_flight_activations(self):
@@ -212,7 +240,7 @@ class TestZeroBubbleH1(unittest.TestCase):
             for kind in (F, B, W):
                 seen = sorted((a.chunk, a.micro) for ops in sched for a in ops if a.kind == kind)
                 self.assertEqual(seen, [(c, i) for c in range(p) for i in range(m)], (p, m, kind))
-            for r, ops in enumerate(sched):  # W's of a chunk in the order of its B's: 1F1B's gradient sums
+            for _r, ops in enumerate(sched):  # W's of a chunk in the order of its B's: 1F1B's gradient sums
                 order = [a.micro for a in ops if a.kind == W]
                 self.assertEqual(order, sorted(order))
 
@@ -268,8 +296,9 @@ class TestVSchedules(unittest.TestCase):
                         yield name, p, m
 
     def test_layout(self):
-        self.assertEqual([[chunk_of(r, v, 4, v_shape=True) for v in range(2)] for r in range(4)],
-                         [[0, 7], [1, 6], [2, 5], [3, 4]])
+        self.assertEqual(
+            [[chunk_of(r, v, 4, v_shape=True) for v in range(2)] for r in range(4)], [[0, 7], [1, 6], [2, 5], [3, 4]]
+        )
 
     def test_lists_cover_f_b_w_once(self):
         for name, p, m in self.grid():
@@ -368,8 +397,10 @@ class TestEagerNccl(unittest.TestCase):
 
     @pytest.mark.slow
     def test_every_schedule_every_m(self):
-        self.assertEqual(self.check(every_m=True), 4 * sum(3 * p + 1 for p in range(2, 9))
-                         + sum(2 * p + 1 for p in range(2, 9)) + 7 * 2 * 4)
+        self.assertEqual(
+            self.check(every_m=True),
+            4 * sum(3 * p + 1 for p in range(2, 9)) + sum(2 * p + 1 for p in range(2, 9)) + 7 * 2 * 4,
+        )
 
     def test_serialising_costs_makespan_and_link_groups_win_it_back(self):
         """With uneven stage times a rank's ready send to one neighbour waits behind a receive from the other
@@ -377,9 +408,11 @@ class TestEagerNccl(unittest.TestCase):
         P = 2..8, M = least..4P measure at most: docs/pipeline.md's table); GPipe never (its forwards and its
         backwards never cross). Link groups take every message off the shared FIFO: the pair model's makespan,
         exactly; batching a rank's back-to-back ops (batch_isend_irecv) does not, and costs ZB-H1's run."""
+
         def first_slow(p: int, v: int, vs: bool, b: int) -> dict:
             one, slow_b = slower(p, v, vs, 0, 1), slower(p, v, vs, 0, b)
             return {"f_time": one, "b_time": slow_b, "w_time": one}
+
         cases = {  # name, P, V, M, times -> (pair FIFOs, one FIFO per rank, batched)
             ("dualpipev", 8, 2, 16, "2,3,1"): (225, 246, 237),
             ("zbv", 8, 2, 10, "2,3,1"): (158, 170, 170),
@@ -394,9 +427,15 @@ class TestEagerNccl(unittest.TestCase):
             kw = {"f_time": 2, "b_time": 3, "w_time": 1} if times == "2,3,1" else first_slow(p, v, vs, b)
             sched = ALL_SCHEDULES[name](p, m, v)
             with self.subTest(name=name):
-                got = [simulate(sched, p, v, m, p2p=mode, v_shape=vs, **kw, **extra).makespan
-                       for mode, extra in (("nccl", {}), ("nccl_eager", {}), ("nccl_eager", {"links": True}),
-                                           ("nccl_eager", {"batched": True}))]
+                got = [
+                    simulate(sched, p, v, m, p2p=mode, v_shape=vs, **kw, **extra).makespan
+                    for mode, extra in (
+                        ("nccl", {}),
+                        ("nccl_eager", {}),
+                        ("nccl_eager", {"links": True}),
+                        ("nccl_eager", {"batched": True}),
+                    )
+                ]
                 self.assertEqual(got, [pair, eager, pair, batched])
 
     def test_link_groups_equal_the_pair_model(self):
@@ -407,11 +446,16 @@ class TestEagerNccl(unittest.TestCase):
             v = 2 if vs or name == "interleaved_1f1b" else 1
             for p in (4, 8):
                 sched = ALL_SCHEDULES[name](p, 2 * p, v)
-                for kw in (dict(f_time=2, b_time=3, w_time=1), dict(f_time=1, b_time=1, w_time=3),
-                           dict(f_time=slower(p, v, vs, 0, 1), b_time=slower(p, v, vs, 0, 2), w_time=1)):
+                for kw in (
+                    dict(f_time=2, b_time=3, w_time=1),
+                    dict(f_time=1, b_time=1, w_time=3),
+                    dict(f_time=slower(p, v, vs, 0, 1), b_time=slower(p, v, vs, 0, 2), w_time=1),
+                ):
                     with self.subTest(name=name, pp=p, times=kw):
-                        pair, links = (simulate(sched, p, v, 2 * p, p2p=mode, v_shape=vs, **kw, **extra).makespan
-                                       for mode, extra in (("nccl", {}), ("nccl_eager", {"links": True})))
+                        pair, links = (
+                            simulate(sched, p, v, 2 * p, p2p=mode, v_shape=vs, **kw, **extra).makespan
+                            for mode, extra in (("nccl", {}), ("nccl_eager", {"links": True}))
+                        )
                         self.assertEqual(links, pair)
                 for r, ops in enumerate(sched):
                     peers: dict[int, set[int]] = {}
@@ -448,8 +492,10 @@ class TestBrokenSchedules(unittest.TestCase):
             simulate(sched, p, v, m, p2p="async")  # gloo never blocks on it
             if name == "interleaved_1f1b" and m > p:
                 for mode in ("nccl", "rendezvous"):
-                    with self.subTest(pp=p, micro=m, virtual=v, p2p=mode), \
-                            self.assertRaisesRegex(ScheduleError, "deadlock"):
+                    with (
+                        self.subTest(pp=p, micro=m, virtual=v, p2p=mode),
+                        self.assertRaisesRegex(ScheduleError, "deadlock"),
+                    ):
                         simulate(sched, p, v, m, p2p=mode)
                 failed += 1
             else:
@@ -462,10 +508,28 @@ class TestBrokenSchedules(unittest.TestCase):
 
     def test_both_sides_sending_first_deadlocks_under_nccl(self):
         """Two sends at the heads of a pair's two sides never complete under NCCL; gloo buffers them."""
-        sched = [[Action(F, 0, 0), Action(SEND_F, 0, 0), Action(F, 0, 1), Action(SEND_F, 0, 1),
-                  Action(RECV_B, 0, 0), Action(B, 0, 0), Action(RECV_B, 0, 1), Action(B, 0, 1)],
-                 [Action(RECV_F, 1, 0), Action(F, 1, 0), Action(B, 1, 0), Action(SEND_B, 1, 0),
-                  Action(RECV_F, 1, 1), Action(F, 1, 1), Action(B, 1, 1), Action(SEND_B, 1, 1)]]
+        sched = [
+            [
+                Action(F, 0, 0),
+                Action(SEND_F, 0, 0),
+                Action(F, 0, 1),
+                Action(SEND_F, 0, 1),
+                Action(RECV_B, 0, 0),
+                Action(B, 0, 0),
+                Action(RECV_B, 0, 1),
+                Action(B, 0, 1),
+            ],
+            [
+                Action(RECV_F, 1, 0),
+                Action(F, 1, 0),
+                Action(B, 1, 0),
+                Action(SEND_B, 1, 0),
+                Action(RECV_F, 1, 1),
+                Action(F, 1, 1),
+                Action(B, 1, 1),
+                Action(SEND_B, 1, 1),
+            ],
+        ]
         simulate(sched, 2, 1, 2, p2p="async")
         with self.assertRaisesRegex(ScheduleError, r"deadlock.*\(0, 1\): SEND_F\(c0,m1\), \(1, 0\): SEND_B\(c1,m0\)"):
             simulate(sched, 2, 1, 2, p2p="nccl")
@@ -535,6 +599,7 @@ class TestReceiveWaits(unittest.TestCase):
 
     def test_independent_computes_never_wait(self):
         from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, _needs
+
         n = 0
         for name, make in ALL_SCHEDULES.items():
             v_shape = name in V_SCHEDULES
@@ -586,8 +651,9 @@ class TestGrid(unittest.TestCase):
 
     def test_1f1b_p2_m4_is_the_hand_derived_grid(self):
         self.assertEqual(grid(one_f_one_b(2, 4)), GRID_1F1B_P2_M4)
-        run = subprocess.run(COMMAND + ["1f1b", "--pp", "2", "--micro", "4"], capture_output=True, text=True,
-                             cwd=ROOT, timeout=60)
+        run = subprocess.run(
+            COMMAND + ["1f1b", "--pp", "2", "--micro", "4"], capture_output=True, text=True, cwd=ROOT, timeout=60
+        )
         self.assertEqual((run.returncode, run.stdout, run.stderr), (0, GRID_1F1B_P2_M4, ""))
 
     def test_each_column_is_its_ranks_list(self):
@@ -599,13 +665,18 @@ class TestGrid(unittest.TestCase):
             starts = [header.index(f"Rank {r}") for r in range(3)] + [None]
             cols = [[row[a:b].strip() for row in rows if row[a:b].strip()] for a, b in zip(starts, starts[1:])]
             self.assertEqual(cols, [[f"{a.chunk}{a.kind}{a.micro}" for a in ops] for ops in sched], name)
-            self.assertEqual([row[:len("Step 00:")] for row in rows], [f"Step {i:02d}:" for i in range(len(rows))])
+            self.assertEqual([row[: len("Step 00:")] for row in rows], [f"Step {i:02d}:" for i in range(len(rows))])
 
     def test_bad_input_is_one_line_and_exit_2(self):
-        for args in (["1f1c", "--pp", "2", "--micro", "4"], ["1f1b", "--pp", "0", "--micro", "4"],
-                     ["1f1b", "--pp", "two", "--micro", "4"], ["1f1b", "--pp", "2"],
-                     ["interleaved_1f1b", "--pp", "2", "--micro", "3", "--virtual", "2"],
-                     ["1f1b", "--pp", "2", "--micro", "4", "--virtual", "2"], ["dualpipev", "--pp", "2", "--micro", "3"]):
+        for args in (
+            ["1f1c", "--pp", "2", "--micro", "4"],
+            ["1f1b", "--pp", "0", "--micro", "4"],
+            ["1f1b", "--pp", "two", "--micro", "4"],
+            ["1f1b", "--pp", "2"],
+            ["interleaved_1f1b", "--pp", "2", "--micro", "3", "--virtual", "2"],
+            ["1f1b", "--pp", "2", "--micro", "4", "--virtual", "2"],
+            ["dualpipev", "--pp", "2", "--micro", "3"],
+        ):
             with self.subTest(args=args):
                 run = subprocess.run(COMMAND + args, capture_output=True, text=True, cwd=ROOT, timeout=60)
                 self.assertEqual((run.returncode, run.stdout), (2, ""))
@@ -620,7 +691,7 @@ class TestPairings(unittest.TestCase):
     def test_ready_pairing_is_the_runtimes(self):
         for name, make in ALL_SCHEDULES.items():
             for p in (2, 3, 4):
-                for v in ((1, 2, 3) if name == "interleaved_1f1b" else (2,) if name in V_SCHEDULES else (1,)):
+                for v in (1, 2, 3) if name == "interleaved_1f1b" else (2,) if name in V_SCHEDULES else (1,):
                     m = 2 * p
                     sched = make(p, m, v)
                     self.assertEqual(paired(sched, p, "ready", v_shape=name in V_SCHEDULES), sched, (name, p, v))

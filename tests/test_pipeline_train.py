@@ -8,6 +8,7 @@ per step (2 under dp=2). Runs are made once and shared by name (`run`; tests/har
 to another file's, such as the one-process reference of test_activation_checkpointing, is trained once); the
 one-process references are made in setUpClass.
 """
+
 import contextlib
 import io
 import os
@@ -22,15 +23,48 @@ from metrics import read_jsonl
 from model import GPT, make_config
 from plan.theory import p2p_bytes_per_step
 from tests.harness import (
-    WholeRuns, assert_close, check_against, check_kill_and_resume, check_resume_from, checkpoint_params as state,
-    evals_of, expect_train_error_in_process, expect_train_error_on_ranks, forked, rank0_only, steps_of)
+    WholeRuns,
+    assert_close,
+    check_against,
+    check_kill_and_resume,
+    check_resume_from,
+    evals_of,
+    expect_train_error_in_process,
+    expect_train_error_on_ranks,
+    forked,
+    rank0_only,
+    steps_of,
+)
+from tests.harness import (
+    checkpoint_params as state,
+)
 from tests.rounding import rounding_rtol_of
 
 STEPS, SHORT = 6, 6  # SHORT: the checkpoint runs, the 8-rank 3D run; STEPS: shared with AC and zero-bubble tests
 MB, T, C, N_LAYER, M = 2, 32, 64, 4, 4  # micro-batch, seq_len, n_embd of `tiny`, Blocks, micro-batches per step
-BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", str(T),
-        "--total_batch_size", str(M * MB * T), "--eval_interval", "5", "--eval_iters", "2", "--warmup_steps", "2",
-        "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12"]  # fixed MFU denominator (see test_train)
+BASE = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    str(N_LAYER),
+    "--micro_batch_size",
+    str(MB),
+    "--seq_len",
+    str(T),
+    "--total_batch_size",
+    str(M * MB * T),
+    "--eval_interval",
+    "5",
+    "--eval_iters",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--peak_flops",
+    "1e12",
+]  # fixed MFU denominator (see test_train)
 PP2 = ["--pipeline_parallel_size", "2"]
 INTERLEAVED = [*PP2, "--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"]
 TP2_SP = ["--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"]
@@ -93,8 +127,16 @@ class TestPipelineAgreesWithOneProcess(unittest.TestCase):
         cls.ref = steps_of(run("single", [], 1))
         cls.ref_evals = evals_of(RUNS["single"])
 
-    def check(self, name: str, flags: list[str], nproc: int, rtol: float = 1e-5, steps: int = STEPS,
-              ref: str = "single", p2p: int | None = None) -> dict[int, dict]:
+    def check(
+        self,
+        name: str,
+        flags: list[str],
+        nproc: int,
+        rtol: float = 1e-5,
+        steps: int = STEPS,
+        ref: str = "single",
+        p2p: int | None = None,
+    ) -> dict[int, dict]:
         """Losses, grad norms and val losses within rtol of the one-process run `ref` (check_against); rank 0's
         p2p bytes equal `p2p` every step."""
         out = run(name, flags, nproc, steps, checkpoints=False)
@@ -121,8 +163,9 @@ class TestPipelineAgreesWithOneProcess(unittest.TestCase):
         assert_close(self, gpipe, one_f_one_b, "grad_norm", 0, "gpipe vs 1f1b")
         P, rank = 2, 0
         self.assertEqual([gpipe[s]["pp_peak_in_flight"] for s in sorted(gpipe)], [M] * STEPS, "gpipe")
-        self.assertEqual([one_f_one_b[s]["pp_peak_in_flight"] for s in sorted(one_f_one_b)],
-                         [min(P - rank, M)] * STEPS, "1f1b")
+        self.assertEqual(
+            [one_f_one_b[s]["pp_peak_in_flight"] for s in sorted(one_f_one_b)], [min(P - rank, M)] * STEPS, "1f1b"
+        )
 
     def test_p2_interleaved_v2(self):
         # rank 0 holds chunks 0 and 2: both send activations on, chunk 2 also sends its input gradient back
@@ -142,37 +185,57 @@ class TestPipelineAgreesWithOneProcess(unittest.TestCase):
     def test_pp_fsdp_2x2_interleaved_deferred(self):
         """Our FSDP under the pipeline: each stage's units sharded over dp (the tied matrix in a unit of its own
         on both ends), reduce-scattered per micro-batch; interleaved V=2 and deferred init on top."""
-        self.check("pp_fsdp", [*PP2, "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 4,
-                   p2p=expected_p2p(2, 1, 2, 1))
-        self.check("pp_fsdp_interleaved", [*INTERLEAVED, "--data_parallel_size", "2", "--data_parallel_type",
-                                           "fsdp", "--deferred_init"], 4)
+        self.check(
+            "pp_fsdp",
+            [*PP2, "--data_parallel_size", "2", "--data_parallel_type", "fsdp"],
+            4,
+            p2p=expected_p2p(2, 1, 2, 1),
+        )
+        self.check(
+            "pp_fsdp_interleaved",
+            [*INTERLEAVED, "--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--deferred_init"],
+            4,
+        )
         self.assertEqual(params_on_meta("pp_fsdp_interleaved"), n_params(), "deferred: all on meta")
 
     def test_pytorch_twin_schedules(self):
         """torch.distributed.pipelining runs on gloo: each schedule on the same cut."""
-        for name, flags in (("gpipe", [*PP2, "--pp_schedule", "gpipe"]), ("1f1b", PP2),
-                            ("interleaved", INTERLEAVED)):
+        for name, flags in (("gpipe", [*PP2, "--pp_schedule", "gpipe"]), ("1f1b", PP2), ("interleaved", INTERLEAVED)):
             with self.subTest(name):
                 self.check(f"torch_{name}", [*flags, "--implementation", "pytorch"], 2)
 
     def test_pytorch_twin_with_ddp_fsdp2_tp(self):
         """The twin composed with torch's DDP and FSDP2 (per chunk module) and DTensor TP."""
-        for name, flags in (("ddp", DDP2), ("fsdp2", ["--data_parallel_size", "2", "--data_parallel_type", "fsdp"]),
-                            ("tp", ["--tensor_parallel_size", "2"])):
+        for name, flags in (
+            ("ddp", DDP2),
+            ("fsdp2", ["--data_parallel_size", "2", "--data_parallel_type", "fsdp"]),
+            ("tp", ["--tensor_parallel_size", "2"]),
+        ):
             with self.subTest(name):
-                self.check(f"torch_pp_{name}", [*PP2, *flags, "--implementation", "pytorch"], 4,
-                           rtol=tp_rtol() if name == "tp" else 1e-5)
+                self.check(
+                    f"torch_pp_{name}",
+                    [*PP2, *flags, "--implementation", "pytorch"],
+                    4,
+                    rtol=tp_rtol() if name == "tp" else 1e-5,
+                )
 
     def test_3d_pp_ddp_tp_2x2x2(self):
         """8 ranks on this machine's cores: SHORT steps (references of the same length: the cosine lr
         schedule depends on --max_steps)."""
         run("single_short", [], 1, SHORT, checkpoints=True)  # shared with TestPipelineCheckpoints
         rtol = tp_rtol("single_short")
-        self.check("3d", [*PP2, *DDP2, *TP2_SP], 8, rtol=rtol, steps=SHORT, ref="single_short",
-                   p2p=expected_p2p(2, 1, 2, 2))
+        self.check(
+            "3d", [*PP2, *DDP2, *TP2_SP], 8, rtol=rtol, steps=SHORT, ref="single_short", p2p=expected_p2p(2, 1, 2, 2)
+        )
         # the twin: torch.distributed.pipelining x torch DDP (per chunk) x DTensor TP (no SP/LP under it)
-        self.check("torch_3d", [*PP2, *DDP2, "--tensor_parallel_size", "2", "--implementation", "pytorch"], 8,
-                   rtol=rtol, steps=SHORT, ref="single_short")
+        self.check(
+            "torch_3d",
+            [*PP2, *DDP2, "--tensor_parallel_size", "2", "--implementation", "pytorch"],
+            8,
+            rtol=rtol,
+            steps=SHORT,
+            ref="single_short",
+        )
 
     def test_deferred_init(self):
         """Each stage materialises only its own chunks on meta, with the eager init's values: bit-equal to
@@ -237,8 +300,9 @@ class TestPipelineCheckpoints(unittest.TestCase):
         self.check_resumed(self.resume("pp_to_single", self.pp, [], 1), 1e-5, "P=2 -> one process")
 
     def test_pp_checkpoint_resumes_under_pp_tp(self):
-        self.check_resumed(self.resume("pp_to_pp_tp", self.pp, [*PP2, *TP2_SP], 4), tp_rtol("single_short"),
-                           "P=2 -> PP x TP-SP")
+        self.check_resumed(
+            self.resume("pp_to_pp_tp", self.pp, [*PP2, *TP2_SP], 4), tp_rtol("single_short"), "P=2 -> PP x TP-SP"
+        )
 
     def test_pp_checkpoint_resumes_interleaved(self):
         """Another cut of the Blocks: rank 0 holds Blocks 0 and 2, rank 1 Blocks 1 and 3."""
@@ -252,8 +316,17 @@ class TestPipelineCheckpoints(unittest.TestCase):
         GPT_KILL_AT_STEP); --resume continues from step 2's checkpoint and recomputes step 3. Every step's loss
         and grad_norm, every val_loss and the final checkpoint's parameters equal the uninterrupted P=2 run's
         bits (tests/harness.check_kill_and_resume)."""
-        check_kill_and_resume(self, RUNS.args("--max_steps", str(SHORT), *PP2), 2, RUNS.path("pp_killed"), self.pp,
-                              SHORT, kill_at=3, kill_rank=1, every=2)
+        check_kill_and_resume(
+            self,
+            RUNS.args("--max_steps", str(SHORT), *PP2),
+            2,
+            RUNS.path("pp_killed"),
+            self.pp,
+            SHORT,
+            kill_at=3,
+            kill_rank=1,
+            every=2,
+        )
 
     def test_resume_under_another_split_is_bit_equal(self):
         """pp_short runs the cost model's split, Blocks [0-2] | [3] (tiny's 50304-way head outweighs its 4 Blocks:
@@ -264,15 +337,18 @@ class TestPipelineCheckpoints(unittest.TestCase):
         coefficient unless its ~1e-16 relative change straddles an fp32 rounding boundary."""
         out = RUNS.path("pp_resplit")
         shutil.copytree(checkpoint.step_dir(self.pp, 3), checkpoint.step_dir(out, 3))
-        proc = forked(RUNS.args("--max_steps", str(SHORT), *PP2, "--pp_layers_per_stage", "1,3", "--out_dir", out,
-                                "--resume"), 2)
+        proc = forked(
+            RUNS.args("--max_steps", str(SHORT), *PP2, "--pp_layers_per_stage", "1,3", "--out_dir", out, "--resume"), 2
+        )
         self.assertEqual(proc.returncode, 0, f"{proc.stdout[-2000:]}\n" + "\n".join(e[-3000:] for e in proc.stderr))
-        self.assertIn("pipeline partition by --pp_layers_per_stage (training FLOPs per token): chunk 0 Block 0 (",
-                      proc.stdout)
+        self.assertIn(
+            "pipeline partition by --pp_layers_per_stage (training FLOPs per token): chunk 0 Block 0 (", proc.stdout
+        )
         got, want = steps_of(out), steps_of(self.pp)
         self.assertEqual(sorted(got), [4, 5, SHORT])
-        self.assertEqual([(got[s]["loss"], got[s]["grad_norm"]) for s in got],
-                         [(want[s]["loss"], want[s]["grad_norm"]) for s in got])
+        self.assertEqual(
+            [(got[s]["loss"], got[s]["grad_norm"]) for s in got], [(want[s]["loss"], want[s]["grad_norm"]) for s in got]
+        )
         self.assertEqual(evals_of(out), {s: evals_of(self.pp)[s] for s in (5, SHORT)})
         final, wanted = state(checkpoint.newest(out)), state(checkpoint.newest(self.pp))
         self.assertEqual(final.keys(), wanted.keys())
@@ -280,9 +356,15 @@ class TestPipelineCheckpoints(unittest.TestCase):
             self.assertTrue(torch.equal(p, wanted[name]), name)
 
         def blocks_written(path: str) -> dict[int, set[int]]:
-            return {r: {int(k.split(".")[2]) for k in torch.load(os.path.join(path, f"rank_{r:05d}.pt"),
-                                                                 weights_only=True, mmap=True)
-                        if k.startswith("transformer.h.")} for r in range(2)}
+            return {
+                r: {
+                    int(k.split(".")[2])
+                    for k in torch.load(os.path.join(path, f"rank_{r:05d}.pt"), weights_only=True, mmap=True)
+                    if k.startswith("transformer.h.")
+                }
+                for r in range(2)
+            }
+
         self.assertEqual(blocks_written(checkpoint.step_dir(self.pp, 3)), {0: {0, 1, 2}, 1: {3}})
         self.assertEqual(blocks_written(checkpoint.newest(out)), {0: {0}, 1: {1, 2, 3}})
 
@@ -290,6 +372,7 @@ class TestPipelineCheckpoints(unittest.TestCase):
         """checkpoint.load_model assembles the P=2 run's final checkpoint into one GPT whose loss on the eval
         batch (train.evaluate's micro-batches) is the val_loss the pipeline logged at that step."""
         from data.batches import BatchSource
+
         model = checkpoint.load_model(checkpoint.newest(self.pp)).eval()
         data = BatchSource(RUNS.data, T, model.config.vocab_size, 1337)
         n = 2  # --eval_iters
@@ -302,17 +385,31 @@ class TestPipelineCheckpoints(unittest.TestCase):
     def test_sample_and_export_read_a_pp_checkpoint(self):
         """sample.py samples from the P=2 run's checkpoint (the same text twice for one seed); export.py writes
         it as HF safetensors whose tensors read back are the checkpoint's, bit for bit."""
-        import export
-        import sample
         from safetensors.torch import load_file
 
+        import export
+        import sample
         from model import GPT
 
         def sample_text() -> str:
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
-                code = sample.main(["--out_dir", self.pp, "--device", "cpu", "--num_samples", "2",
-                                    "--max_new_tokens", "8", "--seed", "7", "--start", "Hello"])
+                code = sample.main(
+                    [
+                        "--out_dir",
+                        self.pp,
+                        "--device",
+                        "cpu",
+                        "--num_samples",
+                        "2",
+                        "--max_new_tokens",
+                        "8",
+                        "--seed",
+                        "7",
+                        "--start",
+                        "Hello",
+                    ]
+                )
             self.assertEqual(code, 0)
             return out.getvalue()
 
@@ -335,6 +432,7 @@ class TestPipelineCheckpoints(unittest.TestCase):
 
 # ----------------------------------------------------------------------------- bad input
 
+
 def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str) -> None:
     """train.main in this process, as one rank (tests/harness.expect_train_error_in_process)."""
     expect_train_error_in_process(test, RUNS.args("--max_steps", "2", *flags), needle, RUNS.path("bad_in_process"))
@@ -352,24 +450,36 @@ class TestBadPipelineFlagsOneRank(unittest.TestCase):
     def test_virtual_stages_need_interleaved(self):
         for schedule in ("gpipe", "1f1b"):
             with self.subTest(schedule):
-                expect_error_in_process(self, ["--pp_schedule", schedule, "--pp_virtual_stages", "2"],
-                                        f"--pp_virtual_stages is for --pp_schedule interleaved_1f1b; {schedule}")
+                expect_error_in_process(
+                    self,
+                    ["--pp_schedule", schedule, "--pp_virtual_stages", "2"],
+                    f"--pp_virtual_stages is for --pp_schedule interleaved_1f1b; {schedule}",
+                )
 
     def test_layers_per_stage_needs_a_pipeline(self):
-        expect_error_in_process(self, ["--pp_layers_per_stage", "4"],
-                                "--pp_layers_per_stage needs --pipeline_parallel_size > 1")
+        expect_error_in_process(
+            self, ["--pp_layers_per_stage", "4"], "--pp_layers_per_stage needs --pipeline_parallel_size > 1"
+        )
 
     def test_layers_per_stage_checked(self):
         """As rank 0 of 2 (WORLD_SIZE=2): the flags are refused before any process group would exist."""
-        for flags, needle in (([*PP2, "--pp_layers_per_stage", "3,2"], "3,2 sums to 5, not n_layer (4)"),
-                              ([*PP2, "--pp_layers_per_stage", "4,0"], "4,0 gives chunk 1 no Block (0)"),
-                              ([*INTERLEAVED, "--pp_layers_per_stage", "1,1,2"],
-                               "1,1,2 gives 3 counts; the pipeline has P x V = 4 chunks, one count each"),
-                              ([*PP2, "--pp_layers_per_stage", "2,x"], "2,x: not a comma-separated list of integers")):
+        for flags, needle in (
+            ([*PP2, "--pp_layers_per_stage", "3,2"], "3,2 sums to 5, not n_layer (4)"),
+            ([*PP2, "--pp_layers_per_stage", "4,0"], "4,0 gives chunk 1 no Block (0)"),
+            (
+                [*INTERLEAVED, "--pp_layers_per_stage", "1,1,2"],
+                "1,1,2 gives 3 counts; the pipeline has P x V = 4 chunks, one count each",
+            ),
+            ([*PP2, "--pp_layers_per_stage", "2,x"], "2,x: not a comma-separated list of integers"),
+        ):
             with self.subTest(flags):
-                expect_train_error_in_process(self, RUNS.args("--max_steps", "2", *flags),
-                                              f"--pp_layers_per_stage {needle}", RUNS.path("bad_in_process"),
-                                              env={"WORLD_SIZE": "2"})
+                expect_train_error_in_process(
+                    self,
+                    RUNS.args("--max_steps", "2", *flags),
+                    f"--pp_layers_per_stage {needle}",
+                    RUNS.path("bad_in_process"),
+                    env={"WORLD_SIZE": "2"},
+                )
 
     def test_schedule_needs_a_pipeline(self):
         for flags in (["--pp_schedule", "gpipe"], ["--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"]):
@@ -387,22 +497,28 @@ class TestBadPipelineFlags(unittest.TestCase):
         expect_train_error_on_ranks(self, RUNS.args("--max_steps", "2", *flags), needle, nproc, RUNS.path("bad"))
 
     def test_pp_does_not_divide_the_world(self):
-        self.expect_error(["--pipeline_parallel_size", "3"],
-                          "--pipeline_parallel_size 3 does not divide the world size (2 ranks)")
+        self.expect_error(
+            ["--pipeline_parallel_size", "3"], "--pipeline_parallel_size 3 does not divide the world size (2 ranks)"
+        )
 
     def test_fewer_blocks_than_chunks(self):
         self.expect_error([*PP2, "--n_layer", "1"], "n_layer (1) < pipeline_parallel_size x virtual stages = 2 x 1")
-        self.expect_error([*INTERLEAVED, "--n_layer", "3"], "n_layer (3) < pipeline_parallel_size x virtual stages "
-                                                            "= 2 x 2")
+        self.expect_error(
+            [*INTERLEAVED, "--n_layer", "3"], "n_layer (3) < pipeline_parallel_size x virtual stages = 2 x 2"
+        )
 
     def test_layers_per_stage_that_does_not_sum(self):
-        self.expect_error([*PP2, "--pp_layers_per_stage", "2,1"],
-                          "--pp_layers_per_stage 2,1 sums to 3, not n_layer (4)")
+        self.expect_error(
+            [*PP2, "--pp_layers_per_stage", "2,1"], "--pp_layers_per_stage 2,1 sums to 3, not n_layer (4)"
+        )
 
     def test_interleaved_micro_batches_not_a_multiple_of_pp(self):
-        self.expect_error([*INTERLEAVED, "--total_batch_size", str(MB * T)], "micro-batches M = total_batch_size / "
-                          "(micro_batch_size x seq_len x data_parallel_size) = 1 to be a multiple of "
-                          "--pipeline_parallel_size 2")
+        self.expect_error(
+            [*INTERLEAVED, "--total_batch_size", str(MB * T)],
+            "micro-batches M = total_batch_size / "
+            "(micro_batch_size x seq_len x data_parallel_size) = 1 to be a multiple of "
+            "--pipeline_parallel_size 2",
+        )
 
     def test_interleaved_needs_virtual_stages(self):
         for flags in ([*PP2, "--pp_schedule", "interleaved_1f1b"], [*INTERLEAVED[:-1], "1"]):
@@ -410,8 +526,11 @@ class TestBadPipelineFlags(unittest.TestCase):
                 self.expect_error(flags, "needs --pp_virtual_stages V > 1")
 
     def test_pytorch_twin_refuses_sequence_parallel(self):
-        self.expect_error([*PP2, "--implementation", "pytorch", "--tensor_parallel_size", "2", "--sequence_parallel"],
-                          "without --sequence_parallel / --enable_loss_parallelism", nproc=4)
+        self.expect_error(
+            [*PP2, "--implementation", "pytorch", "--tensor_parallel_size", "2", "--sequence_parallel"],
+            "without --sequence_parallel / --enable_loss_parallelism",
+            nproc=4,
+        )
 
 
 if __name__ == "__main__":

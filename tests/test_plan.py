@@ -1,6 +1,7 @@
 """The layout planner's pure predictions (plan/predict.py) against published points and hand counts (the pipeline's
 p2p bytes), and `python -m plan`'s bad input. No process group, no run: the whole-run comparison with measured bytes
 is test_plan_runs.py."""
+
 from __future__ import annotations
 
 import contextlib
@@ -47,7 +48,7 @@ def test_zero_paper_baseline_is_16_psi():
     n = sum(p.numel() for p in _gpt(s).parameters())
     tensors = len(list(_gpt(s).parameters()))
     assert sum(state_bytes(s).values()) == 16 * n + 4 * tensors
-    assert 16 * PSI == 120 * 10 ** 9
+    assert 16 * PSI == 120 * 10**9
 
 
 def test_zero_paper_stage_3_is_16_psi_over_nd():
@@ -68,6 +69,7 @@ def test_zero_paper_stages_1_and_2_differ_by_our_fp32_shard_gradient():
 
 def _gpt(s: Setup):
     from model import GPT
+
     with torch.device("meta"):
         return GPT(s.config)
 
@@ -80,8 +82,24 @@ def _gpt(s: Setup):
 # 2, GELU input 8, GELU output 8, dropout mask 1) + 2 LayerNorms' inputs 4sbh, and 5as^2b the softmax (2), its
 # dropout mask (1) and the scores (2). Eq. (2), tensor parallelism over t: sbh(10 + 24/t + 5as/(ht)).
 # GPT-3 175B: s = 2048, h = 12288, a = 96.
-GPT3 = ["--model", "gpt2", "--n_layer", "96", "--n_head", "96", "--n_embd", "12288", "--block_size", "2048",
-        "--seq_len", "2048", "--total_batch_size", "16384", "--micro_batch_size", "1"]
+GPT3 = [
+    "--model",
+    "gpt2",
+    "--n_layer",
+    "96",
+    "--n_head",
+    "96",
+    "--n_embd",
+    "12288",
+    "--block_size",
+    "2048",
+    "--seq_len",
+    "2048",
+    "--total_batch_size",
+    "16384",
+    "--micro_batch_size",
+    "1",
+]
 
 
 def korthikanti(s: int, b: int, h: int, a: int, t: int = 1) -> float:
@@ -104,15 +122,30 @@ def test_korthikanti_tensor_parallel_term():
     QKV and MLP inputs (4), the dropout masks (2); ours keeps the first two, 8sbh (+ the fp32 LayerNorm
     statistics), and 24sbh/t of sharded matmul activations, exactly as eq. (2)."""
     t = 8
-    st = setup([*GPT3, "--dtype", "bfloat16", "--data_parallel_size", "2", "--data_parallel_type", "fsdp",
-                "--tensor_parallel_size", str(t)], 2 * t)
+    st = setup(
+        [
+            *GPT3,
+            "--dtype",
+            "bfloat16",
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "fsdp",
+            "--tensor_parallel_size",
+            str(t),
+        ],
+        2 * t,
+    )
     s_, b, h, a = 2048, 1, 12288, 96
     ours = block_saved_bytes(st, b, s_)
-    assert ours == korthikanti(s_, b, h, a, t) - 2 * s_ * b * h - 5 * a * s_ * s_ * b // t + 16 * s_ * b \
-        + 4 * (a // t) * s_ * b
+    assert (
+        ours
+        == korthikanti(s_, b, h, a, t) - 2 * s_ * b * h - 5 * a * s_ * s_ * b // t + 16 * s_ * b + 4 * (a // t) * s_ * b
+    )
 
 
 # ----------------------------------------------------------------------------- the search and its CLI
+
 
 def run_cli(argv: list[str]) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
@@ -121,18 +154,33 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-SMALL = ["--model", "tiny", "--seq_len", "64", "--total_batch_size", "1024", "--gpus", "2", "--gpus_per_node", "2",
-         "--micro_batch_size", "4"]
+SMALL = [
+    "--model",
+    "tiny",
+    "--seq_len",
+    "64",
+    "--total_batch_size",
+    "1024",
+    "--gpus",
+    "2",
+    "--gpus_per_node",
+    "2",
+    "--micro_batch_size",
+    "4",
+]
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--gpu", "b300"], "--gpu 'b300' is not a known preset"),
-    (["--total_batch_size", "1000"], "must be a positive multiple of --seq_len"),
-    (["--micro_batch_size", "3"], "is not divisible by --micro_batch_size 3"),
-    (["--gpu_memory", "1MB"], "nothing fits in 0 GiB per GPU; the smallest layout"),
-    (["--model", "gpt9"], "unknown model preset 'gpt9'; choose one of tiny, small, gpt2,"),  # not "no layout ..."
-    (["--n_head", "5"], "n_embd"),  # the model's shape, named, not the batch sizes
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--gpu", "b300"], "--gpu 'b300' is not a known preset"),
+        (["--total_batch_size", "1000"], "must be a positive multiple of --seq_len"),
+        (["--micro_batch_size", "3"], "is not divisible by --micro_batch_size 3"),
+        (["--gpu_memory", "1MB"], "nothing fits in 0 GiB per GPU; the smallest layout"),
+        (["--model", "gpt9"], "unknown model preset 'gpt9'; choose one of tiny, small, gpt2,"),  # not "no layout ..."
+        (["--n_head", "5"], "n_embd"),  # the model's shape, named, not the batch sizes
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(argv, needle):
     code, out, err = run_cli([*SMALL, *argv])
     assert code == 2 and out == ""
@@ -152,12 +200,12 @@ def test_every_candidate_is_accepted_by_the_trainer_and_every_accepted_layout_is
     the (pp, dp type, cp, tp, AC) grid, and refused ones (pp=4 > n_layer=2 Blocks) are absent."""
     a = cli.parser().parse_args(["--model", "tiny", "--seq_len", "64", "--total_batch_size", "2048", "--gpus", "4"])
     from plan.cluster import Cluster
-    got = candidates(model_flags(a), Cluster(4, 4, 2 ** 40, 1e15, 1e11, 1e10), [2], {})
+
+    got = candidates(model_flags(a), Cluster(4, 4, 2**40, 1e15, 1e11, 1e10), [2], {})
     names = {c.name for c in got}
     assert "dp=4(fsdp) ac=none mb=2" in names and "tp=4 ac=full mb=2" in names
     assert not any(n.startswith("pp=4") for n in names), "tiny has 2 Blocks: pp=4 is refused by config.py"
     assert any(n.startswith("pp=2(interleaved_1f1b,V=2)") for n in names) is False  # 2 Blocks: V=2 x pp=2 > 2
-
 
 
 def test_a_search_builds_its_model_a_bounded_number_of_times():
@@ -166,16 +214,19 @@ def test_a_search_builds_its_model_a_bounded_number_of_times():
     A tiny search's constructions do not grow with its layouts."""
     import model
     from plan.cluster import Cluster
+
     a = cli.parser().parse_args(["--model", "tiny", "--seq_len", "64", "--total_batch_size", "2048", "--gpus", "4"])
     built = []
     real = model.GPT.__init__
     with mock.patch.object(model.GPT, "__init__", lambda self, *a, **k: built.append(1) or real(self, *a, **k)):
-        got = candidates(model_flags(a), Cluster(4, 4, 2 ** 40, 1e15, 1e11, 1e10), [2], {})
+        got = candidates(model_flags(a), Cluster(4, 4, 2**40, 1e15, 1e11, 1e10), [2], {})
         for c in got:
-            c.seconds
+            _ = c.seconds  # a property: each ranking reads it
     assert len(got) > 20 and len(built) <= 2, (len(got), len(built))
 
+
 # ----------------------------------------------------------------------------- the zero-bubble schedules
+
 
 def test_zero_bubble_schedules_are_candidates_with_their_bubble():
     """On 2 ranks (tiny with 4 Blocks, M = 4 micro-batches of 4 rows): zb_h1, zbv and dualpipev are offered
@@ -183,12 +234,39 @@ def test_zero_bubble_schedules_are_candidates_with_their_bubble():
     is 1F1B's stretched by its own bubble instead:
     ZB-H1 (P-1)/(3M+P-1) = 1/13 against 1F1B's (P-1)/(M+P-1) = 1/5 (Qi et al. 2023, section 3.1)."""
     from plan.cluster import Cluster
-    a = cli.parser().parse_args(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
-                                 "--gpus", "2", "--micro_batch_size", "4", "--pp", "2", "--ac", "none"])
-    got = {c.name: c for c in candidates(model_flags(a), Cluster(2, 2, 2 ** 40, 1e12, 1e10, 1e10, overhead=0.0),
-                                         [4], {"pp": 2, "ac": "none"})}
-    names = ["pp=2(1f1b) ac=none mb=4", "pp=2(zb_h1) ac=none mb=4", "pp=2(zbv,V=2) ac=none mb=4",
-             "pp=2(dualpipev,V=2) ac=none mb=4"]
+
+    a = cli.parser().parse_args(
+        [
+            "--model",
+            "tiny",
+            "--n_layer",
+            "4",
+            "--seq_len",
+            "64",
+            "--total_batch_size",
+            "1024",
+            "--gpus",
+            "2",
+            "--micro_batch_size",
+            "4",
+            "--pp",
+            "2",
+            "--ac",
+            "none",
+        ]
+    )
+    got = {
+        c.name: c
+        for c in candidates(
+            model_flags(a), Cluster(2, 2, 2**40, 1e12, 1e10, 1e10, overhead=0.0), [4], {"pp": 2, "ac": "none"}
+        )
+    }
+    names = [
+        "pp=2(1f1b) ac=none mb=4",
+        "pp=2(zb_h1) ac=none mb=4",
+        "pp=2(zbv,V=2) ac=none mb=4",
+        "pp=2(dualpipev,V=2) ac=none mb=4",
+    ]
     assert all(n in got for n in names), sorted(got)
     base = got[names[0]].times["compute"] * (1 - 1 / 5)
     assert got[names[1]].times["compute"] == pytest.approx(base / (1 - 1 / 13), rel=1e-12)
@@ -202,6 +280,7 @@ def test_zero_bubble_memory_bound_is_1f1bs_peak():
     rank (its W's come late, its bound never above 1F1B's peak); ZB-V 2P (chunk, micro-batch) pairs of half a
     stage each, P stages' worth, on every rank."""
     from plan.counts import _in_flight
+
     for P, M in ((2, 4), (4, 8)):
         assert _in_flight("1f1b", P, M, 1) == [P - r for r in range(P)]
         assert _in_flight("zb_h1", P, M, 1) == [P] * P
@@ -215,9 +294,25 @@ def test_without_overlap_the_data_parallel_traffic_adds_to_compute():
 
     from plan.cluster import Cluster
     from plan.search import step_time
-    s = setup(["--model", "tiny", "--seq_len", "64", "--total_batch_size", "1024", "--micro_batch_size", "8",
-               "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 2)
-    gpu = Cluster(2, 2, 2 ** 40, 1e12, 1e9, 1e9)
+
+    s = setup(
+        [
+            "--model",
+            "tiny",
+            "--seq_len",
+            "64",
+            "--total_batch_size",
+            "1024",
+            "--micro_batch_size",
+            "8",
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "fsdp",
+        ],
+        2,
+    )
+    gpu = Cluster(2, 2, 2**40, 1e12, 1e9, 1e9)
     t, t_cpu = step_time(s, gpu, 1.0), step_time(s, replace(gpu, overlap=False), 1.0)
     assert t["dp"] > 0 and t["total"] == max(t["compute"], t["dp"])
     assert t_cpu["total"] == pytest.approx(t_cpu["compute"] + t_cpu["dp"], rel=1e-12)
@@ -225,15 +320,18 @@ def test_without_overlap_the_data_parallel_traffic_adds_to_compute():
 
 # ----------------------------------------------------------------------------- the search's shortcuts
 
+
 @pytest.fixture(scope="module")
 def grid():
     """Every candidate of tiny (4 Blocks, so V = 2 pipelines and zbv too) on 2 nodes of 2 ranks (HSDP) at two
     micro-batches."""
     from plan.cluster import Cluster
-    a = cli.parser().parse_args(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "2048",
-                                 "--gpus", "4"])
+
+    a = cli.parser().parse_args(
+        ["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "2048", "--gpus", "4"]
+    )
     flags = model_flags(a)
-    return flags, candidates(flags, Cluster(4, 2, 2 ** 40, 1e15, 1e11, 1e10), [1, 2], {})
+    return flags, candidates(flags, Cluster(4, 2, 2**40, 1e15, 1e11, 1e10), [1, 2], {})
 
 
 def test_layout_args_is_train_parsers_parse_of_the_whole_line(grid):
@@ -241,11 +339,15 @@ def test_layout_args_is_train_parsers_parse_of_the_whole_line(grid):
     Namespace train.py's parser gives for the candidate's whole command line, on every candidate: sizes,
     schedules, dp types, HSDP, AC and the TP switches."""
     from plan.search import RUN_FLAGS, layout_args
+
     flags, got = grid
     assert {"--sequence_parallel", "--pp_virtual_stages", "--data_parallel_replicate_size"} <= {
-        f for c in got for f in c.flags}, "the grid covers switches, V and HSDP"
+        f for c in got for f in c.flags
+    }, "the grid covers switches, V and HSDP"
     for c in got:
-        assert vars(layout_args(flags, c.flags[len(flags):])) == vars(train_parser().parse_args([*c.flags, *RUN_FLAGS]))
+        assert vars(layout_args(flags, c.flags[len(flags) :])) == vars(
+            train_parser().parse_args([*c.flags, *RUN_FLAGS])
+        )
 
 
 def test_state_floor_is_a_lower_bound_of_the_predicted_peak(grid):
@@ -260,8 +362,9 @@ def test_state_floor_is_a_lower_bound_of_the_predicted_peak(grid):
 def test_the_v_schedules_bubble_comes_from_the_shared_simulate():
     """search._bubble takes the V schedules' bubble from predict.schedule_facts' simulate (the one the activations
     in flight come from) and equals theory.bubble_fraction on each; the others are its closed forms."""
-    from plan.theory import bubble_fraction
     from plan.search import _bubble
+    from plan.theory import bubble_fraction
+
     for name, v in (("zbv", 2), ("dualpipev", 2), ("interleaved_1f1b", 2), ("1f1b", 1), ("zb_h1", 1)):
         for P, M in ((2, 4), (4, 8), (4, 12)):
             assert _bubble(name, P, M, v) == bubble_fraction(name, P, M, v), (name, P, M)
@@ -274,13 +377,26 @@ def test_the_v_schedules_bubble_comes_from_the_shared_simulate():
 # 4096 elements, 16384 bytes in fp32; M = 4 micro-batches; a rank sends each micro-batch's activation forward
 # from every chunk whose next chunk is elsewhere, and its input gradient backward from every chunk whose previous
 # chunk is elsewhere.
-P2P_BASE = ["--model", "tiny", "--n_layer", "6", "--n_head", "4", "--n_embd", "64", "--seq_len", "32",
-            "--micro_batch_size", "2"]
+P2P_BASE = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    "6",
+    "--n_head",
+    "4",
+    "--n_embd",
+    "64",
+    "--seq_len",
+    "32",
+    "--micro_batch_size",
+    "2",
+]
 
 
 def _pipeline_p2p(flags: list[str], world: int, pp: int) -> list[int]:
     """comm_by_group's predicted p2p bytes per step of every pipeline rank (global rank 0 of each stage)."""
     from plan.counts import comm_by_group
+
     s = setup([*P2P_BASE, "--pipeline_parallel_size", str(pp), *flags], world)
     return [comm_by_group(s, r)["pp"]["p2p"] for r in range(pp)]
 
@@ -302,8 +418,9 @@ def test_interleaved_v2_sends_from_three_of_four_chunk_ends():
     """pp = 2, V = 2: rank 0 holds chunks 0 and 2, rank 1 chunks 1 and 3, every neighbour on the other rank.
     Rank 0: 0 -> 1, 2 -> 3 forward and 2 -> 1 back; rank 1: 1 -> 2 forward, 1 -> 0 and 3 -> 2 back: 3 messages
     per micro-batch each, 3 x 4 x 16384 = 196608."""
-    got = _pipeline_p2p(["--total_batch_size", "256", "--pp_schedule", "interleaved_1f1b",
-                         "--pp_virtual_stages", "2"], 2, 2)
+    got = _pipeline_p2p(
+        ["--total_batch_size", "256", "--pp_schedule", "interleaved_1f1b", "--pp_virtual_stages", "2"], 2, 2
+    )
     assert got == [196608, 196608]
 
 
@@ -312,10 +429,15 @@ def test_v_schedule_sends_nothing_between_the_chunks_that_share_a_rank():
     and pass their activation and gradient in memory. Rank 0: 0 -> 1 forward, 5 -> 4 back (2 per micro-batch);
     rank 1: 1 -> 2 and 4 -> 5 forward, 1 -> 0 and 4 -> 3 back (4); rank 2: 3 -> 4 forward and 2 -> 1 back (2).
     M = 3: 2 x 3 x 16384 = 98304, 196608, 98304. pp = 2 (rank 1 holds chunks 1 and 2): 2 messages each."""
-    assert _pipeline_p2p(["--total_batch_size", "192", "--pp_schedule", "zbv", "--pp_virtual_stages", "2"],
-                         3, 3) == [98304, 196608, 98304]
-    assert _pipeline_p2p(["--total_batch_size", "256", "--pp_schedule", "zbv", "--pp_virtual_stages", "2"],
-                         2, 2) == [131072, 131072]
+    assert _pipeline_p2p(["--total_batch_size", "192", "--pp_schedule", "zbv", "--pp_virtual_stages", "2"], 3, 3) == [
+        98304,
+        196608,
+        98304,
+    ]
+    assert _pipeline_p2p(["--total_batch_size", "256", "--pp_schedule", "zbv", "--pp_virtual_stages", "2"], 2, 2) == [
+        131072,
+        131072,
+    ]
 
 
 def test_sequence_parallel_sends_each_tp_rank_its_share_of_the_tokens():
@@ -337,14 +459,27 @@ def test_bf16_compute_copies_under_fsdp_halve_the_activation_bytes():
 
 # ----------------------------------------------------------------------------- latency and oversubscription
 
+
 def _two_rank_layouts() -> dict:
     """tiny with 4 Blocks: a TP, CP, pipeline and sharded layout on 2 ranks, by the group each exercises."""
-    base = ["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
-            "--micro_batch_size", "4"]
-    return {"tp": setup([*base, "--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"], 2),
-            "cp": setup([*base, "--context_parallel_size", "2"], 2),
-            "pp": setup([*base, "--pipeline_parallel_size", "2"], 2),
-            "dp": setup([*base, "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 2)}
+    base = [
+        "--model",
+        "tiny",
+        "--n_layer",
+        "4",
+        "--seq_len",
+        "64",
+        "--total_batch_size",
+        "1024",
+        "--micro_batch_size",
+        "4",
+    ]
+    return {
+        "tp": setup([*base, "--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"], 2),
+        "cp": setup([*base, "--context_parallel_size", "2"], 2),
+        "pp": setup([*base, "--pipeline_parallel_size", "2"], 2),
+        "dp": setup([*base, "--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 2),
+    }
 
 
 def test_latency_is_charged_once_per_call_of_each_group():
@@ -356,7 +491,8 @@ def test_latency_is_charged_once_per_call_of_each_group():
     from plan.cluster import Cluster
     from plan.counts import comm_calls_by_group
     from plan.search import step_time
-    base = Cluster(2, 2, 2 ** 40, 1e12, 1e9, 1e9, overlap=False, latency=0.0)
+
+    base = Cluster(2, 2, 2**40, 1e12, 1e9, 1e9, overlap=False, latency=0.0)
     for group, s in _two_rank_layouts().items():
         calls = sum(comm_calls_by_group(s)[group].values())
         t0, t1 = step_time(s, base, 1.0), step_time(s, replace(base, latency=1e-3), 1.0)
@@ -369,6 +505,7 @@ def test_gpu_presets_have_a_small_latency_and_a_processor_per_rank():
     """Every preset's Cluster (python -m plan) charges the documented 10 us per call, 20 us per compute action, no
     core sharing and nothing per hop (a call's 10 us holds NCCL's hops)."""
     from plan.cluster import PRESETS
+
     for gpu in PRESETS:
         c = cli.cluster_of(cli.parser().parse_args(["--gpu", gpu]))
         assert c.latency == 10e-6 and c.cores is None and c.overhead == 20e-6 and c.hop == 0.0
@@ -380,8 +517,9 @@ def _hop_delta(s: Setup, group: str) -> float:
 
     from plan.cluster import Cluster
     from plan.search import step_time
+
     n = s.dims.world_size
-    base = Cluster(n, n, 2 ** 40, 1e12, 1e9, 1e9, overlap=False, latency=0.0)
+    base = Cluster(n, n, 2**40, 1e12, 1e9, 1e9, overlap=False, latency=0.0)
     t0, t1 = step_time(s, base, 1.0), step_time(s, replace(base, hop=1e-3), 1.0)
     assert t1["compute"] == t0["compute"]
     assert t1["total"] - t0["total"] == pytest.approx(t1[group] - t0[group], rel=1e-9)
@@ -398,8 +536,19 @@ def test_hops_are_the_calls_formulas_calls_times_their_ring_steps():
     all-reduce): 19 + 36 + 56 = 111 a micro-step, 444 a step; over 4 ranks 3, 6 and 6: 57 + 108 + 168 = 333, 1332.
     The pipeline's p2p messages are a hop each and its tied all-reduce 2; FSDP's gathers 1 and scatters 2."""
     from plan.counts import comm_calls_by_group
-    base = ["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
-            "--micro_batch_size", "4"]
+
+    base = [
+        "--model",
+        "tiny",
+        "--n_layer",
+        "4",
+        "--seq_len",
+        "64",
+        "--total_batch_size",
+        "1024",
+        "--micro_batch_size",
+        "4",
+    ]
     tp = ["--sequence_parallel", "--enable_loss_parallelism", "--tensor_parallel_size"]
     for n, hops in ((2, 444), (4, 1332)):
         s = setup([*base, *tp, str(n)], n)
@@ -409,13 +558,29 @@ def test_hops_are_the_calls_formulas_calls_times_their_ring_steps():
     pp = comm_calls_by_group(layouts["pp"])["pp"]
     assert _hop_delta(layouts["pp"], "pp") == pytest.approx((pp["p2p"] + 2 * pp["all_reduce"]) * 1e-3, rel=1e-9)
     dp = comm_calls_by_group(layouts["dp"])["dp"]
-    assert _hop_delta(layouts["dp"], "dp") == pytest.approx((dp["all_gather"] + 2 * dp["reduce_scatter"]) * 1e-3,
-                                                             rel=1e-9)
+    assert _hop_delta(layouts["dp"], "dp") == pytest.approx(
+        (dp["all_gather"] + 2 * dp["reduce_scatter"]) * 1e-3, rel=1e-9
+    )
 
 
 def _pipeline4(micro: int) -> Setup:
-    return setup(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", str(64 * 4 * micro),
-                  "--micro_batch_size", "4", "--pipeline_parallel_size", "4"], 4)
+    return setup(
+        [
+            "--model",
+            "tiny",
+            "--n_layer",
+            "4",
+            "--seq_len",
+            "64",
+            "--total_batch_size",
+            str(64 * 4 * micro),
+            "--micro_batch_size",
+            "4",
+            "--pipeline_parallel_size",
+            "4",
+        ],
+        4,
+    )
 
 
 def test_with_fewer_cores_than_busy_ranks_the_cores_bound_the_step():
@@ -426,11 +591,12 @@ def test_with_fewer_cores_than_busy_ranks_the_cores_bound_the_step():
     from plan.cluster import Cluster
     from plan.counts import step_flops
     from plan.search import step_time
+
     s = _pipeline4(8)
     peak = 1e10
-    t = step_time(s, Cluster(4, 4, 2 ** 40, peak, 1e9, 1e9, overlap=False, cores=2, overhead=0.0), 1.0)
+    t = step_time(s, Cluster(4, 4, 2**40, peak, 1e9, 1e9, overlap=False, cores=2, overhead=0.0), 1.0)
     assert t["compute"] == pytest.approx(4 * step_flops(s) / (2 * peak), rel=1e-12)
-    t_own = step_time(s, Cluster(4, 4, 2 ** 40, peak, 1e9, 1e9, overlap=False, overhead=0.0), 1.0)
+    t_own = step_time(s, Cluster(4, 4, 2**40, peak, 1e9, 1e9, overlap=False, overhead=0.0), 1.0)
     assert t_own["compute"] == pytest.approx(step_flops(s) / peak / (1 - 3 / 11), rel=1e-12)
 
 
@@ -440,8 +606,9 @@ def test_with_fewer_busy_ranks_than_cores_each_runs_at_peak():
     from plan.cluster import Cluster
     from plan.counts import step_flops
     from plan.search import step_time
+
     s = _pipeline4(2)
-    t = step_time(s, Cluster(4, 4, 2 ** 40, 1e10, 1e9, 1e9, overlap=False, cores=2, overhead=0.0), 1.0)
+    t = step_time(s, Cluster(4, 4, 2**40, 1e10, 1e9, 1e9, overlap=False, cores=2, overhead=0.0), 1.0)
     assert t["compute"] == pytest.approx(step_flops(s) / 1e10 / (1 - 3 / 5), rel=1e-12)
 
 
@@ -452,16 +619,29 @@ def test_ddp_calls_are_build_buckets_count_at_every_cap():
     exactly, where "past the cap" decides: test_plan_runs holds the one-bucket case against runs."""
     from model import GPT
     from parallel.ddp import build_buckets
-    from plan.theory import ddp_comm_calls_per_step
     from plan.counts import local_params
-    s = setup(["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
-               "--micro_batch_size", "4"])
+    from plan.theory import ddp_comm_calls_per_step
+
+    s = setup(
+        [
+            "--model",
+            "tiny",
+            "--n_layer",
+            "4",
+            "--seq_len",
+            "64",
+            "--total_batch_size",
+            "1024",
+            "--micro_batch_size",
+            "4",
+        ]
+    )
     with torch.device("meta"):
         named = [(n, p) for n, p in GPT(s.config).named_parameters()]
     sizes = [4 * n for _, n, _ in local_params(s)]
     counts = set()
     exact = [sum(part) for k in range(1, len(sizes) + 1) for part in (sizes[-k:], sizes[:k])]
-    for cap in (1, 2 ** 12, 2 ** 16, 2 ** 18, 2 ** 20, 25 * 2 ** 20, *exact):
+    for cap in (1, 2**12, 2**16, 2**18, 2**20, 25 * 2**20, *exact):
         want = len(build_buckets(named, cap))
         counts.add(want)
         assert ddp_comm_calls_per_step(sizes, 2, cap) == {"all_reduce": want}, cap
@@ -469,6 +649,7 @@ def test_ddp_calls_are_build_buckets_count_at_every_cap():
 
 
 # ----------------------------------------------------------------------------- the CPU's allocated peak
+
 
 class TestAllocatedPeak:
     """memory.AllocatedPeak, the CPU number the predicted peak is held against (test_plan_runs), on allocations
@@ -478,6 +659,7 @@ class TestAllocatedPeak:
 
     def window(self, body) -> int:
         from memory import AllocatedPeak
+
         with AllocatedPeak(True) as peak:
             body()
         return peak.bytes
@@ -488,6 +670,7 @@ class TestAllocatedPeak:
         import os
 
         from memory import PROFILER_CHATTER, _stderr_without
+
         with _stderr_without(PROFILER_CHATTER):
             os.write(2, b"USDT:x SyncActivityProfilerHandler.cpp:52] profiler_start\n")
             os.write(2, b"a real warning\n")
@@ -501,6 +684,7 @@ class TestAllocatedPeak:
             del a
             c = torch.empty(2 * self.MB, dtype=torch.uint8)  # b + c, under the peak
             del b, c
+
         empty = self.window(lambda: None)
         assert self.window(body) - empty == 12 * self.MB
 
@@ -512,12 +696,14 @@ class TestAllocatedPeak:
 
     def test_off_when_not_enabled(self):
         from memory import AllocatedPeak
+
         with AllocatedPeak(False) as peak:
             torch.empty(self.MB)
         assert peak.bytes is None
 
 
 # ----------------------------------------------------------------------------- the sharding engine's backward
+
 
 def test_reduce_phase_is_the_profiled_live_set_of_a_zero3_stage_0():
     """pp=2 dp=2 fsdp (test_plan_runs' layout, bench.sweep's tiny GPT), rank 0: memory.AllocatedPeak's live set at
@@ -547,11 +733,13 @@ def test_reduce_phase_is_the_profiled_live_set_of_a_zero3_stage_0():
 
 # ----------------------------------------------------------------------------- per-action overhead
 
+
 def _overhead_delta(s: Setup, cluster) -> float:
     """The compute term's growth from Cluster.overhead 0 to 1 ms on `cluster`."""
     from dataclasses import replace
 
     from plan.search import step_time
+
     t0, t1 = step_time(s, replace(cluster, overhead=0.0), 1.0), step_time(s, replace(cluster, overhead=1e-3), 1.0)
     assert t1["total"] - t0["total"] == pytest.approx(t1["compute"] - t0["compute"], rel=1e-9)
     return t1["compute"] - t0["compute"]
@@ -563,9 +751,20 @@ def test_overhead_is_charged_per_compute_action():
     Under pp=2 with M = 4 each rank runs every micro-batch's F and B of its chunk (1F1B: 8) or F, B and W (ZB-H1,
     the backward split: 12), stretched by the schedule's bubble, 1/5 and 1/13 (Qi et al. 2023, section 3.1)."""
     from plan.cluster import Cluster
-    c = Cluster(2, 2, 2 ** 40, 1e12, 1e9, 1e9, overlap=False)
-    base = ["--model", "tiny", "--n_layer", "4", "--seq_len", "64", "--total_batch_size", "1024",
-            "--micro_batch_size", "4"]
+
+    c = Cluster(2, 2, 2**40, 1e12, 1e9, 1e9, overlap=False)
+    base = [
+        "--model",
+        "tiny",
+        "--n_layer",
+        "4",
+        "--seq_len",
+        "64",
+        "--total_batch_size",
+        "1024",
+        "--micro_batch_size",
+        "4",
+    ]
     assert _overhead_delta(setup(base, 1), replace_gpus(c, 1)) == pytest.approx(8e-3, rel=1e-12)
     full = setup([*base, "--activation_checkpointing", "full"], 1)
     assert _overhead_delta(full, replace_gpus(c, 1)) == pytest.approx(12e-3, rel=1e-12)
@@ -579,27 +778,56 @@ def test_overhead_runs_on_the_shared_cores_as_the_flops_do():
     cores, so the cores run all 4 ranks' actions, 4 x 16 x overhead / 2, as they run the FLOPs
     (test_with_fewer_cores_than_busy_ranks_the_cores_bound_the_step)."""
     from plan.cluster import Cluster
-    c = Cluster(4, 4, 2 ** 40, 1e10, 1e9, 1e9, overlap=False, cores=2)
+
+    c = Cluster(4, 4, 2**40, 1e10, 1e9, 1e9, overlap=False, cores=2)
     assert _overhead_delta(_pipeline4(8), c) == pytest.approx(4 * 16 * 1e-3 / 2, rel=1e-12)
 
 
 def replace_gpus(c, gpus: int):
     from dataclasses import replace
+
     return replace(c, gpus=gpus, gpus_per_node=gpus)
 
 
 # ----------------------------------------------------------------------------- mixture of experts, expert parallelism
 
 E, K, C, H = 4, 2, 64, 256  # the tiny GPT's width; each expert a GPT-2 MLP of 4C
-MOE = ["--model", "tiny", "--n_layer", "2", "--vocab_size", "512", "--moe_num_experts", str(E), "--moe_top_k", str(K),
-       "--seq_len", "32", "--micro_batch_size", "2"]
+MOE = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    "2",
+    "--vocab_size",
+    "512",
+    "--moe_num_experts",
+    str(E),
+    "--moe_top_k",
+    str(K),
+    "--seq_len",
+    "32",
+    "--micro_batch_size",
+    "2",
+]
 EXPERTS_PER_LAYER = E * (C * H + H + H * C + C)  # c_fc's and c_proj's stacked weights and biases, all E experts
 
 
 def moe_setup(dp: int, ep: int, dp_type: str = "ddp", extra: tuple[str, ...] = ()) -> Setup:
     """2 MoE Blocks, 2 micro-steps of 2 rows of 32 tokens per dp rank."""
-    return setup([*MOE, "--total_batch_size", str(dp * 2 * 2 * 32), "--data_parallel_size", str(dp),
-                  "--data_parallel_type", dp_type, "--expert_parallel_size", str(ep), *extra], dp)
+    return setup(
+        [
+            *MOE,
+            "--total_batch_size",
+            str(dp * 2 * 2 * 32),
+            "--data_parallel_size",
+            str(dp),
+            "--data_parallel_type",
+            dp_type,
+            "--expert_parallel_size",
+            str(ep),
+            *extra,
+        ],
+        dp,
+    )
 
 
 def test_ep_all_to_all_by_hand():
@@ -607,6 +835,7 @@ def test_ep_all_to_all_by_hand():
     out and N·k back, and the same two the other way in backward: 8E + 4·(N·k·C·4), N = 64 tokens; 5 calls
     (counts, 2 forward, 2 backward). 2 layers x 2 micro-steps. Without EP: none."""
     from plan.predict import predict
+
     N, M = 2 * 32, 2
     got = predict(moe_setup(2, 2))
     assert got["comm_bytes"]["all_to_all"] == M * 2 * (8 * E + 4 * N * K * C * 4) == 524_416
@@ -622,6 +851,7 @@ def test_ep_expert_state_and_gradients_by_hand():
     dense gradients all-reduced over dp (4·(Ψ - X)), the experts' over their edp group of 2 (4·X/2). ZeRO-3 on
     dp = 4: every expert unit (E/2 experts of a Block) sharded 1/2 over edp, the dense units 1/4."""
     from plan.counts import comm_by_group, units
+
     X = 2 * EXPERTS_PER_LAYER
     one, two = state_bytes(moe_setup(2, 1)), state_bytes(moe_setup(2, 2))
     assert {k: one[k] - two[k] for k in one} == {"params": 4 * X // 2, "grads": 4 * X // 2, "optimizer": 8 * X // 2}
@@ -631,8 +861,9 @@ def test_ep_expert_state_and_gradients_by_hand():
     assert groups["dp"]["all_reduce"] == 4 * (psi - X) and groups["edp"]["all_reduce"] == 4 * X // 2
     fsdp = moe_setup(4, 2, "fsdp")
     u = units(fsdp)
-    assert {k: n for k, (n, _) in u.items() if k.endswith(".experts")} == \
-        {f"transformer.h.{i}.experts": EXPERTS_PER_LAYER // 2 for i in range(2)}
+    assert {k: n for k, (n, _) in u.items() if k.endswith(".experts")} == {
+        f"transformer.h.{i}.experts": EXPERTS_PER_LAYER // 2 for i in range(2)
+    }
     dense = sum(-(-n // 4) for k, (n, _) in u.items() if not k.endswith(".experts"))
     assert state_bytes(fsdp)["params"] == 4 * (dense + 2 * EXPERTS_PER_LAYER // 2 // 2)
 
@@ -646,6 +877,7 @@ def test_ddp_calls_close_a_bucket_where_the_reduce_group_changes():
     from parallel.marks import mark_replicas
     from plan.counts import is_expert, local_params
     from plan.theory import ddp_comm_calls_per_step
+
     s = moe_setup(4, 2)
     with torch.device("meta"):
         named = list(GPT(s.config).named_parameters())
@@ -655,11 +887,11 @@ def test_ddp_calls_close_a_bucket_where_the_reduce_group_changes():
             mark_replicas(p, edp, 0)
     params = local_params(s)
     sizes, groups = [4 * n for _, n, _ in params], [2 if is_expert(n) else 4 for n, _, _ in params]
-    for cap in (1, 2 ** 16, 2 ** 20, 25 * 2 ** 20):
+    for cap in (1, 2**16, 2**20, 25 * 2**20):
         buckets = build_buckets(named, cap)
         assert ddp_comm_calls_per_step(sizes, 4, cap, groups)["all_reduce"] == sum(b.group is None for b in buckets)
         assert ddp_comm_calls_per_step(sizes, 2, cap, groups)["all_reduce"] == sum(b.group is edp for b in buckets)
-    assert sum(b.group is None for b in build_buckets(named, 25 * 2 ** 20)) == 3  # ln_f; Block 1; Block 0 + root
+    assert sum(b.group is None for b in build_buckets(named, 25 * 2**20)) == 3  # ln_f; Block 1; Block 0 + root
 
 
 def test_moe_saved_bytes_by_hand():
@@ -667,6 +899,7 @@ def test_moe_saved_bytes_by_hand():
     N·(k·(12C + 8H + 32) + 12E + 4) + 4E bytes in place of the dense MLP's 8·N·C·4; EP adds the received rows'
     order and a second index_copy's source, N·k·(8 + 4C) at balance."""
     from plan.counts import moe_saved_bytes
+
     N = 64
     one = moe_saved_bytes(moe_setup(2, 1), 2, 32)
     assert one == N * (K * (12 * C + 8 * H + 32) + 12 * E + 4) + 4 * E
@@ -680,6 +913,7 @@ def test_tp_moe_block_by_hand():
     (A(a)), and has no c_proj bias; its all-gathers (input forward, output gradient backward) match the dense
     Block's. Without SP: neither all-reduce."""
     from model import make_config
+
     dense = make_config("tiny", n_layer=2, vocab_size=512)
     B, T, A = 2, 32, 2 * 32 * C * 4
     for sp in (True, False):
@@ -688,7 +922,11 @@ def test_tp_moe_block_by_hand():
         dc = theory.tp_comm_calls_per_micro_step(dense, B, T, 2, True, sp)
         mc = theory.tp_comm_calls_per_micro_step(dense, B, T, 2, True, sp, moe_blocks=2)
         if sp:
-            assert {k: d[k] - m[k] for k in d} == {"all_reduce": 2 * C * 4, "all_gather": 0, "reduce_scatter": 2 * 2 * A}
+            assert {k: d[k] - m[k] for k in d} == {
+                "all_reduce": 2 * C * 4,
+                "all_gather": 0,
+                "reduce_scatter": 2 * 2 * A,
+            }
             assert {k: dc[k] - mc[k] for k in dc} == {"all_reduce": 2, "all_gather": 0, "reduce_scatter": 4}
         else:
             assert {k: d[k] - m[k] for k in d} == {"all_reduce": 2 * 2 * A, "all_gather": 0, "reduce_scatter": 0}
@@ -699,14 +937,31 @@ def test_plan_enumerates_ep_for_moe_models():
     """`python -m plan --moe_num_experts 4` offers EP at each divisor of E that divides dp x cp (names and flags
     carry it), and a dense model none."""
     from plan.cluster import Cluster
-    flags = ["--model", "tiny", "--n_layer", "2", "--seq_len", "64", "--total_batch_size", "1024", "--dtype",
-             "float32", "--moe_num_experts", "4"]
-    cl = Cluster(4, 4, 2 ** 40, 1e12, 1e10, 1e10)
+
+    flags = [
+        "--model",
+        "tiny",
+        "--n_layer",
+        "2",
+        "--seq_len",
+        "64",
+        "--total_batch_size",
+        "1024",
+        "--dtype",
+        "float32",
+        "--moe_num_experts",
+        "4",
+    ]
+    cl = Cluster(4, 4, 2**40, 1e12, 1e10, 1e10)
     got = candidates(flags, cl, [2], {"pp": 1, "tp": 1, "cp": 1, "ac": "none", "dp_type": "ddp"})
-    assert sorted(c.name for c in got) == ["dp=4(ddp) ac=none mb=2", "dp=4(ddp) ep=2 ac=none mb=2",
-                                           "dp=4(ddp) ep=4 ac=none mb=2"]
-    assert all(c.setup.dims.ep == int(c.flags[c.flags.index("--expert_parallel_size") + 1]) for c in got
-               if "ep=" in c.name)
+    assert sorted(c.name for c in got) == [
+        "dp=4(ddp) ac=none mb=2",
+        "dp=4(ddp) ep=2 ac=none mb=2",
+        "dp=4(ddp) ep=4 ac=none mb=2",
+    ]
+    assert all(
+        c.setup.dims.ep == int(c.flags[c.flags.index("--expert_parallel_size") + 1]) for c in got if "ep=" in c.name
+    )
     assert "ep" in next(c for c in got if "ep=4" in c.name).times
     dense = candidates(flags[:-2], cl, [2], {"pp": 1, "tp": 1, "cp": 1, "ac": "none", "dp_type": "ddp"})
     assert [c.name for c in dense] == ["dp=4(ddp) ac=none mb=2"]

@@ -1,5 +1,6 @@
 """bench.plan_rank's pure logic on synthetic numbers: what a run's time is, what noise is, and when a pair of
 layouts counts as ordered by the measurement (no run, no clock: the bench itself is `python -m bench.plan_rank`)."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,18 +11,27 @@ from bench.plan_rank import fit_overhead, measured, pairwise, ranks, relative_no
 def test_a_run_is_the_median_of_its_steps_after_the_skipped_ones():
     """Steps 1 and 2 (saved-activation hooks, warm-up) are left out however slow; the step-0 prediction record
     and eval records are not steps."""
-    recs = [{"step": 0, "predicted": {}}, {"step": 1, "loss": 1, "step_time_ms": 900.0},
-            {"step": 2, "loss": 1, "step_time_ms": 800.0}, {"step": 2, "val_loss": 1},
-            {"step": 3, "loss": 1, "step_time_ms": 30.0}, {"step": 4, "loss": 1, "step_time_ms": 10.0},
-            {"step": 5, "loss": 1, "step_time_ms": 20.0}]
+    recs = [
+        {"step": 0, "predicted": {}},
+        {"step": 1, "loss": 1, "step_time_ms": 900.0},
+        {"step": 2, "loss": 1, "step_time_ms": 800.0},
+        {"step": 2, "val_loss": 1},
+        {"step": 3, "loss": 1, "step_time_ms": 30.0},
+        {"step": 4, "loss": 1, "step_time_ms": 10.0},
+        {"step": 5, "loss": 1, "step_time_ms": 20.0},
+    ]
     assert run_seconds(recs) == 0.02
     assert run_seconds(recs[:3]) is None
 
 
 def test_a_run_can_be_the_min_of_its_steps():
     """`--stat min`: the fastest step after the skipped ones (a step only gains time from the machine's other work)."""
-    recs = [{"step": 1, "loss": 1, "step_time_ms": 5.0}, {"step": 3, "loss": 1, "step_time_ms": 30.0},
-            {"step": 4, "loss": 1, "step_time_ms": 10.0}, {"step": 5, "loss": 1, "step_time_ms": 20.0}]
+    recs = [
+        {"step": 1, "loss": 1, "step_time_ms": 5.0},
+        {"step": 3, "loss": 1, "step_time_ms": 30.0},
+        {"step": 4, "loss": 1, "step_time_ms": 10.0},
+        {"step": 5, "loss": 1, "step_time_ms": 20.0},
+    ]
     assert run_seconds(recs, stat="min") == 0.01
     assert run_seconds(recs, stat="median") == 0.02
 
@@ -58,9 +68,11 @@ def test_an_equal_prediction_of_a_measured_order_is_a_tie():
 
 def test_pairwise_over_three_layouts():
     """a < b < c measured, apart by more than the noise except b and c; predicted a < c < b."""
-    rows = [{"layout": "a", "predicted_s": 1.0, "measured_s": 0.10, "noise_s": 0.01},
-            {"layout": "b", "predicted_s": 3.0, "measured_s": 0.20, "noise_s": 0.02},
-            {"layout": "c", "predicted_s": 2.0, "measured_s": 0.21, "noise_s": 0.02}]
+    rows = [
+        {"layout": "a", "predicted_s": 1.0, "measured_s": 0.10, "noise_s": 0.01},
+        {"layout": "b", "predicted_s": 3.0, "measured_s": 0.20, "noise_s": 0.02},
+        {"layout": "c", "predicted_s": 2.0, "measured_s": 0.21, "noise_s": 0.02},
+    ]
     got = {(p["a"], p["b"]): p["verdict"] for p in pairwise(rows)}
     assert got == {("a", "b"): "agree", ("a", "c"): "agree", ("b", "c"): "noise"}
     assert tally(pairwise(rows)) == {"agree": 2, "disagree": 0, "tie": 0, "noise": 1}
@@ -73,13 +85,18 @@ def test_the_calibrated_cluster_runs_all_busy_ranks_at_the_measured_contended_ra
     call has no latency beyond its hops."""
     from bench.plan_rank import cpu_cluster
     from plan.search import core_share
+
     cal_1 = {"matmul_flops": 10e9}
     for world, rate in ((2, 8e9), (4, 4.5e9)):
         cal = {"matmul_flops": rate, "bus_bw": 1e9, "hop": 2e-4}
         cluster, figures = cpu_cluster(world, 3e9, cal, cal_1, cores=2)
         assert cluster.peak_flops * core_share(cluster, 0.0) == pytest.approx(3e9 * rate / 10e9, rel=1e-12)
-        assert (cluster.cores, cluster.hop, cluster.latency, cluster.intra_bw) == (2 if world > 2 else None, 2e-4,
-                                                                                   0.0, 1e9)
+        assert (cluster.cores, cluster.hop, cluster.latency, cluster.intra_bw) == (
+            2 if world > 2 else None,
+            2e-4,
+            0.0,
+            1e9,
+        )
         assert figures["compute_flops"] == pytest.approx(3e9 * rate / 10e9, rel=1e-12)
         # one process's 1 ms per action, slowed by the contention as its FLOPs are, on a busy rank
         cluster, _ = cpu_cluster(world, 3e9, cal, cal_1, cores=2, overhead=1e-3)
@@ -101,7 +118,8 @@ def test_the_calibrated_one_process_cluster_reproduces_both_reference_runs():
     from plan.cluster import Cluster
     from plan.counts import step_flops
     from plan.search import compute_actions
-    ones = planned(1, Cluster(1, 1, 2 ** 40, 1e12, 1e9, 1e9))
+
+    ones = planned(1, Cluster(1, 1, 2**40, 1e12, 1e9, 1e9))
     big, small = ones[SINGLE].setup, ones[SMALL].setup
     overhead, rate = fit_overhead(step_flops(big), (0.10, compute_actions(big)), (0.13, compute_actions(small)))
     cal = {"matmul_flops": 1e10, "bus_bw": None, "hop": None}

@@ -14,10 +14,12 @@ metrics.jsonl:
   15% (the issue's bound), every layout: a sharding engine under a pipeline by peak_parts' "reduce" phase.
 
 The layouts are bench.sweep's (the tiny GPT with 4 Blocks, 512-token vocabulary, 12 rows of 32 tokens; three at the
-small preset's width), two steps each, every dim and dp type: one process, DDP, ZeRO-1/2/3, HSDP, TP with and without SP, CP, PP (each
+small preset's width), two steps each, every dim and dp type: one process, DDP, ZeRO-1/2/3, HSDP, TP with and without
+SP, CP, PP (each
 schedule), their compositions up to 8 ranks, and activation checkpointing. Each is one forked run
 (tests/harness.shared_run), trained once per session. `pytest -s` prints the table.
 """
+
 from __future__ import annotations
 
 import unittest
@@ -33,42 +35,69 @@ SMALL = ["--model", "small"]  # after bench.sweep.BASE's --model tiny: the last 
 GPT2_VOCAB = ["--vocab_size", "50304"]  # after BASE's 512 (the corpus' ids stay below 512)
 ALL_EXPERTS = ["--moe_top_k", "4"]  # after bench.sweep.MOE's top-2
 LAYOUTS: list[tuple[S.Layout, list[str]]] = [
-    (L(), []), (L(), ["--activation_checkpointing", "full"]),
-    (L(dp=2, dp_type="ddp"), []), (L(dp=2, dp_type="zero1"), []), (L(dp=2, dp_type="zero2"), []),
-    (L(dp=2, dp_type="fsdp"), []), (L(dp=2, dp_type="fsdp"), ["--activation_checkpointing", "selective"]),
-    (L(dp=4, dp_type="fsdp", replicate=2), []), (L(dp=4, dp_type="zero1", replicate=2), []),
-    (L(tp=2), []), (L(tp=2, sp=False), []), (L(tp=2), ["--activation_checkpointing", "full"]),
-    (L(cp=2), []), (L(cp=2, dp_type="zero2"), []),
-    (L(pp=2), []), (L(pp=2, dp=2, dp_type="ddp", schedule="gpipe"), []),
-    (L(pp=2, tp=2, schedule="interleaved_1f1b", virtual=2), []), (L(pp=2, dp=2, dp_type="fsdp"), []),
+    (L(), []),
+    (L(), ["--activation_checkpointing", "full"]),
+    (L(dp=2, dp_type="ddp"), []),
+    (L(dp=2, dp_type="zero1"), []),
+    (L(dp=2, dp_type="zero2"), []),
+    (L(dp=2, dp_type="fsdp"), []),
+    (L(dp=2, dp_type="fsdp"), ["--activation_checkpointing", "selective"]),
+    (L(dp=4, dp_type="fsdp", replicate=2), []),
+    (L(dp=4, dp_type="zero1", replicate=2), []),
+    (L(tp=2), []),
+    (L(tp=2, sp=False), []),
+    (L(tp=2), ["--activation_checkpointing", "full"]),
+    (L(cp=2), []),
+    (L(cp=2, dp_type="zero2"), []),
+    (L(pp=2), []),
+    (L(pp=2, dp=2, dp_type="ddp", schedule="gpipe"), []),
+    (L(pp=2, tp=2, schedule="interleaved_1f1b", virtual=2), []),
+    (L(pp=2, dp=2, dp_type="fsdp"), []),
     (L(dp=2, tp=2, dp_type="fsdp"), []),
-    (L(pp=2, cp=2, tp=2, dp_type="ddp"), []), (L(dp=2, cp=2, tp=2, dp_type="fsdp"), []),
+    (L(pp=2, cp=2, tp=2, dp_type="ddp"), []),
+    (L(dp=2, cp=2, tp=2, dp_type="fsdp"), []),
     # a sharding engine under a pipeline (theory.zero_comm_bytes_per_pipeline_step): ZeRO-3's roots re-gathered
     # per chunk forward and after a backward (GPipe: 2M - 1 times), ZeRO-1 and ZeRO-2 over interleaved chunks
-    (L(pp=2, dp=2, dp_type="fsdp", schedule="gpipe"), []), (L(pp=2, dp=2, dp_type="zero1"), []),
+    (L(pp=2, dp=2, dp_type="fsdp", schedule="gpipe"), []),
+    (L(pp=2, dp=2, dp_type="zero1"), []),
     (L(pp=2, dp=2, dp_type="zero2", schedule="interleaved_1f1b", virtual=2), []),
     # the zero-bubble schedules: a micro-batch held from F to W; the V's no p2p and no embedding all-reduce
-    (L(pp=2, schedule="zb_h1"), []), (L(pp=2, dp=2, dp_type="ddp", schedule="zbv", virtual=2), []),
+    (L(pp=2, schedule="zb_h1"), []),
+    (L(pp=2, dp=2, dp_type="ddp", schedule="zbv", virtual=2), []),
     # the small preset's width (n_embd 384, 6 heads; 4 Blocks here): what scales with C and the heads
-    (L(), SMALL), (L(dp=2, dp_type="fsdp"), SMALL), (L(pp=2, tp=2), SMALL),
+    (L(), SMALL),
+    (L(dp=2, dp_type="fsdp"), SMALL),
+    (L(pp=2, tp=2), SMALL),
     # GPT-2's vocabulary (50304 x 64 = 12.9 MB of fp32 embedding, a fifth of the peak): the embedding terms show
     # (HSDP: micro-batches of 6 x 32 rows, two of the loss's 128-row chunks)
-    (L(), GPT2_VOCAB), (L(pp=2, dp=2, dp_type="fsdp"), GPT2_VOCAB),
+    (L(), GPT2_VOCAB),
+    (L(pp=2, dp=2, dp_type="fsdp"), GPT2_VOCAB),
     (L(dp=4, dp_type="fsdp", replicate=2), [*GPT2_VOCAB, "--micro_batch_size", "6", "--total_batch_size", "768"]),
     # expert parallelism (bench.sweep's MoE rows: 4 experts in every Block), top-4 of 4: every token reaches every
     # expert, so each rank's experts receive exactly the N·k rows it sends, the routing the planner assumes
     # (balanced); TestRoutingAgainstBalanced holds the top-2 row, whose loads the router decides
-    *[(x, ALL_EXPERTS) for x in (L(dp=2, dp_type="ddp", experts=4, ep=2), L(dp=2, dp_type="fsdp", experts=4, ep=2),
-                                 L(pp=2, dp=2, dp_type="ddp", experts=4, ep=2),
-                                 L(dp=2, dp_type="ddp", tp=2, experts=4, ep=2))],
+    *[
+        (x, ALL_EXPERTS)
+        for x in (
+            L(dp=2, dp_type="ddp", experts=4, ep=2),
+            L(dp=2, dp_type="fsdp", experts=4, ep=2),
+            L(pp=2, dp=2, dp_type="ddp", experts=4, ep=2),
+            L(dp=2, dp_type="ddp", tp=2, experts=4, ep=2),
+        )
+    ],
 ]
 SAVED_RTOL = 0.05
 
 
 def name(layout: S.Layout, extra: list[str]) -> str:
     """The sweep's layout name, then each extra flag's value: `ac=full`, `k=4`, `vocab=50304`, `small`."""
-    short = {"--activation_checkpointing": " ac=", "--moe_top_k": " k=", "--vocab_size": " vocab=",
-             "--micro_batch_size": " mb=", "--total_batch_size": " tokens="}
+    short = {
+        "--activation_checkpointing": " ac=",
+        "--moe_top_k": " k=",
+        "--vocab_size": " vocab=",
+        "--micro_batch_size": " mb=",
+        "--total_batch_size": " tokens=",
+    }
     return layout.name + "".join(short.get(f, " ") + v for f, v in zip(extra[::2], extra[1::2]))
 
 
@@ -76,8 +105,11 @@ def records(layout: S.Layout, extra: list[str]) -> tuple[dict, dict]:
     """(predicted, measured) of the layout's two-step run: step 2's record (the steady state: ZeRO-1/2's
     all-gather of the updated shards happens from step 2 on; their full copies start current), with step 1's
     saved_activation_bytes (measured on the first step only)."""
-    out = shared_run([*S.BASE, "--dataset", shared_data(), *layout.flags(), *extra, "--max_steps", "2"],
-                     layout.nproc, name=name(layout, extra).replace(" ", "_"))
+    out = shared_run(
+        [*S.BASE, "--dataset", shared_data(), *layout.flags(), *extra, "--max_steps", "2"],
+        layout.nproc,
+        name=name(layout, extra).replace(" ", "_"),
+    )
     recs = read_jsonl(out)
     predicted = next(r["predicted"] for r in recs if "predicted" in r)
     steps = {r["step"]: r for r in recs if "loss" in r}
@@ -86,15 +118,23 @@ def records(layout: S.Layout, extra: list[str]) -> tuple[dict, dict]:
 
 def table(runs: dict[str, tuple[dict, dict]]) -> str:
     """Measured against predicted, one row per layout (printed by the test; docs/planner.md quotes it)."""
-    rows = ["| layout | state bytes (= predicted) | comm bytes/step (= predicted) | saved act. measured | "
-            "predicted | diff |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| layout | state bytes (= predicted) | comm bytes/step (= predicted) | saved act. measured | "
+        "predicted | diff |",
+        "|---|---|---|---|---|---|",
+    ]
     for n, (p, m) in runs.items():
         got, want = m["saved_activation_bytes"], p["saved_activation_bytes"]
         comm = sum(m.get("comm_bytes", {}).values())
-        same = "=" if p.get("comm_bytes") and nonzero(p["comm_bytes"]) == nonzero(m.get("comm_bytes", {})) else \
-            (f"!= {sum(p['comm_bytes'].values())}" if "comm_bytes" in m else "")
-        rows.append(f"| {n} | {m['state_bytes']} {'=' if p['state_bytes'] == m['state_bytes'] else '!='} | "
-                    f"{comm} {same} | {got} | {want} | {100 * (want - got) / got:+.1f}% |")
+        same = (
+            "="
+            if p.get("comm_bytes") and nonzero(p["comm_bytes"]) == nonzero(m.get("comm_bytes", {}))
+            else (f"!= {sum(p['comm_bytes'].values())}" if "comm_bytes" in m else "")
+        )
+        rows.append(
+            f"| {n} | {m['state_bytes']} {'=' if p['state_bytes'] == m['state_bytes'] else '!='} | "
+            f"{comm} {same} | {got} | {want} | {100 * (want - got) / got:+.1f}% |"
+        )
     return "\n".join(rows)
 
 
@@ -151,7 +191,8 @@ class TestPredictedAgainstMeasured(unittest.TestCase):
 class TestRoutingAgainstBalanced(unittest.TestCase):
     """The sweep's own EP row, top-2 of 4 experts, EP = dp = 2: the prediction assumes balanced routing (each rank's
     experts receive the N·k rows it sends, plan.counts.ep_all_to_all_bytes); the router sends R rows to rank 0's
-    experts 0 and 1 instead (ep = dp: from every rank; the step's logged tokens per expert, summed over the 4 MoE layers),
+    experts 0 and 1 instead (ep = dp: from every rank; the step's logged tokens per expert, summed over the 4 MoE
+    layers),
     and the all_to_all moves R·C·4 twice (forward out, backward back) where the prediction has N·k·C·4: measured
     minus predicted is exactly 2·C·4·(R - layers·N·k). Everything else equals the prediction."""
 
@@ -160,7 +201,9 @@ class TestRoutingAgainstBalanced(unittest.TestCase):
         p, m = records(layout, [])
         C, k, N, layers = 64, 2, S.ROWS // 2 * S.T, layout.n_layer
         R = sum(tokens[0] + tokens[1] for tokens in m["expert_tokens"].values())
-        self.assertEqual(m["comm_bytes"]["all_to_all"] - p["comm_bytes"]["all_to_all"], 2 * C * 4 * (R - layers * N * k))
+        self.assertEqual(
+            m["comm_bytes"]["all_to_all"] - p["comm_bytes"]["all_to_all"], 2 * C * 4 * (R - layers * N * k)
+        )
         self.assertNotEqual(R, layers * N * k)  # the router's own loads: the test sees a difference
         self.assertEqual(p["state_bytes_by_kind"], m["state_bytes_by_kind"])
         self.assertEqual(nonzero(p["comm_calls"]), nonzero(m["comm_calls"]))
@@ -185,8 +228,10 @@ def gloo_slack(layout: S.Layout, extra: list[str]) -> int:
         return 0
     from plan.counts import units
     from plan.verify import plan_for
+
     plan = plan_for([*S.BASE, "--dataset", shared_data(), *layout.flags(), *extra], layout.nproc, 0)
     from plan.counts import Setup
+
     setup = Setup(plan.args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
     return GLOO_COPIES * max(n for n, _ in units(setup, 0).values()) * setup.reduce_bytes
 
@@ -222,5 +267,8 @@ class TestPeakAgainstMeasured(unittest.TestCase):
         for n, (p, m) in self.runs.items():
             with self.subTest(n):
                 got, want = m["peak_allocated_bytes"], p["peak_memory_bytes"]
-                self.assertLessEqual(abs(got - want), PEAK_RTOL * got + slack[n],
-                                     f"measured {got}, predicted {want}, gloo's copies {slack[n]}")
+                self.assertLessEqual(
+                    abs(got - want),
+                    PEAK_RTOL * got + slack[n],
+                    f"measured {got}, predicted {want}, gloo's copies {slack[n]}",
+                )

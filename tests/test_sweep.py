@@ -7,9 +7,11 @@ layout that starts being refused (a regression hidden as a refusal) or stops bei
 match one process) fails.
 
 Marked `sweep` and `slow` (`pytest -m sweep`; the everyday `-m "not slow"` loop skips it). CI runs the 4-rank
-part, two 6-rank layouts with a middle stage (pp=3 x dp=2), the zero-bubble rows and the bf16 rows; `GPT_SWEEP_LARGE=1 pytest -m sweep` adds the 6- and 8-rank sample. The same table, for
+part, two 6-rank layouts with a middle stage (pp=3 x dp=2), the zero-bubble rows and the bf16 rows; `GPT_SWEEP_LARGE=1
+pytest -m sweep` adds the 6- and 8-rank sample. The same table, for
 reading: `python -m bench.sweep`.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +24,12 @@ from bench.forkserver import ForkServer, RunResult
 from tests.harness import make_token_bins, rank0_only
 
 LARGE = os.environ.get("GPT_SWEEP_LARGE") == "1"
-SMALL = [x for x in S.layouts(4) if not x.is_reference] + S.middle_stage_rows() + S.zero_bubble_rows() + \
-    [x for x in S.moe_rows() if x.dtype == "float32"]
+SMALL = (
+    [x for x in S.layouts(4) if not x.is_reference]
+    + S.middle_stage_rows()
+    + S.zero_bubble_rows()
+    + [x for x in S.moe_rows() if x.dtype == "float32"]
+)
 BF16 = S.bf16_rows() + [x for x in S.moe_rows() if x.dtype != "float32"]
 SAMPLE = S.sample(12) + S.zero_bubble_large_rows() + S.moe_large_rows()
 
@@ -46,13 +52,16 @@ def sweep_env():
 
         def run(layout: S.Layout) -> S.Row:
             return S.judge(layout, *S.run_layout(server, layout, data, tmp), reference(layout.reference()))
+
         yield run
 
 
 def check(row: S.Row) -> None:
     name = row.layout.name
     if name in REFUSED:
-        assert row.status == "refused", f"{name}: expected a refusal ({REFUSED[name]!r}), got {row.status}: {row.detail}"
+        assert row.status == "refused", (
+            f"{name}: expected a refusal ({REFUSED[name]!r}), got {row.status}: {row.detail}"
+        )
         assert REFUSED[name] in row.detail, f"{name}: refused for another reason: {row.detail}"
     else:
         assert row.status == "ok", f"{name}: {row.status}: {row.detail}"
@@ -77,6 +86,7 @@ def test_large_layout_matches_one_process(sweep_env, layout):
 
 # ----------------------------------------------------------------------------- the sweep's own logic (fast)
 
+
 class TestEnumeration:
     def test_every_small_layout_once(self):
         names = [x.name for x in S.layouts(4)]
@@ -86,8 +96,17 @@ class TestEnumeration:
         by_world = {n: sum(x.nproc == n for x in S.layouts(4)) for n in (1, 2, 3, 4)}
         assert by_world == {1: 1, 2: 15, 3: 8, 4: 64}
         assert {(x.pp, x.dp, x.tp, x.cp) for x in S.layouts(4)} >= {
-            (3, 1, 1, 1), (1, 3, 1, 1), (4, 1, 1, 1), (1, 4, 1, 1), (2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 2),
-            (1, 2, 2, 1), (1, 2, 1, 2), (1, 1, 2, 2)}
+            (3, 1, 1, 1),
+            (1, 3, 1, 1),
+            (4, 1, 1, 1),
+            (1, 4, 1, 1),
+            (2, 2, 1, 1),
+            (2, 1, 2, 1),
+            (2, 1, 1, 2),
+            (1, 2, 2, 1),
+            (1, 2, 1, 2),
+            (1, 1, 2, 2),
+        }
         assert {x.replicate for x in S.layouts(4) if x.dp == 4} == {1, 2}
         assert {(x.schedule, x.virtual) for x in S.layouts(4) if x.pp == 4} == set(S.SCHEDULES)
 
@@ -108,7 +127,7 @@ class TestEnumeration:
         assert S.tolerance(S.Layout(dp=2, dp_type="ddp")) == 1e-5
         assert S.tolerance(S.Layout(tp=2)) == 1e-4
         bf = S.Layout(dp=2, dp_type="fsdp", dtype="bfloat16")
-        assert S.tolerance(bf) == 2.0 ** -8
+        assert S.tolerance(bf) == 2.0**-8
         ref = {"loss": [1.0, 1.0], "grad_norm": [1.0, 1.0], "val_loss": [1.0]}
         later = {**ref, "grad_norm": [1.0, 1.05]}  # only step 1's grad norm is held in bf16 (BF16_RULE)
         assert S.worst_difference(later, ref, S.compared(bf)) == 0.0
@@ -117,6 +136,7 @@ class TestEnumeration:
 
 class TestJudge:
     """judge() on hand-made results: what counts as a refusal, a failure, a match."""
+
     lay = S.Layout(dp=2, dp_type="ddp")
 
     def result(self, codes, stderr):
@@ -127,11 +147,17 @@ class TestJudge:
         row = S.judge(self.lay, self.result([2, 2], [line, line]), str(tmp_path / "none"), None)
         assert (row.status, row.detail) == ("refused", "--x must be >= 1, got 0")
         assert S.judge(self.lay, self.result([2, 0], [line, ""]), str(tmp_path / "none"), None).status == "FAIL"
-        assert S.judge(self.lay, self.result([2, 2], [line, "Traceback\n" + line]), str(tmp_path / "n"), None).status == "FAIL"
+        assert (
+            S.judge(self.lay, self.result([2, 2], [line, "Traceback\n" + line]), str(tmp_path / "n"), None).status
+            == "FAIL"
+        )
         assert S.judge(self.lay, self.result([2, 2], [line, line]), str(tmp_path), None).status == "FAIL"  # wrote
 
     def test_crash_and_mismatch_fail(self, tmp_path):
-        assert S.judge(self.lay, self.result([1, -9], ["Traceback\nValueError: x", ""]), str(tmp_path), None).status == "FAIL"
+        assert (
+            S.judge(self.lay, self.result([1, -9], ["Traceback\nValueError: x", ""]), str(tmp_path), None).status
+            == "FAIL"
+        )
         ref = {"loss": [1.0, 2.0], "grad_norm": [1.0, 1.0], "val_loss": [3.0]}
         assert S.worst_difference(ref, ref) == 0.0
         assert S.worst_difference({**ref, "loss": [1.0, 2.0 * (1 + 2e-5)]}, ref) == pytest.approx(2e-5)
@@ -141,14 +167,21 @@ class TestJudge:
         """--against: equal only when every logged number is the same float (one ulp apart differs), and a
         layout the record lacks, or refused there, differs."""
         import json
+
         vals = {"loss": [1.0, 2.0], "grad_norm": [0.5, 0.25], "val_loss": [3.0]}
         other = S.Layout(dp=2, dp_type="fsdp")
         path = tmp_path / "sweep.json"
-        path.write_text(json.dumps([{"layout": self.lay.name, "status": "ok", "values": vals},
-                                    {"layout": other.name, "status": "refused", "values": {}}]))
+        path.write_text(
+            json.dumps(
+                [
+                    {"layout": self.lay.name, "status": "ok", "values": vals},
+                    {"layout": other.name, "status": "refused", "values": {}},
+                ]
+            )
+        )
         row = lambda lay, v, status="ok": S.Row(lay, status, values=v)
         assert S.bitwise_against([row(self.lay, vals)], str(path)) == ([self.lay.name], [])
-        nudged = {**vals, "grad_norm": [0.5, float.__add__(0.25, 2.0 ** -54)]}  # the next float above 0.25
+        nudged = {**vals, "grad_norm": [0.5, float.__add__(0.25, 2.0**-54)]}  # the next float above 0.25
         assert nudged["grad_norm"][1] != 0.25
         assert S.bitwise_against([row(self.lay, nudged)], str(path)) == ([], [self.lay.name])
         assert S.bitwise_against([row(other, vals)], str(path)) == ([], [other.name])  # refused before

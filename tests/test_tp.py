@@ -10,13 +10,13 @@ and sums the parts in another order, so results agree to float rounding (~1e-7),
 exception is the key bias: its gradient is zero in exact arithmetic (softmax ignores a constant added to
 every score of a query), so what autograd computes for it is rounding noise, compared in absolute terms.
 """
+
 from __future__ import annotations
 
 import contextlib
 import unittest
 
 import pytest
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,9 +25,14 @@ from memory import LargestTensor
 from model import GPT, GPTConfig, init_parameter, param_groups
 from parallel import comm
 from parallel.grads import clip_grad_norm_, grad_groups, norm_items
-from parallel.tensor_parallel import (TP_PLAN, apply_tensor_parallel, check_tp_divisibility, plan_style,
-                                      vocab_parallel_cross_entropy)
 from parallel.marks import shard_dim
+from parallel.tensor_parallel import (
+    TP_PLAN,
+    apply_tensor_parallel,
+    check_tp_divisibility,
+    plan_style,
+    vocab_parallel_cross_entropy,
+)
 from parallel.tp_comm import all_gather_along
 from parallel.twins.tensor_parallel import pytorch_tp_plan
 from plan.theory import tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step
@@ -78,15 +83,16 @@ def _full_params(model: GPT, grads: bool = False) -> dict[str, torch.Tensor]:
 def _rel_errors(got: dict, ref: dict) -> dict[str, float]:
     """max |a - b| / max |b| per tensor; the key bias (pure noise) as max |a - b| / max over all |b|."""
     scale = max(float(r.abs().max()) for r in ref.values())
-    return {k: float((got[k] - ref[k]).abs().max()) / (scale if NOISE in k else float(ref[k].abs().max()))
-            for k in ref}
+    return {k: float((got[k] - ref[k]).abs().max()) / (scale if NOISE in k else float(ref[k].abs().max())) for k in ref}
 
 
 def _norm_errors(got: dict, ref: dict) -> dict[str, float]:
     """||a - b|| / ||b|| per tensor, and over the whole model under "all"; the key bias against the whole."""
     total = sum(float(r.double().norm() ** 2) for r in ref.values()) ** 0.5
-    out = {k: float((got[k] - ref[k]).double().norm()) / (total if NOISE in k else float(ref[k].double().norm()))
-           for k in ref}
+    out = {
+        k: float((got[k] - ref[k]).double().norm()) / (total if NOISE in k else float(ref[k].double().norm()))
+        for k in ref
+    }
     out["all"] = sum(float((got[k] - ref[k]).double().norm() ** 2) for k in ref) ** 0.5 / total
     return out
 
@@ -97,6 +103,7 @@ def _rel(a, b) -> float:
 
 
 # ------------------------------------------------------------------------------------- one process
+
 
 def _train(model: GPT, clip) -> tuple[list[float], list[float]]:
     """STEPS AdamW steps (weight decay on >= 2-D params), clipping the global grad norm at MAX_NORM."""
@@ -142,6 +149,7 @@ def _saved_bytes(model: GPT) -> tuple[int, int]:
 
 # ------------------------------------------------------------------------------------- bodies
 
+
 def _one_process_body(rank: int, world_size: int) -> dict:
     group = dist.group.WORLD
     out: dict = {"rank": rank}
@@ -163,15 +171,19 @@ def _one_process_body(rank: int, world_size: int) -> dict:
         comm.COUNTER.reset()
         _, loss = model(*_batch())
         loss.backward()
-        r = {"loss_rel": _rel(loss, ref_loss), "comm": comm.COUNTER.snapshot(),
-             "comm_formula": tp_comm_bytes_per_micro_step(CFG, B, T, world_size, lp, sp),
-             "calls": comm.COUNTER.snapshot_calls(),
-             "calls_formula": tp_comm_calls_per_micro_step(CFG, B, T, world_size, lp, sp),
-             "grad_rel": _rel_errors(_full_params(model, grads=True), ref_grads),
-             "shard_dims": {n: shard_dim(p, "tp") for n, p in model.named_parameters()}}
+        r = {
+            "loss_rel": _rel(loss, ref_loss),
+            "comm": comm.COUNTER.snapshot(),
+            "comm_formula": tp_comm_bytes_per_micro_step(CFG, B, T, world_size, lp, sp),
+            "calls": comm.COUNTER.snapshot_calls(),
+            "calls_formula": tp_comm_calls_per_micro_step(CFG, B, T, world_size, lp, sp),
+            "grad_rel": _rel_errors(_full_params(model, grads=True), ref_grads),
+            "shard_dims": {n: shard_dim(p, "tp") for n, p in model.named_parameters()},
+        }
         model = _tp(lp, sp)
-        r["train"] = _train(model, lambda m: clip_grad_norm_(norm_items(m.named_parameters(), grad_groups(m)),
-                                                             MAX_NORM))
+        r["train"] = _train(
+            model, lambda m: clip_grad_norm_(norm_items(m.named_parameters(), grad_groups(m)), MAX_NORM)
+        )
         r["param_rel"] = _norm_errors(_full_params(model), ref_params)
         out[(lp, sp)] = r
 
@@ -182,12 +194,17 @@ def _one_process_body(rank: int, world_size: int) -> dict:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(*_batch())
         loss.backward()
-        out[("bf16", lp, sp)] = (comm.COUNTER.snapshot(), tp_comm_bytes_per_micro_step(
-            CFG, B, T, world_size, lp, sp, dtype_bytes=2, residual_bytes=4))
+        out[("bf16", lp, sp)] = (
+            comm.COUNTER.snapshot(),
+            tp_comm_bytes_per_micro_step(CFG, B, T, world_size, lp, sp, dtype_bytes=2, residual_bytes=4),
+        )
 
     # 3. Saved activations: TP alone, TP + SP, one process.
-    out["saved"] = {"tp": _saved_bytes(_tp(False, False)), "tp_sp": _saved_bytes(_tp(False, True)),
-                    "one": _saved_bytes(_eager())}
+    out["saved"] = {
+        "tp": _saved_bytes(_tp(False, False)),
+        "tp_sp": _saved_bytes(_tp(False, True)),
+        "one": _saved_bytes(_eager()),
+    }
 
     # 4. Deferred init: a meta GPT gets only this rank's shards, equal to slices of eager init bit for bit.
     with torch.device("meta"):
@@ -197,29 +214,40 @@ def _one_process_body(rank: int, world_size: int) -> dict:
     eager_sharded = _tp(False, True)
     eager_full = dict(_eager().named_parameters())
     out["deferred"] = {
-        "largest_alloc": spy.numel, "full_wte": eager_full["transformer.wte.weight"].numel(),
+        "largest_alloc": spy.numel,
+        "full_wte": eager_full["transformer.wte.weight"].numel(),
         "largest_shard": max(p.numel() for p in lazy.parameters()),
         "tied": lazy.lm_head.weight is lazy.transformer.wte.weight,
-        "storage_is_shard": all(p.untyped_storage().nbytes() == p.numel() * p.element_size()
-                                for p in lazy.parameters()),
+        "storage_is_shard": all(
+            p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in lazy.parameters()
+        ),
         "equal_eager_shards": all(torch.equal(p, q) for p, q in zip(lazy.parameters(), eager_sharded.parameters())),
-        "equal_slices": all(torch.equal(p, _slice(eager_full[n], shard_dim(p, "tp"), rank, world_size))
-                            for n, p in lazy.named_parameters()),
+        "equal_slices": all(
+            torch.equal(p, _slice(eager_full[n], shard_dim(p, "tp"), rank, world_size))
+            for n, p in lazy.named_parameters()
+        ),
         "shapes": {n: tuple(p.shape) for n, p in lazy.named_parameters()},
-        "init_slice_equal": torch.equal(lazy.transformer.h[0].mlp.c_proj.weight, init_parameter(
-            "transformer.h.0.mlp.c_proj.weight", (CFG.n_embd, 4 * CFG.n_embd), CFG, SEED,
-            cols=slice(4 * CFG.n_embd // world_size * rank, 4 * CFG.n_embd // world_size * (rank + 1)))),
+        "init_slice_equal": torch.equal(
+            lazy.transformer.h[0].mlp.c_proj.weight,
+            init_parameter(
+                "transformer.h.0.mlp.c_proj.weight",
+                (CFG.n_embd, 4 * CFG.n_embd),
+                CFG,
+                SEED,
+                cols=slice(4 * CFG.n_embd // world_size * rank, 4 * CFG.n_embd // world_size * (rank + 1)),
+            ),
+        ),
     }
 
     # 5. vocab_parallel_cross_entropy against F.cross_entropy on the whole logits, values and grads. The logits
     # are x W^T with W the identity (V, V), exact in fp32, so x carries them; each rank holds W's vocab rows.
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(5, 16, CFG.vocab_size, generator=g) * 4
-    logits[0, 0, 3] = 1e4           # exp would overflow without the max
+    logits[0, 0, 3] = 1e4  # exp would overflow without the max
     logits[0, 1] = -1e4
-    logits[0, 1, 300] = 0.0         # the max of the row sits on rank 1's half
-    logits[1, 2] *= 1e3             # a huge spread
-    logits[2, 5, :256] = -1e30      # rank 0's half contributes nothing
+    logits[0, 1, 300] = 0.0  # the max of the row sits on rank 1's half
+    logits[1, 2] *= 1e3  # a huge spread
+    logits[2, 5, :256] = -1e30  # rank 0's half contributes nothing
     targets = torch.randint(0, CFG.vocab_size, (5, 16), generator=g)
     targets[0, 0], targets[0, 1], targets[2, 5] = 3, 300, 0
     targets[3, :7] = -1
@@ -228,18 +256,30 @@ def _one_process_body(rank: int, world_size: int) -> dict:
     out["xent"] = []
     # 80 rows: in one chunk (None: 32768 rows), 7 at a time, and at the chunk edge, where the last chunk ends exactly
     # at row 80 (16 at a time, or one of 80: the last chunk's logits kept for the second pass, `lo + chunk >= N`)
-    for scale, gather, rows in ((1.0, False, None), (2.5, False, 7), (2.5, True, 7), (2.5, False, 16), (1.0, False, 80),
-                                (2.5, True, 16)):
+    for scale, gather, rows in (
+        (1.0, False, None),
+        (2.5, False, 7),
+        (2.5, True, 7),
+        (2.5, False, 16),
+        (1.0, False, 80),
+        (2.5, True, 16),
+    ):
         full = logits.clone().requires_grad_()
         ref_l = F.cross_entropy(full.flatten(0, 1), targets.flatten(), ignore_index=-1)
         (scale * ref_l).backward()
         x = logits.clone().requires_grad_()
         got = vocab_parallel_cross_entropy(x, eye, targets, group, gather=gather, chunk_rows=rows)
         (scale * got).backward()  # x.grad: this rank's columns (the identity's rows it holds), zeros elsewhere
-        out["xent"].append((float(got.detach()), float(ref_l.detach()),
-                            float((x.grad[..., mine] - full.grad[..., mine]).abs().max()),
-                            float(full.grad.abs().max()), bool(torch.isfinite(got.detach())),
-                            float(torch.cat([x.grad[..., :mine.start], x.grad[..., mine.stop:]], -1).abs().max())))
+        out["xent"].append(
+            (
+                float(got.detach()),
+                float(ref_l.detach()),
+                float((x.grad[..., mine] - full.grad[..., mine]).abs().max()),
+                float(full.grad.abs().max()),
+                bool(torch.isfinite(got.detach())),
+                float(torch.cat([x.grad[..., : mine.start], x.grad[..., mine.stop :]], -1).abs().max()),
+            )
+        )
     # the loss's collectives (forward and backward): with 7 rows a chunk (12 chunks) and with one chunk of 80
     out["loss_calls"] = {}
     for gather in (False, True):
@@ -251,9 +291,11 @@ def _one_process_body(rank: int, world_size: int) -> dict:
 
     # 6. Bad meshes and unsupported settings: clear errors before any work.
     errors = {}
-    for what, cfg in (("n_head", GPTConfig(vocab_size=512, n_layer=1, n_head=3, n_embd=48)),
-                      ("vocab_size", GPTConfig(vocab_size=511, n_layer=1, n_head=4, n_embd=64)),
-                      ("dropout", GPTConfig(vocab_size=512, n_layer=1, n_head=4, n_embd=64, dropout=0.1))):
+    for what, cfg in (
+        ("n_head", GPTConfig(vocab_size=512, n_layer=1, n_head=3, n_embd=48)),
+        ("vocab_size", GPTConfig(vocab_size=511, n_layer=1, n_head=4, n_embd=64)),
+        ("dropout", GPTConfig(vocab_size=512, n_layer=1, n_head=4, n_embd=64, dropout=0.1)),
+    ):
         try:
             apply_tensor_parallel(GPT(cfg), group, False, False)
             errors[what] = None
@@ -368,8 +410,10 @@ class TestTPMatchesOneProcess(unittest.TestCase):
     def test_loss_collectives_do_not_grow_with_its_chunks(self):
         """Per loss, forward and backward: with loss parallelism 2 all-reduces (the row max for all rows; then the
         target logit and sum-exp for all rows), without it 1 all-gather (lm_head's weight), at 12 chunks as at 1."""
-        want = {False: {"all_reduce": 2, "all_gather": 0, "reduce_scatter": 0},
-                True: {"all_reduce": 0, "all_gather": 1, "reduce_scatter": 0}}
+        want = {
+            False: {"all_reduce": 2, "all_gather": 0, "reduce_scatter": 0},
+            True: {"all_reduce": 0, "all_gather": 1, "reduce_scatter": 0},
+        }
         for r in self.results:
             for (gather, rows), calls in r["loss_calls"].items():
                 self.assertEqual(calls, want[gather], (gather, rows))
@@ -385,9 +429,11 @@ class TestTPMatchesOneProcess(unittest.TestCase):
 
 # ------------------------------------------------------------------------------------- against DTensor
 
+
 def _dtensor_body(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
     mesh = init_device_mesh("cpu", (world_size,))
     out: dict = {"rank": rank}
     for lp, sp in LAYOUTS:
@@ -406,10 +452,12 @@ def _dtensor_body(rank: int, world_size: int) -> dict:
                 their_logits, _ = theirs(_batch()[0])
         if lp:  # both keep this rank's vocab slice of the logits
             their_logits, their_loss = their_logits.to_local(), their_loss.full_tensor()
-        out[(lp, sp)] = {"loss_rel": _rel(loss, their_loss),
-                         "logits_err": float((logits - their_logits).abs().max() / their_logits.abs().max()),
-                         "logits_shape": (tuple(logits.shape), tuple(their_logits.shape)),
-                         "grad_rel": _rel_errors(_full_params(ours, grads=True), _full_params(theirs, grads=True))}
+        out[(lp, sp)] = {
+            "loss_rel": _rel(loss, their_loss),
+            "logits_err": float((logits - their_logits).abs().max() / their_logits.abs().max()),
+            "logits_shape": (tuple(logits.shape), tuple(their_logits.shape)),
+            "grad_rel": _rel_errors(_full_params(ours, grads=True), _full_params(theirs, grads=True)),
+        }
     return out
 
 
@@ -436,6 +484,7 @@ class TestTPMatchesDTensor(unittest.TestCase):
 
 # ------------------------------------------------------------------------------------- no processes
 
+
 class TestValidation(unittest.TestCase):
     def test_divisibility_messages(self):
         self.assertIsNone(check_tp_divisibility(CFG, 2))
@@ -454,8 +503,9 @@ class TestValidation(unittest.TestCase):
         self.assertEqual(plan_style("lm_head"), "vocab_head")
         self.assertIsNone(plan_style("transformer.h.1.attn"))
         self.assertEqual(plan_style("transformer.h.1.mlp"), "moe")
-        self.assertEqual(set(TP_PLAN.values()),
-                         {"vocab", "position", "norm", "colwise", "rowwise", "moe", "vocab_head"})
+        self.assertEqual(
+            set(TP_PLAN.values()), {"vocab", "position", "norm", "colwise", "rowwise", "moe", "vocab_head"}
+        )
 
     def test_formula_scales_as_theory(self):
         f = tp_comm_bytes_per_micro_step

@@ -5,6 +5,7 @@ Tolerances (relative, on the logged per-step losses): 1e-5 for data-parallel lay
 difference from one process is the order gradients are summed in; 1e-4 for tensor-parallel layouts,
 which also split matmul reductions across ranks.
 """
+
 import math
 import os
 import platform
@@ -14,16 +15,36 @@ import tempfile
 import unittest
 
 import pytest
+
 from metrics import read_jsonl as read_metrics
 from tests.harness import ROOT, WholeRuns, forked_ranks, launch_ranks, rank0_only, run_train, shared_data, train_losses
 
 STEPS = 10
-TINY = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "512",
-        "--max_steps", str(STEPS), "--eval_interval", "5", "--eval_iters", "2", "--warmup_steps", "2",
-        "--lr", "3e-3", "--gradient_clipping",
-        # a fixed MFU denominator: measuring it takes a timed matmul loop that, on a loaded machine, can end
-        # before its first timing (peak 0.0 -> ZeroDivisionError in train_step); the MFU is not tested here
-        "--peak_flops", "1e12"]
+TINY = [
+    "--model",
+    "tiny",
+    "--micro_batch_size",
+    "2",
+    "--seq_len",
+    "64",
+    "--total_batch_size",
+    "512",
+    "--max_steps",
+    str(STEPS),
+    "--eval_interval",
+    "5",
+    "--eval_iters",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    # a fixed MFU denominator: measuring it takes a timed matmul loop that, on a loaded machine, can end
+    # before its first timing (peak 0.0 -> ZeroDivisionError in train_step); the MFU is not tested here
+    "--peak_flops",
+    "1e12",
+]
 
 
 DDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
@@ -69,11 +90,17 @@ class TestKeepFreedMemory(unittest.TestCase):
     does at 128 KiB, 12,512 faults a step)."""
 
     def test_a_step_reuses_the_memory_the_last_one_freed(self):
-        out = subprocess.run([sys.executable, "-c", ALLOCATOR_STEPS], capture_output=True, text=True, cwd=ROOT,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", ALLOCATOR_STEPS],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            check=True,
+        )
         returned, faults = (int(x) for x in out.stdout.split()[-2:])
-        self.assertLess(returned, 2 ** 20)  # bytes handed back to the kernel: measured 0
-        self.assertLess(faults, 1000)       # < 0.2 % of the pages written: measured 0
+        self.assertLess(returned, 2**20)  # bytes handed back to the kernel: measured 0
+        self.assertLess(faults, 1000)  # < 0.2 % of the pages written: measured 0
 
 
 @pytest.mark.slow
@@ -105,23 +132,49 @@ class TestLayoutsAgree(unittest.TestCase):
         self.check("fsdp", ["--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 2, 1e-5)
 
     def test_fsdp2_deferred_init(self):
-        self.check("fsdp_meta", ["--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--deferred_init"],
-                   2, 1e-5)
+        self.check(
+            "fsdp_meta", ["--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--deferred_init"], 2, 1e-5
+        )
 
     def test_tp(self):
         self.check("tp", ["--tensor_parallel_size", "2"], 2, 1e-4)
 
     def test_tp_loss_parallel_sequence_parallel(self):
-        self.check("tp_lp_sp", ["--tensor_parallel_size", "2", "--enable_loss_parallelism", "--sequence_parallel"],
-                   2, 1e-4)
+        self.check(
+            "tp_lp_sp", ["--tensor_parallel_size", "2", "--enable_loss_parallelism", "--sequence_parallel"], 2, 1e-4
+        )
 
     def test_tp_fsdp2_2x2(self):
-        self.check("tp_fsdp", ["--tensor_parallel_size", "2", "--data_parallel_size", "2",
-                               "--data_parallel_type", "fsdp", "--deferred_init"], 4, 1e-4)
+        self.check(
+            "tp_fsdp",
+            [
+                "--tensor_parallel_size",
+                "2",
+                "--data_parallel_size",
+                "2",
+                "--data_parallel_type",
+                "fsdp",
+                "--deferred_init",
+            ],
+            4,
+            1e-4,
+        )
 
     def test_tp_ddp_2x2(self):
-        self.check("tp_ddp", ["--tensor_parallel_size", "2", "--data_parallel_size", "2",
-                              "--data_parallel_type", "ddp", "--enable_loss_parallelism"], 4, 1e-4)
+        self.check(
+            "tp_ddp",
+            [
+                "--tensor_parallel_size",
+                "2",
+                "--data_parallel_size",
+                "2",
+                "--data_parallel_type",
+                "ddp",
+                "--enable_loss_parallelism",
+            ],
+            4,
+            1e-4,
+        )
 
     # ours
     def test_custom_ddp_bit_equal_to_torch_ddp(self):
@@ -139,31 +192,68 @@ class TestLayoutsAgree(unittest.TestCase):
         ours = self.check("custom_fsdp", fsdp, 2, 1e-5, impl="custom")
         meta = self.check("custom_fsdp_meta", fsdp + ["--deferred_init"], 2, 1e-5, impl="custom")
         self.assertEqual(meta, ours)  # deferred init is bit-identical to eager init
-        assert_close_losses(self, ours, self.run_layout("fsdp", ["--implementation", "pytorch"] + fsdp, 2),
-                            1e-6, "custom FSDP vs FSDP2")
-        assert_close_losses(self, ours, self.run_layout("ddp", ["--implementation", "pytorch"] + DDP2, 2),
-                            1e-6, "custom FSDP vs torch DDP")
+        assert_close_losses(
+            self, ours, self.run_layout("fsdp", ["--implementation", "pytorch"] + fsdp, 2), 1e-6, "custom FSDP vs FSDP2"
+        )
+        assert_close_losses(
+            self,
+            ours,
+            self.run_layout("ddp", ["--implementation", "pytorch"] + DDP2, 2),
+            1e-6,
+            "custom FSDP vs torch DDP",
+        )
 
     def test_custom_tp_fsdp_2x2_sequence_parallel_deferred(self):
-        self.check("custom_tp_fsdp", ["--tensor_parallel_size", "2", "--data_parallel_size", "2",
-                                      "--data_parallel_type", "fsdp", "--sequence_parallel", "--deferred_init",
-                                      "--enable_loss_parallelism"], 4, 1e-4, impl="custom")
+        self.check(
+            "custom_tp_fsdp",
+            [
+                "--tensor_parallel_size",
+                "2",
+                "--data_parallel_size",
+                "2",
+                "--data_parallel_type",
+                "fsdp",
+                "--sequence_parallel",
+                "--deferred_init",
+                "--enable_loss_parallelism",
+            ],
+            4,
+            1e-4,
+            impl="custom",
+        )
 
     def test_custom_tp(self):
         self.check("custom_tp", ["--tensor_parallel_size", "2"], 2, 1e-4, impl="custom")
 
     def test_custom_tp_loss_parallel(self):
-        self.check("custom_tp_lp", ["--tensor_parallel_size", "2", "--enable_loss_parallelism"], 2, 1e-4,
-                   impl="custom")
+        self.check("custom_tp_lp", ["--tensor_parallel_size", "2", "--enable_loss_parallelism"], 2, 1e-4, impl="custom")
 
     def test_custom_tp_sequence_parallel_deferred(self):
-        self.check("custom_tp_sp", ["--tensor_parallel_size", "2", "--sequence_parallel", "--deferred_init"], 2,
-                   1e-4, impl="custom")
+        self.check(
+            "custom_tp_sp",
+            ["--tensor_parallel_size", "2", "--sequence_parallel", "--deferred_init"],
+            2,
+            1e-4,
+            impl="custom",
+        )
 
     def test_custom_tp_ddp_2x2(self):
-        self.check("custom_tp_ddp", ["--tensor_parallel_size", "2", "--data_parallel_size", "2",
-                                     "--data_parallel_type", "ddp", "--sequence_parallel",
-                                     "--enable_loss_parallelism"], 4, 1e-4, impl="custom")
+        self.check(
+            "custom_tp_ddp",
+            [
+                "--tensor_parallel_size",
+                "2",
+                "--data_parallel_size",
+                "2",
+                "--data_parallel_type",
+                "ddp",
+                "--sequence_parallel",
+                "--enable_loss_parallelism",
+            ],
+            4,
+            1e-4,
+            impl="custom",
+        )
 
 
 @pytest.mark.slow
@@ -188,8 +278,11 @@ class TestMetrics(unittest.TestCase):
             lr, warmup, max_steps = 3e-3, 2, 4
             for r in steps:
                 s = r["step"]
-                want = lr * s / warmup if s <= warmup else \
-                    lr * (0.1 + 0.45 * (1 + math.cos(math.pi * (s - 1 - warmup) / (max_steps - warmup))))
+                want = (
+                    lr * s / warmup
+                    if s <= warmup
+                    else lr * (0.1 + 0.45 * (1 + math.cos(math.pi * (s - 1 - warmup) / (max_steps - warmup))))
+                )
                 self.assertAlmostEqual(r["lr"], want, delta=1e-12, msg=f"step {s}")
             for got, by_hand in zip([r["lr"] for r in steps], [1.5e-3, 3e-3, 3e-3, 1.65e-3]):  # the same, by hand
                 self.assertAlmostEqual(got, by_hand, delta=1e-12)
@@ -210,8 +303,9 @@ class TestBadInput(unittest.TestCase):
     def tearDownClass(cls):
         cls.tmp.cleanup()
 
-    def expect_error(self, flags: list[str], needle: str, nproc: int = 1, dataset: str | None = None,
-                     launched: bool = False):
+    def expect_error(
+        self, flags: list[str], needle: str, nproc: int = 1, dataset: str | None = None, launched: bool = False
+    ):
         """Ranks forked from the session's fork server (tests/harness.forked: each rank's own exit code and stderr,
         no agent stopping the others), or with `launched` as a user starts them: `python train.py` for one rank,
         more started by hand as torchrun would start them (torchrun's agent SIGTERMs the slower ranks as soon as
@@ -235,12 +329,19 @@ class TestBadInput(unittest.TestCase):
         self.expect_error(["--data_parallel_size", "2", "--data_parallel_type", "ddp"], "must equal the world size")
 
     def test_world_size_mismatch_on_every_rank(self):
-        self.expect_error(["--tensor_parallel_size", "2", "--data_parallel_size", "2",
-                           "--data_parallel_type", "ddp"], "must equal the world size (2)", nproc=2, launched=True)
+        self.expect_error(
+            ["--tensor_parallel_size", "2", "--data_parallel_size", "2", "--data_parallel_type", "ddp"],
+            "must equal the world size (2)",
+            nproc=2,
+            launched=True,
+        )
 
     def test_heads_not_divisible_by_tp(self):
-        self.expect_error(["--tensor_parallel_size", "2", "--n_head", "1", "--implementation", "pytorch"],
-                          "n_head (1) is not divisible", nproc=2)
+        self.expect_error(
+            ["--tensor_parallel_size", "2", "--n_head", "1", "--implementation", "pytorch"],
+            "n_head (1) is not divisible",
+            nproc=2,
+        )
 
     def test_n_embd_not_divisible_by_heads(self):
         self.expect_error(["--n_head", "3"], "divisible by n_head")
@@ -263,11 +364,15 @@ class TestBadInput(unittest.TestCase):
         self.expect_error([], "prepare it with: python data/openwebtext/prepare.py --input", dataset=empty)
         self.expect_error([], "python data/openwebtext/prepare.py", dataset=os.path.join(self.tmp.name, "nowhere"))
         from data.batches import prepare_hint
+
         self.assertEqual(prepare_hint("shakespeare"), "python data/shakespeare/prepare.py")
 
     def test_empty_and_corrupt_bins(self):
-        for name, content, needle in (("empty", b"", "is empty"), ("odd", b"\x01\x02\x03", "not a whole number"),
-                                      ("oov", b"\xff\xff" * 5000, ">= vocab size")):
+        for name, content, needle in (
+            ("empty", b"", "is empty"),
+            ("odd", b"\x01\x02\x03", "not a whole number"),
+            ("oov", b"\xff\xff" * 5000, ">= vocab size"),
+        ):
             d = os.path.join(self.tmp.name, name)
             os.makedirs(d, exist_ok=True)
             with open(os.path.join(d, "train.bin"), "wb") as f:

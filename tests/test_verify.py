@@ -14,6 +14,7 @@ twice. The p2p replay under each discipline on hand-made traces, each able to fa
 The command line (exit codes, its table, one-line bad input, GPT_COMM_FAULT's rank named), in this process;
 slow: train.py playing one rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,26 +29,96 @@ from unittest import mock
 import pytest
 import torch
 
+from plan import replay as R
 from plan import verify as V
 from tests.harness import shared_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BASE = ["--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "1", "--seq_len", "32",
-        "--total_batch_size", "128", "--eval_iters", "1"]
-GRID16 = ["--pipeline_parallel_size", "2", "--data_parallel_size", "2", "--data_parallel_type", "ddp",
-          "--context_parallel_size", "2", "--tensor_parallel_size", "2", "--sequence_parallel",
-          "--enable_loss_parallelism"]  # 16 ranks
-PP_FSDP4 = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--data_parallel_size", "2",
-            "--data_parallel_type", "fsdp"]  # 4 ranks, 1F1B
-EP4 = ["--moe_num_experts", "8", "--expert_parallel_size", "2", "--data_parallel_size", "4",
-       "--data_parallel_type", "ddp"]  # 4 ranks, 4 experts each
-ZBV4 = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "zbv", "--pp_virtual_stages", "2",
-        "--data_parallel_size", "2", "--data_parallel_type", "fsdp"]  # 4 ranks
-GPIPE8 = ["--n_layer", "4", "--pipeline_parallel_size", "4", "--pp_schedule", "gpipe", "--context_parallel_size", "2",
-          "--data_parallel_type", "fsdp"]  # 8 ranks: stages 1 and 2 alike (the 1,024-rank pp=32 GPipe x cp layout's kind)
+BASE = [
+    "--model",
+    "tiny",
+    "--vocab_size",
+    "512",
+    "--micro_batch_size",
+    "1",
+    "--seq_len",
+    "32",
+    "--total_batch_size",
+    "128",
+    "--eval_iters",
+    "1",
+]
+GRID16 = [
+    "--pipeline_parallel_size",
+    "2",
+    "--data_parallel_size",
+    "2",
+    "--data_parallel_type",
+    "ddp",
+    "--context_parallel_size",
+    "2",
+    "--tensor_parallel_size",
+    "2",
+    "--sequence_parallel",
+    "--enable_loss_parallelism",
+]  # 16 ranks
+PP_FSDP4 = [
+    "--n_layer",
+    "4",
+    "--pipeline_parallel_size",
+    "2",
+    "--data_parallel_size",
+    "2",
+    "--data_parallel_type",
+    "fsdp",
+]  # 4 ranks, 1F1B
+EP4 = [
+    "--moe_num_experts",
+    "8",
+    "--expert_parallel_size",
+    "2",
+    "--data_parallel_size",
+    "4",
+    "--data_parallel_type",
+    "ddp",
+]  # 4 ranks, 4 experts each
+ZBV4 = [
+    "--n_layer",
+    "4",
+    "--pipeline_parallel_size",
+    "2",
+    "--pp_schedule",
+    "zbv",
+    "--pp_virtual_stages",
+    "2",
+    "--data_parallel_size",
+    "2",
+    "--data_parallel_type",
+    "fsdp",
+]  # 4 ranks
+GPIPE8 = [
+    "--n_layer",
+    "4",
+    "--pipeline_parallel_size",
+    "4",
+    "--pp_schedule",
+    "gpipe",
+    "--context_parallel_size",
+    "2",
+    "--data_parallel_type",
+    "fsdp",
+]  # 8 ranks: stages 1 and 2 alike (the 1,024-rank pp=32 GPipe x cp layout's kind)
 ONE_F_ONE_B4 = ["--n_layer", "4", "--pipeline_parallel_size", "4"]  # 4 ranks, 1F1B, M = 4: no two stages alike
-INTERLEAVED4 = ["--n_layer", "8", "--pipeline_parallel_size", "4", "--pp_schedule", "interleaved_1f1b",
-                "--pp_virtual_stages", "2"]  # 4 ranks, M = P = 4: every warm-up is every forward, stages 1, 2 alike
+INTERLEAVED4 = [
+    "--n_layer",
+    "8",
+    "--pipeline_parallel_size",
+    "4",
+    "--pp_schedule",
+    "interleaved_1f1b",
+    "--pp_virtual_stages",
+    "2",
+]  # 4 ranks, M = P = 4: every warm-up is every forward, stages 1, 2 alike
 
 
 def flags(layout: list[str]) -> list[str]:
@@ -113,9 +184,24 @@ class TestConsistent(unittest.TestCase):
         reduce_transient); the middle rank's cool-down runs B, B, B before their W's, each B's flat gradients
         kept for its W (without them -20.0%, then -11.7%; with the W's reductions in flight, plan.peak.split_moment,
         +0.3%)."""
-        f = flags(["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "dualpipev",
-                   "--pp_virtual_stages", "2", "--data_parallel_size", "2", "--data_parallel_type", "zero2",
-                   "--total_batch_size", "256"])
+        f = flags(
+            [
+                "--n_layer",
+                "4",
+                "--pipeline_parallel_size",
+                "2",
+                "--pp_schedule",
+                "dualpipev",
+                "--pp_virtual_stages",
+                "2",
+                "--data_parallel_size",
+                "2",
+                "--data_parallel_type",
+                "zero2",
+                "--total_batch_size",
+                "256",
+            ]
+        )
         runs = V.simulate_ranks(f, 4, [0, 2])
         plans = {r: V.plan_for(f, 4, r) for r in runs}
         findings = V.judge(V.Layout(plans[0].dims), runs, plans).findings
@@ -125,12 +211,27 @@ class TestConsistent(unittest.TestCase):
         """ZB-H1 x ZeRO-3 at M = 4, both stages: the planner's state, bytes, calls and peak. Each stage's chunk holds
         two Blocks, and a B keeps the first one's flat gradient for its W while it makes the second's
         (without it both stages -17%, then -12%; plan.peak.split_moment now: +0.3%, -3.5%)."""
-        f = flags(["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "zb_h1",
-                   "--data_parallel_size", "2", "--data_parallel_type", "fsdp", "--total_batch_size", "256"])
+        f = flags(
+            [
+                "--n_layer",
+                "4",
+                "--pipeline_parallel_size",
+                "2",
+                "--pp_schedule",
+                "zb_h1",
+                "--data_parallel_size",
+                "2",
+                "--data_parallel_type",
+                "fsdp",
+                "--total_batch_size",
+                "256",
+            ]
+        )
         runs = V.simulate_ranks(f, 4, [0, 2])
         plans = {r: V.plan_for(f, 4, r) for r in runs}
-        self.assertEqual([x for x in V.judge(V.Layout(plans[0].dims), runs, plans).findings
-                          if x.startswith("planner:")], [])
+        self.assertEqual(
+            [x for x in V.judge(V.Layout(plans[0].dims), runs, plans).findings if x.startswith("planner:")], []
+        )
 
     def test_planner_peak_zb_h1_zero2_three_stages(self):
         """pp=3 ZB-H1 x ZeRO-2 x tp=2 (tiny, 6 layers; #43 item 8), every stage, the planner's peak within the bound at
@@ -142,16 +243,33 @@ class TestConsistent(unittest.TestCase):
         -19.8% (with the detach alone; main -21.4% in the middle); now +0.6%, +2.3%, +0.8% and +1.2%. At M = P the
         first B after the first W holds one other pair, not the steady state's two, and no shard gradients yet
         (counting the steady state there: +19.5%; now +1.3%)."""
-        layout = ["--n_layer", "6", "--pipeline_parallel_size", "3", "--pp_schedule", "zb_h1", "--data_parallel_size",
-                  "2", "--data_parallel_type", "zero2", "--tensor_parallel_size", "2"]
-        for extra in (["--total_batch_size", "384"], ["--total_batch_size", "384", "--dtype", "bfloat16"],
-                      ["--seq_len", "128", "--total_batch_size", "1536"], ["--total_batch_size", "192"]):
+        layout = [
+            "--n_layer",
+            "6",
+            "--pipeline_parallel_size",
+            "3",
+            "--pp_schedule",
+            "zb_h1",
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "zero2",
+            "--tensor_parallel_size",
+            "2",
+        ]
+        for extra in (
+            ["--total_batch_size", "384"],
+            ["--total_batch_size", "384", "--dtype", "bfloat16"],
+            ["--seq_len", "128", "--total_batch_size", "1536"],
+            ["--total_batch_size", "192"],
+        ):
             f = flags([*layout, *extra])
             runs = V.simulate_ranks(f, 12, [0, 4, 8])  # one rank per stage (the classes' representatives)
             plans = {r: V.plan_for(f, 12, r) for r in runs}
             with self.subTest(extra=extra):
-                self.assertEqual([x for x in V.judge(V.Layout(plans[0].dims), runs, plans).findings
-                                  if x.startswith("planner:")], [])
+                self.assertEqual(
+                    [x for x in V.judge(V.Layout(plans[0].dims), runs, plans).findings if x.startswith("planner:")], []
+                )
 
     def test_expert_parallel_4_ranks(self):
         """EP=2 over dp=4: the dispatch's split sizes (the routing's one host read) balanced in a simulated rank
@@ -174,16 +292,43 @@ class TestConsistent(unittest.TestCase):
         first user report: stage 0 skipped it, a collective mismatch at step 1 that this check named): an MoE
         Block every 4th of 4 beside dp = EP = 2, and --pp_layers_per_stage 1,3 with Blocks 1 and 3 MoE."""
         moe = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--moe_num_experts", "4"]
-        self.check([*moe, "--moe_every", "4", "--data_parallel_size", "2", "--data_parallel_type", "ddp",
-                    "--expert_parallel_size", "2"], 4, classes=4)
+        self.check(
+            [
+                *moe,
+                "--moe_every",
+                "4",
+                "--data_parallel_size",
+                "2",
+                "--data_parallel_type",
+                "ddp",
+                "--expert_parallel_size",
+                "2",
+            ],
+            4,
+            classes=4,
+        )
         self.check([*moe, "--moe_every", "2", "--pp_layers_per_stage", "1,3"], 2, classes=2)
 
     def test_zb_h1_moe_expert_parallel(self):
         """ZB-H1 x dp=2 x EP=2 with MoE Blocks, in fp32 and bf16: W's product is the one its forward took (it
         raised 'Expected inputs of BF16 type' in fp32 when W asked the real grouped_mm_runs, not fake_rank's), and
         under bf16 the all_to_all rows go in the compute dtype, as the planner counts them."""
-        moe = ["--n_layer", "4", "--pipeline_parallel_size", "2", "--pp_schedule", "zb_h1", "--data_parallel_size",
-               "2", "--data_parallel_type", "ddp", "--moe_num_experts", "4", "--expert_parallel_size", "2"]
+        moe = [
+            "--n_layer",
+            "4",
+            "--pipeline_parallel_size",
+            "2",
+            "--pp_schedule",
+            "zb_h1",
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "ddp",
+            "--moe_num_experts",
+            "4",
+            "--expert_parallel_size",
+            "2",
+        ]
         for dtype in ("float32", "bfloat16"):
             with self.subTest(dtype=dtype):
                 self.check([*moe, "--dtype", dtype], 4, classes=4)
@@ -209,8 +354,10 @@ class TestConsistent(unittest.TestCase):
         the action list, would be caught here by `symmetry`: rank 2 is not rank 1 shifted.)"""
         lay, runs = self.check(ONE_F_ONE_B4, 4, classes=4)
         blind = V.Layout(lay.dims, stages=[lay.stages[0], lay.stages[1], lay.stages[1], lay.stages[3]])
-        self.assertEqual(V.symmetry(V.World(blind, runs, blind.representative())),
-                         ["classes: rank 2's recording is not rank 1's shifted (the class shortcut would not see it)"])
+        self.assertEqual(
+            V.symmetry(V.World(blind, runs, blind.representative())),
+            ["classes: rank 2's recording is not rank 1's shifted (the class shortcut would not see it)"],
+        )
 
     def test_a_shortcut_blind_to_the_cp_parity_is_caught(self):
         """Were the classes the pipeline stage alone, the odd cp ranks would be taken for shifted even ones: they
@@ -246,14 +393,19 @@ class TestSeededDefects(unittest.TestCase):
         faulty = with_env(ZBV4, 4, [3], GPT_COMM_FAULT="shape", GPT_COMM_FAULT_RANK="3")
         findings = self.judge(ZBV4, 4, faulty, {3})
         self.assertTrue(findings)
-        self.assertRegex(findings[0], r"^collectives: group .*: ranks \[3\] differ: .*ranks \[3\] issue all_reduce "
-                                      r"float\S* x0 ")
+        self.assertRegex(
+            findings[0],
+            r"^collectives: group .*: ranks \[3\] differ: .*ranks \[3\] issue all_reduce "
+            r"float\S* x0 ",
+        )
 
     def test_a_stage_creates_a_group_the_others_dont(self):
         """Stage 1's ranks build one more group after the embedding groups (a new_group that only they call hangs
         them on NCCL, where new_group is collective over the world)."""
         import torch.distributed as dist
+
         from parallel import parallelize
+
         real = parallelize.embedding_group
 
         def one_more(pipelines, v_shape=False):
@@ -266,8 +418,11 @@ class TestSeededDefects(unittest.TestCase):
             faulty = V.simulate_ranks(flags(ZBV4), 4, [2, 3])
         findings = self.judge(ZBV4, 4, faulty)
         for rank in (2, 3):
-            self.assertIn(f"groups: ranks [{rank}] make 17 new_group calls, rank 0 makes 16; at call #16 ranks [{rank}] "
-                          f"make new_group([0, {rank}])", "\n".join(findings))
+            self.assertIn(
+                f"groups: ranks [{rank}] make 17 new_group calls, rank 0 makes 16; at call #16 ranks [{rank}] "
+                f"make new_group([0, {rank}])",
+                "\n".join(findings),
+            )
 
 
 class TestSeededPlannerAndWaitDefects(unittest.TestCase):
@@ -275,6 +430,7 @@ class TestSeededPlannerAndWaitDefects(unittest.TestCase):
     any of them could be switched off, its tolerance doubled or the waits left unrecorded, and no test noticed).
     DDP over 2 ranks is consistent with the planner (state, bytes, calls, peak); each defect is seeded in a
     simulated rank by patching the trainer around it, never the checks."""
+
     DP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
 
     def findings(self, layout, world, faulty: dict) -> list[str]:
@@ -283,6 +439,7 @@ class TestSeededPlannerAndWaitDefects(unittest.TestCase):
 
     def seeded(self, layout, world, ranks, **patches) -> dict:
         import train
+
         with contextlib.ExitStack() as stack:
             for name, fn in patches.items():
                 stack.enter_context(mock.patch.object(train, name, fn(getattr(train, name))))
@@ -293,13 +450,16 @@ class TestSeededPlannerAndWaitDefects(unittest.TestCase):
 
     def test_a_rank_whose_state_differs_from_the_plan(self):
         """Rank 1's optimizer keeps one more tensor (an EMA of one weight, say): its state bytes are not the plan's."""
+
         def build(real):
             def wrapped(plan):
                 t = real(plan)
                 p = next(iter(t.optimizer.param_groups[0]["params"]))
                 t.optimizer.register_step_post_hook(lambda opt, *_: opt.state[p].setdefault("ema", torch.zeros_like(p)))
                 return t
+
             return wrapped
+
         found = self.findings(self.DP2, 2, self.seeded(self.DP2, 2, [1], build=build))
         self.assertEqual(len(found), 1, found)
         self.assertRegex(found[0], r"^planner: rank 1: state bytes \{.*'optimizer': \d+.*\} != predicted ")
@@ -309,11 +469,13 @@ class TestSeededPlannerAndWaitDefects(unittest.TestCase):
         sent are the same (DDP all-reduces already), only the bytes (+32) and calls (+1) are not the plan's."""
         from parallel import comm
         from parallel.parallelize import Parallelized
+
         real = Parallelized.forward_backward
 
         def forward_backward(par, *args, **kwargs):
             comm.all_reduce(torch.zeros(8), group=par.mesh["loss"].group)  # inside the step: counted
             return real(par, *args, **kwargs)
+
         with mock.patch.object(Parallelized, "forward_backward", forward_backward):
             faulty = self.seeded(self.DP2, 2, [0, 1])
         found = self.findings(self.DP2, 2, faulty)
@@ -336,7 +498,9 @@ class TestSeededPlannerAndWaitDefects(unittest.TestCase):
                 def wrapped(t, step):
                     extra = torch.empty(int(factor * predicted) - measured, dtype=torch.uint8)  # noqa: F841 (held)
                     return real(t, step)
+
                 return wrapped
+
             return train_step
 
         found = self.findings(self.DP2, 2, self.seeded(self.DP2, 2, [1], train_step=holding(1.2)))
@@ -350,6 +514,7 @@ class TestSeededPlannerAndWaitDefects(unittest.TestCase):
         be named so. (Waiting receives in another order than posted, or where posted, deadlocks under none of the
         replay's disciplines: each list is safe under blocking send/recv, which waits at every post.)"""
         from parallel import comm
+
         real = comm.recv
 
         class Once:  # the runner's first receive: its wait skipped, or doubled
@@ -361,8 +526,10 @@ class TestSeededPlannerAndWaitDefects(unittest.TestCase):
                     self.work.wait(*args)
                 return True
 
-        for times, said in ((0, "waits 0 time(s) on its recv from rank 3"),
-                            (2, "waits 2 time(s) on its recv from rank 3")):
+        for times, said in (
+            (0, "waits 0 time(s) on its recv from rank 3"),
+            (2, "waits 2 time(s) on its recv from rank 3"),
+        ):
             with self.subTest(times=times):
                 seen = []
 
@@ -381,8 +548,11 @@ def trace(*events) -> list[tuple]:
     """p2p events as World.p2p gives them: ("send" | "recv", n, peer) or ("wait", n)."""
     out = []
     for e in events:
-        out.append(("wait", e[1], -1, (), "", 0, "step", 1, "here") if e[0] == "wait" else
-                   (e[0], e[1], e[2], (0, 1, 2), "float32", e[3] if len(e) > 3 else 8, "step", 1, "here"))
+        out.append(
+            ("wait", e[1], -1, (), "", 0, "step", 1, "here")
+            if e[0] == "wait"
+            else (e[0], e[1], e[2], (0, 1, 2), "float32", e[3] if len(e) > 3 else 8, "step", 1, "here")
+        )
     return out
 
 
@@ -390,39 +560,45 @@ class TestReplay(unittest.TestCase):
     """replay_p2p under each discipline on traces whose fate is known."""
 
     def fates(self, traces) -> dict[str, bool]:
-        return {m: V.replay_p2p(traces, V.DISCIPLINES[m]) is None for m in V.p2p_models()}
+        return {m: R.replay_p2p(traces, R.DISCIPLINES[m]) is None for m in R.p2p_models()}
 
     def test_every_simulator_model_has_a_discipline(self):
         from plan.simulate import P2P_MODELS
-        self.assertLessEqual(set(P2P_MODELS), set(V.DISCIPLINES))
-        self.assertIn("nccl_eager", V.p2p_models())
+
+        self.assertLessEqual(set(P2P_MODELS), set(R.DISCIPLINES))
+        self.assertIn("nccl_eager", R.p2p_models())
 
     def test_matched_pair(self):
         t = {0: trace(("send", 0, 1), ("wait", 0)), 1: trace(("recv", 0, 0), ("wait", 0))}
-        self.assertEqual(self.fates(t), dict.fromkeys(V.p2p_models(), True))
+        self.assertEqual(self.fates(t), dict.fromkeys(R.p2p_models(), True))
 
     def test_both_send_first(self):
         """Each rank sends to the other, then receives: isends never block (gloo), but NCCL's pair FIFO has two sends
         at its heads, and blocking sends wait for each other."""
-        t = {0: trace(("send", 0, 1), ("recv", 1, 1), ("wait", 1)), 1: trace(("send", 0, 0), ("recv", 1, 0), ("wait", 1))}
+        t = {
+            0: trace(("send", 0, 1), ("recv", 1, 1), ("wait", 1)),
+            1: trace(("send", 0, 0), ("recv", 1, 0), ("wait", 1)),
+        }
         self.assertEqual(self.fates(t), {"async": True, "nccl": False, "nccl_eager": False, "rendezvous": False})
 
     def test_one_fifo_per_rank(self):
         """Rank 0 sends to 1 then 2, rank 1 sends to 2 then receives from 0, rank 2 receives from 0 then 1: every
         pair agrees, but with one FIFO per rank (an eagerly initialised communicator) the heads wait in a cycle."""
-        t = {0: trace(("send", 0, 1), ("send", 1, 2), ("wait", 0), ("wait", 1)),
-             1: trace(("send", 0, 2), ("recv", 1, 0), ("wait", 0), ("wait", 1)),
-             2: trace(("recv", 0, 0), ("recv", 1, 1), ("wait", 0), ("wait", 1))}
+        t = {
+            0: trace(("send", 0, 1), ("send", 1, 2), ("wait", 0), ("wait", 1)),
+            1: trace(("send", 0, 2), ("recv", 1, 0), ("wait", 0), ("wait", 1)),
+            2: trace(("recv", 0, 0), ("recv", 1, 1), ("wait", 0), ("wait", 1)),
+        }
         self.assertEqual(self.fates(t), {"async": True, "nccl": True, "nccl_eager": False, "rendezvous": False})
-        self.assertIn("deadlock: ranks [0-2]", V.replay_p2p(t, V.DISCIPLINES["nccl_eager"]))
+        self.assertIn("deadlock: ranks [0-2]", R.replay_p2p(t, R.DISCIPLINES["nccl_eager"]))
 
     def test_sizes_differ(self):
         t = {0: trace(("send", 0, 1, 8)), 1: trace(("recv", 0, 0, 7))}
-        self.assertIn("meets a receive of float32 x7", V.replay_p2p(t, V.DISCIPLINES["async"]))
+        self.assertIn("meets a receive of float32 x7", R.replay_p2p(t, R.DISCIPLINES["async"]))
 
     def test_a_send_never_received(self):
         t = {0: trace(("send", 0, 1)), 1: trace()}
-        self.assertIn("never matched, first rank 0's send to rank 1", V.replay_p2p(t, V.DISCIPLINES["nccl"]))
+        self.assertIn("never matched, first rank 0's send to rank 1", R.replay_p2p(t, R.DISCIPLINES["nccl"]))
 
 
 class TestComponents(unittest.TestCase):
@@ -436,18 +612,24 @@ class TestComponents(unittest.TestCase):
         out = {}
         for r, peer in ((a, b), (b, a)):
             first, then = ("send", "recv") if r == a or clash else ("recv", "send")
-            out[r] = [(first, 0, peer, (a, b), "float32", 8, "step", 1, "here"),
-                      (then, 1, peer, (a, b), "float32", 8, "step", 1, "here"),
-                      ("wait", 0, -1, (), "", 0, "step", 1, "here"), ("wait", 1, -1, (), "", 0, "step", 1, "here")]
+            out[r] = [
+                (first, 0, peer, (a, b), "float32", 8, "step", 1, "here"),
+                (then, 1, peer, (a, b), "float32", 8, "step", 1, "here"),
+                ("wait", 0, -1, (), "", 0, "step", 1, "here"),
+                ("wait", 1, -1, (), "", 0, "step", 1, "here"),
+            ]
         return out
 
     def test_alike_components_replay_once(self):
         t = {**self.pair(0, 1, False), **self.pair(2, 3, True), **self.pair(4, 5, True), 6: []}
         self.assertEqual(V.p2p_components(t), [[[0, 1]], [[2, 3], [4, 5]], [[6]]])
-        self.assertIsNone(V.replay_components(t, V.DISCIPLINES["async"]))
-        problem = V.replay_components(t, V.DISCIPLINES["nccl"])  # both send first: the pair FIFOs' heads are sends
-        self.assertEqual(problem, V.replay_p2p({r: t[r] for r in (2, 3)}, V.DISCIPLINES["nccl"]) +
-                         " (so too in the 1 component(s) alike: ranks [4-5])")
+        self.assertIsNone(R.replay_components(t, R.DISCIPLINES["async"]))
+        problem = R.replay_components(t, R.DISCIPLINES["nccl"])  # both send first: the pair FIFOs' heads are sends
+        self.assertEqual(
+            problem,
+            R.replay_p2p({r: t[r] for r in (2, 3)}, R.DISCIPLINES["nccl"])
+            + " (so too in the 1 component(s) alike: ranks [4-5])",
+        )
         self.assertIn("deadlock: ranks [2-3]", problem)
 
 
@@ -459,20 +641,24 @@ class TestLayout(unittest.TestCase):
         """Stages share a class exactly when they hold alike Blocks and run alike lists: an uneven split, an MoE
         Block every third, a schedule whose warm-up depends on the rank keep interior stages apart."""
         gpipe = ["--pipeline_parallel_size", "4", "--pp_schedule", "gpipe"]
-        self.assertEqual(self.stage_class(["--n_layer", "6", *gpipe, "--pp_layers_per_stage", "1,2,2,1"]),
-                         [0, 1, 1, 3])
-        self.assertEqual(self.stage_class(["--n_layer", "6", *gpipe, "--pp_layers_per_stage", "2,2,1,1"]),
-                         [0, 1, 2, 3])  # stage 1 holds two Blocks, stage 2 one
-        self.assertEqual(self.stage_class(["--n_layer", "8", *gpipe, "--moe_num_experts", "4", "--moe_every", "3"]),
-                         [0, 1, 2, 3])  # Blocks 2 and 5 are MoE: stage 1 holds (MoE, dense), stage 2 (dense, MoE)
-        self.assertEqual(self.stage_class(["--n_layer", "8", *gpipe, "--moe_num_experts", "4", "--moe_every", "2"]),
-                         [0, 1, 1, 3])  # each stage (dense, MoE)
+        self.assertEqual(self.stage_class(["--n_layer", "6", *gpipe, "--pp_layers_per_stage", "1,2,2,1"]), [0, 1, 1, 3])
+        self.assertEqual(
+            self.stage_class(["--n_layer", "6", *gpipe, "--pp_layers_per_stage", "2,2,1,1"]), [0, 1, 2, 3]
+        )  # stage 1 holds two Blocks, stage 2 one
+        self.assertEqual(
+            self.stage_class(["--n_layer", "8", *gpipe, "--moe_num_experts", "4", "--moe_every", "3"]), [0, 1, 2, 3]
+        )  # Blocks 2 and 5 are MoE: stage 1 holds (MoE, dense), stage 2 (dense, MoE)
+        self.assertEqual(
+            self.stage_class(["--n_layer", "8", *gpipe, "--moe_num_experts", "4", "--moe_every", "2"]), [0, 1, 1, 3]
+        )  # each stage (dense, MoE)
         for schedule in (["--pp_schedule", "zb_h1"], ["--pp_schedule", "zbv", "--pp_virtual_stages", "2"]):
-            self.assertEqual(self.stage_class(["--n_layer", "8", "--pipeline_parallel_size", "4", *schedule]),
-                             [0, 1, 2, 3], schedule)
+            self.assertEqual(
+                self.stage_class(["--n_layer", "8", "--pipeline_parallel_size", "4", *schedule]), [0, 1, 2, 3], schedule
+            )
 
     def test_shift_moves_pp(self):
         from parallel.mesh import ParallelDims
+
         dims = ParallelDims(dp=1, tp=1, world_size=8, pp=4, cp=2)
         lay = V.Layout(dims)
         self.assertEqual(lay.stage_class, [0, 1, 2, 3])  # without stages, every stage is its own class
@@ -481,6 +667,7 @@ class TestLayout(unittest.TestCase):
 
     def test_coordinates_and_shift(self):
         from parallel.mesh import ParallelDims
+
         lay = V.Layout(ParallelDims(dp=2, tp=2, world_size=16, pp=2, cp=2))
         for r in range(16):
             self.assertEqual(lay.rank(lay.coords(r)), r)
@@ -488,12 +675,18 @@ class TestLayout(unittest.TestCase):
             self.assertEqual(lay.coords(r), (c["pp"], 0, c["dp"], c["cp"], c["tp"]))
         f = lay.shift(0, 5)  # tp +1, cp +0, dp +1
         self.assertEqual([f(r) for r in (0, 1, 2, 8)], [5, 4, 7, 13])
-        self.assertEqual(V.span([0, 1, 2, 3, 8, 10, 11]), "[0-3, 8, 10-11]")
+        self.assertEqual(R.span([0, 1, 2, 3, 8, 10, 11]), "[0-3, 8, 10-11]")
 
 
 def run_cli(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def run_main(argv: list[str], env: dict | None = None) -> tuple[int, str, str]:
@@ -503,15 +696,18 @@ def run_main(argv: list[str], env: dict | None = None) -> tuple[int, str, str]:
     real = V.simulate_ranks
 
     def cached(flags_, world, ranks, progress=None):
-        done = next((runs for (lay, w), (_, runs, _) in _RUNS.items() if w == world and flags(list(lay)) == flags_),
-                    {})
+        done = next((runs for (lay, w), (_, runs, _) in _RUNS.items() if w == world and flags(list(lay)) == flags_), {})
         hooked = V.fault_ranks(world)
         fresh = real(flags_, world, [r for r in ranks if r not in done or r in hooked], progress)
         return {r: fresh[r] if r in fresh else done[r] for r in ranks}
 
     out, err = io.StringIO(), io.StringIO()
-    with mock.patch.dict(os.environ, env or {}), mock.patch.object(V, "simulate_ranks", cached), \
-            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with (
+        mock.patch.dict(os.environ, env or {}),
+        mock.patch.object(V, "simulate_ranks", cached),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
         code = V.main(argv)
     return code, out.getvalue(), err.getvalue()
 
@@ -521,8 +717,10 @@ class TestCommandLines(unittest.TestCase):
     process of their own (slow)."""
 
     def test_skip_at_rank_5_of_16_every_rank(self):
-        code, out, err = run_main(["--world_size", "16", "--all_ranks", "--", *flags(GRID16)],
-                                  {"GPT_COMM_FAULT": "skip", "GPT_COMM_FAULT_RANK": "5"})
+        code, out, err = run_main(
+            ["--world_size", "16", "--all_ranks", "--", *flags(GRID16)],
+            {"GPT_COMM_FAULT": "skip", "GPT_COMM_FAULT_RANK": "5"},
+        )
         self.assertEqual(code, 1, out + err)
         self.assertRegex(out, r"\| 16 \| 5 \(16\) \| .*\| \d+ finding\(s\) \|")  # rank 5 a class of its own
         self.assertRegex(out, r"finding: collectives: group .*: ranks \[5\] differ")
@@ -533,14 +731,20 @@ class TestCommandLines(unittest.TestCase):
         self.assertRegex(out, r"\| pp-fsdp \| 4 \| 2 \(2\) \| \d+ \(\d+\) \| \d+ \(\d+\) \| \d+ / \d+ \| consistent \|")
 
     def test_bad_input_is_one_line_and_exit_2(self):
-        for argv in (["--world_size", "3", "--", *flags(GRID16)], ["--world_size", "16"],
-                     ["--world_size", "16", "--", *flags(GRID16), "--no_such_flag"]):
+        for argv in (
+            ["--world_size", "3", "--", *flags(GRID16)],
+            ["--world_size", "16"],
+            ["--world_size", "16", "--", *flags(GRID16), "--no_such_flag"],
+        ):
             code, out, err = run_main(argv)
             self.assertEqual((code, out, len(err.strip().splitlines())), (2, "", 1), err)
             self.assertTrue(err.startswith("python -m plan.verify: error: "), err)
         # the world size the flags need, as plan.verify takes it (not torchrun's --nproc_per_node)
-        self.assertTrue(run_main(["--world_size", "4", "--", *flags(GRID16)])[2].endswith(
-            "= 16 must equal the world size (4); pass --world_size 16\n"))
+        self.assertTrue(
+            run_main(["--world_size", "4", "--", *flags(GRID16)])[2].endswith(
+                "= 16 must equal the world size (4); pass --world_size 16\n"
+            )
+        )
 
     @pytest.mark.slow
     def test_fake_rank_plays_one_rank(self):
@@ -550,8 +754,10 @@ class TestCommandLines(unittest.TestCase):
         self.assertRegex(out.stdout, r"rank 9 of 16: exit 0, .* new_group calls")
         self.assertTrue(os.path.exists(os.path.join(ROOT, "runs", "test-verify", "fake_rank_9.json")))
         out = run_cli(["train.py", *flags(GRID16), "--fake_world_size", "16", "--fake_rank", "9"])
-        self.assertEqual((out.returncode, out.stderr), (2, "train.py: error: --fake_world_size/--fake_rank: run "
-                                                           "python -m plan.fake_rank with the same flags\n"))
+        self.assertEqual(
+            (out.returncode, out.stderr),
+            (2, "train.py: error: --fake_world_size/--fake_rank: run python -m plan.fake_rank with the same flags\n"),
+        )
 
 
 class TestFlags(unittest.TestCase):
@@ -560,6 +766,7 @@ class TestFlags(unittest.TestCase):
 
     def refused(self, extra: list[str], env: dict | None = None) -> str:
         import config
+
         with mock.patch.dict(os.environ, env or {}), self.assertRaises(config.UsageError) as e:
             config.validate(config.parse_args([*flags(GRID16), *extra]))
         return str(e.exception)
@@ -567,12 +774,19 @@ class TestFlags(unittest.TestCase):
     def test_refused_in_one_line(self):
         self.assertIn("go together", self.refused(["--fake_rank", "3"]))
         self.assertIn("go together", self.refused(["--fake_world_size", "16"]))
-        self.assertIn("must be in [0, --fake_world_size 16)", self.refused(["--fake_world_size", "16", "--fake_rank", "16"]))
-        self.assertIn("not torchrun", self.refused(["--fake_world_size", "16", "--fake_rank", "1"], {"WORLD_SIZE": "2"}))
-        self.assertIn("does not take --device cuda",
-                      self.refused(["--fake_world_size", "16", "--fake_rank", "1", "--device", "cuda"]))
-        self.assertIn("world size (8); pass --fake_world_size 16", self.refused(["--fake_world_size", "8",
-                                                                                 "--fake_rank", "1"]))
+        self.assertIn(
+            "must be in [0, --fake_world_size 16)", self.refused(["--fake_world_size", "16", "--fake_rank", "16"])
+        )
+        self.assertIn(
+            "not torchrun", self.refused(["--fake_world_size", "16", "--fake_rank", "1"], {"WORLD_SIZE": "2"})
+        )
+        self.assertIn(
+            "does not take --device cuda",
+            self.refused(["--fake_world_size", "16", "--fake_rank", "1", "--device", "cuda"]),
+        )
+        self.assertIn(
+            "world size (8); pass --fake_world_size 16", self.refused(["--fake_world_size", "8", "--fake_rank", "1"])
+        )
 
     def test_accepted_as_rank_r_of_n(self):
         plan = V.plan_for(flags(GRID16), 16, 9)
@@ -585,8 +799,10 @@ class TestLiveStorages(unittest.TestCase):
 
     def test_follows_resize_under_fake_tensors(self):
         import torch
+
         from memory import LiveStorages
         from plan.fake_rank import fake_mode
+
         with fake_mode(), LiveStorages() as live:
             start = live.bytes
             flat = torch.empty(1000)  # 4000 B
@@ -606,6 +822,7 @@ class TestFoundBySimulation(unittest.TestCase):
 
     def test_cp_p2p_bytes_in_bf16(self):
         from plan.fake_rank import simulate
+
         f = [*flags(["--context_parallel_size", "2", "--dtype", "bfloat16"]), "--total_batch_size", "32"]
         plan = V.plan_for(f, 2, 0)
         run = simulate(plan)
@@ -615,11 +832,27 @@ class TestFoundBySimulation(unittest.TestCase):
 class TestPlannerVerifies(unittest.TestCase):
     """python -m plan --verify K: the top K layouts simulated, each row marked, their table printed, exit 1 if any
     has a finding."""
-    ARGV = ["--model", "tiny", "--seq_len", "64", "--total_batch_size", "1024", "--gpus", "2", "--gpus_per_node", "2",
-            "--micro_batch_size", "4", "--verify", "1"]
+
+    ARGV = [
+        "--model",
+        "tiny",
+        "--seq_len",
+        "64",
+        "--total_batch_size",
+        "1024",
+        "--gpus",
+        "2",
+        "--gpus_per_node",
+        "2",
+        "--micro_batch_size",
+        "4",
+        "--verify",
+        "1",
+    ]
 
     def plan(self, argv: list[str]) -> tuple[int, str]:
         from plan import __main__ as cli
+
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
             code = cli.main(argv)
@@ -654,9 +887,26 @@ class TestPeakUnderAutocast(unittest.TestCase):
     stage's simulated peak within the planner's 15% (either defect alone: stage 1 at -19.5% and -18.3%)."""
 
     def test_zbv_ddp_bf16(self):
-        layout = ["--n_layer", "4", "--n_embd", "512", "--n_head", "8", "--dtype", "bfloat16",
-                  "--pipeline_parallel_size", "2", "--pp_schedule", "zbv", "--pp_virtual_stages", "2",
-                  "--data_parallel_size", "2", "--data_parallel_type", "ddp"]
+        layout = [
+            "--n_layer",
+            "4",
+            "--n_embd",
+            "512",
+            "--n_head",
+            "8",
+            "--dtype",
+            "bfloat16",
+            "--pipeline_parallel_size",
+            "2",
+            "--pp_schedule",
+            "zbv",
+            "--pp_virtual_stages",
+            "2",
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "ddp",
+        ]
         f = flags(layout)
         runs = V.simulate_ranks(f, 4, [0, 2])
         lay = V.Layout(V.plan_for(f, 4, 0).dims)
@@ -672,10 +922,32 @@ MUON = ["--optimizer", "muon", "--no_checkpoint"]
 MUON_LAYOUTS = {  # each every rank simulated; the 64- and 1,024-rank runs are docs/muon.md's commands
     "ddp4": (["--data_parallel_size", "4", "--data_parallel_type", "ddp"], 4),
     "fsdp4": (["--data_parallel_size", "4", "--data_parallel_type", "fsdp"], 4),
-    "ep2_fsdp4": (["--moe_num_experts", "8", "--expert_parallel_size", "2", "--data_parallel_size", "4",
-                   "--data_parallel_type", "fsdp"], 4),
-    "pp2_zero1x2_tp2": (["--pipeline_parallel_size", "2", "--data_parallel_size", "2", "--data_parallel_type", "zero1",
-                         "--tensor_parallel_size", "2"], 8),
+    "ep2_fsdp4": (
+        [
+            "--moe_num_experts",
+            "8",
+            "--expert_parallel_size",
+            "2",
+            "--data_parallel_size",
+            "4",
+            "--data_parallel_type",
+            "fsdp",
+        ],
+        4,
+    ),
+    "pp2_zero1x2_tp2": (
+        [
+            "--pipeline_parallel_size",
+            "2",
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "zero1",
+            "--tensor_parallel_size",
+            "2",
+        ],
+        8,
+    ),
 }
 
 
@@ -694,14 +966,19 @@ class TestMuon(unittest.TestCase):
             with self.subTest(layout=name):
                 v = self.verdict(name)
                 self.assertEqual(v.findings, [])
-                sent = [o for run in v.runs.values() for o in run.events if o.site.startswith("optim.distributed_muon")
-                        and o.op == "all_to_all_single"]
+                sent = [
+                    o
+                    for run in v.runs.values()
+                    for o in run.events
+                    if o.site.startswith("optim.distributed_muon") and o.op == "all_to_all_single"
+                ]
                 self.assertTrue(sent and all(o.numel or o.out for o in sent), name)
 
     def test_owners_other_than_lpt_are_caught(self):
         """The plan puts every matrix on rank 0 (not what the ranks' LPT does): the busiest rank's NS FLOPs exceed
         Graham's bound, and every rank's exchange sends other sizes than the plan says."""
         from plan import muon_counts, theory
+
         muon_counts._exchange.cache_clear()
         with mock.patch.object(theory, "muon_owners", lambda flops, held, keys: [0] * len(flops)):
             found = self.verdict("fsdp4").findings
@@ -713,6 +990,7 @@ class TestMuon(unittest.TestCase):
         """The plan's holds lose one matrix: each rank's own list (from its live layout) differs, and the
         simulated run raises at build, named."""
         from plan import muon_counts
+
         real = muon_counts.stage_matrices
         with mock.patch.object(muon_counts, "stage_matrices", lambda s, pp=0: real(s, pp)[1:]):
             found = self.verdict("ddp4").findings

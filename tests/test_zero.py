@@ -12,6 +12,7 @@ pytorch`): torch DDP + ZeroRedundancyOptimizer, fully_shard(reshard_after_forwar
 twins of zero2 and fsdp run on the 2D (dp_replicate, dp_shard) mesh, zero1's shards over all dp ranks (see
 TestZeroStateBytes).
 """
+
 import unittest
 
 import pytest
@@ -22,23 +23,53 @@ from metrics import read_jsonl
 from model import GPT, make_config
 from plan.theory import fsdp_comm_bytes_per_micro_step
 from tests.harness import (
-    WholeRuns, assert_close, check_kill_and_resume, check_resume_from, evals_of, expect_train_error_in_process,
-    expect_train_error_on_ranks, rank0_only, steps_of)
+    WholeRuns,
+    assert_close,
+    check_kill_and_resume,
+    check_resume_from,
+    evals_of,
+    expect_train_error_in_process,
+    expect_train_error_on_ranks,
+    rank0_only,
+    steps_of,
+)
 from tests.rounding import rounding_rtol_of
 
 STEPS = 6
 MB, T, N_LAYER, M = 2, 32, 4, 8  # micro-batch, seq_len, Blocks, micro-batches per step (all ranks)
 EVAL_EVERY = 3
-BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", str(T),
-        "--total_batch_size", str(M * MB * T), "--max_steps", str(STEPS), "--eval_interval", str(EVAL_EVERY),
-        "--eval_iters", "2", "--warmup_steps", "2", "--lr", "3e-3", "--gradient_clipping",
-        "--peak_flops", "1e12"]  # fixed MFU denominator (see test_train)
+BASE = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    str(N_LAYER),
+    "--micro_batch_size",
+    str(MB),
+    "--seq_len",
+    str(T),
+    "--total_batch_size",
+    str(M * MB * T),
+    "--max_steps",
+    str(STEPS),
+    "--eval_interval",
+    str(EVAL_EVERY),
+    "--eval_iters",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--peak_flops",
+    "1e12",
+]  # fixed MFU denominator (see test_train)
 TP2_SP = ["--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"]
 
 
 def dp(kind: str, size: int = 2, replicate: int = 1) -> list[str]:
-    return ["--data_parallel_size", str(size), "--data_parallel_type", kind] + \
-        (["--data_parallel_replicate_size", str(replicate)] if replicate > 1 else [])
+    return ["--data_parallel_size", str(size), "--data_parallel_type", kind] + (
+        ["--data_parallel_replicate_size", str(replicate)] if replicate > 1 else []
+    )
 
 
 # name -> (flags, ranks) of our engine's layouts; "torch_<name>" is the same with --implementation pytorch
@@ -71,7 +102,7 @@ def run(name: str, flags: list[str] | None = None, nproc: int | None = None) -> 
     """Train once per name (later callers reuse the run); returns its out_dir. Layout from `layout(name)`
     unless given; SAVING runs checkpoint every 3 steps, the others not at all."""
     if flags is None and name in RUNS:  # a later caller may name a run that is not in LAYOUTS ("ddp") without its
-        return RUNS[name]               # flags; one that gives flags goes through RUNS.run, which compares them
+        return RUNS[name]  # flags; one that gives flags goes through RUNS.run, which compares them
     if flags is None:
         flags, nproc = layout(name)
     saving = ["--checkpoint_interval", "3"] if name in SAVING else ["--no_checkpoint"]
@@ -79,6 +110,7 @@ def run(name: str, flags: list[str] | None = None, nproc: int | None = None) -> 
 
 
 # ----------------------------------------------------------------------------- the model's units
+
 
 def unit_sizes() -> dict[str, int]:
     """Elements of each sharding unit of the tiny GPT, from first principles: each Block, and the root (wte,
@@ -115,6 +147,7 @@ UNITS = N_LAYER + 1
 
 
 # ----------------------------------------------------------------------------- against one process
+
 
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
@@ -194,8 +227,11 @@ class TestZeroAgreesWithOneProcess(unittest.TestCase):
         And each ran its own code: the distributed classes train.py found on the built model (rank 0's) are
         all ours (parallel/, our FSDP engine among them) for ours, all PyTorch's for the twin: fully_shard's
         FSDPModule, or for zero1 torch DDP and ZeroRedundancyOptimizer."""
-        twin_classes = {"zero1": {"DistributedDataParallel", "ZeroRedundancyOptimizer"}, "zero2": {"FSDPModule"},
-                        "fsdp": {"FSDPModule"}}
+        twin_classes = {
+            "zero1": {"DistributedDataParallel", "ZeroRedundancyOptimizer"},
+            "zero2": {"FSDPModule"},
+            "fsdp": {"FSDPModule"},
+        }
         for name in (n for n in LAYOUTS if n != "hsdp_zero1"):  # no twin (see test_hsdp_2x2)
             with self.subTest(name):
                 ours, twin = run(name), run("torch_" + name)
@@ -221,14 +257,16 @@ class TestZeroAgreesWithOneProcess(unittest.TestCase):
                 flags, nproc = layout(name)
                 deferred = steps_of(run(name + "_deferred", [*flags, "--deferred_init"], nproc))
                 eager = steps_of(run(name))
-                self.assertEqual((built(name + "_deferred")["params_on_meta"], built(name)["params_on_meta"]),
-                                 (n_params, 0), name)
+                self.assertEqual(
+                    (built(name + "_deferred")["params_on_meta"], built(name)["params_on_meta"]), (n_params, 0), name
+                )
                 self.assertEqual(sorted(deferred), list(range(1, STEPS + 1)))
                 assert_close(self, deferred, eager, "loss", 0, f"{name}: deferred vs eager")
                 assert_close(self, deferred, eager, "grad_norm", 0, f"{name}: deferred vs eager")
 
 
 # ----------------------------------------------------------------------------- checkpoints
+
 
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
@@ -251,8 +289,18 @@ class TestZeroCheckpoints(unittest.TestCase):
         and grad_norm, and the val losses, equal the uninterrupted run's bits; so do the final checkpoint's
         parameters where that run saves one (SAVING). See tests/harness.check_kill_and_resume."""
         flags, nproc = layout(name)
-        check_kill_and_resume(self, RUNS.args(*flags), nproc, RUNS.path(name + "_killed"), run(name), STEPS,
-                              kill_at=3, kill_rank=kill_rank, every=2, final_state=name in SAVING)
+        check_kill_and_resume(
+            self,
+            RUNS.args(*flags),
+            nproc,
+            RUNS.path(name + "_killed"),
+            run(name),
+            STEPS,
+            kill_at=3,
+            kill_rank=kill_rank,
+            every=2,
+            final_state=name in SAVING,
+        )
 
     def test_kill_and_resume_zero1(self):
         self.kill_and_resume("zero1", kill_rank=1)
@@ -283,6 +331,7 @@ class TestZeroCheckpoints(unittest.TestCase):
 
 
 # ----------------------------------------------------------------------------- bytes held and moved
+
 
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
@@ -323,8 +372,10 @@ class TestZeroStateBytes(unittest.TestCase):
         self.assertEqual(got["params"], params, f"{name}: params")
         self.assertEqual(got["grads"], grads, f"{name}: grads")
         lo, hi = step_tensors
-        self.assertTrue(optimizer + 4 * lo <= got["optimizer"] <= optimizer + 4 * hi,
-                        f"{name}: optimizer {got['optimizer']} vs 2Ψ/N = {optimizer} + {lo}..{hi} step tensors")
+        self.assertTrue(
+            optimizer + 4 * lo <= got["optimizer"] <= optimizer + 4 * hi,
+            f"{name}: optimizer {got['optimizer']} vs 2Ψ/N = {optimizer} + {lo}..{hi} step tensors",
+        )
 
     def test_no_padding_in_this_model(self):
         for unit, n in unit_sizes().items():
@@ -348,8 +399,11 @@ class TestZeroStateBytes(unittest.TestCase):
 
     def test_hsdp_2x2(self):
         S = 2
-        for name, params, grads in (("hsdp_zero1", PSI, PSI), ("hsdp_zero2", PSI, PSI / S),
-                                    ("hsdp_fsdp", PSI / S, PSI / S)):
+        for name, params, grads in (
+            ("hsdp_zero1", PSI, PSI),
+            ("hsdp_zero2", PSI, PSI / S),
+            ("hsdp_fsdp", PSI / S, PSI / S),
+        ):
             with self.subTest(name):
                 self.check(name, params, grads, 2 * PSI / S, (UNITS, 2 * UNITS))
 
@@ -414,11 +468,15 @@ class TestZeroCommBytes(unittest.TestCase):
         P, root, blocks = padded_bytes(S), padded_bytes(S, "root"), padded_bytes(S, "blocks")
         self.check("hsdp_zero1", {"reduce_scatter": P, "all_reduce": P // S}, once=P)
         self.check("hsdp_zero2", {"reduce_scatter": k * P, "all_reduce": k * P // S}, once=P)
-        self.check("hsdp_fsdp", {"all_gather": k * (root + 2 * blocks), "reduce_scatter": k * P,
-                                "all_reduce": k * P // S}, once=0)
+        self.check(
+            "hsdp_fsdp",
+            {"all_gather": k * (root + 2 * blocks), "reduce_scatter": k * P, "all_reduce": k * P // S},
+            once=0,
+        )
 
 
 # ----------------------------------------------------------------------------- bad input
+
 
 def expect_error_in_process(test: unittest.TestCase, flags: list[str], needle: str) -> None:
     """train.main in this process, as one rank (tests/harness.expect_train_error_in_process)."""
@@ -429,21 +487,29 @@ class TestBadZeroFlagsOneRank(unittest.TestCase):
     """One-rank checks, in this process (no torch import per case): each well under a second."""
 
     def test_replicas_do_not_divide_one_rank(self):
-        expect_error_in_process(self, ["--data_parallel_replicate_size", "2"],
-                                "--data_parallel_replicate_size 2 needs a sharded --data_parallel_type (zero1, "
-                                "zero2, fsdp) and must divide --data_parallel_size 1")
+        expect_error_in_process(
+            self,
+            ["--data_parallel_replicate_size", "2"],
+            "--data_parallel_replicate_size 2 needs a sharded --data_parallel_type (zero1, "
+            "zero2, fsdp) and must divide --data_parallel_size 1",
+        )
 
     def test_replicas_with_ddp(self):
-        expect_error_in_process(self, ["--data_parallel_type", "ddp", "--data_parallel_replicate_size", "2"],
-                                "--data_parallel_replicate_size 2 needs a sharded --data_parallel_type")
+        expect_error_in_process(
+            self,
+            ["--data_parallel_type", "ddp", "--data_parallel_replicate_size", "2"],
+            "--data_parallel_replicate_size 2 needs a sharded --data_parallel_type",
+        )
 
     def test_replicas_below_one(self):
-        expect_error_in_process(self, ["--data_parallel_replicate_size", "0"],
-                                "--data_parallel_replicate_size must be >= 1, got 0")
+        expect_error_in_process(
+            self, ["--data_parallel_replicate_size", "0"], "--data_parallel_replicate_size must be >= 1, got 0"
+        )
 
     def test_unknown_data_parallel_type(self):
-        expect_error_in_process(self, ["--data_parallel_type", "zero3"], "argument --data_parallel_type: invalid "
-                                                                         "choice: 'zero3'")
+        expect_error_in_process(
+            self, ["--data_parallel_type", "zero3"], "argument --data_parallel_type: invalid choice: 'zero3'"
+        )
 
 
 @pytest.mark.slow
@@ -456,8 +522,12 @@ class TestBadZeroFlags(unittest.TestCase):
         expect_train_error_on_ranks(self, RUNS.args(*flags), needle, nproc, RUNS.path("bad"))
 
     def test_replicas_do_not_divide_dp(self):
-        self.expect_error(dp("fsdp", 4, 3), "--data_parallel_replicate_size 3 needs a sharded --data_parallel_type "
-                                            "(zero1, zero2, fsdp) and must divide --data_parallel_size 4", nproc=4)
+        self.expect_error(
+            dp("fsdp", 4, 3),
+            "--data_parallel_replicate_size 3 needs a sharded --data_parallel_type "
+            "(zero1, zero2, fsdp) and must divide --data_parallel_size 4",
+            nproc=4,
+        )
 
     def test_replicas_with_ddp(self):
         self.expect_error(dp("ddp", 2, 2), "--data_parallel_replicate_size 2 needs a sharded --data_parallel_type")
@@ -466,8 +536,10 @@ class TestBadZeroFlags(unittest.TestCase):
         self.expect_error([*dp("zero1", 4, 2), "--implementation", "pytorch"], "has no hybrid ZeRO-1", nproc=4)
 
     def test_replicas_without_a_data_parallel_type(self):
-        self.expect_error(["--data_parallel_size", "2", "--data_parallel_replicate_size", "2"],
-                          "--data_parallel_type ddp|zero1|zero2|fsdp is required with --data_parallel_size 2")
+        self.expect_error(
+            ["--data_parallel_size", "2", "--data_parallel_replicate_size", "2"],
+            "--data_parallel_type ddp|zero1|zero2|fsdp is required with --data_parallel_size 2",
+        )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ losses (tests/test_pipeline_train.py derives it).
   P = 4 x ddp / zero2 / fsdp / tp + sp and P = 2 x dp x tp, under HSDP (8 ranks): zero_bubble_large_rows, run by
   GPT_SWEEP_LARGE=1 pytest -m sweep and python -m bench.sweep --sample 12.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,15 @@ from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
 from parallel.protocol import Placement, Sharded
 from parallel.tensor_parallel import apply_tensor_parallel
 from parallel.zero_bubble import WeightGradStore, hold_for_w
-from tests.harness import (Measurements, WholeRuns, assert_close, expect_train_error_in_process,
-                           expect_train_error_on_ranks, rank0_only, steps_of)
+from tests.harness import (
+    Measurements,
+    WholeRuns,
+    assert_close,
+    expect_train_error_in_process,
+    expect_train_error_on_ranks,
+    rank0_only,
+    steps_of,
+)
 from tests.rounding import rounding_rtol_of
 
 aten = torch.ops.aten
@@ -74,8 +82,9 @@ class TestSplitBackward(unittest.TestCase):
     """One 2-Block GPT, M = 2 micro-batches: backward whole (autograd) vs B under the store then W micro-batch by
     micro-batch; every gradient torch.equal."""
 
-    def grads(self, split: bool, autocast: bool = False, ac: bool = False, tp: bool = False,
-              moe: bool = False) -> tuple[dict, dict]:
+    def grads(
+        self, split: bool, autocast: bool = False, ac: bool = False, tp: bool = False, moe: bool = False
+    ) -> tuple[dict, dict]:
         model = gpt(FAST_LAYERS, **(MOE if moe else {}))
         if tp:  # our TP's layers on one rank (their collectives return at once): what the store must route
             apply_tensor_parallel(model, None, loss_parallel=False, sequence_parallel=True)
@@ -84,8 +93,10 @@ class TestSplitBackward(unittest.TestCase):
         store = WeightGradStore(model)
         batches = micro_batches(model.config, FAST_M)
         for m, (x, y) in enumerate(batches):
-            with torch.autocast("cpu", torch.bfloat16, enabled=autocast), \
-                    (store.defer(m) if split else contextlib.nullcontext()):
+            with (
+                torch.autocast("cpu", torch.bfloat16, enabled=autocast),
+                store.defer(m) if split else contextlib.nullcontext(),
+            ):
                 _, loss = model(x, y)
                 (loss / len(batches)).backward()
         after_b = {n: p.grad is not None for n, p in model.named_parameters()}
@@ -105,8 +116,9 @@ class TestSplitBackward(unittest.TestCase):
         for n, has in after_b.items():
             row_bias = kw.get("tp") and n.endswith("c_proj.bias")
             expert_bias = ".experts." in n and n.endswith(".bias")  # added after the grouped product: in B
-            deferred = (n.startswith("transformer.h.") and n.split(".")[-2] in LINEARS and not row_bias
-                        and not expert_bias)
+            deferred = (
+                n.startswith("transformer.h.") and n.split(".")[-2] in LINEARS and not row_bias and not expert_bias
+            )
             self.assertEqual(has, not deferred, n)
 
     def test_fp32(self):
@@ -139,14 +151,22 @@ class TestSplitBackward(unittest.TestCase):
         class Products(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 if func.overloadpacket in (aten.mm, aten.addmm, aten.bmm, aten._grouped_mm):
-                    products.append((str(func), [(tuple(a.shape), a.stride(), a.dtype) for a in args
-                                                 if isinstance(a, torch.Tensor) and a.is_floating_point()]))
+                    products.append(
+                        (
+                            str(func),
+                            [
+                                (tuple(a.shape), a.stride(), a.dtype)
+                                for a in args
+                                if isinstance(a, torch.Tensor) and a.is_floating_point()
+                            ],
+                        )
+                    )
                 return func(*args, **(kwargs or {}))
 
         model = gpt(FAST_LAYERS, **MOE)
         store = WeightGradStore(model)
-        (x, y), = micro_batches(model.config, 1)
-        with Products(), (store.defer(0) if split else contextlib.nullcontext()):
+        ((x, y),) = micro_batches(model.config, 1)
+        with Products(), store.defer(0) if split else contextlib.nullcontext():
             with torch.autocast("cpu", torch.bfloat16):
                 _, loss = model(x, y)
             loss.backward()
@@ -163,6 +183,7 @@ class TestSplitBackward(unittest.TestCase):
         standing in): then also the same bits."""
         import moe
         from tests.test_moe import fast_path_here
+
         for fast in (False, True):
             with mock.patch.object(moe, "grouped_mm_runs", fast_path_here) if fast else contextlib.nullcontext():
                 whole, split = self.moe_products(False), self.moe_products(True)
@@ -185,7 +206,7 @@ class TestSplitBackward(unittest.TestCase):
 
         model = gpt(FAST_LAYERS, **MOE)
         store = WeightGradStore(model)
-        (x, y), = micro_batches(model.config, 1)
+        ((x, y),) = micro_batches(model.config, 1)
         with store.defer(0):
             model(x, y)[1].backward()
         with Allocations():
@@ -199,13 +220,14 @@ class TestSplitBackward(unittest.TestCase):
         plan.verify of ZB-H1 x MoE x EP in fp32 raised "Expected inputs of BF16 type" on every rank. Here: F and B
         with the loop patched in, W after it: W runs no torch._grouped_mm, and the gradients are the loop's."""
         import moe
+
         grads = []
         for patched in (False, True):
             model = gpt(FAST_LAYERS, **MOE)
             store = WeightGradStore(model)
-            (x, y), = micro_batches(model.config, 1)
+            ((x, y),) = micro_batches(model.config, 1)
             loop = mock.patch.object(moe, "grouped_mm_runs", lambda *a: False)
-            with (loop if patched else contextlib.nullcontext()), store.defer(0):
+            with loop if patched else contextlib.nullcontext(), store.defer(0):
                 model(x, y)[1].backward()
             ops = []
 
@@ -260,6 +282,7 @@ class TestSplitBackward(unittest.TestCase):
         operands of the same shapes, strides and dtypes (for a 3D input, with and without bias, fp32 and bf16), so
         bit-equality does not rest on a kernel giving two layouts of one product the same bits. (Autograd's weight
         gradient is mm_mat2_backward's grad.t().mm(x), as the weight's transpose is column-major.)"""
+
         class Products(TorchDispatchMode):
             def __init__(self):
                 super().__init__()
@@ -267,8 +290,12 @@ class TestSplitBackward(unittest.TestCase):
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
-                    self.seen.append((str(func), [(tuple(a.shape), a.stride(), a.dtype) for a in args
-                                                  if isinstance(a, torch.Tensor)]))
+                    self.seen.append(
+                        (
+                            str(func),
+                            [(tuple(a.shape), a.stride(), a.dtype) for a in args if isinstance(a, torch.Tensor)],
+                        )
+                    )
                 return func(*args, **(kwargs or {}))
 
         for bias in (True, False):
@@ -278,8 +305,10 @@ class TestSplitBackward(unittest.TestCase):
                 runs = []
                 for split in (False, True):
                     store = WeightGradStore(torch.nn.Sequential(lin))
-                    with torch.autocast("cpu", torch.bfloat16, enabled=autocast), \
-                            (store.defer(0) if split else contextlib.nullcontext()):
+                    with (
+                        torch.autocast("cpu", torch.bfloat16, enabled=autocast),
+                        store.defer(0) if split else contextlib.nullcontext(),
+                    ):
                         y = lin(x)
                     with Products() as products:
                         y.backward(torch.ones_like(y))
@@ -295,6 +324,7 @@ class TestSplitBackward(unittest.TestCase):
         DDP: 2.8 GB of 21.2 on stage 0, found by plan.verify's simulated peak). Every gradient is its bucket's view
         from the first W on, and equals autograd's bit for bit."""
         from parallel.ddp import DistributedDataParallel
+
         grads = []
         for split in (False, True):
             model = gpt(FAST_LAYERS)
@@ -360,6 +390,7 @@ class TestSplitBackwardSharded(unittest.TestCase):
 
 # ----------------------------------------------------------------------------- the runner on spawned ranks
 
+
 def runner_case(rank: int, pp: int, group, embed_group, m: int) -> dict:
     """One stage of a P = pp pipeline: a 1F1B step, then a ZB-H1 step from zero gradients, same micro-batches.
     Returns whether every gradient (tied copies summed) and the loss are torch.equal, the summed loss (the pp
@@ -374,9 +405,12 @@ def runner_case(rank: int, pp: int, group, embed_group, m: int) -> dict:
         before = [p.grad.clone() if p.grad is not None else None for p in stage.parameters()]
         pending = len(store.pending.get(key, ()))
         real_flush(store, key)
-        changed = sum(b is None and p.grad is not None or b is not None and not torch.equal(b, p.grad)
-                      for b, p in zip(before, stage.parameters()))
+        changed = sum(
+            b is None and p.grad is not None or b is not None and not torch.equal(b, p.grad)
+            for b, p in zip(before, stage.parameters())
+        )
         flushed.append((key, pending, changed))
+
     out = {}
     for name in ("1f1b", "zb_h1"):
         for p in stage.parameters():
@@ -388,17 +422,27 @@ def runner_case(rank: int, pp: int, group, embed_group, m: int) -> dict:
         dist.all_reduce(loss, group=group)
         out[name] = (loss, {n: p.grad.clone() for n, p in stage.named_parameters()}, runner.record.peak_in_flight)
     (l1, g1, f1), (l2, g2, f2) = out["1f1b"], out["zb_h1"]
-    linears = {c: sum(type(m) is torch.nn.Linear for i in stage.layers[c] for m in stage.transformer.h[str(i)].modules())
-               for c in stage.chunks}  # what each W(c, m) must find: every linear of chunk c's Blocks
-    return {"loss_equal": torch.equal(l1, l2), "grads_equal": {n: torch.equal(g1[n], g2[n]) for n in g1},
-            "loss": float(l2), "in_flight": (f1, f2), "grads": g1, "flushed": list(flushed), "linears": linears}
+    linears = {
+        c: sum(type(m) is torch.nn.Linear for i in stage.layers[c] for m in stage.transformer.h[str(i)].modules())
+        for c in stage.chunks
+    }  # what each W(c, m) must find: every linear of chunk c's Blocks
+    return {
+        "loss_equal": torch.equal(l1, l2),
+        "grads_equal": {n: torch.equal(g1[n], g2[n]) for n in g1},
+        "loss": float(l2),
+        "in_flight": (f1, f2),
+        "grads": g1,
+        "flushed": list(flushed),
+        "linears": linears,
+    }
 
 
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 
 
 def gamma(n: int) -> float:
-    """gamma_n = n u / (1 - n u), fp32: the relative bound of a sum whose terms went through n roundings (Higham 4.4)."""
+    """gamma_n = n u / (1 - n u), fp32: the relative bound of a sum whose terms went through n roundings
+    (Higham 4.4)."""
     return n * U32 / (1 - n * U32)
 
 
@@ -430,11 +474,16 @@ def v_case(rank: int, group, embed_group, m: int, one: dict[str, torch.Tensor]) 
         grads = {n: p.grad for n, p in stage.named_parameters()}
         tied = "transformer.wte.weight"
         bound = (gamma(2 * m) + gamma(m + 1)) * magnitude
-        out[name] = {"loss": float(loss), "names": sorted(grads), "tied_copy": runner.tied_weight() is not None,
-                     "equal": [n for n in grads if n != tied and not torch.equal(grads[n], one[n])],
-                     "tied_excess": float(((grads[tied].double() - one[tied].double()).abs() - bound).max())
-                     if tied in grads else None,
-                     "in_flight": runner.record.peak_in_flight}
+        out[name] = {
+            "loss": float(loss),
+            "names": sorted(grads),
+            "tied_copy": runner.tied_weight() is not None,
+            "equal": [n for n in grads if n != tied and not torch.equal(grads[n], one[n])],
+            "tied_excess": float(((grads[tied].double() - one[tied].double()).abs() - bound).max())
+            if tied in grads
+            else None,
+            "in_flight": runner.record.peak_in_flight,
+        }
     return out
 
 
@@ -520,9 +569,29 @@ class TestZeroBubbleRanks(unittest.TestCase):
 # ----------------------------------------------------------------------------- whole train.py runs
 
 STEPS, M = 6, 4  # test_pipeline_train's STEPS: its runs are shared by name
-BASE = ["--model", "tiny", "--n_layer", str(N_LAYER), "--micro_batch_size", str(MB), "--seq_len", "32",
-        "--total_batch_size", str(M * MB * 32), "--eval_interval", "5", "--eval_iters", "2", "--warmup_steps", "2",
-        "--lr", "3e-3", "--gradient_clipping", "--peak_flops", "1e12"]  # tests/test_pipeline_train.py's
+BASE = [
+    "--model",
+    "tiny",
+    "--n_layer",
+    str(N_LAYER),
+    "--micro_batch_size",
+    str(MB),
+    "--seq_len",
+    "32",
+    "--total_batch_size",
+    str(M * MB * 32),
+    "--eval_interval",
+    "5",
+    "--eval_iters",
+    "2",
+    "--warmup_steps",
+    "2",
+    "--lr",
+    "3e-3",
+    "--gradient_clipping",
+    "--peak_flops",
+    "1e12",
+]  # tests/test_pipeline_train.py's
 PP2 = ["--pipeline_parallel_size", "2"]
 ZB = [*PP2, "--pp_schedule", "zb_h1"]
 DDP2 = ["--data_parallel_size", "2", "--data_parallel_type", "ddp"]
@@ -531,6 +600,8 @@ TP2_SP = ["--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_p
 
 def dp(dp_type: str) -> list[str]:
     return ["--data_parallel_size", "2", "--data_parallel_type", dp_type]
+
+
 RUNS = WholeRuns(BASE)
 setUpModule, tearDownModule = RUNS.set_up, RUNS.tear_down
 
@@ -556,8 +627,9 @@ class TestZeroBubbleTrain(unittest.TestCase):
     def test_p2_ddp2(self):
         """DDP reduces the buckets after the schedule (reduce_on_exit), so after every W: a W left out of the
         all-reduce would leave the two replicas' gradients apart and the losses off 1F1B's."""
-        self.check(run("zb_h1_ddp", [*ZB, *DDP2], 4), run("pp_ddp", [*PP2, *DDP2], 4), run("single", [], 1),
-                   "zb_h1 x ddp")
+        self.check(
+            run("zb_h1_ddp", [*ZB, *DDP2], 4), run("pp_ddp", [*PP2, *DDP2], 4), run("single", [], 1), "zb_h1 x ddp"
+        )
 
     def test_sharded(self):
         """zb_h1 x fsdp at P = 2 x dp = 2 (4 ranks) is the 1F1B x fsdp run's bits (tests/test_pipeline_train.py's
@@ -565,8 +637,12 @@ class TestZeroBubbleTrain(unittest.TestCase):
         order 1F1B reduces it at its B, so the shards sum the same terms in the same order. A unit reduced at its
         B would miss its linears' weight gradients. Every split schedule x ddp / zero2 / fsdp / tp + sp against
         one process: bench/sweep.py's zero_bubble_rows (tests/test_sweep.py)."""
-        self.check(run("zb_h1_fsdp", [*ZB, *dp("fsdp")], 4), run("pp_fsdp", [*PP2, *dp("fsdp")], 4),
-                   run("single", [], 1), "zb_h1 x fsdp")
+        self.check(
+            run("zb_h1_fsdp", [*ZB, *dp("fsdp")], 4),
+            run("pp_fsdp", [*PP2, *dp("fsdp")], 4),
+            run("single", [], 1),
+            "zb_h1 x fsdp",
+        )
 
     def test_tp_sequence_parallel(self):
         """pp = 2 x tp = 2 with --sequence_parallel: W needs no communication (a column-parallel dW = dy_i^T x from
@@ -574,33 +650,64 @@ class TestZeroBubbleTrain(unittest.TestCase):
         1F1B run's bits (tests/test_pipeline_train.py's pp_tp_sp) and within its tolerance of one process
         (tests/rounding.py: 4x the one-process run's own distance from float64)."""
         ref = run("single", [], 1)
-        self.check(run("zb_h1_tp_sp", [*ZB, *TP2_SP], 4), run("pp_tp_sp", [*PP2, *TP2_SP], 4), ref,
-                   "zb_h1 x tp sp", rtol=rounding_rtol_of(RUNS, "single"))
+        self.check(
+            run("zb_h1_tp_sp", [*ZB, *TP2_SP], 4),
+            run("pp_tp_sp", [*PP2, *TP2_SP], 4),
+            ref,
+            "zb_h1 x tp sp",
+            rtol=rounding_rtol_of(RUNS, "single"),
+        )
 
     def test_v_schedules_need_two_virtual_stages(self):
         for flags in ([*PP2, "--pp_schedule", "zbv"], [*PP2, "--pp_schedule", "dualpipev", "--pp_virtual_stages", "3"]):
             with self.subTest(flags):
-                expect_train_error_on_ranks(self, RUNS.args("--max_steps", "2", *flags),
-                                            f"--pp_schedule {flags[3]} needs --pp_virtual_stages 2", 2,
-                                            RUNS.path("bad"))
+                expect_train_error_on_ranks(
+                    self,
+                    RUNS.args("--max_steps", "2", *flags),
+                    f"--pp_schedule {flags[3]} needs --pp_virtual_stages 2",
+                    2,
+                    RUNS.path("bad"),
+                )
 
     def test_dualpipev_needs_2p_micro_batches(self):
-        expect_train_error_on_ranks(self, RUNS.args("--max_steps", "2", *PP2, "--pp_schedule", "dualpipev",
-                                                    "--pp_virtual_stages", "2", "--total_batch_size", str(3 * MB * 32)),
-                                    "= 3 >= 2 x --pipeline_parallel_size = 4", 2, RUNS.path("bad"))
+        expect_train_error_on_ranks(
+            self,
+            RUNS.args(
+                "--max_steps",
+                "2",
+                *PP2,
+                "--pp_schedule",
+                "dualpipev",
+                "--pp_virtual_stages",
+                "2",
+                "--total_batch_size",
+                str(3 * MB * 32),
+            ),
+            "= 3 >= 2 x --pipeline_parallel_size = 4",
+            2,
+            RUNS.path("bad"),
+        )
 
     def test_too_few_micro_batches(self):
-        expect_train_error_on_ranks(self, RUNS.args("--max_steps", "2", *ZB, "--total_batch_size", str(MB * 32)),
-                                    "--pp_schedule zb_h1 needs the step's micro-batches M = total_batch_size / "
-                                    "(micro_batch_size x seq_len x data_parallel_size) = 1 >= "
-                                    "--pipeline_parallel_size 2", 2, RUNS.path("bad"))
+        expect_train_error_on_ranks(
+            self,
+            RUNS.args("--max_steps", "2", *ZB, "--total_batch_size", str(MB * 32)),
+            "--pp_schedule zb_h1 needs the step's micro-batches M = total_batch_size / "
+            "(micro_batch_size x seq_len x data_parallel_size) = 1 >= "
+            "--pipeline_parallel_size 2",
+            2,
+            RUNS.path("bad"),
+        )
 
     def test_pytorch_twin(self):
         """torch's ScheduleInterleavedZeroBubble (one stage per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV
         on the same cuts, on gloo: within 1e-5 of one process (torch's W accumulates in its own order)."""
         ref = run("single", [], 1)
-        for name, flags in (("zb_h1", ZB), ("zbv", [*PP2, "--pp_schedule", "zbv", "--pp_virtual_stages", "2"]),
-                            ("dualpipev", [*PP2, "--pp_schedule", "dualpipev", "--pp_virtual_stages", "2"])):
+        for name, flags in (
+            ("zb_h1", ZB),
+            ("zbv", [*PP2, "--pp_schedule", "zbv", "--pp_virtual_stages", "2"]),
+            ("dualpipev", [*PP2, "--pp_schedule", "dualpipev", "--pp_virtual_stages", "2"]),
+        ):
             with self.subTest(name):
                 got = run(f"torch_{name}", [*flags, "--implementation", "pytorch"], 2)
                 for key in ("loss", "grad_norm"):
@@ -613,13 +720,26 @@ class TestZeroBubbleRefusals(unittest.TestCase):
 
     def test_refused_layouts(self):
         for flags, world, needle in (
-                ([*ZB, "--context_parallel_size", "2"], 4, "--pp_schedule zb_h1 does not run under --context_parallel_size"),
-                ([*ZB, "--compile"], 2, "--pp_schedule zb_h1 does not run under --context_parallel_size or --compile"),
-                ([*ZB, "--implementation", "pytorch", "--tensor_parallel_size", "2"], 4,
-                 "--implementation pytorch --pp_schedule zb_h1 runs without data or tensor parallelism")):
+            (
+                [*ZB, "--context_parallel_size", "2"],
+                4,
+                "--pp_schedule zb_h1 does not run under --context_parallel_size",
+            ),
+            ([*ZB, "--compile"], 2, "--pp_schedule zb_h1 does not run under --context_parallel_size or --compile"),
+            (
+                [*ZB, "--implementation", "pytorch", "--tensor_parallel_size", "2"],
+                4,
+                "--implementation pytorch --pp_schedule zb_h1 runs without data or tensor parallelism",
+            ),
+        ):
             with self.subTest(flags):
-                expect_train_error_in_process(self, RUNS.args("--max_steps", "2", *flags), needle,
-                                              RUNS.path("bad_in_process"), env={"WORLD_SIZE": str(world)})
+                expect_train_error_in_process(
+                    self,
+                    RUNS.args("--max_steps", "2", *flags),
+                    needle,
+                    RUNS.path("bad_in_process"),
+                    env={"WORLD_SIZE": str(world)},
+                )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Switched off once each (then restored): checkpoint.load skipping Block 3's tenso
 cross-schedule test; W computing dW in fp32 (autocast off) fails the bf16 ZB-H1 = 1F1B test (the u-bounded
 comparisons with one process move by only 1.5e-5 and pass); micro-batch 0's W dropped fails all three bf16 tests.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,15 @@ import torch
 
 import checkpoint
 from bench.sweep import BF16_RTOL
-from tests.harness import (WholeRuns, assert_close, check_kill_and_resume, check_resume_from, evals_of, rank0_only,
-                           steps_of)
+from tests.harness import (
+    WholeRuns,
+    assert_close,
+    check_kill_and_resume,
+    check_resume_from,
+    evals_of,
+    rank0_only,
+    steps_of,
+)
 from tests.test_pipeline_train import BASE, PP2, SHORT
 
 ZB_H1 = [*PP2, "--pp_schedule", "zb_h1"]
@@ -61,15 +69,33 @@ class TestKillAndResume(unittest.TestCase):
         """ZB-H1 killed on the last stage (rank 1) and resumed: bit-equal to the uninterrupted 1F1B run
         (pp_short), so the resumed state (AdamW's moments, the step, the data position) and the split backward
         are both exact."""
-        check_kill_and_resume(self, RUNS.args("--max_steps", str(SHORT), *ZB_H1), 2, RUNS.path("zb_h1_killed"),
-                              run("pp_short", PP2, 2), SHORT, kill_at=3, kill_rank=1, every=2)
+        check_kill_and_resume(
+            self,
+            RUNS.args("--max_steps", str(SHORT), *ZB_H1),
+            2,
+            RUNS.path("zb_h1_killed"),
+            run("pp_short", PP2, 2),
+            SHORT,
+            kill_at=3,
+            kill_rank=1,
+            every=2,
+        )
 
     def test_zbv_with_ddp(self):
         """ZB-V x DDP 2 (4 ranks), rank 0 (which holds the embedding, the head and Blocks 0 and 3) killed: bit-equal
         to the uninterrupted ZB-V x DDP run; DDP's bucket all-reduce runs after the last W in both."""
         flags = [*ZBV, *DDP2]
-        check_kill_and_resume(self, RUNS.args("--max_steps", str(SHORT), *flags), 4, RUNS.path("zbv_ddp_killed"),
-                              run("zbv_ddp_short", flags, 4), SHORT, kill_at=3, kill_rank=0, every=2)
+        check_kill_and_resume(
+            self,
+            RUNS.args("--max_steps", str(SHORT), *flags),
+            4,
+            RUNS.path("zbv_ddp_killed"),
+            run("zbv_ddp_short", flags, 4),
+            SHORT,
+            kill_at=3,
+            kill_rank=0,
+            every=2,
+        )
 
 
 @pytest.mark.slow
@@ -119,9 +145,15 @@ def blocks_written(path: str) -> dict[int, set[int]]:
     pp-major rank order: global ranks [pp_rank · W/2, (pp_rank + 1) · W/2) are pp rank pp_rank)."""
     files = sorted(f for f in os.listdir(path) if f.startswith("rank_"))
     per_pp = len(files) // 2
-    return {r: {int(k.split(".")[2]) for f in files[r * per_pp:(r + 1) * per_pp]
-                for k in torch.load(os.path.join(path, f), weights_only=True, mmap=True)
-                if k.startswith("transformer.h.")} for r in range(2)}
+    return {
+        r: {
+            int(k.split(".")[2])
+            for f in files[r * per_pp : (r + 1) * per_pp]
+            for k in torch.load(os.path.join(path, f), weights_only=True, mmap=True)
+            if k.startswith("transformer.h.")
+        }
+        for r in range(2)
+    }
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ INPUT_TYPES = (".parquet", ".jsonl")
 
 class Encoding(Protocol):
     """What prepare needs of a tokenizer (tiktoken.Encoding has it; tests pass a stand-in)."""
+
     name: str
     eot_token: int
 
@@ -72,6 +73,7 @@ def shard_name(index: int) -> str:
 @dataclass
 class State:
     """Where the next shard starts: document batch `batch`, after its first `skip` tokens."""
+
     fingerprint: dict
     shard: int = 0
     batch: int = 0
@@ -90,11 +92,12 @@ def load_hub(name: str, sample: str, revision: str | None, num_proc: int, cache_
 
     hint = "to prepare local files instead, pass --input PATH [PATH ...] (.parquet or .jsonl)"
     if not config.HF_HUB_OFFLINE and not url_reachable(config.HF_ENDPOINT, HUB_PROBE_TIMEOUT_S):
-        raise PrepareError(f"cannot download {name} ({sample}): the Hugging Face Hub ({config.HF_ENDPOINT}) is "
-                           f"unreachable; {hint}, or set HF_HUB_OFFLINE=1 to use a copy already in the HF cache")
+        raise PrepareError(
+            f"cannot download {name} ({sample}): the Hugging Face Hub ({config.HF_ENDPOINT}) is "
+            f"unreachable; {hint}, or set HF_HUB_OFFLINE=1 to use a copy already in the HF cache"
+        )
     try:
-        return load_dataset(name, name=sample, split="train", revision=revision, num_proc=num_proc,
-                            cache_dir=cache_dir)
+        return load_dataset(name, name=sample, split="train", revision=revision, num_proc=num_proc, cache_dir=cache_dir)
     except Exception as e:
         reason = (str(e).strip().splitlines() or [""])[0]
         raise PrepareError(f"cannot load {name} ({sample}): {type(e).__name__}: {reason}; {hint}") from e
@@ -109,8 +112,9 @@ def input_files(paths: list[Path]) -> list[Path]:
         elif not path.is_file():
             raise PrepareError(f"input file not found: {path}")
         elif path.suffix.lower() not in INPUT_TYPES:
-            raise PrepareError(f"unsupported input file type {path.suffix or '(none)'!r} for {path}; use "
-                               f"{' or '.join(INPUT_TYPES)}")
+            raise PrepareError(
+                f"unsupported input file type {path.suffix or '(none)'!r} for {path}; use {' or '.join(INPUT_TYPES)}"
+            )
         else:
             files.append(path)
     if not files:
@@ -145,16 +149,18 @@ def tokenize_batch(batch: int) -> np.ndarray:
     """Documents [batch * batch_docs, (batch + 1) * batch_docs) as one uint16 array: <|endoftext|> + each one's
     tokens."""
     ds, enc, n = _WORK["dataset"], _WORK["encoding"], _WORK["batch_docs"]
-    texts = ds[batch * n:(batch + 1) * n]["text"]
-    out = np.array(list(itertools.chain.from_iterable([enc.eot_token, *enc.encode_ordinary(t)] for t in texts)),
-                   dtype=np.int64)
+    texts = ds[batch * n : (batch + 1) * n]["text"]
+    out = np.array(
+        list(itertools.chain.from_iterable([enc.eot_token, *enc.encode_ordinary(t)] for t in texts)), dtype=np.int64
+    )
     if out.size and (out.min() < 0 or out.max() >= 1 << 16):
         raise ValueError(f"token ids must fit uint16, got [{out.min()}, {out.max()}]")
     return out.astype(np.uint16)
 
 
-def token_batches(dataset: Dataset, encoding: Encoding, first: int, batch_docs: int,
-                  num_proc: int) -> Iterator[np.ndarray]:
+def token_batches(
+    dataset: Dataset, encoding: Encoding, first: int, batch_docs: int, num_proc: int
+) -> Iterator[np.ndarray]:
     """tokenize_batch(b) for b = first, first + 1, ..., in order, over `num_proc` forked workers."""
     _WORK.update(dataset=dataset, encoding=encoding, batch_docs=batch_docs)
     batches = range(first, -(-len(dataset) // batch_docs))
@@ -202,29 +208,46 @@ def start_state(out_dir: Path, fingerprint: dict, overwrite: bool) -> State:
     if path.exists():
         state = State(**json.loads(path.read_text()))
         if state.fingerprint != fingerprint:
-            diff = sorted(k for k in fingerprint.keys() | state.fingerprint.keys()
-                          if fingerprint.get(k) != state.fingerprint.get(k))
-            raise PrepareError(f"{out_dir} holds shards of another preparation (it differs in {', '.join(diff)}); "
-                               f"pass --overwrite to replace them, or choose another --out_dir")
+            diff = sorted(
+                k
+                for k in fingerprint.keys() | state.fingerprint.keys()
+                if fingerprint.get(k) != state.fingerprint.get(k)
+            )
+            raise PrepareError(
+                f"{out_dir} holds shards of another preparation (it differs in {', '.join(diff)}); "
+                f"pass --overwrite to replace them, or choose another --out_dir"
+            )
         return state
     if shards:
-        raise PrepareError(f"{out_dir} holds shards ({shards[0].name} ...) but no {STATE}: not this script's, or "
-                           f"from an older run; pass --overwrite to replace them, or choose another --out_dir")
+        raise PrepareError(
+            f"{out_dir} holds shards ({shards[0].name} ...) but no {STATE}: not this script's, or "
+            f"from an older run; pass --overwrite to replace them, or choose another --out_dir"
+        )
     return State(fingerprint)
 
 
-def write_shards(out_dir: Path, batches: Iterator[np.ndarray], state: State, shard_size: int,
-                 val_tokens: int, on_batch: Callable[[int], None] = lambda n: None) -> State:
+def write_shards(
+    out_dir: Path,
+    batches: Iterator[np.ndarray],
+    state: State,
+    shard_size: int,
+    val_tokens: int,
+    on_batch: Callable[[int], None] = lambda n: None,
+) -> State:
     """Cut the token stream of `batches` (starting at state.batch, whose first state.skip tokens are already
     written) into shards; after each complete shard, the state that resumes right after it."""
     capacity = lambda shard: val_tokens if shard == 0 else shard_size  # noqa: E731
-    buf, fill, batch, (start, skip) = np.empty(capacity(state.shard), dtype=np.uint16), 0, state.batch, \
-        (state.batch, state.skip)
+    buf, fill, batch, (start, skip) = (
+        np.empty(capacity(state.shard), dtype=np.uint16),
+        0,
+        state.batch,
+        (state.batch, state.skip),
+    )
     for batch, tokens in enumerate(batches, start=start):
         pos = first = skip if batch == start else 0
         while pos < len(tokens):
             take = min(len(buf) - fill, len(tokens) - pos)
-            buf[fill:fill + take] = tokens[pos:pos + take]
+            buf[fill : fill + take] = tokens[pos : pos + take]
             fill, pos = fill + take, pos + take
             if fill == len(buf):
                 write_shard(out_dir / shard_name(state.shard), buf)
@@ -233,8 +256,10 @@ def write_shards(out_dir: Path, batches: Iterator[np.ndarray], state: State, sha
                 buf, fill = np.empty(capacity(state.shard), dtype=np.uint16), 0
         on_batch(len(tokens) - first)
     if state.shard == 0 or (state.shard == 1 and fill == 0):
-        raise PrepareError(f"the corpus holds {state.tokens + fill:,} tokens, not more than --val_tokens "
-                           f"{val_tokens:,}: nothing is left for a train shard; pass a smaller --val_tokens")
+        raise PrepareError(
+            f"the corpus holds {state.tokens + fill:,} tokens, not more than --val_tokens "
+            f"{val_tokens:,}: nothing is left for a train shard; pass a smaller --val_tokens"
+        )
     if fill:
         write_shard(out_dir / shard_name(state.shard), buf[:fill])
     state = State(state.fingerprint, state.shard + (fill > 0), batch + 1, 0, state.tokens + fill, done=True)
@@ -253,23 +278,42 @@ class OneLineParser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", type=Path, metavar="PATH",
-                   help="local .parquet / .jsonl files (or directories of them) instead of the Hub dataset")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="local .parquet / .jsonl files (or directories of them) instead of the Hub dataset",
+    )
     p.add_argument("--text_field", default="text", help="the document's field / column (default: text)")
     p.add_argument("--dataset", default=HUB_DATASET, help=f"Hub dataset (default: {HUB_DATASET})")
-    p.add_argument("--sample", default=SAMPLES[0], help=f"its sample (config): {', '.join(SAMPLES)} "
-                                                        f"(default: {SAMPLES[0]})")
+    p.add_argument(
+        "--sample", default=SAMPLES[0], help=f"its sample (config): {', '.join(SAMPLES)} (default: {SAMPLES[0]})"
+    )
     p.add_argument("--revision", default=None, help="Hub dataset revision (branch, tag or commit)")
     p.add_argument("--cache_dir", default=None, help="datasets cache dir (default: the HF datasets cache)")
-    p.add_argument("--out_dir", type=Path, default=Path(__file__).resolve().parent,
-                   help="where the shards go (default: this script's directory: train.py --dataset fineweb)")
-    p.add_argument("--shard_size", type=int, default=SHARD_TOKENS, help=f"tokens a train shard (default: "
-                                                                          f"{SHARD_TOKENS:,})")
+    p.add_argument(
+        "--out_dir",
+        type=Path,
+        default=Path(__file__).resolve().parent,
+        help="where the shards go (default: this script's directory: train.py --dataset fineweb)",
+    )
+    p.add_argument(
+        "--shard_size", type=int, default=SHARD_TOKENS, help=f"tokens a train shard (default: {SHARD_TOKENS:,})"
+    )
     p.add_argument("--val_tokens", type=int, default=None, help="tokens of the val shard (default: --shard_size)")
-    p.add_argument("--num_proc", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="tokenising processes (default: half the CPUs, as build-nanogpt)")
-    p.add_argument("--batch_docs", type=int, default=BATCH_DOCS, help=f"documents a worker tokenises at a time "
-                                                                      f"(default: {BATCH_DOCS})")
+    p.add_argument(
+        "--num_proc",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="tokenising processes (default: half the CPUs, as build-nanogpt)",
+    )
+    p.add_argument(
+        "--batch_docs",
+        type=int,
+        default=BATCH_DOCS,
+        help=f"documents a worker tokenises at a time (default: {BATCH_DOCS})",
+    )
     p.add_argument("--overwrite", action="store_true", help="delete shards of another preparation in --out_dir")
     args = p.parse_args(argv)
     args.val_tokens = args.val_tokens or args.shard_size
@@ -281,11 +325,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def fingerprint(args: argparse.Namespace, files: list[Path] | None, encoding: Encoding, n_docs: int) -> dict:
     """What makes two preparations the same stream of shards (a resume must match it)."""
-    source = ({"input": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
-               "text_field": args.text_field} if files else
-              {"dataset": args.dataset, "sample": args.sample, "revision": args.revision})
-    return {**source, "documents": n_docs, "tokenizer": encoding.name, "shard_size": args.shard_size,
-            "val_tokens": args.val_tokens, "batch_docs": args.batch_docs}
+    source = (
+        {
+            "input": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+            "text_field": args.text_field,
+        }
+        if files
+        else {"dataset": args.dataset, "sample": args.sample, "revision": args.revision}
+    )
+    return {
+        **source,
+        "documents": n_docs,
+        "tokenizer": encoding.name,
+        "shard_size": args.shard_size,
+        "val_tokens": args.val_tokens,
+        "batch_docs": args.batch_docs,
+    }
 
 
 def main(argv: list[str] | None = None, encoding: Encoding | None = None) -> int:
@@ -296,18 +351,27 @@ def main(argv: list[str] | None = None, encoding: Encoding | None = None) -> int
     try:
         if encoding is None:
             from data.tokenizer import get_gpt2_encoding
+
             encoding = get_gpt2_encoding()  # before the workers fork: they inherit it
         files = input_files(args.input) if args.input else None
-        dataset = (load_local(files, args.text_field, args.num_proc, args.cache_dir) if files else
-                   load_hub(args.dataset, args.sample, args.revision, args.num_proc, args.cache_dir))
+        dataset = (
+            load_local(files, args.text_field, args.num_proc, args.cache_dir)
+            if files
+            else load_hub(args.dataset, args.sample, args.revision, args.num_proc, args.cache_dir)
+        )
         state = start_state(args.out_dir, fingerprint(args, files, encoding, len(dataset)), args.overwrite)
         if state.done:
             print(f"{args.out_dir} already holds the {state.shard} shards ({state.tokens:,} tokens); nothing to do")
             return 0
         if state.shard:
             print(f"resuming after shard {state.shard - 1} ({state.tokens:,} tokens written)")
-        bar = tqdm(total=len(dataset), initial=min(len(dataset), state.batch * args.batch_docs), unit="doc",
-                   desc=f"tokenising ({args.num_proc} processes)", dynamic_ncols=True)
+        bar = tqdm(
+            total=len(dataset),
+            initial=min(len(dataset), state.batch * args.batch_docs),
+            unit="doc",
+            desc=f"tokenising ({args.num_proc} processes)",
+            dynamic_ncols=True,
+        )
         tokens, t0 = [0], time.perf_counter()
 
         def on_batch(n: int) -> None:
@@ -324,8 +388,10 @@ def main(argv: list[str] | None = None, encoding: Encoding | None = None) -> int
         return 2
     bar.close()
     seconds = time.perf_counter() - t0
-    print(f"{state.shard} shards ({state.tokens:,} tokens: val_000000.bin and {state.shard - 1} train) in "
-          f"{args.out_dir}; tokenised {tokens[0]:,} tokens in {seconds:.1f}s ({tokens[0] / seconds:,.0f} tokens/s)")
+    print(
+        f"{state.shard} shards ({state.tokens:,} tokens: val_000000.bin and {state.shard - 1} train) in "
+        f"{args.out_dir}; tokenised {tokens[0]:,} tokens in {seconds:.1f}s ({tokens[0] / seconds:,.0f} tokens/s)"
+    )
     return 0
 
 

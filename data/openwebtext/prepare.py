@@ -177,8 +177,9 @@ def load_local_corpus(
     for builder, files in by_builder.items():
         kwargs = {"sample_by": txt_sample_by} if builder == "text" else {}
         try:
-            ds = load_dataset(builder, data_files=files, split="train", num_proc=num_proc, cache_dir=cache_dir,
-                              **kwargs)
+            ds = load_dataset(
+                builder, data_files=files, split="train", num_proc=num_proc, cache_dir=cache_dir, **kwargs
+            )
         except Exception as e:
             reason = (str(e).strip().splitlines() or [""])[0]
             raise PrepareError(f"could not read {', '.join(files)} ({type(e).__name__}: {reason})") from e
@@ -199,8 +200,9 @@ def load_local_corpus(
     if n_missing:
         raise PrepareError(f"{n_missing:,} of {len(corpus):,} records have no {text_field!r} field")
     n_before = len(corpus)
-    corpus = corpus.filter(_keep_document, input_columns="text", batched=True, num_proc=num_proc,
-                           desc="dropping empty documents")
+    corpus = corpus.filter(
+        _keep_document, input_columns="text", batched=True, num_proc=num_proc, desc="dropping empty documents"
+    )
     if len(corpus) < n_before:
         print(f"dropped {n_before - len(corpus):,} empty documents")
     if len(corpus) == 0:
@@ -242,8 +244,12 @@ def tokenize_splits(splits: DatasetDict, num_proc: int) -> DatasetDict:
 
     features = Features({"ids": List(Value("uint16")), "len": Value("int64")})
     return splits.map(
-        tokenize_batch, batched=True, remove_columns=splits["train"].column_names,
-        features=features, num_proc=num_proc, desc="tokenizing the splits",
+        tokenize_batch,
+        batched=True,
+        remove_columns=splits["train"].column_names,
+        features=features,
+        num_proc=num_proc,
+        desc="tokenizing the splits",
     )
 
 
@@ -268,17 +274,38 @@ def write_splits(tokenized: DatasetDict, out_dir: Path) -> dict[str, int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", type=Path, metavar="PATH",
-                   help="local .txt / .jsonl / .parquet files to use instead of the Hub dataset")
+    p.add_argument(
+        "--input",
+        nargs="+",
+        type=Path,
+        metavar="PATH",
+        help="local .txt / .jsonl / .parquet files to use instead of the Hub dataset",
+    )
     p.add_argument("--text_field", default="text", help="document field/column in .jsonl/.parquet (default: text)")
-    p.add_argument("--txt_sample_by", choices=["document", "paragraph", "line"], default="document",
-                   help="what a document is in a .txt file (default: the whole file)")
-    p.add_argument("--out_dir", type=Path, default=Path(__file__).resolve().parent,
-                   help="where to write train.bin / val.bin (default: this script's directory)")
-    p.add_argument("--num_proc", type=int, default=default_num_proc(),
-                   help="worker processes for loading and tokenising (default: min(8, cpu count))")
-    p.add_argument("--val_fraction", type=float, default=VAL_FRACTION,
-                   help=f"fraction of documents for val.bin (default: {VAL_FRACTION})")
+    p.add_argument(
+        "--txt_sample_by",
+        choices=["document", "paragraph", "line"],
+        default="document",
+        help="what a document is in a .txt file (default: the whole file)",
+    )
+    p.add_argument(
+        "--out_dir",
+        type=Path,
+        default=Path(__file__).resolve().parent,
+        help="where to write train.bin / val.bin (default: this script's directory)",
+    )
+    p.add_argument(
+        "--num_proc",
+        type=int,
+        default=default_num_proc(),
+        help="worker processes for loading and tokenising (default: min(8, cpu count))",
+    )
+    p.add_argument(
+        "--val_fraction",
+        type=float,
+        default=VAL_FRACTION,
+        help=f"fraction of documents for val.bin (default: {VAL_FRACTION})",
+    )
     p.add_argument("--seed", type=int, default=SEED, help=f"shuffle seed for the split (default: {SEED})")
     p.add_argument("--dataset", default=HUB_DATASET, help=f"Hub dataset name (default: {HUB_DATASET})")
     p.add_argument("--revision", default=None, help="Hub dataset revision (branch, tag or commit)")
@@ -297,8 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         get_gpt2_encoding()  # fail early (and fetch once, before the workers fork) if it can't be had
         if args.input:
-            corpus = load_local_corpus(args.input, args.text_field, args.txt_sample_by, args.num_proc,
-                                       args.cache_dir)
+            corpus = load_local_corpus(args.input, args.text_field, args.txt_sample_by, args.num_proc, args.cache_dir)
         else:
             corpus = load_hub_dataset(args.dataset, args.revision, args.num_proc, args.cache_dir)
         splits = split_train_val(corpus, args.val_fraction, args.seed)

@@ -84,10 +84,18 @@ def load_text(source: str) -> tuple[str, str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", choices=["auto", "online", "offline"], default="auto",
-                        help="where to get the text (default: auto = online, else offline)")
-    parser.add_argument("--out_dir", type=Path, default=Path(__file__).resolve().parent,
-                        help="where to write train.bin / val.bin (default: this script's directory)")
+    parser.add_argument(
+        "--source",
+        choices=["auto", "online", "offline"],
+        default="auto",
+        help="where to get the text (default: auto = online, else offline)",
+    )
+    parser.add_argument(
+        "--out_dir",
+        type=Path,
+        default=Path(__file__).resolve().parent,
+        help="where to write train.bin / val.bin (default: this script's directory)",
+    )
     return parser.parse_args(argv)
 
 
@@ -106,18 +114,29 @@ def main(argv: list[str] | None = None) -> int:
     ids = enc.encode_ordinary(text)
     n_train = int(len(ids) * TRAIN_FRACTION)
     train_ids, val_ids = ids[:n_train], ids[n_train:]
-    paths = write_token_bins(args.out_dir, {
-        "train": (len(train_ids), [train_ids]),
-        "val": (len(val_ids), [val_ids]),
-    })
+    paths = write_token_bins(
+        args.out_dir,
+        {
+            "train": (len(train_ids), [train_ids]),
+            "val": (len(val_ids), [val_ids]),
+        },
+    )
     print(f"train has {len(train_ids):,} tokens -> {paths['train']}")
     print(f"val has {len(val_ids):,} tokens -> {paths['val']}")
     return 0
 
 
 def ensure_prepared(out_dir: str | Path, leader: bool, wait_s: float = 900.0) -> bool:
-    """Make sure train.bin and val.bin exist in `out_dir`: the leader prepares them, the others wait (`ensure_files`)."""
-    return ensure_files(Path(out_dir), ("train.bin", "val.bin"), lambda: main(["--out_dir", str(out_dir)]), "Shakespeare", leader, wait_s)
+    """Make sure train.bin and val.bin exist in `out_dir`: the leader prepares them, the others wait
+    (`ensure_files`)."""
+    return ensure_files(
+        Path(out_dir),
+        ("train.bin", "val.bin"),
+        lambda: main(["--out_dir", str(out_dir)]),
+        "Shakespeare",
+        leader,
+        wait_s,
+    )
 
 
 if __name__ == "__main__":

@@ -41,12 +41,24 @@ def prepare(text: str, out_dir: Path) -> tuple[CharVocab, int, int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", choices=["auto", "online", "offline"], default="auto",
-                        help="where to get the text (default: auto = online, else offline)")
-    parser.add_argument("--input", type=Path, default=None,
-                        help="a UTF-8 text file to use instead of Shakespeare (any text: its characters are the vocab)")
-    parser.add_argument("--out_dir", type=Path, default=Path(__file__).resolve().parent,
-                        help="where to write train.bin / val.bin / meta.json (default: this script's directory)")
+    parser.add_argument(
+        "--source",
+        choices=["auto", "online", "offline"],
+        default="auto",
+        help="where to get the text (default: auto = online, else offline)",
+    )
+    parser.add_argument(
+        "--input",
+        type=Path,
+        default=None,
+        help="a UTF-8 text file to use instead of Shakespeare (any text: its characters are the vocab)",
+    )
+    parser.add_argument(
+        "--out_dir",
+        type=Path,
+        default=Path(__file__).resolve().parent,
+        help="where to write train.bin / val.bin / meta.json (default: this script's directory)",
+    )
     return parser.parse_args(argv)
 
 
@@ -74,8 +86,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ensure_prepared(out_dir: str | Path, leader: bool, wait_s: float = 900.0) -> bool:
-    """Make sure train.bin, val.bin and meta.json exist in `out_dir`: the leader prepares them, the others wait (`ensure_files`)."""
-    return ensure_files(Path(out_dir), ("train.bin", "val.bin", META), lambda: main(["--out_dir", str(out_dir)]), "character-level Shakespeare", leader, wait_s)
+    """Make sure train.bin, val.bin and meta.json exist in `out_dir`: the leader prepares them, the others wait
+    (`ensure_files`)."""
+    return ensure_files(
+        Path(out_dir),
+        ("train.bin", "val.bin", META),
+        lambda: main(["--out_dir", str(out_dir)]),
+        "character-level Shakespeare",
+        leader,
+        wait_s,
+    )
 
 
 if __name__ == "__main__":

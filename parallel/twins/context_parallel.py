@@ -1,4 +1,5 @@
 """torch's context parallelism as our ring attention's twin (CUDA only; ours: parallel/context_parallel.py)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +10,6 @@ import torch
 from parallel.context_parallel import positions_for
 from parallel.mesh import Mesh
 from parallel.protocol import Cut
-
 
 # torch 2.13's context_parallel rings these SDPA kernels and no others (_context_parallel/_attention.py,
 # `_sdpa_handler`); on CPU, SDPA runs aten._scaled_dot_product_flash_attention_for_cpu, for which it raises
@@ -25,9 +25,12 @@ def torch_context_parallel(cp_mesh, x: torch.Tensor, y: torch.Tensor):
     torch's "allgather" rotater). Yields this rank's (x, y)."""
     from torch.distributed.tensor.experimental import context_parallel
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     x, y = x.clone(), y.clone()  # sharded in place: x and y may be views of one token buffer
-    with sdpa_kernel([getattr(SDPBackend, k) for k in TORCH_CP_KERNELS]), \
-            context_parallel(cp_mesh, buffers=[x, y], buffer_seq_dims=[1, 1], no_restore_buffers={x, y}):
+    with (
+        sdpa_kernel([getattr(SDPBackend, k) for k in TORCH_CP_KERNELS]),
+        context_parallel(cp_mesh, buffers=[x, y], buffer_seq_dims=[1, 1], no_restore_buffers={x, y}),
+    ):
         yield x, y
 
 

@@ -1,6 +1,7 @@
 """PyTorch's data-parallel wrappers as our DDP's and sharding engine's twins: `DistributedDataParallel`
 (+ `ZeroRedundancyOptimizer` for zero1) and FSDP2's `fully_shard` (HSDP on a 2D mesh), with the adapters that
 make them answer parallel/protocol.py (ours: parallel/ddp.py, parallel/fsdp.py)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +25,7 @@ class TorchFSDP2(Replicated):
 
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer):
         from torch.distributed.fsdp import FSDPModule
+
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
@@ -36,8 +38,15 @@ class TorchZeRO1(Replicated):
     Without a pipeline micro-steps before the last run in DDP's no_sync (`accumulate`); under one, each chunk's
     DDP is synced by torch's PipelineStage."""
 
-    def __init__(self, model: nn.Module, at: Placement, groups: dict, group, sharded_as: dict | None = None,
-                 accumulate: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        at: Placement,
+        groups: dict,
+        group,
+        sharded_as: dict | None = None,
+        accumulate: bool = True,
+    ):
         super().__init__(model, at, groups, sharded_as)
         self.group, self.accumulate = group, accumulate
 
@@ -46,8 +55,10 @@ class TorchZeRO1(Replicated):
 
     def make_optimizer(self, weight_decay: float, **adamw) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ZeroRedundancyOptimizer(self.param_groups(weight_decay), torch.optim.AdamW, process_group=self.group,
-                                       **adamw)
+
+        return ZeroRedundancyOptimizer(
+            self.param_groups(weight_decay), torch.optim.AdamW, process_group=self.group, **adamw
+        )
 
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer.optim  # the local AdamW: its step count, hyperparameters and this rank's moments
@@ -55,9 +66,17 @@ class TorchZeRO1(Replicated):
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer):
         """Each parameter's owner writes it with its moments (the replicas' values are equal)."""
         owner, a = optimizer._param_to_rank, self.at
-        return [Params(list(self.model.named_parameters()), optimizer.optim, 0, self.sharded_as, a.tp_rank,
-                       owns=lambda p: owner[p] == a.replica_rank),
-                Buffers(self.model, a.replica_rank, a.tp_rank)]
+        return [
+            Params(
+                list(self.model.named_parameters()),
+                optimizer.optim,
+                0,
+                self.sharded_as,
+                a.tp_rank,
+                owns=lambda p: owner[p] == a.replica_rank,
+            ),
+            Buffers(self.model, a.replica_rank, a.tp_rank),
+        ]
 
 
 def apply_fsdp(model, mesh: Mesh, cfg, device: torch.device) -> nn.Module:
@@ -65,6 +84,7 @@ def apply_fsdp(model, mesh: Mesh, cfg, device: torch.device) -> nn.Module:
     reshard_after_forward=False (parameters stay gathered from forward to backward). HSDP: on the 2D
     (dp_replicate, fsdp) mesh."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mp = MixedPrecisionPolicy(param_dtype=cfg.param_dtype, reduce_dtype=cfg.reduce_dtype)
     if mesh["dp_replicate"].enabled:
         dp_mesh = mesh.device_mesh("dp_replicate", "dp_shard")
@@ -84,6 +104,7 @@ def apply_ddp(model: nn.Module, mesh: Mesh, cfg, device: torch.device) -> nn.Mod
     zero1: DDP plus ZeroRedundancyOptimizer (TorchZeRO1, `protocol`). The TP parameters torch DDP sees as
     plain local shards stay known as DTensors, for checkpoints: `wrapped.tp_dtensors`."""
     from torch.nn.parallel import DistributedDataParallel
+
     stage = isinstance(model, PipelineStage)  # the chunk modules run, not the stage: they carry the hooks
     sharded_as = localize_tp_params(model, list(model.chunk_modules.values()) if stage else None)
     kw = {"process_group": mesh["loss"].group, "device_ids": [device.index] if device.type == "cuda" else None}
@@ -103,11 +124,15 @@ def protocol(model: nn.Module, mesh: Mesh, cfg, at: Placement, groups: dict):
     `Replicated`."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
+
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         return TorchFSDP2(model, at, groups)
     stage = isinstance(model, PipelineStage)
-    if not (isinstance(model, DistributedDataParallel) or stage and any(
-            isinstance(m, DistributedDataParallel) for m in model.chunk_modules.values())):
+    if not (
+        isinstance(model, DistributedDataParallel)
+        or stage
+        and any(isinstance(m, DistributedDataParallel) for m in model.chunk_modules.values())
+    ):
         return Replicated(model, at, groups)
     loss = mesh["loss"]
     at, sharded_as = dataclasses.replace(at, replica_rank=loss.rank), model.tp_dtensors
@@ -140,9 +165,10 @@ def localize_tp_params(model: nn.Module, run_by: list[nn.Module] | None = None) 
                 module._parameters[attr] = locals_[id(p)][0]
 
     def to_dtensor(*_):
-        views = {k: DTensor.from_local(t, spec.mesh, spec.placements, run_check=False,
-                                       shape=spec.shape, stride=spec.stride)
-                 for k, (t, spec) in locals_.items()}
+        views = {
+            k: DTensor.from_local(t, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+            for k, (t, spec) in locals_.items()
+        }
         for module, attr, k in users:
             del module._parameters[attr]
             setattr(module, attr, views[k])

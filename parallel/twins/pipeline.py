@@ -1,5 +1,6 @@
 """torch.distributed.pipelining as our pipeline's twin: one torch PipelineStage per local chunk of our cut
 (`TorchChunk`), torch's schedules, and the `PipelineRunner` contract (ours: parallel/pipeline.py)."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -37,7 +38,8 @@ class TorchPipelineRunner(PipelineRunner):
     """PipelineRunner's contract on torch.distributed.pipelining: PipelineStage per local chunk (the same
     split), ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, and for the zero-bubble schedules
     ScheduleInterleavedZeroBubble (zb_h1: one stage per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV (our
-    V cut: torch maps stages to ranks in a V itself); they run on gloo in torch 2.13. Shapes are given to torch (no shape
+    V cut: torch maps stages to ranks in a V itself); they run on gloo in torch 2.13. Shapes are given to torch (no
+    shape
     inference pass); the example tensors must require grad, or torch sends no gradient back
     (pipelining/_utils.py derives the grad metadata from them). loss_fn is CE / M with scale_grads=False:
     torch's default scale_grads=True divides every .grad by M after the step, which would also divide
@@ -45,8 +47,12 @@ class TorchPipelineRunner(PipelineRunner):
     Evaluation (`forward_only`) is ours: torch's schedules run training steps."""
 
     SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
-    MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zb_h1": "ScheduleInterleavedZeroBubble",
-             "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}  # take a list of stages
+    MULTI = {
+        "interleaved_1f1b": "ScheduleInterleaved1F1B",
+        "zb_h1": "ScheduleInterleavedZeroBubble",
+        "zbv": "ScheduleZBVZeroBubble",
+        "dualpipev": "ScheduleDualPipeV",
+    }  # take a list of stages
 
     def __init__(self, stage: PipelineStage, group: dist.ProcessGroup | None = None, *args, **kw):
         super().__init__(stage, group, *args, **kw)
@@ -63,29 +69,53 @@ class TorchPipelineRunner(PipelineRunner):
     def _schedule(self, name: str, M: int, mb: int, T: int):
         key = (name, M, mb, T, torch.is_autocast_enabled(self.device.type))
         if key not in self._built:
-            from torch.distributed.pipelining import (PipelineStage as TorchStage, Schedule1F1B, ScheduleGPipe)
+            from torch.distributed.pipelining import PipelineStage as TorchStage
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
             st, meta = self.stage, torch.device("meta")
             act = (mb, T // self.seq_shard, st.config.n_embd)
             kind = self.device.type
             logits_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.act_dtype
             stages = []
             for c in st.chunks:
-                x = torch.empty((mb, T), dtype=torch.long, device=meta) if c == 0 else \
-                    torch.empty(act, dtype=self.act_dtype, device=meta, requires_grad=True)
+                x = (
+                    torch.empty((mb, T), dtype=torch.long, device=meta)
+                    if c == 0
+                    else torch.empty(act, dtype=self.act_dtype, device=meta, requires_grad=True)
+                )
                 last = c == st.n_chunks - 1  # logits: autocast's dtype where it is on (built inside step)
-                out = torch.empty((mb, T, st.config.vocab_size) if last else act,
-                                  dtype=logits_dtype if last else self.act_dtype, device=meta, requires_grad=True)
-                stages.append(TorchStage(self.chunk_modules[c], c, st.n_chunks, self.device, input_args=x,
-                                         output_args=out, group=self.group))
+                out = torch.empty(
+                    (mb, T, st.config.vocab_size) if last else act,
+                    dtype=logits_dtype if last else self.act_dtype,
+                    device=meta,
+                    requires_grad=True,
+                )
+                stages.append(
+                    TorchStage(
+                        self.chunk_modules[c],
+                        c,
+                        st.n_chunks,
+                        self.device,
+                        input_args=x,
+                        output_args=out,
+                        group=self.group,
+                    )
+                )
             loss_fn = lambda logits, y: st.loss_fn(logits, y) / M  # noqa: E731
             import torch.distributed.pipelining as pipelining
+
             cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(name) or getattr(pipelining, self.MULTI[name])
-            self._built[key] = cls(stages if name in self.MULTI else stages[0], n_microbatches=M,
-                                   loss_fn=loss_fn, scale_grads=False)
+            self._built[key] = cls(
+                stages if name in self.MULTI else stages[0], n_microbatches=M, loss_fn=loss_fn, scale_grads=False
+            )
         return self._built[key]
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], schedule_name: str = "1f1b",
-             scale: Callable | None = None) -> torch.Tensor:
+    def step(
+        self,
+        micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+        schedule_name: str = "1f1b",
+        scale: Callable | None = None,
+    ) -> torch.Tensor:
         """As PipelineRunner.step, by torch's schedule: torch splits the concatenated batch along dim 0 into
         M equal parts, which gives back exactly these micro-batches."""
         if scale is not None:
@@ -103,8 +133,9 @@ class TorchPipelineRunner(PipelineRunner):
 def apply_pp(model, mesh: Mesh, cfg, device: torch.device) -> PipelineStage:
     """Our cut (parallel/pipeline.PipelineStage), plus one module per local chunk (`TorchChunk`) for torch's
     PipelineStage: torch's DDP and FSDP2 then wrap those chunk modules, as torchtitan wraps its model chunks."""
-    stage = PipelineStage(model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers,
-                          v_shape=cfg.pp_schedule in V_SCHEDULES)
+    stage = PipelineStage(
+        model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers, v_shape=cfg.pp_schedule in V_SCHEDULES
+    )
     stage.chunk_modules = {c: TorchChunk(stage, c) for c in stage.chunks}
     return stage
 

@@ -1,5 +1,6 @@
 """DTensor tensor parallelism as our TP's twin: `parallelize_module` with the same sharding as TP_PLAN
 (ours: parallel/tensor_parallel.py)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -21,30 +22,49 @@ def pytorch_tp_plan(model: GPT, loss_parallel: bool, sequence_parallel: bool) ->
     attn and mlp all-gather their input (PrepareModuleInput), the row-parallel layers reduce-scatter, and
     the position embeddings are re-laid out as Shard(0) over T to line up with it."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
     sp = sequence_parallel
     act = Shard(1) if sp else Replicate()
-    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=act,
-                                               use_local_output=not sp)}
+    plan = {"transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=act, use_local_output=not sp)}
     if sp:
-        plan["transformer.wpe"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0),
-                                                      use_local_output=False)
+        plan["transformer.wpe"] = PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(0), use_local_output=False
+        )
     for i, _ in blocks_by_index(model):  # a GPT's Blocks, or a pipeline stage's (keyed by global index)
         p = f"transformer.h.{i}"
-        plan.update({f"{p}.attn.c_q": ColwiseParallel(), f"{p}.attn.c_k": ColwiseParallel(),
-                     f"{p}.attn.c_v": ColwiseParallel(),
-                     f"{p}.attn.c_proj": RowwiseParallel(output_layouts=act, use_local_output=not sp),
-                     f"{p}.mlp.c_fc": ColwiseParallel(),
-                     f"{p}.mlp.c_proj": RowwiseParallel(output_layouts=act, use_local_output=not sp)})
+        plan.update(
+            {
+                f"{p}.attn.c_q": ColwiseParallel(),
+                f"{p}.attn.c_k": ColwiseParallel(),
+                f"{p}.attn.c_v": ColwiseParallel(),
+                f"{p}.attn.c_proj": RowwiseParallel(output_layouts=act, use_local_output=not sp),
+                f"{p}.mlp.c_fc": ColwiseParallel(),
+                f"{p}.mlp.c_proj": RowwiseParallel(output_layouts=act, use_local_output=not sp),
+            }
+        )
         if sp:
-            plan.update({f"{p}.ln_1": SequenceParallel(), f"{p}.ln_2": SequenceParallel(),
-                         f"{p}.attn": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
-                         f"{p}.mlp": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),))})
+            plan.update(
+                {
+                    f"{p}.ln_1": SequenceParallel(),
+                    f"{p}.ln_2": SequenceParallel(),
+                    f"{p}.attn": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+                    f"{p}.mlp": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
+                }
+            )
     if sp:
         plan["transformer.ln_f"] = SequenceParallel()
-    plan["lm_head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                      use_local_output=not loss_parallel)
+    plan["lm_head"] = ColwiseParallel(
+        input_layouts=act,
+        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+        use_local_output=not loss_parallel,
+    )
     present = {name for name, _ in model.named_modules()}  # a pipeline stage holds only some of them
     return {name: style for name, style in plan.items() if name in present}
 
@@ -64,5 +84,6 @@ def apply_tp(model, mesh: Mesh, cfg, device: torch.device) -> Cut:
 def loss_parallel_around(x: torch.Tensor, y: torch.Tensor):
     """DTensor's loss_parallel context around one micro-step, yielding its (x, y) as they are."""
     from torch.distributed.tensor.parallel import loss_parallel
+
     with loss_parallel():
         yield x, y
