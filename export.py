@@ -19,10 +19,10 @@ import json
 import os
 import sys
 
-import checkpoint
-from config import Parser, UsageError, error_line
+from checkpoints import checkpoint
 from data.chars import run_chars
 from data.tokenizer import GPT2_N_VOCAB
+from trainer.config import Parser, UsageError, error_line
 
 
 def hf_config(config, hf_vocab: int, bpe: bool = True) -> dict:

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-import checkpoint
-from config import HF_MODELS, Parser, UsageError, error_line, fetch_hf_weights
+from checkpoints import checkpoint
 from data.chars import CharsError, CharVocab, run_chars
 from data.tokenizer import GPT2_N_VOCAB, get_gpt2_encoding
-from device import pick_device
-from model import GPT
+from model.gpt import GPT
+from runtime.device import pick_device
+from trainer.config import HF_MODELS, Parser, UsageError, error_line, fetch_hf_weights
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

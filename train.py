@@ -1,8 +1,9 @@
 """Train GPT-2 on one process or many: `python train.py ...` or `torchrun --nproc_per_node=N train.py ...`.
 
-parse (config.py) -> validate (config.py) -> build -> loop (train_step, evaluate) -> save (checkpoint.py).
+parse (trainer/config.py) -> validate (trainer/config.py) -> build -> loop (train_step, evaluate) -> save
+(checkpoints/checkpoint.py).
 Whatever the layout, step s trains on the same global batch (data/batches.py) from the same initial
-weights (model.py), so every layout logs the same losses up to float rounding. Bad input is reported in
+weights (model/gpt.py), so every layout logs the same losses up to float rounding. Bad input is reported in
 one line with exit code 2 on every rank before any work.
 """
 
@@ -18,29 +19,26 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-import allocator
-import checkpoint
-import config_file
-import faults
-import memory
-import metrics
-import trainer_checkpoint
-from config import Plan, UsageError, error_line, parse_args, train_parser, validate
+from checkpoints import checkpoint
 from data.batches import BatchSource, micro_batch_chunk
 from debug import flight_recorder
 from debug.trace import Tracer
-from device import fused_optimizer
 from evals import hellaswag
-from launch import exit_process
-from model import GPT
+from model.gpt import GPT
 from optim.build import make_optimizer
+from optim.schedule import lr_at
 from parallel import comm
 from parallel.mesh import OPTIONAL_DIMS, Mesh, init_distributed
 from parallel.parallelize import Parallelized, parallelize
-from parallel.pipeline_schedule import V_SCHEDULES
-from pipeline_partition import describe_partition, layers_for, stage_costs
+from parallel.pipeline.partition import describe_partition, layers_for, stage_costs
+from parallel.pipeline.schedule import V_SCHEDULES
 from plan.predict import for_run, summary
 from plan.theory import bubble_fraction
+from runtime import allocator, memory, metrics
+from runtime.device import fused_optimizer
+from runtime.launch import exit_process
+from trainer import config_file, faults, resume
+from trainer.config import Plan, UsageError, error_line, parse_args, train_parser, validate
 
 
 @dataclass
@@ -127,15 +125,6 @@ def distributed_classes(par: Parallelized, optimizer: torch.optim.Optimizer) -> 
         for c in (FSDPModule if isinstance(o, FSDPModule) else type(o) for o in objects)
     }
     return sorted(n for n in names if n.startswith(("parallel.", "torch.distributed.", "torch.nn.parallel.")))
-
-
-def lr_at(step: int, lr: float, warmup_steps: int, max_steps: int) -> float:
-    """Linear warmup over warmup_steps, then cosine decay to 10% of lr at max_steps (step is 1-based)."""
-    it = step - 1
-    if it < warmup_steps:
-        return lr * (it + 1) / warmup_steps
-    progress = (it - warmup_steps) / max(1, max_steps - warmup_steps)
-    return lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
 def _autocast(plan: Plan):
@@ -309,7 +298,7 @@ def describe(t: Trainer) -> str:
 
 
 def describe_pipeline_partition(plan: Plan) -> str:
-    """The pipeline's partition in one line: each chunk's Blocks and its cost (pipeline_partition.py)."""
+    """The pipeline's partition in one line: each chunk's Blocks and its cost (parallel/pipeline/partition.py)."""
     layers = layers_for(plan.config, plan.dims.pp, plan.par.pp_virtual, counts=plan.par.pp_layers)
     by = "--pp_layers_per_stage" if plan.args.pp_layers_per_stage else "cost"
     return describe_partition(
@@ -325,7 +314,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
     on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or faults.PREEMPTED
     when a rank was signalled (the step is finished and saved first)."""
     plan, args, is_main = t.plan, t.plan.args, t.plan.rank == 0
-    start = trainer_checkpoint.restore_trainer(t) if plan.resume_from else 0
+    start = resume.restore_trainer(t) if plan.resume_from else 0
     if args.resume and not plan.resume_from and is_main:
         print(
             f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; starting fresh",
@@ -368,7 +357,7 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
         stop = t.faults.preempted()
         path = None
         if not args.no_checkpoint and (every or step == args.max_steps or stop):
-            path, blocked_ms = trainer_checkpoint.save_trainer(t, step, wait=stop or step == args.max_steps)
+            path, blocked_ms = resume.save_trainer(t, step, wait=stop or step == args.max_steps)
             logger.log({"step": step, "checkpoint_blocked_ms": blocked_ms, "async_checkpoint": t.saver is not None})
             if step == args.max_steps:
                 progress.write(f"saved {path}")
@@ -396,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, hellaswag.HellaSwagError) as e:
         error_line("train.py", e)
         return 2
-    if plan.fake:  # a simulated rank is driven from above (plan/fake_rank.py wraps build and run)
-        error_line("train.py", "--fake_world_size/--fake_rank: run python -m plan.fake_rank with the same flags")
+    if plan.fake:  # a simulated rank is driven from above (sim/fake_rank.py wraps build and run)
+        error_line("train.py", "--fake_world_size/--fake_rank: run python -m sim.fake_rank with the same flags")
         return 2
     args, is_main = plan.args, plan.rank == 0
     if plan.device.type == "cpu":

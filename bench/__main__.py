@@ -52,9 +52,9 @@ import torch
 
 from bench import report, runner
 from bench.matrix import LAYOUTS, MOE_EXPERTS, MOE_LAYOUTS, PP_LAYOUTS, ZERO_LAYOUTS, Layout, Setup, fit_heads, matrix
-from config import Parser, UsageError, error_line
-from metrics import active_params
-from model import GPT, make_config
+from model.gpt import GPT, make_config
+from runtime.metrics import active_params
+from trainer.config import Parser, UsageError, error_line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(lay.pp > 1 for lay in layouts):
         notes.append(
             "PP layouts: 1F1B, M micro-batches per step (grad_accum column) with M >= 2P where the batch "
-            "allows; theory for rank 0 = pipeline stage 0 (parallel.pipeline.p2p_bytes_per_step, the "
+            "allows; theory for rank 0 = pipeline stage 0 (parallel.pipeline.runner.p2p_bytes_per_step, the "
             "tied-embedding all-reduce, DDP and TP on stage 0's parameters and Blocks only)"
         )
     moe = next((lay for lay in layouts if lay.experts), None)

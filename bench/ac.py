@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.utils.checkpoint
 
-from memory import SavedAndRecomputedBytes  # noqa: F401 -- lives in memory.py (train.py uses it)
+from runtime.memory import SavedAndRecomputedBytes  # noqa: F401 -- lives in runtime/memory.py (train.py uses it)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("none", "full", "selective")
@@ -41,8 +41,8 @@ MiB = 2**20
 
 def saved_bytes(config, ac: str, every: int, micro_batch: int, seq_len: int) -> tuple[int, int]:
     """(forward peak, forward + backward peak) of saved + recomputed bytes for one eager micro-batch."""
-    from blocks import apply_activation_checkpointing
-    from model import GPT
+    from model.gpt import GPT
+    from runtime.blocks import apply_activation_checkpointing
 
     model = GPT(config)
     model.init_weights(0)
@@ -131,8 +131,8 @@ def run(a: argparse.Namespace, log=print) -> list[dict]:
     """Every cell as a job, then the in-process saved-bytes measurement; writes ac.json, ac.md, ac.png."""
     from bench.__main__ import ensure_dataset
     from bench.runner import classify, run_job, summarize
-    from metrics import read_jsonl
-    from model import make_config
+    from model.gpt import make_config
+    from runtime.metrics import read_jsonl
 
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)

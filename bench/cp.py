@@ -17,7 +17,7 @@ the same rows; tp = 1 turns it off), and every point's comm bytes per step are s
   after --warmup (bench.runner.summarize). Peak FLOP/s is measured once and passed to every run, so the
   runs spend no time on it.
 - **Saved activations.** One small job per C (all seq_lens in it): every rank builds the same GPT, applies
-  parallel.context_parallel.apply_context_parallel when C > 1, takes its zigzag share of one micro-batch
+  parallel.context_parallel.ring.apply_context_parallel when C > 1, takes its zigzag share of one micro-batch
   (the rows above, seeded random tokens), and runs one forward + backward under bench.pipeline.SavedBytes.
   Counted: bytes of distinct non-parameter storages autograd holds for backward, live, so the peak is the
   most held at once (the end of forward); a storage saved by several ops counts once. Not counted:
@@ -267,7 +267,7 @@ def plot(rows: list[dict], path: str) -> None:
 def measure_saved(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
     """(peak saved bytes, bytes saved inside attention modules) over one forward + backward of (x, y)."""
     from bench.pipeline import SavedBytes
-    from model import CausalSelfAttention
+    from model.gpt import CausalSelfAttention
 
     attn = [0]
     with SavedBytes(exclude=list(model.parameters())) as saved:
@@ -291,9 +291,9 @@ def worker(spec: dict) -> None:
     micro-batch, measure; rank 0 writes {seq_len: {rank0, max over ranks, attention}} to spec['result']."""
     import torch.distributed as dist
 
-    from model import GPT, make_config
-    from parallel.context_parallel import apply_context_parallel, shard_sequence
-    from parallel.tensor_parallel import apply_tensor_parallel
+    from model.gpt import GPT, make_config
+    from parallel.context_parallel.ring import apply_context_parallel, shard_sequence
+    from parallel.tensor_parallel.apply import apply_tensor_parallel
 
     torch.set_num_threads(1)
     C, P = spec["cp"], spec.get("tp", 1)
@@ -354,7 +354,7 @@ def time_attention(seq_len: int, rows: int, n_head: int, head_dim: int, reps: in
 
     import torch.nn.functional as F
 
-    from parallel.context_parallel import ring_attention
+    from parallel.context_parallel.ring import ring_attention
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -418,8 +418,8 @@ def run(
     every (seq_len, layout); write cp.json, cp.md and cp_seq_scaling.png into `out`; return the rows."""
     from bench.__main__ import ensure_dataset
     from bench.runner import classify, probe_machine, run_job, summarize
-    from metrics import read_jsonl
-    from model import make_config
+    from model.gpt import make_config
+    from runtime.metrics import read_jsonl
 
     out = os.path.abspath(out)
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
@@ -572,7 +572,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        from launch import exit_process
+        from runtime.launch import exit_process
 
         worker(json.loads(args.worker))
         exit_process(0)  # the group is destroyed: skip finalization (launch.exit_process)

@@ -57,7 +57,7 @@ class ForkServer:
         self.close()
 
     def _start(self) -> None:
-        from launch import child_env
+        from runtime.launch import child_env
 
         env = child_env(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(self._env or {}))
         self._proc = subprocess.Popen(

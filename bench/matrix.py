@@ -1,7 +1,8 @@
 """Which layouts the bench runs, what they share, and how many bytes each should communicate.
 
-The communication formulas live beside the code they describe (parallel/ddp.py, parallel/fsdp.py,
-parallel/tensor_parallel.py, parallel/pipeline.py); here they are only applied to a layout's parameter
+The communication formulas live beside the code they describe (parallel/data_parallel/ddp.py,
+parallel/data_parallel/fsdp.py,
+parallel/tensor_parallel/apply.py, parallel/pipeline/runner.py); here they are only applied to a layout's parameter
 shard and batch. The one exception is TP on a pipeline's first stage (`tp_first_stage_bytes_per_micro_step`),
 a cut of the TP formula that only the bench needs.
 
@@ -19,10 +20,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from model import GPT, GPTConfig
-from moe import Experts
-from parallel.flat_param import ZERO_STAGES
-from pipeline_partition import layers_for
+from model.gpt import GPT, GPTConfig
+from model.moe import Experts
+from parallel.data_parallel.flat_param import ZERO_STAGES
+from parallel.pipeline.partition import layers_for
 from plan.theory import (
     ddp_comm_bytes_per_step,
     ep_all_to_all_bytes_per_micro_step,
@@ -282,7 +283,7 @@ def param_count(
     mlp.c_fc) and row-parallel weights (attn.c_proj, mlp.c_proj). Replicated: LayerNorms, the position
     embedding and the row-parallel biases. root_only: just the parameters outside the Blocks (FSDP's root
     unit: wte = lm_head, wpe, ln_f). first_stage_of=P > 1: just pipeline stage 0's of a P-stage cut
-    (wte, wpe and the Blocks of the first chunk of train.py's split at `seq_len`, pipeline_partition.py;
+    (wte, wpe and the Blocks of the first chunk of train.py's split at `seq_len`, parallel/pipeline/partition.py;
     ln_f and lm_head's copy live on the last)."""
     with torch.device("meta"):
         model = GPT(config)
@@ -361,7 +362,7 @@ def moe_comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
     ep of them; one process: nothing), A = grad_accum micro-steps of mb rows of T tokens:
     - all_reduce: DDP's Ψ on the dense parameters (all but the experts; the routers included) over dp, plus
       this rank's experts (E/ep of each layer) over their copies, the dp/ep ranks of its edp group (with
-      ep = dp none: an expert on one rank already holds every rank's tokens' gradient, parallel/ddp.py);
+      ep = dp none: an expert on one rank already holds every rank's tokens' gradient, parallel/data_parallel/ddp.py);
     - all_to_all: A x plan.theory.ep_all_to_all_bytes_per_micro_step at balanced routing (R = N·k rows in,
       N = mb·T tokens), the compute dtype's bytes (setup.dtype_bytes) a row element, rows and outputs alike.
       `ep_all_to_all_at_load` is the same at the load a step measured."""
@@ -411,7 +412,7 @@ def pp_comm_theory(lay: Layout, setup: Setup) -> dict[str, int]:
     """Payload bytes global rank 0 (pipeline stage 0 of P, dp rank 0, tp rank 0) sends per optimizer step
     under the 1F1B pipeline with M micro-batches of mb rows (the step's micro-steps):
     - p2p: stage 0 sends each micro-batch's output activation (mb, T, C) forward and receives (uncounted)
-      its gradient: parallel.pipeline.p2p_bytes_per_step; the residual stream, so residual_bytes each;
+      its gradient: parallel.pipeline.runner.p2p_bytes_per_step; the residual stream, so residual_bytes each;
     - all-reduce of the tied embedding's gradient over [first stage, last stage]: this rank's wte shard
       (V/tp x C), fp32, once per step;
     - DDP: one all-reduce of stage 0's parameters (its TP shard) per step, after the last micro-batch;

@@ -30,7 +30,7 @@ import sys
 import time
 
 from bench.runner import ROOT, run_job
-from metrics import read_jsonl
+from runtime.metrics import read_jsonl
 
 ADAMW_LRS = (3e-4, 1e-3, 3e-3, 1e-2)
 MUON_LRS = (1e-3, 3e-3, 1e-2, 3e-2)

@@ -11,7 +11,7 @@ is kept (on a shared machine other load only adds time).
 Per rank: busy = sum of its F, B and W intervals; span = max end - min start of any action over all ranks;
 idle = 1 - busy/span. The schedule's idle (mean over ranks, i.e. 1 - sum busy/(P·span)) sits next to
 `bubble_fraction`, which assumes equal stages and free messages. The Blocks are split as train.py splits
-them, by cost (pipeline_partition.py: FLOPs, or with `--balance time` rank 0's timings of a Block,
+them, by cost (parallel/pipeline/partition.py: FLOPs, or with `--balance time` rank 0's timings of a Block,
 the embedding and the head, or with `--balance step` the ranks' own times in 1F1B steps on the FLOP split,
 taken before the schedules run; `--layers_per_stage` sets the split of the
 one-chunk schedules by hand), but whole Blocks cannot balance chunk 0's embedding against the last chunk's
@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from launch import exit_process
-from memory import SavedBytes  # noqa: F401 -- measured here; it lives in memory.py (train.py uses it too)
-from parallel.pipeline_schedule import ALL_SCHEDULES, COMPUTE, V_SCHEDULES, B, F, W
+from parallel.pipeline.schedule import ALL_SCHEDULES, COMPUTE, V_SCHEDULES, B, F, W
 from plan.simulate import simulate
 from plan.theory import bubble_fraction
+from runtime.launch import exit_process
+from runtime.memory import SavedBytes  # noqa: F401 -- measured here; it lives in runtime/memory.py (train.py uses it too)
 
 if TYPE_CHECKING:  # the worker imports them itself, after torchrun has started it
-    from model import GPTConfig
-    from pipeline_partition import StageCosts
+    from model.gpt import GPTConfig
+    from parallel.pipeline.partition import StageCosts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ORDER = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -214,9 +214,9 @@ def worker(args: argparse.Namespace) -> None:
     """Every rank: each schedule, warm-up steps, barrier, one measured step; rank 0 writes the raw timelines."""
     import torch.distributed as dist
 
-    from model import GPT, make_config
-    from parallel.pipeline import PipelineRunner, PipelineStage
-    from pipeline_partition import layers_for, measure_costs, stage_costs
+    from model.gpt import GPT, make_config
+    from parallel.pipeline.partition import layers_for, measure_costs, stage_costs
+    from parallel.pipeline.runner import PipelineRunner, PipelineStage
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -303,9 +303,9 @@ def step_costs(
 
     import torch.distributed as dist
 
-    from model import GPT
-    from parallel.pipeline import PipelineRunner, PipelineStage
-    from pipeline_partition import costs_from_step, layers_for
+    from model.gpt import GPT
+    from parallel.pipeline.partition import costs_from_step, layers_for
+    from parallel.pipeline.runner import PipelineRunner, PipelineStage
 
     counts = tuple(len(r) for r in layers_for(cfg, P, costs=flops))
     with torch.device("meta"):
@@ -332,7 +332,7 @@ def run(
 ) -> list[dict]:
     """Launch the torchrun job, then write pipeline.json, pipeline.md and pipeline_timeline.png; the rows.
     `options`: any other flag of parse_args by its dest (vocab_size=256, warmup=1, ...)."""
-    from launch import child_env
+    from runtime.launch import child_env
 
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)

@@ -390,7 +390,7 @@ def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from device import backend_for
+    from runtime.device import backend_for
 
     torch.set_num_threads(1)
     dist.init_process_group(backend_for(torch.device("cpu")))
@@ -465,7 +465,7 @@ def calibrate(
 ) -> dict:
     """The calibration job on `world` ranks (one thread each): {matmul_flops (per rank)} and with more than one
     rank comm_probes' {hop, bus_bw, aligned, one_element, calls}."""
-    from launch import child_env
+    from runtime.launch import child_env
 
     with tempfile.TemporaryDirectory() as d:
         spec = {
@@ -518,16 +518,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        from launch import exit_process
+        from runtime.launch import exit_process
 
         worker(json.loads(args.worker))
         exit_process(0)  # the group is destroyed: skip finalization (launch.exit_process)
     sys.path.insert(0, ROOT)
     from bench.forkserver import ForkServer
-    from metrics import read_jsonl
     from plan.cluster import Cluster
     from plan.counts import local_params, step_flops
     from plan.search import compute_actions
+    from runtime.metrics import read_jsonl
     from tests.harness import make_token_bins
 
     t_start = time.perf_counter()

@@ -48,7 +48,7 @@ def per_op_us(repeats: int = 5, n: int = 20_000) -> float:
 def step_times(pairs: int, steps: int, out: str) -> dict:
     from bench.forkserver import ForkServer
     from debug.flight_recorder import decode
-    from metrics import read_jsonl
+    from runtime.metrics import read_jsonl
     from tests.harness import make_token_bins
 
     data = make_token_bins(os.path.join(out, "data"), vocab=50257)

@@ -12,7 +12,7 @@ import os
 from bench.matrix import Setup, comm_curves
 
 MiB = 2**20
-TP_SOURCE = "parallel.tensor_parallel.tp_comm_bytes_per_micro_step"
+TP_SOURCE = "parallel.tensor_parallel.apply.tp_comm_bytes_per_micro_step"
 
 
 def _mib(x) -> str:

@@ -19,9 +19,9 @@ from typing import Callable
 import torch
 
 from bench.matrix import KINDS, MOE_LAYOUTS, Layout, Setup, comm_theory, ep_all_to_all_at_load, expert_param_count
-from launch import child_env
-from metrics import active_params, read_jsonl
-from model import GPT
+from model.gpt import GPT
+from runtime.launch import child_env
+from runtime.metrics import active_params, read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py's directory
 
@@ -350,8 +350,8 @@ def moe_row(lay: Layout, ok: list[dict], setup: Setup) -> dict:
 PROBE = r"""
 import json, os, sys, torch
 sys.path.insert(0, os.getcwd())
-import metrics
-from config import resolve_dtype
+from runtime import metrics
+from trainer.config import resolve_dtype
 measure = sys.argv[1] == "1"
 if torch.cuda.is_available():
     dev = torch.device("cuda", 0)

@@ -400,7 +400,7 @@ def muon_tolerance(layout: Layout, ref: dict) -> float:
     """`tolerance` plus Muon's rounding bound for the reference run `ref` (MUON_RULE)."""
     import torch
 
-    from model import GPT, make_config
+    from model.gpt import GPT, make_config
     from optim.muon import is_muon, rounding_rtol
 
     cfg = make_config(
@@ -415,7 +415,7 @@ def muon_tolerance(layout: Layout, ref: dict) -> float:
         ]
     loss = ref["loss"] + ref["val_loss"][-1:]
     norms = ref["grad_norm"] + ref["grad_norm"][-1:]  # the val loss after the last step: its last norm stands in
-    from train import lr_at
+    from optim.schedule import lr_at
 
     lr = float(BASE[BASE.index("--lr") + 1])
     lrs = [lr_at(s, lr, 1, STEPS) for s in range(1, len(ref["loss"]) + 1)] + [0.0]  # BASE's --warmup_steps 1
@@ -438,7 +438,7 @@ class Row:
 
 def read_run(out_dir: str) -> dict[str, list[float]]:
     """{"loss": [...], "grad_norm": [...], "val_loss": [...]} of a finished run, by step."""
-    from metrics import read_jsonl
+    from runtime.metrics import read_jsonl
 
     recs = read_jsonl(out_dir)
     steps = {r["step"]: r for r in recs if "loss" in r}

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from config import Parser, UsageError
 from debug import trace
+from trainer.config import Parser, UsageError
 
 EPS64 = 2.0**-52
 SHOW = 5  # divergences printed after the first
@@ -106,7 +106,7 @@ def merge(run: str, key: tuple, pieces: list[dict]) -> Fingerprint:
 
 def module_order(model_config: dict) -> list[str]:
     """Module names in the order one process's forward finishes them (forward hooks on a meta GPT)."""
-    from model import GPT, GPTConfig
+    from model.gpt import GPT, GPTConfig
 
     with torch.device("meta"):
         gpt = GPT(GPTConfig(**model_config))

@@ -46,13 +46,19 @@ HERE = os.path.abspath(__file__)
 ALLOWED = {
     ("train.py", "train_step"): "the step's loss and grad norm, logged (read at the end of the step, after the "
     "optimizer: nothing left to launch behind them)",
-    ("faults.py", "agreed"): "the preemption vote, all-reduced with the loss's reductions, read after them",
+    ("trainer/faults.py", "agreed"): "the preemption vote, all-reduced with the loss's reductions, read after them",
     ("data/batches.py", "get"): "host tensors only: the rows' offsets come from a CPU generator and the tokens "
     "from a numpy memmap (on a GPU run they stay on the host until to_device)",
-    ("parallel/expert_parallel.py", "split_sizes"): "an MoE layer's all_to_all split sizes: each rank must know how "
+    (
+        "parallel/expert_parallel/dispatch.py",
+        "split_sizes",
+    ): "an MoE layer's all_to_all split sizes: each rank must know how "
     "many rows it sends and receives before they move (one read per "
     "MoE layer and micro-batch; docs/moe.md)",
-    ("moe.py", "split_sizes"): "the MoE experts' group sizes for the per-expert loop, only where torch._grouped_mm "
+    (
+        "model/moe.py",
+        "split_sizes",
+    ): "the MoE experts' group sizes for the per-expert loop, only where torch._grouped_mm "
     "does not run as a kernel (moe.grouped_mm_runs: CPU autocast, GPU fp32, GPUs before "
     "sm90, unaligned widths): one read per MoE layer and micro-batch",
     ("parallel/parallelize.py", "step_counters"): "the MoE layers' tokens per expert and balancing loss over the "

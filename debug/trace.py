@@ -1,13 +1,13 @@
 """--trace_step S: step S's module outputs and gradients as layout-independent fingerprints, one file per rank.
 
-What is recorded, under the names one process gives them (model.py's; wrapper prefixes such as DDP's "module."
+What is recorded, under the names one process gives them (model/gpt.py's; wrapper prefixes such as DDP's "module."
 dropped):
 - forward: each module's output, per micro-batch, keyed (micro, name) where `micro` is the micro-batch's index
   in the global batch (data/batches.micro_batch_chunk): the rows of step S's batch are a pure function of
   (seed, S), so every dp x micro-batch split keys the same rows alike. The head's loss is recorded as
   ("loss", micro, "lm_head"). A forward that runs again inside backward (activation checkpointing) is skipped.
 - gradients: each parameter's gradient after the step's backward and gradient reduction, before clipping,
-  found through the checkpoint entries (checkpoint_entries.py: every layout's elements of a parameter, by name,
+  found through the checkpoint entries (checkpoints/entries.py: every layout's elements of a parameter, by name,
   with their flat positions in the full tensor): FSDP flat shards, TP shards, DTensors and pipeline stages
   alike. The last stage's copy of the tied matrix is not written (the first stage's is), as in checkpoints.
 
@@ -29,11 +29,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from checkpoint_entries import Entry, _axes, entries
+from checkpoints.entries import Entry, _axes, entries
 from data.batches import micro_batch_chunk
 from parallel.comm import local
-from parallel.context_parallel import local_positions
-from parallel.tensor_parallel import plan_style
+from parallel.context_parallel.ring import local_positions
+from parallel.tensor_parallel.apply import plan_style
 
 FORMAT, VERSION = "gpt2-parallel-trace", 1
 SUBDIR = "trace"

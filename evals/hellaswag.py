@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from loss import IGNORE_INDEX
+from model.loss import IGNORE_INDEX
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DATA = os.path.join(ROOT, "data", "hellaswag", "hellaswag_val.jsonl")
@@ -272,11 +272,11 @@ def for_plan(plan) -> Rows | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import checkpoint
-    from config import HF_MODELS, Parser, UsageError, error_line, fetch_hf_weights, resolve_dtype
+    from checkpoints import checkpoint
     from data.tokenizer import get_gpt2_encoding
-    from device import pick_device
-    from model import GPT
+    from model.gpt import GPT
+    from runtime.device import pick_device
+    from trainer.config import HF_MODELS, Parser, UsageError, error_line, fetch_hf_weights, resolve_dtype
 
     p = Parser(prog="python -m evals.hellaswag", description=__doc__.splitlines()[0])
     p.add_argument("--out_dir", default=None, help="a training run: score its newest intact checkpoint")

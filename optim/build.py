@@ -15,12 +15,12 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from device import make_timer
-from model import param_groups as adamw_groups
+from model.gpt import param_groups as adamw_groups
 from optim.distributed_muon import Exchange, Matrix
 from optim.flags import muon_settings
 from optim.muon import Hold, Ledger, Muon, MuonAdamW, Slot, is_muon, one_process, whole_slot
 from parallel.groups import group_timeout, new_groups
+from runtime.device import make_timer
 
 
 def make_optimizer(par, args: argparse.Namespace, **adamw) -> torch.optim.Optimizer:

@@ -1,4 +1,4 @@
-"""The optimizer's flags and their checks: config.py calls `add_flags` and `check` (optim/build.py makes the
+"""The optimizer's flags and their checks: trainer/config.py calls `add_flags` and `check` (optim/build.py makes the
 optimizer from them).
 
 Defaults follow Moonlight's recipe ("Muon is Scalable for LLM Training", Liu et al. 2025; torch's

@@ -27,10 +27,10 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from checkpoint_entries import ensure_optimizer_state, full_shape
-from device import DeviceTimer, HostTimer, make_timer
-from model import param_groups as adamw_groups
+from checkpoints.entries import ensure_optimizer_state, full_shape
+from model.gpt import param_groups as adamw_groups
 from parallel.marks import MOMENTS, shards_of
+from runtime.device import DeviceTimer, HostTimer, make_timer
 
 MOMENTUM = ("momentum_buffer",)  # Muon's per-element state, as torch.optim.Muon names it (it keeps no step count)
 
@@ -244,9 +244,9 @@ class MuonAdamW(torch.optim.Optimizer):
     """What the trainer steps: `muon` (ours or torch's) on the Block matrices and torch's `adamw` on the rest,
     as one optimizer. Both share one `param_groups` list and one `state` (their parameters are disjoint), so
     the lr schedule, the GradScaler and `zero_grad` see every group; a Muon group carries `base_lr` (its peak lr,
-    train.lr_at's input). `before_step`: what binds this step's gradients to the slots (flat shards' views).
+    optim.schedule.lr_at's input). `before_step`: what binds this step's gradients to the slots (flat shards' views).
 
-    Checkpoints (checkpoint_entries.py asks `kinds`, `element_state`, `ensure_state`): a Block matrix keeps Muon's
+    Checkpoints (checkpoints/entries.py asks `kinds`, `element_state`, `ensure_state`): a Block matrix keeps Muon's
     momentum, every other parameter AdamW's two moments, in whatever sharding the layout gives the parameter; under
     our flat engine the optimizer steps views of the shard pieces, and `stepped` maps (id(piece), lo, hi) to the
     view holding those elements (optim/build.sharded)."""

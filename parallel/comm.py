@@ -75,7 +75,7 @@ REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single
 COUNTER = CommCounter()  # one per process: every wrapper's traffic adds up in the same place
 
 
-# The one seam through which tests and faults.py reach the runtime, asked at two named places; None in a normal
+# The one seam through which tests and trainer/faults.py reach the runtime, asked at two named places; None in a normal
 # run (then no hook is even asked), else set from above (faults.FaultHooks: nothing in parallel/ imports it).
 #   HOOKS.op(name, tensor)          before every all_reduce and recv: None, "skip" (the op is not issued) or
 #                                   "shape" (it is issued on all but the last element), as a buggy rank would

@@ -1,7 +1,8 @@
 """Deferred init's last step: a model built on `meta` gets real storage and its init values, rank-locally, for
 whatever the parallelisms before it left on meta (`parallelize` step 3). TP and EP materialise their own slices
-as they cut (parallel/tensor_parallel.py, parallel/expert_parallel.py), our sharding engine one unit at a time
-(parallel/fsdp.py); here, the rest, DTensor parameters as their local slices only.
+as they cut (parallel/tensor_parallel/apply.py, parallel/expert_parallel/dispatch.py), our sharding engine one unit at
+a time
+(parallel/data_parallel/fsdp.py); here, the rest, DTensor parameters as their local slices only.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model import init_parameter
+from model.gpt import init_parameter
 
 
 def materialize(model: nn.Module, seed: int, device: torch.device) -> None:

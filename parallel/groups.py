@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from device import backend_for
+from runtime.device import backend_for
 
 _TIMEOUT: timedelta | None = None  # the run's --timeout, once init_distributed has run
 

@@ -1,5 +1,5 @@
 """What a dimension records on a parameter it splits or copies, so that the global norm (the groups a parameter's
-squares sum over), the sharding engine, the gradient reduction and the checkpoint entries (checkpoint_entries.py)
+squares sum over), the sharding engine, the gradient reduction and the checkpoint entries (checkpoints/entries.py)
 see it without knowing the dimension: `mark_shard` (TP's and EP's slices) and `mark_replicas` (an expert's copies).
 """
 

@@ -1,5 +1,5 @@
 """The mesh: validates the parallel layout (`ParallelDims`) and builds the run's one mesh of named dims, each with
-its process group (`init_distributed`). The device and the backend are chosen in device.py.
+its process group (`init_distributed`). The device and the backend are chosen in runtime/device.py.
 
 Mesh dims are ("pp", "dp_replicate", "dp_shard", "cp", "tp"), always all five (size 1 where unused), tp innermost
 (fastest-varying) so TP groups are neighbouring ranks, which on a GPU node share NVLink; pp outermost, so a
@@ -20,13 +20,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import _disable_current_modes
 
-from device import join_world
 from parallel.groups import group_timeout, honour_timeout, link_groups, new_groups, serial_p2p
+from runtime.device import join_world
 
 
 class WorldSizeError(ValueError):
     """The parallel sizes multiply to `needed` ranks, not the world's: the caller says how to get `needed` ranks
-    (torchrun's --nproc_per_node, a simulated rank's --fake_world_size, plan.verify's --world_size)."""
+    (torchrun's --nproc_per_node, a simulated rank's --fake_world_size, sim.verify's --world_size)."""
 
     def __init__(self, message: str, needed: int):
         super().__init__(message)
@@ -251,7 +251,7 @@ def init_distributed(
     dim of size 1, no groups), with link groups for the pp and cp rings where `serial_p2p`. Every group then has
     the run's timeout (`honour_timeout`).
 
-    `fake_rank`: play that rank of a dims.world_size job on the fake backend instead (plan/fake_rank.py): no
+    `fake_rank`: play that rank of a dims.world_size job on the fake backend instead (sim/fake_rank.py): no
     store, no peers, collectives that return at once; the mesh's groups are made by the same calls. Its rank
     tables are host data, built outside any dispatch mode (a simulated rank runs under FakeTensorMode, whose
     tensors have no values to read)."""

@@ -5,7 +5,7 @@
                                                      micro-step for "pytorch"; parameters stay replicated over cp)
        then expert parallelism over mesh["ep"]      (each MoE layer keeps its experts; tokens go by all_to_all)
     1. tensor parallelism over mesh["tp"]           (shards matmul weights; materialises its own shards)
-       then activation checkpointing and torch.compile of each Block (blocks.py)
+       then activation checkpointing and torch.compile of each Block (runtime/blocks.py)
     2. FSDP / ZeRO-1/2 over mesh["fsdp"]            (shards what is left; materialises one unit at a time;
                                                      HSDP: replicated over mesh["dp_replicate"])
     3. materialise whatever is still on meta        (deferred init: only the local slices of DTensors)
@@ -33,26 +33,26 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
-from device import to_device
-from loss import loss_share
-from metrics import expert_record
-from model import GPT
+from model.gpt import GPT
+from model.loss import loss_share
 from parallel import comm
-from parallel.context_parallel import apply_context_parallel, zigzag_share
+from parallel.context_parallel.ring import apply_context_parallel, zigzag_share
+from parallel.data_parallel.flat_param import ZERO_STAGES
+from parallel.data_parallel.fsdp import FullyShardedDataParallel
 from parallel.deferred_init import materialize
-from parallel.expert_parallel import ExpertBalance, apply_expert_parallel
-from parallel.flat_param import ZERO_STAGES
-from parallel.fsdp import FullyShardedDataParallel
+from parallel.expert_parallel.dispatch import ExpertBalance, apply_expert_parallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_, grad_groups
 from parallel.mesh import Mesh
-from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group, sharded_units
-from parallel.pipeline_schedule import V_SCHEDULES
+from parallel.pipeline.runner import PipelineRunner, PipelineStage, embedding_group, sharded_units
+from parallel.pipeline.schedule import V_SCHEDULES
 from parallel.protocol import Accumulating, Cut, DataParallel, Placement, Replicated, Sharded
 from parallel.twins import context_parallel as cp_twin
 from parallel.twins import data_parallel as dp_twin
 from parallel.twins import pipeline as pp_twin
 from parallel.twins import tensor_parallel as tp_twin
+from runtime.blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
+from runtime.device import to_device
+from runtime.metrics import expert_record
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ class Parallelized:
 
 
 def apply_pp(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> PipelineStage:
-    """Our pipeline stage (parallel/pipeline.py): this pp rank's chunks of the GPT, nothing of the others'."""
+    """Our pipeline stage (parallel/pipeline/runner.py): this pp rank's chunks of the GPT, nothing of the others'."""
     return PipelineStage(
         model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers, v_shape=cfg.pp_schedule in V_SCHEDULES
     )
@@ -297,15 +297,15 @@ def apply_pp(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) 
 
 def apply_cp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> Cut:
     """Our ring attention over mesh["cp"] in every attention core, zigzag positions, and each micro-batch cut
-    to this rank's zigzag share of its rows (parallel/context_parallel.py)."""
+    to this rank's zigzag share of its rows (parallel/context_parallel/ring.py)."""
     cp = mesh["cp"]
     apply_context_parallel(model, cp.group, cp.links)
     return Cut(model, tokens=partial(zigzag_share, rank=cp.rank, cp=cp.size))
 
 
 def apply_tp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> nn.Module:
-    """Our Megatron TP (parallel/tensor_parallel.py); on meta it materialises only this rank's shards."""
-    from parallel.tensor_parallel import apply_tensor_parallel
+    """Our Megatron TP (parallel/tensor_parallel/apply.py); on meta it materialises only this rank's shards."""
+    from parallel.tensor_parallel.apply import apply_tensor_parallel
 
     apply_tensor_parallel(
         model,
@@ -338,7 +338,7 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.
 
 def apply_ddp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> nn.Module:
     """Our bucketed DDP over mesh["loss"] (dp x cp: every rank with the same parameters)."""
-    from parallel.ddp import DistributedDataParallel
+    from parallel.data_parallel.ddp import DistributedDataParallel
 
     return DistributedDataParallel(
         model, process_group=mesh["loss"].group, bucket_cap_mb=cfg.bucket_cap_mb, grad_compression=cfg.grad_compression
@@ -357,14 +357,14 @@ def protocol(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, at: Placement, g
 
 
 def apply_ep(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> nn.Module:
-    """Our expert parallelism (parallel/expert_parallel.py): every MoE layer keeps this EP rank's experts and
+    """Our expert parallelism (parallel/expert_parallel/dispatch.py): every MoE layer keeps this EP rank's experts and
     sends each token to the rank holding its expert, over mesh["ep"]; the experts' copies are mesh["edp"]."""
     apply_expert_parallel(model, mesh["ep"], mesh["edp"], seed=cfg.seed if cfg.deferred_init else None, device=device)
     return model
 
 
 def apply_runner(stage: PipelineStage, mesh: Mesh, cfg: ParallelConfig, **runner_args) -> PipelineRunner:
-    """Our pipeline runner (parallel/pipeline.py) through whatever the steps before made (`runner_args`:
+    """Our pipeline runner (parallel/pipeline/runner.py) through whatever the steps before made (`runner_args`:
     Parallelized.runner_args, the device among them)."""
     return PipelineRunner(stage, **runner_args)
 

@@ -9,7 +9,7 @@ that `Parallelized` (parallel/parallelize.py) only delegates and never asks whic
     after_optimizer_step()          ZeRO-1/2: the full parameter copies are stale now
     state_breakdown(optimizer)      this rank's {"params", "grads", "optimizer"} bytes
     checkpoint_parts(optimizer)     what this rank holds of the training state, and who writes it (`Params`,
-                                    `Buffers`, `FlatShards`: checkpoint_entries.py makes them entries)
+                                    `Buffers`, `FlatShards`: checkpoints/entries.py makes them entries)
     checkpoint_optimizer(optimizer) the AdamW whose step count and hyperparameters a checkpoint records
 
 `Replicated` is the default: parameters as they are (no data parallelism, or a wrapper that keeps whole
@@ -119,7 +119,7 @@ class Replicated:
         )
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        from model import param_groups
+        from model.gpt import param_groups
 
         return param_groups(list(self.model.named_parameters()), weight_decay)
 
@@ -139,7 +139,7 @@ class Replicated:
         pass
 
     def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        import memory
+        from runtime import memory
 
         return memory.state_breakdown(self.model, self.checkpoint_optimizer(optimizer))
 
@@ -167,7 +167,8 @@ class Accumulating(Replicated):
 
 
 class Sharded:
-    """Our FSDP / ZeRO-1/2 / HSDP engine (parallel/fsdp.py): it answers groups, norms, state and the ZeRO-1/2
+    """Our FSDP / ZeRO-1/2 / HSDP engine (parallel/data_parallel/fsdp.py): it answers groups, norms, state and the
+    ZeRO-1/2
     refresh itself; this adds what needs the other dims (TP slices, the replica index, the lm_head copy).
     ZeRO-1 accumulates its micro-steps locally (reduced on the last one, or on a pipeline step's exit)."""
 

@@ -15,10 +15,10 @@ import argparse
 import json
 import sys
 
-from config import Parser, UsageError, error_line
-from model import PRESETS as MODELS
+from model.gpt import PRESETS as MODELS
 from plan.cluster import PRESETS, Cluster, parse_memory
 from plan.search import candidates, model_flags, model_refusal
+from trainer.config import Parser, UsageError, error_line
 
 MiB, GiB = 2**20, 2**30
 
@@ -69,7 +69,7 @@ def parser() -> Parser:
         type=int,
         default=0,
         metavar="K",
-        help="simulate the top K layouts' ranks before printing (python -m plan.verify: one rank per class) and mark "
+        help="simulate the top K layouts' ranks before printing (python -m sim.verify: one rank per class) and mark "
         "each verified or not; exit 1 if any is not",
     )
     return p
@@ -79,8 +79,8 @@ VERIFY_FLAGS = ("--eval_iters", "1", "--out_dir", "runs/plan-verify")  # a simul
 
 
 def verify_top(fits: list, k: int) -> dict[str, object]:
-    """plan.verify of each of the first k layouts (its flags as the table's command runs them), by name."""
-    from plan.verify import verify
+    """sim.verify of each of the first k layouts (its flags as the table's command runs them), by name."""
+    from sim.verify import verify
 
     out = {}
     for c in fits[:k]:
@@ -259,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in fits[: max(a.top, a.verify)]:
         print(row(c, cluster.memory, mark(verdicts.get(c.name)) if verdicts else None))
     if verdicts:
-        from plan.verify import HEADER, table_row
+        from sim.verify import HEADER, table_row
 
-        print(f"\nverified by simulation (python -m plan.verify):\n{HEADER}")
+        print(f"\nverified by simulation (python -m sim.verify):\n{HEADER}")
         for name, v in verdicts.items():
             print(table_row(name, v.table))
         for name, v in verdicts.items():

@@ -19,16 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from device import backend_for
-from metrics import active_params, flops_per_token
-from model import GPT, GPTConfig
-from parallel.flat_param import ZERO_LADDER, ZERO_STAGES, shard_numel, unit_key
+from model.gpt import GPT, GPTConfig
+from parallel.data_parallel.flat_param import ZERO_LADDER, ZERO_STAGES, shard_numel, unit_key
 from parallel.mesh import ParallelDims
 from parallel.parallelize import activation_dtype
-from parallel.pipeline import PipelineStage, sharded_units
-from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
-from parallel.tensor_parallel import SHARD_DIMS, plan_style
-from pipeline_partition import layers_for
+from parallel.pipeline.partition import layers_for
+from parallel.pipeline.runner import PipelineStage, sharded_units
+from parallel.pipeline.schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
+from parallel.tensor_parallel.apply import SHARD_DIMS, plan_style
 from plan import theory
 from plan.simulate import simulate
 from plan.theory import (
@@ -47,6 +45,8 @@ from plan.theory import (
     zero_comm_bytes_per_step,
     zero_comm_calls_per_step,
 )
+from runtime.device import backend_for
+from runtime.metrics import active_params, flops_per_token
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 
@@ -70,12 +70,12 @@ class Setup:
     config: GPTConfig
     dtype: torch.dtype
     grad_accum: int  # M: micro-steps per step (a pipeline's micro-batches)
-    pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (pipeline_partition.py)
+    pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (parallel/pipeline/partition.py)
 
     @functools.cached_property
     def par(self):
         """config.parallel_config's resolution, once per Setup (every prediction asks it many times)."""
-        from config import parallel_config
+        from trainer.config import parallel_config
 
         return parallel_config(self.args, self.dims, self.dtype, self.pp_layers)
 
@@ -171,7 +171,8 @@ def is_expert(name: str) -> bool:
 def units(s: Setup, pp_rank: int = 0) -> dict[str, tuple[int, int]]:
     """The sharding engine's units on this stage: {unit: (elements, elements in >= 2-D weights)} (shared: read it,
     do not change it). Under expert parallelism each Block's experts are a unit of their own,
-    "transformer.h.<i>.experts" (parallel/fsdp_extensions.py's own-group units), sharded over the edp group
+    "transformer.h.<i>.experts" (parallel/data_parallel/fsdp_extensions.py's own-group units), sharded over the edp
+    group
     (`unit_shard`)."""
     return _units(
         s.config,
@@ -566,7 +567,7 @@ def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     freed by then), `selective` at the end of forward (its recomputations come after the Blocks above freed
     theirs). Zero-bubble schedules hold a (chunk, micro-batch) from F to W (the simulator releases at W): B frees
     the chunk's graph but keeps, per Block, each deferred linear's input and output gradient (x, dy) for W
-    (parallel/zero_bubble.py): x 7NC and dy 9NC elements in the compute dtype, 16NCa bytes; the Block saves
+    (parallel/pipeline/zero_bubble.py): x 7NC and dy 9NC elements in the compute dtype, 16NCa bytes; the Block saves
     16NCa + 4NC(r - a) + its LayerNorm statistics and log-sum-exp, so counting a micro-batch whole until its W is
     an upper bound: within 1% in fp32 (r = a), 4NC(r - a) per Block over under autocast. The loss's gradients
     (`head_grad_bytes`, dW alone V/p x C x 4) belong to the last chunk only: they count once per head micro-batch

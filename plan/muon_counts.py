@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import functools
 
-from model import decays
+from model.gpt import decays
 from optim.muon import is_muon
-from parallel.flat_param import ZERO_STAGES, shard_numel
-from parallel.pipeline_schedule import V_SCHEDULES
-from parallel.tensor_parallel import SHARD_DIMS, plan_style
+from parallel.data_parallel.flat_param import ZERO_STAGES, shard_numel
+from parallel.pipeline.schedule import V_SCHEDULES
+from parallel.tensor_parallel.apply import SHARD_DIMS, plan_style
 from plan import counts, theory
 from plan.counts import Setup, _meta_gpt, is_expert, local_params, stage_blocks, tp_local_shape
 
@@ -206,8 +206,8 @@ def _unit_specs(s: Setup, pp_rank: int, unit: str) -> list[tuple[str, int, bool]
 def _members(config, pp, virtual, tp, pp_rank, layers, v_shape, ep) -> dict[str, list[tuple[str, int, bool]]]:
     import torch
 
-    from parallel.flat_param import unit_key
-    from parallel.pipeline import PipelineStage, sharded_units
+    from parallel.data_parallel.flat_param import unit_key
+    from parallel.pipeline.runner import PipelineStage, sharded_units
     from plan.counts import _local_params
 
     with torch.device("meta"):

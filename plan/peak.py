@@ -16,9 +16,9 @@ import functools
 
 import torch
 
-from loss import loss_chunk_rows
-from parallel.flat_param import ZERO_STAGES, shard_numel
-from parallel.pipeline_schedule import (
+from model.loss import loss_chunk_rows
+from parallel.data_parallel.flat_param import ZERO_STAGES, shard_numel
+from parallel.pipeline.schedule import (
     ALL_SCHEDULES,
     RECV_B,
     RECV_F,
@@ -436,7 +436,8 @@ def w_in_flight_bytes(s: Setup, pp_rank: int = 0) -> int:
 
 
 def runner_held_bytes(s: Setup, pp_rank: int = 0) -> int:
-    """Under a pipeline, the activations its runner (parallel.pipeline.PipelineRunner.step) keeps beside the saved
+    """Under a pipeline, the activations its runner (parallel.pipeline.runner.PipelineRunner.step) keeps beside the
+    saved
     ones, at the B of this rank where there are the most (`_runner_buffers`), each a (B, T/cp, C) tensor in the
     residual dtype (1/tp of it under SP: `block_input_bytes`): each (chunk, micro-batch) pair's output from its F
     to its B (`stored`; a sent output is a buffer of its own, the peer receives into another; a local one is the

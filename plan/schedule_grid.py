@@ -1,5 +1,5 @@
 """A schedule printed: `python -m plan.schedule_grid SCHEDULE --pp P --micro M [--virtual V]` prints each rank's
-action list (parallel/pipeline_schedule.py) as a grid, the way torch.distributed.pipelining's
+action list (parallel/pipeline/schedule.py) as a grid, the way torch.distributed.pipelining's
 _format_pipeline_order prints its schedules. For example `1f1b --pp 2 --micro 4`:
 
              Rank 0   Rank 1
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES
+from parallel.pipeline.schedule import ALL_SCHEDULES, V_SCHEDULES
 
 
 def grid(schedule: list[list]) -> str:

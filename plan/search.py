@@ -40,13 +40,13 @@ from dataclasses import dataclass
 
 import torch
 
-from config import UsageError, check_layout, train_parser
-from parallel.pipeline_schedule import V_SCHEDULES
+from parallel.pipeline.schedule import V_SCHEDULES
 from plan.cluster import Cluster, link_of
 from plan.counts import Setup, recomputed_blocks, schedule_facts, step_flops
 from plan.muon_counts import comm_by_group, comm_calls_by_group, state_bytes  # with --optimizer muon's part
 from plan.predict import worst_rank
 from plan.theory import bubble_fraction
+from trainer.config import UsageError, check_layout, train_parser
 
 RING = {
     "all_reduce": lambda n: 2 * (n - 1) / n,

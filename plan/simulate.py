@@ -1,4 +1,4 @@
-"""The schedule simulator: a process-free dry run of parallel/pipeline_schedule.py's action lists under four
+"""The schedule simulator: a process-free dry run of parallel/pipeline/schedule.py's action lists under four
 models of point-to-point messaging, and the proofs the runtime's message order rests on.
 
 Pairings (`paired`). Each schedule fixes only the order of F/B on each rank; the runtime's lists
@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from parallel.groups import p2p_link
-from parallel.pipeline_schedule import (
+from parallel.pipeline.schedule import (
     COMPUTE,
     RECV_B,
     RECV_F,
@@ -154,7 +154,7 @@ def simulate(
       together, at the later post, when one is a send and the other its receive; two sends (or two receives)
       at the heads wait for each other forever.
     - "nccl_eager" (the same calls on a group initialised eagerly: init_process_group(device_id=...), which
-      device.py passes on CUDA, binds the world group to the device, and every group split from it,
+      runtime/device.py passes on CUDA, binds the world group to the device, and every group split from it,
       DeviceMesh's and new_group's, is eager too): one FIFO per rank (per group: `links`), across all its
       peers, in posting order. In eager mode pointToPoint reuses the group's own communicator (key
       getKeyFromDevice) and so its one NCCL stream for every unbatched send and receive: the ops of a rank run

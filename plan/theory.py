@@ -22,9 +22,9 @@ an all-reduce) are properties of the transport, not of the algorithm, and are le
 
 from __future__ import annotations
 
-from model import GPTConfig
-from parallel.flat_param import ZERO_LADDER, shard_numel
-from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of, rank_of
+from model.gpt import GPTConfig
+from parallel.data_parallel.flat_param import ZERO_LADDER, shard_numel
+from parallel.pipeline.schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of, rank_of
 
 # ----------------------------------------------------------------------------- data parallel
 
@@ -250,7 +250,8 @@ def fsdp_unit_state_bytes(
 
 
 def engine_comm_bytes_per_micro_step(fsdp) -> dict[str, int]:
-    """`fsdp_comm_bytes_per_micro_step` of a built sharding engine (parallel/fsdp.py): its units' padded flat
+    """`fsdp_comm_bytes_per_micro_step` of a built sharding engine (parallel/data_parallel/fsdp.py): its units' padded
+    flat
     buffers, i.e. at most N - 1 elements per unit more than the parameters themselves, in its dtypes."""
     import torch
 
@@ -564,7 +565,7 @@ def muon_exchange_bytes_per_step(
 
 def muon_exchange_bytes_by_rank(holds: list[list[tuple[int, int] | None]], owners: list[int]) -> list[dict[str, int]]:
     """`muon_exchange_bytes_per_step` of every rank of the group at once, in one pass over the holds (matrices x
-    ranks: a 1,024-rank stage asks it whole in plan.verify)."""
+    ranks: a 1,024-rank stage asks it whole in sim.verify)."""
     world = len(holds[0]) if holds else 1
     gather, back = [0] * world, [0] * world
     for row, o in zip(holds, owners):

@@ -5,8 +5,8 @@
 
 For each preset and layout the trainer is built as train.py builds it (one process, or gloo ranks on
 this machine), with its AdamW state. Then, per rank:
-- save: `trainer_checkpoint.save_trainer` (entries + rank file + manifest), after one warm-up save;
-- load: `trainer_checkpoint.restore_trainer` of that checkpoint.
+- save: `resume.save_trainer` (entries + rank file + manifest), after one warm-up save;
+- load: `resume.restore_trainer` of that checkpoint.
 Each is measured as the rise of the kernel's peak RSS (VmHWM, reset through /proc/self/clear_refs just
 before) above the RSS before it, i.e. the extra memory the operation needs on top of the model, gradients
 and optimizer state (with glibc told to return freed blocks, so the numbers do not depend on what earlier
@@ -28,7 +28,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from memory import LargestTensor  # noqa: E402
+from runtime.memory import LargestTensor  # noqa: E402
 
 LAYOUTS = {  # name: (ranks, train.py flags)
     "single": (1, []),
@@ -73,11 +73,9 @@ def measure(fn) -> dict:
 def run(rank: int, world: int, model: str, flags: list[str], data: str, out: str) -> dict:
     import dataclasses
 
-    import checkpoint
-    import checkpoint_entries
-    import config
     import train
-    import trainer_checkpoint
+    from checkpoints import checkpoint, entries
+    from trainer import config, resume
 
     args = config.parse_args(
         [
@@ -97,12 +95,12 @@ def run(rank: int, world: int, model: str, flags: list[str], data: str, out: str
         ]
     )
     t = train.build(config.validate(args))
-    held = sum(e.tensors["param"].numel() for e in checkpoint_entries.entries(t.par, t.optimizer))  # + AdamW state
-    trainer_checkpoint.save_trainer(t, 0)  # warm-up: lazy imports, first-use buffers
+    held = sum(e.tensors["param"].numel() for e in entries.entries(t.par, t.optimizer))  # + AdamW state
+    resume.save_trainer(t, 0)  # warm-up: lazy imports, first-use buffers
     state = _status("VmRSS")
-    save = measure(lambda: trainer_checkpoint.save_trainer(t, 1))
+    save = measure(lambda: resume.save_trainer(t, 1))
     t.plan = dataclasses.replace(t.plan, resume_from=checkpoint.step_dir(args.out_dir, 1))
-    load = measure(lambda: trainer_checkpoint.restore_trainer(t))
+    load = measure(lambda: resume.restore_trainer(t))
     return {"held": held, "state": state, "save": save, "load": load}
 
 

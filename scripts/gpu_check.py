@@ -218,8 +218,8 @@ def stage_context_parallel(ctx: Context) -> None:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from model import GPT
-    from parallel.context_parallel import positions_for, ring_attention
+    from model.gpt import GPT
+    from parallel.context_parallel.ring import positions_for, ring_attention
     from parallel.twins.context_parallel import torch_context_parallel
 
     s = ctx.setup

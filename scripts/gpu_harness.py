@@ -127,7 +127,7 @@ def md_row(r: Row) -> str:
 
 
 def make_plan(ctx: Context, name: str, flags: list[str], device: str, dtype: str, steps: int, *extra: str):
-    from config import parse_args, validate
+    from trainer.config import parse_args, validate
 
     return validate(
         parse_args(
@@ -244,7 +244,7 @@ def max_rel(a: list[float], b: list[float]) -> float:
 def init_one_rank_group(device: torch.device) -> str:
     """A world-size-1 default process group on `device` (NCCL on CUDA, gloo on the CPU), as the stages and the
     preflight (scripts/gpu_preflight.py) make it; returns the backend."""
-    from device import backend_for
+    from runtime.device import backend_for
     from tests.harness import free_port
 
     if device.type == "cuda":
@@ -295,7 +295,7 @@ def row_on_error(ctx: Context, check: str):
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    from launch import child_env as base
+    from runtime.launch import child_env as base
 
     return base(PYTHONUNBUFFERED="1", **extra)
 
@@ -325,7 +325,7 @@ def deterministic_train(argv: list[str]) -> int:
 
 
 def read_jsonl(out_dir: str) -> list[dict]:
-    from metrics import read_jsonl as read
+    from runtime.metrics import read_jsonl as read
 
     return read(out_dir)
 

@@ -162,7 +162,7 @@ def closed_faults(t, out_dir: str):
     """t.faults as train.main makes it (its preemption vote is one of the step's host reads), closed on exit. Its
     Preemption puts SIGTERM/SIGINT handlers in place that only ask a training run to stop after its step: the
     check's own are put back at once, so a SIGTERM during the audit still stops the check."""
-    import faults
+    from trainer import faults
 
     sigs = (signal.SIGTERM, signal.SIGINT)
     saved = {s: signal.getsignal(s) for s in sigs}
@@ -394,8 +394,8 @@ def stage_real_size(ctx: Context) -> None:
 
 def real_size_path(ctx: Context, name: str) -> None:
     """One real-size row (its trainer is freed on return: the next build's memory is its own)."""
-    import metrics
     import train
+    from runtime import metrics
 
     s, device = ctx.setup, device_of(ctx)
     cuda = device.type == "cuda"

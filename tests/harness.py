@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from launch import child_env, exit_process
-from metrics import read_jsonl
+from runtime.launch import child_env, exit_process
+from runtime.metrics import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = timedelta(seconds=300)
@@ -460,7 +460,7 @@ def check_against(
 
 def checkpoint_params(path: str) -> dict[str, torch.Tensor]:
     """name -> full parameter tensor of the checkpoint at `path` (checkpoint.consolidate)."""
-    import checkpoint
+    from checkpoints import checkpoint
 
     return {name: kinds["param"] for name, kinds in checkpoint.consolidate(path).items()}
 
@@ -496,7 +496,7 @@ def run_key(args: list[str], nproc: int) -> tuple:
     """What makes two runs of train.py one run: the rank count and everything train.py's own parser makes of
     `args` but --out_dir (so neither the order of the flags nor a default spelled out matters). Args the parser
     refuses are keyed by their text (such a run fails, and a failed run is never registered)."""
-    import config
+    from trainer import config
 
     try:
         parsed = vars(config.parse_args(list(args)))
@@ -610,11 +610,11 @@ def check_kill_and_resume(
 ) -> None:
     """Kill + --resume is bit-equal to `ref`, the out_dir of the uninterrupted `steps`-step run of the same args.
     train.py args + --out_dir out + a checkpoint every `every` steps, on nproc ranks: rank `kill_rank` SIGKILLs
-    itself after step `kill_at` (faults.py: GPT_KILL_AT_STEP), leaving the checkpoint of step `saved` (kill_at
+    itself after step `kill_at` (trainer/faults.py: GPT_KILL_AT_STEP), leaving the checkpoint of step `saved` (kill_at
     rounded down to a multiple of every) the newest; --resume continues from it and recomputes steps saved + 1
     to kill_at. Every step's loss and grad_norm and every val_loss equal ref's bits, and (final_state) so do
     the final checkpoint's parameters."""
-    import checkpoint
+    from checkpoints import checkpoint
 
     saved = kill_at - kill_at % every
     args = [*args, "--out_dir", out, "--checkpoint_interval", str(every)]
@@ -645,7 +645,7 @@ def check_resume_from(
     args + --out_dir out --resume --no_checkpoint on nproc ranks: it exits 0, says it resumes from that
     checkpoint (`saved_by`: how the note after the path starts, naming the saving layout), notes no argument
     differing from the checkpoint's run, and logs steps step + 1 to `steps`."""
-    import checkpoint
+    from checkpoints import checkpoint
 
     shutil.copytree(checkpoint.step_dir(source, step), checkpoint.step_dir(out, step))
     proc = forked([*args, "--out_dir", out, "--resume", "--no_checkpoint"], nproc)

@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from launch import child_env
+from runtime.launch import child_env
 from tests.harness import WholeRuns, evals_of, steps_of
 
 ROUNDING_FACTOR = 4
@@ -27,8 +27,8 @@ EPS32 = torch.finfo(torch.float32).eps
 def float64_run(args: list[str]) -> tuple[dict[int, dict], dict[int, float]]:
     """train.py `args` (one process, on the CPU) trained in float64 in this process, writing nothing: step ->
     train_step's record, and step -> val_loss at the evaluations train.run makes."""
-    import config
     import train
+    from trainer import config
 
     with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, clear=True):
         os.environ.update(child_env())  # one rank, whatever launched this process

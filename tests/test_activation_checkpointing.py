@@ -1,4 +1,4 @@
-"""Activation checkpointing and torch.compile (blocks.py): recomputing a Block in backward changes
+"""Activation checkpointing and torch.compile (runtime/blocks.py): recomputing a Block in backward changes
 no number, keeps only the Block boundaries for backward, and re-runs exactly the TP collectives the theory
 says; a compiled Block agrees with the eager one; bad flags are refused in one line.
 
@@ -18,9 +18,9 @@ import torch
 
 from bench.ac import SavedAndRecomputedBytes
 from bench.pipeline import SavedBytes
-from blocks import apply_activation_checkpointing
-from model import GPT, make_config
+from model.gpt import GPT, make_config
 from plan.theory import tp_comm_bytes_per_micro_step
+from runtime.blocks import apply_activation_checkpointing
 from tests.harness import WholeRuns, evals_of, expect_train_error_in_process, rank0_only, steps_of
 
 STEPS = 6  # as test_pipeline_train's, whose eager references the AC and compiled runs share

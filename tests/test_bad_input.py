@@ -8,9 +8,9 @@ import tempfile
 import unittest
 from unittest import mock
 
-import config
-from config import train_parser
 from tests.harness import expect_train_error_in_process, make_token_bins
+from trainer import config
+from trainer.config import train_parser
 
 BASE = ["--model", "tiny", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "64", "--max_steps", "2"]
 

@@ -17,8 +17,8 @@ from bench import report, runner
 from bench.matrix import Layout, Setup, comm_theory, fit_heads, matrix, param_count
 from bench.report import MiB
 from bench.runner import JobResult
-from metrics import read_jsonl
-from model import GPT, GPTConfig
+from model.gpt import GPT, GPTConfig
+from runtime.metrics import read_jsonl
 
 # Small enough to build for real: V=128, block 32, L=2, H=16 (2 heads)
 CFG = GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=2, n_embd=16)
@@ -769,7 +769,7 @@ class TestActiveParameters(unittest.TestCase):
     """MFU's 6N counts what a token multiplies by: of each MoE layer only its K experts (metrics.active_params)."""
 
     def test_dense_is_every_parameter(self):
-        from metrics import active_params
+        from runtime.metrics import active_params
 
         model = GPT(CFG)
         self.assertEqual(active_params(CFG), model.num_params())
@@ -778,7 +778,7 @@ class TestActiveParameters(unittest.TestCase):
     def test_moe_counts_k_of_e_experts(self):
         """With hidden 4C/K the K active experts hold the dense MLP's weights; the MoE adds its router and K-1 more
         c_proj biases per layer, and nothing else."""
-        from metrics import active_params
+        from runtime.metrics import active_params
 
         moe = make_setup().moe_config(E8)
         self.assertEqual(active_params(moe), param_count(CFG) + 2 * (ROUTER + (K2 - 1) * 16))

@@ -69,7 +69,7 @@ def test_comm_theory_by_layout():
     """C: the ring's formula plus the gradient all-reduce; TP: the TP formula (SP + loss parallel); 1 rank: 0.
     Hand count for the ring, tiny (n_layer 2, n_embd 64), 4 rows, T = 128, C = 2: A = 4 * 64 * 64 * 4 bytes
     = 65536; per layer 2A forward + 6A backward = 8A; 2 layers: 16A = 1,048,576."""
-    from model import make_config
+    from model.gpt import make_config
     from plan.theory import tp_comm_bytes_per_micro_step
 
     cfg = make_config("tiny")
@@ -183,7 +183,7 @@ def test_measure_saved_hand_count_one_process():
     ln_1's output, q, k, v, SDPA's output (c_proj's input is a view of it) = 5U, plus the log-sum-exp
     B*H*T*4 = 256. The whole peak is at least that plus the MLP's c_fc input (U), GELU's input (4U) and c_proj's
     input (4U), and the loss's targets B*T*8 = 128 (lm_head + loss are chunked: no logits are kept)."""
-    from model import GPT, make_config
+    from model.gpt import GPT, make_config
 
     torch.manual_seed(0)
     model = GPT(make_config("tiny", n_layer=1, vocab_size=64, block_size=8))

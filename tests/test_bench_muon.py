@@ -7,7 +7,7 @@ import os
 import bench.__main__ as cli
 from bench import report, runner
 from bench.matrix import Layout, Setup, comm_theory
-from model import GPTConfig
+from model.gpt import GPTConfig
 
 # Small enough to run for real: V=128, block 32, L=2, C=16 (2 heads)
 CFG = GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=2, n_embd=16)

@@ -28,10 +28,10 @@ import unittest.mock
 import pytest
 import torch
 
-import checkpoint
-import checkpoint_entries
-from memory import LargestTensor
-from metrics import read_jsonl as read_metrics
+from checkpoints import checkpoint
+from checkpoints import entries as checkpoint_entries
+from runtime.memory import LargestTensor
+from runtime.metrics import read_jsonl as read_metrics
 from tests.harness import (
     forked,
     forked_ranks,
@@ -203,8 +203,8 @@ def _load_everything(
     target: every element has exactly one designated writer over all ranks. Returns the mismatches."""
     import torch.distributed as dist
 
-    import config
     import train
+    from trainer import config
 
     bad, trainers = [], {}
     for target, flags in targets.items():
@@ -235,9 +235,7 @@ def _load_everything(
         saved_step = checkpoint.read_manifest(src)["optimizer"]["step"]
         for target, t in trainers.items():
             what = f"{src_name} -> {target}"
-            checkpoint.load(
-                src, checkpoint_entries.entries(t.par, t.optimizer), t.optimizer, rank=rank, world_size=world
-            )
+            checkpoint.load(src, entries.entries(t.par, t.optimizer), t.optimizer, rank=rank, world_size=world)
             if {float(s["step"]) for s in t.optimizer.state.values()} != {saved_step}:
                 bad.append(f"{what}: AdamW step not restored")
             for e in checkpoint_entries.entries(t.par, t.optimizer):
@@ -450,7 +448,7 @@ class TestLaunchers(unittest.TestCase):
                     self.assertEqual(len(pointer), 1, text0[-3000:])
                     self.assertIn(stack, pointer[0])
                     text = open(stack).read()
-                    self.assertIn('parallel/ddp.py", line', text)
+                    self.assertIn('parallel/data_parallel/ddp.py", line', text)
                     self.assertIn("in _wait_all", text)  # the all-reduce wait at the end of backward
                 waited = exited[sig] - hooked[sig]
                 self.assertLess(waited, timeout + 10, f"SIG{sig}: rank 0 took {waited:.1f}s")  # + a loaded box
@@ -485,8 +483,8 @@ class TestFormat(unittest.TestCase):
         """An async save's snapshot copies into the saver's buffers, the same storage every save (no new host
         memory per checkpoint), with the values a fresh copy has, and later changes to the live state do not
         reach it. free_buffers waits for the write in flight, which reads them."""
-        from checkpoint_entries import entries_for
-        from model import GPT, GPTConfig
+        from checkpoints.entries import entries_for
+        from model.gpt import GPT, GPTConfig
 
         model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16))
         model.init_weights(seed=0)
@@ -557,7 +555,7 @@ class TestIndexMemory(unittest.TestCase):
     def test_entry_runs_are_the_runs_of_its_positions(self):
         """Blocks given by per-dim positions (whole, a range, strided, with gaps) and a span of them: runs()
         equals the runs of the explicit index, and `_pieces` decodes them in chunks of any size."""
-        from checkpoint_entries import Entry
+        from checkpoints.entries import Entry
 
         cases = []
         for shape in [(24, 10), (6, 5, 7)]:
@@ -593,7 +591,7 @@ class TestIndexMemory(unittest.TestCase):
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        from checkpoint_entries import Entry, _axes
+        from checkpoints.entries import Entry, _axes
 
         layouts = [
             (Shard(0), Shard(1)),
@@ -625,9 +623,9 @@ class TestIndexMemory(unittest.TestCase):
         index 400k; runs need a handful, and loading makes positions at most 2 * _INDEX_CHUNK at a time."""
         import torch.distributed as dist
 
-        from checkpoint_entries import entries_for, entries_for_fsdp
-        from model import GPT, PRESETS
-        from parallel.fsdp import FullyShardedDataParallel
+        from checkpoints.entries import entries_for, entries_for_fsdp
+        from model.gpt import GPT, PRESETS
+        from parallel.data_parallel.fsdp import FullyShardedDataParallel
 
         config = PRESETS["tiny"]
         torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""train.py --config FILE.toml (config_file.py): the file supplies the flags, the command line overrides it, every
+"""train.py --config FILE.toml (trainer/config_file.py): the file supplies the flags, the command line overrides it,
+every
 run writes its own OUT_DIR/config.toml, and `--config OUT_DIR/config.toml --out_dir NEW` replays the run bit for bit.
 A bad file is one line naming the key, exit 2. The shipped configs/ pass every check of their layout."""
 
@@ -12,10 +13,9 @@ import unittest
 import pytest
 import torch
 
-import config
-import config_file
-from model import make_config
+from model.gpt import make_config
 from tests.harness import ROOT, evals_of, expect_train_error_in_process, forked, make_token_bins, rank0_only, steps_of
+from trainer import config, config_file
 
 
 def write(directory: str, text: str, name: str = "c.toml") -> str:

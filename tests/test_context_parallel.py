@@ -1,4 +1,4 @@
-"""Ring attention (parallel/context_parallel.py) on 1, 2 and 4 gloo ranks against full causal attention on the
+"""Ring attention (parallel/context_parallel/ring.py) on 1, 2 and 4 gloo ranks against full causal attention on the
 gathered sequence: output and the gradients of q, k and v, with and without the zigzag split, including
 sequences whose chunks are single tokens; the p2p bytes per call against the docstring's count; the order the
 ring posts its transfers in (NCCL-safe, and before the compute they overlap); which chunk pairs the kernel calls
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import parallel.context_parallel as cp
+import parallel.context_parallel.ring as cp
 from parallel import comm
-from parallel.context_parallel import exchange_order, local_positions, ring_attention, shard_sequence
+from parallel.context_parallel.ring import exchange_order, local_positions, ring_attention, shard_sequence
 from parallel.groups import link_groups, new_groups, p2p_link
 from tests.harness import run_distributed
 from tests.rounding import EPS32, ROUNDING_FACTOR
@@ -118,7 +118,7 @@ def ring_results(world: int) -> list:
 
 
 def drain_timed(queues: list[list[tuple]], group=lambda rank, op: 0) -> int | None:
-    """NCCL's p2p on eagerly initialised groups (the cp group is one: device.py passes device_id; the
+    """NCCL's p2p on eagerly initialised groups (the cp group is one: runtime/device.py passes device_id; the
     pipeline's model is plan/simulate.py's "nccl_eager"): each rank's ops on a group (`group(rank, op)`; one
     group by default) run one after another in posting order, whichever neighbour they name; the head send of
     rank a to b runs with the head receive of b from a on the same group, and both must describe the same
@@ -246,7 +246,7 @@ class TestRingAttention(unittest.TestCase):
         """NCCL runs each rank's p2p operations on a group in posting order, across both its neighbours, a send
         waiting for its receive (`drain`). A ring exchange is two sends to r+1 and two receives from r-1; a
         forward posts C-1 of them, a backward 2C-1 (k/v and dK/dV interleaved: k/v before a step's compute,
-        dK/dV after it). parallel/context_parallel.py's order always finishes, C = 1..8; "receive first" on
+        dK/dV after it). parallel/context_parallel/ring.py's order always finishes, C = 1..8; "receive first" on
         every rank, the naive order, hangs at every C > 1 (so this test can fail)."""
         naive = lambda r, c: ("recv", "send")  # noqa: E731
         for C in range(1, 9):

@@ -13,8 +13,8 @@ import unittest
 import pytest
 import torch
 
-import checkpoint
-from model import GPT, make_config
+from checkpoints import checkpoint
+from model.gpt import GPT, make_config
 from plan.theory import cp_p2p_bytes_per_micro_step, p2p_bytes_per_step, tp_comm_bytes_per_micro_step
 from tests.harness import (
     WholeRuns,
@@ -80,7 +80,7 @@ def cp2_run() -> str:
 
 def ring_bytes(cp: int, dp: int = 1, tp: int = 1, n_layer: int = N_LAYER) -> int:
     """Ring bytes global rank 0 sends per step: the step's M / dp micro-batches, each a forward + backward
-    through n_layer ring attentions (parallel.context_parallel.cp_p2p_bytes_per_micro_step)."""
+    through n_layer ring attentions (parallel.context_parallel.ring.cp_p2p_bytes_per_micro_step)."""
     return M // dp * cp_p2p_bytes_per_micro_step(n_layer, MB, T, C, cp, tp)
 
 
@@ -231,7 +231,7 @@ class TestContextParallelCheckpoints(unittest.TestCase):
     def test_cp_checkpoint_holds_the_one_process_tensors(self):
         """No tensor is sharded over cp: the step-3 checkpoint lists the model's parameters at full shape, and
         its manifest records the saving layout's cp degree."""
-        from model import GPT, make_config
+        from model.gpt import GPT, make_config
 
         model = GPT(make_config("tiny", n_layer=N_LAYER))
         want = {n: p.shape for n, p in model.named_parameters() if n != "lm_head.weight"}
@@ -246,7 +246,7 @@ class TestContextParallelCheckpoints(unittest.TestCase):
         self.check_resumed(self.resume("cp_to_ddp", DDP2, 2), "CP=2 -> DDP x2")
 
     def test_kill_and_resume_is_bit_equal(self):
-        """CP=2, a checkpoint every 3 steps, rank 1 SIGKILLs itself after step 4 (faults.py: GPT_KILL_AT_STEP);
+        """CP=2, a checkpoint every 3 steps, rank 1 SIGKILLs itself after step 4 (trainer/faults.py: GPT_KILL_AT_STEP);
         --resume continues from step 3's checkpoint and recomputes step 4. Every step's loss and grad_norm, every
         val_loss and the final checkpoint's parameters equal the uninterrupted CP=2 run's bits
         (tests/harness.check_kill_and_resume)."""

@@ -1,6 +1,6 @@
 """The PyTorch twin of context parallelism (`--implementation pytorch`): what of it can be checked without CUDA.
 
-- **Its tokens are ours.** On 2 and 4 gloo ranks, `parallel.context_parallel.torch_context_parallel` (torch's
+- **Its tokens are ours.** On 2 and 4 gloo ranks, `parallel.context_parallel.ring.torch_context_parallel` (torch's
   `context_parallel`, head-tail load balance) hands each rank exactly the tokens our zigzag split gives it
   (`shard_sequence`), 1-token chunks included, and the positions our model embeds (`local_positions`). So
   twin and ours see the same tokens at the same positions, and the same losses are expected on a GPU.
@@ -22,12 +22,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from config import UsageError, _check_context, _check_layout, train_parser
-from model import GPTConfig
-from parallel.context_parallel import local_positions, shard_sequence
+from model.gpt import GPTConfig
+from parallel.context_parallel.ring import local_positions, shard_sequence
 from parallel.mesh import ParallelDims
 from parallel.twins.context_parallel import torch_context_parallel
 from tests.harness import run_distributed
+from trainer.config import UsageError, _check_context, _check_layout, train_parser
 
 
 def shards(rank: int, world: int) -> list:

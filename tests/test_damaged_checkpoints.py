@@ -20,7 +20,7 @@ import unittest
 import pytest
 import torch
 
-import checkpoint
+from checkpoints import checkpoint
 from tests.harness import ROOT, checkpoint_params, forked_ranks, make_token_bins, rank0_only, train_losses
 
 BASE = [
@@ -79,7 +79,7 @@ def exported_params(path: str, source: str) -> dict[str, torch.Tensor]:
     config of checkpoint `source`); lm_head.weight (tied, not exported) left out."""
     from safetensors.torch import load_file
 
-    from model import GPT
+    from model.gpt import GPT
 
     config, sd = checkpoint.load_model(source).config, load_file(path)
     back = GPT.from_hf_state_dict(sd, vocab_size=config.vocab_size, n_head=config.n_head)

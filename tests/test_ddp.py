@@ -1,4 +1,4 @@
-"""Our DistributedDataParallel (parallel/ddp.py) against torch's, on 2 gloo ranks with different data.
+"""Our DistributedDataParallel (parallel/data_parallel/ddp.py) against torch's, on 2 gloo ranks with different data.
 
 Each distributed class runs one spawned body in setUpClass and each test method checks one property of
 its results, so the file spawns three times in all. Runs under pytest and under
@@ -18,9 +18,9 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from debug import flight_recorder
-from model import GPT, GPTConfig, param_groups
+from model.gpt import GPT, GPTConfig, param_groups
 from parallel import comm
-from parallel.ddp import DistributedDataParallel
+from parallel.data_parallel.ddp import DistributedDataParallel
 from tests.harness import run_distributed
 
 CFG = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
@@ -379,9 +379,10 @@ class TestMatchesTorchDDP(unittest.TestCase):
             n = r["n_buckets"]
             self.assertGreater(n, 2)
             reduces = [site for op, site in r["ring"] if op == "all_reduce"]
-            self.assertEqual(reduces, [f"parallel.ddp._launch [bucket {k}]" for k in range(n)] * STEPS)
+            self.assertEqual(reduces, [f"parallel.data_parallel.ddp._launch [bucket {k}]" for k in range(n)] * STEPS)
             self.assertEqual(
-                {site for op, site in r["ring"] if op == "broadcast"}, {"parallel.ddp._broadcast_from_rank0"}
+                {site for op, site in r["ring"] if op == "broadcast"},
+                {"parallel.data_parallel.ddp._broadcast_from_rank0"},
             )
             self.assertEqual({op for op, _ in r["ring"]}, {"broadcast", "all_reduce"})
 

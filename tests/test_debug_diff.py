@@ -17,7 +17,7 @@ import torch
 
 from debug import diff, trace
 from debug.__main__ import main
-from model import PRESETS
+from model.gpt import PRESETS
 from tests.harness import expect_train_error_in_process, make_token_bins
 
 MODEL = asdict(PRESETS["tiny"])

@@ -1,5 +1,5 @@
 """`--trace_step` + `python -m debug diff` on real train.py runs: clean runs of other layouts agree with one
-process, and a fault injected in one place (faults.py's wrong-math hooks) is named first, each time.
+process, and a fault injected in one place (trainer/faults.py's wrong-math hooks) is named first, each time.
 
 Five runs of the tiny model, one step each (8 rows of 64 tokens: 4 micro-batches in one process, 2 per dp rank):
 one process; FSDP x2, clean; TP x2 + sequence parallelism with one TP shard of one Block's MLP bias gradient
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from debug import diff
-from model import GPT, PRESETS
-from parallel.ddp import build_buckets
+from model.gpt import GPT, PRESETS
+from parallel.data_parallel.ddp import build_buckets
 from tests.harness import forked, rank0_only, shared_data
 
 BASE = [

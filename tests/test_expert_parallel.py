@@ -22,7 +22,7 @@ import unittest
 import pytest
 import torch
 
-from model import GPT, decays, make_config
+from model.gpt import GPT, decays, make_config
 from plan.theory import ep_all_to_all_bytes_per_micro_step, fsdp_unit_state_bytes, zero_comm_bytes_per_step
 from tests.harness import (
     WholeRuns,
@@ -199,7 +199,7 @@ def run(name: str, flags: list[str], nproc: int) -> str:
 
 def final_bias(out: str) -> dict[str, torch.Tensor]:
     """Each MoE layer's expert bias in the run's last checkpoint."""
-    import checkpoint
+    from checkpoints import checkpoint
 
     params = checkpoint_params(checkpoint.newest(out))
     return {n: t for n, t in params.items() if n.endswith("expert_bias")}
@@ -224,8 +224,8 @@ class TestExpertParallelAgreesWithOneProcess(unittest.TestCase):
         """MFU's 6N counts K of each layer's E experts (metrics.active_params), not all of them: one process and
         EP = 2 (each rank holding half the experts) alike. The logged MFU against tokens/s and --peak_flops 1e12:
         equal within float64 rounding of the one product."""
-        import checkpoint
-        from metrics import active_params, flops_per_token
+        from checkpoints import checkpoint
+        from runtime.metrics import active_params, flops_per_token
 
         config = checkpoint.model_config(checkpoint.read_manifest(checkpoint.newest(self.single)))
         self.assertEqual((config.moe_num_experts, config.moe_top_k), (E, K))

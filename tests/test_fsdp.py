@@ -1,4 +1,4 @@
-"""Our FSDP (parallel/fsdp.py) on 2 gloo ranks against torch's FSDP2 (`fully_shard`) and a single process.
+"""Our FSDP (parallel/data_parallel/fsdp.py) on 2 gloo ranks against torch's FSDP2 (`fully_shard`) and a single process.
 
 Each test reads one measurement, registered right above it (`@measures.register`, tests/harness.py's
 Measurements): a function that runs inside the ranks and returns what the test checks. The ranks are started
@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-import parallel.fsdp as fsdp_module
-from checkpoint_entries import entries_for_fsdp
+import parallel.data_parallel.fsdp as fsdp_module
+from checkpoints.entries import entries_for_fsdp
 from debug import flight_recorder
-from model import GPT, GPTConfig, param_groups
+from model.gpt import GPT, GPTConfig, param_groups
 from parallel import comm
-from parallel.fsdp import FullyShardedDataParallel as FSDP
+from parallel.data_parallel.fsdp import FullyShardedDataParallel as FSDP
 from plan.theory import engine_comm_bytes_per_micro_step
 from tests.harness import Measurements
 
@@ -36,7 +36,7 @@ MAX_NORM = 0.25  # below the gradient norms of this run (0.4-0.8), so clipping a
 
 
 # ----------------------------------------------------------------------------- whole-model views, for the tests
-# The runtime reads our engine only through its sharded views (checkpoint_entries.py); a test compares the
+# The runtime reads our engine only through its sharded views (checkpoints/entries.py); a test compares the
 # whole model against one process, through these views of FlatLayout's shards.
 
 
@@ -639,7 +639,7 @@ class TestFSDPMechanics(unittest.TestCase):
             self.assertEqual(r["units"], ["root", "transformer.h.0", "transformer.h.1"])
             gathers = [site for op, site in r["ring"] if op == "all_gather"]
             scatters = [site for op, site in r["ring"] if op == "reduce_scatter"]
-            g, s = "parallel.flat_param.gather", "parallel.flat_param.start"
+            g, s = "parallel.data_parallel.flat_param.gather", "parallel.data_parallel.flat_param.start"
             self.assertEqual(
                 gathers,
                 [

@@ -21,12 +21,12 @@ import unittest
 import pytest
 import torch
 
-import metrics
 import train
-from config import parse_args, validate
-from device import pick_device
 from parallel.grads import AgreeingGradScaler
+from runtime import metrics
+from runtime.device import pick_device
 from tests.harness import make_token_bins
+from trainer.config import parse_args, validate
 
 U_BF16 = 2.0**-8
 SMALL = [
@@ -191,7 +191,7 @@ class OnCpu(DeviceSteps, unittest.TestCase):
 @pytest.mark.gpu
 @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
 class OnAccelerator(DeviceSteps, unittest.TestCase):
-    device = pick_device("auto")  # the accelerator when there is one (device.py), else the CPU
+    device = pick_device("auto")  # the accelerator when there is one (runtime/device.py), else the CPU
 
 
 if __name__ == "__main__":

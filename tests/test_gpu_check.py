@@ -242,7 +242,7 @@ def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     import train
-    from model import Block
+    from model.gpt import Block
 
     ctx = gpu_harness.Context(gpu_harness.DRY, tmp, data)
     out = {}

@@ -18,10 +18,10 @@ from unittest import mock
 import pytest
 import torch
 
-import config
-import metrics
-from model import GPT, make_config
+from model.gpt import GPT, make_config
+from runtime import metrics
 from tests.harness import make_token_bins, spawn
+from trainer import config
 
 TINY = make_config("tiny")
 
@@ -78,7 +78,7 @@ class TestDevicePlacement(unittest.TestCase):
         """train.build asks for torch's fused AdamW on every device torch 2.13 fuses on, the CPU included (the
         meta device above is not one); the DTensor twins too (the sweep holds their losses to one process)."""
         import train
-        from device import fused_optimizer
+        from runtime.device import fused_optimizer
 
         self.assertEqual([fused_optimizer(torch.device(d)) for d in ("cpu", "cuda", "meta")], [True, True, False])
         from torch.distributed.tensor import DTensor
@@ -104,7 +104,7 @@ def _skip_body(rank: int, world: int, agreeing: bool) -> dict:
     """Custom FSDP over 2 ranks, fp16 GradScaler; rank 1 alone finds an inf in its shard gradient."""
     import torch.distributed as dist
 
-    from parallel.fsdp import FullyShardedDataParallel
+    from parallel.data_parallel.fsdp import FullyShardedDataParallel
     from parallel.grads import AgreeingGradScaler
 
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def _fp16_reduce_body(rank: int, world: int, scale: float) -> dict:
     import torch.distributed as dist
 
     from parallel import comm
-    from parallel.fsdp import FullyShardedDataParallel
+    from parallel.data_parallel.fsdp import FullyShardedDataParallel
 
     model = GPT(TINY)
     model.init_weights(0, "cpu")
@@ -195,7 +195,7 @@ class TestDtypes(unittest.TestCase):
 
     def test_tf32_only_for_fp32_on_cuda_unless_refused(self):
         """config.use_tf32: TF32 changes fp32 matmuls only; CPU runs and autocast runs keep their math."""
-        from config import use_tf32
+        from trainer.config import use_tf32
 
         cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
         self.assertTrue(use_tf32(cuda, torch.float32))

@@ -3,7 +3,7 @@
 Fast: the ring (records, completion, wrap-around at K, the file a killed rank leaves) and the analysis on
 synthetic dumps, one per kind of finding, plus bad input (exit 2, one line).
 
-Slow: real 2-rank train.py runs (forked ranks, --timeout 3) with a fault injected by faults.py at step 2: a rank
+Slow: real 2-rank train.py runs (forked ranks, --timeout 3) with a fault injected by trainer/faults.py at step 2: a rank
 that skips one DDP all-reduce, one that issues it on a different shape, a pipeline stage that skips a receive
 (its peer's send is left without it), a SIGSTOPped rank. Each time the report must name the op, the group and
 the faulty rank, and the test fails if it names others.
@@ -150,7 +150,7 @@ def op(
     shape=(8,),
     group=(0, 1),
     gname="1",
-    site="parallel.ddp._launch",
+    site="parallel.data_parallel.ddp._launch",
     step=1,
     micro=-1,
     state="completed",
@@ -173,7 +173,11 @@ def op(
     }
 
 
-STEP = [("parallel.ddp._launch", (8,)), ("parallel.ddp._launch", (4,)), ("parallel.grads.clip_grad_norm_", ())]
+STEP = [
+    ("parallel.data_parallel.ddp._launch", (8,)),
+    ("parallel.data_parallel.ddp._launch", (4,)),
+    ("parallel.grads.clip_grad_norm_", ()),
+]
 
 
 def steps(n, skip=None, shape=None, posted_from=None):
@@ -225,7 +229,7 @@ class TestAnalysis(unittest.TestCase):
                 m,
                 "send",
                 (2, 4),
-                site="parallel.pipeline.step",
+                site="parallel.pipeline.runner.step",
                 micro=m,
                 peer=1,
                 gname="3",
@@ -234,7 +238,7 @@ class TestAnalysis(unittest.TestCase):
             for m in range(4)
         ]
         recvs = [
-            op(k, "recv", (2, 4), site="parallel.pipeline.step", micro=m, peer=0, gname="3")
+            op(k, "recv", (2, 4), site="parallel.pipeline.runner.step", micro=m, peer=0, gname="3")
             for k, m in enumerate([0, 2, 3])
         ]
         f = self.findings({0: dump(0, sends), 1: dump(1, recvs)})
@@ -381,7 +385,7 @@ BASE = [
 ]
 DDP = ["--implementation", "custom", "--data_parallel_size", "2", "--data_parallel_type", "ddp"]
 PP = ["--pipeline_parallel_size", "2"]  # 4 micro-batches of 2 rows
-# name: (layout, the faults.py hook's environment)
+# name: (layout, the trainer/faults.py hook's environment)
 CASES = {
     "skip": (DDP, {"GPT_COMM_FAULT": "skip", "GPT_COMM_FAULT_RANK": "1", "GPT_COMM_FAULT_STEP": str(FAULT_AT)}),
     "shape": (DDP, {"GPT_COMM_FAULT": "shape", "GPT_COMM_FAULT_RANK": "1", "GPT_COMM_FAULT_STEP": str(FAULT_AT)}),

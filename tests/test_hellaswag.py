@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from evals import fetch_hellaswag, hellaswag
-from loss import IGNORE_INDEX
+from model.loss import IGNORE_INDEX
 from tests.harness import expect_train_error_in_process, forked, make_token_bins, rank0_only
 
 WORDS = (
@@ -61,10 +61,9 @@ def gpt2():
 
 def train_one_step(data: str, out: str, *flags: str) -> None:
     """A checkpoint made in this process: `tiny` trained one step on `data` (as tests/test_sample.py makes one)."""
-    import config
     import train
-    import trainer_checkpoint
-    from launch import child_env
+    from runtime.launch import child_env
+    from trainer import config, resume
 
     with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stdout(io.StringIO()):
         os.environ.update(child_env())
@@ -95,7 +94,7 @@ def train_one_step(data: str, out: str, *flags: str) -> None:
         )
         t = train.build(config.validate(args))
         train.train_step(t, 1)
-        trainer_checkpoint.save_trainer(t, 1)
+        resume.save_trainer(t, 1)
 
 
 class TestFile(unittest.TestCase):
@@ -215,7 +214,7 @@ class TestAgainstTransformers(unittest.TestCase):
         8u(max|z| + ln V) (rounding z moves log-softmax by at most 2u max|z|; logsumexp's V-term sum and log add the
         rest), u = 2^-24; the fp32 mean over n tokens and the product by n add 2nu of the row's sum S:
         |ours - reference| <= u (8n(max|z| + ln V) + 2nS). (Measured: at most 0.12 of it, 1.3e-7 relative.)"""
-        import checkpoint
+        from checkpoints import checkpoint
 
         ours = hellaswag.score_model(
             checkpoint.load_model(checkpoint.newest(self.out_dir)).double().eval(),
@@ -240,7 +239,7 @@ class TestAgainstTransformers(unittest.TestCase):
     def test_cli(self):
         """python -m evals.hellaswag on the run prints the scores of its newest checkpoint (and --step's); a missing
         step is one line, exit 2."""
-        import checkpoint
+        from checkpoints import checkpoint
 
         model = checkpoint.load_model(checkpoint.newest(self.out_dir)).eval()
         s = hellaswag.summarize(self.rows, hellaswag.score_model(model, self.rows, torch.device("cpu")))
@@ -351,7 +350,7 @@ class TestInTraining(unittest.TestCase):
         cls.tmp.cleanup()
 
     def scores(self, name: str) -> dict[int, dict]:
-        from metrics import read_jsonl
+        from runtime.metrics import read_jsonl
 
         return {r["step"]: r for r in read_jsonl(self.runs[name]) if "hellaswag_acc" in r}
 
@@ -372,7 +371,7 @@ class TestInTraining(unittest.TestCase):
         """The final eval's scores are the CLI's on the final checkpoint (same rows a forward: the same bits)."""
         final = self.scores("one")[STEPS]
         rows = hellaswag.render(hellaswag.load_examples(self.file), gpt2())
-        import checkpoint
+        from checkpoints import checkpoint
 
         model = checkpoint.load_model(checkpoint.newest(self.runs["one"])).eval()
         sums = hellaswag.score_model(model, rows, torch.device("cpu"), batch_rows=max(1, 2 * 64 // rows.length))

@@ -97,9 +97,9 @@ def syncs_in_families(rank: int, world: int, data: str, families: dict[str, list
 def syncs_in_steps(rank: int, world: int, data: str, flags: list[str], name: str = "run") -> list[tuple[str, str, str]]:
     """Build the run of `flags`, train step 1, then record every host sync from our code in steps 2 and 3
     (train_step and the preemption vote, as train.run calls them): [(file, function, kind)]."""
-    import faults
     import train
-    from config import parse_args, validate
+    from trainer import faults
+    from trainer.config import parse_args, validate
 
     out = os.path.join(data, f"{name}-out{rank}")
     plan = validate(
@@ -175,7 +175,7 @@ class TheRecorder(unittest.TestCase):
     """debug/host_sync.recording on one process: what it records, where, and the CUDA debugger it switches off."""
 
     def test_an_item_in_our_code_is_seen_once_with_its_place(self):
-        import faults
+        from trainer import faults
 
         flag = faults.Preemption.__new__(faults.Preemption)  # no signal handlers installed in the test process
         flag.device, flag.signal, flag._flag, flag._work = torch.device("cpu"), None, None, None
@@ -183,11 +183,11 @@ class TheRecorder(unittest.TestCase):
         seen = []
         with recording(seen):
             flag.agreed()
-        self.assertEqual(seen, [("faults.py", "agreed", "item")])  # its _local_scalar_dense not counted again
+        self.assertEqual(seen, [("trainer/faults.py", "agreed", "item")])  # its _local_scalar_dense not counted again
 
     def test_the_preemption_vote_makes_no_sync(self):
         """The vote's flag is filled on the device: no tensor from host data (a blocking copy on CUDA)."""
-        import faults
+        from trainer import faults
 
         flag = faults.Preemption.__new__(faults.Preemption)
         flag.device, flag.signal, flag._flag, flag._work = torch.device("cpu"), "SIGTERM", None, None
@@ -212,7 +212,7 @@ class TheRecorder(unittest.TestCase):
         with recording(seen):
             as_ours(
                 lambda: (torch.tensor([1, 2]), t[t > 1], t.nonzero(), torch.full((1,), 3.0), torch.zeros(2) + 1),
-                "faults.py",
+                "trainer/faults.py",
                 "vote",
             )()
         self.assertEqual([k for *_, k in seen], ["lift_fresh", "index with a boolean mask", "nonzero"])
@@ -231,11 +231,13 @@ class TheRecorder(unittest.TestCase):
                     host[host > 0],
                     torch.ones(3, device=meta) * 2,
                 ),
-                "parallel/fsdp.py",
+                "parallel/data_parallel/fsdp.py",
                 "finish",
             )()
         self.assertEqual(
-            seen, [("parallel/fsdp.py", "finish", "host-to-device copy")] * 2 + [("parallel/fsdp.py", "finish", "item")]
+            seen,
+            [("parallel/data_parallel/fsdp.py", "finish", "host-to-device copy")] * 2
+            + [("parallel/data_parallel/fsdp.py", "finish", "item")],
         )  # the Python patch records every item()
 
     def test_audit_runs_only_allowed_places_with_the_debugger_off(self):
@@ -249,9 +251,12 @@ class TheRecorder(unittest.TestCase):
         with fake, recording(seen, audit=True):
             as_ours(lambda: float(t), "train.py", "train_step")()
             self.assertEqual(modes, [0, 2])
-            as_ours(lambda: (float(t), t.item()), "parallel/zero_bubble.py", "flush")()
+            as_ours(lambda: (float(t), t.item()), "parallel/pipeline/zero_bubble.py", "flush")()
             self.assertEqual(modes, [0, 2])
         self.assertEqual(
             unallowed(seen),
-            [("parallel/zero_bubble.py", "flush", "_local_scalar_dense"), ("parallel/zero_bubble.py", "flush", "item")],
+            [
+                ("parallel/pipeline/zero_bubble.py", "flush", "_local_scalar_dense"),
+                ("parallel/pipeline/zero_bubble.py", "flush", "item"),
+            ],
         )

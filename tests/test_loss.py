@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from bench.pipeline import SavedBytes
-from loss import LOSS_CHUNK_ALIGN, WHOLE_VOCAB, linear_cross_entropy, loss_chunk_rows, loss_share
-from memory import LargestTensor
-from model import GPT, GPTConfig
-from parallel.tensor_parallel import VocabShard
+from model.gpt import GPT, GPTConfig
+from model.loss import LOSS_CHUNK_ALIGN, WHOLE_VOCAB, linear_cross_entropy, loss_chunk_rows, loss_share
+from parallel.tensor_parallel.apply import VocabShard
+from runtime.memory import LargestTensor
 from tests.rounding import EPS32, ROUNDING_FACTOR
 
 U32, U_BF16 = 2.0**-24, 2.0**-8
@@ -331,7 +331,7 @@ def _step(M: int, pipeline: bool, scale=None, autocast: bool = True) -> list[tor
     token embeddings (B, T, C) (wte's output: the last per-token gradient, from which wte's and wpe's are summed)."""
     from parallel.mesh import Mesh, ParallelDims
     from parallel.parallelize import ParallelConfig, parallelize
-    from parallel.pipeline import PipelineRunner, PipelineStage
+    from parallel.pipeline.runner import PipelineRunner, PipelineStage
 
     model, seen = GPT(CFG), []
     model.init_weights(7)
@@ -377,7 +377,7 @@ class TestTheStepTellsTheHead(unittest.TestCase):
         """With fp16's GradScaler (scale S = 2^16) and M = 3, each micro-batch's head is told S/M in forward, so its
         backward's factor (incoming gradient / what forward was told) is exactly 1: the scale reaches the head's
         products before their fp16 cast (TestLossScale). Told 1/M alone, the factor would be S; told nothing, S/M."""
-        from loss import _LinearCrossEntropy
+        from model.loss import _LinearCrossEntropy
 
         real = _LinearCrossEntropy.backward
         for pipeline in (False, True):
@@ -455,7 +455,7 @@ class TestMemory(unittest.TestCase):
         dx and dW. The previous chunk's gradient is freed before the next chunk's logits are made: kept, it would
         be a 4th, 25.8 MB at GPT-2's vocabulary (the backward of before the fused head kept one; found by a row
         of tests/test_plan_runs.py at GPT-2's vocabulary)."""
-        from memory import LiveStorages
+        from runtime.memory import LiveStorages
 
         x, w, t = _inputs()
         x.requires_grad_()
@@ -485,7 +485,7 @@ class TestDeviceKernels(unittest.TestCase):
         the rest of this file holds."""
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from loss import HeadGradients, fp32_accumulating_addmm
+        from model.loss import HeadGradients, fp32_accumulating_addmm
 
         class Ops(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -25,7 +25,7 @@ def groups_after_build(rank: int, world: int, data: str) -> list[float]:
     from torch.distributed import distributed_c10d as c10d
 
     import train
-    from config import parse_args, validate
+    from trainer.config import parse_args, validate
 
     out = os.path.join(data, f"out{rank}")
     plan = validate(
@@ -80,7 +80,7 @@ class EveryGroupHasTheRunsTimeout(unittest.TestCase):
 
 
 class InitGroupCalls(unittest.TestCase):
-    """plan.startup.init_group_calls on torch's fake backend, against counts derived by hand. A layout's groups:
+    """sim.startup.init_group_calls on torch's fake backend, against counts derived by hand. A layout's groups:
     DeviceMesh's five dims, one group per instance of each (a dim of size 1 too: W one-rank groups), plus a
     flattened dim per FLATTENED entry spanning two dims of size > 1; the expert dims (ep: W/ep groups, edp:
     W/(dp·cp/ep)); on NCCL the link groups (`link_groups(n)` colours of every pp and cp group: 2 for an even
@@ -92,7 +92,7 @@ class InitGroupCalls(unittest.TestCase):
         import torch.distributed as dist
 
         from parallel.mesh import ParallelDims
-        from plan.startup import init_group_calls
+        from sim.startup import init_group_calls
 
         if dist.is_initialized():
             self.skipTest("counts on a fake process group of its own; this process already has one (torchrun)")

@@ -6,7 +6,7 @@ import unittest
 
 import torch
 
-from model import (
+from model.gpt import (
     GPT,
     INIT_ROW_BLOCK,
     PRESETS,

@@ -1,5 +1,5 @@
-"""The mixture-of-experts layer (moe.py: MoE, route, LocalDispatch, Experts) and expert parallelism's dispatch
-(parallel/expert_parallel.py), against references that share none of their code.
+"""The mixture-of-experts layer (model/moe.py: MoE, route, LocalDispatch, Experts) and expert parallelism's dispatch
+(parallel/expert_parallel/dispatch.py), against references that share none of their code.
 
 - The layer against a per-token loop in float64 (each token: its top k by score + bias, stably; gates renormalised;
   the sum over its experts of gate * GPT-2 MLP): output and every gradient within float64 rounding of it.
@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import moe as moe_module
-from model import GPT, init_parameter, make_config
-from moe import MoE, balance_experts, grouped_linear, grouped_mm_runs, route
+from model import moe as moe_module
+from model.gpt import GPT, init_parameter, make_config
+from model.moe import MoE, balance_experts, grouped_linear, grouped_mm_runs, route
 from tests.harness import run_distributed
 
 SEED = 0
@@ -260,7 +260,7 @@ class TheLayer(unittest.TestCase):
         model.init_weights(SEED)
         layer = model.transformer.h[0].mlp
         x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(4))
-        from moe import SideLosses
+        from model.moe import SideLosses
 
         with SideLosses() as side:
             layer(x)
@@ -299,7 +299,7 @@ def dispatch_once(rank: int, world: int, autocast: bool) -> dict:
     import torch.distributed as dist
 
     from parallel import comm
-    from parallel.expert_parallel import apply_expert_parallel
+    from parallel.expert_parallel.dispatch import apply_expert_parallel
     from parallel.mesh import MeshDim
 
     torch.manual_seed(0)

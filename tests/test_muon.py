@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-from model import GPT, make_config
+from model.gpt import GPT, make_config
 from optim.build import make_optimizer
 from optim.muon import is_muon, one_process
 from tests.harness import run_distributed

@@ -20,8 +20,8 @@ import sys
 import pytest
 import torch
 
-import checkpoint
-from checkpoint_entries import entries
+from checkpoints import checkpoint
+from checkpoints.entries import entries
 from tests.test_muon import ADAMW, CFG, MOE, MUON, STEPS, args, differing, grads, model, one_process_run, set_grads
 
 SAVED = 2  # steps before the checkpoint; STEPS - SAVED after it
@@ -212,10 +212,10 @@ def test_train_resumes_muon_in_its_layout_bit_for_bit_and_in_others_within_the_s
     import unittest
 
     import bench.sweep
-    from model import GPT, make_config
+    from model.gpt import GPT, make_config
     from optim.muon import is_muon, rounding_rtol
+    from optim.schedule import lr_at
     from tests.harness import check_resume_from, steps_of
-    from train import lr_at
 
     test, ref = unittest.TestCase(), steps_of(runs["muon"])
     args = [*MUON_RUN[: MUON_RUN.index("--checkpoint_interval")], "--optimizer", "muon", "--dataset", runs["data"]]

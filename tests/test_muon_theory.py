@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config import check_layout, train_parser
 from plan import muon_counts, theory
 from plan.counts import Setup
 from tests.harness import run_distributed
 from tests.test_muon import ADAMW, MUON, args, grads, set_grads, stepped_layout
+from trainer.config import check_layout, train_parser
 
 STEPS = 2
 FLAGS = [

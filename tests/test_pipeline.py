@@ -1,4 +1,4 @@
-"""The pipeline runtime (parallel/pipeline.py) against one process, on 2 and 4 spawned gloo ranks.
+"""The pipeline runtime (parallel/pipeline/runner.py) against one process, on 2 and 4 spawned gloo ranks.
 
 Equality with one process, fp32, to derived bounds. Each chunk runs exactly the reference's modules on the
 same micro-batch shapes, so the forward and each micro-batch's backward compute the same numbers, and every
@@ -33,12 +33,11 @@ import torch
 import torch.distributed as dist
 
 from debug import flight_recorder
-from metrics import StepRecord
-from model import GPT, make_config
+from model.gpt import GPT, make_config
 from parallel import comm
 from parallel.groups import link_groups, new_groups, p2p_link
-from parallel.pipeline import PipelineRunner, PipelineStage
-from parallel.pipeline_schedule import (
+from parallel.pipeline.runner import PipelineRunner, PipelineStage
+from parallel.pipeline.schedule import (
     ALL_SCHEDULES,
     RECV_B,
     RECV_F,
@@ -56,6 +55,7 @@ from parallel.pipeline_schedule import (
 )
 from plan.simulate import P2P_MODELS, simulate
 from plan.theory import p2p_bytes_per_step
+from runtime.metrics import StepRecord
 from tests.harness import run_distributed
 
 SEED, MB, T = 0, 2, 16
@@ -663,13 +663,13 @@ class TimerIsChosenWithTheDevice(unittest.TestCase):
     wait() returns at once there), the host clock on the CPU (device.make_timer, the one place)."""
 
     def test_choice(self):
-        from device import DeviceTimer, HostTimer, make_timer
+        from runtime.device import DeviceTimer, HostTimer, make_timer
 
         self.assertIsInstance(make_timer(torch.device("cpu")), HostTimer)
         self.assertIsInstance(make_timer(torch.device("cuda", 0)), DeviceTimer)  # built without touching CUDA
 
     def test_device_marks_become_host_seconds_from_the_first(self):
-        from device import DeviceTimer
+        from runtime.device import DeviceTimer
 
         class Event:  # torch.cuda.Event's elapsed_time is in milliseconds
             def __init__(self, ms):

@@ -1,4 +1,4 @@
-"""pipeline_partition.py: the cost model, the exact partition by cost, the override, and a stage that holds
+"""parallel/pipeline/partition.py: the cost model, the exact partition by cost, the override, and a stage that holds
 exactly the Blocks of its partition. No processes; every expected partition below is derived by hand in its test."""
 
 from __future__ import annotations
@@ -9,12 +9,8 @@ import unittest
 
 import torch
 
-from metrics import flops_per_token
-from model import GPT, make_config
-from parallel.pipeline import PipelineStage
-from parallel.pipeline_schedule import chunk_of, even_partition
-from parallel.twins.pipeline import TorchChunk
-from pipeline_partition import (
+from model.gpt import GPT, make_config
+from parallel.pipeline.partition import (
     StageCosts,
     balanced_partition,
     balanced_v_partition,
@@ -24,6 +20,10 @@ from pipeline_partition import (
     layers_for,
     stage_costs,
 )
+from parallel.pipeline.runner import PipelineStage
+from parallel.pipeline.schedule import chunk_of, even_partition
+from parallel.twins.pipeline import TorchChunk
+from runtime.metrics import flops_per_token
 
 
 def ranges(*sizes: int) -> list[range]:
@@ -173,8 +173,8 @@ class TestVPartition(unittest.TestCase):
     def test_stage_config_and_planner_use_it(self):
         """config.check_layout (train.py's partition), the PipelineStage it is given and the planner's stage_blocks
         all cut the V layout per rank."""
-        import config as cfg
         from plan.counts import Setup, stage_blocks
+        from trainer import config as cfg
 
         want = ranges(7, 8, 8, 1)
         model = make_config("small", n_layer=24)
@@ -299,7 +299,7 @@ class TestOverride(unittest.TestCase):
         T = 1024: the head (6·V·C + 12C = 19.32M) outweighs all 6 Blocks (6·(12C² + 13C) + 12·C·T = 1.09M each),
         so the last chunk keeps one Block. A PipelineStage given no counts (the runtime alone, as tests build it)
         cuts evenly."""
-        import config as cfg
+        from trainer import config as cfg
 
         args = cfg.parse_args(
             [

@@ -1,4 +1,4 @@
-"""Pipeline schedules (parallel/pipeline_schedule.py) dry-run by the process-free simulator.
+"""Pipeline schedules (parallel/pipeline/schedule.py) dry-run by the process-free simulator.
 
 No processes: every check runs the per-rank action lists through `simulate`, which raises ScheduleError
 on deadlock, a send meeting the wrong receive, a compute before its input, B before F, or missing or
@@ -27,7 +27,7 @@ from fractions import Fraction
 import pytest
 
 from parallel.groups import link_groups, p2p_link
-from parallel.pipeline_schedule import (
+from parallel.pipeline.schedule import (
     ALL_SCHEDULES,
     RECV_B,
     RECV_F,
@@ -377,7 +377,7 @@ def slower(p: int, v: int, v_shape: bool, rank: int, t: int) -> list[int]:
 class TestEagerNccl(unittest.TestCase):
     """NCCL's p2p order on an eagerly initialised group (simulate(p2p="nccl_eager"): one FIFO per rank across
     both its neighbours, torch's ProcessGroupNCCL::pointToPoint reusing the group's communicator and stream),
-    which is what every group is here on CUDA (device.py passes device_id). The fix, link groups
+    which is what every group is here on CUDA (runtime/device.py passes device_id). The fix, link groups
     (parallel.groups.p2p_link; PipelineRunner posts each message on its boundary's), is modelled by links=True."""
 
     def check(self, every_m: bool) -> int:
@@ -598,7 +598,7 @@ class TestReceiveWaits(unittest.TestCase):
     lists RECV_B(0, m-1) before F(0, m+1), and with t_B = 2 its F would wait for rank 1's B."""
 
     def test_independent_computes_never_wait(self):
-        from parallel.pipeline_schedule import ALL_SCHEDULES, V_SCHEDULES, _needs
+        from parallel.pipeline.schedule import ALL_SCHEDULES, V_SCHEDULES, _needs
 
         n = 0
         for name, make in ALL_SCHEDULES.items():

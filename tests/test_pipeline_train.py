@@ -18,10 +18,10 @@ import unittest
 import pytest
 import torch
 
-import checkpoint
-from metrics import read_jsonl
-from model import GPT, make_config
+from checkpoints import checkpoint
+from model.gpt import GPT, make_config
 from plan.theory import p2p_bytes_per_step
+from runtime.metrics import read_jsonl
 from tests.harness import (
     WholeRuns,
     assert_close,
@@ -119,7 +119,7 @@ class TestPipelineAgreesWithOneProcess(unittest.TestCase):
     (torch.distributed.pipelining) runs the same cut and is held to the same tolerances.
 
     rank 0's comm_bytes["p2p"] (it is pp rank 0: metrics.jsonl is written by rank 0) must equal
-    parallel.pipeline.p2p_bytes_per_step every step.
+    parallel.pipeline.runner.p2p_bytes_per_step every step.
     """
 
     @classmethod
@@ -312,7 +312,7 @@ class TestPipelineCheckpoints(unittest.TestCase):
         self.check_resumed(self.resume("single_to_pp", self.single, PP2, 2), 1e-5, "one process -> P=2")
 
     def test_kill_and_resume_is_bit_equal(self):
-        """P=2, a checkpoint every 2 steps, rank 1 (the last stage) SIGKILLs itself after step 3 (faults.py:
+        """P=2, a checkpoint every 2 steps, rank 1 (the last stage) SIGKILLs itself after step 3 (trainer/faults.py:
         GPT_KILL_AT_STEP); --resume continues from step 2's checkpoint and recomputes step 3. Every step's loss
         and grad_norm, every val_loss and the final checkpoint's parameters equal the uninterrupted P=2 run's
         bits (tests/harness.check_kill_and_resume)."""
@@ -389,7 +389,7 @@ class TestPipelineCheckpoints(unittest.TestCase):
 
         import export
         import sample
-        from model import GPT
+        from model.gpt import GPT
 
         def sample_text() -> str:
             out = io.StringIO()

@@ -11,11 +11,11 @@ from unittest import mock
 import pytest
 import torch
 
-from config import check_layout, train_parser
 from plan import __main__ as cli
 from plan import theory
 from plan.counts import Setup, block_saved_bytes, state_bytes
 from plan.search import candidates, model_flags
+from trainer.config import check_layout, train_parser
 
 
 def setup(flags: list[str], world: int = 1) -> Setup:
@@ -68,7 +68,7 @@ def test_zero_paper_stages_1_and_2_differ_by_our_fp32_shard_gradient():
 
 
 def _gpt(s: Setup):
-    from model import GPT
+    from model.gpt import GPT
 
     with torch.device("meta"):
         return GPT(s.config)
@@ -204,7 +204,7 @@ def test_every_candidate_is_accepted_by_the_trainer_and_every_accepted_layout_is
     got = candidates(model_flags(a), Cluster(4, 4, 2**40, 1e15, 1e11, 1e10), [2], {})
     names = {c.name for c in got}
     assert "dp=4(fsdp) ac=none mb=2" in names and "tp=4 ac=full mb=2" in names
-    assert not any(n.startswith("pp=4") for n in names), "tiny has 2 Blocks: pp=4 is refused by config.py"
+    assert not any(n.startswith("pp=4") for n in names), "tiny has 2 Blocks: pp=4 is refused by trainer/config.py"
     assert any(n.startswith("pp=2(interleaved_1f1b,V=2)") for n in names) is False  # 2 Blocks: V=2 x pp=2 > 2
 
 
@@ -617,8 +617,8 @@ def test_ddp_calls_are_build_buckets_count_at_every_cap():
     buckets DistributedDataParallel builds (ddp.build_buckets on the model's parameters, on meta) at caps from one
     bucket per parameter to one for all, and at each cap that a run of the last (or the first) parameters fills
     exactly, where "past the cap" decides: test_plan_runs holds the one-bucket case against runs."""
-    from model import GPT
-    from parallel.ddp import build_buckets
+    from model.gpt import GPT
+    from parallel.data_parallel.ddp import build_buckets
     from plan.counts import local_params
     from plan.theory import ddp_comm_calls_per_step
 
@@ -658,7 +658,7 @@ class TestAllocatedPeak:
     MB = 1 << 20
 
     def window(self, body) -> int:
-        from memory import AllocatedPeak
+        from runtime.memory import AllocatedPeak
 
         with AllocatedPeak(True) as peak:
             body()
@@ -669,7 +669,7 @@ class TestAllocatedPeak:
         warning about blocks from before the window): what every CPU run would otherwise print at its peak step."""
         import os
 
-        from memory import PROFILER_CHATTER, _stderr_without
+        from runtime.memory import PROFILER_CHATTER, _stderr_without
 
         with _stderr_without(PROFILER_CHATTER):
             os.write(2, b"USDT:x SyncActivityProfilerHandler.cpp:52] profiler_start\n")
@@ -695,7 +695,7 @@ class TestAllocatedPeak:
         del kept
 
     def test_off_when_not_enabled(self):
-        from memory import AllocatedPeak
+        from runtime.memory import AllocatedPeak
 
         with AllocatedPeak(False) as peak:
             torch.empty(self.MB)
@@ -872,8 +872,8 @@ def test_ddp_calls_close_a_bucket_where_the_reduce_group_changes():
     """build_buckets starts a bucket where a parameter's replica group differs (EP's experts: their edp group), so
     the dense gradients of a 2-Block MoE GPT fill one bucket per stretch between expert runs: ddp_comm_calls_per_step
     with each parameter's group counts build_buckets' buckets of each group, at every cap."""
-    from model import GPT
-    from parallel.ddp import build_buckets
+    from model.gpt import GPT
+    from parallel.data_parallel.ddp import build_buckets
     from parallel.marks import mark_replicas
     from plan.counts import is_expert, local_params
     from plan.theory import ddp_comm_calls_per_step
@@ -912,7 +912,7 @@ def test_tp_moe_block_by_hand():
     """Under TP + SP an MoE Block (replicated, run whole) reduce-scatters neither its ln_2 entry (A(r)) nor its exit
     (A(a)), and has no c_proj bias; its all-gathers (input forward, output gradient backward) match the dense
     Block's. Without SP: neither all-reduce."""
-    from model import make_config
+    from model.gpt import make_config
 
     dense = make_config("tiny", n_layer=2, vocab_size=512)
     B, T, A = 2, 32, 2 * 32 * C * 4

@@ -27,7 +27,7 @@ import unittest
 import pytest
 
 from bench import sweep as S
-from metrics import read_jsonl
+from runtime.metrics import read_jsonl
 from tests.harness import rank0_only, shared_data, shared_run
 
 L = S.Layout
@@ -227,7 +227,7 @@ def gloo_slack(layout: S.Layout, extra: list[str]) -> int:
     if layout.dp_type not in ("zero1", "zero2", "fsdp"):
         return 0
     from plan.counts import units
-    from plan.verify import plan_for
+    from sim.verify import plan_for
 
     plan = plan_for([*S.BASE, "--dataset", shared_data(), *layout.flags(), *extra], layout.nproc, 0)
     from plan.counts import Setup

@@ -2,7 +2,7 @@
 
 Preemption: SIGTERM or SIGINT on one rank, mid-step, stops every rank after that step, with a checkpoint,
 each rank printing one line and exiting PREEMPTED (5); `--resume` then continues bit-equal to an
-uninterrupted run. The signal comes from the faults.py hook GPT_SIGNAL_AT_STEP (after the step's backward,
+uninterrupted run. The signal comes from the trainer/faults.py hook GPT_SIGNAL_AT_STEP (after the step's backward,
 before its optimizer step), so "mid-step" is the same point every time. Ranks are forked from the session's
 fork server (tests/harness.forked_ranks: no agent stops the others when one exits) so each rank's own exit
 code and stderr are seen.
@@ -19,10 +19,10 @@ import unittest
 import pytest
 import torch
 
-import checkpoint
-from faults import PREEMPTED
-from metrics import read_jsonl
+from checkpoints import checkpoint
+from runtime.metrics import read_jsonl
 from tests.harness import forked_ranks, rank0_only, shared_data, train_losses
+from trainer.faults import PREEMPTED
 
 STEPS, SIGNAL_AT = 5, 3
 BASE = [

@@ -15,10 +15,10 @@ from unittest import mock
 import pytest
 import torch
 
-import checkpoint
-import trainer_checkpoint
-from launch import child_env
+from checkpoints import checkpoint
+from runtime.launch import child_env
 from tests.harness import launch, make_token_bins
+from trainer import resume
 
 
 def setUpModule():
@@ -26,8 +26,8 @@ def setUpModule():
     TMP = tempfile.TemporaryDirectory()
     data = make_token_bins(os.path.join(TMP.name, "data"), n_train=20_000, n_val=4_000)
     RUN = os.path.join(TMP.name, "run")
-    import config
     import train
+    from trainer import config
 
     with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stdout(io.StringIO()):
         os.environ.update(child_env())  # one process, even when the suite runs under torchrun
@@ -59,7 +59,7 @@ def setUpModule():
         )
         t = train.build(config.validate(args))
         train.train_step(t, 1)
-        trainer_checkpoint.save_trainer(t, 1)
+        resume.save_trainer(t, 1)
 
 
 def tearDownModule():
@@ -138,7 +138,7 @@ class TestExport(unittest.TestCase):
         from transformers import GPT2LMHeadModel
 
         import export
-        from model import GPT
+        from model.gpt import GPT
 
         with contextlib.redirect_stdout(io.StringIO()):
             self.assertEqual(export.main(["--out_dir", RUN]), 0)

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import trainer_checkpoint
 from bench.sweep import FP32_RTOL, FP32_TP_RTOL
+from checkpoints import checkpoint
 from data.chars import META, CharsError, CharVocab, load_chars, run_chars
-from launch import child_env
+from runtime.launch import child_env
 from tests.harness import check_against, expect_train_error_in_process, forked, rank0_only
+from trainer import resume
 
 # a small text: a few speeches, each line made a little different so the bins are not one repeated block
 LINES = [
@@ -86,15 +86,15 @@ def setUpModule():
         f.write(TEXT)
     code, _, err = quiet(prepare.main, ["--input", src, "--out_dir", DATA])
     assert code == 0, err
-    import config
     import train
+    from trainer import config
 
     with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stdout(io.StringIO()):
         os.environ.update(child_env())  # one process, even when the suite runs under torchrun
         args = config.parse_args([*TINY, "--max_steps", "1", "--dataset", DATA, "--out_dir", RUN, "--device", "cpu"])
         t = train.build(config.validate(args))
         train.train_step(t, 1)
-        trainer_checkpoint.save_trainer(t, 1)
+        resume.save_trainer(t, 1)
 
 
 def tearDownModule():
@@ -153,8 +153,8 @@ class TestTrain(unittest.TestCase):
         """`--dataset shakespeare_char` with no files yet: validate prepares them (here from TEXT) before it sizes the
         model, so the vocab is the characters' padded count, not the preset's 50304. A bad flag is refused first,
         with nothing prepared."""
-        import config
         from data.shakespeare_char import prepare
+        from trainer import config
 
         with (
             tempfile.TemporaryDirectory() as d,
@@ -196,9 +196,9 @@ class TestTrain(unittest.TestCase):
 
     def test_resuming_a_bpe_checkpoint_on_characters_is_refused(self):
         """A run's model is sized by its data: the BPE run's checkpoint (vocab 512) cannot continue on characters."""
-        import config
         import train
         from tests.harness import shared_data
+        from trainer import config
 
         out = os.path.join(TMP.name, "bpe")
         with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stdout(io.StringIO()):
@@ -222,7 +222,7 @@ class TestTrain(unittest.TestCase):
                     )
                 )
             )
-            trainer_checkpoint.save_trainer(t, 1)
+            resume.save_trainer(t, 1)
         expect_train_error_in_process(
             self, [*TINY, "--dataset", DATA, "--resume"], f"vocab_size 512 (checkpoint) vs {PADDED}", out, fresh=False
         )

@@ -1,6 +1,6 @@
-"""The codebase's arrows point one way: train -> parallelize -> wrappers -> comm, and the model knows no
-parallelism. Read from the source (every import, lazy ones inside functions too), so a shortcut that climbs
-back up fails here, not in a reader's head."""
+"""The house's arrows point down: every repository module sits on a floor (FLOORS), and imports only its own
+floor and the floors below. Read from the source, every import at any depth (lazy ones inside functions
+too), so a shortcut that climbs back up fails here, not in a reader's head."""
 
 from __future__ import annotations
 
@@ -10,20 +10,20 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the only repository modules parallel/ may import, besides itself (no parallelism in them)
-BELOW = ("model", "moe", "loss", "metrics", "memory", "blocks", "device", "attention_kernels")
-# every other top-level module and package of the repository sits above parallel/ (train, config, faults, plan, ...)
-OURS = sorted(
-    {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
-    | {f for f in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, f, "__init__.py"))}
+# Bottom to top. A `__main__` module, tests/ and the root's entry points other than train.py are tools: they sit
+# on the top floor, whatever package holds them (`python -m plan --verify` runs sim/ above the planner).
+FLOORS = (
+    ("model",),  # GPT-2 in plain torch: no process group, no device choice
+    ("runtime", "data"),  # the device and backend, a rank's process, memory, metrics; the global batch of step s
+    ("parallel",),  # the wrappers: mechanisms only
+    ("checkpoints",),  # each rank's state by name and position, written atomically
+    ("optim",),  # AdamW's groups, Muon in every layout, the lr schedule
+    ("trainer",),  # the flags and their validation, --config files, faults, what a run saves and resumes
+    ("plan", "debug", "evals"),  # the planner, the debugging tools, HellaSwag
+    ("train",),  # the loop
+    ("sim", "bench", "scripts", "sample", "export", "tests"),  # tools above the trainer
 )
-TOP = tuple(m for m in OURS if m not in BELOW + ("parallel",))
-PARALLEL = sorted(
-    os.path.relpath(os.path.join(d, f), ROOT)
-    for d, _, fs in os.walk(os.path.join(ROOT, "parallel"))
-    for f in fs
-    if f.endswith(".py")
-)
+TOOLS = len(FLOORS) - 1
 
 
 def imports(path: str, root: str = ROOT, runtime_only: bool = False) -> set[str]:
@@ -45,67 +45,6 @@ def imports(path: str, root: str = ROOT, runtime_only: bool = False) -> set[str]
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names)
     return out
-
-
-@pytest.mark.parametrize("path", [f"{m}.py" for m in BELOW])
-def test_model_and_metrics_know_no_parallelism(path):
-    assert not {m for m in imports(path) if m == "parallel" or m.startswith("parallel.")}
-
-
-def test_the_layers_above_are_found():
-    """The list is read off the repository, so a new top-level module is above parallel/ by default."""
-    assert {"train", "config", "faults", "plan", "debug", "bench", "checkpoint", "tests"} <= set(TOP)
-
-
-@pytest.mark.parametrize("path", PARALLEL)
-def test_parallel_does_not_import_the_layers_above_it(path):
-    """faults.py (the test hooks) included: they reach the runtime through parallel/comm.HOOKS, set from above;
-    plan/ (the formula sheet, the simulator) included: theory sits beside the runtime, not inside it."""
-    up = {m for m in imports(path) if m.split(".")[0] in TOP}
-    assert not up, f"{path} imports {sorted(up)}"
-
-
-@pytest.mark.parametrize(
-    "path",
-    [
-        p
-        for p in PARALLEL
-        if not p.startswith(os.path.join("parallel", "twins")) and p != os.path.join("parallel", "parallelize.py")
-    ],
-)
-def test_the_mechanisms_do_not_reach_into_the_twins(path):
-    """PyTorch's wrappers sit beside ours: only the composition (parallelize.py) picks between them."""
-    twins = {m for m in imports(path) if m == "parallel.twins" or m.startswith("parallel.twins.")}
-    assert not twins, f"{path} imports {sorted(twins)}"
-
-
-@pytest.mark.parametrize("path", [f"{m}.py" for m in BELOW])
-def test_model_and_metrics_import_nothing_above_them(path):
-    up = {m for m in imports(path) if m.split(".")[0] in TOP + ("parallel",)}
-    assert not up, f"{path} imports {sorted(up)}"
-
-
-@pytest.mark.parametrize("path", ["moe.py", "loss.py"])
-def test_the_model_parts_do_not_import_the_model(path):
-    """model.py imports them (a Block builds an MoE, GPT's head is loss.py's): an import back, outside
-    TYPE_CHECKING, would be a cycle."""
-    assert "model" not in imports(path, runtime_only=True), f"{path} imports model at run time"
-
-
-def test_the_pipeline_record_reads_the_schedules_kinds():
-    """metrics.StepRecord (below parallel/) names the compute kinds by their letters: the schedules' own."""
-    import metrics
-    from parallel import pipeline_schedule
-
-    assert (
-        metrics.COMPUTE == pipeline_schedule.COMPUTE == (pipeline_schedule.F, pipeline_schedule.B, pipeline_schedule.W)
-    )
-
-
-def test_imports_are_read_at_every_depth(tmp_path):
-    """The reader itself: a lazy import inside a function counts."""
-    (tmp_path / "m.py").write_text("def f():\n    from parallel.comm import local\n    import parallel.mesh\n")
-    assert {"parallel.comm", "parallel.mesh"} <= imports("m.py", str(tmp_path))
 
 
 def module_graph(root: str = ROOT) -> dict[str, set[str]]:
@@ -155,17 +94,88 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def floor(module: str) -> int:
+    """The floor of a dotted module name (a `__main__` is a tool, whatever its package)."""
+    if module.endswith("__main__"):
+        return TOOLS
+    top = module.split(".")[0]
+    return next(i for i, names in enumerate(FLOORS) if top in names)
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() for t in ts if floor(t) > floor(m))
+
+
+def test_every_module_has_a_floor():
+    """A new top-level package must be placed on a floor before it can land."""
+    assert sorted({m.split(".")[0] for m in module_graph()} - {n for f in FLOORS for n in f}) == []
+
+
+def test_the_root_holds_the_entry_points():
+    """train.py, sample.py, export.py at the root; everything else in a package a README row names."""
+    assert sorted(f for f in os.listdir(ROOT) if f.endswith(".py")) == ["export.py", "sample.py", "train.py"]
+
+
+def test_no_arrow_points_up():
+    assert arrows_up(module_graph()) == []
+
+
+def test_a_lazy_upward_import_is_an_arrow_up(tmp_path):
+    """The reader itself: an import of train.py from inside a function of plan/ is caught, as is one in a
+    TYPE_CHECKING block; a plan/__main__ importing sim/ (a tool) is not."""
+    for path, text in {
+        "plan/__init__.py": "",
+        "plan/counts.py": "def f():\n    import train\n",
+        "plan/__main__.py": "from sim import verify\n",
+        "parallel/__init__.py": "",
+        "parallel/hints.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainer.config import R\n",
+        "sim/__init__.py": "",
+        "sim/verify.py": "",
+        "trainer/__init__.py": "",
+        "trainer/config.py": "",
+        "train.py": "",
+    }.items():
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text(text)
+    assert arrows_up(module_graph(str(tmp_path))) == ["parallel.hints -> trainer.config", "plan.counts -> train"]
+
+
+def test_the_mechanisms_do_not_reach_into_the_twins():
+    """PyTorch's wrappers sit beside ours: only the composition (parallel/parallelize.py) picks between them."""
+    graph = module_graph()
+    reach = {
+        m: sorted(t for t in ts if t.startswith("parallel.twins"))
+        for m, ts in graph.items()
+        if m.startswith("parallel.") and not m.startswith("parallel.twins") and m != "parallel.parallelize"
+    }
+    assert {m: ts for m, ts in reach.items() if ts} == {}
+
+
+@pytest.mark.parametrize("path", ["model/moe.py", "model/loss.py", "model/attention.py"])
+def test_the_model_parts_do_not_import_the_model(path):
+    """model/gpt.py imports them (a Block builds an MoE, GPT's head is loss.py's): an import back, outside
+    TYPE_CHECKING, would be a cycle."""
+    assert not {m for m in imports(path, runtime_only=True) if m in ("model", "model.gpt")}
+
+
+def test_the_pipeline_record_reads_the_schedules_kinds():
+    """runtime.metrics.StepRecord (below parallel/) names the compute kinds by their letters: the schedules' own."""
+    from parallel.pipeline import schedule
+    from runtime import metrics
+
+    assert metrics.COMPUTE == schedule.COMPUTE == (schedule.F, schedule.B, schedule.W)
+
+
+def test_imports_are_read_at_every_depth(tmp_path):
+    """The reader itself: a lazy import inside a function counts."""
+    (tmp_path / "m.py").write_text("def f():\n    from parallel.comm import local\n    import parallel.mesh\n")
+    assert {"parallel.comm", "parallel.mesh"} <= imports("m.py", str(tmp_path))
+
+
 def test_no_module_imports_itself_back():
     """No circle anywhere in the house (it had model <-> moe for a type hint, train <-> plan.fake_rank: a
     simulated rank drives train.py from above, and train.py does not call back into it)."""
     assert cycles(module_graph()) == []
-
-
-def test_config_sits_below_the_planner():
-    """plan/ validates layouts through config (plan.search, plan.verify): config imports nothing of plan/ (the
-    Block partition it checks is pipeline_partition.py, below it)."""
-    up = {m for m in module_graph()["config"] if m == "plan" or m.startswith("plan.")}
-    assert not up, f"config imports {sorted(up)}"
 
 
 def test_cycles_are_found(tmp_path):
@@ -176,7 +186,7 @@ def test_cycles_are_found(tmp_path):
     assert cycles(module_graph(str(tmp_path))) == [["a", "b"]]
 
 
-DEVICE_CHOICE = "device.py"  # the one module that picks the device and the backend
+DEVICE_CHOICE = "runtime/device.py"  # the one module that picks the device and the backend
 
 
 def device_choices(path: str, root: str = ROOT) -> list[str]:
@@ -206,7 +216,7 @@ def device_choices(path: str, root: str = ROOT) -> list[str]:
 
 
 def test_one_module_chooses_the_device_and_the_backend():
-    """device.py picks the device (cuda when there is one) and from it the backend (nccl, gloo); every
+    """runtime/device.py picks the device (cuda when there is one) and from it the backend (nccl, gloo); every
     other module asks it (pick_device, backend_for, join_world). tests/ and scripts/ probe the machine they run on,
     so they are not held to it."""
     paths = [
@@ -252,10 +262,11 @@ OVER = {
     "bench/plan_rank.py": 644,
     "bench/report.py": 676,
     "bench/sweep.py": 620,
-    "checkpoint.py": 654,
-    "config.py": 842,
-    "plan/counts.py": 645,
-    "plan/verify.py": 673,
+    "checkpoints/checkpoint.py": 658,
+    "plan/counts.py": 646,
+    "plan/theory.py": 601,
+    "sim/verify.py": 671,
+    "trainer/config.py": 843,
 }
 LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
     "bench/__main__.py:main": 110,
@@ -264,11 +275,11 @@ LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
     "bench/plan_rank.py:main": 131,
     "bench/report.py:moe_markdown": 102,
     "bench/report.py:write_plots": 107,
-    "config.py:train_parser": 187,
     "plan/__main__.py:main": 94,
     "plan/peak.py:reduce_transient": 132,
-    "plan/replay.py:replay_p2p": 105,
     "plan/simulate.py:simulate": 223,
+    "sim/replay.py:replay_p2p": 105,
+    "trainer/config.py:train_parser": 187,
 }
 
 

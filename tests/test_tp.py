@@ -1,4 +1,4 @@
-"""Our tensor parallelism (parallel/tensor_parallel.py) on 2 gloo ranks against one process and DTensor.
+"""Our tensor parallelism (parallel/tensor_parallel/apply.py) on 2 gloo ranks against one process and DTensor.
 
 Each distributed class spawns its ranks once (setUpClass) and every test method checks one property of
 what the ranks measured; under `torchrun --standalone --nproc_per_node=2 -m unittest tests/test_tp.py`
@@ -21,21 +21,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from memory import LargestTensor
-from model import GPT, GPTConfig, init_parameter, param_groups
+from model.gpt import GPT, GPTConfig, init_parameter, param_groups
 from parallel import comm
 from parallel.grads import clip_grad_norm_, grad_groups, norm_items
 from parallel.marks import shard_dim
-from parallel.tensor_parallel import (
+from parallel.tensor_parallel.apply import (
     TP_PLAN,
     apply_tensor_parallel,
     check_tp_divisibility,
     plan_style,
     vocab_parallel_cross_entropy,
 )
-from parallel.tp_comm import all_gather_along
+from parallel.tensor_parallel.mappings import all_gather_along
 from parallel.twins.tensor_parallel import pytorch_tp_plan
 from plan.theory import tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step
+from runtime.memory import LargestTensor
 from tests.harness import run_distributed
 
 CFG = GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64)

@@ -16,7 +16,7 @@ import unittest
 
 import pytest
 
-from metrics import read_jsonl as read_metrics
+from runtime.metrics import read_jsonl as read_metrics
 from tests.harness import ROOT, WholeRuns, forked_ranks, launch_ranks, rank0_only, run_train, shared_data, train_losses
 
 STEPS = 10

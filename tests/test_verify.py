@@ -1,4 +1,4 @@
-"""Simulated ranks (plan/fake_rank.py) and the checks across them (plan/verify.py, `python -m plan.verify`).
+"""Simulated ranks (sim/fake_rank.py) and the checks across them (sim/verify.py, `python -m sim.verify`).
 
 Quick (the CI part, each simulated rank ~1 s): a 16-rank pp x dp x cp x tp layout, a pp x fsdp ZB-V layout, a pp=4
 GPipe x cp=2 layout whose interior stages share classes, interleaved 1F1B at M = P (the same) and pp=4 1F1B (no
@@ -29,8 +29,8 @@ from unittest import mock
 import pytest
 import torch
 
-from plan import replay as R
-from plan import verify as V
+from sim import replay as R
+from sim import verify as V
 from tests.harness import shared_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -690,7 +690,7 @@ def run_cli(argv: list[str], env: dict | None = None) -> subprocess.CompletedPro
 
 
 def run_main(argv: list[str], env: dict | None = None) -> tuple[int, str, str]:
-    """`python -m plan.verify argv` in this process: (exit code, stdout, stderr). A rank of a layout simulated
+    """`python -m sim.verify argv` in this process: (exit code, stdout, stderr). A rank of a layout simulated
     above without a fault hook on it is taken from that recording (a simulated rank is deterministic: the same
     flags record the same events), so only the rest run here."""
     real = V.simulate_ranks
@@ -713,7 +713,7 @@ def run_main(argv: list[str], env: dict | None = None) -> tuple[int, str, str]:
 
 
 class TestCommandLines(unittest.TestCase):
-    """python -m plan.verify's main in this process (the clean ranks' recordings reused); train.py's flags in a
+    """python -m sim.verify's main in this process (the clean ranks' recordings reused); train.py's flags in a
     process of their own (slow)."""
 
     def test_skip_at_rank_5_of_16_every_rank(self):
@@ -738,8 +738,8 @@ class TestCommandLines(unittest.TestCase):
         ):
             code, out, err = run_main(argv)
             self.assertEqual((code, out, len(err.strip().splitlines())), (2, "", 1), err)
-            self.assertTrue(err.startswith("python -m plan.verify: error: "), err)
-        # the world size the flags need, as plan.verify takes it (not torchrun's --nproc_per_node)
+            self.assertTrue(err.startswith("python -m sim.verify: error: "), err)
+        # the world size the flags need, as sim.verify takes it (not torchrun's --nproc_per_node)
         self.assertTrue(
             run_main(["--world_size", "4", "--", *flags(GRID16)])[2].endswith(
                 "= 16 must equal the world size (4); pass --world_size 16\n"
@@ -748,15 +748,15 @@ class TestCommandLines(unittest.TestCase):
 
     @pytest.mark.slow
     def test_fake_rank_plays_one_rank(self):
-        """python -m plan.fake_rank drives train.py's build and run from above; train.py itself points there."""
-        out = run_cli(["-m", "plan.fake_rank", *flags(GRID16), "--fake_world_size", "16", "--fake_rank", "9"])
+        """python -m sim.fake_rank drives train.py's build and run from above; train.py itself points there."""
+        out = run_cli(["-m", "sim.fake_rank", *flags(GRID16), "--fake_world_size", "16", "--fake_rank", "9"])
         self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
         self.assertRegex(out.stdout, r"rank 9 of 16: exit 0, .* new_group calls")
         self.assertTrue(os.path.exists(os.path.join(ROOT, "runs", "test-verify", "fake_rank_9.json")))
         out = run_cli(["train.py", *flags(GRID16), "--fake_world_size", "16", "--fake_rank", "9"])
         self.assertEqual(
             (out.returncode, out.stderr),
-            (2, "train.py: error: --fake_world_size/--fake_rank: run python -m plan.fake_rank with the same flags\n"),
+            (2, "train.py: error: --fake_world_size/--fake_rank: run python -m sim.fake_rank with the same flags\n"),
         )
 
 
@@ -765,7 +765,7 @@ class TestFlags(unittest.TestCase):
     no process group, no rank run)."""
 
     def refused(self, extra: list[str], env: dict | None = None) -> str:
-        import config
+        from trainer import config
 
         with mock.patch.dict(os.environ, env or {}), self.assertRaises(config.UsageError) as e:
             config.validate(config.parse_args([*flags(GRID16), *extra]))
@@ -800,8 +800,8 @@ class TestLiveStorages(unittest.TestCase):
     def test_follows_resize_under_fake_tensors(self):
         import torch
 
-        from memory import LiveStorages
-        from plan.fake_rank import fake_mode
+        from runtime.memory import LiveStorages
+        from sim.fake_rank import fake_mode
 
         with fake_mode(), LiveStorages() as live:
             start = live.bytes
@@ -821,7 +821,7 @@ class TestFoundBySimulation(unittest.TestCase):
     ~2 s): the CP ring's dK and dV travel in fp32 whatever the compute dtype."""
 
     def test_cp_p2p_bytes_in_bf16(self):
-        from plan.fake_rank import simulate
+        from sim.fake_rank import simulate
 
         f = [*flags(["--context_parallel_size", "2", "--dtype", "bfloat16"]), "--total_batch_size", "32"]
         plan = V.plan_for(f, 2, 0)

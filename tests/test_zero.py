@@ -7,7 +7,7 @@ Each run is a real `python train.py` / `torchrun train.py` on the stand-in corpu
 4-Block tiny GPT and M = 8 micro-batches per step over all ranks: 4 per rank at dp=2, 2 at dp=4 (HSDP
 R=2 x S=2), so every layout accumulates gradients. Runs are made once and shared by name (`run`, through
 tests/harness.WholeRuns); the one-process reference is made in each class's setUpClass. `zero1`, `zero2`,
-`fsdp` name our engine (parallel/fsdp.py, ZeRO stages 1, 2, 3), `torch_<name>` its twin (`--implementation
+`fsdp` name our engine (parallel/data_parallel/fsdp.py, ZeRO stages 1, 2, 3), `torch_<name>` its twin (`--implementation
 pytorch`): torch DDP + ZeroRedundancyOptimizer, fully_shard(reshard_after_forward=False), fully_shard; the HSDP
 twins of zero2 and fsdp run on the 2D (dp_replicate, dp_shard) mesh, zero1's shards over all dp ranks (see
 TestZeroStateBytes).
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from bench.sweep import FP32_TP_RTOL as TP_RTOL  # TP layouts against one process, as the README states
-from metrics import read_jsonl
-from model import GPT, make_config
+from model.gpt import GPT, make_config
 from plan.theory import fsdp_comm_bytes_per_micro_step
+from runtime.metrics import read_jsonl
 from tests.harness import (
     WholeRuns,
     assert_close,
@@ -240,7 +240,7 @@ class TestZeroAgreesWithOneProcess(unittest.TestCase):
                     assert_close(self, steps_of(ours), steps_of(twin), key, rtol, f"{name} vs its twin")
                 assert_close(self, evals_of(ours), evals_of(twin), None, rtol, f"{name} vs its twin")
                 mine, torch_ = built(name)["distributed_classes"], built("torch_" + name)["distributed_classes"]
-                self.assertIn("parallel.fsdp.FullyShardedDataParallel", mine, name)
+                self.assertIn("parallel.data_parallel.fsdp.FullyShardedDataParallel", mine, name)
                 self.assertEqual([c for c in mine if not c.startswith("parallel.")], [], name)
                 self.assertEqual([c for c in torch_ if not c.startswith("torch.")], [], f"torch_{name}")
                 stage = name.split("_")[-1]  # hsdp_fsdp -> fsdp, tp_zero1 -> zero1
@@ -284,7 +284,7 @@ class TestZeroCheckpoints(unittest.TestCase):
         cls.single = run("single")
 
     def kill_and_resume(self, name: str, kill_rank: int) -> None:
-        """A checkpoint every 2 steps; rank `kill_rank` SIGKILLs itself after step 3 (faults.py:
+        """A checkpoint every 2 steps; rank `kill_rank` SIGKILLs itself after step 3 (trainer/faults.py:
         GPT_KILL_AT_STEP); --resume continues from step 2's checkpoint and recomputes step 3. Every step's loss
         and grad_norm, and the val losses, equal the uninterrupted run's bits; so do the final checkpoint's
         parameters where that run saves one (SAVING). See tests/harness.check_kill_and_resume."""

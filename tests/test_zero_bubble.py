@@ -1,8 +1,8 @@
-"""The split backward (parallel/zero_bubble.py) and ZB-H1 (parallel/pipeline_schedule.zb_h1) at run time.
+"""The split backward (parallel/pipeline/zero_bubble.py) and ZB-H1 (parallel/pipeline_schedule.zb_h1) at run time.
 
 Bit-identity, and why it is the right bar. ZB-H1 splits each chunk's backward into B (input gradient) and W
 (weight gradients) and moves W later; the products are those autograd computes for the whole backward
-(parallel/zero_bubble.py names them), and each chunk's W's run in the order of its B's, micro-batch 0..M-1,
+(parallel/pipeline/zero_bubble.py names them), and each chunk's W's run in the order of its B's, micro-batch 0..M-1,
 so every .grad sums the same terms in the same order as under 1F1B: the gradients, losses and grad norms are
 1F1B's bits (torch.equal), not merely close. Against one process the bar is then 1F1B's: 1e-5 relative on the
 losses (tests/test_pipeline_train.py derives it).
@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from blocks import AC_COUNTER, apply_activation_checkpointing
-from model import GPT, make_config
-from parallel.fsdp import FullyShardedDataParallel
-from parallel.pipeline import PipelineRunner, PipelineStage, embedding_group
+from model.gpt import GPT, make_config
+from parallel.data_parallel.fsdp import FullyShardedDataParallel
+from parallel.pipeline.runner import PipelineRunner, PipelineStage, embedding_group
+from parallel.pipeline.zero_bubble import WeightGradStore, hold_for_w
 from parallel.protocol import Placement, Sharded
-from parallel.tensor_parallel import apply_tensor_parallel
-from parallel.zero_bubble import WeightGradStore, hold_for_w
+from parallel.tensor_parallel.apply import apply_tensor_parallel
+from runtime.blocks import AC_COUNTER, apply_activation_checkpointing
 from tests.harness import (
     Measurements,
     WholeRuns,
@@ -181,7 +181,7 @@ class TestSplitBackward(unittest.TestCase):
         torch._grouped_mm and 1F1B the loop: the same bits on CPU, whose grouped kernel is a loop of mm, but CUTLASS
         against cuBLAS on an sm90 GPU), and both the grouped kernel where it runs in bf16 (an sm90 GPU; this CPU
         standing in): then also the same bits."""
-        import moe
+        from model import moe
         from tests.test_moe import fast_path_here
 
         for fast in (False, True):
@@ -215,11 +215,11 @@ class TestSplitBackward(unittest.TestCase):
 
     def test_w_takes_the_path_its_forward_took(self):
         """W's product follows the flag its forward recorded, not a second reading of moe.grouped_mm_runs: a
-        simulated rank (plan/fake_rank.py) patches the predicate to take the per-expert loop in fp32 (torch 2.13's
+        simulated rank (sim/fake_rank.py) patches the predicate to take the per-expert loop in fp32 (torch 2.13's
         fake _grouped_mm takes bf16 only), and W read the unpatched one from its own import, so python -m
-        plan.verify of ZB-H1 x MoE x EP in fp32 raised "Expected inputs of BF16 type" on every rank. Here: F and B
+        sim.verify of ZB-H1 x MoE x EP in fp32 raised "Expected inputs of BF16 type" on every rank. Here: F and B
         with the loop patched in, W after it: W runs no torch._grouped_mm, and the gradients are the loop's."""
-        import moe
+        from model import moe
 
         grads = []
         for patched in (False, True):
@@ -321,9 +321,9 @@ class TestSplitBackward(unittest.TestCase):
         """A pipeline step runs inside our DDP's reduce_on_exit, and W adds dW to `.grad` outside autograd (no
         AccumulateGrad, no hook). After zero_grad(set_to_none=True) each W made `.grad` a tensor of its own, a
         second fp32 copy of every deferred gradient beside the buckets until the step's end (gpt2-xl, pp=2 ZB-V x
-        DDP: 2.8 GB of 21.2 on stage 0, found by plan.verify's simulated peak). Every gradient is its bucket's view
+        DDP: 2.8 GB of 21.2 on stage 0, found by sim.verify's simulated peak). Every gradient is its bucket's view
         from the first W on, and equals autograd's bit for bit."""
-        from parallel.ddp import DistributedDataParallel
+        from parallel.data_parallel.ddp import DistributedDataParallel
 
         grads = []
         for split in (False, True):
@@ -352,7 +352,8 @@ class TestSplitBackward(unittest.TestCase):
 
 
 class TestSplitBackwardSharded(unittest.TestCase):
-    """The store under our sharding engine (parallel/fsdp.py, one rank: the hooks, the held gradients and the
+    """The store under our sharding engine (parallel/data_parallel/fsdp.py, one rank: the hooks, the held gradients and
+    the
     reduction path are those of N ranks, the collectives copies): a 2-Block GPT, M = 2, whole backward per
     micro-batch vs B under the store then W micro-batch by micro-batch, inside the pipeline's step_sync. The
     linears' weights are views of each unit's flat buffer, so B hands each Block unit's gradient to the store

@@ -27,8 +27,8 @@ import unittest
 import pytest
 import torch
 
-import checkpoint
 from bench.sweep import BF16_RTOL
+from checkpoints import checkpoint
 from tests.harness import (
     WholeRuns,
     assert_close,
@@ -162,7 +162,8 @@ class TestBf16(unittest.TestCase):
     """--dtype bfloat16 --param_dtype bfloat16 (CPU autocast: bf16 matmuls, fp32 master weights), BF16_STEPS steps.
 
     ZB-H1 against 1F1B in bf16: the same bits. The split backward's W runs the products autograd runs for an
-    autocast linear, in its compute dtype and cast back as autocast's ToCopy backward casts (parallel/zero_bubble.py),
+    autocast linear, in its compute dtype and cast back as autocast's ToCopy backward casts
+    (parallel/pipeline/zero_bubble.py),
     and sums them in 1F1B's order, so no bf16 rounding moves: torch.equal, not a tolerance.
 
     ZB-H1 and ZB-V against one process in bf16: bench/sweep.py's BF16_RULE, derived there. Both runs compute the

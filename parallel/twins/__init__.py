@@ -3,11 +3,11 @@ step of parallel/parallelize.py's composition with the thin adapter that makes i
 They sit beside our mechanisms, not inside them, so a reader can diff the two:
 
     pipeline.py          torch.distributed.pipelining's PipelineStage per local chunk and its schedules
-                         (ours: parallel/pipeline.py, parallel/pipeline_schedule.py)
+                         (ours: parallel/pipeline/runner.py, parallel/pipeline/schedule.py)
     context_parallel.py  torch's context_parallel (CUDA only): the SDPA ring opened around each micro-step
-                         (ours: parallel/context_parallel.py)
+                         (ours: parallel/context_parallel/ring.py)
     tensor_parallel.py   DTensor `parallelize_module` with our sharding; loss parallel as a context
-                         (ours: parallel/tensor_parallel.py)
+                         (ours: parallel/tensor_parallel/apply.py)
     data_parallel.py     FSDP2 `fully_shard`, `DistributedDataParallel` (+ `ZeroRedundancyOptimizer` for zero1)
-                         (ours: parallel/fsdp.py, parallel/ddp.py)
+                         (ours: parallel/data_parallel/fsdp.py, parallel/data_parallel/ddp.py)
 """

@@ -1,4 +1,4 @@
-"""torch's context parallelism as our ring attention's twin (CUDA only; ours: parallel/context_parallel.py)."""
+"""torch's context parallelism as our ring attention's twin (CUDA only; ours: parallel/context_parallel/ring.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from functools import partial
 
 import torch
 
-from parallel.context_parallel import positions_for
+from parallel.context_parallel.ring import positions_for
 from parallel.mesh import Mesh
 from parallel.protocol import Cut
 

@@ -1,6 +1,6 @@
 """PyTorch's data-parallel wrappers as our DDP's and sharding engine's twins: `DistributedDataParallel`
 (+ `ZeroRedundancyOptimizer` for zero1) and FSDP2's `fully_shard` (HSDP on a 2D mesh), with the adapters that
-make them answer parallel/protocol.py (ours: parallel/ddp.py, parallel/fsdp.py)."""
+make them answer parallel/protocol.py (ours: parallel/data_parallel/ddp.py, parallel/data_parallel/fsdp.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from blocks import blocks_by_index
 from parallel.comm import local
 from parallel.mesh import Mesh
-from parallel.pipeline import PipelineStage
+from parallel.pipeline.runner import PipelineStage
 from parallel.protocol import Accumulating, Buffers, Params, Placement, Replicated
+from runtime.blocks import blocks_by_index
 
 
 class TorchFSDP2(Replicated):

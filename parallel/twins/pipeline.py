@@ -1,5 +1,5 @@
 """torch.distributed.pipelining as our pipeline's twin: one torch PipelineStage per local chunk of our cut
-(`TorchChunk`), torch's schedules, and the `PipelineRunner` contract (ours: parallel/pipeline.py)."""
+(`TorchChunk`), torch's schedules, and the `PipelineRunner` contract (ours: parallel/pipeline/runner.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel.mesh import Mesh
-from parallel.pipeline import PipelineRunner, PipelineStage
-from parallel.pipeline_schedule import V_SCHEDULES
+from parallel.pipeline.runner import PipelineRunner, PipelineStage
+from parallel.pipeline.schedule import V_SCHEDULES
 
 
 class TorchChunk(nn.Module):

@@ -1,5 +1,5 @@
 """DTensor tensor parallelism as our TP's twin: `parallelize_module` with the same sharding as TP_PLAN
-(ours: parallel/tensor_parallel.py)."""
+(ours: parallel/tensor_parallel/apply.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import contextlib
 
 import torch
 
-from blocks import blocks_by_index
-from model import GPT
+from model.gpt import GPT
 from parallel.mesh import Mesh
-from parallel.pipeline import PipelineStage
+from parallel.pipeline.runner import PipelineStage
 from parallel.protocol import Cut
+from runtime.blocks import blocks_by_index
 
 
 def pytorch_tp_plan(model: GPT, loss_parallel: bool, sequence_parallel: bool) -> dict:

@@ -1,0 +1,1 @@
+"""Context parallelism: the zigzag split and the ring of k/v blocks."""

@@ -1,0 +1,1 @@
+"""Data parallelism: bucketed DDP, the flat parameter, ZeRO-1/2/3 and HSDP."""

@@ -1,0 +1,1 @@
+"""Expert parallelism: tokens dispatched to their experts' ranks and combined back."""

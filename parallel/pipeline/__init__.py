@@ -1,0 +1,1 @@
+"""Pipeline parallelism: the Block partition, the schedules as data, the runner, the split backward."""

@@ -1,0 +1,671 @@
+"""python -m sim.verify: a layout checked across its ranks, by simulating them (sim/fake_rank.py).
+
+    python -m sim.verify --world_size 64 -- --model gpt2-xl --pipeline_parallel_size 2 --pp_schedule zbv ...
+    python -m sim.verify --world_size 16 --all_ranks -- <train.py flags>
+
+Each simulated rank runs train.py's build and two training steps on the fake backend and fake tensors, recorded.
+The ranks are then checked against each other and against the planner:
+1. groups: every rank makes the same new_group calls, with the same ranks, in the same order (a new_group is
+   collective over the world: one that some ranks skip hangs the others);
+2. collectives: within every group every member issues the same sequence (op, dtype, elements in and out,
+   reduce op); otherwise the first mismatch is named: the group, the op's index, which ranks issue what, where;
+3. p2p (the replay: sim/replay.py): every send meets its receive, of the same size, and the ranks' posts and
+   waits play out without deadlock under every point-to-point discipline the schedule simulator models
+   (`DISCIPLINES`: gloo's per-direction order, NCCL's pair FIFOs, NCCL's per-rank FIFO of an eagerly initialised
+   communicator, blocking send/recv),
+   and each rank waits on every p2p op it posts exactly once (`check_waits`);
+4. planner: per simulated rank, state bytes equal plan.predict's exactly, and the second step's comm bytes and
+   calls; the peak (memory.LiveStorages on the fake storages) within 15% of the predicted peak;
+5. startup (reported): the new_group calls each rank makes (and how many hold it), the ops at init, and how many
+   of them span the whole world.
+
+Classes. Without --all_ranks one rank per class is simulated. A class is the set of ranks whose recordings must be
+the same up to a shift of the mesh (`Layout.shift`): the class of its pipeline stage, the parity of its cp rank
+(`context_parallel.exchange_order`: even ranks send first), under expert parallelism its EP rank, and nothing
+else; a rank that a fault hook names (GPT_COMM_FAULT_RANK, GPT_FAULT_RANK, ...) is a class of its own. Pipeline
+stages share a class when their `Stage` keys are equal (`stage_signatures`, computed from the plan without
+simulating): the Blocks they hold (each by its parameters' shapes: an uneven split, an MoE Block every N-th keep
+stages apart), whether they hold the first or last chunk (wte and the token ids; lm_head and the loss; the
+embedding group), and their training schedule's action list and evaluation order, peers written as pp offsets.
+So GPipe's interior stages of equal Blocks share a class (pp=32 x cp=2: 8 classes, not 64), and 1F1B's never do
+(stage r runs P-1-r warm-up forwards: another order of posts and waits); the first and last stage are always
+classes of their own. Every other rank's recording is its class representative's with every rank in it shifted,
+pp included (its peers are at the same offsets, so none crosses an end; a group over the whole pp dim maps onto
+itself); call sites name Blocks by their place in the stage (`Layout.local_site`). The planner's numbers are
+checked for the representative and, against the same recording, for each other stage it stands for. With
+--all_ranks every rank is simulated and each one's recording is also held against its representative's shifted
+one (`symmetry`): that the classes are sound.
+
+The p2p replay (3) runs on the whole world's traces, cut into components (ranks joined by messages) and one of each
+kind replayed (`p2p_components`: alike up to the ranks' names; pp=32 x dp=16 x cp=2 has 16 alike components).
+
+Exit code 0: consistent; 1: a finding (each printed); 2: bad input, in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from sim.fake_rank import Op, RankRun
+from sim.replay import (
+    DISCIPLINES,
+    p2p_components,
+    p2p_models,
+    replay_components,
+    span,
+)
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+PEAK_RTOL = 0.15  # the planner's peak, as tests/test_plan_runs.py holds it against the CPU's allocated peak
+FAULT_RANKS = (
+    ("GPT_COMM_FAULT", "GPT_COMM_FAULT_RANK"),
+    ("GPT_FAULT_GRAD", "GPT_FAULT_RANK"),
+    ("GPT_FAULT_DDP_DROP_BUCKET", "GPT_FAULT_RANK"),
+    ("GPT_SIGNAL_AT_STEP", "GPT_SIGNAL_RANK"),
+    ("GPT_KILL_AT_STEP", "GPT_KILL_RANK"),
+)  # (the hook's switch, the variable naming its rank, default 0)
+
+
+# ----------------------------------------------------------------------------- the mesh, its classes and shifts
+
+
+class Layout:
+    """The mesh of a dims (parallel.mesh.ParallelDims): coordinates (pp, dp_replicate, dp_shard, cp, tp) of a rank,
+    tp fastest (parallel/mesh.py), and the classes of ranks that must record alike."""
+
+    def __init__(self, dims, special: frozenset[int] = frozenset(), stages: Sequence[Stage] | None = None):
+        """`stages`: each pipeline rank's `Stage` (`stage_signatures`); pipeline ranks whose keys are equal share
+        classes. None: every pipeline rank is a class of its own (and a shift never moves pp)."""
+        self.dims, self.special = dims, special
+        self.sizes = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+        self.world = dims.world_size
+        self._coords = [self._coordinates(r) for r in range(self.world)]
+        self.stages = list(stages) if stages is not None else None
+        if self.stages is not None and len(self.stages) != dims.pp:
+            raise ValueError(f"{len(self.stages)} stage signatures for pp={dims.pp}")
+        first: dict[tuple, int] = {}
+        self.stage_class = (
+            [first.setdefault(s.key, p) for p, s in enumerate(self.stages)] if self.stages else list(range(dims.pp))
+        )  # pp rank -> the lowest pp rank whose stage records alike
+
+    @classmethod
+    def of(cls, plan, special: frozenset[int] = frozenset()) -> "Layout":
+        """The layout of a validated plan (config.validate), its pipeline ranks' classes from `stage_signatures`."""
+        return cls(plan.dims, special, stage_signatures(plan))
+
+    def _coordinates(self, rank: int) -> tuple[int, ...]:
+        out = []
+        for size in reversed(self.sizes):
+            out.append(rank % size)
+            rank //= size
+        return tuple(reversed(out))
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        return self._coords[rank]
+
+    def rank(self, coords) -> int:
+        r = 0
+        for c, size in zip(coords, self.sizes):
+            r = r * size + c
+        return r
+
+    def class_key(self, rank: int) -> tuple:
+        """What decides a rank's control flow: its pipeline stage's class (`stage_class`: the lowest pipeline rank
+        whose `Stage.key` equals its own), the parity of its cp rank and, under expert parallelism, its EP rank
+        (the experts it holds: which rows it sends where; a shift that keeps it maps EP groups onto EP groups)
+        (or, for a rank a fault hook names, the rank itself)."""
+        if rank in self.special:
+            return ("rank", rank)
+        pp, dr, ds, cp, _ = self.coords(rank)
+        ep = getattr(self.dims, "ep", 1)
+        loss = (dr * self.dims.dp_shard + ds) * self.dims.cp + cp  # parallel.mesh.expert_dims' loss rank
+        return ("stage", self.stage_class[pp], cp % 2) + ((loss % ep,) if ep > 1 else ())
+
+    def classes(self) -> dict[int, list[int]]:
+        """{representative: members}, the representative the lowest member."""
+        by: dict[tuple, list[int]] = defaultdict(list)
+        for r in range(self.world):
+            by[self.class_key(r)].append(r)
+        return {members[0]: members for members in by.values()}
+
+    def representative(self) -> dict[int, int]:
+        return {m: rep for rep, members in self.classes().items() for m in members}
+
+    def shift(self, src: int, dst: int):
+        """The map of global ranks that carries rank src's recording to rank dst's (same class): every coordinate
+        moved by dst's minus src's, modulo its size. pp moves only between stages of one class, whose pipeline
+        peers are the neighbours at the same offsets (`Stage.key`), so no peer crosses the pipeline's ends; a
+        group spanning the whole pp dim maps onto itself."""
+        a, b = self.coords(src), self.coords(dst)
+        delta = [(y - x) for x, y in zip(a, b)]
+        if not any(delta):
+            return lambda r: r
+        sizes, coords, rank = self.sizes, self._coords, self.rank
+        return lambda r: rank([(c + d) % s for c, d, s in zip(coords[r], delta, sizes)])
+
+    def local_site(self, site: str, rank: int) -> str:
+        """A call site with each Block it names by global index (`transformer.h.17`) named by its place among
+        rank's stage's Blocks (`transformer.h.@1`): what a shift in pp keeps."""
+        if self.stages is None:
+            return site
+        blocks = self.stages[self.coords(rank)[0]].blocks
+        return BLOCK.sub(lambda m: f"@{blocks.index(int(m[0]))}" if int(m[0]) in blocks else f"?{m[0]}", site)
+
+    def describe_group(self, ranks: tuple[int, ...]) -> str:
+        """A group by the mesh dims its members span, and its ranks: `tp [4, 5]`, `world (16 ranks)`."""
+        if len(ranks) == self.world:
+            return f"world ({self.world} ranks)"
+        coords = [self.coords(r) for r in ranks]
+        spans = [d for i, d in enumerate(DIMS) if len({c[i] for c in coords}) > 1]
+        return f"{'x'.join(spans) or 'self'} {span(ranks)}"
+
+
+BLOCK = re.compile(r"(?<=\bh\.)\d+\b")  # a Block's global index in a unit's name: transformer.h.<17>
+
+
+class Stage(NamedTuple):
+    """A pipeline rank's part in the recording: `key`, everything its recording is made of beyond the mesh (two
+    pipeline ranks with equal keys record alike up to a shift of pp; `stage_signatures`), and `blocks`, the
+    global indices of the Blocks it holds, in its order (call sites name Blocks by them: `Layout.local_site`)."""
+
+    key: tuple
+    blocks: tuple[int, ...]
+
+
+def stage_signatures(plan) -> list[Stage]:
+    """Each pipeline rank's `Stage`, computed from the plan, without simulating. The key holds:
+    - its chunks in local order, each as (holds chunk 0: wte, wpe and the token ids; holds the last chunk: ln_f,
+      lm_head, the targets and the loss; its Blocks, each as its parameters' (name, shape, dtype) on meta):
+      an uneven split (the cost model's, --pp_layers_per_stage) or an MoE Block every N-th (--moe_every) keeps
+      stages apart, and so does any difference in state bytes, which the parameters decide;
+    - its training step's action list, as PipelineRunner.step takes it (parallel/pipeline/schedule.py,
+      ALL_SCHEDULES[schedule](P, M, V)[rank]; the sends' waits, `send_waits`, follow from it): each action as
+      (kind, local chunk, micro-batch, peer's pp offset for a SEND/RECV). GPipe's interior stages have equal
+      lists; 1F1B's do not (stage r runs P-1-r warm-up forwards), nor interleaved 1F1B's, ZB-H1's, ZB-V's or
+      DualPipe-V's, whose warm-ups depend on the rank too;
+    - its evaluation's order (PipelineRunner.forward_only): each local chunk in global order with the pp
+      offsets it receives from and sends to.
+    Peers as offsets: a stage sharing a class with another sends to and receives from the ranks at the same
+    offsets, so the pp shift between them maps every peer onto the other's. Without a pipeline: one Stage."""
+    import torch
+
+    from model.gpt import Block
+    from parallel.pipeline.runner import chunk_ranges
+    from parallel.pipeline.schedule import ALL_SCHEDULES, RECV_B, RECV_F, SEND_B, SEND_F, V_SCHEDULES, chunk_of, rank_of
+
+    d, par, n_layer = plan.dims, plan.par, plan.config.n_layer
+    if d.pp == 1:
+        return [Stage(("single",), tuple(range(n_layer)))]
+    P, V, v_shape = d.pp, par.pp_virtual, par.pp_schedule in V_SCHEDULES
+    C = P * V
+    layers = chunk_ranges(n_layer, C, par.pp_layers)
+    with torch.device("meta"):
+        block = [
+            tuple((n, tuple(p.shape), str(p.dtype)) for n, p in Block(plan.config, i).named_parameters())
+            for i in range(n_layer)
+        ]
+    schedule = ALL_SCHEDULES[par.pp_schedule](P, plan.grad_accum, V)
+    out = []
+    for r in range(P):
+        chunks = [chunk_of(r, v, P, v_shape) for v in range(V)]
+        local = {c: v for v, c in enumerate(chunks)}
+
+        def offset(c: int) -> int | None:  # the pp offset of chunk c's rank, None off the ends or on this rank
+            return None if not 0 <= c < C or rank_of(c, P, v_shape) == r else rank_of(c, P, v_shape) - r
+
+        held = tuple((c == 0, c == C - 1, tuple(block[i] for i in layers[c])) for c in chunks)
+        peer = {SEND_F: 1, RECV_B: 1, RECV_F: -1, SEND_B: -1}
+        actions = tuple(
+            (a.kind, local[a.chunk], a.micro, offset(a.chunk + peer[a.kind]) if a.kind in peer else None)
+            for a in schedule[r]
+        )
+        evaluation = tuple((local[c], offset(c - 1), offset(c + 1)) for c in sorted(chunks))
+        out.append(Stage((held, actions, evaluation), tuple(i for c in chunks for i in layers[c])))
+    return out
+
+
+def fault_ranks(world: int) -> frozenset[int]:
+    """The ranks a fault hook of trainer/faults.py is switched on for (each is then a class of its own)."""
+    out = set()
+    for switch, var in FAULT_RANKS:
+        if os.environ.get(switch):
+            who = os.environ.get(var, "0")
+            out.update(range(world) if who == "all" else [int(who)])
+    return frozenset(r for r in out if r < world)
+
+
+# ----------------------------------------------------------------------------- simulating
+
+
+def plan_for(flags: list[str], world: int, rank: int):
+    """config.validate of train.py's `flags` as rank `rank` of `world` simulated (UsageError on bad input)."""
+    from trainer import config
+
+    return config.validate(
+        config.parse_args([*flags, "--fake_world_size", str(world), "--fake_rank", str(rank)]),
+        launch="pass --world_size {n}",
+    )
+
+
+def simulate_ranks(flags: list[str], world: int, ranks: list[int], progress=None) -> dict[int, RankRun]:
+    """Each of `ranks` simulated in this process, one after another."""
+    from sim.fake_rank import simulate
+
+    out = {}
+    for r in ranks:
+        out[r] = simulate(plan_for(flags, world, r))
+        if progress is not None:
+            progress(r, out[r])
+    return out
+
+
+# ----------------------------------------------------------------------------- the expanded world
+
+
+@dataclass
+class World:
+    """Every rank's recording: the simulated ones as recorded, the others as their representative's shifted.
+    `groups[r]`: rank r's new_group calls; `collectives[r]`: {group: [Op]} (p2p and waits apart); `p2p[r]`: its
+    sends, receives and waits in order, ranks shifted."""
+
+    layout: Layout
+    runs: dict[int, RankRun]
+    rep: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._shifts: dict[tuple[int, int], object] = {}
+        self._coll: dict[int, dict[tuple, list[Op]]] = {}
+        self._p2p: dict[int, list[tuple]] = {}
+        self._group_cache: dict[tuple, tuple] = {}
+
+    def source(self, r: int) -> tuple[RankRun, object]:
+        """(the recording rank r's is made from, the rank map that makes it)."""
+        if r in self.runs:
+            return self.runs[r], None
+        rep = self.rep[r]
+        key = (rep, r)
+        if key not in self._shifts:
+            self._shifts[key] = self.layout.shift(rep, r)
+        return self.runs[rep], self._shifts[key]
+
+    def _map_group(self, group: tuple[int, ...], f, key) -> tuple[int, ...]:
+        if f is None or len(group) == self.layout.world:
+            return group
+        k = (group, key)
+        out = self._group_cache.get(k)
+        if out is None:
+            out = self._group_cache[k] = tuple(sorted(f(g) for g in group))
+        return out
+
+    def collectives(self, r: int) -> dict[tuple, list[Op]]:
+        if r not in self._coll:
+            run, f = self.source(r)
+            out: dict[tuple, list[Op]] = defaultdict(list)
+            for e in run.events:
+                if e.op not in ("send", "recv", "wait"):
+                    out[self._map_group(e.group, f, (run.rank, r))].append(e)
+            self._coll[r] = out
+        return self._coll[r]
+
+    def p2p(self, r: int) -> list[tuple]:
+        """[(kind, n, peer, group, dtype, numel, phase, step, site)]: kind send, recv or wait (n: the waited op)."""
+        if r not in self._p2p:
+            run, f = self.source(r)
+            out = []
+            for e in run.events:
+                if e.op == "wait":
+                    out.append(("wait", e.peer, -1, (), "", 0, e.phase, e.step, e.site))
+                elif e.op in ("send", "recv"):
+                    out.append(
+                        (
+                            e.op,
+                            e.n,
+                            f(e.peer) if f else e.peer,
+                            self._map_group(e.group, f, (run.rank, r)),
+                            e.dtype,
+                            e.numel,
+                            e.phase,
+                            e.step,
+                            e.site,
+                        )
+                    )
+            self._p2p[r] = out
+        return self._p2p[r]
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+def where(op: Op) -> str:
+    phase = op.phase if op.phase in ("init", "exit") else f"{op.phase} {op.step}"
+    return f"{op.site} ({phase})"
+
+
+def describe_op(op: Op | None) -> str:
+    if op is None:
+        return "nothing (the sequence ends)"
+    size = f"{op.numel}" + (f"->{op.out}" if op.out else "")
+    return f"{op.op} {op.dtype} x{size}" + (f" {op.reduce}" if op.reduce else "") + f" at {where(op)}"
+
+
+def check_groups(w: World) -> list[str]:
+    """1. Every simulated rank makes rank 0's new_group calls (the other ranks' are their representatives')."""
+    runs = w.runs
+    calls = {r: [g for g, _, _ in run.groups] for r, run in runs.items()}
+    ref_rank = min(runs)
+    ref = calls[ref_rank]
+    out = []
+    by_calls: dict[tuple, list[int]] = defaultdict(list)
+    for r, c in calls.items():
+        by_calls[tuple(c)].append(r)
+    if len(by_calls) == 1:
+        return out
+    members = {r: [r] + [m for m, rep in w.rep.items() if rep == r and m not in runs] for r in runs}  # + shifted
+    for c, ranks in by_calls.items():
+        if list(c) == ref:
+            continue
+        i = next((i for i, (x, y) in enumerate(zip(c, ref)) if x != y), min(len(c), len(ref)))
+        who = sorted(m for r in ranks for m in members[r])
+        mine = f"new_group({list(c[i])}) at {runs[ranks[0]].groups[i][2]}" if i < len(c) else "no further new_group"
+        theirs = f"new_group({list(ref[i])})" if i < len(ref) else "no further new_group"
+        out.append(
+            f"groups: ranks {span(who)} make {len(c)} new_group calls, rank {ref_rank} makes {len(ref)}; at "
+            f"call #{i} ranks {span(who)} make {mine} where rank {ref_rank} makes {theirs}"
+        )
+    return out
+
+
+def check_collectives(w: World) -> list[str]:
+    """2. Within every group, every member's sequence of collectives is the same; the first mismatch, named."""
+    lay = w.layout
+    members_of: dict[tuple, None] = {}
+    for r in range(lay.world):
+        for g in w.collectives(r):
+            members_of.setdefault(g, None)
+    out = []
+    for g in members_of:
+        seqs = {r: w.collectives(r).get(g, []) for r in g}
+        sigs = {r: tuple(o.signature() for o in s) for r, s in seqs.items()}
+        if len(set(sigs.values())) == 1:
+            continue
+        n = max(len(s) for s in sigs.values())
+        i = next(i for i in range(n) if len({s[i] if i < len(s) else None for s in sigs.values()}) > 1)
+        by: dict[object, list[int]] = defaultdict(list)
+        for r, s in sigs.items():
+            by[s[i] if i < len(s) else None].append(r)
+        parts = sorted(by.items(), key=lambda kv: -len(kv[1]))
+        said = "; ".join(
+            f"ranks {span(rs)} issue {describe_op(seqs[rs[0]][i] if i < len(seqs[rs[0]]) else None)}" for _, rs in parts
+        )
+        odd = sorted(r for _, rs in parts[1:] for r in rs)
+        out.append(f"collectives: group {lay.describe_group(g)}, op #{i}: ranks {span(odd)} differ: {said}")
+    return out
+
+
+def check_p2p(w: World) -> tuple[list[str], int]:
+    """3. Every model of p2p_models(): (findings, p2p messages per step summed over ranks in the last step). One
+    component of each kind (`p2p_components`) is replayed: a pp=32 x dp=16 x cp=2 layout's 16 pp x cp
+    components are alike, one replay of 64 ranks stands for 1,024."""
+    traces = {r: w.p2p(r) for r in range(w.layout.world)}
+    if not any(traces.values()):
+        return [], 0
+    out, kinds = [], p2p_components(traces)
+    for m in p2p_models():
+        problem = replay_components(traces, DISCIPLINES[m], kinds)
+        if problem:
+            out.append(f"p2p under {m}: {problem}")
+    return out, sum(1 for t in traces.values() for e in t if e[0] == "send")
+
+
+def check_waits(w: World) -> list[str]:
+    """3b. Every p2p op a simulated rank posts, it waits on exactly once. A receive never waited is read before it
+    has arrived (NCCL: the compute stream never waits for the message), a send never waited may have its buffer
+    reused while in flight, and a receive waited twice hangs gloo (the second wait waits for another message:
+    seen, a 300 s timeout). The first such op of each rank, and how many it has."""
+    out = []
+    for r, run in sorted(w.runs.items()):
+        waits: dict[int, int] = defaultdict(int)
+        for e in run.events:
+            if e.op == "wait":
+                waits[e.peer] += 1
+        bad = [(e, waits[e.n]) for e in run.events if e.op in ("send", "recv") and waits[e.n] != 1]
+        if bad:
+            e, k = bad[0]
+            out.append(
+                f"waits: rank {r} waits {k} time(s) on its {e.op} {'to' if e.op == 'send' else 'from'} rank "
+                f"{e.peer} at {where(e)}" + (f" ({len(bad) - 1} more such op(s))" if len(bad) > 1 else "")
+            )
+    return out
+
+
+def predicted(plan, coords: tuple[int, ...]) -> dict:
+    """plan.predict for the rank at mesh `coords`: its stage's, on the planner's GPUs (no gloo copy of a
+    reduce-scatter's input: the fake backend copies nothing either), with the state of its own shard."""
+    from plan.counts import Setup
+    from plan.muon_counts import state_bytes
+    from plan.predict import predict
+
+    args = argparse.Namespace(**{**vars(plan.args), "device": "auto"})
+    setup = Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
+    pp, _, shard, cp, _ = coords
+    out = predict(setup, pp)
+    out["state_bytes_by_kind"] = state_bytes(setup, pp, shard * plan.dims.cp + cp)
+    if getattr(plan.args, "optimizer", "adamw") == "muon":  # its exchange sends what this rank's owners say
+        from plan.muon_counts import for_rank
+
+        for_rank(setup, coords, out)
+    out["state_bytes"] = sum(out["state_bytes_by_kind"].values())
+    return out
+
+
+def check_planner(w: World, plans: dict[int, object]) -> tuple[list[str], dict[int, dict]]:
+    """4. Per simulated rank: state bytes, the last step's comm bytes and calls, the peak, against the planner;
+    and the same recording against the planner's numbers for each other pipeline stage of its class (a stage
+    that shares a class records alike, so the planner must predict it alike)."""
+    out, rows = [], {}
+    lay = w.layout
+    members: dict[int, set[int]] = defaultdict(set)  # simulated rank -> the pp ranks of its class it stands for
+    for m, rep in w.rep.items():
+        if m not in w.runs:
+            members[rep].add(lay.coords(m)[0])
+    for r, run in sorted(w.runs.items()):
+        if not run.steps:
+            continue
+        plan, coords = plans[r], lay.coords(r)
+        p = predicted(plan, coords)
+        m = run.steps[max(run.steps)]
+        rows[r] = {
+            "state": m["state_bytes"],
+            "state_predicted": p["state_bytes"],
+            "peak": m.get("peak_allocated_bytes"),
+            "peak_predicted": p["peak_memory_bytes"],
+        }
+        out += planner_misses(f"rank {r}", m, max(run.steps), p, lay.world)
+        for pp in sorted(members[r] - {coords[0]}):
+            other = lay.rank((pp, *coords[1:]))
+            out += planner_misses(
+                f"rank {other} (rank {r}'s recording, shifted)",
+                m,
+                max(run.steps),
+                predicted(plan, lay.coords(other)),
+                lay.world,
+            )
+    return out, rows
+
+
+def planner_misses(who: str, m: dict, step: int, p: dict, world: int) -> list[str]:
+    """Where a step's record `m` (train.step_metrics) and the planner's prediction `p` for it differ."""
+    out = []
+    nz = lambda d: {k: v for k, v in (d or {}).items() if v}  # noqa: E731
+    if m["state_bytes_by_kind"] != p["state_bytes_by_kind"]:
+        out.append(f"planner: {who}: state bytes {m['state_bytes_by_kind']} != predicted {p['state_bytes_by_kind']}")
+    if world > 1:
+        for key in ("comm_bytes", "comm_calls"):
+            if nz(m.get(key)) != nz(p.get(key)):
+                out.append(f"planner: {who}: step {step}'s {key} {nz(m.get(key))} != predicted {nz(p.get(key))}")
+    got = m.get("peak_allocated_bytes")
+    if got and abs(p["peak_memory_bytes"] - got) > PEAK_RTOL * got:
+        out.append(
+            f"planner: {who}: peak {got} B (live fake storages, step {step}) vs predicted "
+            f"{p['peak_memory_bytes']} B ({100 * (p['peak_memory_bytes'] - got) / got:+.1f}%, beyond "
+            f"{PEAK_RTOL:.0%})"
+        )
+    return out
+
+
+def startup(w: World) -> dict:
+    """5. The new_group calls a rank makes (rank 0's; check 1 holds every rank to them), how many hold it, the ops
+    at init and those over the whole world (most over the simulated ranks)."""
+    r0 = w.runs[min(w.runs)]
+    return {
+        "new_group": len(r0.groups),
+        "member": max(sum(m for _, m, _ in run.groups) for run in w.runs.values()),
+        "init_ops": max(len(run.ops("init")) for run in w.runs.values()),
+        "init_world": max(sum(len(o.group) == w.layout.world for o in run.ops("init")) for run in w.runs.values()),
+    }
+
+
+def symmetry(w: World) -> list[str]:
+    """With every rank simulated: each rank's recording equals its class representative's shifted (ops, groups,
+    peers, in order): the classes are sound for this layout."""
+    out = []
+    shifted = World(w.layout, {r: run for r, run in w.runs.items() if w.rep[r] == r}, w.rep)
+    lay = w.layout
+    seen = lambda world, r: {
+        g: [
+            (o.signature(), lay.local_site(o.site, world.source(r)[0].rank), o.phase, o.step)  # noqa: E731
+            for o in ops
+        ]
+        for g, ops in world.collectives(r).items()
+    }
+    for r, run in sorted(w.runs.items()):
+        if w.rep[r] == r:
+            continue
+        if (
+            seen(w, r) != seen(shifted, r)
+            or [e[:6] for e in w.p2p(r)] != [e[:6] for e in shifted.p2p(r)]
+            or [g for g, _, _ in run.groups] != [g for g, _, _ in w.runs[w.rep[r]].groups]
+        ):
+            out.append(
+                f"classes: rank {r}'s recording is not rank {w.rep[r]}'s shifted (the class shortcut would not see it)"
+            )
+    return out
+
+
+@dataclass
+class Verdict:
+    findings: list[str]
+    table: dict
+    runs: dict[int, RankRun]
+
+
+def verify(flags: list[str], world: int, all_ranks: bool = False, progress=None) -> Verdict:
+    """Simulate the layout's ranks (all, or one per class) and `judge` them. Raises config.UsageError on bad flags
+    (before any rank runs)."""
+    t0 = time.perf_counter()
+    layout = Layout.of(plan_for(flags, world, 0), fault_ranks(world))
+    ranks = list(range(world)) if all_ranks else sorted(layout.classes())
+    runs = simulate_ranks(flags, world, ranks, progress)
+    verdict = judge(layout, runs, {r: plan_for(flags, world, r) for r in ranks})
+    verdict.table["seconds"] = time.perf_counter() - t0
+    return verdict
+
+
+def judge(layout: Layout, runs: dict[int, RankRun], plans: dict[int, object]) -> Verdict:
+    """The five checks over `runs`: one per class at least (every rank is its class representative's recording
+    shifted), or every rank (then `symmetry` too). `plans`: each simulated rank's, for the planner's prediction."""
+    w = World(layout, runs, layout.representative())
+    findings = [
+        f"rank {r}: the simulated run " + (f"raised {run.error}" if run.error else f"exited {run.code}")
+        for r, run in sorted(runs.items())
+        if run.code or run.error
+    ]
+    findings += check_groups(w)
+    findings += check_collectives(w)
+    p2p_findings, messages = check_p2p(w)
+    findings += p2p_findings + check_waits(w)
+    planner, rows = check_planner(w, plans)
+    from sim.muon_verify import findings as muon_findings  # --optimizer muon: exchange and owners
+
+    findings += planner + muon_findings(w, plans)
+    if len(runs) == layout.world and layout.world > 1:
+        findings += symmetry(w)
+    r0 = runs[min(runs)]
+    last = max(r0.steps) if r0.steps else 0
+    step_ops = [o for o in r0.ops("step") if o.step == last]
+    table = {
+        "ranks": layout.world,
+        "classes": len(layout.classes()),
+        "simulated": len(runs),
+        **startup(w),
+        "collectives": sum(o.op not in ("send", "recv") for o in step_ops),
+        "p2p": sum(o.op in ("send", "recv") for o in step_ops),
+        "messages": messages,
+        "planner": rows,
+        "verdict": "consistent" if not findings else f"{len(findings)} finding(s)",
+        "seconds": sum(run.seconds for run in runs.values()),
+    }
+    return Verdict(findings, table, runs)
+
+
+HEADER = (
+    "| layout | ranks | classes (simulated) | new_group calls per rank (holding it) | ops at init (world-wide) | "
+    "collectives / p2p per step, rank 0 | verdict | seconds |\n|---|---:|---:|---:|---:|---:|---|---:|"
+)
+
+
+def table_row(name: str, t: dict) -> str:
+    return (
+        f"| {name} | {t['ranks']} | {t['classes']} ({t['simulated']}) | {t['new_group']} ({t['member']}) | "
+        f"{t['init_ops']} ({t['init_world']}) | {t['collectives']} / {t['p2p']} | {t['verdict']} | "
+        f"{t['seconds']:.0f} |"
+    )
+
+
+def parser():
+    from trainer.config import Parser
+
+    p = Parser(prog="python -m sim.verify", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world_size", type=int, required=True, help="the ranks of the job (N)")
+    p.add_argument("--all_ranks", action="store_true", help="simulate every rank, not one per class")
+    p.add_argument("--name", default=None, help="the layout's name in the table (default: the flags)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.config import UsageError, error_line
+
+    argv = sys.argv[1:] if argv is None else argv
+    ours, flags = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    try:
+        a = parser().parse_args(ours)
+        if a.world_size < 1:
+            raise UsageError(f"--world_size must be >= 1, got {a.world_size}")
+        if not flags:
+            raise UsageError("no train.py flags: python -m sim.verify --world_size N [--all_ranks] -- <train.py flags>")
+        verdict = verify(
+            flags,
+            a.world_size,
+            a.all_ranks,
+            progress=lambda r, run: print(f"  rank {r}: {run.seconds:.1f} s", file=sys.stderr, flush=True),
+        )
+    except UsageError as e:
+        error_line("python -m sim.verify", e)
+        return 2
+    print(HEADER)
+    print(table_row(a.name or " ".join(flags), verdict.table))
+    for f in verdict.findings:
+        print(f"finding: {f}")
+    return 1 if verdict.findings else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""A training run's checkpoint: what train.py's Trainer saves after a step (model, optimizer, scaler, the run's
+config and layout, through checkpoints/checkpoint.py's sharded format) and how a resume in any layout loads it back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+from checkpoints.checkpoint import load, snapshot, write
+from checkpoints.entries import entries
+from optim.flags import MUON_FLAGS
+
+MATH_ARGS = (
+    "seed",
+    "lr",
+    "warmup_steps",
+    "max_steps",
+    "weight_decay",
+    "total_batch_size",
+    "seq_len",
+    "gradient_clipping",
+    "grad_compression",
+    "param_dtype",
+    "reduce_dtype",
+    "init_from",
+    "dataset",
+    *MUON_FLAGS,
+)  # stored with each checkpoint; a resume with other values says so
+
+
+def save_trainer(t, step: int, wait: bool = False) -> tuple[str, float]:
+    """Collective: every rank writes its elements of train.py's Trainer `t` (model, optimizer, scaler) after
+    `step`, with the run's config, MATH_ARGS and layout in the manifest. Returns (directory, milliseconds
+    training was blocked). With --async_checkpoint (`t.saver`) only the snapshot (a CPU copy) blocks and a
+    background thread writes it, unless `wait` (the final save, a preemption)."""
+    plan, a, d = t.plan, t.plan.args, t.plan.dims
+    extra = {
+        "config": {
+            "model": asdict(plan.config),
+            "train": {
+                **{k: getattr(a, k, None) for k in MATH_ARGS},
+                "dtype": str(plan.dtype).removeprefix("torch."),
+                "optimizer": a.optimizer,
+            },
+        },  # a resume with the other is refused
+        "layout": {
+            "world_size": d.world_size,
+            **d.sizes(),
+            "implementation": plan.par.implementation,
+            "dp_type": plan.par.dp_type,
+        },
+    }
+    if t.scaler is not None:
+        extra["scaler"] = t.scaler.state_dict()
+    t0 = time.perf_counter()
+    snap = snapshot(
+        a.out_dir,
+        step,
+        entries(t.par, t.optimizer),
+        t.par.checkpoint_optimizer(t.optimizer),
+        extra,
+        rank=plan.rank,
+        world_size=d.world_size,
+        keep=a.keep_checkpoints,
+        device=plan.device,
+        buffers=t.saver.free_buffers() if t.saver is not None else None,
+    )
+    if t.saver is None:
+        path = write(snap)
+    else:
+        t.saver.save(snap)
+        path = t.saver.path
+        if wait:
+            t.saver.wait()
+    return path, (time.perf_counter() - t0) * 1000
+
+
+def restore_trainer(t) -> int:
+    """Load --resume's checkpoint (saved in any layout) into train.py's Trainer `t`, in its own layout;
+    returns its step. The data position is the step itself: batches are a pure function of (seed, step).
+    Rank 0 says what it resumes from and which MATH_ARGS differ from the saved run's."""
+    from parallel.mesh import OPTIONAL_DIMS
+
+    plan, args = t.plan, t.plan.args
+    m = load(
+        plan.resume_from,
+        entries(t.par, t.optimizer),
+        t.par.checkpoint_optimizer(t.optimizer),
+        rank=plan.rank,
+        world_size=plan.dims.world_size,
+        device=plan.device,
+    )
+    if t.scaler is not None and "scaler" in m:
+        t.scaler.load_state_dict(m["scaler"])
+    if plan.rank == 0:
+        lay = m["layout"]
+        cp = "".join(f" {k}={lay[k]}" for k in OPTIONAL_DIMS if lay.get(k, 1) > 1)
+        print(
+            f"resuming from {plan.resume_from} (saved by {lay['implementation']} pp={lay.get('pp', 1)}{cp} "
+            f"dp={lay['dp']}"
+            f"{' (' + lay['dp_type'] + ')' if lay['dp_type'] else ''} tp={lay['tp']}): continuing at step "
+            f"{m['step'] + 1}"
+            + (f" (nothing left: --max_steps {args.max_steps})" if m["step"] >= args.max_steps else ""),
+            flush=True,
+        )
+        saved = m["config"]["train"]
+        changed = [
+            f"--{k} {saved.get(k)!r} -> {getattr(args, k, None)!r}"
+            for k in MATH_ARGS
+            if saved.get(k) != getattr(args, k, None)
+        ]
+        if changed:
+            print(
+                f"note: arguments differ from the checkpoint's run, so losses will differ from an "
+                f"uninterrupted run: {', '.join(changed)}",
+                flush=True,
+            )
+    return int(m["step"])
