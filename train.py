@@ -38,14 +38,14 @@ from runtime import allocator, memory, metrics
 from runtime.device import fused_optimizer
 from runtime.launch import exit_process
 from trainer import config_file, faults, resume
-from trainer.config import Plan, UsageError, error_line, parse_args, train_parser, validate
+from trainer.config import RunSpec, UsageError, error_line, parse_args, train_parser, validate
 
 
 @dataclass
 class Trainer:
-    plan: Plan
+    spec: RunSpec
     mesh: Mesh  # always there: size-1 dims on one process (parallel/mesh.py)
-    par: Parallelized
+    parallelized: Parallelized
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
     data: BatchSource
@@ -63,43 +63,43 @@ class Trainer:
 
     @property
     def model(self) -> torch.nn.Module:
-        return self.par.model
+        return self.parallelized.model
 
 
-def build(plan: Plan) -> Trainer:
+def build(spec: RunSpec) -> Trainer:
     """Join the process group, build the model (on meta if deferred), parallelise it, make the optimizer.
-    Every parameter, and so every optimizer state, ends on plan.device."""
-    args = plan.args
+    Every parameter, and so every optimizer state, ends on spec.device."""
+    args = spec.args
     torch.manual_seed(args.seed)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = plan.tf32  # config.use_tf32
-    mesh = init_distributed(plan.dims, plan.device, args.timeout, fake_rank=plan.rank if plan.fake else None)
-    if plan.hf_state is not None:
-        model = GPT.from_hf_state_dict(plan.hf_state).to(plan.device)
-    elif plan.par.deferred_init:
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = spec.tf32  # config.use_tf32
+    mesh = init_distributed(spec.dims, spec.device, args.timeout, fake_rank=spec.rank if spec.fake else None)
+    if spec.hf_state is not None:
+        model = GPT.from_hf_state_dict(spec.hf_state).to(spec.device)
+    elif spec.parallel.deferred_init:
         with torch.device("meta"):
-            model = GPT(plan.config)
+            model = GPT(spec.config)
     else:
-        model = GPT(plan.config)
-        model.init_weights(args.seed, plan.device)
+        model = GPT(spec.config)
+        model.init_weights(args.seed, spec.device)
     on_meta = sum(p.numel() for p in model.parameters() if p.is_meta)  # all of them under deferred init
-    par = parallelize(model, mesh, plan.par, plan.device)
+    parallelized = parallelize(model, mesh, spec.parallel, spec.device)
     optimizer = make_optimizer(
-        par,
+        parallelized,
         args,
         lr=args.lr,
         betas=(0.9, 0.95),
         eps=1e-8,  # --optimizer (optim/build.py)
-        fused=fused_optimizer(plan.device, list(par.model.parameters())) or None,
+        fused=fused_optimizer(spec.device, list(parallelized.model.parameters())) or None,
     )
-    scaler = par.make_grad_scaler() if plan.dtype == torch.float16 else None
-    data = BatchSource(plan.data_dir, args.seq_len, plan.config.vocab_size, args.seed)
-    n_params = metrics.active_params(plan.config, non_embedding=True)  # MoE: top_k of each layer's experts
-    saver = checkpoint.AsyncSaver(plan.device) if args.async_checkpoint else None  # collective: its own gloo group
-    built = {"params_on_meta": on_meta, "distributed_classes": distributed_classes(par, optimizer)}
+    scaler = parallelized.make_grad_scaler() if spec.dtype == torch.float16 else None
+    data = BatchSource(spec.data_dir, args.seq_len, spec.config.vocab_size, args.seed)
+    n_params = metrics.active_params(spec.config, non_embedding=True)  # MoE: top_k of each layer's experts
+    saver = checkpoint.AsyncSaver(spec.device) if args.async_checkpoint else None  # collective: its own gloo group
+    built = {"params_on_meta": on_meta, "distributed_classes": distributed_classes(parallelized, optimizer)}
     return Trainer(
-        plan,
+        spec,
         mesh,
-        par,
+        parallelized,
         optimizer,
         scaler,
         data,
@@ -107,19 +107,19 @@ def build(plan: Plan) -> Trainer:
         built=built,
         tracer=Tracer(args.trace_step),
         dp_rank=mesh["batch"].rank,
-        flops_per_token=metrics.flops_per_token(plan.config, n_params, args.seq_len),
-        peak_flops=args.peak_flops or metrics.peak_flops(plan.device, plan.dtype),
+        flops_per_token=metrics.flops_per_token(spec.config, n_params, args.seq_len),
+        peak_flops=args.peak_flops or metrics.peak_flops(spec.device, spec.dtype),
     )
 
 
-def distributed_classes(par: Parallelized, optimizer: torch.optim.Optimizer) -> list[str]:
+def distributed_classes(parallelized: Parallelized, optimizer: torch.optim.Optimizer) -> list[str]:
     """The distributed classes the built model is made of, found on its objects (not read from the flags):
     each module, parameter, optimizer or pipeline runner whose class is ours (parallel/) or PyTorch's
     (torch.distributed, torch.nn.parallel), as "module.Class"; FSDP2's generated classes as FSDPModule."""
     from torch.distributed.fsdp import FSDPModule
 
-    modules = [*par.model.modules(), *getattr(par.model, "chunk_modules", {}).values()]
-    objects = [*modules, *par.model.parameters(), optimizer, par.pipeline]
+    modules = [*parallelized.model.modules(), *getattr(parallelized.model, "chunk_modules", {}).values()]
+    objects = [*modules, *parallelized.model.parameters(), optimizer, parallelized.pipeline]
     names = {
         f"{c.__module__}.{c.__qualname__}"
         for c in (FSDPModule if isinstance(o, FSDPModule) else type(o) for o in objects)
@@ -127,8 +127,8 @@ def distributed_classes(par: Parallelized, optimizer: torch.optim.Optimizer) -> 
     return sorted(n for n in names if n.startswith(("parallel.", "torch.distributed.", "torch.nn.parallel.")))
 
 
-def _autocast(plan: Plan):
-    return torch.autocast(plan.device.type, dtype=plan.dtype, enabled=plan.dtype != torch.float32)
+def _autocast(spec: RunSpec):
+    return torch.autocast(spec.device.type, dtype=spec.dtype, enabled=spec.dtype != torch.float32)
 
 
 class StepWatch:
@@ -139,18 +139,20 @@ class StepWatch:
     close the windows, start the preemption vote, read the bytes and calls our collectives counted (before the
     end-of-step scalar reductions, which are not wrapper traffic). `seconds()` after the loss was read (a sync)."""
 
-    def __init__(self, t: Trainer, step: int):
-        self.t, self.step, self.record = t, step, {}
+    def __init__(self, trainer: Trainer, step: int):
+        self.trainer, self.step, self.record = trainer, step, {}
 
     def __enter__(self) -> "StepWatch":
-        t, plan = self.t, self.t.plan
-        t.par.reset_counters()
-        metrics.reset_peak_memory(plan.device)
+        trainer, spec = self.trainer, self.trainer.spec
+        trainer.parallelized.reset_counters()
+        metrics.reset_peak_memory(spec.device)
         self.t0 = time.perf_counter()
-        t.tracer.before_step(t, self.step)
-        self.saved = memory.SavedActivations(t.par.parameter_tensors() if self.step == t.saved_step else None)
+        trainer.tracer.before_step(trainer, self.step)
+        self.saved = memory.SavedActivations(
+            trainer.parallelized.parameter_tensors() if self.step == trainer.saved_step else None
+        )
         self.peak = memory.AllocatedPeak(
-            self.step == t.peak_step and plan.device.type == "cpu" and (plan.rank == 0 or plan.fake)
+            self.step == trainer.peak_step and spec.device.type == "cpu" and (spec.rank == 0 or spec.fake)
         )  # a simulated rank measures its own
         self.peak.__enter__()
         self.saved.__enter__()
@@ -158,16 +160,18 @@ class StepWatch:
 
     def after_backward(self) -> None:
         self.saved.__exit__(None, None, None)  # what backward needed is freed: the window closes here
-        if self.t.faults is not None:
-            self.t.faults.mid_step(self.step, self.t.model)  # the test hooks that signal a rank or perturb a gradient
-        self.t.tracer.after_backward(self.t, self.step)
+        if self.trainer.faults is not None:
+            self.trainer.faults.mid_step(
+                self.step, self.trainer.model
+            )  # the test hooks that signal a rank or perturb a gradient
+        self.trainer.tracer.after_backward(self.trainer, self.step)
 
     def __exit__(self, *exc) -> None:
         self.peak.__exit__(*exc)
         if exc[0] is not None:
             return
-        if self.t.faults is not None:
-            self.t.faults.vote()  # read by run() after the step: its all-reduce finishes with the scalars
+        if self.trainer.faults is not None:
+            self.trainer.faults.vote()  # read by run() after the step: its all-reduce finishes with the scalars
         self.record = {"comm_bytes": comm.COUNTER.snapshot(), "comm_calls": comm.COUNTER.snapshot_calls()}
         if self.saved.peak is not None:
             self.record["saved_activation_bytes"] = self.saved.peak
@@ -178,41 +182,50 @@ class StepWatch:
         return time.perf_counter() - self.t0
 
 
-def train_step(t: Trainer, step: int) -> dict:
+def train_step(trainer: Trainer, step: int) -> dict:
     """One optimizer step over the global batch of `step`; returns this step's metrics."""
-    plan, args = t.plan, t.plan.args
+    spec, args = trainer.spec, trainer.spec.args
     lr = lr_at(step, args.lr, args.warmup_steps, args.max_steps)
-    for group in t.optimizer.param_groups:  # a Muon group has its own peak lr (optim/muon.MuonAdamW)
+    for group in trainer.optimizer.param_groups:  # a Muon group has its own peak lr (optim/muon.MuonAdamW)
         group["lr"] = lr if "base_lr" not in group else lr_at(step, group["base_lr"], args.warmup_steps, args.max_steps)
     batches = [
-        t.data.get("train", step, plan.rows, micro_batch_chunk(m, t.dp_rank, plan.dims.dp), args.micro_batch_size)
-        for m in range(plan.grad_accum)
+        trainer.data.get(
+            "train", step, spec.rows, micro_batch_chunk(m, trainer.dp_rank, spec.dims.dp), args.micro_batch_size
+        )
+        for m in range(spec.grad_accum)
     ]
-    with StepWatch(t, step) as watch:  # counters, clock, memory windows, tracer and fault hooks
-        loss = t.par.forward_backward(batches, t.scaler.scale if t.scaler else None, lambda: _autocast(plan))
+    with StepWatch(trainer, step) as watch:  # counters, clock, memory windows, tracer and fault hooks
+        loss = trainer.parallelized.forward_backward(
+            batches, trainer.scaler.scale if trainer.scaler else None, lambda: _autocast(spec)
+        )
         watch.after_backward()
-        if t.scaler:
-            t.scaler.unscale_(t.optimizer)  # ranks agree on found-inf here (AgreeingGradScaler)
-        norm = t.par.clip_grad_norm_(1.0 if args.gradient_clipping else None)
-        if t.scaler:
-            t.scaler.step(t.optimizer)
-            t.scaler.update()
+        if trainer.scaler:
+            trainer.scaler.unscale_(trainer.optimizer)  # ranks agree on found-inf here (AgreeingGradScaler)
+        norm = trainer.parallelized.clip_grad_norm_(1.0 if args.gradient_clipping else None)
+        if trainer.scaler:
+            trainer.scaler.step(trainer.optimizer)
+            trainer.scaler.update()
         else:
-            t.optimizer.step()
-        t.par.after_optimizer_step()
-    loss_value, norm_value = t.par.mean_loss(loss).item(), float(norm)  # .item() syncs the device: dt is honest
+            trainer.optimizer.step()
+        trainer.parallelized.after_optimizer_step()
+    loss_value, norm_value = (
+        trainer.parallelized.mean_loss(loss).item(),
+        float(norm),
+    )  # .item() syncs the device: dt is honest
     dt = watch.seconds()
-    state = t.par.state_breakdown(t.optimizer)  # gradients still allocated: the step's true peak state
-    t.optimizer.zero_grad(set_to_none=True)
-    return step_metrics(t, step, lr, loss_value, norm_value, dt, state, watch.record)
+    state = trainer.parallelized.state_breakdown(
+        trainer.optimizer
+    )  # gradients still allocated: the step's true peak state
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return step_metrics(trainer, step, lr, loss_value, norm_value, dt, state, watch.record)
 
 
 def step_metrics(
-    t: Trainer, step: int, lr: float, loss: float, norm: float, dt: float, state: dict[str, int], watched: dict
+    trainer: Trainer, step: int, lr: float, loss: float, norm: float, dt: float, state: dict[str, int], watched: dict
 ) -> dict:
     """The step's record: loss, speed (tokens/s, MFU), memory, bytes moved, and what AC, compile and the
     pipeline and the MoE layers report (Parallelized.step_counters); `watched`: what the step's StepWatch measured."""
-    plan, args = t.plan, t.plan.args
+    spec, args = trainer.spec, trainer.spec.args
     tokens_per_sec = args.total_batch_size / dt
     m = {
         "step": step,
@@ -221,128 +234,129 @@ def step_metrics(
         "grad_norm": norm,
         "step_time_ms": dt * 1000,
         "tokens_per_sec": tokens_per_sec,
-        "mfu": t.flops_per_token * tokens_per_sec / (t.peak_flops * plan.dims.world_size),
-        "peak_memory_bytes": metrics.peak_memory_bytes(plan.device),
+        "mfu": trainer.flops_per_token * tokens_per_sec / (trainer.peak_flops * spec.dims.world_size),
+        "peak_memory_bytes": metrics.peak_memory_bytes(spec.device),
         "state_bytes": sum(state.values()),
         "state_bytes_by_kind": state,
     }
-    if plan.par.implementation == "custom" and plan.dims.world_size > 1:
+    if spec.parallel.implementation == "custom" and spec.dims.world_size > 1:
         m["comm_bytes"], m["comm_calls"] = watched["comm_bytes"], watched["comm_calls"]
-    if t.scaler:
-        m["loss_scale"] = t.scaler.get_scale()
-    m.update(t.par.step_counters())
-    if getattr(t.optimizer, "ledger", None) is not None:  # Muon: matrices this rank orthogonalised this step
-        m["muon_orthogonalized"] = t.optimizer.ledger.total
-        m["muon_ns_ms"] = t.optimizer.ledger.ns_seconds() * 1000  # bench: Newton-Schulz's share of the step
-        m["muon_sent_bytes"] = t.optimizer.ledger.sent_bytes  # the exchange's, planned from the holds
+    if trainer.scaler:
+        m["loss_scale"] = trainer.scaler.get_scale()
+    m.update(trainer.parallelized.step_counters())
+    if getattr(trainer.optimizer, "ledger", None) is not None:  # Muon: matrices this rank orthogonalised this step
+        m["muon_orthogonalized"] = trainer.optimizer.ledger.total
+        m["muon_ns_ms"] = trainer.optimizer.ledger.ns_seconds() * 1000  # bench: Newton-Schulz's share of the step
+        m["muon_sent_bytes"] = trainer.optimizer.ledger.sent_bytes  # the exchange's, planned from the holds
     if "pp_idle_fraction" in m:  # beside what the runner measured, what the schedule's theory says (plan/theory.py)
         m["pp_bubble_theory"] = bubble_fraction(
-            plan.par.pp_schedule, plan.dims.pp, plan.grad_accum, plan.par.pp_virtual
+            spec.parallel.pp_schedule, spec.dims.pp, spec.grad_accum, spec.parallel.pp_virtual
         )
     m.update({k: v for k, v in watched.items() if k not in ("comm_bytes", "comm_calls")})
     return m
 
 
 @torch.no_grad()
-def evaluate(t: Trainer) -> float:
+def evaluate(trainer: Trainer) -> float:
     """Mean loss over the --eval_iters validation micro-batches of one fixed batch (the same at every
     eval, and in every layout). Chunks go round-robin over dp ranks; a rank left without one runs the
     last chunk again with weight 0, so every rank makes the same collective calls."""
-    plan, args = t.plan, t.plan.args
-    dp, mb, n = plan.dims.dp, args.micro_batch_size, args.eval_iters
-    t.model.eval()
-    chunks = [micro_batch_chunk(i, t.dp_rank, dp) for i in range(math.ceil(n / dp))]
-    batches = [t.data.get("val", 0, n * mb, min(chunk, n - 1), mb) for chunk in chunks]
-    losses = t.par.forward_only(batches, lambda: _autocast(plan))
+    spec, args = trainer.spec, trainer.spec.args
+    dp, mb, n = spec.dims.dp, args.micro_batch_size, args.eval_iters
+    trainer.model.eval()
+    chunks = [micro_batch_chunk(i, trainer.dp_rank, dp) for i in range(math.ceil(n / dp))]
+    batches = [trainer.data.get("val", 0, n * mb, min(chunk, n - 1), mb) for chunk in chunks]
+    losses = trainer.parallelized.forward_only(batches, lambda: _autocast(spec))
     total = sum(loss * (chunk < n) for loss, chunk in zip(losses, chunks))
-    t.model.train()
-    return (t.par.mean_loss(total) * dp / n).item()
+    trainer.model.train()
+    return (trainer.parallelized.mean_loss(total) * dp / n).item()
 
 
-def log_eval(t: Trainer, step: int, logger: metrics.Logger, progress: metrics.Progress) -> None:
+def log_eval(trainer: Trainer, step: int, logger: metrics.Logger, progress: metrics.Progress) -> None:
     """One record: the validation loss and, with --hellaswag, HellaSwag through the layout (evals/hellaswag.py)."""
-    record, args = {"step": step, "val_loss": evaluate(t)}, t.plan.args
+    record, args = {"step": step, "val_loss": evaluate(trainer)}, trainer.spec.args
     progress.eval(step, record["val_loss"])
-    rows = t.hellaswag_rows
+    rows = trainer.hellaswag_rows
     if rows is not None:
-        t.model.eval()
+        trainer.model.eval()
         per_micro = max(1, args.micro_batch_size * args.seq_len // rows.length)  # a training micro-batch's tokens
-        s = hellaswag.score_layout(t.par, t.mesh, rows, per_micro, lambda: _autocast(t.plan))
-        t.model.train()
+        s = hellaswag.score_layout(trainer.parallelized, trainer.mesh, rows, per_micro, lambda: _autocast(trainer.spec))
+        trainer.model.train()
         record.update({f"hellaswag_{k}": v for k, v in s.items()})
         progress.write(f"step {step} | hellaswag acc {s['acc']:.4f} | acc_norm {s['acc_norm']:.4f}")
     logger.log(record)
 
 
-def describe(t: Trainer) -> str:
-    d, par, a = t.plan.dims, t.plan.par, t.plan.args
+def describe(trainer: Trainer) -> str:
+    d, parallel, a = trainer.spec.dims, trainer.spec.parallel, trainer.spec.args
     optional = "".join(f"{k}={v} " for k, v in d.sizes().items() if k in OPTIONAL_DIMS and v > 1)
     layout = (
         optional
         + f"dp={d.dp}"
-        + (f" ({par.dp_type})" if par.dp_type else "")
+        + (f" ({parallel.dp_type})" if parallel.dp_type else "")
         + (f" = {d.dp_replicate} replicas x {d.dp_shard} shards" if d.dp_replicate > 1 else "")
         + (" (sharded over dp_shard x cp)" if d.dp_replicate > 1 and d.cp_enabled else "")
         + f" tp={d.tp}"
     )
     if d.pp_enabled:
-        virtual = f", V={par.pp_virtual}" if par.pp_virtual > 1 else ""
-        layout = f"pp={d.pp} ({par.pp_schedule}{virtual}) {layout}"
+        virtual = f", V={parallel.pp_virtual}" if parallel.pp_virtual > 1 else ""
+        layout = f"pp={d.pp} ({parallel.pp_schedule}{virtual}) {layout}"
     with torch.device("meta"):
-        n = GPT(t.plan.config).num_params()
+        n = GPT(trainer.spec.config).num_params()
     return (
-        f"{par.implementation} {layout} on {t.plan.device} {str(t.plan.dtype).removeprefix('torch.')} | "
-        f"{n / 1e6:.1f}M params | grad_accum {t.plan.grad_accum} x micro_batch {a.micro_batch_size} "
-        f"x seq_len {a.seq_len} | MFU against {t.peak_flops / 1e9:.1f} GFLOP/s per device"
+        f"{parallel.implementation} {layout} on {trainer.spec.device} "
+        f"{str(trainer.spec.dtype).removeprefix('torch.')} | "
+        f"{n / 1e6:.1f}M params | grad_accum {trainer.spec.grad_accum} x micro_batch {a.micro_batch_size} "
+        f"x seq_len {a.seq_len} | MFU against {trainer.peak_flops / 1e9:.1f} GFLOP/s per device"
     )
 
 
-def describe_pipeline_partition(plan: Plan) -> str:
+def describe_pipeline_partition(spec: RunSpec) -> str:
     """The pipeline's partition in one line: each chunk's Blocks and its cost (parallel/pipeline/partition.py)."""
-    layers = layers_for(plan.config, plan.dims.pp, plan.par.pp_virtual, counts=plan.par.pp_layers)
-    by = "--pp_layers_per_stage" if plan.args.pp_layers_per_stage else "cost"
+    layers = layers_for(spec.config, spec.dims.pp, spec.parallel.pp_virtual, counts=spec.parallel.pp_layers)
+    by = "--pp_layers_per_stage" if spec.args.pp_layers_per_stage else "cost"
     return describe_partition(
-        layers, stage_costs(plan.config, plan.args.seq_len), by, v_shape=plan.par.pp_schedule in V_SCHEDULES
+        layers, stage_costs(spec.config, spec.args.seq_len), by, v_shape=spec.parallel.pp_schedule in V_SCHEDULES
     )
 
 
 # ----------------------------------------------------------------------------- the loop
 
 
-def run(t: Trainer, logger: metrics.Logger) -> int:
+def run(trainer: Trainer, logger: metrics.Logger) -> int:
     """Evaluate, then train from the start (or the resumed step) to --max_steps, evaluating and saving
     on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or faults.PREEMPTED
     when a rank was signalled (the step is finished and saved first)."""
-    plan, args, is_main = t.plan, t.plan.args, t.plan.rank == 0
-    start = resume.restore_trainer(t) if plan.resume_from else 0
-    if args.resume and not plan.resume_from and is_main:
+    spec, args, is_main = trainer.spec, trainer.spec.args, trainer.spec.rank == 0
+    start = resume.restore_trainer(trainer) if spec.resume_from else 0
+    if args.resume and not spec.resume_from and is_main:
         print(
             f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; starting fresh",
             flush=True,
         )
     progress = metrics.Progress(args.max_steps - start, is_main)
-    logger.log({"step": start, **t.built})
-    t.saved_step = start + 1
-    t.peak_step = start + 1 + (start == 0 and args.max_steps >= 2)  # a fresh run's step 1 has no AdamW moments
+    logger.log({"step": start, **trainer.built})
+    trainer.saved_step = start + 1
+    trainer.peak_step = start + 1 + (start == 0 and args.max_steps >= 2)  # a fresh run's step 1 has no AdamW moments
     if args.profile:  # torch.profiler is armed from here on (its warm-up steps too); a second one inside it crashes
-        t.peak_step = 0
-    predicted = for_run(plan) if is_main else None  # rank 0's prediction, which rank 0's records measure
+        trainer.peak_step = 0
+    predicted = for_run(spec) if is_main else None  # rank 0's prediction, which rank 0's records measure
     if predicted is not None:
         logger.log({"step": 0, "predicted": predicted})
         progress.write(summary(predicted))
     if start == 0:  # a resumed run skips it: its checkpoint step's eval was logged before the save
-        log_eval(t, 0, logger, progress)
-    profiler = metrics.make_profiler(args.profile, args.out_dir, t.plan.device)
+        log_eval(trainer, 0, logger, progress)
+    profiler = metrics.make_profiler(args.profile, args.out_dir, trainer.spec.device)
     for step in range(start + 1, args.max_steps + 1):
-        t.step = step
-        t.faults.before_step(step, t.model)
-        m = train_step(t, step)
+        trainer.step = step
+        trainer.faults.before_step(step, trainer.model)
+        m = train_step(trainer, step)
         logger.log(m)
         progress.step(m)
         if profiler is not None:
             profiler.step()
         # the same all-reduced numbers on every rank: all stop together. A GradScaler skips such steps.
-        if not math.isfinite(m["loss"]) or (t.scaler is None and not math.isfinite(m["grad_norm"])):
+        if not math.isfinite(m["loss"]) or (trainer.scaler is None and not math.isfinite(m["grad_norm"])):
             if is_main:
                 error_line(
                     "train.py",
@@ -352,61 +366,63 @@ def run(t: Trainer, logger: metrics.Logger) -> int:
                 )
             return 3
         if step % args.eval_interval == 0 or step == args.max_steps:
-            log_eval(t, step, logger, progress)
+            log_eval(trainer, step, logger, progress)
         every = args.checkpoint_interval and step % args.checkpoint_interval == 0
-        stop = t.faults.preempted()
+        stop = trainer.faults.preempted()
         path = None
         if not args.no_checkpoint and (every or step == args.max_steps or stop):
-            path, blocked_ms = resume.save_trainer(t, step, wait=stop or step == args.max_steps)
-            logger.log({"step": step, "checkpoint_blocked_ms": blocked_ms, "async_checkpoint": t.saver is not None})
+            path, blocked_ms = resume.save_trainer(trainer, step, wait=stop or step == args.max_steps)
+            logger.log(
+                {"step": step, "checkpoint_blocked_ms": blocked_ms, "async_checkpoint": trainer.saver is not None}
+            )
             if step == args.max_steps:
                 progress.write(f"saved {path}")
         if stop:
             progress.close()
             sys.stderr.write(
-                f"train.py: rank {plan.rank}: preempted ({t.faults.signal or 'a peer was signalled'}):"
+                f"train.py: rank {spec.rank}: preempted ({trainer.faults.signal or 'a peer was signalled'}):"
                 f" stopped after step {step}, "
                 + (f"saved {path}; continue with --resume\n" if path else "nothing saved (--no_checkpoint)\n")
             )
             return faults.PREEMPTED
-        t.faults.after_step(step)
+        trainer.faults.after_step(step)
     progress.close()
     if profiler is not None:
         profiler.stop()
-    if t.saver is not None:
-        t.saver.wait()
+    if trainer.saver is not None:
+        trainer.saver.wait()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        plan = validate(parse_args(argv))
-        rows = hellaswag.for_plan(plan)
+        spec = validate(parse_args(argv))
+        rows = hellaswag.for_plan(spec)
     except (UsageError, hellaswag.HellaSwagError) as e:
         error_line("train.py", e)
         return 2
-    if plan.fake:  # a simulated rank is driven from above (sim/fake_rank.py wraps build and run)
+    if spec.fake:  # a simulated rank is driven from above (sim/fake_rank.py wraps build and run)
         error_line("train.py", "--fake_world_size/--fake_rank: run python -m sim.fake_rank with the same flags")
         return 2
-    args, is_main = plan.args, plan.rank == 0
-    if plan.device.type == "cpu":
+    args, is_main = spec.args, spec.rank == 0
+    if spec.device.type == "cpu":
         allocator.keep_freed_memory()
-    world = plan.dims.world_size  # the flight recorder's ring: in a file, so a killed or stopped rank's stays
-    flight_recorder.install(faults.ring_path(args.out_dir, plan.rank) if world > 1 else None, plan.rank, world)
-    t = build(plan)
-    t.hellaswag_rows = rows
+    world = spec.dims.world_size  # the flight recorder's ring: in a file, so a killed or stopped rank's stays
+    flight_recorder.install(faults.ring_path(args.out_dir, spec.rank) if world > 1 else None, spec.rank, world)
+    trainer = build(spec)
+    trainer.hellaswag_rows = rows
     if args.overwrite and is_main:  # a fresh run: old checkpoints must not be resumed into it later
         shutil.rmtree(os.path.join(args.out_dir, checkpoint.SUBDIR), ignore_errors=True)
     logger = metrics.Logger(args.out_dir, is_main, append=args.resume)  # a resumed run appends
     if is_main:
         config_file.write(args, train_parser())  # <out_dir>/config.toml: --config replays the run
-        print(describe(t), flush=True)
-        if plan.dims.pp_enabled:
-            print(describe_pipeline_partition(plan), flush=True)
+        print(describe(trainer), flush=True)
+        if spec.dims.pp_enabled:
+            print(describe_pipeline_partition(spec), flush=True)
         faults.warn_shared_rendezvous_store()
-    t.faults = faults.Faults(args.out_dir, plan.rank, args.timeout, plan.device)
+    trainer.faults = faults.Faults(args.out_dir, spec.rank, args.timeout, spec.device)
     try:
-        code = run(t, logger)
+        code = run(trainer, logger)
         if code in (0, faults.PREEMPTED) and dist.is_initialized():
             dist.barrier()  # no rank tears the group down while a peer still has collectives in flight
         return code
@@ -414,19 +430,21 @@ def main(argv: list[str] | None = None) -> int:
         error_line("train.py", e)
         return 2
     except RuntimeError as e:
-        if plan.dims.world_size == 1 or not faults.is_comm_failure(e):
+        if spec.dims.world_size == 1 or not faults.is_comm_failure(e):
             raise
-        t.faults.watchdog.dump_ops(f"a collective failed at step {t.step}: {str(e).strip().splitlines()[0][:200]}")
+        trainer.faults.watchdog.dump_ops(
+            f"a collective failed at step {trainer.step}: {str(e).strip().splitlines()[0][:200]}"
+        )
         error_line(
             "train.py",
-            f"rank {plan.rank}: a collective failed at step {t.step} (--timeout {args.timeout:g}s): a peer "
+            f"rank {spec.rank}: a collective failed at step {trainer.step} (--timeout {args.timeout:g}s): a peer "
             f"rank was lost or stalled; restart with --resume to continue from "
             f"{checkpoint.newest(args.out_dir) or 'the start'} "
             f"[{str(e).strip().splitlines()[0][:200]}]",
         )
         return 4
     finally:
-        t.faults.close()
+        trainer.faults.close()
         comm.RECORDER.close()
         logger.close()
         if dist.is_initialized():

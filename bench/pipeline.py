@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from parallel.pipeline.schedule import ALL_SCHEDULES, COMPUTE, V_SCHEDULES, B, F, W
-from plan.simulate import simulate
 from plan.theory import bubble_fraction
+from plan.timeline import simulate_schedule
 from runtime.launch import exit_process
 from runtime.memory import SavedBytes  # noqa: F401 -- measured here; it lives in runtime/memory.py (train.py uses it too)
 
@@ -71,7 +71,7 @@ def pipeline_rows(raw: dict) -> list[dict]:
     rows = []
     for name, ranks in raw["schedules"].items():
         v = chunks_per_rank(name, V)
-        sim = simulate(
+        sim = simulate_schedule(
             ALL_SCHEDULES[name](P, M, v),
             P,
             v,

@@ -309,11 +309,11 @@ def entries_for_fsdp(fsdp, optimizer: torch.optim.Optimizer, tp_rank: int, repli
 BUILD = {Params: entries_for, Buffers: buffer_entries, FlatShards: entries_for_fsdp}
 
 
-def entries(par, optimizer: torch.optim.Optimizer) -> list[Entry]:
-    """This rank's entries: those of each part its data-parallel wrapper answers (`par.checkpoint_parts`:
+def entries(parallelized, optimizer: torch.optim.Optimizer) -> list[Entry]:
+    """This rank's entries: those of each part its data-parallel wrapper answers (`parallelized.checkpoint_parts`:
     Parallelized's, or a protocol's), with the last stage's copy of the tied matrix (lm_head.weight) loaded as
     transformer.wte.weight, never written."""
-    out = [e for part in par.checkpoint_parts(optimizer) for e in BUILD[type(part)](*part)]
+    out = [e for part in parallelized.checkpoint_parts(optimizer) for e in BUILD[type(part)](*part)]
     for e in out:
         if e.name == "lm_head.weight":
             e.name, e.write = "transformer.wte.weight", False

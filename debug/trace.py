@@ -124,28 +124,33 @@ def _runs(shape: tuple[int, ...], axes: list) -> torch.Tensor:
 
 
 class Tracer:
-    """Records step `step` of a Trainer `t` (train.py): `before_step(t, step)` hooks every module and the head's
-    loss, `after_backward(t, step)` removes them, adds the gradients and writes this rank's file. Any other
+    """Records step `step` of a Trainer `trainer` (train.py): `before_step(trainer, step)` hooks every module and the
+    head's
+    loss, `after_backward(trainer, step)` removes them, adds the gradients and writes this rank's file. Any other
     step (all of them with step None): no-ops."""
 
     def __init__(self, step: int | None = None):
-        self.step, self.t = step, None
+        self.step, self.trainer = step, None
         self.records: list[dict] = []
         self.handles: list = []
         self.calls: dict[str, int] = {}
 
     # ---- forward
 
-    def before_step(self, t, step: int) -> None:
+    def before_step(self, trainer, step: int) -> None:
         if step != self.step:
             return
-        self.t, mesh = t, t.mesh
-        self.tp, self.cp, self.dp, self.dp_rank = mesh["tp"], mesh["cp"], t.plan.dims.dp, t.dp_rank
-        self.mb, self.T = t.plan.args.micro_batch_size, t.plan.args.seq_len
+        self.trainer, mesh = trainer, trainer.mesh
+        self.tp, self.cp, self.dp, self.dp_rank = mesh["tp"], mesh["cp"], trainer.spec.dims.dp, trainer.dp_rank
+        self.mb, self.T = trainer.spec.args.micro_batch_size, trainer.spec.args.seq_len
         self.micro: dict[str, int] = {}  # unit -> the micro-batch it is running (global index)
         self.repeats: dict[tuple, int] = {}  # (micro, name) -> calls so far (a Block's dropout runs twice)
-        par, seen = t.par, set()
-        for root in (par.model, par.stage, *getattr(par.model, "chunk_modules", {}).values()):
+        parallelized, seen = trainer.parallelized, set()
+        for root in (
+            parallelized.model,
+            parallelized.stage,
+            *getattr(parallelized.model, "chunk_modules", {}).values(),
+        ):
             for name, module in root.named_modules() if root is not None else ():
                 name = canonical(name)
                 if id(module) in seen or name == "lm_head":  # a hooked head would run whole (loss.head_output)
@@ -229,7 +234,7 @@ class Tracer:
             if any(c != 0 for c, pl in zip(coords, out.placements) if pl.is_replicate()):
                 return None
             return tuple(out.shape), list(_axes(out)), out.to_local()
-        cfg = self.t.plan.config
+        cfg = self.trainer.spec.config
         full = list(out.shape)
         axes: list = [range(n) for n in full]
         sharded = False
@@ -269,7 +274,7 @@ class Tracer:
 
     # ---- gradients and the file
 
-    def after_backward(self, t, step: int) -> None:
+    def after_backward(self, trainer, step: int) -> None:
         if step != self.step:
             return
         for h in self.handles:
@@ -279,22 +284,22 @@ class Tracer:
             else:
                 h.remove()
         self.handles = []
-        self.records += gradient_pieces(self.t.par, self.t.optimizer)
+        self.records += gradient_pieces(self.trainer.parallelized, self.trainer.optimizer)
         self.write()
 
     def write(self) -> str:
-        plan = self.t.plan
-        d, p = plan.dims, plan.par
+        spec = self.trainer.spec
+        d, p = spec.dims, spec.parallel
         meta = {
             "format": FORMAT,
             "version": VERSION,
             "step": self.step,
-            "rank": plan.rank,
+            "rank": spec.rank,
             "world_size": d.world_size,
-            "model": asdict(plan.config),
-            "batch": {"micro_batch_size": self.mb, "seq_len": self.T, "rows": plan.rows, "seed": plan.args.seed},
-            "dtype": str(plan.dtype).removeprefix("torch."),
-            "device": plan.device.type,
+            "model": asdict(spec.config),
+            "batch": {"micro_batch_size": self.mb, "seq_len": self.T, "rows": spec.rows, "seed": spec.args.seed},
+            "dtype": str(spec.dtype).removeprefix("torch."),
+            "device": spec.device.type,
             "layout": {
                 **d.sizes(),
                 "implementation": p.implementation,
@@ -303,9 +308,9 @@ class Tracer:
                 "loss_parallel": p.loss_parallel,
             },
         }
-        folder = os.path.join(plan.args.out_dir, SUBDIR)
+        folder = os.path.join(spec.args.out_dir, SUBDIR)
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"rank_{plan.rank:05d}.pt")
+        path = os.path.join(folder, f"rank_{spec.rank:05d}.pt")
         torch.save({"meta": meta, "records": self.records}, path + ".tmp")
         os.replace(path + ".tmp", path)
         self.records = []
@@ -319,22 +324,24 @@ def _compact(positions: torch.Tensor):
     return positions
 
 
-def gradient_pieces(par, optimizer: torch.optim.Optimizer) -> list[dict]:
+def gradient_pieces(parallelized, optimizer: torch.optim.Optimizer) -> list[dict]:
     """This rank's pieces of every parameter's gradient, by name: the checkpoint entries this rank writes, each
     with the gradient elements at the same places as the parameter elements its "param" view holds (the view's
     storage offset inside a parameter the optimizer steps, or a model parameter, gives the gradient's)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    params += [p for p in par.model.parameters() if all(p is not q for q in params)]
+    params += [p for p in parallelized.model.parameters() if all(p is not q for q in params)]
     by_storage: dict[int, list] = {}
     for p in params:
         lp = local(p)
         if lp.numel():
             by_storage.setdefault(lp.untyped_storage().data_ptr(), []).append(p)
     out = []
-    buffers = {id(b) for b in par.model.buffers()}
-    for e in entries(par, optimizer):
+    buffers = {id(b) for b in parallelized.model.buffers()}
+    for e in entries(parallelized, optimizer):
         if not (e.write and e.numel) or any(
-            e.tensors["param"]._base is b or e.tensors["param"] is b for b in par.model.buffers() if id(b) in buffers
+            e.tensors["param"]._base is b or e.tensors["param"] is b
+            for b in parallelized.model.buffers()
+            if id(b) in buffers
         ):
             continue  # a state buffer (the MoE expert bias) has no gradient
         view = e.tensors["param"]

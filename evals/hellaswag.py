@@ -227,27 +227,28 @@ def score_model(
         return row_sums(forward, rows, batch_rows=batch_rows)
 
 
-def score_layout(par, mesh, rows: Rows, batch_rows: int, autocast: Callable) -> dict[str, float]:
-    """HellaSwag through a parallelized model (parallel.parallelize.Parallelized `par` on `mesh`): rows spread over
+def score_layout(parallelized, mesh, rows: Rows, batch_rows: int, autocast: Callable) -> dict[str, float]:
+    """HellaSwag through a parallelized model (parallel.parallelize.Parallelized `parallelized` on `mesh`): rows spread
+    over
     the dp ranks, summed over pp and over dp x cp (every rank ends with every row's sum). Collective: every rank."""
     from parallel import comm
 
-    modules = [*par.model.modules(), *getattr(par.model, "chunk_modules", {}).values()]
+    modules = [*parallelized.model.modules(), *getattr(parallelized.model, "chunk_modules", {}).values()]
     batch = mesh["batch"]
     with per_row_losses(modules):
-        sums = row_sums(lambda b: par.forward_only(b, autocast), rows, batch.rank, batch.size, batch_rows)
-    sums = sums.to(par.device)
+        sums = row_sums(lambda b: parallelized.forward_only(b, autocast), rows, batch.rank, batch.size, batch_rows)
+    sums = sums.to(parallelized.device)
     for name in ("pp", "loss"):  # pp: only the last stage's are not 0; dp: disjoint rows; cp: each rank's share
         if mesh[name].enabled:
             comm.all_reduce(sums, group=mesh[name].group, counted=False)
     return summarize(rows, sums.cpu())
 
 
-def for_plan(plan) -> Rows | None:
-    """train.py --hellaswag FILE: the file's rows for the validated `plan` (config.Plan), each padded to a length the
+def for_plan(spec) -> Rows | None:
+    """train.py --hellaswag FILE: the file's rows for the validated `plan` (config.RunSpec), each padded to a length the
     layout's sequence split takes (2 x cp chunks, each divisible by tp under sequence parallelism); None without
     the flag. HellaSwagError (one line) for a file or layout it cannot score, before any work."""
-    args, dims = plan.args, plan.dims
+    args, dims = spec.args, spec.dims
     if args.hellaswag is None:
         return None
     if dims.cp_enabled and args.implementation == "pytorch":
@@ -264,7 +265,7 @@ def for_plan(plan) -> Rows | None:
         raise HellaSwagError(f"--hellaswag needs the GPT-2 tokenizer: {e}") from None
     multiple = (2 * dims.cp if dims.cp_enabled else 1) * (dims.tp if args.sequence_parallel else 1)
     rows = render(load_examples(args.hellaswag), enc, multiple)
-    check_fits(rows, plan.config.block_size, plan.config.vocab_size, args.hellaswag)
+    check_fits(rows, spec.config.block_size, spec.config.vocab_size, args.hellaswag)
     return rows
 
 

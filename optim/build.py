@@ -23,29 +23,30 @@ from parallel.groups import group_timeout, new_groups
 from runtime.device import make_timer
 
 
-def make_optimizer(par, args: argparse.Namespace, **adamw) -> torch.optim.Optimizer:
-    """`args.optimizer` over `par` (a Parallelized): "adamw" as before (par.make_optimizer); "muon" with torch's
+def make_optimizer(parallelized, args: argparse.Namespace, **adamw) -> torch.optim.Optimizer:
+    """`args.optimizer` over `parallelized` (a Parallelized): "adamw" as before (parallelized.make_optimizer); "muon"
+    with torch's
     Muon on a twin (`--implementation pytorch`: config allows it only where every rank holds its matrices whole),
     ours elsewhere."""
     if args.optimizer == "adamw":
-        return par.make_optimizer(args.weight_decay, **adamw)
+        return parallelized.make_optimizer(args.weight_decay, **adamw)
     muon = muon_settings(args)
     if args.implementation == "pytorch":
-        return one_process(list(par.model.named_parameters()), args.weight_decay, adamw, muon, reference=True)
-    group, size = stage_group(par.mesh)
+        return one_process(list(parallelized.model.named_parameters()), args.weight_decay, adamw, muon, reference=True)
+    group, size = stage_group(parallelized.mesh)
     if size == 1:  # one process, or a pipeline stage on one rank: its matrices are its own, whole
-        return one_process(list(par.model.named_parameters()), args.weight_decay, adamw, muon)
-    if par.fsdp is not None:
-        slots, opt_adamw, bind, clear, stepped = sharded(par.fsdp, args.weight_decay, adamw)
+        return one_process(list(parallelized.model.named_parameters()), args.weight_decay, adamw, muon)
+    if parallelized.fsdp is not None:
+        slots, opt_adamw, bind, clear, stepped = sharded(parallelized.fsdp, args.weight_decay, adamw)
     else:
-        named = list(par.model.named_parameters())
+        named = list(parallelized.model.named_parameters())
         slots = [whole_slot(n, p) for n, p in _unique(named) if is_muon(n)]
         opt_adamw = torch.optim.AdamW(
             adamw_groups([(n, p) for n, p in _unique(named) if not is_muon(n)], args.weight_decay), **adamw
         )
         bind, clear, stepped = None, [], {}
-    ledger = Ledger(make_timer(par.device))
-    ex = Exchange(matrices_of(slots, group, size), group, muon["ns_steps"], ledger, par.device)
+    ledger = Ledger(make_timer(parallelized.device))
+    ex = Exchange(matrices_of(slots, group, size), group, muon["ns_steps"], ledger, parallelized.device)
     opt_muon = Muon(slots, orthogonalize=ex, **muon)
     opt_muon.ledger = ledger
     return MuonAdamW(opt_muon, opt_adamw, muon["lr"], before_step=bind, also_clear=clear, stepped=stepped)

@@ -66,7 +66,7 @@ def serial_p2p(device: torch.device) -> bool:
     communicator and stream ("serialized with all other ops on this ProcessGroup, including other P2P ops",
     torch's warning). A ring's p2p (the pipeline's, context parallelism's) then goes over link groups
     (`p2p_link`; Mesh.build_links), so a send to one neighbour never queues behind a receive from the other
-    (what that costs without them, by plan/simulate.py's "nccl_eager" model: docs/pipeline.md, Messages). Off
+    (what that costs without them, by plan/timeline.py's "nccl_eager" model: docs/pipeline.md, Messages). Off
     on gloo: it matches each (sender, receiver) pair's k-th send with its k-th receive and never blocks a
     rank's other peers (and batch_isend_irecv, a single stream, can hang on gloo: parallel/comm.py `send`)."""
     return backend_for(device) == "nccl"

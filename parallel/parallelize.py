@@ -395,43 +395,43 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
     """PP cut -> CP -> TP -> AC/compile -> FSDP or ZeRO -> materialise -> DDP -> pipeline runner (see the
     module docstring). `model` may be on meta when cfg.deferred_init; `mesh` has size-1 dims on one process."""
     impl = cfg.implementation
-    par = Parallelized(model=model, mesh=mesh, cfg=cfg, device=device, schedule=cfg.pp_schedule)
+    parallelized = Parallelized(model=model, mesh=mesh, cfg=cfg, device=device, schedule=cfg.pp_schedule)
     if mesh["pp"].enabled:
-        par.model = APPLY[impl, "pp"](par.model, mesh, cfg, device)
-    par.stage = par.model
+        parallelized.model = APPLY[impl, "pp"](parallelized.model, mesh, cfg, device)
+    parallelized.stage = parallelized.model
     for what in CUTS:  # CP: a ring over mesh["cp"] (the dp wrappers below then reduce over dp x cp); TP
         if mesh[what].enabled:
-            made = APPLY[impl, what](par.model, mesh, cfg, device)
+            made = APPLY[impl, what](parallelized.model, mesh, cfg, device)
             made = made if isinstance(made, Cut) else Cut(made)
-            par.model = made.model
-            par.shard_tokens = made.tokens or par.shard_tokens
-            par.micro_contexts += [made.context] if made.context else []
+            parallelized.model = made.model
+            parallelized.shard_tokens = made.tokens or parallelized.shard_tokens
+            parallelized.micro_contexts += [made.context] if made.context else []
     c = model.config
     if any(c.is_moe(i) for i in range(c.n_layer)):  # the batch's statistics; every stage joins, one without MoE too
-        par.experts = ExpertBalance(par.model, mesh, device)
+        parallelized.experts = ExpertBalance(parallelized.model, mesh, device)
     if cfg.activation_checkpointing != "none":
-        apply_activation_checkpointing(par.model, cfg.activation_checkpointing, cfg.ac_every)
+        apply_activation_checkpointing(parallelized.model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
-        apply_compile(par.model)
+        apply_compile(parallelized.model)
     dp_type = cfg.dp_type if mesh["loss"].enabled else None
-    engine = par.engine = "ddp" if impl == "pytorch" and dp_type == "zero1" else ENGINE.get(dp_type)
+    engine = parallelized.engine = "ddp" if impl == "pytorch" and dp_type == "zero1" else ENGINE.get(dp_type)
     if engine == "fsdp":
-        par.model = APPLY[impl, "fsdp"](par.model, mesh, cfg, device)
-    materialize(par.model, cfg.seed, device)
+        parallelized.model = APPLY[impl, "fsdp"](parallelized.model, mesh, cfg, device)
+    materialize(parallelized.model, cfg.seed, device)
     tp = mesh["tp"]
-    groups = grad_groups(par.model)  # by name, before DDP renames the parameters "module.*"
+    groups = grad_groups(parallelized.model)  # by name, before DDP renames the parameters "module.*"
     if engine == "ddp":
-        par.model = APPLY[impl, "ddp"](par.model, mesh, cfg, device)
+        parallelized.model = APPLY[impl, "ddp"](parallelized.model, mesh, cfg, device)
     at = Placement(
         tp_group=tp.group,
         tp_rank=tp.rank,
         tp_size=tp.size,  # the wrapper sets its replica_rank
-        lm_head_copy=mesh["pp"].enabled and par.stage.last and not par.stage.both_ends,
+        lm_head_copy=mesh["pp"].enabled and parallelized.stage.last and not parallelized.stage.both_ends,
     )
-    par.dp = APPLY[impl, "protocol"](par.model, mesh, cfg, at, groups)
+    parallelized.dp = APPLY[impl, "protocol"](parallelized.model, mesh, cfg, at, groups)
     if mesh["pp"].enabled:
-        par.pipeline = APPLY[impl, "runner"](par.stage, mesh, cfg, **par.runner_args(cfg))
-    return par
+        parallelized.pipeline = APPLY[impl, "runner"](parallelized.stage, mesh, cfg, **parallelized.runner_args(cfg))
+    return parallelized
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -28,7 +28,6 @@ from parallel.pipeline.runner import PipelineStage, sharded_units
 from parallel.pipeline.schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
 from parallel.tensor_parallel.apply import SHARD_DIMS, plan_style
 from plan import theory
-from plan.simulate import simulate
 from plan.theory import (
     cp_p2p_bytes_per_micro_step,
     cp_p2p_calls_per_micro_step,
@@ -45,6 +44,7 @@ from plan.theory import (
     zero_comm_bytes_per_step,
     zero_comm_calls_per_step,
 )
+from plan.timeline import simulate_schedule
 from runtime.device import backend_for
 from runtime.metrics import active_params, flops_per_token
 
@@ -73,7 +73,7 @@ class Setup:
     pp_layers: tuple[int, ...] | None = None  # the pipeline's Blocks per chunk (parallel/pipeline/partition.py)
 
     @functools.cached_property
-    def par(self):
+    def parallel(self):
         """config.parallel_config's resolution, once per Setup (every prediction asks it many times)."""
         from trainer.config import parallel_config
 
@@ -82,7 +82,7 @@ class Setup:
     @property
     def dp_type(self) -> str | None:
         """What wraps the model for data parallelism: None, "ddp" or a ZeRO stage (CP alone means DDP)."""
-        return self.par.dp_type
+        return self.parallel.dp_type
 
     @property
     def compute_bytes(self) -> int:
@@ -91,11 +91,11 @@ class Setup:
     @property
     def param_bytes(self) -> int:
         """Element size of a sharding engine's compute copies (None: fp32)."""
-        return _size(self.par.param_dtype or torch.float32)
+        return _size(self.parallel.param_dtype or torch.float32)
 
     @property
     def reduce_bytes(self) -> int:
-        return _size(self.par.reduce_dtype)
+        return _size(self.parallel.reduce_dtype)
 
     @property
     def copies_reduce_input(self) -> bool:
@@ -108,7 +108,7 @@ class Setup:
     @property
     def residual_bytes(self) -> int:
         """The residual stream's element size (parallelize.activation_dtype)."""
-        return _size(activation_dtype(self.par, "fsdp" if self.dp_type in ZERO_STAGES else None))
+        return _size(activation_dtype(self.parallel, "fsdp" if self.dp_type in ZERO_STAGES else None))
 
 
 @functools.cache
@@ -462,7 +462,7 @@ def schedule_facts(
     theory.bubble_fraction returns: the same simulate), and each rank's count of F, B and W actions
     (plan.search.step_time charges Cluster.overhead per action). The lists are not kept (P x M x V actions)."""
     actions = ALL_SCHEDULES[schedule](pp, micro, virtual)
-    sim = simulate(actions, pp, virtual, micro, p2p="async", v_shape=schedule in V_SCHEDULES)
+    sim = simulate_schedule(actions, pp, virtual, micro, p2p="async", v_shape=schedule in V_SCHEDULES)
     gathers = tuple(pipelined_root_gathers([(x.kind, x.chunk) for x in ops], {pp * virtual - 1}) for ops in actions)
     counts = tuple(tuple(sum(x.kind == k for x in ops) for k in ("F", "B", "W")) for ops in actions)
     return tuple(sim.max_in_flight), gathers, sim.bubble_fraction, counts
@@ -562,7 +562,7 @@ def head_grad_bytes(s: Setup, B: int, T: int) -> int:
 def saved_activation_bytes(s: Setup, pp_rank: int = 0) -> int:
     """Peak bytes saved for backward on one rank over a step (what metrics' SavedBytes hooks measure):
     one micro-batch's, or under a pipeline the schedule's most in-flight (chunk, micro-batch) activations
-    (plan.simulate.simulate) times a chunk's. AC keeps a checkpointed Block's input only, and
+    (plan.timeline.simulate_schedule) times a chunk's. AC keeps a checkpointed Block's input only, and
     re-runs one Block at a time in backward: `full` peaks there (all inputs + one Block's tensors, the head's
     freed by then), `selective` at the end of forward (its recomputations come after the Blocks above freed
     theirs). Zero-bubble schedules hold a (chunk, micro-batch) from F to W (the simulator releases at W): B frees

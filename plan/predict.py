@@ -33,13 +33,13 @@ def worst_rank(s: Setup) -> dict:
     return predict(s, peaks.index(max(peaks)))  # the first highest, as max() picks it
 
 
-def for_run(plan) -> dict | None:
+def for_run(spec) -> dict | None:
     """train.py's prediction for its own layout (rank 0's), or None for --implementation pytorch (its twins'
     buffers and collectives are torch's, which these formulas do not describe)."""
-    if plan.par.implementation != "custom":
+    if spec.parallel.implementation != "custom":
         return None
-    args = argparse.Namespace(**{**vars(plan.args), "device": plan.device.type})  # --device auto, resolved
-    return predict(Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers))
+    args = argparse.Namespace(**{**vars(spec.args), "device": spec.device.type})  # --device auto, resolved
+    return predict(Setup(args, spec.dims, spec.config, spec.dtype, spec.grad_accum, spec.parallel.pp_layers))
 
 
 def summary(p: dict) -> str:

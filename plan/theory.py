@@ -17,7 +17,7 @@ an all-reduce) are properties of the transport, not of the algorithm, and are le
     context parallel    cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step
     expert parallel     ep_all_to_all_bytes_per_micro_step, ep_all_to_all_calls_per_micro_step
     pipeline            p2p_bytes_per_step, p2p_calls_per_step, bubble_fraction (the simulator behind the V
-                        schedules' and the p2p models' proofs: plan/simulate.py)
+                        schedules' and the p2p models' proofs: plan/timeline.py)
 """
 
 from __future__ import annotations
@@ -500,9 +500,9 @@ def bubble_fraction(schedule_name: str, pp: int, micro: int, virtual: int = 1) -
     if schedule_name == "zb_h1":  # (P-1)(t_F + t_B - t_W) of idle against M(t_F + t_B + t_W) of work, all = 1
         return (pp - 1) / (3 * micro + pp - 1)
     if schedule_name in V_SCHEDULES:  # from the list itself: its ideal timeline (unit times, isends)
-        from plan.simulate import simulate
+        from plan.timeline import simulate_schedule
 
-        return simulate(
+        return simulate_schedule(
             ALL_SCHEDULES[schedule_name](pp, micro, 2), pp, 2, micro, p2p="async", v_shape=True
         ).bubble_fraction
     v = virtual if schedule_name == "interleaved_1f1b" else 1

@@ -94,13 +94,15 @@ def run(rank: int, world: int, model: str, flags: list[str], data: str, out: str
             *flags,
         ]
     )
-    t = train.build(config.validate(args))
-    held = sum(e.tensors["param"].numel() for e in entries.entries(t.par, t.optimizer))  # + AdamW state
-    resume.save_trainer(t, 0)  # warm-up: lazy imports, first-use buffers
+    trainer = train.build(config.validate(args))
+    held = sum(
+        e.tensors["param"].numel() for e in entries.entries(trainer.parallelized, trainer.optimizer)
+    )  # + AdamW state
+    resume.save_trainer(trainer, 0)  # warm-up: lazy imports, first-use buffers
     state = _status("VmRSS")
-    save = measure(lambda: resume.save_trainer(t, 1))
-    t.plan = dataclasses.replace(t.plan, resume_from=checkpoint.step_dir(args.out_dir, 1))
-    load = measure(lambda: resume.restore_trainer(t))
+    save = measure(lambda: resume.save_trainer(trainer, 1))
+    trainer.spec = dataclasses.replace(trainer.spec, resume_from=checkpoint.step_dir(args.out_dir, 1))
+    load = measure(lambda: resume.restore_trainer(trainer))
     return {"held": held, "state": state, "save": save, "load": load}
 
 

@@ -148,20 +148,20 @@ WRAPPERS = {  # name: (dp_type, tp, param_dtype)
 }
 
 
-def comm_theory(name: str, t, plan) -> dict[str, int]:
+def comm_theory(name: str, t, spec) -> dict[str, int]:
     """Bytes per step the wrapper's own formula gives (plan/theory.py)."""
-    a = plan.args
+    a = spec.args
     if name == "ddp":  # every trainable parameter's fp32 gradient, once per step (no_sync before the last micro-step)
         return {"all_reduce": sum(b.nbytes for b in t.model.buckets)}
     if name == "fsdp":
         from plan.theory import engine_comm_bytes_per_micro_step
 
-        return {k: v * plan.grad_accum for k, v in engine_comm_bytes_per_micro_step(t.model).items()}
+        return {k: v * spec.grad_accum for k, v in engine_comm_bytes_per_micro_step(t.model).items()}
     from plan.theory import tp_comm_bytes_per_micro_step
 
-    lowp = plan.dtype != torch.float32  # under autocast the matmul outputs are low precision, the residual fp32
+    lowp = spec.dtype != torch.float32  # under autocast the matmul outputs are low precision, the residual fp32
     per = tp_comm_bytes_per_micro_step(
-        plan.config,
+        spec.config,
         a.micro_batch_size,
         a.seq_len,
         _ForcedOne(1),
@@ -170,7 +170,7 @@ def comm_theory(name: str, t, plan) -> dict[str, int]:
         dtype_bytes=2 if lowp else 4,
         residual_bytes=4,
     )
-    return {k: v * plan.grad_accum for k, v in per.items()}
+    return {k: v * spec.grad_accum for k, v in per.items()}
 
 
 def stage_wrappers(ctx: Context) -> None:
@@ -183,15 +183,15 @@ def stage_wrappers(ctx: Context) -> None:
     mesh = one_rank_mesh(device)
     for name, (dp_type, tp, param_dtype) in WRAPPERS.items():
         dtype = "bfloat16" if param_dtype == torch.bfloat16 else s.dtype
-        plan = make_plan(ctx, name, s.small, s.device, dtype, s.steps)
+        spec = make_plan(ctx, name, s.small, s.device, dtype, s.steps)
         with row_on_error(ctx, f"{name}"):
             runs = {}
             for forced in (False, True):
                 with forced_collectives(forced):
-                    t = build_wrapped(plan, mesh, dp_type, tp, param_dtype)
-                    runs[forced] = train_losses(t, s.steps) + (t,)
+                    trainer = build_wrapped(spec, mesh, dp_type, tp, param_dtype)
+                    runs[forced] = train_losses(trainer, s.steps) + (trainer,)
             losses, _, _ = runs[False]
-            rtol = RTOL[torch.bfloat16 if param_dtype == torch.bfloat16 else plan.dtype]
+            rtol = RTOL[torch.bfloat16 if param_dtype == torch.bfloat16 else spec.dtype]
             d = max_rel(losses, ctx.cpu_losses)
             what = f"custom {name}" + (" param_dtype=bf16" if param_dtype else "")
             ctx.add(
@@ -201,7 +201,7 @@ def stage_wrappers(ctx: Context) -> None:
             )
             forced_losses, forced_bytes, t = runs[True]
             d = max_rel(forced_losses, losses)
-            want = {k: v for k, v in comm_theory(name, t, plan).items() if v}
+            want = {k: v for k, v in comm_theory(name, trainer, spec).items() if v}
             got = [{k: v for k, v in b.items() if v} for b in forced_bytes]
             bytes_ok = all(g == want for g in got) and bool(want)
             same = "bit-equal" if forced_losses == losses else f"max rel diff {d:.1e}"
@@ -253,11 +253,11 @@ def stage_context_parallel(ctx: Context) -> None:
                 "efficient and cuDNN kernels: tests/test_context_parallel_twin.py)",
             )
             return
-        plan = make_plan(ctx, "cp-twin", s.small, s.device, "float32", 1)
-        model = GPT(plan.config).to(device)
+        spec = make_plan(ctx, "cp-twin", s.small, s.device, "float32", 1)
+        model = GPT(spec.config).to(device)
         twin = copy.deepcopy(model)
         twin.positions = positions_for(0, 1)  # the twin's zigzag positions (parallel/twins/context_parallel.apply_cp)
-        x = torch.randint(plan.config.vocab_size, (4, plan.args.seq_len), generator=g).to(device)
+        x = torch.randint(spec.config.vocab_size, (4, spec.args.seq_len), generator=g).to(device)
         y = torch.roll(x, -1, 1)
         ref = model(x, y)[1]
         ref.backward()
@@ -285,21 +285,21 @@ def stage_fp16(ctx: Context) -> None:
     from parallel.grads import AgreeingGradScaler
 
     # 4x the corpus's 512 tokens: the loss falls within 8 steps as the unused logits drop (at 512 it stays near ln 512)
-    plan = make_plan(ctx, "fp16", [*s.small, "--vocab_size", "2048"], s.device, "float16", 2 * s.steps)
-    t = train.build(plan)
-    records = [train.train_step(t, step) for step in range(1, 2 * s.steps + 1)]
+    spec = make_plan(ctx, "fp16", [*s.small, "--vocab_size", "2048"], s.device, "float16", 2 * s.steps)
+    trainer = train.build(spec)
+    records = [train.train_step(trainer, step) for step in range(1, 2 * s.steps + 1)]
     losses = [r["loss"] for r in records]
     finite = all(map(math.isfinite, losses))
     falling = losses[-1] < losses[0]
     scales = [r["loss_scale"] for r in records]
     ctx.add(
         "fp16 + GradScaler",
-        finite and falling and isinstance(t.scaler, AgreeingGradScaler),
+        finite and falling and isinstance(trainer.scaler, AgreeingGradScaler),
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps (finite: {finite}), "
         f"loss scale {scales[0]:g} -> {scales[-1]:g}",
     )
-    fused = t.optimizer.defaults.get("fused")
-    ctx.add("fused AdamW", fused is True, f"optimizer.defaults['fused'] = {fused} on {plan.device}")
+    fused = trainer.optimizer.defaults.get("fused")
+    ctx.add("fused AdamW", fused is True, f"optimizer.defaults['fused'] = {fused} on {spec.device}")
 
 
 def stage_resume(ctx: Context) -> None:

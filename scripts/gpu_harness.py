@@ -206,21 +206,21 @@ class _EnabledDim(MeshDim):
 DATA_DIMS = frozenset({"loss", "fsdp", "batch"})  # what a data-parallel wrapper needs switched on
 
 
-def build_on(plan, mesh, on: set[str], **par_changes):
+def build_on(spec, mesh, on: set[str], **par_changes):
     """train.build on one rank with the mesh dims in `on` enabled at size 1 (init_distributed hands that mesh
     over) and the run's ParallelConfig changed by `par_changes` (always our own wrappers), so parallelize
     applies the wrappers those dims switch on."""
     import train
 
-    par = replace(plan.par, implementation="custom", **par_changes)
+    parallel = replace(spec.parallel, implementation="custom", **par_changes)
     with mock.patch.object(train, "init_distributed", lambda *a, **k: OneRankMesh(mesh, set(on))):
-        return train.build(replace(plan, par=par))
+        return train.build(replace(spec, parallel=parallel))
 
 
-def build_wrapped(plan, mesh, dp_type: str | None, tp: bool, param_dtype: torch.dtype | None):
+def build_wrapped(spec, mesh, dp_type: str | None, tp: bool, param_dtype: torch.dtype | None):
     """build_on with the data dims (loss, fsdp, batch) on for `dp_type`, and/or tp."""
     on = (set(DATA_DIMS) if dp_type is not None else set()) | ({"tp"} if tp else set())
-    return build_on(plan, mesh, on, dp_type=dp_type, param_dtype=param_dtype)
+    return build_on(spec, mesh, on, dp_type=dp_type, param_dtype=param_dtype)
 
 
 def train_losses(t, steps: int) -> tuple[list[float], list[dict]]:

@@ -137,7 +137,7 @@ def build_path(ctx: Context, name: str, flags: list[str], dtype: str, steps: int
     if path.one_micro_step:
         flag = {f: int(v) for f, v in zip(flags, flags[1:]) if f in ("--micro_batch_size", "--seq_len")}
         flags += ["--total_batch_size", str(flag["--micro_batch_size"] * flag["--seq_len"])]
-    plan = make_plan(
+    spec = make_plan(
         ctx,
         name.replace(" ", "-").replace("+", "-").replace("=", ""),
         flags,
@@ -146,7 +146,7 @@ def build_path(ctx: Context, name: str, flags: list[str], dtype: str, steps: int
         steps,
     )
     with ranks_seen(path.ranks):
-        return build_on(plan, one_rank_mesh(device_of(ctx)), path.on, **path.par)
+        return build_on(spec, one_rank_mesh(device_of(ctx)), path.on, **path.par)
 
 
 def path_collectives(name: str, stage: str):
@@ -158,8 +158,8 @@ def path_collectives(name: str, stage: str):
 
 
 @contextmanager
-def closed_faults(t, out_dir: str):
-    """t.faults as train.main makes it (its preemption vote is one of the step's host reads), closed on exit. Its
+def closed_faults(trainer, out_dir: str):
+    """trainer.faults as train.main makes it (its preemption vote is one of the step's host reads), closed on exit. Its
     Preemption puts SIGTERM/SIGINT handlers in place that only ask a training run to stop after its step: the
     check's own are put back at once, so a SIGTERM during the audit still stops the check."""
     from trainer import faults
@@ -167,14 +167,14 @@ def closed_faults(t, out_dir: str):
     sigs = (signal.SIGTERM, signal.SIGINT)
     saved = {s: signal.getsignal(s) for s in sigs}
     try:
-        t.faults = faults.Faults(out_dir, 0, 600.0, t.plan.device)
+        trainer.faults = faults.Faults(out_dir, 0, 600.0, trainer.spec.device)
     finally:
         for s in sigs:
             signal.signal(s, saved[s])
     try:
-        yield t.faults
+        yield trainer.faults
     finally:
-        t.faults.close()
+        trainer.faults.close()
 
 
 def stage_sync_audit(ctx: Context) -> None:
@@ -194,15 +194,15 @@ def audit_path(ctx: Context, name: str) -> None:
 
     s, cuda = ctx.setup, ctx.setup.device == "cuda"
     with path_collectives(name, "sync audit"):
-        t = build_path(ctx, name, s.small, s.dtype, s.steps)
-        with closed_faults(t, ctx.out_dir(f"sync-{len(ctx.rows)}")):
-            train.train_step(t, 1)
-            t.faults.preempted()
+        trainer = build_path(ctx, name, s.small, s.dtype, s.steps)
+        with closed_faults(trainer, ctx.out_dir(f"sync-{len(ctx.rows)}")):
+            train.train_step(trainer, 1)
+            trainer.faults.preempted()
             seen: list = []
-            with recording(seen, audit=cuda, device=t.plan.device), sync_debugger(cuda):
+            with recording(seen, audit=cuda, device=trainer.spec.device), sync_debugger(cuda):
                 for step in range(2, s.steps + 1):
-                    train.train_step(t, step)
-                    t.faults.preempted()
+                    train.train_step(trainer, step)
+                    trainer.faults.preempted()
     extra = unallowed(seen)
     how = "set_sync_debug_mode('error') and " if cuda else ""
     ctx.add(
@@ -338,9 +338,9 @@ def stage_overlap(ctx: Context) -> None:
             with forced_collectives(True):
                 teeth = delays.has_teeth(device)
             with forced_collectives(True), delays.applied():
-                t = build_path(ctx, name, s.small, s.dtype, steps)
+                trainer = build_path(ctx, name, s.small, s.dtype, steps)
                 delays.count = 0
-                got, t_delayed = timed_losses(t, steps)
+                got, t_delayed = timed_losses(trainer, steps)
             per_step = delays.count / steps
             exposed = (t_delayed - t_forced) / (per_step * delay) if per_step else math.nan
             ctx.measured.setdefault("overlap", {})[name] = {
@@ -364,15 +364,15 @@ def stage_overlap(ctx: Context) -> None:
 # ----------------------------------------------------------------------------- real size
 
 
-def sdpa_kernel(t) -> str:
+def sdpa_kernel(trainer) -> str:
     """The attention kernels one training step launched, by the profiler's names."""
     from torch.profiler import ProfilerActivity, profile
 
     import train
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if t.plan.device.type == "cuda" else [])
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.spec.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        train.train_step(t, 10_000)
+        train.train_step(trainer, 10_000)
     names = {e.key for e in prof.key_averages()}
     found = sorted(
         {
@@ -403,22 +403,22 @@ def real_size_path(ctx: Context, name: str) -> None:
     dtype, steps = ("bfloat16", 10) if cuda else ("float32", 3)
     memory = torch.get_device_module(device)
     with path_collectives(name, "real size"):
-        t = build_path(ctx, name, flags, dtype, steps)
-        records = [train.train_step(t, step) for step in range(1, 3)]  # warm-up: state, compile
+        trainer = build_path(ctx, name, flags, dtype, steps)
+        records = [train.train_step(trainer, step) for step in range(1, 3)]  # warm-up: state, compile
         compiles = dynamo_frames()
         if cuda:
             memory.reset_peak_memory_stats(device)
-        records = [train.train_step(t, step) for step in range(3, steps + 1)]
+        records = [train.train_step(trainer, step) for step in range(3, steps + 1)]
         recompiles = dynamo_frames() - compiles
-        kernel = sdpa_kernel(t)
+        kernel = sdpa_kernel(trainer)
     tok = statistics.median(r["tokens_per_sec"] for r in records)
     mfu = statistics.median(r["mfu"] for r in records)
     alloc = memory.max_memory_allocated(device) if cuda else metrics.peak_memory_bytes(device)
     reserved = memory.max_memory_reserved(device) if cuda else alloc
     state = records[-1]["state_bytes"]
-    a = t.plan.args
-    acts = 34 * a.seq_len * a.micro_batch_size * t.plan.config.n_embd * t.plan.config.n_layer
-    fused = t.optimizer.defaults.get("fused") is True
+    a = trainer.spec.args
+    acts = 34 * a.seq_len * a.micro_batch_size * trainer.spec.config.n_embd * trainer.spec.config.n_layer
+    fused = trainer.optimizer.defaults.get("fused") is True
     ctx.measured.setdefault("real_size", {})[name] = {
         "tokens_per_sec": tok,
         "mfu": mfu,
@@ -429,7 +429,7 @@ def real_size_path(ctx: Context, name: str) -> None:
         "sdpa": kernel,
         "fused_adamw": fused,
         "recompiles": recompiles,
-        "params": sum(p.numel() for p in t.model.parameters()),
+        "params": sum(p.numel() for p in trainer.model.parameters()),
     }
     ctx.add(
         f"real size {name}",

@@ -22,7 +22,7 @@ Why a wrapper around torch.distributed rather than the flight recorder: the reco
 slots read after a hang (no reduce op, no new_group), and the wrapper sees what bypasses parallel/comm too
 (DeviceMesh's groups, a stray collective), at no cost to a real run.
 
-`simulate(plan)` returns a `RankRun`; `python -m sim.verify` runs many ranks in one process, one after another
+`run_fake_rank(plan)` returns a `RankRun`; `python -m sim.verify` runs many ranks in one process, one after another
 (the fake process group destroyed between them), and checks them against each other and the planner.
 """
 
@@ -349,11 +349,11 @@ def fake_tensors():
 
 
 @contextlib.contextmanager
-def muon_holds(plan):
+def muon_holds(spec):
     """--optimizer muon's one host read at build (optim/build.matrices_of's all_gather_object) answered from the
     plan (plan/muon_verify.answer_holds), under the Recorder (which records the call as the rank makes it); the
     exchange's `sources` (host bookkeeping on index tensors) on real tensors."""
-    if getattr(plan.args, "optimizer", "adamw") != "muon":
+    if getattr(spec.args, "optimizer", "adamw") != "muon":
         yield
         return
     from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -361,7 +361,7 @@ def muon_holds(plan):
     from optim import distributed_muon
     from sim.muon_verify import answer_holds
 
-    fake, real = answer_holds(plan), distributed_muon.sources
+    fake, real = answer_holds(spec), distributed_muon.sources
 
     def sources(m, owner: int) -> list[int]:  # host bookkeeping (which ranks cover a matrix): real tensors
         with unset_fake_temporarily():
@@ -389,27 +389,27 @@ class _Records:
         pass
 
 
-def simulated_plan(plan):
+def simulated_plan(spec):
     """The plan a simulated rank runs: at most two training steps (the second is the first with AdamW's moments and
     the planner's steady state), nothing saved, no profile or trace, and a stated peak FLOP/s (MFU means nothing
     here, and measuring the CPU's would time fake matmuls for half a second)."""
     args = dict(
-        vars(plan.args),
-        max_steps=min(plan.args.max_steps, 2),
+        vars(spec.args),
+        max_steps=min(spec.args.max_steps, 2),
         no_checkpoint=True,
         checkpoint_interval=0,
         async_checkpoint=False,
         profile=0,
         trace_step=None,
-        peak_flops=plan.args.peak_flops or 1e12,
+        peak_flops=spec.args.peak_flops or 1e12,
     )
     import argparse
 
-    return replace(plan, args=argparse.Namespace(**args))
+    return replace(spec, args=argparse.Namespace(**args))
 
 
-def simulate(plan, quiet: bool = True, catch: bool = True) -> RankRun:
-    """Play `plan.rank` of `plan.dims.world_size` (plan.fake: config.validate of --fake_world_size/--fake_rank):
+def run_fake_rank(spec, quiet: bool = True, catch: bool = True) -> RankRun:
+    """Play `spec.rank` of `spec.dims.world_size` (spec.fake: config.validate of --fake_world_size/--fake_rank):
     train.build, train.run and main's closing barrier, recorded (module docstring). `quiet`: rank 0's progress
     lines go nowhere. `catch`: an exception the rank raises ends its run with code 1 and `error` saying what and
     where (raise it instead with catch False). Leaves no process group behind."""
@@ -418,32 +418,32 @@ def simulate(plan, quiet: bool = True, catch: bool = True) -> RankRun:
     from parallel import comm
     from trainer import faults
 
-    plan = simulated_plan(plan)
-    run = RankRun(plan.rank, plan.dims.world_size)
+    spec = simulated_plan(spec)
+    run = RankRun(spec.rank, spec.dims.world_size)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    flight_recorder.install(None, plan.rank, plan.dims.world_size)
+    flight_recorder.install(None, spec.rank, spec.dims.world_size)
     comm.RECORDER.step, comm.RECORDER.micro = 0, -1  # a process's recorder: the last simulated rank left its step
     comm.COUNTER.reset()
     t0 = time.perf_counter()
     out = open(os.devnull, "w") if quiet else None
     try:
         with (
-            muon_holds(plan),
+            muon_holds(spec),
             Recorder(run) as rec,
             fake_tensors(),
             contextlib.redirect_stdout(out) if quiet else contextlib.nullcontext(),
         ):
-            t = train.build(plan)
+            trainer = train.build(spec)
             rec.phase = "run"
-            t.faults = faults.Faults(plan.args.out_dir, plan.rank, plan.args.timeout, plan.device)
+            trainer.faults = faults.Faults(spec.args.out_dir, spec.rank, spec.args.timeout, spec.device)
             logger = _Records()
             try:
-                run.code = train.run(t, logger)
+                run.code = train.run(trainer, logger)
                 if run.code in (0, faults.PREEMPTED) and dist.is_initialized():
                     rec.phase = "exit"
                     dist.barrier()  # train.main's: no rank tears the group down while a peer still has work
             finally:
-                t.faults.close()
+                trainer.faults.close()
             run.steps = logger.steps
     except Exception as e:  # noqa: BLE001 -- what the rank would have died of, reported (a verdict, not a crash)
         if not catch:
@@ -496,16 +496,16 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import UsageError, error_line, parse_args, validate
 
     try:
-        plan = validate(parse_args(argv))
-        if not plan.fake:
+        spec = validate(parse_args(argv))
+        if not spec.fake:
             raise UsageError("python -m sim.fake_rank plays one rank: pass --fake_world_size N --fake_rank r")
     except UsageError as e:
         error_line("python -m sim.fake_rank", e)
         return 2
-    run = simulate(plan, quiet=True)
+    run = run_fake_rank(spec, quiet=True)
     print(summary(run), flush=True)
-    os.makedirs(plan.args.out_dir, exist_ok=True)
-    path = os.path.join(plan.args.out_dir, f"fake_rank_{plan.rank}.json")
+    os.makedirs(spec.args.out_dir, exist_ok=True)
+    path = os.path.join(spec.args.out_dir, f"fake_rank_{spec.rank}.json")
     with open(path, "w") as f:
         json.dump({**asdict(run), "events": [asdict(e) for e in run.events]}, f)
     print(f"recording: {path}", flush=True)

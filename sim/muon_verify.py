@@ -24,21 +24,22 @@ from plan.counts import Setup
 SITE = "optim.distributed_muon."
 
 
-def setup_of(plan) -> Setup:
-    args = argparse.Namespace(**{**vars(plan.args), "device": "auto"})
-    return Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
+def setup_of(spec) -> Setup:
+    args = argparse.Namespace(**{**vars(spec.args), "device": "auto"})
+    return Setup(args, spec.dims, spec.config, spec.dtype, spec.grad_accum, spec.parallel.pp_layers)
 
 
-def answer_holds(plan):
-    """An all_gather_object for a simulated rank (plan/fake_rank.simulate patches it in): Muon's holds from the plan
+def answer_holds(spec):
+    """An all_gather_object for a simulated rank (plan/fake_rank.run_fake_rank patches it in): Muon's holds from the
+    plan
     (module docstring); any other object cannot be answered and raises."""
-    s = setup_of(plan)
+    s = setup_of(spec)
 
     def all_gather_object(object_list: list, obj, group=None) -> None:
         if not (isinstance(obj, list) and all(isinstance(x, tuple) and len(x) == 3 for x in obj)):
             raise RuntimeError("a simulated rank can all_gather_object only Muon's holds (sim/muon_verify.py)")
         G = muon_counts.stage_ranks(s)
-        pp, g = divmod(plan.rank, G)
+        pp, g = divmod(spec.rank, G)
         lists = [[] for _ in range(G)]
         for key, shape, row in muon_counts.stage_matrices(s, pp):
             for r, h in enumerate(row):
@@ -47,7 +48,7 @@ def answer_holds(plan):
         mine = sorted((k, tuple(sh), tuple(h)) for k, sh, h in obj)
         if mine != sorted(lists[g]):
             raise RuntimeError(
-                f"rank {plan.rank}: Muon holds {mine[:2]}... differ from the plan's {sorted(lists[g])[:2]}..."
+                f"rank {spec.rank}: Muon holds {mine[:2]}... differ from the plan's {sorted(lists[g])[:2]}..."
             )
         object_list[:] = lists
 

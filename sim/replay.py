@@ -37,7 +37,7 @@ class Discipline:
     blocking: bool = False
 
 
-# plan.simulate's p2p models (P2P_MODELS), each as the discipline that replays a recorded trace. A model the
+# plan.timeline's p2p models (P2P_MODELS), each as the discipline that replays a recorded trace. A model the
 # simulator gains must be named here too (check_p2p refuses to skip one); "nccl_eager" is the GPU path's: NCCL
 # communicators initialised eagerly (init_process_group's device_id), so a group's p2p ops share one stream.
 DISCIPLINES = {
@@ -50,11 +50,11 @@ DISCIPLINES = {
 
 def p2p_models() -> list[str]:
     """Every p2p model the schedule simulator knows, and the GPU path's eager one; each must have a discipline."""
-    from plan.simulate import P2P_MODELS
+    from plan.timeline import P2P_MODELS
 
     missing = [m for m in P2P_MODELS if m not in DISCIPLINES]
     if missing:
-        raise ValueError(f"plan.simulate's p2p model(s) {missing} have no discipline in sim.verify.DISCIPLINES")
+        raise ValueError(f"plan.timeline's p2p model(s) {missing} have no discipline in sim.verify.DISCIPLINES")
     return list(dict.fromkeys([*P2P_MODELS, *DISCIPLINES]))
 
 

@@ -97,9 +97,9 @@ class Layout:
         )  # pp rank -> the lowest pp rank whose stage records alike
 
     @classmethod
-    def of(cls, plan, special: frozenset[int] = frozenset()) -> "Layout":
+    def of(cls, spec, special: frozenset[int] = frozenset()) -> "Layout":
         """The layout of a validated plan (config.validate), its pipeline ranks' classes from `stage_signatures`."""
-        return cls(plan.dims, special, stage_signatures(plan))
+        return cls(spec.dims, special, stage_signatures(spec))
 
     def _coordinates(self, rank: int) -> tuple[int, ...]:
         out = []
@@ -180,7 +180,7 @@ class Stage(NamedTuple):
     blocks: tuple[int, ...]
 
 
-def stage_signatures(plan) -> list[Stage]:
+def stage_signatures(spec) -> list[Stage]:
     """Each pipeline rank's `Stage`, computed from the plan, without simulating. The key holds:
     - its chunks in local order, each as (holds chunk 0: wte, wpe and the token ids; holds the last chunk: ln_f,
       lm_head, the targets and the loss; its Blocks, each as its parameters' (name, shape, dtype) on meta):
@@ -201,18 +201,18 @@ def stage_signatures(plan) -> list[Stage]:
     from parallel.pipeline.runner import chunk_ranges
     from parallel.pipeline.schedule import ALL_SCHEDULES, RECV_B, RECV_F, SEND_B, SEND_F, V_SCHEDULES, chunk_of, rank_of
 
-    d, par, n_layer = plan.dims, plan.par, plan.config.n_layer
+    d, parallel, n_layer = spec.dims, spec.parallel, spec.config.n_layer
     if d.pp == 1:
         return [Stage(("single",), tuple(range(n_layer)))]
-    P, V, v_shape = d.pp, par.pp_virtual, par.pp_schedule in V_SCHEDULES
+    P, V, v_shape = d.pp, parallel.pp_virtual, parallel.pp_schedule in V_SCHEDULES
     C = P * V
-    layers = chunk_ranges(n_layer, C, par.pp_layers)
+    layers = chunk_ranges(n_layer, C, parallel.pp_layers)
     with torch.device("meta"):
         block = [
-            tuple((n, tuple(p.shape), str(p.dtype)) for n, p in Block(plan.config, i).named_parameters())
+            tuple((n, tuple(p.shape), str(p.dtype)) for n, p in Block(spec.config, i).named_parameters())
             for i in range(n_layer)
         ]
-    schedule = ALL_SCHEDULES[par.pp_schedule](P, plan.grad_accum, V)
+    schedule = ALL_SCHEDULES[parallel.pp_schedule](P, spec.grad_accum, V)
     out = []
     for r in range(P):
         chunks = [chunk_of(r, v, P, v_shape) for v in range(V)]
@@ -257,11 +257,11 @@ def plan_for(flags: list[str], world: int, rank: int):
 
 def simulate_ranks(flags: list[str], world: int, ranks: list[int], progress=None) -> dict[int, RankRun]:
     """Each of `ranks` simulated in this process, one after another."""
-    from sim.fake_rank import simulate
+    from sim.fake_rank import run_fake_rank
 
     out = {}
     for r in ranks:
-        out[r] = simulate(plan_for(flags, world, r))
+        out[r] = run_fake_rank(plan_for(flags, world, r))
         if progress is not None:
             progress(r, out[r])
     return out
@@ -446,19 +446,19 @@ def check_waits(w: World) -> list[str]:
     return out
 
 
-def predicted(plan, coords: tuple[int, ...]) -> dict:
+def predicted(spec, coords: tuple[int, ...]) -> dict:
     """plan.predict for the rank at mesh `coords`: its stage's, on the planner's GPUs (no gloo copy of a
     reduce-scatter's input: the fake backend copies nothing either), with the state of its own shard."""
     from plan.counts import Setup
     from plan.muon_counts import state_bytes
     from plan.predict import predict
 
-    args = argparse.Namespace(**{**vars(plan.args), "device": "auto"})
-    setup = Setup(args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
+    args = argparse.Namespace(**{**vars(spec.args), "device": "auto"})
+    setup = Setup(args, spec.dims, spec.config, spec.dtype, spec.grad_accum, spec.parallel.pp_layers)
     pp, _, shard, cp, _ = coords
     out = predict(setup, pp)
-    out["state_bytes_by_kind"] = state_bytes(setup, pp, shard * plan.dims.cp + cp)
-    if getattr(plan.args, "optimizer", "adamw") == "muon":  # its exchange sends what this rank's owners say
+    out["state_bytes_by_kind"] = state_bytes(setup, pp, shard * spec.dims.cp + cp)
+    if getattr(spec.args, "optimizer", "adamw") == "muon":  # its exchange sends what this rank's owners say
         from plan.muon_counts import for_rank
 
         for_rank(setup, coords, out)
@@ -479,8 +479,8 @@ def check_planner(w: World, plans: dict[int, object]) -> tuple[list[str], dict[i
     for r, run in sorted(w.runs.items()):
         if not run.steps:
             continue
-        plan, coords = plans[r], lay.coords(r)
-        p = predicted(plan, coords)
+        spec, coords = plans[r], lay.coords(r)
+        p = predicted(spec, coords)
         m = run.steps[max(run.steps)]
         rows[r] = {
             "state": m["state_bytes"],
@@ -495,7 +495,7 @@ def check_planner(w: World, plans: dict[int, object]) -> tuple[list[str], dict[i
                 f"rank {other} (rank {r}'s recording, shifted)",
                 m,
                 max(run.steps),
-                predicted(plan, lay.coords(other)),
+                predicted(spec, lay.coords(other)),
                 lay.world,
             )
     return out, rows

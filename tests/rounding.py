@@ -32,16 +32,17 @@ def float64_run(args: list[str]) -> tuple[dict[int, dict], dict[int, float]]:
 
     with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, clear=True):
         os.environ.update(child_env())  # one rank, whatever launched this process
-        plan = config.validate(config.parse_args([*args, "--out_dir", os.path.join(tmp, "out"), "--device", "cpu"]))
-        assert plan.dims.world_size == 1 and plan.dtype == torch.float32, "a one-process float32 run"
-        t = train.build(plan)
-        t.model.double()  # the same Parameters (AdamW holds them), now float64; its state starts at the first step
-        a = plan.args
-        steps, evals = {}, {0: train.evaluate(t)}
+        spec = config.validate(config.parse_args([*args, "--out_dir", os.path.join(tmp, "out"), "--device", "cpu"]))
+        assert spec.dims.world_size == 1 and spec.dtype == torch.float32, "a one-process float32 run"
+        trainer = train.build(spec)
+        # the same Parameters (AdamW holds them), now float64; its state starts at the first step
+        trainer.model.double()
+        a = spec.args
+        steps, evals = {}, {0: train.evaluate(trainer)}
         for s in range(1, a.max_steps + 1):
-            steps[s] = train.train_step(t, s)
+            steps[s] = train.train_step(trainer, s)
             if s % a.eval_interval == 0 or s == a.max_steps:
-                evals[s] = train.evaluate(t)
+                evals[s] = train.evaluate(trainer)
     return steps, evals
 
 

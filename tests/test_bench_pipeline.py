@@ -11,8 +11,8 @@ import torch
 
 from bench.pipeline import SavedBytes, idle_stats, pipeline_rows, run
 from parallel.pipeline.schedule import SCHEDULES
-from plan.simulate import simulate
 from plan.theory import bubble_fraction
+from plan.timeline import simulate_schedule
 
 
 def test_idle_of_hand_built_gpipe_timeline():
@@ -49,7 +49,7 @@ def test_idle_of_hand_built_gpipe_timeline():
 def test_rows_of_simulated_timelines_meet_theory(name, pp, m, v):
     """The simulator's ideal timelines, fed through pipeline_rows as if measured: mean idle over ranks is
     bubble_fraction (simulate's timelines meet it exactly, parallel/pipeline/schedule.py)."""
-    sim = simulate(SCHEDULES[name](pp, m, v), pp, v, m, p2p="async")
+    sim = simulate_schedule(SCHEDULES[name](pp, m, v), pp, v, m, p2p="async")
     raw = {
         "pp": pp,
         "micro": m,

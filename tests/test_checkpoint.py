@@ -220,8 +220,8 @@ def _load_everything(
                 "cpu",
             ]
         )
-        t = trainers[target] = train.build(config.validate(args))
-        entries = checkpoint_entries.entries(t.par, t.optimizer)
+        trainer = trainers[target] = train.build(config.validate(args))
+        entries = checkpoint_entries.entries(trainer.parallelized, trainer.optimizer)
         count = {e.name: torch.zeros(torch.Size(e.shape).numel()) for e in entries}
         for e in entries:
             count[e.name][checkpoint._positions(e.runs())] += float(e.write)
@@ -233,12 +233,18 @@ def _load_everything(
     for src_name, src in sources.items():
         expect = checkpoint.consolidate(src, KINDS)
         saved_step = checkpoint.read_manifest(src)["optimizer"]["step"]
-        for target, t in trainers.items():
+        for target, trainer in trainers.items():
             what = f"{src_name} -> {target}"
-            checkpoint.load(src, entries.entries(t.par, t.optimizer), t.optimizer, rank=rank, world_size=world)
-            if {float(s["step"]) for s in t.optimizer.state.values()} != {saved_step}:
+            checkpoint.load(
+                src,
+                entries.entries(trainer.parallelized, trainer.optimizer),
+                trainer.optimizer,
+                rank=rank,
+                world_size=world,
+            )
+            if {float(s["step"]) for s in trainer.optimizer.state.values()} != {saved_step}:
                 bad.append(f"{what}: AdamW step not restored")
-            for e in checkpoint_entries.entries(t.par, t.optimizer):
+            for e in checkpoint_entries.entries(trainer.parallelized, trainer.optimizer):
                 index = checkpoint._positions(e.runs())
                 for kind in KINDS:
                     if not torch.equal(e.tensors[kind].detach().cpu(), expect[e.name][kind].reshape(-1)[index]):

@@ -119,7 +119,7 @@ def ring_results(world: int) -> list:
 
 def drain_timed(queues: list[list[tuple]], group=lambda rank, op: 0) -> int | None:
     """NCCL's p2p on eagerly initialised groups (the cp group is one: runtime/device.py passes device_id; the
-    pipeline's model is plan/simulate.py's "nccl_eager"): each rank's ops on a group (`group(rank, op)`; one
+    pipeline's model is plan/timeline.py's "nccl_eager"): each rank's ops on a group (`group(rank, op)`; one
     group by default) run one after another in posting order, whichever neighbour they name; the head send of
     rank a to b runs with the head receive of b from a on the same group, and both must describe the same
     message (gloo too meets the k-th send from a to b with b's k-th receive from a). A transfer takes one unit,

@@ -90,23 +90,26 @@ class DeviceSteps:
         """One forward + backward in bf16 autocast is within the derived bound (module docstring) of fp32. With
         targets the model returns (None, loss) (its head never holds the whole logits), so the logits come from a
         second forward without them."""
-        t = self.trainer("float32")
-        x, y = (v.to(t.plan.device) for v in t.data.get("train", 1, t.plan.rows, 0, t.plan.args.micro_batch_size))
+        trainer = self.trainer("float32")
+        x, y = (
+            v.to(trainer.spec.device)
+            for v in trainer.data.get("train", 1, trainer.spec.rows, 0, trainer.spec.args.micro_batch_size)
+        )
         out = {}
         for dtype in (torch.float32, torch.bfloat16):
-            t.model.zero_grad(set_to_none=True)
-            with torch.autocast(t.plan.device.type, dtype=dtype, enabled=dtype != torch.float32):
-                _, loss = t.model(x, y)
+            trainer.model.zero_grad(set_to_none=True)
+            with torch.autocast(trainer.spec.device.type, dtype=dtype, enabled=dtype != torch.float32):
+                _, loss = trainer.model(x, y)
                 with torch.no_grad():
-                    logits, _ = t.model(x)
+                    logits, _ = trainer.model(x)
             loss.backward()
             out[dtype] = (
                 loss.item(),
                 logits.detach().float(),
-                torch.cat([p.grad.flatten().float() for p in t.model.parameters()]),
+                torch.cat([p.grad.flatten().float() for p in trainer.model.parameters()]),
             )
         (loss32, z32, g32), (loss16, z16, g16) = out[torch.float32], out[torch.bfloat16]
-        L = t.plan.config.n_layer
+        L = trainer.spec.config.n_layer
         z_tol = (2 * L + 1) * 2 * U_BF16 * z32.abs().max().item()
         self.assertLessEqual((z16 - z32).abs().max().item(), z_tol)
         self.assertLessEqual(abs(loss16 - loss32), 2 * z_tol)
@@ -115,26 +118,26 @@ class DeviceSteps:
     def test_fp16_grad_scaler_trains_and_skips_an_inf_step(self):
         """fp16 + AgreeingGradScaler: finite, falling losses; a step whose gradient holds an inf changes no
         parameter and halves the loss scale; the next step trains again."""
-        t = self.trainer("float16")
-        self.assertIsInstance(t.scaler, AgreeingGradScaler)
-        losses = [train.train_step(t, step)["loss"] for step in range(1, 5)]
+        trainer = self.trainer("float16")
+        self.assertIsInstance(trainer.scaler, AgreeingGradScaler)
+        losses = [train.train_step(trainer, step)["loss"] for step in range(1, 5)]
         self.assertTrue(all(map(math.isfinite, losses)), losses)
         self.assertLess(losses[-1], losses[0])
 
-        p = t.model.transformer.h[0].mlp.c_fc.weight
+        p = trainer.model.transformer.h[0].mlp.c_fc.weight
         hook = p.register_hook(lambda g: g.index_fill(0, torch.tensor([0], device=g.device), float("inf")))
-        before = [q.detach().clone() for q in t.model.parameters()]
-        scale = t.scaler.get_scale()
-        m = train.train_step(t, 5)
+        before = [q.detach().clone() for q in trainer.model.parameters()]
+        scale = trainer.scaler.get_scale()
+        m = train.train_step(trainer, 5)
         hook.remove()
         self.assertTrue(math.isfinite(m["loss"]))
-        self.assertEqual(m["loss_scale"], scale * t.scaler.get_backoff_factor())
-        for q, b in zip(t.model.parameters(), before):
+        self.assertEqual(m["loss_scale"], scale * trainer.scaler.get_backoff_factor())
+        for q, b in zip(trainer.model.parameters(), before):
             self.assertTrue(torch.equal(q, b), "a step with an inf gradient changed a parameter")
 
-        m = train.train_step(t, 6)
+        m = train.train_step(trainer, 6)
         self.assertTrue(math.isfinite(m["loss"]))
-        self.assertFalse(torch.equal(p, before[[id(q) for q in t.model.parameters()].index(id(p))]))
+        self.assertFalse(torch.equal(p, before[[id(q) for q in trainer.model.parameters()].index(id(p))]))
 
     def test_fused_adamw(self):
         t = self.trainer("bfloat16")
@@ -174,14 +177,14 @@ class DeviceSteps:
         self.assertLess(second["peak_memory_bytes"], base + big_bytes)
 
     def test_build_puts_all_state_on_the_device(self):
-        t = self.trainer("bfloat16")
-        train.train_step(t, 1)  # AdamW's state exists after the first step
-        for name, p in t.model.named_parameters():
-            self.assertEqual(p.device, t.plan.device, name)
-        states = [v for s in t.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        trainer = self.trainer("bfloat16")
+        train.train_step(trainer, 1)  # AdamW's state exists after the first step
+        for name, p in trainer.model.named_parameters():
+            self.assertEqual(p.device, trainer.spec.device, name)
+        states = [v for s in trainer.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         self.assertTrue(states)
         for v in states:  # fused AdamW keeps even its step counters on the device
-            self.assertEqual(v.device, t.plan.device)
+            self.assertEqual(v.device, trainer.spec.device)
 
 
 class OnCpu(DeviceSteps, unittest.TestCase):

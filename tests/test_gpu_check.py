@@ -249,8 +249,8 @@ def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
     # DDP's multi-rank branch: each fresh bucket's gradient multiplied by 1/N into the bucket's view
     name = "ddp multi-rank branch"
     with gpu_measure.path_collectives(name, "real size"):
-        t = gpu_measure.build_path(ctx, name, ctx.setup.small, "float32", 2)
-        buffers = {b.buffer.untyped_storage().data_ptr() for b in t.par.model.buckets}
+        trainer = gpu_measure.build_path(ctx, name, ctx.setup.small, "float32", 2)
+        buffers = {b.buffer.untyped_storage().data_ptr() for b in trainer.parallelized.model.buckets}
         into_views, real_mul = [], torch.mul
 
         def mul(*args, **kwargs):
@@ -260,9 +260,9 @@ def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
             return real_mul(*args, **kwargs)
 
         with mock.patch.object(torch, "mul", mul):
-            train.train_step(t, 1)
-        out["ddp_world_size"], out["mul_into_views"] = t.par.model.world_size, into_views
-        del t
+            train.train_step(trainer, 1)
+        out["ddp_world_size"], out["mul_into_views"] = trainer.parallelized.model.world_size, into_views
+        del trainer
     # every build starts with the earlier trainers collected
     trainers, alive = [], []
     real_build = train.build
@@ -279,9 +279,9 @@ def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
     # a compiled build at other shapes than the last one compiles afresh (an eager backend: no inductor cost)
     with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend="eager")):
         for flags in (ctx.setup.small, ctx.setup.throughput):  # seq_len 32, then 64
-            t = gpu_measure.build_path(ctx, "compile", flags, "float32", 1)
-            train.train_step(t, 1)
-            del t
+            trainer = gpu_measure.build_path(ctx, "compile", flags, "float32", 1)
+            train.train_step(trainer, 1)
+            del trainer
     out["block_cache_entries"] = len(_debug_get_cache_entry_list(Block.forward.__code__))
     return out
 

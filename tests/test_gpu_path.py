@@ -65,13 +65,15 @@ class TestDevicePlacement(unittest.TestCase):
                 os.environ.pop(k, None)
             data = make_token_bins(os.path.join(d, "data"), n_train=4000, n_val=1000)
             plan = config.validate(_tiny_args(data, os.path.join(d, "run")))
-            t = train.build(dataclasses.replace(plan, device=torch.device("meta")))
-            self.assertEqual({p.device.type for p in t.model.parameters()}, {"meta"})
-            for p in t.model.parameters():
+            trainer = train.build(dataclasses.replace(plan, device=torch.device("meta")))
+            self.assertEqual({p.device.type for p in trainer.model.parameters()}, {"meta"})
+            for p in trainer.model.parameters():
                 p.grad = torch.zeros_like(p)
-            t.optimizer.step()
-            moments = [v for s in t.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
-            self.assertEqual(len(moments), 2 * len(list(t.model.parameters())))
+            trainer.optimizer.step()
+            moments = [
+                v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+            ]
+            self.assertEqual(len(moments), 2 * len(list(trainer.model.parameters())))
             self.assertEqual({v.device.type for v in moments}, {"meta"})
 
     def test_adamw_is_fused_where_torch_fuses(self):
@@ -90,10 +92,10 @@ class TestDevicePlacement(unittest.TestCase):
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
                 os.environ.pop(k, None)
             data = make_token_bins(os.path.join(d, "data"), n_train=4000, n_val=1000)
-            t = train.build(config.validate(_tiny_args(data, os.path.join(d, "run"))))
-            self.assertIs(t.optimizer.defaults["fused"], True)
-            train.train_step(t, 1)
-            steps = {s["step"].dtype for s in t.optimizer.state.values()}
+            trainer = train.build(config.validate(_tiny_args(data, os.path.join(d, "run"))))
+            self.assertIs(trainer.optimizer.defaults["fused"], True)
+            train.train_step(trainer, 1)
+            steps = {s["step"].dtype for s in trainer.optimizer.state.values()}
             self.assertEqual(steps, {torch.float32})  # fused AdamW keeps its step count as an fp32 tensor
 
 

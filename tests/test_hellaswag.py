@@ -92,9 +92,9 @@ def train_one_step(data: str, out: str, *flags: str) -> None:
                 *flags,
             ]
         )
-        t = train.build(config.validate(args))
-        train.train_step(t, 1)
-        resume.save_trainer(t, 1)
+        trainer = train.build(config.validate(args))
+        train.train_step(trainer, 1)
+        resume.save_trainer(trainer, 1)
 
 
 class TestFile(unittest.TestCase):

@@ -102,7 +102,7 @@ def syncs_in_steps(rank: int, world: int, data: str, flags: list[str], name: str
     from trainer.config import parse_args, validate
 
     out = os.path.join(data, f"{name}-out{rank}")
-    plan = validate(
+    spec = validate(
         parse_args(
             [
                 "--model",
@@ -130,15 +130,15 @@ def syncs_in_steps(rank: int, world: int, data: str, flags: list[str], name: str
             ]
         )
     )
-    t = train.build(plan)
-    t.faults = faults.Faults(out, rank, 60.0, plan.device)
-    train.train_step(t, 1)
-    t.faults.preempted()
+    trainer = train.build(spec)
+    trainer.faults = faults.Faults(out, rank, 60.0, spec.device)
+    train.train_step(trainer, 1)
+    trainer.faults.preempted()
     seen: list[tuple[str, str, str]] = []
     with recording(seen):
         for step in (2, 3):
-            train.train_step(t, step)
-            t.faults.preempted()
+            train.train_step(trainer, step)
+            trainer.faults.preempted()
     return seen
 
 

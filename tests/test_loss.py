@@ -345,13 +345,13 @@ def _step(M: int, pipeline: bool, scale=None, autocast: bool = True) -> list[tor
         with context():
             PipelineRunner(PipelineStage(model, 0, 1, 1)).step(_step_batches(M), "1f1b", scale)
     else:
-        par = parallelize(
+        parallelized = parallelize(
             model,
             Mesh(ParallelDims(dp=1, tp=1, world_size=1)),
             ParallelConfig(implementation="custom"),
             torch.device("cpu"),
         )
-        par.forward_backward(_step_batches(M), scale, context)
+        parallelized.forward_backward(_step_batches(M), scale, context)
     return seen
 
 

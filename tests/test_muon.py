@@ -124,13 +124,13 @@ def local_part(full: torch.Tensor, marks) -> torch.Tensor:
     return full
 
 
-def set_grads(par, full: dict[str, torch.Tensor]) -> None:
+def set_grads(parallelized, full: dict[str, torch.Tensor]) -> None:
     """Each rank's part of one process's gradients: its TP/EP slice, and under our engine its flat shard."""
     from parallel.marks import shards_of
 
-    fsdp = par.fsdp
+    fsdp = parallelized.fsdp
     if fsdp is None:
-        for n, p in par.model.named_parameters():
+        for n, p in parallelized.model.named_parameters():
             p.grad = local_part(full[_name(n)], shards_of(p)).clone()
         return
     for unit in fsdp.units:
@@ -149,18 +149,20 @@ def _name(n: str) -> str:
     return "transformer.wte.weight" if n == "lm_head.weight" else n
 
 
-def differing(par, want: dict[str, torch.Tensor]) -> list[str]:
+def differing(parallelized, want: dict[str, torch.Tensor]) -> list[str]:
     """Names of this rank's parameters (or flat pieces of them) whose bits differ from one process's."""
     from parallel.marks import shards_of
 
     out = []
-    if par.fsdp is None:
-        for n, p in par.model.named_parameters():
+    if parallelized.fsdp is None:
+        for n, p in parallelized.model.named_parameters():
             if not torch.equal(p.detach(), local_part(want[_name(n)], shards_of(p))):
                 out.append(n)
         return out
-    for n, piece in par.fsdp.sharded_state_dict().items():
-        marks = par.fsdp.shard_marks.get(n) or par.fsdp.shard_marks.get(_name(n), ())  # the tied copy: its own
+    for n, piece in parallelized.fsdp.sharded_state_dict().items():
+        marks = parallelized.fsdp.shard_marks.get(n) or parallelized.fsdp.shard_marks.get(
+            _name(n), ()
+        )  # the tied copy: its own
         ref = local_part(want[_name(n)], marks).reshape(-1)
         if not torch.equal(piece.flat, ref[piece.offset : piece.offset + piece.flat.numel()]):
             out.append(n)
@@ -177,13 +179,13 @@ def stepped_layout(world: int, dims: dict, dp_type: str | None, moe: bool, n_ste
 
     mesh = init_distributed(ParallelDims(**{"dp": 1, "tp": 1, **dims}, world_size=world), torch.device("cpu"))
     ref = model(MOE if moe else CFG)
-    par = parallelize(
+    parallelized = parallelize(
         copy.deepcopy(ref), mesh, ParallelConfig(dp_type=dp_type, implementation="custom"), torch.device("cpu")
     )
-    opt = make_optimizer(par, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
+    opt = make_optimizer(parallelized, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
     steps = []
     for step in range(n_steps):
-        set_grads(par, grads(ref, step))
+        set_grads(parallelized, grads(ref, step))
         comm.COUNTER.reset()
         opt.step()
         steps.append(
@@ -194,12 +196,12 @@ def stepped_layout(world: int, dims: dict, dp_type: str | None, moe: bool, n_ste
             )
         )
         opt.zero_grad()
-        par.after_optimizer_step()
-    return ref, par, opt, steps
+        parallelized.after_optimizer_step()
+    return ref, parallelized, opt, steps
 
 
 def layout_run(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool) -> dict:
-    _, par, opt, steps = stepped_layout(world, dims, dp_type, moe)
+    _, parallelized, opt, steps = stepped_layout(world, dims, dp_type, moe)
     ex = opt.muon.orthogonalize
     cut = [
         m.key
@@ -208,7 +210,7 @@ def layout_run(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool
     ]
     want = one_process_run(MOE if moe else CFG)
     return {
-        "differ": differing(par, want),
+        "differ": differing(parallelized, want),
         "ledgers": [led for _, _, led in steps],
         "cut": cut,
         "load": getattr(ex, "load", None),

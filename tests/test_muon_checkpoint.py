@@ -52,30 +52,32 @@ def phase(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool, pat
     mesh = init_distributed(ParallelDims(**{"dp": 1, "tp": 1, **dims}, world_size=world), torch.device("cpu"))
     ref = model(cfg)
     start = ref if save else _reinit(ref)
-    par = parallelize(
+    parallelized = parallelize(
         copy.deepcopy(start), mesh, ParallelConfig(dp_type=dp_type, implementation="custom"), torch.device("cpu")
     )
-    opt = make_optimizer(par, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
+    opt = make_optimizer(parallelized, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
     if not save:
-        checkpoint.load(path, entries(par, opt), par.checkpoint_optimizer(opt), rank=rank, world_size=world)
+        checkpoint.load(
+            path, entries(parallelized, opt), parallelized.checkpoint_optimizer(opt), rank=rank, world_size=world
+        )
     for step in range(0, SAVED) if save else range(SAVED, STEPS):
-        set_grads(par, grads(ref, step))
+        set_grads(parallelized, grads(ref, step))
         opt.step()
         opt.zero_grad()
-        par.after_optimizer_step()
+        parallelized.after_optimizer_step()
     if save:
         checkpoint.save(
             path,
             SAVED,
-            entries(par, opt),
-            par.checkpoint_optimizer(opt),
+            entries(parallelized, opt),
+            parallelized.checkpoint_optimizer(opt),
             {"layout": {"world_size": world}},
             rank=rank,
             world_size=world,
             keep=1,
         )
         return {}
-    return {"differ": differing(par, one_process_run(cfg))}
+    return {"differ": differing(parallelized, one_process_run(cfg))}
 
 
 def _reinit(m):

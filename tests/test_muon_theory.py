@@ -84,22 +84,22 @@ def setup(world: int, moe: bool, layout: list[str]) -> Setup:
 
 def measure(rank: int, world: int, dims: dict, dp_type: str | None, moe: bool) -> dict:
     """This rank's exchange per step (all_to_all bytes, calls), its holds and owners, and its optimizer state."""
-    ref, par, opt, steps = stepped_layout(world, dims, dp_type, moe, STEPS)
+    ref, parallelized, opt, steps = stepped_layout(world, dims, dp_type, moe, STEPS)
     ex = opt.muon.orthogonalize
-    set_grads(par, grads(ref, STEPS - 1))  # the state is counted with gradients present, as after a step
+    set_grads(parallelized, grads(ref, STEPS - 1))  # the state is counted with gradients present, as after a step
     return {
         "sent": [b for b, _, _ in steps],
         "calls": [c for _, c, _ in steps],
         "owner": ex.owner,
         "holds": [(m.key, m.shape, tuple(None if h is None else tuple(h) for h in m.holds)) for m in ex.matrices],
-        "optimizer": par.state_breakdown(opt)["optimizer"],
+        "optimizer": parallelized.state_breakdown(opt)["optimizer"],
     }
 
 
-def make(par):
+def make(parallelized):
     from optim.build import make_optimizer
 
-    return make_optimizer(par, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
+    return make_optimizer(parallelized, args(lr=ADAMW["lr"], muon_lr=MUON["lr"]), **ADAMW)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

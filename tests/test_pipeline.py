@@ -53,8 +53,8 @@ from parallel.pipeline.schedule import (
     rank_of,
     send_waits,
 )
-from plan.simulate import P2P_MODELS, simulate
 from plan.theory import p2p_bytes_per_step
+from plan.timeline import P2P_MODELS, simulate_schedule
 from runtime.metrics import StepRecord
 from tests.harness import run_distributed
 
@@ -327,7 +327,7 @@ class PipelineMatchesOneProcess(unittest.TestCase):
                 executed = [r["executed"] for r in per_rank]
                 self.assertEqual(executed, SCHEDULES[name](world, m, v))
                 for p2p in P2P_MODELS:
-                    simulate(executed, world, v, m, p2p=p2p)  # raises ScheduleError on a deadlock or mismatch
+                    simulate_schedule(executed, world, v, m, p2p=p2p)  # raises ScheduleError on a deadlock or mismatch
 
     def test_receives_and_sends_are_waited_where_the_list_says(self):
         """A receive is posted at its place in the list and waited on just before the F or B that reads it (so a
@@ -523,10 +523,10 @@ def new_group_calls(rank: int, world: int) -> list:
     with torch.device("meta"):
         model = GPT(config(world))
     with mock.patch.object(dist, "new_group", recording):
-        par = parallelize(
+        parallelized = parallelize(
             model, mesh, ParallelConfig(implementation="custom", deferred_init=True, seed=SEED), torch.device("cpu")
         )
-    return {"calls": calls, "embed": par.pipeline.embed_group is not None}
+    return {"calls": calls, "embed": parallelized.pipeline.embed_group is not None}
 
 
 @pytest.mark.slow  # a multi-rank launch: kept out of the fast loop
@@ -580,7 +580,7 @@ class LinkGroups(unittest.TestCase):
     stream per group would otherwise serialise its two neighbours' messages) on 3 gloo ranks, an odd ring (3
     link groups; interleaved 1F1B's closing link 2 -> 0 on the third): the same loss, gradients and evaluation
     losses bit for bit as on the pp group alone, and every message on its chunk boundary's link group, the
-    group simulate(p2p="nccl_eager", links=True) posts it on, each rank meeting one peer per group."""
+    group simulate_schedule(p2p="nccl_eager", links=True) posts it on, each rank meeting one peer per group."""
 
     def test_three_ranks(self):
         per_rank = on_all_ranks(links_case, 3)
@@ -640,12 +640,12 @@ class ActivationDtypeIsWhatTheChunksProduce(unittest.TestCase):
                 model.init_weights(SEED)
                 cfg = ParallelConfig(dp_type=dp_type, implementation="custom", param_dtype=param_dtype, pp_virtual=3)
                 mesh = Mesh(ParallelDims(dp=1, tp=1, world_size=1))
-                par = Parallelized(model=model, mesh=mesh, cfg=cfg, device=cpu)
-                par.model = par.stage = PipelineStage(model, 0, 1, 3)
-                par.engine = ENGINE.get(dp_type)
-                if par.engine is not None:
-                    par.model = APPLY["custom", par.engine](par.model, mesh, cfg, cpu)
-                runner = PipelineRunner(par.stage, **par.runner_args(cfg))
+                parallelized = Parallelized(model=model, mesh=mesh, cfg=cfg, device=cpu)
+                parallelized.model = parallelized.stage = PipelineStage(model, 0, 1, 3)
+                parallelized.engine = ENGINE.get(dp_type)
+                if parallelized.engine is not None:
+                    parallelized.model = APPLY["custom", parallelized.engine](parallelized.model, mesh, cfg, cpu)
+                runner = PipelineRunner(parallelized.stage, **parallelized.runner_args(cfg))
                 for autocast in (False, True):
                     with (
                         self.subTest(dp_type=dp_type, param_dtype=param_dtype, autocast=autocast),

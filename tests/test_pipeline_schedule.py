@@ -1,6 +1,6 @@
 """Pipeline schedules (parallel/pipeline/schedule.py) dry-run by the process-free simulator.
 
-No processes: every check runs the per-rank action lists through `simulate`, which raises ScheduleError
+No processes: every check runs the per-rank action lists through `simulate_schedule`, which raises ScheduleError
 on deadlock, a send meeting the wrong receive, a compute before its input, B before F, or missing or
 repeated work. Each property is also shown to fail on a deliberately broken schedule.
 
@@ -52,8 +52,8 @@ from parallel.pipeline.schedule import (
     zbv,
 )
 from plan.schedule_grid import grid
-from plan.simulate import P2P_MODELS, paired, simulate
 from plan.theory import bubble_fraction
+from plan.timeline import P2P_MODELS, paired, simulate_schedule
 
 PPS = (2, 3, 4, 8)
 
@@ -141,7 +141,7 @@ class TestSchedules(unittest.TestCase):
                 for pairing in ("ready", "meet"):
                     sched = paired(SCHEDULES[name](p, m, v), p, pairing)
                     for mode in P2P_MODELS:
-                        simulate(sched, p, v, m, p2p=mode)
+                        simulate_schedule(sched, p, v, m, p2p=mode)
 
     def test_nccl_pair_order_every_schedule(self):
         """NCCL's model (one FIFO per peer pair for both directions; a send completes only with its receive at
@@ -152,7 +152,7 @@ class TestSchedules(unittest.TestCase):
             with self.subTest(name=name, pp=p, micro=m, virtual=v):
                 sched = SCHEDULES[name](p, m, v)
                 for mode in ("nccl", "async"):
-                    self.assertEqual(simulate(sched, p, v, m, p2p=mode).makespan, 3 * (v * m + p - 1))
+                    self.assertEqual(simulate_schedule(sched, p, v, m, p2p=mode).makespan, 3 * (v * m + p - 1))
                 n += 1
         self.assertEqual(n, 7 * 4 * 2 + 7 * 3 * 3)  # gpipe, 1f1b: 4 M each; interleaved: V in 1..3, M in {P, 2P, 4P}
 
@@ -184,11 +184,11 @@ class TestSchedules(unittest.TestCase):
     def test_in_flight_activations(self):
         for p in PPS:
             for m in (p, p + 1, 2 * p):
-                res = simulate(one_f_one_b(p, m), p, 1, m)
+                res = simulate_schedule(one_f_one_b(p, m), p, 1, m)
                 self.assertEqual(res.max_in_flight, [min(p - r, m) for r in range(p)])
-                self.assertEqual(simulate(gpipe(p, m), p, 1, m).max_in_flight, [m] * p)
+                self.assertEqual(simulate_schedule(gpipe(p, m), p, 1, m).max_in_flight, [m] * p)
         # the 1F1B bound is a real constraint: GPipe breaks it once M > P - rank
-        res = simulate(gpipe(4, 5), 4, 1, 5)
+        res = simulate_schedule(gpipe(4, 5), 4, 1, 5)
         self.assertTrue(any(res.max_in_flight[r] > 4 - r for r in range(4)))
 
     def test_bubble_matches_theory_exactly(self):
@@ -198,7 +198,7 @@ class TestSchedules(unittest.TestCase):
                     for pairing in ("ready", "meet"):
                         for mode in P2P_MODELS:
                             with self.subTest(name=name, pp=p, micro=m, pairing=pairing, p2p=mode):
-                                res = simulate(paired(SCHEDULES[name](p, m), p, pairing), p, 1, m, p2p=mode)
+                                res = simulate_schedule(paired(SCHEDULES[name](p, m), p, pairing), p, 1, m, p2p=mode)
                                 self.assertEqual(res.makespan, 3 * (m + p - 1))
                                 self.assertEqual(exact_bubble(res), Fraction(p - 1, m + p - 1))
                                 self.assertAlmostEqual(res.bubble_fraction, bubble_fraction(name, p, m))
@@ -211,10 +211,10 @@ class TestSchedules(unittest.TestCase):
                 for v in (1, 2):
                     with self.subTest(pp=p, micro=m, virtual=v):
                         for mode in ("async", "nccl"):
-                            res = simulate(interleaved_one_f_one_b(p, m, v), p, v, m, p2p=mode)
+                            res = simulate_schedule(interleaved_one_f_one_b(p, m, v), p, v, m, p2p=mode)
                             self.assertEqual(res.makespan, 3 * (v * m + p - 1))
                             self.assertEqual(exact_bubble(res), Fraction(p - 1, v * m + p - 1))
-                        slow = simulate(paired(interleaved_one_f_one_b(p, m, v), p, "meet"), p, v, m)
+                        slow = simulate_schedule(paired(interleaved_one_f_one_b(p, m, v), p, "meet"), p, v, m)
                         self.assertGreaterEqual(exact_bubble(slow), exact_bubble(res))
 
     def test_theory_values(self):
@@ -249,7 +249,7 @@ class TestZeroBubbleH1(unittest.TestCase):
         for p, m in self.grid():
             for mode in P2P_MODELS:
                 with self.subTest(pp=p, micro=m, p2p=mode):
-                    res = simulate(zb_h1(p, m), p, 1, m, p2p=mode)
+                    res = simulate_schedule(zb_h1(p, m), p, 1, m, p2p=mode)
                     self.assertEqual(res.makespan, 3 * m + p - 1)
                     self.assertEqual(exact_bubble(res), Fraction(p - 1, 3 * m + p - 1))
                     self.assertAlmostEqual(res.bubble_fraction, bubble_fraction("zb_h1", p, m))
@@ -261,7 +261,10 @@ class TestZeroBubbleH1(unittest.TestCase):
     def test_a_third_of_1f1b_bubble(self):
         """Idle units per rank, t_F = t_B = t_W = 1: 1F1B's fill and drain 3(P-1), ZB-H1's P-1."""
         for p in (2, 4):
-            zb, one = simulate(zb_h1(p, 8), p, 1, 8, p2p="nccl"), simulate(one_f_one_b(p, 8), p, 1, 8, p2p="nccl")
+            zb, one = (
+                simulate_schedule(zb_h1(p, 8), p, 1, 8, p2p="nccl"),
+                simulate_schedule(one_f_one_b(p, 8), p, 1, 8, p2p="nccl"),
+            )
             self.assertEqual((zb.makespan - 3 * 8, one.makespan - 3 * 8), (p - 1, 3 * (p - 1)))
 
     def test_refuses_too_few_micro_batches(self):
@@ -275,13 +278,13 @@ class TestZeroBubbleH1(unittest.TestCase):
         ops = sched[0]
         ops.insert(0, ops.pop(ops.index(Action(W, 0, 1))))
         with self.assertRaisesRegex(ScheduleError, "before its input-gradient B"):
-            simulate(sched, 2, 1, 2, p2p="async")
+            simulate_schedule(sched, 2, 1, 2, p2p="async")
 
     def test_missing_w(self):
         sched = zb_h1(2, 2)
         sched[1].remove(Action(W, 1, 0))
         with self.assertRaisesRegex(ScheduleError, r"W\(c1,m0\) never runs"):
-            simulate(sched, 2, 1, 2, p2p="async")
+            simulate_schedule(sched, 2, 1, 2, p2p="async")
 
 
 class TestVSchedules(unittest.TestCase):
@@ -318,7 +321,7 @@ class TestVSchedules(unittest.TestCase):
             sched = {"zbv": zbv, "dualpipev": dualpipev}[name](p, m)
             for mode in P2P_MODELS:
                 with self.subTest(name=name, pp=p, micro=m, p2p=mode):
-                    res = simulate(sched, p, 2, m, p2p=mode, v_shape=True)
+                    res = simulate_schedule(sched, p, 2, m, p2p=mode, v_shape=True)
                     self.assertAlmostEqual(res.bubble_fraction, bubble_fraction(name, p, m, 2))
                     if m >= 2 * p:
                         self.assertEqual(res.makespan, 6 * m + p - 1)
@@ -340,7 +343,7 @@ class TestVSchedules(unittest.TestCase):
     def test_wrong_layout_is_caught(self):
         """The V lists under the interleaved placement (rank r holding r and r+P) name chunks the rank lacks."""
         with self.assertRaisesRegex(ScheduleError, "cannot run"):
-            simulate(zbv(2, 4), 2, 2, 4, p2p="async")
+            simulate_schedule(zbv(2, 4), 2, 2, 4, p2p="async")
 
 
 def eager_grid(every_m: bool):
@@ -359,14 +362,14 @@ def eager_grid(every_m: bool):
 
 def ideal_makespan(name: str, p: int, m: int, v: int) -> int:
     """Unit times (F = 1, B = 2; split: F = B = W = 1), messages free: the makespans the tests above derive
-    (ZB-V at M < 2P: what the isend models give, `simulate(..., p2p="async")`)."""
+    (ZB-V at M < 2P: what the isend models give, `simulate_schedule(..., p2p="async")`)."""
     if name in ("gpipe", "1f1b", "interleaved_1f1b"):
         return 3 * (v * m + p - 1)
     if name == "zb_h1":
         return 3 * m + p - 1
     if m >= 2 * p:
         return 6 * m + p - 1
-    return simulate(ALL_SCHEDULES[name](p, m, v), p, v, m, p2p="async", v_shape=True).makespan
+    return simulate_schedule(ALL_SCHEDULES[name](p, m, v), p, v, m, p2p="async", v_shape=True).makespan
 
 
 def slower(p: int, v: int, v_shape: bool, rank: int, t: int) -> list[int]:
@@ -375,7 +378,7 @@ def slower(p: int, v: int, v_shape: bool, rank: int, t: int) -> list[int]:
 
 
 class TestEagerNccl(unittest.TestCase):
-    """NCCL's p2p order on an eagerly initialised group (simulate(p2p="nccl_eager"): one FIFO per rank across
+    """NCCL's p2p order on an eagerly initialised group (simulate_schedule(p2p="nccl_eager"): one FIFO per rank across
     both its neighbours, torch's ProcessGroupNCCL::pointToPoint reusing the group's communicator and stream),
     which is what every group is here on CUDA (runtime/device.py passes device_id). The fix, link groups
     (parallel.groups.p2p_link; PipelineRunner posts each message on its boundary's), is modelled by links=True."""
@@ -384,7 +387,9 @@ class TestEagerNccl(unittest.TestCase):
         n = 0
         for name, p, m, v in eager_grid(every_m):
             with self.subTest(name=name, pp=p, micro=m, virtual=v):
-                res = simulate(ALL_SCHEDULES[name](p, m, v), p, v, m, p2p="nccl_eager", v_shape=name in V_SCHEDULES)
+                res = simulate_schedule(
+                    ALL_SCHEDULES[name](p, m, v), p, v, m, p2p="nccl_eager", v_shape=name in V_SCHEDULES
+                )
                 self.assertEqual(res.makespan, ideal_makespan(name, p, m, v))
                 n += 1
         return n
@@ -428,7 +433,7 @@ class TestEagerNccl(unittest.TestCase):
             sched = ALL_SCHEDULES[name](p, m, v)
             with self.subTest(name=name):
                 got = [
-                    simulate(sched, p, v, m, p2p=mode, v_shape=vs, **kw, **extra).makespan
+                    simulate_schedule(sched, p, v, m, p2p=mode, v_shape=vs, **kw, **extra).makespan
                     for mode, extra in (
                         ("nccl", {}),
                         ("nccl_eager", {}),
@@ -453,7 +458,7 @@ class TestEagerNccl(unittest.TestCase):
                 ):
                     with self.subTest(name=name, pp=p, times=kw):
                         pair, links = (
-                            simulate(sched, p, v, 2 * p, p2p=mode, v_shape=vs, **kw, **extra).makespan
+                            simulate_schedule(sched, p, v, 2 * p, p2p=mode, v_shape=vs, **kw, **extra).makespan
                             for mode, extra in (("nccl", {}), ("nccl_eager", {"links": True}))
                         )
                         self.assertEqual(links, pair)
@@ -489,22 +494,22 @@ class TestBrokenSchedules(unittest.TestCase):
         failed = passed = 0
         for name, p, m, v in nccl_grid():
             sched = paired(SCHEDULES[name](p, m, v), p, "ready_meet")
-            simulate(sched, p, v, m, p2p="async")  # gloo never blocks on it
+            simulate_schedule(sched, p, v, m, p2p="async")  # gloo never blocks on it
             if name == "interleaved_1f1b" and m > p:
                 for mode in ("nccl", "rendezvous"):
                     with (
                         self.subTest(pp=p, micro=m, virtual=v, p2p=mode),
                         self.assertRaisesRegex(ScheduleError, "deadlock"),
                     ):
-                        simulate(sched, p, v, m, p2p=mode)
+                        simulate_schedule(sched, p, v, m, p2p=mode)
                 failed += 1
             else:
-                simulate(sched, p, v, m, p2p="nccl")
+                simulate_schedule(sched, p, v, m, p2p="nccl")
                 passed += 1
         self.assertEqual(failed, 7 * 3 * 2)  # 42 of interleaved's 63; the other 21 have M == P
         with self.assertRaisesRegex(ScheduleError, r"pair heads.*\(0, 1\): SEND_F\(c0,m2\).*\(1, 0\): SEND_B\(c3,m0\)"):
             example = paired(interleaved_one_f_one_b(2, 4, 2), 2, "ready_meet")  # the issue's
-            simulate(example, 2, 2, 4, p2p="nccl")
+            simulate_schedule(example, 2, 2, 4, p2p="nccl")
 
     def test_both_sides_sending_first_deadlocks_under_nccl(self):
         """Two sends at the heads of a pair's two sides never complete under NCCL; gloo buffers them."""
@@ -530,9 +535,9 @@ class TestBrokenSchedules(unittest.TestCase):
                 Action(SEND_B, 1, 1),
             ],
         ]
-        simulate(sched, 2, 1, 2, p2p="async")
+        simulate_schedule(sched, 2, 1, 2, p2p="async")
         with self.assertRaisesRegex(ScheduleError, r"deadlock.*\(0, 1\): SEND_F\(c0,m1\), \(1, 0\): SEND_B\(c1,m0\)"):
-            simulate(sched, 2, 1, 2, p2p="nccl")
+            simulate_schedule(sched, 2, 1, 2, p2p="nccl")
 
     def test_swap_with_both_sides_sending_first_deadlocks(self):
         sched = paired(one_f_one_b(2, 3), 2, "meet")
@@ -540,9 +545,9 @@ class TestBrokenSchedules(unittest.TestCase):
         i = next(k for k in range(len(ops) - 1) if ops[k].kind == RECV_F and ops[k + 1].kind == "SEND_B")
         ops[i], ops[i + 1] = ops[i + 1], ops[i]  # rank 1 now sends its grad before receiving the activation
         with self.assertRaisesRegex(ScheduleError, "deadlock"):
-            simulate(sched, 2, 1, 3, p2p="rendezvous")
+            simulate_schedule(sched, 2, 1, 3, p2p="rendezvous")
         with self.assertRaisesRegex(ScheduleError, "deadlock"):
-            simulate(sched, 2, 1, 3, p2p="nccl")
+            simulate_schedule(sched, 2, 1, 3, p2p="nccl")
 
     def test_receives_out_of_order(self):
         for mode in P2P_MODELS:
@@ -551,7 +556,7 @@ class TestBrokenSchedules(unittest.TestCase):
             a, b = (k for k, x in enumerate(ops) if x.kind == RECV_F)
             ops[a], ops[b] = ops[b], ops[a]
             with self.assertRaisesRegex(ScheduleError, "order mismatch"):
-                simulate(sched, 2, 1, 2, p2p=mode)
+                simulate_schedule(sched, 2, 1, 2, p2p=mode)
 
     def test_backward_before_forward(self):
         sched = gpipe(2, 2)
@@ -559,7 +564,7 @@ class TestBrokenSchedules(unittest.TestCase):
         k = last.index(Action(B, 1, 0))
         last.insert(0, last.pop(k))
         with self.assertRaisesRegex(ScheduleError, "before its forward"):
-            simulate(sched, 2, 1, 2, p2p="async")
+            simulate_schedule(sched, 2, 1, 2, p2p="async")
 
     def test_compute_before_its_input_arrives(self):
         sched = gpipe(2, 2)
@@ -567,27 +572,27 @@ class TestBrokenSchedules(unittest.TestCase):
         k = ops.index(Action(RECV_F, 1, 0))
         ops.insert(k + 1, ops.pop(k))  # F(c1,m0) now runs before RECV_F(c1,m0)
         with self.assertRaisesRegex(ScheduleError, "input arrived"):
-            simulate(sched, 2, 1, 2, p2p="async")
+            simulate_schedule(sched, 2, 1, 2, p2p="async")
 
     def test_duplicate_and_missing_work(self):
         sched = one_f_one_b(2, 2)
         sched[0].append(Action(F, 0, 1))
         with self.assertRaisesRegex(ScheduleError, "twice"):
-            simulate(sched, 2, 1, 2, p2p="async")
+            simulate_schedule(sched, 2, 1, 2, p2p="async")
         short = [[a for a in ops if a.micro != 1] for ops in one_f_one_b(2, 2)]
         with self.assertRaisesRegex(ScheduleError, "never runs"):
-            simulate(short, 2, 1, 2, p2p="async")
+            simulate_schedule(short, 2, 1, 2, p2p="async")
 
     def test_unreceived_and_premature_sends(self):
         sched = gpipe(2, 2)
         sched[0].append(Action(SEND_F, 0, 1))
         with self.assertRaisesRegex(ScheduleError, "never received"):
-            simulate(sched, 2, 1, 2, p2p="async")
+            simulate_schedule(sched, 2, 1, 2, p2p="async")
         sched = gpipe(2, 2)
         k = sched[0].index(Action(SEND_F, 0, 0))
         sched[0].insert(0, sched[0].pop(k))
         with self.assertRaisesRegex(ScheduleError, "before computing"):
-            simulate(sched, 2, 1, 2, p2p="async")
+            simulate_schedule(sched, 2, 1, 2, p2p="async")
 
 
 class TestReceiveWaits(unittest.TestCase):
@@ -608,7 +613,7 @@ class TestReceiveWaits(unittest.TestCase):
                 sched = make(p, m, v)
                 for times in ((1, 2, 1), (2, 3, 1), (1, 1, 3)):
                     for mode in ("async", "nccl"):
-                        res = simulate(sched, p, v, m, *times, p2p=mode, v_shape=v_shape)
+                        res = simulate_schedule(sched, p, v, m, *times, p2p=mode, v_shape=v_shape)
                         for r, line in enumerate(res.timeline):
                             for (_, prev_end, _), (start, _, a) in zip(line, line[1:]):
                                 if _needs(a, p, p * v, v_shape) is None:
@@ -685,7 +690,7 @@ class TestGrid(unittest.TestCase):
 
 
 class TestPairings(unittest.TestCase):
-    """The runtime's lists are the simulator's "ready" pairing (plan.simulate.paired), which the proofs above
+    """The runtime's lists are the simulator's "ready" pairing (plan.timeline.paired), which the proofs above
     hold against "meet" and "ready_meet": `paired(..., "ready")` gives every schedule's own lists back."""
 
     def test_ready_pairing_is_the_runtimes(self):

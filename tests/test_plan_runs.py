@@ -229,10 +229,10 @@ def gloo_slack(layout: S.Layout, extra: list[str]) -> int:
     from plan.counts import units
     from sim.verify import plan_for
 
-    plan = plan_for([*S.BASE, "--dataset", shared_data(), *layout.flags(), *extra], layout.nproc, 0)
+    spec = plan_for([*S.BASE, "--dataset", shared_data(), *layout.flags(), *extra], layout.nproc, 0)
     from plan.counts import Setup
 
-    setup = Setup(plan.args, plan.dims, plan.config, plan.dtype, plan.grad_accum, plan.par.pp_layers)
+    setup = Setup(spec.args, spec.dims, spec.config, spec.dtype, spec.grad_accum, spec.parallel.pp_layers)
     return GLOO_COPIES * max(n for n, _ in units(setup, 0).values()) * setup.reduce_bytes
 
 

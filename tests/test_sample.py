@@ -57,9 +57,9 @@ def setUpModule():
                 "cpu",
             ]
         )
-        t = train.build(config.validate(args))
-        train.train_step(t, 1)
-        resume.save_trainer(t, 1)
+        trainer = train.build(config.validate(args))
+        train.train_step(trainer, 1)
+        resume.save_trainer(trainer, 1)
 
 
 def tearDownModule():

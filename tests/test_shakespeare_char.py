@@ -92,9 +92,9 @@ def setUpModule():
     with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stdout(io.StringIO()):
         os.environ.update(child_env())  # one process, even when the suite runs under torchrun
         args = config.parse_args([*TINY, "--max_steps", "1", "--dataset", DATA, "--out_dir", RUN, "--device", "cpu"])
-        t = train.build(config.validate(args))
-        train.train_step(t, 1)
-        resume.save_trainer(t, 1)
+        trainer = train.build(config.validate(args))
+        train.train_step(trainer, 1)
+        resume.save_trainer(trainer, 1)
 
 
 def tearDownModule():
@@ -165,20 +165,20 @@ class TestTrain(unittest.TestCase):
             builtin = os.path.join(d, "shakespeare_char")
             with (
                 mock.patch("data.batches.resolve_dataset_dir", return_value=builtin),
-                mock.patch("config.resolve_dataset_dir", return_value=builtin),
+                mock.patch("trainer.config.resolve_dataset_dir", return_value=builtin),
                 mock.patch.object(prepare, "load_text", return_value=(TEXT, "a test text")),
             ):
                 flags = [*TINY, "--dataset", "shakespeare_char", "--out_dir", os.path.join(d, "run"), "--device", "cpu"]
                 with self.assertRaisesRegex(config.UsageError, "--deferred_init builds a fresh model"):
                     config.validate(config.parse_args([*flags, "--init_from", "gpt2", "--deferred_init"]))
                 self.assertFalse(os.path.exists(builtin))
-                plan = config.validate(config.parse_args(flags))
-            self.assertEqual(plan.config.vocab_size, PADDED)
+                spec = config.validate(config.parse_args(flags))
+            self.assertEqual(spec.config.vocab_size, PADDED)
             self.assertEqual(load_chars(builtin).chars, "".join(sorted(set(TEXT))))
 
     def test_init_from_gpt2_is_refused_before_any_fetch(self):
         for dataset in (DATA, "shakespeare_char"):
-            with mock.patch("config.fetch_hf_weights", side_effect=AssertionError("fetched")):
+            with mock.patch("trainer.config.fetch_hf_weights", side_effect=AssertionError("fetched")):
                 expect_train_error_in_process(
                     self,
                     ["--init_from", "gpt2", "--dataset", dataset],
@@ -203,7 +203,7 @@ class TestTrain(unittest.TestCase):
         out = os.path.join(TMP.name, "bpe")
         with mock.patch.dict(os.environ, clear=True), contextlib.redirect_stdout(io.StringIO()):
             os.environ.update(child_env())
-            t = train.build(
+            trainer = train.build(
                 config.validate(
                     config.parse_args(
                         [
@@ -222,7 +222,7 @@ class TestTrain(unittest.TestCase):
                     )
                 )
             )
-            resume.save_trainer(t, 1)
+            resume.save_trainer(trainer, 1)
         expect_train_error_in_process(
             self, [*TINY, "--dataset", DATA, "--resume"], f"vocab_size 512 (checkpoint) vs {PADDED}", out, fresh=False
         )

@@ -277,7 +277,7 @@ LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
     "bench/report.py:write_plots": 107,
     "plan/__main__.py:main": 94,
     "plan/peak.py:reduce_transient": 132,
-    "plan/simulate.py:simulate": 223,
+    "plan/timeline.py:simulate_schedule": 223,
     "sim/replay.py:replay_p2p": 105,
     "trainer/config.py:train_parser": 187,
 }

@@ -452,8 +452,8 @@ class TestSeededPlannerAndWaitDefects(unittest.TestCase):
         """Rank 1's optimizer keeps one more tensor (an EMA of one weight, say): its state bytes are not the plan's."""
 
         def build(real):
-            def wrapped(plan):
-                t = real(plan)
+            def wrapped(spec):
+                t = real(spec)
                 p = next(iter(t.optimizer.param_groups[0]["params"]))
                 t.optimizer.register_step_post_hook(lambda opt, *_: opt.state[p].setdefault("ema", torch.zeros_like(p)))
                 return t
@@ -472,9 +472,9 @@ class TestSeededPlannerAndWaitDefects(unittest.TestCase):
 
         real = Parallelized.forward_backward
 
-        def forward_backward(par, *args, **kwargs):
-            comm.all_reduce(torch.zeros(8), group=par.mesh["loss"].group)  # inside the step: counted
-            return real(par, *args, **kwargs)
+        def forward_backward(parallelized, *args, **kwargs):
+            comm.all_reduce(torch.zeros(8), group=parallelized.mesh["loss"].group)  # inside the step: counted
+            return real(parallelized, *args, **kwargs)
 
         with mock.patch.object(Parallelized, "forward_backward", forward_backward):
             faulty = self.seeded(self.DP2, 2, [0, 1])
@@ -563,7 +563,7 @@ class TestReplay(unittest.TestCase):
         return {m: R.replay_p2p(traces, R.DISCIPLINES[m]) is None for m in R.p2p_models()}
 
     def test_every_simulator_model_has_a_discipline(self):
-        from plan.simulate import P2P_MODELS
+        from plan.timeline import P2P_MODELS
 
         self.assertLessEqual(set(P2P_MODELS), set(R.DISCIPLINES))
         self.assertIn("nccl_eager", R.p2p_models())
@@ -789,8 +789,8 @@ class TestFlags(unittest.TestCase):
         )
 
     def test_accepted_as_rank_r_of_n(self):
-        plan = V.plan_for(flags(GRID16), 16, 9)
-        self.assertEqual((plan.rank, plan.dims.world_size, plan.fake, plan.device.type), (9, 16, True, "cpu"))
+        spec = V.plan_for(flags(GRID16), 16, 9)
+        self.assertEqual((spec.rank, spec.dims.world_size, spec.fake, spec.device.type), (9, 16, True, "cpu"))
 
 
 class TestLiveStorages(unittest.TestCase):
@@ -821,12 +821,12 @@ class TestFoundBySimulation(unittest.TestCase):
     ~2 s): the CP ring's dK and dV travel in fp32 whatever the compute dtype."""
 
     def test_cp_p2p_bytes_in_bf16(self):
-        from sim.fake_rank import simulate
+        from sim.fake_rank import run_fake_rank
 
         f = [*flags(["--context_parallel_size", "2", "--dtype", "bfloat16"]), "--total_batch_size", "32"]
-        plan = V.plan_for(f, 2, 0)
-        run = simulate(plan)
-        self.assertEqual(run.steps[2]["comm_bytes"]["p2p"], V.predicted(plan, (0, 0, 0, 0, 0))["comm_bytes"]["p2p"])
+        spec = V.plan_for(f, 2, 0)
+        run = run_fake_rank(spec)
+        self.assertEqual(run.steps[2]["comm_bytes"]["p2p"], V.predicted(spec, (0, 0, 0, 0, 0))["comm_bytes"]["p2p"])
 
 
 class TestPlannerVerifies(unittest.TestCase):
@@ -850,7 +850,7 @@ class TestPlannerVerifies(unittest.TestCase):
         "1",
     ]
 
-    def plan(self, argv: list[str]) -> tuple[int, str]:
+    def spec(self, argv: list[str]) -> tuple[int, str]:
         from plan import __main__ as cli
 
         out = io.StringIO()

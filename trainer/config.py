@@ -1,8 +1,8 @@
-"""Command-line flags and their validation into one frozen `Plan`, before any process group exists.
+"""Command-line flags and their validation into one frozen `RunSpec`, before any process group exists.
 
 train.py, sample.py, export.py and bench share what lives here: `UsageError` (bad input: one line,
 exit code 2, on every rank, before any work), the one-line argument parser, and fetching OpenAI's
-weights. After `validate` the trainer reads layout questions from `plan.par` and `plan.dims` only.
+weights. After `validate` the trainer reads layout questions from `spec.parallel` and `spec.dims` only.
 """
 
 from __future__ import annotations
@@ -275,13 +275,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 @dataclass(frozen=True)
-class Plan:
+class RunSpec:
     """Everything validated from the arguments and the environment. `args` is kept for the plain
-    hyperparameters (lr, steps, intervals); the layout lives in `dims` and `par` alone."""
+    hyperparameters (lr, steps, intervals); the layout lives in `dims` and `parallel` alone."""
 
     args: argparse.Namespace
     dims: ParallelDims
-    par: ParallelConfig
+    parallel: ParallelConfig
     config: GPTConfig
     device: torch.device
     dtype: torch.dtype
@@ -805,7 +805,7 @@ def check_layout(
     return dims, config, dtype, hf_state, args.total_batch_size // tokens_per_micro, pp_layers
 
 
-def validate(args: argparse.Namespace, launch: str | None = None) -> Plan:
+def validate(args: argparse.Namespace, launch: str | None = None) -> RunSpec:
     """Check the arguments against each other, the environment and the data; raise UsageError.
     The built-in Shakespeare corpus is prepared here when it is missing (local rank 0 does it). `launch`: how
     the caller gets n ranks, for the world-size hint (default: torchrun's, or --fake_world_size's)."""
@@ -825,10 +825,10 @@ def validate(args: argparse.Namespace, launch: str | None = None) -> Plan:
     dims, config, dtype, hf_state, grad_accum, pp_layers = check_layout(args, world_size, device, launch)
     data_dir = _check_data(args, config, local_rank)
     resume_from = None if fake else _check_out_dir(args, config)  # a simulated rank writes nothing there
-    return Plan(
+    return RunSpec(
         args=args,
         dims=dims,
-        par=parallel_config(args, dims, dtype, pp_layers),
+        parallel=parallel_config(args, dims, dtype, pp_layers),
         config=config,
         device=device,
         dtype=dtype,

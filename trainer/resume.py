@@ -29,75 +29,75 @@ MATH_ARGS = (
 )  # stored with each checkpoint; a resume with other values says so
 
 
-def save_trainer(t, step: int, wait: bool = False) -> tuple[str, float]:
+def save_trainer(trainer, step: int, wait: bool = False) -> tuple[str, float]:
     """Collective: every rank writes its elements of train.py's Trainer `t` (model, optimizer, scaler) after
     `step`, with the run's config, MATH_ARGS and layout in the manifest. Returns (directory, milliseconds
-    training was blocked). With --async_checkpoint (`t.saver`) only the snapshot (a CPU copy) blocks and a
+    training was blocked). With --async_checkpoint (`trainer.saver`) only the snapshot (a CPU copy) blocks and a
     background thread writes it, unless `wait` (the final save, a preemption)."""
-    plan, a, d = t.plan, t.plan.args, t.plan.dims
+    spec, a, d = trainer.spec, trainer.spec.args, trainer.spec.dims
     extra = {
         "config": {
-            "model": asdict(plan.config),
+            "model": asdict(spec.config),
             "train": {
                 **{k: getattr(a, k, None) for k in MATH_ARGS},
-                "dtype": str(plan.dtype).removeprefix("torch."),
+                "dtype": str(spec.dtype).removeprefix("torch."),
                 "optimizer": a.optimizer,
             },
         },  # a resume with the other is refused
         "layout": {
             "world_size": d.world_size,
             **d.sizes(),
-            "implementation": plan.par.implementation,
-            "dp_type": plan.par.dp_type,
+            "implementation": spec.parallel.implementation,
+            "dp_type": spec.parallel.dp_type,
         },
     }
-    if t.scaler is not None:
-        extra["scaler"] = t.scaler.state_dict()
+    if trainer.scaler is not None:
+        extra["scaler"] = trainer.scaler.state_dict()
     t0 = time.perf_counter()
     snap = snapshot(
         a.out_dir,
         step,
-        entries(t.par, t.optimizer),
-        t.par.checkpoint_optimizer(t.optimizer),
+        entries(trainer.parallelized, trainer.optimizer),
+        trainer.parallelized.checkpoint_optimizer(trainer.optimizer),
         extra,
-        rank=plan.rank,
+        rank=spec.rank,
         world_size=d.world_size,
         keep=a.keep_checkpoints,
-        device=plan.device,
-        buffers=t.saver.free_buffers() if t.saver is not None else None,
+        device=spec.device,
+        buffers=trainer.saver.free_buffers() if trainer.saver is not None else None,
     )
-    if t.saver is None:
+    if trainer.saver is None:
         path = write(snap)
     else:
-        t.saver.save(snap)
-        path = t.saver.path
+        trainer.saver.save(snap)
+        path = trainer.saver.path
         if wait:
-            t.saver.wait()
+            trainer.saver.wait()
     return path, (time.perf_counter() - t0) * 1000
 
 
-def restore_trainer(t) -> int:
+def restore_trainer(trainer) -> int:
     """Load --resume's checkpoint (saved in any layout) into train.py's Trainer `t`, in its own layout;
     returns its step. The data position is the step itself: batches are a pure function of (seed, step).
     Rank 0 says what it resumes from and which MATH_ARGS differ from the saved run's."""
     from parallel.mesh import OPTIONAL_DIMS
 
-    plan, args = t.plan, t.plan.args
+    spec, args = trainer.spec, trainer.spec.args
     m = load(
-        plan.resume_from,
-        entries(t.par, t.optimizer),
-        t.par.checkpoint_optimizer(t.optimizer),
-        rank=plan.rank,
-        world_size=plan.dims.world_size,
-        device=plan.device,
+        spec.resume_from,
+        entries(trainer.parallelized, trainer.optimizer),
+        trainer.parallelized.checkpoint_optimizer(trainer.optimizer),
+        rank=spec.rank,
+        world_size=spec.dims.world_size,
+        device=spec.device,
     )
-    if t.scaler is not None and "scaler" in m:
-        t.scaler.load_state_dict(m["scaler"])
-    if plan.rank == 0:
+    if trainer.scaler is not None and "scaler" in m:
+        trainer.scaler.load_state_dict(m["scaler"])
+    if spec.rank == 0:
         lay = m["layout"]
         cp = "".join(f" {k}={lay[k]}" for k in OPTIONAL_DIMS if lay.get(k, 1) > 1)
         print(
-            f"resuming from {plan.resume_from} (saved by {lay['implementation']} pp={lay.get('pp', 1)}{cp} "
+            f"resuming from {spec.resume_from} (saved by {lay['implementation']} pp={lay.get('pp', 1)}{cp} "
             f"dp={lay['dp']}"
             f"{' (' + lay['dp_type'] + ')' if lay['dp_type'] else ''} tp={lay['tp']}): continuing at step "
             f"{m['step'] + 1}"

@@ -60,7 +60,7 @@ def zigzag_share(x: torch.Tensor, y: torch.Tensor, rank: int, cp: int) -> tuple[
 def exchange_order(rank: int, cp: int) -> tuple[str, str]:
     """The order a rank posts its ring step's two halves in: even ranks send first, odd ranks receive first.
     gloo's isend/irecv never block, so any order works there; NCCL runs a rank's p2p operations on one group in
-    posting order, across both its neighbours (the group is eagerly initialised: plan/simulate.py "nccl_eager"),
+    posting order, across both its neighbours (the group is eagerly initialised: plan/timeline.py "nccl_eager"),
     so "receive first" on every rank would wait forever. The alternation gives every blocking send a posted
     receive (tests/test_context_parallel.py simulates it for C = 1..8, for the forward's exchanges and for the
     backward's interleaved k/v and dK/dV ones). It still runs half duplex on one group: a rank's two sends and

@@ -19,7 +19,7 @@ Where the SEND/RECV go (`_with_p2p`). Each schedule fixes only the order of F/B 
 those orders once as early as data allows (F = 1, B = 2 units, messages free), and a message's SEND and RECV are
 both listed at its ready time, keyed alike on both sides (ready time, sender, chunk, micro): one global order,
 so each peer pair posts its messages in the same order on both sides, as NCCL and gloo need (docs/pipeline.md,
-Messages; the proofs and the p2p models that check them: plan/simulate.py). A receive is waited on only by the
+Messages; the proofs and the p2p models that check them: plan/timeline.py). A receive is waited on only by the
 compute that reads it; a send where `send_waits` says.
 
 See a schedule before reading the runner: `python -m plan.schedule_grid 1f1b --pp 2 --micro 4` prints each rank's
@@ -344,7 +344,8 @@ def send_waits(actions: list[Action]) -> dict[Action, list[Action]]:
     gradient, is proof the activation arrived; SEND_B(c, m) just before the rank's next B (a later one than
     the one that computed it), or at the step's end when none follows. Every wait stands after its send in the
     list, at a compute that starts later than the message is ready, so it adds no deadlock under any p2p
-    model (`simulate` runs them). A rank then holds, beyond its stored activations, at most one input gradient
+    model (`plan.timeline.simulate_schedule` runs them). A rank then holds, beyond its stored activations, at most one
+    input gradient
     in flight: the bound does not grow with M."""
     sent_forward = {a for a in actions if a.kind == SEND_F}
     waits: dict[Action, list[Action]] = {}

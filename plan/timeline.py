@@ -11,7 +11,7 @@ time, by one of three pairing rules:
   sender, chunk, micro). Every rank's messages then follow one global order, so within a peer pair both sides
   list the pair's messages, both directions merged, in the same order. That is what NCCL needs: torch runs a
   pair's unbatched isend/irecv on one communicator and stream in posting order, and a send completes only
-  when the peer's matching receive is at the head of its side (simulate(..., p2p="nccl")); what gloo needs
+  when the peer's matching receive is at the head of its side (simulate_schedule(..., p2p="nccl")); what gloo needs
   (the k-th send from a to b meets the k-th receive on b from a) follows. With the global order the lowest
   unfinished message always has both ranks posted on it, at the head of both their streams even where a rank
   has one stream for all its peers (an eagerly initialised NCCL group: p2p="nccl_eager"), so no p2p model
@@ -31,7 +31,7 @@ time, by one of three pairing rules:
   sends, interleaved 1F1B deadlocks (e.g. P=2, V=2, M=4: rank 0 posts SEND_F(c0,m2) before RECV_B(c2,m0)
   while rank 1 posts SEND_B(c3,m0) before RECV_F(c1,m2)). Kept so the tests show the simulator catches it.
 
-`simulate` executes the lists under each p2p model (async, nccl, rendezvous, nccl_eager) and checks everything
+`simulate_schedule` executes the lists under each p2p model (async, nccl, rendezvous, nccl_eager) and checks everything
 above.
 """
 
@@ -127,7 +127,7 @@ class _Entry:
     fired: dict[int, int] = field(default_factory=dict)  # op index -> when it met its peer
 
 
-def simulate(
+def simulate_schedule(
     schedule: list[list[Action]],
     pp: int,
     virtual: int = 1,
