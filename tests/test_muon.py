@@ -362,6 +362,14 @@ class TestBadInput:
     def test_momentum_of_one(self):
         self.refused(["--optimizer", "muon", "--muon_momentum", "1"], "--muon_momentum must be < 1")
 
+    def test_float16(self):
+        """fp16's GradScaler does not reach Muon's views of the flat shards: refused on both ranks of an FSDP x 2."""
+        self.refused(
+            ["--optimizer", "muon", "--dtype", "float16", "--data_parallel_size", "2", "--data_parallel_type", "fsdp"],
+            "--optimizer muon with --dtype float16 is not built yet",
+            nproc=2,
+        )
+
     def test_a_twin_layout_that_cannot_run_it(self):
         self.refused(
             [
