@@ -358,6 +358,17 @@ class TestBadInput(unittest.TestCase):
         self.assertFalse(self.out.exists())
 
     def test_cli(self):
+        """The script refuses a missing input in exactly one line, before it fetches the GPT-2 tokenizer: run as
+        on a fresh machine with no network (empty tokenizer caches, every download refused), so the output is
+        the same whether an earlier test or run fetched the tokenizer or not (fetching it prints a line)."""
+        fresh = {
+            **os.environ,
+            "GPT2_TOKENIZER_CACHE": str(self.dir / "tokenizer-cache"),
+            "TIKTOKEN_CACHE_DIR": str(self.dir / "tiktoken-cache"),
+            "HTTP_PROXY": "http://127.0.0.1:9",
+            "HTTPS_PROXY": "http://127.0.0.1:9",
+            "PIP_RETRIES": "0",
+        }
         proc = subprocess.run(
             [
                 sys.executable,
@@ -371,6 +382,7 @@ class TestBadInput(unittest.TestCase):
             capture_output=True,
             text=True,
             timeout=300,
+            env=fresh,
         )
         self.assertEqual(proc.returncode, 2)
         self.assertEqual(proc.stderr.splitlines(), [f"error: input file not found: {self.dir / 'nope.parquet'}"])
