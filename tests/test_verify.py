@@ -935,6 +935,22 @@ MUON_LAYOUTS = {  # each every rank simulated; the 64- and 1,024-rank runs are d
         ],
         4,
     ),
+    # each rank's TP slice is held by its DDP peer too: the owner receives one copy of a replicated piece. At
+    # micro-batch 1 the planner's peak misses Muon's step transients (rank 1: -16.4%, beyond PEAK_RTOL; plan/peak.py
+    # models no Muon step), so micro-batch 2, where the forward is the peak; the exchange is the same at either.
+    "tp2_ddp2": (
+        [
+            "--tensor_parallel_size",
+            "2",
+            "--data_parallel_size",
+            "2",
+            "--data_parallel_type",
+            "ddp",
+            "--micro_batch_size",
+            "2",
+        ],
+        4,
+    ),
     "pp2_zero1x2_tp2": (
         [
             "--pipeline_parallel_size",
