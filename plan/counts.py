@@ -316,7 +316,6 @@ def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
                 first,
                 last,
                 len(moe_blocks(s, pp_rank)),
-                s.param_bytes if s.dp_type in ZERO_STAGES else 4,  # the replicated parameters' SP all-reduce
             ).items()
         },
         "cp": {
