@@ -278,25 +278,6 @@ class FlatLayout:
                         found = p, start - pa, start - pa + (b - a)
                 yield (unit, spec, *found)
 
-    def state_breakdown(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds, {"params", "grads", "optimizer"}: shards and (ZeRO-1/2) the full copies;
-        shard gradients and full ones (ZeRO-1's buffers, or kept under no_sync); `optimizer`'s state of every
-        tensor in a shard (its pieces, or views of them: --optimizer muon steps views).
-        Distinct storages, padding included; a ZeRO-3 unit gathered right now counts too."""
-        from runtime.memory import storage_bytes_by_kind, storage_key
-
-        params, grads, moments = [], [], []
-        for unit in self.units:
-            params += [unit.shard, unit.flat]
-            grads += [p.grad for p, _, _ in unit.pieces if p.grad is not None]
-            grads += [t for t in (unit.flat.grad, unit.acc_grad) if t is not None]
-        if optimizer is not None:  # the state of every tensor in a shard: its pieces, or views of them (Muon's)
-            shards = {storage_key(unit.shard.untyped_storage()) for unit in self.units}
-            for p, state in optimizer.state.items():
-                if storage_key(p.untyped_storage()) in shards:
-                    moments += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        return storage_bytes_by_kind({"params": params, "grads": grads, "optimizer": moments})
-
     def sharded_state_dict(self) -> dict[str, ShardPiece]:
         """{original name: this rank's ShardPiece} for every name in GPT.state_dict() (pieces may be empty;
         the tied weight appears under both names). No communication."""

@@ -189,6 +189,20 @@ def hold_for_w(base: torch.Tensor, grad: torch.Tensor, done: Callable[[torch.Ten
     return True
 
 
+def split_backward(stage: nn.Module, engine: nn.Module | None = None) -> WeightGradStore:
+    """What the composition hands a pipeline runner for the split schedules (PipelineRunner's `split_backward`):
+    the store of their deferred weight gradients over `stage`'s linears, built on the first split step. Under our
+    sharding engine (`engine`) a unit whose linears B deferred is complete only after the W that computes them:
+    the engine then hands that B's unit gradient to the store (`hold_for_w`), and the W reduces it exactly as B
+    would have: 1F1B's collectives and bytes per (unit, micro-batch), moved from B to W (ZeRO-2/3's last
+    reduce-scatter waited for when the step exits), at the cost of one full unit gradient (padded, compute dtype)
+    held from B to W per deferred (unit, micro-batch). ZeRO-3 still frees the gathered unit at B: W needs x and
+    dy."""
+    if engine is not None:
+        engine.defer_reduction = hold_for_w
+    return WeightGradStore(stage)
+
+
 class WeightGradStore:
     """One rank's deferred weight gradients: per key (chunk, micro), the (weight, bias, x, dy) of each linear
     its B ran, and the flat-buffer gradients held for them (`hold_for_w`), kept until `flush(key)`. `model`:
