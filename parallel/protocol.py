@@ -178,8 +178,7 @@ class Accumulating(Replicated):
 
 class Sharded:
     """Our FSDP / ZeRO-1/2 / HSDP engine (parallel/data_parallel/fsdp.py): it answers groups, norms, state and the
-    ZeRO-1/2
-    refresh itself; this adds what needs the other dims (TP slices, the replica index, the lm_head copy).
+    ZeRO-1/2 refresh itself; this adds what needs the other dims (TP slices, the replica index, the lm_head copy).
     ZeRO-1 accumulates its micro-steps locally (reduced on the last one, or on a pipeline step's exit)."""
 
     def __init__(self, fsdp, at: Placement):

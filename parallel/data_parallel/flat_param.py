@@ -1,6 +1,5 @@
 """The flat-parameter unit of our sharding engine (parallel/data_parallel/fsdp.py): its layout and state-dict views,
-the ZeRO
-ladder (what each stage keeps: `ZeroStage`) and the reduction of a unit's gradient into its shard
+the ZeRO ladder (what each stage keeps: `ZeroStage`) and the reduction of a unit's gradient into its shard
 (`GradReduction`: reduce-scatter, and HSDP's all-reduce over the replicas).
 
 What is sharded: a unit's parameters (one Block's, or the root's: wte = lm_head, wpe, ln_f) are concatenated
@@ -196,8 +195,7 @@ class _FlatUnit:
 def unit_key(name: str, separate: dict[str, tuple[str, ...]] | None = None) -> str:
     """The unit parameter `name` belongs to: "transformer.h.<i>" (its Block), the `separate` unit whose module
     prefixes hold it (a pipeline stage's: parallel/data_parallel/fsdp_extensions.py), or "root" (the rest: wte =
-    lm_head, wpe,
-    ln_f)."""
+    lm_head, wpe, ln_f)."""
     if name.startswith("transformer.h."):
         return ".".join(name.split(".")[:3])
     module = name.rpartition(".")[0]

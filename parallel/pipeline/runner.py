@@ -88,8 +88,7 @@ class PipelineStage(nn.Module):
     counts its units), and neither runs nor materialises.
     `layers`: Blocks per chunk, P·V counts (every rank passes the same: trainer/config.py resolves them from
     --pp_layers_per_stage or the cost model, parallel/pipeline/partition.py); None: as even as possible, the extra
-    Blocks to the
-    front (`even_partition`). `self.layers[c]` is chunk c's range of Block indices.
+    Blocks to the front (`even_partition`). `self.layers[c]` is chunk c's range of Block indices.
     """
 
     def __init__(
@@ -190,8 +189,7 @@ TIED = "tied"  # the sharding engine's unit for a stage's end of the tied embedd
 
 def sharded_units(stage: PipelineStage) -> dict[str, tuple[str, ...]]:
     """Where the pipeline meets sharding: the units our sharding engine (parallel/data_parallel/fsdp.py, `separate`)
-    cuts a
-    stage into beyond its root and Blocks. A stage holding one end of the tied embedding (the first stage wte,
+    cuts a stage into beyond its root and Blocks. A stage holding one end of the tied embedding (the first stage wte,
     the last its lm_head copy) keeps it as a unit of its own, so both ends shard it alike and
     `reduce_tied_grads` sums their shard gradients elementwise (dp rank d of each holds the same elements); a
     rank holding both ends (P == 1, a V layout's rank 0) has one tied parameter, as a GPT, in its root."""

@@ -335,8 +335,7 @@ def send_waits(actions: list[Action]) -> dict[Action, list[Action]]:
     the one that computed it), or at the step's end when none follows. Every wait stands after its send in the
     list, at a compute that starts later than the message is ready, so it adds no deadlock under any p2p
     model (`plan.timeline.simulate_schedule` runs them). A rank then holds, beyond its stored activations, at most one
-    input gradient
-    in flight: the bound does not grow with M."""
+    input gradient in flight: the bound does not grow with M."""
     sent_forward = {a for a in actions if a.kind == SEND_F}
     waits: dict[Action, list[Action]] = {}
     pending_b: list[Action] = []  # SEND_B's waiting for the rank's next B

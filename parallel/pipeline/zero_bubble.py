@@ -21,8 +21,7 @@ the same terms in the same order as under 1F1B: ZB-H1's gradients are 1F1B's bit
 
 Where W's gradients land. A weight that is a leaf parameter (no data parallelism, DDP, TP): its `.grad`. A
 weight that is a view of a flat buffer (our ZeRO/FSDP engine, parallel/data_parallel/flat_param.py: a unit's parameters
-are
-views of its `flat` leaf, new views at each gather): the unit's gradient of that B, which the engine's
+are views of its `flat` leaf, new views at each gather): the unit's gradient of that B, which the engine's
 post-accumulate hook hands to `hold_for_w` instead of reducing it, when the B deferred linears on that flat
 (`defers`, recorded at forward). B has filled it except at the deferred slices (zeros there, from autograd's
 split backward); W adds each dW into its slice (0 + dW: exact) and then calls the engine back with the

@@ -40,8 +40,7 @@ class TorchPipelineRunner(PipelineRunner):
     split), ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, and for the zero-bubble schedules
     ScheduleInterleavedZeroBubble (zb_h1: one stage per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV (our
     V cut: torch maps stages to ranks in a V itself); they run on gloo in torch 2.13. Shapes are given to torch (no
-    shape
-    inference pass); the example tensors must require grad, or torch sends no gradient back
+    shape inference pass); the example tensors must require grad, or torch sends no gradient back
     (pipelining/_utils.py derives the grad metadata from them). loss_fn is CE / M with scale_grads=False:
     torch's default scale_grads=True divides every .grad by M after the step, which would also divide
     gradient accumulated before it. The tied embedding is summed outside the schedule, as ours.
