@@ -158,14 +158,6 @@ def test_the_model_parts_do_not_import_the_model(path):
     assert not {m for m in imports(path, runtime_only=True) if m in ("model", "model.gpt")}
 
 
-def test_the_pipeline_record_reads_the_schedules_kinds():
-    """runtime.metrics.StepRecord (below parallel/) names the compute kinds by their letters: the schedules' own."""
-    from parallel.pipeline import schedule
-    from runtime import metrics
-
-    assert metrics.COMPUTE == schedule.COMPUTE == (schedule.F, schedule.B, schedule.W)
-
-
 def test_imports_are_read_at_every_depth(tmp_path):
     """The reader itself: a lazy import inside a function counts."""
     (tmp_path / "m.py").write_text("def f():\n    from parallel.comm import local\n    import parallel.mesh\n")
