@@ -243,3 +243,28 @@ def test_check_fp8_refusals():
     assert line.startswith("--fp8: transformer.h.0.attn.c_q is 72 -> 72 features; torch._scaled_mm takes dimensions")
     assert check_fp8("rowwise", good, torch.bfloat16, tokens=6 * 63).startswith("--fp8: each linear sees 378 token")
     assert all("\n" not in s for s in (line, check_fp8("x", good, torch.float16)))
+
+
+# ----------------------------------------------------------------------------- bench.fp8
+
+
+def test_the_bench_table_gives_each_runs_gap_to_bf16():
+    from bench import fp8 as bench_fp8
+
+    rows = [
+        {"name": "bf16", "val": {"0": 4.8, "50": 3.0, "100": 2.5}, "seconds_per_step": 1.0},
+        {"name": "tensorwise", "val": {"0": 4.8, "50": 3.1, "100": 2.52}, "seconds_per_step": 2.0},
+    ]
+    md = bench_fp8.render(rows, {"steps": 100, "command": "python -m bench.fp8"})
+    assert "| 50 | 3.0000 | 3.1000 |" in md
+    assert "| tensorwise | 2.5200 | +0.0200 | +0.1000 | 2.00 |" in md
+
+
+@pytest.mark.slow
+def test_the_bench_trains_a_step_of_each_run(tmp_path):
+    """bench.fp8 drives train.py's build, train_step and evaluate: 2 steps of each run, FP8 linears swapped in."""
+    from bench import fp8 as bench_fp8
+
+    assert bench_fp8.main(["--out", str(tmp_path), "--steps", "2", "--eval_interval", "1"]) == 0
+    with open(tmp_path / "fp8.md") as f:
+        assert "| rowwise |" in f.read()
