@@ -80,19 +80,25 @@ def render(rows: list[dict], meta: dict) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
+    """Val loss against step, and each run's gap to bf16 (where bf16 ran)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    base = next((r for r in rows if r["name"] == "bf16"), None)
+    fig, axes = plt.subplots(1, 2 if base else 1, figsize=(11 if base else 6, 4), squeeze=False)
     for r in rows:
         steps = sorted(r["val"], key=int)
-        ax.plot([int(s) for s in steps], [r["val"][s] for s in steps], marker=".", label=r["name"])
-    ax.set_xlabel("step")
-    ax.set_ylabel("val loss")
-    ax.set_title("quick start: FP8 (fp32 master, bf16 autocast) vs bf16")
-    ax.legend()
+        axes[0][0].plot([int(s) for s in steps], [r["val"][s] for s in steps], marker=".", label=r["name"])
+        if base:
+            gaps = [r["val"][s] - base["val"][s] for s in steps]
+            axes[0][1].plot([int(s) for s in steps], gaps, marker=".", label=r["name"])
+    axes[0][0].set(xlabel="step", ylabel="val loss", title="quick start: FP8 (fp32 master, bf16 autocast) vs bf16")
+    if base:
+        axes[0][1].set(xlabel="step", ylabel="val loss - bf16's", title="gap to bf16")
+    for ax in axes[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
