@@ -268,3 +268,35 @@ def test_the_bench_trains_a_step_of_each_run(tmp_path):
     assert bench_fp8.main(["--out", str(tmp_path), "--steps", "2", "--eval_interval", "1"]) == 0
     with open(tmp_path / "fp8.md") as f:
         assert "| rowwise |" in f.read()
+
+
+# ----------------------------------------------------------------------------- the seam across ranks
+
+
+def cut_casts(rank: int, world: int) -> dict:
+    """A (8, 32) tensor cut by rows over 2 gloo ranks (rank 1's half holds the outlier): each rank's cast of its
+    half with `max_over` against the one-process cast of the whole, tensorwise and rowwise along both dims."""
+    from parallel import comm
+    from parallel.fp8 import max_over
+
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(5))
+    x[6, 3] = 40.0
+    mine = slice(4 * rank, 4 * rank + 4)
+    comm.COUNTER.reset()
+    out = {}
+    for dim in (None, 0, -1):  # whole tensor; along the cut (columns span both ranks); along rows (each rank's own)
+        data, scale = to_fp8(x[mine], E4M3, dim, pow2=dim is not None, reduce=max_over(None, cut=0))
+        whole_data, whole_scale = to_fp8(x, E4M3, dim, pow2=dim is not None)
+        whole_scale = whole_scale[mine] if dim == -1 else whole_scale
+        out[dim] = torch.equal(bits(data), bits(whole_data[mine])) and torch.equal(scale, whole_scale)
+    return {"equal": out, "bytes": comm.COUNTER.snapshot().get("all_reduce"), "calls": comm.COUNTER.calls["all_reduce"]}
+
+
+def test_a_cut_tensor_casts_as_the_whole_with_max_over():
+    """max_over reduces the amaxes that span the cut (tensorwise: 4 bytes; along the cut: 32 columns' 128 bytes) and
+    leaves those that don't (each rank's own rows), and every rank's FP8 bits and scales are the whole's."""
+    from tests.harness import run_distributed
+
+    for r in run_distributed(cut_casts, 2):
+        assert r["equal"] == {None: True, 0: True, -1: True}
+        assert (r["bytes"], r["calls"]) == (4 + 32 * 4, 2)

@@ -33,11 +33,14 @@ def amax(x: torch.Tensor, dim: int | None = None, reduce: Reduce | None = None) 
     return a if reduce is None else reduce(a, dim)
 
 
-def max_over(group) -> Reduce:
-    """The reduce hook of a tensor cut over `group` along a dim the amax spans: all-reduce MAX of the local amax
-    (4 bytes for a tensorwise scale, one float per row for rowwise), counted as parallel/comm's all_reduce."""
+def max_over(group, cut: int) -> Reduce:
+    """The reduce hook of a tensor cut over `group` along dim `cut`: an amax that spans the cut (the whole tensor's,
+    or one taken along `cut`) is all-reduced MAX over the group (4 bytes tensorwise, a float per row rowwise),
+    counted as parallel/comm's all_reduce; one taken along another dim is over this rank's own rows, whole already."""
 
     def reduce(a: torch.Tensor, dim: int | None) -> torch.Tensor:
+        if dim is not None and dim % a.ndim != cut % a.ndim:
+            return a
         a = a.float().clone()
         comm.all_reduce(a, group, op="max", unit="fp8 amax")
         return a
