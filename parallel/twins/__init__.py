@@ -10,6 +10,8 @@ They sit beside our mechanisms, not inside them, so a reader can diff the two:
                          (ours: parallel/tensor_parallel/apply.py)
     data_parallel.py     FSDP2 `fully_shard`, `DistributedDataParallel` (+ `ZeroRedundancyOptimizer` for zero1)
                          (ours: parallel/data_parallel/fsdp.py, parallel/data_parallel/ddp.py)
+    fp8.py               torchao's convert_to_float8_training on the Blocks' linears
+                         (ours: parallel/fp8/linear.py)
 """
 
 from __future__ import annotations
