@@ -90,6 +90,17 @@ def record_event(device: torch.device) -> Callable[[], None]:
     return event.synchronize
 
 
+def stream_marker(device: torch.device) -> Callable[[], bool]:
+    """Whether `device` has finished the work enqueued so far on its current stream: a CUDA event's query()
+    (it does not block); on the CPU the work is done when enqueued, so True. The flight recorder's completion of
+    a blocking NCCL op, whose wait() only made the current stream wait for it."""
+    if device.type != "cuda":
+        return lambda: True
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event.query
+
+
 # ----------------------------------------------------------------------------- clocks (the pipeline's timeline,
 # the Block split's measured costs)
 
