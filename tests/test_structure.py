@@ -262,7 +262,6 @@ OVER = {
     "bench/plan_rank.py": 644,
     "bench/report.py": 676,
     "bench/sweep.py": 620,
-    "checkpoints/checkpoint.py": 658,
     "plan/counts.py": 646,
     "plan/theory.py": 601,
     "sim/verify.py": 671,
