@@ -239,7 +239,7 @@ def _load_everything(
             what = f"{src_name} -> {target}"
             checkpoint.load(
                 src,
-                entries.entries(trainer.parallelized, trainer.optimizer),
+                checkpoint_entries.entries(trainer.parallelized, trainer.optimizer),
                 trainer.optimizer,
                 rank=rank,
                 world_size=world,
