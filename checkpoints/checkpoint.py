@@ -289,7 +289,7 @@ class SnapshotBuffers:
             self._done()
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     """AdamW's step count (the same for every parameter) and each group's hyperparameters."""
     steps = {float(s["step"]) for s in optimizer.state.values() if "step" in s}
     if len(steps) > 1:
@@ -394,7 +394,7 @@ def snapshot(
         "shard": shard,
         "shapes": {e.name: list(e.shape) for e in entries},
         "buffers": buffers,
-        "manifest": {**extra, "optimizer": _optimizer_state(optimizer)} if rank == 0 else None,
+        "manifest": {**extra, "optimizer": optimizer_state(optimizer)} if rank == 0 else None,
     }
 
 
@@ -601,7 +601,7 @@ def load(
                 for lo, hi, where in _pieces(e.runs()):
                     for kind, view in e.tensors.items():
                         view[lo:hi].copy_(full[kind][where])
-    _load_optimizer_state(optimizer, manifest["optimizer"])
+    load_optimizer_state(optimizer, manifest["optimizer"])
     if manifest["layout"]["world_size"] == world_size:
         own = shards.files[rank]
         torch.set_rng_state(own["rng::cpu"].clone())
@@ -610,7 +610,7 @@ def load(
     return manifest
 
 
-def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     """The step count into the parameters that keep one (AdamW's: ensure_optimizer_state made it; Muon keeps
     none), then the groups' hyperparameters."""
     for group in optimizer.param_groups:
