@@ -26,17 +26,14 @@ The loop's side (train.py), the same calls with or without replica groups (`Alon
     record()                    what the step's metrics add (ft_replicas: the live groups)
     saves                       this group writes the checkpoints (the first live group)
 
-Test hooks (environment variables; no-ops otherwise), for tests/test_ft.py and bench/ft.py:
-- GPT_FT_KILL_AT_STEP=s: this group's ranks SIGKILL themselves in the middle of step s (after its backward,
-  before the cross-group reduce), as a node lost mid-step.
-- GPT_FT_FULL_AT=s1,s2,...: before each of these steps the group waits, taking quorums, until all
-  --ft_replica_groups are live (a test holds the survivors until a relaunched group is back).
+A test hook (tests/test_ft.py, bench/ft.py; a group lost mid-step is trainer/faults.py's GPT_SIGNAL_AT_STEP with
+GPT_SIGNAL=KILL): GPT_FT_FULL_AT=s1,s2,... makes a group wait before each of these steps, taking quorums, until all
+--ft_replica_groups are live (a test holds the survivors until a relaunched group is back).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import time
 from datetime import timedelta
@@ -252,12 +249,6 @@ class Replicas:
     def reduce(self, parallelized, loss: torch.Tensor) -> torch.Tensor | None:
         """The cross-group SUM (the module docstring), then the commit vote: the summed loss share, or None when the
         step did not commit (gradients and loss are then garbage: the loop zeroes them and redoes the step)."""
-        if os.environ.get("GPT_FT_KILL_AT_STEP") == str(self.step):  # the module docstring's test hook
-            print(
-                f"GPT_FT_KILL_AT_STEP={self.step}: replica group {self.group} sends itself SIGKILL (test hook)",
-                flush=True,
-            )
-            os.kill(os.getpid(), signal.SIGKILL)
         t0 = time.perf_counter()
         weight = len(self.share) / self.grad_accum
         grads = _gradients(parallelized)

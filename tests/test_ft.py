@@ -2,7 +2,7 @@
 
 Whole runs (slow): a torchft lighthouse and R replica groups, each its own torchrun job (scripts/ft_launch.py's
 pieces). Every group waits before step 1 until all R are live (GPT_FT_FULL_AT), the victim group SIGKILLs its
-ranks in the middle of step KILL (GPT_FT_KILL_AT_STEP: after its backward, before the cross-group reduce) and is
+ranks in the middle of step KILL (GPT_SIGNAL_AT_STEP: after its backward, before the cross-group reduce) and is
 relaunched at once with the command that started it; the survivors run on (never restarted), redo step KILL with
 the victim's micro-batches, and wait before step BACK for the victim to rejoin, which it does by healing from a
 live peer. Every logged loss, grad norm and val loss of every group, and the final parameters, equal one process's
@@ -24,8 +24,10 @@ import os
 import socket
 import tempfile
 import unittest
+from unittest import mock
 
 import pytest
+import torch
 
 from checkpoints import checkpoint
 from ft import flags
@@ -38,6 +40,7 @@ from tests.harness import (
     expect_train_error_on_ranks,
     forked,
     make_token_bins,
+    run_distributed,
     steps_of,
 )
 
@@ -46,6 +49,7 @@ from tests.harness import (
 RTOL = 1e-5
 NOISE = "attn.c_k.bias"  # a parameter whose gradient is rounding noise (test_the_final_parameters_equal_one_process)
 STEPS, KILL, BACK = 10, 4, 7  # the victim dies in step KILL; the survivors wait for it before step BACK
+KILL_ENV = {"GPT_SIGNAL_AT_STEP": str(KILL), "GPT_SIGNAL": "KILL", "GPT_SIGNAL_RANK": "all"}  # trainer/faults.py
 BASE = [
     "--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "2", "--seq_len", "32", "--max_steps", str(STEPS),
     "--eval_interval", "5", "--eval_iters", "2", "--warmup_steps", "2", "--lr", "1e-3", "--gradient_clipping",
@@ -73,7 +77,7 @@ def ft_job(tmp: str, data: str, groups: int, nproc: int, layout: list[str], vict
         for g in range(groups):
             cmd = group_command(args, g, groups, nproc, lighthouse.url, out)
             jobs.append(Group(g, cmd, os.path.join(tmp, f"group_{g}.log")))
-            jobs[-1].start({**full, **({"GPT_FT_KILL_AT_STEP": str(KILL)} if g == victim else {})})
+            jobs[-1].start({**full, **(KILL_ENV if g == victim else {})})
         killed = jobs[victim].wait(timeout=600)
         jobs[victim].start(full)  # the command that started it, without the test hook
         codes = [j.wait(timeout=600) for j in jobs]
@@ -114,9 +118,7 @@ class FaultTolerantRun:
     def test_the_victim_died_mid_step_and_the_others_never_restarted(self):
         job = self.job
         self.assertEqual(job["killed"], 1, job["logs"][self.VICTIM][-3000:])  # torchrun: a worker died (SIGKILL)
-        self.assertIn(
-            f"GPT_FT_KILL_AT_STEP={KILL}: replica group {self.VICTIM} sends itself SIGKILL", job["logs"][self.VICTIM]
-        )
+        self.assertIn(f"GPT_SIGNAL_AT_STEP={KILL}: rank 0 sends itself SIGKILL", job["logs"][self.VICTIM])
         self.assertEqual(job["codes"], [0] * self.GROUPS, "\n".join(log[-3000:] for log in job["logs"]))
         self.assertEqual([job["starts"][g] for g in self.survivors()], [1] * (self.GROUPS - 1))
         self.assertEqual(job["starts"][self.VICTIM], 2)
@@ -203,6 +205,66 @@ class TestShares(unittest.TestCase):
                 cut = flags.shares(units, live)
                 self.assertEqual([m for s in cut for m in s], list(range(units)))
                 self.assertLessEqual(max(map(len, cut)) - min(map(len, cut)), 1)
+
+
+def heal_round_trip(rank: int, world: int, data: str, out: str, layout: list[str], optimizer: str) -> dict:
+    """Group A trains 2 steps; a fresh group B (the same flags) takes A's state as a peer sends it (ft/heal.py);
+    both then train step 3: what each rank's loss, grad norm and parameters are after it."""
+    import train
+    from ft import heal
+    from trainer.config import parse_args, validate
+
+    args = [*HEAL_BASE, "--dataset", data, "--out_dir", out, "--optimizer", optimizer, *layout, "--no_checkpoint"]
+    a, b = (train.build(validate(parse_args(args))) for _ in range(2))
+    for step in (1, 2):
+        train.train_step(a, step)
+    heal.load(heal.state(a.parallelized, a.optimizer, 2, 0), b.parallelized, b.optimizer)
+    out = {}
+    for name, t in (("a", a), ("b", b)):
+        m = train.train_step(t, 3)
+        params = [p.detach().clone() for p in t.model.parameters()]
+        out[name] = (m["loss"], m["grad_norm"], params)
+    return out
+
+
+HEAL_BASE = [
+    "--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size",
+    "256", "--max_steps", "4", "--warmup_steps", "1", "--device", "cpu",
+]  # fmt: skip
+
+
+class TestHeal(unittest.TestCase):
+    """A healed group continues as the peer it healed from, bit for bit: parameters, AdamW's moments and step count
+    (or Muon's momentum), all in the layout's own sharding. Dropping any of them changes step 3."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.data = make_token_bins(os.path.join(cls.tmp.name, "data"), n_train=4000, n_val=1000)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def check(self, results: list[dict]) -> None:
+        for r in results:
+            self.assertEqual(r["a"][:2], r["b"][:2])
+            for pa, pb in zip(r["a"][2], r["b"][2]):
+                self.assertTrue(torch.equal(pa, pb))
+
+    def test_one_process(self):
+        for optimizer in ("adamw", "muon"):
+            with self.subTest(optimizer), mock.patch.dict(os.environ, clear=True):
+                out = os.path.join(self.tmp.name, f"one_{optimizer}")
+                self.check([heal_round_trip(0, 1, self.data, out, [], optimizer)])
+
+    @pytest.mark.slow
+    def test_fsdp_ranks(self):
+        fsdp = ["--data_parallel_size", "2", "--data_parallel_type", "fsdp"]
+        for optimizer in ("adamw", "muon"):
+            with self.subTest(optimizer):
+                out = os.path.join(self.tmp.name, f"fsdp_{optimizer}")
+                self.check(run_distributed(heal_round_trip, 2, self.data, out, fsdp, optimizer))
 
 
 class TestBadInput(unittest.TestCase):
