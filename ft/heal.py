@@ -56,6 +56,7 @@ def load(sent: dict, parallelized, optimizer: torch.optim.Optimizer) -> int:
     for view, value in zip(views, sent["values"]):
         view.copy_(value)
     load_optimizer_state(parallelized.checkpoint_optimizer(optimizer), sent["optimizer"])
+    parallelized.dp.after_optimizer_step()  # the shards changed: ZeRO-1/2 regather their kept full copies
     return int(sent["step"])
 
 

@@ -208,8 +208,9 @@ class TestShares(unittest.TestCase):
 
 
 def heal_round_trip(rank: int, world: int, data: str, out: str, layout: list[str], optimizer: str) -> dict:
-    """Group A trains 2 steps; a fresh group B (the same flags) takes A's state as a peer sends it (ft/heal.py);
-    both then train step 3: what each rank's loss, grad norm and parameters are after it."""
+    """Group A trains 2 steps; group B (the same flags), which trained step 1 on its own (a group healed mid-run, its
+    ZeRO-2 full copies gathered), takes A's state as a peer sends it (ft/heal.py); both then train step 3: what
+    each rank's loss, grad norm and parameters are after it."""
     import train
     from ft import heal
     from trainer.config import parse_args, validate
@@ -218,6 +219,7 @@ def heal_round_trip(rank: int, world: int, data: str, out: str, layout: list[str
     a, b = (train.build(validate(parse_args(args))) for _ in range(2))
     for step in (1, 2):
         train.train_step(a, step)
+    train.train_step(b, 1)
     heal.load(heal.state(a.parallelized, a.optimizer, 2, 0), b.parallelized, b.optimizer)
     out = {}
     for name, t in (("a", a), ("b", b)):
@@ -229,13 +231,14 @@ def heal_round_trip(rank: int, world: int, data: str, out: str, layout: list[str
 
 HEAL_BASE = [
     "--model", "tiny", "--vocab_size", "512", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size",
-    "256", "--max_steps", "4", "--warmup_steps", "1", "--device", "cpu",
+    "128", "--max_steps", "4", "--warmup_steps", "1", "--device", "cpu", "--peak_flops", "1e12",
 ]  # fmt: skip
 
 
 class TestHeal(unittest.TestCase):
     """A healed group continues as the peer it healed from, bit for bit: parameters, AdamW's moments and step count
-    (or Muon's momentum), all in the layout's own sharding. Dropping any of them changes step 3."""
+    (or Muon's momentum), all in the layout's own sharding, and ZeRO-2's kept full copies refreshed. Dropping any
+    of them changes step 3."""
 
     @classmethod
     def setUpClass(cls):
@@ -259,12 +262,12 @@ class TestHeal(unittest.TestCase):
                 self.check([heal_round_trip(0, 1, self.data, out, [], optimizer)])
 
     @pytest.mark.slow
-    def test_fsdp_ranks(self):
-        fsdp = ["--data_parallel_size", "2", "--data_parallel_type", "fsdp"]
-        for optimizer in ("adamw", "muon"):
-            with self.subTest(optimizer):
-                out = os.path.join(self.tmp.name, f"fsdp_{optimizer}")
-                self.check(run_distributed(heal_round_trip, 2, self.data, out, fsdp, optimizer))
+    def test_sharded_ranks(self):
+        for dp_type, optimizer in (("fsdp", "adamw"), ("zero2", "muon")):
+            with self.subTest(f"{dp_type} {optimizer}"):
+                out = os.path.join(self.tmp.name, f"{dp_type}_{optimizer}")
+                layout = ["--data_parallel_size", "2", "--data_parallel_type", dp_type]
+                self.check(run_distributed(heal_round_trip, 2, self.data, out, layout, optimizer))
 
 
 class TestBadInput(unittest.TestCase):
