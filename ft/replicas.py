@@ -18,7 +18,8 @@ process's within the data-parallel tolerance (tests/test_ft.py).
 
 The loop's side (train.py), the same calls with or without replica groups (`Alone` is the job of one group):
 
-    join(restore) -> start      the first quorum: a group behind a live peer heals from it, else restore()s from disk
+    join(restore) -> start      restore() the newest checkpoint (as --resume), then the first quorum: a group behind
+                                a live peer heals from it
     steps(start, max_steps)     each step after a quorum; a step that did not commit comes again
     micro_steps(grad_accum)     this group's share of the step's micro-steps (a range of their indices)
     reduce(parallelized, loss)  the cross-group SUM of gradients and loss, then the commit vote: the summed loss,
@@ -253,7 +254,7 @@ class Replicas:
         weight = len(self.share) / self.grad_accum
         grads = _gradients(parallelized)
         self.nbytes = 0
-        for dtype in sorted({g.dtype for g in grads}, key=str):
+        for dtype in sorted({g.dtype for g in grads} | {torch.float32}, key=str):  # the loss rides in fp32
             mine = [g for g in grads if g.dtype == dtype]
             extra = [loss.detach().float().reshape(1)] if dtype == torch.float32 else []
             flat = torch.cat([g.reshape(-1) for g in mine] + extra).mul_(weight)
