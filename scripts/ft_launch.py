@@ -9,9 +9,10 @@ from a live peer while the others train on.
 Everything after `--` goes to train.py as it is. Group I writes <out_dir>/group_I (metrics.jsonl, TensorBoard,
 checkpoints while it is the first live group) and its console to <out_dir>/group_I.log; this prints each group's
 steps and fault-tolerance events, prefixed `[group I]`. `--relaunch N` relaunches a dead group up to N times
-(default 3); `--port` is the lighthouse's (default: a free one; `--lighthouse URL` joins one already running instead).
+(default 3), until a group finishes (then the job is done: a group relaunched after the others finished would train
+the job again, alone). `--port` is the lighthouse's (default: a free one); `--lighthouse URL` joins a running one.
 SIGINT/SIGTERM stop every group (each saves a checkpoint if it is the writer: train.py's preemption) and the
-lighthouse. Exit code: 0 when every group finished, else the last failure's.
+lighthouse. Exit code: 0 when a group finished the job, else the last failure's.
 
 On several machines, start `torchft_lighthouse` on one and on each machine run its groups with
 `--lighthouse http://HOST:PORT --group_ids I,J` (this launches only those ids): torchrun's store must then be
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, f: (stop.append(s), [g.signal(s) for g in groups]))
-    code, left, relaunches = 0, list(groups), {g.group: 0 for g in groups}
+    code, left, relaunches, finished = 0, list(groups), {g.group: 0 for g in groups}, False
     try:
         while left:
             time.sleep(0.2)
@@ -194,12 +195,14 @@ def main(argv: list[str] | None = None) -> int:
                 rc = g.poll()
                 if rc is None:
                     continue
-                if rc != 0 and not stop and relaunches[g.group] < args.relaunch:
+                done = any(d.poll() == 0 for d in groups)  # a group finished: the job is done, nothing to rejoin
+                if rc != 0 and not stop and not done and relaunches[g.group] < args.relaunch:
                     relaunches[g.group] += 1
                     print(f"ft_launch: group {g.group} exited {rc}: relaunching it ({relaunches[g.group]})", flush=True)
                     g.start()
                     continue
                 left.remove(g)
+                finished = finished or rc == 0
                 code = rc or code
                 print(f"ft_launch: group {g.group} finished (exit {rc})", flush=True)
     finally:
@@ -207,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             g.signal(signal.SIGTERM)
         if lighthouse is not None:
             lighthouse.close()
-    return code
+    return 0 if finished and not stop else code
 
 
 if __name__ == "__main__":

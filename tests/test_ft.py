@@ -20,6 +20,8 @@ loss, as would one that keeps each group's own data slice (its global batch shri
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import socket
 import tempfile
@@ -193,6 +195,26 @@ class TestTwoGroupsOfTwoFsdpRanks(FaultTolerantRun, unittest.TestCase):
         log = self.job["logs"][0]
         self.assertIn("resuming from", log)  # its own checkpoint of step 3, then the heal past it
         self.assertLess(log.index("resuming from"), log.index("healed with step"))
+
+
+@pytest.mark.slow
+class TestLauncher(unittest.TestCase):
+    """scripts/ft_launch.py: the lighthouse and 2 groups; the first rank to reach the middle of step KILL SIGKILLs
+    itself (once: GPT_SIGNAL_MARKER); the launcher relaunches its group with its command, and it heals."""
+
+    def test_a_dead_group_is_relaunched_and_heals(self):
+        from scripts import ft_launch
+
+        with tempfile.TemporaryDirectory() as tmp:
+            data = make_token_bins(os.path.join(tmp, "data"), n_train=20_000, n_val=4_000)
+            env = {**KILL_ENV, "GPT_SIGNAL_MARKER": os.path.join(tmp, "killed"), "GPT_FT_FULL_AT": f"1,{BACK}"}
+            argv = ["--groups", "2", "--out_dir", os.path.join(tmp, "job"), "--heartbeat_ms", "1000", "--"]
+            with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(io.StringIO()) as out:
+                code = ft_launch.main([*argv, *BASE, "--dataset", data, "--total_batch_size", "320"])
+            self.assertEqual(code, 0, out.getvalue())
+            self.assertIn("exited 1: relaunching it (1)", out.getvalue())
+            healed = [_events(os.path.join(tmp, "job", f"group_{g}")).get("healed") for g in (0, 1)]
+            self.assertIn([BACK], healed, out.getvalue())
 
 
 # ----------------------------------------------------------------------------- without a job
