@@ -167,7 +167,7 @@ def _shard(entries: list, device: torch.device | None) -> dict[str, torch.Tensor
     return out
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     """AdamW's step count (the same for every parameter) and each group's hyperparameters."""
     steps = {float(s["step"]) for s in optimizer.state.values() if "step" in s}
     if len(steps) > 1:
@@ -267,7 +267,7 @@ def snapshot(
         "keep": keep,
         "shard": _shard(entries, device),
         "shapes": {e.name: list(e.shape) for e in entries},
-        "manifest": {**extra, "optimizer": _optimizer_state(optimizer)} if rank == 0 else None,
+        "manifest": {**extra, "optimizer": optimizer_state(optimizer)} if rank == 0 else None,
     }
 
 
@@ -477,7 +477,7 @@ def load(
                 for lo, hi, where in _pieces(e.runs()):
                     for kind, view in e.tensors.items():
                         view[lo:hi].copy_(full[kind][where])
-    _load_optimizer_state(optimizer, manifest["optimizer"])
+    load_optimizer_state(optimizer, manifest["optimizer"])
     if manifest["layout"]["world_size"] == world_size:
         own = shards.files[rank]
         torch.set_rng_state(own["rng::cpu"].clone())
@@ -486,7 +486,7 @@ def load(
     return manifest
 
 
-def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     """The step count into the parameters that keep one (AdamW's: ensure_optimizer_state made it; Muon keeps
     none), then the groups' hyperparameters."""
     for group in optimizer.param_groups:

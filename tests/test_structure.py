@@ -18,7 +18,9 @@ FLOORS = (
     ("parallel",),  # the wrappers: mechanisms only
     ("checkpoints",),  # each rank's state by name and position, written atomically
     ("optim",),  # AdamW's groups, Muon in every layout, the lr schedule
-    ("trainer",),  # the flags and their validation, --config files, faults, what a run saves and resumes
+    # the flags and their validation, --config files, faults, what a run saves and resumes; ft/: replica groups on
+    # torchft (its flags, which config.py hooks in, and the Manager train.py asks), beside the trainer
+    ("trainer", "ft"),
     ("plan", "debug", "evals"),  # the planner, the debugging tools, HellaSwag
     ("train",),  # the loop
     ("sim", "bench", "scripts", "sample", "export", "tests"),  # tools above the trainer
@@ -257,7 +259,7 @@ OVER = {
     "plan/counts.py": 646,
     "plan/theory.py": 601,
     "sim/verify.py": 671,
-    "trainer/config.py": 843,
+    "trainer/config.py": 846,  # +3: ft/flags.py's hook (the lead moves it onto the flag registry at merge)
 }
 LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
     "bench/__main__.py:main": 110,
@@ -269,7 +271,7 @@ LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
     "plan/peak.py:reduce_transient": 132,
     "plan/timeline.py:simulate_schedule": 223,
     "sim/replay.py:replay_p2p": 105,
-    "trainer/config.py:train_parser": 187,
+    "trainer/config.py:train_parser": 188,  # +1: ft/flags.py's hook, as above
 }
 
 
