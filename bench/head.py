@@ -1,0 +1,214 @@
+"""The loss head's share of a training step, eager and under --compile (#55 item 3):
+
+    python -m bench.head --out results/head                 # `small` (V = 50304), 4 x 128 tokens, one thread
+    python -m bench.head --model gpt2 --rows 2 --out out/head
+
+Each variant is its own process (one thread, as the bench's ranks): train.py's step on one process
+(train.build, train.train_step), --compile or not, with the model's head_loss timed from inside:
+- forward: the call of head_loss (lm_head and the loss, and the gradients the fused head makes in forward:
+  model/loss.py's linear_cross_entropy, chunk by chunk);
+- backward: from the loss's gradient arriving to the head's input's (the head's backward scales dx and dW).
+The head's share is their sum over the step's time (train_step's step_time_ms), medians over the measured steps.
+Under --compile the Blocks are compiled and the head's per-chunk softmax and gradient run as one kernel
+(loss.compile_head); eager, torch's log_softmax, its backward and the casts. Timings move with the machine's
+load: compare variants run back to back (--repeats alternates them), and a before/after on the same machine.
+
+Outputs in --out: head.json (the command, the config, per variant its steps' step and head ms) and head.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+
+VARIANTS = {"eager": [], "compile": ["--compile"]}
+
+
+def train_args(args: argparse.Namespace, variant: str, out_dir: str, dataset: str) -> list[str]:
+    """train.py's flags for one variant: one process, `rows` x `seq_len` tokens a step in one micro-batch, fp32."""
+    return [
+        "--model",
+        args.model,
+        "--dataset",
+        dataset,
+        "--seq_len",
+        str(args.seq_len),
+        "--micro_batch_size",
+        str(args.rows),
+        "--total_batch_size",
+        str(args.rows * args.seq_len),
+        "--max_steps",
+        str(args.warmup + args.steps),
+        "--warmup_steps",
+        "1",
+        "--eval_interval",
+        str(args.warmup + args.steps + 1),
+        "--no_checkpoint",
+        "--out_dir",
+        out_dir,
+        "--overwrite",
+        "--device",
+        "cpu" if not args.cuda else "cuda",
+        *VARIANTS[variant],
+    ]
+
+
+class HeadClock:
+    """Wraps `owner.head_loss`: marks (device.make_timer's) around its call and at its backward's two ends."""
+
+    def __init__(self, owner, timer) -> None:
+        self.inner, self.timer, self.marks = owner.head_loss, timer, []
+        owner.head_loss = self
+
+    def __call__(self, x, weight, targets, **kw):
+        self.marks.append(self.timer.mark())
+        loss = self.inner(x, weight, targets, **kw)
+        self.marks.append(self.timer.mark())
+        if loss.requires_grad:
+            loss.register_hook(lambda g: self.marks.append(self.timer.mark()))  # the head's backward starts
+            x.register_hook(lambda g: self.marks.append(self.timer.mark()))  # its input's gradient is made
+        return loss
+
+    def seconds(self) -> float:
+        """The head's seconds since the last call (forward, then backward: pairs of marks); clears the marks."""
+        t = self.timer.seconds(self.marks)
+        self.marks = []
+        return sum(b - a for a, b in zip(t[::2], t[1::2]))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One variant in this process: warm-up and measured steps; writes {steps: [{step_ms, head_ms}]} to --json."""
+    import torch
+
+    import train
+    from runtime.device import make_timer
+    from trainer import config
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = train_args(args, args.worker, os.path.join(tmp, "out"), args.dataset)
+        spec = config.validate(config.parse_args(argv))
+        trainer = train.build(spec)
+        clock = HeadClock(trainer.parallelized.model, make_timer(spec.device))
+        steps = []
+        for s in range(1, args.warmup + args.steps + 1):
+            record = train.train_step(trainer, s)
+            head = clock.seconds() * 1000
+            if s > args.warmup:
+                steps.append({"step_ms": record["step_time_ms"], "head_ms": head})
+    with open(args.json, "w") as f:
+        json.dump({"variant": args.worker, "steps": steps}, f)
+
+
+def summary(steps: list[dict]) -> dict:
+    """Medians over the measured steps: step ms, head ms, and the head's share of each step."""
+    med = lambda f: statistics.median(f(s) for s in steps)  # noqa: E731
+    return {
+        "step_ms": med(lambda s: s["step_ms"]),
+        "head_ms": med(lambda s: s["head_ms"]),
+        "head_share": med(lambda s: s["head_ms"] / s["step_ms"]),
+    }
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"Loss head's share of a one-process step: `{result['command']}`; {result['model']} "
+        f"(V = {result['vocab_size']}), {result['rows']} x {result['seq_len']} tokens a step, one thread, "
+        f"{result['steps']} measured steps after {result['warmup']}; torch {result['torch']}.",
+        "",
+        "| variant | repeat | step (ms) | head (ms) | head share | status |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for run in result["runs"]:
+        s = run.get("summary")
+        cells = [f"{s['step_ms']:.1f}", f"{s['head_ms']:.1f}", f"{100 * s['head_share']:.1f}%"] if s else ["", "", ""]
+        lines.append(f"| {run['variant']} | {run['repeat']} | {' | '.join(cells)} | {run['status']} |")
+    lines += [
+        "",
+        "head: forward (lm_head, the loss and, made in forward, its gradients) plus backward (scaling them), timed "
+        "inside the step; share: of each step's time, median. eager: torch's log_softmax, its backward and the "
+        "casts per chunk of rows; compile: the Blocks compiled and each chunk's softmax and gradient one kernel "
+        "(model/loss.compile_head).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.head", description=__doc__.splitlines()[0])
+    a = p.add_argument
+    a("--out", default="out/head")
+    a("--model", default="small", help="preset (small: V = 50304, C = 384, 6 Blocks)")
+    a("--seq_len", type=int, default=128)
+    a("--rows", type=int, default=4, help="sequences a step, one micro-batch")
+    a("--steps", type=int, default=6)
+    a("--warmup", type=int, default=2, help="steps before measuring (compilation happens in the first)")
+    a("--repeats", type=int, default=1, help="each variant this many times, alternating")
+    a("--variants", default="eager,compile")
+    a("--cuda", action="store_true", help="on the GPU (default: the CPU)")
+    a("--dataset", default="", help="default: random tokens in <out>/data")
+    a("--timeout", type=float, default=1800)
+    a("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
+    a("--json", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    import torch
+
+    from bench.__main__ import ensure_dataset
+    from bench.runner import ROOT, run_job
+    from model.gpt import make_config
+
+    args.out = os.path.abspath(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    vocab = make_config(args.model).vocab_size
+    args.dataset = ensure_dataset(args.dataset, args.out, vocab)
+    runs = []
+    for r in range(args.repeats):
+        for variant in args.variants.split(",")[:: 1 if r % 2 == 0 else -1]:
+            path = os.path.join(args.out, f"{variant}-{r}.json")
+            flags = [a for a in sys.argv[1:] if a not in ("--worker", "--json")] if argv is None else list(argv)
+            cmd = [sys.executable, "-m", "bench.head", *flags, "--dataset", args.dataset]
+            job = run_job([*cmd, "--worker", variant, "--json", path], path[:-5] + ".log", args.timeout)
+            run = {
+                "variant": variant,
+                "repeat": r,
+                "status": "ok" if job.returncode == 0 else f"failed ({job.returncode})",
+            }
+            if job.returncode == 0:
+                with open(path) as f:
+                    run["steps"] = json.load(f)["steps"]
+                run["summary"] = summary(run["steps"])
+            runs.append(run)
+            print(f"[bench.head] {variant} repeat {r}: {run['status']} {run.get('summary', '')}", flush=True)
+    result = {
+        "command": shlex.join(["python", "-m", "bench.head", *(sys.argv[1:] if argv is None else argv)]),
+        "model": args.model,
+        "vocab_size": vocab,
+        "rows": args.rows,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "torch": torch.__version__,
+        "root": ROOT,
+        "runs": runs,
+    }
+    with open(os.path.join(args.out, "head.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "head.md"), "w") as f:
+        f.write(markdown(result))
+    print(markdown(result), end="")
+    return 0 if all(run["status"] == "ok" for run in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
