@@ -53,7 +53,7 @@ def train_args(args: argparse.Namespace, variant: str, out_dir: str, dataset: st
         out_dir,
         "--overwrite",
         "--device",
-        "cpu" if not args.cuda else "cuda",
+        args.device,
         *VARIANTS[variant],
     ]
 
@@ -149,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--warmup", type=int, default=2, help="steps before measuring (compilation happens in the first)")
     a("--repeats", type=int, default=1, help="each variant this many times, alternating")
     a("--variants", default="eager,compile")
-    a("--cuda", action="store_true", help="on the GPU (default: the CPU)")
+    a("--device", default="auto", help="train.py's --device (auto: runtime/device.py picks)")
     a("--dataset", default="", help="default: random tokens in <out>/data")
     a("--timeout", type=float, default=1800)
     a("--worker", choices=sorted(VARIANTS), help=argparse.SUPPRESS)

@@ -105,7 +105,7 @@ def grouped_linear(
     if torch.compiler.is_compiling():  # the loop as one op the graph holds whole: its host read runs, not traced
         dtype = compute_dtype(x)
         with no_autocast(x.device.type):
-            return expert_loop(x.to(dtype), w.to(dtype), ends)
+            return expert_loop(x.to(dtype), w.to(dtype), ends)[0]
     if not x.shape[0]:
         return x @ w[0]
     sizes = sizes if sizes is not None else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
@@ -113,46 +113,48 @@ def grouped_linear(
 
 
 @torch.library.custom_op("gpt_moe::expert_loop", mutates_args=())
-def expert_loop(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def expert_loop(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """grouped_linear's per-expert loop as one custom op, for torch.compile where torch._grouped_mm is no kernel
-    (fp32): the graph holds the op whole, so the host read of the group sizes (`ends`) happens when the op runs,
-    with no graph break. x (n, K) and w (E, K, N) of one dtype (grouped_linear casts them, autocast off); the
-    products are the eager loop's, and so is backward's (`expert_loop_backward`, autograd's products)."""
+    (fp32): the graph holds the op whole, so the host read of the group sizes (`ends`, on x's device) happens when
+    the op runs, with no graph break. x (n, K) and w (E, K, N) of one dtype (grouped_linear casts them, autocast
+    off) -> (the eager loop's products (n, N), the group sizes (E,) (ends' dtype) on the host: backward's split, read
+    with no second sync)."""
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1)).cpu()  # the one host read
     if not x.shape[0]:
-        return x @ w[0]
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
-    return torch.cat([xe @ we for xe, we in zip(x.split(sizes), w.unbind(0))])
+        return x @ w[0], sizes
+    return torch.cat([xe @ we for xe, we in zip(x.split(sizes.tolist()), w.unbind(0))]), sizes
 
 
 @expert_loop.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], w.shape[2])
+def _(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape[0], w.shape[2]), torch.empty(w.shape[0], dtype=ends.dtype, device="cpu")
 
 
 @torch.library.custom_op("gpt_moe::expert_loop_backward", mutates_args=())
 def expert_loop_backward(
-    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """expert_loop's gradients as autograd makes the eager loop's: per expert dx_e = dy_e w_e^T and dW_e = x_e^T dy_e
-    (MmBackward's products on row-major operands), dx the experts' rows in order, dW (E, K, N) stacked."""
-    sizes = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    (MmBackward's products on row-major operands), dx the experts' rows in order, dW (E, K, N) stacked; `sizes` the
+    forward's host copy of the group sizes."""
+    sizes = sizes.tolist()
     pairs = list(zip(x.split(sizes), dy.split(sizes), w.unbind(0)))
     dx = torch.cat([dye.mm(we.t()) for _, dye, we in pairs])
     return dx, torch.stack([xe.t().mm(dye) for xe, dye, _ in pairs])
 
 
 @expert_loop_backward.register_fake
-def _(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(x), torch.empty_like(w)
 
 
-def _expert_loop_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.save_for_backward(*inputs)
+def _expert_loop_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(inputs[0], inputs[1], output[1])
 
 
-def _expert_loop_grad(ctx, dy: torch.Tensor):
-    x, w, ends = ctx.saved_tensors
-    dx, dw = expert_loop_backward(dy, x, w, ends)
+def _expert_loop_grad(ctx, dy: torch.Tensor, _sizes_grad):
+    x, w, sizes = ctx.saved_tensors
+    dx, dw = expert_loop_backward(dy, x, w, sizes)
     return dx, dw, None
 
 
