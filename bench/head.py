@@ -8,7 +8,10 @@ Each variant is its own process (one thread, as the bench's ranks): train.py's s
 - forward: the call of head_loss (lm_head and the loss, and the gradients the fused head makes in forward:
   model/loss.py's linear_cross_entropy, chunk by chunk);
 - backward: from the loss's gradient arriving to the head's input's (the head's backward scales dx and dW).
-The head's share is their sum over the step's time (train_step's step_time_ms), medians over the measured steps.
+The head's share is their sum over the step's time, medians over the measured steps. On the CPU both are the
+process's CPU time (time.process_time: one thread, so the work done), not the wall clock, which on a shared
+machine mostly measures the wait for a core (measured under load ~20 on 2 cores: the same head 0.9-3.0 s by the
+wall clock, 0.24-0.49 s of CPU); on a GPU, device events (device.make_timer) and train_step's step time.
 Under --compile the Blocks are compiled and the head's per-chunk softmax and gradient run as one kernel
 (loss.compile_head); eager, torch's log_softmax, its backward and the casts. Timings move with the machine's
 load: compare variants run back to back (--repeats alternates them), and a before/after on the same machine.
@@ -25,6 +28,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 
 VARIANTS = {"eager": [], "compile": ["--compile"]}
 
@@ -56,6 +60,16 @@ def train_args(args: argparse.Namespace, variant: str, out_dir: str, dataset: st
         args.device,
         *VARIANTS[variant],
     ]
+
+
+class CpuTimer:
+    """Marks by the process's CPU time (HostTimer's interface): the work one thread did, whatever else runs."""
+
+    def mark(self) -> float:
+        return time.process_time()
+
+    def seconds(self, marks: list) -> list[float]:
+        return list(marks)
 
 
 class HeadClock:
@@ -94,13 +108,16 @@ def worker(args: argparse.Namespace) -> None:
         argv = train_args(args, args.worker, os.path.join(tmp, "out"), args.dataset)
         spec = config.validate(config.parse_args(argv))
         trainer = train.build(spec)
-        clock = HeadClock(trainer.parallelized.model, make_timer(spec.device))
+        cpu = spec.device.type == "cpu"
+        clock = HeadClock(trainer.parallelized.model, CpuTimer() if cpu else make_timer(spec.device))
         steps = []
         for s in range(1, args.warmup + args.steps + 1):
+            t0 = time.process_time()
             record = train.train_step(trainer, s)
+            step = (time.process_time() - t0) * 1000 if cpu else record["step_time_ms"]
             head = clock.seconds() * 1000
             if s > args.warmup:
-                steps.append({"step_ms": record["step_time_ms"], "head_ms": head})
+                steps.append({"step_ms": step, "head_ms": head})
     with open(args.json, "w") as f:
         json.dump({"variant": args.worker, "steps": steps}, f)
 
@@ -131,7 +148,8 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         "head: forward (lm_head, the loss and, made in forward, its gradients) plus backward (scaling them), timed "
-        "inside the step; share: of each step's time, median. eager: torch's log_softmax, its backward and the "
+        "inside the step (on the CPU: the process's CPU time, not the wall clock); share: of each step's time, "
+        "median. eager: torch's log_softmax, its backward and the "
         "casts per chunk of rows; compile: the Blocks compiled and each chunk's softmax and gradient one kernel "
         "(model/loss.compile_head).",
     ]
