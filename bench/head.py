@@ -100,6 +100,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import train
+    from runtime import allocator
     from runtime.device import make_timer
     from trainer import config
 
@@ -107,8 +108,10 @@ def worker(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         argv = train_args(args, args.worker, os.path.join(tmp, "out"), args.dataset)
         spec = config.validate(config.parse_args(argv))
-        trainer = train.build(spec)
         cpu = spec.device.type == "cpu"
+        if cpu:  # as train.py's main: glibc keeps what a step frees (else the head's chunks fault in afresh)
+            allocator.keep_freed_memory()
+        trainer = train.build(spec)
         clock = HeadClock(trainer.parallelized.model, CpuTimer() if cpu else make_timer(spec.device))
         steps = []
         for s in range(1, args.warmup + args.steps + 1):

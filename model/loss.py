@@ -1,8 +1,9 @@
 """The loss head: lm_head and the mean cross-entropy together, chunk by chunk over the rows, so that no (N, V)
 logits are ever made (`linear_cross_entropy`, GPT's default `head_loss`), its gradients made in forward
 (`HeadGradients`), the vocab's rows as one process has them (`WholeVocab`; tensor parallelism brings its own
-shard), gradient accumulation's 1/M and fp16's loss scale told to forward (`loss_share`), and `head_output`,
-which picks the head's path. Knows no parallelism and imports nothing of model/gpt.py.
+shard), gradient accumulation's 1/M and fp16's loss scale told to forward (`loss_share`), `head_output`,
+which picks the head's path, and under --compile each chunk's softmax and gradient as one compiled kernel
+(`compile_head`, `fused_rows`). Knows no parallelism and imports nothing of model/gpt.py.
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ def fused_rows(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | Non
     dtype -> each row's fp32 log p(target) (n,), and with `scale` (n,) z overwritten by (softmax - one-hot) * scale.
     In fp32: the row's log-sum-exp m + log sum exp(z - m) (m its max), p = exp(z - lse); the gradient cast once, to
     z's dtype, into z's storage. Inductor makes it one loop nest per row: the max, the sum, then the gradient,
-    three reads of z and one write, where the eager path makes six full-width passes (`compile_head`).
+    three reads of z and one write (the eager path's passes: `compile_head`).
     Not F.cross_entropy's bits (other sums, other exp): within the bound tests/test_loss.py derives."""
     zf = z.float()
     lse = torch.logsumexp(zf, dim=-1, keepdim=True)  # (n, 1)
@@ -302,9 +303,13 @@ def head_output(owner: nn.Module, x: torch.Tensor, targets: torch.Tensor | None)
 def compile_head(owner: nn.Module) -> None:
     """--compile (runtime/blocks.apply_compile): `owner`'s head_loss (GPT's linear_cross_entropy, TP's
     vocab_parallel_cross_entropy, a last pipeline stage's copy of either) runs each chunk's loss and gradient through
-    one compiled kernel (`fused=True`) instead of torch's eager log-softmax, its backward and their casts. Per chunk
-    of rows, after the logits' GEMM, the full-width (n, V) passes go from six (.float(), log_softmax, zero_,
-    log-softmax's backward, the cast to the compute dtype; under TP's loss parallelism the max, sub_, exp_, div_,
-    mul_ and the cast) to one loop nest. Only the head: the GEMMs stay torch's."""
+    one compiled kernel (`fused=True`). Per chunk of n rows, besides the logits' GEMM and the two gradient GEMMs
+    that read d(logits), the eager head makes these full-width (n, V) passes: z.float() (under autocast),
+    log_softmax (reads z, writes log p), z.zero_() (nll_loss's gradient), log-softmax's backward (reads that and
+    log p, writes d(logits) in fp32) and its cast to the compute dtype: 3 kernels in fp32, 5 under autocast, with
+    three (n, V) fp32 tensors alive. Fused: one loop nest per row (max, sum of exp, gradient: three reads of z, one
+    write of d(logits) in the compute dtype, into z), one (n, V) tensor alive. TP's loss-parallel head likewise
+    (first pass: .float(), amax, sub_, exp_, sum; second: .float(), sub_, exp_, div_, mul_, the cast; each pass
+    one kernel fused). Only the head: its GEMMs stay torch's."""
     if getattr(owner, "head_loss", None) is not None:
         owner.head_loss = functools.partial(owner.head_loss, fused=True)
