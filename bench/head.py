@@ -8,7 +8,9 @@ Each variant is its own process (one thread, as the bench's ranks): train.py's s
 - forward: the call of head_loss (lm_head and the loss, and the gradients the fused head makes in forward:
   model/loss.py's linear_cross_entropy, chunk by chunk);
 - backward: from the loss's gradient arriving to the head's input's (the head's backward scales dx and dW).
-The head's share is their sum over the step's time, medians over the measured steps. On the CPU both are the
+The head's share is their sum over the step's time, medians over the measured steps. Under --compile the run
+alternates, step by step, the fused head and the same head without `fused` (the eager kernels, as before #55),
+so a before/after of the head shares one process, its compiled Blocks and its load. On the CPU both are the
 process's CPU time (time.process_time: one thread, so the work done), not the wall clock, which on a shared
 machine mostly measures the wait for a core (measured under load ~20 on 2 cores: the same head 0.9-3.0 s by the
 wall clock, 0.24-0.49 s of CPU); on a GPU, device events (device.make_timer) and train_step's step time.
@@ -22,6 +24,7 @@ Outputs in --out: head.json (the command, the config, per variant its steps' ste
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -95,8 +98,20 @@ class HeadClock:
         return sum(b - a for a, b in zip(t[::2], t[1::2]))
 
 
+def heads_of(owner) -> dict[str, object]:
+    """The heads a run can step with: its own ("eager", or under --compile "fused": loss.compile_head's
+    head_loss with fused=True) and, under --compile, the same head without fused ("eager": torch's kernels
+    per chunk, the head before #55), so that one process alternates them step by step."""
+    head = owner.head_loss
+    if isinstance(head, functools.partial) and head.keywords.get("fused"):
+        keywords = {k: v for k, v in head.keywords.items() if k != "fused"}
+        return {"eager": functools.partial(head.func, *head.args, **keywords), "fused": head}
+    return {"eager": head}
+
+
 def worker(args: argparse.Namespace) -> None:
-    """One variant in this process: warm-up and measured steps; writes {steps: [{step_ms, head_ms}]} to --json."""
+    """One variant in this process: warm-up and measured steps, the heads it has alternating step by step;
+    writes {steps: [{head, step_ms, head_ms}]} to --json."""
     import torch
 
     import train
@@ -112,49 +127,57 @@ def worker(args: argparse.Namespace) -> None:
         if cpu:  # as train.py's main: glibc keeps what a step frees (else the head's chunks fault in afresh)
             allocator.keep_freed_memory()
         trainer = train.build(spec)
+        heads = heads_of(trainer.parallelized.model)
         clock = HeadClock(trainer.parallelized.model, CpuTimer() if cpu else make_timer(spec.device))
-        steps = []
-        for s in range(1, args.warmup + args.steps + 1):
+        steps, names = [], sorted(heads)
+        for s in range(1, args.warmup + len(names) * args.steps + 1):
+            name = names[s % len(names)]  # every head warms up (compiles) before the measured steps
+            clock.inner = heads[name]
             t0 = time.process_time()
             record = train.train_step(trainer, s)
             step = (time.process_time() - t0) * 1000 if cpu else record["step_time_ms"]
             head = clock.seconds() * 1000
             if s > args.warmup:
-                steps.append({"step_ms": step, "head_ms": head})
+                steps.append({"head": name, "step_ms": step, "head_ms": head})
     with open(args.json, "w") as f:
         json.dump({"variant": args.worker, "steps": steps}, f)
 
 
-def summary(steps: list[dict]) -> dict:
-    """Medians over the measured steps: step ms, head ms, and the head's share of each step."""
-    med = lambda f: statistics.median(f(s) for s in steps)  # noqa: E731
-    return {
-        "step_ms": med(lambda s: s["step_ms"]),
-        "head_ms": med(lambda s: s["head_ms"]),
-        "head_share": med(lambda s: s["head_ms"] / s["step_ms"]),
-    }
+def summary(steps: list[dict]) -> dict[str, dict]:
+    """Per head: medians over its measured steps of the step ms, the head ms, and the head's share of each step."""
+    out = {}
+    for name in sorted({s["head"] for s in steps}):
+        mine = [s for s in steps if s["head"] == name]
+        med = lambda f: statistics.median(f(s) for s in mine)  # noqa: E731
+        out[name] = {
+            "step_ms": med(lambda s: s["step_ms"]),
+            "head_ms": med(lambda s: s["head_ms"]),
+            "head_share": med(lambda s: s["head_ms"] / s["step_ms"]),
+            "steps": len(mine),
+        }
+    return out
 
 
 def markdown(result: dict) -> str:
     lines = [
         f"Loss head's share of a one-process step: `{result['command']}`; {result['model']} "
         f"(V = {result['vocab_size']}), {result['rows']} x {result['seq_len']} tokens a step, one thread, "
-        f"{result['steps']} measured steps after {result['warmup']}; torch {result['torch']}.",
+        f"{result['steps']} measured steps per head after {result['warmup']}; torch {result['torch']}.",
         "",
-        "| variant | repeat | step (ms) | head (ms) | head share | status |",
-        "|---|---:|---:|---:|---:|---|",
+        "| variant | head | repeat | step (ms) | head (ms) | head share | status |",
+        "|---|---|---:|---:|---:|---:|---|",
     ]
     for run in result["runs"]:
-        s = run.get("summary")
-        cells = [f"{s['step_ms']:.1f}", f"{s['head_ms']:.1f}", f"{100 * s['head_share']:.1f}%"] if s else ["", "", ""]
-        lines.append(f"| {run['variant']} | {run['repeat']} | {' | '.join(cells)} | {run['status']} |")
+        for head, s in (run.get("summary") or {"": None}).items():
+            cells = [f"{s['step_ms']:.1f}", f"{s['head_ms']:.1f}", f"{100 * s['head_share']:.1f}%"] if s else [""] * 3
+            lines.append(f"| {run['variant']} | {head} | {run['repeat']} | {' | '.join(cells)} | {run['status']} |")
     lines += [
         "",
         "head: forward (lm_head, the loss and, made in forward, its gradients) plus backward (scaling them), timed "
         "inside the step (on the CPU: the process's CPU time, not the wall clock); share: of each step's time, "
-        "median. eager: torch's log_softmax, its backward and the "
-        "casts per chunk of rows; compile: the Blocks compiled and each chunk's softmax and gradient one kernel "
-        "(model/loss.compile_head).",
+        "median. eager head: torch's log_softmax, its backward and the casts per chunk of rows; fused: each "
+        "chunk's softmax and gradient one compiled kernel (model/loss.compile_head). Under --compile (the Blocks "
+        "compiled) the run alternates the two heads step by step, so both see the same load.",
     ]
     return "\n".join(lines) + "\n"
 
