@@ -335,6 +335,7 @@ def _step(M: int, pipeline: bool, scale=None, autocast: bool = True) -> list[tor
     token embeddings (B, T, C) (wte's output: the last per-token gradient, from which wte's and wpe's are summed)."""
     from parallel.mesh import Mesh, ParallelDims
     from parallel.parallelize import ParallelConfig, parallelize
+    from parallel.pipeline.parts import GPT_PARTS
     from parallel.pipeline.runner import PipelineRunner, PipelineStage
 
     model, seen = GPT(CFG), []
@@ -347,7 +348,7 @@ def _step(M: int, pipeline: bool, scale=None, autocast: bool = True) -> list[tor
     context = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=autocast)
     if pipeline:
         with context():
-            PipelineRunner(PipelineStage(model, 0, 1, 1)).step(_step_batches(M), "1f1b", scale)
+            PipelineRunner(PipelineStage(model, 0, 1, 1, parts=GPT_PARTS)).step(_step_batches(M), "1f1b", scale)
     else:
         parallelized = parallelize(
             model,
