@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from bench.__main__ import ensure_dataset
-    from bench.runner import ROOT, run_job
+    from bench.runner import run_job
     from model.gpt import make_config
 
     args.out = os.path.abspath(args.out)
@@ -243,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "torch": torch.__version__,
-        "root": ROOT,
         "runs": runs,
     }
     with open(os.path.join(args.out, "head.json"), "w") as f:
