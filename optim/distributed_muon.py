@@ -106,10 +106,7 @@ class Exchange:
         me = self.rank
         self.owned = [m for m in matrices if self.owner[m.key] == me]
         self._pos = {  # built once, index tensors on the device: no host-to-device copy per matrix per step
-            (m.key, r): h.positions(m.shape, device)
-            for m in self.owned
-            for r, h in enumerate(m.holds)
-            if h is not None
+            (m.key, r): h.positions(m.shape, device) for m in self.owned for r, h in enumerate(m.holds) if h is not None
         }
         ledger.sent_bytes = self.sent_bytes()  # what the benchmark reports beside comm's count
 

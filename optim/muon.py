@@ -258,7 +258,9 @@ class Muon(torch.optim.Optimizer):
             torch._foreach_lerp_(bufs, grads, 1 - mu)
         updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] and stepped else bufs
         pieces = [
-            Piece(key, shape, view(u)) for (slot, _), u in zip(stepped, updates) for key, shape, view, _ in slot.matrices
+            Piece(key, shape, view(u))
+            for (slot, _), u in zip(stepped, updates)
+            for key, shape, view, _ in slot.matrices
         ]
         results = iter(self.orthogonalize(pieces))
         if not stepped:
