@@ -24,6 +24,7 @@ from data.batches import BatchSource, micro_batch_chunk
 from debug import flight_recorder
 from debug.trace import Tracer
 from evals import hellaswag
+from ft import replicas
 from model.gpt import GPT
 from optim.build import make_optimizer
 from optim.schedule import lr_at
@@ -60,6 +61,7 @@ class Trainer:
     saved_step: int = 1  # the step whose saved activations are measured (memory.SavedActivations: one step)
     peak_step: int = 2  # the CPU's allocated peak's step: the first with optimizer state (memory.AllocatedPeak)
     hellaswag_rows: hellaswag.Rows | None = None  # --hellaswag: its rows, scored at every eval (log_eval)
+    ft: replicas.Alone = field(default_factory=replicas.Alone)  # --ft_lighthouse: replica groups (ft/replicas.py)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -182,8 +184,8 @@ class StepWatch:
         return time.perf_counter() - self.t0
 
 
-def train_step(trainer: Trainer, step: int) -> dict:
-    """One optimizer step over the global batch of `step`; returns this step's metrics."""
+def train_step(trainer: Trainer, step: int) -> dict | None:
+    """One optimizer step over the global batch of `step`; returns this step's metrics (None: not committed)."""
     spec, args = trainer.spec, trainer.spec.args
     lr = lr_at(step, args.lr, args.warmup_steps, args.max_steps)
     for group in trainer.optimizer.param_groups:  # a Muon group has its own peak lr (optim/muon.MuonAdamW)
@@ -192,13 +194,17 @@ def train_step(trainer: Trainer, step: int) -> dict:
         trainer.data.get(
             "train", step, spec.rows, micro_batch_chunk(m, trainer.dp_rank, spec.dims.dp), args.micro_batch_size
         )
-        for m in range(spec.grad_accum)
+        for m in trainer.ft.micro_steps(spec.grad_accum)  # all of them, or this replica group's share
     ]
     with StepWatch(trainer, step) as watch:  # counters, clock, memory windows, tracer and fault hooks
         loss = trainer.parallelized.forward_backward(
             batches, trainer.scaler.scale if trainer.scaler else None, lambda: _autocast(spec)
         )
         watch.after_backward()
+        loss = trainer.ft.reduce(trainer.parallelized, loss)  # summed over the replica groups, if any
+        if loss is None:  # a replica group was lost mid-step: not committed, the loop redoes it
+            trainer.optimizer.zero_grad(set_to_none=True)
+            return None
         if trainer.scaler:
             trainer.scaler.unscale_(trainer.optimizer)  # ranks agree on found-inf here (AgreeingGradScaler)
         norm = trainer.parallelized.clip_grad_norm_(1.0 if args.gradient_clipping else None)
@@ -253,6 +259,7 @@ def step_metrics(
             spec.parallel.pp_schedule, spec.dims.pp, spec.grad_accum, spec.parallel.pp_virtual
         )
     m.update({k: v for k, v in watched.items() if k not in ("comm_bytes", "comm_calls")})
+    m.update(trainer.ft.record())
     return m
 
 
@@ -328,8 +335,8 @@ def run(trainer: Trainer, logger: metrics.Logger) -> int:
     on schedule. Returns the exit code: 0, 3 for a non-finite step (nothing of it is saved), or faults.PREEMPTED
     when a rank was signalled (the step is finished and saved first)."""
     spec, args, is_main = trainer.spec, trainer.spec.args, trainer.spec.rank == 0
-    start = resume.restore_trainer(trainer) if spec.resume_from else 0
-    if args.resume and not spec.resume_from and is_main:
+    start = trainer.ft.join(lambda: resume.restore_trainer(trainer) if spec.resume_from else 0)  # or a peer's step
+    if args.resume and not spec.resume_from and is_main and start == 0:
         print(
             f"--resume: no intact checkpoint in {os.path.join(args.out_dir, checkpoint.SUBDIR)}; starting fresh",
             flush=True,
@@ -347,10 +354,12 @@ def run(trainer: Trainer, logger: metrics.Logger) -> int:
     if start == 0:  # a resumed run skips it: its checkpoint step's eval was logged before the save
         log_eval(trainer, 0, logger, progress)
     profiler = metrics.make_profiler(args.profile, args.out_dir, trainer.spec.device)
-    for step in range(start + 1, args.max_steps + 1):
+    for step in trainer.ft.steps(start, args.max_steps):  # replica groups: a step not committed comes again
         trainer.step = step
         trainer.faults.before_step(step, trainer.model)
         m = train_step(trainer, step)
+        if m is None:
+            continue
         logger.log(m)
         progress.step(m)
         if profiler is not None:
@@ -370,7 +379,7 @@ def run(trainer: Trainer, logger: metrics.Logger) -> int:
         every = args.checkpoint_interval and step % args.checkpoint_interval == 0
         stop = trainer.faults.preempted()
         path = None
-        if not args.no_checkpoint and (every or step == args.max_steps or stop):
+        if not args.no_checkpoint and (every or step == args.max_steps or stop) and trainer.ft.saves:
             path, blocked_ms = resume.save_trainer(trainer, step, wait=stop or step == args.max_steps)
             logger.log(
                 {"step": step, "checkpoint_blocked_ms": blocked_ms, "async_checkpoint": trainer.saver is not None}
@@ -422,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         faults.warn_shared_rendezvous_store()
     trainer.faults = faults.Faults(args.out_dir, spec.rank, args.timeout, spec.device)
     try:
+        trainer.ft = replicas.connect(spec, trainer, logger)  # --ft_lighthouse: join the job's replica groups
         code = run(trainer, logger)
         if code in (0, faults.PREEMPTED) and dist.is_initialized():
             dist.barrier()  # no rank tears the group down while a peer still has collectives in flight
@@ -444,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 4
     finally:
+        trainer.ft.close()
         trainer.faults.close()
         comm.RECORDER.close()
         logger.close()

@@ -6,6 +6,8 @@
     python -m bench --quick --include_moe --layouts single,ddp --out out/bench  # and MoE: 1 process, EP, dense
     python -m bench --section out/bench                # the short table (results_section.md) from bench.json
     python -m bench --quick --optimizer muon --include_zero --layouts single,ddp,zero2,fsdp,tp --out out/bench-muon
+    python -m bench --quick --optimizer muon --layouts single,ddp --n_layer 4 --n_head 4 --n_embd 128 \
+        --vocab_size 128 --rows 12 --out out/bench-muon-quickstart  # the quick start's model and batch
 
 Run it from the repository root. The matrix (bench/matrix.py) is single; ddp, fsdp and tp (tp with loss
 parallelism), each with `--implementation custom` and `pytorch`; and with >= 4 ranks 2d-ddp and 2d-fsdp
@@ -94,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--steps", type=int, default=None, help="measured steps (quick 8; else 30 on GPU, 12 on CPU)")
     a("--warmup", type=int, default=None, help="steps before measuring (quick 2; else 5 on GPU, 3 on CPU)")
     a("--model", default=None, help="preset (quick: tiny; else small)")
+    for dim in ("n_layer", "n_head", "n_embd", "vocab_size"):  # the quick start's: 4, 4, 128, 128
+        a(f"--{dim}", type=int, default=None, help=f"override the preset's {dim}")
     a("--seq_len", type=int, default=None, help="quick 64; else 1024 on GPU, 128 on CPU")
     a("--rows", type=int, default=None, help="sequences per global batch (default: 4 per rank, 8 on GPU)")
     a("--micro_batch_size", type=int, default=None, help="largest micro-batch per rank (default: none on CPU, 8 GPU)")
@@ -124,7 +128,8 @@ def make_setup(
 ) -> Setup:
     gpu = machine["device"] == "cuda"
     model = args.model or ("tiny" if args.quick else "small")
-    config = make_config(model)
+    shape = {k: getattr(args, k, None) for k in ("n_layer", "n_head", "n_embd", "vocab_size")}
+    config = make_config(model, **shape)
     for tp in {lay.tp for lay in layouts}:
         config = fit_heads(config, tp)
     dp_all = [lay.dp for lay in layouts] or [1]
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             "wpe and ln_f, stays gathered from forward to backward, as in FSDP2), reduce-scatter Ψ; "
             "measured bytes also carry each unit's padding to a multiple of N (< N elements)"
         )
-    base = make_config(setup.model)
+    base = make_config(setup.model, n_head=args.n_head)
     if setup.config.n_head != base.n_head:
         notes.append(f"n_head raised from the preset's {base.n_head} to {setup.config.n_head} so that TP divides it")
     if not gpu and any(lay.nproc > os.cpu_count() for lay in layouts):

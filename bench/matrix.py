@@ -214,6 +214,8 @@ class Setup:
             str(c.n_head),
             "--n_embd",
             str(c.n_embd),
+            "--vocab_size",
+            str(c.vocab_size),
             "--dataset",
             self.dataset,
             "--seq_len",

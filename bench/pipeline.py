@@ -38,7 +38,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from parallel.pipeline.parts import GPT_PARTS
+from parallel.pipeline.record import StepRecord
 from parallel.pipeline.schedule import ALL_SCHEDULES, COMPUTE, V_SCHEDULES, B, F, W
+from parallel.pipeline.zero_bubble import split_backward
 from plan.theory import bubble_fraction
 from plan.timeline import simulate_schedule
 from runtime.launch import exit_process
@@ -260,9 +263,9 @@ def worker(args: argparse.Namespace) -> None:
         raw["split"][name] = list(counts)  # Blocks per chunk
         with torch.device("meta"):
             model = GPT(cfg)
-        stage = PipelineStage(model, rank, P, v, counts, v_shape=name in V_SCHEDULES)
+        stage = PipelineStage(model, rank, P, v, counts, v_shape=name in V_SCHEDULES, parts=GPT_PARTS)
         stage.materialize(seed=0)
-        runner = PipelineRunner(stage)
+        runner = PipelineRunner(stage, record=StepRecord(torch.device("cpu")), split_backward=split_backward)
         for _ in range(args.warmup):
             runner.step(batches, name)
             stage.zero_grad(set_to_none=True)
@@ -310,9 +313,9 @@ def step_costs(
     counts = tuple(len(r) for r in layers_for(cfg, P, costs=flops))
     with torch.device("meta"):
         model = GPT(cfg)
-    stage = PipelineStage(model, rank, P, 1, counts)
+    stage = PipelineStage(model, rank, P, 1, counts, parts=GPT_PARTS)
     stage.materialize(seed=0)
-    runner, times = PipelineRunner(stage), []
+    runner, times = PipelineRunner(stage, record=StepRecord(torch.device("cpu"))), []
     for i in range(warmup + steps):
         dist.barrier()
         runner.step(batches, "1f1b")

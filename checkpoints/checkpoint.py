@@ -22,18 +22,21 @@ rank writes (its entries, checkpoints/entries.py, from `Parallelized.checkpoint_
 Runs keep the index small: a DDP/FSDP shard is one run, a row-sharded TP weight one run per row.
 Elements held by several ranks (DDP replicas, TP-replicated LayerNorms) are written once. Neither saving
 nor loading builds an index per element of the model: entries give their runs one at a time
-(`Entry.runs()`), and runs are turned into positions at most `_INDEX_CHUNK` elements at a time.
+(`Entry.runs()`), and runs are turned into positions at most `_INDEX_CHUNK` elements at a time. A save
+writes its file one value (a name's parameter or moment) at a time, copied off the live views as torch.save
+comes to it (checkpoints/streaming.py): host memory holds one value beside the state, not a copy of it all.
 
 Loading works in any layout: each rank builds its own entries, and for every name assembles the full
 tensor from all files' pieces (memory-mapped), checks that every element is covered exactly once, and
 copies its own runs of it into its live views. So a checkpoint from one process, DDP, FSDP, TP or 2D resumes
 in any other with the same model config.
 
-Integrity: the manifest records each rank file's size and CRC-32 (zlib.crc32: in C, about 1 GB/s per core,
-enough to catch truncation and flipped bytes; not a defence against tampering). `verify` checks them, and
-`newest_intact` walks back from the newest checkpoint past damaged ones (a garbled manifest, a missing,
-truncated or altered rank file), naming each, so a damaged newest checkpoint never loads garbage and never
-needs a person to delete it before `--resume`, sample.py or export.py can go on.
+Integrity (checkpoints/manifest.py, whose names this module re-exports): the manifest records each rank file's
+size and CRC-32 (zlib.crc32: in C, about 1 GB/s per core, enough to catch truncation and flipped bytes; not a
+defence against tampering). `verify` checks them, and `newest_intact` walks back from the newest checkpoint
+past damaged ones (a garbled manifest, a missing, truncated or altered rank file), naming each, so a damaged
+newest checkpoint never loads garbage and never needs a person to delete it before `--resume`, sample.py or
+export.py can go on.
 
 Atomicity: rank 0 clears leftovers of interrupted saves and creates `step_000012.tmp-saving`; every rank
 writes and fsyncs its file; barrier; rank 0 checks all files are there, writes and fsyncs the manifest,
@@ -41,149 +44,64 @@ fsyncs the directory, renames it to `step_000012` and fsyncs `checkpoints/`. Onl
 final name and a manifest counts as a checkpoint, so a save killed at any point leaves the previous one
 as the newest. Older checkpoints beyond the newest `keep` are renamed away, then deleted.
 
-train.py saves and resumes its Trainer through `save_trainer` and `restore_trainer` (the end of this file).
+train.py saves and resumes its Trainer through trainer/resume.py's `save_trainer` and `restore_trainer`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
 import time
-import zlib
-from dataclasses import asdict, fields
 from typing import IO, Callable
 
 import torch
 import torch.distributed as dist
+
+from checkpoints.manifest import (
+    FORMAT,
+    MANIFEST,
+    SUBDIR,
+    VERSION,
+    CheckpointError,
+    config_mismatch,
+    file_check,
+    list_checkpoints,
+    model_config,
+    newest,
+    newest_intact,
+    rank_file,
+    read_manifest,
+    step_dir,
+    verify,
+)
+from checkpoints.streaming import STAGING_BYTES, Lazy, Staging, save_streamed, stage
+
+__all__ = [  # the manifest's names, re-exported: callers ask checkpoint.X
+    "FORMAT",
+    "MANIFEST",
+    "SUBDIR",
+    "VERSION",
+    "CheckpointError",
+    "config_mismatch",
+    "file_check",
+    "list_checkpoints",
+    "model_config",
+    "newest",
+    "newest_intact",
+    "rank_file",
+    "read_manifest",
+    "step_dir",
+    "verify",
+]
 
 # The test seam (as parallel/comm.HOOKS is the runtime's): trainer/faults.py sets it to count the files this
 # process writes, for GPT_CKPT_FAIL_AFTER_FILES. Checkpoints import nothing above them.
 FILE_WRITTEN: Callable[[], None] | None = None
 
 
-FORMAT = "gpt2-parallel-checkpoint"
-VERSION = 1
-SUBDIR = "checkpoints"
-MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
 OPTIMIZER_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, corrupt or does not fit the model it is loaded into."""
-
-
-def step_dir(out_dir: str, step: int) -> str:
-    return os.path.join(out_dir, SUBDIR, f"step_{step:06d}")
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
-
-
-# ----------------------------------------------------------------------------- finding checkpoints
-
-
-def list_checkpoints(out_dir: str) -> list[tuple[int, str]]:
-    """Complete checkpoints in `out_dir` as (step, path), oldest first: a final name and a manifest."""
-    root = os.path.join(out_dir, SUBDIR)
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = STEP_DIR.match(name)
-        if m and os.path.isfile(os.path.join(root, name, MANIFEST)):
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(found)
-
-
-def newest(out_dir: str) -> str | None:
-    """The newest complete checkpoint in `out_dir`, or None."""
-    found = list_checkpoints(out_dir)
-    return found[-1][1] if found else None
-
-
-def file_check(path: str) -> dict[str, int]:
-    """{"bytes", "crc32"} of one file, read in 16 MiB blocks."""
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            crc, size = zlib.crc32(block, crc), size + len(block)
-    return {"bytes": size, "crc32": crc}
-
-
-def verify(path: str) -> dict:
-    """The manifest of checkpoint `path` after checking every rank file against its recorded size and CRC-32;
-    CheckpointError naming the first damaged file. (Manifests without checks, from before they were recorded,
-    get the existence check only.)"""
-    manifest = read_manifest(path)
-    checks = manifest.get("file_checks", {})
-    for name in manifest.get("files", []):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{file} is missing")
-        if name in checks:
-            got, want = file_check(file), checks[name]
-            if got["bytes"] != want["bytes"]:
-                raise CheckpointError(
-                    f"{file} is truncated or padded: {got['bytes']} bytes, the manifest says {want['bytes']}"
-                )
-            if got["crc32"] != want["crc32"]:
-                raise CheckpointError(
-                    f"{file} is damaged: CRC-32 {got['crc32']:08x}, the manifest says {want['crc32']:08x}"
-                )
-    return manifest
-
-
-def newest_intact(out_dir: str, report: Callable[[str], None] | None = print) -> str | None:
-    """The newest checkpoint in `out_dir` that passes `verify`, or None; each damaged newer one is reported
-    in one line (`report`; None: silently) and skipped."""
-    for _, path in reversed(list_checkpoints(out_dir)):
-        try:
-            verify(path)
-            return path
-        except CheckpointError as e:
-            if report is not None:
-                report(f"skipping damaged checkpoint: {e}")
-    return None
-
-
-def read_manifest(path: str) -> dict:
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot read {MANIFEST} ({type(e).__name__}: {e})") from None
-    if not isinstance(manifest, dict):
-        raise CheckpointError(f"{path}: {MANIFEST} is not a JSON object")
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise CheckpointError(
-            f"{path}: not a version-{VERSION} {FORMAT} (format {manifest.get('format')!r}, "
-            f"version {manifest.get('version')!r})"
-        )
-    return manifest
-
-
-def config_mismatch(manifest: dict, model_config) -> str | None:
-    """A one-line description of how the checkpoint's model config differs from `model_config`, or None."""
-    saved, ours = manifest["config"]["model"], asdict(model_config)
-    default = {f.name: f.default for f in fields(type(model_config))}  # fields newer than the checkpoint
-    diff = [
-        f"{k} {saved.get(k, default[k])!r} (checkpoint) vs {ours[k]!r}"
-        for k in ours
-        if saved.get(k, default[k]) != ours[k]
-    ]
-    return ", ".join(diff) or None
-
-
-def model_config(manifest: dict):
-    from model.gpt import GPTConfig
-
-    known = {f.name for f in fields(GPTConfig)}
-    return GPTConfig(**{k: v for k, v in manifest["config"]["model"].items() if k in known})
 
 
 # ----------------------------------------------------------------------------- saving
@@ -230,66 +148,26 @@ def _pieces(runs: torch.Tensor):
         yield done, done + size, _positions(torch.tensor(batch))
 
 
-def _shard_dict(
-    entries: list, device: torch.device | None, buffers: "SnapshotBuffers | None" = None
-) -> dict[str, torch.Tensor]:
-    """This rank's file: its writer entries grouped by name (runs + values per kind) and its RNG states.
-    Values are copied once, to CPU memory: fresh tensors, or `buffers`' reused (pinned on CUDA) ones with
-    non-blocking copies (then `buffers.ready()` must be waited before the values are read). The live views
-    cannot be saved as they are: torch.save would write their whole storage."""
+def _shard(entries: list, device: torch.device | None) -> dict[str, torch.Tensor | Lazy]:
+    """This rank's file: its writer entries grouped by name (runs + values per kind) and its RNG states. The
+    values are `Lazy`: copied to CPU memory, one name and kind at a time, when the file is written (the live
+    views cannot be saved as they are: torch.save would write their whole storage)."""
     by_name: dict[str, list] = {}
     for e in entries:
         if e.write and e.numel:
             by_name.setdefault(e.name, []).append(e)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor | Lazy] = {}
     for name, group in by_name.items():
         out[f"{name}::runs"] = torch.cat([e.runs() for e in group])
         for kind in group[0].tensors:
-            parts = [e.tensors[kind].detach() for e in group]
-            out[f"{name}::{kind}"] = (
-                torch.cat(parts).cpu() if buffers is None else buffers.copy(f"{name}::{kind}", parts)
-            )
+            out[f"{name}::{kind}"] = Lazy([e.tensors[kind].detach() for e in group])
     out["rng::cpu"] = torch.get_rng_state()
     if device is not None and device.type == "cuda":
         out["rng::cuda"] = torch.cuda.get_rng_state(device)
     return out
 
 
-class SnapshotBuffers:
-    """CPU buffers an async checkpoint's snapshot copies into, kept and reused from save to save (one per
-    tensor of the file), pinned on CUDA so that the device -> host copies are non-blocking: the training
-    thread only enqueues them, and the writer thread waits for them (`ready`) before torch.save reads them.
-    Reuse is safe because they are handed out by AsyncSaver.free_buffers, which waits for the write in flight."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.buffers: dict[str, torch.Tensor] = {}
-        self._done = None
-
-    def copy(self, key: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        n = sum(p.numel() for p in parts)
-        buf = self.buffers.get(key)
-        if buf is None or buf.numel() != n or buf.dtype != parts[0].dtype:
-            buf = self.buffers[key] = torch.empty(n, dtype=parts[0].dtype, pin_memory=self.device.type == "cuda")
-        offset = 0
-        for p in parts:
-            buf[offset : offset + p.numel()].copy_(p.reshape(-1), non_blocking=True)
-            offset += p.numel()
-        return buf
-
-    def enqueued(self) -> None:
-        """Every copy of this snapshot is enqueued: mark the point the writer waits for."""
-        from runtime.device import record_event
-
-        self._done = record_event(self.device)
-
-    def ready(self) -> None:
-        """Wait until the copies have landed (the writer thread, before torch.save)."""
-        if self._done is not None:
-            self._done()
-
-
-def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     """AdamW's step count (the same for every parameter) and each group's hyperparameters."""
     steps = {float(s["step"]) for s in optimizer.state.values() if "step" in s}
     if len(steps) > 1:
@@ -377,34 +255,30 @@ def snapshot(
     world_size: int,
     keep: int,
     device: torch.device | None = None,
-    buffers: SnapshotBuffers | None = None,
 ) -> dict:
-    """This rank's part of the checkpoint of `step`, copied off the live state (to CPU memory): what `write`
-    puts on disk. Taking it is the only part of a save that must stop training; into `buffers` (an async
-    save's) it only enqueues the copies, and `write` waits for them."""
-    shard = _shard_dict(entries, device, buffers)
-    if buffers is not None:
-        buffers.enqueued()
+    """This rank's part of the checkpoint of `step`: what `write` puts on disk. The values are still the live
+    views (`Lazy`), copied when written: `write` it before training goes on, or hand it to an `AsyncSaver`,
+    which stages the copies before it returns."""
     return {
         "out_dir": out_dir,
         "step": step,
         "rank": rank,
         "world_size": world_size,
         "keep": keep,
-        "shard": shard,
+        "shard": _shard(entries, device),
         "shapes": {e.name: list(e.shape) for e in entries},
-        "buffers": buffers,
-        "manifest": {**extra, "optimizer": _optimizer_state(optimizer)} if rank == 0 else None,
+        "manifest": {**extra, "optimizer": optimizer_state(optimizer)} if rank == 0 else None,
     }
 
 
 def write(snap: dict, group: dist.ProcessGroup | None = None) -> str:
     """Write a `snapshot` atomically (collective over `group`: every rank calls it with its own snapshot).
 
-    Rank 0 clears leftovers and creates `<step>.tmp-saving`; every rank writes and fsyncs its file; the
-    ranks exchange their tensor shapes and file checks (all_gather_object, which also orders the writes
-    before the manifest); rank 0 writes the manifest, renames the directory and prunes old checkpoints.
-    `group` lets a background thread save over a process group of its own (`AsyncSaver`)."""
+    Rank 0 clears leftovers and creates `<step>.tmp-saving`; every rank writes and fsyncs its file (streamed:
+    one value in host memory at a time); the ranks exchange their tensor shapes and file checks
+    (all_gather_object, which also orders the writes before the manifest); rank 0 writes the manifest, renames
+    the directory and prunes old checkpoints. `group` lets a background thread save over a process group of its
+    own (`AsyncSaver`)."""
     out_dir, step, rank, world_size = snap["out_dir"], snap["step"], snap["rank"], snap["world_size"]
     root = os.path.join(out_dir, SUBDIR)
     final = step_dir(out_dir, step)
@@ -417,9 +291,7 @@ def write(snap: dict, group: dist.ProcessGroup | None = None) -> str:
         os.makedirs(tmp)
     _barrier(group)
     path = os.path.join(tmp, rank_file(rank))
-    if snap.get("buffers") is not None:
-        snap["buffers"].ready()  # the snapshot's non-blocking copies have landed
-    _write_durably(path, lambda f: torch.save(snap["shard"], f))
+    _write_durably(path, lambda f: save_streamed(snap["shard"], f))
     shapes, checks = _all_shapes(snap["shapes"], {rank_file(rank): file_check(path)}, group)  # also a barrier
     if rank == 0:
         files = [rank_file(r) for r in range(world_size)]
@@ -452,14 +324,16 @@ def write(snap: dict, group: dist.ProcessGroup | None = None) -> str:
 
 
 class AsyncSaver:
-    """Checkpoints that don't stop training (--async_checkpoint): `save` takes the snapshot (non-blocking
-    copies of this rank's state into `buffers`, reused pinned CPU memory) and returns; a background thread writes it
-    with `write`, over a gloo process group of
-    its own so its collectives never interleave with training's. A second save first waits for the one in
-    flight (so at most one snapshot is held besides the live state); `wait` joins it and re-raises its
-    error. Atomicity is `write`'s: a crash mid-write leaves the previous checkpoint the newest."""
+    """Checkpoints that don't stop training (--async_checkpoint). `save` starts a background thread that writes
+    the snapshot with `write`, over a gloo process group of its own (its collectives never interleave with
+    training's), and meanwhile copies the snapshot's values into `staging` (host blocks, pinned on CUDA, kept
+    from save to save; on CUDA the copies are only enqueued, and the writer waits for each before writing it).
+    It returns once every value is staged. The staging holds at most `staging_bytes`: past that, `save` waits
+    for the writer to free blocks, so a state larger than the budget blocks training for the write of the part
+    beyond it. A second save first waits for the one in flight; `wait` joins it and re-raises its error.
+    Atomicity is `write`'s: a crash mid-write leaves the previous checkpoint the newest."""
 
-    def __init__(self, device: torch.device | None = None):
+    def __init__(self, device: torch.device | None = None, staging_bytes: int = STAGING_BYTES):
         from parallel.groups import group_timeout
 
         self.group = (
@@ -467,28 +341,30 @@ class AsyncSaver:
             if dist.is_available() and dist.is_initialized()
             else None
         )
-        self.buffers = SnapshotBuffers(device or torch.device("cpu"))  # reused by every snapshot of this run
+        self.device = device or torch.device("cpu")
+        self.staging = Staging(self.device, staging_bytes)  # reused by every snapshot of this run
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.path: str | None = None
 
-    def free_buffers(self) -> SnapshotBuffers:
-        """The buffers for the next snapshot, once the write in flight (which reads them) has finished."""
-        self.wait()
-        return self.buffers
-
     def save(self, snap: dict) -> None:
         self.wait()
         self.path = step_dir(snap["out_dir"], snap["step"])
+        lazies = [v for v in snap["shard"].values() if isinstance(v, Lazy)]
+        for lazy in lazies:
+            lazy.expect_staging()
+        self.staging.reopen()
 
         def work():
             try:
                 write(snap, self.group)
             except BaseException as e:  # noqa: BLE001 -- handed to the training thread by wait()
                 self.error = e
+                self.staging.abort()  # the training thread stops staging
 
         self.thread = threading.Thread(target=work, name=f"checkpoint-{snap['step']}", daemon=True)
         self.thread.start()
+        stage(lazies, self.staging, self.device)
 
     def wait(self) -> None:
         if self.thread is not None:
@@ -601,7 +477,7 @@ def load(
                 for lo, hi, where in _pieces(e.runs()):
                     for kind, view in e.tensors.items():
                         view[lo:hi].copy_(full[kind][where])
-    _load_optimizer_state(optimizer, manifest["optimizer"])
+    load_optimizer_state(optimizer, manifest["optimizer"])
     if manifest["layout"]["world_size"] == world_size:
         own = shards.files[rank]
         torch.set_rng_state(own["rng::cpu"].clone())
@@ -610,7 +486,7 @@ def load(
     return manifest
 
 
-def _load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+def load_optimizer_state(optimizer: torch.optim.Optimizer, saved: dict) -> None:
     """The step count into the parameters that keep one (AdamW's: ensure_optimizer_state made it; Muon keeps
     none), then the groups' hyperparameters."""
     for group in optimizer.param_groups:

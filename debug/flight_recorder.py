@@ -5,11 +5,20 @@ imports nothing of this module: `install` puts a `FlightRecorder` there (train.p
 simulated rank; the tests that read a ring). It answers the seam's calls: `post` an op, mark it completed
 (`done`, or through `issued`), and the `step` and micro-batch context the loops set.
 
+Completed means the op's work finished, not that the host is through with it. An op on host tensors (gloo on
+the CPU) is done when its blocking call or its work's wait() returns. An op on device tensors (NCCL) is not:
+enqueueing returns at once, and wait() only makes the current stream wait. Its record stays posted until the
+work says so (`work.is_completed()`, an async op's), or, for a blocking op whose work torch does not return, a
+marker on the current stream after it (runtime/device.stream_marker: the stream waits for the op there) has
+passed. These are polled in post order at each `post` (up to the first one still running) and all of them
+at `read` (the watchdog's dump), so a ring left by a killed rank may show an op posted that finished since,
+never the reverse.
+
 Each record: the op, its group (name and global ranks), a sequence number (per group for collectives, per
 (group, op, peer) for p2p: the k-th send from a to b meets the k-th receive on b from a), shape, dtype, bytes,
 the peer (a global rank, p2p only), the training step and micro-batch (set by train.py, the pipeline and the
 micro-batch loop), the call site (the module and function that called comm, one frame up: no stack walk)
-and its state (posted; completed once the op returned, or its work's wait() did).
+and its state (posted; completed once the op's work finished: see above).
 
 Records are fixed-size slots of one bytes buffer, a ring of K (env GPT_FLIGHT_RECORDER_SIZE, default 2000;
 0 switches it off). `open(path, ...)` puts that buffer in a memory-mapped file,
@@ -28,6 +37,7 @@ import os
 import struct
 import sys
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "all_to_all")
@@ -73,6 +83,8 @@ class FlightRecorder:
         self._sites: dict[Any, int] = {}  # (code object, unit) -> string id
         self._dtypes: dict[Any, int] = {}  # torch.dtype -> string id
         self._seq: dict[tuple, int] = {}
+        # device ops not yet known complete, in post order: n -> (device, probe); probe None until issued/done
+        self._running: OrderedDict[int, tuple[Any, Any]] = OrderedDict()
         self.rank, self.world = rank, world
         if capacity:
             HEADER.pack_into(self._buf, 0, MAGIC, 0, 0, rank, world, capacity, RECORD.size, os.getpid())
@@ -137,6 +149,8 @@ class FlightRecorder:
         `unit`: what the wrapper is moving (an FSDP unit's name, a DDP bucket), appended to the call site."""
         if not self.capacity:
             return -1
+        if self._running:
+            self._poll(first_only=True)
         gid, _ = self._group(group)
         op = OP_INDEX[op]
         key = (gid,) if peer < 0 else (gid, op, peer)
@@ -175,25 +189,63 @@ class FlightRecorder:
         )
         self.count = n + 1
         COUNT.pack_into(self._buf, 8, n + 1)  # after the record: a reader never sees half of one
+        if not getattr(tensor, "is_cpu", True):  # is_cpu: a fifth of .device's cost
+            self._running[n] = (tensor.device, None)  # on a device: complete when its work says so, not on return
         return n
 
     def done(self, n: int) -> None:
-        """Mark op `n` (post's handle) completed, unless the ring has overwritten it since."""
+        """The host returned from op `n` (post's handle: its blocking call, or its work's wait()). An op on host
+        tensors is then complete: marked so, unless the ring has overwritten it since. An op on device tensors
+        is complete when its work is: its probe (issued's is_completed, else a marker on the current stream,
+        which waits for the op from here on) decides, polled now and later."""
+        running = self._running.get(n)
+        if running is None:
+            self._mark(n)
+            return
+        device, probe = running
+        if probe is None:
+            from runtime.device import stream_marker  # here: reading a ring needs no torch
+
+            self._running[n] = (device, stream_marker(device))
+        self._poll(first_only=False)
+
+    def issued(self, n: int, work, async_op: bool):
+        """The handle for the caller of op `n` (`post`'s), once torch returned `work`. An async op's work comes
+        back wrapped (`Recorded`: its wait() is `done`); on device tensors its own is_completed() is the probe.
+        A blocking op's work comes back as it is, `done` now."""
+        if not async_op:
+            self.done(n)
+            return work
+        if n in self._running:
+            self._running[n] = (self._running[n][0], work.is_completed)
+        return Recorded(work, n, self) if n >= 0 else work
+
+    def _mark(self, n: int) -> None:
         if n >= 0 and self.count - n <= self.capacity:
             self._buf[HEADER.size + (n % self.capacity) * RECORD.size + STATE_AT] = COMPLETED
 
-    def issued(self, n: int, work, async_op: bool):
-        """The handle for the caller of op `n` (`post`'s), once torch returned `work`: an async op's work wrapped
-        (`Recorded`: its wait() marks the op completed), a blocking op's as it is, the op marked completed now."""
-        if async_op:
-            return Recorded(work, n, self) if n >= 0 else work
-        self.done(n)
-        return work
+    def _poll(self, first_only: bool) -> None:
+        """Mark the device ops whose probe says complete, in post order; `first_only`: stop at the first one
+        still running (the per-op cost stays O(1)). Ops the ring has overwritten are dropped unasked."""
+        for n, (_, probe) in list(self._running.items()) if not first_only else []:
+            if self.count - n > self.capacity or (probe is not None and probe()):
+                self._mark(n)
+                del self._running[n]
+        while first_only and self._running:
+            n, (_, probe) = next(iter(self._running.items()))
+            if self.count - n <= self.capacity and (probe is None or not probe()):
+                return
+            self._mark(n)
+            self._running.popitem(last=False)
 
     # ------------------------------------------------------------------ reading
 
     def read(self, reason: str = "") -> dict:
-        """The ring as the JSON-able dict `python -m debug hang` reads (oldest op first)."""
+        """The ring as the JSON-able dict `python -m debug hang` reads (oldest op first), every device op's probe
+        asked first. The watchdog calls this from its own thread: it marks, and leaves `_running` to the rank's."""
+        for n, (_, probe) in self._running.copy().items():
+            if probe is not None and probe():
+                self._mark(n)
         return (
             decode(bytes(self._buf), reason)
             if self.capacity
@@ -278,7 +330,8 @@ def decode(buf: bytes, reason: str = "") -> dict:
 
 
 class Recorded:
-    """An async op's work handle whose wait() (or a True is_completed()) also marks its record completed."""
+    """An async op's work handle whose wait() (or a True is_completed()) also tells the recorder (`done`): on
+    host tensors that marks its record completed, on device tensors its work's own is_completed() decides."""
 
     __slots__ = ("work", "n", "recorder")
 

@@ -61,6 +61,10 @@ ALLOWED = {
     ): "the MoE experts' group sizes for the per-expert loop, only where torch._grouped_mm "
     "does not run as a kernel (moe.grouped_mm_runs: CPU autocast, GPU fp32, GPUs before "
     "sm90, unaligned widths): one read per MoE layer and micro-batch",
+    ("model/moe.py", "expert_loop"): "the same group sizes under torch.compile (moe.expert_loop, the loop as one op "
+    "where the traced torch._grouped_mm takes no fp32): one read per MoE layer and micro-batch",
+    ("model/moe.py", "expert_loop_backward"): "the forward's host copy of those sizes (a CPU tensor: no sync on a "
+    "GPU, a read only this CPU recorder sees)",
     ("parallel/parallelize.py", "step_counters"): "the MoE layers' tokens per expert and balancing loss over the "
     "batch, logged (read after the step's loss: nothing left to wait "
     "for)",

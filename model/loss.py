@@ -1,8 +1,9 @@
 """The loss head: lm_head and the mean cross-entropy together, chunk by chunk over the rows, so that no (N, V)
 logits are ever made (`linear_cross_entropy`, GPT's default `head_loss`), its gradients made in forward
 (`HeadGradients`), the vocab's rows as one process has them (`WholeVocab`; tensor parallelism brings its own
-shard), gradient accumulation's 1/M and fp16's loss scale told to forward (`loss_share`), and `head_output`,
-which picks the head's path. Knows no parallelism and imports nothing of model/gpt.py.
+shard), gradient accumulation's 1/M and fp16's loss scale told to forward (`loss_share`), `head_output`,
+which picks the head's path, and under --compile each chunk's softmax and gradient as one compiled kernel
+(`compile_head`, `fused_rows`). Knows no parallelism and imports nothing of model/gpt.py.
 """
 
 from __future__ import annotations
@@ -100,14 +101,18 @@ class HeadGradients:
 
 class WholeVocab:
     """The rows of `linear_cross_entropy` when its weight holds the whole vocab: torch's log-softmax, so each
-    row's log-probabilities, and their gradient, are F.cross_entropy's.
+    row's log-probabilities, and their gradient, are F.cross_entropy's; with `fused` (--compile: `compile_head`)
+    one compiled kernel per chunk instead (`fused_rows`).
 
     What `linear_cross_entropy` asks of its `vocab` (tensor parallelism has its own, VocabShard in
     parallel/tensor_parallel/apply.py): `log_probs(xc, wc, targets, chunk, scale, grads)`, from x (N, C) and the weight
     (V, C) in the compute dtype, -> each row's fp32 log-probability of its target (N,) (any value where the target
     is IGNORE_INDEX), walking the rows `chunk` at a time; where `grads.needed`, it also hands `grads.add` each
-    chunk's d/dz of sum_r scale_r * -log p_r(target_r), (n, V) fp32: (softmax - one-hot) * scale.
+    chunk's d/dz of sum_r scale_r * -log p_r(target_r), (n, V): (softmax - one-hot) * scale.
     """
+
+    def __init__(self, fused: bool = False):
+        self.fused = fused
 
     def log_probs(
         self,
@@ -128,12 +133,14 @@ class WholeVocab:
             del g  # else it lives on beside the next chunk's logits, log-softmax and gradient: a 4th (n, V)
         return picked
 
-    @staticmethod
     def rows(
-        z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None
+        self, z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One chunk's whole logits z (n, V) (overwritten) -> (each row's log p(target) (n,), and with `scale` the
-        logits' gradient (n, V) fp32, else None), by F.cross_entropy's own kernels."""
+        logits' gradient (n, V), else None): eagerly by F.cross_entropy's own kernels (fp32: its bits), or `fused`
+        by one compiled kernel (`fused_rows`: the gradient in z's dtype, in z's storage)."""
+        if self.fused:
+            return compiled(fused_rows)(z, targets, scale), None if scale is None else z
         z = z.float()
         logp = torch.log_softmax(z, dim=-1)  # (n, V)
         t = targets.clamp(min=0).unsqueeze(-1)
@@ -145,7 +152,32 @@ class WholeVocab:
         return picked, torch._log_softmax_backward_data(grad_logp, logp, -1, torch.float32)
 
 
+def fused_rows(z: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's loss and gradient as one kernel (torch.compile: `compiled`), for logits z (n, V) in the compute
+    dtype -> each row's fp32 log p(target) (n,), and with `scale` (n,) z overwritten by (softmax - one-hot) * scale.
+    In fp32: the row's log-sum-exp m + log sum exp(z - m) (m its max), p = exp(z - lse); the gradient cast once, to
+    z's dtype, into z's storage. Inductor makes it one loop nest per row: the max, the sum, then the gradient,
+    three reads of z and one write (the eager path's passes: `compile_head`).
+    Not F.cross_entropy's bits (other sums, other exp): within the bound tests/test_loss.py derives."""
+    zf = z.float()
+    lse = torch.logsumexp(zf, dim=-1, keepdim=True)  # (n, 1)
+    t = targets.clamp(min=0).unsqueeze(-1)
+    picked = (zf.gather(-1, t) - lse).squeeze(-1)
+    if scale is not None:
+        hot = torch.arange(z.shape[-1], device=z.device) == t  # (n, V) one-hot, never materialised
+        z.copy_(((zf - lse).exp() - hot.float()) * scale.unsqueeze(-1))
+    return picked
+
+
+@functools.cache
+def compiled(fn: Callable) -> Callable:
+    """torch.compile of one of the head's per-chunk kernels (`fused_rows`, VocabShard's), once per process: its
+    graphs (one per chunk shape and whether a gradient is made; a shape seen twice compiles dynamic) are cached."""
+    return torch.compile(fn, fullgraph=True)
+
+
 WHOLE_VOCAB = WholeVocab()
+FUSED_WHOLE_VOCAB = WholeVocab(fused=True)
 
 
 _LOSS_SHARE: list[tuple[int, Callable | None]] = [(1, None)]  # the innermost `loss_share`'s (M, scale)
@@ -218,7 +250,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(
-    x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab=WHOLE_VOCAB, chunk_rows: int | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    vocab=None,
+    chunk_rows: int | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """cross_entropy(F.linear(x, weight), targets): lm_head and the mean cross-entropy over targets != -1 together,
     without the (..., V) logits or their log-softmax: GPT's default `head_loss`.
@@ -232,7 +269,9 @@ def linear_cross_entropy(
     loss is its bits where each chunk's logits are the whole matmul's (chunks of LOSS_CHUNK_ALIGN rows), and so is
     d(x) under an incoming gradient of 1 (or any power of 2: scaling by it is exact); dW is summed over the rows
     chunk by chunk: within 2*gamma_N*(|G|^T |X|) of one matmul; other incoming gradients scale after the
-    products: a few more roundings (tests/test_loss.py derives the bound)."""
+    products: a few more roundings (tests/test_loss.py derives the bound). `vocab`: default the whole vocab, each
+    chunk by torch's eager kernels, or with `fused` (--compile) by one compiled kernel (`fused_rows`)."""
+    vocab = vocab or (FUSED_WHOLE_VOCAB if fused else WHOLE_VOCAB)
     chunk_rows = chunk_rows or loss_chunk_rows(weight.shape[0], x.device.type)
     grad = torch.is_grad_enabled()
     need = (grad and x.requires_grad, grad and weight.requires_grad)
@@ -259,3 +298,18 @@ def head_output(owner: nn.Module, x: torch.Tensor, targets: torch.Tensor | None)
             "head_loss: its logits are this rank's vocab slice (loss parallelism)"
         )
     return None, owner.loss_fn(head(x), targets)
+
+
+def compile_head(owner: nn.Module) -> None:
+    """--compile (runtime/blocks.apply_compile): `owner`'s head_loss (GPT's linear_cross_entropy, TP's
+    vocab_parallel_cross_entropy, a last pipeline stage's copy of either) runs each chunk's loss and gradient through
+    one compiled kernel (`fused=True`). Per chunk of n rows, besides the logits' GEMM and the two gradient GEMMs
+    that read d(logits), the eager head makes these full-width (n, V) passes: z.float() (under autocast),
+    log_softmax (reads z, writes log p), z.zero_() (nll_loss's gradient), log-softmax's backward (reads that and
+    log p, writes d(logits) in fp32) and its cast to the compute dtype: 3 kernels in fp32, 5 under autocast, with
+    three (n, V) fp32 tensors alive. Fused: one loop nest per row (max, sum of exp, gradient: three reads of z, one
+    write of d(logits) in the compute dtype, into z), one (n, V) tensor alive. TP's loss-parallel head likewise
+    (first pass: .float(), amax, sub_, exp_, sum; second: .float(), sub_, exp_, div_, mul_, the cast; each pass
+    one kernel fused). Only the head: its GEMMs stay torch's."""
+    if getattr(owner, "head_loss", None) is not None:
+        owner.head_loss = functools.partial(owner.head_loss, fused=True)

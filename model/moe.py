@@ -42,16 +42,23 @@ def grouped_mm_runs(device: torch.device, dtype: torch.dtype, k: int, n: int) ->
     """Whether torch._grouped_mm multiplies rows (r, k) by E matrices (k, n) in `dtype` on `device` as a kernel of
     its own, reading nothing back to the host; else moe.grouped_linear loops over the experts. From the dtype and
     sizes alone: it allocates nothing.
-    - CPU: fp32 (its CPU kernel, the same products as the loop; under bf16 autocast the loop, as ever);
+    - CPU: fp32 (its CPU kernel, the same products as the loop; under bf16 autocast the loop, as ever, eagerly);
     - an accelerator: bf16 where its device module (torch.get_device_module) reports compute capability 9.x or
       10.x: the fast path of torch's CUDA _grouped_mm (CUTLASS, sm90/sm100; not on ROCm). Anywhere else it reads
       the group ends back (offs.cpu()) and loops itself: a hidden host sync per call, where the loop needs one
       per layer;
-    - rows and columns 16-byte aligned, and not inside torch.compile (torch 2.13's traced kernel takes bf16
-      only)."""
+    - inside torch.compile: bf16 only, wherever it is a kernel (the CPU's included: torch 2.13's traced
+      _grouped_mm takes bf16 only, and on the CPU gives the loop's bits, forward and backward; tests), so a
+      compiled MoE layer keeps the grouped kernel in bf16;
+    - rows and columns 16-byte aligned."""
     es = dtype.itemsize
-    if not hasattr(torch, "_grouped_mm") or torch.compiler.is_compiling() or (k * es) % 16 or (n * es) % 16:
+    if not hasattr(torch, "_grouped_mm") or (k * es) % 16 or (n * es) % 16:
         return False
+    if torch.compiler.is_compiling():
+        if dtype != torch.bfloat16:
+            return False
+        if device.type == "cpu":
+            return True
     if device.type == "cpu":
         return dtype == torch.float32
     if dtype != torch.bfloat16 or torch.version.hip or device.type == "meta":
@@ -86,17 +93,72 @@ def grouped_linear(
     - The grouped kernel: under autocast (which has no rule for it) x and w cast to the compute dtype, as
       autocast casts a matmul's operands, and the kernel run with autocast off.
     - The loop: one matmul per expert over w.unbind(0), under autocast if it is on. Not w[e]: each select's
-      backward makes a zero (E, K, N) tensor, E of them summed (E^2 K N); unbind's stacks the E gradients once."""
+      backward makes a zero (E, K, N) tensor, E of them summed (E^2 K N); unbind's stacks the E gradients once.
+      Inside torch.compile the loop is one custom op (`expert_loop`, operands cast as the grouped kernel's), so
+      its host read of the sizes is no graph break."""
     if runs_grouped(x, w):
         dtype = compute_dtype(x)
         with no_autocast(x.device.type):
             return torch._grouped_mm(x.to(dtype), w.to(dtype), offs=ends)
     if x.is_meta:  # shapes only (debug.diff's module order): no sizes to read
         return x.new_empty(x.shape[0], w.shape[2], dtype=compute_dtype(x))
+    if torch.compiler.is_compiling():  # the loop as one op the graph holds whole: its host read runs, not traced
+        dtype = compute_dtype(x)
+        with no_autocast(x.device.type):
+            return expert_loop(x.to(dtype), w.to(dtype), ends)[0]
     if not x.shape[0]:
         return x @ w[0]
     sizes = sizes if sizes is not None else torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     return torch.cat([xe @ we for xe, we in zip(x.split(sizes), w.unbind(0))])
+
+
+@torch.library.custom_op("gpt_moe::expert_loop", mutates_args=())
+def expert_loop(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """grouped_linear's per-expert loop as one custom op, for torch.compile where torch._grouped_mm is no kernel
+    (fp32): the graph holds the op whole, so the host read of the group sizes (`ends`, on x's device) happens when
+    the op runs, with no graph break. x (n, K) and w (E, K, N) of one dtype (grouped_linear casts them, autocast
+    off) -> (the eager loop's products (n, N), the group sizes (E,) (ends' dtype) on the host: backward's split, read
+    with no second sync)."""
+    sizes = torch.diff(ends, prepend=ends.new_zeros(1)).cpu()  # the one host read
+    if not x.shape[0]:
+        return x @ w[0], sizes
+    return torch.cat([xe @ we for xe, we in zip(x.split(sizes.tolist()), w.unbind(0))]), sizes
+
+
+@expert_loop.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape[0], w.shape[2]), torch.empty(w.shape[0], dtype=ends.dtype, device="cpu")
+
+
+@torch.library.custom_op("gpt_moe::expert_loop_backward", mutates_args=())
+def expert_loop_backward(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert_loop's gradients as autograd makes the eager loop's: per expert dx_e = dy_e w_e^T and dW_e = x_e^T dy_e
+    (MmBackward's products on row-major operands), dx the experts' rows in order, dW (E, K, N) stacked; `sizes` the
+    forward's host copy of the group sizes."""
+    sizes = sizes.tolist()
+    pairs = list(zip(x.split(sizes), dy.split(sizes), w.unbind(0)))
+    dx = torch.cat([dye.mm(we.t()) for _, dye, we in pairs])
+    return dx, torch.stack([xe.t().mm(dye) for xe, dye, _ in pairs])
+
+
+@expert_loop_backward.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _expert_loop_setup(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(inputs[0], inputs[1], output[1])
+
+
+def _expert_loop_grad(ctx, dy: torch.Tensor, _sizes_grad):
+    x, w, sizes = ctx.saved_tensors
+    dx, dw = expert_loop_backward(dy, x, w, sizes)
+    return dx, dw, None
+
+
+expert_loop.register_autograd(_expert_loop_grad, setup_context=_expert_loop_setup)
 
 
 class ExpertLinear(nn.Module):
@@ -155,8 +217,10 @@ class LocalDispatch:
         order = torch.sort(flat, stable=True).indices  # assignments grouped by expert
         counts = expert_counts(flat, experts.c_fc.weight.shape[0])
         rows = expert_rows(x, order, k)
-        # the per-expert loop needs the group sizes on the host (one read); torch._grouped_mm takes them on the device
-        sizes = None if rows.is_meta or runs_grouped(rows, experts.c_fc.weight) else self.split_sizes(counts, N * k)
+        # the per-expert loop needs the group sizes on the host (one read); torch._grouped_mm takes them on the
+        # device, and under torch.compile the loop is one op (moe.expert_loop) that reads them when it runs
+        on_device = rows.is_meta or runs_grouped(rows, experts.c_fc.weight) or torch.compiler.is_compiling()
+        sizes = None if on_device else self.split_sizes(counts, N * k)
         y = experts(rows, counts, sizes)  # (N*k, C), in `order`
         return torch.empty_like(y).index_copy_(0, order, y).view(N, k, -1)
 

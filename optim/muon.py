@@ -66,6 +66,32 @@ def zeropower_via_newtonschulz(
     return x.T if tall else x
 
 
+def zeropower_batched(
+    gs: list[torch.Tensor], ns_steps: int, coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = EPS
+) -> list[torch.Tensor]:
+    """`zeropower_via_newtonschulz` of each of gs, the matrices of one wide shape (m, n), m <= n (a tall matrix
+    transposed, as NS does) stacked into one (B, m, n) bf16 tensor: per step one bmm and two baddbmm for the
+    whole group, where one at a time makes 3 GEMMs per matrix. Each matrix divided by its own norm, then the op
+    sequence of the single-matrix one; each slice is the same matrix product as one matrix's, and on the CPU
+    the same bits whatever the batch holds (tests/test_muon.py); returned in gs' order and shapes."""
+    a, b, c = coefficients
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, g in enumerate(gs):
+        groups.setdefault((min(g.shape), max(g.shape)), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(gs)
+    for members in groups.values():
+        tall = [gs[i].size(0) > gs[i].size(1) for i in members]
+        x = torch.stack([gs[i].bfloat16().T if t else gs[i].bfloat16() for i, t in zip(members, tall)])  # (B, m, n)
+        x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
+        for _ in range(ns_steps):
+            gram = torch.bmm(x, x.mT)  # (B, m, m)
+            gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, gram_update, x, beta=a)
+        for i, t, xi in zip(members, tall, x.unbind(0)):
+            out[i] = xi.T if t else xi
+    return out
+
+
 def ns_flops(shape: tuple[int, int], ns_steps: int) -> int:
     """Newton-Schulz's matmul FLOPs for one (rows, cols) matrix, m = min, n = max: per step X X^T (2 m^2 n),
     A A (2 m^3), (.) X (2 m^2 n)."""
@@ -94,8 +120,9 @@ class Piece(NamedTuple):
 class Ledger:
     """How many times this rank orthogonalised each matrix in the last step (by key): summed over the ranks,
     every Muon matrix must be 1 (none skipped, none done twice). Also what the benchmark reads: `ns_seconds()`,
-    the time this rank spent in Newton-Schulz in the last step (`timer`: device.make_timer's, marks around each
-    NS call), and `sent_bytes`, what the layout's exchange sends per step from this rank (0 on one process)."""
+    the time this rank spent in Newton-Schulz in the last step (`timer`: device.make_timer's, one pair of marks
+    around the step's batched NS: on CUDA two events a step, whatever the matrices), and `sent_bytes`, what the
+    layout's exchange sends per step from this rank (0 on one process)."""
 
     def __init__(self, timer: HostTimer | DeviceTimer | None = None) -> None:
         self.counts: Counter[str] = Counter()
@@ -108,11 +135,13 @@ class Ledger:
     def add(self, key: str) -> None:
         self.counts[key] += 1
 
-    def newton_schulz(self, key: str, g: torch.Tensor, ns_steps: int) -> torch.Tensor:
-        """Count `key` and orthogonalise g, timed."""
-        self.add(key)
+    def newton_schulz(self, keys: list[str], gs: list[torch.Tensor], ns_steps: int) -> list[torch.Tensor]:
+        """Count each of `keys` and orthogonalise their matrices gs, same shapes batched (`zeropower_batched`),
+        timed as one interval."""
+        for key in keys:
+            self.add(key)
         self.marks.append(self.timer.mark())
-        out = zeropower_via_newtonschulz(g, ns_steps)
+        out = zeropower_batched(gs, ns_steps)
         self.marks.append(self.timer.mark())
         return out
 
@@ -128,7 +157,7 @@ class Ledger:
 
 def orthogonalize_locally(pieces: list[Piece], ns_steps: int, ledger: Ledger) -> list[torch.Tensor]:
     """One process (or a layout whose every rank holds every matrix whole and wants all of them): NS of each."""
-    return [ledger.newton_schulz(piece.key, piece.update.view(piece.shape), ns_steps) for piece in pieces]
+    return ledger.newton_schulz([p.key for p in pieces], [p.update.view(p.shape) for p in pieces], ns_steps)
 
 
 class Hold(NamedTuple):
@@ -142,14 +171,15 @@ class Hold(NamedTuple):
     lo: int
     hi: int
 
-    def positions(self, shape: tuple[int, int]) -> slice | torch.Tensor:
+    def positions(self, shape: tuple[int, int], device: torch.device | str = "cpu") -> slice | torch.Tensor:
         """These elements' positions in the whole matrix flattened row-major, in this rank's order: a slice where
-        they are consecutive (whole, row slices, flat ranges of them), else an index (column slices)."""
+        they are consecutive (whole, row slices, flat ranges of them), else an index (column slices) made on
+        `device` (the exchange's: built once there, so indexing a device tensor copies nothing from the host)."""
         R, C = shape
         if self.tp_dim == 1 and self.tp_size > 1:
             c = C // self.tp_size
-            cols = self.tp_rank * c + torch.arange(c)
-            return (torch.arange(R)[:, None] * C + cols[None, :]).reshape(-1)[self.lo : self.hi]
+            cols = self.tp_rank * c + torch.arange(c, device=device)
+            return (torch.arange(R, device=device)[:, None] * C + cols[None, :]).reshape(-1)[self.lo : self.hi]
         base = self.tp_rank * (R // self.tp_size) * C if self.tp_dim == 0 else 0
         return slice(base + self.lo, base + self.hi)
 
@@ -215,29 +245,41 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Momentum for every slot with a gradient (foreach lerps), NS of every matrix (`orthogonalize`: batched,
+        and it may communicate, so every rank calls it, with or without pieces), then weight decay (a foreach mul)
+        and the update (a foreach add per distinct adjusted lr): torch.optim.Muon's elementwise ops, per tensor
+        the same ones, so the same bits."""
         self.ledger.reset()
         group = self.param_groups[0]
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        stepped, pieces = [], []
-        for slot in self.slots:
-            grad = slot.grad()
-            if grad is None:
-                continue
-            state = self.state[slot.param]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - mu)
-            update = grad.lerp(buf, mu) if group["nesterov"] else buf
-            stepped.append(slot)
-            pieces += [Piece(key, shape, view(update)) for key, shape, view, _ in slot.matrices]
+        stepped = [(slot, g) for slot in self.slots if (g := slot.grad()) is not None]
+        grads, bufs = [g for _, g in stepped], [self._buffer(slot.param, g) for slot, g in stepped]
+        if stepped:
+            torch._foreach_lerp_(bufs, grads, 1 - mu)
+        updates = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] and stepped else bufs
+        pieces = [
+            Piece(key, shape, view(u))
+            for (slot, _), u in zip(stepped, updates)
+            for key, shape, view, _ in slot.matrices
+        ]
         results = iter(self.orthogonalize(pieces))
-        for slot in stepped:
-            slot.param.mul_(1 - lr * wd)
+        if not stepped:
+            return
+        torch._foreach_mul_([slot.param for slot, _ in stepped], 1 - lr * wd)
+        by_lr: dict[float, tuple[list, list]] = {}  # -adjusted lr -> (the parameters' views, their NS results)
+        for slot, _ in stepped:
             for _key, shape, view, _ in slot.matrices:
-                view(slot.param).add_(
-                    next(results).view(view(slot.param).shape), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape)
-                )
+                views, outs = by_lr.setdefault(-adjusted_lr(lr, group["adjust_lr_fn"], shape), ([], []))
+                views.append(view(slot.param))
+                outs.append(next(results).view(views[-1].shape))
+        for alpha, (views, outs) in by_lr.items():
+            torch._foreach_add_(views, outs, alpha=alpha)
+
+    def _buffer(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
 
 
 class MuonAdamW(torch.optim.Optimizer):

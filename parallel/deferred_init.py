@@ -1,8 +1,7 @@
 """Deferred init's last step: a model built on `meta` gets real storage and its init values, rank-locally, for
 whatever the parallelisms before it left on meta (`parallelize` step 3). TP and EP materialise their own slices
 as they cut (parallel/tensor_parallel/apply.py, parallel/expert_parallel/dispatch.py), our sharding engine one unit at
-a time
-(parallel/data_parallel/fsdp.py); here, the rest, DTensor parameters as their local slices only.
+a time (parallel/data_parallel/fsdp.py); here, the rest, DTensor parameters as their local slices only.
 """
 
 from __future__ import annotations

@@ -13,11 +13,13 @@
     5. the pipeline runner over mesh["pp"]          (runs the schedule through whatever 1-4 made)
 
 Each step is an `apply_*` function looked up in `APPLY` by (implementation, what): "custom" are ours, below;
-"pytorch" are PyTorch's own (parallel/twins/), on the same mesh. A step takes (model, mesh, cfg, device) and
-returns what it made: the model, or a `Cut` (the model, and how each micro-batch is cut to this rank's tokens
-or wrapped in a context); `protocol` then adapts the data-parallel wrapper to what the trainer asks
-(parallel/protocol.py) and `apply_runner` builds the pipeline runner. `parallelize` alone assigns what the
-steps return. A new dimension is one more entry (docs/adding-a-dimension.md).
+"pytorch" are PyTorch's own, on the same mesh, reached only through parallel/twins/'s one table (`STEPS`). A step
+takes (model, mesh, cfg, device) and returns what it made: the model, or a `Cut` (the model, and how each
+micro-batch is cut to this rank's tokens or wrapped in a context). `protocol` then adapts the data-parallel wrapper
+to what the trainer asks (parallel/protocol.py); from then on the wrapper is spoken to only through it, never asked
+which class it is. `apply_runner` builds the pipeline runner, handed what it runs besides the stage: the record,
+the split backward (zero-bubble schedules only), the sharding engine. `parallelize` alone assigns what the steps
+return. A new dimension is one more entry (docs/adding-a-dimension.md).
 
 `Parallelized` is what the trainer sees: `forward_backward`, `forward_only`, `mean_loss`, `clip_grad_norm_`
 and what the wrapper answers (optimizer groups, checkpoint parts, state bytes), the same for every layout.
@@ -33,23 +35,23 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from model.gpt import GPT
+from model.gpt import GPT, materialize_module
 from model.loss import loss_share
-from parallel import comm
+from parallel import comm, twins
 from parallel.context_parallel.ring import apply_context_parallel, zigzag_share
 from parallel.data_parallel.flat_param import ZERO_STAGES
 from parallel.data_parallel.fsdp import FullyShardedDataParallel
+from parallel.data_parallel.fsdp_extensions import PipelineAndExperts
 from parallel.deferred_init import materialize
 from parallel.expert_parallel.dispatch import ExpertBalance, apply_expert_parallel
 from parallel.grads import AgreeingGradScaler, clip_grad_norm_, grad_groups
 from parallel.mesh import Mesh
+from parallel.pipeline import zero_bubble
+from parallel.pipeline.parts import GPT_PARTS
+from parallel.pipeline.record import StepRecord
 from parallel.pipeline.runner import PipelineRunner, PipelineStage, embedding_group, sharded_units
-from parallel.pipeline.schedule import V_SCHEDULES
+from parallel.pipeline.schedule import SPLIT_SCHEDULES, V_SCHEDULES
 from parallel.protocol import Accumulating, Cut, DataParallel, Placement, Replicated, Sharded
-from parallel.twins import context_parallel as cp_twin
-from parallel.twins import data_parallel as dp_twin
-from parallel.twins import pipeline as pp_twin
-from parallel.twins import tensor_parallel as tp_twin
 from runtime.blocks import AC_COUNTER, apply_activation_checkpointing, apply_compile, compiled_graphs
 from runtime.device import to_device
 from runtime.metrics import expert_record
@@ -213,22 +215,8 @@ class Parallelized:
 
     def parameter_tensors(self) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]] | None]:
         """(fixed, moving): the tensors holding parameter values (memory.SavedActivations leaves their storages
-        out of the activations). fixed: storages that stay put through a step (plain parameters, DTensor
-        shards, our engine's shards); moving: what regrows storage between uses, read afresh: our engine's flat
-        buffers (its original parameters are views of them), or under PyTorch's fully_shard every parameter
-        (swapped for its unsharded copy around each use). None when nothing moves."""
-        from torch.distributed.fsdp import FSDPModule
-
-        fixed = list(self.model.parameters())
-        if self.fsdp is not None:
-            units = self.fsdp.units
-            return fixed, lambda: [u.flat for u in units]
-        if any(isinstance(m, FSDPModule) for m in self.model.modules()):  # it swaps the entries of _parameters
-            slots = [
-                (m._parameters, n) for m in self.model.modules() for n, p in m._parameters.items() if p is not None
-            ]
-            return [], lambda: [d[n] for d, n in slots]
-        return fixed, None
+        out of the activations), as the wrapper answers them (`DataParallel.parameter_tensors`)."""
+        return self.dp.parameter_tensors()
 
     def make_grad_scaler(self) -> AgreeingGradScaler:
         """fp16's GradScaler whose ranks agree on found-inf (parallel/grads.py)."""
@@ -264,13 +252,15 @@ class Parallelized:
 
     @property
     def fsdp(self) -> FullyShardedDataParallel | None:
-        return self.model if isinstance(self.model, FullyShardedDataParallel) else None
+        """Our sharding engine, whose shards the optimizer steps, as the wrapper's protocol names it (None for
+        every other wrapper)."""
+        return self.dp.fsdp
 
     def runner_args(self, cfg: ParallelConfig) -> dict:
         """What a pipeline runner takes, from the mesh: the pp group and its link groups (NCCL), the tied-embedding
         group (every rank of the world builds every pipeline's, member or not), the activations' dtype and shape
-        between chunks."""
-        fsdp = self.fsdp
+        between chunks; and what it runs besides the stage: the step's record, the split backward for the
+        zero-bubble schedules only (parallel/pipeline/zero_bubble.py), our sharding engine (the protocol's)."""
         v_shape = cfg.pp_schedule in V_SCHEDULES  # one rank holds both ends: no embedding group
         return {
             "group": self.mesh["pp"].group,
@@ -279,7 +269,9 @@ class Parallelized:
             "act_dtype": activation_dtype(cfg, self.engine),
             "seq_shard": self.mesh["tp"].size if cfg.sequence_parallel else 1,
             "device": self.device,
-            **({"engine": fsdp} if fsdp is not None else {}),
+            "record": StepRecord(self.device),
+            "split_backward": zero_bubble.split_backward if cfg.pp_schedule in SPLIT_SCHEDULES else None,
+            "engine": self.dp.fsdp,
         }
 
 
@@ -289,10 +281,10 @@ class Parallelized:
 
 
 def apply_pp(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> PipelineStage:
-    """Our pipeline stage (parallel/pipeline/runner.py): this pp rank's chunks of the GPT, nothing of the others'."""
-    return PipelineStage(
-        model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers, v_shape=cfg.pp_schedule in V_SCHEDULES
-    )
+    """Our pipeline stage (parallel/pipeline/runner.py): this pp rank's chunks of the GPT, nothing of the others',
+    running the GPT's own head, side losses and init (parallel/pipeline/parts.py)."""
+    pp, v_shape = mesh["pp"], cfg.pp_schedule in V_SCHEDULES
+    return PipelineStage(model, pp.rank, pp.size, cfg.pp_virtual, cfg.pp_layers, v_shape, parts=GPT_PARTS)
 
 
 def apply_cp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> Cut:
@@ -320,19 +312,21 @@ def apply_tp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.de
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> FullyShardedDataParallel:
     """Our sharding engine at the ZeRO stage of cfg.dp_type, sharded over mesh["fsdp"] (dp_shard x cp), with
-    HSDP replicated over mesh["dp_replicate"]; a pipeline stage's tied matrix a unit of its own."""
+    HSDP replicated over mesh["dp_replicate"]; composed with what the pipeline and EP add (a pipeline stage's tied
+    matrix a unit of its own, the experts' units over their own group); on meta, materialised one unit at a time
+    by the GPT's own init at the run's seed."""
     meta = any(p.is_meta for p in model.parameters())
-    rep = mesh["dp_replicate"]
+    rep, group = mesh["dp_replicate"], mesh["fsdp"].group
     return FullyShardedDataParallel(
         model,
-        process_group=mesh["fsdp"].group,
+        process_group=group,
         param_dtype=cfg.param_dtype,
         reduce_dtype=cfg.reduce_dtype,
         device=device,
-        deferred_init_seed=cfg.seed if meta else None,
+        materialize=partial(materialize_module, config=model.config, seed=cfg.seed, device=device) if meta else None,
         zero_stage=ZERO_STAGES[cfg.dp_type],
         replicate_group=rep.group if rep.enabled else None,
-        separate=sharded_units(model) if isinstance(model, PipelineStage) else None,
+        extras=PipelineAndExperts(model, group, sharded_units(model) if mesh["pp"].enabled else None),
     )
 
 
@@ -346,12 +340,14 @@ def apply_ddp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.d
 
 
 def protocol(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, at: Placement, groups: dict) -> DataParallel:
-    """What the trainer asks of our data-parallel wrapper (parallel/protocol.py), once its parameters are final:
-    `Sharded` for the sharding engine (checkpoint writers: replica 0 of HSDP), `Accumulating` for DDP (writers:
-    loss rank 0), `Replicated` without one."""
-    if isinstance(model, FullyShardedDataParallel):
+    """What the trainer asks of our data-parallel wrapper (parallel/protocol.py), once its parameters are final,
+    by the engine the layout asked for (`engine_of`, not the class of what it holds): `Sharded` for the sharding
+    engine (checkpoint writers: replica 0 of HSDP), `Accumulating` for DDP (writers: loss rank 0), `Replicated`
+    without one."""
+    engine = engine_of("custom", cfg, mesh)
+    if engine == "fsdp":
         return Sharded(model, replace(at, replica_rank=mesh["dp_replicate"].rank))
-    if hasattr(model, "reduce_on_exit"):  # our DDP
+    if engine == "ddp":
         return Accumulating(model, replace(at, replica_rank=mesh["loss"].rank), groups)
     return Replicated(model, at, groups)
 
@@ -371,23 +367,25 @@ def apply_runner(stage: PipelineStage, mesh: Mesh, cfg: ParallelConfig, **runner
 
 APPLY: dict[tuple[str, str], Callable] = {
     ("custom", "pp"): apply_pp,
-    ("pytorch", "pp"): pp_twin.apply_pp,
     ("custom", "cp"): apply_cp,
-    ("pytorch", "cp"): cp_twin.apply_cp,
     ("custom", "tp"): apply_tp,
-    ("pytorch", "tp"): tp_twin.apply_tp,
     ("custom", "ep"): apply_ep,  # PyTorch 2.13 has no expert-parallel wrapper: config refuses the twin
     ("custom", "fsdp"): apply_fsdp,
-    ("pytorch", "fsdp"): dp_twin.apply_fsdp,
     ("custom", "ddp"): apply_ddp,
-    ("pytorch", "ddp"): dp_twin.apply_ddp,
     ("custom", "protocol"): protocol,
-    ("pytorch", "protocol"): dp_twin.protocol,
     ("custom", "runner"): apply_runner,
-    ("pytorch", "runner"): pp_twin.apply_runner,
+    **{("pytorch", what): step for what, step in twins.STEPS.items()},
 }
 # which engine a dp_type runs on: ours shard on one engine; torch's ZeRO-1 is DDP + ZeroRedundancyOptimizer
 ENGINE = {"ddp": "ddp", "zero1": "fsdp", "zero2": "fsdp", "fsdp": "fsdp"}
+
+
+def engine_of(impl: str, cfg: ParallelConfig, mesh: Mesh) -> str | None:
+    """The data-parallel engine a layout runs on: "ddp", "fsdp" or None (no data parallelism: one loss rank)."""
+    dp_type = cfg.dp_type if mesh["loss"].enabled else None
+    return "ddp" if impl == "pytorch" and dp_type == "zero1" else ENGINE.get(dp_type)
+
+
 CUTS = ("cp", "ep", "tp")  # the dimensions that cut each layer, in order (each returns a model or a Cut)
 
 
@@ -413,8 +411,7 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
         apply_activation_checkpointing(parallelized.model, cfg.activation_checkpointing, cfg.ac_every)
     if cfg.compile:
         apply_compile(parallelized.model)
-    dp_type = cfg.dp_type if mesh["loss"].enabled else None
-    engine = parallelized.engine = "ddp" if impl == "pytorch" and dp_type == "zero1" else ENGINE.get(dp_type)
+    engine = parallelized.engine = engine_of(impl, cfg, mesh)
     if engine == "fsdp":
         parallelized.model = APPLY[impl, "fsdp"](parallelized.model, mesh, cfg, device)
     materialize(parallelized.model, cfg.seed, device)

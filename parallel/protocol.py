@@ -11,6 +11,8 @@ that `Parallelized` (parallel/parallelize.py) only delegates and never asks whic
     checkpoint_parts(optimizer)     what this rank holds of the training state, and who writes it (`Params`,
                                     `Buffers`, `FlatShards`: checkpoints/entries.py makes them entries)
     checkpoint_optimizer(optimizer) the AdamW whose step count and hyperparameters a checkpoint records
+    parameter_tensors()             (fixed, moving): the tensors that hold parameter values, for memory's accounting
+    fsdp                            our sharding engine, whose shards the optimizer steps (None for every other)
 
 `Replicated` is the default: parameters as they are (no data parallelism, or a wrapper that keeps whole
 replicas); `Accumulating` adds DDP's local accumulation; `Sharded` is our FSDP / ZeRO engine.
@@ -81,6 +83,7 @@ Part = Params | Buffers | FlatShards
 
 class DataParallel(Protocol):
     model: nn.Module
+    fsdp: nn.Module | None
 
     def param_groups(self, weight_decay: float) -> list[dict]: ...
     def make_optimizer(self, weight_decay: float, **adamw) -> torch.optim.Optimizer: ...
@@ -91,6 +94,7 @@ class DataParallel(Protocol):
     def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]: ...
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> list[Part]: ...
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer: ...
+    def parameter_tensors(self) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]] | None]: ...
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,8 @@ class Placement:
 class Replicated:
     """Parameters as they are: no data parallelism, or whole replicas (torch DDP under a pipeline, whose
     PipelineStage syncs). `groups`: for each parameter name, the groups its gradient is sharded over (TP)."""
+
+    fsdp = None
 
     def __init__(self, model: nn.Module, at: Placement, groups: dict[str, tuple], sharded_as: dict | None = None):
         self.model, self.at, self.sharded_as = model, at, sharded_as or {}
@@ -146,6 +152,10 @@ class Replicated:
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
 
+    def parameter_tensors(self) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]] | None]:
+        """(fixed, moving): the parameters, whose storages stay put through a step; nothing moves."""
+        return list(self.model.parameters()), None
+
     def checkpoint_parts(self, optimizer: torch.optim.Optimizer) -> list[Part]:
         a = self.at
         return [
@@ -168,12 +178,11 @@ class Accumulating(Replicated):
 
 class Sharded:
     """Our FSDP / ZeRO-1/2 / HSDP engine (parallel/data_parallel/fsdp.py): it answers groups, norms, state and the
-    ZeRO-1/2
-    refresh itself; this adds what needs the other dims (TP slices, the replica index, the lm_head copy).
+    ZeRO-1/2 refresh itself; this adds what needs the other dims (TP slices, the replica index, the lm_head copy).
     ZeRO-1 accumulates its micro-steps locally (reduced on the last one, or on a pipeline step's exit)."""
 
     def __init__(self, fsdp, at: Placement):
-        self.model, self.at = fsdp, at
+        self.model, self.fsdp, self.at = fsdp, fsdp, at
         tp = {n: tuple(m.group for m in marks) for n, marks in fsdp.shard_marks.items()}
         self._norm_items = fsdp.grad_norm_items({**tp, **({"lm_head.weight": None} if at.lm_head_copy else {})})
         self._local = fsdp.policy.reduces_at_end  # ZeRO-1
@@ -192,14 +201,48 @@ class Sharded:
 
     def step_sync(self) -> ContextManager:
         """ZeRO-1: accumulate, reduce once on exit; ZeRO-2/3: reduce per micro-batch (at B, or after the last W
-        that completes it under a zero-bubble schedule), and wait for the last ones on exit."""
-        return self.model.reduce_on_exit() if self._local else self.model.finish_on_exit()
+        that completes it under a zero-bubble schedule), and wait for the last ones on exit (no end-of-backward
+        callback waits for what W reduced)."""
+        return self._reduce_on_exit() if self._local else self._finish_on_exit()
+
+    @contextlib.contextmanager
+    def _reduce_on_exit(self):
+        with self.model.no_sync():
+            yield
+        self.model.reduce_accumulated()
+
+    @contextlib.contextmanager
+    def _finish_on_exit(self):
+        yield
+        self.model.reduction.finish()
 
     def after_optimizer_step(self) -> None:
         self.model.after_optimizer_step()
 
     def state_breakdown(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        return self.model.state_breakdown(optimizer)
+        """Bytes this rank holds, {"params", "grads", "optimizer"}: shards and (ZeRO-1/2) the full copies;
+        shard gradients and full ones (ZeRO-1's buffers, or kept under no_sync); `optimizer`'s state of every
+        tensor in a shard (its pieces, or views of them: --optimizer muon steps views).
+        Distinct storages, padding included; a ZeRO-3 unit gathered right now counts too."""
+        from runtime.memory import storage_bytes_by_kind, storage_key
+
+        params, grads, moments = [], [], []
+        for unit in self.model.units:
+            params += [unit.shard, unit.flat]
+            grads += [p.grad for p, _, _ in unit.pieces if p.grad is not None]
+            grads += [t for t in (unit.flat.grad, unit.acc_grad) if t is not None]
+        if optimizer is not None:  # the state of every tensor in a shard: its pieces, or views of them (Muon's)
+            shards = {storage_key(unit.shard.untyped_storage()) for unit in self.model.units}
+            for p, state in optimizer.state.items():
+                if storage_key(p.untyped_storage()) in shards:
+                    moments += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return storage_bytes_by_kind({"params": params, "grads": grads, "optimizer": moments})
+
+    def parameter_tensors(self) -> tuple[list[torch.Tensor], Callable[[], list[torch.Tensor]] | None]:
+        """(fixed, moving): the shards stay put; the flat buffers (the original parameters are views of them)
+        regrow storage between uses, read afresh."""
+        units = self.model.units
+        return list(self.model.parameters()), lambda: [u.flat for u in units]
 
     def checkpoint_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer

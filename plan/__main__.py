@@ -16,7 +16,7 @@ import json
 import sys
 
 from model.gpt import PRESETS as MODELS
-from plan.cluster import PRESETS, Cluster, parse_memory
+from plan.cluster import PRESETS, Cluster, efficiency_for, parse_memory
 from plan.search import candidates, model_flags, model_refusal
 from trainer.config import Parser, UsageError, error_line
 
@@ -46,7 +46,13 @@ def parser() -> Parser:
     a("--peak_flops", type=float, default=None, help="override the preset's dense bf16 FLOP/s")
     a("--intra_bw", type=float, default=None, help="bytes/s per GPU per direction inside a node")
     a("--inter_bw", type=float, default=None, help="bytes/s per GPU per direction between nodes")
-    a("--efficiency", type=float, default=0.5, help="the fraction of peak FLOP/s compute runs at")
+    a(
+        "--efficiency",
+        type=float,
+        default=None,
+        help="the fraction of peak FLOP/s compute runs at (default: the GPU check's measurement for --gpu in "
+        "results/gpu/efficiency.json, else 0.5, assumed)",
+    )
     a("--headroom", type=float, default=0.9, help="the fraction of GPU memory a layout may plan to use")
     a("--pp", type=int, default=None, help="only this pipeline size")
     a("--tp", type=int, default=None, help="only this tensor-parallel size")
@@ -173,6 +179,29 @@ def explain(c) -> str:
     return "\n".join(lines)
 
 
+def print_table(a: argparse.Namespace, cluster: Cluster, fits: list, accepted: int, verdicts: dict, pace: str) -> None:
+    """The text output: what was planned (and at which efficiency), the top layouts, and any verdicts."""
+    print(
+        f"{a.model} on {a.gpus} x {cluster.name} ({cluster.memory / GiB:.0f} GiB), seq_len {a.seq_len}, "
+        f"{a.total_batch_size} tokens/step, {a.dtype}: {len(fits)} of {accepted} accepted layouts fit; {pace}"
+    )
+    check = " verified |" if verdicts else ""
+    print(
+        f"| layout |{check} step ms | peak GiB | state GiB | saved act. GiB | sent GiB/step | command |\n"
+        f"|---|{'---|' if verdicts else ''}---|---|---|---|---|---|"
+    )
+    for c in fits[: max(a.top, a.verify)]:
+        print(row(c, cluster.memory, mark(verdicts.get(c.name)) if verdicts else None))
+    if verdicts:
+        from sim.verify import HEADER, table_row
+
+        print(f"\nverified by simulation (python -m sim.verify):\n{HEADER}")
+        for name, v in verdicts.items():
+            print(table_row(name, v.table))
+        for name, v in verdicts.items():
+            print("".join(f"{name}: finding: {f}\n" for f in v.findings), end="")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         a = parser().parse_args(argv)
@@ -188,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
             "dp_type": a.dp_type,
             "ac": a.ac,
         }
-        every = candidates(model_flags(a), cluster, sizes, constraints, a.efficiency)
+        efficiency, source = (
+            (a.efficiency, "--efficiency") if a.efficiency is not None else efficiency_for(cluster.name)
+        )
+        pace = f"compute at {efficiency:g} of peak FLOP/s ({source})"
+        every = candidates(model_flags(a), cluster, sizes, constraints, efficiency)
         if not every:  # the model's own flags refused (an unknown preset, say) are named, not the batch's
             raise UsageError(
                 model_refusal(model_flags(a), sizes[0])
@@ -211,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             match = [c for c in every if c.name == a.explain]
             if not match:
                 raise UsageError(f"--explain {a.explain!r} is not an accepted layout; the table names them")
-            print(explain(match[0]))
+            print(f"{explain(match[0])}\n  {pace}")
             return 0
         if not fits:
             least = min(every, key=lambda c: c.predicted["peak_memory_bytes"])
@@ -247,25 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print()
         return 1 if failed else 0
-    print(
-        f"{a.model} on {a.gpus} x {cluster.name} ({cluster.memory / GiB:.0f} GiB), seq_len {a.seq_len}, "
-        f"{a.total_batch_size} tokens/step, {a.dtype}: {len(fits)} of {len(every)} accepted layouts fit"
-    )
-    check = " verified |" if verdicts else ""
-    print(
-        f"| layout |{check} step ms | peak GiB | state GiB | saved act. GiB | sent GiB/step | command |\n"
-        f"|---|{'---|' if verdicts else ''}---|---|---|---|---|---|"
-    )
-    for c in fits[: max(a.top, a.verify)]:
-        print(row(c, cluster.memory, mark(verdicts.get(c.name)) if verdicts else None))
-    if verdicts:
-        from sim.verify import HEADER, table_row
-
-        print(f"\nverified by simulation (python -m sim.verify):\n{HEADER}")
-        for name, v in verdicts.items():
-            print(table_row(name, v.table))
-        for name, v in verdicts.items():
-            print("".join(f"{name}: finding: {f}\n" for f in v.findings), end="")
+    print_table(a, cluster, fits, len(every), verdicts, pace)
     return 1 if failed else 0
 
 

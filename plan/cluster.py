@@ -24,13 +24,27 @@ every preset: NCCL's per-hop cost (~1 to 6 us, above) is inside the 10 us a call
 (bench/plan_rank.py measures it): a hop is a message whose receiver's threads must be woken and run before it
 forwards the next, 0.5 to 0.6 ms with 2 ranks on 2 cores, 1.1 to 1.2 ms with 4, whatever the bytes up to 512 KB
 (docs/planner.md, "Hops").
+
+Efficiency = the fraction of `peak_flops` a step's compute runs at (plan/search.py step_time). EFFICIENCY, 0.5, is
+an assumption that nothing has measured: the "113 ms a step" the planner gives GPT-2 124M on 8 x H100 rests on it.
+The GPU check measures it (scripts/gpu_check.py, the compiled recipe row: train.py --compile on GPT-2 124M in bf16
+at the recipe's micro-batch 64 x 1024, whose median MFU counts the FLOPs plan/counts.step_flops counts, against
+the same datasheet peak) and writes it to <report>/efficiency.json, keyed by preset; `efficiency_for` reads
+results/gpu/efficiency.json when it is there, and `python -m plan` prints which number it used and where it came
+from.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 GiB = 2**30
+EFFICIENCY = 0.5  # assumed, not measured (module docstring)
+MEASURED = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "gpu", "efficiency.json"
+)
 
 
 @dataclass(frozen=True)
@@ -84,3 +98,30 @@ def link_of(dim: str, sizes: dict[str, int], gpus_per_node: int) -> str:
     for d in reversed(order[order.index(dim) + 1 :]):
         stride *= sizes[d]
     return "intra" if stride * sizes[dim] <= gpus_per_node else "inter"
+
+
+def preset_of(device_name: str) -> str | None:
+    """The preset a CUDA device name (torch.cuda.get_device_name) is, or None: 'NVIDIA H100 80GB HBM3' -> h100-sxm
+    (the PCIe and NVL H100s are other parts: runtime/metrics.DATASHEET_BF16), 'NVIDIA H200' -> h200,
+    'NVIDIA A100-SXM4-80GB' -> a100-80gb."""
+    if "H100" in device_name:
+        return None if "PCIe" in device_name or "NVL" in device_name else "h100-sxm"
+    if "H200" in device_name:
+        return "h200"
+    if "A100" in device_name:
+        return "a100-80gb" if "80GB" in device_name else "a100-40gb"
+    return None
+
+
+def efficiency_for(gpu: str, path: str = MEASURED) -> tuple[float, str]:
+    """(efficiency, where it comes from) for preset `gpu`: the GPU check's measurement in `path` when it holds one
+    for `gpu`, else EFFICIENCY, assumed."""
+    try:
+        with open(path) as f:
+            got = json.load(f).get(gpu)
+    except (OSError, ValueError, AttributeError):
+        got = None
+    if isinstance(got, dict) and isinstance(got.get("efficiency"), (int, float)) and 0 < got["efficiency"] <= 1:
+        where = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+        return float(got["efficiency"]), f"measured on {got.get('device', gpu)}, {got.get('date', '?')}: {where}"
+    return EFFICIENCY, "assumed, not measured: plan/cluster.py EFFICIENCY; scripts/gpu_check.py measures it"

@@ -20,7 +20,7 @@ stay outside and run eagerly once per forward and once per backward.
     calls, so such a policy would silently re-run or drop them. Block granularity composes with every
     wrapper here, and its trade-off is one number.
 - **torch.compile** compiles each Block's forward (after AC, so the checkpoint is inside the compiled
-  region). Hooks stay eager, as above.
+  region), and the loss head's per-chunk softmax and gradient (model/loss.compile_head). Hooks stay eager.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
+
+from model.loss import compile_head
 
 AC_MODES = ("none", "full", "selective")
 
@@ -92,9 +94,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 2) 
 
 
 def apply_compile(model: nn.Module) -> None:
-    """torch.compile each Block's forward (its hooks stay eager)."""
+    """torch.compile each Block's forward (its hooks stay eager), and the loss head's per-chunk kernels
+    (model/loss.compile_head: its GEMMs stay eager)."""
     for _, block in blocks_by_index(model):
         block.forward = torch.compile(block.forward)
+    compile_head(model)
 
 
 def compiled_graphs() -> int:

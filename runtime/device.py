@@ -17,14 +17,29 @@ import torch.distributed as dist
 
 def pick_device(requested: str = "auto") -> torch.device:
     """'auto' is the accelerator when there is one, else the CPU. Under torchrun each rank takes the GPU
-    numbered by its LOCAL_RANK."""
+    numbered by its LOCAL_RANK.
+
+    More ranks on this machine than GPUs (torchrun's LOCAL_WORLD_SIZE, else LOCAL_RANK + 1, against
+    `torch.cuda.device_count()`) is refused with a ValueError (train.py's one line and exit 2), not run on the
+    CPU: every local rank sees the same two numbers, so all of them refuse before any group forms, where a
+    fallback would make a GPU box run 100x slower without saying so, and a node that fell back while another
+    did not would mix gloo and NCCL in one job. The message names both ways out: `--device cpu`, or
+    `--nproc_per_node` at most the device count."""
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError(f"--device {requested} asked for but no CUDA device is available")
-    return torch.device(requested, int(os.environ.get("LOCAL_RANK", 0)))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)), local_rank + 1)
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        raise ValueError(
+            f"{local_ranks} ranks on this machine but {gpus} CUDA device(s): two ranks can't share a GPU; "
+            f"pass --device cpu, or launch with torchrun --nproc_per_node={gpus} (at most the device count)"
+        )
+    return torch.device(requested, local_rank)
 
 
 def backend_for(device: torch.device) -> str:
@@ -73,6 +88,17 @@ def record_event(device: torch.device) -> Callable[[], None]:
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return event.synchronize
+
+
+def stream_marker(device: torch.device) -> Callable[[], bool]:
+    """Whether `device` has finished the work enqueued so far on its current stream: a CUDA event's query()
+    (it does not block); on the CPU the work is done when enqueued, so True. The flight recorder's completion of
+    a blocking NCCL op, whose wait() only made the current stream wait for it."""
+    if device.type != "cuda":
+        return lambda: True
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event.query
 
 
 # ----------------------------------------------------------------------------- clocks (the pipeline's timeline,

@@ -11,12 +11,11 @@ metrics.jsonl + TensorBoard (`Logger`) and the per-step lines or progress bar (`
   allocated bytes; on CPU the process's peak resident set (Linux VmHWM, reset through
   /proc/self/clear_refs), which includes the ~0.6 GB of Python and torch every process carries.
 - State bytes, saved activations and the CPU's allocated peak are measured in runtime/memory.py.
-- A pipeline step's timeline, idle fraction and activations in flight: `StepRecord` (the runner's `record`).
+- A pipeline step's timeline, idle fraction and activations in flight: parallel/pipeline/record.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -29,7 +28,6 @@ import torch.utils.checkpoint
 
 from model.gpt import GPT, GPTConfig
 from model.moe import Experts
-from runtime.device import make_timer
 
 # Dense (non-sparse) bf16/fp16 peak FLOP/s per device, from the vendors' datasheets. Matched against
 # torch.cuda.get_device_name in order, so the specific variants come before the family name.
@@ -260,61 +258,3 @@ def make_profiler(steps: int, out_dir: str, device: torch.device):
     )
     prof.start()
     return prof
-
-
-COMPUTE = ("F", "B", "W")  # parallel/pipeline/schedule.py's compute kinds (tests/test_structure.py holds them equal)
-
-
-class StepRecord:
-    """What the runner's last step measured, kept apart from its work (as train.StepWatch for train_step).
-
-    `timeline`: [(action, start, end)] in seconds, one per action (device events on CUDA, the host clock on the
-    CPU: device.make_timer); `idle_fraction()` from it. `events`: the ("post", SEND/RECV), ("wait",
-    SEND/RECV) and ("run", F/B/W) in the order they happened. `peak_in_flight`: the most (chunk, micro) whose
-    forward ran and whose backward (W, when split) has not, at once. An action is a parallel/pipeline/schedule.py
-    `Action` (kind, chunk, micro), its kinds read here as their letters (`COMPUTE`). `action` sees the step's
-    state (the runner's `_Step`), so a recorder that measures more (tests/test_pipeline.py's held bytes) extends
-    it without touching the runner."""
-
-    def __init__(self, device: torch.device):
-        self.timer = make_timer(device)
-        self.start(split=False)
-
-    def start(self, split: bool) -> None:
-        """Forget the last step's; a split schedule's (chunk, micro) is in flight until its W, else its B."""
-        self.events: list[tuple[str, tuple]] = []
-        self.peak_in_flight = 0
-        self._marks: list[tuple[tuple, object, object]] = []
-        self._live: set[tuple[int, int]] = set()
-        self._release = "W" if split else "B"
-
-    def waited(self, a: tuple) -> None:
-        self.events.append(("wait", a))
-
-    @contextlib.contextmanager
-    def action(self, a: tuple, step: object):
-        """Around one action's handler: its clock, its event, and after it the in-flight peak."""
-        t0 = self.timer.mark()
-        self.events.append(("run" if a.kind in COMPUTE else "post", a))
-        yield
-        self._marks.append((a, t0, self.timer.mark()))
-        if a.kind == "F":
-            self._live.add(a[1:])
-            self.peak_in_flight = max(self.peak_in_flight, len(self._live))
-        elif a.kind == self._release:
-            self._live.discard(a[1:])
-
-    @property
-    def timeline(self) -> list[tuple[tuple, float, float]]:
-        times = self.timer.seconds([m for _, a, b in self._marks for m in (a, b)])
-        return [(a, times[2 * i], times[2 * i + 1]) for i, (a, _, _) in enumerate(self._marks)]
-
-    def idle_fraction(self) -> float | None:
-        """This rank's share of the last step's span not spent in F, B or W (its bubble, plus waiting on
-        messages), from `timeline`; None before a step."""
-        timeline = self.timeline
-        if not timeline:
-            return None
-        busy = sum(end - start for a, start, end in timeline if a.kind in COMPUTE)
-        span = timeline[-1][2] - timeline[0][1]
-        return 1.0 - busy / span if span > 0 else 0.0

@@ -2,6 +2,7 @@
 as it finishes, one table at the end.
 
     bash scripts/gpu_check.sh              # on a machine with a CUDA device (docs/gpu.md); report in results/gpu/
+    timeout -k 15 540 bash scripts/gpu_check.sh --report "$OUT"   # the lent machine's one call (docs/gpu.md)
     bash scripts/gpu_check.sh --dry-run    # anywhere: CPU, tiny model, few steps; checks the plumbing
 
 Its first line is torch's version (and CUDA's, Python's, the device), and the table and report carry it: the GPU
@@ -16,10 +17,14 @@ exchange of CP (torchrun --nproc_per_node=2 on two GPUs, docs/gpu.md), NVLink/In
 
 Stages (a row each; a stage that raises is a FAIL row, and the others still run):
 - process group preflight (first, when a chosen stage builds a process group in this process): a child process
-  inits a one-rank NCCL group (gloo on the CPU) and runs one all_reduce within 5 s (scripts/gpu_preflight.py);
-  if it fails, that is the one row, and the stages that build a group (wrappers, context parallel, sync audit,
-  overlap, real size) are skipped rather than failing or hanging one by one.
-- throughput: `train.py --model gpt2` in bf16 autocast, one process, 20 steps: tokens/s and MFU.
+  inits a one-rank NCCL group (gloo on the CPU) and runs one all_reduce within 30 s (scripts/gpu_preflight.py);
+  if it fails, that is the one row, and the stages that build a group (real size, wrappers, context parallel,
+  sync audit, overlap) are skipped rather than failing or hanging one by one.
+- real size (scripts/gpu_measure.py) comes first: its MFU numbers are what a GPU run is for, and a run cut short
+  keeps them. It includes Muon's row (--optimizer muon: tokens/s and Newton-Schulz ms a step).
+- recipe (scripts/gpu_measure.py): `train.py --compile` end to end at configs/gpt2-124m.toml's micro-batch
+  (GPT-2, 64 x 1024, bf16; one rank): tokens/s, MFU, written to <report>/efficiency.json as the planner's
+  efficiency (plan/cluster.py), and peak memory against the planner's prediction (a goal row).
 - ddp / fsdp / tp: our wrappers on a one-rank group of this device (NCCL on CUDA), built by train.build
   through parallelize's APPLY table and stepped by train.train_step, against the same config on the CPU in
   fp32. A one-rank group short-circuits parallel/comm.py (`world(group) == 1`), so each wrapper runs again
@@ -30,12 +35,14 @@ Stages (a row each; a stage that raises is a FAIL row, and the others still run)
   gradients. One rank makes the ring a single block, so this checks the plumbing (positions, sharding, the
   DTensor dispatch of SDPA, the kernel choice), not the exchange: `torchrun --nproc_per_node=2 train.py
   --implementation pytorch --context_parallel_size 2` against one process does that (docs/gpu.md).
-- fp16: --dtype float16 with the AgreeingGradScaler: losses finite and falling.
+- fp16: --dtype float16 with the AgreeingGradScaler: losses finite and falling; on CUDA at GPT-2's vocabulary
+  (50304) and 16,384 rows a micro-batch, the regime of fp16's loss-head overflow.
 - fused adamw: train.build chose torch's fused AdamW (every device torch fuses on, CPU included).
 - resume: an uninterrupted run against one SIGKILLed after its step-3 checkpoint and `--resume`d: the
   same losses bit for bit (the runs use deterministic kernels: math SDPA, deterministic algorithms).
 - gpu tests: `pytest -m gpu tests/test_gpu.py` (needs requirements-dev.txt; says so when pytest is missing).
-- sync audit, overlap, real size, goals: scripts/gpu_measure.py (its docstring).
+- sync audit, overlap, goals: scripts/gpu_measure.py (its docstring).
+- fp8: a row for FP8 when it lands; until then it says "not built" (a skip, not a pass).
 
 The data is a synthetic learnable token corpus written to a temporary directory: the GPU box has no internet.
 """
@@ -49,7 +56,6 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,6 +82,7 @@ from gpu_harness import (
     by_step,
     child_env,
     deterministic_train,
+    eager_compile_train,
     first_line,
     fmt_bytes,
     forced_collectives,
@@ -91,54 +98,6 @@ from gpu_harness import (
 )
 
 # ----------------------------------------------------------------------------- stages
-
-
-def stage_throughput(ctx: Context) -> None:
-    s = ctx.setup
-    out = ctx.out_dir("throughput")
-    dtype = "bfloat16" if s.device == "cuda" else s.dtype
-    proc = run_train(
-        s.throughput
-        + [
-            "--lr",
-            "6e-4",
-            "--warmup_steps",
-            "2",
-            "--eval_interval",
-            "1000",
-            "--eval_iters",
-            "1",
-            "--no_checkpoint",
-            "--dataset",
-            ctx.data,
-            "--device",
-            s.device,
-            "--dtype",
-            dtype,
-            "--max_steps",
-            str(s.throughput_steps),
-            "--out_dir",
-            out,
-        ]
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"train.py exited {proc.returncode}: {last_line(proc.stderr)}")
-    steps = [r for r in read_jsonl(out) if "loss" in r]
-    timed = steps[min(5, len(steps) - 1) :]  # the first steps pay for allocation and kernel selection
-    tok = statistics.median(r["tokens_per_sec"] for r in timed)
-    mfu = statistics.median(r["mfu"] for r in timed)
-    peak = re.search(r"MFU against ([\d.]+) GFLOP/s", proc.stdout)
-    gflops = float(peak.group(1)) if peak else math.nan
-    peak_s = f"{gflops / 1e3:.0f} TFLOP/s" if gflops >= 1e3 else f"{gflops:.0f} GFLOP/s"
-    name = torch.cuda.get_device_name() if s.device == "cuda" else "cpu, measured peak"
-    ok = len(steps) == s.throughput_steps and all(math.isfinite(r["loss"]) for r in steps) and 0 < mfu <= 1
-    model = s.throughput[s.throughput.index("--model") + 1]
-    ctx.add(
-        f"throughput {model} {dtype}",
-        ok,
-        f"{tok:,.0f} tok/s, MFU {100 * mfu:.1f}% of {peak_s} ({name}); median of steps "
-        f"{timed[0]['step']}-{timed[-1]['step']}, peak mem {steps[-1]['peak_memory_bytes'] / 2**30:.2f} GiB",
-    )
 
 
 WRAPPERS = {  # name: (dp_type, tp, param_dtype)
@@ -284,22 +243,36 @@ def stage_fp16(ctx: Context) -> None:
     import train
     from parallel.grads import AgreeingGradScaler
 
-    # 4x the corpus's 512 tokens: the loss falls within 8 steps as the unused logits drop (at 512 it stays near ln 512)
-    spec = make_plan(ctx, "fp16", [*s.small, "--vocab_size", "2048"], s.device, "float16", 2 * s.steps)
+    spec = make_plan(ctx, "fp16", s.fp16, s.device, "float16", 2 * s.steps)
     trainer = train.build(spec)
     records = [train.train_step(trainer, step) for step in range(1, 2 * s.steps + 1)]
     losses = [r["loss"] for r in records]
     finite = all(map(math.isfinite, losses))
     falling = losses[-1] < losses[0]
     scales = [r["loss_scale"] for r in records]
+    rows = spec.args.micro_batch_size * spec.args.seq_len
     ctx.add(
         "fp16 + GradScaler",
         finite and falling and isinstance(trainer.scaler, AgreeingGradScaler),
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps (finite: {finite}), "
-        f"loss scale {scales[0]:g} -> {scales[-1]:g}",
+        f"vocab {spec.config.vocab_size}, {rows} rows a micro-batch: loss {losses[0]:.3f} -> {losses[-1]:.3f} in "
+        f"{len(losses)} steps (finite: {finite}), loss scale {scales[0]:g} -> {scales[-1]:g}",
     )
     fused = trainer.optimizer.defaults.get("fused")
     ctx.add("fused AdamW", fused is True, f"optimizer.defaults['fused'] = {fused} on {spec.device}")
+
+
+def stage_fp8(ctx: Context) -> None:
+    """FP8's row, kept for when it lands: train.py has no FP8 path yet, so the row says so (a skip, not a pass)."""
+    from trainer.config import train_parser
+
+    flags = [o for a in train_parser()._actions for o in a.option_strings if "fp8" in o or "float8" in o]
+    ctx.add(
+        "fp8",
+        None,
+        f"not built: no stage measures {', '.join(flags)} yet; add it here"
+        if flags
+        else "not built: train.py has no FP8 path (no --fp8 flag); its check goes here",
+    )
 
 
 def stage_resume(ctx: Context) -> None:
@@ -386,15 +359,20 @@ def stage_gpu_tests(ctx: Context) -> None:
             print(proc.stdout[-4000:], file=sys.stderr)
 
 
-# (name, function, whether it builds a process group in this process: skipped when the preflight fails)
+# (name, function, whether it builds a process group in this process: skipped when the preflight fails). Real
+# size first: the MFU numbers are what a GPU run is for, and a run cut short keeps them
 STAGES = [
-    ("throughput", stage_throughput, False),
+    ("real size", gpu_measure.stage_real_size, True),
+    ("recipe", gpu_measure.stage_recipe, False),
     ("wrappers", stage_wrappers, True),
     ("context parallel", stage_context_parallel, True),
     ("fp16", stage_fp16, False),
     ("resume", stage_resume, False),
     ("gpu tests", stage_gpu_tests, False),
-    *gpu_measure.STAGES,
+    ("sync audit", gpu_measure.stage_sync_audit, True),
+    ("overlap", gpu_measure.stage_overlap, True),
+    ("fp8", stage_fp8, False),
+    ("goals", gpu_measure.stage_goals, False),
 ]
 
 
@@ -500,13 +478,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--deterministic-train"]:
         return deterministic_train(argv[1:])
+    if argv[:1] == ["--eager-compile-train"]:
+        return eager_compile_train(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, few steps: check the plumbing")
     p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (runs, metrics) instead of a temp dir")
     p.add_argument(
         "--report",
         metavar="DIR",
-        help="write gpu_check.md (row by row as they finish) and .json here "
+        help="write gpu_check.md (row by row as they finish), gpu_check.json and efficiency.json in DIR "
         "(default: results/gpu on a GPU, none in the dry run)",
     )
     p.add_argument("--only", nargs="*", choices=[name for name, _, _ in STAGES], help="run only these stages")

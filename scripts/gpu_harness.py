@@ -33,53 +33,79 @@ SAME_RTOL = 1e-6  # forced collectives vs short-circuited: identities on one ran
 CP_RTOL = 1e-5  # fp32 attention by two kernels (block-merged vs one softmax): summation order only, as on CPU
 
 
+RECIPE = os.path.join(ROOT, "configs", "gpt2-124m.toml")
+
+
+def recipe_flags(path: str = RECIPE) -> list[str]:
+    """train.py flags of one rank of the GPT-2 124M recipe for one micro-step: its model, micro-batch, sequence,
+    dtype, compile and optimizer settings, one rank (no data parallelism), a step of one micro-batch."""
+    import tomllib
+
+    with open(path, "rb") as f:
+        r = tomllib.load(f)
+    flags = ["--model", r["model"], "--micro_batch_size", str(r["micro_batch_size"]), "--seq_len", str(r["seq_len"])]
+    flags += ["--total_batch_size", str(r["micro_batch_size"] * r["seq_len"]), "--dtype", r["dtype"]]
+    flags += ["--lr", str(r["lr"]), "--weight_decay", str(r["weight_decay"])]
+    return flags + ["--compile"] * bool(r.get("compile")) + ["--gradient_clipping"] * bool(r.get("gradient_clipping"))
+
+
 @dataclass(frozen=True)
 class Setup:
     device: str
-    dtype: str  # compute dtype of the wrapper, resume and throughput stages
-    throughput: list[str]  # train.py flags of the throughput run
+    dtype: str  # compute dtype of the wrapper and resume stages
+    throughput: list[str]  # flags of the real-size stage's model on the CPU (on CUDA: gpu_measure.GPT2_FLAGS)
     small: list[str]  # flags of the model the other stages train
     steps: int  # steps of the wrapper, fp16 and resume stages
-    throughput_steps: int
+    recipe: list[str]  # train.py flags of the end-to-end compiled run (the recipe's micro-batch on CUDA)
+    recipe_steps: int
+    fp16: list[str]  # flags of the fp16 stage: on CUDA GPT-2's vocabulary and 16k rows a micro-batch
 
 
+SMALL = [
+    "--model",
+    "small",
+    "--n_layer",
+    "4",
+    "--micro_batch_size",
+    "4",
+    "--seq_len",
+    "128",
+    "--total_batch_size",
+    "1024",
+]
 GPU = Setup(
     "cuda",
     "bfloat16",
     ["--model", "gpt2", "--micro_batch_size", "16", "--seq_len", "1024", "--total_batch_size", "32768"],
-    ["--model", "small", "--n_layer", "4", "--micro_batch_size", "4", "--seq_len", "128", "--total_batch_size", "1024"],
+    SMALL,
     steps=6,
-    throughput_steps=20,
+    recipe=recipe_flags(),
+    recipe_steps=10,
+    fp16=[
+        "--model",
+        "small",
+        "--n_layer",
+        "4",
+        "--vocab_size",
+        "50304",
+        "--micro_batch_size",
+        "16",
+        "--seq_len",
+        "1024",
+    ]
+    + ["--total_batch_size", "16384"],
 )
+TINY = ["--model", "tiny", "--vocab_size", "512"]  # the stand-in corpus's 512 tokens: a 50304-way head would dominate
 DRY = Setup(
     "cpu",
-    "float32",  # the stand-in corpus's 512-token vocabulary: GPT-2's 50304-way head would be most of the work
-    [
-        "--model",
-        "tiny",
-        "--vocab_size",
-        "512",
-        "--micro_batch_size",
-        "2",
-        "--seq_len",
-        "64",
-        "--total_batch_size",
-        "256",
-    ],
-    [
-        "--model",
-        "tiny",
-        "--vocab_size",
-        "512",
-        "--micro_batch_size",
-        "2",
-        "--seq_len",
-        "32",
-        "--total_batch_size",
-        "128",
-    ],
+    "float32",
+    [*TINY, "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "256"],
+    [*TINY, "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "128"],
     steps=4,
-    throughput_steps=3,
+    recipe=[*TINY, "--micro_batch_size", "2", "--seq_len", "64", "--total_batch_size", "128", "--compile"],
+    recipe_steps=3,
+    # 4x the corpus's 512 tokens: the loss falls within 8 steps as the unused logits drop (at 512 it stays near ln 512)
+    fp16=[*TINY[:2], "--vocab_size", "2048", "--micro_batch_size", "2", "--seq_len", "32", "--total_batch_size", "128"],
 )
 COMMON = ["--lr", "3e-3", "--warmup_steps", "2", "--eval_interval", "1000", "--eval_iters", "1", "--gradient_clipping"]
 
@@ -300,12 +326,19 @@ def child_env(**extra: str) -> dict[str, str]:
     return base(PYTHONUNBUFFERED="1", **extra)
 
 
-def run_train(args: list[str], deterministic: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python train.py ARGS`, or with `deterministic` the same main() after switching to deterministic
-    kernels (math SDPA: the fused attention backwards accumulate with atomics, so two runs differ in bits)."""
+def run_train(
+    args: list[str], deterministic: bool = False, env: dict | None = None, eager_compile: bool = False
+) -> subprocess.CompletedProcess:
+    """`python train.py ARGS`; with `deterministic` the same main() after switching to deterministic kernels (math
+    SDPA: the fused attention backwards accumulate with atomics, so two runs differ in bits); with `eager_compile`
+    after pointing torch.compile at dynamo's eager backend (the dry run: the plumbing of --compile, not inductor's
+    ~30 s CPU compile)."""
+    check = [sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py")]
     launcher = (
-        [sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--deterministic-train"]
+        check + ["--deterministic-train"]
         if deterministic
+        else check + ["--eager-compile-train"]
+        if eager_compile
         else [sys.executable, os.path.join(ROOT, "train.py")]
     )
     return subprocess.run(
@@ -319,6 +352,15 @@ def deterministic_train(argv: list[str]) -> int:
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
+    import train
+
+    return train.main(argv)
+
+
+def eager_compile_train(argv: list[str]) -> int:
+    import functools
+
+    torch.compile = functools.partial(torch.compile, backend="eager")
     import train
 
     return train.main(argv)

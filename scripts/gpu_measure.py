@@ -1,4 +1,5 @@
-"""The one-GPU check's measuring stages (scripts/gpu_check.py runs them after its correctness stages).
+"""The one-GPU check's measuring stages (scripts/gpu_check.py's STAGES: real size and the recipe first, the others
+after its correctness stages).
 
 - sync audit: steps 2..N of every one-rank path (PATHS: plain, DDP, DDP's multi-rank branch, ZeRO-1, ZeRO-2 with
   bf16 compute copies, FSDP, TP with SP and loss parallelism, the CP ring at C = 1, the pipeline runner at pp = 1
@@ -16,20 +17,26 @@
   free reads or frees data too soon), and the step time grows only by the delay that compute did not hide:
   exposed = (t_delayed - t_forced) / (collectives per step x delay), 0 = all hidden, 1 = none.
 - real size: GPT-2 124M, bf16 autocast, micro-batch 16 x 1024 (the dry run: the tiny model), for REAL_SIZE's
-  paths: tokens/s, MFU against the datasheet bf16 dense peak, max allocated and reserved memory against state
+  paths: tokens/s, MFU against the datasheet bf16 dense peak (Muon's path: also its Newton-Schulz ms a step, the
+  ledger's timing events, train.py's muon_ns_ms), max allocated and reserved memory against state
   bytes plus the activation estimate 34·s·b·h·L bytes (Korthikanti et al. 2022, bf16, no recompute, fused
   attention: no s² term), which SDPA kernel ran (profiler), fused AdamW, and zero dynamo recompiles after
   warm-up. Every build starts from released memory (the earlier trainers collected, the device's cache emptied)
-  and every compiled build from a fresh dynamo (`torch._dynamo.reset()`: else Block.forward, compiled at the
-  sync audit's shapes, recompiles here with dynamic shapes).
-- goals (reported as met / missed rows, never failing the check): plain GPT-2 124M MFU >= 45% with compile;
+  and every compiled build (the sync audit's compile path) from a fresh dynamo (`torch._dynamo.reset()`: else
+  Block.forward, compiled at other shapes, recompiles with dynamic shapes). GPT-2 compiled is the recipe row's
+  (scripts/gpu_check.py: train.py --compile at the recipe's micro-batch), not a path here: one compile, not two.
+- recipe: `train.py --compile` end to end at the GPT-2 124M recipe's micro-batch (stage_recipe's docstring); its
+  MFU is written to <report>/efficiency.json, the planner's efficiency for this GPU (plan/cluster.py).
+- goals (reported as met / missed rows, never failing the check): the compiled recipe's MFU >= 45% (CUDA only);
   every wrapper's tokens/s >= 0.95 x its model without it at one rank (EP's: x MoE's); max reserved <= 1.15 x
   max allocated.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import signal
 import statistics
 import time
@@ -43,10 +50,13 @@ from gpu_harness import (
     Context,
     build_on,
     forced_collectives,
+    last_line,
     make_plan,
     one_rank_mesh,
+    read_jsonl,
     release_memory,
     row_on_error,
+    run_train,
 )
 
 MOE = ("--moe_num_experts", "8", "--moe_top_k", "2")  # Mixtral's shape: 8 experts, top-2, in every Block
@@ -89,7 +99,9 @@ PATHS: dict[str, Path] = {
     "compile": Path(par={"compile": True}),
     "moe": Path(flags=MOE, dtype="bfloat16"),
     "ep dispatch": Path(frozenset({"ep"}), flags=MOE, dtype="bfloat16", forced=BOTH),
+    "muon": Path(flags=("--optimizer", "muon")),
 }
+AUDITED = tuple(p for p in PATHS if p != "muon")  # Muon is measured at real size only (its timing events: #55 item 5)
 REAL_SIZE = (
     "plain",
     "ddp multi-rank branch",
@@ -98,12 +110,12 @@ REAL_SIZE = (
     "zero2 bf16 copies",
     "tp+sp",
     "ac",
-    "compile",
     "pp zb_h1",
     "moe",
     "ep dispatch",
+    "muon",
 )
-DRY_REAL_SIZE = ("plain", "fsdp", "ddp multi-rank branch", "pp zb_h1", "moe", "ep dispatch")  # the stage's plumbing
+DRY_REAL_SIZE = ("plain", "fsdp", "ddp multi-rank branch", "pp zb_h1", "moe", "ep dispatch", "muon")  # plumbing
 BASELINE = {"ep dispatch": "moe"}  # the goal's "x plain": a path's model without its wrapper
 GPT2_FLAGS = ["--model", "gpt2", "--micro_batch_size", "16", "--seq_len", "1024", "--total_batch_size", "16384"]
 GOAL_MFU, GOAL_WRAPPER, GOAL_RESERVED = 0.45, 0.95, 1.15
@@ -179,7 +191,7 @@ def closed_faults(trainer, out_dir: str):
 
 def stage_sync_audit(ctx: Context) -> None:
     skip_compile = ctx.setup.device != "cuda"  # inductor's CPU compile of even the tiny model costs ~30 s
-    for name in PATHS:
+    for name in AUDITED:
         if name == "compile" and skip_compile:
             ctx.add("sync audit compile", None, "skipped in the dry run: a CPU compile costs ~30 s; runs on CUDA")
             continue
@@ -361,6 +373,83 @@ def stage_overlap(ctx: Context) -> None:
             )
 
 
+# ----------------------------------------------------------------------------- the compiled recipe, end to end
+
+
+RECIPE_MEMORY_TOL = 0.15  # the goal: the compiled recipe's peak within 15% of the planner's (eager) prediction
+
+
+def stage_recipe(ctx: Context) -> None:
+    """`train.py --compile` end to end at the 124M recipe's micro-batch (configs/gpt2-124m.toml: GPT-2, 64 x 1024,
+    bf16, compiled; one rank, one micro-step a step): tokens/s, MFU (written to <report>/efficiency.json for the
+    planner, plan/cluster.py), and its peak memory against the planner's prediction for the run (train.py logs it
+    at step 0). The dry run compiles with dynamo's eager backend (the flag's plumbing, not inductor)."""
+    s = ctx.setup
+    out = ctx.out_dir("recipe")
+    run = ["--warmup_steps", "2", "--eval_interval", "1000", "--eval_iters", "1", "--no_checkpoint"]
+    run += ["--dataset", ctx.data, "--device", s.device, "--max_steps", str(s.recipe_steps), "--out_dir", out]
+    proc = run_train(s.recipe + run, eager_compile=s.device != "cuda")
+    if proc.returncode != 0:
+        raise RuntimeError(f"train.py exited {proc.returncode}: {last_line(proc.stderr)}")
+    records = read_jsonl(out)
+    steps = [r for r in records if "loss" in r]
+    timed = steps[min(3, len(steps) - 1) :]  # the first steps compile, allocate and select kernels
+    tok = statistics.median(r["tokens_per_sec"] for r in timed)
+    mfu = statistics.median(r["mfu"] for r in timed)
+    peak = max(r["peak_memory_bytes"] for r in steps[1:] or steps)
+    predicted = next((r["predicted"]["peak_memory_bytes"] for r in records if "predicted" in r), None)
+    name = torch.cuda.get_device_name() if s.device == "cuda" else "cpu"
+    where = write_efficiency(ctx, name, mfu, timed) if s.device == "cuda" else None
+    ok = len(steps) == s.recipe_steps and all(math.isfinite(r["loss"]) for r in steps) and 0 < mfu <= 1
+    model = s.recipe[s.recipe.index("--model") + 1]
+    mb = s.recipe[s.recipe.index("--micro_batch_size") + 1]
+    ratio = peak / predicted if predicted else math.nan
+    ctx.measured["recipe"] = {"tokens_per_sec": tok, "mfu": mfu, "peak": peak, "predicted_peak": predicted}
+    ctx.add(
+        "train.py --compile recipe",
+        ok,
+        f"{model} mb {mb} on {name}: {tok:,.0f} tok/s, MFU {100 * mfu:.1f}% (median of steps {timed[0]['step']}-"
+        f"{timed[-1]['step']}){f'; efficiency {mfu:.3f} written to {where}' if where else ''}; peak "
+        f"{size(peak)}, planner {size(predicted) if predicted else 'none'} ({ratio:.2f}x)",
+    )
+    ctx.goal(
+        f"goal recipe peak within {RECIPE_MEMORY_TOL:.0%} of the planner's",
+        abs(ratio - 1) <= RECIPE_MEMORY_TOL if s.device == "cuda" and predicted else None,
+        f"{ratio:.2f}x the prediction" if s.device == "cuda" else "skipped on CPU: its peak is RSS, not the device's",
+    )
+
+
+def size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def write_efficiency(ctx: Context, device_name: str, mfu: float, timed: list[dict]) -> str | None:
+    """The measured efficiency into <report>/efficiency.json, under the planner's preset for this GPU
+    (plan/cluster.preset_of; the device's own name when it is no preset), other GPUs' entries kept. Returns the
+    path, or None without a report directory."""
+    from plan.cluster import preset_of
+
+    if ctx.report_md is None:
+        return None
+    path = os.path.join(os.path.dirname(ctx.report_md), "efficiency.json")
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        table = {}
+    table[preset_of(device_name) or device_name] = {
+        "efficiency": mfu,
+        "device": device_name,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "how": f"scripts/gpu_check.py: train.py {' '.join(ctx.setup.recipe)}, median MFU of steps "
+        f"{timed[0]['step']}-{timed[-1]['step']} (plan/counts.step_flops' FLOPs over the datasheet peak)",
+    }
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+    return path
+
+
 # ----------------------------------------------------------------------------- real size
 
 
@@ -390,6 +479,7 @@ def stage_real_size(ctx: Context) -> None:
     for name in REAL_SIZE if cuda else DRY_REAL_SIZE:
         with row_on_error(ctx, f"real size {name}"):
             real_size_path(ctx, name)
+    release_memory(device_of(ctx))  # the last build's memory back to the device: the next stage runs train.py
 
 
 def real_size_path(ctx: Context, name: str) -> None:
@@ -418,7 +508,10 @@ def real_size_path(ctx: Context, name: str) -> None:
     state = records[-1]["state_bytes"]
     a = trainer.spec.args
     acts = 34 * a.seq_len * a.micro_batch_size * trainer.spec.config.n_embd * trainer.spec.config.n_layer
+    adamw = trainer.spec.args.optimizer == "adamw"  # Muon's optimizer pairs Muon with AdamW: not fused as one
     fused = trainer.optimizer.defaults.get("fused") is True
+    ns = statistics.median(r["muon_ns_ms"] for r in records) if "muon_ns_ms" in records[-1] else None
+    step_ms = statistics.median(r["step_time_ms"] for r in records)
     ctx.measured.setdefault("real_size", {})[name] = {
         "tokens_per_sec": tok,
         "mfu": mfu,
@@ -430,13 +523,16 @@ def real_size_path(ctx: Context, name: str) -> None:
         "fused_adamw": fused,
         "recompiles": recompiles,
         "params": sum(p.numel() for p in trainer.model.parameters()),
+        "ns_ms": ns,
+        "step_ms": step_ms,
     }
+    muon = f"Newton-Schulz {ns:.2f} ms of a {step_ms:.1f} ms step ({ns / step_ms:.1%}); " if ns is not None else ""
     ctx.add(
         f"real size {name}",
-        fused and recompiles == 0 and all(map(math.isfinite, (tok, mfu))),
-        f"{tok:,.0f} tok/s, MFU {100 * mfu:.1f}%; allocated {alloc / 2**30:.2f} GiB (state "
+        (fused or not adamw) and recompiles == 0 and all(map(math.isfinite, (tok, mfu))) and (adamw or ns is not None),
+        f"{tok:,.0f} tok/s, MFU {100 * mfu:.1f}%; {muon}allocated {alloc / 2**30:.2f} GiB (state "
         f"{state / 2**30:.2f} + activations ~{acts / 2**30:.2f}), reserved {reserved / 2**30:.2f}; "
-        f"attention {kernel}; fused AdamW {fused}; recompiles {recompiles}",
+        f"attention {kernel}; {'fused AdamW ' + str(fused) + '; ' if adamw else ''}recompiles {recompiles}",
     )
 
 
@@ -452,26 +548,18 @@ def stage_goals(ctx: Context) -> None:
     if not real:
         ctx.goal("goals", None, "no real-size numbers (that stage did not run)")
         return
-    best = real.get("compile") or {}
+    recipe = ctx.measured.get("recipe") if ctx.setup.device == "cuda" else None  # the CPU's MFU is no goal's
     ctx.goal(
         f"goal MFU >= {GOAL_MFU:.0%} (compile)",
-        (best["mfu"] >= GOAL_MFU) if best else None,
-        f"plain + compile: {100 * best['mfu']:.1f}%" if best else "compile did not run",
+        (recipe["mfu"] >= GOAL_MFU) if recipe else None,
+        f"train.py --compile recipe: {100 * recipe['mfu']:.1f}%" if recipe else "no compiled GPU run (recipe row)",
     )
     for name, r in real.items():
         base = BASELINE.get(name, "plain")
-        if name in ("plain", "ac", "compile", "moe") or base not in real:  # AC recomputes by design; compile and
-            continue  # MoE are no wrapper
+        if name in ("plain", "ac", "compile", "moe", "muon") or base not in real:  # AC recomputes by design;
+            continue  # compile, MoE and Muon are no wrapper
         ratio = r["tokens_per_sec"] / real[base]["tokens_per_sec"]
         ctx.goal(f"goal {name} >= {GOAL_WRAPPER} x {base}", ratio >= GOAL_WRAPPER, f"tokens/s ratio {ratio:.3f}")
     worst = max(real.items(), key=lambda kv: kv[1]["max_reserved"] / kv[1]["max_allocated"])
     ratio = worst[1]["max_reserved"] / worst[1]["max_allocated"]
     ctx.goal(f"goal reserved <= {GOAL_RESERVED} x allocated", ratio <= GOAL_RESERVED, f"worst {worst[0]}: {ratio:.3f}")
-
-
-STAGES = [
-    ("sync audit", stage_sync_audit, True),
-    ("overlap", stage_overlap, True),
-    ("real size", stage_real_size, True),
-    ("goals", stage_goals, False),
-]

@@ -43,13 +43,25 @@ RANGES = {
             "--moe_top_k",
             "--moe_every",
             "--muon_ns_steps",
+            "--ft_replica_groups",
         ],
         ">= 1",
     ),
     **dict.fromkeys(
-        ["--warmup_steps", "--checkpoint_interval", "--profile", "--moe_num_experts", "--moe_ffn_hidden"], ">= 0"
+        [
+            "--warmup_steps",
+            "--checkpoint_interval",
+            "--profile",
+            "--moe_num_experts",
+            "--moe_ffn_hidden",
+            "--ft_replica_group",
+        ],
+        ">= 0",
     ),
-    **dict.fromkeys(["--lr", "--timeout", "--bucket_cap_mb", "--peak_flops", "--muon_lr"], "> 0"),  # floats, finite
+    **dict.fromkeys(
+        ["--lr", "--timeout", "--bucket_cap_mb", "--peak_flops", "--muon_lr", "--ft_timeout", "--ft_connect_timeout"],
+        "> 0",
+    ),  # floats, finite
     **dict.fromkeys(
         ["--weight_decay", "--moe_aux_loss_coeff", "--moe_bias_update_rate", "--muon_weight_decay", "--muon_momentum"],
         ">= 0",

@@ -21,9 +21,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 import unittest.mock
+import weakref
 
 import pytest
 import torch
@@ -237,7 +239,7 @@ def _load_everything(
             what = f"{src_name} -> {target}"
             checkpoint.load(
                 src,
-                entries.entries(trainer.parallelized, trainer.optimizer),
+                checkpoint_entries.entries(trainer.parallelized, trainer.optimizer),
                 trainer.optimizer,
                 rank=rank,
                 world_size=world,
@@ -485,10 +487,8 @@ class TestFormat(unittest.TestCase):
         self.assertEqual(checkpoint._runs(cases["rows"]).tolist(), [[160, 320]])
         self.assertEqual(len(checkpoint._runs(cases["columns"])), 48)
 
-    def test_async_snapshot_reuses_its_buffers_and_copies_the_values(self):
-        """An async save's snapshot copies into the saver's buffers, the same storage every save (no new host
-        memory per checkpoint), with the values a fresh copy has, and later changes to the live state do not
-        reach it. free_buffers waits for the write in flight, which reads them."""
+    def _trained(self):
+        """A one-Block model after one AdamW step, and its entries (one process)."""
         from checkpoints.entries import entries_for
         from model.gpt import GPT, GPTConfig
 
@@ -497,29 +497,108 @@ class TestFormat(unittest.TestCase):
         opt = torch.optim.AdamW(model.parameters())
         model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))[1].backward()
         opt.step()
-        saver = checkpoint.AsyncSaver(torch.device("cpu"))
-        take = lambda buffers: checkpoint.snapshot(
-            "unused",
-            1,
-            entries_for(list(model.named_parameters()), opt),  # noqa: E731
-            opt,
-            {},
-            rank=1,
-            world_size=1,
-            keep=1,
-            buffers=buffers,
-        )["shard"]
-        fresh, first = take(None), take(saver.free_buffers())
-        ptrs = {k: v.data_ptr() for k, v in first.items() if k in saver.buffers.buffers}
-        self.assertEqual(len(ptrs), 3 * len(list(model.parameters())))  # param, exp_avg, exp_avg_sq each
-        for k in fresh:
-            self.assertTrue(torch.equal(fresh[k], first[k]), k)
-        with torch.no_grad():
-            model.lm_head.weight.add_(1.0)
-        self.assertTrue(all(torch.equal(fresh[k], first[k]) for k in ptrs), "the live state reached the snapshot")
-        second = take(saver.free_buffers())
-        self.assertEqual({k: second[k].data_ptr() for k in ptrs}, ptrs)
-        self.assertFalse(torch.equal(second["transformer.wte.weight::param"], fresh["transformer.wte.weight::param"]))
+        return model, opt, entries_for(list(model.named_parameters()), opt)
+
+    def _snap(self, opt, entries) -> dict:
+        return checkpoint.snapshot("unused", 1, entries, opt, {}, rank=0, world_size=1, keep=1)
+
+    @staticmethod
+    def _materialized(shard: dict) -> dict:
+        return {k: (v.copy() if isinstance(v, checkpoint.Lazy) else v) for k, v in shard.items()}
+
+    def test_a_streamed_rank_file_is_torch_saves_bytes_with_one_value_made_at_a_time(self):
+        """The rank file a save streams (checkpoints/streaming.py) is byte for byte torch.save's of the whole
+        dict, for every dtype a file holds (runs int64, values fp32 and bf16, RNG uint8), and the save holds at
+        most one made value at a time: none is kept once its record is written."""
+        import io
+        import weakref
+
+        _, opt, entries = self._trained()
+        shard = self._snap(opt, entries)["shard"]
+        shard["bf16::param"] = checkpoint.Lazy([torch.randn(7).bfloat16(), torch.randn(5).bfloat16()])
+        whole = io.BytesIO()
+        torch.save(self._materialized(shard), whole)
+        alive, most = weakref.WeakSet(), [0]
+        for lazy in (v for v in shard.values() if isinstance(v, checkpoint.Lazy)):
+            make = lazy.make
+
+            def counted(make=make):
+                value = make()
+                alive.add(value)
+                most[0] = max(most[0], len(alive))
+                return value
+
+            lazy.make = counted
+        streamed = io.BytesIO()
+        checkpoint.save_streamed(shard, streamed)
+        self.assertEqual(streamed.getvalue(), whole.getvalue())
+        self.assertEqual(most[0], 1)
+
+    def test_async_staging_is_bounded_reused_and_copies_the_values(self):
+        """An async save stages its values in at most the saver's budget of host blocks (a value larger than the
+        budget alone), waiting for the writer to give blocks back; the file is a synchronous save's, later
+        changes to the live state do not reach it, and the next save reuses the blocks (no new host memory)."""
+        model, opt, entries = self._trained()
+        values = [v for v in self._snap(opt, entries)["shard"].values() if isinstance(v, checkpoint.Lazy)]
+        largest, total = max(v.nbytes for v in values), sum(v.nbytes for v in values)
+        budget = 3 * largest
+        self.assertLess(budget, total)  # so the staging must wait for the writer
+        with tempfile.TemporaryDirectory() as d:
+            sync = checkpoint.write({**self._snap(opt, entries), "out_dir": os.path.join(d, "sync")})
+            saver = checkpoint.AsyncSaver(torch.device("cpu"), staging_bytes=budget)
+            blocks, most = [], [0]  # every block handed out (weakly), and the most bytes of them alive at once
+            take = saver.staging.take
+
+            def counted(nbytes):
+                block = take(nbytes)
+                blocks.append(weakref.ref(block))
+                most[0] = max(most[0], sum({b().data_ptr(): b().numel() for b in blocks if b() is not None}.values()))
+                return block
+
+            with unittest.mock.patch.object(saver.staging, "take", counted):
+                saver.save({**self._snap(opt, entries), "out_dir": os.path.join(d, "async")})
+                before = model.lm_head.weight.detach().clone()
+                with torch.no_grad():
+                    model.lm_head.weight.add_(1.0)  # training goes on while the writer writes
+                saver.wait()
+            self.assertLessEqual(saver.staging.peak, budget)
+            self.assertLessEqual(most[0], budget)  # blocks the staging dropped are freed, not kept by a value
+            name = checkpoint.rank_file(0)
+            with open(os.path.join(sync, name), "rb") as f, open(os.path.join(saver.path, name), "rb") as g:
+                self.assertEqual(f.read(), g.read())
+            with torch.no_grad():
+                model.lm_head.weight.copy_(before)
+            roomy = checkpoint.AsyncSaver(torch.device("cpu"), staging_bytes=total)  # every value staged at once
+            staged, real_write = threading.Event(), checkpoint.write
+
+            def write_once_staged(snap, group=None):  # no block comes back before the last is staged
+                staged.wait()
+                return real_write(snap, group)
+
+            blocks = []
+            for again in ("first", "second"):
+                staged.clear()
+                with unittest.mock.patch.object(checkpoint, "write", write_once_staged):
+                    roomy.save({**self._snap(opt, entries), "out_dir": os.path.join(d, again)})
+                    staged.set()
+                    roomy.wait()
+                blocks.append({b.data_ptr() for b in roomy.staging.free})
+                with open(os.path.join(sync, name), "rb") as f, open(os.path.join(roomy.path, name), "rb") as g:
+                    self.assertEqual(f.read(), g.read())
+            self.assertEqual(len(blocks[0]), len(values))
+            self.assertEqual(blocks[0], blocks[1])
+
+    def test_a_failed_async_write_neither_hangs_training_nor_passes_silently(self):
+        """The writer fails before it writes a value: the training thread, waiting for staging room, is let go,
+        and the error comes back at the next wait."""
+        _, opt, entries = self._trained()
+        values = [v for v in self._snap(opt, entries)["shard"].values() if isinstance(v, checkpoint.Lazy)]
+        saver = checkpoint.AsyncSaver(torch.device("cpu"), staging_bytes=max(v.nbytes for v in values))
+        with unittest.mock.patch.object(checkpoint, "save_streamed", side_effect=OSError("disk full")):
+            with tempfile.TemporaryDirectory() as d:
+                saver.save({**self._snap(opt, entries), "out_dir": d})
+                with self.assertRaisesRegex(OSError, "disk full"):
+                    saver.wait()
 
     def test_rank_files_are_not_unpickled(self):
         """A rank file holding anything but tensors is refused (torch.load weights_only=True)."""

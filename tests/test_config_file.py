@@ -223,6 +223,7 @@ class TestShippedConfigs(unittest.TestCase):
             (args.lr, args.warmup_steps, args.weight_decay, args.gradient_clipping), (6e-4, 715, 0.1, True)
         )
         self.assertEqual(args.micro_batch_size * args.seq_len * args.data_parallel_size, args.total_batch_size)
+        self.assertEqual((args.dtype, args.compile), ("bfloat16", True))  # the planner's efficiency is a compiled run's
 
 
 STEPS = 6

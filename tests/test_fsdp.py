@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-import parallel.data_parallel.fsdp as fsdp_module
 from checkpoints.entries import entries_for_fsdp
 from debug import flight_recorder
-from model.gpt import GPT, GPTConfig, param_groups
+from model.gpt import GPT, GPTConfig, materialize_module, param_groups
 from parallel import comm
 from parallel.data_parallel.fsdp import FullyShardedDataParallel as FSDP
+from parallel.protocol import Placement, Sharded
 from plan.theory import engine_comm_bytes_per_micro_step
 from tests.harness import Measurements
 
@@ -320,7 +320,8 @@ class TestFSDPParity(unittest.TestCase):
         """A meta GPT materialised unit by unit: its state dict, and its training against eager init's."""
         with torch.device("meta"):
             meta_gpt = GPT(CFG)
-        deferred = FSDP(meta_gpt, deferred_init_seed=0, device="cpu")
+        init = functools.partial(materialize_module, config=CFG, seed=0, device="cpu")  # what parallelize hands in
+        deferred = FSDP(meta_gpt, materialize=init, device="cpu")
         deferred_sd = full_state_dict(deferred)
         opt = torch.optim.AdamW(deferred.param_groups(WD), lr=LR)
         out = {
@@ -347,22 +348,17 @@ class TestFSDPParity(unittest.TestCase):
         with torch.device("meta"):
             meta_gpt = GPT(CFG)
         real_at_materialize = []  # (unit being materialised, units that held real parameters at that moment)
-        original = fsdp_module.materialize_module
 
         def unit_of(name: str) -> int:  # a whole GPT's units: 0 the root, i + 1 for transformer.h.i
             return int(name.split(".")[2]) + 1 if name.startswith("transformer.h.") else 0
 
-        def spy(module, prefix, *args, **kwargs):
+        def spy(module, prefix):
             held = {unit_of(n) for n, p in meta_gpt.named_parameters() if not p.is_meta}
             real_at_materialize.append((unit_of(prefix + "."), held))
-            return original(module, prefix, *args, **kwargs)
+            return materialize_module(module, prefix, CFG, 0, "cpu")
 
-        fsdp_module.materialize_module = spy
         before = _live_storages()
-        try:
-            deferred = FSDP(meta_gpt, deferred_init_seed=0, device="cpu")
-        finally:
-            fsdp_module.materialize_module = original
+        deferred = FSDP(meta_gpt, materialize=spy, device="cpu")
         # only the shards may hold storage; a retained full parameter or unit would show up here
         shards = {u.shard.untyped_storage().data_ptr() for u in deferred.units}
         return {
@@ -546,7 +542,7 @@ class TestFSDPMechanics(unittest.TestCase):
     def measure_state_bytes(rank: int, world_size: int) -> dict:
         """Unsharded params + grads + AdamW state after one step, against the same held by one rank of FSDP:
         counted here from every tensor the model and optimizer hold (views of one storage once), and by the
-        module itself."""
+        protocol the trainer asks (`Sharded.state_breakdown`)."""
         eager = _eager_gpt()
         ref_opt = torch.optim.AdamW(param_groups(list(eager.named_parameters()), WD), lr=LR)
         _micro_step(eager, 0)
@@ -558,7 +554,7 @@ class TestFSDPMechanics(unittest.TestCase):
                 + [p.grad for p in eager.parameters()]
                 + [v for s in ref_opt.state.values() for v in s.values()]
             ),
-            "state_bytes": model.state_bytes(opt),
+            "state_bytes": sum(Sharded(model, Placement()).state_breakdown(opt).values()),  # what the trainer logs
             "state_bytes_measured": _storage_bytes(
                 [t for u in model.units for t in (u.shard, u.flat, u.flat.grad, u.acc_grad)]
                 + [t for p in model.parameters() for t in (p, p.grad)]
@@ -751,7 +747,7 @@ class TestFSDPMechanics(unittest.TestCase):
         out = {
             "numel": sum(p.numel() for p in _eager_gpt().parameters()),
             "comm": comm.COUNTER.snapshot(),
-            "state_bytes": model.state_bytes(),
+            "state_bytes": sum(Sharded(model, Placement()).state_breakdown(None).values()),
         }
         _micro_step(model, rank, micro=1)
         every_step = _two_micro_steps(rank, reshard=True)

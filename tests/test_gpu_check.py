@@ -27,9 +27,12 @@ from tests.harness import ROOT, make_token_bins, rank0_only, spawn
 
 SCRIPTS = os.path.join(ROOT, "scripts")
 sys.path.insert(0, SCRIPTS)  # the check's modules (gpu_check, gpu_measure, ...), here and in spawned ranks
+REAL_SIZE_ROWS = ("plain", "fsdp", "ddp multi-rank branch", "pp zb_h1", "moe", "ep dispatch", "muon")
 ROWS = [
     "process group preflight",
-    "throughput tiny float32",
+    *(f"real size {p}" for p in REAL_SIZE_ROWS),  # first: what a GPU run is for, kept by a run cut short
+    "train.py --compile recipe",
+    "goal recipe peak within 15% of the planner's",
     "ddp vs cpu fp32",
     "ddp collectives issued",
     "fsdp vs cpu fp32",
@@ -64,7 +67,7 @@ ROWS = [
     ),
     "overlap ddp",
     "overlap fsdp",
-    *(f"real size {p}" for p in ("plain", "fsdp", "ddp multi-rank branch", "pp zb_h1", "moe", "ep dispatch")),
+    "fp8",
     "goal MFU >= 45% (compile)",
     "goal fsdp >= 0.95 x plain",
     "goal ddp multi-rank branch >= 0.95 x plain",
@@ -118,9 +121,13 @@ class TestGpuCheckDryRun(unittest.TestCase):
         self.assertEqual(rows["cp torch twin"], "skip")
         self.assertEqual(rows["sync audit compile"], "skip")  # a CPU compile costs ~30 s: CUDA only
         self.assertEqual(rows["goal MFU >= 45% (compile)"], "skip")
+        self.assertEqual(rows["goal recipe peak within 15% of the planner's"], "skip")  # CPU: RSS, not the device's
+        self.assertEqual(rows["fp8"], "skip")  # not built: the row says so, it does not pass
+        self.assertRegex(proc.stdout, r"real size muon +ok +.*Newton-Schulz [\d.]+ ms of a")
+        self.assertRegex(proc.stdout, r"fp16 \+ GradScaler +ok +vocab 2048, 64 rows a micro-batch")
         self.assertIn(rows["goal fsdp >= 0.95 x plain"], ("met", "missed"))  # reported, never failing
         self.assertEqual(rows["goal reserved <= 1.15 x allocated"], "met")  # the CPU reserves what it allocates
-        self.assertIn("43 checks: 34 ok, 0 FAIL, 4 skipped; goals ", proc.stdout)
+        self.assertIn("46 checks: 35 ok, 0 FAIL, 6 skipped; goals ", proc.stdout)
 
 
 @unittest.skipUnless(rank0_only(), "whole-job test: run once, not on every torchrun rank")
@@ -231,6 +238,65 @@ class TestPreflight(unittest.TestCase):
         self.assertIn("== sync audit: skipped (the process group preflight failed)", out.getvalue())
 
 
+class TestEfficiency(unittest.TestCase):
+    """The planner's efficiency: the GPU check's recipe row writes the measured one into <report>/efficiency.json
+    under the GPU's preset, and `python -m plan` then uses it and says where it came from; without the file it
+    uses 0.5 and says that it is assumed."""
+
+    PLAN = ["--gpus", "1", "--gpus_per_node", "1", "--micro_batch_size", "64", "--total_batch_size", "65536"]
+    PLAN += ["--ac", "none", "--tp", "1", "--pp", "1", "--no_cp", "--top", "1"]
+
+    def plan(self, measured: str, *extra: str) -> list[str]:
+        import contextlib
+        import io
+
+        from plan import __main__ as cli
+        from plan import cluster
+
+        out = io.StringIO()
+        with (
+            mock.patch.object(cluster.efficiency_for, "__defaults__", (measured,)),
+            contextlib.redirect_stdout(out),
+        ):
+            self.assertEqual(cli.main([*self.PLAN, *extra]), 0)
+        return out.getvalue().splitlines()
+
+    def test_the_planner_uses_what_the_check_measured_and_names_it(self):
+        import gpu_harness
+        import gpu_measure
+
+        with tempfile.TemporaryDirectory() as d:
+            ctx = gpu_harness.Context(gpu_harness.GPU, d, "unused", report_md=os.path.join(d, "gpu_check.md"))
+            path = gpu_measure.write_efficiency(ctx, "NVIDIA H100 80GB HBM3", 0.4, [{"step": 4}, {"step": 12}])
+            self.assertEqual(path, os.path.join(d, "efficiency.json"))
+            measured = self.plan(path)
+            self.assertIn("; compute at 0.4 of peak FLOP/s (measured on NVIDIA H100 80GB HBM3, ", measured[0])
+            self.assertIn(path, measured[0])
+            self.assertEqual(measured[1:], self.plan(path, "--efficiency", "0.4")[1:])  # the same table
+            self.assertNotEqual(measured[1:], self.plan(path, "--efficiency", "0.5")[1:])
+            assumed = self.plan(os.path.join(d, "none.json"))
+            self.assertIn(
+                "; compute at 0.5 of peak FLOP/s (assumed, not measured: plan/cluster.py EFFICIENCY", assumed[0]
+            )
+            self.assertEqual(assumed[1:], self.plan(path, "--efficiency", "0.5")[1:])
+            other = self.plan(path, "--gpu", "a100-80gb")  # measured on an H100: not the A100's number
+            self.assertIn("compute at 0.5 of peak FLOP/s (assumed", other[0])
+
+    def test_device_names_map_to_the_planners_presets(self):
+        from plan.cluster import preset_of
+
+        names = {
+            "NVIDIA H100 80GB HBM3": "h100-sxm",
+            "NVIDIA H100 PCIe": None,
+            "NVIDIA H100 NVL": None,
+            "NVIDIA H200": "h200",
+            "NVIDIA A100-SXM4-80GB": "a100-80gb",
+            "NVIDIA A100-SXM4-40GB": "a100-40gb",
+            "NVIDIA L4": None,
+        }
+        self.assertEqual({n: preset_of(n) for n in names}, names)
+
+
 def _builds_body(rank: int, world: int, data: str, tmp: str) -> dict:
     """In a fresh process (one gloo rank): the check's builds, measured (see TestBuilds)."""
     import functools
@@ -305,8 +371,9 @@ class TestBuilds(unittest.TestCase):
         self.assertTrue(all(self.out["mul_into_views"]))
 
     def test_each_build_starts_with_the_earlier_trainers_collected(self):
-        self.assertEqual([s for _, s in self.out["real_size_rows"]], ["ok"] * 6, self.out["real_size_rows"])
-        self.assertEqual(self.out["alive_at_build"], [0] * 6)
+        n = len(REAL_SIZE_ROWS)
+        self.assertEqual([s for _, s in self.out["real_size_rows"]], ["ok"] * n, self.out["real_size_rows"])
+        self.assertEqual(self.out["alive_at_build"], [0] * n)
 
     def test_a_compiled_build_compiles_afresh(self):
         """Without dynamo's reset, Block.forward would hold the first shapes' entry and a dynamic-shape one."""

@@ -99,6 +99,68 @@ class TestDevicePlacement(unittest.TestCase):
             self.assertEqual(steps, {torch.float32})  # fused AdamW keeps its step count as an fp32 tensor
 
 
+class TestMoreRanksThanGpus(unittest.TestCase):
+    """The README's quick start (2 ranks, --device auto) on a machine with one GPU: every rank refuses in one
+    line and exit 2 before any process group forms, naming --device cpu and --nproc_per_node (runtime/device.py
+    pick_device), instead of rank 1 dying in set_device on `cuda:1` with "invalid device ordinal"."""
+
+    def _quick_start_as(self, local_rank: int, gpus: int) -> tuple[int, list[str]]:
+        import contextlib
+        import io
+
+        import torch.distributed as dist
+
+        import train
+
+        env = {"RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+        err = io.StringIO()
+        with (
+            tempfile.TemporaryDirectory() as d,
+            mock.patch.dict(os.environ, env),
+            mock.patch.object(torch.cuda, "is_available", lambda: True),
+            mock.patch.object(torch.cuda, "device_count", lambda: gpus),
+            mock.patch.object(torch.cuda, "set_device", side_effect=AssertionError("set_device reached")),
+            mock.patch.object(dist, "init_process_group", side_effect=AssertionError("a group formed")),
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
+            out = os.path.join(d, "run")
+            code = train.main(["--config", "configs/quickstart.toml", "--overwrite", "--out_dir", out])
+            self.assertFalse(os.path.exists(out))
+        return code, err.getvalue().splitlines()
+
+    def test_every_rank_refuses_in_one_line_on_one_gpu(self):
+        for local_rank in (0, 1):
+            code, lines = self._quick_start_as(local_rank, gpus=1)
+            self.assertEqual(code, 2, lines)
+            self.assertEqual(len(lines), 1, lines)
+            self.assertTrue(lines[0].startswith("train.py: error: "), lines[0])
+            self.assertIn("--device cpu", lines[0])
+            self.assertIn("--nproc_per_node=1", lines[0])
+
+    def test_each_rank_takes_its_own_gpu_when_there_are_enough(self):
+        from runtime.device import pick_device
+
+        for local_rank in (0, 1):
+            env = {"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": "2"}
+            with (
+                mock.patch.dict(os.environ, env),
+                mock.patch.object(torch.cuda, "is_available", lambda: True),
+                mock.patch.object(torch.cuda, "device_count", lambda: 2),
+            ):
+                self.assertEqual(pick_device("auto"), torch.device("cuda", local_rank))
+                self.assertEqual(pick_device("cpu"), torch.device("cpu"))
+        with (
+            mock.patch.dict(os.environ, {"LOCAL_RANK": "3"}),
+            mock.patch.object(torch.cuda, "is_available", lambda: True),
+        ):
+            with (
+                mock.patch.object(torch.cuda, "device_count", lambda: 2),
+                self.assertRaisesRegex(ValueError, "4 ranks"),
+            ):
+                pick_device("cuda")  # no LOCAL_WORLD_SIZE: LOCAL_RANK + 1 ranks at least
+
+
 # ----------------------------------------------------------------------------- fp16 across ranks
 
 

@@ -141,6 +141,77 @@ class TestRing(unittest.TestCase):
         self.assertIsNone(alive())
 
 
+class TestCompletionOnTheDevice(unittest.TestCase):
+    """On NCCL the host returns from an op (enqueued, or its work's wait()) before the GPU has run it: the ring
+    holds the op as in flight until its work reports completion (is_completed(); for a blocking op, a marker on
+    the current stream after it). On host tensors (gloo) the return still marks it, as before."""
+
+    class DeviceTensor(FakeTensor):
+        is_cpu, device = False, type("Device", (), {"type": "cuda"})()
+
+    class Work:
+        def __init__(self):
+            self.finished = False
+
+        def wait(self) -> bool:  # NCCL: the current stream waits; the host returns at once
+            return True
+
+        def is_completed(self) -> bool:
+            return self.finished
+
+    def states(self, rec):
+        return [o["state"] for o in rec.read()["ops"]]
+
+    def test_a_device_op_stays_in_flight_until_its_work_completes(self):
+        from unittest import mock
+
+        rec, work, marker = FakeRecorder(8), self.Work(), self.Work()
+        with mock.patch("runtime.device.stream_marker", return_value=marker.is_completed):
+            a = rec.post("all_reduce", self.DeviceTensor(8), "1:0,1")
+            handle = rec.issued(a, work, async_op=True)  # DDP's bucket: posted, then waited on
+            handle.wait()
+            self.assertFalse(handle.is_completed())
+            b = rec.post("all_reduce", self.DeviceTensor(1), "1:0,1")
+            rec.issued(b, None, async_op=False)  # the grad-norm all-reduce: blocking, no work from torch
+            rec.done(rec.post("broadcast", self.DeviceTensor(2), "1:0,1"))  # comm.broadcast's own done()
+            self.assertEqual(self.states(rec), ["posted", "posted", "posted"])
+            work.finished = True
+            self.assertEqual(self.states(rec), ["completed", "posted", "posted"])
+            marker.finished = True
+            rec.post("all_reduce", self.DeviceTensor(8), "1:0,1")  # a post polls the ops still in flight
+            self.assertEqual(self.states(rec), ["completed", "completed", "completed", "posted"])
+
+    def test_a_host_op_completes_when_the_host_returns(self):
+        rec, work = FakeRecorder(8), self.Work()
+        rec.issued(rec.post("all_reduce", FakeTensor(8), "1:0,1"), work, async_op=True).wait()
+        rec.issued(rec.post("all_reduce", FakeTensor(1), "1:0,1"), None, async_op=False)
+        self.assertEqual(self.states(rec), ["completed", "completed"])
+
+    def test_the_hang_doctor_names_the_op_the_gpu_never_finished(self):
+        """Rank 0's second all-reduce was enqueued and waited on, but its work never completed (rank 1 never
+        issued it): `python -m debug hang` must say that rank 0 waits in it, not that it is in no comm op."""
+        from unittest import mock
+
+        work = self.Work()
+        with tempfile.TemporaryDirectory() as d, mock.patch("runtime.device.stream_marker", return_value=lambda: True):
+            for rank in (0, 1):
+                rec = FakeRecorder(8)
+                rec.open(os.path.join(d, "flight_recorder", f"rank_{rank}.bin"), rank=rank, world=2)
+                rec.issued(rec.post("all_reduce", self.DeviceTensor(8), "1:0,1"), None, async_op=False)
+                if rank == 0:
+                    rec.issued(rec.post("all_reduce", self.DeviceTensor(4), "1:0,1"), work, async_op=True).wait()
+                rec.dump(os.path.join(d, "hang", f"rank_{rank}.json"), "test")
+                rec.close()
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                code = hang.main([d])
+        text = out.getvalue()
+        self.assertEqual(code, 1, text)
+        self.assertIn("rank 0 (its dump): waits in all_reduce #1 float32 (4,)", text)
+        self.assertIn("rank 1 never issued all_reduce #1", text)
+        self.assertIn("rank(s) [0] wait in it", text)
+
+
 # ----------------------------------------------------------------------------- synthetic dumps
 
 

@@ -28,11 +28,15 @@ rounds once more when scaled by g (u |dx|): |d dx| <= (2 gamma_V + 6u) (|G| + S)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
+import shutil
 import unittest
 import unittest.mock
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -331,6 +335,7 @@ def _step(M: int, pipeline: bool, scale=None, autocast: bool = True) -> list[tor
     token embeddings (B, T, C) (wte's output: the last per-token gradient, from which wte's and wpe's are summed)."""
     from parallel.mesh import Mesh, ParallelDims
     from parallel.parallelize import ParallelConfig, parallelize
+    from parallel.pipeline.parts import GPT_PARTS
     from parallel.pipeline.runner import PipelineRunner, PipelineStage
 
     model, seen = GPT(CFG), []
@@ -343,7 +348,7 @@ def _step(M: int, pipeline: bool, scale=None, autocast: bool = True) -> list[tor
     context = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=autocast)
     if pipeline:
         with context():
-            PipelineRunner(PipelineStage(model, 0, 1, 1)).step(_step_batches(M), "1f1b", scale)
+            PipelineRunner(PipelineStage(model, 0, 1, 1, parts=GPT_PARTS)).step(_step_batches(M), "1f1b", scale)
     else:
         parallelized = parallelize(
             model,
@@ -505,6 +510,112 @@ class TestDeviceKernels(unittest.TestCase):
                     grads.add(slice(lo, lo + 64), torch.randn(64, V, device=device), xc, wc)
             self.assertEqual([op for op in seen if "mm" in op or op.startswith("aten.add")], dw_ops, device)
             self.assertEqual(grads.dw.dtype, torch.float32)
+
+
+U64, TINY64, TINY_BF16 = 2.0**-53, 2.0**-1022, 2.0**-126  # float64's unit roundoff and smallest normal; bf16's
+
+
+def _fused_heads():
+    """--compile's three heads, each chunk one kernel: the whole vocab's loss.fused_rows, and VocabShard's (one rank:
+    the whole vocab) with loss parallelism (shard_statistics, shard_gradient) and with the gather (fused_rows)."""
+    return {
+        "whole": None,
+        "shard": VocabShard(None, 0, gather=False, fused=True),
+        "gather": VocabShard(None, 0, gather=True, fused=True),
+    }
+
+
+@contextlib.contextmanager
+def _kernels_by(compiled):
+    """The head's kernels through `compiled(fn)` instead of torch.compile (the identity: the fused formulas run by
+    eager torch, their arithmetic without inductor)."""
+    import parallel.tensor_parallel.apply as tp_apply
+    from model import loss
+
+    with (
+        unittest.mock.patch.object(loss, "compiled", compiled),
+        unittest.mock.patch.object(tp_apply, "compiled", compiled),
+    ):
+        yield
+
+
+class TestFusedHead(unittest.TestCase):
+    """--compile's head (loss.compile_head): each chunk's loss and gradient by one compiled kernel, log-softmax in
+    fp32, the gradient (softmax - one-hot) * share written once in the compute dtype. Not F.cross_entropy's bits (its
+    own sums and exp): dx and dW within `_head_bound` of float64, the bound the fp16 test above derives (the fused
+    kernel evaluates the softmax within its delta too: m + log sum exp(z - m), then exp(z - lse), round the row's
+    spread R, log V and an exp a few times each, 2.5 R + 3 log V + 8 units at most), plus float64's own; the loss
+    within ROUNDING_FACTOR of the eager path's distance from float64 (tests/rounding.py's rule). fp32 and bf16
+    autocast, 2 chunks of 128 rows at V = 4096, every target valid (the bound's premise)."""
+
+    N, C, V = 256, 64, 4096
+
+    def check(self) -> None:
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(self.N, self.C, generator=g)
+        w = torch.randn(self.V, self.C, generator=g) * 0.1
+        t = torch.randint(0, self.V, (self.N,), generator=g)
+        exact = _whole(x.double(), w.double(), t, grad=1.0)
+        b64 = _head_bound(x, w, t, 1.0 / self.N, U64, TINY64, chunks=2)
+        for autocast, u in ((False, U32), (True, U_BF16)):
+            eager = _chunked(x, w, t, self.N // 2, autocast=autocast, grad=1.0)
+            yardstick = max(_rel(eager[0], exact[0]), EPS32)
+            b = _head_bound(x, w, t, 1.0 / self.N, u, TINY_BF16, chunks=2)  # bf16 keeps fp32's exponent range
+            for name, vocab in _fused_heads().items():
+                x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = linear_cross_entropy(x_, w_, t, vocab, self.N // 2, fused=True)
+                loss.backward()
+                what = f"{name}, autocast={autocast}"
+                self.assertLessEqual(_rel(loss.detach(), exact[0]), ROUNDING_FACTOR * yardstick, what)
+                for grad, ref, bound in ((x_.grad, exact[1], b[0] + b64[0]), (w_.grad, exact[2], b[1] + b64[1])):
+                    err = (grad.double() - ref).abs()
+                    self.assertTrue(bool((err <= bound).all()), f"{what}: worst err/bound {float((err / bound).max())}")
+
+    def test_the_fused_formulas_within_the_bound(self):
+        """Run by eager torch: the fused formulas' arithmetic, fast."""
+        with _kernels_by(lambda fn: fn):
+            self.check()
+
+    @unittest.skipUnless(os.environ.get("PATH") and shutil.which("g++"), "inductor needs a C++ compiler on CPU")
+    @pytest.mark.slow
+    def test_the_compiled_kernels_within_the_bound(self):
+        """Through inductor, as --compile runs them (7 graphs: minutes on 2 cores the first time)."""
+        self.check()
+
+    def test_compile_fuses_every_head(self):
+        """runtime.blocks.apply_compile sets fused=True on the head: GPT's whole-vocab head then runs fused_rows,
+        TP's (a group of one here) shard_statistics and shard_gradient with loss parallelism, fused_rows with the
+        gather; eval (no gradient) fused_rows alone."""
+        from parallel.tensor_parallel.apply import vocab_parallel_cross_entropy
+        from runtime.blocks import apply_compile
+
+        idx = torch.randint(0, CFG.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+        heads = {
+            "whole": (None, ["fused_rows"]),
+            "shard": (
+                functools.partial(vocab_parallel_cross_entropy, group=None),
+                ["shard_statistics", "shard_gradient"],
+            ),
+            "gather": (functools.partial(vocab_parallel_cross_entropy, group=None, gather=True), ["fused_rows"]),
+        }
+        for name, (head, kernels) in heads.items():
+            model = GPT(CFG)
+            model.init_weights(7)
+            if head is not None:
+                model.head_loss = head
+            apply_compile(model)
+            for block in model.transformer.h:
+                block.forward = block.forward._torchdynamo_orig_callable  # the Blocks eager: only the head's kernels
+            seen = []
+            spy = lambda fn: seen.append(fn.__name__) or fn  # noqa: E731
+            with _kernels_by(spy):
+                model(idx, idx)[1].backward()
+                self.assertEqual(sorted(set(seen)), sorted(kernels), name)
+                seen.clear()
+                with torch.no_grad():
+                    model(idx, idx)
+                self.assertEqual(sorted(set(seen)), ["fused_rows"] if name != "shard" else ["shard_statistics"], name)
 
 
 class TestGPT(unittest.TestCase):

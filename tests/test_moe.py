@@ -205,6 +205,16 @@ class TheLayer(unittest.TestCase):
                 self.assertEqual(grouped_mm_runs(gpu, dtype, k, 256), want, (capability, dtype, k))
             if want:
                 module.get_device_capability.assert_called_with(gpu)
+        with mock.patch.object(torch.compiler, "is_compiling", return_value=True):  # inside torch.compile: bf16 only
+            self.assertTrue(grouped_mm_runs(cpu, torch.bfloat16, 64, 256))
+            self.assertFalse(grouped_mm_runs(cpu, torch.float32, 64, 256))
+            for capability, want in (((9, 0), True), ((8, 0), False)):
+                module = mock.Mock(get_device_capability=mock.Mock(return_value=capability))
+                with (
+                    mock.patch.object(torch, "get_device_module", return_value=module),
+                    mock.patch.object(torch.version, "hip", None),
+                ):
+                    self.assertEqual(grouped_mm_runs(gpu, torch.bfloat16, 64, 256), want, capability)
 
     def test_under_autocast_the_grouped_kernel_runs_cast_and_reads_no_sizes(self):
         """Where the grouped kernel runs in bf16 (an sm90 GPU; this CPU standing in), the layer under bf16 autocast
@@ -350,6 +360,61 @@ def dispatch_once(rank: int, world: int, autocast: bool) -> dict:
         "calls": comm.COUNTER.snapshot_calls().get("all_to_all"),
         "load": mine.load.tolist(),
     }
+
+
+def capturing(graphs: list) -> object:
+    """A torch.compile backend that keeps each graph dynamo traces and runs it through AOT autograd, eagerly
+    (aot_eager: the custom ops' fake kernels and autograd as inductor would see them, without compiling C++)."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    return backend
+
+
+class UnderCompile(unittest.TestCase):
+    """The one-rank dispatch inside torch.compile: one graph (fullgraph: a host read of the group sizes, counts'
+    tolist, would break it), with torch._grouped_mm in it where the traced kernel takes the dtype (bf16, here under
+    autocast), else the per-expert loop as one op (moe.expert_loop, fp32), which reads the sizes when it runs;
+    output and gradients the eager dispatch's bits (on the CPU the grouped kernel gives the loop's)."""
+
+    def check(self, autocast: bool, want: str) -> None:
+        torch._dynamo.reset()
+        layer = moe(E=4)
+        g = torch.Generator().manual_seed(8)
+        x = torch.randn(24, 64, generator=g, requires_grad=True)
+        chosen = torch.randint(0, 4, (24, 2), generator=g)
+        chosen[:, 1] = (chosen[:, 0] + 1) % 4
+        run = lambda x, chosen: moe_module.LocalDispatch()(layer.experts, x, chosen)  # noqa: E731
+        graphs = []
+        compiled = torch.compile(run, backend=capturing(graphs), fullgraph=True)
+        out = []
+        for f in (run, compiled):
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                y = f(x, chosen)
+            out.append((y, *torch.autograd.grad(y.float().sum(), [x, *layer.experts.parameters()])))
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(*out)), want)
+        targets = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
+        self.assertEqual(len(graphs), 1)
+        self.assertIn(want, targets)
+        self.assertFalse({"tolist", "item"} & targets, targets)
+
+    def test_bf16_keeps_the_grouped_kernel(self):
+        self.check(True, str(torch._grouped_mm))
+
+    def test_fp32_runs_the_loop_as_one_op(self):
+        self.check(False, "gpt_moe.expert_loop.default")
+
+    def test_the_loop_op_registration(self):
+        """torch.library.opcheck: expert_loop's fake kernel, its autograd (expert_loop_backward) and its schema
+        agree with what it runs, an empty group among the experts."""
+        g = torch.Generator().manual_seed(9)
+        x = torch.randn(20, 64, generator=g, requires_grad=True)
+        w = torch.randn(4, 64, 32, generator=g, requires_grad=True)
+        ends = torch.tensor([7, 0, 9, 4]).cumsum(0).to(torch.int32)
+        torch.library.opcheck(moe_module.expert_loop, (x, w, ends))
 
 
 class DispatchAcrossRanks(unittest.TestCase):

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.gpt import GPT, make_config
 from optim.build import make_optimizer
@@ -103,6 +106,55 @@ def test_an_experts_matrices_are_torch_muon_on_each_slice():
         ref.step()
     assert all(torch.equal(ours_w[e].detach(), theirs[e].detach()) for e in range(4))
     assert ours.ledger.counts == {f"transformer.h.1.mlp.experts.c_fc.weight[{e}]": 1 for e in range(4)}
+
+
+class _Kernels(TorchDispatchMode):
+    """The aten ops run inside, by name (a foreach op counts once: the mode sees the call, not its per-tensor
+    fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_step_batches_newton_schulz_and_its_momentum_by_shape():
+    """One step of the tiny model's 12 Muon matrices, two shapes ((64, 64) x 8; (256, 64) x 2 and (64, 256) x 2,
+    one wide shape once the tall ones are transposed, as NS does): 5 NS steps of one bmm and two baddbmm per
+    shape, no per-matrix GEMM (one at a time it made 3 x 5 x 12 = 180); momentum, weight decay and the update
+    by foreach ops, no per-parameter lerp; one pair of timing marks for the step, not one per matrix."""
+    m = model()
+    opt = one_process(list(m.named_parameters()), 0.1, ADAMW, MUON)
+    for name, p in m.named_parameters():
+        p.grad = grads(m, 0)[name]
+    with _Kernels() as k:
+        opt.muon.step()
+    ops = k.ops
+    assert (ops["bmm"], ops["baddbmm"], ops["mm"], ops["addmm"]) == (2 * 5, 2 * 2 * 5, 0, 0), ops
+    assert (ops["_foreach_lerp_"], ops["_foreach_lerp"], ops["lerp_"], ops["lerp"]) == (1, 1, 0, 0), ops
+    assert (ops["_foreach_mul_"], ops["_foreach_add_"]) == (1, 2), ops  # 2 adjusted lrs: the two shapes
+    assert len(opt.ledger.marks) == 2 and opt.ledger.total == 12
+
+
+@pytest.mark.parametrize("shapes", [[(64, 64)] * 5, [(96, 32), (32, 96), (96, 32)], [(48, 80)], [(7, 300), (300, 7)]])
+def test_batched_newton_schulz_is_each_matrix_own_bit_for_bit(shapes):
+    """zeropower_batched equals torch.optim.Muon's single-matrix NS on every member of a batch, bit for bit on the
+    CPU, whatever else the batch holds (tall and wide mixed, one alone, other subsets): so an owner's result does
+    not depend on which matrices a layout gave it."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from optim.muon import EPS, NS_COEFFICIENTS, zeropower_batched
+
+    g = torch.Generator().manual_seed(len(shapes))
+    gs = [torch.randn(s, generator=g) * 0.01 for s in shapes]
+    want = [_zeropower_via_newtonschulz(x, NS_COEFFICIENTS, 5, EPS) for x in gs]
+    for subset in (range(len(gs)), range(0, len(gs), 2), range(len(gs) - 1, len(gs))):
+        got = zeropower_batched([gs[i] for i in subset], 5)
+        for i, o in zip(subset, got):
+            assert o.shape == want[i].shape and torch.equal(o, want[i]), (shapes, list(subset), i)
 
 
 def test_which_matrices_muon_takes():
@@ -288,6 +340,29 @@ def test_layout_updates_equal_one_process_and_each_matrix_is_done_once(name):
         assert any(r["cut"] for r in ranks), "no matrix held only in pieces: the test would not see a gather"
     for r, x in enumerate(ranks):  # the bytes: what each rank sent is what the holds say, every step
         assert x["sent"] == [x["planned"]] * STEPS, f"rank {r}: sent {x['sent']}, planned {x['planned']}"
+
+
+def tp_exchange_run(rank: int, world: int) -> tuple[int, set[str]]:
+    """TP=2 with Muon: the exchange's index tensors (the column slices of row-parallel c_proj) are made at build on
+    the exchange's device (one built for `meta` here, the CPU's own being the host's); a step builds none
+    (Hold.positions raises if called)."""
+    from optim.distributed_muon import Exchange
+    from optim.muon import Hold, Ledger
+
+    ref, parallelized, opt, _ = stepped_layout(world, {"tp": 2}, None, False, n_steps=1)
+    ex = opt.muon.orthogonalize
+    on_meta = Exchange(ex.matrices, ex.group, ex.ns_steps, Ledger(), torch.device("meta"))
+    index = [p for p in on_meta._pos.values() if isinstance(p, torch.Tensor)]
+    with mock.patch.object(Hold, "positions", side_effect=AssertionError("Hold.positions called in a step")):
+        set_grads(parallelized, grads(ref, 1))
+        opt.step()
+    return len(index), {str(p.device) for p in index}
+
+
+def test_tp_index_tensors_are_built_once_on_the_device():
+    ranks = run_distributed(tp_exchange_run, 2)
+    assert sum(count for count, _ in ranks) > 0, ranks  # some owner holds a column slice's index
+    assert all(devices <= {"meta"} for _, devices in ranks), ranks
 
 
 def test_owners_balanced_by_flops():

@@ -3,7 +3,10 @@ fails CI instead of misleading its next reader (docs/learn.md's line counts drif
 nothing checked them).
 
 - docs/learn.md: every table row that names a file and its line count is within 5% of the file's lines
-  (`wc -l`); every file, function, class, method and test it names in backticks exists.
+  (`wc -l`); every file, function, class, method and test it names in backticks exists; and each reading path's
+  cost, as its table "What each path costs" states it, is the import graph's within 5%: the path's modules, plus
+  the repository modules they import directly (function-level imports included, tests/test_structure.py's
+  `module_graph`; an `__init__.py` counts as the lines it has), and every path the page lays out has a row.
 - docs/adding-a-dimension.md and README.md's file map: every file and folder they name exists, and every name in
   backticks that looks like code (dotted, snake_case or CamelCase) is defined in the repository.
 """
@@ -16,6 +19,8 @@ import os
 import re
 
 import pytest
+
+from tests.test_structure import module_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ("docs/learn.md", "docs/adding-a-dimension.md", "README.md")
@@ -162,6 +167,125 @@ def line_claims(page: str) -> list[tuple[str, int]]:
 def count_lines(path: str) -> int:
     with open(path) as f:
         return sum(1 for _ in f)
+
+
+def module_path(module: str, root: str = ROOT) -> str:
+    """The file of a dotted repository module: its .py, or its package's __init__.py."""
+    base = os.path.join(root, *module.split("."))
+    return base + ".py" if os.path.exists(base + ".py") else os.path.join(base, "__init__.py")
+
+
+def module_of(path: str) -> str:
+    """The dotted module of a repository file (`parallel/comm.py` -> parallel.comm)."""
+    return path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+
+
+def is_empty_init(path: str) -> bool:
+    """A package's __init__.py that holds nothing but a docstring: importing it costs a reader nothing to read."""
+    if not path.endswith("__init__.py"):
+        return False
+    with open(path) as f:
+        body = ast.parse(f.read()).body
+    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
+
+
+def reading_cost(modules: list[str], root: str = ROOT) -> tuple[int, dict[str, int]]:
+    """(lines of the path's own modules, {module: lines} of the repository modules they import directly and are
+    not the path's), function-level imports included: what a reader of the path meets."""
+    graph = module_graph(root)
+    imported = set().union(*(graph[m] for m in modules)) - set(modules)
+    lines = {m: count_lines(module_path(m, root)) for m in [*modules, *imported]}
+    return sum(lines[m] for m in modules), {m: lines[m] for m in imported}
+
+
+COST_HEADER = ["path", "its modules", "lines", "the modules they import", "lines", "total"]
+
+
+def cost_rows(page: str) -> list[tuple[str, list[str], int, list[str], int, int]]:
+    """(path, its modules, their lines, the modules they import, their lines, total) for each row of `page`'s
+    table headed COST_HEADER (modules named in backticks, dotted)."""
+    with open(os.path.join(ROOT, page)) as f:
+        rows = [[c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None for line in f]
+    start = rows.index(COST_HEADER)
+    out = []
+    for row in rows[start + 2 :]:
+        if row is None:
+            break
+        name, own, own_n, imported, imported_n, total = row
+        n = [int(c.replace(",", "")) for c in (own_n, imported_n, total)]
+        out.append((name, backticked(own), n[0], backticked(imported), n[1], n[2]))
+    return out
+
+
+def path_tables(page: str) -> list[list[str]]:
+    """The files of each reading table of `page` (a table with a `file` and a `lines` column), as modules."""
+    out, column = [], None
+    with open(os.path.join(ROOT, page)) as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+            if cells is None:
+                column = None
+            elif column is None and "file" in cells and "lines" in cells:
+                column = cells.index("file")
+                out.append([])
+            elif column is not None and (m := re.fullmatch(r"`([\w/.\-]+\.py)`", cells[column])):
+                out[-1].append(module_of(m.group(1)))
+    return [t for t in out if t]
+
+
+def cost_errors(rows: list[tuple], root: str = ROOT) -> list[str]:
+    """Where a cost row is not what the import graph says: each number within 5%, the imported modules named
+    exactly (an __init__.py that holds only a docstring counts its lines but need not be named)."""
+    wrong = []
+    for name, own, own_n, imported, imported_n, total in rows:
+        real_own, real_imported = reading_cost(own, root)
+        named = sorted(m for m in real_imported if not is_empty_init(module_path(m, root)))
+        if sorted(imported) != named:
+            wrong.append(f"{name}: imports {named}, the page names {sorted(imported)}")
+        real_n = sum(real_imported.values())
+        for what, said, real in (("its modules", own_n, real_own), ("imports", imported_n, real_n)):
+            if abs(real - said) > LINES_RTOL * real:
+                wrong.append(f"{name}: {what} {said} lines, the graph says {real}")
+        if abs(real_own + real_n - total) > LINES_RTOL * (real_own + real_n):
+            wrong.append(f"{name}: total {total} lines, the graph says {real_own + real_n}")
+    return wrong
+
+
+def test_learn_md_reading_costs_are_the_import_graphs():
+    """Each path's cost as learn.md states it (its modules, the modules they import, the total) is within 5% of
+    the import graph's, and every reading table of the page is a path with a row."""
+    rows = cost_rows("docs/learn.md")
+    assert len(rows) >= 8, rows  # first read, DDP, ZeRO, TP, PP, CP, EP, Muon at least
+    wrong = cost_errors(rows)
+    assert not wrong, "docs/learn.md's reading costs are not the import graph's: " + "; ".join(wrong)
+    costed = [sorted(own) for _, own, *_ in rows]
+    uncosted = [t for t in path_tables("docs/learn.md") if sorted(t) not in costed]
+    assert not uncosted, f"reading paths of docs/learn.md with no row in its cost table: {uncosted}"
+
+
+def test_a_wrong_reading_cost_is_caught(tmp_path):
+    """The cost check itself: the true row passes; a total 6% off, a module it imports left unnamed (here one
+    imported inside a function: the graph reads function bodies) and a docstring-only package left unnamed
+    (allowed) are told apart."""
+    files = {
+        "a.py": "import b\nfrom p import q\n\n\ndef f():\n    import c\n" + "x = 1\n" * 94,  # 100 lines
+        "b.py": "y = 1\n" * 50,
+        "c.py": "z = 1\n" * 25,
+        "p/__init__.py": '"""A package."""\n',
+        "p/q.py": "w = 1\n" * 10,
+    }
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text(text)
+    imports = 50 + 25 + 1 + 10
+    row = ("a", ["a"], 100, ["b", "c", "p.q"], imports, 100 + imports)
+    assert cost_errors([row], str(tmp_path)) == []
+    assert cost_errors([(*row[:5], 196)], str(tmp_path)) == ["a: total 196 lines, the graph says 186"]
+    assert cost_errors([(*row[:3], ["b", "p.q"], 61, 161)], str(tmp_path)) == [
+        "a: imports ['b', 'c', 'p.q'], the page names ['b', 'p.q']",
+        "a: imports 61 lines, the graph says 86",
+        "a: total 161 lines, the graph says 186",
+    ]
 
 
 @pytest.mark.parametrize("page", PAGES)

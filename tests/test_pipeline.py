@@ -35,7 +35,10 @@ import torch.distributed as dist
 from debug import flight_recorder
 from model.gpt import GPT, make_config
 from parallel import comm
+from parallel.grads import clip_grad_norm_
 from parallel.groups import link_groups, new_groups, p2p_link
+from parallel.pipeline.parts import GPT_PARTS
+from parallel.pipeline.record import StepRecord
 from parallel.pipeline.runner import PipelineRunner, PipelineStage
 from parallel.pipeline.schedule import (
     ALL_SCHEDULES,
@@ -53,9 +56,10 @@ from parallel.pipeline.schedule import (
     rank_of,
     send_waits,
 )
+from parallel.pipeline.zero_bubble import split_backward
+from parallel.protocol import Placement, Replicated, Sharded
 from plan.theory import p2p_bytes_per_step
 from plan.timeline import P2P_MODELS, simulate_schedule
-from runtime.metrics import StepRecord
 from tests.harness import run_distributed
 
 SEED, MB, T = 0, 2, 16
@@ -100,9 +104,9 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
     batches = micro_batches(cfg, m)
     with torch.device("meta"):
         model = GPT(cfg)
-    stage = PipelineStage(model, rank, world, virtual)
+    stage = PipelineStage(model, rank, world, virtual, parts=GPT_PARTS)
     stage.materialize(SEED)
-    runner = PipelineRunner(stage)
+    runner = PipelineRunner(stage, record=StepRecord(torch.device("cpu")))
     # the tied matrix's terms: each backward's gradient of this rank's copy (P = 1: of wte, both uses)
     tied = runner.tied or ([stage.transformer.wte.weight] if world == 1 else [])
     magnitude = torch.zeros(cfg.vocab_size, cfg.n_embd, dtype=torch.float64)
@@ -143,7 +147,8 @@ def run_case(rank: int, world: int, name: str, n_layer: int, virtual: int, m: in
     # the global norm counts the tied matrix once; clipping scales the lm_head copy like wte
     ref_norm = sum(float((g.double() ** 2).sum()) for g in ref_grads.values()) ** 0.5  # GPT lists it once
     max_norm = 0.5 * ref_norm
-    norm = runner.clip_grad_norm_(max_norm).item()
+    copy_items = Replicated(stage, Placement(lm_head_copy=stage.last and not stage.both_ends), {}).grad_norm_items()
+    norm = clip_grad_norm_(copy_items, max_norm, across=dist.group.WORLD).item()  # the trainer's: summed over pp
     distance = float(dist_sq) ** 0.5
     norm_bound = distance + (U32 + 4 * gamma(int(n_elems) + 2, U64)) * (ref_norm + 2 * distance)
     coef = max_norm / (norm + 1e-6)  # what clip_grad_norm_ scales by, from its own (fp32-rounded) norm
@@ -213,7 +218,7 @@ def deferred_init(rank: int, world: int, n_layer: int, virtual: int) -> dict:
     cfg = config(n_layer)
     with torch.device("meta"):
         model = GPT(cfg)
-    stage = PipelineStage(model, rank, world, virtual)
+    stage = PipelineStage(model, rank, world, virtual, parts=GPT_PARTS)
     stage.materialize(SEED)
     eager = GPT(cfg)
     eager.init_weights(SEED)
@@ -458,10 +463,9 @@ def held_cases(rank: int, world: int) -> list[dict]:
         for m in (4, 16):
             with torch.device("meta"):
                 model = GPT(cfg)
-            stage = PipelineStage(model, rank, world)
+            stage = PipelineStage(model, rank, world, parts=GPT_PARTS)
             stage.materialize(SEED)
-            runner = PipelineRunner(stage)
-            runner.record = HeldRecord(runner.device)
+            runner = PipelineRunner(stage, record=HeldRecord(torch.device("cpu")))
             runner.step(micro_batches(cfg, m), name)
             out[name, m] = {"held": runner.record.peak_held_bytes, "in_flight": runner.record.peak_in_flight}
     every = [None] * world
@@ -552,9 +556,9 @@ def links_case(rank: int, world: int) -> dict:
         for ring in ((), links):
             with torch.device("meta"):
                 model = GPT(cfg)
-            stage = PipelineStage(model, rank, world, 2, v_shape=v_shape)
+            stage = PipelineStage(model, rank, world, 2, v_shape=v_shape, parts=GPT_PARTS)
             stage.materialize(SEED)
-            runner = PipelineRunner(stage, links=ring)
+            runner = PipelineRunner(stage, links=ring, split_backward=split_backward)
             used = []
             with (
                 mock.patch.object(comm, "send", post("SEND", real_send, used)),
@@ -641,10 +645,13 @@ class ActivationDtypeIsWhatTheChunksProduce(unittest.TestCase):
                 cfg = ParallelConfig(dp_type=dp_type, implementation="custom", param_dtype=param_dtype, pp_virtual=3)
                 mesh = Mesh(ParallelDims(dp=1, tp=1, world_size=1))
                 parallelized = Parallelized(model=model, mesh=mesh, cfg=cfg, device=cpu)
-                parallelized.model = parallelized.stage = PipelineStage(model, 0, 1, 3)
+                parallelized.model = parallelized.stage = PipelineStage(model, 0, 1, 3, parts=GPT_PARTS)
                 parallelized.engine = ENGINE.get(dp_type)
                 if parallelized.engine is not None:
                     parallelized.model = APPLY["custom", parallelized.engine](parallelized.model, mesh, cfg, cpu)
+                sharded = parallelized.engine == "fsdp"  # the protocol names the engine the runner runs chunks on
+                at = Placement()
+                parallelized.dp = Sharded(parallelized.model, at) if sharded else Replicated(parallelized.model, at, {})
                 runner = PipelineRunner(parallelized.stage, **parallelized.runner_args(cfg))
                 for autocast in (False, True):
                     with (

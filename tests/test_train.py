@@ -58,7 +58,8 @@ def assert_close_losses(test: unittest.TestCase, got: list[float], ref: list[flo
 
 
 ALLOCATOR_STEPS = """
-import resource, torch, allocator
+import resource, torch
+from runtime import allocator
 assert allocator.keep_freed_memory()
 def resident():
     with open("/proc/self/statm") as f:

@@ -34,8 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.gpt import GPT, make_config
 from parallel.data_parallel.fsdp import FullyShardedDataParallel
+from parallel.pipeline.parts import GPT_PARTS
+from parallel.pipeline.record import StepRecord
 from parallel.pipeline.runner import PipelineRunner, PipelineStage, embedding_group
-from parallel.pipeline.zero_bubble import WeightGradStore, hold_for_w
+from parallel.pipeline.zero_bubble import WeightGradStore, hold_for_w, split_backward
 from parallel.protocol import Placement, Sharded
 from parallel.tensor_parallel.apply import apply_tensor_parallel
 from runtime.blocks import AC_COUNTER, apply_activation_checkpointing
@@ -363,7 +365,7 @@ class TestSplitBackwardSharded(unittest.TestCase):
 
     def shard_grads(self, stage: int, split: bool) -> tuple[list, int]:
         fsdp = FullyShardedDataParallel(gpt(FAST_LAYERS), zero_stage=stage)
-        fsdp.defer_reduction = hold_for_w  # what a split schedule's runner sets (PipelineRunner._split_backward)
+        fsdp.defer_reduction = hold_for_w  # what a split schedule's runner sets (zero_bubble.split_backward)
         store = WeightGradStore(fsdp.module)
         batches = micro_batches(fsdp.config, FAST_M)
         held = 0
@@ -398,8 +400,9 @@ def runner_case(rank: int, pp: int, group, embed_group, m: int) -> dict:
     SUM of every rank's share), and each step's peak in-flight count."""
     cfg = config()
     batches = micro_batches(cfg, m)
-    stage = PipelineStage(gpt(), rank, pp)
-    runner = PipelineRunner(stage, group, embed_group=embed_group)
+    stage = PipelineStage(gpt(), rank, pp, parts=GPT_PARTS)
+    record = StepRecord(torch.device("cpu"))
+    runner = PipelineRunner(stage, group, embed_group=embed_group, record=record, split_backward=split_backward)
     flushed, real_flush = [], WeightGradStore.flush
 
     def flush(store: WeightGradStore, key) -> None:  # each W: how many deferred linears it found, what it changed
@@ -459,8 +462,9 @@ def v_case(rank: int, group, embed_group, m: int, one: dict[str, torch.Tensor]) 
     batches = micro_batches(cfg, m)
     out = {}
     for name in ("zbv", "dualpipev"):
-        stage = PipelineStage(gpt(), rank, 2, 2, v_shape=True)
-        runner = PipelineRunner(stage, group, embed_group=embed_group)
+        stage = PipelineStage(gpt(), rank, 2, 2, v_shape=True, parts=GPT_PARTS)
+        record = StepRecord(torch.device("cpu"))
+        runner = PipelineRunner(stage, group, embed_group=embed_group, record=record, split_backward=split_backward)
         magnitude = torch.zeros(cfg.vocab_size, cfg.n_embd, dtype=torch.float64)
 
         def record(g: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ import torch
 from checkpoints import checkpoint
 from data.batches import BatchSource, DataError, prepare_hint, prepared_dir, resolve_dataset_dir
 from data.chars import holds_chars, load_chars
+from ft import flags as ft_flags
 from model.gpt import GPT, PRESETS, GPTConfig, make_config
 from optim import flags as optim_flags
 from parallel.mesh import ParallelDims, WorldSizeError
@@ -197,6 +198,7 @@ def train_parser() -> Parser:
     a("--warmup_steps", type=int, default=10)
     a("--weight_decay", type=float, default=0.1)
     optim_flags.add_flags(a)  # --optimizer and Muon's (optim/flags.py)
+    ft_flags.add_flags(a)  # --ft_*: replica groups on torchft (ft/flags.py)
     a("--seed", type=int, default=1337)
     a("--eval_interval", type=int, default=25)
     a("--eval_iters", type=int, default=20)
@@ -823,6 +825,7 @@ def validate(args: argparse.Namespace, launch: str | None = None) -> RunSpec:
         _check_flags(args)
         _check_data(args, None, local_rank)
     dims, config, dtype, hf_state, grad_accum, pp_layers = check_layout(args, world_size, device, launch)
+    ft_flags.check(args, dims, grad_accum, refuse=UsageError)  # replica groups: the lighthouse answers; --resume set
     data_dir = _check_data(args, config, local_rank)
     resume_from = None if fake else _check_out_dir(args, config)  # a simulated rank writes nothing there
     return RunSpec(

@@ -13,7 +13,9 @@ Test hooks, switched on by environment variables; each is a no-op otherwise:
   while that file does not exist (it is created first), i.e. once across torchrun restarts.
 - GPT_CKPT_FAIL_AFTER_FILES=n: the n-th checkpoint file this process writes raises, as a full disk would.
 - GPT_SIGNAL_AT_STEP=s: in the middle of step s (after its backward, before the optimizer step) rank
-  GPT_SIGNAL_RANK (default 0, or "all") sends itself GPT_SIGNAL (TERM or INT), as a cluster preempting it would.
+  GPT_SIGNAL_RANK (default 0, or "all") sends itself GPT_SIGNAL (TERM or INT), as a cluster preempting it would
+  (KILL: a rank lost mid-step). With GPT_SIGNAL_MARKER=file, only the one process that creates that file (once,
+  across restarts and across the jobs that share the variable).
 - GPT_COMM_FAULT=skip|shape: in step GPT_COMM_FAULT_STEP (default 1) rank GPT_COMM_FAULT_RANK (default 0)
   skips (does not issue) the GPT_COMM_FAULT_NTH-th (default 0) op GPT_COMM_FAULT_OP (all_reduce, default, or
   recv) that goes through parallel/comm.py, or (shape) issues it on one element fewer: a rank out of step
@@ -147,12 +149,23 @@ def checkpoint_file_written() -> None:
         )
 
 
+def _claim(marker: str) -> bool:
+    """Create `marker`; False if it exists (one process of all that race for it wins)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+
+
 def maybe_signal_mid_step(step: int, rank: int) -> None:
     if _env_int("GPT_SIGNAL_AT_STEP") != step:
         return
-    who = os.environ.get("GPT_SIGNAL_RANK", "0")
-    if who == "all" or int(who) == rank:
-        os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("GPT_SIGNAL", "TERM")))
+    who, marker = os.environ.get("GPT_SIGNAL_RANK", "0"), os.environ.get("GPT_SIGNAL_MARKER")
+    if (who == "all" or int(who) == rank) and (not marker or _claim(marker)):
+        sig = getattr(signal, "SIG" + os.environ.get("GPT_SIGNAL", "TERM"))
+        print(f"GPT_SIGNAL_AT_STEP={step}: rank {rank} sends itself {sig.name} (test hook)", flush=True)
+        os.kill(os.getpid(), sig)
 
 
 def _fault_rank() -> bool:

@@ -32,7 +32,7 @@ MATH_ARGS = (
 def save_trainer(trainer, step: int, wait: bool = False) -> tuple[str, float]:
     """Collective: every rank writes its elements of train.py's Trainer `t` (model, optimizer, scaler) after
     `step`, with the run's config, MATH_ARGS and layout in the manifest. Returns (directory, milliseconds
-    training was blocked). With --async_checkpoint (`trainer.saver`) only the snapshot (a CPU copy) blocks and a
+    training was blocked). With --async_checkpoint (`trainer.saver`) only staging the copies blocks and a
     background thread writes it, unless `wait` (the final save, a preemption)."""
     spec, a, d = trainer.spec, trainer.spec.args, trainer.spec.dims
     extra = {
@@ -64,7 +64,6 @@ def save_trainer(trainer, step: int, wait: bool = False) -> tuple[str, float]:
         world_size=d.world_size,
         keep=a.keep_checkpoints,
         device=spec.device,
-        buffers=trainer.saver.free_buffers() if trainer.saver is not None else None,
     )
     if trainer.saver is None:
         path = write(snap)

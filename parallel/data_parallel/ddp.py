@@ -39,23 +39,6 @@ from parallel import comm
 _engine = torch.autograd.Variable._execution_engine
 
 
-class GradSyncSwitch:
-    """`no_sync()` for a data-parallel wrapper: backward passes run inside it leave their gradients local
-    (the wrapper reads `require_backward_grad_sync`), and the first syncing backward after it reduces the
-    accumulated sum. Shared by our DDP and FSDP, and named as torch DDP names it."""
-
-    require_backward_grad_sync: bool = True
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = old
-
-
 @dataclass
 class Bucket:
     """One flat gradient buffer and the parameters whose `.grad` are views into it.
@@ -110,7 +93,7 @@ def build_buckets(
     return buckets
 
 
-class DistributedDataParallel(GradSyncSwitch, nn.Module):
+class DistributedDataParallel(nn.Module):
     """Data parallelism: replicate `module`, average gradients over `process_group` during backward.
 
     Each rank stores a full replica of `module` (parameters and buffers) and one flat gradient buffer per
@@ -144,6 +127,8 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
     grad was None before this step (torch DDP leaves such grads untouched). Buckets after an incomplete
     one wait for the end of backward too, because all ranks must issue the all-reduces in the same order.
     """
+
+    require_backward_grad_sync: bool = True  # False inside `no_sync`; read by `forward`
 
     def __init__(
         self,
@@ -202,6 +187,16 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module):
             self._attach_grads(leave_fresh=True)
             self._sync_backward = self.require_backward_grad_sync  # decided at forward, like torch DDP
         return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside, backward passes leave their gradients local (accumulated in the buckets); the first syncing
+        backward after it all-reduces the sum (torch DDP's name)."""
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
 
     @contextlib.contextmanager
     def reduce_on_exit(self):

@@ -1,6 +1,5 @@
 """The flat-parameter unit of our sharding engine (parallel/data_parallel/fsdp.py): its layout and state-dict views,
-the ZeRO
-ladder (what each stage keeps: `ZeroStage`) and the reduction of a unit's gradient into its shard
+the ZeRO ladder (what each stage keeps: `ZeroStage`) and the reduction of a unit's gradient into its shard
 (`GradReduction`: reduce-scatter, and HSDP's all-reduce over the replicas).
 
 What is sharded: a unit's parameters (one Block's, or the root's: wte = lm_head, wpe, ln_f) are concatenated
@@ -196,8 +195,7 @@ class _FlatUnit:
 def unit_key(name: str, separate: dict[str, tuple[str, ...]] | None = None) -> str:
     """The unit parameter `name` belongs to: "transformer.h.<i>" (its Block), the `separate` unit whose module
     prefixes hold it (a pipeline stage's: parallel/data_parallel/fsdp_extensions.py), or "root" (the rest: wte =
-    lm_head, wpe,
-    ln_f)."""
+    lm_head, wpe, ln_f)."""
     if name.startswith("transformer.h."):
         return ".".join(name.split(".")[:3])
     module = name.rpartition(".")[0]
@@ -277,25 +275,6 @@ class FlatLayout:
                     if b > a and pa <= start and start + (b - a) <= pb:
                         found = p, start - pa, start - pa + (b - a)
                 yield (unit, spec, *found)
-
-    def state_breakdown(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds, {"params", "grads", "optimizer"}: shards and (ZeRO-1/2) the full copies;
-        shard gradients and full ones (ZeRO-1's buffers, or kept under no_sync); `optimizer`'s state of every
-        tensor in a shard (its pieces, or views of them: --optimizer muon steps views).
-        Distinct storages, padding included; a ZeRO-3 unit gathered right now counts too."""
-        from runtime.memory import storage_bytes_by_kind, storage_key
-
-        params, grads, moments = [], [], []
-        for unit in self.units:
-            params += [unit.shard, unit.flat]
-            grads += [p.grad for p, _, _ in unit.pieces if p.grad is not None]
-            grads += [t for t in (unit.flat.grad, unit.acc_grad) if t is not None]
-        if optimizer is not None:  # the state of every tensor in a shard: its pieces, or views of them (Muon's)
-            shards = {storage_key(unit.shard.untyped_storage()) for unit in self.units}
-            for p, state in optimizer.state.items():
-                if storage_key(p.untyped_storage()) in shards:
-                    moments += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        return storage_bytes_by_kind({"params": params, "grads": grads, "optimizer": moments})
 
     def sharded_state_dict(self) -> dict[str, ShardPiece]:
         """{original name: this rank's ShardPiece} for every name in GPT.state_dict() (pieces may be empty;

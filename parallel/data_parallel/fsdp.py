@@ -7,30 +7,31 @@ once. Each rank keeps 1/N of every unit's flat fp32 buffer. Under ZeRO-3 a micro
 (forward, and again before backward) and 1 reduce-scatter of each Block, and 1 of each for the root, which stays
 gathered from forward to backward as under FSDP2 (`FullyShardedDataParallel` says when and which way).
 `ZeroStage` (parallel/data_parallel/flat_param.py; what each stage sends and holds is in the formula sheet,
-plan/theory.py)
-says what stages 1 and 2 keep instead, `GradReduction` (there too) what HSDP adds to the reduction.
+plan/theory.py) says what stages 1 and 2 keep instead, `GradReduction` (there too) what HSDP adds to the reduction.
 
 Hooks: forward pre/post hooks on each Block; a tensor hook on each Block's output (runs before that
 Block's backward); a post-accumulate-grad hook on each unit's `flat` leaf (runs once all the unit's
 gradients are in); an autograd-engine callback at the end of backward.
 
-What the pipeline and expert parallelism add (a chunk's `run`, units of their own, a held or deferred
-reduction, experts sharded over their own group) is a mixin in parallel/data_parallel/fsdp_extensions.py: the hooks
-below ask
-it at a few named places (`_same_run`, `_holds`, `_deferred`, the extra units), and read as plain ZeRO without it.
+What the pipeline and expert parallelism add is composed in, not inherited: their units beyond the root and the
+Blocks (a pipeline stage's end of the tied embedding, the experts sharded over their own group) and which Blocks run
+together are an `extras` object the composition hands in (parallel/data_parallel/fsdp_extensions.py); the engine
+asks it at a few named places and reads as plain ZeRO without it. What a pipeline asks of the engine itself is
+small: `run` (a chunk's forward under the hooks), `hold_root_grads` and `defer_reduction` (a reduction held for
+later).
 """
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from model.gpt import GPT, materialize_module
 from parallel import comm
-from parallel.data_parallel.ddp import GradSyncSwitch
 from parallel.data_parallel.flat_param import (
     ZERO_LADDER,
     FlatLayout,
@@ -40,14 +41,11 @@ from parallel.data_parallel.flat_param import (
     flatten_unit,
     unit_key,
 )
-from parallel.data_parallel.fsdp_extensions import PipelineAndExperts
 from parallel.grads import clip_grad_norm_, norm_items
-from parallel.marks import shards_of
-from runtime.blocks import blocks_by_index
-from runtime.device import pick_device
+from parallel.marks import data_replica, shards_of
 
 
-class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
+class FullyShardedDataParallel(nn.Module):
     """ZeRO-1, 2 and 3 data parallelism (and HSDP) for GPT with flat parameters, one per unit (each Block, and the
     root). Below, the default, ZeRO-3 (FSDP); `zero_stage` 1 and 2 keep full copies instead (the end).
 
@@ -65,7 +63,8 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
       the previous Block's); a hook on the unit's flat leaf fires once all its gradients are summed and
       starts the unit's `GradReduction` (reduce-scatter, accumulated in fp32 into the shard `.grad`). A
       callback queued on the autograd engine waits for the last reduce-scatters.
-    - `clip_grad_norm_`: one all-reduce of a scalar (uncounted). State dicts: views of the shards, none.
+    - the global norm (`grad_norm_items`, parallel/grads.py): an all-reduce of a scalar per group pattern
+      (uncounted). State dicts: views of the shards, none.
 
     Gradient accumulation. By default every micro-step's backward reduce-scatters, so memory stays 1/N.
     Under `no_sync()` each rank keeps the full gradient (in `reduce_dtype`) across micro-steps and the first
@@ -75,33 +74,36 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
     Mixed precision: `param_dtype` (None = fp32) is the dtype of the gathered compute copies, `reduce_dtype`
     that of the reduce-scatter; the master shard, its gradient and the optimizer state stay fp32.
 
-    A GPT built on `meta` is materialised one unit at a time from `deferred_init_seed` on `device` (default:
-    `pick_device()`): init a unit, keep this rank's shard, drop the unit, so peak init memory is the shards plus one
-    unit, and the weights equal eager `init_weights(seed)` bit for bit (an eager GPT given a seed is re-initialised
-    the same way). The wrapped GPT owns no parameters any more: use the sharded views here (`sharded_state_dict`).
+    A GPT built on `meta` is materialised one unit at a time by `materialize(module, name)` on `device` (the
+    composition hands in the GPT's own init at the run's seed, model.gpt.materialize_module): init a unit, keep this
+    rank's shard, drop the unit, so peak init memory is the shards plus one unit, and the weights equal eager
+    `init_weights(seed)` bit for bit (an eager GPT given one is re-initialised the same way). The wrapped GPT owns
+    no parameters any more: use the sharded views here (`sharded_state_dict`).
 
     `zero_stage` (1, 2 or 3, the default) picks `policy`, a `ZeroStage` of ZERO_LADDER: stage 2 keeps the
     full parameters (gathered once per step), stage 1 also the full gradients (reduced once per step).
     HSDP (`replicate_group`): the sharding above within `process_group` (S ranks), and the R replicas of
     each shard kept equal by `GradReduction`. Parameters are gathered within the shard group only.
 
-    `separate` (a pipeline stage's units beside the root and the Blocks) and the experts' own-group units:
-    `PipelineAndExperts` (parallel/data_parallel/fsdp_extensions.py).
+    `extras`: a pipeline stage's units beside the root and the Blocks, the experts' own-group units, and which
+    Blocks one call runs (`PipelineAndExperts`, parallel/data_parallel/fsdp_extensions.py); None: a plain model.
     """
+
+    require_backward_grad_sync: bool = True  # False inside `no_sync`
 
     def __init__(
         self,
-        module: GPT,
+        module: nn.Module,
         process_group: dist.ProcessGroup | None = None,
         reshard_after_forward: bool = True,
         prefetch: bool = True,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
-        deferred_init_seed: int | None = None,
+        materialize: Callable[[nn.Module, str], None] | None = None,
         device: torch.device | str | None = None,
         zero_stage: int = 3,
         replicate_group: dist.ProcessGroup | None = None,
-        separate: dict[str, tuple[str, ...]] | None = None,
+        extras: object | None = None,
     ):
         super().__init__()
         if zero_stage not in ZERO_LADDER:
@@ -119,15 +121,15 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         self.reduction = GradReduction(process_group, replicate_group, reduce_dtype)
         self._backward_started = False
         self._whole = True  # the last forward ran the whole module (a pipeline's `run` runs a part of it)
-
-        is_meta = any(p.is_meta for p in module.parameters())
-        if is_meta and deferred_init_seed is None:
-            raise ValueError("the model is on the meta device: pass deferred_init_seed to materialise it")
-        device = (
-            torch.device(device)
-            if device is not None
-            else (pick_device("auto") if is_meta else next(module.parameters()).device)
-        )
+        self._holding_roots = False  # inside `hold_root_grads`: the roots' gradients accumulate, unreduced
+        # (flat leaf, its gradient, a callback that reduces it) -> True if the caller keeps it to reduce later
+        self.defer_reduction: Callable[[torch.Tensor, torch.Tensor, Callable], bool] | None = None
+        self.extras = extras
+        if extras is None and any(data_replica(p, None) is not None for p in module.parameters()):
+            raise ValueError("parameters copied over a group of their own (experts): pass extras=PipelineAndExperts")
+        if any(p.is_meta for p in module.parameters()) and (materialize is None or device is None):
+            raise ValueError("the model is on the meta device: pass materialize and device to materialise it")
+        device = torch.device(device) if device is not None else next(module.parameters()).device
         self._state_dict_names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
         # other dimensions' slices (FSDP over TP, EP): name -> their marks, for the norm groups and checkpoints
         self.shard_marks = {n: shards_of(p) for n, p in module.named_parameters() if shards_of(p)}
@@ -135,16 +137,17 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         for name, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         self._aliases = list(aliases.values())
-        blocks = blocks_by_index(module)  # a GPT's Blocks, or a pipeline stage's (keyed by global index)
+        # (global index, Block) of a GPT (a ModuleList) or of a pipeline stage (a ModuleDict keyed by index)
+        blocks = [(int(i), b) for i, b in module.transformer.h.named_children()]
         self._position = {i: pos for pos, (i, _) in enumerate(blocks, start=1)}  # global Block -> unit
         self._global = [None] + [i for i, _ in blocks]
         self._n_blocks = len(blocks)
-        n_units = 1 + self._n_blocks + self._extend(module, separate)  # + the pipeline's and EP's units
-        self.units = [self._build_unit(i, deferred_init_seed, device) for i in range(n_units)]
+        n_units = 1 + self._n_blocks + (extras.count if extras else 0)  # + the pipeline's and EP's units
+        self.units = [self._build_unit(i, materialize, device) for i in range(n_units)]
         self.layout = FlatLayout(self.units, process_group, self.rank, self.world, self._state_dict_names)
-        self.roots = [self.units[i] for i in [0, *self._extra_roots()]]  # gathered around every forward
-        # Block unit i and the units gathered with it (EP's experts: `_gathered_with`)
-        self._with = [[i, *self._gathered_with(i)] for i in range(1 + self._n_blocks)]
+        self.roots = [self.units[i] for i in [0, *(extras.roots if extras else [])]]  # gathered around each call
+        # Block unit i and the units gathered with it (EP's experts)
+        self._with = [[i, *(extras.gathered_with(i) if extras else [])] for i in range(1 + self._n_blocks)]
         self.flat_params = nn.ParameterList([p for u in self.units for p, _, _ in u.pieces])
 
         for i, (_, block) in enumerate(blocks, start=1):
@@ -157,8 +160,8 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
 
     def _unit_index(self, name: str) -> int:
         """0 for the root, the unit of Block i for transformer.h.i (i + 1 in a whole GPT), then the units the
-        pipeline and EP add (`_extra_unit_of`)."""
-        extra = self._extra_unit_of(name)
+        pipeline and EP add (`extras.unit_of`)."""
+        extra = self.extras.unit_of(name) if self.extras else None
         if extra is not None:
             return extra
         key = unit_key(name)
@@ -166,21 +169,23 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
 
     def _adjacent(self, i: int, j: int) -> bool:
         """Units i and j are neighbouring Blocks run by one call (worth a prefetch): not across a gap in the
-        Blocks' global indices, nor across two of a pipeline stage's chunks (`_same_run`)."""
-        return 1 <= j <= self._n_blocks and abs(self._global[i] - self._global[j]) == 1 and self._same_run(i, j)
+        Blocks' global indices, nor across two of a pipeline stage's chunks (`extras.same_run`)."""
+        if not (1 <= j <= self._n_blocks and abs(self._global[i] - self._global[j]) == 1):
+            return False
+        return self.extras is None or self.extras.same_run(self._global[i], self._global[j])
 
-    def _build_unit(self, index: int, seed: int | None, device: torch.device) -> _FlatUnit:
+    def _build_unit(self, index: int, materialize: Callable | None, device: torch.device) -> _FlatUnit:
         """Materialise (if asked), flatten and shard one unit, then drop its full parameters."""
         gpt = self.module
-        if seed is not None:
+        if materialize is not None:
             for prefix, sub in gpt.init_units():
                 if self._unit_index(prefix + ".") == index:
-                    materialize_module(sub, prefix, gpt.config, seed, device)
+                    materialize(sub, prefix)
         mine = [names for names in self._aliases if self._unit_index(names[0]) == index]
         name, group = (
             ("root" if index == 0 else f"transformer.h.{self._global[index]}", self.group)
             if index <= self._n_blocks
-            else self._extra_unit(index)
+            else self.extras.unit(index)
         )
         return flatten_unit(
             gpt,
@@ -237,6 +242,13 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
                 root.release()
         return out
 
+    def run(self, fn: Callable, *args):
+        """`fn(*args)`, a function over part of the wrapped module (a pipeline chunk's forward), under this
+        engine as `forward` is: the roots gathered around it, each Block by its hooks; its backward re-gathers and
+        reduces as a whole forward's does, so between calls each rank holds 1/N. Prefetch stays inside `fn`'s
+        Blocks (no first Block prefetched in forward, no last one in backward: `fn` may not run them)."""
+        return self._run(fn, args, whole=False)
+
     def _pre_forward(self, i: int, module: nn.Module, args) -> None:
         self._gather_block(i)
         if self.prefetch and self._adjacent(i, i + 1):
@@ -276,20 +288,25 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
 
     def _post_backward(self, unit: _FlatUnit, flat: torch.Tensor) -> None:
         """All of the unit's gradients from this backward are in `flat.grad`: free the unit and reduce its
-        gradient (`_reduce_grad`), unless a zero-bubble pipeline keeps it to reduce after its W (`_deferred`)."""
+        gradient (`_reduce_grad`), unless the caller's `defer_reduction` keeps it, to complete it and reduce it
+        later through the callback it is given (a zero-bubble pipeline's W: parallel/pipeline/zero_bubble.py)."""
         unit.release()
         grad, flat.grad = flat.grad, None
-        if not self._deferred(unit, grad):
+        deferred = self.defer_reduction is not None and self.defer_reduction(
+            flat, grad, partial(self._reduce_grad, unit)
+        )
+        if not deferred:
             self._reduce_grad(unit, grad)
 
     def _reduce_grad(self, unit: _FlatUnit, grad: torch.Tensor) -> None:
         """Reduce-scatter one backward's full gradient of `unit` (or keep it: under no_sync, ZeRO-1 until the end
-        of the step's backward, and a root a pipeline holds for a later backward: `_holds`)."""
+        of the step's backward, and a root a pipeline holds for a later backward: `hold_root_grads`)."""
         grad = grad.to(self.reduce_dtype)
         if unit.acc_grad is not None:
             grad = unit.acc_grad.copy_(grad) if unit.acc_stale else unit.acc_grad.add_(grad)
             unit.acc_grad, unit.acc_stale = None, False
-        if not self.require_backward_grad_sync or self.policy.reduces_at_end or self._holds(unit):
+        held = self._holding_roots and unit in self.roots
+        if not self.require_backward_grad_sync or self.policy.reduces_at_end or held:
             unit.acc_grad = grad
             return
         self.reduction.finish(final=False)  # one reduce-scatter in flight: full gradients are not kept around
@@ -329,6 +346,31 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         for unit in self.units:
             unit.mark_stale()
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside, backward passes keep each unit's full gradient (summed over micro-steps); the first syncing
+        backward after it reduce-scatters the sum (torch DDP's name)."""
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    @contextlib.contextmanager
+    def hold_root_grads(self):
+        """Inside, the roots' gradients are kept unreduced: a backward's full gradient of a root goes into its
+        `acc_grad` (reduce dtype; summed with one kept before), and the root's next reduction outside adds it in,
+        so the sum is reduce-scattered once. For a rank that runs the roots' two users as two calls (a V's rank 0:
+        the head's chunk, whose backward comes first, and the embeddings' chunk): held in the head's backward, the
+        root is reduce-scattered once per micro-batch, at the embeddings' backward, not after each (ZeRO-2/3;
+        ZeRO-1 reduces once per step anyway). Costs one full root gradient kept from the one backward to the
+        other."""
+        self._holding_roots = True
+        try:
+            yield
+        finally:
+            self._holding_roots = False
+
     # ---------------------------------------------------------------------------- optimizer helpers
 
     def param_groups(self, weight_decay: float) -> list[dict]:
@@ -347,9 +389,9 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         elsewhere (a pipeline's lm_head copy of wte: scaled, not measured). Without extra groups each flat piece
         is one item (param, (group,)); with them, each original parameter's slice is (piece, groups, lo, hi),
         after one empty item per pattern, the same on every rank (`norm_items`). The own-group units' items
-        (EP's experts, sharded over their own group) come after the others' (`_own_norm_items`)."""
+        (EP's experts, sharded over their own group) come after the others' (`extras.norm_items`)."""
         groups = {n: g for n, g in (groups or {}).items() if g != ()}
-        own, own_items = self._own_norm_items(groups)
+        own, own_items = self.extras.norm_items(self, groups) if self.extras else (set(), [])
         dense = {n: g for n, g in groups.items() if n not in own}
         if not dense:
             items = norm_items(
@@ -365,27 +407,25 @@ class FullyShardedDataParallel(PipelineAndExperts, GradSyncSwitch, nn.Module):
         return items + own_items
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        """Scale the shard gradients so the global L2 norm is at most max_norm; return the norm before.
-        Communication: one all-reduce of an fp32 scalar over the group."""
+        """Scale the shard gradients so the global L2 norm is at most max_norm; return the norm before (FSDP1's
+        name; the trainer clips through the protocol). Communication: an all-reduce of a scalar per pattern."""
         return clip_grad_norm_(self.grad_norm_items(), max_norm)
 
-    # ------------------------------------------- state dicts: views of the shards
-    # (parallel/data_parallel/flat_param.py)
+    # ------------------------------------------- state dicts: views of the shards (flat_param.py's FlatLayout)
 
     def sharded_state_dict(self) -> dict[str, ShardPiece]:
         """{original name: this rank's ShardPiece}, views of the live shards; no communication."""
         return self.layout.sharded_state_dict()
 
-    # --------------------------------------------------------------------------------------- metrics
+    def unit_pieces(self, name: str) -> list[nn.Parameter]:
+        """This rank's shard pieces of unit `name` (empty when there is none: a pipeline's tied unit)."""
+        return [p for u in self.units if u.name == name for p, _, _ in u.pieces]
+
+    def replica_of(self, name: str, replica_rank: int) -> int:
+        """Parameter `name`'s index among its data-parallel copies (checkpoint writers are copy 0): HSDP's
+        `replica_rank`, or 0 in an own-group unit (`extras`: sharded over every rank holding it, one copy)."""
+        return self.extras.replica_of(name, replica_rank) if self.extras else replica_rank
 
     @property
     def config(self):
         return self.module.config
-
-    def state_breakdown(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds, {"params", "grads", "optimizer"} (`FlatLayout.state_breakdown`)."""
-        return self.layout.state_breakdown(optimizer)
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
-        """The sum of `state_breakdown`."""
-        return sum(self.state_breakdown(optimizer).values())

@@ -1,7 +1,9 @@
 """Pipeline parallelism at run time: a GPT cut into stages, and a runner that executes a schedule's actions.
 
 Schedules (which compute runs when, and every SEND/RECV) come from parallel/pipeline/schedule.py as per-rank action
-lists; this module only executes them.
+lists; this module only executes them. It imports nothing of model/: what a stage runs besides the GPT's modules
+(the head and its loss, the side losses, the init) comes in as `ModelParts`, and the split backward and the step's
+record as arguments, all handed in by the composition (parallel/parallelize.py).
 
 - `PipelineStage`: the part of a GPT that pp rank r of P keeps, for V virtual chunks per rank: the Blocks of
   chunks r, r+P, ... (`chunk_of`; the V schedules: r and 2P-1-r; how many Blocks each chunk holds is given:
@@ -13,42 +15,32 @@ lists; this module only executes them.
   the two gradients over [first rank, last rank] after each backward, so the copies stay equal. Where one rank
   holds both ends (P == 1, rank 0 of the V schedules) lm_head is tied to wte as in GPT.
 - `PipelineRunner.step`: M micro-batches by the named schedule, one handler per action kind; a split
-  schedule's B and W go through a `WeightGradStore` (parallel/pipeline/zero_bubble.py). Point-to-point only (counted as
-  "p2p"): per micro-batch and stage boundary one activation (mb, T, C) forward and its gradient backward, shapes
-  known to both sides (no handshake). What a step measures is `record`'s (metrics.StepRecord).
+  schedule's B and W go through the store `split_backward` builds (parallel/pipeline/zero_bubble.py). Point-to-point
+  only (counted as "p2p"): per micro-batch and stage boundary one activation (mb, T, C) forward and its gradient
+  backward, shapes known to both sides (no handshake). What a step measures is its `record`'s
+  (parallel/pipeline/record.py).
 
-Order per step: `step` -> `reduce_tied_grads` -> `clip_grad_norm_` -> optimizer step.
+Order per step: `step` -> `reduce_tied_grads` -> the global norm's clip -> optimizer step.
 """
 
 from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable, ContextManager, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from model.gpt import GPT, materialize_module
-from model.loss import head_output, loss_share
-from model.moe import SideLosses
 from parallel import comm
-from parallel.grads import clip_grad_norm_, norm_items
 from parallel.groups import group_timeout, new_groups, p2p_link
+from parallel.pipeline.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W
 from parallel.pipeline.schedule import (
     ALL_SCHEDULES,
-    RECV_B,
-    RECV_F,
-    SEND_B,
-    SEND_F,
     SPLIT_SCHEDULES,
     V_SCHEDULES,
-    Action,
-    B,
-    F,
-    W,
     boundary,
     chunk_of,
     consecutive,
@@ -58,8 +50,21 @@ from parallel.pipeline.schedule import (
     rank_of,
     send_waits,
 )
-from parallel.pipeline.zero_bubble import WeightGradStore, hold_for_w
-from runtime.metrics import StepRecord
+
+
+class ModelParts(NamedTuple):
+    """What a stage runs of the model besides its modules, handed in (parallel/pipeline/parts.py: model/'s).
+
+    `head(stage, x, targets)`: lm_head and the loss on ln_f's output, as the GPT's (`model.loss.head_output`);
+    `side_losses()`: a context collecting the side losses a forward adds, `.total` (`model.moe.SideLosses`);
+    `loss_share(M, scale)`: the context a micro-batch's forward runs in, its loss to be divided by M and scaled
+    (`model.loss.loss_share`); `materialize(module, prefix, config, seed, device)`: init one unit as the GPT's
+    (`model.gpt.materialize_module`)."""
+
+    head: Callable
+    side_losses: Callable[[], ContextManager]
+    loss_share: Callable[[int, Callable | None], ContextManager]
+    materialize: Callable
 
 
 def chunk_ranges(n_layer: int, chunks: int, counts: Sequence[int] | None = None) -> list[range]:
@@ -79,22 +84,25 @@ class PipelineStage(nn.Module):
     Built from a GPT on meta (then `materialize(seed)` allocates and inits exactly this stage's parameters,
     by name, as GPT.init_weights would) or from an initialised GPT (the stage shares its modules; the
     lm_head copy is a clone of wte). Holds no reference to the GPT: other stages' modules are not kept.
+    `parts`: what it runs besides the modules (`ModelParts`); without them a stage is only cut (the planner
+    counts its units), and neither runs nor materialises.
     `layers`: Blocks per chunk, P·V counts (every rank passes the same: trainer/config.py resolves them from
     --pp_layers_per_stage or the cost model, parallel/pipeline/partition.py); None: as even as possible, the extra
-    Blocks to the
-    front (`even_partition`). `self.layers[c]` is chunk c's range of Block indices.
+    Blocks to the front (`even_partition`). `self.layers[c]` is chunk c's range of Block indices.
     """
 
     def __init__(
         self,
-        model: GPT,
+        model: nn.Module,
         rank: int,
         pp: int,
         virtual: int = 1,
         layers: Sequence[int] | None = None,
         v_shape: bool = False,
+        parts: ModelParts | None = None,
     ):
         super().__init__()
+        self.parts = parts
         self.config, self.rank, self.pp, self.virtual, self.v_shape = model.config, rank, pp, virtual, v_shape
         if v_shape and virtual != 2:
             raise ValueError(f"a V layout has two chunks per rank; got virtual={virtual}")
@@ -139,25 +147,25 @@ class PipelineStage(nn.Module):
     def materialize(self, seed: int, device: torch.device | str | None = None) -> None:
         """Allocate and init this stage's parameters only, one unit at a time (values equal GPT's eager init)."""
         for prefix, module in self.init_units():
-            materialize_module(module, prefix, self.config, seed, device)
+            self.parts.materialize(module, prefix, self.config, seed, device)
         if self.both_ends:
             self.lm_head.weight = self.transformer.wte.weight
 
     def forward_chunk(self, chunk: int, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Chunk `chunk` on its input: token ids (B, T) for chunk 0, else the activation (B, T, C).
         Returns the activation (B, T, C), or on the last chunk the mean cross-entropy against `targets`, lm_head
-        and loss computed together chunk by chunk over rows as GPT's (loss.head_output), plus the chunk's side
+        and loss computed together chunk by chunk over rows as GPT's (`ModelParts.head`), plus the chunk's side
         losses (the MoE balancing loss), or the logits (B, T, V) without targets. A chunk before the last leaves
         its side losses in `side_loss` (None without), for the runner to add to its backward."""
         t = self.transformer
-        with SideLosses() as side:
+        with self.parts.side_losses() as side:
             if chunk == 0:
                 pos = self.positions(x.shape[1], x.device)
                 x = t.drop(t.wte(x) + t.wpe(pos))  # (B, T, C)
             for i in self.layers[chunk]:
                 x = t.h[str(i)](x)  # (B, T, C)
         if chunk == self.n_chunks - 1:
-            logits, loss = head_output(self, t.ln_f(x), targets)  # (B, T, V) logits, or the loss
+            logits, loss = self.parts.head(self, t.ln_f(x), targets)  # (B, T, V) logits, or the loss
             self.side_loss = None
             return logits if targets is None else loss if side.total is None else loss + side.total
         self.side_loss = side.total
@@ -181,8 +189,7 @@ TIED = "tied"  # the sharding engine's unit for a stage's end of the tied embedd
 
 def sharded_units(stage: PipelineStage) -> dict[str, tuple[str, ...]]:
     """Where the pipeline meets sharding: the units our sharding engine (parallel/data_parallel/fsdp.py, `separate`)
-    cuts a
-    stage into beyond its root and Blocks. A stage holding one end of the tied embedding (the first stage wte,
+    cuts a stage into beyond its root and Blocks. A stage holding one end of the tied embedding (the first stage wte,
     the last its lm_head copy) keeps it as a unit of its own, so both ends shard it alike and
     `reduce_tied_grads` sums their shard gradients elementwise (dp rank d of each holds the same elements); a
     rank holding both ends (P == 1, a V layout's rank 0) has one tied parameter, as a GPT, in its root."""
@@ -195,7 +202,7 @@ WHOLE_WORLD = "whole world"  # PipelineRunner's embed_group default: the pipelin
 
 class PipelineRunner:
     """Runs one rank's action list of a schedule over its `PipelineStage`, each action by its handler; what a
-    step measured is in `record` (a StepRecord).
+    step measured is in `record` (parallel/pipeline/record.py's StepRecord, or nothing without one).
 
     Stores, per micro-batch whose forward ran and whose backward has not: each chunk's input (a leaf) and
     output (or scaled loss) with its graph; freed at that backward. Under a split schedule, from B to W: the
@@ -215,18 +222,22 @@ class PipelineRunner:
         engine: nn.Module | None = None,
         device: torch.device | None = None,
         links: Sequence[dist.ProcessGroup] = (),
+        record: object | None = None,
+        split_backward: Callable | None = None,
     ):
         """`act_dtype`: the dtype of the activations between chunks, what the stages really produce (the
         residual stream's: fp32, or the compute copies' dtype when FSDP gathers bf16 ones); both sides of a
         send must agree, since the receiver allocates it. `seq_shard`: activations between chunks are (mb, T /
         seq_shard, C) (tp under sequence parallelism). `engine`: our sharding engine wrapping the stage
         (parallel/data_parallel/fsdp.py), which then runs every chunk (`engine.run`, so its hooks see each one) and
-        holds the
-        tied matrix's shard pieces (`sharded_units`) that `reduce_tied_grads` sums. `links` (NCCL:
+        holds the tied matrix's shard pieces (`sharded_units`) that `reduce_tied_grads` sums. `links` (NCCL:
         parallel.groups.serial_p2p): the pp group's link groups, one per link colour, each message on its chunk
         boundary's (`p2p_link`; docs/pipeline.md, Messages), or () for every message on `group`. `embed_group`:
         `embedding_group(...)`, which every rank of the world builds together (None on a middle stage; by
-        default built here, for a pipeline that is the whole world)."""
+        default built here, for a pipeline that is the whole world). `record`: what sees each action (a
+        StepRecord; None: nothing). `split_backward(stage, engine)`: the zero-bubble schedules' machinery
+        (parallel/pipeline/zero_bubble.py), built on the first split step: a store whose `defer(key)` the F and B of
+        (chunk, micro) run in and whose `flush(key)` is W; None: this runner runs no split schedule."""
         self.stage, self.group, self.act_dtype, self.seq_shard = stage, group, act_dtype, seq_shard
         self.links = tuple(links)
         self.engine = engine
@@ -245,8 +256,9 @@ class PipelineRunner:
                 )
             embed_group = embedding_group([list(range(stage.pp))], stage.v_shape) if stage.pp > 1 else None
         self.embed_group = embed_group
-        self.record = StepRecord(self.device)  # the last step's timeline, events and peaks
-        self.store: WeightGradStore | None = None  # a split schedule's deferred weight gradients (built by one)
+        self.record = record if record is not None else _Unrecorded()  # the last step's timeline, events, peaks
+        self.split_backward = split_backward
+        self.store = None  # a split schedule's deferred weight gradients (built by its first step)
 
     def step(
         self,
@@ -268,7 +280,9 @@ class PipelineRunner:
             )
         split = schedule_name in SPLIT_SCHEDULES
         if split and self.store is None:
-            self.store = self._split_backward()
+            if self.split_backward is None:
+                raise ValueError(f"schedule {schedule_name} splits the backward: build the runner with split_backward")
+            self.store = self.split_backward(st, self.engine)
         s = _Step(micro_batches, self, scale, self.store if split else None, train=True)
         self.record.start(split)
         self._run(ALL_SCHEDULES[schedule_name](st.pp, s.M, st.virtual)[st.rank], s, self.record)
@@ -281,10 +295,10 @@ class PipelineRunner:
         rank passes the same list; the rank of the last chunk returns the losses, the others zeros."""
         st = self.stage
         s = _Step(micro_batches, self, None, None, train=False)
-        self._run(evaluation(st.pp, s.M, st.virtual, st.v_shape)[st.rank], s, StepRecord(self.device))
+        self._run(evaluation(st.pp, s.M, st.virtual, st.v_shape)[st.rank], s, _Unrecorded())
         return [loss if loss is not None else torch.zeros((), device=self.device) for loss in s.losses]
 
-    def _run(self, actions: list[Action], s: _Step, record: StepRecord) -> None:
+    def _run(self, actions: list[Action], s: _Step, record) -> None:
         """Each action by its handler, in the list's order. Before it (off its clock: waiting is idle): the sends
         `send_waits` names there, and for an F or B the receive of its input; after the last, the sends no B
         waited on."""
@@ -323,7 +337,7 @@ class PipelineRunner:
         inp = x.to(self.device) if a.chunk == 0 else s.act_in.pop(key)
         if a.chunk > 0 and s.train:
             inp.requires_grad_()  # received or handed on locally: a leaf the chunk's backward fills
-        with s.defer(key), loss_share(s.M, s.scale):
+        with s.defer(key), st.parts.loss_share(s.M, s.scale):
             out = self.forward(a.chunk, inp, y.to(self.device) if last else None)
         if not s.train:
             if last:
@@ -390,17 +404,6 @@ class PipelineRunner:
             return contextlib.nullcontext()
         return self.engine.hold_root_grads()
 
-    def _split_backward(self) -> WeightGradStore:
-        """The store of a split schedule's deferred weight gradients, built on its first step. Under our sharding
-        engine a unit whose linears B deferred is complete only after the W that computes them: the engine then
-        hands that B's unit gradient to the store (`hold_for_w`), and the W reduces it exactly as B would have:
-        1F1B's collectives and bytes per (unit, micro-batch), moved from B to W (ZeRO-2/3's last reduce-scatter
-        waited for when the step exits), at the cost of one full unit gradient (padded, compute dtype) held from
-        B to W per deferred (unit, micro-batch). ZeRO-3 still frees the gathered unit at B: W needs x and dy."""
-        if self.engine is not None:
-            self.engine.defer_reduction = hold_for_w
-        return WeightGradStore(self.stage)
-
     def p2p_group(self, c: int) -> dist.ProcessGroup | None:
         """The group the messages across chunk boundary c (between chunks c and c+1) go on: `group`, or the
         boundary's link group (both ends name it from the same boundary, so both post on the same group; the
@@ -442,20 +445,18 @@ class PipelineRunner:
                 w.grad = w.grad.redistribute(w.device_mesh, w.placements)
             comm.all_reduce(comm.local(w.grad), group=self.embed_group)  # a DTensor (FSDP2, DTensor TP): its shard
 
-    def norm_items(self, groups: dict[str, tuple] | None = None) -> list[tuple]:
-        """Items for parallel.grads.clip_grad_norm_ (summed over the pp group with `across=`): each stage
-        parameter with the groups `groups[name]` its gradient is sharded over inside the stage (default: none),
-        and the last stage's lm_head copy with groups None (scaled, not measured): after reduce_tied_grads it
-        equals wte's gradient, which the first stage counts, so the tied matrix counts once and both copies
-        are clipped alike."""
-        copy = {"lm_head.weight": None} if self.stage.last and not self.stage.both_ends else {}
-        return norm_items(self.stage.named_parameters(), {**(groups or {}), **copy})
 
-    def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        """The global norm over `norm_items()` and the pp group (clipped at max_norm); returns it."""
-        return clip_grad_norm_(
-            self.norm_items(), max_norm, across=self.group if self.group is not None else dist.group.WORLD
-        )
+class _Unrecorded:
+    """A runner's record when none is handed in (and evaluation's): sees every action, keeps nothing."""
+
+    def start(self, split: bool) -> None:
+        pass
+
+    def waited(self, a: Action) -> None:
+        pass
+
+    def action(self, a: Action, step: _Step) -> ContextManager:
+        return contextlib.nullcontext()
 
 
 class _Step:
@@ -467,7 +468,7 @@ class _Step:
         batches: list[tuple[torch.Tensor, torch.Tensor]],
         runner: PipelineRunner,
         scale: Callable | None,
-        store: WeightGradStore | None,
+        store,
         train: bool,
     ):
         st, (mb, T) = runner.stage, batches[0][0].shape
@@ -484,7 +485,7 @@ class _Step:
         self.recvs: dict[Action, tuple[dist.Work, torch.Tensor]] = {}  # posted, until its F or B waits on it
 
     def defer(self, key: tuple[int, int]):
-        """A split schedule's F and B: the linears' weight gradients wait for W (zero_bubble.WeightGradStore)."""
+        """A split schedule's F and B: the linears' weight gradients wait for W (the store `split_backward` built)."""
         return self.store.defer(key) if self.store is not None else contextlib.nullcontext()
 
     def held(self) -> tuple[dict, ...]:

@@ -4,7 +4,8 @@ Chunks. The model's Blocks are cut into C = P·V consecutive chunks (P pipeline 
 Chunk 0 also holds wte/wpe, chunk C-1 also ln_f and lm_head. Rank r holds chunks r, r+P, r+2P, ... (Megatron's
 interleaving; V = 1 is the plain pipeline; the V schedules: r and 2P-1-r).
 
-Actions. `Action(kind, chunk, micro)`; `chunk` is always a chunk of the rank that runs the action:
+Actions (parallel/pipeline/actions.py). `Action(kind, chunk, micro)`; `chunk` is always a chunk of the rank that runs
+the action:
   F(c, m) / B(c, m)    forward / backward of micro-batch m through chunk c;
   W(c, m)              the weight gradients of B(c, m), in a split schedule (SPLIT_SCHEDULES): there B is the
                        gradient w.r.t. the chunk's input only, what the previous chunk waits for, and W the
@@ -29,19 +30,8 @@ list as a grid.
 from __future__ import annotations
 
 import itertools
-from typing import NamedTuple
 
-F, B, W, SEND_F, RECV_F, SEND_B, RECV_B = "F", "B", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE = (F, B, W)
-
-
-class Action(NamedTuple):
-    kind: str
-    chunk: int
-    micro: int
-
-    def __repr__(self) -> str:
-        return f"{self.kind}(c{self.chunk},m{self.micro})"
+from parallel.pipeline.actions import COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W
 
 
 class ScheduleError(ValueError):
@@ -345,8 +335,7 @@ def send_waits(actions: list[Action]) -> dict[Action, list[Action]]:
     the one that computed it), or at the step's end when none follows. Every wait stands after its send in the
     list, at a compute that starts later than the message is ready, so it adds no deadlock under any p2p
     model (`plan.timeline.simulate_schedule` runs them). A rank then holds, beyond its stored activations, at most one
-    input gradient
-    in flight: the bound does not grow with M."""
+    input gradient in flight: the bound does not grow with M."""
     sent_forward = {a for a in actions if a.kind == SEND_F}
     waits: dict[Action, list[Action]] = {}
     pending_b: list[Action] = []  # SEND_B's waiting for the rank's next B

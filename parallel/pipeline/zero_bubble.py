@@ -21,8 +21,7 @@ the same terms in the same order as under 1F1B: ZB-H1's gradients are 1F1B's bit
 
 Where W's gradients land. A weight that is a leaf parameter (no data parallelism, DDP, TP): its `.grad`. A
 weight that is a view of a flat buffer (our ZeRO/FSDP engine, parallel/data_parallel/flat_param.py: a unit's parameters
-are
-views of its `flat` leaf, new views at each gather): the unit's gradient of that B, which the engine's
+are views of its `flat` leaf, new views at each gather): the unit's gradient of that B, which the engine's
 post-accumulate hook hands to `hold_for_w` instead of reducing it, when the B deferred linears on that flat
 (`defers`, recorded at forward). B has filled it except at the deferred slices (zeros there, from autograd's
 split backward); W adds each dW into its slice (0 + dW: exact) and then calls the engine back with the
@@ -187,6 +186,20 @@ def hold_for_w(base: torch.Tensor, grad: torch.Tensor, done: Callable[[torch.Ten
         return False
     store.held[key].append((base, grad, done))
     return True
+
+
+def split_backward(stage: nn.Module, engine: nn.Module | None = None) -> WeightGradStore:
+    """What the composition hands a pipeline runner for the split schedules (PipelineRunner's `split_backward`):
+    the store of their deferred weight gradients over `stage`'s linears, built on the first split step. Under our
+    sharding engine (`engine`) a unit whose linears B deferred is complete only after the W that computes them:
+    the engine then hands that B's unit gradient to the store (`hold_for_w`), and the W reduces it exactly as B
+    would have: 1F1B's collectives and bytes per (unit, micro-batch), moved from B to W (ZeRO-2/3's last
+    reduce-scatter waited for when the step exits), at the cost of one full unit gradient (padded, compute dtype)
+    held from B to W per deferred (unit, micro-batch). ZeRO-3 still frees the gathered unit at B: W needs x and
+    dy."""
+    if engine is not None:
+        engine.defer_reduction = hold_for_w
+    return WeightGradStore(stage)
 
 
 class WeightGradStore:

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.gpt import GPT, GPTConfig, init_parameter, materialize_module
-from model.loss import WholeVocab, linear_cross_entropy, loss_chunk_rows
+from model.loss import WholeVocab, compiled, linear_cross_entropy, loss_chunk_rows
 from model.moe import MoE, moe_layers
 from parallel import comm
 from parallel.marks import mark_shard, shard_dim
@@ -84,8 +84,9 @@ class VocabShard:
     ((V, C) in the compute dtype) and loss.WholeVocab's single pass, of which it keeps its columns' gradient.
     """
 
-    def __init__(self, group, start: int, gather: bool = False):
-        self.group, self.start, self.gather = group, start, gather
+    def __init__(self, group, start: int, gather: bool = False, fused: bool = False):
+        self.group, self.start, self.gather, self.fused = group, start, gather, fused
+        self.whole = WholeVocab(fused)  # the gather path's rows
 
     def _mine(self, targets: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         lo = self.start
@@ -102,11 +103,14 @@ class VocabShard:
         z = None
         for lo in range(0, N, chunk):
             rows = slice(lo, lo + chunk)
-            z = F.linear(xc[rows], wc).float()  # (n, V/p)
+            z = self._logits(xc[rows], wc)  # (n, V/p)
             mine, local_t = self._mine(targets[rows], n_cols)
+            last = grads.needed and lo + chunk >= N  # its z stays for the second pass
+            if self.fused:
+                stats[:, rows] = compiled(shard_statistics)(z, local_t, mine)
+                continue
             torch.amax(z, dim=-1, out=stats[0, rows])
             stats[2, rows] = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
-            last = grads.needed and lo + chunk >= N  # its z stays for the second pass
             shifted = (z - stats[0, rows].unsqueeze(-1)) if last else z.sub_(stats[0, rows].unsqueeze(-1))
             torch.sum(shifted.exp_(), dim=-1, out=stats[1, rows])
         local_max = stats[0].clone()
@@ -117,13 +121,22 @@ class VocabShard:
         for lo in reversed(range(0, N, chunk)) if grads.needed else ():
             rows = slice(lo, lo + chunk)
             if lo + chunk < N:
-                z = F.linear(xc[rows], wc).float()  # recomputed (the last chunk's is kept)
+                z = self._logits(xc[rows], wc)  # recomputed (the last chunk's is kept)
             mine, local_t = self._mine(targets[rows], n_cols)
-            g = z.sub_(z_max[rows]).exp_().div_(sum_exp[rows])  # softmax, this rank's columns
-            g.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))  # - one-hot
-            grads.add(rows, g.mul_(scale[rows].unsqueeze(-1)), xc, wc)
+            if self.fused:
+                g = compiled(shard_gradient)(z, z_max[rows], sum_exp[rows], local_t, mine, scale[rows])
+            else:
+                g = z.sub_(z_max[rows]).exp_().div_(sum_exp[rows])  # softmax, this rank's columns
+                g.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))  # - one-hot
+                g.mul_(scale[rows].unsqueeze(-1))
+            grads.add(rows, g, xc, wc)
             z = g = None  # g is z's storage: both names let go before the next chunk's logits
         return stats[2] - stats[0] - stats[1].log()  # log p(target)
+
+    def _logits(self, xc: torch.Tensor, wc: torch.Tensor) -> torch.Tensor:
+        """A chunk's logits of this rank's columns: fp32 for the eager kernels, the compute dtype for the fused."""
+        z = F.linear(xc, wc)
+        return z if self.fused else z.float()
 
     def _whole_rows(
         self, xc: torch.Tensor, wc: torch.Tensor, targets: torch.Tensor, chunk: int, scale: torch.Tensor, grads
@@ -134,13 +147,40 @@ class VocabShard:
         picked = torch.empty(N, dtype=torch.float32, device=xc.device)
         for lo in range(0, N, chunk):
             rows = slice(lo, lo + chunk)
-            picked[rows], g = WholeVocab.rows(
+            picked[rows], g = self.whole.rows(
                 F.linear(xc[rows], w_all), targets[rows], scale[rows] if grads.needed else None
             )
             if g is not None:
                 grads.add(rows, g[:, cols], xc, wc)
             del g  # else it lives on beside the next chunk's logits (as in WholeVocab.log_probs)
         return picked
+
+
+def shard_statistics(z: torch.Tensor, local_t: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """VocabShard's first pass over a chunk's logits z (n, V/p) (any float dtype), as one compiled kernel
+    (`fused`): (3, n) fp32, each row's max m, sum of exp(z - m) and target logit (0 where this rank holds no
+    target), from two reads of z; z is left as it is (the last chunk's serves the second pass)."""
+    zf = z.float()
+    m = zf.amax(-1)
+    sum_exp = (zf - m.unsqueeze(-1)).exp().sum(-1)
+    target = zf.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+    return torch.stack([m, sum_exp, target])
+
+
+def shard_gradient(
+    z: torch.Tensor,
+    z_max: torch.Tensor,
+    sum_exp: torch.Tensor,
+    local_t: torch.Tensor,
+    mine: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """VocabShard's second pass as one compiled kernel (`fused`): z (n, V/p) overwritten by this rank's columns of
+    (softmax - one-hot) * scale, from the whole rows' max and sum of exp (n, 1), in fp32, written once in z's dtype;
+    returns z."""
+    hot = (torch.arange(z.shape[-1], device=z.device) == local_t.unsqueeze(-1)) & mine.unsqueeze(-1)
+    p = (z.float() - z_max).exp() / sum_exp
+    return z.copy_((p - hot.float()) * scale.unsqueeze(-1))
 
 
 def vocab_parallel_cross_entropy(
@@ -150,13 +190,15 @@ def vocab_parallel_cross_entropy(
     group,
     gather: bool = False,
     chunk_rows: int | None = None,
+    fused: bool = False,
 ) -> torch.Tensor:
     """cross_entropy(F.linear(x, full weight), targets) (mean over targets != -1) from this rank's vocab rows
     `weight` (V/p, C) of the tied matrix: x (..., C) the same on every rank, targets (...) global ids. Chunked over
     rows as loss.linear_cross_entropy (only one chunk's logits at a time, (n, V/p), or (n, V) with `gather`); the
     rows reduce over the vocab by VocabShard: 2 all-reduces of per-row statistics (loss parallelism), or with
-    `gather` 1 all-gather of the weight. Computed in fp32."""
-    vocab = VocabShard(group, comm.rank(group) * weight.shape[0], gather)
+    `gather` 1 all-gather of the weight. Computed in fp32; with `fused` (--compile: loss.compile_head) each chunk's
+    passes by one compiled kernel (`shard_statistics`, `shard_gradient`, or the whole rows' loss.fused_rows)."""
+    vocab = VocabShard(group, comm.rank(group) * weight.shape[0], gather, fused)
     # chunks sized by the fp32 logits they make: this rank's columns, or whole rows
     chunk_rows = chunk_rows or loss_chunk_rows(weight.shape[0] * (comm.world(group) if gather else 1), x.device.type)
     return linear_cross_entropy(x, weight, targets, vocab, chunk_rows)

@@ -1,8 +1,7 @@
 """The layers of our tensor parallelism (parallel/tensor_parallel/apply.py swaps them in by TP_PLAN): each docstring
 states the math (Y = XA with A split by columns or by rows, Megatron-LM's layers), what a rank stores and what
 it communicates, through the f and g of parallel/tensor_parallel/mappings.py; under sequence parallelism (SP) the
-activations
-outside the tensor-parallel region are split along the sequence, (B, T/p, C).
+activations outside the tensor-parallel region are split along the sequence, (B, T/p, C).
 """
 
 from __future__ import annotations

@@ -10,4 +10,24 @@ They sit beside our mechanisms, not inside them, so a reader can diff the two:
                          (ours: parallel/tensor_parallel/apply.py)
     data_parallel.py     FSDP2 `fully_shard`, `DistributedDataParallel` (+ `ZeroRedundancyOptimizer` for zero1)
                          (ours: parallel/data_parallel/fsdp.py, parallel/data_parallel/ddp.py)
+    fp8.py               torchao's convert_to_float8_training on the Blocks' linears
+                         (ours: parallel/fp8/linear.py)
 """
+
+from __future__ import annotations
+
+from typing import Callable
+
+from parallel.twins import context_parallel, data_parallel, pipeline, tensor_parallel
+
+# each step of parallelize's composition that PyTorch has a wrapper for (none for expert parallelism), by what it
+# makes: the one table through which the composition reaches the twins
+STEPS: dict[str, Callable] = {
+    "pp": pipeline.apply_pp,
+    "cp": context_parallel.apply_cp,
+    "tp": tensor_parallel.apply_tp,
+    "fsdp": data_parallel.apply_fsdp,
+    "ddp": data_parallel.apply_ddp,
+    "protocol": data_parallel.protocol,
+    "runner": pipeline.apply_runner,
+}

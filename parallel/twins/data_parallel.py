@@ -31,6 +31,12 @@ class TorchFSDP2(Replicated):
                 module.reshard()
         return super().checkpoint_parts(optimizer)
 
+    def parameter_tensors(self):
+        """(fixed, moving): nothing stays put; fully_shard swaps every parameter for its unsharded copy around
+        each use (the entries of the modules' _parameters), so each is read afresh."""
+        slots = [(m._parameters, n) for m in self.model.modules() for n, p in m._parameters.items() if p is not None]
+        return [], lambda: [d[n] for d, n in slots]
+
 
 class TorchZeRO1(Replicated):
     """torch DDP plus ZeroRedundancyOptimizer over the loss group: each replica keeps the AdamW state of its

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel.mesh import Mesh
+from parallel.pipeline.parts import GPT_PARTS
 from parallel.pipeline.runner import PipelineRunner, PipelineStage
 from parallel.pipeline.schedule import V_SCHEDULES
 
@@ -39,8 +40,7 @@ class TorchPipelineRunner(PipelineRunner):
     split), ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B, and for the zero-bubble schedules
     ScheduleInterleavedZeroBubble (zb_h1: one stage per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV (our
     V cut: torch maps stages to ranks in a V itself); they run on gloo in torch 2.13. Shapes are given to torch (no
-    shape
-    inference pass); the example tensors must require grad, or torch sends no gradient back
+    shape inference pass); the example tensors must require grad, or torch sends no gradient back
     (pipelining/_utils.py derives the grad metadata from them). loss_fn is CE / M with scale_grads=False:
     torch's default scale_grads=True divides every .grad by M after the step, which would also divide
     gradient accumulated before it. The tied embedding is summed outside the schedule, as ours.
@@ -131,11 +131,11 @@ class TorchPipelineRunner(PipelineRunner):
 
 
 def apply_pp(model, mesh: Mesh, cfg, device: torch.device) -> PipelineStage:
-    """Our cut (parallel/pipeline.PipelineStage), plus one module per local chunk (`TorchChunk`) for torch's
-    PipelineStage: torch's DDP and FSDP2 then wrap those chunk modules, as torchtitan wraps its model chunks."""
-    stage = PipelineStage(
-        model, mesh["pp"].rank, mesh["pp"].size, cfg.pp_virtual, cfg.pp_layers, v_shape=cfg.pp_schedule in V_SCHEDULES
-    )
+    """Our cut (parallel/pipeline/runner.py's PipelineStage), plus one module per local chunk (`TorchChunk`) for
+    torch's PipelineStage: torch's DDP and FSDP2 then wrap those chunk modules, as torchtitan wraps its model
+    chunks."""
+    pp, v_shape = mesh["pp"], cfg.pp_schedule in V_SCHEDULES
+    stage = PipelineStage(model, pp.rank, pp.size, cfg.pp_virtual, cfg.pp_layers, v_shape, parts=GPT_PARTS)
     stage.chunk_modules = {c: TorchChunk(stage, c) for c in stage.chunks}
     return stage
 
