@@ -282,15 +282,15 @@ def tp_comm_bytes_per_micro_step(
 ) -> dict[str, int]:
     """Bytes parallel/comm.COUNTER records on one rank for one forward + backward, by kind.
 
-    dtype_bytes: element size of matmul outputs (the compute dtype). residual_bytes: that of the residual
-    stream, embeddings and LayerNorm outputs; default dtype_bytes, but 4 under autocast (they stay fp32).
+    dtype_bytes: element size of matmul outputs (the compute dtype). residual_bytes: that of the residual stream,
+    embeddings, LayerNorm outputs and weights' compute copies (fp32 under autocast, a sharding engine's param_dtype).
     With A(b) = B*T*C*b, one activation:
     - the region's 2L+1 entries (ln_1, ln_2 of each block, ln_f): f's backward all-reduce of A(residual),
       or under SP an all-gather forward and a reduce-scatter backward of A(residual) each;
     - its 2L exits (attn.c_proj, mlp.c_proj): g's forward all-reduce of A(dtype), or under SP a
       reduce-scatter forward and an all-gather backward each; the embedding's exit likewise, of A(residual);
-    - under SP also the position embeddings' backward all-gather (T*C) and the fp32 all-reduce of the
-      gradients of the replicated parameters that saw only T/p positions (LayerNorms, row-parallel biases);
+    - under SP also the position embeddings' backward all-gather (T*C) and the all-reduce of the gradients of
+      the replicated parameters that saw only T/p positions (LayerNorms, row-parallel biases), of residual_bytes;
     - the loss: with loss parallelism 3 fp32 numbers per token (max; target logit and sum-exp), else the
       all-gather of lm_head's whole (V, C) weight, in the compute dtype (VocabShard);
     - activation checkpointing of `recomputed_blocks` Blocks: backward re-runs each one's forward up to the
@@ -320,7 +320,7 @@ def tp_comm_bytes_per_micro_step(
         out["all_gather"] += entries + exits + moe + first * T * C * residual_bytes
         out["reduce_scatter"] += entries + exits
         n_bias = 1 if config.bias else 0
-        out["all_reduce"] += (norms * (1 + n_bias) * C + (2 * L - E) * n_bias * C) * 4
+        out["all_reduce"] += (norms * (1 + n_bias) * C + (2 * L - E) * n_bias * C) * residual_bytes
     else:
         out["all_reduce"] += entries + exits
     if sequence_parallel:

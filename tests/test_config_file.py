@@ -5,6 +5,7 @@ A bad file is one line naming the key, exit 2. The shipped configs/ pass every c
 
 from __future__ import annotations
 
+import argparse
 import glob
 import os
 import tempfile
@@ -74,6 +75,19 @@ class TestReadAndWrite(unittest.TestCase):
         self.assertEqual(got, want)
         self.assertEqual({k: type(v) for k, v in got.items()}, {k: type(v) for k, v in want.items()})
 
+    def test_a_float_that_needs_every_digit_replays_to_the_bit(self):
+        """A run's <out_dir>/config.toml holds each float to the bit: --lr 0.00123456789 (11 significant digits)
+        and 0.1 + 0.2 (17: 0.30000000000000004) come back equal through --config, not rounded to a shorter
+        decimal (which would silently replay another run)."""
+        out = os.path.join(self.tmp.name, "run")
+        argv = ["--model", "tiny", "--lr", "0.00123456789", "--weight_decay", repr(0.1 + 0.2), "--out_dir", out]
+        args = config.parse_args(argv)
+        path = config_file.write(args, config.train_parser())  # what train.py writes
+        self.assertEqual(path, os.path.join(out, "config.toml"))
+        back = config.parse_args(["--config", path])
+        self.assertEqual((back.lr, back.weight_decay), (0.00123456789, 0.30000000000000004))
+        self.assertNotEqual(back.weight_decay, 0.3)
+
     def test_bad_files_are_one_line_naming_the_key(self):
         data = make_token_bins(os.path.join(self.tmp.name, "data"), n_train=2000, n_val=500)
         cases = {
@@ -103,6 +117,60 @@ class TestReadAndWrite(unittest.TestCase):
         expect_train_error_in_process(
             self, ["--config", missing], f"--config {missing}: no such file", os.path.join(self.tmp.name, "out")
         )
+
+
+# What config.toml may leave out, and why: a flag here does not change the run's bits (losses, evals, checkpoints'
+# contents). Every other flag of train_parser() must be carried, so a new flag is carried unless added here.
+RUN_FREE = {
+    "help": "prints the usage and exits: never part of a run",
+    "config": "where the flags came from; the file holds the flags themselves",
+    "out_dir": "where the run writes; a replay names its own (--out_dir NEW)",
+    "overwrite": "what to do with an old out_dir, not what to compute",
+    "resume": "continue from out_dir's checkpoint: the same run's bits either way",
+}
+
+
+def off_default(action, i: int):
+    """A value of `action`'s kind that is not its default (None when the test cannot make one: a new kind of
+    flag). Floats need all 17 digits (1 / (7 + i)), so a shortened float is seen too."""
+    if isinstance(action, argparse._StoreTrueAction):
+        return True
+    if action.nargs is not None or not isinstance(action, argparse._StoreAction):
+        return None
+    if action.choices is not None:
+        return next(c for c in action.choices if c != action.default)
+    if action.type is int:
+        return (action.default or 0) + 3 + i
+    if action.type is float:
+        return 1 / (7 + i)
+    if action.type is None:
+        return f"value-of-{action.dest}"
+    return None
+
+
+class TestEveryFlagIsInTheFile(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+
+    def test_config_toml_carries_every_flag_that_changes_the_run(self):
+        """Every flag of train_parser() but RUN_FREE, each set off its default on the command line, comes back
+        equal from the run's <out_dir>/config.toml through --config alone. The flags are the parser's, not a list
+        here: a new flag is held the day it is added, and one the file drops (the seed, say) fails."""
+        parser = config.train_parser()
+        actions = {a.dest: a for a in parser._actions}
+        self.assertLessEqual(set(RUN_FREE), set(actions))  # no stale excuse
+        values = {d: off_default(a, i) for i, (d, a) in enumerate(actions.items()) if d not in RUN_FREE}
+        self.assertEqual([d for d, v in values.items() if v is None], [], "a flag this test cannot set: teach it")
+        argv = ["--out_dir", os.path.join(self.tmp.name, "run")]
+        for dest, value in values.items():
+            flag = actions[dest].option_strings[0]
+            argv += [flag] if value is True else [flag, str(value)]
+        args = config.parse_args(argv)
+        self.assertEqual({d: getattr(args, d) for d in values}, values)
+        back = config.parse_args(["--config", config_file.write(args, parser)])
+        got = {d: getattr(back, d) for d in values}
+        self.assertEqual([d for d in values if got[d] != values[d]], [], "flags config.toml does not carry")
 
 
 class TestShippedConfigs(unittest.TestCase):

@@ -175,6 +175,44 @@ class TestPrepare(Corpus):
         self.assertEqual(json.loads((out / prepare.STATE).read_text())["fingerprint"]["shard_size"], 5000)
         self.assertTrue(np.array_equal(read_stream(out), read_stream(self.ref)))
 
+    def test_a_resume_with_other_arguments_is_refused(self):
+        """A preparation stopped after its second shard, started again with one argument changed. Each argument
+        that shapes the stream is refused in one line naming it, the shards left as they were: the shard sizes,
+        and --batch_docs, since the state's place in the stream counts tasks of --batch_docs documents (resumed
+        with another, it would skip or repeat documents). --num_proc is not (the workers' tasks come back in
+        order): resumed with another, the shards and state are the uninterrupted run's."""
+
+        class Stop(Exception):
+            pass
+
+        real = prepare.save_state
+
+        def save_state(out_dir: Path, state: prepare.State) -> None:
+            real(out_dir, state)
+            if state.shard == 2:
+                raise Stop
+
+        out = self.dir / "stopped"
+        with mock.patch.object(prepare, "save_state", save_state), self.assertRaises(Stop):
+            call(self.argv(out, num_proc=1))
+        left = {p.name: p.read_bytes() for p in out.iterdir()}
+        self.assertEqual(json.loads(left[prepare.STATE])["shard"], 2)
+        for flag, value in (("--batch_docs", "5"), ("--shard_size", "5000"), ("--val_tokens", "1000")):
+            with self.subTest(flag):
+                code, _, err = call(self.argv(out, flag, value))
+                self.assertEqual((code, len(err.splitlines())), (2, 1), err)
+                self.assertIn(f"holds shards of another preparation (it differs in {flag[2:]})", err)
+                self.assertEqual({p.name: p.read_bytes() for p in out.iterdir()}, left)
+        code, printed, err = call(self.argv(out, num_proc=2))
+        self.assertEqual(code, 0, err)
+        self.assertIn("resuming after shard 1", printed)
+        self.assertEqual(
+            {p.name: p.read_bytes() for p in shard_files(out)}, {p.name: p.read_bytes() for p in shard_files(self.ref)}
+        )
+        self.assertEqual(
+            json.loads((out / prepare.STATE).read_text()), json.loads((self.ref / prepare.STATE).read_text())
+        )
+
 
 KILLED = """
 import os, signal, sys
@@ -320,6 +358,17 @@ class TestBadInput(unittest.TestCase):
         self.assertFalse(self.out.exists())
 
     def test_cli(self):
+        """The script refuses a missing input in exactly one line, before it fetches the GPT-2 tokenizer: run as
+        on a fresh machine with no network (empty tokenizer caches, every download refused), so the output is
+        the same whether an earlier test or run fetched the tokenizer or not (fetching it prints a line)."""
+        fresh = {
+            **os.environ,
+            "GPT2_TOKENIZER_CACHE": str(self.dir / "tokenizer-cache"),
+            "TIKTOKEN_CACHE_DIR": str(self.dir / "tiktoken-cache"),
+            "HTTP_PROXY": "http://127.0.0.1:9",
+            "HTTPS_PROXY": "http://127.0.0.1:9",
+            "PIP_RETRIES": "0",
+        }
         proc = subprocess.run(
             [
                 sys.executable,
@@ -333,6 +382,7 @@ class TestBadInput(unittest.TestCase):
             capture_output=True,
             text=True,
             timeout=300,
+            env=fresh,
         )
         self.assertEqual(proc.returncode, 2)
         self.assertEqual(proc.stderr.splitlines(), [f"error: input file not found: {self.dir / 'nope.parquet'}"])

@@ -67,6 +67,29 @@ def test_ours_equals_torch_muon_bit_for_bit():
     assert all(not torch.equal(ours[n], start[n]) for n in ours)  # every parameter moved
 
 
+@pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+def test_each_lr_adjustment_equals_torch_muon_on_wide_and_tall_matrices(adjust_lr_fn):
+    """Both of torch.optim.Muon's lr adjustments, on a tall (64, 16) and a wide (16, 64) matrix: "original"
+    scales by sqrt(max(1, rows/cols)), so the two matrices step by different factors (2 and 1), and a ratio
+    taken the wrong way round shows on one of them; "match_rms_adamw" is symmetric in the shape."""
+    shapes = [(64, 16), (16, 64)]
+    w = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    ours_w = [t.clone().requires_grad_() for t in w]
+    theirs = [t.clone().requires_grad_() for t in w]
+    hyper = {**MUON, "adjust_lr_fn": adjust_lr_fn}
+    names = ["transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"]
+    ours = one_process(list(zip(names, ours_w)), 0.0, ADAMW, hyper)
+    ref = torch.optim.Muon(theirs, **hyper)
+    for step in range(STEPS):
+        for i, s in enumerate(shapes):
+            g = torch.randn(s, generator=torch.Generator().manual_seed(100 * step + i))
+            ours_w[i].grad, theirs[i].grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(ours_w, theirs))
+    assert not any(torch.equal(a.detach(), b) for a, b in zip(ours_w, w))  # both moved
+
+
 def test_an_experts_matrices_are_torch_muon_on_each_slice():
     """An ExpertLinear weight (E, in, out) steps as torch.optim.Muon on each expert's (in, out) slice."""
     w = torch.randn(4, 16, 24)
@@ -413,6 +436,14 @@ class TestBadInput:
 
     def test_momentum_of_one(self):
         self.refused(["--optimizer", "muon", "--muon_momentum", "1"], "--muon_momentum must be < 1")
+
+    def test_float16(self):
+        """fp16's GradScaler does not reach Muon's views of the flat shards: refused on both ranks of an FSDP x 2."""
+        self.refused(
+            ["--optimizer", "muon", "--dtype", "float16", "--data_parallel_size", "2", "--data_parallel_type", "fsdp"],
+            "--optimizer muon with --dtype float16 is not built yet",
+            nproc=2,
+        )
 
     def test_a_twin_layout_that_cannot_run_it(self):
         self.refused(

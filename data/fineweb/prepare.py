@@ -349,11 +349,11 @@ def main(argv: list[str] | None = None, encoding: Encoding | None = None) -> int
     args = parse_args(argv)
     bar = None
     try:
+        files = input_files(args.input) if args.input else None  # bad input first: before fetching the tokenizer
         if encoding is None:
             from data.tokenizer import get_gpt2_encoding
 
             encoding = get_gpt2_encoding()  # before the workers fork: they inherit it
-        files = input_files(args.input) if args.input else None
         dataset = (
             load_local(files, args.text_field, args.num_proc, args.cache_dir)
             if files
