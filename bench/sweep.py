@@ -3,7 +3,7 @@ trained a few steps and held against one process.
 
     python -m bench.sweep                    # every layout up to 4 ranks + the bf16 rows: the table
     python -m bench.sweep --sample 12        # + 12 layouts at 6 and 8 ranks (seeded, see `sample`), and the
-                                             #   split schedules' 8-rank rows (zero_bubble_large_rows)
+                                             #   concepts' 8-rank rows (Sweep.large)
     python -m bench.sweep --only 'pp=3*'     # the layouts whose name matches
 
 Each layout is `train.py` on the `tiny` GPT with 4 Blocks, or 12 where its P·V chunks need more (pp=4 with V=3

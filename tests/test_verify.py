@@ -953,7 +953,7 @@ MUON_LAYOUTS = {  # each every rank simulated; the 64- and 1,024-rank runs are d
 
 class TestMuon(unittest.TestCase):
     """Muon layouts, every rank simulated: the build's all_gather_object answered from the plan
-    (plan/muon_verify.answer_holds), every check passes, and the exchange's recorded all_to_alls are the theory's
+    (optim/simulate.answer_holds), every check passes, and the exchange's recorded all_to_alls are the theory's
     on every rank (so the check is not vacuous); seeded: owners that are not LPT's, a rank whose holds are not
     the plan's."""
 
