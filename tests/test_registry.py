@@ -203,3 +203,48 @@ def test_todays_concepts_are_on_the_registry_in_their_order():
         "moe",
         "muon",
     ]
+
+
+def registration_readers(graph: dict[str, set[str]]) -> list[str]:
+    """Arrows the registry's design forbids: a concept's registration (its concept.py) imported by anything but the
+    list (trainer/concepts.py), and a concept's formulas (a theory.py) imported by the runtime (model/, runtime/,
+    parallel/, checkpoints/, optim/ outside the concepts' own theory, concept and simulate modules), which keeps a
+    learner's reading path through the mechanism free of them."""
+    own = (".theory", ".concept", ".moe_concept", ".simulate")
+    runtime = ("model.", "runtime.", "parallel.", "checkpoints.", "optim.")
+    out = []
+    for m, targets in graph.items():
+        for t in sorted(targets):
+            if t.endswith((".concept", ".moe_concept")) and m != "trainer.concepts":
+                out.append(f"{m} -> {t}")
+            elif t.endswith(".theory") and m.startswith(runtime) and not m.endswith(own):
+                out.append(f"{m} -> {t}")
+    return sorted(out)
+
+
+def test_only_the_list_imports_a_registration_and_the_runtime_no_formulas():
+    from tests.test_structure import module_graph
+
+    assert registration_readers(module_graph()) == []
+
+
+def test_registration_readers_are_found(tmp_path):
+    """The reader itself: a wrapper importing its concept's formulas, and the planner importing a registration."""
+    from tests.test_structure import module_graph
+
+    for path, text in {
+        "parallel/__init__.py": "",
+        "parallel/ring.py": "from parallel.theory import f\n",
+        "parallel/theory.py": "def f():\n    pass\n",
+        "parallel/concept.py": "from parallel import theory\n",
+        "plan/__init__.py": "",
+        "plan/search.py": "import parallel.concept\nfrom parallel.theory import f\n",
+        "trainer/__init__.py": "",
+        "trainer/concepts.py": "import parallel.concept\n",
+    }.items():
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text(text)
+    assert registration_readers(module_graph(str(tmp_path))) == [
+        "parallel.ring -> parallel.theory",
+        "plan.search -> parallel.concept",
+    ]
