@@ -34,8 +34,6 @@ from runtime.device import backend_for
 from runtime.metrics import active_params, flops_per_token
 from trainer.concepts import concepts
 
-__all__ = ["is_expert", "tp_local_shape"]  # the layout's rules this view applies, for its readers
-
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
 
 

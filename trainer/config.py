@@ -1,8 +1,9 @@
 """Command-line flags and their validation into one frozen `RunSpec`, before any process group exists.
 
-train.py, sample.py, export.py and bench share what lives here: `UsageError` (bad input: one line,
-exit code 2, on every rank, before any work), the one-line argument parser, and fetching OpenAI's
-weights. After `validate` the trainer reads layout questions from `spec.parallel` and `spec.dims` only.
+train.py, sample.py, export.py and bench share what lives here: `UsageError` (bad input: one line, exit code 2,
+on every rank, before any work; runtime/registry.py's, which every concept's checks raise), the one-line argument
+parser, and fetching OpenAI's weights. After `validate` the trainer reads layout questions from `spec.parallel` and
+`spec.dims` only.
 
 The trainer's own flags and checks are here; each concept's (a parallelism, the optimizer, the experts) are
 its own, registered from its folder (runtime/registry.py, trainer/concepts.py): the parser adds their groups,
@@ -33,7 +34,6 @@ from trainer.concepts import concepts
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 DTYPES = ("float32", "bfloat16", "float16")
-__all__ = ["UsageError"]  # bad input (runtime/registry.py's, which every concept's checks raise), for the callers
 
 
 class Parser(argparse.ArgumentParser):
