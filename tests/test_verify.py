@@ -850,7 +850,7 @@ class TestPlannerVerifies(unittest.TestCase):
         "1",
     ]
 
-    def spec(self, argv: list[str]) -> tuple[int, str]:
+    def plan(self, argv: list[str]) -> tuple[int, str]:
         from plan import __main__ as cli
 
         out = io.StringIO()
