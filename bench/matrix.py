@@ -165,7 +165,7 @@ class Setup:
     # steps): Switch's loss coefficient, DeepSeek-V3's bias rate
     moe_aux_loss_coeff: float = 0.01
     moe_bias_update_rate: float = 1e-3
-    optimizer: str = "adamw"  # or "muon" (python -m bench --optimizer muon): Muon on the Block matrices, no checkpoint
+    optimizer: str = "adamw"  # python -m bench --optimizer: another optimizer runs with no checkpoint
 
     def moe_config(self, experts: int) -> GPTConfig:
         """The config of a layout with `experts` (Layout.experts): every Block's MLP replaced by that many experts,
@@ -241,7 +241,7 @@ class Setup:
             "--overwrite",
             *lay.flags(),
             *self.moe_flags(lay),
-            *(["--optimizer", "muon", "--no_checkpoint"] if self.optimizer == "muon" else []),
+            *(["--optimizer", self.optimizer, "--no_checkpoint"] if self.optimizer != "adamw" else []),
         ]
 
     def moe_flags(self, lay: Layout) -> list[str]:

@@ -3,7 +3,7 @@ trained a few steps and held against one process.
 
     python -m bench.sweep                    # every layout up to 4 ranks + the bf16 rows: the table
     python -m bench.sweep --sample 12        # + 12 layouts at 6 and 8 ranks (seeded, see `sample`), and the
-                                             #   split schedules' 8-rank rows (zero_bubble_large_rows)
+                                             #   concepts' 8-rank rows (Sweep.large)
     python -m bench.sweep --only 'pp=3*'     # the layouts whose name matches
 
 Each layout is `train.py` on the `tiny` GPT with 4 Blocks, or 12 where its P·V chunks need more (pp=4 with V=3
@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from bench.forkserver import ForkServer
+from trainer.concepts import concepts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS, T, STEPS, VOCAB = 12, 32, 3, 512
@@ -106,7 +107,10 @@ class Layout:
     ep: int = 1  # --expert_parallel_size
     moe_every: int = 1  # --moe_every: an MoE layer in every N-th Block (a stage may then hold none)
     stages: str = ""  # --pp_layers_per_stage; "": the cost model's split
-    optimizer: str = "adamw"  # --optimizer (muon: optim/, its tolerance `muon_tolerance`)
+    extra: tuple[str, ...] = ()  # a concept's own flags for this row (Sweep.rows), named in the row's name
+    options: tuple[
+        tuple[str, str], ...
+    ] = ()  # (flag, value) the whole sweep runs with (SweepOption), the reference too
 
     @property
     def n_layer(self) -> int:
@@ -142,7 +146,8 @@ class Layout:
             + (f" moe={self.experts}" + (f" ep={self.ep}" if self.ep > 1 else "") if self.experts else "")
             + (f" every={self.moe_every}" if self.moe_every > 1 else "")
             + (f" split={self.stages}" if self.stages else "")
-            + (f" {self.optimizer}" if self.optimizer != "adamw" else "")
+            + "".join(f" {name}" for name in _extra_names(self.extra))
+            + "".join(f" {value}" for _, value in self.options)
         )
 
     @property
@@ -204,8 +209,9 @@ class Layout:
                 "--moe_every",
                 str(self.moe_every),
             ]
-        if self.optimizer != "adamw":
-            f += ["--optimizer", self.optimizer]
+        f += list(self.extra)
+        for flag, value in self.options:
+            f += [flag, value]
         return f
 
     @property
@@ -220,8 +226,32 @@ class Layout:
             rows=self.rows,
             experts=self.experts,
             moe_every=self.moe_every,
-            optimizer=self.optimizer,
+            options=self.options,
         )
+
+
+def _extra_names(extra: tuple[str, ...]) -> list[str]:
+    """A row's own flags as its name shows them: `--flag value` as flag=value, a switch as its name."""
+    out, tokens = [], list(extra)
+    while tokens:
+        flag = tokens.pop(0).removeprefix("--")
+        out.append(f"{flag}={tokens.pop(0)}" if tokens and not tokens[0].startswith("--") else flag)
+    return out
+
+
+def concept_rows(which: str = "rows") -> list[Layout]:
+    """Every registered concept's rows (runtime/registry.Sweep: `rows` in every sweep, `large` with the 6- and
+    8-rank sample), in registration order (trainer/concepts.py)."""
+    out = []
+    for c in concepts():
+        rows = getattr(c.sweep, which, None) if c.sweep is not None else None
+        out += [Layout(**kw) for kw in rows()] if rows is not None else []
+    return out
+
+
+def sweep_options() -> list:
+    """The registered concepts' sweep-wide options (runtime/registry.SweepOption), in order."""
+    return [c.sweep.option for c in concepts() if c.sweep is not None and c.sweep.option is not None]
 
 
 def layouts(max_world: int = 4) -> list[Layout]:
@@ -244,12 +274,6 @@ def layouts(max_world: int = 4) -> list[Layout]:
         if tp > 1 and pp == dp == cp == 1:
             out.append(Layout(tp=tp, sp=False))
     return out
-
-
-def middle_stage_rows() -> list[Layout]:
-    """pp = 3 beside dp = 2 on 6 ranks, the smallest layouts with a middle stage and another dimension (the first
-    user report: ValueError at build), in ddp and in fsdp with --deferred_init. Cheap enough for CI."""
-    return [Layout(pp=3, dp=2, dp_type="ddp"), Layout(pp=3, dp=2, dp_type="fsdp", deferred=True)]
 
 
 def sample(n: int, seed: int = 0) -> list[Layout]:
@@ -278,80 +302,7 @@ def sample(n: int, seed: int = 0) -> list[Layout]:
     return must + rng.sample(rest, max(0, n - len(must)))
 
 
-def zero_bubble_rows() -> list[Layout]:
-    """The split-backward schedules (zb_h1; zbv and dualpipev on a V, V = 2) at P = 2, 3, 4 alone, and at P = 2
-    with DDP, ZeRO-2, FSDP and TP + SP (4 ranks); ZB-V and DualPipe-V x FSDP in bf16 (the GPU's defaults).
-    Kept out of `layouts`' product: the other dims they do not run with are refused in one line
-    (config._check_zero_bubble, tests/test_zero_bubble.py)."""
-    split = (("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
-    out = [Layout(pp=p, schedule=s, virtual=v) for p in (2, 3, 4) for s, v in split]
-    for s, v in split:
-        out += [Layout(pp=2, dp=2, dp_type=t, schedule=s, virtual=v) for t in ("ddp", "zero2", "fsdp")]
-        out.append(Layout(pp=2, tp=2, schedule=s, virtual=v))
-    return out + [
-        Layout(pp=2, dp=2, dp_type="fsdp", schedule=s, virtual=2, dtype="bfloat16") for s in ("zbv", "dualpipev")
-    ]
-
-
-def zero_bubble_large_rows() -> list[Layout]:
-    """The split schedules beside a sharding engine and TP (pp=2 x dp=2 x tp=2), under HSDP (pp=2 x dp=4, R=2), and
-    at P = 4 with DDP, ZeRO-2, FSDP (dp=2) and TP + SP (tp=2): 8 ranks, run with the 6- and 8-rank sample. DualPipe-V
-    needs M >= 2P = 8 per dp rank, so its P = 4 x dp = 2 rows train 16 rows per step (against one process of 16)."""
-    split = (("zb_h1", 1), ("zbv", 2), ("dualpipev", 2))
-    return (
-        [Layout(pp=2, dp=2, tp=2, dp_type=t, schedule=s, virtual=v) for s, v in split for t in ("zero2", "fsdp")]
-        + [
-            Layout(pp=2, dp=4, dp_type=t, replicate=2, schedule=s, virtual=v)
-            for s, v in split[:2]
-            for t in ("zero2", "fsdp")
-        ]
-        + [
-            Layout(pp=4, dp=2, dp_type=t, schedule=s, virtual=v, rows=16 if s == "dualpipev" else 0)
-            for s, v in split
-            for t in ("ddp", "zero2", "fsdp")
-        ]
-        + [Layout(pp=4, tp=2, schedule=s, virtual=v) for s, v in split]
-    )
-
-
 MOE = ["--moe_top_k", "2", "--moe_aux_loss_coeff", "0.01", "--moe_bias_update_rate", "1e-3"]
-
-
-def moe_rows() -> list[Layout]:
-    """Mixture of experts (4 experts per Block, top-2, both balancing rules on) on one process's MoE model, and
-    expert parallelism at 2 and 4 ranks: EP alone (dp = EP), dp > EP, with CP, TP + SP, pipelines (1F1B, and
-    ZB-V's split backward), and the sharding engine; in bf16 too. Two pipelines with a stage that holds no MoE
-    Block (the first user report: a collective mismatch at step 1): an MoE layer in Block 3 only (the cost
-    model's split leaves stage 0 dense), beside dp = EP = 2; and --pp_layers_per_stage 1,3 with MoE Blocks 1
-    and 3 (stage 0 is Block 0, dense)."""
-    E = 4
-    return [
-        Layout(dp=2, dp_type="ddp", experts=E, ep=2),
-        Layout(cp=2, experts=E, ep=2),
-        Layout(pp=2, dp=2, dp_type="ddp", experts=E, ep=2, moe_every=4),
-        Layout(pp=2, experts=E, moe_every=2, stages="1,3"),
-        Layout(dp=4, dp_type="ddp", experts=E, ep=2),
-        Layout(dp=4, dp_type="ddp", experts=E, ep=4),
-        Layout(dp=2, dp_type="ddp", tp=2, experts=E, ep=2),
-        Layout(tp=2, experts=E),
-        Layout(pp=2, dp=2, dp_type="ddp", experts=E, ep=2),
-        Layout(pp=2, dp=2, dp_type="ddp", schedule="zbv", virtual=2, experts=E, ep=2),
-        Layout(pp=2, schedule="interleaved_1f1b", virtual=2, experts=E),
-        Layout(dp=2, dp_type="fsdp", experts=E, ep=2),
-        Layout(dp=2, dp_type="zero1", experts=E, ep=2),
-        Layout(dp=2, dp_type="ddp", experts=E, ep=2, dtype="bfloat16"),
-    ]
-
-
-def moe_large_rows() -> list[Layout]:
-    """EP at 8 ranks: pp = 2 x dp = 2 x tp = 2 with EP = 2 under ZB-H1, dp = 8 with EP = 4 (each expert on 2
-    ranks) over ZeRO-2, and pp = 2 x dp = 4 x EP = 4 over FSDP."""
-    E = 4
-    return [
-        Layout(pp=2, dp=2, tp=2, dp_type="ddp", schedule="zb_h1", experts=E, ep=2),
-        Layout(dp=8, dp_type="zero2", experts=E, ep=4, rows=16),
-        Layout(pp=2, dp=4, dp_type="fsdp", experts=E, ep=4),
-    ]
 
 
 def bf16_rows() -> list[Layout]:
@@ -379,47 +330,32 @@ def tolerance(layout: Layout) -> float:
 
 
 def compared(layout: Layout) -> dict[str, slice]:
-    """Which logged numbers are held to the tolerance: everything in fp32; in bf16, and with Muon, step 1's grad
-    norm only (BF16_RULE; MUON_RULE)."""
+    """Which logged numbers are held to the tolerance: everything in fp32; in bf16, and under a sweep option,
+    step 1's grad norm only (BF16_RULE; SweepOption.rule)."""
     return {
         "loss": slice(None),
         "val_loss": slice(None),
-        "grad_norm": slice(None) if layout.dtype == "float32" and layout.optimizer == "adamw" else slice(0, 1),
+        "grad_norm": slice(None) if layout.dtype == "float32" and not layout.options else slice(0, 1),
     }
 
 
-MUON_RULE = (
-    "muon rows: the layout's tolerance plus optim/muon.rounding_rtol's first-order bound on what bf16 "
-    "Newton-Schulz turns the layout's gradient rounding into (one bf16 spacing per update element), from "
-    "the reference's lrs, grad norms and losses; grad norms after step 1 are not compared (no bound on the "
-    "Hessian is derived)"
-)
-
-
-def muon_tolerance(layout: Layout, ref: dict) -> float:
-    """`tolerance` plus Muon's rounding bound for the reference run `ref` (MUON_RULE)."""
-    import torch
-
-    from model.gpt import GPT, make_config
-    from optim.muon import is_muon, rounding_rtol
+def option_tolerance(layout: Layout, ref: dict) -> float:
+    """`tolerance` plus each of the layout's sweep options' bound (SweepOption.rtol) for the reference run `ref`:
+    given the layout's model and the lr of each step (BASE's schedule; 0 for the val loss after the last)."""
+    from model.gpt import make_config
+    from optim.schedule import lr_at
 
     cfg = make_config(
         "tiny", n_layer=layout.n_layer, vocab_size=VOCAB, moe_num_experts=layout.experts, moe_every=layout.moe_every
     )
-    with torch.device("meta"):
-        shapes = [
-            tuple(p.shape[-2:])
-            for n, p in GPT(cfg).named_parameters()
-            if is_muon(n)
-            for _ in range(p.shape[0] if p.dim() == 3 else 1)
-        ]
-    loss = ref["loss"] + ref["val_loss"][-1:]
-    norms = ref["grad_norm"] + ref["grad_norm"][-1:]  # the val loss after the last step: its last norm stands in
-    from optim.schedule import lr_at
-
     lr = float(BASE[BASE.index("--lr") + 1])
     lrs = [lr_at(s, lr, 1, STEPS) for s in range(1, len(ref["loss"]) + 1)] + [0.0]  # BASE's --warmup_steps 1
-    return tolerance(layout) + rounding_rtol(shapes, "match_rms_adamw", lrs, norms, loss)
+    out = tolerance(layout)
+    by_flag = {o.flag: o for o in sweep_options()}
+    for flag, _ in layout.options:
+        if by_flag[flag].rtol is not None:
+            out += by_flag[flag].rtol(cfg, lrs, ref)
+    return out
 
 
 # ----------------------------------------------------------------------------- running
@@ -495,7 +431,7 @@ def judge(layout: Layout, result, out: str, ref: dict | None) -> Row:
         row.detail = f"exit codes {result.codes}: {tail[:300]}"
         return row
     row.values = read_run(out)
-    row.rtol = muon_tolerance(layout, ref) if layout.optimizer == "muon" and ref is not None else tolerance(layout)
+    row.rtol = option_tolerance(layout, ref) if layout.options and ref is not None else tolerance(layout)
     row.worst = worst_difference(row.values, ref, compared(layout)) if ref is not None else 0.0
     if row.worst <= row.rtol:
         row.status = "ok"
@@ -553,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the sample's seed")
     p.add_argument("--no_bf16", action="store_true", help="skip the bf16 rows")
     p.add_argument("--only", default=None, help="glob over layout names")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"], help="every layout with this optimizer")
+    for o in sweep_options():  # a concept's (runtime/registry.SweepOption): every layout and reference with it
+        p.add_argument(o.flag, default=o.default, choices=o.choices, help=o.help)
     p.add_argument("--out", default=None, help="also write sweep.json and sweep.md here")
     p.add_argument(
         "--against",
@@ -563,13 +500,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     todo = (
         layouts(args.max_world)
-        + middle_stage_rows()
-        + zero_bubble_rows()
-        + moe_rows()
-        + (sample(args.sample, args.seed) + zero_bubble_large_rows() + moe_large_rows()) * (args.sample > 0)
+        + concept_rows("rows")
+        + (sample(args.sample, args.seed) + concept_rows("large")) * (args.sample > 0)
         + ([] if args.no_bf16 else bf16_rows())
     )
-    todo = [replace(x, optimizer=args.optimizer) for x in todo]
+    chosen = tuple((o.flag, v) for o in sweep_options() if (v := getattr(args, o.flag.removeprefix("--"))) != o.default)
+    todo = [replace(x, options=chosen) for x in todo]
     if args.only:
         todo = [x for x in todo if fnmatch.fnmatch(x.name, args.only)]
     sys.path.insert(0, ROOT)

@@ -1,5 +1,5 @@
-"""The optimizer's flags and their checks: trainer/config.py calls `add_flags` and `check` (optim/build.py makes the
-optimizer from them).
+"""The optimizer's flags and their checks, which optim/concept.py registers (`add_flags`, `check`, `check_resume`;
+optim/build.py makes the optimizer from them).
 
 Defaults follow Moonlight's recipe ("Muon is Scalable for LLM Training", Liu et al. 2025; torch's
 adjust_lr_fn="match_rms_adamw"): the update's RMS is scaled to AdamW's (0.2 sqrt(max(A, B))), so Muon takes
@@ -54,14 +54,14 @@ def muon_settings(args: argparse.Namespace) -> dict:
 
 
 def check(args: argparse.Namespace, dims, moe: bool, dtype: torch.dtype, refuse: type[Exception] = ValueError) -> None:
-    """Bad input: raises `refuse` with one line (config.check_layout passes its UsageError: exit 2 on every rank,
-    before any work)."""
+    """Bad input: raises `refuse` with one line (optim/concept.py passes the registry's UsageError: exit 2 on every
+    rank, before any work)."""
     given = [f"--{f}" for f in MUON_FLAGS if getattr(args, f) is not None]
     if args.optimizer != "muon":
         if given:
             raise refuse(f"{given[0]} sets Muon, which this run does not use: add --optimizer muon or drop it")
         return
-    s = muon_settings(args)  # ranges >= 0, > 0 and >= 1: config._check_flags, first
+    s = muon_settings(args)  # ranges >= 0, > 0 and >= 1: config.check_ranges, first
     if s["momentum"] >= 1 or s["ns_steps"] >= 100:
         raise refuse(
             f"--muon_momentum must be < 1 and --muon_ns_steps < 100 (torch.optim.Muon's bound), got "
@@ -94,7 +94,8 @@ def check(args: argparse.Namespace, dims, moe: bool, dtype: torch.dtype, refuse:
 
 def check_resume(manifest: dict, optimizer: str, path: str, refuse: type[Exception] = ValueError) -> None:
     """--resume from a checkpoint another --optimizer wrote: raises `refuse` with one line (config.resume_checkpoint
-    passes its UsageError: every rank reads the manifest, so every rank exits 2, before any work). Their state does
+    asks optim/concept.py, which passes the registry's UsageError: every rank reads the manifest, so every rank
+    exits 2, before any work). Their state does
     not carry over: Muon keeps one momentum per Block matrix where AdamW keeps two moments and a step count. A
     checkpoint from before --optimizer existed records none: AdamW wrote it."""
     saved = manifest["config"]["train"].get("optimizer") or "adamw"

@@ -18,6 +18,7 @@ import sys
 from model.gpt import PRESETS as MODELS
 from plan.cluster import PRESETS, Cluster, efficiency_for, parse_memory
 from plan.search import candidates, model_flags, model_refusal
+from trainer.concepts import concepts
 from trainer.config import Parser, UsageError, error_line
 
 MiB, GiB = 2**20, 2**30
@@ -31,10 +32,6 @@ def parser() -> Parser:
     a("--n_head", type=int)
     a("--n_embd", type=int)
     a("--vocab_size", type=int)
-    a("--moe_num_experts", type=int, help="a mixture of experts: E experts per MoE layer (layouts then try EP)")
-    a("--moe_top_k", type=int)
-    a("--moe_every", type=int)
-    a("--moe_ffn_hidden", type=int)
     a("--seq_len", type=int, default=1024)
     a("--total_batch_size", type=int, default=524288, help="tokens per optimizer step")
     a("--micro_batch_size", type=int, default=None, help="default: try 1, 2, 4, ... 32")
@@ -61,12 +58,9 @@ def parser() -> Parser:
     a("--no_cp", action="store_true", help="same as --cp 1")
     a("--dp_type", choices=["ddp", "zero1", "zero2", "fsdp"], default=None)
     a("--ac", choices=["none", "full", "selective"], default=None)
-    a(
-        "--optimizer",
-        choices=["adamw", "muon"],
-        default="adamw",
-        help="muon: Muon's one moment per Block matrix, its exchange's bytes and Newton-Schulz FLOPs (docs/muon.md)",
-    )
+    for c in concepts():  # a concept's own (runtime/registry.Concept.plan_flags), passed on to train.py's flags
+        if c.plan_flags is not None:
+            c.plan_flags(p.add_argument_group(c.title).add_argument)
     a("--top", type=int, default=10, help="rows of the table")
     a("--explain", default=None, metavar="LAYOUT", help="one layout's breakdown, by its name in the table")
     a("--json", action="store_true")

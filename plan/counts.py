@@ -1,12 +1,12 @@
 """What one rank of a layout holds and sends, counted from the formulas that sit beside the wrappers.
 
-Nothing here is measured and no formula is restated: the per-rank parameter shapes come from the model on meta cut
-by `PipelineStage` and `tp_local_shape` (tensor_parallel.SHARD_DIMS); ZeRO/FSDP state from
-`theory.fsdp_unit_state_bytes` over `flat_param.unit_key`'s units; bytes sent from `ddp_comm_bytes_per_step`,
-`zero_comm_bytes_per_step` (under a pipeline `zero_comm_bytes_per_pipeline_step`), `tp_comm_bytes_per_micro_step`,
-`cp_p2p_bytes_per_micro_step` and `pipeline.p2p_bytes_per_step`; FLOPs from metrics.flops_per_token. What is new
-here is the saved-activation count (`block_saved_bytes`, derived in its docstring) and its composition with AC, SP,
-CP and the pipeline's in-flight bound; the peak memory built on them is plan/peak.py's.
+Nothing here is measured and no formula is restated. `Setup` is the planner's view of one rank, which each
+concept's terms read (runtime/registry.Terms): the per-rank parameter shapes from the model on meta cut by
+`PipelineStage` and `tp_local_shape` (tensor_parallel.SHARD_DIMS), the sharding engine's units
+(`flat_param.unit_key`), the stage's Blocks. State, bytes and calls are the registry's: each concept adds its own
+(`state_bytes`, `comm_by_group`, `comm_calls_by_group`); FLOPs from metrics.flops_per_token. What is new here is
+the saved-activation count (`block_saved_bytes`, derived in its docstring) and its composition with AC, SP, CP and
+the pipeline's in-flight bound; the peak memory built on them is plan/peak.py's.
 
 plan/predict.py assembles these counts and plan/peak.py's peak into the keys train.py measures each step.
 """
@@ -20,44 +20,21 @@ from dataclasses import dataclass
 import torch
 
 from model.gpt import GPT, GPTConfig
-from parallel.data_parallel.flat_param import ZERO_LADDER, ZERO_STAGES, shard_numel, unit_key
+from parallel.data_parallel.flat_param import ZERO_STAGES, unit_key
+from parallel.expert_parallel.theory import is_expert
 from parallel.mesh import ParallelDims
 from parallel.parallelize import activation_dtype
 from parallel.pipeline.partition import layers_for
 from parallel.pipeline.runner import PipelineStage, sharded_units
 from parallel.pipeline.schedule import ALL_SCHEDULES, V_SCHEDULES, chunk_of
-from parallel.tensor_parallel.apply import SHARD_DIMS, plan_style
-from plan import theory
-from plan.theory import (
-    cp_p2p_bytes_per_micro_step,
-    cp_p2p_calls_per_micro_step,
-    ddp_comm_bytes_per_step,
-    ddp_comm_calls_per_step,
-    ep_all_to_all_bytes_per_micro_step,
-    ep_all_to_all_calls_per_micro_step,
-    p2p_bytes_per_step,
-    p2p_calls_per_step,
-    pipelined_root_gathers,
-    tp_comm_bytes_per_micro_step,
-    tp_comm_calls_per_micro_step,
-    zero_comm_bytes_per_pipeline_step,
-    zero_comm_bytes_per_step,
-    zero_comm_calls_per_step,
-)
+from parallel.tensor_parallel.theory import tp_local_shape
+from plan.theory import pipelined_root_gathers
 from plan.timeline import simulate_schedule
 from runtime.device import backend_for
 from runtime.metrics import active_params, flops_per_token
+from trainer.concepts import concepts
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "all_to_all")
-
-
-def tp_local_shape(name: str, shape: tuple[int, ...], tp: int) -> tuple[int, ...]:
-    """The shape one tp rank stores of parameter `name` (full `shape`): 1/tp along its style's SHARD_DIMS dim."""
-    module, _, attr = name.rpartition(".")
-    dim = SHARD_DIMS.get(plan_style(module) or "", {}).get(attr)
-    if dim is None or tp == 1:
-        return tuple(shape)
-    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
 @dataclass(frozen=True)
@@ -109,6 +86,39 @@ class Setup:
     def residual_bytes(self) -> int:
         """The residual stream's element size (parallelize.activation_dtype)."""
         return _size(activation_dtype(self.parallel, "fsdp" if self.dp_type in ZERO_STAGES else None))
+
+    # the view of one rank a concept's terms read (runtime/registry.Terms): this module's functions, by name
+
+    def local_params(self, pp_rank: int = 0) -> list[tuple[str, int, int]]:
+        return local_params(self, pp_rank)
+
+    def units(self, pp_rank: int = 0) -> dict[str, tuple[int, int]]:
+        return units(self, pp_rank)
+
+    def unit_shard(self, unit: str) -> int:
+        return unit_shard(self, unit)
+
+    def unit_members(self, pp_rank: int = 0) -> dict[str, list[tuple[str, int, bool]]]:
+        return unit_members(self, pp_rank)
+
+    def stage_blocks(self, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
+        return stage_blocks(self, pp_rank)
+
+    def moe_blocks(self, pp_rank: int = 0) -> list[int]:
+        return moe_blocks(self, pp_rank)
+
+    def recomputed(self, blocks: list[int]) -> int:
+        return recomputed_blocks(self, blocks)
+
+    def root_gathers(self, pp_rank: int = 0) -> int:
+        """ZeRO-3's gathers of this stage's roots per step under its pipeline schedule (theory.pipelined_root_gathers
+        over the rank's actions)."""
+        a = self.args
+        return _root_gathers(a.pp_schedule, self.dims.pp, self.grad_accum, a.pp_virtual_stages or 1)[pp_rank]
+
+    def meta_gpt(self) -> GPT:
+        """The whole model on meta (built once per config)."""
+        return _meta_gpt(self.config)
 
 
 @functools.cache
@@ -162,12 +172,6 @@ def _local_params(
     return out
 
 
-def is_expert(name: str) -> bool:
-    """Whether parameter `name` is one of an MoE layer's stacked experts (moe.Experts): what expert parallelism
-    splits (E/ep experts per rank) and copies over the expert-data-parallel group."""
-    return ".mlp.experts." in name
-
-
 def units(s: Setup, pp_rank: int = 0) -> dict[str, tuple[int, int]]:
     """The sharding engine's units on this stage: {unit: (elements, elements in >= 2-D weights)} (shared: read it,
     do not change it). Under expert parallelism each Block's experts are a unit of their own,
@@ -218,33 +222,48 @@ def _units(
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def unit_members(s: Setup, pp_rank: int = 0) -> dict[str, list[tuple[str, int, bool]]]:
+    """(name, local elements, decays) of each unit's parameters in flatten_unit's order (decayed first), the units
+    as `units` cuts them."""
+    d = s.dims
+    return _members(
+        s.config,
+        d.pp,
+        s.args.pp_virtual_stages or 1,
+        d.tp,
+        pp_rank,
+        s.pp_layers,
+        s.args.pp_schedule in V_SCHEDULES,
+        d.ep,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _members(config, pp, virtual, tp, pp_rank, layers, v_shape, ep) -> dict[str, list[tuple[str, int, bool]]]:
+    with torch.device("meta"):
+        separate = (
+            sharded_units(PipelineStage(_meta_gpt(config), pp_rank, pp, virtual, layers, v_shape)) if pp > 1 else {}
+        )
+    out: dict[str, list] = {}
+    for name, n, ndim in _local_params(config, pp, virtual, tp, pp_rank, layers, v_shape, ep):
+        key = unit_key(name, separate) + (".experts" if ep > 1 and is_expert(name) else "")
+        out.setdefault(key, []).append((name, n, ndim >= 2 and not name.endswith("bias")))
+    return {k: sorted(v, key=lambda x: not x[2]) for k, v in out.items()}
+
+
 def state_bytes(s: Setup, pp_rank: int = 0, shard_rank: int = 0, expert_shard_rank: int = 0) -> dict[str, int]:
     """{"params", "grads", "optimizer"} bytes after an optimizer step, as Parallelized.state_breakdown counts
     them: fp32 parameters and gradients and AdamW's two moments + one fp32 step tensor per parameter, each
-    storage once (DDP's gradients are views of its buckets: the same bytes); a ZeRO stage per unit, for the rank
-    `shard_rank` of the sharding group (dp_shard x cp: its shard holds one or two pieces of a unit, each with
-    its own step tensor), and `expert_shard_rank` of an expert unit's (edp: `unit_shard`)."""
-    if s.dp_type in ZERO_STAGES:
-        policy = ZERO_LADDER[ZERO_STAGES[s.dp_type]]
-        out = dict.fromkeys(("params", "grads", "optimizer"), 0)
-        for unit, (numel, n_decay) in units(s, pp_rank).items():
-            expert = unit.endswith(".experts")
-            got = theory.fsdp_unit_state_bytes(
-                numel,
-                n_decay,
-                unit_shard(s, unit),
-                expert_shard_rank if expert else shard_rank,
-                policy.keeps_params,
-                policy.reduces_at_end,
-                s.param_bytes,
-                s.reduce_bytes,
-            )
-            for k in out:
-                out[k] += got[k]
-        return out
+    storage once (DDP's gradients are views of its buckets: the same bytes), then each concept's terms in
+    registration order (runtime/registry.Terms.state: a ZeRO stage per unit, for the rank `shard_rank` of the
+    sharding group and `expert_shard_rank` of an expert unit's; an optimizer's own state)."""
     params = local_params(s, pp_rank)
     n = sum(k for _, k, _ in params)
-    return {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(params)}
+    out = {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * len(params)}
+    for c in concepts():
+        if c.terms is not None and c.terms.state is not None:
+            c.terms.state(s, pp_rank, shard_rank, expert_shard_rank, out)
+    return out
 
 
 def stage_blocks(s: Setup, pp_rank: int = 0) -> tuple[list[int], bool, bool]:
@@ -288,167 +307,28 @@ def moe_blocks(s: Setup, pp_rank: int = 0) -> list[int]:
 
 def comm_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
     """Payload bytes by group and kind that parallel/comm.COUNTER records on global rank 0 of stage `pp_rank`
-    per step (our wrappers only): groups "tp", "cp", "pp" (the activations and the tied embedding's gradient),
-    "dp" (DDP over dp x cp, or a ZeRO stage's gathers and scatters over dp_shard x cp), "dp_replicate"
-    (HSDP's all-reduce), and under expert parallelism "ep" (the MoE layers' all_to_alls, `ep_all_to_all_bytes`)
-    and "edp" (the experts' gradients: DDP's expert buckets all-reduced, a ZeRO stage's expert units gathered and
-    reduce-scattered, over the dp·cp/ep ranks holding the same experts, as Blocks with no HSDP replicas: the edp
-    group spans them); a sharding engine under a pipeline by `zero_comm_bytes_per_pipeline_step`, its roots'
-    gathers counted on the rank's action list."""
-    d, a, c, M = s.dims, s.args, s.config, s.grad_accum
-    blocks, first, last = stage_blocks(s, pp_rank)
-    T, B = a.seq_len // d.cp, a.micro_batch_size
-    redo = recomputed_blocks(s, blocks)
-    out = {
-        "tp": {
-            k: v * M
-            for k, v in tp_comm_bytes_per_micro_step(
-                c,
-                B,
-                T,
-                d.tp,
-                a.enable_loss_parallelism,
-                a.sequence_parallel,
-                s.compute_bytes,
-                s.residual_bytes,
-                redo,
-                len(blocks),
-                first,
-                last,
-                len(moe_blocks(s, pp_rank)),
-            ).items()
-        },
-        "cp": {
-            "p2p": M
-            * cp_p2p_bytes_per_micro_step(len(blocks), B, a.seq_len, c.n_embd, d.cp, d.tp, s.compute_bytes, redo)
-        },
-    }
-    shard, edp = d.dp_shard * d.cp, d.dp * d.cp // d.ep
-    if d.ep > 1:
-        out["ep"] = {"all_to_all": M * ep_all_to_all_bytes(s, pp_rank)}
-    if d.pp_enabled:
-        V, v_shape = a.pp_virtual_stages or 1, a.pp_schedule in V_SCHEDULES
-        shape = (B, T // (d.tp if a.sequence_parallel else 1), c.n_embd)
-        # the tied embedding's gradient, all-reduced over [first, last] (no group when one rank holds both ends,
-        # the V layouts): this rank's tp shard in fp32, or under a sharding engine its 1/S of the tied unit
-        tied = c.vocab_size // d.tp * c.n_embd
-        tied = shard_numel(tied, shard) if s.dp_type in ZERO_STAGES else tied
-        out["pp"] = {
-            "p2p": p2p_bytes_per_step(d.pp, V, pp_rank, M, shape, s.residual_bytes, v_shape=v_shape),
-            "all_reduce": 4 * tied if (first or last) and not v_shape else 0,
-        }
-    if s.dp_type == "ddp":
-        params = local_params(s, pp_rank)
-        grad = 2 if a.grad_compression == "bf16" else 4
-        experts = sum(k for n, k, _ in params if is_expert(n)) if d.ep > 1 else 0
-        out["dp"] = ddp_comm_bytes_per_step(sum(k for _, k, _ in params) - experts, d.dp * d.cp, grad)
-        if d.ep > 1:
-            out["edp"] = ddp_comm_bytes_per_step(experts, edp, grad)
-    elif s.dp_type in ZERO_STAGES:
-        padded = {u: shard_numel(n, unit_shard(s, u)) * unit_shard(s, u) for u, (n, _) in units(s, pp_rank).items()}
-        roots = padded.pop("root") + padded.pop("tied", 0)
-        experts = sum(padded.pop(u) for u in list(padded) if u.endswith(".experts"))
-        blocks_padded, stage = sum(padded.values()), ZERO_STAGES[s.dp_type]
-        if d.pp_enabled:
-            gathers = _root_gathers(a.pp_schedule, d.pp, M, a.pp_virtual_stages or 1)[pp_rank]
-            zero = zero_comm_bytes_per_pipeline_step(
-                stage, roots, blocks_padded, shard, d.dp_replicate, M, gathers, s.param_bytes, s.reduce_bytes
-            )
-        else:
-            gathers = M
-            zero = zero_comm_bytes_per_step(
-                stage, roots, blocks_padded, shard, d.dp_replicate, M, s.param_bytes, s.reduce_bytes
-            )
-        out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
-        out["dp"] = zero
-        if d.ep > 1:  # expert units: gathered and released with their Block, no roots, no replicas
-            out["edp"] = zero_comm_bytes_per_pipeline_step(
-                stage, 0, experts, edp, 1, M, gathers, s.param_bytes, s.reduce_bytes
-            )
+    per step (our wrappers only), each concept's groups from its terms (runtime/registry.Terms.comm), in
+    registration order: "tp", "cp", under expert parallelism "ep", "pp", the data-parallel groups ("dp",
+    "dp_replicate", "edp"), then the optimizer's."""
+    out: dict[str, dict[str, int]] = {}
+    for c in concepts():
+        if c.terms is not None and c.terms.comm is not None:
+            c.terms.comm(s, pp_rank, out)
     return out
-
-
-def ep_all_to_all_bytes(s: Setup, pp_rank: int = 0) -> int:
-    """`theory.ep_all_to_all_bytes_per_micro_step` of one micro-step on this stage: its MoE layers, each on the
-    rank's B·T/cp tokens (under TP every rank runs the layer whole, on the whole sequence), under balanced routing
-    (the rows this rank's experts receive, R, = the N·k it sends: the formula's default; a skewed router moves
-    R·C·2 element bytes per layer away from it, the one thing here that depends on the data), its recomputed
-    layers again under AC. Rows and outputs both go in the compute dtype (moe.expert_rows casts the rows before
-    they are sent)."""
-    d, a, c = s.dims, s.args, s.config
-    moe = moe_blocks(s, pp_rank)
-    N = a.micro_batch_size * a.seq_len // d.cp
-    return ep_all_to_all_bytes_per_micro_step(
-        N,
-        c.moe_top_k,
-        c.n_embd,
-        c.moe_num_experts,
-        len(moe),
-        d.ep,
-        s.compute_bytes,
-        recomputed_layers=recomputed_blocks(s, moe),
-    )
 
 
 def comm_calls_by_group(s: Setup, pp_rank: int = 0) -> dict[str, dict[str, int]]:
     """`comm_by_group`'s calls (COUNTER.calls: one per collective or p2p message), group by group and kind, from
     the calls formulas beside the wrappers' bytes formulas: what a per-call latency charges (search.step_time)."""
-    d, a, c, M = s.dims, s.args, s.config, s.grad_accum
-    blocks, first, last = stage_blocks(s, pp_rank)
-    redo = recomputed_blocks(s, blocks)
-    out = {
-        "tp": {
-            k: v * M
-            for k, v in tp_comm_calls_per_micro_step(
-                c,
-                a.micro_batch_size,
-                a.seq_len // d.cp,
-                d.tp,
-                a.enable_loss_parallelism,
-                a.sequence_parallel,
-                redo,
-                len(blocks),
-                first,
-                last,
-                len(moe_blocks(s, pp_rank)),
-            ).items()
-        },
-        "cp": {"p2p": M * cp_p2p_calls_per_micro_step(len(blocks), d.cp, redo)},
-    }
-    edp = d.dp * d.cp // d.ep
-    if d.ep > 1:
-        moe = moe_blocks(s, pp_rank)
-        out["ep"] = {"all_to_all": M * ep_all_to_all_calls_per_micro_step(len(moe), d.ep, recomputed_blocks(s, moe))}
-    if d.pp_enabled:
-        v_shape = a.pp_schedule in V_SCHEDULES
-        out["pp"] = {
-            "p2p": p2p_calls_per_step(d.pp, a.pp_virtual_stages or 1, pp_rank, M, v_shape),
-            "all_reduce": int((first or last) and not v_shape),
-        }
-    if s.dp_type == "ddp":
-        params = local_params(s, pp_rank)
-        sizes, cap = [4 * n for _, n, _ in params], int(a.bucket_cap_mb * 1024 * 1024)
-        groups = [edp if d.ep > 1 and is_expert(n) else d.dp * d.cp for n, _, _ in params]  # build_buckets' key
-        out["dp"] = ddp_comm_calls_per_step(sizes, d.dp * d.cp, cap, groups)
-        if d.ep > 1:
-            out["edp"] = ddp_comm_calls_per_step(sizes, edp, cap, groups)
-    elif s.dp_type in ZERO_STAGES:
-        u = {k: n for k, (n, _) in units(s, pp_rank).items() if n}  # an empty root (a middle stage) issues nothing
-        roots = sum(k in ("root", "tied") for k in u)
-        experts = sum(k.endswith(".experts") for k in u)
-        gathers = _root_gathers(a.pp_schedule, d.pp, M, a.pp_virtual_stages or 1)[pp_rank] if d.pp_enabled else None
-        zero = zero_comm_calls_per_step(
-            ZERO_STAGES[s.dp_type], roots, len(u) - roots - experts, d.dp_shard * d.cp, d.dp_replicate, M, gathers
-        )
-        out["dp_replicate"] = {"all_reduce": zero.pop("all_reduce")}
-        out["dp"] = zero
-        if d.ep > 1:
-            out["edp"] = zero_comm_calls_per_step(ZERO_STAGES[s.dp_type], 0, experts, edp, 1, M, gathers)
+    out: dict[str, dict[str, int]] = {}
+    for c in concepts():
+        if c.terms is not None and c.terms.calls is not None:
+            c.terms.calls(s, pp_rank, out)
     return out
 
 
 def _root_gathers(schedule: str, pp: int, micro: int, virtual: int) -> tuple[int, ...]:
-    """theory.pipelined_root_gathers over each rank's actions of `schedule`."""
+    """pipelined_root_gathers over each rank's actions of `schedule`."""
     return schedule_facts(schedule, pp, micro, virtual)[1]
 
 

@@ -46,10 +46,10 @@ from plan.counts import (
     saved_activation_bytes,
     stage_blocks,
     stage_chunks,
+    state_bytes,
     unit_shard,
     units,
 )
-from plan.muon_counts import state_bytes  # plan.counts's, with --optimizer muon's state
 from plan.theory import reduce_accumulated_held_bytes, reduce_held_bytes
 
 

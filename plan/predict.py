@@ -1,14 +1,14 @@
 """A rank's prediction, in the keys train.py measures each step (state_bytes, state_bytes_by_kind, comm_bytes,
 comm_calls, saved_activation_bytes, peak_memory_bytes), so a run logs prediction and measurement side by side:
-plan/counts.py's state, saved activations and bytes sent, and plan/peak.py's peak built on them.
+plan/counts.py's state, saved activations and bytes sent (each concept's terms, through the registry), and
+plan/peak.py's peak built on them.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from plan.counts import Setup, comm_bytes, saved_activation_bytes
-from plan.muon_counts import comm_by_group, comm_calls_by_group, state_bytes  # with --optimizer muon's part
+from plan.counts import Setup, comm_by_group, comm_bytes, comm_calls_by_group, saved_activation_bytes, state_bytes
 from plan.peak import peak_memory_bytes
 
 

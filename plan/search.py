@@ -42,10 +42,19 @@ import torch
 
 from parallel.pipeline.schedule import V_SCHEDULES
 from plan.cluster import Cluster, link_of
-from plan.counts import Setup, recomputed_blocks, schedule_facts, step_flops
-from plan.muon_counts import comm_by_group, comm_calls_by_group, state_bytes  # with --optimizer muon's part
+from plan.counts import (
+    Setup,
+    comm_by_group,
+    comm_calls_by_group,
+    recomputed_blocks,
+    schedule_facts,
+    state_bytes,
+    step_flops,
+)
 from plan.predict import worst_rank
 from plan.theory import bubble_fraction
+from runtime import registry
+from trainer.concepts import concepts
 from trainer.config import UsageError, check_layout, train_parser
 
 RING = {
@@ -68,9 +77,6 @@ HOPS = {
     "p2p": lambda n: 1,
     "all_to_all": lambda n: n - 1,
 }  # a2a: a message a peer
-# gradient (and ZeRO-3 gather) traffic the wrappers issue asynchronously, the experts' over edp too; EP's
-# all_to_alls sit between the router and the experts: on the critical path
-OVERLAPPED = ("dp", "dp_replicate", "edp")
 # (schedule, chunks per rank) the search tries under a pipeline: every schedule train.py runs, V = 2 for
 # interleaving and the V schedules; config.check_layout refuses what a composition does not support (the
 # zero-bubble schedules with a sharding engine, TP or CP)
@@ -132,8 +138,10 @@ def layout_name(
     ac: str,
     mb: int,
     ep: int = 1,
+    extra: str = "",
 ) -> str:
-    """e.g. `pp=2(1f1b) dp=4(fsdp,R=2) cp=2 tp=2 ep=2 ac=full mb=4`: the dims > 1, then AC and the micro-batch."""
+    """e.g. `pp=2(1f1b) dp=4(fsdp,R=2) cp=2 tp=2 ep=2 ac=full mb=4`: the dims > 1, a concept's variant (`extra`),
+    then AC and the micro-batch."""
     parts = []
     if pp > 1:
         parts.append(f"pp={pp}({schedule}{f',V={virtual}' if virtual > 1 else ''})")
@@ -145,7 +153,7 @@ def layout_name(
         parts.append(f"tp={tp}")
     if ep > 1:
         parts.append(f"ep={ep}")
-    return " ".join(parts + [f"ac={ac}", f"mb={mb}"])
+    return " ".join(parts + ([extra] if extra else []) + [f"ac={ac}", f"mb={mb}"])
 
 
 def flags_for(
@@ -186,13 +194,22 @@ def flags_for(
 RUN_FLAGS = ("--implementation", "custom", "--out_dir", "-")  # what every candidate is checked with
 
 
-@functools.cache
 def _train_parser() -> argparse.ArgumentParser:
+    return _parser_of(registry.version())
+
+
+@functools.cache
+def _parser_of(version: int) -> argparse.ArgumentParser:
+    """train.py's parser, once per state of the registry (a concept registered later adds its flags)."""
     return train_parser()
 
 
-@functools.lru_cache(maxsize=8)
 def _model_args(model_flags: tuple[str, ...]) -> argparse.Namespace:
+    return _model_args_of(model_flags, registry.version())
+
+
+@functools.lru_cache(maxsize=8)
+def _model_args_of(model_flags: tuple[str, ...], version: int) -> argparse.Namespace:
     return _train_parser().parse_args([*model_flags, *RUN_FLAGS])
 
 
@@ -276,58 +293,42 @@ def hops(calls: dict[str, int], n: int) -> int:
     return sum(k * HOPS[kind](n) for kind, k in calls.items())
 
 
+def groups_of(s: Setup) -> dict[str, registry.Group]:
+    """Every group a concept's terms price (runtime/registry.Terms.groups): its ranks, link dims, overlap."""
+    out: dict[str, registry.Group] = {}
+    for c in concepts():
+        if c.terms is not None and c.terms.groups is not None:
+            out.update(c.terms.groups(s))
+    return out
+
+
 def step_time(s: Setup, cluster: Cluster, efficiency: float) -> dict:
-    """Seconds per step by part (the module docstring's model): compute (FLOPs and per-action overhead), each
-    group's communication, total."""
+    """Seconds per step by part (the module docstring's model): compute (FLOPs and per-action overhead, and what a
+    concept's terms add after the backward: an optimizer's own work, never hidden), each group's communication over
+    its link (a group of a concept's terms: runtime/registry.Group), total. Gradient traffic a group marks
+    overlapped hides behind compute on a cluster that overlaps."""
     d = s.dims
     sizes = {"pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp}
-    edp = d.dp * d.cp // d.ep
     bubble = _bubble(s.args.pp_schedule, d.pp, s.grad_accum, s.args.pp_virtual_stages or 1) if d.pp > 1 else 0
     work = step_flops(s) / (cluster.peak_flops * efficiency) + cluster.overhead * compute_actions(s)
     compute = work / core_share(cluster, bubble) / (1 - bubble)
-    groups, calls = comm_by_group(s), comm_calls_by_group(s)
-    muon = getattr(s.args, "optimizer", "adamw") == "muon"
-    if muon:  # Newton-Schulz after the step's backward, on the busiest owner: added, never hidden
-        from plan.muon_counts import ns_flops_by_rank
-
-        compute += max(max(ns_flops_by_rank(s, r)) for r in range(d.pp)) / (cluster.peak_flops * efficiency)
-    group_dims = {
-        "tp": "tp",
-        "cp": "cp",
-        "pp": "pp",
-        "dp": "dp_shard" if s.dp_type != "ddp" else "dp_replicate",
-        "dp_replicate": "dp_replicate",
-    }
-    group_size = {
-        "tp": d.tp,
-        "cp": d.cp,
-        "pp": 2,
-        "dp": d.dp_shard * d.cp if s.dp_type != "ddp" else d.dp * d.cp,
-        "dp_replicate": d.dp_replicate,
-        "ep": d.ep,
-        "edp": edp,
-        "muon": d.world_size // d.pp,
-    }
+    groups, calls, by_name = comm_by_group(s), comm_calls_by_group(s), groups_of(s)
+    for c in concepts():
+        if c.terms is not None and c.terms.flops is not None and (f := c.terms.flops(s)):
+            compute += f / (cluster.peak_flops * efficiency)
     times = {"compute": compute}
     for g, kinds in groups.items():
-        n = group_size[g]
+        n = by_name[g].size
         if n <= 1:
             continue
-        # EP's groups are made of the batch ranks (dp x cp): inside a node where those are
-        batch = ("dp_replicate", "dp_shard", "cp")
-        inter = any(
-            link_of(dim, sizes, cluster.gpus_per_node) == "inter"
-            for dim in (batch if g in ("dp", "ep", "edp") else (*batch, "tp") if g == "muon" else (group_dims[g],))
-            if sizes[dim] > 1
-        )
+        inter = any(link_of(dim, sizes, cluster.gpus_per_node) == "inter" for dim in by_name[g].dims if sizes[dim] > 1)
         bw = cluster.inter_bw if inter else cluster.intra_bw
         times[g] = (
             sum(v * RING[k](n) for k, v in kinds.items()) / bw
             + cluster.latency * sum(calls[g].values())
             + cluster.hop * hops(calls[g], n)
         )
-    overlapped = cluster.overlap and s.dp_type in ("ddp", "zero2", "fsdp")
-    hidden = sum(times.get(g, 0) for g in OVERLAPPED) if overlapped else 0
+    hidden = sum(v for g, v in times.items() if g in by_name and by_name[g].overlapped) if cluster.overlap else 0
     exposed = sum(v for g, v in times.items() if g != "compute") - hidden
     times["total"] = max(compute, hidden) + exposed
     return times
@@ -361,20 +362,20 @@ def candidates(
         ):
             if constraints.get("dp_type") not in (None, dp_type) or constraints.get("ac") not in (None, ac):
                 continue
-            flags = flags_for(model_flags, pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb, ep)
-            s = accepted(model_flags, flags[len(model_flags) :], N, device)
-            if s is None:
-                continue
-            out.append(
-                Candidate(
-                    layout_name(pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb, ep), flags, s, cluster, efficiency
-                )
-            )
+            sizes = {"pp": pp, "dp": dp, "dp_type": dp_type, "replicate": r, "cp": cp, "tp": tp, "ep": ep}
+            for part, extra in variants(sizes):
+                flags = flags_for(model_flags, pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb, ep) + extra
+                s = accepted(model_flags, flags[len(model_flags) :], N, device)
+                if s is None:
+                    continue
+                name = layout_name(pp, schedule, v, dp, dp_type, r, cp, tp, ac, mb, ep, part)
+                out.append(Candidate(name, flags, s, cluster, efficiency))
     return out
 
 
 def model_flags(a: argparse.Namespace) -> list[str]:
-    """train.py's model and batch flags from the planner's arguments."""
+    """train.py's model and batch flags from the planner's arguments: its own, then each concept's (`plan_flags`,
+    runtime/registry.Concept) where it is not the default."""
     f = [
         "--model",
         a.model,
@@ -385,13 +386,30 @@ def model_flags(a: argparse.Namespace) -> list[str]:
         "--dtype",
         a.dtype,
     ]
-    for k in ("n_layer", "n_head", "n_embd", "vocab_size", *MOE_FLAGS):
+    for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
         if getattr(a, k, None) is not None:
             f += [f"--{k}", str(getattr(a, k))]
-    if getattr(a, "optimizer", "adamw") == "muon":
-        f += ["--optimizer", "muon"]
+    for act in concept_plan_actions():
+        value = getattr(a, act.dest, act.default)
+        if value != act.default:
+            f += [act.option_strings[0]] + ([] if act.nargs == 0 else [str(value)])
     return f
 
 
-# the mixture-of-experts flags python -m plan passes to train.py's parser (config.moe_fields' flags)
-MOE_FLAGS = ("moe_num_experts", "moe_top_k", "moe_every", "moe_ffn_hidden")
+def concept_plan_actions() -> list[argparse.Action]:
+    """The argparse actions of every concept's planner flags (runtime/registry.Concept.plan_flags), in order."""
+    p = argparse.ArgumentParser(add_help=False)
+    for c in concepts():
+        if c.plan_flags is not None:
+            c.plan_flags(p.add_argument)
+    return list(p._actions)
+
+
+def variants(sizes: dict) -> list[tuple[str, list[str]]]:
+    """(name part, flags) of each combination of the variants the concepts try for a layout of these `sizes`
+    (runtime/registry.Concept.search, e.g. an algorithm a dimension runs by); one empty one when none does."""
+    out: list[tuple[str, list[str]]] = [("", [])]
+    for c in concepts():
+        if c.search is not None:
+            out = [(f"{n} {m}".strip(), [*f, *g]) for n, f in out for m, g in c.search(sizes)]
+    return out

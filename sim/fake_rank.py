@@ -62,7 +62,7 @@ class Op:
 
     def signature(self) -> tuple:
         """What every member of a group must agree on, op by op (the group's own ranks and the site aside)."""
-        if self.site.startswith("optim.distributed_muon."):  # Muon's exchange: sizes differ by owner (muon_verify)
+        if self.site.startswith(uneven_sites()):  # a concept's collectives whose sizes differ by rank
             return self.op, self.dtype, self.reduce
         return self.op, self.dtype, self.numel, self.out, self.reduce
 
@@ -348,30 +348,36 @@ def fake_tensors():
         yield
 
 
+def uneven_sites() -> tuple[str, ...]:
+    """The call sites whose collectives move other sizes on other ranks (runtime/registry.Concept.uneven_sites: an
+    optimizer's exchange, whose sizes follow its owners): their signature leaves the sizes out."""
+    from trainer.concepts import concepts
+
+    return tuple(site for c in concepts() for site in c.uneven_sites)
+
+
+def planner_view(spec):
+    """The planner's view of `spec`'s layout (plan/counts.Setup), on the planner's GPUs (device auto)."""
+    import argparse
+
+    from plan.counts import Setup
+
+    args = argparse.Namespace(**{**vars(spec.args), "device": "auto"})
+    return Setup(args, spec.dims, spec.config, spec.dtype, spec.grad_accum, spec.parallel.pp_layers)
+
+
 @contextlib.contextmanager
-def muon_holds(spec):
-    """--optimizer muon's one host read at build (optim/build.matrices_of's all_gather_object) answered from the
-    plan (plan/muon_verify.answer_holds), under the Recorder (which records the call as the rank makes it); the
-    exchange's `sources` (host bookkeeping on index tensors) on real tensors."""
-    if getattr(spec.args, "optimizer", "adamw") != "muon":
-        yield
-        return
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
+def concept_seams(spec):
+    """What each registered concept swaps for a simulated rank (runtime/registry.Concept.simulate: the optimizer
+    answers its one host read at build, an all_gather_object, from the plan), entered outside the Recorder, which
+    then records each call as the rank makes it."""
+    from trainer.concepts import concepts
 
-    from optim import distributed_muon
-    from sim.muon_verify import answer_holds
-
-    fake, real = answer_holds(spec), distributed_muon.sources
-
-    def sources(m, owner: int) -> list[int]:  # host bookkeeping (which ranks cover a matrix): real tensors
-        with unset_fake_temporarily():
-            return real(m, owner)
-
-    with (
-        mock.patch.object(c10d, "all_gather_object", fake),
-        mock.patch.object(dist, "all_gather_object", fake),
-        mock.patch.object(distributed_muon, "sources", sources),
-    ):
+    view = planner_view(spec)
+    with contextlib.ExitStack() as stack:
+        for c in concepts():
+            if c.simulate is not None:
+                stack.enter_context(c.simulate(spec, view))
         yield
 
 
@@ -428,7 +434,7 @@ def run_fake_rank(spec, quiet: bool = True, catch: bool = True) -> RankRun:
     out = open(os.devnull, "w") if quiet else None
     try:
         with (
-            muon_holds(spec),
+            concept_seams(spec),
             Recorder(run) as rec,
             fake_tensors(),
             contextlib.redirect_stdout(out) if quiet else contextlib.nullcontext(),

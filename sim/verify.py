@@ -15,7 +15,8 @@ The ranks are then checked against each other and against the planner:
    communicator, blocking send/recv),
    and each rank waits on every p2p op it posts exactly once (`check_waits`);
 4. planner: per simulated rank, state bytes equal plan.predict's exactly, and the second step's comm bytes and
-   calls; the peak (memory.LiveStorages on the fake storages) within 15% of the predicted peak;
+   calls; the peak (memory.LiveStorages on the fake storages) within 15% of the predicted peak; and what each
+   registered concept checks of its own (runtime/registry.Concept.findings);
 5. startup (reported): the new_group calls each rank makes (and how many hold it), the ops at init, and how many
    of them span the whole world.
 
@@ -44,7 +45,6 @@ Exit code 0: consistent; 1: a finding (each printed); 2: bad input, in one line.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -54,7 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from sim.fake_rank import Op, RankRun
+from sim.fake_rank import Op, RankRun, planner_view
 from sim.replay import (
     DISCIPLINES,
     p2p_components,
@@ -62,6 +62,7 @@ from sim.replay import (
     replay_components,
     span,
 )
+from trainer.concepts import concepts
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PEAK_RTOL = 0.15  # the planner's peak, as tests/test_plan_runs.py holds it against the CPU's allocated peak
@@ -449,19 +450,16 @@ def check_waits(w: World) -> list[str]:
 def predicted(spec, coords: tuple[int, ...]) -> dict:
     """plan.predict for the rank at mesh `coords`: its stage's, on the planner's GPUs (no gloo copy of a
     reduce-scatter's input: the fake backend copies nothing either), with the state of its own shard."""
-    from plan.counts import Setup
-    from plan.muon_counts import state_bytes
+    from plan.counts import state_bytes
     from plan.predict import predict
 
-    args = argparse.Namespace(**{**vars(spec.args), "device": "auto"})
-    setup = Setup(args, spec.dims, spec.config, spec.dtype, spec.grad_accum, spec.parallel.pp_layers)
+    setup = planner_view(spec)
     pp, _, shard, cp, _ = coords
     out = predict(setup, pp)
     out["state_bytes_by_kind"] = state_bytes(setup, pp, shard * spec.dims.cp + cp)
-    if getattr(spec.args, "optimizer", "adamw") == "muon":  # its exchange sends what this rank's owners say
-        from plan.muon_counts import for_rank
-
-        for_rank(setup, coords, out)
+    for c in concepts():  # a concept's view of this rank (an optimizer's exchange: what its owners send)
+        if c.terms is not None and c.terms.for_rank is not None:
+            c.terms.for_rank(setup, coords, out)
     out["state_bytes"] = sum(out["state_bytes_by_kind"].values())
     return out
 
@@ -593,9 +591,8 @@ def judge(layout: Layout, runs: dict[int, RankRun], plans: dict[int, object]) ->
     p2p_findings, messages = check_p2p(w)
     findings += p2p_findings + check_waits(w)
     planner, rows = check_planner(w, plans)
-    from sim.muon_verify import findings as muon_findings  # --optimizer muon: exchange and owners
-
-    findings += planner + muon_findings(w, plans)
+    view = planner_view(plans[min(plans)])  # 4. and what each concept checks of its own (Concept.findings)
+    findings += planner + [f for c in concepts() if c.findings is not None for f in c.findings(w, view)]
     if len(runs) == layout.world and layout.world > 1:
         findings += symmetry(w)
     r0 = runs[min(runs)]

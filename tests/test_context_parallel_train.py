@@ -294,8 +294,8 @@ class TestBadContextFlags(unittest.TestCase):
     """Forked ranks (tests/harness.forked): every rank exits 2 with exactly its one line
     `train.py: error: ...`, before any work (nothing written).
 
-    Dropout > 0 is refused too (config._check_context), but no flag or preset sets dropout, so no run can
-    ask for it."""
+    Dropout > 0 is refused too (parallel/context_parallel/concept.check_context), but no flag or preset sets
+    dropout, so no run can ask for it."""
 
     def expect_error(self, flags: list[str], needle: str, nproc: int = 2):
         out = RUNS.path(f"bad_{self._testMethodName}")  # a run that wrongly starts fails only its test

@@ -6,8 +6,9 @@
   twin and ours see the same tokens at the same positions, and the same losses are expected on a GPU.
 - **Why it is refused on CPU.** Inside it, CPU attention raises NotImplementedError: torch rings only the
   flash, memory-efficient and cuDNN kernels. If a torch release lifts that, this test fails and the refusal
-  in config._check_context should go. The context also puts F.scaled_dot_product_attention back on exit.
-- **What it composes with.** config._check_context (fast, in process) refuses the twin off CUDA and with TP, PP, HSDP
+  in parallel/context_parallel/concept.check_context should go. The context also puts
+  F.scaled_dot_product_attention back on exit.
+- **What it composes with.** check_context (fast, in process) refuses the twin off CUDA and with TP, PP, HSDP
 or --compile,
   and lets it through on CUDA with data parallelism (checked on a `cuda` device object; no GPU needed).
   Dropout under CP is refused for ours and the twin alike, and SP with CP needs each cp rank's T/C tokens
@@ -23,11 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from model.gpt import GPTConfig
+from parallel.context_parallel.concept import check_context
 from parallel.context_parallel.ring import local_positions, shard_sequence
 from parallel.mesh import ParallelDims
 from parallel.twins.context_parallel import torch_context_parallel
+from runtime.registry import Checking
 from tests.harness import run_distributed
-from trainer.config import UsageError, _check_context, _check_layout, train_parser
+from trainer.config import UsageError, run_checks, train_parser
 
 
 def shards(rank: int, world: int) -> list:
@@ -75,7 +78,7 @@ class TestTorchContextParallelTokens(unittest.TestCase):
 
 
 def check(flags: list[str], world: int, device: str, config: GPTConfig | None = None) -> None:
-    """config._check_context on the flags, after the layout check validate runs before it (config._check_layout),
+    """check_context on the flags, after the layout checks validate runs before it (every concept's, phase "layout"),
     so a case refused there (dp > 1 without --data_parallel_type, ...) never counts as this check's refusal
     or as let through."""
     args = train_parser().parse_args(["--seq_len", "64", *flags])  # a later --seq_len wins
@@ -87,12 +90,13 @@ def check(flags: list[str], world: int, device: str, config: GPTConfig | None = 
         args.data_parallel_replicate_size,
         args.context_parallel_size,
     )
-    _check_layout(args, dims, torch.float32)
-    _check_context(args, dims, config or GPTConfig(), torch.device(device))
+    c = Checking(args, dims=dims, dtype=torch.float32, device=torch.device(device), config=config or GPTConfig())
+    run_checks("layout", c)
+    check_context(c)
 
 
 class TestContextLayoutChecks(unittest.TestCase):
-    """config._check_context on its own (no processes): the world size is whatever the flags multiply to."""
+    """check_context on its own (no processes): the world size is whatever the flags multiply to."""
 
     TWIN = ["--implementation", "pytorch", "--context_parallel_size", "2"]
 

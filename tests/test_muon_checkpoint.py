@@ -209,8 +209,8 @@ OTHER = {  # name -> (ranks, flags, the sweep's tolerance for the layout: bench/
 def test_train_resumes_muon_in_its_layout_bit_for_bit_and_in_others_within_the_sweeps_tolerance(runs):
     """train.py --optimizer muon from the uninterrupted one-process run's step-3 checkpoint: one process continues
     with the same loss and grad norm bits at steps 4-6; each layout of OTHER within bench/sweep.py's Muon tolerance
-    (MUON_RULE: the layout's rtol plus optim/muon.rounding_rtol's bound, accumulated from step 4, since the state
-    at step 3 is the same bits)."""
+    (optim/concept.RULE: the layout's rtol plus optim/muon.rounding_rtol's bound, accumulated from step 4, since the
+    state at step 3 is the same bits)."""
     import unittest
 
     import bench.sweep

@@ -1,6 +1,6 @@
 """Muon's bytes = theory (issue 46 item 5): in each layout, what every rank's exchange sends per step (parallel/comm's
 all_to_all bytes and calls), its optimizer state (the wrapper's state_breakdown) and which rank owns which matrix
-equal plan/theory.py's formulas over plan/muon_counts.py's holds (the layout's rules, not the live layout), exactly.
+equal optim/theory.py's formulas over its holds (the layout's rules, not the live layout), exactly.
 
 The runs set one process's gradients on each rank (tests/test_muon.py's `set_grads`) and take two steps: the first
 makes the momentum, the second is the steady state; the exchange sends the same every step.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plan import muon_counts, theory
+from optim import theory
 from plan.counts import Setup
 from tests.harness import run_distributed
 from tests.test_muon import ADAMW, MUON, args, grads, set_grads, stepped_layout
@@ -107,20 +107,20 @@ def test_muon_bytes_state_and_owners_equal_theory(name):
     world, dims, dp_type, moe, flags = LAYOUTS[name]
     s = setup(world, moe, flags)
     ranks = run_distributed(measure, world, dims, dp_type, moe)
-    G = muon_counts.stage_ranks(s)
+    G = theory.stage_ranks(s)
     for r, x in enumerate(ranks):
         pp, g = divmod(r, G)
-        want = muon_counts.stage_matrices(s, pp)
+        want = theory.stage_matrices(s, pp)
         assert x["holds"] == [(k, shape, row) for k, shape, row in want], f"rank {r}: holds differ from the plan's"
-        _, owners, _ = muon_counts.exchange(s, pp)
+        _, owners, _ = theory.exchange(s, pp)
         assert x["owner"] == {k: o for (k, _, _), o in zip(want, owners)}, f"rank {r}: owners differ from LPT's"
-        b = muon_counts.exchange_bytes(s, pp, g).get("all_to_all", 0)
-        c = muon_counts.exchange_calls(s, pp).get("all_to_all", 0)
+        b = theory.exchange_bytes(s, pp, g).get("all_to_all", 0)
+        c = theory.exchange_calls(s, pp).get("all_to_all", 0)
         assert x["sent"] == [b] * STEPS and x["calls"] == [c] * STEPS, (
             f"rank {r}: sent {x['sent']} in {x['calls']} calls, theory {b} in {c}"
         )
-        c = muon_counts.coords(s.dims, g)
-        state = muon_counts.optimizer_state_bytes(s, pp, c["shard"] * s.dims.cp + c["cp"], c["edp"])
+        c = theory.coords(s.dims, g)
+        state = theory.optimizer_state_bytes(s, pp, c["shard"] * s.dims.cp + c["cp"], c["edp"])
         assert x["optimizer"] == state, f"rank {r}: optimizer state {x['optimizer']} B, theory {state}"
     assert any(x["sent"][0] for x in ranks), "nothing sent: the layout would not test the formulas"
 
@@ -164,12 +164,12 @@ def table() -> str:
     for name, (world, dims, dp_type, moe, flags) in LAYOUTS.items():
         s = setup(world, moe, flags)
         ranks = run_distributed(measure, world, dims, dp_type, moe)
-        G = muon_counts.stage_ranks(s)
-        theory_b = [muon_counts.exchange_bytes(s, r // G, r % G).get("all_to_all", 0) for r in range(world)]
-        c = muon_counts.coords(s.dims, 0)
-        state = muon_counts.optimizer_state_bytes(s, 0, c["shard"] * s.dims.cp + c["cp"], c["edp"])
-        load = muon_counts.ns_flops_by_rank(s, 0)
-        bound = theory.muon_lpt_bound(muon_counts.exchange(s, 0)[2], G)
+        G = theory.stage_ranks(s)
+        theory_b = [theory.exchange_bytes(s, r // G, r % G).get("all_to_all", 0) for r in range(world)]
+        c = theory.coords(s.dims, 0)
+        state = theory.optimizer_state_bytes(s, 0, c["shard"] * s.dims.cp + c["cp"], c["edp"])
+        load = theory.ns_flops_by_rank(s, 0)
+        bound = theory.muon_lpt_bound(theory.exchange(s, 0)[2], G)
         measured = ", ".join(f"{x['sent'][-1]:,}" for x in ranks)
         want = ", ".join(f"{b:,}" for b in theory_b)
         flops = ", ".join(f"{f / 1e6:.1f}" for f in load)
@@ -218,7 +218,7 @@ def test_the_planner_counts_muon():
     assert predict(muon)["state_bytes_by_kind"]["optimizer"] == predict(adamw)["state_bytes_by_kind"][
         "optimizer"
     ] - 4 * elements - 4 * len(muon_params)
-    assert predict(muon)["comm_bytes"]["all_to_all"] == muon_counts.exchange_bytes(muon)["all_to_all"] > 0
+    assert predict(muon)["comm_bytes"]["all_to_all"] == theory.exchange_bytes(muon)["all_to_all"] > 0
     assert "all_to_all" not in predict(adamw)["comm_bytes"]
     p = PRESETS["h100-sxm"]
     cluster = Cluster(world, world, p["memory"], p["peak_flops"], p["intra_bw"], p["inter_bw"], "h100-sxm")

@@ -255,11 +255,7 @@ MODULE_LINES, FUNCTION_LINES = 600, 80  # on `ruff format`'s output (CI checks i
 OVER = {
     "bench/plan_rank.py": 644,
     "bench/report.py": 676,
-    "bench/sweep.py": 620,
-    "plan/counts.py": 646,
-    "plan/theory.py": 601,
-    "sim/verify.py": 671,
-    "trainer/config.py": 846,  # +3: ft/flags.py's hook (the lead moves it onto the flag registry at merge)
+    "sim/verify.py": 668,
 }
 LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
     "bench/__main__.py:main": 110,
@@ -271,7 +267,6 @@ LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
     "plan/peak.py:reduce_transient": 132,
     "plan/timeline.py:simulate_schedule": 223,
     "sim/replay.py:replay_p2p": 105,
-    "trainer/config.py:train_parser": 188,  # +1: ft/flags.py's hook, as above
 }
 
 

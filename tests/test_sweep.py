@@ -24,14 +24,12 @@ from bench.forkserver import ForkServer, RunResult
 from tests.harness import make_token_bins, rank0_only
 
 LARGE = os.environ.get("GPT_SWEEP_LARGE") == "1"
-SMALL = (
-    [x for x in S.layouts(4) if not x.is_reference]
-    + S.middle_stage_rows()
-    + S.zero_bubble_rows()
-    + [x for x in S.moe_rows() if x.dtype == "float32"]
-)
-BF16 = S.bf16_rows() + [x for x in S.moe_rows() if x.dtype != "float32"]
-SAMPLE = S.sample(12) + S.zero_bubble_large_rows() + S.moe_large_rows()
+# every registered concept's rows (runtime/registry.Sweep): the pipeline's middle-stage and zero-bubble rows, the
+# experts' (MoE and EP) rows; the experts' bf16 row with the bf16 ones
+ROWS = S.concept_rows("rows")
+SMALL = [x for x in S.layouts(4) if not x.is_reference] + [x for x in ROWS if x.dtype == "float32" or not x.experts]
+BF16 = S.bf16_rows() + [x for x in ROWS if x.dtype != "float32" and x.experts]
+SAMPLE = S.sample(12) + S.concept_rows("large")
 
 # layout name -> what its one refusal line says (every other layout must train and match one process)
 REFUSED: dict[str, str] = {}

@@ -986,7 +986,7 @@ MUON_LAYOUTS = {  # each every rank simulated; the 64- and 1,024-rank runs are d
 
 class TestMuon(unittest.TestCase):
     """Muon layouts, every rank simulated: the build's all_gather_object answered from the plan
-    (plan/muon_verify.answer_holds), every check passes, and the exchange's recorded all_to_alls are the theory's
+    (optim/simulate.answer_holds), every check passes, and the exchange's recorded all_to_alls are the theory's
     on every rank (so the check is not vacuous); seeded: owners that are not LPT's, a rank whose holds are not
     the plan's."""
 
@@ -1010,21 +1010,21 @@ class TestMuon(unittest.TestCase):
     def test_owners_other_than_lpt_are_caught(self):
         """The plan puts every matrix on rank 0 (not what the ranks' LPT does): the busiest rank's NS FLOPs exceed
         Graham's bound, and every rank's exchange sends other sizes than the plan says."""
-        from plan import muon_counts, theory
+        from optim import theory
 
-        muon_counts._exchange.cache_clear()
+        theory._exchange.cache_clear()
         with mock.patch.object(theory, "muon_owners", lambda flops, held, keys: [0] * len(flops)):
             found = self.verdict("fsdp4").findings
-        muon_counts._exchange.cache_clear()
+        theory._exchange.cache_clear()
         self.assertTrue(any("exceed the LPT bound" in f for f in found), found)
         self.assertTrue(any(re.match(r"muon: rank 1: the exchange's all_to_alls", f) for f in found), found)
 
     def test_a_rank_whose_holds_are_not_the_plans(self):
         """The plan's holds lose one matrix: each rank's own list (from its live layout) differs, and the
         simulated run raises at build, named."""
-        from plan import muon_counts
+        from optim import theory
 
-        real = muon_counts.stage_matrices
-        with mock.patch.object(muon_counts, "stage_matrices", lambda s, pp=0: real(s, pp)[1:]):
+        real = theory.stage_matrices
+        with mock.patch.object(theory, "stage_matrices", lambda s, pp=0: real(s, pp)[1:]):
             found = self.verdict("ddp4").findings
         self.assertTrue(found and all("Muon holds" in f and "differ from the plan's" in f for f in found), found)

@@ -16,8 +16,8 @@ losses (tests/test_pipeline_train.py derives it).
   process at 1e-5: DDP's bucket all-reduce runs once, after the schedule's last W (reduce_on_exit); ZB-H1 x
   FSDP and x TP + SP against 1F1B's bits; the PyTorch twin's zb_h1, zbv and dualpipev against one process; and
   the bad-input refusals. Every split schedule at P = 2, 3, 4 alone and at P = 2 x ddp / zero2 / fsdp / tp + sp
-  (and x fsdp in bf16) against one process: bench/sweep.py's zero_bubble_rows, run by tests/test_sweep.py; at
-  P = 4 x ddp / zero2 / fsdp / tp + sp and P = 2 x dp x tp, under HSDP (8 ranks): zero_bubble_large_rows, run by
+  (and x fsdp in bf16) against one process: parallel/pipeline/concept.sweep_rows, run by tests/test_sweep.py; at
+  P = 4 x ddp / zero2 / fsdp / tp + sp and P = 2 x dp x tp, under HSDP (8 ranks): sweep_large_rows, run by
   GPT_SWEEP_LARGE=1 pytest -m sweep and python -m bench.sweep --sample 12.
 """
 
@@ -641,7 +641,7 @@ class TestZeroBubbleTrain(unittest.TestCase):
         pp_fsdp): each unit's gradient of micro-batch m is reduce-scattered after the W that completes it, in the
         order 1F1B reduces it at its B, so the shards sum the same terms in the same order. A unit reduced at its
         B would miss its linears' weight gradients. Every split schedule x ddp / zero2 / fsdp / tp + sp against
-        one process: bench/sweep.py's zero_bubble_rows (tests/test_sweep.py)."""
+        one process: parallel/pipeline/concept.sweep_rows (tests/test_sweep.py)."""
         self.check(
             run("zb_h1_fsdp", [*ZB, *dp("fsdp")], 4),
             run("pp_fsdp", [*PP2, *dp("fsdp")], 4),
@@ -721,7 +721,8 @@ class TestZeroBubbleTrain(unittest.TestCase):
 
 class TestZeroBubbleRefusals(unittest.TestCase):
     """What the split backward is not built or tested for is refused in one line, exit 2, before any work
-    (config._check_zero_bubble; train.main in this process as one rank of WORLD_SIZE, each well under a second)."""
+    (parallel/pipeline/concept.check_zero_bubble; train.main in this process as one rank of WORLD_SIZE, each well
+    under a second)."""
 
     def test_refused_layouts(self):
         for flags, world, needle in (

@@ -1,14 +1,19 @@
 """Command-line flags and their validation into one frozen `RunSpec`, before any process group exists.
 
-train.py, sample.py, export.py and bench share what lives here: `UsageError` (bad input: one line,
-exit code 2, on every rank, before any work), the one-line argument parser, and fetching OpenAI's
-weights. After `validate` the trainer reads layout questions from `spec.parallel` and `spec.dims` only.
+train.py, sample.py, export.py and bench share what lives here: `UsageError` (bad input: one line, exit code 2,
+on every rank, before any work; runtime/registry.py's, which every concept's checks raise), the one-line argument
+parser, and fetching OpenAI's weights. After `validate` the trainer reads layout questions from `spec.parallel` and
+`spec.dims` only.
+
+The trainer's own flags and checks are here; each concept's (a parallelism, the optimizer, the experts) are
+its own, registered from its folder (runtime/registry.py, trainer/concepts.py): the parser adds their groups,
+`check_ranges` their ranges, and `check_layout` runs their checks at their phase (registry.PHASES).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import logging
 import math
 import os
 import sys
@@ -19,23 +24,17 @@ import torch
 from checkpoints import checkpoint
 from data.batches import BatchSource, DataError, prepare_hint, prepared_dir, resolve_dataset_dir
 from data.chars import holds_chars, load_chars
-from ft import flags as ft_flags
 from model.gpt import GPT, PRESETS, GPTConfig, make_config
-from optim import flags as optim_flags
 from parallel.mesh import ParallelDims, WorldSizeError
 from parallel.parallelize import ParallelConfig
-from parallel.pipeline.partition import check_counts, layers_for
-from parallel.tensor_parallel.apply import check_tp_divisibility
 from runtime.device import pick_device
 from runtime.launch import env_world
+from runtime.registry import AT_LEAST_ONE, AT_LEAST_ZERO, NON_NEGATIVE, POSITIVE, RANGES, Checking, UsageError
 from trainer import config_file
+from trainer.concepts import concepts
 
 HF_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class UsageError(ValueError):
-    """Bad input: reported as one line, exit code 2, before any work."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -59,6 +58,10 @@ def fetch_hf_weights(name: str) -> dict:
     instead of sitting through the hub client's retries."""
     from data.common import url_reachable
 
+    # transformers imports torchao where it is installed (the FP8 twin's): its prebuilt kernels for other CUDA
+    # and Python builds, and torch's pytree, would each log a warning line before our one-line error
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
         import transformers
         from transformers import GPT2LMHeadModel
@@ -77,70 +80,30 @@ def fetch_hf_weights(name: str) -> dict:
 
 
 def train_parser() -> Parser:
+    """train.py's flags: the trainer's own, then each registered concept's in a group of its own."""
     p = Parser(prog="train.py", description="Train GPT-2 on one process or many (torchrun).")
-    a = p.add_argument
-    a(
+    p.add_argument(
         "--config",
         metavar="FILE.toml",
         help="read the flags from a TOML file (key = value; each run writes its "
         "own to <out_dir>/config.toml); flags given here override it",
     )
-    # layout
-    a("--tensor_parallel_size", type=int, default=1, help="degree of tensor parallelism")
-    a("--enable_loss_parallelism", action="store_true", help="vocab-parallel cross-entropy under TP")
-    a("--sequence_parallel", action="store_true", help="TP: LayerNorms/residuals on sequence-sharded activations")
-    a("--data_parallel_size", type=int, default=1, help="degree of data parallelism")
-    a(
-        "--data_parallel_type",
-        choices=["ddp", "zero1", "zero2", "fsdp"],
-        default=None,
-        help="required when dp > 1: replicate (ddp) or shard optimizer state (zero1), + gradients (zero2), "
-        "+ parameters (fsdp = ZeRO-3)",
-    )
-    a(
-        "--data_parallel_replicate_size",
-        type=int,
-        default=1,
-        metavar="R",
-        help="HSDP: the dp ranks are R replicas x dp/R shards (zero1, zero2, fsdp)",
-    )
-    a("--pipeline_parallel_size", type=int, default=1, help="degree of pipeline parallelism (stages)")
-    a(
-        "--pp_schedule",
-        choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"],
-        default="1f1b",
-        help="pipeline schedule; the step's micro-batches are the pipeline's micro-batches (zb_h1, zbv, dualpipev: "
-        "zero-bubble, the backward split into input and weight gradients; zbv and dualpipev cut 2 chunks per "
-        "rank in a V)",
-    )
-    a(
-        "--pp_virtual_stages",
-        type=int,
-        default=None,
-        metavar="V",
-        help="interleaved_1f1b: model chunks per pipeline rank (V > 1); zbv, dualpipev: 2",
-    )
-    a(
-        "--pp_layers_per_stage",
-        default=None,
-        metavar="A,B,...",
-        help="Blocks per pipeline chunk, P x V counts in chunk order (default: partitioned by the cost model, "
-        "parallel/pipeline/partition.py)",
-    )
-    a(
-        "--context_parallel_size",
-        type=int,
-        default=1,
-        metavar="C",
-        help="split every sequence over C ranks (ring attention); gradients reduced over dp x C",
-    )
-    a(
-        "--expert_parallel_size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split each MoE layer's experts over N of the dp x cp ranks; tokens reach them by all_to_all",
-    )
+    for title, add in (
+        ("layout", _layout_flags),
+        ("model and data", _model_flags),
+        ("batch and optimisation", _batch_flags),
+        ("system", _system_flags),
+        ("checkpoints", _checkpoint_flags),
+    ):
+        add(p.add_argument_group(title).add_argument)
+    for c in concepts():
+        if c.flags is not None:
+            c.flags(p.add_argument_group(c.title or c.name).add_argument)
+    return p
+
+
+def _layout_flags(a) -> None:
+    """What every layout shares: which implementation, how the model is built and each Block wrapped."""
     a("--implementation", choices=["custom", "pytorch"], default="custom")
     a("--deferred_init", action="store_true", help="build on meta, materialise after sharding")
     a(
@@ -152,18 +115,10 @@ def train_parser() -> Parser:
     a("--ac_every", type=int, default=2, metavar="K", help="selective activation checkpointing: every K-th Block")
     a("--compile", action="store_true", help="torch.compile each Block (needs a C++ compiler on CPU)")
     a("--gradient_clipping", action="store_true", help="clip the global gradient norm at 1.0")
-    a("--bucket_cap_mb", type=float, default=25.0, help="custom DDP: gradient bucket size")
-    a("--grad_compression", choices=["none", "bf16"], default="none", help="custom DDP: bf16 on the wire")
-    a(
-        "--param_dtype",
-        choices=["auto", *DTYPES],
-        default="auto",
-        help="FSDP: dtype of the gathered compute copies (the master shard stays fp32); auto: the --dtype "
-        "autocast computes in",
-    )
-    a("--reduce_dtype", choices=DTYPES, default="float32", help="FSDP: dtype gradients are reduce-scattered in")
     a("--no_tf32", action="store_true", help="CUDA, --dtype float32: keep fp32 matmuls in full fp32 (default: TF32)")
-    # model and data
+
+
+def _model_flags(a) -> None:
     a("--model", default="gpt2", help=f"preset: {', '.join(PRESETS)}")
     a("--init_from", choices=["scratch", *HF_MODELS], default="scratch", help="start from OpenAI's weights")
     a("--n_layer", type=int)
@@ -171,25 +126,10 @@ def train_parser() -> Parser:
     a("--n_embd", type=int)
     a("--block_size", type=int)
     a("--vocab_size", type=int, help="override the preset's vocabulary (50304), e.g. for a small test corpus")
-    a(
-        "--moe_num_experts",
-        type=int,
-        default=0,
-        metavar="E",
-        help="mixture of experts: E experts per MoE layer (0: the dense GPT-2 MLP)",
-    )
-    a("--moe_top_k", type=int, default=2, metavar="K", help="experts each token is routed to")
-    a("--moe_every", type=int, default=1, metavar="N", help="an MoE layer in every N-th Block (Blocks N-1, 2N-1, ...)")
-    a("--moe_ffn_hidden", type=int, default=0, metavar="H", help="each expert's hidden width (0: 4 x n_embd)")
-    a("--moe_aux_loss_coeff", type=float, default=0.0, help="Switch/GShard load-balancing loss coefficient")
-    a(
-        "--moe_bias_update_rate",
-        type=float,
-        default=0.0,
-        help="DeepSeek-V3 auxiliary-loss-free balancing: the expert bias's step per optimizer step",
-    )
     a("--dataset", default="shakespeare", help="shakespeare, shakespeare_char, openwebtext, fineweb, or a dir: data.md")
-    # batch and optimisation
+
+
+def _batch_flags(a) -> None:
     a("--micro_batch_size", type=int, default=8)
     a("--seq_len", type=int, default=1024)
     a("--total_batch_size", type=int, default=524288, help="tokens per optimizer step")
@@ -197,8 +137,6 @@ def train_parser() -> Parser:
     a("--lr", type=float, default=6e-4, help="peak; linear warmup then cosine to 10%%")
     a("--warmup_steps", type=int, default=10)
     a("--weight_decay", type=float, default=0.1)
-    optim_flags.add_flags(a)  # --optimizer and Muon's (optim/flags.py)
-    ft_flags.add_flags(a)  # --ft_*: replica groups on torchft (ft/flags.py)
     a("--seed", type=int, default=1337)
     a("--eval_interval", type=int, default=25)
     a("--eval_iters", type=int, default=20)
@@ -207,7 +145,9 @@ def train_parser() -> Parser:
         metavar="FILE.jsonl",
         help="also score HellaSwag at every eval, spread over the ranks (python -m evals.fetch_hellaswag)",
     )
-    # system
+
+
+def _system_flags(a) -> None:
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
     a("--dtype", choices=["auto", *DTYPES], default="auto")
     a("--out_dir", default=None, help="default: runs/<model>-<dataset>")
@@ -243,7 +183,9 @@ def train_parser() -> Parser:
         metavar="N",
         help="write a torch.profiler trace of N steps (after 2 warm-up steps) to <out_dir>/profile",
     )
-    # checkpoints
+
+
+def _checkpoint_flags(a) -> None:
     a(
         "--checkpoint_interval",
         type=int,
@@ -263,7 +205,6 @@ def train_parser() -> Parser:
         action="store_true",
         help="continue from the newest complete checkpoint in --out_dir (none there: start fresh)",
     )
-    return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -334,84 +275,71 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def parallel_config(
     args: argparse.Namespace, dims: ParallelDims, dtype: torch.dtype, pp_layers: tuple[int, ...] | None = None
 ) -> ParallelConfig:
-    """The layout settings `parallel.parallelize` composes, with every default resolved (`pp_layers`: the
-    pipeline's Blocks per chunk, `_check_pipeline`'s)."""
-    param_dtype = args.param_dtype
-    if param_dtype == "auto":  # gather what autocast computes in: half the bytes, no fp32 copies kept alive
-        param_dtype = str(dtype).removeprefix("torch.")
-    # context parallelism replicates the parameters over cp: a data-parallel wrapper reduces over dp x cp
-    dp_type = (args.data_parallel_type or "ddp") if dims.cp_enabled else args.data_parallel_type
-    return ParallelConfig(
-        dp_type=dp_type if dims.dp_enabled or dims.cp_enabled else None,
+    """The layout settings `parallel.parallelize` composes, with every default resolved: the trainer's own and each
+    concept's (`Concept.parallel`; `pp_layers`: the pipeline's Blocks per chunk, its check's)."""
+    c = Checking(args, dims=dims, dtype=dtype, found={"pp_layers": pp_layers})
+    fields = dict(
         implementation=args.implementation,
-        loss_parallel=args.enable_loss_parallelism,
-        sequence_parallel=args.sequence_parallel,
-        param_dtype=None if param_dtype == "float32" else getattr(torch, param_dtype),
-        reduce_dtype=getattr(torch, args.reduce_dtype),
         deferred_init=args.deferred_init,
         seed=args.seed,
-        bucket_cap_mb=args.bucket_cap_mb,
-        grad_compression=None if args.grad_compression == "none" else args.grad_compression,
-        pp_schedule=args.pp_schedule,
-        pp_virtual=args.pp_virtual_stages or 1,
-        pp_layers=pp_layers,
         activation_checkpointing=args.activation_checkpointing,
         ac_every=args.ac_every,
         compile=args.compile,
     )
+    for concept in concepts():
+        if concept.parallel is not None:
+            fields.update(concept.parallel(c))
+    return ParallelConfig(**fields)
 
 
-# every numeric flag's range, checked before any work: (flag, lowest allowed value, None: optional)
-AT_LEAST_ONE = (
-    "tensor_parallel_size",
-    "data_parallel_size",
-    "pipeline_parallel_size",
-    "data_parallel_replicate_size",
-    "context_parallel_size",
-    "expert_parallel_size",
-    "moe_top_k",
-    "moe_every",
-    "pp_virtual_stages",
-    "ac_every",
-    "micro_batch_size",
-    "seq_len",
-    "total_batch_size",
-    "max_steps",
-    "eval_interval",
-    "eval_iters",
-    "keep_checkpoints",
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "block_size",
-    "vocab_size",
-    "trace_step",
-    "muon_ns_steps",
-)
-AT_LEAST_ZERO = ("warmup_steps", "checkpoint_interval", "profile", "moe_num_experts", "moe_ffn_hidden")
-POSITIVE_FLOATS = ("lr", "timeout", "bucket_cap_mb", "peak_flops", "muon_lr")  # finite and > 0
-NON_NEGATIVE_FLOATS = (
-    "weight_decay",
-    "moe_aux_loss_coeff",
-    "moe_bias_update_rate",
-    "muon_weight_decay",
-    "muon_momentum",
-)  # finite and >= 0
+# the trainer's own numeric flags' ranges, checked before any work (each concept declares its own: Concept.ranges)
+RANGES_OF = {
+    **dict.fromkeys(
+        (
+            "ac_every",
+            "micro_batch_size",
+            "seq_len",
+            "total_batch_size",
+            "max_steps",
+            "eval_interval",
+            "eval_iters",
+            "keep_checkpoints",
+            "n_layer",
+            "n_head",
+            "n_embd",
+            "block_size",
+            "vocab_size",
+            "trace_step",
+        ),
+        AT_LEAST_ONE,
+    ),
+    **dict.fromkeys(("warmup_steps", "checkpoint_interval", "profile"), AT_LEAST_ZERO),
+    **dict.fromkeys(("lr", "timeout", "peak_flops"), POSITIVE),  # finite and > 0
+    "weight_decay": NON_NEGATIVE,  # finite and >= 0
+}
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range (None: not given), the trainer's then each concept's: the integers (>= 1,
+    then >= 0), then the floats (finite and > 0, then finite and >= 0)."""
+    ranges = dict(RANGES_OF)
+    for c in concepts():
+        ranges.update(c.ranges)
+    for kind in RANGES:
+        for flag in (f for f, k in ranges.items() if k == kind):
+            value = getattr(args, flag)
+            if value is None:
+                continue
+            if kind in (AT_LEAST_ONE, AT_LEAST_ZERO) and value < (low := 1 if kind == AT_LEAST_ONE else 0):
+                raise UsageError(f"--{flag} must be >= {low}, got {value}")
+            if kind == POSITIVE and not (math.isfinite(value) and value > 0):
+                raise UsageError(f"--{flag} must be a finite number > 0, got {value}")
+            if kind == NON_NEGATIVE and not (math.isfinite(value) and value >= 0):
+                raise UsageError(f"--{flag} must be a finite number >= 0, got {value}")
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    for flag in AT_LEAST_ONE + AT_LEAST_ZERO:
-        value, low = getattr(args, flag), 1 if flag in AT_LEAST_ONE else 0
-        if value is not None and value < low:
-            raise UsageError(f"--{flag} must be >= {low}, got {value}")
-    for flag in POSITIVE_FLOATS + NON_NEGATIVE_FLOATS:
-        value = getattr(args, flag)
-        if value is not None and not (
-            math.isfinite(value) and (value > 0 or (flag in NON_NEGATIVE_FLOATS and value == 0))
-        ):
-            raise UsageError(
-                f"--{flag} must be a finite number {'>= 0' if flag in NON_NEGATIVE_FLOATS else '> 0'}, got {value}"
-            )
+    check_ranges(args)
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise UsageError(f"--out_dir {args.out_dir} is a file, not a directory")
     if args.no_checkpoint and args.checkpoint_interval:
@@ -427,16 +355,20 @@ def _check_flags(args: argparse.Namespace) -> None:
             "--trace_step records through module hooks, which a compiled Block runs inside its graph; "
             "trace an eager run (without --compile)"
         )
-    if args.trace_step is not None and args.implementation == "pytorch" and args.context_parallel_size > 1:
-        raise UsageError(
-            "--trace_step cannot place the sequence shards of torch's context_parallel; trace CP "
-            "with --implementation custom"
-        )
     if args.deferred_init and args.init_from != "scratch":
         raise UsageError("--deferred_init builds a fresh model; it cannot be combined with --init_from")
     if args.init_from != "scratch" and holds_chars(args.dataset):
         raise UsageError(f"--init_from {args.init_from} reads GPT-2 BPE ids; --dataset {args.dataset} holds characters")
     _check_fake(args)
+    run_checks("flags", Checking(args))
+
+
+def run_checks(phase: str, c: Checking) -> None:
+    """Every registered concept's checks of `phase` (registry.PHASES), in registration order; UsageError."""
+    for concept in concepts():
+        for when, check in concept.checks:
+            if when == phase:
+                check(c)
 
 
 def _check_fake(args: argparse.Namespace) -> None:
@@ -471,39 +403,10 @@ def _check_fake(args: argparse.Namespace) -> None:
         )
 
 
-def _check_layout(args: argparse.Namespace, dims: ParallelDims, dtype: torch.dtype) -> None:
-    if dims.dp_enabled and args.data_parallel_type is None:
-        raise UsageError(f"--data_parallel_type ddp|zero1|zero2|fsdp is required with --data_parallel_size {dims.dp}")
-    R = args.data_parallel_replicate_size
-    if R > 1 and (dims.dp % R or args.data_parallel_type in (None, "ddp")):
-        raise UsageError(
-            f"--data_parallel_replicate_size {R} needs a sharded --data_parallel_type (zero1, zero2, "
-            f"fsdp) and must divide --data_parallel_size {dims.dp}"
-        )
-    if R > 1 and args.data_parallel_type == "zero1" and args.implementation == "pytorch":
-        raise UsageError(
-            "--implementation pytorch has no hybrid ZeRO-1: ZeroRedundancyOptimizer shards over one "
-            "group and would ignore --data_parallel_replicate_size; use the custom engine or zero2/fsdp"
-        )
-    for flag in ("enable_loss_parallelism", "sequence_parallel"):
-        if getattr(args, flag) and not dims.tp_enabled:
-            raise UsageError(f"--{flag} needs --tensor_parallel_size > 1")
-    if args.sequence_parallel and args.seq_len % dims.tp:
-        raise UsageError(
-            f"--sequence_parallel needs --seq_len ({args.seq_len}) divisible by --tensor_parallel_size ({dims.tp})"
-        )
-    fp16 = [f"--{f} float16" for f in ("param_dtype", "reduce_dtype") if getattr(args, f) == "float16"]
-    if fp16 and dtype != torch.float16:
-        raise UsageError(
-            f"{' and '.join(fp16)} need --dtype float16, whose GradScaler keeps fp16 gradients "
-            f"from overflowing; use bfloat16 instead"
-        )
-
-
-def _check_model(args: argparse.Namespace, dims: ParallelDims) -> tuple[GPTConfig, dict | None]:
+def _check_model(args: argparse.Namespace) -> tuple[GPTConfig, dict | None]:
+    """The model's config, from OpenAI's weights or the flags (the trainer's and each concept's fields:
+    `Concept.model`), checked; and the weights or None."""
     hf_state = None
-    if args.init_from != "scratch" and args.moe_num_experts:  # before fetching anything
-        raise UsageError(f"--init_from {args.init_from} with --moe_num_experts: OpenAI's GPT-2 has no experts")
     if args.init_from != "scratch":
         hf_state = fetch_hf_weights(args.init_from)
         config = GPT.from_hf_state_dict(hf_state).config
@@ -517,193 +420,22 @@ def _check_model(args: argparse.Namespace, dims: ParallelDims) -> tuple[GPTConfi
                 n_embd=args.n_embd,
                 block_size=args.block_size,
                 vocab_size=args.vocab_size or (chars and chars.padded_vocab),
-                **moe_fields(args),
+                **model_fields(args),
             )
         except ValueError as e:
             raise UsageError(str(e)) from None
     if config.n_embd % config.n_head:
         raise UsageError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
-    reason = check_tp_divisibility(config, dims.tp)
-    if reason:
-        raise UsageError(f"--tensor_parallel_size {dims.tp}: {reason}")
-    if args.seq_len > config.block_size:
-        raise UsageError(f"--seq_len {args.seq_len} exceeds the model's block_size {config.block_size}")
     return config, hf_state
 
 
-def _check_context(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig, device: torch.device) -> None:
-    """Context parallelism: what it needs of the sequence and what it does not compose with (yet)."""
-    C = dims.cp
-    if C == 1:
-        return
-    if args.seq_len % (2 * C):
-        raise UsageError(
-            f"--context_parallel_size {C} needs --seq_len ({args.seq_len}) divisible by 2 x {C}: "
-            f"each sequence is cut into 2C chunks (zigzag)"
-        )
-    if args.implementation == "pytorch" and device.type != "cuda":
-        raise UsageError(
-            "--implementation pytorch --context_parallel_size needs CUDA: PyTorch's context_parallel "
-            "rings only the flash, memory-efficient and cuDNN SDPA kernels, and attention on "
-            f"{device.type} is none of them (--implementation custom runs our ring anywhere)"
-        )
-    if args.implementation == "pytorch" and (
-        dims.tp_enabled or dims.pp_enabled or args.compile or args.data_parallel_replicate_size > 1
-    ):
-        raise UsageError(
-            "--implementation pytorch --context_parallel_size composes with data parallelism only "
-            "(DDP, FSDP2); for CP with TP, PP, HSDP or --compile use --implementation custom"
-        )
-    if args.sequence_parallel and (args.seq_len // C) % dims.tp:
-        raise UsageError(
-            f"--sequence_parallel with --context_parallel_size {C} needs each rank's share of a "
-            f"sequence (--seq_len / C = {args.seq_len // C}) divisible by --tensor_parallel_size "
-            f"({dims.tp})"
-        )
-    if config.dropout > 0:
-        raise UsageError(f"--context_parallel_size needs dropout 0 (got {config.dropout}): ring attention has none")
-
-
-def _check_pipeline(
-    args: argparse.Namespace, dims: ParallelDims, config: GPTConfig, micro: int
-) -> tuple[int, ...] | None:
-    """The schedule, its virtual stages and the micro-batch count M against the partition of n_layer Blocks.
-    Returns the partition, Blocks per chunk: --pp_layers_per_stage's, else the cost model's at --seq_len
-    (parallel/pipeline/partition.py); None without a pipeline."""
-    interleaved, v_shape = args.pp_schedule == "interleaved_1f1b", args.pp_schedule in ("zbv", "dualpipev")
-    if args.pp_virtual_stages is not None and not (interleaved or v_shape):
-        raise UsageError(
-            f"--pp_virtual_stages is for --pp_schedule interleaved_1f1b; {args.pp_schedule} runs "
-            f"one chunk per pipeline rank (zbv and dualpipev take --pp_virtual_stages 2)"
-        )
-    if not dims.pp_enabled:
-        if args.pp_schedule != "1f1b" or args.pp_virtual_stages is not None:
-            raise UsageError("--pp_schedule and --pp_virtual_stages need --pipeline_parallel_size > 1")
-        if args.pp_layers_per_stage is not None:
-            raise UsageError("--pp_layers_per_stage needs --pipeline_parallel_size > 1")
-        return None
-    virtual = args.pp_virtual_stages or 1
-    if interleaved and virtual < 2:
-        raise UsageError("--pp_schedule interleaved_1f1b needs --pp_virtual_stages V > 1 (model chunks per rank)")
-    if v_shape and virtual != 2:
-        raise UsageError(f"--pp_schedule {args.pp_schedule} needs --pp_virtual_stages 2 (two chunks per rank in a V)")
-    if config.n_layer < dims.pp * virtual:
-        raise UsageError(
-            f"n_layer ({config.n_layer}) < pipeline_parallel_size x virtual stages = {dims.pp} x "
-            f"{virtual}: every pipeline chunk needs at least one Block"
-        )
-    if args.pp_schedule in ("zb_h1", "zbv", "dualpipev"):
-        _check_zero_bubble(args, dims, micro)
-    if interleaved and micro % dims.pp:
-        raise UsageError(
-            f"--pp_schedule interleaved_1f1b needs the step's micro-batches M = total_batch_size / "
-            f"(micro_batch_size x seq_len x data_parallel_size) = {micro} to be a multiple of "
-            f"--pipeline_parallel_size {dims.pp} (Megatron's rule)"
-        )
-    if args.implementation == "pytorch" and (args.sequence_parallel or args.enable_loss_parallelism):
-        raise UsageError(
-            "--implementation pytorch with --pipeline_parallel_size > 1 runs DTensor TP without "
-            "--sequence_parallel / --enable_loss_parallelism: their DTensor activations and logits "
-            "are not plain tensors torch.distributed.pipelining can send or feed its loss_fn"
-        )
-    if args.implementation == "pytorch" and args.dtype == "float16":
-        raise UsageError(
-            "--implementation pytorch with --pipeline_parallel_size > 1 has no fp16 loss scaling "
-            "(torch's schedules compute the loss inside step()); use --dtype bfloat16"
-        )
-    counts = None
-    if args.pp_layers_per_stage is not None:
-        flag = f"--pp_layers_per_stage {args.pp_layers_per_stage}"
-        try:
-            counts = tuple(int(n) for n in args.pp_layers_per_stage.split(","))
-        except ValueError:
-            raise UsageError(f"{flag}: not a comma-separated list of integers (Blocks per chunk)") from None
-        reason = check_counts(counts, config.n_layer, dims.pp * virtual)
-        if reason:
-            raise UsageError(f"{flag} {reason}")
-    return _partition(config, dims.pp, virtual, args.seq_len, counts, v_shape)
-
-
-@functools.lru_cache(maxsize=1024)
-def _partition(
-    config: GPTConfig, pp: int, virtual: int, seq_len: int, counts: tuple[int, ...] | None, v_shape: bool
-) -> tuple[int, ...]:
-    """layers_for's Blocks per chunk, once per argument set (the planner checks thousands of layouts that share
-    a few partitions, and the cost model builds a Block on meta each time)."""
-    return tuple(len(r) for r in layers_for(config, pp, virtual, seq_len, counts, v_shape=v_shape))
-
-
-def _check_zero_bubble(args: argparse.Namespace, dims: ParallelDims, micro: int) -> None:
-    """The zero-bubble schedules: enough micro-batches (zb_h1, zbv: M >= P; dualpipev: M >= 2P), and the layouts
-    their split backward is built and tested for (parallel/pipeline/zero_bubble.py: no data parallelism, DDP,
-    ZeRO-1/2/3 and
-    HSDP, our TP with or without SP and beside them; eager Blocks; the PyTorch twin, torch's
-    ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble / ScheduleDualPipeV, without data parallelism)."""
-    name, least = args.pp_schedule, 2 * dims.pp if args.pp_schedule == "dualpipev" else dims.pp
-    if micro < least:
-        raise UsageError(
-            f"--pp_schedule {name} needs the step's micro-batches M = total_batch_size / (micro_batch_size "
-            f"x seq_len x data_parallel_size) = {micro} >= "
-            + (f"2 x --pipeline_parallel_size = {least}" if least > dims.pp else f"--pipeline_parallel_size {dims.pp}")
-        )
-    if args.implementation == "pytorch" and (dims.dp_enabled or dims.tp_enabled):
-        raise UsageError(
-            f"--implementation pytorch --pp_schedule {name} runs without data or tensor parallelism "
-            "here: torch's split backward under its DDP / FSDP2 / DTensor TP is not tested; use "
-            "--implementation custom"
-        )
-    if dims.cp_enabled or args.compile:
-        raise UsageError(
-            f"--pp_schedule {name} does not run under --context_parallel_size or --compile: its split "
-            "backward is not tested with ring attention, and torch refuses its own input/weight split "
-            "under compile"
-        )
-
-
-def moe_fields(args: argparse.Namespace) -> dict:
-    """The model config's mixture-of-experts fields from the flags (model.GPTConfig)."""
-    return {
-        k: getattr(args, k)
-        for k in (
-            "moe_num_experts",
-            "moe_top_k",
-            "moe_every",
-            "moe_ffn_hidden",
-            "moe_aux_loss_coeff",
-            "moe_bias_update_rate",
-        )
-    }
-
-
-def _check_experts(args: argparse.Namespace, dims: ParallelDims, config: GPTConfig) -> None:
-    """Mixture of experts and expert parallelism: what they need of each other and of the layout."""
-    E, K, N = config.moe_num_experts, config.moe_top_k, dims.ep
-    if E == 0:
-        if N > 1:
-            raise UsageError(f"--expert_parallel_size {N} needs an MoE model: pass --moe_num_experts")
-        return
-    if K > E:
-        raise UsageError(f"--moe_top_k {K} > --moe_num_experts {E}: a token cannot pick more experts than exist")
-    if not any(config.is_moe(i) for i in range(config.n_layer)):
-        raise UsageError(
-            f"--moe_every {config.moe_every} with {config.n_layer} Blocks gives no Block experts (the "
-            f"first MoE Block would be Block {config.moe_every - 1}): use --moe_every <= {config.n_layer}"
-        )
-    if E % N:
-        raise UsageError(
-            f"--moe_num_experts {E} is not divisible by --expert_parallel_size {N}: every EP rank "
-            f"holds the same number of experts"
-        )
-    if N > 1 and args.implementation == "pytorch":
-        raise UsageError(
-            "--implementation pytorch has no expert-parallel wrapper in torch 2.13: use "
-            "--implementation custom with --expert_parallel_size"
-        )
-    if args.implementation == "pytorch" and dims.pp_enabled:
-        raise UsageError(
-            "--implementation pytorch --pipeline_parallel_size with --moe_num_experts: torch's "
-            "pipelining takes no balancing loss from a chunk; use --implementation custom"
-        )
+def model_fields(args: argparse.Namespace) -> dict:
+    """The model config's fields each concept sets from its flags (model.GPTConfig; the experts')."""
+    out = {}
+    for c in concepts():
+        if c.model is not None:
+            out.update(c.model(args))
+    return out
 
 
 def _check_data(args: argparse.Namespace, config: GPTConfig | None, local_rank: int) -> str:
@@ -728,20 +460,25 @@ def _check_out_dir(args: argparse.Namespace, config: GPTConfig) -> str | None:
             f"{args.out_dir} already holds a run ({held}); pass --resume to continue it, "
             f"--overwrite to start afresh, or choose another --out_dir"
         )
-    return resume_checkpoint(args.out_dir, config, env_world()[0] == 0, args.optimizer) if args.resume else None
+    return resume_checkpoint(args.out_dir, config, env_world()[0] == 0, args) if args.resume else None
 
 
-def resume_checkpoint(out_dir: str, config: GPTConfig, report: bool = True, optimizer: str = "adamw") -> str | None:
+def resume_checkpoint(
+    out_dir: str, config: GPTConfig, report: bool = True, args: argparse.Namespace | None = None
+) -> str | None:
     """--resume: the newest intact checkpoint in `out_dir` (None if there is none): damaged newer ones are
     skipped with one line each (`report`: rank 0 says it), so a crash mid-write or a flipped byte never stops a
-    restart. Refused in one line if it holds another model config or another `optimizer`'s state. Every rank
-    verifies and reads the manifest, so every rank decides alike."""
+    restart. Refused in one line if it holds another model config, or what a concept refuses of it given the
+    run's `args` (`Concept.resume`: another optimizer's state). Every rank verifies and reads the manifest, so
+    every rank decides alike."""
     path = checkpoint.newest_intact(out_dir, (lambda line: print(f"--resume: {line}", flush=True)) if report else None)
     if path is None:
         return None
     try:
         diff = checkpoint.config_mismatch(manifest := checkpoint.read_manifest(path), config)
-        optim_flags.check_resume(manifest, optimizer, path, refuse=UsageError)
+        for c in concepts():
+            if c.resume is not None and args is not None:
+                c.resume(manifest, args, path)
     except checkpoint.CheckpointError as e:
         raise UsageError(f"--resume: {e}") from None
     except KeyError as e:
@@ -762,49 +499,42 @@ def check_layout(
 ) -> tuple[ParallelDims, GPTConfig, torch.dtype, dict | None, int, tuple[int, ...] | None]:
     """Every check of the flags against each other and the model that needs no process group, data or out_dir:
     (dims, model config, dtype, OpenAI's weights or None, micro-steps per step, the pipeline's Blocks per
-    chunk or None). Raises UsageError. The layout
-    planner (plan/) asks it which layouts the trainer accepts, with a world size and device of its choosing.
-    `launch`: the hint, for n ranks, when the sizes multiply to another world size than `world_size`."""
+    chunk or None). Raises UsageError. The layout planner (plan/) asks it which layouts the trainer accepts, with
+    a world size and device of its choosing. `launch`: the hint, for n ranks, when the sizes multiply to another
+    world size than `world_size`. The trainer's checks, and each concept's at its phase (registry.PHASES)."""
     _check_flags(args)
-    if world_size % args.pipeline_parallel_size:
-        raise UsageError(
-            f"--pipeline_parallel_size {args.pipeline_parallel_size} does not divide the world size "
-            f"({world_size} ranks)"
-        )
+    c = Checking(args, world=world_size, device=device)
+    run_checks("world", c)
     try:
-        dims = ParallelDims(
-            args.data_parallel_size,
-            args.tensor_parallel_size,
-            world_size,
-            args.pipeline_parallel_size,
-            args.data_parallel_replicate_size,
-            args.context_parallel_size,
-            args.expert_parallel_size,
-        )
+        sizes = {"dp": 1, "tp": 1}
+        for concept in concepts():
+            sizes.update(concept.mesh(args) if concept.mesh is not None else {})
+        c.dims = ParallelDims(world_size=world_size, **sizes)
     except WorldSizeError as e:
         raise UsageError(f"{e}; {launch.format(n=e.needed)}") from None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    dtype = resolve_dtype(args.dtype, device)
+    c.dtype = resolve_dtype(args.dtype, device)
     if args.compile and device.type == "cpu" and not cxx_compiler():
         raise UsageError(
             "--compile on CPU needs a C++ compiler for inductor and none was found (looked for $CXX, "
             "g++, c++, clang++); install one (Debian/Ubuntu: apt-get install g++) or drop --compile"
         )
-    _check_layout(args, dims, dtype)
-    config, hf_state = _check_model(args, dims)
-    tokens_per_micro = args.micro_batch_size * args.seq_len * dims.dp
+    run_checks("layout", c)
+    c.config, hf_state = _check_model(args)
+    run_checks("model", c)
+    if args.seq_len > c.config.block_size:
+        raise UsageError(f"--seq_len {args.seq_len} exceeds the model's block_size {c.config.block_size}")
+    tokens_per_micro = args.micro_batch_size * args.seq_len * c.dims.dp
     if args.total_batch_size % tokens_per_micro:
         raise UsageError(
             f"--total_batch_size {args.total_batch_size} is not divisible by micro_batch_size x "
-            f"seq_len x data_parallel_size = {args.micro_batch_size} x {args.seq_len} x {dims.dp} "
+            f"seq_len x data_parallel_size = {args.micro_batch_size} x {args.seq_len} x {c.dims.dp} "
             f"= {tokens_per_micro}"
         )
-    pp_layers = _check_pipeline(args, dims, config, args.total_batch_size // tokens_per_micro)
-    _check_context(args, dims, config, device)
-    _check_experts(args, dims, config)
-    optim_flags.check(args, dims, config.moe_num_experts > 0, dtype, refuse=UsageError)
-    return dims, config, dtype, hf_state, args.total_batch_size // tokens_per_micro, pp_layers
+    c.micro = args.total_batch_size // tokens_per_micro
+    run_checks("batch", c)
+    return c.dims, c.config, c.dtype, hf_state, c.micro, c.found.get("pp_layers")
 
 
 def validate(args: argparse.Namespace, launch: str | None = None) -> RunSpec:
@@ -825,7 +555,6 @@ def validate(args: argparse.Namespace, launch: str | None = None) -> RunSpec:
         _check_flags(args)
         _check_data(args, None, local_rank)
     dims, config, dtype, hf_state, grad_accum, pp_layers = check_layout(args, world_size, device, launch)
-    ft_flags.check(args, dims, grad_accum, refuse=UsageError)  # replica groups: the lighthouse answers; --resume set
     data_dir = _check_data(args, config, local_rank)
     resume_from = None if fake else _check_out_dir(args, config)  # a simulated rank writes nothing there
     return RunSpec(

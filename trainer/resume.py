@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 from checkpoints.checkpoint import load, snapshot, write
 from checkpoints.entries import entries
-from optim.flags import MUON_FLAGS
+from trainer.concepts import concepts
 
 MATH_ARGS = (
     "seed",
@@ -25,8 +25,12 @@ MATH_ARGS = (
     "reduce_dtype",
     "init_from",
     "dataset",
-    *MUON_FLAGS,
-)  # stored with each checkpoint; a resume with other values says so
+)  # stored with each checkpoint, then each concept's (Concept.math_flags); a resume with other values says so
+
+
+def math_args() -> tuple[str, ...]:
+    """MATH_ARGS and every registered concept's flags that change the math (the optimizer's)."""
+    return MATH_ARGS + tuple(f for c in concepts() for f in c.math_flags)
 
 
 def save_trainer(trainer, step: int, wait: bool = False) -> tuple[str, float]:
@@ -39,7 +43,7 @@ def save_trainer(trainer, step: int, wait: bool = False) -> tuple[str, float]:
         "config": {
             "model": asdict(spec.config),
             "train": {
-                **{k: getattr(a, k, None) for k in MATH_ARGS},
+                **{k: getattr(a, k, None) for k in math_args()},
                 "dtype": str(spec.dtype).removeprefix("torch."),
                 "optimizer": a.optimizer,
             },
@@ -106,7 +110,7 @@ def restore_trainer(trainer) -> int:
         saved = m["config"]["train"]
         changed = [
             f"--{k} {saved.get(k)!r} -> {getattr(args, k, None)!r}"
-            for k in MATH_ARGS
+            for k in math_args()
             if saved.get(k) != getattr(args, k, None)
         ]
         if changed:
