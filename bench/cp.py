@@ -1,7 +1,11 @@
-"""Context parallelism measured: a sequence-length sweep over C ranks, tokens/s and saved activations per rank.
+"""Context parallelism measured: a sequence-length sweep over C ranks, by the ring and by Ulysses, tokens/s and
+saved activations per rank.
 
-    python -m bench.cp --out out/cp [--model tiny] [--n_layer 2] [--seq_lens 128,256,512] [--cps 1,2,4]
-                       [--tps 2] [--steps 4] [--warmup 2] [--rows 4] [--attn_reps 5]
+    python -m bench.cp --out out/cp [--model tiny] [--n_layer 2] [--n_head H] [--seq_lens 128,256,512]
+                       [--cps 1,2,4] [--algorithms ring,ulysses] [--tps 2] [--steps 4] [--warmup 2] [--rows 4]
+                       [--attn_reps 5]
+
+Each C > 1 runs by each of --algorithms (`--cp_algorithm`: Ulysses needs C to divide the heads, --n_head).
 
 For each (seq_len T, C) two things run, each as its own job (gloo, CPU, OMP_NUM_THREADS=1 per rank). Each
 --tps degree runs the same way as a TP point to compare with (our TP with sequence and loss parallelism on
@@ -16,8 +20,8 @@ the same rows; tp = 1 turns it off), and every point's comm bytes per step are s
   eval. tokens/s is the median of metrics.jsonl's tokens_per_sec (global batch / step time) over the steps
   after --warmup (bench.runner.summarize). Peak FLOP/s is measured once and passed to every run, so the
   runs spend no time on it.
-- **Saved activations.** One small job per C (all seq_lens in it): every rank builds the same GPT, applies
-  parallel.context_parallel.ring.apply_context_parallel when C > 1, takes its zigzag share of one micro-batch
+- **Saved activations.** One small job per layout (all seq_lens in it): every rank builds the same GPT, applies
+  apply_context_parallel (the ring) or apply_ulysses when C > 1, takes its zigzag share of one micro-batch
   (the rows above, seeded random tokens), and runs one forward + backward under bench.pipeline.SavedBytes.
   Counted: bytes of distinct non-parameter storages autograd holds for backward, live, so the peak is the
   most held at once (the end of forward); a storage saved by several ops counts once. Not counted:
@@ -38,9 +42,13 @@ a T x T matrix, so both the whole peak and the attention part should fall by abo
 bytes(C=1) / bytes(C) at the same T. With more ranks than cores (4 ranks on 2 cores) the ranks share the
 cores, so tokens/s there measures contention as much as the ring: cp.md says so.
 
+Ulysses saves what the ring saves plus one output copy a layer (its output by heads for SDPA's backward and by
+tokens for c_proj), so its attention ratio is below C.
+
 Outputs in --out: cp.json (config, with the attention timings and the load average; rows), cp.md (the
-tables) and cp_seq_scaling.png (tokens/s vs T per C; saved bytes per rank vs T per C, log scale); runs/
-holds each job's log and metrics.jsonl.
+tables), cp_seq_scaling.png (tokens/s vs T per layout; saved bytes per rank vs T, log scale) and, with Ulysses,
+cp_ring_vs_ulysses.png (bytes per step and tokens/s against C at the longest T, bench.cp_report); runs/ holds
+each job's log and metrics.jsonl.
 """
 
 from __future__ import annotations

@@ -42,7 +42,10 @@ def markdown(rows: list[dict], config: dict) -> str:
         "backward of one micro-batch on rank 0 (bench.pipeline.SavedBytes); ratio = bytes(C=1) / bytes(C) "
         "at the same seq_len, expected about C",
         "- attention: the part saved inside the attention modules; the ring saves what SDPA saves, at T/C "
-        "tokens, so expect C",
+        "tokens, so expect C; Ulysses also keeps its output twice (by heads for SDPA's backward, by tokens for "
+        "c_proj), so expect less",
+        "- comm formula under Ulysses: its 8 all-to-alls a layer (context_parallel/theory.py) + the gradient "
+        "all-reduce",
         "- TP rows: our TP with sequence and loss parallelism on the same rows (each tp rank sees every row); "
         "comm: rank 0's parallel/comm.py count per step (median), against the ring + gradient all-reduce "
         "(C) or TP formula (bench.cp.comm_theory)",
