@@ -34,6 +34,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHOWN = ("step ", "ft: ", "train.py: error", "GPT_FT_")  # the console lines worth a user's eye
+SIGNALS = (signal.SIGINT, signal.SIGTERM)  # passed on to every group
 
 
 def free_port() -> int:
@@ -185,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         groups.append(Group(i, cmd, os.path.join(args.out_dir, f"group_{i}.log"), show))
         groups[-1].start()
     stop = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, f: (stop.append(s), [g.signal(s) for g in groups]))
+    # passed on to the groups while the job runs; the caller's handlers come back after (a process that called
+    # main() and then forks, a test runner's pool workers, must not inherit a handler that swallows SIGTERM)
+    saved = {sig: signal.signal(sig, lambda s, f: (stop.append(s), [g.signal(s) for g in groups])) for sig in SIGNALS}
     code, left, relaunches, finished = 0, list(groups), {g.group: 0 for g in groups}, False
     try:
         while left:
@@ -210,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             g.signal(signal.SIGTERM)
         if lighthouse is not None:
             lighthouse.close()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
     return 0 if finished and not stop else code
 
 

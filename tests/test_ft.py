@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import socket
 import tempfile
 import unittest
@@ -209,9 +210,13 @@ class TestLauncher(unittest.TestCase):
             data = make_token_bins(os.path.join(tmp, "data"), n_train=20_000, n_val=4_000)
             env = {**KILL_ENV, "GPT_SIGNAL_MARKER": os.path.join(tmp, "killed"), "GPT_FT_FULL_AT": f"1,{BACK}"}
             argv = ["--groups", "2", "--out_dir", os.path.join(tmp, "job"), "--heartbeat_ms", "1000", "--"]
+            before = {sig: signal.getsignal(sig) for sig in ft_launch.SIGNALS}
             with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(io.StringIO()) as out:
                 code = ft_launch.main([*argv, *BASE, "--dataset", data, "--total_batch_size", "320"])
             self.assertEqual(code, 0, out.getvalue())
+            # its handlers are the job's only: left installed, this process ignores SIGTERM, and so does every
+            # process it forks after (a FineWeb pool's workers then outlive the pool's terminate: a hang)
+            self.assertEqual({sig: signal.getsignal(sig) for sig in ft_launch.SIGNALS}, before)
             self.assertIn("exited 1: relaunching it (1)", out.getvalue())
             healed = [_events(os.path.join(tmp, "job", f"group_{g}")).get("healed") for g in (0, 1)]
             self.assertIn([BACK], healed, out.getvalue())

@@ -29,6 +29,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -167,8 +168,15 @@ def token_batches(
     if num_proc == 1:
         yield from map(tokenize_batch, batches)
         return
-    with mp.get_context("fork").Pool(num_proc) as pool:  # fork: the workers inherit the dataset and tokenizer
+    # fork: the workers inherit the dataset and tokenizer, and the parent's signal handlers, which _default_signals
+    # drops: the pool's exit SIGTERMs its workers, and a worker whose inherited handler returned would be joined forever
+    with mp.get_context("fork").Pool(num_proc, initializer=_default_signals) as pool:
         yield from pool.imap(tokenize_batch, batches)
+
+
+def _default_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 # -----------------------------------------------------------------------------
