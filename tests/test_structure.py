@@ -264,7 +264,6 @@ LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
     "bench/plan_rank.py:main": 131,
     "bench/report.py:moe_markdown": 102,
     "bench/report.py:write_plots": 107,
-    "sim/replay.py:replay_p2p": 105,
 }
 
 
