@@ -238,6 +238,21 @@ def moe_markdown(rows: list[dict], heatmap: bool) -> str:
     rank 0's all_to_all bytes per step against the formula at balanced routing and at the step's measured load;
     each MoE layer's max/mean tokens per expert per step; the heatmap."""
     ratios = moe_ratios(rows)
+    lines = _moe_speed_table(ratios)
+    ep = [x["row"] for x in ratios if x["row"]["moe"]["ep"] > 1]
+    if ep:
+        lines += _moe_all_to_all_table(ep)
+    per = [x["row"] for x in ratios if x["row"]["moe"].get("per_step")]
+    if per:
+        lines += _moe_load_table(per)
+    if heatmap:
+        lines += ["![moe_load](moe_load.png)", ""]
+    return "\n".join(lines)
+
+
+def _moe_speed_table(ratios: list[dict]) -> list[str]:
+    """Per MoE-section row (`moe_ratios`): its experts, parameters (active), tokens/s, MFU, median max/mean load and
+    its tokens/s ratios to the reference rows."""
     lines = [
         "## Mixture of experts (`--include_moe`)",
         "",
@@ -263,78 +278,80 @@ def moe_markdown(rows: list[dict], heatmap: bool) -> str:
                 ]
             )
         )
-    lines += [
+    return lines + [
         "",
         "Ratios: this row's tokens/s ÷ the named row's (medians). MFU counts 6 × the active parameters "
         "(the experts' K/E share, metrics.active_params) + attention, so the MoE and dense-active rows "
         "count nearly the same FLOPs per token.",
         "",
     ]
-    ep = [x["row"] for x in ratios if x["row"]["moe"]["ep"] > 1]
-    if ep:
-        lines += [
-            "Rank 0's all_to_all bytes per optimizer step (median over the measured steps of every repeat) "
-            "against plan.theory.ep_all_to_all_bytes_per_micro_step, at balanced routing (R = N·k rows "
-            "received per rank) and at each step's measured load (the rows that reached rank 0's experts, "
-            "from expert_tokens: bench.matrix.ep_all_to_all_at_load); all_reduce against DDP on the dense "
-            "parameters:",
-            "",
-            "| layout | all_to_all measured | theory, balanced | measured / balanced | theory, measured load "
-            "| measured / at load | steps exactly at load | all_reduce measured | all_reduce theory |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in ep:
-            m, by, th = r["moe"], r["comm_bytes_by_kind"] or {}, r["comm_theory_by_kind"]
-            a2a, bal, load = m["all_to_all"], th.get("all_to_all"), m["all_to_all_at_load"]
-            exact = "—" if not m["all_to_all_exact_steps"] else "{} of {}".format(*m["all_to_all_exact_steps"])
-            lines.append(
-                " | ".join(
-                    [
-                        f"| {r['layout']}",
-                        _num(a2a),
-                        _num(bal),
-                        _num(a2a / bal if a2a is not None and bal else None, "{:.4f}"),
-                        _num(load),
-                        _num(a2a / load if a2a is not None and load else None, "{:.4f}"),
-                        exact,
-                        _num(by.get("all_reduce")),
-                        _num(th.get("all_reduce")) + " |",
-                    ]
-                )
+
+
+def _moe_all_to_all_table(ep: list[dict]) -> list[str]:
+    """Per expert-parallel row: rank 0's all_to_all bytes per step against the formula, balanced and at the
+    measured load, and its all_reduce against DDP's on the dense parameters."""
+    lines = [
+        "Rank 0's all_to_all bytes per optimizer step (median over the measured steps of every repeat) "
+        "against plan.theory.ep_all_to_all_bytes_per_micro_step, at balanced routing (R = N·k rows "
+        "received per rank) and at each step's measured load (the rows that reached rank 0's experts, "
+        "from expert_tokens: bench.matrix.ep_all_to_all_at_load); all_reduce against DDP on the dense "
+        "parameters:",
+        "",
+        "| layout | all_to_all measured | theory, balanced | measured / balanced | theory, measured load "
+        "| measured / at load | steps exactly at load | all_reduce measured | all_reduce theory |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in ep:
+        m, by, th = r["moe"], r["comm_bytes_by_kind"] or {}, r["comm_theory_by_kind"]
+        a2a, bal, load = m["all_to_all"], th.get("all_to_all"), m["all_to_all_at_load"]
+        exact = "—" if not m["all_to_all_exact_steps"] else "{} of {}".format(*m["all_to_all_exact_steps"])
+        lines.append(
+            " | ".join(
+                [
+                    f"| {r['layout']}",
+                    _num(a2a),
+                    _num(bal),
+                    _num(a2a / bal if a2a is not None and bal else None, "{:.4f}"),
+                    _num(load),
+                    _num(a2a / load if a2a is not None and load else None, "{:.4f}"),
+                    exact,
+                    _num(by.get("all_reduce")),
+                    _num(th.get("all_reduce")) + " |",
+                ]
             )
-        lines += [
-            "",
-            "Bytes are payload bytes (parallel/comm.py counts each all_to_all's input on the sending rank).",
-            "",
-        ]
-    per = [x["row"] for x in ratios if x["row"]["moe"].get("per_step")]
-    if per:
-        head, sep = ["| step"], ["|---:"]
+        )
+    return lines + [
+        "",
+        "Bytes are payload bytes (parallel/comm.py counts each all_to_all's input on the sending rank).",
+        "",
+    ]
+
+
+def _moe_load_table(per: list[dict]) -> list[str]:
+    """Each MoE layer's max/mean tokens per expert, a column per (row, layer), a line per step (warm-up marked)."""
+    head, sep = ["| step"], ["|---:"]
+    for r in per:
+        for layer in r["moe"]["per_step"]["max_over_mean"][0]:
+            head.append(f"{r['layout']} layer {layer}")
+            sep.append("---:")
+    lines = [
+        "Each MoE layer's max/mean tokens per expert, per step (the first ok repeat; steps up to the "
+        "warm-up marked w; 1.00 is perfectly balanced, E/K = "
+        f"{per[0]['moe']['experts'] / per[0]['moe']['top_k']:.0f} the most possible):",
+        "",
+        " | ".join(head) + " |",
+        "|".join(sep) + "|",
+    ]
+    steps = sorted({s for r in per for s in r["moe"]["per_step"]["steps"]})
+    warm = per[0]["moe"].get("warmup")
+    for step in steps:
+        cells = [f"| {step}" + (" w" if warm is not None and step <= warm else "")]
         for r in per:
-            for layer in r["moe"]["per_step"]["max_over_mean"][0]:
-                head.append(f"{r['layout']} layer {layer}")
-                sep.append("---:")
-        lines += [
-            "Each MoE layer's max/mean tokens per expert, per step (the first ok repeat; steps up to the "
-            "warm-up marked w; 1.00 is perfectly balanced, E/K = "
-            f"{per[0]['moe']['experts'] / per[0]['moe']['top_k']:.0f} the most possible):",
-            "",
-            " | ".join(head) + " |",
-            "|".join(sep) + "|",
-        ]
-        steps = sorted({s for r in per for s in r["moe"]["per_step"]["steps"]})
-        warm = per[0]["moe"].get("warmup")
-        for step in steps:
-            cells = [f"| {step}" + (" w" if warm is not None and step <= warm else "")]
-            for r in per:
-                ps = r["moe"]["per_step"]
-                values = ps["max_over_mean"][ps["steps"].index(step)] if step in ps["steps"] else None
-                cells += [f"{v:.2f}" for v in values.values()] if values else ["—"] * len(ps["max_over_mean"][0])
-            lines.append(" | ".join(cells) + " |")
-        lines.append("")
-    if heatmap:
-        lines += ["![moe_load](moe_load.png)", ""]
-    return "\n".join(lines)
+            ps = r["moe"]["per_step"]
+            values = ps["max_over_mean"][ps["steps"].index(step)] if step in ps["steps"] else None
+            cells += [f"{v:.2f}" for v in values.values()] if values else ["—"] * len(ps["max_over_mean"][0])
+        lines.append(" | ".join(cells) + " |")
+    return lines + [""]
 
 
 def render_section(rows: list[dict], meta: dict | None = None) -> str:

@@ -260,7 +260,6 @@ LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
     "bench/cp.py:run": 135,
     "bench/pipeline.py:worker": 82,
     "bench/plan_rank.py:main": 131,
-    "bench/report.py:moe_markdown": 102,
 }
 
 
