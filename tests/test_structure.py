@@ -253,13 +253,11 @@ MODULE_LINES, FUNCTION_LINES = 600, 80  # on `ruff format`'s output (CI checks i
 # Over the limit today, each to be split by concept; a number here may only fall, and the test fails once a module
 # fits, so the entry goes with the split that made it fit.
 OVER = {
-    "bench/plan_rank.py": 644,
 }
 LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
     "bench/__main__.py:main": 110,
     "bench/cp.py:run": 135,
     "bench/pipeline.py:worker": 82,
-    "bench/plan_rank.py:main": 131,
 }
 
 
