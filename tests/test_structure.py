@@ -255,7 +255,6 @@ MODULE_LINES, FUNCTION_LINES = 600, 80  # on `ruff format`'s output (CI checks i
 OVER = {
 }
 LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
-    "bench/__main__.py:main": 110,
     "bench/cp.py:run": 135,
 }
 
