@@ -1,7 +1,11 @@
-"""Context parallelism measured: a sequence-length sweep over C ranks, tokens/s and saved activations per rank.
+"""Context parallelism measured: a sequence-length sweep over C ranks, by the ring and by Ulysses, tokens/s and
+saved activations per rank.
 
-    python -m bench.cp --out out/cp [--model tiny] [--n_layer 2] [--seq_lens 128,256,512] [--cps 1,2,4]
-                       [--tps 2] [--steps 4] [--warmup 2] [--rows 4] [--attn_reps 5]
+    python -m bench.cp --out out/cp [--model tiny] [--n_layer 2] [--n_head H] [--seq_lens 128,256,512]
+                       [--cps 1,2,4] [--algorithms ring,ulysses] [--tps 2] [--steps 4] [--warmup 2] [--rows 4]
+                       [--attn_reps 5]
+
+Each C > 1 runs by each of --algorithms (`--cp_algorithm`: Ulysses needs C to divide the heads, --n_head).
 
 For each (seq_len T, C) two things run, each as its own job (gloo, CPU, OMP_NUM_THREADS=1 per rank). Each
 --tps degree runs the same way as a TP point to compare with (our TP with sequence and loss parallelism on
@@ -16,8 +20,8 @@ the same rows; tp = 1 turns it off), and every point's comm bytes per step are s
   eval. tokens/s is the median of metrics.jsonl's tokens_per_sec (global batch / step time) over the steps
   after --warmup (bench.runner.summarize). Peak FLOP/s is measured once and passed to every run, so the
   runs spend no time on it.
-- **Saved activations.** One small job per C (all seq_lens in it): every rank builds the same GPT, applies
-  parallel.context_parallel.ring.apply_context_parallel when C > 1, takes its zigzag share of one micro-batch
+- **Saved activations.** One small job per layout (all seq_lens in it): every rank builds the same GPT, applies
+  apply_context_parallel (the ring) or apply_ulysses when C > 1, takes its zigzag share of one micro-batch
   (the rows above, seeded random tokens), and runs one forward + backward under bench.pipeline.SavedBytes.
   Counted: bytes of distinct non-parameter storages autograd holds for backward, live, so the peak is the
   most held at once (the end of forward); a storage saved by several ops counts once. Not counted:
@@ -38,9 +42,13 @@ a T x T matrix, so both the whole peak and the attention part should fall by abo
 bytes(C=1) / bytes(C) at the same T. With more ranks than cores (4 ranks on 2 cores) the ranks share the
 cores, so tokens/s there measures contention as much as the ring: cp.md says so.
 
+Ulysses saves what the ring saves plus one output copy a layer (its output by heads for SDPA's backward and by
+tokens for c_proj), so its attention ratio is below C.
+
 Outputs in --out: cp.json (config, with the attention timings and the load average; rows), cp.md (the
-tables) and cp_seq_scaling.png (tokens/s vs T per C; saved bytes per rank vs T per C, log scale); runs/
-holds each job's log and metrics.jsonl.
+tables), cp_seq_scaling.png (tokens/s vs T per layout; saved bytes per rank vs T, log scale) and, with Ulysses,
+cp_ring_vs_ulysses.png (bytes per step and tokens/s against C at the longest T, bench.cp_report); runs/ holds
+each job's log and metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -52,8 +60,9 @@ import sys
 
 import torch
 
+from bench.cp_report import layout, markdown, plot, plot_algorithms
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MiB = 2**20
 
 
 # ---- commands --------------------------------------------------------------------------------------------
@@ -80,10 +89,13 @@ def train_command(
     peak_flops: float | None = None,
     timeout: float = 600,
     tp: int = 1,
+    algorithm: str = "ring",
+    n_head: int | None = None,
 ) -> list[str]:
     """train.py for one (seq_len, C) point: the global batch (rows x seq_len tokens) in one micro-step on
-    every cp rank, no checkpoints, no eval before the last step. tp > 1 (with cp = 1): the TP point to compare
-    with, our TP with sequence and loss parallelism, each tp rank seeing all rows."""
+    every cp rank, no checkpoints, no eval before the last step; C > 1 by `algorithm` (--cp_algorithm: the
+    ring or Ulysses). tp > 1 (with cp = 1): the TP point to compare with, our TP with sequence and loss
+    parallelism, each tp rank seeing all rows."""
     total = warmup + steps
     cmd = [
         *launcher(cp * tp),
@@ -117,38 +129,47 @@ def train_command(
     ]
     if n_layer is not None:
         cmd += ["--n_layer", str(n_layer)]
+    if n_head is not None:
+        cmd += ["--n_head", str(n_head)]
     if peak_flops is not None:
         cmd += ["--peak_flops", repr(float(peak_flops))]
     if cp > 1:
-        cmd += ["--context_parallel_size", str(cp)]
+        cmd += ["--context_parallel_size", str(cp)] + (["--cp_algorithm", algorithm] if algorithm != "ring" else [])
     if tp > 1:
         cmd += ["--tensor_parallel_size", str(tp), "--sequence_parallel", "--enable_loss_parallelism"]
     return cmd
 
 
-def memory_command(cp: int, spec: dict, tp: int = 1) -> list[str]:
+def memory_command(cp: int, spec: dict, tp: int = 1, algorithm: str = "ring") -> list[str]:
     """The saved-bytes worker on cp x tp ranks; its flags travel as one JSON value (torchrun's own parser
     would take a prefix of some of them, see bench.pipeline)."""
-    return [*launcher(cp * tp), "-m", "bench.cp", f"--worker={json.dumps({**spec, 'cp': cp, 'tp': tp})}"]
+    spec = {**spec, "cp": cp, "tp": tp} | ({"algorithm": algorithm} if algorithm != "ring" else {})
+    return [*launcher(cp * tp), "-m", "bench.cp", f"--worker={json.dumps(spec)}"]
 
 
-def comm_theory(cfg, rows: int, T: int, cp: int, tp: int, param_bytes: int) -> int:
+def comm_theory(cfg, rows: int, T: int, cp: int, tp: int, param_bytes: int, algorithm: str = "ring") -> int:
     """Bytes parallel/comm.COUNTER records on rank 0 for one step of a point: C > 1: the ring
-    (cp_p2p_bytes_per_micro_step) plus our DDP's all-reduce of every gradient over the cp ranks
-    (param_bytes, fp32, the tied matrix once); TP > 1: tp_comm_bytes_per_micro_step with SP and loss
-    parallelism (no data parallelism there); one rank: nothing."""
-    from plan.theory import cp_p2p_bytes_per_micro_step, tp_comm_bytes_per_micro_step
+    (cp_p2p_bytes_per_micro_step) or Ulysses's all-to-alls (ulysses_all_to_all_bytes_per_micro_step) plus our
+    DDP's all-reduce of every gradient over the cp ranks (param_bytes, fp32, the tied matrix once); TP > 1:
+    tp_comm_bytes_per_micro_step with SP and loss parallelism (no data parallelism there); one rank: nothing."""
+    from plan.theory import (
+        cp_p2p_bytes_per_micro_step,
+        tp_comm_bytes_per_micro_step,
+        ulysses_all_to_all_bytes_per_micro_step,
+    )
 
     if tp > 1:
         return sum(tp_comm_bytes_per_micro_step(cfg, rows, T, tp, True, True).values())
-    return cp_p2p_bytes_per_micro_step(cfg.n_layer, rows, T, cfg.n_embd, cp) + (param_bytes if cp > 1 else 0)
-
-
-def layout(p: dict) -> str:
-    return f"TP={p['tp']}" if p.get("tp", 1) > 1 else (f"C={p['cp']}" if p["cp"] > 1 else "1 rank")
+    attention = ulysses_all_to_all_bytes_per_micro_step if algorithm == "ulysses" else cp_p2p_bytes_per_micro_step
+    return attention(cfg.n_layer, rows, T, cfg.n_embd, cp) + (param_bytes if cp > 1 else 0)
 
 
 # ---- from measurements to rows -----------------------------------------------------------------------------
+
+
+def _order(p: dict) -> tuple:
+    """Rows by seq_len, then C (the ring before Ulysses at one C), then the TP points."""
+    return p["seq_len"], p.get("tp", 1) > 1, p["cp"], p.get("algorithm") == "ulysses", p.get("tp", 1)
 
 
 def cp_rows(points: list[dict]) -> list[dict]:
@@ -162,7 +183,7 @@ def cp_rows(points: list[dict]) -> list[dict]:
         return num / den if num is not None and den else None
 
     rows = []
-    for p in sorted(points, key=lambda p: (p["seq_len"], p.get("tp", 1) > 1, p["cp"], p.get("tp", 1))):
+    for p in sorted(points, key=_order):
         b = base.get(p["seq_len"], {})
         rows.append(
             {
@@ -174,91 +195,6 @@ def cp_rows(points: list[dict]) -> list[dict]:
             }
         )
     return rows
-
-
-def _fmt(value, spec: str, scale: float = 1.0) -> str:
-    return "—" if value is None else format(value / scale, spec)
-
-
-def markdown(rows: list[dict], config: dict) -> str:
-    """The table (one line per (seq_len, C)) and notes: what was run, and oversubscription when max C > cores."""
-    lines = [
-        "| seq_len | layout | tokens/s | speedup vs 1 rank | peak saved / rank (MiB) | ratio 1 rank / this "
-        "| attention saved / rank (MiB) | attn ratio | comm / step / rank (MiB) | measured / formula | status |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['seq_len']} | {layout(r)} | {_fmt(r.get('tokens_per_sec'), ',.0f')} "
-            f"| {_fmt(r['speedup'], '.2f')} | {_fmt(r.get('peak_saved_bytes'), '.2f', MiB)} "
-            f"| {_fmt(r['saved_ratio'], '.2f')} | {_fmt(r.get('attn_saved_bytes'), '.2f', MiB)} "
-            f"| {_fmt(r['attn_ratio'], '.2f')} | {_fmt(r.get('comm_bytes'), '.2f', MiB)} "
-            f"| {_fmt(r.get('comm_ratio'), '.3f')} | {r.get('status', 'ok')} |"
-        )
-    lines += [
-        "",
-        f"- model {config['model']} (n_layer {config['n_layer']}, n_embd {config['n_embd']}, vocab "
-        f"{config['vocab_size']}); every run: {config['rows']} rows x seq_len tokens per step "
-        f"(the same for every C at one seq_len, one micro-step), {config['warmup']} warm-up + {config['steps']} "
-        "measured steps, median tokens/s (global batch / step time)",
-        "- saved: distinct non-parameter storages autograd holds for backward, peak over one forward + "
-        "backward of one micro-batch on rank 0 (bench.pipeline.SavedBytes); ratio = bytes(C=1) / bytes(C) "
-        "at the same seq_len, expected about C",
-        "- attention: the part saved inside the attention modules; the ring saves what SDPA saves, at T/C "
-        "tokens, so expect C",
-        "- TP rows: our TP with sequence and loss parallelism on the same rows (each tp rank sees every row); "
-        "comm: rank 0's parallel/comm.py count per step (median), against the ring + gradient all-reduce "
-        "(C) or TP formula (bench.cp.comm_theory)",
-    ]
-    cores = config.get("cpu_count")
-    if config.get("load_average"):
-        start, end = config["load_average"]
-        lines.append(f"- load average (1 min) {start:.2f} at the start and {end:.2f} at the end, on {cores} cores")
-    big = max((r["cp"] * r.get("tp", 1) for r in rows), default=1)
-    if cores is not None and big > cores:
-        lines.append(
-            f"- {big} ranks on {cores} CPU cores is oversubscribed: the ranks share the cores, so "
-            f"tokens/s with more than {cores} ranks measures contention as much as the ring (one thread "
-            "per rank)"
-        )
-    lines += attention_markdown(
-        config.get("attention_c1") or [], config["rows"], config.get("n_head", "H"), config.get("head_dim", "D")
-    )
-    return "\n".join(lines) + "\n"
-
-
-def plot(rows: list[dict], path: str) -> None:
-    """Two panels: tokens/s vs seq_len, one line per C; peak saved bytes per rank vs seq_len, log y."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name in dict.fromkeys(layout(r) for r in rows):
-        rs = [r for r in rows if layout(r) == name]
-        style = {"marker": "s", "linestyle": "--"} if name.startswith("TP") else {"marker": "o"}
-        pts = [(r["seq_len"], r["tokens_per_sec"]) for r in rs if r.get("tokens_per_sec")]
-        if pts:
-            ax_t.plot(*zip(*pts), label=name, **style)
-        pts = [(r["seq_len"], r["peak_saved_bytes"] / MiB) for r in rs if r.get("peak_saved_bytes")]
-        if pts:
-            ax_m.plot(*zip(*pts), label=name, **style)
-    seq = sorted({r["seq_len"] for r in rows})
-    for ax in (ax_t, ax_m):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(seq, [str(s) for s in seq])
-        ax.set_xlabel("sequence length (tokens)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    ax_t.set_ylabel("tokens/s (median, global)")
-    ax_t.set_title("throughput, same rows per step")
-    ax_m.set_yscale("log")
-    ax_m.set_ylabel("peak saved activations per rank (MiB)")
-    ax_m.set_title("saved for backward, rank 0")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
 
 
 # ---- the saved-bytes worker ----------------------------------------------------------------------------------
@@ -293,6 +229,7 @@ def worker(spec: dict) -> None:
 
     from model.gpt import GPT, make_config
     from parallel.context_parallel.ring import apply_context_parallel, shard_sequence
+    from parallel.context_parallel.ulysses import apply_ulysses
     from parallel.tensor_parallel.apply import apply_tensor_parallel
 
     torch.set_num_threads(1)
@@ -303,11 +240,12 @@ def worker(spec: dict) -> None:
     rank = dist.get_rank() if C * P > 1 else 0
     result = {}
     for T in spec["seq_lens"]:
-        cfg = make_config(spec["model"], n_layer=spec["n_layer"], block_size=T)
+        cfg = make_config(spec["model"], n_layer=spec["n_layer"], n_head=spec.get("n_head"), block_size=T)
         torch.manual_seed(0)
         model = GPT(cfg)
         if C > 1:
-            apply_context_parallel(model, dist.group.WORLD)
+            cut = apply_ulysses if spec.get("algorithm") == "ulysses" else apply_context_parallel
+            cut(model, dist.group.WORLD)
         if P > 1:  # as the TP rows train: sequence and loss parallelism
             apply_tensor_parallel(model, dist.group.WORLD, loss_parallel=True, sequence_parallel=True)
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # the tied matrix once
@@ -381,22 +319,99 @@ def time_attention(seq_len: int, rows: int, n_head: int, head_dim: int, reps: in
     return {"seq_len": seq_len, "sdpa_ms": sdpa, "ring_ms": ring, "ratio": ring / sdpa}
 
 
-def attention_markdown(timings: list[dict], rows: int, n_head: int, head_dim: int) -> list[str]:
-    """The C = 1 ring-vs-SDPA table's lines (none without timings)."""
-    if not timings:
-        return []
-    lines = ["", "| seq_len | SDPA fwd+bwd (ms) | ring C=1 fwd+bwd (ms) | ring / SDPA |", "|---:|---:|---:|---:|"]
-    lines += [f"| {t['seq_len']} | {t['sdpa_ms']:.2f} | {t['ring_ms']:.2f} | {t['ratio']:.2f} |" for t in timings]
-    lines += [
-        "",
-        f"- one attention, q/k/v ({rows}, {n_head}, seq_len, {head_dim}) fp32, forward + backward on one "
-        "thread in the bench's process (bench.cp.time_attention): SDPA as a 1-rank run calls it, and "
-        "ring_attention with one rank (its fused kernel calls, no communication); medians",
-    ]
-    return lines
-
-
 # ---- the sweep ------------------------------------------------------------------------------------------------
+
+
+Layout = tuple[int, int, str]  # (C, TP, the cp algorithm)
+
+
+def tag(lay: Layout) -> str:
+    """A layout's file names under runs/: c2, c2-ulysses, c1-tp2."""
+    cp, tp, algorithm = lay
+    return f"c{cp}" + (f"-tp{tp}" if tp > 1 else "") + ("-ulysses" if algorithm == "ulysses" else "")
+
+
+def time_attentions(seq_lens: list[int], rows: int, cfg, reps: int, log=print) -> list[dict]:
+    """`time_attention` at each seq_len (`reps` rounds; 0: none), logged."""
+    out = [time_attention(T, rows, cfg.n_head, cfg.n_embd // cfg.n_head, reps) for T in seq_lens] if reps else []
+    for t in out:
+        log(
+            f"[bench.cp] T={t['seq_len']:<5} one attention fwd+bwd, C=1: SDPA {t['sdpa_ms']:.1f} ms, ring "
+            f"{t['ring_ms']:.1f} ms ({t['ratio']:.2f}x)"
+        )
+    return out
+
+
+def measure_layouts(out: str, layouts: list[Layout], spec: dict, timeout: float, log=print) -> dict:
+    """The saved-bytes worker, one job per layout (all seq_lens in it): {layout: {seq_len: its result}}."""
+    from bench.runner import classify, run_job
+
+    memory: dict[Layout, dict] = {}
+    for lay in layouts:
+        cp, tp, algorithm = lay
+        result = os.path.join(out, "runs", f"saved-{tag(lay)}.json")
+        cmd = memory_command(cp, {**spec, "result": result}, tp, algorithm)
+        job = run_job(cmd, os.path.join(out, "runs", f"saved-{tag(lay)}.log"), timeout)
+        if job.returncode == 0 and os.path.exists(result):
+            with open(result) as f:
+                memory[lay] = {int(k): v for k, v in json.load(f).items()}
+        name = layout({"cp": cp, "tp": tp, "algorithm": algorithm})
+        log(f"[bench.cp] saved bytes, {name}: {classify(job, {}, timeout)} ({job.seconds:.0f} s)")
+    return memory
+
+
+def train_point(out: str, T: int, lay: Layout, cfg, memory: dict, job: dict, log=print) -> dict:
+    """One real train.py run of a (seq_len, layout) point (`job`: train_command's shared keywords), summarized,
+    with its comm formula and the layout's saved bytes at T."""
+    from bench.runner import classify, run_job, summarize
+    from runtime.metrics import read_jsonl
+
+    cp, tp, algorithm = lay
+    run_dir = os.path.join(out, "runs", f"T{T}-{tag(lay)}")
+    os.makedirs(run_dir, exist_ok=True)
+    cmd = train_command(T, cp, run_dir, tp=tp, algorithm=algorithm, **job)
+    ran = run_job(cmd, os.path.join(run_dir, "bench.log"), job["timeout"])
+    wrote = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
+    s = summarize(read_jsonl(run_dir), job["warmup"]) if ran.returncode == 0 and wrote else None
+    status = classify(ran, s, job["timeout"])
+    mem = memory.get(lay, {}).get(T, {})
+    full_params = memory.get((1, 1, "ring"), {}).get(T, {}).get("param_bytes")
+    known = full_params or tp > 1 or cp == 1
+    theory = comm_theory(cfg, job["rows"], T, cp, tp, full_params or 0, algorithm) if known else None
+    point = {
+        "seq_len": T,
+        "cp": cp,
+        "tp": tp,
+        "algorithm": algorithm,
+        "status": status,
+        "comm_theory": theory,
+        "tokens_per_sec": s and s["tokens_per_sec"],
+        "step_time_ms": s and s["step_time_ms"],
+        "mfu": s and s["mfu"],
+        "comm_bytes": s and s["comm_bytes"],
+        "peak_saved_bytes": mem.get("peak_saved_bytes"),
+        "peak_saved_bytes_max": mem.get("peak_saved_bytes_max"),
+        "attn_saved_bytes": mem.get("attn_saved_bytes"),
+        "seconds": round(ran.seconds, 1),
+    }
+    rate = point["tokens_per_sec"]
+    log(
+        f"[bench.cp] T={T:<5} {layout(point)}: {status}"
+        + (f", {rate:,.0f} tok/s" if rate else "")
+        + f" ({ran.seconds:.0f} s)"
+    )
+    return point
+
+
+def write_outputs(out: str, table: list[dict], config: dict) -> None:
+    """cp.json, cp.md, cp_seq_scaling.png and (with Ulysses rows) cp_ring_vs_ulysses.png into `out`."""
+    with open(os.path.join(out, "cp.json"), "w") as f:
+        json.dump({"config": config, "rows": table}, f, indent=1)
+    with open(os.path.join(out, "cp.md"), "w") as f:
+        f.write(markdown(table, config))
+    plot(table, os.path.join(out, "cp_seq_scaling.png"))
+    if any(r.get("algorithm") == "ulysses" for r in table):
+        plot_algorithms(table, os.path.join(out, "cp_ring_vs_ulysses.png"))
 
 
 def run(
@@ -412,103 +427,36 @@ def run(
     tps: list[int] = (),
     log=print,
     attn_reps: int = 5,
+    algorithms: tuple[str, ...] = ("ring", "ulysses"),
+    n_head: int | None = None,
 ) -> list[dict]:
     """Time one attention at C = 1, ring against SDPA (`time_attention`, `attn_reps` rounds; 0: not timed),
-    measure saved bytes (one job per layout: each C, and each TP degree in `tps` to compare with), then train
-    every (seq_len, layout); write cp.json, cp.md and cp_seq_scaling.png into `out`; return the rows."""
+    measure saved bytes (one job per layout: each C by each of `algorithms`, and each TP degree in `tps` to
+    compare with), then train every (seq_len, layout); write cp.json, cp.md and the figures into `out`; return
+    the rows."""
     from bench.__main__ import ensure_dataset
-    from bench.runner import classify, probe_machine, run_job, summarize
+    from bench.runner import probe_machine
     from model.gpt import make_config
-    from runtime.metrics import read_jsonl
 
     out = os.path.abspath(out)
     os.makedirs(os.path.join(out, "runs"), exist_ok=True)
-    cfg = make_config(model, n_layer=n_layer)
+    cfg = make_config(model, n_layer=n_layer, n_head=n_head)
     dataset = ensure_dataset("", out, cfg.vocab_size)
     machine = probe_machine(measure=True)
     log(
         f"[bench.cp] {machine['name']}, {os.cpu_count()} cores; {model} n_layer {cfg.n_layer}; seq_lens {seq_lens}, "
-        f"C in {cps}, TP in {list(tps)}; {rows} rows x seq_len tokens/step, {warmup}+{steps} steps"
+        f"C in {cps} by {list(algorithms)}, TP in {list(tps)}; {rows} rows x seq_len tokens/step, "
+        f"{warmup}+{steps} steps"
     )
     load_start = os.getloadavg()[0]
-    attention = (
-        [time_attention(T, rows, cfg.n_head, cfg.n_embd // cfg.n_head, attn_reps) for T in seq_lens]
-        if attn_reps
-        else []
-    )
-    for t in attention:
-        log(
-            f"[bench.cp] T={t['seq_len']:<5} one attention fwd+bwd, C=1: SDPA {t['sdpa_ms']:.1f} ms, ring "
-            f"{t['ring_ms']:.1f} ms ({t['ratio']:.2f}x)"
-        )
-
-    layouts = [(cp, 1) for cp in cps] + [(1, tp) for tp in tps]
-    tag = {(cp, tp): f"c{cp}" + (f"-tp{tp}" if tp > 1 else "") for cp, tp in layouts}  # file names under runs/
-    memory: dict[tuple[int, int], dict] = {}
-    for cp, tp in layouts:
-        name = tag[cp, tp]
-        result = os.path.join(out, "runs", f"saved-{name}.json")
-        spec = {"model": model, "n_layer": n_layer, "seq_lens": seq_lens, "rows": rows, "result": result}
-        job = run_job(memory_command(cp, spec, tp), os.path.join(out, "runs", f"saved-{name}.log"), timeout)
-        if job.returncode == 0 and os.path.exists(result):
-            with open(result) as f:
-                memory[cp, tp] = {int(k): v for k, v in json.load(f).items()}
-        log(
-            f"[bench.cp] saved bytes, {layout({'cp': cp, 'tp': tp})}: {classify(job, {}, timeout)} "
-            f"({job.seconds:.0f} s)"
-        )
-
-    points = []
-    for T in seq_lens:
-        full_params = memory.get((1, 1), {}).get(T, {}).get("param_bytes")
-        for cp, tp in layouts:
-            run_dir = os.path.join(out, "runs", f"T{T}-{tag[cp, tp]}")
-            os.makedirs(run_dir, exist_ok=True)
-            cmd = train_command(
-                T,
-                cp,
-                run_dir,
-                model=model,
-                n_layer=n_layer,
-                rows=rows,
-                warmup=warmup,
-                steps=steps,
-                dataset=dataset,
-                peak_flops=machine["peak_flops"],
-                timeout=timeout,
-                tp=tp,
-            )
-            job = run_job(cmd, os.path.join(run_dir, "bench.log"), timeout)
-            wrote = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))
-            s = summarize(read_jsonl(run_dir), warmup) if job.returncode == 0 and wrote else None
-            status = classify(job, s, timeout)
-            mem = memory.get((cp, tp), {}).get(T, {})
-            theory = comm_theory(cfg, rows, T, cp, tp, full_params or 0) if full_params or tp > 1 or cp == 1 else None
-            points.append(
-                {
-                    "seq_len": T,
-                    "cp": cp,
-                    "tp": tp,
-                    "status": status,
-                    "comm_theory": theory,
-                    "tokens_per_sec": s and s["tokens_per_sec"],
-                    "step_time_ms": s and s["step_time_ms"],
-                    "mfu": s and s["mfu"],
-                    "comm_bytes": s and s["comm_bytes"],
-                    "peak_saved_bytes": mem.get("peak_saved_bytes"),
-                    "peak_saved_bytes_max": mem.get("peak_saved_bytes_max"),
-                    "attn_saved_bytes": mem.get("attn_saved_bytes"),
-                    "seconds": round(job.seconds, 1),
-                }
-            )
-            rate = points[-1]["tokens_per_sec"]
-            log(
-                f"[bench.cp] T={T:<5} {layout(points[-1])}: {status}"
-                + (f", {rate:,.0f} tok/s" if rate else "")
-                + f" ({job.seconds:.0f} s)"
-            )
-
-    table = cp_rows(points)
+    attention = time_attentions(seq_lens, rows, cfg, attn_reps, log)
+    layouts = [(cp, 1, a) for cp in cps for a in (algorithms if cp > 1 else ("ring",))]
+    layouts += [(1, tp, "ring") for tp in tps]
+    spec = {"model": model, "n_layer": n_layer, "n_head": n_head, "seq_lens": seq_lens, "rows": rows}
+    memory = measure_layouts(out, layouts, spec, timeout, log)
+    job = dict(model=model, n_layer=n_layer, n_head=n_head, rows=rows, warmup=warmup, steps=steps)
+    job.update(dataset=dataset, peak_flops=machine["peak_flops"], timeout=timeout)
+    table = cp_rows([train_point(out, T, lay, cfg, memory, job, log) for T in seq_lens for lay in layouts])
     config = {
         "model": model,
         "n_layer": cfg.n_layer,
@@ -518,6 +466,7 @@ def run(
         "vocab_size": cfg.vocab_size,
         "seq_lens": seq_lens,
         "cps": cps,
+        "algorithms": list(algorithms),
         "tps": list(tps),
         "rows": rows,
         "warmup": warmup,
@@ -528,11 +477,7 @@ def run(
         "attention_c1": attention,
         "load_average": [load_start, os.getloadavg()[0]],
     }
-    with open(os.path.join(out, "cp.json"), "w") as f:
-        json.dump({"config": config, "rows": table}, f, indent=1)
-    with open(os.path.join(out, "cp.md"), "w") as f:
-        f.write(markdown(table, config))
-    plot(table, os.path.join(out, "cp_seq_scaling.png"))
+    write_outputs(out, table, config)
     return table
 
 
@@ -549,6 +494,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--seq_lens", type=_ints, default=[128, 256, 512])
     a("--cps", type=_ints, default=[1, 2, 4], help="context-parallel degrees; 1 is the baseline of the ratios")
     a("--tps", type=_ints, default=[2], help="tensor-parallel degrees (SP + loss parallel) to compare with")
+    a("--algorithms", default="ring,ulysses", help="the cp algorithms each C > 1 runs by (--cp_algorithm)")
+    a("--n_head", type=int, default=None, help="override the preset's heads (Ulysses: C must divide them)")
     a("--rows", type=int, default=4, help="sequences per step: the global batch is rows x seq_len tokens")
     a("--warmup", type=int, default=2)
     a("--steps", type=int, default=4, help="measured steps after --warmup")
@@ -562,6 +509,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--out is required")
     if 1 not in args.cps:
         p.error("--cps needs 1: the ratios are against C=1")
+    args.algorithms = tuple(a for a in args.algorithms.split(",") if a)
+    if not set(args.algorithms) <= {"ring", "ulysses"}:
+        p.error(f"--algorithms {','.join(args.algorithms)}: each one of ring, ulysses")
+    if "ulysses" in args.algorithms:
+        from model.gpt import make_config
+
+        heads = make_config(args.model, n_head=args.n_head).n_head
+        bad = [c for c in args.cps if heads % c]
+        if bad:
+            p.error(f"Ulysses needs C to divide the heads ({heads}): not C in {bad} (try --n_head)")
     for T in args.seq_lens:
         bad = [c for c in args.cps if T % (2 * c)]
         if bad:
@@ -588,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         args.timeout,
         [t for t in args.tps if t > 1],
         attn_reps=args.attn_reps,
+        algorithms=args.algorithms,
+        n_head=args.n_head,
     )
     config = json.load(open(os.path.join(args.out, "cp.json")))["config"]
     print(markdown(rows, config), end="")

@@ -1,8 +1,8 @@
 """The one composition point: `parallelize` wraps a GPT for a layout, always in this order,
 
     0. pipeline stage over mesh["pp"]               (keeps this pp rank's chunks; the rest is dropped)
-       then context parallelism over mesh["cp"]     (ring attention, or torch's context_parallel around each
-                                                     micro-step for "pytorch"; parameters stay replicated over cp)
+       then context parallelism over mesh["cp"]     (ring attention or Ulysses, or torch's context_parallel around
+                                                     each micro-step for "pytorch"; parameters replicated over cp)
        then expert parallelism over mesh["ep"]      (each MoE layer keeps its experts; tokens go by all_to_all)
     1. tensor parallelism over mesh["tp"]           (shards matmul weights; materialises its own shards)
        then activation checkpointing and torch.compile of each Block (runtime/blocks.py)
@@ -39,6 +39,7 @@ from model.gpt import GPT, materialize_module
 from model.loss import loss_share
 from parallel import comm, twins
 from parallel.context_parallel.ring import apply_context_parallel, zigzag_share
+from parallel.context_parallel.ulysses import apply_ulysses
 from parallel.data_parallel.flat_param import ZERO_STAGES
 from parallel.data_parallel.fsdp import FullyShardedDataParallel
 from parallel.data_parallel.fsdp_extensions import PipelineAndExperts
@@ -77,6 +78,7 @@ class ParallelConfig:
     activation_checkpointing: str = "none"  # "none" | "full" | "selective" (every ac_every-th Block)
     ac_every: int = 2
     compile: bool = False  # torch.compile each Block's forward
+    cp_algorithm: str = "ring"  # context parallelism: "ring" | "ulysses" (all-to-alls to head shards and back)
 
 
 def _whole(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,10 +290,14 @@ def apply_pp(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) 
 
 
 def apply_cp(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> Cut:
-    """Our ring attention over mesh["cp"] in every attention core, zigzag positions, and each micro-batch cut
-    to this rank's zigzag share of its rows (parallel/context_parallel/ring.py)."""
+    """Our ring attention (parallel/context_parallel/ring.py) or Ulysses's all-to-alls (ulysses.py, by
+    cfg.cp_algorithm) over mesh["cp"] in every attention core, zigzag positions, and each micro-batch cut to this
+    rank's zigzag share of its rows: both algorithms split the data alike."""
     cp = mesh["cp"]
-    apply_context_parallel(model, cp.group, cp.links)
+    if cfg.cp_algorithm == "ulysses":
+        apply_ulysses(model, cp.group)
+    else:
+        apply_context_parallel(model, cp.group, cp.links)
     return Cut(model, tokens=partial(zigzag_share, rank=cp.rank, cp=cp.size))
 
 

@@ -32,6 +32,7 @@ def parser() -> Parser:
     a("--n_head", type=int)
     a("--n_embd", type=int)
     a("--vocab_size", type=int)
+    a("--block_size", type=int, help="the preset's context (gpt2: 1024); a longer --seq_len needs it")
     a("--seq_len", type=int, default=1024)
     a("--total_batch_size", type=int, default=524288, help="tokens per optimizer step")
     a("--micro_batch_size", type=int, default=None, help="default: try 1, 2, 4, ... 32")

@@ -369,7 +369,9 @@ def block_saved_bytes(s: Setup, B: int, T: int, layer: int | None = None) -> int
     - ln_1, ln_2: their inputs (N*C*r; N*C*r/p under SP) and fp32 mean and rstd (2*N*4; /p under SP);
     - q, k, v's Linear input, ln_1's output (N*C*r; gathered whole under SP), likewise c_fc's, ln_2's output;
     - attention: q, k, v and its output (4*N*C*a/p; c_proj's input is a view of the output) and the fp32
-      log-sum-exp (B*(H/p)*T*4): the fused kernel keeps no (T, T) scores;
+      log-sum-exp (B*(H/p)*T*4): the fused kernel keeps no (T, T) scores; under Ulysses (--cp_algorithm) the
+      output twice, by heads (the core's, which its backward keeps) and by tokens (the all-to-all's copy,
+      c_proj's input): 5*N*C*a/p (the same elements otherwise: (B, H/p/C, T*C) is as big as (B, H/p, T));
     - the MLP: c_fc's output (GELU's input) and GELU's output (c_proj's input), 4*N*C*a/p each.
     In fp32 and without TP that is 16*N*C*4 + 16*N + 4*B*H*T bytes. Korthikanti et al.'s 34*s*b*h (+ 5*a*s^2*b)
     counts fp16 with dropout masks (5*s*b*h) and the materialised attention scores; we have neither.
@@ -378,7 +380,8 @@ def block_saved_bytes(s: Setup, B: int, T: int, layer: int | None = None) -> int
     N, C, r, a = B * T, c.n_embd, s.residual_bytes, s.compute_bytes
     ln = 2 * ((N * C * r + 2 * N * 4) // (p if sp else 1))
     ln_out = 2 * N * C * r
-    attn = 4 * N * C * a // p + B * (c.n_head // p) * T * 4
+    outputs = 2 if s.dims.cp > 1 and s.args.cp_algorithm == "ulysses" else 1
+    attn = (3 + outputs) * N * C * a // p + B * (c.n_head // p) * T * 4
     mlp = moe_saved_bytes(s, B, T) if layer is not None and c.is_moe(layer) else 8 * N * C * a // p
     return ln + ln_out + attn + mlp
 

@@ -386,7 +386,7 @@ def model_flags(a: argparse.Namespace) -> list[str]:
         "--dtype",
         a.dtype,
     ]
-    for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
+    for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size"):
         if getattr(a, k, None) is not None:
             f += [f"--{k}", str(getattr(a, k))]
     for act in concept_plan_actions():

@@ -18,6 +18,7 @@ algorithm, and are left out.
                         gradients reduce_held_bytes, reduce_accumulated_held_bytes
     tensor parallel     parallel/tensor_parallel/theory.py: tp_comm_bytes_per_micro_step, tp_comm_calls_per_micro_step
     context parallel    parallel/context_parallel/theory.py: cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step
+                        (the ring), ulysses_all_to_all_bytes_per_micro_step, ulysses_all_to_all_calls_per_micro_step
     expert parallel     parallel/expert_parallel/theory.py: ep_all_to_all_bytes_per_micro_step,
                         ep_all_to_all_calls_per_micro_step
     pipeline            parallel/pipeline/theory.py: p2p_bytes_per_step, p2p_calls_per_step; here bubble_fraction
@@ -27,7 +28,12 @@ algorithm, and are left out.
 
 from __future__ import annotations
 
-from parallel.context_parallel.theory import cp_p2p_bytes_per_micro_step, cp_p2p_calls_per_micro_step
+from parallel.context_parallel.theory import (
+    cp_p2p_bytes_per_micro_step,
+    cp_p2p_calls_per_micro_step,
+    ulysses_all_to_all_bytes_per_micro_step,
+    ulysses_all_to_all_calls_per_micro_step,
+)
 from parallel.data_parallel.theory import (
     ddp_comm_bytes_per_step,
     ddp_comm_calls_per_step,
@@ -64,6 +70,8 @@ __all__ = [
     "reduce_held_bytes",
     "tp_comm_bytes_per_micro_step",
     "tp_comm_calls_per_micro_step",
+    "ulysses_all_to_all_bytes_per_micro_step",
+    "ulysses_all_to_all_calls_per_micro_step",
     "zero_comm_bytes_per_pipeline_step",
     "zero_comm_bytes_per_step",
     "zero_comm_calls_per_step",

@@ -10,16 +10,15 @@ import pytest
 import torch
 
 from bench.cp import (
-    attention_markdown,
     comm_theory,
     cp_rows,
-    markdown,
     measure_saved,
     memory_command,
     parse_args,
     time_attention,
     train_command,
 )
+from bench.cp_report import attention_markdown, markdown
 
 
 def flag(cmd: list[str], name: str) -> str:
@@ -192,3 +191,30 @@ def test_measure_saved_hand_count_one_process():
     assert attn == 5 * 4096 + 256
     assert peak >= attn + 9 * 4096 + 2 * 8 * 8
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_ulysses_points():
+    """C > 1 by Ulysses: --cp_algorithm ulysses on train.py and in the worker's spec (the ring adds neither), and
+    its formula: tiny, 4 rows, T = 128, C = 2: A = 4 x 64 x 64 x 4 bytes = 65,536, 8A a layer, 2 layers = 16A =
+    1,048,576, the ring's at C = 2; at C = 4, A halves (32,768): Ulysses 16A = 524,288, the ring 2 x 20A = 1,310,720."""
+    from model.gpt import make_config
+
+    assert flag(build(128, 2, algorithm="ulysses"), "--cp_algorithm") == "ulysses"
+    assert "--cp_algorithm" not in build(128, 2) and "--cp_algorithm" not in build(128, 1, algorithm="ulysses")
+    assert '"algorithm": "ulysses"' in memory_command(2, {}, algorithm="ulysses")[-1]
+    assert "algorithm" not in memory_command(2, {})[-1]
+    cfg = make_config("tiny")
+    assert comm_theory(cfg, 4, 128, 2, 1, 1000, "ulysses") == 1_048_576 + 1000
+    assert comm_theory(cfg, 4, 128, 4, 1, 0, "ulysses") == 524_288
+    assert comm_theory(cfg, 4, 128, 4, 1, 0) == 2 * 20 * 32_768
+
+
+def test_ulysses_needs_c_to_divide_the_heads(capsys):
+    """small has 6 heads: Ulysses at C = 4 is refused before any job, unless --n_head makes it whole."""
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "/o", "--model", "small", "--cps", "1,2,4"])
+    assert "Ulysses needs C to divide the heads (6): not C in [4]" in capsys.readouterr().err
+    assert parse_args(["--out", "/o", "--model", "small", "--cps", "1,2,4", "--n_head", "8"]).n_head == 8
+    assert parse_args(["--out", "/o", "--model", "small", "--cps", "1,2,4", "--algorithms", "ring"]).algorithms == (
+        "ring",
+    )

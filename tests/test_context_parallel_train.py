@@ -15,7 +15,12 @@ import torch
 
 from checkpoints import checkpoint
 from model.gpt import GPT, make_config
-from plan.theory import cp_p2p_bytes_per_micro_step, p2p_bytes_per_step, tp_comm_bytes_per_micro_step
+from plan.theory import (
+    cp_p2p_bytes_per_micro_step,
+    p2p_bytes_per_step,
+    tp_comm_bytes_per_micro_step,
+    ulysses_all_to_all_bytes_per_micro_step,
+)
 from tests.harness import (
     WholeRuns,
     assert_close,
@@ -193,6 +198,76 @@ class TestContextParallelAgreesWithOneProcess(unittest.TestCase):
         )
 
 
+ULYSSES = ["--cp_algorithm", "ulysses"]
+BF16 = ["--dtype", "bfloat16", "--param_dtype", "bfloat16"]
+
+
+def ulysses_bytes(dp: int = 1, tp: int = 1, n_layer: int = N_LAYER, element_size: int = 4) -> int:
+    """Ulysses's all-to-all bytes global rank 0 counts per step at C = 2: the step's M / dp micro-batches, each 8
+    all-to-alls of A = MB x T/2 x n_embd/tp elements per Block (context_parallel/theory.py)."""
+    return M // dp * ulysses_all_to_all_bytes_per_micro_step(n_layer, MB, T, C, 2, tp, element_size)
+
+
+@pytest.mark.slow
+@unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
+class TestUlyssesAgreesWithOneProcess(unittest.TestCase):
+    """--cp_algorithm ulysses (parallel/context_parallel/ulysses.py) in the held-out layouts: alone, with TP (4 heads:
+    2 a tp rank, 1 a cp rank), FSDP, a pipeline, and DDP in bf16, against one process as the ring's layouts are:
+    rtol 1e-5 in fp32 (Ulysses's attention equals one process's bits; only the loss's and the gradients' sums
+    over ranks are reordered), TP's rounding_rtol with TP, and bf16 by bench.sweep's rule (every loss and val loss
+    and step 1's grad norm within u = 2^-8 of one process in bf16: BF16_RULE). Rank 0's all_to_all bytes equal
+    the theory every step (in bf16 at 2 bytes an element: autocast's q, k, v and output), and the ring sends
+    nothing (p2p is the pipeline's alone)."""
+
+    @classmethod
+    def setUpClass(cls):
+        run("single", [], 1)
+
+    def check(self, name: str, flags: list[str], nproc: int, all_to_all: int, rtol: float = 1e-5, p2p: int = 0):
+        out = run(name, [*ULYSSES, *CP2, *flags], nproc)
+        got = check_against(self, out, RUNS["single"], STEPS, [0, 3, 6, 9, STEPS], rtol)
+        for kind, want in (("all_to_all", all_to_all), ("p2p", p2p)):
+            self.assertEqual([got[s]["comm_bytes"].get(kind, 0) for s in got], [want] * STEPS, f"{name}: {kind}")
+        return got
+
+    def test_cp2(self):
+        """By hand: A = MB x T/2 x n_embd x 4 bytes = 8,192; 8A a Block, 2 Blocks, M = 2 micro-batches: 262,144,
+        what the ring sends at C = 2 (its 6(C-1)+2 = 8 blocks a Block, fp32 dK and dV)."""
+        self.assertEqual(ulysses_bytes(), 8 * (MB * (T // 2) * C * 4) * N_LAYER * M)
+        self.assertEqual(ulysses_bytes(), ring_bytes(2))
+        self.check("u_cp2", [], 2, ulysses_bytes())
+
+    def test_cp_tp_sp_2x2(self):
+        self.check(
+            "u_cp_tp",
+            ["--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"],
+            4,
+            ulysses_bytes(tp=2),
+            rtol=rounding_rtol_of(RUNS, "single"),
+        )
+
+    def test_cp_fsdp_2x2(self):
+        self.check("u_cp_fsdp", ["--data_parallel_size", "2", "--data_parallel_type", "fsdp"], 4, ulysses_bytes(dp=2))
+
+    def test_cp_pp_2x2(self):
+        """Rank 0, pp rank 0, runs one Block's all-to-alls and sends its activations on as (MB, T / C, n_embd)."""
+        pipeline = p2p_bytes_per_step(2, 1, 0, M, (MB, T // 2, C), element_size=4)
+        self.check("u_cp_pp", ["--pipeline_parallel_size", "2"], 4, ulysses_bytes(n_layer=N_LAYER // 2), p2p=pipeline)
+
+    def test_cp_ddp_2x2_bf16(self):
+        from bench.sweep import BF16_RTOL
+
+        ref = steps_of(run("single_bf16", BF16, 1))
+        out = run("u_cp_ddp_bf16", [*ULYSSES, *CP2, *DDP2, *BF16], 4)
+        got = steps_of(out)
+        self.assertEqual(sorted(got), list(range(1, STEPS + 1)))
+        assert_close(self, got, ref, "loss", BF16_RTOL, "u_cp_ddp_bf16")
+        assert_close(self, got, ref, "grad_norm", BF16_RTOL, "u_cp_ddp_bf16", steps=[1])
+        assert_close(self, evals_of(out), evals_of(RUNS["single_bf16"]), None, BF16_RTOL, "u_cp_ddp_bf16")
+        want = ulysses_bytes(dp=2, element_size=2)
+        self.assertEqual([got[s]["comm_bytes"]["all_to_all"] for s in got], [want] * STEPS)
+
+
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
 class TestContextParallelCheckpoints(unittest.TestCase):
@@ -287,6 +362,10 @@ class TestBadContextFlagsOneRank(unittest.TestCase):
     def test_cp_size_below_one(self):
         expect_error_in_process(self, ["--context_parallel_size", "0"], "--context_parallel_size must be >= 1, got 0")
 
+    def test_unknown_cp_algorithm(self):
+        """argparse's own line (its quoting of the choices differs across Python versions)."""
+        expect_error_in_process(self, ["--cp_algorithm", "star"], "argument --cp_algorithm: invalid choice: 'star'")
+
 
 @pytest.mark.slow
 @unittest.skipUnless(rank0_only(), "whole-job test: rank 0 launches its own ranks")
@@ -312,6 +391,16 @@ class TestBadContextFlags(unittest.TestCase):
         self.expect_error(
             [*CP2, "--implementation", "pytorch"],
             "PyTorch's context_parallel rings only the flash, memory-efficient and cuDNN SDPA kernels",
+        )
+
+    def test_ulysses_heads_not_divisible_by_tp_x_cp(self):
+        """4 heads, tp = 2 takes 2 a rank: C = 2 splits them into 1 each (test_cp_tp_sp_2x2), but 2 heads of 32
+        (--n_head 2) leave 1 a tp rank, which 2 cp ranks cannot share."""
+        self.expect_error(
+            [*ULYSSES, *CP2, "--n_head", "2", "--tensor_parallel_size", "2"],
+            "--cp_algorithm ulysses: Ulysses context parallelism needs n_head (2) divisible by "
+            "tensor_parallel_size (2) x context_parallel_size (2)",
+            nproc=4,
         )
 
 

@@ -972,3 +972,32 @@ def test_plan_cli_passes_the_expert_flags():
     f = model_flags(a)
     assert f[f.index("--moe_num_experts") + 1] == "8" and f[f.index("--moe_top_k") + 1] == "1"
     assert f[f.index("--moe_every") + 1] == "2" and "--moe_ffn_hidden" not in f
+
+
+def test_ring_against_ulysses_at_seq_len_8192():
+    """gpt2 at seq_len 8,192 on 8 H100s (the issue's long-context case; python -m plan --seq_len 8192 --block_size
+    8192): the planner tries both algorithms at every C > 1 (the CP concept's `search`) and C = 8 only by the ring
+    (12 heads: C must divide them). Per step Ulysses counts 2/3 of the ring's bytes at C = 2 in bf16 (16 A-bytes a
+    layer against 2A x 2 + 2A x 2 + 4A x 4 = 24: the ring's dK, dV travel in fp32), and 2/7 at C = 4 (16 against
+    6A x 2 + 6A x 2 + 8A x 4 = 56), so it is predicted faster; it saves one more A a layer (its output by heads
+    and by tokens), so its peak is higher."""
+    a = cli.parser().parse_args(["--seq_len", "8192", "--block_size", "8192"])
+    cl = cli.cluster_of(a)
+    fixed = {"pp": 1, "tp": 1, "ac": "none", "dp_type": "ddp"}
+    got = {c.name: c for cp in (2, 4, 8) for c in candidates(model_flags(a), cl, [16], {**fixed, "cp": cp})}
+    assert sorted(got) == sorted(
+        [
+            "dp=4(ddp) cp=2 ac=none mb=16",
+            "dp=4(ddp) cp=2 ulysses ac=none mb=16",
+            "dp=2(ddp) cp=4 ac=none mb=16",
+            "dp=2(ddp) cp=4 ulysses ac=none mb=16",
+            "dp=1(ddp) cp=8 ac=none mb=16",
+        ]
+    )
+    for cp, third in ((2, 2 / 3), (4, 2 / 7)):
+        ring, ulysses = (got[f"dp={8 // cp}(ddp) cp={cp}{v} ac=none mb=16"] for v in ("", " ulysses"))
+        sent = ulysses.predicted["comm_bytes"]["all_to_all"]
+        assert sent == pytest.approx(third * ring.predicted["comm_bytes"]["p2p"], rel=1e-12)
+        assert "p2p" not in ulysses.predicted["comm_bytes"] and ulysses.times["cp"] < ring.times["cp"]
+        assert ulysses.seconds < ring.seconds
+        assert ulysses.predicted["peak_memory_bytes"] > ring.predicted["peak_memory_bytes"]

@@ -34,6 +34,7 @@ L = S.Layout
 SMALL = ["--model", "small"]  # after bench.sweep.BASE's --model tiny: the last one counts
 GPT2_VOCAB = ["--vocab_size", "50304"]  # after BASE's 512 (the corpus' ids stay below 512)
 ALL_EXPERTS = ["--moe_top_k", "4"]  # after bench.sweep.MOE's top-2
+ULYSSES = ("--cp_algorithm", "ulysses")
 LAYOUTS: list[tuple[S.Layout, list[str]]] = [
     (L(), []),
     (L(), ["--activation_checkpointing", "full"]),
@@ -56,6 +57,12 @@ LAYOUTS: list[tuple[S.Layout, list[str]]] = [
     (L(dp=2, tp=2, dp_type="fsdp"), []),
     (L(pp=2, cp=2, tp=2, dp_type="ddp"), []),
     (L(dp=2, cp=2, tp=2, dp_type="fsdp"), []),
+    # Ulysses (parallel/context_parallel/theory.py): 8 all-to-alls of A a Block, 4 more per recomputed one; its
+    # output saved twice, by heads and by tokens (plan.counts.block_saved_bytes)
+    (L(cp=2, extra=ULYSSES), []),
+    (L(cp=2, extra=ULYSSES), ["--activation_checkpointing", "full"]),
+    (L(cp=2, tp=2, extra=ULYSSES), []),
+    (L(pp=2, cp=2, dp_type="fsdp", extra=ULYSSES), []),
     # a sharding engine under a pipeline (theory.zero_comm_bytes_per_pipeline_step): ZeRO-3's roots re-gathered
     # per chunk forward and after a backward (GPipe: 2M - 1 times), ZeRO-1 and ZeRO-2 over interleaved chunks
     (L(pp=2, dp=2, dp_type="fsdp", schedule="gpipe"), []),

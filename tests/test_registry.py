@@ -152,7 +152,7 @@ def test_the_search_tries_its_variant_and_passes_its_flag(throwaway):
 def test_the_sweep_runs_its_row_and_offers_its_option(throwaway):
     from bench import sweep as S
 
-    rows = [x for x in S.concept_rows("rows") if x.extra]
+    rows = [x for x in S.concept_rows("rows") if GAIN in x.extra]  # among the real concepts' (Ulysses's have extra)
     assert [(x.name, x.flags()[-2:]) for x in rows] == [("dp=2(ddp) throwaway_gain=1", [GAIN, "1"])]
     assert rows[0].reference() == S.Layout(blocks=rows[0].n_layer)  # its own flag stays out of one process
     out = io.StringIO()

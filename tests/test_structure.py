@@ -253,9 +253,7 @@ MODULE_LINES, FUNCTION_LINES = 600, 80  # on `ruff format`'s output (CI checks i
 # Over the limit today, each to be split by concept; a number here may only fall, and the test fails once a module
 # fits, so the entry goes with the split that made it fit.
 OVER: dict[str, int] = {}  # modules over MODULE_LINES today, by path: lines
-LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
-    "bench/cp.py:run": 135,
-}
+LONG: dict[str, int] = {}  # functions over FUNCTION_LINES today, by "path:name": lines
 
 
 def ours() -> list[str]:

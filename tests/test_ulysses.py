@@ -30,13 +30,15 @@ from model.gpt import GPT, AttentionCore, make_config
 from parallel import comm
 from parallel.context_parallel import ulysses
 from parallel.context_parallel.ring import ZigzagPositions, local_positions, shard_sequence, zigzag_share
+from parallel.context_parallel.theory import (
+    ulysses_all_to_all_bytes_per_micro_step,
+    ulysses_all_to_all_calls_per_micro_step,
+)
 from parallel.context_parallel.ulysses import (
     UlyssesAttentionCore,
     apply_ulysses,
     check_ulysses,
     seq_to_heads,
-    ulysses_all_to_all_bytes_per_micro_step,
-    ulysses_all_to_all_calls_per_micro_step,
     ulysses_attention,
 )
 from tests.harness import run_distributed

@@ -845,6 +845,25 @@ class TestFoundBySimulation(unittest.TestCase):
         for run in v.runs.values():
             self.assertGreater(run.steps[max(run.steps)]["comm_bytes"]["all_reduce"], 0)
 
+    def test_ulysses_at_64_ranks(self):
+        """fsdp 16 x cp 2 (Ulysses) x tp 4 heads / 2 with SP in bf16, 64 ranks (class representatives 0 and 2):
+        every check passes, the planner's all_to_all bytes included: 8 all-to-alls a Block of A = 1 row x 32
+        tokens x 32 (n_embd / tp) bf16 elements, 2 Blocks: 32,768 bytes (parallel/context_parallel/theory.py)."""
+        from parallel.context_parallel.theory import ulysses_all_to_all_bytes_per_micro_step
+
+        layout = [
+            *("--data_parallel_size", "16", "--data_parallel_type", "fsdp"),
+            *("--context_parallel_size", "2", "--cp_algorithm", "ulysses"),
+            *("--tensor_parallel_size", "2", "--sequence_parallel", "--enable_loss_parallelism"),
+            *("--dtype", "bfloat16", "--seq_len", "64", "--total_batch_size", "1024", "--no_checkpoint"),
+        ]
+        v = V.verify(flags(layout), 64)
+        self.assertEqual(v.findings, [])
+        want = ulysses_all_to_all_bytes_per_micro_step(2, 1, 64, 64, 2, 2, element_size=2)
+        self.assertEqual(want, 32_768)
+        for run in v.runs.values():
+            self.assertEqual(run.steps[max(run.steps)]["comm_bytes"]["all_to_all"], want)
+
 
 class TestPlannerVerifies(unittest.TestCase):
     """python -m plan --verify K: the top K layouts simulated, each row marked, their table printed, exit 1 if any

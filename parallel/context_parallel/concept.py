@@ -1,10 +1,14 @@
-"""Context parallelism (the zigzag ring), registered: its flag, its checks and its planner terms (theory.py).
-docs/context_parallel.md. The ring never imports this module."""
+"""Context parallelism, registered: its flags (the degree, and the algorithm: the zigzag ring or Ulysses), its
+checks, its planner terms and variants (theory.py) and its sweep rows. docs/context_parallel.md. Neither algorithm
+imports this module."""
 
 from __future__ import annotations
 
 from parallel.context_parallel import theory
-from runtime.registry import AT_LEAST_ONE, Checking, Concept, UsageError, register
+from parallel.context_parallel.ulysses import check_ulysses
+from runtime.registry import AT_LEAST_ONE, Checking, Concept, Sweep, UsageError, register
+
+ALGORITHMS = ("ring", "ulysses")
 
 
 def flags(a) -> None:
@@ -14,6 +18,13 @@ def flags(a) -> None:
         default=1,
         metavar="C",
         help="split every sequence over C ranks (ring attention); gradients reduced over dp x C",
+    )
+    a(
+        "--cp_algorithm",
+        choices=ALGORITHMS,
+        default="ring",
+        help="how attention sees the whole sequence under CP: ring (k/v blocks passed round, C-1 hops) or "
+        "ulysses (all-to-alls from tokens to heads and back; needs n_head / tp divisible by C)",
     )
 
 
@@ -59,6 +70,39 @@ def check_context(c: Checking) -> None:
         )
     if config.dropout > 0:
         raise UsageError(f"--context_parallel_size needs dropout 0 (got {config.dropout}): ring attention has none")
+    if args.cp_algorithm == "ulysses":
+        check_ulysses_heads(args, config.n_head, dims.tp, C)
+
+
+def check_ulysses_heads(args, n_head: int, tp: int, cp: int) -> None:
+    """Ulysses: our implementation only (torch's context_parallel is a ring), and each tp rank's heads split
+    over cp (parallel/context_parallel/ulysses.check_ulysses)."""
+    if args.implementation == "pytorch":
+        raise UsageError("--cp_algorithm ulysses is ours only: use --implementation custom")
+    refusal = check_ulysses(n_head, tp, cp)
+    if refusal is not None:
+        raise UsageError(f"--cp_algorithm ulysses: {refusal}")
+
+
+def search(sizes: dict) -> list[tuple[str, list[str]]]:
+    """The planner's variants of a layout: the ring always, Ulysses beside it when there is a cp dim (a
+    layout whose heads it cannot split is refused by `check_ulysses_heads` and dropped)."""
+    return [("", [])] + ([("ulysses", ["--cp_algorithm", "ulysses"])] if sizes["cp"] > 1 else [])
+
+
+ULYSSES = ("--cp_algorithm", "ulysses")
+
+
+def sweep_rows() -> list[dict]:
+    """Ulysses in the sweep (bench.sweep.Layout fields): alone, under TP (4 heads / 2 / 2), FSDP, a pipeline and
+    bf16 DDP, each held against one process as the ring's layouts are (the grid's cp rows run the ring)."""
+    return [
+        dict(cp=2, extra=ULYSSES),
+        dict(cp=2, tp=2, extra=ULYSSES),
+        dict(cp=2, dp=2, dp_type="fsdp", extra=ULYSSES),
+        dict(cp=2, pp=2, extra=ULYSSES),
+        dict(cp=2, dp=2, dp_type="ddp", dtype="bfloat16", extra=ULYSSES),
+    ]
 
 
 CONCEPT = register(
@@ -69,6 +113,9 @@ CONCEPT = register(
         mesh=lambda args: {"cp": args.context_parallel_size},
         ranges={"context_parallel_size": AT_LEAST_ONE},
         checks=(("flags", check_trace), ("batch", check_context)),
+        parallel=lambda c: {"cp_algorithm": c.args.cp_algorithm},
         terms=theory.TERMS,
+        search=search,
+        sweep=Sweep(rows=sweep_rows),
     )
 )

@@ -24,7 +24,7 @@ head shards, attention runs on the whole sequence for this rank's heads, and a s
 Bytes, as parallel/comm counts an all-to-all (this rank's whole input, its own split included): with A =
 B·(T/C)·(n_embd/tp) elements (one q, k, v or output block: all of this rank's heads for its tokens), per attention
 forward moves q, k, v and the output, 4·A, and backward the output's gradient and dq, dk, dv, 4·A, all in the
-compute dtype: 8·A·element_size per layer, 8 calls (`ulysses_all_to_all_bytes_per_micro_step`). Of it (C-1)/C
+compute dtype: 8·A·element_size per layer, 8 calls (theory.py: `ulysses_all_to_all_bytes_per_micro_step`). Of it (C-1)/C
 leaves the rank. The ring sends (6(C-1)+2)·A: equal at C = 2 in fp32, and Ulysses's falls as 1/C at fixed T·C.
 """
 
@@ -169,22 +169,3 @@ def apply_ulysses(model: torch.nn.Module, group: dist.ProcessGroup | None) -> No
     for module in list(model.modules()):
         if hasattr(module, "core"):
             module.core = UlyssesAttentionCore(group, module.core)
-
-
-def ulysses_all_to_all_bytes_per_micro_step(
-    n_layer: int, B: int, T: int, n_embd: int, cp: int, tp: int = 1, element_size: int = 4, recomputed_blocks: int = 0
-) -> int:
-    """What parallel/comm.COUNTER records as "all_to_all" on one rank for one forward + backward of Ulysses: per
-    attention, with A = B·(T/C)·(n_embd/tp) elements, forward q, k, v and the output (4·A), backward the output's
-    gradient and dq, dk, dv (4·A), all in the compute dtype (`element_size`). Activation checkpointing re-runs
-    the forward of each recomputed Block (4·A more). Nothing with one cp rank."""
-    if cp == 1:
-        return 0
-    A = B * (T // cp) * (n_embd // tp)
-    return (8 * n_layer + 4 * recomputed_blocks) * A * element_size
-
-
-def ulysses_all_to_all_calls_per_micro_step(n_layer: int, cp: int, recomputed_blocks: int = 0) -> int:
-    """The all-to-alls behind `ulysses_all_to_all_bytes_per_micro_step`: 4 forward and 4 backward per attention,
-    4 more per recomputed Block. Nothing with one cp rank."""
-    return 0 if cp == 1 else 8 * n_layer + 4 * recomputed_blocks
