@@ -217,29 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         error_line("bench", e)
         return 2
     if args.section:
-        with open(os.path.join(args.section, "bench.json")) as f:
-            rows = json.load(f)
-        meta_path = os.path.join(args.section, "bench_meta.json")
-        meta = json.load(open(meta_path)) if os.path.exists(meta_path) else None
-        print(report.render_section(rows, meta), end="")
-        return 0
+        return print_section(args.section)
     t0 = time.perf_counter()
     args.out = os.path.abspath(args.out)  # the jobs run in the repository root
     os.makedirs(args.out, exist_ok=True)
     machine = runner.probe_machine(measure=args.peak_flops is None)
     gpu = machine["device"] == "cuda"
     nproc = args.nproc or (machine["count"] if gpu else 2)
-    layouts = matrix(
-        nproc,
-        gpu,
-        args.include_2d,
-        args.layouts.split(",") if args.layouts else None,
-        include_pp=args.include_pp,
-        include_zero=args.include_zero,
-        include_moe=args.include_moe,
-    )
-    if args.optimizer == "muon":  # torch's Muon (the twins) has no ledger: nothing of NS or its exchange to report
-        layouts = [lay for lay in layouts if lay.implementation != "pytorch"]
+    layouts = pick_layouts(args, nproc, gpu)
     if not layouts:
         error_line("bench", "no layout left to run")
         return 2
@@ -248,24 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = replace(
         setup, dataset=ensure_dataset(args.dataset, args.out, setup.config.vocab_size), optimizer=args.optimizer
     )
-    notes = []
-    if args.optimizer == "muon":
-        notes.append(
-            "--optimizer muon: every layout runs Muon on the Block matrices (AdamW on the rest), custom "
-            "implementation only; comm theory adds the Muon exchange's all_to_all as planned from the holds "
-            "(optim/distributed_muon.Exchange.sent_bytes)"
-        )
-    if any(lay.dp_type == "fsdp" for lay in layouts):
-        notes.append(
-            "FSDP theory per micro-step: all-gather 2Ψ_blocks + Ψ_root (the root unit, wte = lm_head, "
-            "wpe and ln_f, stays gathered from forward to backward, as in FSDP2), reduce-scatter Ψ; "
-            "measured bytes also carry each unit's padding to a multiple of N (< N elements)"
-        )
-    base = make_config(setup.model, n_head=args.n_head)
-    if setup.config.n_head != base.n_head:
-        notes.append(f"n_head raised from the preset's {base.n_head} to {setup.config.n_head} so that TP divides it")
-    if not gpu and any(lay.nproc > os.cpu_count() for lay in layouts):
-        notes.append(f"{max(lay.nproc for lay in layouts)} ranks on {os.cpu_count()} CPU cores: oversubscribed")
+    notes = run_notes(args, setup, layouts, nproc, gpu)
     with torch.device("meta"):
         params = GPT(setup.config).num_params()
     machine_desc = (
@@ -277,24 +245,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{setup.warmup}+{setup.steps} steps",
         flush=True,
     )
-    if any(lay.name in ZERO_LAYOUTS for lay in layouts):
-        notes.append(
-            "ZeRO theory per optimizer step (plan.theory.zero_comm_bytes_per_step): zero1 reduce-scatter "
-            "Ψ + all-gather Ψ once; zero2 reduce-scatter Ψ per micro-step + all-gather Ψ once; hsdp: fsdp "
-            "within the shard group plus all-reduce Ψ/S per micro-step across replicas. torch's zero2 twin "
-            "(fully_shard(reshard_after_forward=False)) frees parameters after backward, so its state is "
-            "ZeRO-3's between steps; its zero1 twin (ZeroRedundancyOptimizer) partitions whole parameters, "
-            "so a rank's optimizer state depends on which tensors it owns"
-        )
-    if any(lay.pp > 1 for lay in layouts):
-        notes.append(
-            "PP layouts: 1F1B, M micro-batches per step (grad_accum column) with M >= 2P where the batch "
-            "allows; theory for rank 0 = pipeline stage 0 (parallel.pipeline.runner.p2p_bytes_per_step, the "
-            "tied-embedding all-reduce, DDP and TP on stage 0's parameters and Blocks only)"
-        )
-    moe = next((lay for lay in layouts if lay.experts), None)
-    if args.include_moe:
-        notes.append(moe_note(setup, moe.experts if moe else MOE_EXPERTS, nproc))
     rows = runner.run_matrix(layouts, setup, args.out, args.repeats, log=lambda s: print(s, flush=True))
     meta = {
         "command": shlex.join(["python", "-m", "bench", *(sys.argv[1:] if argv is None else argv)]),
@@ -320,6 +270,76 @@ def main(argv: list[str] | None = None) -> int:
         f"[bench] wrote {args.out}/bench.json, bench.md, results_section.md ({meta['wall_seconds']:.0f} s)", flush=True
     )
     return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+def print_section(directory: str) -> int:
+    """--section: the README's short table (results_section.md) of an earlier run, from its bench.json (and
+    bench_meta.json where it is there), printed."""
+    with open(os.path.join(directory, "bench.json")) as f:
+        rows = json.load(f)
+    meta_path = os.path.join(directory, "bench_meta.json")
+    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else None
+    print(report.render_section(rows, meta), end="")
+    return 0
+
+
+def pick_layouts(args: argparse.Namespace, nproc: int, gpu: bool) -> list[Layout]:
+    """The matrix's layouts for these flags (bench.matrix.matrix); under --optimizer muon our implementation only:
+    torch's Muon (the twins) has no ledger, nothing of Newton-Schulz or its exchange to report."""
+    layouts = matrix(
+        nproc,
+        gpu,
+        args.include_2d,
+        args.layouts.split(",") if args.layouts else None,
+        include_pp=args.include_pp,
+        include_zero=args.include_zero,
+        include_moe=args.include_moe,
+    )
+    if args.optimizer == "muon":
+        layouts = [lay for lay in layouts if lay.implementation != "pytorch"]
+    return layouts
+
+
+def run_notes(args: argparse.Namespace, setup: Setup, layouts: list[Layout], nproc: int, gpu: bool) -> list[str]:
+    """bench.md's notes on this run: what its theory counts for Muon, FSDP, ZeRO, PP and MoE layouts where they
+    run, and what differs from the asked-for setup (n_head raised for TP, oversubscribed CPU cores)."""
+    notes = []
+    if args.optimizer == "muon":
+        notes.append(
+            "--optimizer muon: every layout runs Muon on the Block matrices (AdamW on the rest), custom "
+            "implementation only; comm theory adds the Muon exchange's all_to_all as planned from the holds "
+            "(optim/distributed_muon.Exchange.sent_bytes)"
+        )
+    if any(lay.dp_type == "fsdp" for lay in layouts):
+        notes.append(
+            "FSDP theory per micro-step: all-gather 2Ψ_blocks + Ψ_root (the root unit, wte = lm_head, "
+            "wpe and ln_f, stays gathered from forward to backward, as in FSDP2), reduce-scatter Ψ; "
+            "measured bytes also carry each unit's padding to a multiple of N (< N elements)"
+        )
+    base = make_config(setup.model, n_head=args.n_head)
+    if setup.config.n_head != base.n_head:
+        notes.append(f"n_head raised from the preset's {base.n_head} to {setup.config.n_head} so that TP divides it")
+    if not gpu and any(lay.nproc > os.cpu_count() for lay in layouts):
+        notes.append(f"{max(lay.nproc for lay in layouts)} ranks on {os.cpu_count()} CPU cores: oversubscribed")
+    if any(lay.name in ZERO_LAYOUTS for lay in layouts):
+        notes.append(
+            "ZeRO theory per optimizer step (plan.theory.zero_comm_bytes_per_step): zero1 reduce-scatter "
+            "Ψ + all-gather Ψ once; zero2 reduce-scatter Ψ per micro-step + all-gather Ψ once; hsdp: fsdp "
+            "within the shard group plus all-reduce Ψ/S per micro-step across replicas. torch's zero2 twin "
+            "(fully_shard(reshard_after_forward=False)) frees parameters after backward, so its state is "
+            "ZeRO-3's between steps; its zero1 twin (ZeroRedundancyOptimizer) partitions whole parameters, "
+            "so a rank's optimizer state depends on which tensors it owns"
+        )
+    if any(lay.pp > 1 for lay in layouts):
+        notes.append(
+            "PP layouts: 1F1B, M micro-batches per step (grad_accum column) with M >= 2P where the batch "
+            "allows; theory for rank 0 = pipeline stage 0 (parallel.pipeline.runner.p2p_bytes_per_step, the "
+            "tied-embedding all-reduce, DDP and TP on stage 0's parameters and Blocks only)"
+        )
+    moe = next((lay for lay in layouts if lay.experts), None)
+    if args.include_moe:
+        notes.append(moe_note(setup, moe.experts if moe else MOE_EXPERTS, nproc))
+    return notes
 
 
 if __name__ == "__main__":

@@ -217,9 +217,8 @@ def worker(args: argparse.Namespace) -> None:
     """Every rank: each schedule, warm-up steps, barrier, one measured step; rank 0 writes the raw timelines."""
     import torch.distributed as dist
 
-    from model.gpt import GPT, make_config
-    from parallel.pipeline.partition import layers_for, measure_costs, stage_costs
-    from parallel.pipeline.runner import PipelineRunner, PipelineStage
+    from model.gpt import make_config
+    from parallel.pipeline.partition import measure_costs, stage_costs
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -255,46 +254,57 @@ def worker(args: argparse.Namespace) -> None:
         costs = [step_costs(cfg, rank, P, batches, costs[0], args.warmup)]
     raw["costs"] = dict(vars(costs[0]))  # FLOPs per token, or nanoseconds per micro-batch
     for name in args.schedules.split(","):
-        v = chunks_per_rank(name, args.virtual)
-        counts = tuple(int(n) for n in args.layers_per_stage.split(",")) if args.layers_per_stage and v == 1 else None
-        counts = tuple(
-            len(r) for r in layers_for(cfg, P, v, counts=counts, costs=costs[0], v_shape=name in V_SCHEDULES)
-        )
-        raw["split"][name] = list(counts)  # Blocks per chunk
-        with torch.device("meta"):
-            model = GPT(cfg)
-        stage = PipelineStage(model, rank, P, v, counts, v_shape=name in V_SCHEDULES, parts=GPT_PARTS)
-        stage.materialize(seed=0)
-        runner = PipelineRunner(stage, record=StepRecord(torch.device("cpu")), split_backward=split_backward)
-        for _ in range(args.warmup):
-            runner.step(batches, name)
-            stage.zero_grad(set_to_none=True)
-        with SavedBytes(exclude=stage.parameters()) as saved:  # its own step: the hooks cost time
-            runner.step(batches, name)
-        stage.zero_grad(set_to_none=True)
-        best = None
-        for _ in range(args.repeats):  # keep the shortest span: the machine's other load only adds time
-            dist.barrier()
-            t0 = time.perf_counter()
-            runner.step(batches, name)
-            stage.zero_grad(set_to_none=True)
-            mine = {
-                "timeline": [(a.kind, a.chunk, a.micro, s - t0, e - t0) for a, s, e in runner.record.timeline],
-                "peak_in_flight": runner.record.peak_in_flight,
-                "peak_saved_bytes": saved.peak,
-            }
-            gathered = [None] * P
-            dist.all_gather_object(gathered, mine)
-            span = idle_stats([[(a[0], a[3], a[4]) for a in r["timeline"]] for r in gathered])[1]
-            if best is None or span < best[0]:
-                best = (span, gathered)
-        gathered = best[1]
-        raw["schedules"][name] = gathered
-        del runner, stage, model
+        raw["split"][name], raw["schedules"][name] = run_schedule(name, cfg, rank, P, batches, costs[0], args)
     if rank == 0:
         with open(os.path.join(args.out, "pipeline_timelines.json"), "w") as f:
             json.dump(raw, f)
     dist.destroy_process_group()
+
+
+def run_schedule(
+    name: str, cfg: GPTConfig, rank: int, P: int, batches: list, costs: StageCosts, args: argparse.Namespace
+) -> tuple[list[int], list[dict]]:
+    """One schedule on this rank: the Blocks split by `costs` (or --layers_per_stage), --warmup steps, one step
+    under SavedBytes (its hooks cost time), then --repeats steps each after a barrier. (Blocks per chunk, every
+    rank's timeline, peak in flight and saved bytes of the repeat with the shortest span: the machine's other load
+    only adds time.)"""
+    import torch.distributed as dist
+
+    from model.gpt import GPT
+    from parallel.pipeline.partition import layers_for
+    from parallel.pipeline.runner import PipelineRunner, PipelineStage
+
+    v = chunks_per_rank(name, args.virtual)
+    counts = tuple(int(n) for n in args.layers_per_stage.split(",")) if args.layers_per_stage and v == 1 else None
+    counts = tuple(len(r) for r in layers_for(cfg, P, v, counts=counts, costs=costs, v_shape=name in V_SCHEDULES))
+    with torch.device("meta"):
+        model = GPT(cfg)
+    stage = PipelineStage(model, rank, P, v, counts, v_shape=name in V_SCHEDULES, parts=GPT_PARTS)
+    stage.materialize(seed=0)
+    runner = PipelineRunner(stage, record=StepRecord(torch.device("cpu")), split_backward=split_backward)
+    for _ in range(args.warmup):
+        runner.step(batches, name)
+        stage.zero_grad(set_to_none=True)
+    with SavedBytes(exclude=stage.parameters()) as saved:
+        runner.step(batches, name)
+    stage.zero_grad(set_to_none=True)
+    best = None
+    for _ in range(args.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        runner.step(batches, name)
+        stage.zero_grad(set_to_none=True)
+        mine = {
+            "timeline": [(a.kind, a.chunk, a.micro, s - t0, e - t0) for a, s, e in runner.record.timeline],
+            "peak_in_flight": runner.record.peak_in_flight,
+            "peak_saved_bytes": saved.peak,
+        }
+        gathered = [None] * P
+        dist.all_gather_object(gathered, mine)
+        span = idle_stats([[(a[0], a[3], a[4]) for a in r["timeline"]] for r in gathered])[1]
+        if best is None or span < best[0]:
+            best = (span, gathered)
+    return list(counts), best[1]
 
 
 def step_costs(

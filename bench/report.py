@@ -1,15 +1,16 @@
-"""What a bench run writes: bench.json and bench_meta.json, bench.md (tables and notes), the README
-results snippet, and the plots (throughput, memory, communication vs world size). With --include_pp,
-bench.md and the snippet also carry bench.pipeline's idle fraction measured vs theory and link its
-pipeline/pipeline_timeline.png. With --include_moe, bench.md gets a mixture-of-experts section (tokens/s and MFU
-ratios, all_to_all bytes against the formula, the experts' load per step) and moe_load.png."""
+"""What a bench run writes: bench.json and bench_meta.json, bench.md (tables and notes), the README results snippet,
+and the plots (bench/plots.py: throughput, memory, communication vs world size). With --include_pp, bench.md and the
+snippet also carry bench.pipeline's idle fraction measured vs theory and link its pipeline/pipeline_timeline.png.
+With --include_moe, bench.md gets a mixture-of-experts section (tokens/s and MFU ratios, all_to_all bytes against
+the formula, the experts' load per step) and moe_load.png."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from bench.matrix import Setup, comm_curves
+from bench.matrix import Setup
+from bench.plots import write_plots
 
 MiB = 2**20
 TP_SOURCE = "parallel.tensor_parallel.apply.tp_comm_bytes_per_micro_step"
@@ -237,6 +238,21 @@ def moe_markdown(rows: list[dict], heatmap: bool) -> str:
     rank 0's all_to_all bytes per step against the formula at balanced routing and at the step's measured load;
     each MoE layer's max/mean tokens per expert per step; the heatmap."""
     ratios = moe_ratios(rows)
+    lines = _moe_speed_table(ratios)
+    ep = [x["row"] for x in ratios if x["row"]["moe"]["ep"] > 1]
+    if ep:
+        lines += _moe_all_to_all_table(ep)
+    per = [x["row"] for x in ratios if x["row"]["moe"].get("per_step")]
+    if per:
+        lines += _moe_load_table(per)
+    if heatmap:
+        lines += ["![moe_load](moe_load.png)", ""]
+    return "\n".join(lines)
+
+
+def _moe_speed_table(ratios: list[dict]) -> list[str]:
+    """Per MoE-section row (`moe_ratios`): its experts, parameters (active), tokens/s, MFU, median max/mean load and
+    its tokens/s ratios to the reference rows."""
     lines = [
         "## Mixture of experts (`--include_moe`)",
         "",
@@ -262,78 +278,80 @@ def moe_markdown(rows: list[dict], heatmap: bool) -> str:
                 ]
             )
         )
-    lines += [
+    return lines + [
         "",
         "Ratios: this row's tokens/s ÷ the named row's (medians). MFU counts 6 × the active parameters "
         "(the experts' K/E share, metrics.active_params) + attention, so the MoE and dense-active rows "
         "count nearly the same FLOPs per token.",
         "",
     ]
-    ep = [x["row"] for x in ratios if x["row"]["moe"]["ep"] > 1]
-    if ep:
-        lines += [
-            "Rank 0's all_to_all bytes per optimizer step (median over the measured steps of every repeat) "
-            "against plan.theory.ep_all_to_all_bytes_per_micro_step, at balanced routing (R = N·k rows "
-            "received per rank) and at each step's measured load (the rows that reached rank 0's experts, "
-            "from expert_tokens: bench.matrix.ep_all_to_all_at_load); all_reduce against DDP on the dense "
-            "parameters:",
-            "",
-            "| layout | all_to_all measured | theory, balanced | measured / balanced | theory, measured load "
-            "| measured / at load | steps exactly at load | all_reduce measured | all_reduce theory |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in ep:
-            m, by, th = r["moe"], r["comm_bytes_by_kind"] or {}, r["comm_theory_by_kind"]
-            a2a, bal, load = m["all_to_all"], th.get("all_to_all"), m["all_to_all_at_load"]
-            exact = "—" if not m["all_to_all_exact_steps"] else "{} of {}".format(*m["all_to_all_exact_steps"])
-            lines.append(
-                " | ".join(
-                    [
-                        f"| {r['layout']}",
-                        _num(a2a),
-                        _num(bal),
-                        _num(a2a / bal if a2a is not None and bal else None, "{:.4f}"),
-                        _num(load),
-                        _num(a2a / load if a2a is not None and load else None, "{:.4f}"),
-                        exact,
-                        _num(by.get("all_reduce")),
-                        _num(th.get("all_reduce")) + " |",
-                    ]
-                )
+
+
+def _moe_all_to_all_table(ep: list[dict]) -> list[str]:
+    """Per expert-parallel row: rank 0's all_to_all bytes per step against the formula, balanced and at the
+    measured load, and its all_reduce against DDP's on the dense parameters."""
+    lines = [
+        "Rank 0's all_to_all bytes per optimizer step (median over the measured steps of every repeat) "
+        "against plan.theory.ep_all_to_all_bytes_per_micro_step, at balanced routing (R = N·k rows "
+        "received per rank) and at each step's measured load (the rows that reached rank 0's experts, "
+        "from expert_tokens: bench.matrix.ep_all_to_all_at_load); all_reduce against DDP on the dense "
+        "parameters:",
+        "",
+        "| layout | all_to_all measured | theory, balanced | measured / balanced | theory, measured load "
+        "| measured / at load | steps exactly at load | all_reduce measured | all_reduce theory |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in ep:
+        m, by, th = r["moe"], r["comm_bytes_by_kind"] or {}, r["comm_theory_by_kind"]
+        a2a, bal, load = m["all_to_all"], th.get("all_to_all"), m["all_to_all_at_load"]
+        exact = "—" if not m["all_to_all_exact_steps"] else "{} of {}".format(*m["all_to_all_exact_steps"])
+        lines.append(
+            " | ".join(
+                [
+                    f"| {r['layout']}",
+                    _num(a2a),
+                    _num(bal),
+                    _num(a2a / bal if a2a is not None and bal else None, "{:.4f}"),
+                    _num(load),
+                    _num(a2a / load if a2a is not None and load else None, "{:.4f}"),
+                    exact,
+                    _num(by.get("all_reduce")),
+                    _num(th.get("all_reduce")) + " |",
+                ]
             )
-        lines += [
-            "",
-            "Bytes are payload bytes (parallel/comm.py counts each all_to_all's input on the sending rank).",
-            "",
-        ]
-    per = [x["row"] for x in ratios if x["row"]["moe"].get("per_step")]
-    if per:
-        head, sep = ["| step"], ["|---:"]
+        )
+    return lines + [
+        "",
+        "Bytes are payload bytes (parallel/comm.py counts each all_to_all's input on the sending rank).",
+        "",
+    ]
+
+
+def _moe_load_table(per: list[dict]) -> list[str]:
+    """Each MoE layer's max/mean tokens per expert, a column per (row, layer), a line per step (warm-up marked)."""
+    head, sep = ["| step"], ["|---:"]
+    for r in per:
+        for layer in r["moe"]["per_step"]["max_over_mean"][0]:
+            head.append(f"{r['layout']} layer {layer}")
+            sep.append("---:")
+    lines = [
+        "Each MoE layer's max/mean tokens per expert, per step (the first ok repeat; steps up to the "
+        "warm-up marked w; 1.00 is perfectly balanced, E/K = "
+        f"{per[0]['moe']['experts'] / per[0]['moe']['top_k']:.0f} the most possible):",
+        "",
+        " | ".join(head) + " |",
+        "|".join(sep) + "|",
+    ]
+    steps = sorted({s for r in per for s in r["moe"]["per_step"]["steps"]})
+    warm = per[0]["moe"].get("warmup")
+    for step in steps:
+        cells = [f"| {step}" + (" w" if warm is not None and step <= warm else "")]
         for r in per:
-            for layer in r["moe"]["per_step"]["max_over_mean"][0]:
-                head.append(f"{r['layout']} layer {layer}")
-                sep.append("---:")
-        lines += [
-            "Each MoE layer's max/mean tokens per expert, per step (the first ok repeat; steps up to the "
-            "warm-up marked w; 1.00 is perfectly balanced, E/K = "
-            f"{per[0]['moe']['experts'] / per[0]['moe']['top_k']:.0f} the most possible):",
-            "",
-            " | ".join(head) + " |",
-            "|".join(sep) + "|",
-        ]
-        steps = sorted({s for r in per for s in r["moe"]["per_step"]["steps"]})
-        warm = per[0]["moe"].get("warmup")
-        for step in steps:
-            cells = [f"| {step}" + (" w" if warm is not None and step <= warm else "")]
-            for r in per:
-                ps = r["moe"]["per_step"]
-                values = ps["max_over_mean"][ps["steps"].index(step)] if step in ps["steps"] else None
-                cells += [f"{v:.2f}" for v in values.values()] if values else ["—"] * len(ps["max_over_mean"][0])
-            lines.append(" | ".join(cells) + " |")
-        lines.append("")
-    if heatmap:
-        lines += ["![moe_load](moe_load.png)", ""]
-    return "\n".join(lines)
+            ps = r["moe"]["per_step"]
+            values = ps["max_over_mean"][ps["steps"].index(step)] if step in ps["steps"] else None
+            cells += [f"{v:.2f}" for v in values.values()] if values else ["—"] * len(ps["max_over_mean"][0])
+        lines.append(" | ".join(cells) + " |")
+    return lines + [""]
 
 
 def render_section(rows: list[dict], meta: dict | None = None) -> str:
@@ -419,249 +437,6 @@ def muon_markdown(rows: list[dict]) -> str:
             f"{m['sent_bytes']:,} | {r['status']} |"
         )
     return "\n".join(lines) + "\n"
-
-
-# ----------------------------------------------------------------------------- plots
-
-
-def ring_bytes(by_kind: dict[str, int], n: int) -> float:
-    """Bytes a rank sends on a ring for these payloads: 2(N-1)/N per all-reduce, (N-1)/N per gather/scatter."""
-    return sum(v * (2 if k == "all_reduce" else 1) * (n - 1) / n for k, v in by_kind.items())
-
-
-def write_plots(rows: list[dict], setup: Setup, out: str) -> list[str]:
-    """throughput.png, memory.png, comm_vs_world.png; [] (and one line saying why) if matplotlib won't import."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        print(f"[bench] plots skipped: matplotlib does not import ({e}); pip install -r requirements.txt", flush=True)
-        return []
-    labels = [f"{r['layout']}\n{_impl(r)}\n{r['nproc']} rk" for r in rows]
-    colors = [
-        "tab:gray"
-        if r["implementation"] == "none"
-        else ("tab:blue" if r["implementation"] == "custom" else "tab:orange")
-        for r in rows
-    ]
-    x = list(range(len(rows)))
-
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
-    tps = [r["tokens_per_sec"] or 0 for r in rows]
-    ax.bar(x, tps, color=colors)
-    for i, r in enumerate(rows):
-        text = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else r["status"].split(":")[0]
-        ax.text(i, tps[i], text, ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(x, labels, fontsize=7)
-    ax.set_ylabel("tokens/s (median)")
-    ax.set_title(f"Throughput per layout ({setup.model}, {setup.global_batch_tokens} tokens/step; MFU on bars)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "throughput.png"), dpi=120)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(rows)), 4))
-    for ax, key, title in (
-        (axes[0], "peak_memory_bytes", "peak memory, rank 0"),
-        (axes[1], "state_bytes", "params + grads + optimizer state, rank 0"),
-    ):
-        ax.bar(x, [(r[key] or 0) / MiB for r in rows], color=colors)
-        ax.set_xticks(x, labels, fontsize=7)
-        ax.set_ylabel("MiB")
-        ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "memory.png"), dpi=120)
-    plt.close(fig)
-
-    world = list(range(2, 17))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    style = {
-        "ddp": "tab:blue",
-        "fsdp": "tab:green",
-        "tp": "tab:red",
-        "2d-ddp": "tab:purple",
-        "2d-fsdp": "tab:brown",
-        "pp": "tab:olive",
-        "pp-dp": "tab:cyan",
-        "pp-tp": "tab:pink",
-        "3d": "black",
-        "zero1": "gold",
-        "zero2": "darkorange",
-        "hsdp": "darkgreen",
-    }
-    curves = comm_curves(setup, world)
-    for name, ds in curves.items():
-        ax.plot(world, [sum(d.values()) / MiB for d in ds], color=style[name], label=f"{name} theory (payload)")
-        ax.plot(
-            world,
-            [ring_bytes(d, n) / MiB for d, n in zip(ds, world)],
-            color=style[name],
-            ls="--",
-            lw=0.8,
-            label=f"{name} theory (ring bytes sent)",
-        )
-    for r in rows:
-        if r["implementation"] == "custom" and r["layout"] in style:
-            if r["layout"] not in curves:  # a point of its own, no curve: 2D and the PP layouts
-                ax.scatter(
-                    [r["nproc"]],
-                    [r["comm_theory_bytes"] / MiB],
-                    facecolors="none",
-                    edgecolors=style[r["layout"]],
-                    s=60,
-                    label=f"{r['layout']} theory",
-                )
-            if r["comm_bytes"] is not None:
-                ax.scatter(
-                    [r["nproc"]],
-                    [r["comm_bytes"] / MiB],
-                    color=style[r["layout"]],
-                    marker="x",
-                    s=60,
-                    zorder=5,
-                    label=f"{r['layout']} measured",
-                )
-    ax.set_yscale("log")
-    ax.set_xlabel("world size N (N = 1: no communication)")
-    ax.set_ylabel("MiB per rank per optimizer step")
-    ax.set_title(f"Communication vs world size ({setup.model}, {setup.global_batch_tokens} tokens/step)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "comm_vs_world.png"), dpi=120)
-    plt.close(fig)
-    names = ["throughput", "memory", "comm_vs_world"]
-    if write_memory_ladder(rows, setup, out, plt):
-        names.append("memory_ladder")
-    if write_moe_load(rows, out, plt):
-        names.append("moe_load")
-    return names
-
-
-LADDER = ("ddp", "zero1", "zero2", "fsdp", "hsdp")  # the ZeRO paper's Figure 1 order, then HSDP
-
-
-def ladder_formula(layout: str, psi: float, n: int, s: int) -> dict[str, float]:
-    """The ZeRO paper's bytes per rank (fp32 Adam, Ψ = parameter bytes), params / grads / optimizer state."""
-    return {
-        "ddp": {"params": psi, "grads": psi, "optimizer": 2 * psi},
-        "zero1": {"params": psi, "grads": psi, "optimizer": 2 * psi / n},
-        "zero2": {"params": psi, "grads": psi / n, "optimizer": 2 * psi / n},
-        "fsdp": {"params": psi / n, "grads": psi / n, "optimizer": 2 * psi / n},
-        "hsdp": {"params": psi / s, "grads": psi / s, "optimizer": 2 * psi / s},
-    }[layout]
-
-
-def write_memory_ladder(rows: list[dict], setup: Setup, out: str, plt) -> bool:
-    """memory_ladder.png: measured params / grads / optimizer state per rank (rank 0) of our DDP, ZeRO-1,
-    ZeRO-2, ZeRO-3 and HSDP, stacked, next to the ZeRO paper's formula (outlined). False if no row has it."""
-    from bench.matrix import param_count
-
-    picked = [
-        r
-        for name in LADDER
-        for r in rows
-        if r["layout"] == name
-        and r["implementation"] == "custom"
-        and r["status"] == "ok"
-        and r.get("state_bytes_by_kind")
-    ]
-    if not picked:
-        return False
-    psi = 4 * param_count(setup.config)
-    fig, ax = plt.subplots(figsize=(1.6 * len(picked) + 2, 4.5))
-    colors = {"params": "tab:blue", "grads": "tab:orange", "optimizer": "tab:green"}
-    for i, r in enumerate(picked):
-        bottom, fbottom = 0.0, 0.0
-        formula = ladder_formula(r["layout"], psi, r["dp"], r["dp"] // r.get("replicate", 1))
-        for kind, color in colors.items():
-            v = r["state_bytes_by_kind"][kind] / MiB
-            ax.bar(i - 0.18, v, 0.34, bottom=bottom, color=color, label=kind if i == 0 else None)
-            ax.bar(
-                i + 0.18,
-                formula[kind] / MiB,
-                0.34,
-                bottom=fbottom,
-                fill=False,
-                edgecolor=color,
-                hatch="//",
-                label=f"{kind} (formula)" if i == 0 else None,
-            )
-            bottom += v
-            fbottom += formula[kind] / MiB
-        ax.text(i - 0.18, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(
-        range(len(picked)),
-        [
-            f"{r['layout']}\nN={r['dp']}" + (f", R={r['replicate']}" if r.get("replicate", 1) > 1 else "")
-            for r in picked
-        ],
-        fontsize=8,
-    )
-    ax.set_ylabel("MiB per rank")
-    ax.set_title(f"State per rank: measured (solid) vs the ZeRO formulas (hatched), Ψ = {psi / MiB:.1f} MiB")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "memory_ladder.png"), dpi=120)
-    plt.close(fig)
-    return True
-
-
-def load_matrix(per_step: dict, ep: int = 1) -> tuple[list[str], list[int], list[list[float]]]:
-    """A run's tokens per expert as (row labels "layer i, expert e" (+ ", rank r" that holds it under EP), steps,
-    [row][step] tokens ÷ that layer's mean over its experts that step)."""
-    layers = list(per_step["expert_tokens"][0])
-    labels, grid = [], []
-    for layer in layers:
-        E = len(per_step["expert_tokens"][0][layer])
-        for e in range(E):
-            labels.append(f"layer {layer}, expert {e}" + (f", rank {e // (E // ep)}" if ep > 1 else ""))
-            grid.append([tokens[layer][e] * E / max(1, sum(tokens[layer])) for tokens in per_step["expert_tokens"]])
-    return labels, list(per_step["steps"]), grid
-
-
-def write_moe_load(rows: list[dict], out: str, plt) -> bool:
-    """moe_load.png: x = step, y = (MoE layer, expert), colour = the expert's tokens ÷ the layer's mean that step,
-    for the moe-ep run (the first ok repeat; the one-process moe run if there is none). False if no row has it."""
-    pick = [
-        r
-        for name in ("moe-ep", "moe")
-        for r in rows
-        if r["layout"] == name and r.get("moe") and r["moe"].get("per_step")
-    ]
-    if not pick:
-        return False
-    from matplotlib.colors import TwoSlopeNorm
-
-    r = pick[0]
-    labels, steps, grid = load_matrix(r["moe"]["per_step"], r["moe"]["ep"])
-    flat = [v for row in grid for v in row]
-    norm = TwoSlopeNorm(vcenter=1.0, vmin=min(min(flat), 0.9), vmax=max(max(flat), 1.1))
-    fig, ax = plt.subplots(figsize=(max(6, 0.45 * len(steps) + 3), max(3, 0.28 * len(labels) + 1.5)))
-    im = ax.imshow(grid, aspect="auto", cmap="coolwarm", norm=norm, interpolation="nearest")
-    if len(steps) * len(labels) <= 600:
-        for i, row in enumerate(grid):
-            for j, v in enumerate(row):
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6)
-    warm = r["moe"].get("warmup")
-    if warm and any(s > warm for s in steps):
-        ax.axvline(sum(s <= warm for s in steps) - 0.5, color="black", ls="--", lw=1)
-    E = r["moe"]["experts"]
-    for b in range(E, len(labels), E):
-        ax.axhline(b - 0.5, color="black", lw=1)
-    ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7)
-    ax.set_yticks(range(len(labels)), labels, fontsize=7)
-    ax.set_xlabel("step (dashed: end of warm-up)")
-    fig.colorbar(im, ax=ax, label="tokens / mean tokens per expert")
-    ax.set_title(
-        f"Tokens per expert ÷ mean, {r['layout']} ({r['nproc']} rank{'s' * (r['nproc'] > 1)}, E = {E}, "
-        f"top-{r['moe']['top_k']})",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "moe_load.png"), dpi=120)
-    plt.close(fig)
-    return True
 
 
 def write_outputs(rows: list[dict], meta: dict, setup: Setup, out: str) -> None:

@@ -13,6 +13,7 @@ measure.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -146,111 +147,146 @@ def reduce_transient(s: Setup, pp_rank: int = 0, tail: tuple[int, int] = (0, 0),
     (`saved_activation_bytes`), a checkpointed Block's too once recomputed. 0 without a sharding engine."""
     if s.dp_type not in ZERO_STAGES:
         return 0
-    a, d, stage = s.args, s.dims, ZERO_STAGES[s.dp_type]
-    shard, pb, rb, copies = d.dp_shard * d.cp, s.param_bytes, s.reduce_bytes, s.copies_reduce_input
-    sizes = units(s, pp_rank)
-    padded = _padded(s, pp_rank)
-    params = {n: k for n, k, _ in local_params(s, pp_rank)}
-    numel = lambda names: sum(params.get(n, 0) for n in names)  # noqa: E731
-    lm_head = "lm_head.weight" if "lm_head.weight" in params else "transformer.wte.weight"
-    head = numel((lm_head, *HEAD[1:]))
-    B, T = a.micro_batch_size, a.seq_len // d.cp
-    X = block_input_bytes(s)
-    tied = "tied" in padded
-    V, v_shape = a.pp_virtual_stages or 1, a.pp_schedule in V_SCHEDULES
-    split = d.pp_enabled and a.pp_schedule in SPLIT_SCHEDULES
-    if d.pp_enabled:
-        layers = _layers(s.config, d.pp, V, a.seq_len, s.pp_layers, v_shape)
-        chunks = [chunk_of(pp_rank, v, d.pp, v_shape) for v in range(V)]
-    else:
-        layers, chunks = (range(s.config.n_layer),), [0]
-    every, every_held = state_bytes(s, pp_rank)["grads"], stage == 1 or s.grad_accum > 1
+    order = _BackwardOrder(s, pp_rank)
+    both_ends = len(order.chunks) > 1 and 0 in order.chunks and len(order.layers) - 1 in order.chunks
     # a V's rank 0 (both ends, two chunks) under ZeRO-2/3: the head's root gradient, held for chunk 0's backward
-    kept = padded["root"] * rb if stage > 1 and len(chunks) > 1 and 0 in chunks and len(layers) - 1 in chunks else 0
-    orders = {}
-    for c in chunks:
-        blocks, first, last = list(layers[c]), c == 0, c == len(layers) - 1
-        ends = ends_saved_bytes(s, B, T, first, False)
+    kept = order.padded["root"] * s.reduce_bytes if ZERO_STAGES[s.dp_type] > 1 and both_ends else 0
+    shards = state_bytes(s, pp_rank)["grads"] - missing
+    return max([0, *(_most_held(s, order.chunk(c), c == 0, tail, kept, shards) for c in order.chunks)])
+
+
+class _Unit(NamedTuple):
+    """One unit a chunk backward completes: its gradient elements (the parameter gradients its flat gradient
+    concatenates, and any waiting beside them), its flat gradient's elements (padded), the elements ZeRO-3 holds
+    gathered meanwhile, this micro-batch's activation bytes still saved, its group's size, and whether a split
+    schedule keeps its flat gradient for the W."""
+
+    grads: int
+    padded: int
+    gathered: int
+    saved: int
+    group: int
+    for_w: bool
+
+
+def _most_held(s: Setup, order: list[_Unit], first: bool, tail: tuple[int, int], kept: int, shards: int) -> int:
+    """The most bytes a chunk backward holds as it completes `order`'s units (`reduce_transient`): the unit's
+    `theory.reduce_held_bytes`, with the two flat gradients reduced before it in flight (split: the chain of W
+    reductions from `tail` on) and the B's flat gradients kept for W, plus what ZeRO-3 holds gathered, the saved
+    activations, the root gradient `kept` for chunk 0's backward (in the head's chunk, once its first unit is
+    done), and the shard gradients (`shards` when every one is held, else those of the units reduced before)."""
+    stage, pb = ZERO_STAGES[s.dp_type], s.param_bytes
+    every_held, split = stage == 1 or s.grad_accum > 1, _split(s)
+    most, chain, held_for_w = 0, list(tail), 0  # split: the reductions in flight (.., before, prev); kept for W
+    for i, u in enumerate(order):
+        if split:
+            prev, before = chain[-1], chain[-2]
+        else:
+            prev, before = (order[i - 1].padded if i >= 1 else 0), (order[i - 2].padded if i >= 2 else 0)
+        held = reduce_held_bytes(
+            stage, u.grads, u.padded, prev, before, u.group, pb, s.reduce_bytes, s.copies_reduce_input
+        )
+        reduced = shards if every_held else 4 * sum(v.padded // v.group for v in order[: max(i - 2, 0)])
+        most = max(most, held + held_for_w * pb + u.gathered * pb + u.saved + (kept if first or i > 0 else 0) + reduced)
+        if u.for_w:
+            held_for_w += u.padded
+        else:
+            chain.append(u.padded)
+    return most
+
+
+class _BackwardOrder:
+    """The units each of a rank's chunk backwards completes, in order (`reduce_transient`'s docstring): what the
+    rank's chunks share (its units' sizes, parameters, layers and chunks), and per chunk `chunk(c)`."""
+
+    def __init__(self, s: Setup, pp_rank: int):
+        a, d = s.args, s.dims
+        self.s, self.stage, self.shard = s, ZERO_STAGES[s.dp_type], d.dp_shard * d.cp
+        self.sizes, self.padded = units(s, pp_rank), _padded(s, pp_rank)
+        self.tied = "tied" in self.padded
+        self.params = {n: k for n, k, _ in local_params(s, pp_rank)}
+        self.lm_head = "lm_head.weight" if "lm_head.weight" in self.params else "transformer.wte.weight"
+        self.head = self.numel((self.lm_head, *HEAD[1:]))
+        self.B, self.T = a.micro_batch_size, a.seq_len // d.cp
+        V, v_shape = a.pp_virtual_stages or 1, a.pp_schedule in V_SCHEDULES
+        self.split = d.pp_enabled and a.pp_schedule in SPLIT_SCHEDULES
+        if d.pp_enabled:
+            self.layers = _layers(s.config, d.pp, V, a.seq_len, s.pp_layers, v_shape)
+            self.chunks = [chunk_of(pp_rank, v, d.pp, v_shape) for v in range(V)]
+        else:
+            self.layers, self.chunks = (range(s.config.n_layer),), [0]
+
+    def numel(self, names: tuple[str, ...]) -> int:
+        """The rank's elements of the named parameters."""
+        return sum(self.params.get(n, 0) for n in names)
+
+    def chunk(self, c: int) -> list[_Unit]:
+        """Chunk c's units in the order its backward completes them: a last stage's head (after the Blocks under a
+        split schedule), the Blocks top down, a first stage's embeddings. With both ends (no pipeline) lm_head's
+        and ln_f's gradients wait beside every unit until the root's concatenation."""
+        blocks, first, last = list(self.layers[c]), c == 0, c == len(self.layers) - 1
+        below = self.saved_below(blocks, first)
+        heads = self.head_units(below) if last and not first else []
+        waiting = self.head if first and last else 0
+        ends = self.embedding_units(below, waiting, last) if first else []
+        body = self.block_units(blocks, below, waiting)
+        return [*body, *heads, *ends] if self.split else [*heads, *body, *ends]
+
+    def saved_below(self, blocks: list[int], first: bool) -> list[int]:
+        """below[k]: this micro-batch's activation bytes still saved as Block blocks[k] completes, the ends' and the
+        Blocks' under it (a checkpointed Block's input); split, also the (x, dy) the Blocks from k up keep for the
+        W, about their saved bytes."""
+        s, B, T = self.s, self.B, self.T
+        X, ends = block_input_bytes(s), ends_saved_bytes(s, B, T, first, False)
         below = [
             ends + sum(X if recomputed_blocks(s, [i]) else block_saved_bytes(s, B, T, i) for i in blocks[:k])
             for k in range(len(blocks) + 1)
         ]
-        if split:  # the Blocks from k up keep their linears' (x, dy) for the W: about their saved bytes
+        if self.split:
             below = [below[k] + sum(block_saved_bytes(s, B, T, i) for i in blocks[k:]) for k in range(len(below))]
-        # (gradient elements, padded, gathered elements, activation bytes, the unit's group size, kept for W)
-        order: list[tuple[int, int, int, int, int, bool]] = []
-        heads: list[tuple[int, int, int, int, int, bool]] = []
-        if last and not first:  # split: after the Blocks (measured), all of whose (x, dy) are still kept
-            all_saved = below[0] if split else below[-1] + ends_saved_bytes(s, B, T, False, True)
-            root_saved = below[0] if split else 0
-            heads = (
-                [
-                    (params[lm_head], padded["tied"], 0, all_saved, shard, False),
-                    (head - params[lm_head], padded["root"], 0, root_saved, shard, False),
-                ]
-                if tied
-                else [(head, padded["root"], 0, root_saved, shard, False)]
-            )
-        if not split:
-            order += heads
-        waiting = head if first and last else 0  # lm_head's and ln_f's gradients, until the root's concatenation
-        with_experts = lambda u: padded[u] + padded.get(f"{u}.experts", 0)  # noqa: E731 (gathered together)
+        return below
+
+    def head_units(self, below: list[int]) -> list[_Unit]:
+        """A last stage's head (not also the first): the tied lm_head copy, with every activation still saved,
+        then the root's ln_f; untied, one root. Split: after the Blocks, all of whose (x, dy) are still kept."""
+        p, shard = self.padded, self.shard
+        all_saved = below[0] if self.split else below[-1] + ends_saved_bytes(self.s, self.B, self.T, False, True)
+        root_saved = below[0] if self.split else 0
+        if not self.tied:
+            return [_Unit(self.head, p["root"], 0, root_saved, shard, False)]
+        lm = self.params[self.lm_head]
+        return [
+            _Unit(lm, p["tied"], 0, all_saved, shard, False),
+            _Unit(self.head - lm, p["root"], 0, root_saved, shard, False),
+        ]
+
+    def block_units(self, blocks: list[int], below: list[int], waiting: int) -> list[_Unit]:
+        """The Blocks top down, under ZeRO-3 each gathered with the one below it (prefetched), experts included. A
+        Block's experts' unit completes first, in the MoE's backward, the Block's attention and LayerNorms still
+        saved (not split: their (x, dy) are kept for the W in any case)."""
+        s, p, split, out = self.s, self.padded, self.split, []
+        with_experts = lambda u: p[u] + p.get(f"{u}.experts", 0)  # noqa: E731 (gathered together)
         for k in reversed(range(len(blocks))):
             u, lower = f"transformer.h.{blocks[k]}", f"transformer.h.{blocks[k - 1]}" if k else None
-            gathered = with_experts(u) + (with_experts(lower) if lower else 0) if stage == 3 else 0
-            if f"{u}.experts" in padded:  # its experts' unit completes first, in the MoE's backward, the Block's
-                # attention and LayerNorms still saved
-                e = f"{u}.experts"
-                rest = block_saved_bytes(s, B, T, blocks[k]) - moe_saved_bytes(s, B, T)
-                order.append(
-                    (sizes[e][0], padded[e], gathered, below[k] + (0 if split else rest), unit_shard(s, e), split)
-                )
-            order.append((sizes[u][0] + waiting, padded[u], gathered, below[k], shard, split))
-        if split:
-            order += heads
-        if first:
-            wpe, saved = numel(EMBEDDINGS[1:]), below[0] if split else 0  # split: the Blocks' (x, dy) still kept
-            order += (
-                [
-                    (numel(EMBEDDINGS), padded["tied"], 0, saved, shard, False),
-                    (wpe, padded["root"], 0, saved, shard, False),
-                ]
-                if tied and not last
-                else [
-                    (
-                        numel(EMBEDDINGS) + waiting - (params[lm_head] if last else 0),
-                        padded["root"],
-                        0,
-                        saved,
-                        shard,
-                        False,
-                    )
-                ]
-            )
-        orders[c] = order
-    most, every = 0, every - missing
-    for c, order in orders.items():
-        first = c == 0
-        chain, held_for_w = list(tail), 0  # split: the reductions in flight (.., before, prev); the B's kept for W
-        for i, (grads, n, gathered, saved, group, for_w) in enumerate(order):
-            if split:
-                prev, before = chain[-1], chain[-2]
-            else:
-                prev, before = (order[i - 1][1] if i >= 1 else 0), (order[i - 2][1] if i >= 2 else 0)
-            held = reduce_held_bytes(stage, grads, n, prev, before, group, pb, rb, copies) + held_for_w * pb
-            most = max(
-                most,
-                held
-                + gathered * pb
-                + saved
-                + (kept if first or i > 0 else 0)
-                + (every if every_held else 4 * sum(u[1] // u[4] for u in order[: max(i - 2, 0)])),
-            )
-            if for_w:
-                held_for_w += n
-            else:
-                chain.append(n)
-    return most
+            gathered = with_experts(u) + (with_experts(lower) if lower else 0) if self.stage == 3 else 0
+            if (e := f"{u}.experts") in p:
+                rest = block_saved_bytes(s, self.B, self.T, blocks[k]) - moe_saved_bytes(s, self.B, self.T)
+                saved = below[k] + (0 if split else rest)
+                out.append(_Unit(self.sizes[e][0], p[e], gathered, saved, unit_shard(s, e), split))
+            out.append(_Unit(self.sizes[u][0] + waiting, p[u], gathered, below[k], self.shard, split))
+        return out
+
+    def embedding_units(self, below: list[int], waiting: int, last: bool) -> list[_Unit]:
+        """A first stage's embeddings: both tables' gradients exist before either unit is concatenated; tied (and
+        not also the last stage) the tied unit (wte), then the root (wpe); else one root, with the head's waiting
+        gradients and less the tied lm_head's (counted in wte's). Split: the Blocks' (x, dy) still kept."""
+        p, shard, saved = self.padded, self.shard, below[0] if self.split else 0
+        both = self.numel(EMBEDDINGS)
+        if self.tied and not last:
+            wpe = self.numel(EMBEDDINGS[1:])
+            return [_Unit(both, p["tied"], 0, saved, shard, False), _Unit(wpe, p["root"], 0, saved, shard, False)]
+        lm = self.params[self.lm_head] if last else 0
+        return [_Unit(both + waiting - lm, p["root"], 0, saved, shard, False)]
 
 
 def reduce_phase(s: Setup, pp_rank: int = 0) -> int:

@@ -180,176 +180,248 @@ def simulate_schedule(
     F/B/W out of order, work on another rank's chunk, or any (chunk, micro) without exactly one F and one B (and
     one W in a split schedule). A rank holds a micro-batch's activations from its F to its B, or to its W when
     split (what W needs stays until W): `max_in_flight`."""
+    _check_models(p2p, links, batched)
+    if len(schedule) != pp:
+        raise ScheduleError(f"schedule has {len(schedule)} ranks, pp={pp}")
+    split = is_split(schedule)
+    _, b_default, w_default = unit_times(split)
+    cost = {F: f_time, B: b_default if b_time is None else b_time, W: w_default if w_time is None else w_time}
+    if micro_batches is None:
+        micro_batches = 1 + max((a.micro for ops in schedule for a in ops), default=-1)
+    _check_places(schedule, pp, virtual, micro_batches, v_shape)
+    sim = _Simulation(schedule, pp, virtual, cost, W if split else B, p2p, v_shape, links, batched)
+    while sim.left:
+        if not sim.round():
+            sim.deadlock()
+    sim.check_complete(micro_batches, COMPUTE if split else (F, B))
+    return SimResult(max(sim.clock), sim.timeline, sim.peak, sim.busy)
+
+
+def _check_models(p2p: str, links: bool, batched: bool) -> None:
+    """The p2p model is one of P2P_MODELS, and `links` or `batched` (not both) only fix "nccl_eager"."""
     if p2p not in P2P_MODELS:
         raise ValueError(f"unknown p2p model {p2p!r}; known: {P2P_MODELS}")
     if (links or batched) and p2p != "nccl_eager":
         raise ValueError("links and batched are fixes of the nccl_eager model")
     if links and batched:
         raise ValueError("links or batched, not both")
-    if len(schedule) != pp:
-        raise ScheduleError(f"schedule has {len(schedule)} ranks, pp={pp}")
+
+
+def _check_places(schedule: list[list[Action]], pp: int, virtual: int, micro_batches: int, v_shape: bool) -> None:
+    """Every action is listed on the rank that holds its chunk, names a chunk and micro-batch that exist, and
+    sends or receives only across a chunk boundary that has a neighbour."""
     chunks = pp * virtual
-    split = is_split(schedule)
-    _, b_default, w_default = unit_times(split)
-    cost = {F: f_time, B: b_default if b_time is None else b_time, W: w_default if w_time is None else w_time}
-    release = W if split else B
-    if micro_batches is None:
-        micro_batches = 1 + max((a.micro for ops in schedule for a in ops), default=-1)
     for r, ops in enumerate(schedule):
         for a in ops:
             if rank_of(a.chunk, pp, v_shape) != r or not 0 <= a.chunk < chunks or not 0 <= a.micro < micro_batches:
                 raise ScheduleError(f"rank {r} cannot run {a} (pp={pp}, virtual={virtual}, M={micro_batches})")
             if (a.kind in (SEND_F, RECV_B) and a.chunk == chunks - 1) or (a.kind in (RECV_F, SEND_B) and a.chunk == 0):
                 raise ScheduleError(f"rank {r}: {a} has no neighbouring chunk")
-    done: set[Action] = set()  # computes and receives completed, over all ranks (chunks name their rank)
-    pos, clock, held, peak, busy = [0] * pp, [0] * pp, [0] * pp, [0] * pp, [0] * pp
-    timeline: list[list[tuple[int, int, Action]]] = [[] for _ in range(pp)]
-    posted: dict[tuple[int, int], deque] = defaultdict(deque)  # async: (src, dst) -> sends in flight
-    listening: dict[tuple[int, int], deque] = defaultdict(deque)  # async: (src, dst) -> receives posted, unmatched
-    streams: dict[tuple[int, int], deque[_Entry]] = defaultdict(deque)  # FIFO_MODELS: (rank, stream) -> entries
-    free: dict[tuple[int, int], int] = defaultdict(int)  # FIFO_MODELS: when a stream's last entry ended
-    arrived: dict[Action, int] = {}  # async, FIFO_MODELS: when a completed receive's data is there
-    pending: set[Action] = set()  # async, FIFO_MODELS: receives posted and not yet completed
-    sent: dict[Action, int] = {}  # sends matched with their receive, and when: what a send wait waits for
-    waits = [send_waits(ops) for ops in schedule]  # where each rank waits on its sends (PipelineRunner's rule)
 
-    def stream(r: int, q: int, a: Action) -> tuple[int, int]:
+
+class _Simulation:
+    """One run of simulate_schedule: each rank's place in its list and its clock, what has completed, the messages
+    in flight under the p2p model, and what each action needs (`_needs`). `round` moves every rank as far as it
+    can; the caller repeats it until every action is done, or no rank moves (`deadlock`)."""
+
+    def __init__(
+        self,
+        schedule: list[list[Action]],
+        pp: int,
+        virtual: int,
+        cost: dict[str, Times],
+        release: str,
+        p2p: str,
+        v_shape: bool,
+        links: bool,
+        batched: bool,
+    ):
+        self.schedule, self.pp, self.chunks, self.cost, self.release = schedule, pp, pp * virtual, cost, release
+        self.p2p, self.v_shape, self.links, self.batched = p2p, v_shape, links, batched
+        self.done: set[Action] = set()  # computes and receives completed, over all ranks (chunks name their rank)
+        self.pos, self.clock, self.held, self.peak, self.busy = [0] * pp, [0] * pp, [0] * pp, [0] * pp, [0] * pp
+        self.timeline: list[list[tuple[int, int, Action]]] = [[] for _ in range(pp)]
+        self.posted: dict[tuple[int, int], deque] = defaultdict(deque)  # async: (src, dst) -> sends in flight
+        self.listening: dict[tuple[int, int], deque] = defaultdict(deque)  # async: (src, dst) -> receives unmatched
+        self.streams: dict[tuple[int, int], deque[_Entry]] = defaultdict(deque)  # FIFO_MODELS: (rank, stream)
+        self.free: dict[tuple[int, int], int] = defaultdict(int)  # FIFO_MODELS: when a stream's last entry ended
+        self.arrived: dict[Action, int] = {}  # async, FIFO_MODELS: when a completed receive's data is there
+        self.pending: set[Action] = set()  # async, FIFO_MODELS: receives posted and not yet completed
+        self.sent: dict[Action, int] = {}  # sends matched with their receive, and when: what a send wait waits for
+        self.needs = self._needs()
+        self.left = sum(len(ops) for ops in schedule)
+
+    def stream(self, r: int, q: int, a: Action) -> tuple[int, int]:
         """The stream rank r posts `a` (to or from q) on: the pair's ("nccl"), the group's ("nccl_eager": 0,
         or the link's group)."""
-        if p2p == "nccl":
+        if self.p2p == "nccl":
             return r, q
-        if not links:
+        if not self.links:
             return r, 0
         c = boundary(a)
-        return r, p2p_link(rank_of(c, pp, v_shape), rank_of(c + 1, pp, v_shape), pp)
+        return r, p2p_link(rank_of(c, self.pp, self.v_shape), rank_of(c + 1, self.pp, self.v_shape), self.pp)
 
-    # per action, what running or posting it needs: a compute its input's arrival (None: its input is a batch
-    # of data, or it is a W) and the sends it waits on; a SEND/RECV its peer, the peer's action, and for the
-    # FIFO models its stream, the peer's, and whether it is the last op of its call
-    plan: list[list[tuple]] = []
-    for r, ops in enumerate(schedule):
-        row = []
-        for i, a in enumerate(ops):
-            if a.kind in COMPUTE:
-                src = a.chunk - 1 if a.kind == F else a.chunk + 1
-                arrival = None
-                if a.kind != W and 0 <= src < chunks:
-                    local = rank_of(src, pp, v_shape) == r
-                    arrival = (
-                        Action(a.kind, src, a.micro) if local else Action(RECV_F if a.kind == F else RECV_B, *a[1:])
-                    )
-                row.append((arrival, waits[r].get(a, ())))
-            else:
-                q, want = _peer(a, pp, v_shape)
-                nxt = ops[i + 1] if i + 1 < len(ops) else None
-                closes = not (batched and nxt is not None and nxt.kind not in COMPUTE)
-                keys = (stream(r, q, a), stream(q, r, want)) if p2p in FIFO_MODELS else (None, None)
-                row.append((q, want, *keys, closes))
-        plan.append(row)
-    left = sum(len(ops) for ops in schedule)
+    def _needs(self) -> list[list[tuple]]:
+        """Per action, what running or posting it needs: a compute its input's arrival (None: its input is a batch
+        of data, or it is a W) and the sends it waits on (`send_waits`: PipelineRunner's rule); a SEND/RECV its
+        peer, the peer's action, and for the FIFO models its stream, the peer's, and whether it is the last op of
+        its call."""
+        pp, v_shape, chunks = self.pp, self.v_shape, self.chunks
+        out: list[list[tuple]] = []
+        for r, ops in enumerate(self.schedule):
+            waits, row = send_waits(ops), []
+            for i, a in enumerate(ops):
+                if a.kind in COMPUTE:
+                    src = a.chunk - 1 if a.kind == F else a.chunk + 1
+                    arrival = None
+                    if a.kind != W and 0 <= src < chunks:
+                        local = rank_of(src, pp, v_shape) == r
+                        arrival = (
+                            Action(a.kind, src, a.micro) if local else Action(RECV_F if a.kind == F else RECV_B, *a[1:])
+                        )
+                    row.append((arrival, waits.get(a, ())))
+                else:
+                    q, want = _peer(a, pp, v_shape)
+                    nxt = ops[i + 1] if i + 1 < len(ops) else None
+                    closes = not (self.batched and nxt is not None and nxt.kind not in COMPUTE)
+                    fifo = self.p2p in FIFO_MODELS
+                    keys = (self.stream(r, q, a), self.stream(q, r, want)) if fifo else (None, None)
+                    row.append((q, want, *keys, closes))
+            out.append(row)
+        return out
 
-    def head(r: int) -> Action | None:
-        return schedule[r][pos[r]] if pos[r] < len(schedule[r]) else None
+    def head(self, r: int) -> Action | None:
+        """Rank r's next action, None when its list is done."""
+        return self.schedule[r][self.pos[r]] if self.pos[r] < len(self.schedule[r]) else None
 
-    def post(r: int, a: Action) -> bool:
+    def round(self) -> bool:
+        """Every rank runs the computes at the head of its list that can run, then posts the p2p ops after them
+        that it can; then the posted messages meet under the p2p model. Whether anything moved."""
+        moved = False
+        for r in range(self.pp):
+            moved |= self.compute(r)
+            ops, n = self.schedule[r], len(self.schedule[r])
+            while self.pos[r] < n and (a := ops[self.pos[r]]).kind not in COMPUTE and self.post(r, a):
+                moved = True
+        if self.p2p in FIFO_MODELS:
+            moved |= _match_stream_heads(self.streams, self.free, self.arrived, self.done, self.sent)
+        if self.p2p == "async":
+            moved |= self.match_async()
+        self.pending -= self.done
+        return moved
+
+    def compute(self, r: int) -> bool:
+        """Rank r runs the computes at the head of its list while each one's input is there and the sends it waits
+        on are matched, each from the later of the rank's clock and those times; whether it ran any. Raises on a
+        compute run twice, out of F/B/W order, or before its input's receive is posted."""
+        ops, n, done, moved = self.schedule[r], len(self.schedule[r]), self.done, False
+        while self.pos[r] < n and (a := ops[self.pos[r]]).kind in COMPUTE:
+            arrival, ws = self.needs[r][self.pos[r]]
+            if a in done:
+                raise ScheduleError(f"rank {r} runs {a} twice")
+            if a.kind == B and Action(F, a.chunk, a.micro) not in done:
+                raise ScheduleError(f"rank {r} runs {a} before its forward")
+            if a.kind == W and Action(B, a.chunk, a.micro) not in done:
+                raise ScheduleError(f"rank {r} runs {a} before its input-gradient B")
+            if arrival is not None and arrival not in done:
+                if arrival in self.pending:
+                    break  # its receive is posted, the data not there yet: the rank waits
+                raise ScheduleError(f"rank {r} runs {a} before its input arrived")
+            if any(s not in self.sent for s in ws):
+                break  # a send it must wait on is not matched yet: the rank waits
+            t = max(self.clock[r], self.arrived.get(arrival, 0), *(self.sent[s] for s in ws))
+            cost = self.cost[a.kind]
+            dt = cost if isinstance(cost, int) else cost[a.chunk]
+            self.timeline[r].append((t, t + dt, a))
+            self.clock[r] = t + dt
+            self.busy[r] += dt
+            self.held[r] += 1 if a.kind == F else -1 if a.kind == self.release else 0
+            self.peak[r] = max(self.peak[r], self.held[r])
+            done.add(a)
+            self.pos[r], self.left, moved = self.pos[r] + 1, self.left - 1, True
+        return moved
+
+    def post(self, r: int, a: Action) -> bool:
         """Rank r posts its head p2p action `a`; whether it did (a blocking send waits for its receive)."""
-        nonlocal left
-        q, want, key, peer_key, closes = plan[r][pos[r]]
-        if a.kind[0] == "S" and Action(a.kind[-1], a.chunk, a.micro) not in done:
+        q, want, key, peer_key, closes = self.needs[r][self.pos[r]]
+        if a.kind[0] == "S" and Action(a.kind[-1], a.chunk, a.micro) not in self.done:
             raise ScheduleError(f"rank {r} posts {a} before computing it")  # SEND_B follows B: the input gradient
         if key is not None:  # FIFO_MODELS: isend / irecv, enqueued on its stream; the rank goes on
-            s = streams[key]
+            s = self.streams[key]
             if s and not s[-1].closed:  # batched: the call these ops go out in is still being listed
                 s[-1].ops.append((a, want, peer_key))
             else:
-                s.append(_Entry([(a, want, peer_key)], clock[r], start=max(clock[r], free[key])))
+                s.append(_Entry([(a, want, peer_key)], self.clock[r], start=max(self.clock[r], self.free[key])))
             s[-1].closed = closes
             if a.kind[0] == "R":
-                pending.add(a)  # the compute that reads it waits
-        elif p2p == "async" and a.kind[0] == "S":  # isend: queue it and go on
-            posted[(r, q)].append((a, want, clock[r]))
-        elif p2p == "async":  # irecv: post it and go on; the compute that reads it waits
-            listening[(q, r)].append((a, want, clock[r]))
-            pending.add(a)
+                self.pending.add(a)  # the compute that reads it waits
+        elif self.p2p == "async" and a.kind[0] == "S":  # isend: queue it and go on
+            self.posted[(r, q)].append((a, want, self.clock[r]))
+        elif self.p2p == "async":  # irecv: post it and go on; the compute that reads it waits
+            self.listening[(q, r)].append((a, want, self.clock[r]))
+            self.pending.add(a)
         elif a.kind[0] == "R":
             return False  # a blocking receive completes when its sender reaches the send
-        else:
-            b = head(q)
-            if b is None or b.kind[0] != "R" or _peer(b, pp, v_shape)[0] != r:
-                return False  # the peer is busy with someone else: wait (a deadlock shows as no progress)
-            if b != want:
-                raise ScheduleError(f"order mismatch: rank {r} sends {a} but rank {q} posts {b} (wants {want})")
-            clock[r] = clock[q] = sent[a] = max(clock[r], clock[q])
-            done.add(b)
-            pos[q] += 1
-            left -= 1
-        pos[r] += 1
-        left -= 1
+        elif not self.rendezvous(r, q, a, want):
+            return False
+        self.pos[r] += 1
+        self.left -= 1
         return True
 
-    while left:
+    def rendezvous(self, r: int, q: int, a: Action, want: Action) -> bool:
+        """The blocking send `a` from rank r completes with rank q's receive `want` if q is posting it now, both
+        ranks at the later of their clocks; whether it did (q busy with another peer: r waits)."""
+        b = self.head(q)
+        if b is None or b.kind[0] != "R" or _peer(b, self.pp, self.v_shape)[0] != r:
+            return False  # the peer is busy with someone else: wait (a deadlock shows as no progress)
+        if b != want:
+            raise ScheduleError(f"order mismatch: rank {r} sends {a} but rank {q} posts {b} (wants {want})")
+        self.clock[r] = self.clock[q] = self.sent[a] = max(self.clock[r], self.clock[q])
+        self.done.add(b)
+        self.pos[q] += 1
+        self.left -= 1
+        return True
+
+    def match_async(self) -> bool:
+        """Under "async" the k-th send from q to r meets the k-th receive on r from q; the data is there at the send's
+        post, the send matched at the later post. Whether any met; raises on a send meeting the wrong receive."""
         moved = False
-        for r in range(pp):
-            ops, n = schedule[r], len(schedule[r])
-            while pos[r] < n and (a := ops[pos[r]]).kind in COMPUTE:
-                arrival, ws = plan[r][pos[r]]
-                if a in done:
-                    raise ScheduleError(f"rank {r} runs {a} twice")
-                if a.kind == B and Action(F, a.chunk, a.micro) not in done:
-                    raise ScheduleError(f"rank {r} runs {a} before its forward")
-                if a.kind == W and Action(B, a.chunk, a.micro) not in done:
-                    raise ScheduleError(f"rank {r} runs {a} before its input-gradient B")
-                if arrival is not None and arrival not in done:
-                    if arrival in pending:
-                        break  # its receive is posted, the data not there yet: the rank waits
-                    raise ScheduleError(f"rank {r} runs {a} before its input arrived")
-                if any(s not in sent for s in ws):
-                    break  # a send it must wait on is not matched yet: the rank waits
-                t = max(clock[r], arrived.get(arrival, 0), *(sent[s] for s in ws))
-                dt = cost[a.kind] if isinstance(cost[a.kind], int) else cost[a.kind][a.chunk]
-                timeline[r].append((t, t + dt, a))
-                clock[r] = t + dt
-                busy[r] += dt
-                held[r] += 1 if a.kind == F else -1 if a.kind == release else 0
-                peak[r] = max(peak[r], held[r])
-                done.add(a)
-                pos[r], left, moved = pos[r] + 1, left - 1, True
-            while pos[r] < n and (a := ops[pos[r]]).kind not in COMPUTE and post(r, a):
+        for (q, r), recvs in self.listening.items():
+            while recvs and self.posted[(q, r)]:
+                (send, meets, t), (got, _, t_recv) = self.posted[(q, r)].popleft(), recvs.popleft()
+                if meets != got:
+                    raise ScheduleError(f"order mismatch: rank {q} sends {send} but rank {r} posts {got}")
+                self.arrived[got] = t
+                self.sent[send] = max(t, t_recv)
+                self.done.add(got)
                 moved = True
-        if p2p in FIFO_MODELS:
-            moved |= _match_stream_heads(streams, free, arrived, done, sent)
-        if p2p == "async":  # the k-th send from q to r meets the k-th receive on r from q
-            for (q, r), recvs in listening.items():
-                while recvs and posted[(q, r)]:
-                    (send, meets, t), (got, _, t_recv) = posted[(q, r)].popleft(), recvs.popleft()
-                    if meets != got:
-                        raise ScheduleError(f"order mismatch: rank {q} sends {send} but rank {r} posts {got}")
-                    arrived[got] = t
-                    sent[send] = max(t, t_recv)
-                    done.add(got)
-                    moved = True
-        pending -= done
-        if not moved:
-            stuck = {r: head(r) for r in range(pp) if head(r) is not None}
-            heads = {
-                k: next(op[0] for i, op in enumerate(v[0].ops) if i not in v[0].fired) for k, v in streams.items() if v
-            }
-            what = "pair heads (rank, peer)" if p2p == "nccl" else "stream heads (rank, group)"
-            raise ScheduleError(
-                f"deadlock: no rank can progress; waiting {stuck}" + (f"; {what}: {heads}" if heads else "")
-            )
-    for c in range(chunks):
-        for m in range(micro_batches):
-            for kind in COMPUTE if split else (F, B):
-                if Action(kind, c, m) not in done:
-                    raise ScheduleError(f"{Action(kind, c, m)} never runs")
-    if any(posted.values()) or any(listening.values()) or any(streams.values()):
+        return moved
+
+    def deadlock(self) -> None:
+        """Raise the deadlock: each stuck rank's head action and, for the FIFO models, each stream's head op."""
+        stuck = {r: self.head(r) for r in range(self.pp) if self.head(r) is not None}
+        heads = {
+            k: next(op[0] for i, op in enumerate(v[0].ops) if i not in v[0].fired) for k, v in self.streams.items() if v
+        }
+        what = "pair heads (rank, peer)" if self.p2p == "nccl" else "stream heads (rank, group)"
         raise ScheduleError(
-            f"sends never received: {[x[0] for x in posted.values() for x in x]}; receives never "
-            f"sent: {[x[0] for x in listening.values() for x in x]}; never completed: "
-            f"{[op[0] for s in streams.values() for e in s for op in e.ops]}"
+            f"deadlock: no rank can progress; waiting {stuck}" + (f"; {what}: {heads}" if heads else "")
         )
-    return SimResult(max(clock), timeline, peak, busy)
+
+    def check_complete(self, micro_batches: int, kinds: Sequence[str]) -> None:
+        """Every (chunk, micro) ran each of `kinds` (F and B, and W when split), and no message is left unmatched."""
+        for c in range(self.chunks):
+            for m in range(micro_batches):
+                for kind in kinds:
+                    if Action(kind, c, m) not in self.done:
+                        raise ScheduleError(f"{Action(kind, c, m)} never runs")
+        posted, listening, streams = self.posted, self.listening, self.streams
+        if any(posted.values()) or any(listening.values()) or any(streams.values()):
+            raise ScheduleError(
+                f"sends never received: {[x[0] for x in posted.values() for x in x]}; receives never "
+                f"sent: {[x[0] for x in listening.values() for x in x]}; never completed: "
+                f"{[op[0] for s in streams.values() for e in s for op in e.ops]}"
+            )
 
 
 def _sends(a: Action) -> bool:

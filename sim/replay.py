@@ -66,103 +66,138 @@ def replay_p2p(traces: dict[int, list[tuple]], d: Discipline) -> str | None:
     costs in the ops, not in rounds x ranks (1,024 ranks of a pp=32 GPipe: seconds, not a minute a discipline).
     Matching is confluent (each channel pairs its k-th send with its k-th receive; a post or a completion never
     undoes another), so the ops that complete, and a deadlock, do not depend on the order of the work."""
-    pos = {r: 0 for r in traces}
-    done: set[tuple[int, int]] = set()  # (rank, n) of completed ops
-    ops: dict[tuple[int, int], tuple] = {}  # (rank, n) -> event
-    chan: dict[tuple, dict[str, deque]] = defaultdict(lambda: {"send": deque(), "recv": deque()})
-    fifo: dict[tuple, deque] = defaultdict(deque)  # FIFO key -> (rank, n) in posting order
-    waiting: dict[int, tuple[int, int]] = {}  # a blocking post: rank -> its op
-    ready, queued = deque(traces), set(traces)  # ranks to advance
-    dirty: deque = deque()  # channels to match
-    dirty_set: set[tuple] = set()
+    return _Replay(traces, d).run()
 
-    def fifo_key(r: int, e: tuple) -> tuple | None:
-        return None if d.fifo is None else (r, e[2], e[3]) if d.fifo == "pair" else (r, e[3])
 
-    def chan_key(x: tuple[int, int]) -> tuple:
-        e = ops[x]
+class _Replay:
+    """One `replay_p2p`: each rank's place in its trace and the blocking post it waits on, the ops posted and
+    completed, each channel's unmatched sends and receives, each FIFO's ops in posting order, and the work left:
+    ranks to advance (`advance`) and channels to match (`match`)."""
+
+    def __init__(self, traces: dict[int, list[tuple]], d: Discipline):
+        self.traces, self.d = traces, d
+        self.pos = {r: 0 for r in traces}
+        self.done: set[tuple[int, int]] = set()  # (rank, n) of completed ops
+        self.ops: dict[tuple[int, int], tuple] = {}  # (rank, n) -> event
+        self.chan: dict[tuple, dict[str, deque]] = defaultdict(lambda: {"send": deque(), "recv": deque()})
+        self.fifo: dict[tuple, deque] = defaultdict(deque)  # FIFO key -> (rank, n) in posting order
+        self.waiting: dict[int, tuple[int, int]] = {}  # a blocking post: rank -> its op
+        self.ready, self.queued = deque(traces), set(traces)  # ranks to advance
+        self.dirty: deque = deque()  # channels to match
+        self.dirty_set: set[tuple] = set()
+
+    def run(self) -> str | None:
+        """Advance ranks and match channels until neither has work left; then `replay_p2p`'s verdict."""
+        while self.ready or self.dirty:
+            while self.ready:
+                r = self.ready.popleft()
+                self.queued.discard(r)
+                self.advance(r)
+            while self.dirty:
+                key = self.dirty.popleft()
+                self.dirty_set.discard(key)
+                problem = self.match(key)
+                if problem:
+                    return problem
+        return self.stuck() or self.unmatched()
+
+    def fifo_key(self, r: int, e: tuple) -> tuple | None:
+        """The FIFO rank r's post `e` joins: None, the (rank, peer, group) pair's, or the (rank, group)'s."""
+        return None if self.d.fifo is None else (r, e[2], e[3]) if self.d.fifo == "pair" else (r, e[3])
+
+    def chan_key(self, x: tuple[int, int]) -> tuple:
+        """The channel (sender, receiver, group) op x is posted on."""
+        e = self.ops[x]
         return (x[0], e[2], e[3]) if e[0] == "send" else (e[2], x[0], e[3])
 
-    def touch(key: tuple) -> None:
-        if key not in dirty_set:
-            dirty_set.add(key)
-            dirty.append(key)
+    def touch(self, key: tuple) -> None:
+        """Channel `key` may match now: queue it, once."""
+        if key not in self.dirty_set:
+            self.dirty_set.add(key)
+            self.dirty.append(key)
 
-    def advance(r: int) -> None:
-        trace = traces[r]
+    def advance(self, r: int) -> None:
+        """Rank r goes down its trace, posting each op on its channel (and FIFO), until a wait whose op is not
+        done, or a blocking post not yet matched."""
+        trace, pos, waiting, d = self.traces[r], self.pos, self.waiting, self.d
         while pos[r] < len(trace):
             if r in waiting:
-                if waiting[r] not in done:
+                if waiting[r] not in self.done:
                     break
                 del waiting[r]
             e = trace[pos[r]]
             if e[0] == "wait":
-                if (r, e[1]) not in done:
+                if (r, e[1]) not in self.done:
                     break
             else:
                 x = (r, e[1])
-                ops[x] = e
-                chan[chan_key(x)][e[0]].append(x)
-                touch(chan_key(x))
+                self.ops[x] = e
+                self.chan[self.chan_key(x)][e[0]].append(x)
+                self.touch(self.chan_key(x))
                 if d.fifo is not None:
-                    fifo[fifo_key(r, e)].append(x)
+                    self.fifo[self.fifo_key(r, e)].append(x)
                 if d.blocking:
                     waiting[r] = x
             pos[r] += 1
-        if r in waiting and waiting[r] in done:
+        if r in waiting and waiting[r] in self.done:
             del waiting[r]
 
-    def heads(x: tuple[int, int]) -> bool:
-        return d.fifo is None or fifo[fifo_key(x[0], ops[x])][0] == x
+    def heads(self, x: tuple[int, int]) -> bool:
+        """Whether op x may complete now: at the head of its FIFO, or any op without FIFOs."""
+        return self.d.fifo is None or self.fifo[self.fifo_key(x[0], self.ops[x])][0] == x
 
-    while ready or dirty:
-        while ready:
-            r = ready.popleft()
-            queued.discard(r)
-            advance(r)
-        while dirty:
-            key = dirty.popleft()
-            dirty_set.discard(key)
-            q = chan[key]
-            while q["send"] and q["recv"] and heads(q["send"][0]) and heads(q["recv"][0]):
-                s, v = q["send"].popleft(), q["recv"].popleft()
-                es, ev = ops[s], ops[v]
-                if (es[4], es[5]) != (ev[4], ev[5]):
-                    return (
-                        f"rank {s[0]}'s send of {es[4]} x{es[5]} to rank {v[0]} ({es[8]}, {es[6]} {es[7]}) meets "
-                        f"a receive of {ev[4]} x{ev[5]} ({ev[8]})"
-                    )
-                for x in (s, v):
-                    done.add(x)
-                    if x[0] not in queued:
-                        queued.add(x[0])
-                        ready.append(x[0])
-                    if d.fifo is not None:
-                        f = fifo[fifo_key(x[0], ops[x])]
-                        f.popleft()
-                        if f:
-                            touch(chan_key(f[0]))
-    stuck = [r for r in traces if pos[r] < len(traces[r]) or r in waiting]
-    if stuck:
+    def match(self, key: tuple) -> str | None:
+        """Channel `key`'s first send and first receive complete together while both may; each completion queues
+        its rank and touches the channel of its FIFO's new head. A send meeting a receive of another size or dtype:
+        the problem, said."""
+        q, ops = self.chan[key], self.ops
+        while q["send"] and q["recv"] and self.heads(q["send"][0]) and self.heads(q["recv"][0]):
+            s, v = q["send"].popleft(), q["recv"].popleft()
+            es, ev = ops[s], ops[v]
+            if (es[4], es[5]) != (ev[4], ev[5]):
+                return (
+                    f"rank {s[0]}'s send of {es[4]} x{es[5]} to rank {v[0]} ({es[8]}, {es[6]} {es[7]}) meets "
+                    f"a receive of {ev[4]} x{ev[5]} ({ev[8]})"
+                )
+            for x in (s, v):
+                self.done.add(x)
+                if x[0] not in self.queued:
+                    self.queued.add(x[0])
+                    self.ready.append(x[0])
+                if self.d.fifo is not None:
+                    f = self.fifo[self.fifo_key(x[0], ops[x])]
+                    f.popleft()
+                    if f:
+                        self.touch(self.chan_key(f[0]))
+        return None
+
+    def stuck(self) -> str | None:
+        """The deadlock, if ranks are left short of their trace's end: which, and on what op the first four wait."""
+        traces, pos, waiting = self.traces, self.pos, self.waiting
+        ranks = sorted(r for r in traces if pos[r] < len(traces[r]) or r in waiting)
+        if not ranks:
+            return None
 
         def on(r: int) -> str:
-            e = ops[waiting[r]] if r in waiting else ops.get((r, traces[r][pos[r]][1]))
+            e = self.ops[waiting[r]] if r in waiting else self.ops.get((r, traces[r][pos[r]][1]))
             if e is None:
                 return "?"
             return f"{e[0]} {'to' if e[0] == 'send' else 'from'} rank {e[2]} ({e[8]}, {e[6]} {e[7]})"
 
-        ranks = sorted(stuck)
         shown = "; ".join(f"rank {r} waits on its {on(r)}" for r in ranks[:4])
         return f"deadlock: ranks {span(ranks)} cannot go on: {shown}" + (" ..." if len(ranks) > 4 else "")
-    left = [x for x in ops if x not in done]
-    if left:
+
+    def unmatched(self) -> str | None:
+        """Ops posted and never completed, though every rank reached its trace's end: how many, and the first."""
+        left = [x for x in self.ops if x not in self.done]
+        if not left:
+            return None
         r, n = min(left)
-        e = ops[(r, n)]
+        e = self.ops[(r, n)]
         return (
             f"{len(left)} p2p op(s) never matched, first rank {r}'s {e[0]} {'to' if e[0] == 'send' else 'from'} "
             f"rank {e[2]} ({e[8]}, {e[6]} {e[7]})"
         )
-    return None
 
 
 def p2p_components(traces: dict[int, list[tuple]]) -> list[list[list[int]]]:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from unittest import mock
 
 import bench.__main__ as cli
-from bench import report, runner
+from bench import plots, report, runner
 from bench.matrix import Layout, Setup, comm_theory, fit_heads, matrix, param_count
 from bench.report import MiB
 from bench.runner import JobResult
@@ -469,7 +469,7 @@ class TestPipelineReport(unittest.TestCase):
 
     def test_plots_with_pp_rows(self):
         with tempfile.TemporaryDirectory() as d:
-            self.assertEqual(report.write_plots(self.rows, make_setup(), d), ["throughput", "memory", "comm_vs_world"])
+            self.assertEqual(plots.write_plots(self.rows, make_setup(), d), ["throughput", "memory", "comm_vs_world"])
 
 
 class TestBadInput(unittest.TestCase):
@@ -650,9 +650,9 @@ class TestPlots(unittest.TestCase):
             mock.patch.dict(sys.modules, {"matplotlib": None}),
             contextlib.redirect_stdout(out),
         ):
-            plots = report.write_plots(TestMarkdown.rows, make_setup(), d)
+            written = plots.write_plots(TestMarkdown.rows, make_setup(), d)
             self.assertEqual(os.listdir(d), [])
-        self.assertEqual(plots, [])
+        self.assertEqual(written, [])
         self.assertEqual(len(out.getvalue().splitlines()), 1)
         self.assertIn("plots skipped", out.getvalue())
         self.assertIn("matplotlib", out.getvalue())
@@ -660,7 +660,7 @@ class TestPlots(unittest.TestCase):
     def test_three_plots(self):
         rows = TestMarkdown.rows
         with tempfile.TemporaryDirectory() as d:
-            self.assertEqual(report.write_plots(rows, make_setup(), d), ["throughput", "memory", "comm_vs_world"])
+            self.assertEqual(plots.write_plots(rows, make_setup(), d), ["throughput", "memory", "comm_vs_world"])
             self.assertEqual(sorted(os.listdir(d)), ["comm_vs_world.png", "memory.png", "throughput.png"])
 
 
@@ -870,10 +870,10 @@ class TestMoERows(unittest.TestCase):
         self.assertIn("moe-ep on 2 ranks runs 2.00× moe, 1.50× dense-active", report.render_section(rows))
         with tempfile.TemporaryDirectory() as d:
             self.assertEqual(
-                report.write_plots(rows, make_setup(), d), ["throughput", "memory", "comm_vs_world", "moe_load"]
+                plots.write_plots(rows, make_setup(), d), ["throughput", "memory", "comm_vs_world", "moe_load"]
             )
             self.assertTrue(os.path.getsize(os.path.join(d, "moe_load.png")) > 0)
-        labels, steps, grid = report.load_matrix(rows[2]["moe"]["per_step"], ep=2)
+        labels, steps, grid = plots.load_matrix(rows[2]["moe"]["per_step"], ep=2)
         self.assertEqual((len(labels), steps), (16, [1, 2, 3, 4, 5]))
         self.assertEqual((labels[3], labels[4]), ("layer 0, expert 3, rank 0", "layer 0, expert 4, rank 1"))
         self.assertEqual(grid[0], [(16 + i) / 16 for i in range(1, 6)])  # tokens / (128 / 8)
@@ -881,7 +881,7 @@ class TestMoERows(unittest.TestCase):
 
     def test_no_moe_rows_no_heatmap(self):
         with tempfile.TemporaryDirectory() as d:
-            self.assertNotIn("moe_load", report.write_plots(TestMarkdown.rows, make_setup(), d))
+            self.assertNotIn("moe_load", plots.write_plots(TestMarkdown.rows, make_setup(), d))
             self.assertNotIn("moe_load.png", os.listdir(d))
         self.assertNotIn("Mixture of experts", report.render_markdown(TestMarkdown.rows, {}))
 

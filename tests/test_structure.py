@@ -252,21 +252,8 @@ def _lines(path: str) -> int:
 MODULE_LINES, FUNCTION_LINES = 600, 80  # on `ruff format`'s output (CI checks it): prose can't be reflowed to fit
 # Over the limit today, each to be split by concept; a number here may only fall, and the test fails once a module
 # fits, so the entry goes with the split that made it fit.
-OVER = {
-    "bench/plan_rank.py": 644,
-    "bench/report.py": 676,
-    "sim/verify.py": 668,
-}
-LONG = {  # functions over FUNCTION_LINES today, by "path:name": lines
-    "bench/__main__.py:main": 110,
-    "bench/pipeline.py:worker": 82,
-    "bench/plan_rank.py:main": 131,
-    "bench/report.py:moe_markdown": 102,
-    "bench/report.py:write_plots": 107,
-    "plan/peak.py:reduce_transient": 132,
-    "plan/timeline.py:simulate_schedule": 223,
-    "sim/replay.py:replay_p2p": 105,
-}
+OVER: dict[str, int] = {}  # modules over MODULE_LINES today, by path: lines
+LONG: dict[str, int] = {}  # functions over FUNCTION_LINES today, by "path:name": lines
 
 
 def ours() -> list[str]:
