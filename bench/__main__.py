@@ -154,12 +154,12 @@ def make_setup(
 
 
 def ensure_dataset(requested: str, out: str, vocab_size: int) -> str:
-    """`requested` if given, else Shakespeare when prepared, else uniform random tokens written to
-    <out>/data (throughput does not depend on what the tokens are)."""
+    """`requested` if given, else Shakespeare when prepared and the vocabulary holds GPT-2's token ids, else uniform
+    random tokens below `vocab_size` written to <out>/data (throughput does not depend on what the tokens are)."""
     if requested:
         return requested
     shakespeare = os.path.join(runner.ROOT, "data", "shakespeare")
-    if all(os.path.exists(os.path.join(shakespeare, f"{s}.bin")) for s in ("train", "val")):
+    if vocab_size >= 50257 and all(os.path.exists(os.path.join(shakespeare, f"{s}.bin")) for s in ("train", "val")):
         return "shakespeare"
     import numpy as np
 
