@@ -243,10 +243,19 @@ import signal, sys
 sys.path.insert(0, {root!r})
 signal.signal(signal.SIGTERM, lambda s, f: None)  # a handler that returns, as a launcher's left behind
 import data.fineweb.prepare as P
-from tests.test_fineweb import ByteEncoding, documents
-docs = documents(20_000)
-dataset = type("Docs", (), {{"__len__": lambda _: len(docs), "__getitem__": lambda _, i: {{"text": docs[i]}}}})()
-batches = P.token_batches(dataset, ByteEncoding(), 0, 1, 2)
+
+class Bytes:
+    eot_token = 256
+    def encode_ordinary(self, text):
+        return list(text.encode())
+
+class Docs:
+    def __len__(self):
+        return 20_000
+    def __getitem__(self, i):
+        return {{"text": ["many words"] * len(range(20_000)[i])}}
+
+batches = P.token_batches(Docs(), Bytes(), 0, 1, 2)
 next(batches)
 batches.close()
 print("closed")
@@ -257,7 +266,7 @@ class TestPool(unittest.TestCase):
     def test_closed_early_it_ends_though_its_process_swallows_sigterm(self):
         """write_shards stops reading token_batches when its shards are full: the pool's exit then SIGTERMs its
         workers, tasks still queued. They are forked, so they inherit their process's SIGTERM handler (a
-        launcher's, left by an earlier test) and never exit: the join hung (seen: killed here after 60 s). The
+        launcher's, left by an earlier test) and never exit: the join hung (seen: killed here after 300 s). The
         workers start with SIGTERM and SIGINT at their defaults."""
         proc = subprocess.Popen(
             [sys.executable, "-c", CLOSED_EARLY.format(root=ROOT)],
@@ -267,9 +276,9 @@ class TestPool(unittest.TestCase):
             start_new_session=True,
         )
         try:
-            out, err = proc.communicate(timeout=60)
+            out, err = proc.communicate(timeout=300)  # a wall-clock bound only a hang reaches
         except subprocess.TimeoutExpired:
-            out, err = b"", b"still running after 60 s: the pool's join waits on a worker that outlived SIGTERM"
+            out, err = b"", b"still running after 300 s: the pool's join waits on a worker that outlived SIGTERM"
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # the workers too, had it hung
