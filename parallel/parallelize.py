@@ -287,10 +287,11 @@ class Parallelized:
 def apply_fp8(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> GPT:
     """Our FP8 linear (parallel/fp8/linear.py) in the Blocks' dense linears, before any other step: the parameters
     stay the same objects (fp32 master weights, on meta where deferred), so every wrapper after it sees nn.Linears'
-    weights; each GEMM casts whole operands (what each layout holds whole: docs/fp8.md)."""
+    weights; each scale is the whole operand's (where the layout cuts one, its amax is all-reduced: layouts.py)."""
+    from parallel.fp8.layouts import layout_reduces
     from parallel.fp8.linear import convert_to_fp8
 
-    return convert_to_fp8(model, cfg.fp8)
+    return convert_to_fp8(model, cfg.fp8, layout_reduces(mesh))
 
 
 def apply_pp(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> PipelineStage:

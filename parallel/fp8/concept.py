@@ -4,8 +4,9 @@ layout (`ParallelConfig.fp8`) and the sweep's `--fp8` option. docs/fp8.md. The F
 What each layout syncs, and so what this phase runs: one process, DDP, ZeRO-1/2 and pipelines hold every scaled
 operand whole (a micro-batch's activations and gradients on the rank that computes them, a Block's whole weight:
 ZeRO-1/2 keep full parameters, a pipeline stage whole Blocks), so their amaxes are one process's; FSDP (ZeRO-3)
-casts the all-gathered weight, whole again. TP and CP cut an operand a scale spans: refused until their amax
-all-reduces (`scaling.max_over` as `Fp8Linear.reduce`) are wired.
+casts the all-gathered weight, whole again. CP cuts the tokens: their amax is all-reduced over the cp group
+(parallel/fp8/layouts.py). TP cuts the weights: refused until its amax all-reduce is wired (and torchao's twin
+under CP, whose amaxes are the rank's own).
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ def check_layout(c: Checking) -> None:
     args, dims = c.args, c.dims
     if args.fp8 == "none":
         return
-    sizes = (("tensor_parallel_size", dims.tp), ("context_parallel_size", dims.cp))
-    cut = [f"--{flag} {n}" for flag, n in sizes if n > 1]
-    if cut:
-        twin = " (torchao's twin needs its Float8 TP styles there too)" if args.implementation == "pytorch" else ""
+    if dims.tp > 1:
+        twin = " (torchao's twin would need its Float8 TP styles)" if args.implementation == "pytorch" else ""
         raise UsageError(
-            f"--fp8 with {' and '.join(cut)}: a scale there spans a tensor the layout cuts, and its amax "
-            f"all-reduce is not built yet (docs/fp8.md){twin}; use DDP, ZeRO, FSDP or a pipeline"
+            f"--fp8 with --tensor_parallel_size {dims.tp}: TP cuts the weights a scale spans, and their amax "
+            f"all-reduce is not built yet (docs/fp8.md){twin}; use DDP, ZeRO, FSDP, a pipeline or CP"
+        )
+    if dims.cp > 1 and args.implementation == "pytorch":
+        raise UsageError(
+            f"--fp8 --implementation pytorch with --context_parallel_size {dims.cp}: torchao's Float8Linear "
+            "scales each rank's share of the tokens by its own amax; use --implementation custom (ours all-reduces it)"
         )
 
 
@@ -52,7 +56,7 @@ def check_model(c: Checking) -> None:
 
     with torch.device("meta"):
         dims = linear_dims(GPT(c.config))
-    refusal = check_fp8(c.args.fp8, dims, c.dtype, c.args.micro_batch_size * c.args.seq_len)
+    refusal = check_fp8(c.args.fp8, dims, c.dtype, c.args.micro_batch_size * c.args.seq_len // c.dims.cp)
     if refusal is not None:
         raise UsageError(refusal)
 
