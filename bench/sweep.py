@@ -227,7 +227,7 @@ class Layout:
 
     def reference(self) -> "Layout":
         """The one-process run it is held against: the same dtype and Blocks, and under an option whose math is a
-        function of the micro-batch (SweepOption.per_micro: a scale taken over the micro-batch) the same micro-batch size."""
+        function of the micro-batch (SweepOption.per_micro: a scale over its tokens) the same micro-batch size."""
         ref = Layout(
             dtype=self.dtype,
             blocks=self.n_layer,
