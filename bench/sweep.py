@@ -107,6 +107,7 @@ class Layout:
     ep: int = 1  # --expert_parallel_size
     moe_every: int = 1  # --moe_every: an MoE layer in every N-th Block (a stage may then hold none)
     stages: str = ""  # --pp_layers_per_stage; "": the cost model's split
+    micro: int = 0  # --micro_batch_size; 0: the rank's rows over `micro_batches` (a reference's, SweepOption.per_micro)
     extra: tuple[str, ...] = ()  # a concept's own flags for this row (Sweep.rows), named in the row's name
     options: tuple[
         tuple[str, str], ...
@@ -146,6 +147,7 @@ class Layout:
             + (f" moe={self.experts}" + (f" ep={self.ep}" if self.ep > 1 else "") if self.experts else "")
             + (f" every={self.moe_every}" if self.moe_every > 1 else "")
             + (f" split={self.stages}" if self.stages else "")
+            + (f" mb={self.micro}" if self.micro else "")
             + "".join(f" {name}" for name in _extra_names(self.extra))
             + "".join(f" {value}" for _, value in self.options)
         )
@@ -161,10 +163,15 @@ class Layout:
         fits = [m for m in range(self.pp, rows + 1, self.pp) if rows % m == 0]
         return min([m for m in fits if m >= 2 * self.pp] or fits[-1:] or [rows])
 
+    @property
+    def micro_rows(self) -> int:
+        """--micro_batch_size: `micro`, or the rank's rows over `micro_batches`."""
+        return self.micro or max(1, self.n_rows // self.dp // self.micro_batches)
+
     def flags(self) -> list[str]:
         """train.py's flags for this layout (after BASE). The validation set is the same n_rows rows for the layout
         and its reference: --eval_iters x --micro_batch_size = n_rows."""
-        mb = max(1, self.n_rows // self.dp // self.micro_batches)
+        mb = self.micro_rows
         f = [
             "--n_layer",
             str(self.n_layer),
@@ -219,8 +226,9 @@ class Layout:
         return replace(self, blocks=self.n_layer) == self.reference()
 
     def reference(self) -> "Layout":
-        """The one-process run it is held against: the same dtype and Blocks."""
-        return Layout(
+        """The one-process run it is held against: the same dtype and Blocks, and under an option whose math is a
+        function of the micro-batch (SweepOption.per_micro: a scale over its tokens) the same micro-batch size."""
+        ref = Layout(
             dtype=self.dtype,
             blocks=self.n_layer,
             rows=self.rows,
@@ -228,6 +236,10 @@ class Layout:
             moe_every=self.moe_every,
             options=self.options,
         )
+        per_micro = {o.flag for o in sweep_options() if o.per_micro}
+        if any(flag in per_micro for flag, _ in self.options) and self.micro_rows != ref.micro_rows:
+            ref = replace(ref, micro=self.micro_rows)
+        return ref
 
 
 def _extra_names(extra: tuple[str, ...]) -> list[str]:

@@ -1,6 +1,7 @@
 """The one composition point: `parallelize` wraps a GPT for a layout, always in this order,
 
-    0. pipeline stage over mesh["pp"]               (keeps this pp rank's chunks; the rest is dropped)
+    0. FP8 linears in the Blocks (--fp8)            (the same parameters; each GEMM casts whole operands)
+       then the pipeline stage over mesh["pp"]      (keeps this pp rank's chunks; the rest is dropped)
        then context parallelism over mesh["cp"]     (ring attention or Ulysses, or torch's context_parallel around
                                                      each micro-step for "pytorch"; parameters replicated over cp)
        then expert parallelism over mesh["ep"]      (each MoE layer keeps its experts; tokens go by all_to_all)
@@ -79,6 +80,7 @@ class ParallelConfig:
     ac_every: int = 2
     compile: bool = False  # torch.compile each Block's forward
     cp_algorithm: str = "ring"  # context parallelism: "ring" | "ulysses" (all-to-alls to head shards and back)
+    fp8: str | None = None  # the Blocks' linears in FP8: "tensorwise" | "rowwise" (parallel/fp8/) | None
 
 
 def _whole(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,6 +284,16 @@ class Parallelized:
 # that also cuts each micro-batch), a protocol adapter, a runner. `parallelize` alone puts them together.
 
 
+def apply_fp8(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> GPT:
+    """Our FP8 linear (parallel/fp8/linear.py) in the Blocks' dense linears, before any other step: the parameters
+    stay the same objects (fp32 master weights, on meta where deferred), so every wrapper after it sees nn.Linears'
+    weights; each scale is the whole operand's (where the layout cuts one, its amax is all-reduced: layouts.py)."""
+    from parallel.fp8.layouts import layout_reduces
+    from parallel.fp8.linear import convert_to_fp8
+
+    return convert_to_fp8(model, cfg.fp8, layout_reduces(mesh))
+
+
 def apply_pp(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.device) -> PipelineStage:
     """Our pipeline stage (parallel/pipeline/runner.py): this pp rank's chunks of the GPT, nothing of the others',
     running the GPT's own head, side losses and init (parallel/pipeline/parts.py)."""
@@ -372,6 +384,7 @@ def apply_runner(stage: PipelineStage, mesh: Mesh, cfg: ParallelConfig, **runner
 
 
 APPLY: dict[tuple[str, str], Callable] = {
+    ("custom", "fp8"): apply_fp8,
     ("custom", "pp"): apply_pp,
     ("custom", "cp"): apply_cp,
     ("custom", "tp"): apply_tp,
@@ -400,6 +413,8 @@ def parallelize(model: GPT, mesh: Mesh, cfg: ParallelConfig, device: torch.devic
     module docstring). `model` may be on meta when cfg.deferred_init; `mesh` has size-1 dims on one process."""
     impl = cfg.implementation
     parallelized = Parallelized(model=model, mesh=mesh, cfg=cfg, device=device, schedule=cfg.pp_schedule)
+    if cfg.fp8 is not None:  # the Blocks' linears first: every step below wraps what it made
+        parallelized.model = APPLY[impl, "fp8"](parallelized.model, mesh, cfg, device)
     if mesh["pp"].enabled:
         parallelized.model = APPLY[impl, "pp"](parallelized.model, mesh, cfg, device)
     parallelized.stage = parallelized.model

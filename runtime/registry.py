@@ -101,6 +101,7 @@ class SweepOption:
     help: str = ""
     rule: str = ""
     rtol: Callable | None = None  # (the layout's GPTConfig, the lr at each step then 0 for the val loss, ref) -> float
+    per_micro: bool = False  # its math is a function of the micro-batch: a layout's reference runs its micro-batch size
 
 
 @dataclass(frozen=True)

@@ -203,6 +203,7 @@ def test_todays_concepts_are_on_the_registry_in_their_order():
         "moe",
         "muon",
         "ft",
+        "fp8",
     ]
 
 

@@ -15,6 +15,7 @@ import parallel.data_parallel.concept  # noqa: F401
 import parallel.expert_parallel.moe_concept  # noqa: F401
 import optim.concept  # noqa: F401
 import ft.concept  # noqa: F401
+import parallel.fp8.concept  # noqa: F401
 
 # isort: on
 from runtime.registry import Concept

@@ -142,12 +142,14 @@ def fp8_linear_names(model: nn.Module) -> list[str]:
     ]
 
 
-def convert_to_fp8(model: nn.Module, recipe: str | Recipe) -> nn.Module:
+def convert_to_fp8(model: nn.Module, recipe: str | Recipe, reduce: Reduces = WHOLE) -> nn.Module:
     """Swap the Blocks' dense linears (`fp8_linear_names`) for Fp8Linear, in place; returns `model`. Parameters
-    are kept (the same objects): call it before any wrapper, on a built or a meta model."""
+    are kept (the same objects): call it before any wrapper, on a built or a meta model. `reduce`: the layout's
+    hooks (parallel/fp8/layouts.py), the same for every linear."""
     recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
     for name in fp8_linear_names(model):
         owner, _, attr = name.rpartition(".")
         parent = model.get_submodule(owner)
         setattr(parent, attr, Fp8Linear.from_linear(getattr(parent, attr), recipe))
+        getattr(parent, attr).reduce = reduce
     return model

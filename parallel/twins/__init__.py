@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from typing import Callable
 
-from parallel.twins import context_parallel, data_parallel, pipeline, tensor_parallel
+from parallel.twins import context_parallel, data_parallel, fp8, pipeline, tensor_parallel
 
 # each step of parallelize's composition that PyTorch has a wrapper for (none for expert parallelism), by what it
 # makes: the one table through which the composition reaches the twins
 STEPS: dict[str, Callable] = {
+    "fp8": fp8.apply_fp8,
     "pp": pipeline.apply_pp,
     "cp": context_parallel.apply_cp,
     "tp": tensor_parallel.apply_tp,

@@ -34,3 +34,9 @@ def convert_to_torchao_fp8(model: nn.Module, recipe: str, names: list[str] | Non
     for name in names:
         model.get_submodule(name).register_forward_pre_hook(_autocast_input)
     return model
+
+
+def apply_fp8(model: nn.Module, mesh, cfg, device: torch.device) -> nn.Module:
+    """parallelize's FP8 step under --implementation pytorch: torchao's Float8Linear on the Blocks' linears, before
+    any wrapper (ours: parallel/parallelize.apply_fp8)."""
+    return convert_to_torchao_fp8(model, cfg.fp8)
